@@ -1,0 +1,497 @@
+// CPU kernels of the expert-ID matmul (spec §7.4, §7.5): dense_matmul_id_direct_*,
+// dense_matmul_id_map_distinct and dense_matmul_id_grouped_*.
+//
+// NUMERIC CONTRACT (shared by the direct and grouped kernels, which are therefore bit-identical):
+// every output out[flat, col] is computed as follows, whatever the thread count, work split,
+// micro-kernel tile or instruction set.
+//   1. The inner dimension is padded with zeros to kp = round_up(k, 8); a padded position
+//      contributes fma(0, 0, acc) (weight and activation both +0).
+//   2. Eight lane accumulators start at +0.0f. Lane l visits inner = l, l + 8, l + 16, ... < kp in
+//      increasing order and does acc[l] = fma(widen(w[col, inner]), x[row, inner], acc[l]), one
+//      correctly rounded F32 fused multiply-add per step (hardware FMA or std::fma).
+//   3. The lanes are summed once, in the fixed tree ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)).
+// widen() is exact (f16 and bf16 values, including subnormals, infinities and NaN, are all
+// representable in F32). Only NaN payloads are not pinned: when two different NaNs meet, which
+// payload survives may depend on operand order. An id >= n_experts yields an all-zero row.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "backend/common/dense_matmul_id_params.h"
+#include "kernels.h"
+#include "routemm/error.h"
+#include "routemm/ops/dense_matmul_id.h"
+#include "simd.h"
+#include "thread_pool.h"
+
+#ifndef ROUTEMM_CPU_DENSE_MATMUL_ID_SHA256
+#define ROUTEMM_CPU_DENSE_MATMUL_ID_SHA256 "unknown"
+#endif
+
+namespace routemm::cpu {
+namespace {
+
+using kernels::DenseMatmulIdKernelParams;
+using simd::BFloat16;
+using simd::Half;
+using simd::kLanes;
+
+constexpr size_t kLaneMask = kLanes - 1;
+
+size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// ---- Arguments -----------------------------------------------------------------------------------
+
+// Overflow-checked size arithmetic; the front door validated the shapes, this only keeps a
+// corrupt launch from turning into an out-of-bounds access.
+size_t checked_mul(size_t a, size_t b) {
+  size_t r;
+  if (__builtin_mul_overflow(a, b, &r)) throw Error("dense_matmul_id cpu kernel: size overflow");
+  return r;
+}
+size_t checked_add(size_t a, size_t b) {
+  size_t r;
+  if (__builtin_add_overflow(a, b, &r)) throw Error("dense_matmul_id cpu kernel: size overflow");
+  return r;
+}
+
+// The host pointer of a bound argument holding at least `need` bytes.
+void* arg_data(const KernelLaunch& launch, size_t slot, size_t need, const char* what) {
+  const BoundArg& arg = launch.args[slot];
+  if (arg.kind == BoundArg::Kind::Empty || arg.data == nullptr) {
+    throw Error(std::string(launch.label) + ": argument slot " + std::to_string(slot) + " (" +
+                what + ") is not bound");
+  }
+  if (arg.size < need) {
+    throw Error(std::string(launch.label) + ": argument slot " + std::to_string(slot) + " (" +
+                what + ") holds " + std::to_string(arg.size) + " bytes, needs " +
+                std::to_string(need));
+  }
+  return arg.data;
+}
+
+DenseMatmulIdKernelParams read_params(const KernelLaunch& launch) {
+  DenseMatmulIdKernelParams params;
+  std::memcpy(&params, arg_data(launch, 0, sizeof(params), "params"), sizeof(params));
+  if (params.m == 0 || params.n == 0 || params.k == 0 || params.top_k == 0 ||
+      params.n_experts == 0) {
+    throw Error(std::string(launch.label) + ": params have a zero extent");
+  }
+  return params;
+}
+
+size_t total_rows(const DenseMatmulIdKernelParams& p) { return size_t{p.m} * p.top_k; }
+
+// Bytes from the weight view's start to the end of the last expert matrix.
+size_t weight_bytes(const DenseMatmulIdKernelParams& p, size_t elem_size) {
+  const size_t matrix = checked_mul(checked_mul(p.n, p.k), elem_size);
+  return checked_add(checked_mul(p.n_experts - 1, p.expert_stride_bytes), matrix);
+}
+
+// Bytes from the input view's start to the end of the last row read.
+size_t input_bytes(const DenseMatmulIdKernelParams& p) {
+  const size_t last = checked_add(checked_mul(p.m - 1, p.input_token_stride_bytes),
+                                  checked_mul(p.top_k - 1, p.input_slot_stride_bytes));
+  return checked_add(last, checked_mul(p.k, sizeof(float)));
+}
+
+// Pointers every compute kernel shares. Rows are addressed by flat = token * top_k + slot.
+struct Operands {
+  const unsigned char* weights;
+  const unsigned char* input;
+  float* output;
+  size_t n, k, top_k;
+  size_t expert_stride, token_stride, slot_stride;
+
+  const float* input_row(size_t flat) const {
+    const size_t token = flat / top_k, slot = flat - token * top_k;
+    return reinterpret_cast<const float*>(input + token * token_stride + slot * slot_stride);
+  }
+  template <typename WT>
+  const WT* expert(uint32_t id) const {
+    return reinterpret_cast<const WT*>(weights + size_t{id} * expert_stride);
+  }
+  float* output_row(size_t flat) const { return output + flat * n; }
+};
+
+Operands make_operands(const DenseMatmulIdKernelParams& p, const void* weights, const void* input,
+                       void* output) {
+  return Operands{static_cast<const unsigned char*>(weights),
+                  static_cast<const unsigned char*>(input),
+                  static_cast<float*>(output),
+                  p.n,
+                  p.k,
+                  p.top_k,
+                  p.expert_stride_bytes,
+                  p.input_token_stride_bytes,
+                  p.input_slot_stride_bytes};
+}
+
+// ---- Direct --------------------------------------------------------------------------------------
+
+// Output columns per direct work item: enough to amortise the item, small enough to spread a
+// decode step (a handful of rows) over every thread.
+constexpr size_t kDirectChunk = 64;
+
+// C adjacent output columns of one row over the full inner dimension, weights widened on the fly.
+// w points at column 0 (row-major [n, k], so column c starts at w + c * k).
+template <size_t C, typename WT>
+ROUTEMM_CPU_INLINE void direct_columns(const float* x, const WT* w, size_t k, float* out) {
+  float acc[C][kLanes] = {};
+  const size_t k_full = k & ~kLaneMask;
+  for (size_t i = 0; i < k_full; i += kLanes) {
+    for (size_t c = 0; c < C; ++c) {
+      const WT* wc = w + c * k + i;
+      for (size_t l = 0; l < kLanes; ++l) {
+        acc[c][l] = std::fma(simd::widen(wc[l]), x[i + l], acc[c][l]);
+      }
+    }
+  }
+  if (k_full < k) {  // zero-padded tail block (contract step 1)
+    const size_t rest = k - k_full;
+    float xt[kLanes] = {};
+    for (size_t l = 0; l < rest; ++l) xt[l] = x[k_full + l];
+    for (size_t c = 0; c < C; ++c) {
+      float wt[kLanes] = {};
+      for (size_t l = 0; l < rest; ++l) wt[l] = simd::widen(w[c * k + k_full + l]);
+      for (size_t l = 0; l < kLanes; ++l) acc[c][l] = std::fma(wt[l], xt[l], acc[c][l]);
+    }
+  }
+  for (size_t c = 0; c < C; ++c) out[c] = simd::reduce_lanes(acc[c]);
+}
+
+struct DirectJob {
+  Operands ops;
+  const uint32_t* ids;
+  uint32_t n_experts;
+  size_t chunks_per_row;
+};
+
+// Work items [begin, end) of the direct kernel; item = row * chunks_per_row + column chunk.
+template <typename WT>
+ROUTEMM_CPU_INLINE void direct_items(const DirectJob& job, size_t begin, size_t end) {
+  const Operands& ops = job.ops;
+  for (size_t item = begin; item < end; ++item) {
+    const size_t flat = item / job.chunks_per_row;
+    const size_t col0 = (item - flat * job.chunks_per_row) * kDirectChunk;
+    const size_t col1 = std::min(ops.n, col0 + kDirectChunk);
+    float* out = ops.output_row(flat);
+    const uint32_t id = job.ids[flat];
+    if (id >= job.n_experts) {  // invalid id: zero row, no weight address formed
+      std::fill(out + col0, out + col1, 0.0f);
+      continue;
+    }
+    const float* x = ops.input_row(flat);
+    const WT* w = ops.expert<WT>(id);
+    size_t col = col0;
+    for (; col + 8 <= col1; col += 8) direct_columns<8>(x, w + col * ops.k, ops.k, out + col);
+    for (; col < col1; ++col) direct_columns<1>(x, w + col * ops.k, ops.k, out + col);
+  }
+}
+
+ROUTEMM_CPU_CLONES void direct_items_f32(const DirectJob& job, size_t begin, size_t end) {
+  direct_items<float>(job, begin, end);
+}
+ROUTEMM_CPU_CLONES void direct_items_f16(const DirectJob& job, size_t begin, size_t end) {
+  direct_items<Half>(job, begin, end);
+}
+ROUTEMM_CPU_CLONES void direct_items_bf16(const DirectJob& job, size_t begin, size_t end) {
+  direct_items<BFloat16>(job, begin, end);
+}
+
+template <typename WT>
+void direct_kernel(const KernelLaunch& launch, void* queue_native) {
+  const DenseMatmulIdKernelParams p = read_params(launch);
+  const size_t rows = total_rows(p);
+  const void* weights = arg_data(launch, 1, weight_bytes(p, sizeof(WT)), "weights");
+  const void* input = arg_data(launch, 2, input_bytes(p), "input");
+  const auto* ids =
+      static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(rows, 4), "expert ids"));
+  void* output = arg_data(launch, 4, checked_mul(checked_mul(rows, p.n), 4), "output");
+
+  DirectJob job{make_operands(p, weights, input, output), ids, p.n_experts,
+                (size_t{p.n} + kDirectChunk - 1) / kDirectChunk};
+  void (*run)(const DirectJob&, size_t, size_t) = nullptr;
+  if constexpr (std::is_same_v<WT, float>) run = direct_items_f32;
+  if constexpr (std::is_same_v<WT, Half>) run = direct_items_f16;
+  if constexpr (std::is_same_v<WT, BFloat16>) run = direct_items_bf16;
+
+  auto* pool = static_cast<ThreadPool*>(queue_native);
+  const size_t items = rows * job.chunks_per_row;
+  if (pool == nullptr) {
+    run(job, 0, items);
+    return;
+  }
+  pool->parallel_for(items, 1, [&](size_t begin, size_t end) { run(job, begin, end); });
+}
+
+// ---- Map -----------------------------------------------------------------------------------------
+
+// Single pass equivalent to the spec's one-thread-per-expert scan: visiting tokens in order and
+// slots in order, a flat row is appended to its expert's list unless an earlier slot of the same
+// token already named that expert. Rows with invalid ids are zero-filled here (the grouped kernel
+// never sees them).
+void map_distinct_kernel(const KernelLaunch& launch, void* /*queue_native*/) {
+  const DenseMatmulIdKernelParams p = read_params(launch);
+  const size_t rows = total_rows(p);
+  const size_t experts = p.n_experts;
+  const auto* ids =
+      static_cast<const uint32_t*>(arg_data(launch, 1, checked_mul(rows, 4), "expert ids"));
+  auto* counts =
+      static_cast<uint32_t*>(arg_data(launch, 2, checked_mul(experts, 4), "expert counts"));
+  auto* routed = static_cast<uint32_t*>(
+      arg_data(launch, 3, checked_mul(checked_mul(experts, p.m), 4), "routed rows"));
+  auto* output = static_cast<float*>(
+      arg_data(launch, 4, checked_mul(checked_mul(rows, p.n), 4), "output"));
+
+  std::fill(counts, counts + experts, 0u);
+  for (size_t token = 0; token < p.m; ++token) {
+    const uint32_t* token_ids = ids + token * p.top_k;
+    for (size_t slot = 0; slot < p.top_k; ++slot) {
+      const size_t flat = token * p.top_k + slot;
+      const uint32_t id = token_ids[slot];
+      if (id >= experts) {
+        std::fill(output + flat * p.n, output + (flat + 1) * p.n, 0.0f);
+        continue;
+      }
+      bool seen = false;
+      for (size_t earlier = 0; earlier < slot && !seen; ++earlier) seen = token_ids[earlier] == id;
+      if (seen) continue;
+      routed[size_t{id} * p.m + counts[id]] = static_cast<uint32_t>(flat);
+      ++counts[id];
+    }
+  }
+}
+
+// ---- Grouped -------------------------------------------------------------------------------------
+
+// Micro-kernel tile: kTileRows routed rows x kTileCols columns, each output with its own 8-lane
+// accumulator (12 vector registers under AVX2).
+constexpr size_t kTileRows = 4;
+constexpr size_t kTileCols = 3;
+// Work item extents: routed rows x columns of one expert. Columns are a multiple of kTileCols.
+constexpr size_t kBlockRows = 64;
+constexpr size_t kBlockCols = 48;
+// Inner positions per pass, so that a tile's weight slices stay in L1 while the rows go by.
+constexpr size_t kInnerBlock = 256;
+static_assert(kBlockCols % kTileCols == 0 && kInnerBlock % kLanes == 0);
+
+// acc[r][c][lane] (row stride acc_stride floats) += the inner range [i0, i1) of the packed
+// rows x (stride ld) against the packed weight columns w (stride ld).
+template <size_t R, size_t C>
+ROUTEMM_CPU_INLINE void grouped_tile(const float* x, const float* w, size_t ld, size_t i0,
+                                     size_t i1, float* acc, size_t acc_stride) {
+  float a[R][C][kLanes];
+  for (size_t r = 0; r < R; ++r)
+    for (size_t c = 0; c < C; ++c)
+      for (size_t l = 0; l < kLanes; ++l) a[r][c][l] = acc[r * acc_stride + c * kLanes + l];
+  for (size_t i = i0; i < i1; i += kLanes) {
+    for (size_t r = 0; r < R; ++r) {
+      const float* xr = x + r * ld + i;
+      for (size_t c = 0; c < C; ++c) {
+        const float* wc = w + c * ld + i;
+        for (size_t l = 0; l < kLanes; ++l) a[r][c][l] = std::fma(wc[l], xr[l], a[r][c][l]);
+      }
+    }
+  }
+  for (size_t r = 0; r < R; ++r)
+    for (size_t c = 0; c < C; ++c)
+      for (size_t l = 0; l < kLanes; ++l) acc[r * acc_stride + c * kLanes + l] = a[r][c][l];
+}
+
+struct GroupedItem {
+  uint32_t expert;
+  uint32_t row0, rows;  // routed indices [row0, row0 + rows) of the expert's list
+  uint32_t col0;
+};
+
+struct GroupedJob {
+  Operands ops;
+  const uint32_t* routed;  // expert e's rows at routed + e * m
+  size_t m;
+};
+
+// Per-thread packing buffers, reused across items and launches.
+struct GroupedScratch {
+  std::vector<float> x, w, acc;
+};
+GroupedScratch& grouped_scratch() {
+  thread_local GroupedScratch scratch;
+  return scratch;
+}
+
+template <typename WT>
+ROUTEMM_CPU_INLINE void grouped_item(const GroupedJob& job, const GroupedItem& item) {
+  const Operands& ops = job.ops;
+  const size_t k = ops.k, kp = round_up(k, kLanes);
+  const size_t rows = item.rows, rows_pad = round_up(rows, kTileRows);
+  const size_t cols = std::min(kBlockCols, ops.n - item.col0);
+  const size_t cols_pad = round_up(cols, kTileCols);
+  const uint32_t* flats = job.routed + size_t{item.expert} * job.m + item.row0;
+
+  GroupedScratch& s = grouped_scratch();
+  s.x.resize(std::max(s.x.size(), rows_pad * kp));
+  s.w.resize(std::max(s.w.size(), cols_pad * kp));
+  s.acc.resize(std::max(s.acc.size(), rows_pad * cols_pad * kLanes));
+  float* x = s.x.data();
+  float* w = s.w.data();
+  float* acc = s.acc.data();
+
+  // Gather the routed activation rows, zero-padded to kp and to a whole row tile.
+  for (size_t r = 0; r < rows; ++r) {
+    std::memcpy(x + r * kp, ops.input_row(flats[r]), k * sizeof(float));
+    std::fill(x + r * kp + k, x + (r + 1) * kp, 0.0f);
+  }
+  std::fill(x + rows * kp, x + rows_pad * kp, 0.0f);
+  // Widen this column block of the expert once; every routed row reuses it.
+  const WT* expert = ops.expert<WT>(item.expert) + size_t{item.col0} * k;
+  for (size_t c = 0; c < cols; ++c) {
+    const WT* src = expert + c * k;
+    float* dst = w + c * kp;
+    for (size_t i = 0; i < k; ++i) dst[i] = simd::widen(src[i]);
+    std::fill(dst + k, dst + kp, 0.0f);
+  }
+  std::fill(w + cols * kp, w + cols_pad * kp, 0.0f);
+  std::fill(acc, acc + rows_pad * cols_pad * kLanes, 0.0f);
+
+  const size_t acc_stride = cols_pad * kLanes;
+  for (size_t i0 = 0; i0 < kp; i0 += kInnerBlock) {
+    const size_t i1 = std::min(kp, i0 + kInnerBlock);
+    for (size_t c = 0; c < cols_pad; c += kTileCols) {
+      for (size_t r = 0; r < rows_pad; r += kTileRows) {
+        grouped_tile<kTileRows, kTileCols>(x + r * kp, w + c * kp, kp, i0, i1,
+                                           acc + r * acc_stride + c * kLanes, acc_stride);
+      }
+    }
+  }
+  for (size_t r = 0; r < rows; ++r) {
+    float* out = ops.output_row(flats[r]) + item.col0;
+    for (size_t c = 0; c < cols; ++c) out[c] = simd::reduce_lanes(acc + r * acc_stride + c * kLanes);
+  }
+}
+
+ROUTEMM_CPU_CLONES void grouped_item_f32(const GroupedJob& job, const GroupedItem& item) {
+  grouped_item<float>(job, item);
+}
+ROUTEMM_CPU_CLONES void grouped_item_f16(const GroupedJob& job, const GroupedItem& item) {
+  grouped_item<Half>(job, item);
+}
+ROUTEMM_CPU_CLONES void grouped_item_bf16(const GroupedJob& job, const GroupedItem& item) {
+  grouped_item<BFloat16>(job, item);
+}
+
+template <typename WT>
+void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
+  const DenseMatmulIdKernelParams p = read_params(launch);
+  const size_t rows = total_rows(p);
+  const size_t experts = p.n_experts;
+  const void* weights = arg_data(launch, 1, weight_bytes(p, sizeof(WT)), "weights");
+  const void* input = arg_data(launch, 2, input_bytes(p), "input");
+  const auto* counts =
+      static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(experts, 4), "expert counts"));
+  const auto* routed = static_cast<const uint32_t*>(
+      arg_data(launch, 4, checked_mul(checked_mul(experts, p.m), 4), "routed rows"));
+  void* output = arg_data(launch, 5, checked_mul(checked_mul(rows, p.n), 4), "output");
+
+  // The scratch comes from the map kernel; check it anyway, since a stale or foreign buffer
+  // would otherwise index out of bounds.
+  std::vector<GroupedItem> items;
+  for (size_t e = 0; e < experts; ++e) {
+    const size_t count = counts[e];
+    if (count > p.m) throw Error(std::string(launch.label) + ": expert count exceeds m");
+    for (size_t i = 0; i < count; ++i) {
+      if (routed[e * p.m + i] >= rows) {
+        throw Error(std::string(launch.label) + ": routed row out of range");
+      }
+    }
+    for (size_t row0 = 0; row0 < count; row0 += kBlockRows) {
+      const auto block_rows = static_cast<uint32_t>(std::min(kBlockRows, count - row0));
+      for (size_t col0 = 0; col0 < p.n; col0 += kBlockCols) {
+        items.push_back({static_cast<uint32_t>(e), static_cast<uint32_t>(row0), block_rows,
+                         static_cast<uint32_t>(col0)});
+      }
+    }
+  }
+  if (items.empty()) return;
+  // Largest items first, handed out one at a time: balances uneven expert counts.
+  std::stable_sort(items.begin(), items.end(),
+                   [](const GroupedItem& a, const GroupedItem& b) { return a.rows > b.rows; });
+
+  const GroupedJob job{make_operands(p, weights, input, output), routed, p.m};
+  void (*run)(const GroupedJob&, const GroupedItem&) = nullptr;
+  if constexpr (std::is_same_v<WT, float>) run = grouped_item_f32;
+  if constexpr (std::is_same_v<WT, Half>) run = grouped_item_f16;
+  if constexpr (std::is_same_v<WT, BFloat16>) run = grouped_item_bf16;
+
+  auto* pool = static_cast<ThreadPool*>(queue_native);
+  if (pool == nullptr || pool->size() == 1) {
+    for (const GroupedItem& item : items) run(job, item);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  pool->parallel_for(pool->size(), 1, [&](size_t, size_t) {
+    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      run(job, items[i]);
+    }
+  });
+}
+
+// ---- Registration --------------------------------------------------------------------------------
+
+KernelDef make_def(std::string_view name, KernelFn fn) {
+  KernelDef def;
+  def.name = std::string(name);
+  def.fn = fn;
+  def.max_threads_per_threadgroup = 1024;
+  def.origin = "builtin_cpu";
+  def.content_sha256 = ROUTEMM_CPU_DENSE_MATMUL_ID_SHA256;
+  return def;
+}
+
+// Geometry of spec §7.4 (the front door sizes grids from it; the CPU kernels ignore the grid).
+KernelDef direct_def(std::string_view name, KernelFn fn) {
+  KernelDef def = make_def(name, fn);
+  def.threads_per_group = 64;
+  def.tile_x = 8;  // output columns per group
+  def.tile_y = 1;
+  def.threadgroup_memory_bytes = 0;
+  return def;
+}
+
+KernelDef grouped_def(std::string_view name, KernelFn fn) {
+  KernelDef def = make_def(name, fn);
+  def.threads_per_group = 256;
+  def.tile_x = 8;  // routed rows per group
+  def.tile_y = 8;  // columns per group
+  def.threadgroup_memory_bytes = 4096;
+  return def;
+}
+
+}  // namespace
+
+void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
+  // The order of kDenseMatmulIdPipelineNames is relied on below.
+  constexpr auto names = kDenseMatmulIdPipelineNames;
+  static_assert(names.size() == 7 && names[0] == "dense_matmul_id_direct_f32_f32" &&
+                names[1] == "dense_matmul_id_direct_f16_f32" &&
+                names[2] == "dense_matmul_id_direct_bf16_f32" &&
+                names[3] == "dense_matmul_id_map_distinct" &&
+                names[4] == "dense_matmul_id_grouped_f32_f32" &&
+                names[5] == "dense_matmul_id_grouped_f16_f32" &&
+                names[6] == "dense_matmul_id_grouped_bf16_f32");
+  out.push_back(direct_def(names[0], direct_kernel<float>));
+  out.push_back(direct_def(names[1], direct_kernel<Half>));
+  out.push_back(direct_def(names[2], direct_kernel<BFloat16>));
+  KernelDef map = make_def(names[3], map_distinct_kernel);
+  map.threads_per_group = 0;  // the front door launches n_experts threads
+  out.push_back(map);
+  out.push_back(grouped_def(names[4], grouped_kernel<float>));
+  out.push_back(grouped_def(names[5], grouped_kernel<Half>));
+  out.push_back(grouped_def(names[6], grouped_kernel<BFloat16>));
+}
+
+}  // namespace routemm::cpu

@@ -1,0 +1,57 @@
+// Environment knobs: read once, validated, recorded when not default.
+#include "routemm/env.h"
+
+#include <cstdlib>
+#include <mutex>
+
+#include "routemm/error.h"
+
+namespace routemm::env {
+namespace {
+
+constexpr Knob kKnobs[] = {
+    {"ROUTEMM_BACKEND", "str", "", "backend Device() opens when none is named: cpu, cuda or metal"},
+    {"ROUTEMM_CPU_THREADS", "int", "0", "worker threads of the CPU backend; 0 uses every hardware thread"},
+};
+
+std::optional<std::string> read(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  return std::string(value);
+}
+
+}  // namespace
+
+std::optional<std::string> backend() {
+  static const std::optional<std::string> value = read("ROUTEMM_BACKEND");
+  return value;
+}
+
+int64_t cpu_threads() {
+  static const int64_t value = [] {
+    const auto text = read("ROUTEMM_CPU_THREADS");
+    if (!text) return int64_t{0};
+    char* end = nullptr;
+    const long long parsed = std::strtoll(text->c_str(), &end, 10);
+    if (end == text->c_str() || *end != '\0' || parsed < 0 || parsed > 4096) {
+      throw InvalidArgument("ROUTEMM_CPU_THREADS must be an integer in [0, 4096], got '" + *text +
+                            "'");
+    }
+    return static_cast<int64_t>(parsed);
+  }();
+  return value;
+}
+
+const Knob* knobs(size_t* count) {
+  *count = sizeof(kKnobs) / sizeof(kKnobs[0]);
+  return kKnobs;
+}
+
+std::map<std::string, std::string> non_default() {
+  std::map<std::string, std::string> out;
+  if (const auto value = backend()) out["ROUTEMM_BACKEND"] = *value;
+  if (cpu_threads() != 0) out["ROUTEMM_CPU_THREADS"] = std::to_string(cpu_threads());
+  return out;
+}
+
+}  // namespace routemm::env

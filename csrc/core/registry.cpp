@@ -1,0 +1,135 @@
+// KernelRegistry: lookup, labels, identities, injected failures and freeze protection.
+#include "routemm/registry.h"
+
+#include <atomic>
+
+#include "routemm/error.h"
+
+namespace routemm {
+namespace {
+
+std::atomic<uint64_t> g_next_authority{1};
+
+}  // namespace
+
+std::string pipeline_label(std::string_view name,
+                           std::span<const std::pair<uint32_t, int32_t>> int_constants) {
+  std::string label(name);
+  for (const auto& [index, value] : int_constants) {
+    label.append("|").append(std::to_string(index)).append(":i").append(std::to_string(value));
+  }
+  return label;
+}
+
+KernelRegistry::KernelRegistry(const Device& device)
+    : device_(device), authority_id_(g_next_authority.fetch_add(1)) {
+  for (const KernelDef& def : device_.backend()->kernels()) kernels_.emplace(def.name, def);
+}
+
+PipelinePtr KernelRegistry::get_pipeline(std::string_view name,
+                                         std::span<const std::pair<uint32_t, int32_t>> int_constants) {
+  std::lock_guard lock(mutex_);
+  if (auto injected = injected_failures_.find(name); injected != injected_failures_.end()) {
+    injected_failures_.erase(injected);
+    throw KernelNotFound("pipeline lookup failed for '" + std::string(name) +
+                         "' (injected failure)");
+  }
+  std::string label = pipeline_label(name, int_constants);
+  if (auto cached = pipelines_.find(label); cached != pipelines_.end()) return cached->second;
+  auto def = kernels_.find(name);
+  if (def == kernels_.end()) {
+    throw KernelNotFound("kernel '" + std::string(name) + "' is not registered on backend '" +
+                         device_.backend_name() + "'");
+  }
+  auto pipeline = std::make_shared<Pipeline>();
+  pipeline->label_ = label;
+  pipeline->def_ = def->second;
+  pipeline->constants_.assign(int_constants.begin(), int_constants.end());
+  pipeline->identity_ = PipelineIdentity{kPipelineIdentitySchemaVersion, label, def->second.name,
+                                         device_.backend_name(), def->second.origin,
+                                         def->second.content_sha256};
+  pipelines_.emplace(label, pipeline);
+  return pipeline;
+}
+
+PipelineIdentity KernelRegistry::pipeline_identity(std::string_view label) {
+  // Parse `name|<index>:i<value>|...` back into a name and constants.
+  const size_t bar = label.find('|');
+  const std::string_view name = label.substr(0, bar);
+  std::vector<std::pair<uint32_t, int32_t>> constants;
+  size_t pos = bar;
+  while (pos != std::string_view::npos) {
+    const size_t next = label.find('|', pos + 1);
+    const std::string_view part = label.substr(pos + 1, next == std::string_view::npos ? next : next - pos - 1);
+    const size_t colon = part.find(":i");
+    if (colon == std::string_view::npos || colon == 0 || colon + 2 >= part.size()) {
+      throw InvalidArgument("malformed pipeline label '" + std::string(label) + "'");
+    }
+    try {
+      size_t used_index = 0, used_value = 0;
+      const std::string index_text(part.substr(0, colon)), value_text(part.substr(colon + 2));
+      const unsigned long index = std::stoul(index_text, &used_index);
+      const long value = std::stol(value_text, &used_value);
+      if (used_index != index_text.size() || used_value != value_text.size()) throw std::invalid_argument("");
+      constants.emplace_back(static_cast<uint32_t>(index), static_cast<int32_t>(value));
+    } catch (const std::logic_error&) {
+      throw InvalidArgument("malformed pipeline label '" + std::string(label) + "'");
+    }
+    pos = next;
+  }
+  return get_pipeline(name, constants)->identity();
+}
+
+bool KernelRegistry::has_kernel(std::string_view name) const {
+  std::lock_guard lock(mutex_);
+  return kernels_.find(name) != kernels_.end();
+}
+
+std::vector<std::string> KernelRegistry::kernel_names() const {
+  std::lock_guard lock(mutex_);
+  std::vector<std::string> names;
+  for (const auto& [name, def] : kernels_) names.push_back(name);
+  return names;
+}
+
+void KernelRegistry::inject_next_pipeline_lookup_failure(std::string name) {
+  std::lock_guard lock(mutex_);
+  injected_failures_.insert(std::move(name));
+}
+
+void KernelRegistry::register_kernel(KernelDef def) {
+  std::lock_guard lock(mutex_);
+  if (protected_.count(def.name) != 0) {
+    throw InvalidArgument("kernel '" + def.name +
+                          "' is protected by a frozen route plan and cannot be re-registered");
+  }
+  if (def.fn == nullptr) throw InvalidArgument("kernel '" + def.name + "' has no entry point");
+  for (auto it = pipelines_.begin(); it != pipelines_.end();) {
+    it = it->second->kernel_name() == def.name ? pipelines_.erase(it) : std::next(it);
+  }
+  kernels_.insert_or_assign(def.name, std::move(def));
+}
+
+void KernelRegistry::freeze_plan(const std::string& plan_kind, const std::string& plan_id,
+                                 const std::vector<std::string>& protected_names) {
+  std::lock_guard lock(mutex_);
+  if (auto frozen = frozen_plans_.find(plan_kind); frozen != frozen_plans_.end()) {
+    if (frozen->second == plan_id) return;
+    throw InvalidArgument(plan_kind + " route plan is already frozen as " + frozen->second);
+  }
+  frozen_plans_.emplace(plan_kind, plan_id);
+  protected_.insert(protected_names.begin(), protected_names.end());
+}
+
+std::optional<std::string> KernelRegistry::frozen_plan_id(const std::string& plan_kind) const {
+  std::lock_guard lock(mutex_);
+  if (auto frozen = frozen_plans_.find(plan_kind); frozen != frozen_plans_.end()) return frozen->second;
+  return std::nullopt;
+}
+
+bool KernelRegistry::is_protected(std::string_view name) const {
+  std::lock_guard lock(mutex_);
+  return protected_.find(name) != protected_.end();
+}
+
+}  // namespace routemm

@@ -1,0 +1,156 @@
+// The contract between the backend-neutral core and a backend (cpu, cuda, metal).
+//
+// A backend owns device memory (Storage), executes recorded commands in order on a Queue, and
+// supplies kernels by name (KernelDef). It never validates op arguments: op front doors in the core
+// do that before anything reaches a backend.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace routemm {
+
+class Backend;
+
+struct Dim3 {
+  uint64_t x = 1, y = 1, z = 1;
+  std::array<uint64_t, 3> array() const { return {x, y, z}; }
+  bool operator==(const Dim3&) const = default;
+};
+
+// Which dispatch call a launch corresponds to: a grid of threads, or a grid of threadgroups (blocks).
+enum class DispatchKind : uint8_t { Threads, ThreadGroups };
+
+// One allocation on a backend. Shared by every Buffer view of it; freed when the last view goes.
+class Storage {
+ public:
+  // `release` (optional) frees externally owned memory (e.g. a DLPack producer's tensor); when
+  // empty, the owning backend frees `data`.
+  Storage(std::shared_ptr<Backend> backend, void* data, size_t nbytes, bool writable,
+          std::function<void()> release = {});
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  const std::shared_ptr<Backend>& backend() const { return backend_; }
+  void* data() const { return data_; }
+  size_t nbytes() const { return nbytes_; }
+  bool writable() const { return writable_; }
+
+ private:
+  std::shared_ptr<Backend> backend_;
+  void* data_;
+  size_t nbytes_;
+  bool writable_;
+  std::function<void()> release_;
+};
+
+// An argument as a kernel sees it, by slot.
+struct BoundArg {
+  enum class Kind : uint8_t { Empty, Buffer, Bytes };
+  Kind kind = Kind::Empty;
+  void* data = nullptr;  // Buffer: device address of the bound byte; Bytes: host copy of the data
+  size_t size = 0;       // Buffer: bytes from `data` to the end of the allocation; Bytes: length
+};
+
+inline constexpr size_t kMaxKernelSlots = 16;
+
+// Everything one kernel invocation needs, after the core has resolved arguments.
+struct KernelLaunch {
+  std::string label;  // pipeline label, for error messages
+  DispatchKind kind = DispatchKind::ThreadGroups;
+  Dim3 grid;
+  Dim3 threads;
+  std::vector<std::pair<uint64_t, uint64_t>> threadgroup_memory;  // (index, bytes)
+  std::vector<std::pair<uint32_t, int32_t>> int_constants;        // specialisation constants
+  std::array<BoundArg, kMaxKernelSlots> args{};
+};
+
+// A backend kernel entry point. `queue_native` is the backend's own queue handle (CUDA stream,
+// CPU thread pool); kernels must report failures by throwing routemm::Error.
+using KernelFn = void (*)(const KernelLaunch& launch, void* queue_native);
+
+// A kernel a backend supplies under a pipeline name. The launch fields describe this backend's
+// geometry for the pipeline; each op documents what they mean for its pipelines.
+struct KernelDef {
+  std::string name;
+  KernelFn fn = nullptr;
+  uint64_t max_threads_per_threadgroup = 1024;
+  uint32_t threads_per_group = 1;  // threads per threadgroup / block
+  uint32_t tile_x = 1;             // op-specific tile extents used to size the grid
+  uint32_t tile_y = 1;
+  uint64_t threadgroup_memory_bytes = 0;
+  std::string origin;          // where the code comes from: "builtin_cpu", "cuda_fatbin", "metallib"
+  std::string content_sha256;  // hash over what was compiled (source text or machine image)
+};
+
+// A recorded command for a queue: one kernel launch, or a memory barrier between launches.
+struct QueuedCommand {
+  enum class Kind : uint8_t { Dispatch, Barrier };
+  Kind kind = Kind::Dispatch;
+  KernelFn fn = nullptr;
+  KernelLaunch launch;
+  std::vector<std::vector<uint8_t>> inline_bytes;  // owns Bytes arguments
+  std::vector<std::shared_ptr<Storage>> keep_alive;  // storages referenced by the launch
+};
+
+// GPU start/end timestamps of one submission, in seconds on the backend's own clock.
+struct GpuInterval {
+  double start_s = 0;
+  double end_s = 0;
+};
+
+// An ordered stream of work. Commands may start when submitted (CUDA) or at commit (CPU); either
+// way they complete in submission order relative to barriers, and commit blocks until all are done.
+class Queue {
+ public:
+  virtual ~Queue() = default;
+  virtual void submit(QueuedCommand command) = 0;
+  virtual void commit_and_wait() = 0;
+  virtual GpuInterval commit_wait_with_gpu_time() = 0;
+};
+
+class Backend : public std::enable_shared_from_this<Backend> {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string_view name() const = 0;
+  virtual std::string device_name() const = 0;
+  // Stable across processes for the same physical device (PCI location, UUID, Metal registryID).
+  virtual uint64_t registry_id() const = 0;
+  // Extra facts for receipts and plan validators (driver/runtime versions, capability).
+  virtual std::map<std::string, std::string> properties() const { return {}; }
+  // True when host code may dereference Storage::data() directly.
+  virtual bool host_accessible() const = 0;
+
+  virtual std::shared_ptr<Storage> allocate(size_t nbytes) = 0;
+  // Frees memory this backend allocated; called by Storage's destructor.
+  virtual void deallocate(void* data, size_t nbytes) noexcept = 0;
+  virtual void copy_from_host(void* device_dst, const void* host_src, size_t nbytes) = 0;
+  virtual void copy_to_host(void* host_dst, const void* device_src, size_t nbytes) = 0;
+
+  virtual std::unique_ptr<Queue> create_queue() = 0;
+  // Every kernel this backend supplies; registries start from this list.
+  virtual const std::vector<KernelDef>& kernels() const = 0;
+};
+
+// ---- Backend discovery -------------------------------------------------------------------------
+
+struct BackendEntry {
+  std::string name;
+  int priority = 0;  // higher wins when no backend is named
+  // Empty string when the backend can open a device here, else why not ("not built", "no device").
+  std::function<std::string()> probe;
+  std::function<std::shared_ptr<Backend>()> open;
+};
+
+void register_backend(BackendEntry entry);
+const std::vector<BackendEntry>& backend_entries();
+
+}  // namespace routemm

@@ -1,0 +1,29 @@
+// Environment knobs read by the C++ core. Each is read once (first use) and then fixed for the
+// process; python/routemm/env.py holds the same table with types, defaults and effects.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+
+namespace routemm::env {
+
+struct Knob {
+  const char* name;
+  const char* type;           // "str" | "int" | "bool"
+  const char* default_value;  // as text, "" for unset
+  const char* effect;
+};
+
+// ROUTEMM_BACKEND: backend used by Device() when none is named.
+std::optional<std::string> backend();
+// ROUTEMM_CPU_THREADS: worker threads of the CPU backend (0 or unset: hardware threads).
+int64_t cpu_threads();
+
+// Every knob the core reads.
+const Knob* knobs(size_t* count);
+// Knobs set to a non-default value, as read at first use: name -> value.
+std::map<std::string, std::string> non_default();
+
+}  // namespace routemm::env

@@ -1,0 +1,124 @@
+// Expert-ID matmul for mixture-of-experts layers: F32/F16/BF16 expert weight stacks, F32
+// activations, per-token top-k expert IDs.
+//
+//   out[flat, col] = sum_inner widen(W[id[flat]][col, inner]) * x[row(flat), inner]
+//
+// with flat = token * top_k + slot and row(flat) = token (SharedPerToken) or flat (Slotted). IDs
+// >= n_experts give an all-zero output row without forming a weight address. The route is always
+// explicit: Direct (one dispatch, IDs may repeat) or GroupedPrefill (map + grouped dispatch, IDs
+// distinct per token, caller-owned scratch). Scalar routes accumulate in F32 in a fixed order, so
+// Direct and GroupedPrefill are bit-identical on one backend.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "routemm/buffer.h"
+#include "routemm/device.h"
+#include "routemm/dtype.h"
+#include "routemm/encoder.h"
+#include "routemm/registry.h"
+
+namespace routemm {
+
+inline constexpr uint32_t kDenseMatmulIdSchemaVersion = 3;
+inline constexpr uint32_t kDenseMatmulIdGroupedMaxExperts = 1024;
+
+// Every pipeline name this op owns: registration and post-freeze protection use this one list.
+inline constexpr std::array<std::string_view, 7> kDenseMatmulIdPipelineNames = {
+    "dense_matmul_id_direct_f32_f32",  "dense_matmul_id_direct_f16_f32",
+    "dense_matmul_id_direct_bf16_f32", "dense_matmul_id_map_distinct",
+    "dense_matmul_id_grouped_f32_f32", "dense_matmul_id_grouped_f16_f32",
+    "dense_matmul_id_grouped_bf16_f32",
+};
+inline constexpr std::string_view kDenseMatmulIdMapPipeline = "dense_matmul_id_map_distinct";
+
+enum class DenseMatmulIdInputLayout : uint8_t { SharedPerToken, Slotted };
+enum class DenseMatmulIdMultiplicity : uint8_t { DistinctPerToken, MayRepeat };
+enum class DenseMatmulIdRoute : uint8_t { Direct, GroupedPrefill };
+
+std::string_view to_string(DenseMatmulIdInputLayout value);
+std::string_view to_string(DenseMatmulIdMultiplicity value);
+std::string_view to_string(DenseMatmulIdRoute value);
+
+struct DenseMatmulIdParams {
+  uint32_t m = 0;          // tokens
+  uint32_t n = 0;          // output features per expert
+  uint32_t k = 0;          // input width
+  uint32_t top_k = 0;      // expert slots per token
+  uint32_t n_experts = 0;  // experts in the weight stack
+  uint64_t expert_stride_bytes = 0;  // byte distance from expert e to e + 1
+  DenseMatmulIdInputLayout input_layout = DenseMatmulIdInputLayout::SharedPerToken;
+  DenseMatmulIdMultiplicity id_multiplicity = DenseMatmulIdMultiplicity::DistinctPerToken;
+  DenseMatmulIdRoute route = DenseMatmulIdRoute::Direct;
+  bool operator==(const DenseMatmulIdParams&) const = default;
+};
+
+struct DenseMatmulIdScratchRequirement {
+  uint64_t expert_counts_bytes = 0;
+  uint64_t routed_rows_bytes = 0;
+  bool operator==(const DenseMatmulIdScratchRequirement&) const = default;
+};
+
+struct DenseMatmulIdCapability {
+  uint32_t schema_version = kDenseMatmulIdSchemaVersion;
+  DType weight_dtype = DType::F32;
+  DenseMatmulIdRoute route = DenseMatmulIdRoute::Direct;
+  uint64_t required_weight_bytes = 0;
+  uint64_t required_input_bytes = 0;
+  uint64_t required_ids_bytes = 0;
+  uint64_t required_output_bytes = 0;
+  std::optional<DenseMatmulIdScratchRequirement> scratch;
+  bool operator==(const DenseMatmulIdCapability&) const = default;
+};
+
+struct DenseMatmulIdDispatchReceipt {
+  DType weight_dtype = DType::F32;
+  DenseMatmulIdRoute route = DenseMatmulIdRoute::Direct;
+  uint32_t dispatch_count = 0;
+};
+
+// Caller-owned scratch for GroupedPrefill: U32 expert_counts[max_experts] and
+// routed_rows[max_experts, max_tokens]. The buffers must outlive every submission using them;
+// reuse across encoders only after the previous submission completed (same-encoder reuse is
+// ordered by the grouped route's leading barrier).
+class DenseMatmulIdScratch {
+ public:
+  DenseMatmulIdScratch(const Device& device, uint32_t max_experts, uint32_t max_tokens);
+  uint32_t max_experts() const { return max_experts_; }
+  uint32_t max_tokens() const { return max_tokens_; }
+  const Buffer& expert_counts() const { return expert_counts_; }
+  const Buffer& routed_rows() const { return routed_rows_; }
+
+ private:
+  Buffer expert_counts_;
+  Buffer routed_rows_;
+  uint32_t max_experts_;
+  uint32_t max_tokens_;
+};
+
+// Exact byte extents for one call, with checked arithmetic; no allocation, no compilation.
+DenseMatmulIdCapability dense_matmul_id_capability(DType weight_dtype,
+                                                   const DenseMatmulIdParams& params);
+
+// Capability plus every per-buffer check (dtype, extent, alignment, output overlap, scratch).
+DenseMatmulIdCapability validate_dense_matmul_id_call(const Buffer& weights, const Buffer& input,
+                                                      const Buffer& expert_ids,
+                                                      const Buffer& output,
+                                                      const DenseMatmulIdScratch* scratch,
+                                                      const DenseMatmulIdParams& params);
+
+// (direct, grouped) pipeline names for a weight dtype.
+std::pair<std::string_view, std::string_view> dense_matmul_id_pipeline_names(DType weight_dtype);
+
+// Validates, resolves every pipeline, then encodes. Any failure happens before the encoder is
+// touched: no barrier, no pending ranges, no dispatch.
+DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegistry& registry,
+                                             const Buffer& weights, const Buffer& input,
+                                             const Buffer& expert_ids, const Buffer& output,
+                                             const DenseMatmulIdScratch* scratch,
+                                             const DenseMatmulIdParams& params);
+
+}  // namespace routemm

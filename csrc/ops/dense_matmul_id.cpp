@@ -1,0 +1,313 @@
+// Expert-ID matmul front door: capability, call validation, geometry and encoding.
+// Backends supply the seven kernels; every contract lives here.
+#include "routemm/ops/dense_matmul_id.h"
+
+#include <limits>
+#include <string>
+
+#include "backend/common/dense_matmul_id_params.h"
+#include "routemm/error.h"
+
+namespace routemm {
+namespace {
+
+[[noreturn]] void fail(const std::string& message) {
+  throw InvalidArgument("dense_matmul_id " + message);
+}
+
+uint64_t checked_mul(std::string_view label, uint64_t a, uint64_t b) {
+  if (a != 0 && b > std::numeric_limits<uint64_t>::max() / a) {
+    fail(std::string(label) + " byte extent overflow");
+  }
+  return a * b;
+}
+
+uint64_t checked_product(std::string_view label, std::initializer_list<uint64_t> factors) {
+  uint64_t value = 1;
+  for (const uint64_t factor : factors) value = checked_mul(label, value, factor);
+  return value;
+}
+
+uint64_t scalar_weight_size(DType dtype) {
+  switch (dtype) {
+    case DType::F32:
+    case DType::F16:
+    case DType::BF16: return dtype_size(dtype);
+    default: fail("weights must be F32, F16, or BF16, got " + std::string(dtype_name(dtype)));
+  }
+}
+
+void validate_buffer(std::string_view label, const Buffer& buffer, DType dtype, uint64_t required) {
+  if (!buffer.valid()) fail(std::string(label) + " is an empty buffer");
+  if (buffer.dtype() != dtype) {
+    fail(std::string(label) + " must be " + std::string(dtype_name(dtype)) + ", got " +
+         std::string(dtype_name(buffer.dtype())));
+  }
+  if (buffer.nbytes() < required) {
+    fail(std::string(label) + " requires " + std::to_string(required) + " logical bytes, got " +
+         std::to_string(buffer.nbytes()));
+  }
+  if (buffer.byte_offset() % dtype_size(dtype) != 0) {
+    fail(std::string(label) + " byte offset " + std::to_string(buffer.byte_offset()) +
+         " is not aligned to " + std::string(dtype_name(dtype)));
+  }
+}
+
+ByteRange required_range(const Buffer& buffer, uint64_t required) {
+  const uint64_t start = buffer.address() + buffer.byte_offset();
+  if (start < buffer.address() || start + required < start) fail("logical buffer range overflow");
+  return {start, start + required};
+}
+
+ByteRange logical_range(const Buffer& buffer) {
+  const auto [start, end] = buffer.logical_range();
+  return {start, end};
+}
+
+bool overlaps(ByteRange a, ByteRange b) { return a.start < b.end && b.start < a.end; }
+
+uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+std::string_view to_string(DenseMatmulIdInputLayout value) {
+  return value == DenseMatmulIdInputLayout::SharedPerToken ? "shared_per_token" : "slotted";
+}
+std::string_view to_string(DenseMatmulIdMultiplicity value) {
+  return value == DenseMatmulIdMultiplicity::DistinctPerToken ? "distinct_per_token" : "may_repeat";
+}
+std::string_view to_string(DenseMatmulIdRoute value) {
+  return value == DenseMatmulIdRoute::Direct ? "direct" : "grouped_prefill";
+}
+
+DenseMatmulIdScratch::DenseMatmulIdScratch(const Device& device, uint32_t max_experts,
+                                           uint32_t max_tokens)
+    : max_experts_(max_experts), max_tokens_(max_tokens) {
+  if (max_experts == 0 || max_tokens == 0) fail("scratch capacities must be nonzero");
+  const uint64_t counts_bytes = checked_product("scratch expert counts", {max_experts, 4});
+  const uint64_t routed_bytes = checked_product("scratch routed rows", {max_experts, max_tokens, 4});
+  expert_counts_ = device.alloc(counts_bytes, DType::U32, {max_experts});
+  routed_rows_ = device.alloc(routed_bytes, DType::U32, {max_experts, max_tokens});
+}
+
+DenseMatmulIdCapability dense_matmul_id_capability(DType weight_dtype,
+                                                   const DenseMatmulIdParams& p) {
+  if (p.m == 0 || p.n == 0 || p.k == 0 || p.top_k == 0 || p.n_experts == 0) {
+    fail("M, N, K, top_k, and n_experts must be nonzero");
+  }
+  if (p.id_multiplicity == DenseMatmulIdMultiplicity::DistinctPerToken && p.top_k > p.n_experts) {
+    fail("distinct top_k " + std::to_string(p.top_k) + " exceeds n_experts " +
+         std::to_string(p.n_experts));
+  }
+  const uint64_t scalar = scalar_weight_size(weight_dtype);
+  const uint64_t matrix_bytes = checked_product("expert matrix", {p.n, p.k, scalar});
+  if (p.expert_stride_bytes < matrix_bytes) {
+    fail("expert stride " + std::to_string(p.expert_stride_bytes) + " is smaller than one " +
+         std::to_string(matrix_bytes) + "-byte matrix");
+  }
+  if (p.expert_stride_bytes % scalar != 0) {
+    fail("expert stride " + std::to_string(p.expert_stride_bytes) + " is not aligned to " +
+         std::string(dtype_name(weight_dtype)));
+  }
+  const uint64_t last_offset = checked_mul("expert weight offset", p.n_experts - 1ull,
+                                           p.expert_stride_bytes);
+  if (last_offset + matrix_bytes < last_offset) fail("weight extent overflow");
+
+  const uint64_t total_rows = uint64_t{p.m} * p.top_k;
+  if (total_rows > std::numeric_limits<uint32_t>::max()) {
+    fail("flattened routed rows exceed the u32 kernel ABI");
+  }
+  const uint64_t input_rows =
+      p.input_layout == DenseMatmulIdInputLayout::SharedPerToken ? uint64_t{p.m} : total_rows;
+
+  DenseMatmulIdCapability cap;
+  cap.schema_version = kDenseMatmulIdSchemaVersion;
+  cap.weight_dtype = weight_dtype;
+  cap.route = p.route;
+  cap.required_weight_bytes = last_offset + matrix_bytes;
+  cap.required_input_bytes = checked_product("input", {input_rows, p.k, 4});
+  cap.required_ids_bytes = checked_product("expert IDs", {total_rows, 4});
+  cap.required_output_bytes = checked_product("output", {total_rows, p.n, 4});
+
+  if (p.route == DenseMatmulIdRoute::GroupedPrefill) {
+    if (p.id_multiplicity != DenseMatmulIdMultiplicity::DistinctPerToken) {
+      fail("grouped prefill requires distinct expert IDs per token");
+    }
+    if (p.n_experts > kDenseMatmulIdGroupedMaxExperts) {
+      fail("grouped prefill supports at most " + std::to_string(kDenseMatmulIdGroupedMaxExperts) +
+           " experts");
+    }
+    cap.scratch = DenseMatmulIdScratchRequirement{
+        checked_product("scratch expert counts", {p.n_experts, 4}),
+        checked_product("scratch routed rows", {p.n_experts, p.m, 4})};
+  }
+  return cap;
+}
+
+DenseMatmulIdCapability validate_dense_matmul_id_call(const Buffer& weights, const Buffer& input,
+                                                      const Buffer& expert_ids,
+                                                      const Buffer& output,
+                                                      const DenseMatmulIdScratch* scratch,
+                                                      const DenseMatmulIdParams& params) {
+  if (!weights.valid()) fail("weights is an empty buffer");
+  const DenseMatmulIdCapability cap = dense_matmul_id_capability(weights.dtype(), params);
+  validate_buffer("weights", weights, cap.weight_dtype, cap.required_weight_bytes);
+  validate_buffer("input", input, DType::F32, cap.required_input_bytes);
+  validate_buffer("expert IDs", expert_ids, DType::U32, cap.required_ids_bytes);
+  validate_buffer("output", output, DType::F32, cap.required_output_bytes);
+  if (!output.writable()) fail("output is read-only");
+
+  const ByteRange out_range = required_range(output, cap.required_output_bytes);
+  const std::pair<std::string_view, ByteRange> reads[] = {
+      {"weights", required_range(weights, cap.required_weight_bytes)},
+      {"input", required_range(input, cap.required_input_bytes)},
+      {"expert IDs", required_range(expert_ids, cap.required_ids_bytes)},
+  };
+  for (const auto& [label, range] : reads) {
+    if (overlaps(out_range, range)) fail("output must not overlap " + std::string(label));
+  }
+
+  if (cap.route == DenseMatmulIdRoute::GroupedPrefill) {
+    if (scratch == nullptr) fail("grouped prefill requires caller-owned scratch");
+    if (scratch->max_experts() < params.n_experts || scratch->max_tokens() < params.m) {
+      fail("scratch capacity experts/tokens=" + std::to_string(scratch->max_experts()) + "/" +
+           std::to_string(scratch->max_tokens()) + " is smaller than " +
+           std::to_string(params.n_experts) + "/" + std::to_string(params.m));
+    }
+    validate_buffer("scratch expert counts", scratch->expert_counts(), DType::U32,
+                    cap.scratch->expert_counts_bytes);
+    validate_buffer("scratch routed rows", scratch->routed_rows(), DType::U32,
+                    cap.scratch->routed_rows_bytes);
+  }
+
+  // Every buffer must live where the kernels will run.
+  const auto& backend = weights.backend();
+  for (const Buffer* buffer : {&input, &expert_ids, &output}) {
+    if (buffer->backend() != backend) fail("buffers must all live on one device");
+  }
+  if (scratch != nullptr && cap.route == DenseMatmulIdRoute::GroupedPrefill &&
+      scratch->expert_counts().backend() != backend) {
+    fail("scratch must live on the device of the other buffers");
+  }
+  return cap;
+}
+
+std::pair<std::string_view, std::string_view> dense_matmul_id_pipeline_names(DType weight_dtype) {
+  switch (weight_dtype) {
+    case DType::F32: return {kDenseMatmulIdPipelineNames[0], kDenseMatmulIdPipelineNames[4]};
+    case DType::F16: return {kDenseMatmulIdPipelineNames[1], kDenseMatmulIdPipelineNames[5]};
+    case DType::BF16: return {kDenseMatmulIdPipelineNames[2], kDenseMatmulIdPipelineNames[6]};
+    default: fail("has no scalar pipeline for " + std::string(dtype_name(weight_dtype)));
+  }
+}
+
+DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegistry& registry,
+                                             const Buffer& weights, const Buffer& input,
+                                             const Buffer& expert_ids, const Buffer& output,
+                                             const DenseMatmulIdScratch* scratch,
+                                             const DenseMatmulIdParams& params) {
+  const DenseMatmulIdCapability cap =
+      validate_dense_matmul_id_call(weights, input, expert_ids, output, scratch, params);
+  if (registry.device().backend() != encoder.backend() || weights.backend() != encoder.backend()) {
+    fail("encoder, registry and buffers must belong to one device (encoder/device mismatch)");
+  }
+
+  const bool grouped = cap.route == DenseMatmulIdRoute::GroupedPrefill;
+  const uint32_t dispatches = grouped ? 2 : 1;
+  if (encoder.receipt_slots_left() < dispatches) {
+    fail("open dispatch receipt has room for " + std::to_string(encoder.receipt_slots_left()) +
+         " dispatches, the " + std::string(to_string(cap.route)) + " route needs " +
+         std::to_string(dispatches));
+  }
+
+  const uint64_t row_bytes = uint64_t{params.k} * 4;
+  kernels::DenseMatmulIdKernelParams gpu{};
+  gpu.m = params.m;
+  gpu.n = params.n;
+  gpu.k = params.k;
+  gpu.top_k = params.top_k;
+  gpu.n_experts = params.n_experts;
+  gpu.expert_stride_bytes = params.expert_stride_bytes;
+  if (params.input_layout == DenseMatmulIdInputLayout::SharedPerToken) {
+    gpu.input_layout = kernels::kInputSharedPerToken;
+    gpu.input_token_stride_bytes = row_bytes;
+    gpu.input_slot_stride_bytes = 0;
+  } else {
+    gpu.input_layout = kernels::kInputSlotted;
+    gpu.input_token_stride_bytes = checked_mul("slotted input token stride", row_bytes, params.top_k);
+    gpu.input_slot_stride_bytes = row_bytes;
+  }
+  const auto [direct_name, grouped_name] = dense_matmul_id_pipeline_names(weights.dtype());
+  const KernelArg params_arg = KernelArg::pod(gpu);
+  const uint64_t total_rows = uint64_t{params.m} * params.top_k;
+
+  if (!grouped) {
+    const PipelinePtr pipeline = registry.get_pipeline(direct_name);
+    const KernelDef& def = pipeline->def();
+    if (encoder.is_capturing()) {
+      encoder.set_pending_buffer_ranges(
+          {logical_range(weights), logical_range(input), logical_range(expert_ids)},
+          {logical_range(output)});
+    }
+    const std::pair<uint32_t, KernelArg> args[] = {{0, params_arg},
+                                                   {1, KernelArg::of(weights)},
+                                                   {2, KernelArg::of(input)},
+                                                   {3, KernelArg::of(expert_ids)},
+                                                   {4, KernelArg::of(output)}};
+    encoder.dispatch(*pipeline, args, Dim3{ceil_div(params.n, def.tile_x), total_rows, 1},
+                     Dim3{def.threads_per_group, 1, 1});
+    return {weights.dtype(), cap.route, 1};
+  }
+
+  // Resolve and check both pipelines before touching the encoder: a failed lookup must leave no
+  // barrier, pending ranges or map dispatch behind.
+  const PipelinePtr map = registry.get_pipeline(kDenseMatmulIdMapPipeline);
+  const PipelinePtr group = registry.get_pipeline(grouped_name);
+  if (params.n_experts > map->max_total_threads_per_threadgroup()) {
+    fail("n_experts " + std::to_string(params.n_experts) + " exceeds map threadgroup limit " +
+         std::to_string(map->max_total_threads_per_threadgroup()));
+  }
+  const KernelDef& gdef = group->def();
+  if (gdef.threads_per_group > group->max_total_threads_per_threadgroup()) {
+    fail("grouped threads " + std::to_string(gdef.threads_per_group) + " exceed pipeline limit " +
+         std::to_string(group->max_total_threads_per_threadgroup()));
+  }
+  const Buffer& counts = scratch->expert_counts();
+  const Buffer& routed = scratch->routed_rows();
+
+  // A previous grouped call may still read the scratch this call overwrites (WAR edge).
+  encoder.memory_barrier();
+  if (encoder.is_capturing()) {
+    encoder.set_pending_buffer_ranges(
+        {logical_range(expert_ids)},
+        {logical_range(counts), logical_range(routed), logical_range(output)});
+  }
+  const std::pair<uint32_t, KernelArg> map_args[] = {{0, params_arg},
+                                                     {1, KernelArg::of(expert_ids)},
+                                                     {2, KernelArg::of(counts)},
+                                                     {3, KernelArg::of(routed)},
+                                                     {4, KernelArg::of(output)}};
+  encoder.dispatch(*map, map_args, Dim3{1, 1, 1}, Dim3{params.n_experts, 1, 1});
+  // The grouped dispatch reads what the map wrote (RAW edge).
+  encoder.memory_barrier();
+  if (encoder.is_capturing()) {
+    encoder.set_pending_buffer_ranges({logical_range(weights), logical_range(input),
+                                       logical_range(counts), logical_range(routed)},
+                                      {logical_range(output)});
+  }
+  const std::pair<uint32_t, KernelArg> group_args[] = {{0, params_arg},
+                                                       {1, KernelArg::of(weights)},
+                                                       {2, KernelArg::of(input)},
+                                                       {3, KernelArg::of(counts)},
+                                                       {4, KernelArg::of(routed)},
+                                                       {5, KernelArg::of(output)}};
+  std::vector<std::pair<uint64_t, uint64_t>> shmem;
+  if (gdef.threadgroup_memory_bytes != 0) shmem.emplace_back(0, gdef.threadgroup_memory_bytes);
+  encoder.dispatch(*group, group_args,
+                   Dim3{ceil_div(params.m, gdef.tile_x), ceil_div(params.n, gdef.tile_y),
+                        params.n_experts},
+                   Dim3{gdef.threads_per_group, 1, 1}, DispatchKind::ThreadGroups, std::move(shmem));
+  return {weights.dtype(), cap.route, 2};
+}
+
+}  // namespace routemm

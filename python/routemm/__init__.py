@@ -1,0 +1,71 @@
+"""routemm: native kernels for LLM inference with explicit, receipted routing.
+
+Backends: cpu (always), cuda and metal (when built and present). See README.md for the API.
+"""
+
+from __future__ import annotations
+
+import logging as _logging
+import os as _os
+
+from . import _core
+from ._errors import CommandBufferError, Error, InvalidArgumentError, KernelNotFoundError
+from ._core_api import (
+    CapturedNode,
+    DispatchKind,
+    DType,
+    EncodedKernelDispatch,
+    PipelineIdentity,
+    dtype_of,
+    numpy_dtype,
+)
+from .dense_matmul_id import (
+    DenseMatmulIdCapability,
+    DenseMatmulIdDispatchReceipt,
+    DenseMatmulIdInputLayout,
+    DenseMatmulIdMultiplicity,
+    DenseMatmulIdParams,
+    DenseMatmulIdRoute,
+    DenseMatmulIdScratch,
+    DenseMatmulIdScratchRequirement,
+    dense_matmul_id,
+    dense_matmul_id_capability,
+    matmul_id,
+)
+from . import env
+
+Device = _core.Device
+Buffer = _core.Buffer
+CommandEncoder = _core.CommandEncoder
+KernelRegistry = _core.KernelRegistry
+Pipeline = _core.Pipeline
+available_backends = _core.available_backends
+dispatch_count = _core.dispatch_count
+encoder_counters = _core.encoder_counters
+reset_encoder_counters = _core.reset_encoder_counters
+DENSE_MATMUL_ID_PIPELINE_NAMES = _core.DENSE_MATMUL_ID_PIPELINE_NAMES
+DENSE_MATMUL_ID_SCHEMA_VERSION = _core.DENSE_MATMUL_ID_SCHEMA_VERSION
+
+__version__ = _core.version()
+
+logger = _logging.getLogger("routemm")
+logger.addHandler(_logging.NullHandler())
+if _os.environ.get("ROUTEMM_LOG_LEVEL"):
+    logger.setLevel(_os.environ["ROUTEMM_LOG_LEVEL"].upper())
+
+
+def backend_status() -> list[tuple[str, bool, str]]:
+    """(name, available, reason) for every backend this build knows, best first."""
+    return [tuple(row) for row in _core.backend_status()]
+
+
+__all__ = [
+    "Buffer", "CapturedNode", "CommandBufferError", "CommandEncoder", "DENSE_MATMUL_ID_PIPELINE_NAMES",
+    "DENSE_MATMUL_ID_SCHEMA_VERSION", "DType", "DenseMatmulIdCapability", "DenseMatmulIdDispatchReceipt",
+    "DenseMatmulIdInputLayout", "DenseMatmulIdMultiplicity", "DenseMatmulIdParams", "DenseMatmulIdRoute",
+    "DenseMatmulIdScratch", "DenseMatmulIdScratchRequirement", "Device", "DispatchKind",
+    "EncodedKernelDispatch", "Error", "InvalidArgumentError", "KernelNotFoundError", "KernelRegistry",
+    "Pipeline", "PipelineIdentity", "available_backends", "backend_status", "dense_matmul_id",
+    "dense_matmul_id_capability", "dispatch_count", "dtype_of", "encoder_counters", "env", "matmul_id",
+    "numpy_dtype", "reset_encoder_counters",
+]

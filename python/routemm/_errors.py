@@ -1,0 +1,17 @@
+"""Exception classes raised by routemm; the native core maps its errors onto these."""
+
+
+class Error(Exception):
+    """Base class of every error routemm raises."""
+
+
+class InvalidArgumentError(Error, ValueError):
+    """Bad caller input: the message names the operation and the offending value."""
+
+
+class KernelNotFoundError(Error, LookupError):
+    """A pipeline is not registered on this device (or its lookup was made to fail on purpose)."""
+
+
+class CommandBufferError(Error):
+    """A submission failed on the device."""

@@ -1,0 +1,136 @@
+"""JSON for frozen dataclasses: closed documents with a checked schema_version.
+
+A record class is a frozen dataclass that derives from `JsonRecord` and names its schema file.
+`to_json()` writes sorted keys and refuses NaN/Inf; `from_json()` rejects unknown or missing fields
+and a schema_version other than the class's, as the receipts' contract requires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import types
+import typing
+from typing import Any, ClassVar
+
+from . import _core
+from ._errors import InvalidArgumentError
+
+_DTYPES = {d.type_name: d for d in _core.DType.__members__.values()}
+
+
+def dtype_from_name(name: str) -> _core.DType:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise InvalidArgumentError(f"unknown dtype {name!r}") from None
+
+
+class JsonRecord:
+    """Mixin for frozen dataclasses that travel as JSON."""
+
+    SCHEMA: ClassVar[str]  # file name under routemm/schemas/
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _encode(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, allow_nan=False, **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: Any):
+        return _decode(cls, data, cls.__name__)
+
+    @classmethod
+    def from_json(cls, text: str | bytes):
+        return cls.from_dict(json.loads(text))
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, JsonRecord):
+        return value.to_dict()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, _core.DType):
+        return value.type_name
+    if isinstance(value, (tuple, list)):
+        return [_encode(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _encode(v) for k, v in value.items()}
+    return value
+
+
+def _decode(tp: Any, data: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if data is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _decode(inner[0], data, where)
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(data, list):
+            raise InvalidArgumentError(f"{where} must be a list")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(data))
+        if len(args) != len(data):
+            raise InvalidArgumentError(f"{where} must have {len(args)} items")
+        return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
+    if origin is dict:
+        key_t, val_t = typing.get_args(tp)
+        if not isinstance(data, dict):
+            raise InvalidArgumentError(f"{where} must be an object")
+        return {_decode(key_t, k, where): _decode(val_t, v, f"{where}.{k}") for k, v in data.items()}
+    if isinstance(tp, type) and issubclass(tp, JsonRecord):
+        return _decode_record(tp, data, where)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(data)
+        except ValueError:
+            raise InvalidArgumentError(f"{where}: {data!r} is not a valid {tp.__name__}") from None
+    if tp is _core.DType:
+        if not isinstance(data, str):
+            raise InvalidArgumentError(f"{where} must be a dtype name")
+        return dtype_from_name(data)
+    if tp is bool:
+        if not isinstance(data, bool):
+            raise InvalidArgumentError(f"{where} must be a boolean")
+        return data
+    if tp is int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            raise InvalidArgumentError(f"{where} must be an integer")
+        return data
+    if tp is float:
+        if isinstance(data, bool) or not isinstance(data, (int, float)):
+            raise InvalidArgumentError(f"{where} must be a number")
+        return float(data)
+    if tp is str:
+        if not isinstance(data, str):
+            raise InvalidArgumentError(f"{where} must be a string")
+        return data
+    if tp is Any:
+        return data
+    raise TypeError(f"no JSON decoding for {tp!r}")
+
+
+def _decode_record(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise InvalidArgumentError(f"{where} must be a JSON object")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise InvalidArgumentError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    missing = sorted(set(fields) - set(data))
+    if missing:
+        raise InvalidArgumentError(f"{where}: missing field(s) {', '.join(missing)}")
+    if "schema_version" in fields:
+        expected = fields["schema_version"].default
+        if data["schema_version"] != expected:
+            raise InvalidArgumentError(
+                f"{where}: schema_version {data['schema_version']!r} is not {expected}"
+            )
+    values = {name: _decode(hints[name], data[name], f"{where}.{name}") for name in fields}
+    return cls(**values)

@@ -1,0 +1,232 @@
+"""Expert-ID matmul: params, capability, scratch, the explicit front door and `matmul_id`.
+
+    out[t*top_k + s, :] = W[ids[t, s]] @ x[row]        (row = t, or t*top_k + s when slotted)
+
+Weights are a stack of row-major [n, k] matrices (F32, F16 or BF16) with an explicit byte stride
+between experts; activations and output are F32; IDs are U32 and an ID >= n_experts gives an
+all-zero output row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import Optional
+
+import numpy as np
+
+from . import _core
+from ._core_api import DType, dtype_of
+from ._errors import InvalidArgumentError
+from ._json import JsonRecord
+
+SCHEMA_VERSION: int = _core.DENSE_MATMUL_ID_SCHEMA_VERSION
+PIPELINE_NAMES: tuple[str, ...] = _core.DENSE_MATMUL_ID_PIPELINE_NAMES
+DenseMatmulIdScratch = _core.DenseMatmulIdScratch
+
+# m above which `matmul_id` prefers grouped_prefill when IDs are distinct per token.
+AUTO_GROUPED_MIN_TOKENS = 9
+
+
+class DenseMatmulIdInputLayout(enum.Enum):
+    SHARED_PER_TOKEN = "shared_per_token"  # one [k] row per token, shared by its top_k slots
+    SLOTTED = "slotted"  # one [k] row per (token, slot)
+
+
+class DenseMatmulIdMultiplicity(enum.Enum):
+    DISTINCT_PER_TOKEN = "distinct_per_token"  # caller promise: no ID repeats within a token
+    MAY_REPEAT = "may_repeat"
+
+
+class DenseMatmulIdRoute(enum.Enum):
+    DIRECT = "direct"  # one dispatch; IDs may repeat
+    GROUPED_PREFILL = "grouped_prefill"  # map + grouped dispatch; distinct IDs, caller scratch
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdParams(JsonRecord):
+    """Dimensions, the expert stride and the explicit route of one expert-ID product."""
+
+    SCHEMA = "dense_matmul_id_params.schema.json"
+    m: int
+    n: int
+    k: int
+    top_k: int
+    n_experts: int
+    expert_stride_bytes: int
+    input_layout: DenseMatmulIdInputLayout = DenseMatmulIdInputLayout.SHARED_PER_TOKEN
+    id_multiplicity: DenseMatmulIdMultiplicity = DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN
+    route: DenseMatmulIdRoute = DenseMatmulIdRoute.DIRECT
+    schema_version: int = SCHEMA_VERSION
+
+    def _native(self) -> _core._DenseMatmulIdParams:
+        for name in ("m", "n", "k", "top_k", "n_experts"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or not 0 <= value <= 0xFFFFFFFF:
+                raise InvalidArgumentError(f"dense_matmul_id {name} must be a u32, got {value!r}")
+        stride = self.expert_stride_bytes
+        if not isinstance(stride, (int, np.integer)) or not 0 <= stride <= 0xFFFFFFFFFFFFFFFF:
+            raise InvalidArgumentError(
+                f"dense_matmul_id expert_stride_bytes must be a u64, got {stride!r}"
+            )
+        return _core._DenseMatmulIdParams(
+            int(self.m), int(self.n), int(self.k), int(self.top_k), int(self.n_experts), int(stride),
+            DenseMatmulIdInputLayout(self.input_layout).value,
+            DenseMatmulIdMultiplicity(self.id_multiplicity).value,
+            DenseMatmulIdRoute(self.route).value,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdScratchRequirement(JsonRecord):
+    SCHEMA = "dense_matmul_id_capability.schema.json"
+    expert_counts_bytes: int
+    routed_rows_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdCapability(JsonRecord):
+    """Exact byte extents of one call (and the grouped route's scratch requirement)."""
+
+    SCHEMA = "dense_matmul_id_capability.schema.json"
+    weight_dtype: DType
+    route: DenseMatmulIdRoute
+    required_weight_bytes: int
+    required_input_bytes: int
+    required_ids_bytes: int
+    required_output_bytes: int
+    scratch: Optional[DenseMatmulIdScratchRequirement]
+    schema_version: int = SCHEMA_VERSION
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdDispatchReceipt(JsonRecord):
+    """What one call encoded: weight dtype, route and number of dispatches (1 direct, 2 grouped)."""
+
+    SCHEMA = "dense_matmul_id_dispatch_receipt.schema.json"
+    weight_dtype: DType
+    route: DenseMatmulIdRoute
+    dispatch_count: int
+    schema_version: int = SCHEMA_VERSION
+
+
+def _capability_from_native(d: dict) -> DenseMatmulIdCapability:
+    return DenseMatmulIdCapability.from_dict(d)
+
+
+def dense_matmul_id_capability(weight_dtype: DType, params: DenseMatmulIdParams) -> DenseMatmulIdCapability:
+    """Exact byte extents for `params` with `weight_dtype` weights; raises InvalidArgumentError.
+
+    Checked arithmetic, no allocation and no pipeline compilation.
+    """
+    if not isinstance(weight_dtype, DType):
+        raise InvalidArgumentError(f"dense_matmul_id weight dtype must be a routemm.DType, got {weight_dtype!r}")
+    return _capability_from_native(_core._dense_matmul_id_capability(weight_dtype, params._native()))
+
+
+def dense_matmul_id(encoder, registry, weights, input, expert_ids, output, scratch, params: DenseMatmulIdParams
+                    ) -> DenseMatmulIdDispatchReceipt:
+    """Encode one expert-ID matmul into `encoder` (run it with encoder.commit_and_wait()).
+
+    Every validation happens before anything is encoded; on error the encoder is untouched.
+    `scratch` is a DenseMatmulIdScratch for grouped_prefill and may be None for direct.
+    """
+    native = _core._dense_matmul_id(encoder, registry, weights, input, expert_ids, output, scratch,
+                                    params._native())
+    return DenseMatmulIdDispatchReceipt.from_dict({**native, "schema_version": SCHEMA_VERSION})
+
+
+# ---- High level ---------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _default_device() -> _core.Device:
+    return _core.Device()
+
+
+@functools.lru_cache(maxsize=8)
+def _registry_for(device: _core.Device) -> _core.KernelRegistry:
+    return _core.KernelRegistry(device)
+
+
+def ids_distinct_per_token(ids: np.ndarray) -> bool:
+    """True when no row of the [m, top_k] id matrix repeats an id."""
+    if ids.shape[1] <= 1:
+        return True
+    s = np.sort(ids, axis=1)
+    return not bool(np.any(s[:, 1:] == s[:, :-1]))
+
+
+def matmul_id(weights, x, ids, *, route: Optional[DenseMatmulIdRoute] = None, out=None, device=None
+              ) -> np.ndarray:
+    """Expert-ID matmul on NumPy arrays; returns the [m*top_k, n] float32 result.
+
+    weights: [n_experts, n, k] float32, float16 or bfloat16 (ml_dtypes).
+    x: [m, k] float32 (one row per token) or [m, top_k, k] (one row per token and slot).
+    ids: [m, top_k] integers; ids outside [0, n_experts) give zero rows.
+    route: None picks grouped_prefill when ids are distinct per token and m > 8, else direct.
+    out: optional C-contiguous float32 array of [m*top_k, n] to write the result into.
+    device: a routemm.Device (default: the best available backend).
+    """
+    weights = np.asarray(weights)
+    x = np.asarray(x)
+    ids = np.asarray(ids)
+    if weights.ndim != 3:
+        raise InvalidArgumentError(f"matmul_id weights must be [n_experts, n, k], got shape {weights.shape}")
+    n_experts, n, k = weights.shape
+    if ids.ndim != 2:
+        raise InvalidArgumentError(f"matmul_id ids must be [m, top_k], got shape {ids.shape}")
+    m, top_k = ids.shape
+    if x.dtype != np.float32:
+        raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
+    if x.shape == (m, k):
+        layout = DenseMatmulIdInputLayout.SHARED_PER_TOKEN
+    elif x.shape == (m, top_k, k):
+        layout = DenseMatmulIdInputLayout.SLOTTED
+    else:
+        raise InvalidArgumentError(
+            f"matmul_id x must be [{m}, {k}] or [{m}, {top_k}, {k}], got shape {x.shape}"
+        )
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InvalidArgumentError(f"matmul_id ids must be integers, got {ids.dtype}")
+    # Anything outside [0, n_experts) is an invalid id: map it to 0xFFFFFFFF (a zero row).
+    ids64 = ids.astype(np.int64, copy=False)
+    ids_u32 = np.where((ids64 >= 0) & (ids64 < n_experts), ids64, 0xFFFFFFFF).astype(np.uint32)
+    distinct = ids_distinct_per_token(ids_u32)
+    if route is None:
+        route = (DenseMatmulIdRoute.GROUPED_PREFILL if distinct and m >= AUTO_GROUPED_MIN_TOKENS
+                 else DenseMatmulIdRoute.DIRECT)
+    route = DenseMatmulIdRoute(route)
+    if out is not None:
+        if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (m * top_k, n)
+                and out.flags.c_contiguous and out.flags.writeable):
+            raise InvalidArgumentError(
+                f"matmul_id out must be a writable C-contiguous float32 array of shape {(m * top_k, n)}"
+            )
+
+    device = device or _default_device()
+    registry = _registry_for(device)
+    wdtype = dtype_of(weights.dtype)
+    params = DenseMatmulIdParams(
+        m=m, n=n, k=k, top_k=top_k, n_experts=n_experts,
+        expert_stride_bytes=n * k * wdtype.size, input_layout=layout,
+        id_multiplicity=(DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN if distinct
+                         else DenseMatmulIdMultiplicity.MAY_REPEAT),
+        route=route,
+    )
+    dense_matmul_id_capability(wdtype, params)  # fail before allocating anything
+    w_buf = device.from_numpy(weights)
+    x_buf = device.from_numpy(x)
+    id_buf = device.from_numpy(ids_u32)
+    out_buf = device.alloc(m * top_k * n * 4, DType.F32, [m * top_k, n])
+    scratch = (DenseMatmulIdScratch(device, n_experts, m)
+               if route is DenseMatmulIdRoute.GROUPED_PREFILL else None)
+    encoder = device.command_encoder()
+    dense_matmul_id(encoder, registry, w_buf, x_buf, id_buf, out_buf, scratch, params)
+    encoder.commit_and_wait()
+    result = out_buf.numpy()
+    if out is not None:
+        out[...] = result
+        return out
+    return result

@@ -1,0 +1,46 @@
+"""Environment knobs: one table (name, type, default, effect).
+
+Native knobs are read once by the core at first use; Python knobs are read at import. Receipts
+record every knob set to a non-default value (`non_default()`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from . import _core
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    name: str
+    type: str
+    default: str
+    effect: str
+
+
+_PYTHON_KNOBS = (
+    Knob("ROUTEMM_LOG_LEVEL", "str", "", "level of the 'routemm' logger (DEBUG, INFO, ...); unset leaves it alone"),
+    Knob("ROUTEMM_TEST_BACKENDS", "str", "", "test suite only: comma-separated backends to test (default: every available one)"),
+)
+
+KNOBS: tuple[Knob, ...] = tuple(Knob(*row) for row in _core.env_knobs()) + _PYTHON_KNOBS
+
+
+def non_default() -> dict[str, str]:
+    """Knobs whose value differs from the default, as receipts record them."""
+    out = dict(_core.env_non_default())
+    for knob in _PYTHON_KNOBS:
+        value = os.environ.get(knob.name, "")
+        if value and value != knob.default and knob.name != "ROUTEMM_TEST_BACKENDS":
+            out[knob.name] = value
+    return out
+
+
+def table_markdown() -> str:
+    """The knob table as Markdown (the README's table is generated from this)."""
+    lines = ["| name | type | default | effect |", "|---|---|---|---|"]
+    for k in KNOBS:
+        lines.append(f"| `{k.name}` | {k.type} | {k.default or '(unset)'} | {k.effect} |")
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+// Expert-ID matmul: params by field, enums by their snake_case values, results as dicts that the
+// Python dataclasses are built from.
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "routemm/error.h"
+#include "routemm/ops/dense_matmul_id.h"
+
+namespace routemm::python {
+namespace {
+
+template <class Enum, size_t N>
+Enum parse(const std::string& text, const std::array<Enum, N>& values, const char* what) {
+  for (Enum v : values) {
+    if (to_string(v) == text) return v;
+  }
+  throw InvalidArgument(std::string("dense_matmul_id unknown ") + what + " '" + text + "'");
+}
+
+DenseMatmulIdParams make_params(uint32_t m, uint32_t n, uint32_t k, uint32_t top_k,
+                                uint32_t n_experts, uint64_t expert_stride_bytes,
+                                const std::string& input_layout, const std::string& id_multiplicity,
+                                const std::string& route) {
+  DenseMatmulIdParams p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.top_k = top_k;
+  p.n_experts = n_experts;
+  p.expert_stride_bytes = expert_stride_bytes;
+  p.input_layout = parse(input_layout,
+                         std::array{DenseMatmulIdInputLayout::SharedPerToken, DenseMatmulIdInputLayout::Slotted},
+                         "input layout");
+  p.id_multiplicity = parse(
+      id_multiplicity,
+      std::array{DenseMatmulIdMultiplicity::DistinctPerToken, DenseMatmulIdMultiplicity::MayRepeat},
+      "id multiplicity");
+  p.route = parse(route, std::array{DenseMatmulIdRoute::Direct, DenseMatmulIdRoute::GroupedPrefill}, "route");
+  return p;
+}
+
+py::dict capability_dict(const DenseMatmulIdCapability& c) {
+  py::dict out;
+  out["schema_version"] = c.schema_version;
+  out["weight_dtype"] = std::string(dtype_name(c.weight_dtype));
+  out["route"] = std::string(to_string(c.route));
+  out["required_weight_bytes"] = c.required_weight_bytes;
+  out["required_input_bytes"] = c.required_input_bytes;
+  out["required_ids_bytes"] = c.required_ids_bytes;
+  out["required_output_bytes"] = c.required_output_bytes;
+  if (c.scratch) {
+    py::dict s;
+    s["expert_counts_bytes"] = c.scratch->expert_counts_bytes;
+    s["routed_rows_bytes"] = c.scratch->routed_rows_bytes;
+    out["scratch"] = s;
+  } else {
+    out["scratch"] = py::none();
+  }
+  return out;
+}
+
+}  // namespace
+
+void init_dense_matmul_id(py::module_& m) {
+  py::class_<DenseMatmulIdParams>(m, "_DenseMatmulIdParams")
+      .def(py::init(&make_params), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("top_k"),
+           py::arg("n_experts"), py::arg("expert_stride_bytes"), py::arg("input_layout"),
+           py::arg("id_multiplicity"), py::arg("route"));
+
+  py::class_<DenseMatmulIdScratch, std::shared_ptr<DenseMatmulIdScratch>>(
+      m, "DenseMatmulIdScratch",
+      "Caller-owned scratch for the grouped_prefill route: U32 expert_counts[max_experts] and "
+      "routed_rows[max_experts, max_tokens]. Keep it alive until every submission using it has "
+      "completed.")
+      .def(py::init<const Device&, uint32_t, uint32_t>(), py::arg("device"), py::arg("max_experts"),
+           py::arg("max_tokens"))
+      .def_property_readonly("max_experts", &DenseMatmulIdScratch::max_experts)
+      .def_property_readonly("max_tokens", &DenseMatmulIdScratch::max_tokens)
+      .def_property_readonly("expert_counts", &DenseMatmulIdScratch::expert_counts)
+      .def_property_readonly("routed_rows", &DenseMatmulIdScratch::routed_rows);
+
+  m.attr("DENSE_MATMUL_ID_SCHEMA_VERSION") = kDenseMatmulIdSchemaVersion;
+  m.attr("DENSE_MATMUL_ID_GROUPED_MAX_EXPERTS") = kDenseMatmulIdGroupedMaxExperts;
+  py::list names;
+  for (auto name : kDenseMatmulIdPipelineNames) names.append(std::string(name));
+  m.attr("DENSE_MATMUL_ID_PIPELINE_NAMES") = py::tuple(names);
+
+  m.def("_dense_matmul_id_capability",
+        [](DType dtype, const DenseMatmulIdParams& p) {
+          return capability_dict(dense_matmul_id_capability(dtype, p));
+        });
+  m.def("_dense_matmul_id",
+        [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& weights,
+           const Buffer& input, const Buffer& ids, const Buffer& output,
+           const DenseMatmulIdScratch* scratch, const DenseMatmulIdParams& p) {
+          const auto r = dense_matmul_id(encoder, registry, weights, input, ids, output, scratch, p);
+          py::dict out;
+          out["weight_dtype"] = std::string(dtype_name(r.weight_dtype));
+          out["route"] = std::string(to_string(r.route));
+          out["dispatch_count"] = r.dispatch_count;
+          return out;
+        },
+        py::arg("encoder"), py::arg("registry"), py::arg("weights"), py::arg("input"),
+        py::arg("expert_ids"), py::arg("output"), py::arg("scratch").none(true), py::arg("params"));
+}
+
+}  // namespace routemm::python

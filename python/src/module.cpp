@@ -1,0 +1,37 @@
+// routemm._core: the compiled half of routemm. Errors map onto routemm._errors classes.
+#include <pybind11/pybind11.h>
+
+#include "bindings.h"
+#include "routemm/error.h"
+
+namespace py = pybind11;
+
+namespace {
+
+void raise_as(const char* class_name, const char* message) {
+  py::object cls = py::module_::import("routemm._errors").attr(class_name);
+  PyErr_SetString(cls.ptr(), message);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "routemm native core";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const routemm::InvalidArgument& e) {
+      raise_as("InvalidArgumentError", e.what());
+    } catch (const routemm::KernelNotFound& e) {
+      raise_as("KernelNotFoundError", e.what());
+    } catch (const routemm::CommandBufferError& e) {
+      raise_as("CommandBufferError", e.what());
+    } catch (const routemm::Error& e) {
+      raise_as("Error", e.what());
+    }
+  });
+  routemm::python::init_core(m);
+  routemm::python::init_encoder(m);
+  routemm::python::init_registry(m);
+  routemm::python::init_dense_matmul_id(m);
+}
