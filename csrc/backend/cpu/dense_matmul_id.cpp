@@ -27,6 +27,10 @@
 #include "simd.h"
 #include "thread_pool.h"
 
+#if ROUTEMM_CPU_HAVE_AVX2
+#include <immintrin.h>
+#endif
+
 #ifndef ROUTEMM_CPU_DENSE_MATMUL_ID_SHA256
 #define ROUTEMM_CPU_DENSE_MATMUL_ID_SHA256 "unknown"
 #endif
@@ -130,38 +134,172 @@ Operands make_operands(const DenseMatmulIdKernelParams& p, const void* weights, 
                   p.input_slot_stride_bytes};
 }
 
+// ---- Micro-kernels ------------------------------------------------------------------------------
+//
+// Two implementations of the same three primitives, selected once per launch: PortableIsa (plain
+// loops, any target) and Avx2Isa (x86-64 intrinsics). Each follows the contract exactly, so the
+// choice never changes a bit.
+//
+//   widen_block(src, dst, count)      dst[i] = widen(src[i])
+//   direct_block(x, w, k, cols, out)  out[c] for c < cols: one output row over the full inner
+//                                     dimension, column c at w + c * k, weights widened on the fly
+//   grouped_tile(x, w, ld, i0, i1, acc, acc_stride)
+//                                     acc[r][c][lane] += inner range [i0, i1) (a multiple of 8
+//                                     wide) for kTileRows packed rows x kTileCols packed columns
+
+// Micro-kernel tile of the grouped route: 12 eight-lane accumulators (12 of 16 AVX2 registers).
+constexpr size_t kTileRows = 4;
+constexpr size_t kTileCols = 3;
+// Output columns the direct route computes together, sharing each activation load.
+constexpr size_t kDirectCols = 8;
+
+struct PortableIsa {
+  template <typename WT>
+  static void widen_block(const WT* src, float* dst, size_t count) {
+    simd::widen_block(src, dst, count);
+  }
+
+  template <size_t C, typename WT>
+  static void direct_columns(const float* x, const WT* w, size_t k, float* out) {
+    float acc[C][kLanes] = {};
+    const size_t k_full = k & ~kLaneMask;
+    for (size_t i = 0; i < k_full; i += kLanes) {
+      for (size_t c = 0; c < C; ++c) {
+        const WT* wc = w + c * k + i;
+        for (size_t l = 0; l < kLanes; ++l) {
+          acc[c][l] = std::fma(simd::widen(wc[l]), x[i + l], acc[c][l]);
+        }
+      }
+    }
+    if (k_full < k) {  // zero-padded tail block (contract step 1)
+      const size_t rest = k - k_full;
+      float xt[kLanes] = {};
+      for (size_t l = 0; l < rest; ++l) xt[l] = x[k_full + l];
+      for (size_t c = 0; c < C; ++c) {
+        float wt[kLanes] = {};
+        for (size_t l = 0; l < rest; ++l) wt[l] = simd::widen(w[c * k + k_full + l]);
+        for (size_t l = 0; l < kLanes; ++l) acc[c][l] = std::fma(wt[l], xt[l], acc[c][l]);
+      }
+    }
+    for (size_t c = 0; c < C; ++c) out[c] = simd::reduce_lanes(acc[c]);
+  }
+
+  template <typename WT>
+  static void direct_block(const float* x, const WT* w, size_t k, size_t cols, float* out) {
+    size_t c = 0;
+    for (; c + kDirectCols <= cols; c += kDirectCols) {
+      direct_columns<kDirectCols>(x, w + c * k, k, out + c);
+    }
+    for (; c < cols; ++c) direct_columns<1>(x, w + c * k, k, out + c);
+  }
+
+  static void grouped_tile(const float* x, const float* w, size_t ld, size_t i0, size_t i1,
+                           float* acc, size_t acc_stride) {
+    for (size_t r = 0; r < kTileRows; ++r) {
+      for (size_t c = 0; c < kTileCols; ++c) {
+        float a[kLanes];
+        float* dst = acc + r * acc_stride + c * kLanes;
+        std::copy(dst, dst + kLanes, a);
+        for (size_t i = i0; i < i1; i += kLanes) {
+          for (size_t l = 0; l < kLanes; ++l) a[l] = std::fma(w[c * ld + i + l], x[r * ld + i + l], a[l]);
+        }
+        std::copy(a, a + kLanes, dst);
+      }
+    }
+  }
+};
+
+#if ROUTEMM_CPU_HAVE_AVX2
+struct Avx2Isa {
+  // Eight consecutive weights widened to f32 (exact: F16C conversion, bf16 shift).
+  ROUTEMM_CPU_AVX2 static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+  ROUTEMM_CPU_AVX2 static __m256 load8(const Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  ROUTEMM_CPU_AVX2 static __m256 load8(const BFloat16* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+
+  template <typename WT>
+  ROUTEMM_CPU_AVX2 static void widen_block(const WT* src, float* dst, size_t count) {
+    size_t i = 0;
+    for (; i + kLanes <= count; i += kLanes) _mm256_storeu_ps(dst + i, load8(src + i));
+    for (; i < count; ++i) dst[i] = simd::widen(src[i]);
+  }
+
+  ROUTEMM_CPU_AVX2 static float reduce(__m256 v) {
+    alignas(32) float lanes[kLanes];
+    _mm256_store_ps(lanes, v);
+    return simd::reduce_lanes(lanes);
+  }
+
+  template <size_t C, typename WT>
+  ROUTEMM_CPU_AVX2 static void direct_columns(const float* x, const WT* w, size_t k, float* out) {
+    __m256 acc[C];
+#pragma GCC unroll 16
+    for (size_t c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+    const size_t k_full = k & ~kLaneMask;
+    for (size_t i = 0; i < k_full; i += kLanes) {
+      const __m256 xv = _mm256_loadu_ps(x + i);
+#pragma GCC unroll 16
+      for (size_t c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(load8(w + c * k + i), xv, acc[c]);
+    }
+    if (k_full < k) {  // zero-padded tail block (contract step 1)
+      const size_t rest = k - k_full;
+      alignas(32) float xt[kLanes] = {};
+      std::copy(x + k_full, x + k, xt);
+      const __m256 xv = _mm256_load_ps(xt);
+      for (size_t c = 0; c < C; ++c) {
+        alignas(32) float wt[kLanes] = {};
+        for (size_t l = 0; l < rest; ++l) wt[l] = simd::widen(w[c * k + k_full + l]);
+        acc[c] = _mm256_fmadd_ps(_mm256_load_ps(wt), xv, acc[c]);
+      }
+    }
+    for (size_t c = 0; c < C; ++c) out[c] = reduce(acc[c]);
+  }
+
+  template <typename WT>
+  ROUTEMM_CPU_AVX2 static void direct_block(const float* x, const WT* w, size_t k, size_t cols,
+                                            float* out) {
+    size_t c = 0;
+    for (; c + kDirectCols <= cols; c += kDirectCols) {
+      direct_columns<kDirectCols>(x, w + c * k, k, out + c);
+    }
+    for (; c < cols; ++c) direct_columns<1>(x, w + c * k, k, out + c);
+  }
+
+  ROUTEMM_CPU_AVX2 static void grouped_tile(const float* x, const float* w, size_t ld, size_t i0,
+                                            size_t i1, float* acc, size_t acc_stride) {
+    __m256 a[kTileRows][kTileCols];
+#pragma GCC unroll 16
+    for (size_t r = 0; r < kTileRows; ++r)
+#pragma GCC unroll 16
+      for (size_t c = 0; c < kTileCols; ++c) a[r][c] = _mm256_loadu_ps(acc + r * acc_stride + c * kLanes);
+    for (size_t i = i0; i < i1; i += kLanes) {
+      __m256 wv[kTileCols];
+#pragma GCC unroll 16
+      for (size_t c = 0; c < kTileCols; ++c) wv[c] = _mm256_loadu_ps(w + c * ld + i);
+#pragma GCC unroll 16
+      for (size_t r = 0; r < kTileRows; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + r * ld + i);
+#pragma GCC unroll 16
+        for (size_t c = 0; c < kTileCols; ++c) a[r][c] = _mm256_fmadd_ps(wv[c], xv, a[r][c]);
+      }
+    }
+#pragma GCC unroll 16
+    for (size_t r = 0; r < kTileRows; ++r)
+#pragma GCC unroll 16
+      for (size_t c = 0; c < kTileCols; ++c) _mm256_storeu_ps(acc + r * acc_stride + c * kLanes, a[r][c]);
+  }
+};
+#endif
+
 // ---- Direct --------------------------------------------------------------------------------------
 
 // Output columns per direct work item: enough to amortise the item, small enough to spread a
 // decode step (a handful of rows) over every thread.
 constexpr size_t kDirectChunk = 64;
-
-// C adjacent output columns of one row over the full inner dimension, weights widened on the fly.
-// w points at column 0 (row-major [n, k], so column c starts at w + c * k).
-template <size_t C, typename WT>
-ROUTEMM_CPU_INLINE void direct_columns(const float* x, const WT* w, size_t k, float* out) {
-  float acc[C][kLanes] = {};
-  const size_t k_full = k & ~kLaneMask;
-  for (size_t i = 0; i < k_full; i += kLanes) {
-    for (size_t c = 0; c < C; ++c) {
-      const WT* wc = w + c * k + i;
-      for (size_t l = 0; l < kLanes; ++l) {
-        acc[c][l] = std::fma(simd::widen(wc[l]), x[i + l], acc[c][l]);
-      }
-    }
-  }
-  if (k_full < k) {  // zero-padded tail block (contract step 1)
-    const size_t rest = k - k_full;
-    float xt[kLanes] = {};
-    for (size_t l = 0; l < rest; ++l) xt[l] = x[k_full + l];
-    for (size_t c = 0; c < C; ++c) {
-      float wt[kLanes] = {};
-      for (size_t l = 0; l < rest; ++l) wt[l] = simd::widen(w[c * k + k_full + l]);
-      for (size_t l = 0; l < kLanes; ++l) acc[c][l] = std::fma(wt[l], xt[l], acc[c][l]);
-    }
-  }
-  for (size_t c = 0; c < C; ++c) out[c] = simd::reduce_lanes(acc[c]);
-}
 
 struct DirectJob {
   Operands ops;
@@ -171,35 +309,21 @@ struct DirectJob {
 };
 
 // Work items [begin, end) of the direct kernel; item = row * chunks_per_row + column chunk.
-template <typename WT>
-ROUTEMM_CPU_INLINE void direct_items(const DirectJob& job, size_t begin, size_t end) {
+template <typename Isa, typename WT>
+void direct_items(const DirectJob& job, size_t begin, size_t end) {
   const Operands& ops = job.ops;
   for (size_t item = begin; item < end; ++item) {
     const size_t flat = item / job.chunks_per_row;
     const size_t col0 = (item - flat * job.chunks_per_row) * kDirectChunk;
-    const size_t col1 = std::min(ops.n, col0 + kDirectChunk);
-    float* out = ops.output_row(flat);
+    const size_t cols = std::min(ops.n - col0, kDirectChunk);
+    float* out = ops.output_row(flat) + col0;
     const uint32_t id = job.ids[flat];
     if (id >= job.n_experts) {  // invalid id: zero row, no weight address formed
-      std::fill(out + col0, out + col1, 0.0f);
+      std::fill(out, out + cols, 0.0f);
       continue;
     }
-    const float* x = ops.input_row(flat);
-    const WT* w = ops.expert<WT>(id);
-    size_t col = col0;
-    for (; col + 8 <= col1; col += 8) direct_columns<8>(x, w + col * ops.k, ops.k, out + col);
-    for (; col < col1; ++col) direct_columns<1>(x, w + col * ops.k, ops.k, out + col);
+    Isa::direct_block(ops.input_row(flat), ops.expert<WT>(id) + col0 * ops.k, ops.k, cols, out);
   }
-}
-
-ROUTEMM_CPU_CLONES void direct_items_f32(const DirectJob& job, size_t begin, size_t end) {
-  direct_items<float>(job, begin, end);
-}
-ROUTEMM_CPU_CLONES void direct_items_f16(const DirectJob& job, size_t begin, size_t end) {
-  direct_items<Half>(job, begin, end);
-}
-ROUTEMM_CPU_CLONES void direct_items_bf16(const DirectJob& job, size_t begin, size_t end) {
-  direct_items<BFloat16>(job, begin, end);
 }
 
 template <typename WT>
@@ -212,12 +336,12 @@ void direct_kernel(const KernelLaunch& launch, void* queue_native) {
       static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(rows, 4), "expert ids"));
   void* output = arg_data(launch, 4, checked_mul(checked_mul(rows, p.n), 4), "output");
 
-  DirectJob job{make_operands(p, weights, input, output), ids, p.n_experts,
-                (size_t{p.n} + kDirectChunk - 1) / kDirectChunk};
-  void (*run)(const DirectJob&, size_t, size_t) = nullptr;
-  if constexpr (std::is_same_v<WT, float>) run = direct_items_f32;
-  if constexpr (std::is_same_v<WT, Half>) run = direct_items_f16;
-  if constexpr (std::is_same_v<WT, BFloat16>) run = direct_items_bf16;
+  const DirectJob job{make_operands(p, weights, input, output), ids, p.n_experts,
+                      (size_t{p.n} + kDirectChunk - 1) / kDirectChunk};
+  void (*run)(const DirectJob&, size_t, size_t) = direct_items<PortableIsa, WT>;
+#if ROUTEMM_CPU_HAVE_AVX2
+  if (simd::has_avx2_fma()) run = direct_items<Avx2Isa, WT>;
+#endif
 
   auto* pool = static_cast<ThreadPool*>(queue_native);
   const size_t items = rows * job.chunks_per_row;
@@ -268,39 +392,12 @@ void map_distinct_kernel(const KernelLaunch& launch, void* /*queue_native*/) {
 
 // ---- Grouped -------------------------------------------------------------------------------------
 
-// Micro-kernel tile: kTileRows routed rows x kTileCols columns, each output with its own 8-lane
-// accumulator (12 vector registers under AVX2).
-constexpr size_t kTileRows = 4;
-constexpr size_t kTileCols = 3;
 // Work item extents: routed rows x columns of one expert. Columns are a multiple of kTileCols.
 constexpr size_t kBlockRows = 64;
 constexpr size_t kBlockCols = 48;
 // Inner positions per pass, so that a tile's weight slices stay in L1 while the rows go by.
 constexpr size_t kInnerBlock = 256;
 static_assert(kBlockCols % kTileCols == 0 && kInnerBlock % kLanes == 0);
-
-// acc[r][c][lane] (row stride acc_stride floats) += the inner range [i0, i1) of the packed
-// rows x (stride ld) against the packed weight columns w (stride ld).
-template <size_t R, size_t C>
-ROUTEMM_CPU_INLINE void grouped_tile(const float* x, const float* w, size_t ld, size_t i0,
-                                     size_t i1, float* acc, size_t acc_stride) {
-  float a[R][C][kLanes];
-  for (size_t r = 0; r < R; ++r)
-    for (size_t c = 0; c < C; ++c)
-      for (size_t l = 0; l < kLanes; ++l) a[r][c][l] = acc[r * acc_stride + c * kLanes + l];
-  for (size_t i = i0; i < i1; i += kLanes) {
-    for (size_t r = 0; r < R; ++r) {
-      const float* xr = x + r * ld + i;
-      for (size_t c = 0; c < C; ++c) {
-        const float* wc = w + c * ld + i;
-        for (size_t l = 0; l < kLanes; ++l) a[r][c][l] = std::fma(wc[l], xr[l], a[r][c][l]);
-      }
-    }
-  }
-  for (size_t r = 0; r < R; ++r)
-    for (size_t c = 0; c < C; ++c)
-      for (size_t l = 0; l < kLanes; ++l) acc[r * acc_stride + c * kLanes + l] = a[r][c][l];
-}
 
 struct GroupedItem {
   uint32_t expert;
@@ -323,8 +420,8 @@ GroupedScratch& grouped_scratch() {
   return scratch;
 }
 
-template <typename WT>
-ROUTEMM_CPU_INLINE void grouped_item(const GroupedJob& job, const GroupedItem& item) {
+template <typename Isa, typename WT>
+void grouped_item(const GroupedJob& job, const GroupedItem& item) {
   const Operands& ops = job.ops;
   const size_t k = ops.k, kp = round_up(k, kLanes);
   const size_t rows = item.rows, rows_pad = round_up(rows, kTileRows);
@@ -349,10 +446,8 @@ ROUTEMM_CPU_INLINE void grouped_item(const GroupedJob& job, const GroupedItem& i
   // Widen this column block of the expert once; every routed row reuses it.
   const WT* expert = ops.expert<WT>(item.expert) + size_t{item.col0} * k;
   for (size_t c = 0; c < cols; ++c) {
-    const WT* src = expert + c * k;
-    float* dst = w + c * kp;
-    for (size_t i = 0; i < k; ++i) dst[i] = simd::widen(src[i]);
-    std::fill(dst + k, dst + kp, 0.0f);
+    Isa::widen_block(expert + c * k, w + c * kp, k);
+    std::fill(w + c * kp + k, w + (c + 1) * kp, 0.0f);
   }
   std::fill(w + cols * kp, w + cols_pad * kp, 0.0f);
   std::fill(acc, acc + rows_pad * cols_pad * kLanes, 0.0f);
@@ -362,8 +457,8 @@ ROUTEMM_CPU_INLINE void grouped_item(const GroupedJob& job, const GroupedItem& i
     const size_t i1 = std::min(kp, i0 + kInnerBlock);
     for (size_t c = 0; c < cols_pad; c += kTileCols) {
       for (size_t r = 0; r < rows_pad; r += kTileRows) {
-        grouped_tile<kTileRows, kTileCols>(x + r * kp, w + c * kp, kp, i0, i1,
-                                           acc + r * acc_stride + c * kLanes, acc_stride);
+        Isa::grouped_tile(x + r * kp, w + c * kp, kp, i0, i1, acc + r * acc_stride + c * kLanes,
+                          acc_stride);
       }
     }
   }
@@ -371,16 +466,6 @@ ROUTEMM_CPU_INLINE void grouped_item(const GroupedJob& job, const GroupedItem& i
     float* out = ops.output_row(flats[r]) + item.col0;
     for (size_t c = 0; c < cols; ++c) out[c] = simd::reduce_lanes(acc + r * acc_stride + c * kLanes);
   }
-}
-
-ROUTEMM_CPU_CLONES void grouped_item_f32(const GroupedJob& job, const GroupedItem& item) {
-  grouped_item<float>(job, item);
-}
-ROUTEMM_CPU_CLONES void grouped_item_f16(const GroupedJob& job, const GroupedItem& item) {
-  grouped_item<Half>(job, item);
-}
-ROUTEMM_CPU_CLONES void grouped_item_bf16(const GroupedJob& job, const GroupedItem& item) {
-  grouped_item<BFloat16>(job, item);
 }
 
 template <typename WT>
@@ -421,10 +506,10 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
                    [](const GroupedItem& a, const GroupedItem& b) { return a.rows > b.rows; });
 
   const GroupedJob job{make_operands(p, weights, input, output), routed, p.m};
-  void (*run)(const GroupedJob&, const GroupedItem&) = nullptr;
-  if constexpr (std::is_same_v<WT, float>) run = grouped_item_f32;
-  if constexpr (std::is_same_v<WT, Half>) run = grouped_item_f16;
-  if constexpr (std::is_same_v<WT, BFloat16>) run = grouped_item_bf16;
+  void (*run)(const GroupedJob&, const GroupedItem&) = grouped_item<PortableIsa, WT>;
+#if ROUTEMM_CPU_HAVE_AVX2
+  if (simd::has_avx2_fma()) run = grouped_item<Avx2Isa, WT>;
+#endif
 
   auto* pool = static_cast<ThreadPool*>(queue_native);
   if (pool == nullptr || pool->size() == 1) {

@@ -1,29 +1,30 @@
 // Small portable helpers for the CPU kernels: exact fp16/bf16 -> f32 widening, the fixed lane
-// reduction of the expert-ID matmul contract, and the multiversioning attribute.
+// reduction of the expert-ID matmul contract, and the x86 AVX2 dispatch switch.
 //
 // Everything here is plain scalar C++ that the compiler can vectorise; nothing depends on the
-// instruction set, so every build (and every function clone) produces the same bits.
+// instruction set, so every build produces the same bits.
 #pragma once
 
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 
-// Forces inlining so that templated helpers are compiled inside each clone of their caller
-// (and therefore with that clone's instruction set).
+// Forces inlining of small helpers into the hot loops.
 #if defined(__GNUC__) || defined(__clang__)
 #define ROUTEMM_CPU_INLINE inline __attribute__((always_inline))
 #else
 #define ROUTEMM_CPU_INLINE inline
 #endif
 
-// Hot entry points get an AVX2+FMA clone next to the baseline one on x86-64 ELF targets; the
-// loader picks one at startup. Both clones give identical results: the kernels only use
-// operations with exactly specified rounding (fma, add, int<->float conversions).
-#if defined(__x86_64__) && defined(__ELF__) && (defined(__GNUC__) || defined(__clang__))
-#define ROUTEMM_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+// x86-64 kernels compiled for AVX2 + FMA + F16C next to the portable ones; callers pick one at run
+// time with has_avx2_fma(). Both give identical bits: they only use operations with exactly
+// specified results (fma, add, exact conversions).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(ROUTEMM_CPU_PORTABLE_ONLY)
+#define ROUTEMM_CPU_HAVE_AVX2 1
+#define ROUTEMM_CPU_AVX2 __attribute__((target("avx2,fma,f16c")))
 #else
-#define ROUTEMM_CPU_CLONES
+#define ROUTEMM_CPU_HAVE_AVX2 0
 #endif
 
 namespace routemm::cpu::simd {
@@ -56,11 +57,33 @@ ROUTEMM_CPU_INLINE float widen(Half value) {
   // Subnormal (and zero): magnitude * 2^-24.
   const uint32_t subnormal =
       std::bit_cast<uint32_t>(static_cast<float>(static_cast<int32_t>(magnitude)) * 0x1p-24f);
-  // Inf / NaN: keep the payload, saturate the exponent.
-  const uint32_t special = (magnitude << 13) | 0x7f800000u;
-  uint32_t bits = magnitude < 0x0400u ? subnormal : normal;
-  bits = magnitude >= 0x7c00u ? special : bits;
+  // Inf / NaN: saturate the exponent, keep the payload, and quiet a signalling NaN as an IEEE
+  // conversion (and x86 VCVTPH2PS) does.
+  const uint32_t is_nan = 0u - static_cast<uint32_t>(magnitude > 0x7c00u);
+  const uint32_t special = (magnitude << 13) | 0x7f800000u | (0x00400000u & is_nan);
+  // Mask selects rather than ?: so compilers keep the loop branch-free.
+  const uint32_t is_subnormal = 0u - static_cast<uint32_t>(magnitude < 0x0400u);
+  const uint32_t is_special = 0u - static_cast<uint32_t>(magnitude >= 0x7c00u);
+  uint32_t bits = (subnormal & is_subnormal) | (normal & ~is_subnormal);
+  bits = (special & is_special) | (bits & ~is_special);
   return std::bit_cast<float>(bits | sign);
+}
+
+// dst[i] = widen(src[i]) for i < count; a plain loop that vectorises.
+template <typename WT>
+ROUTEMM_CPU_INLINE void widen_block(const WT* src, float* dst, size_t count) {
+  for (size_t i = 0; i < count; ++i) dst[i] = widen(src[i]);
+}
+
+// True when the CPU (and OS) support the ROUTEMM_CPU_AVX2 kernels.
+inline bool has_avx2_fma() {
+#if ROUTEMM_CPU_HAVE_AVX2
+  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                                __builtin_cpu_supports("f16c");
+  return supported;
+#else
+  return false;
+#endif
 }
 
 // Lanes of the per-output accumulator (see the contract in dense_matmul_id.cpp).
