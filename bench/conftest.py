@@ -1,0 +1,89 @@
+"""Benchmark harness: collects records in the results format of DESIGN.md and writes them at exit.
+
+    python -m pytest bench/bench_dense_matmul_id.py --benchmark-only --results bench/results/dense_matmul_id-cpu.json
+
+Each benchmark appends records through the `results` fixture; the file gets the device, git
+revision, command line and measured ceilings, and a Markdown table is written beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+_RECORDS: list[dict] = []
+_CEILINGS: dict = {}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--results", default=None, help="write the results JSON (and a .md table) here")
+
+
+@pytest.fixture(scope="session")
+def results():
+    class Results:
+        ceilings = _CEILINGS
+
+        @staticmethod
+        def add(**record):
+            _RECORDS.append(record)
+
+    return Results
+
+
+def _git_rev() -> str:
+    if os.environ.get("GIT_REV"):
+        return os.environ["GIT_REV"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
+                                       cwd=os.path.dirname(__file__)).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _markdown(doc: dict) -> str:
+    lines = [f"# {doc['device']} — {doc['git_rev'][:12]}", "", f"Command: `{doc['command']}`", "",
+             "Ceilings: " + ", ".join(f"{k} = {v:.3g}" for k, v in doc["ceilings"].items()), "",
+             "| op | shape | m | weight dtype | route | impl | time (us) | GB/s | GFLOP/s | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["records"]:
+        gbps = f"{r['TBps'] * 1e3:.2f}" if "TBps" in r else ""
+        gflops = f"{r['TFLOPs'] * 1e3:.2f}" if "TFLOPs" in r else ""
+        lines.append(f"| {r['op']} | {r['shape']} | {r['m']} | {r['weight_dtype']} | {r['route']} | {r['impl']} | "
+                     f"{r['time_us']:.1f} | {gbps} | {gflops} | {r.get('note', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--results")
+    if not path or not _RECORDS:
+        return
+    doc = {
+        "device": f"cpu: {_cpu_name()} ({os.cpu_count()} threads)",
+        "git_rev": _git_rev(),
+        "command": "python -m pytest " + " ".join(sys.argv[1:]),
+        "ceilings": dict(_CEILINGS),
+        "records": _RECORDS,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True, allow_nan=False)
+        f.write("\n")
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write(_markdown(doc))
