@@ -33,6 +33,7 @@ from .dense_matmul_id import (
     matmul_id,
 )
 from . import env
+from ._interop import from_dlpack
 
 Device = _core.Device
 Buffer = _core.Buffer
@@ -66,6 +67,6 @@ __all__ = [
     "DenseMatmulIdScratch", "DenseMatmulIdScratchRequirement", "Device", "DispatchKind",
     "EncodedKernelDispatch", "Error", "InvalidArgumentError", "KernelNotFoundError", "KernelRegistry",
     "Pipeline", "PipelineIdentity", "available_backends", "backend_status", "dense_matmul_id",
-    "dense_matmul_id_capability", "dispatch_count", "dtype_of", "encoder_counters", "env", "matmul_id",
+    "dense_matmul_id_capability", "dispatch_count", "from_dlpack", "dtype_of", "encoder_counters", "env", "matmul_id",
     "numpy_dtype", "reset_encoder_counters",
 ]

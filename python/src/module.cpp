@@ -34,4 +34,5 @@ PYBIND11_MODULE(_core, m) {
   routemm::python::init_encoder(m);
   routemm::python::init_registry(m);
   routemm::python::init_dense_matmul_id(m);
+  routemm::python::init_interop(m);
 }

@@ -5,7 +5,9 @@
 // every output out[flat, col] is computed as follows, whatever the thread count, work split,
 // micro-kernel tile or instruction set.
 //   1. The inner dimension is padded with zeros to kp = round_up(k, 8); a padded position
-//      contributes fma(0, 0, acc) (weight and activation both +0).
+//      contributes fma(0, 0, acc) (weight and activation both +0). Padding is not a no-op: a
+//      lane can hold -0 (a tiny negative product rounds to -0), and fma(0, 0, -0) = +0, so both
+//      routes must pad identically.
 //   2. Eight lane accumulators start at +0.0f. Lane l visits inner = l, l + 8, l + 16, ... < kp in
 //      increasing order and does acc[l] = fma(widen(w[col, inner]), x[row, inner], acc[l]), one
 //      correctly rounded F32 fused multiply-add per step (hardware FMA or std::fma).
@@ -13,6 +15,8 @@
 // widen() is exact (f16 and bf16 values, including subnormals, infinities and NaN, are all
 // representable in F32). Only NaN payloads are not pinned: when two different NaNs meet, which
 // payload survives may depend on operand order. An id >= n_experts yields an all-zero row.
+#include "routemm/ops/dense_matmul_id.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -23,7 +27,6 @@
 #include "backend/common/dense_matmul_id_params.h"
 #include "kernels.h"
 #include "routemm/error.h"
-#include "routemm/ops/dense_matmul_id.h"
 #include "simd.h"
 #include "thread_pool.h"
 
@@ -45,9 +48,11 @@ using simd::kLanes;
 
 constexpr size_t kLaneMask = kLanes - 1;
 
-size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+size_t round_up(size_t value, size_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
 
-// ---- Arguments -----------------------------------------------------------------------------------
+// ---- Arguments ----------------------------------------------------------------------------------
 
 // Overflow-checked size arithmetic; the front door validated the shapes, this only keeps a
 // corrupt launch from turning into an out-of-bounds access.
@@ -201,7 +206,9 @@ struct PortableIsa {
         float* dst = acc + r * acc_stride + c * kLanes;
         std::copy(dst, dst + kLanes, a);
         for (size_t i = i0; i < i1; i += kLanes) {
-          for (size_t l = 0; l < kLanes; ++l) a[l] = std::fma(w[c * ld + i + l], x[r * ld + i + l], a[l]);
+          for (size_t l = 0; l < kLanes; ++l) {
+            a[l] = std::fma(w[c * ld + i + l], x[r * ld + i + l], a[l]);
+          }
         }
         std::copy(a, a + kLanes, dst);
       }
@@ -217,7 +224,8 @@ struct Avx2Isa {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   ROUTEMM_CPU_AVX2 static __m256 load8(const BFloat16* p) {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i wide =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
 
@@ -275,7 +283,8 @@ struct Avx2Isa {
 #pragma GCC unroll 16
     for (size_t r = 0; r < kTileRows; ++r)
 #pragma GCC unroll 16
-      for (size_t c = 0; c < kTileCols; ++c) a[r][c] = _mm256_loadu_ps(acc + r * acc_stride + c * kLanes);
+      for (size_t c = 0; c < kTileCols; ++c)
+        a[r][c] = _mm256_loadu_ps(acc + r * acc_stride + c * kLanes);
     for (size_t i = i0; i < i1; i += kLanes) {
       __m256 wv[kTileCols];
 #pragma GCC unroll 16
@@ -290,12 +299,13 @@ struct Avx2Isa {
 #pragma GCC unroll 16
     for (size_t r = 0; r < kTileRows; ++r)
 #pragma GCC unroll 16
-      for (size_t c = 0; c < kTileCols; ++c) _mm256_storeu_ps(acc + r * acc_stride + c * kLanes, a[r][c]);
+      for (size_t c = 0; c < kTileCols; ++c)
+        _mm256_storeu_ps(acc + r * acc_stride + c * kLanes, a[r][c]);
   }
 };
 #endif
 
-// ---- Direct --------------------------------------------------------------------------------------
+// ---- Direct -------------------------------------------------------------------------------------
 
 // Output columns per direct work item: enough to amortise the item, small enough to spread a
 // decode step (a handful of rows) over every thread.
@@ -352,7 +362,7 @@ void direct_kernel(const KernelLaunch& launch, void* queue_native) {
   pool->parallel_for(items, 1, [&](size_t begin, size_t end) { run(job, begin, end); });
 }
 
-// ---- Map -----------------------------------------------------------------------------------------
+// ---- Map ----------------------------------------------------------------------------------------
 
 // Single pass equivalent to the spec's one-thread-per-expert scan: visiting tokens in order and
 // slots in order, a flat row is appended to its expert's list unless an earlier slot of the same
@@ -368,8 +378,8 @@ void map_distinct_kernel(const KernelLaunch& launch, void* /*queue_native*/) {
       static_cast<uint32_t*>(arg_data(launch, 2, checked_mul(experts, 4), "expert counts"));
   auto* routed = static_cast<uint32_t*>(
       arg_data(launch, 3, checked_mul(checked_mul(experts, p.m), 4), "routed rows"));
-  auto* output = static_cast<float*>(
-      arg_data(launch, 4, checked_mul(checked_mul(rows, p.n), 4), "output"));
+  auto* output =
+      static_cast<float*>(arg_data(launch, 4, checked_mul(checked_mul(rows, p.n), 4), "output"));
 
   std::fill(counts, counts + experts, 0u);
   for (size_t token = 0; token < p.m; ++token) {
@@ -390,7 +400,7 @@ void map_distinct_kernel(const KernelLaunch& launch, void* /*queue_native*/) {
   }
 }
 
-// ---- Grouped -------------------------------------------------------------------------------------
+// ---- Grouped ------------------------------------------------------------------------------------
 
 // Work item extents: routed rows x columns of one expert. Columns are a multiple of kTileCols.
 constexpr size_t kBlockRows = 64;
@@ -464,7 +474,8 @@ void grouped_item(const GroupedJob& job, const GroupedItem& item) {
   }
   for (size_t r = 0; r < rows; ++r) {
     float* out = ops.output_row(flats[r]) + item.col0;
-    for (size_t c = 0; c < cols; ++c) out[c] = simd::reduce_lanes(acc + r * acc_stride + c * kLanes);
+    for (size_t c = 0; c < cols; ++c)
+      out[c] = simd::reduce_lanes(acc + r * acc_stride + c * kLanes);
   }
 }
 
@@ -525,7 +536,7 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
   });
 }
 
-// ---- Registration --------------------------------------------------------------------------------
+// ---- Registration -------------------------------------------------------------------------------
 
 KernelDef make_def(std::string_view name, KernelFn fn) {
   KernelDef def;

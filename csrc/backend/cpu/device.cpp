@@ -57,6 +57,7 @@ class CpuBackend final : public Backend {
     return {{"threads", std::to_string(ThreadPool::instance().size())}};
   }
   bool host_accessible() const override { return true; }
+  int32_t dlpack_device_type() const override { return 1; }
 
   std::shared_ptr<Storage> allocate(size_t nbytes) override {
     const size_t rounded = ((nbytes + kAlignment - 1) / kAlignment) * kAlignment;

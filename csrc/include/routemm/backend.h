@@ -128,6 +128,12 @@ class Backend : public std::enable_shared_from_this<Backend> {
   virtual std::map<std::string, std::string> properties() const { return {}; }
   // True when host code may dereference Storage::data() directly.
   virtual bool host_accessible() const = 0;
+  // DLPack device type (1 cpu, 2 cuda, 8 metal) and ordinal of this backend's device.
+  virtual int32_t dlpack_device_type() const = 0;
+  virtual int32_t device_ordinal() const { return 0; }
+  // Makes later work on this backend's queues wait for work a producer queued on its own stream
+  // (a CUDA stream handle; 0 or absent for backends without streams).
+  virtual void wait_for_external_stream(uint64_t stream) { (void)stream; }
 
   virtual std::shared_ptr<Storage> allocate(size_t nbytes) = 0;
   // Frees memory this backend allocated; called by Storage's destructor.

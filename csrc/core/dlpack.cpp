@@ -1,0 +1,141 @@
+// DLPack import (zero-copy wrap of a producer's tensor) and export of a buffer's logical view.
+#include "routemm/dlpack.h"
+
+#include <string>
+#include <vector>
+
+#include "routemm/error.h"
+
+namespace routemm {
+namespace {
+
+std::string device_text(DLDevice d) {
+  return "(" + std::to_string(d.device_type) + ", " + std::to_string(d.device_id) + ")";
+}
+
+DType dtype_from_dlpack(DLDataType t) {
+  if (t.lanes != 1) throw InvalidArgument("from_dlpack: vector dtypes (lanes=" + std::to_string(t.lanes) + ") are not supported");
+  switch (t.code) {
+    case kRoutemmDLFloat:
+      if (t.bits == 32) return DType::F32;
+      if (t.bits == 16) return DType::F16;
+      break;
+    case kRoutemmDLBfloat:
+      if (t.bits == 16) return DType::BF16;
+      break;
+    case kRoutemmDLUInt:
+      if (t.bits == 8) return DType::U8;
+      if (t.bits == 16) return DType::U16;
+      if (t.bits == 32) return DType::U32;
+      break;
+    case kRoutemmDLInt:
+      if (t.bits == 32) return DType::I32;
+      break;
+    default: break;
+  }
+  throw InvalidArgument("from_dlpack: no routemm dtype for DLPack code " + std::to_string(t.code) +
+                        " with " + std::to_string(t.bits) + " bits");
+}
+
+DLDataType dtype_to_dlpack(DType dtype) {
+  const auto bits = static_cast<uint8_t>(dtype_size(dtype) * 8);
+  switch (dtype) {
+    case DType::F32:
+    case DType::F16: return {kRoutemmDLFloat, bits, 1};
+    case DType::BF16: return {kRoutemmDLBfloat, bits, 1};
+    case DType::U8:
+    case DType::U16:
+    case DType::U32: return {kRoutemmDLUInt, bits, 1};
+    case DType::I32: return {kRoutemmDLInt, bits, 1};
+  }
+  throw InvalidArgument("to_dlpack: unknown dtype");
+}
+
+// Validates `t` against `device` and returns (dtype, shape, nbytes); throws on anything the kernels
+// could not use as one contiguous range.
+Buffer wrap(const Device& device, const DLTensor& t, bool writable, std::function<void()> release) {
+  const DLDevice want = dlpack_device(device);
+  if (t.device.device_type != want.device_type || t.device.device_id != want.device_id) {
+    throw InvalidArgument("from_dlpack: tensor lives on DLPack device " + device_text(t.device) +
+                          ", not on this " + device.backend_name() + " device " + device_text(want));
+  }
+  const DType dtype = dtype_from_dlpack(t.dtype);
+  if (t.ndim < 0) throw InvalidArgument("from_dlpack: negative ndim");
+  std::vector<uint64_t> shape;
+  uint64_t elements = 1;
+  for (int32_t i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] < 0) throw InvalidArgument("from_dlpack: negative extent");
+    shape.push_back(static_cast<uint64_t>(t.shape[i]));
+    elements *= static_cast<uint64_t>(t.shape[i]);
+  }
+  if (t.strides != nullptr && elements > 1) {
+    int64_t expected = 1;
+    for (int32_t i = t.ndim - 1; i >= 0; --i) {
+      if (t.shape[i] != 1 && t.strides[i] != expected) {
+        throw InvalidArgument(
+            "from_dlpack: tensor is not contiguous (row-major strides required); call .contiguous() first");
+      }
+      expected *= t.shape[i];
+    }
+  }
+  const uint64_t nbytes = elements * dtype_size(dtype);
+  char* data = static_cast<char*>(t.data) + t.byte_offset;
+  if (nbytes != 0 && data == nullptr) throw InvalidArgument("from_dlpack: tensor has no data pointer");
+  if (reinterpret_cast<uintptr_t>(data) % dtype_size(dtype) != 0) {
+    throw InvalidArgument("from_dlpack: data pointer is not aligned to " + std::string(dtype_name(dtype)));
+  }
+  auto storage = std::make_shared<Storage>(device.backend(), data, nbytes, writable, std::move(release));
+  return Buffer(std::move(storage), 0, nbytes, dtype, shape.empty() ? std::vector<uint64_t>{1} : shape);
+}
+
+struct ExportContext {
+  std::shared_ptr<Storage> storage;
+  std::vector<int64_t> shape;
+  DLManagedTensor tensor{};
+};
+
+}  // namespace
+
+DLDevice dlpack_device(const Device& device) {
+  return {device.backend()->dlpack_device_type(), device.backend()->device_ordinal()};
+}
+
+Buffer buffer_from_dlpack(const Device& device, DLManagedTensor* tensor) {
+  if (tensor == nullptr) throw InvalidArgument("from_dlpack: null tensor");
+  return wrap(device, tensor->dl_tensor, true, [tensor] {
+    if (tensor->deleter != nullptr) tensor->deleter(tensor);
+  });
+}
+
+Buffer buffer_from_dlpack(const Device& device, DLManagedTensorVersioned* tensor) {
+  if (tensor == nullptr) throw InvalidArgument("from_dlpack: null tensor");
+  if (tensor->version.major != 1) {
+    throw InvalidArgument("from_dlpack: unsupported DLPack major version " + std::to_string(tensor->version.major));
+  }
+  const bool writable = (tensor->flags & kRoutemmDLFlagReadOnly) == 0;
+  return wrap(device, tensor->dl_tensor, writable, [tensor] {
+    if (tensor->deleter != nullptr) tensor->deleter(tensor);
+  });
+}
+
+DLManagedTensor* buffer_to_dlpack(const Buffer& buffer) {
+  if (!buffer.valid()) throw InvalidArgument("to_dlpack: empty buffer");
+  auto* ctx = new ExportContext;
+  ctx->storage = buffer.storage();
+  for (uint64_t d : buffer.shape()) ctx->shape.push_back(static_cast<int64_t>(d));
+  const Device device(buffer.backend());
+  DLTensor& t = ctx->tensor.dl_tensor;
+  // The data pointer names the first logical byte (byte_offset 0): some consumers ignore byte_offset.
+  t.data = buffer.data();
+  t.byte_offset = 0;
+  t.device = dlpack_device(device);
+  t.ndim = static_cast<int32_t>(ctx->shape.size());
+  t.dtype = dtype_to_dlpack(buffer.dtype());
+  t.shape = ctx->shape.data();
+  t.strides = nullptr;
+  ctx->tensor.manager_ctx = ctx;
+  ctx->tensor.deleter = [](DLManagedTensor* self) { delete static_cast<ExportContext*>(self->manager_ctx); };
+  return &ctx->tensor;
+}
+
+}  // namespace routemm

@@ -1,0 +1,58 @@
+"""Backend selection for the Python suite.
+
+`backend` is parametrised over routemm.available_backends(), narrowed by ROUTEMM_TEST_BACKENDS (a
+comma list). A requested backend that is not available here is a SKIP carrying the reason from
+routemm.backend_status() -- never a pass; an unknown name is a usage error.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import routemm
+
+
+def _backend_params():
+    status = {name: (available, reason) for name, available, reason in routemm.backend_status()}
+    requested = [s.strip() for s in os.environ.get("ROUTEMM_TEST_BACKENDS", "").split(",") if s.strip()]
+    if not requested:
+        return [pytest.param(name, id=name) for name in routemm.available_backends()]
+    params = []
+    for name in requested:
+        if name not in status:
+            raise pytest.UsageError(
+                f"ROUTEMM_TEST_BACKENDS names unknown backend {name!r} (known: {', '.join(status)})")
+        available, reason = status[name]
+        marks = () if available else pytest.mark.skip(reason=f"backend {name} unavailable: {reason}")
+        params.append(pytest.param(name, id=name, marks=marks))
+    return params
+
+
+BACKEND_PARAMS = _backend_params()
+
+
+@pytest.fixture(params=BACKEND_PARAMS)
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def device(backend) -> routemm.Device:
+    return routemm.Device(backend)
+
+
+@pytest.fixture
+def registry(device) -> routemm.KernelRegistry:
+    return routemm.KernelRegistry(device)
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh generator per test, seeded from the test's node id (varied, reproducible)."""
+    import zlib
+
+    import numpy as np
+
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
