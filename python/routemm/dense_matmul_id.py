@@ -158,75 +158,139 @@ def ids_distinct_per_token(ids: np.ndarray) -> bool:
     return not bool(np.any(s[:, 1:] == s[:, :-1]))
 
 
-def matmul_id(weights, x, ids, *, route: Optional[DenseMatmulIdRoute] = None, out=None, device=None
-              ) -> np.ndarray:
-    """Expert-ID matmul on NumPy arrays; returns the [m*top_k, n] float32 result.
+def _framework(obj) -> str:
+    module = type(obj).__module__.split(".")[0]
+    return module if module in ("torch", "cupy") else "numpy"
 
-    weights: [n_experts, n, k] float32, float16 or bfloat16 (ml_dtypes).
+
+def matmul_id(weights, x, ids, *, route: Optional[DenseMatmulIdRoute] = None, out=None, device=None):
+    """Expert-ID matmul on arrays; returns the [m*top_k, n] float32 result.
+
+    weights: [n_experts, n, k] float32, float16 or bfloat16.
     x: [m, k] float32 (one row per token) or [m, top_k, k] (one row per token and slot).
     ids: [m, top_k] integers; ids outside [0, n_experts) give zero rows.
     route: None picks grouped_prefill when ids are distinct per token and m > 8, else direct.
     out: optional C-contiguous float32 array of [m*top_k, n] to write the result into.
-    device: a routemm.Device (default: the best available backend).
+    device: a routemm.Device for NumPy inputs (default: the best available backend).
+
+    NumPy inputs are copied to the device and the result comes back as a NumPy array. PyTorch and
+    CuPy tensors (CPU or CUDA) are used in place through DLPack, on the device they live on, and the
+    result is a tensor of the same framework and device; they must be C-contiguous.
     """
+    framework = _framework(x)
+    if framework != "numpy":
+        return _matmul_id_tensors(framework, weights, x, ids, route, out)
     weights = np.asarray(weights)
     x = np.asarray(x)
     ids = np.asarray(ids)
-    if weights.ndim != 3:
-        raise InvalidArgumentError(f"matmul_id weights must be [n_experts, n, k], got shape {weights.shape}")
-    n_experts, n, k = weights.shape
-    if ids.ndim != 2:
-        raise InvalidArgumentError(f"matmul_id ids must be [m, top_k], got shape {ids.shape}")
-    m, top_k = ids.shape
+    m, top_k, n_experts, n, k, layout = _check_shapes(weights.shape, x.shape, ids.shape)
     if x.dtype != np.float32:
         raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
-    if x.shape == (m, k):
-        layout = DenseMatmulIdInputLayout.SHARED_PER_TOKEN
-    elif x.shape == (m, top_k, k):
-        layout = DenseMatmulIdInputLayout.SLOTTED
-    else:
-        raise InvalidArgumentError(
-            f"matmul_id x must be [{m}, {k}] or [{m}, {top_k}, {k}], got shape {x.shape}"
-        )
     if not np.issubdtype(ids.dtype, np.integer):
         raise InvalidArgumentError(f"matmul_id ids must be integers, got {ids.dtype}")
     # Anything outside [0, n_experts) is an invalid id: map it to 0xFFFFFFFF (a zero row).
     ids64 = ids.astype(np.int64, copy=False)
     ids_u32 = np.where((ids64 >= 0) & (ids64 < n_experts), ids64, 0xFFFFFFFF).astype(np.uint32)
     distinct = ids_distinct_per_token(ids_u32)
-    if route is None:
-        route = (DenseMatmulIdRoute.GROUPED_PREFILL if distinct and m >= AUTO_GROUPED_MIN_TOKENS
-                 else DenseMatmulIdRoute.DIRECT)
-    route = DenseMatmulIdRoute(route)
+    route = _pick_route(route, distinct, m)
     if out is not None:
         if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (m * top_k, n)
                 and out.flags.c_contiguous and out.flags.writeable):
             raise InvalidArgumentError(
                 f"matmul_id out must be a writable C-contiguous float32 array of shape {(m * top_k, n)}"
             )
-
     device = device or _default_device()
-    registry = _registry_for(device)
     wdtype = dtype_of(weights.dtype)
-    params = DenseMatmulIdParams(
-        m=m, n=n, k=k, top_k=top_k, n_experts=n_experts,
-        expert_stride_bytes=n * k * wdtype.size, input_layout=layout,
-        id_multiplicity=(DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN if distinct
-                         else DenseMatmulIdMultiplicity.MAY_REPEAT),
-        route=route,
-    )
+    params = _params(m, n, k, top_k, n_experts, wdtype, layout, distinct, route)
     dense_matmul_id_capability(wdtype, params)  # fail before allocating anything
-    w_buf = device.from_numpy(weights)
-    x_buf = device.from_numpy(x)
-    id_buf = device.from_numpy(ids_u32)
     out_buf = device.alloc(m * top_k * n * 4, DType.F32, [m * top_k, n])
-    scratch = (DenseMatmulIdScratch(device, n_experts, m)
-               if route is DenseMatmulIdRoute.GROUPED_PREFILL else None)
-    encoder = device.command_encoder()
-    dense_matmul_id(encoder, registry, w_buf, x_buf, id_buf, out_buf, scratch, params)
-    encoder.commit_and_wait()
+    _run(device, params, device.from_numpy(weights), device.from_numpy(x), device.from_numpy(ids_u32), out_buf)
     result = out_buf.numpy()
     if out is not None:
         out[...] = result
         return out
     return result
+
+
+def _check_shapes(w_shape, x_shape, ids_shape):
+    if len(w_shape) != 3:
+        raise InvalidArgumentError(f"matmul_id weights must be [n_experts, n, k], got shape {tuple(w_shape)}")
+    n_experts, n, k = (int(d) for d in w_shape)
+    if len(ids_shape) != 2:
+        raise InvalidArgumentError(f"matmul_id ids must be [m, top_k], got shape {tuple(ids_shape)}")
+    m, top_k = (int(d) for d in ids_shape)
+    x_shape = tuple(int(d) for d in x_shape)
+    if x_shape == (m, k):
+        layout = DenseMatmulIdInputLayout.SHARED_PER_TOKEN
+    elif x_shape == (m, top_k, k):
+        layout = DenseMatmulIdInputLayout.SLOTTED
+    else:
+        raise InvalidArgumentError(f"matmul_id x must be [{m}, {k}] or [{m}, {top_k}, {k}], got shape {x_shape}")
+    return m, top_k, n_experts, n, k, layout
+
+
+def _pick_route(route, distinct: bool, m: int) -> DenseMatmulIdRoute:
+    if route is None:
+        return (DenseMatmulIdRoute.GROUPED_PREFILL if distinct and m >= AUTO_GROUPED_MIN_TOKENS
+                else DenseMatmulIdRoute.DIRECT)
+    return DenseMatmulIdRoute(route)
+
+
+def _params(m, n, k, top_k, n_experts, wdtype, layout, distinct, route) -> DenseMatmulIdParams:
+    return DenseMatmulIdParams(
+        m=m, n=n, k=k, top_k=top_k, n_experts=n_experts, expert_stride_bytes=n * k * wdtype.size,
+        input_layout=layout,
+        id_multiplicity=(DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN if distinct
+                         else DenseMatmulIdMultiplicity.MAY_REPEAT),
+        route=route,
+    )
+
+
+def _run(device, params, w_buf, x_buf, id_buf, out_buf) -> None:
+    scratch = (DenseMatmulIdScratch(device, params.n_experts, params.m)
+               if params.route is DenseMatmulIdRoute.GROUPED_PREFILL else None)
+    encoder = device.command_encoder()
+    dense_matmul_id(encoder, _registry_for(device), w_buf, x_buf, id_buf, out_buf, scratch, params)
+    encoder.commit_and_wait()
+
+
+def _matmul_id_tensors(framework, weights, x, ids, route, out):
+    """matmul_id for PyTorch / CuPy tensors: zero-copy through DLPack on the tensors' device."""
+    from ._interop import from_dlpack
+
+    if framework == "torch":
+        import torch as xp
+
+        f32, i32 = xp.float32, xp.int32
+    else:
+        import cupy as xp
+
+        f32, i32 = xp.float32, xp.int32
+    m, top_k, n_experts, n, k, layout = _check_shapes(weights.shape, x.shape, ids.shape)
+    if x.dtype != f32:
+        raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
+    # IDs travel as int32 bit patterns read as u32: anything outside [0, n_experts) becomes -1,
+    # i.e. 0xFFFFFFFF, which gives a zero row.
+    valid = (ids >= 0) & (ids < n_experts)
+    ids32 = xp.where(valid, ids, xp.full_like(ids, -1)).astype(i32) if framework == "cupy" else \
+        xp.where(valid, ids, xp.full_like(ids, -1)).to(i32).contiguous()
+    distinct = True
+    if route is None or DenseMatmulIdRoute(route) is DenseMatmulIdRoute.GROUPED_PREFILL:
+        s = xp.sort(ids32, axis=1) if framework == "cupy" else xp.sort(ids32, dim=1).values
+        distinct = top_k <= 1 or not bool((s[:, 1:] == s[:, :-1]).any())
+        if route is not None and not distinct:
+            raise InvalidArgumentError("matmul_id grouped_prefill needs ids distinct per token")
+    route = _pick_route(route, distinct, m)
+    w_buf, x_buf = from_dlpack(weights), from_dlpack(x)
+    device = x_buf.device
+    id_i32 = from_dlpack(ids32)
+    id_buf = id_i32.view(0, id_i32.nbytes, DType.U32, [m, top_k])
+    if out is None:
+        out = (xp.empty((m * top_k, n), dtype=f32, device=x.device) if framework == "torch"
+               else xp.empty((m * top_k, n), dtype=f32))
+    out_buf = from_dlpack(out)
+    if tuple(out_buf.shape) != (m * top_k, n) or out_buf.dtype != DType.F32:
+        raise InvalidArgumentError(f"matmul_id out must be float32 of shape {(m * top_k, n)}")
+    params = _params(m, n, k, top_k, n_experts, w_buf.dtype, layout, distinct, route)
+    _run(device, params, w_buf, x_buf, id_buf, out_buf)
+    return out
