@@ -109,8 +109,12 @@ DenseMatmulIdCapability dense_matmul_id_capability(DType weight_dtype,
     fail("expert stride " + std::to_string(p.expert_stride_bytes) + " is not aligned to " +
          std::string(dtype_name(weight_dtype)));
   }
-  const uint64_t last_offset = checked_mul("expert weight offset", p.n_experts - 1ull,
-                                           p.expert_stride_bytes);
+  const uint64_t experts_before_last = p.n_experts - 1ull;
+  if (experts_before_last != 0 &&
+      p.expert_stride_bytes > std::numeric_limits<uint64_t>::max() / experts_before_last) {
+    fail("expert weight offset overflow");
+  }
+  const uint64_t last_offset = experts_before_last * p.expert_stride_bytes;
   if (last_offset + matrix_bytes < last_offset) fail("weight extent overflow");
 
   const uint64_t total_rows = uint64_t{p.m} * p.top_k;

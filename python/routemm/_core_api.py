@@ -18,6 +18,9 @@ from ._errors import InvalidArgumentError
 from ._json import JsonRecord
 
 DType = _core.DType
+# str(DType.BF16) == "bf16", the name every message uses (set here: pybind11's enum __str__ wins
+# over one defined in the binding).
+DType.__str__ = lambda self: self.type_name
 
 _NUMPY_TO_DTYPE = {
     np.dtype(np.float32): DType.F32,

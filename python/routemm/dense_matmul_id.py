@@ -150,10 +150,18 @@ def _registry_for(device: _core.Device) -> _core.KernelRegistry:
     return _core.KernelRegistry(device)
 
 
-def ids_distinct_per_token(ids: np.ndarray) -> bool:
-    """True when no row of the [m, top_k] id matrix repeats an id."""
-    if ids.shape[1] <= 1:
+def ids_distinct_per_token(ids: np.ndarray, n_experts: Optional[int] = None) -> bool:
+    """True when no row of the [m, top_k] id matrix repeats a valid id.
+
+    With `n_experts`, ids outside [0, n_experts) never count as repeats: they match no expert and
+    give zero rows on every route.
+    """
+    ids = np.asarray(ids).astype(np.int64)
+    if ids.ndim != 2 or ids.shape[1] <= 1:
         return True
+    if n_experts is not None:
+        invalid = (ids < 0) | (ids >= n_experts)
+        ids = np.where(invalid, -1 - np.arange(ids.shape[1]), ids)  # a distinct sentinel per slot
     s = np.sort(ids, axis=1)
     return not bool(np.any(s[:, 1:] == s[:, :-1]))
 
@@ -191,7 +199,7 @@ def matmul_id(weights, x, ids, *, route: Optional[DenseMatmulIdRoute] = None, ou
     # Anything outside [0, n_experts) is an invalid id: map it to 0xFFFFFFFF (a zero row).
     ids64 = ids.astype(np.int64, copy=False)
     ids_u32 = np.where((ids64 >= 0) & (ids64 < n_experts), ids64, 0xFFFFFFFF).astype(np.uint32)
-    distinct = ids_distinct_per_token(ids_u32)
+    distinct = ids_distinct_per_token(ids64, n_experts)
     route = _pick_route(route, distinct, m)
     if out is not None:
         if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (m * top_k, n)
@@ -276,7 +284,10 @@ def _matmul_id_tensors(framework, weights, x, ids, route, out):
         xp.where(valid, ids, xp.full_like(ids, -1)).to(i32).contiguous()
     distinct = True
     if route is None or DenseMatmulIdRoute(route) is DenseMatmulIdRoute.GROUPED_PREFILL:
-        s = xp.sort(ids32, axis=1) if framework == "cupy" else xp.sort(ids32, dim=1).values
+        # Invalid ids never count as repeats: give each slot its own negative sentinel.
+        slots = xp.arange(top_k, device=ids.device) if framework == "torch" else xp.arange(top_k)
+        keyed = xp.where(valid, ids, -1 - slots)
+        s = xp.sort(keyed, axis=1) if framework == "cupy" else xp.sort(keyed, dim=1).values
         distinct = top_k <= 1 or not bool((s[:, 1:] == s[:, :-1]).any())
         if route is not None and not distinct:
             raise InvalidArgumentError("matmul_id grouped_prefill needs ids distinct per token")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import routemm  # noqa: E402
@@ -111,8 +111,12 @@ def cases(draw):
     return dtype, m, n, k, top_k, n_experts, stride, layout, mult, route
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
+@example((DType.BF16, 9, 7, 35, 6, U32, U64 - 1, Layout.SHARED_PER_TOKEN, Mult.DISTINCT_PER_TOKEN, Route.DIRECT))
+@example((DType.F32, U32, U32, U32, U32, U32, U64, Layout.SLOTTED, Mult.MAY_REPEAT, Route.GROUPED_PREFILL))
+@example((DType.U16, 1, 1, 1, 1, 1, 2, Layout.SLOTTED, Mult.MAY_REPEAT, Route.GROUPED_PREFILL))
+@example((DType.F16, 9, 7, 35, 6, 1025, 490, Layout.SLOTTED, Mult.DISTINCT_PER_TOKEN, Route.GROUPED_PREFILL))
 def test_capability_matches_independent_model(case):
     dtype, m, n, k, top_k, n_experts, stride, layout, mult, route = case
     try:

@@ -66,6 +66,7 @@ def test_two_grouped_calls_capture_sequence_and_ranges(device, registry, rng):
     nodes = enc.take_capture()
     assert not enc.is_capturing() and enc.take_capture() is None
     assert [n.kind for n in nodes] == ["barrier", "dispatch"] * 4
+    assert all(isinstance(n, routemm.CapturedNode) for n in nodes)
     assert all(n.is_barrier == (n.kind == "barrier") for n in nodes)
     counts, routed = _lr(scratch.expert_counts), _lr(scratch.routed_rows)
     for case, (map_node, grouped_node) in zip((a, b), [(nodes[1], nodes[3]), (nodes[5], nodes[7])]):
