@@ -77,7 +77,13 @@ std::string_view to_string(DenseMatmulIdMultiplicity value) {
   return value == DenseMatmulIdMultiplicity::DistinctPerToken ? "distinct_per_token" : "may_repeat";
 }
 std::string_view to_string(DenseMatmulIdRoute value) {
-  return value == DenseMatmulIdRoute::Direct ? "direct" : "grouped_prefill";
+  switch (value) {
+    case DenseMatmulIdRoute::Direct: return "direct";
+    case DenseMatmulIdRoute::GroupedPrefill: return "grouped_prefill";
+    case DenseMatmulIdRoute::GroupedTensorTf32: return "grouped_tensor_tf32";
+    case DenseMatmulIdRoute::GroupedTensorLowp: return "grouped_tensor_lowp";
+  }
+  return "?";
 }
 
 DenseMatmulIdScratch::DenseMatmulIdScratch(const Device& device, uint32_t max_experts,
@@ -133,13 +139,16 @@ DenseMatmulIdCapability dense_matmul_id_capability(DType weight_dtype,
   cap.required_ids_bytes = checked_product("expert IDs", {total_rows, 4});
   cap.required_output_bytes = checked_product("output", {total_rows, p.n, 4});
 
-  if (p.route == DenseMatmulIdRoute::GroupedPrefill) {
+  if (is_grouped(p.route)) {
     if (p.id_multiplicity != DenseMatmulIdMultiplicity::DistinctPerToken) {
       fail("grouped prefill requires distinct expert IDs per token");
     }
     if (p.n_experts > kDenseMatmulIdGroupedMaxExperts) {
       fail("grouped prefill supports at most " + std::to_string(kDenseMatmulIdGroupedMaxExperts) +
            " experts");
+    }
+    if (p.route == DenseMatmulIdRoute::GroupedTensorLowp && weight_dtype == DType::F32) {
+      fail("grouped_tensor_lowp requires F16 or BF16 weights, got f32");
     }
     cap.scratch = DenseMatmulIdScratchRequirement{
         checked_product("scratch expert counts", {p.n_experts, 4}),
@@ -171,7 +180,7 @@ DenseMatmulIdCapability validate_dense_matmul_id_call(const Buffer& weights, con
     if (overlaps(out_range, range)) fail("output must not overlap " + std::string(label));
   }
 
-  if (cap.route == DenseMatmulIdRoute::GroupedPrefill) {
+  if (is_grouped(cap.route)) {
     if (scratch == nullptr) fail("grouped prefill requires caller-owned scratch");
     if (scratch->max_experts() < params.n_experts || scratch->max_tokens() < params.m) {
       fail("scratch capacity experts/tokens=" + std::to_string(scratch->max_experts()) + "/" +
@@ -189,20 +198,34 @@ DenseMatmulIdCapability validate_dense_matmul_id_call(const Buffer& weights, con
   for (const Buffer* buffer : {&input, &expert_ids, &output}) {
     if (buffer->backend() != backend) fail("buffers must all live on one device");
   }
-  if (scratch != nullptr && cap.route == DenseMatmulIdRoute::GroupedPrefill &&
+  if (scratch != nullptr && is_grouped(cap.route) &&
       scratch->expert_counts().backend() != backend) {
     fail("scratch must live on the device of the other buffers");
   }
   return cap;
 }
 
-std::pair<std::string_view, std::string_view> dense_matmul_id_pipeline_names(DType weight_dtype) {
+std::vector<std::string_view> dense_matmul_id_route_pipelines(DType weight_dtype,
+                                                              DenseMatmulIdRoute route) {
+  // Index of the weight dtype in each per-dtype list: f32, f16, bf16.
+  size_t index = 0;
   switch (weight_dtype) {
-    case DType::F32: return {kDenseMatmulIdPipelineNames[0], kDenseMatmulIdPipelineNames[4]};
-    case DType::F16: return {kDenseMatmulIdPipelineNames[1], kDenseMatmulIdPipelineNames[5]};
-    case DType::BF16: return {kDenseMatmulIdPipelineNames[2], kDenseMatmulIdPipelineNames[6]};
+    case DType::F32: index = 0; break;
+    case DType::F16: index = 1; break;
+    case DType::BF16: index = 2; break;
     default: fail("has no scalar pipeline for " + std::string(dtype_name(weight_dtype)));
   }
+  switch (route) {
+    case DenseMatmulIdRoute::Direct: return {kDenseMatmulIdPipelineNames[index]};
+    case DenseMatmulIdRoute::GroupedPrefill:
+      return {kDenseMatmulIdMapPipeline, kDenseMatmulIdPipelineNames[4 + index]};
+    case DenseMatmulIdRoute::GroupedTensorTf32:
+      return {kDenseMatmulIdMapPipeline, kDenseMatmulIdTensorPipelineNames[index]};
+    case DenseMatmulIdRoute::GroupedTensorLowp:
+      if (index == 0) fail("grouped_tensor_lowp requires F16 or BF16 weights, got f32");
+      return {kDenseMatmulIdMapPipeline, kDenseMatmulIdTensorPipelineNames[2 + index]};
+  }
+  fail("unknown route");
 }
 
 DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegistry& registry,
@@ -216,7 +239,7 @@ DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegi
     fail("encoder, registry and buffers must belong to one device (encoder/device mismatch)");
   }
 
-  const bool grouped = cap.route == DenseMatmulIdRoute::GroupedPrefill;
+  const bool grouped = is_grouped(cap.route);
   const uint32_t dispatches = grouped ? 2 : 1;
   if (encoder.receipt_slots_left() < dispatches) {
     fail("open dispatch receipt has room for " + std::to_string(encoder.receipt_slots_left()) +
@@ -241,12 +264,12 @@ DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegi
     gpu.input_token_stride_bytes = checked_mul("slotted input token stride", row_bytes, params.top_k);
     gpu.input_slot_stride_bytes = row_bytes;
   }
-  const auto [direct_name, grouped_name] = dense_matmul_id_pipeline_names(weights.dtype());
+  const std::vector<std::string_view> names = dense_matmul_id_route_pipelines(weights.dtype(), cap.route);
   const KernelArg params_arg = KernelArg::pod(gpu);
   const uint64_t total_rows = uint64_t{params.m} * params.top_k;
 
   if (!grouped) {
-    const PipelinePtr pipeline = registry.get_pipeline(direct_name);
+    const PipelinePtr pipeline = registry.get_pipeline(names[0]);
     const KernelDef& def = pipeline->def();
     if (encoder.is_capturing()) {
       encoder.set_pending_buffer_ranges(
@@ -265,8 +288,8 @@ DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegi
 
   // Resolve and check both pipelines before touching the encoder: a failed lookup must leave no
   // barrier, pending ranges or map dispatch behind.
-  const PipelinePtr map = registry.get_pipeline(kDenseMatmulIdMapPipeline);
-  const PipelinePtr group = registry.get_pipeline(grouped_name);
+  const PipelinePtr map = registry.get_pipeline(names[0]);
+  const PipelinePtr group = registry.get_pipeline(names[1]);
   if (params.n_experts > map->max_total_threads_per_threadgroup()) {
     fail("n_experts " + std::to_string(params.n_experts) + " exceeds map threadgroup limit " +
          std::to_string(map->max_total_threads_per_threadgroup()));

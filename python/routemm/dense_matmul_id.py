@@ -23,6 +23,7 @@ from ._json import JsonRecord
 
 SCHEMA_VERSION: int = _core.DENSE_MATMUL_ID_SCHEMA_VERSION
 PIPELINE_NAMES: tuple[str, ...] = _core.DENSE_MATMUL_ID_PIPELINE_NAMES
+TENSOR_PIPELINE_NAMES: tuple[str, ...] = _core.DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES
 DenseMatmulIdScratch = _core.DenseMatmulIdScratch
 
 # m above which `matmul_id` prefers grouped_prefill when IDs are distinct per token.
@@ -42,6 +43,14 @@ class DenseMatmulIdMultiplicity(enum.Enum):
 class DenseMatmulIdRoute(enum.Enum):
     DIRECT = "direct"  # one dispatch; IDs may repeat
     GROUPED_PREFILL = "grouped_prefill"  # map + grouped dispatch; distinct IDs, caller scratch
+    # Tensor-core variants of grouped_prefill (same map, scratch and receipts); explicit opt-in,
+    # with a stated tolerance instead of bit identity. Only backends with tensor cores have them.
+    GROUPED_TENSOR_TF32 = "grouped_tensor_tf32"  # operands rounded to tf32, F32 accumulation
+    GROUPED_TENSOR_LOWP = "grouped_tensor_lowp"  # activations rounded to the f16/bf16 weight dtype
+
+    @property
+    def is_grouped(self) -> bool:
+        return self is not DenseMatmulIdRoute.DIRECT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +265,7 @@ def _params(m, n, k, top_k, n_experts, wdtype, layout, distinct, route) -> Dense
 
 def _run(device, params, w_buf, x_buf, id_buf, out_buf) -> None:
     scratch = (DenseMatmulIdScratch(device, params.n_experts, params.m)
-               if params.route is DenseMatmulIdRoute.GROUPED_PREFILL else None)
+               if params.route.is_grouped else None)
     encoder = device.command_encoder()
     dense_matmul_id(encoder, _registry_for(device), w_buf, x_buf, id_buf, out_buf, scratch, params)
     encoder.commit_and_wait()
@@ -283,7 +292,7 @@ def _matmul_id_tensors(framework, weights, x, ids, route, out):
     ids32 = xp.where(valid, ids, xp.full_like(ids, -1)).astype(i32) if framework == "cupy" else \
         xp.where(valid, ids, xp.full_like(ids, -1)).to(i32).contiguous()
     distinct = True
-    if route is None or DenseMatmulIdRoute(route) is DenseMatmulIdRoute.GROUPED_PREFILL:
+    if route is None or DenseMatmulIdRoute(route).is_grouped:
         # Invalid ids never count as repeats: give each slot its own negative sentinel.
         slots = xp.arange(top_k, device=ids.device) if framework == "torch" else xp.arange(top_k)
         keyed = xp.where(valid, ids, -1 - slots)

@@ -35,7 +35,10 @@ DenseMatmulIdParams make_params(uint32_t m, uint32_t n, uint32_t k, uint32_t top
       id_multiplicity,
       std::array{DenseMatmulIdMultiplicity::DistinctPerToken, DenseMatmulIdMultiplicity::MayRepeat},
       "id multiplicity");
-  p.route = parse(route, std::array{DenseMatmulIdRoute::Direct, DenseMatmulIdRoute::GroupedPrefill}, "route");
+  p.route = parse(route,
+                  std::array{DenseMatmulIdRoute::Direct, DenseMatmulIdRoute::GroupedPrefill,
+                             DenseMatmulIdRoute::GroupedTensorTf32, DenseMatmulIdRoute::GroupedTensorLowp},
+                  "route");
   return p;
 }
 
@@ -84,6 +87,9 @@ void init_dense_matmul_id(py::module_& m) {
   py::list names;
   for (auto name : kDenseMatmulIdPipelineNames) names.append(std::string(name));
   m.attr("DENSE_MATMUL_ID_PIPELINE_NAMES") = py::tuple(names);
+  py::list tensor_names;
+  for (auto name : kDenseMatmulIdTensorPipelineNames) tensor_names.append(std::string(name));
+  m.attr("DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES") = py::tuple(tensor_names);
 
   m.def("_dense_matmul_id_capability",
         [](DType dtype, const DenseMatmulIdParams& p) {

@@ -75,11 +75,13 @@ def model(dtype_name: str, m, n, k, top_k, n_experts, stride, layout, mult, rout
         raise Rejected(f"{P}output byte extent overflow")
     # 7. grouped
     scratch = None
-    if route == "grouped_prefill":
+    if route != "direct":  # grouped_prefill and the tensor-core grouped routes
         if mult != "distinct_per_token":
             raise Rejected(f"{P}grouped prefill requires distinct expert IDs per token")
         if n_experts > 1024:
             raise Rejected(f"{P}grouped prefill supports at most 1024 experts")
+        if route == "grouped_tensor_lowp" and dtype_name == "f32":
+            raise Rejected(f"{P}grouped_tensor_lowp requires F16 or BF16 weights, got f32")
         scratch = {"expert_counts_bytes": n_experts * 4, "routed_rows_bytes": n_experts * m * 4}
     return {"schema_version": 3, "weight_dtype": dtype_name, "route": route,
             "required_weight_bytes": last + matrix, "required_input_bytes": input_bytes,

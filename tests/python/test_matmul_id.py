@@ -21,7 +21,7 @@ def test_matches_reference_and_routes_agree(device, rng, dtype, slotted):
     w = random_weights(rng, dtype, (E, n, k))
     x = rng.uniform(-1, 1, (m, top_k, k) if slotted else (m, k)).astype(np.float32)
     ids = distinct_ids(rng, m, top_k, E)
-    outs = {r: routemm.matmul_id(w, x, ids, route=r, device=device) for r in (None, *Route)}
+    outs = {r: routemm.matmul_id(w, x, ids, route=r, device=device) for r in (None, Route.DIRECT, Route.GROUPED_PREFILL)}
     ref, mag = reference(w, x, ids, slotted)
     for out in outs.values():
         assert out.dtype == np.float32 and out.shape == (m * top_k, n)
@@ -64,7 +64,7 @@ def test_invalid_ids_zero_rows(device, rng):
     w = random_weights(rng, DType.BF16, (E, n, k))
     x = rng.uniform(-1, 1, (m, k)).astype(np.float32)
     ids = np.array([[0, 1, 2], [-1, 3, 8], [2**32 - 1, 2**40, 4], [5, 6, 7]], np.int64)
-    for route in (None, *Route):
+    for route in (None, Route.DIRECT, Route.GROUPED_PREFILL):
         out = routemm.matmul_id(w, x, ids, route=route, device=device)
         flat = ids.reshape(-1)
         bad = (flat < 0) | (flat >= E)

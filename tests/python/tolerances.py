@@ -75,3 +75,9 @@ def assert_close(got: np.ndarray, ref: np.ndarray, magnitude: np.ndarray, *, dty
     if use_table:
         atol, rtol = table_tolerance(dtype, k, scale)
         np.testing.assert_allclose(got64, ref, atol=atol, rtol=rtol, err_msg=context)
+
+# Tensor-core routes: relative Frobenius error ||out - ref|| / ||ref|| against the float64
+# reference of the exactly widened weights (operands are rounded, so per-element tables do not fit).
+from routemm import DenseMatmulIdRoute as _Route  # noqa: E402
+
+TENSOR_ROUTE_FROBENIUS = {_Route.GROUPED_TENSOR_TF32: 2e-3, _Route.GROUPED_TENSOR_LOWP: 1e-2}

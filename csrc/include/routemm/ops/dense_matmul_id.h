@@ -8,12 +8,20 @@
 // explicit: Direct (one dispatch, IDs may repeat) or GroupedPrefill (map + grouped dispatch, IDs
 // distinct per token, caller-owned scratch). Scalar routes accumulate in F32 in a fixed order, so
 // Direct and GroupedPrefill are bit-identical on one backend.
+//
+// Beyond those, two tensor-core routes share GroupedPrefill's map, scratch and receipt contract but
+// round their operands, so they carry a stated tolerance instead of bit identity and are taken only
+// when asked for (or chosen by a calibration that proved them): GroupedTensorTf32 (activations and
+// weights rounded to tf32, exact for f16/bf16 weights; F32 accumulation) and GroupedTensorLowp
+// (activations rounded to the weight dtype, f16/bf16 weights only; F32 accumulation). Backends
+// without tensor cores do not register their pipelines.
 #pragma once
 
 #include <array>
 #include <cstdint>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "routemm/buffer.h"
 #include "routemm/device.h"
@@ -35,9 +43,19 @@ inline constexpr std::array<std::string_view, 7> kDenseMatmulIdPipelineNames = {
 };
 inline constexpr std::string_view kDenseMatmulIdMapPipeline = "dense_matmul_id_map_distinct";
 
+// Pipelines of the tensor-core routes (registered only by backends that have tensor cores).
+inline constexpr std::array<std::string_view, 5> kDenseMatmulIdTensorPipelineNames = {
+    "dense_matmul_id_grouped_tf32_f32_f32", "dense_matmul_id_grouped_tf32_f16_f32",
+    "dense_matmul_id_grouped_tf32_bf16_f32", "dense_matmul_id_grouped_lowp_f16_f32",
+    "dense_matmul_id_grouped_lowp_bf16_f32",
+};
+
 enum class DenseMatmulIdInputLayout : uint8_t { SharedPerToken, Slotted };
 enum class DenseMatmulIdMultiplicity : uint8_t { DistinctPerToken, MayRepeat };
-enum class DenseMatmulIdRoute : uint8_t { Direct, GroupedPrefill };
+enum class DenseMatmulIdRoute : uint8_t { Direct, GroupedPrefill, GroupedTensorTf32, GroupedTensorLowp };
+
+// Routes that run the map dispatch and need caller-owned scratch and distinct IDs.
+constexpr bool is_grouped(DenseMatmulIdRoute route) { return route != DenseMatmulIdRoute::Direct; }
 
 std::string_view to_string(DenseMatmulIdInputLayout value);
 std::string_view to_string(DenseMatmulIdMultiplicity value);
@@ -110,8 +128,9 @@ DenseMatmulIdCapability validate_dense_matmul_id_call(const Buffer& weights, con
                                                       const DenseMatmulIdScratch* scratch,
                                                       const DenseMatmulIdParams& params);
 
-// (direct, grouped) pipeline names for a weight dtype.
-std::pair<std::string_view, std::string_view> dense_matmul_id_pipeline_names(DType weight_dtype);
+// The pipelines a route encodes, in order: {direct} or {map, grouped kernel of the route}.
+std::vector<std::string_view> dense_matmul_id_route_pipelines(DType weight_dtype,
+                                                              DenseMatmulIdRoute route);
 
 // Validates, resolves every pipeline, then encodes. Any failure happens before the encoder is
 // touched: no barrier, no pending ranges, no dispatch.

@@ -1,0 +1,145 @@
+// GGML Q4_0 dense projections (spec §4, §5, §6.2): out[M, N] = input[M, K] @ dequant(W[N, K])^T.
+//
+// Input and output are F32, row-major; the weight is a U8 buffer holding the raw GGUF Q4_0 blocks
+// (N rows of K / 32 blocks of 18 bytes). M <= 8 takes the mat-vec pipeline; M > 8 takes one of four
+// matrix routes chosen by the routing policy (and, once calibration exists, a frozen route plan).
+// Every route has its own pipeline name; labels carry the int constants (700,1),(701,1),(702,1).
+// The front doors validate, resolve every pipeline, then encode: a failure leaves the encoder
+// untouched (no dispatch, no pending ranges, nothing in an open receipt).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "routemm/buffer.h"
+#include "routemm/encoder.h"
+#include "routemm/registry.h"
+
+namespace routemm {
+
+inline constexpr uint32_t kGgmlQuantizedMatmulSchemaVersion = 1;
+// M at or below which the mat-vec pipeline is used (llama.cpp's ne11_mm_min).
+inline constexpr uint32_t kGgmlMmRoutingThreshold = 8;
+
+// GGML block formats this library knows by name. Only Q4_0 is supported by quantized_matmul_ggml;
+// the others exist so that callers can name them and get "does not support" rather than a parse
+// error. snake_case names ("q4_0") are the JSON values.
+enum class GgmlType : uint8_t { Q4_0, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS };
+inline constexpr std::array<GgmlType, 11> kAllGgmlTypes = {
+    GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0,   GgmlType::Q2_K,  GgmlType::Q3_K,
+    GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::IQ4_NL, GgmlType::IQ4_XS};
+std::string_view to_string(GgmlType type);
+// (values per block, bytes per block) of spec §5.1.
+std::pair<uint32_t, uint32_t> ggml_block_layout(GgmlType type);
+
+// Whether the dense matrix routes may use the tensor-API kernels (after a device probe).
+enum class GgmlTensorMmPreference : uint8_t { AutoProbe, ForceSimd };
+std::string_view to_string(GgmlTensorMmPreference value);
+
+// The dense half of spec §4.1's policy. Explicit policies are used as given; only
+// ggml_routing_policy_from_environment() reads the environment.
+struct GgmlRoutingPolicy {
+  GgmlTensorMmPreference dense_tensor_mm = GgmlTensorMmPreference::AutoProbe;
+  bool allow_dense_large_tile_mm = true;
+  bool operator==(const GgmlRoutingPolicy&) const = default;
+};
+// Reads, at call time: ROUTEMM_DISABLE_TENSOR_MM=1 -> ForceSimd; ROUTEMM_LARGE_TILE_MM=0/false/off
+// (any case) -> allow_dense_large_tile_mm = false. Anything else keeps the default.
+GgmlRoutingPolicy ggml_routing_policy_from_environment();
+
+// The four matrix routes for M > 8 (spec §6.1), each its own pipeline.
+enum class DenseQ4Route : uint8_t {
+  CompatibilitySimdgroup,  // kernel_mul_mm_q4_0_f32, 32-token tile
+  CompatibilityTensorV1,   // kernel_mul_mm_q4_0_tensor_f32, 32-token tile
+  CompatibilityV2,         // kernel_mul_mm_q4_0_tensor_v2_f32, 128-token tile
+  Tensor64x32,             // kernel_mul_mm_q4_0_tensor_64x32_f32: V2's arithmetic, 32-token tile
+};
+inline constexpr std::array<DenseQ4Route, 4> kAllDenseQ4Routes = {
+    DenseQ4Route::CompatibilitySimdgroup, DenseQ4Route::CompatibilityTensorV1,
+    DenseQ4Route::CompatibilityV2, DenseQ4Route::Tensor64x32};
+std::string_view to_string(DenseQ4Route route);
+std::string_view dense_q4_pipeline_name(DenseQ4Route route);
+
+inline constexpr std::string_view kQ4_0MatVecPipeline = "kernel_mul_mv_q4_0_f32";
+// Every pipeline name this op owns (mat-vec first, then the routes in kAllDenseQ4Routes order).
+inline constexpr std::array<std::string_view, 5> kQ4MatmulPipelineNames = {
+    "kernel_mul_mv_q4_0_f32", "kernel_mul_mm_q4_0_f32", "kernel_mul_mm_q4_0_tensor_f32",
+    "kernel_mul_mm_q4_0_tensor_v2_f32", "kernel_mul_mm_q4_0_tensor_64x32_f32"};
+// The specialisation constants every Q4 pipeline is fetched with: (700, batch=1), (701,1), (702,1).
+inline constexpr std::array<std::pair<uint32_t, int32_t>, 3> kQ4PipelineConstants = {
+    std::pair<uint32_t, int32_t>{700, 1}, {701, 1}, {702, 1}};
+
+// Why a route was taken. The last five are spec §6.1's DenseQ4DecisionSource; MatVecThreshold
+// (M <= 8) is routemm's name for calls that never reach dense Q4 route selection.
+enum class DenseQ4DecisionSource : uint8_t {
+  MatVecThreshold,
+  FrozenPlan,
+  NoPlanCompatibilityFallback,
+  UndeclaredCompatibilityFallback,
+  IneligibleCompatibilityFallback,
+  ForcedTest,
+};
+std::string_view to_string(DenseQ4DecisionSource value);
+
+struct GgmlQuantizedMatmulParams {
+  uint32_t m = 0;  // input rows (tokens)
+  uint32_t n = 0;  // output features = weight rows
+  uint32_t k = 0;  // input width = weight columns before quantisation
+  GgmlType ggml_type = GgmlType::Q4_0;
+  bool operator==(const GgmlQuantizedMatmulParams&) const = default;
+};
+
+struct DenseQ4RouteSelection {
+  DenseQ4Route route = DenseQ4Route::CompatibilityV2;
+  DenseQ4DecisionSource decision = DenseQ4DecisionSource::NoPlanCompatibilityFallback;
+};
+
+// Spec §6.2 without a frozen plan (steps 1-4), pure: not an exact shape (Q4_0, m > 8, k >= 32,
+// k % 32 == 0) -> V2 / ineligible; ForceSimd -> simdgroup / ineligible; no large tile -> V1 /
+// ineligible; else V2 / no_plan_compatibility_fallback.
+DenseQ4RouteSelection select_dense_q4_route(const GgmlQuantizedMatmulParams& params,
+                                            const GgmlRoutingPolicy& policy);
+
+// The geometry a route's dispatch must have (spec §6.2 expected_dispatch): token tile 32 and 8192
+// bytes of threadgroup memory for simdgroup/V1, 128 and 4096 for V2, 32 and 4096 for 64x32; grid
+// [ceil(m / tile), ceil(n / 64), 1], threads [128, 1, 1], ThreadGroups.
+EncodedKernelDispatch q4_expected_dispatch(DenseQ4Route route, uint32_t m, uint32_t n);
+
+struct GgmlQuantizedMatmulReceipt {
+  GgmlType ggml_type = GgmlType::Q4_0;
+  std::optional<DenseQ4Route> route;  // nullopt: the mat-vec pipeline
+  DenseQ4DecisionSource decision = DenseQ4DecisionSource::MatVecThreshold;
+  GgmlRoutingPolicy policy;
+  std::string pipeline_label;
+  uint32_t dispatch_count = 0;
+  EncodedKernelDispatch dispatch;  // what was encoded
+};
+
+// Byte extents of one call, checked in the order and with the messages of spec §5.3 (dtypes,
+// signed-ABI range, supported type, positive dims, K % QK, then weight/input/output sizes), plus
+// writability, one device and no output overlap. Throws InvalidArgument.
+void validate_quantized_matmul_ggml_call(const Buffer& input, const Buffer& weight,
+                                         const Buffer& output,
+                                         const GgmlQuantizedMatmulParams& params);
+
+// Validates, selects the route with `policy`, resolves the pipeline, then encodes one dispatch.
+GgmlQuantizedMatmulReceipt quantized_matmul_ggml(CommandEncoder& encoder, KernelRegistry& registry,
+                                                 const Buffer& input, const Buffer& weight,
+                                                 const Buffer& output,
+                                                 const GgmlQuantizedMatmulParams& params,
+                                                 const GgmlRoutingPolicy& policy);
+
+// Calibration entry: encodes exactly `route` (one dispatch, geometry == q4_expected_dispatch).
+// Requires Q4_0 and M > 8 ("forced dense Q4 MM route requires Q4_0 and M > 8"), then the same
+// validation as quantized_matmul_ggml. The decision is ForcedTest; no policy is consulted.
+GgmlQuantizedMatmulReceipt encode_q4_route(CommandEncoder& encoder, KernelRegistry& registry,
+                                           const Buffer& input, const Buffer& weight,
+                                           const Buffer& output,
+                                           const GgmlQuantizedMatmulParams& params,
+                                           DenseQ4Route route);
+
+}  // namespace routemm
