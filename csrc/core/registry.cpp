@@ -111,19 +111,27 @@ void KernelRegistry::register_kernel(KernelDef def) {
 }
 
 void KernelRegistry::freeze_plan(const std::string& plan_kind, const std::string& plan_id,
-                                 const std::vector<std::string>& protected_names) {
+                                 const std::vector<std::string>& protected_names,
+                                 std::string plan_document) {
   std::lock_guard lock(mutex_);
+  if (plan_id.empty()) throw InvalidArgument(plan_kind + " route plan needs a non-empty id");
   if (auto frozen = frozen_plans_.find(plan_kind); frozen != frozen_plans_.end()) {
-    if (frozen->second == plan_id) return;
-    throw InvalidArgument(plan_kind + " route plan is already frozen as " + frozen->second);
+    if (frozen->second.id == plan_id) return;
+    throw InvalidArgument(plan_kind + " route plan is already frozen as " + frozen->second.id);
   }
-  frozen_plans_.emplace(plan_kind, plan_id);
+  frozen_plans_.emplace(plan_kind, FrozenPlan{plan_id, std::move(plan_document)});
   protected_.insert(protected_names.begin(), protected_names.end());
 }
 
 std::optional<std::string> KernelRegistry::frozen_plan_id(const std::string& plan_kind) const {
   std::lock_guard lock(mutex_);
-  if (auto frozen = frozen_plans_.find(plan_kind); frozen != frozen_plans_.end()) return frozen->second;
+  if (auto frozen = frozen_plans_.find(plan_kind); frozen != frozen_plans_.end()) return frozen->second.id;
+  return std::nullopt;
+}
+
+std::optional<std::string> KernelRegistry::frozen_plan_document(const std::string& plan_kind) const {
+  std::lock_guard lock(mutex_);
+  if (auto frozen = frozen_plans_.find(plan_kind); frozen != frozen_plans_.end()) return frozen->second.document;
   return std::nullopt;
 }
 

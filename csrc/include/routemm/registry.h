@@ -81,11 +81,13 @@ class KernelRegistry {
   // Fails once a frozen plan protects that name.
   void register_kernel(KernelDef def);
 
-  // Installs a plan of `plan_kind` with `plan_id`, protecting `protected_names` from
-  // re-registration. Re-freezing the same id is a no-op; a different id is an error.
+  // Installs a plan of `plan_kind` with `plan_id` (and its serialised form, kept verbatim for
+  // dispatch-time lookups), protecting `protected_names` from re-registration. Re-freezing the
+  // same id is a no-op; a different id is an error.
   void freeze_plan(const std::string& plan_kind, const std::string& plan_id,
-                   const std::vector<std::string>& protected_names);
+                   const std::vector<std::string>& protected_names, std::string plan_document = {});
   std::optional<std::string> frozen_plan_id(const std::string& plan_kind) const;
+  std::optional<std::string> frozen_plan_document(const std::string& plan_kind) const;
   bool is_protected(std::string_view name) const;
 
  private:
@@ -95,7 +97,11 @@ class KernelRegistry {
   std::map<std::string, KernelDef, std::less<>> kernels_;
   std::map<std::string, PipelinePtr, std::less<>> pipelines_;
   std::multiset<std::string, std::less<>> injected_failures_;
-  std::map<std::string, std::string> frozen_plans_;
+  struct FrozenPlan {
+    std::string id;
+    std::string document;
+  };
+  std::map<std::string, FrozenPlan> frozen_plans_;
   std::set<std::string, std::less<>> protected_;
 };
 

@@ -1,0 +1,580 @@
+// CUDA kernels of the expert-ID matmul (spec §7.4, §7.5): dense_matmul_id_direct_*,
+// dense_matmul_id_map_distinct and dense_matmul_id_grouped_*.
+//
+// NUMERIC CONTRACT (shared by the direct and grouped kernels, which are therefore bit-identical on
+// CUDA; it depends on k only, never on m, the tile, the grid or the load width):
+//   1. The inner dimension is padded with zeros to kp = round_up(k, 64); a padded position
+//      contributes fma(+0, +0, acc).
+//   2. Chunk c covers inner positions [8c, 8c + 8). Eight partial sums s_0..s_7 start at +0.0f;
+//      s_p takes the chunks c = p, p + 8, p + 16, ... < kp / 8 in increasing order and, within a
+//      chunk, the positions in increasing order: s_p = fma(widen(w[col, inner]), x[row, inner], s_p),
+//      one correctly rounded F32 FMA per position.
+//   3. out = ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)), i.e. the xor-4, xor-2, xor-1
+//      butterfly over the 8 lanes that hold s_0..s_7 (each step: own + partner's).
+// widen() is exact. An id >= n_experts gives an all-zero row (+0.0f), without forming a weight
+// address. Only NaN payloads are not pinned.
+//
+// Geometry (what the KernelDefs below tell the front door, and how each kernel reads its grid):
+//   direct : grid [ceil(n / 8), m * top_k, 1], 64 threads. Block (x, y) computes columns
+//            [8x, 8x + 8) of flat row y: 2 warps x 4 columns, 8 lanes (one per s_p) per column.
+//   map    : grid [1, 1, 1], threads [n_experts]; ids staged through shared memory.
+//   grouped: grid [ceil(m / 32), ceil(n / 64), n_experts], 256 threads. Block (x, y, e) computes
+//            routed rows [32x, 32x + 32) of expert e times columns [64y, 64y + 64): 32 thread tiles
+//            of 8 rows x 8 columns, 8 lanes (one per s_p) per tile, K staged through shared memory
+//            in slices of 64 (one chunk per s_p), double-buffered.
+// The host wrappers launch these grids flattened into x (no 65535 limit on y).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "backend/common/dense_matmul_id_params.h"
+#include "kernels.h"
+#include "routemm/error.h"
+#include "routemm/ops/dense_matmul_id.h"
+
+#ifndef ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256
+#define ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256 "unknown"
+#endif
+
+namespace routemm::cuda {
+namespace {
+
+using kernels::DenseMatmulIdKernelParams;
+
+constexpr uint32_t kDirectCols = 8;      // columns per direct block
+constexpr uint32_t kDirectThreads = 64;  // 2 warps
+constexpr uint32_t kDirectUnroll = 8;    // chunk loads in flight per lane
+constexpr uint32_t kGroupRows = 32;      // routed rows per grouped block
+constexpr uint32_t kGroupCols = 64;      // columns per grouped block
+constexpr uint32_t kGroupThreads = 256;  // 8 warps
+constexpr uint32_t kSlice = 64;          // inner positions per shared-memory slice
+constexpr uint32_t kMapIdsPerStage = 4096;
+constexpr size_t kGroupDynamicShmem = 2ull * (kGroupRows + kGroupCols) * kSlice * sizeof(float);  // 48 KiB
+
+// ---- element access ------------------------------------------------------------------------------
+
+struct BF16Tag {};
+struct F16Tag {};
+
+// Raw 8-element chunk of weights, widened element by element (compile-time index after unrolling).
+template <typename T>
+struct Chunk;
+
+template <>
+struct Chunk<float> {
+  using elem = float;
+  float4 a, b;
+  __device__ __forceinline__ float get(int j) const {
+    switch (j) {
+      case 0: return a.x; case 1: return a.y; case 2: return a.z; case 3: return a.w;
+      case 4: return b.x; case 5: return b.y; case 6: return b.z; default: return b.w;
+    }
+  }
+  __device__ __forceinline__ void zero() { a = b = make_float4(0.f, 0.f, 0.f, 0.f); }
+};
+
+__device__ __forceinline__ uint32_t word_of(const uint4& q, int i) {
+  switch (i) { case 0: return q.x; case 1: return q.y; case 2: return q.z; default: return q.w; }
+}
+
+template <>
+struct Chunk<BF16Tag> {
+  using elem = uint16_t;
+  uint4 q;
+  __device__ __forceinline__ float get(int j) const {
+    const uint32_t w = word_of(q, j >> 1);
+    return __uint_as_float((j & 1) ? (w & 0xFFFF0000u) : (w << 16));
+  }
+  __device__ __forceinline__ void zero() { q = make_uint4(0, 0, 0, 0); }
+};
+
+template <>
+struct Chunk<F16Tag> {
+  using elem = uint16_t;
+  uint4 q;
+  __device__ __forceinline__ float get(int j) const {
+    const uint32_t w = word_of(q, j >> 1);
+    return __half2float(__ushort_as_half(static_cast<unsigned short>((j & 1) ? (w >> 16) : (w & 0xFFFFu))));
+  }
+  __device__ __forceinline__ void zero() { q = make_uint4(0, 0, 0, 0); }
+};
+
+// Streaming 16-byte load that does not allocate in L1 (weights are read once per use).
+__device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+__device__ __forceinline__ float4 ld_stream_f4(const void* p) {
+  const uint4 r = ld_stream_u4(p);
+  return make_float4(__uint_as_float(r.x), __uint_as_float(r.y), __uint_as_float(r.z), __uint_as_float(r.w));
+}
+
+// Loads weight chunk c of one row (row = pointer to element 0 of [col, :]); positions >= k are 0.
+// VEC: the row is 16-byte aligned and k % 8 == 0, so a chunk is whole or entirely past k.
+template <typename T, bool VEC>
+__device__ __forceinline__ Chunk<T> load_w_chunk(const void* row, uint32_t c, uint32_t k) {
+  Chunk<T> ch;
+  const uint32_t base = c * 8;
+  if constexpr (VEC) {
+    if (base < k) {
+      if constexpr (sizeof(typename Chunk<T>::elem) == 4) {
+        const float* p = static_cast<const float*>(row) + base;
+        ch.a = ld_stream_f4(p);
+        ch.b = ld_stream_f4(p + 4);
+      } else {
+        ch.q = ld_stream_u4(static_cast<const uint16_t*>(row) + base);
+      }
+    } else {
+      ch.zero();
+    }
+  } else {
+    if constexpr (sizeof(typename Chunk<T>::elem) == 4) {
+      const float* p = static_cast<const float*>(row);
+      float v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = (base + j < k) ? __ldg(p + base + j) : 0.f;
+      ch.a = make_float4(v[0], v[1], v[2], v[3]);
+      ch.b = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+      const unsigned short* p = static_cast<const unsigned short*>(row);
+      uint32_t v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = (base + j < k) ? __ldg(p + base + j) : 0u;
+      ch.q = make_uint4(v[0] | (v[1] << 16), v[2] | (v[3] << 16), v[4] | (v[5] << 16), v[6] | (v[7] << 16));
+    }
+  }
+  return ch;
+}
+
+// Activation chunk c of one input row (F32); positions >= k are 0.
+template <bool VEC>
+__device__ __forceinline__ Chunk<float> load_x_chunk(const float* row, uint32_t c, uint32_t k) {
+  Chunk<float> ch;
+  const uint32_t base = c * 8;
+  if constexpr (VEC) {
+    if (base < k) {
+      ch.a = __ldg(reinterpret_cast<const float4*>(row + base));
+      ch.b = __ldg(reinterpret_cast<const float4*>(row + base + 4));
+    } else {
+      ch.zero();
+    }
+  } else {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = (base + j < k) ? __ldg(row + base + j) : 0.f;
+    ch.a = make_float4(v[0], v[1], v[2], v[3]);
+    ch.b = make_float4(v[4], v[5], v[6], v[7]);
+  }
+  return ch;
+}
+
+// Step 3 of the contract for one value held by the 8 lanes p = lane & 7 of a group.
+__device__ __forceinline__ float reduce8(float s) {
+  s = s + __shfl_xor_sync(0xFFFFFFFFu, s, 4);
+  s = s + __shfl_xor_sync(0xFFFFFFFFu, s, 2);
+  s = s + __shfl_xor_sync(0xFFFFFFFFu, s, 1);
+  return s;
+}
+
+__device__ __forceinline__ const float* input_row(const DenseMatmulIdKernelParams& p, const char* x,
+                                                  uint32_t flat) {
+  const uint32_t token = flat / p.top_k;
+  const uint32_t slot = flat - token * p.top_k;
+  return reinterpret_cast<const float*>(x + uint64_t{token} * p.input_token_stride_bytes +
+                                        uint64_t{slot} * p.input_slot_stride_bytes);
+}
+
+// ---- direct --------------------------------------------------------------------------------------
+
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kDirectThreads)
+    direct_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w, const char* __restrict__ x,
+                  const uint32_t* __restrict__ ids, float* __restrict__ out, uint32_t tiles_x, uint64_t rows) {
+  const uint64_t block = blockIdx.x;
+  const uint64_t flat64 = block / tiles_x;
+  if (flat64 >= rows) return;
+  const uint32_t flat = static_cast<uint32_t>(flat64);
+  const uint32_t tile = static_cast<uint32_t>(block - flat64 * tiles_x);
+  const uint32_t lane = threadIdx.x & 31;
+  const uint32_t part = lane & 7;  // which partial sum s_p this lane owns
+  const uint32_t col = tile * kDirectCols + (threadIdx.x >> 5) * 4 + (lane >> 3);
+  if (tile * kDirectCols + (threadIdx.x >> 5) * 4 >= p.n) return;  // whole warp past n
+
+  const uint32_t id = __ldg(ids + flat);
+  float s = 0.f;
+  if (id < p.n_experts && col < p.n) {
+    const void* wrow = w + uint64_t{id} * p.expert_stride_bytes +
+                       uint64_t{col} * p.k * sizeof(typename Chunk<T>::elem);
+    const float* xrow = input_row(p, x, flat);
+    const uint32_t slices = (p.k + kSlice - 1) / kSlice;  // chunks per lane
+    for (uint32_t i = 0; i < slices; i += kDirectUnroll) {
+      Chunk<T> wc[kDirectUnroll];
+      Chunk<float> xc[kDirectUnroll];
+#pragma unroll
+      for (uint32_t u = 0; u < kDirectUnroll; ++u) {
+        const uint32_t c = (i + u) * 8 + part;
+        if (i + u < slices) {
+          wc[u] = load_w_chunk<T, VEC>(wrow, c, p.k);
+        } else {
+          wc[u].zero();
+        }
+      }
+#pragma unroll
+      for (uint32_t u = 0; u < kDirectUnroll; ++u) {
+        const uint32_t c = (i + u) * 8 + part;
+        if (i + u < slices) {
+          xc[u] = load_x_chunk<VEC>(xrow, c, p.k);
+        } else {
+          xc[u].zero();
+        }
+      }
+#pragma unroll
+      for (uint32_t u = 0; u < kDirectUnroll; ++u) {
+        if (i + u < slices) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) s = fmaf(wc[u].get(j), xc[u].get(j), s);
+        }
+      }
+    }
+  }
+  s = reduce8(s);
+  if (part == 0 && col < p.n) out[uint64_t{flat} * p.n + col] = s;
+}
+
+// ---- map_distinct --------------------------------------------------------------------------------
+
+__global__ void map_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __restrict__ ids,
+                           uint32_t* __restrict__ counts, uint32_t* __restrict__ routed, float* __restrict__ out) {
+  __shared__ uint32_t stage[kMapIdsPerStage];
+  const uint32_t e = threadIdx.x;
+  const uint32_t top_k = p.top_k;
+  const uint32_t tokens_per_stage = top_k >= kMapIdsPerStage ? 1u : kMapIdsPerStage / top_k;
+  const uint32_t ids_per_stage = tokens_per_stage * top_k;  // > kMapIdsPerStage only if top_k is
+  uint32_t count = 0;
+  for (uint32_t t0 = 0; t0 < p.m; t0 += tokens_per_stage) {
+    const uint32_t t1 = min(p.m, t0 + tokens_per_stage);
+    const uint64_t first = uint64_t{t0} * top_k;
+    const uint32_t n_ids = (t1 - t0) * top_k;
+    const bool staged = ids_per_stage <= kMapIdsPerStage;
+    __syncthreads();
+    for (uint32_t i = threadIdx.x; i < n_ids; i += blockDim.x) {
+      const uint32_t id = __ldg(ids + first + i);
+      if (staged) stage[i] = id;
+      if (id >= p.n_experts) {  // malformed id: its output row is all zeros, as in direct
+        float* row = out + (first + i) * p.n;
+        for (uint32_t c = 0; c < p.n; ++c) row[c] = 0.f;
+      }
+    }
+    __syncthreads();
+    if (e < p.n_experts) {
+      for (uint32_t t = t0; t < t1; ++t) {
+        const uint32_t local = (t - t0) * top_k;
+        for (uint32_t slot = 0; slot < top_k; ++slot) {
+          const uint32_t id = staged ? stage[local + slot] : __ldg(ids + first + local + slot);
+          if (id == e) {  // first matching slot only: one entry per token
+            routed[uint64_t{e} * p.m + count] = t * top_k + slot;
+            ++count;
+            break;
+          }
+        }
+      }
+    }
+  }
+  if (e < p.n_experts) counts[e] = count;
+}
+
+// ---- grouped -------------------------------------------------------------------------------------
+
+// Shared-memory slice layout, for X [32 rows][64] and W [64 cols][64] widened to F32: element
+// (r, inner = 8 * part + j) sits at r * 64 + (j / 4) * 32 + part * 4 + (j % 4), so the 8 lanes of a
+// group read 128 contiguous bytes with one 16-byte load each (no bank conflicts).
+__device__ __forceinline__ uint32_t slice_index(uint32_t r, uint32_t part, uint32_t half) {
+  return r * kSlice + half * 32 + part * 4;
+}
+
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kGroupThreads, sizeof(typename Chunk<T>::elem) == 2 ? 2 : 1)
+    grouped_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w, const char* __restrict__ x,
+                   const uint32_t* __restrict__ counts, const uint32_t* __restrict__ routed,
+                   float* __restrict__ out, uint32_t tiles_x, uint32_t tiles_y) {
+  extern __shared__ float4 grouped_smem[];  // kGroupDynamicShmem bytes: xs[2][32 * 64], ws[2][64 * 64]
+  float(*xs)[kGroupRows * kSlice] = reinterpret_cast<float(*)[kGroupRows * kSlice]>(grouped_smem);
+  float(*ws)[kGroupCols * kSlice] = reinterpret_cast<float(*)[kGroupCols * kSlice]>(
+      reinterpret_cast<float*>(grouped_smem) + 2 * kGroupRows * kSlice);
+  __shared__ uint32_t flat_rows[kGroupRows];
+
+  const uint32_t e = blockIdx.z;
+  const uint32_t bx = blockIdx.x % tiles_x;
+  const uint32_t by = blockIdx.x / tiles_x;
+  if (by >= tiles_y || e >= p.n_experts) return;
+  const uint32_t count = __ldg(counts + e);
+  const uint32_t row0 = bx * kGroupRows;
+  const uint32_t col0 = by * kGroupCols;
+  if (row0 >= count || col0 >= p.n) return;
+  const uint32_t rows_here = min(kGroupRows, count - row0);
+
+  const uint32_t tid = threadIdx.x;
+  if (tid < kGroupRows) flat_rows[tid] = tid < rows_here ? __ldg(routed + uint64_t{e} * p.m + row0 + tid) : 0u;
+  __syncthreads();
+
+  using Elem = typename Chunk<T>::elem;
+  const char* wexp = w + uint64_t{e} * p.expert_stride_bytes;
+  const uint32_t slices = (p.k + kSlice - 1) / kSlice;
+
+  // Loader roles. X: 32 rows x 8 chunks = 256 chunk loads, one per thread. W: 64 cols x 8 chunks
+  // = 512, two per thread. Chunk index within the slice = the partial sum it feeds.
+  const uint32_t x_row = tid >> 3, x_part = tid & 7;
+  const bool x_live = x_row < rows_here;
+  const float* x_src = x_live ? input_row(p, x, flat_rows[x_row]) : nullptr;
+  const uint32_t w_col0 = tid >> 3, w_part = tid & 7;  // second load: column + 32
+  const bool w_live0 = col0 + w_col0 < p.n;
+  const bool w_live1 = col0 + w_col0 + 32 < p.n;
+  const void* w_src0 = wexp + uint64_t{col0 + w_col0} * p.k * sizeof(Elem);
+  const void* w_src1 = wexp + uint64_t{col0 + w_col0 + 32} * p.k * sizeof(Elem);
+
+  Chunk<float> xr;
+  Chunk<T> wr0, wr1;
+  auto load_slice = [&](uint32_t slice) {
+    const uint32_t c_x = slice * 8 + x_part, c_w = slice * 8 + w_part;
+    if (x_live) xr = load_x_chunk<VEC>(x_src, c_x, p.k); else xr.zero();
+    if (w_live0) wr0 = load_w_chunk<T, VEC>(w_src0, c_w, p.k); else wr0.zero();
+    if (w_live1) wr1 = load_w_chunk<T, VEC>(w_src1, c_w, p.k); else wr1.zero();
+  };
+  auto store_slice = [&](int buf) {
+    *reinterpret_cast<float4*>(&xs[buf][slice_index(x_row, x_part, 0)]) = xr.a;
+    *reinterpret_cast<float4*>(&xs[buf][slice_index(x_row, x_part, 1)]) = xr.b;
+    float4 a, b;
+    a = make_float4(wr0.get(0), wr0.get(1), wr0.get(2), wr0.get(3));
+    b = make_float4(wr0.get(4), wr0.get(5), wr0.get(6), wr0.get(7));
+    *reinterpret_cast<float4*>(&ws[buf][slice_index(w_col0, w_part, 0)]) = a;
+    *reinterpret_cast<float4*>(&ws[buf][slice_index(w_col0, w_part, 1)]) = b;
+    a = make_float4(wr1.get(0), wr1.get(1), wr1.get(2), wr1.get(3));
+    b = make_float4(wr1.get(4), wr1.get(5), wr1.get(6), wr1.get(7));
+    *reinterpret_cast<float4*>(&ws[buf][slice_index(w_col0 + 32, w_part, 0)]) = a;
+    *reinterpret_cast<float4*>(&ws[buf][slice_index(w_col0 + 32, w_part, 1)]) = b;
+  };
+
+  // Compute roles: tile = warp * 4 + group; in a warp the 4 groups share the column tile.
+  const uint32_t lane = tid & 31, part = lane & 7, group = lane >> 3, warp = tid >> 5;
+  const uint32_t r_base = group * 8;  // row tile (0..3) * 8
+  const uint32_t c_base = warp * 8;   // column tile (0..7) * 8
+
+  float acc[8][8];
+#pragma unroll
+  for (int r = 0; r < 8; ++r)
+#pragma unroll
+    for (int c = 0; c < 8; ++c) acc[r][c] = 0.f;
+
+  load_slice(0);
+  store_slice(0);
+  __syncthreads();
+  for (uint32_t s = 0; s < slices; ++s) {
+    const int buf = s & 1;
+    if (s + 1 < slices) load_slice(s + 1);  // in flight during the FMAs below
+#pragma unroll
+    for (uint32_t half = 0; half < 2; ++half) {
+      float4 wv[8];
+#pragma unroll
+      for (int c = 0; c < 8; ++c) wv[c] = *reinterpret_cast<const float4*>(&ws[buf][slice_index(c_base + c, part, half)]);
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const float4 xv = *reinterpret_cast<const float4*>(&xs[buf][slice_index(r_base + r, part, half)]);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          acc[r][c] = fmaf(wv[c].x, xv.x, acc[r][c]);
+          acc[r][c] = fmaf(wv[c].y, xv.y, acc[r][c]);
+          acc[r][c] = fmaf(wv[c].z, xv.z, acc[r][c]);
+          acc[r][c] = fmaf(wv[c].w, xv.w, acc[r][c]);
+        }
+      }
+    }
+    if (s + 1 < slices) store_slice(buf ^ 1);  // the other buffer was last read before the previous barrier
+    __syncthreads();
+  }
+
+  // Step 3 by recursive halving: the same own + partner sums as reduce8's butterfly, with half of
+  // the values exchanged per step. Afterwards lane `part` holds row r_base + part, columns 0..7.
+  float v[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {  // xor 4 decides row bit 2
+    const bool hi = part & 4;
+    const float keep = hi ? acc[4 + i / 8][i % 8] : acc[i / 8][i % 8];
+    const float send = hi ? acc[i / 8][i % 8] : acc[4 + i / 8][i % 8];
+    v[i] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, 4);
+  }
+  float u[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {  // xor 2 decides row bit 1 (v index bit 4)
+    const bool hi = part & 2;
+    const float keep = hi ? v[16 + i] : v[i];
+    const float send = hi ? v[i] : v[16 + i];
+    u[i] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, 2);
+  }
+  float o[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {  // xor 1 decides row bit 0 (u index bit 3)
+    const bool hi = part & 1;
+    const float keep = hi ? u[8 + i] : u[i];
+    const float send = hi ? u[i] : u[8 + i];
+    o[i] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, 1);
+  }
+  const uint32_t r = r_base + part;
+  if (r < rows_here) {
+    float* dst = out + uint64_t{flat_rows[r]} * p.n + col0 + c_base;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      if (col0 + c_base + c < p.n) dst[c] = o[c];
+    }
+  }
+}
+
+// ---- host wrappers -------------------------------------------------------------------------------
+
+const BoundArg& arg(const KernelLaunch& launch, size_t slot, const char* what) {
+  const BoundArg& a = launch.args[slot];
+  if (a.kind == BoundArg::Kind::Empty || a.data == nullptr) {
+    throw Error(launch.label + ": argument slot " + std::to_string(slot) + " (" + what + ") is not bound");
+  }
+  return a;
+}
+
+DenseMatmulIdKernelParams params_of(const KernelLaunch& launch) {
+  const BoundArg& a = arg(launch, 0, "params");
+  if (a.kind != BoundArg::Kind::Bytes || a.size != sizeof(DenseMatmulIdKernelParams)) {
+    throw Error(launch.label + ": argument slot 0 must hold the 48-byte kernel params");
+  }
+  DenseMatmulIdKernelParams p;
+  std::memcpy(&p, a.data, sizeof p);
+  if (p.top_k == 0 || p.n == 0 || p.k == 0 || p.m == 0) throw Error(launch.label + ": zero dimension in params");
+  return p;
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+// 16-byte chunk loads are legal when every weight row and input row starts 16-byte aligned and a
+// chunk never straddles k.
+bool vector_ok(const DenseMatmulIdKernelParams& p, const void* w, const void* x, size_t elem) {
+  return p.k % 8 == 0 && aligned16(w) && aligned16(x) && p.expert_stride_bytes % 16 == 0 &&
+         (uint64_t{p.k} * elem) % 16 == 0 && p.input_token_stride_bytes % 16 == 0 &&
+         p.input_slot_stride_bytes % 16 == 0;
+}
+
+void check_grid(const KernelLaunch& launch, uint64_t blocks) {
+  if (blocks > static_cast<uint64_t>(INT_MAX)) {
+    throw Error(launch.label + ": grid of " + std::to_string(blocks) + " blocks exceeds the CUDA limit");
+  }
+}
+
+template <typename T>
+void launch_direct(const KernelLaunch& launch, void* stream_ptr) {
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const DenseMatmulIdKernelParams p = params_of(launch);
+  const char* w = static_cast<const char*>(arg(launch, 1, "weights").data);
+  const char* x = static_cast<const char*>(arg(launch, 2, "input").data);
+  const auto* ids = static_cast<const uint32_t*>(arg(launch, 3, "expert_ids").data);
+  auto* out = static_cast<float*>(arg(launch, 4, "output").data);
+  const uint64_t tiles_x = launch.grid.x, rows = launch.grid.y * launch.grid.z;
+  if (tiles_x == 0 || rows == 0) return;
+  if (tiles_x > UINT32_MAX) throw Error(launch.label + ": grid x too large");
+  check_grid(launch, tiles_x * rows);
+  const dim3 grid(static_cast<unsigned>(tiles_x * rows));
+  const size_t elem = sizeof(typename Chunk<T>::elem);
+  if (vector_ok(p, w, x, elem)) {
+    direct_kernel<T, true><<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
+  } else {
+    direct_kernel<T, false><<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
+  }
+}
+
+void launch_map(const KernelLaunch& launch, void* stream_ptr) {
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const DenseMatmulIdKernelParams p = params_of(launch);
+  const auto* ids = static_cast<const uint32_t*>(arg(launch, 1, "expert_ids").data);
+  auto* counts = static_cast<uint32_t*>(arg(launch, 2, "expert_counts").data);
+  auto* routed = static_cast<uint32_t*>(arg(launch, 3, "routed_rows").data);
+  auto* out = static_cast<float*>(arg(launch, 4, "output").data);
+  const uint64_t threads = launch.threads.x * launch.threads.y * launch.threads.z;
+  if (threads < p.n_experts || threads > 1024) {
+    throw Error(launch.label + ": map needs one thread per expert (n_experts " + std::to_string(p.n_experts) +
+                ", threads " + std::to_string(threads) + ", at most 1024)");
+  }
+  map_kernel<<<1, static_cast<unsigned>(threads), 0, stream>>>(p, ids, counts, routed, out);
+}
+
+template <typename T>
+void launch_grouped(const KernelLaunch& launch, void* stream_ptr) {
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  const DenseMatmulIdKernelParams p = params_of(launch);
+  const char* w = static_cast<const char*>(arg(launch, 1, "weights").data);
+  const char* x = static_cast<const char*>(arg(launch, 2, "input").data);
+  const auto* counts = static_cast<const uint32_t*>(arg(launch, 3, "expert_counts").data);
+  const auto* routed = static_cast<const uint32_t*>(arg(launch, 4, "routed_rows").data);
+  auto* out = static_cast<float*>(arg(launch, 5, "output").data);
+  const uint64_t tx = launch.grid.x, ty = launch.grid.y, tz = launch.grid.z;
+  if (tx == 0 || ty == 0 || tz == 0) return;
+  if (tz > 65535 || tx > UINT32_MAX || ty > UINT32_MAX) throw Error(launch.label + ": grid too large");
+  check_grid(launch, tx * ty);
+  const dim3 grid(static_cast<unsigned>(tx * ty), 1, static_cast<unsigned>(tz));
+  const size_t elem = sizeof(typename Chunk<T>::elem);
+  // More than 48 KiB of dynamic shared memory must be opted into, once per kernel.
+  static const cudaError_t opt_in = [] {
+    cudaError_t e = cudaFuncSetAttribute(grouped_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kGroupDynamicShmem));
+    if (e == cudaSuccess) {
+      e = cudaFuncSetAttribute(grouped_kernel<T, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(kGroupDynamicShmem));
+    }
+    return e;
+  }();
+  if (opt_in != cudaSuccess) {
+    throw Error(launch.label + ": cudaFuncSetAttribute(MaxDynamicSharedMemorySize) failed: " +
+                cudaGetErrorString(opt_in));
+  }
+  if (vector_ok(p, w, x, elem)) {
+    grouped_kernel<T, true><<<grid, kGroupThreads, kGroupDynamicShmem, stream>>>(p, w, x, counts, routed, out,
+                                                                                 uint32_t(tx), uint32_t(ty));
+  } else {
+    grouped_kernel<T, false><<<grid, kGroupThreads, kGroupDynamicShmem, stream>>>(p, w, x, counts, routed, out,
+                                                                                  uint32_t(tx), uint32_t(ty));
+  }
+}
+
+KernelDef def(std::string_view name, KernelFn fn, uint32_t threads, uint32_t tile_x, uint32_t tile_y,
+              uint64_t shmem, uint64_t max_threads) {
+  KernelDef d;
+  d.name = std::string(name);
+  d.fn = fn;
+  d.max_threads_per_threadgroup = max_threads;
+  d.threads_per_group = threads;
+  d.tile_x = tile_x;
+  d.tile_y = tile_y;
+  d.threadgroup_memory_bytes = shmem;
+  d.origin = "cuda_fatbin";
+  d.content_sha256 = ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256;
+  return d;
+}
+
+}  // namespace
+
+void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
+  const auto& names = kDenseMatmulIdPipelineNames;
+  // Static shared memory of the grouped kernel, reported so receipts show what a block uses.
+  constexpr uint64_t kGroupShmem = kGroupDynamicShmem + kGroupRows * 4;
+  out.push_back(def(names[0], launch_direct<float>, kDirectThreads, kDirectCols, 1, 0, 1024));
+  out.push_back(def(names[1], launch_direct<F16Tag>, kDirectThreads, kDirectCols, 1, 0, 1024));
+  out.push_back(def(names[2], launch_direct<BF16Tag>, kDirectThreads, kDirectCols, 1, 0, 1024));
+  out.push_back(def(names[3], launch_map, 1, 1, 1, 0, 1024));
+  out.push_back(def(names[4], launch_grouped<float>, kGroupThreads, kGroupRows, kGroupCols, kGroupShmem, 1024));
+  out.push_back(def(names[5], launch_grouped<F16Tag>, kGroupThreads, kGroupRows, kGroupCols, kGroupShmem, 1024));
+  out.push_back(def(names[6], launch_grouped<BF16Tag>, kGroupThreads, kGroupRows, kGroupCols, kGroupShmem, 1024));
+}
+
+}  // namespace routemm::cuda

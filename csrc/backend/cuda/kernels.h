@@ -1,0 +1,15 @@
+// CUDA kernel families; each adds its KernelDefs to the CUDA backend's list.
+#pragma once
+
+#include <vector>
+
+#include "routemm/backend.h"
+
+namespace routemm::cuda {
+
+// Pipelines of csrc/ops/dense_matmul_id.cpp (kDenseMatmulIdPipelineNames), dense_matmul_id.cu.
+void add_dense_matmul_id_kernels(std::vector<KernelDef>& out);
+// Tensor-core routes (kDenseMatmulIdTensorPipelineNames), dense_matmul_id_tensor.cu.
+void add_dense_matmul_id_tensor_kernels(std::vector<KernelDef>& out);
+
+}  // namespace routemm::cuda
