@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import types
 import typing
@@ -115,11 +116,16 @@ def _decode(tp: Any, data: Any, where: str) -> Any:
     raise TypeError(f"no JSON decoding for {tp!r}")
 
 
+@functools.lru_cache(maxsize=None)
+def _record_layout(cls: type) -> tuple[dict, dict]:
+    """(type hints, fields by name) of a record class; resolving hints is slow, so once per class."""
+    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+
+
 def _decode_record(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise InvalidArgumentError(f"{where} must be a JSON object")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints, fields = _record_layout(cls)
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise InvalidArgumentError(f"{where}: unknown field(s) {', '.join(unknown)}")

@@ -69,6 +69,11 @@ class DenseMatmulIdParams(JsonRecord):
     route: DenseMatmulIdRoute = DenseMatmulIdRoute.DIRECT
     schema_version: int = SCHEMA_VERSION
 
+    @functools.cached_property
+    def _native_params(self) -> _core._DenseMatmulIdParams:
+        """The native params, built once per (immutable) instance."""
+        return self._native()
+
     def _native(self) -> _core._DenseMatmulIdParams:
         for name in ("m", "n", "k", "top_k", "n_experts"):
             value = getattr(self, name)
@@ -131,7 +136,7 @@ def dense_matmul_id_capability(weight_dtype: DType, params: DenseMatmulIdParams)
     """
     if not isinstance(weight_dtype, DType):
         raise InvalidArgumentError(f"dense_matmul_id weight dtype must be a routemm.DType, got {weight_dtype!r}")
-    return _capability_from_native(_core._dense_matmul_id_capability(weight_dtype, params._native()))
+    return _capability_from_native(_core._dense_matmul_id_capability(weight_dtype, params._native_params))
 
 
 def dense_matmul_id(encoder, registry, weights, input, expert_ids, output, scratch, params: DenseMatmulIdParams
@@ -142,8 +147,10 @@ def dense_matmul_id(encoder, registry, weights, input, expert_ids, output, scrat
     `scratch` is a DenseMatmulIdScratch for grouped_prefill and may be None for direct.
     """
     native = _core._dense_matmul_id(encoder, registry, weights, input, expert_ids, output, scratch,
-                                    params._native())
-    return DenseMatmulIdDispatchReceipt.from_dict({**native, "schema_version": SCHEMA_VERSION})
+                                    params._native_params)
+    # Built field by field: this is the per-call hot path (from_dict resolves type hints).
+    return DenseMatmulIdDispatchReceipt(weights.dtype, DenseMatmulIdRoute(native["route"]),
+                                        native["dispatch_count"])
 
 
 # ---- High level ---------------------------------------------------------------------------------
