@@ -34,6 +34,22 @@ from .dense_matmul_id import (
 )
 from . import env
 from ._interop import from_dlpack
+from . import q4_0
+from .quantized_matmul import (
+    DenseQ4DecisionSource,
+    DenseQ4Route,
+    GgmlQuantizedMatmulParams,
+    GgmlQuantizedMatmulReceipt,
+    GgmlRoutingPolicy,
+    GgmlTensorMmPreference,
+    GgmlType,
+    Q4_MATMUL_PIPELINE_NAMES,
+    encode_q4_route,
+    q4_expected_dispatch,
+    quantized_matmul_ggml,
+    select_dense_q4_route,
+)
+from .gguf_io import gguf_tensor
 
 Device = _core.Device
 Buffer = _core.Buffer
@@ -69,4 +85,38 @@ __all__ = [
     "Pipeline", "PipelineIdentity", "available_backends", "backend_status", "dense_matmul_id",
     "dense_matmul_id_capability", "dispatch_count", "from_dlpack", "dtype_of", "encoder_counters", "env", "matmul_id",
     "numpy_dtype", "reset_encoder_counters",
+]
+__all__ += [
+    "DenseQ4DecisionSource", "DenseQ4Route", "GgmlQuantizedMatmulParams", "GgmlQuantizedMatmulReceipt",
+    "GgmlRoutingPolicy", "GgmlTensorMmPreference", "GgmlType", "Q4_MATMUL_PIPELINE_NAMES", "encode_q4_route",
+    "gguf_tensor", "q4_0", "q4_expected_dispatch", "quantized_matmul_ggml", "select_dense_q4_route",
+]
+
+from . import calibration
+from .dense_q4_plan import (
+    DENSE_Q4_ROUTE_SCHEMA_VERSION, DenseQ4BaseShape, DenseQ4CalibrationBatchReceipt, DenseQ4CalibrationCase,
+    DenseQ4CalibrationDecision, DenseQ4CalibrationLimits, DenseQ4CartesianAcceptanceRequirements,
+    DenseQ4DispatchDecision, DenseQ4DispatchTrace, DenseQ4InputLayout, DenseQ4RoutePlan, DenseQ4RouteTiming,
+    DenseQ4SelectionStatus, DenseQ4Shape, DenseQ4TimingDistribution, calibrate_dense_q4_routes, dense_q4_auto,
+    freeze_dense_q4_plan, load_dense_q4_plan, trace_dense_q4_auto, validate_dense_q4_cartesian_acceptance,
+)
+from .dense_matmul_id_plan import (
+    DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM, DenseMatmulIdAutoReceipt, DenseMatmulIdCalibrationCase,
+    DenseMatmulIdCalibrationDecision, DenseMatmulIdCalibrationLimits, DenseMatmulIdCalibrationReceipt,
+    DenseMatmulIdDecisionSource, DenseMatmulIdRoutePlan, DenseMatmulIdRoutingProfile, DenseMatmulIdSelectionStatus,
+    DenseMatmulIdShape, calibrate_dense_matmul_id_routes, dense_matmul_id_auto, freeze_dense_matmul_id_plan,
+    load_dense_matmul_id_plan,
+)
+__all__ += [
+    "DENSE_Q4_ROUTE_SCHEMA_VERSION", "DenseQ4BaseShape", "DenseQ4CalibrationBatchReceipt", "DenseQ4CalibrationCase",
+    "DenseQ4CalibrationDecision", "DenseQ4CalibrationLimits", "DenseQ4CartesianAcceptanceRequirements",
+    "DenseQ4DispatchDecision", "DenseQ4DispatchTrace", "DenseQ4InputLayout", "DenseQ4RoutePlan", "DenseQ4RouteTiming",
+    "DenseQ4SelectionStatus", "DenseQ4Shape", "DenseQ4TimingDistribution", "calibrate_dense_q4_routes",
+    "calibration", "dense_q4_auto", "freeze_dense_q4_plan", "load_dense_q4_plan", "trace_dense_q4_auto",
+    "validate_dense_q4_cartesian_acceptance",
+    "DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM", "DenseMatmulIdAutoReceipt", "DenseMatmulIdCalibrationCase",
+    "DenseMatmulIdCalibrationDecision", "DenseMatmulIdCalibrationLimits", "DenseMatmulIdCalibrationReceipt",
+    "DenseMatmulIdDecisionSource", "DenseMatmulIdRoutePlan", "DenseMatmulIdRoutingProfile",
+    "DenseMatmulIdSelectionStatus", "DenseMatmulIdShape", "calibrate_dense_matmul_id_routes", "dense_matmul_id_auto",
+    "freeze_dense_matmul_id_plan", "load_dense_matmul_id_plan",
 ]

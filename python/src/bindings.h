@@ -14,5 +14,6 @@ void init_encoder(py::module_& m);
 void init_registry(py::module_& m);
 void init_dense_matmul_id(py::module_& m);
 void init_interop(py::module_& m);
+void init_q4(py::module_& m);
 
 }  // namespace routemm::python

@@ -44,8 +44,15 @@ def device(backend) -> routemm.Device:
 
 
 @pytest.fixture
-def registry(device) -> routemm.KernelRegistry:
-    return routemm.KernelRegistry(device)
+def registry(device, request) -> routemm.KernelRegistry:
+    """A fresh registry; a test marked needs_kernels(...) is skipped on a backend lacking one."""
+    reg = routemm.KernelRegistry(device)
+    marker = request.node.get_closest_marker("needs_kernels")
+    if marker is not None:
+        missing = [name for name in marker.args if not reg.has_kernel(name)]
+        if missing:
+            pytest.skip(f"backend {device.backend} has no {', '.join(missing)}")
+    return reg
 
 
 @pytest.fixture

@@ -81,3 +81,27 @@ def assert_close(got: np.ndarray, ref: np.ndarray, magnitude: np.ndarray, *, dty
 from routemm import DenseMatmulIdRoute as _Route  # noqa: E402
 
 TENSOR_ROUTE_FROBENIUS = {_Route.GROUPED_TENSOR_TF32: 2e-3, _Route.GROUPED_TENSOR_LOWP: 1e-2}
+
+
+# ---- GGML Q4_0 dense projections (quantized_matmul_ggml) -----------------------------------------
+#
+# Reference: float64 over the *exactly* dequantised weights (d * (nibble - 8) is exact in F32 and
+# float64), so, as above, only F32 accumulation error is left. On the CPU every route (mat-vec and
+# the four matrix routes) follows one contract -- eight FMA lanes over K, then the fixed lane tree
+# (csrc/backend/cpu/q4_matmul.cpp) -- so `accumulation_bound` holds for each of them and they agree
+# bit for bit. The table states, per route, the (abs, rel) allowed for random data with |w|, |x| <=
+# ~1 (abs grows with sqrt(K / 32) through `q4_tolerance`). GPU tensor routes that round
+# activations or dequantised weights to half precision will need their own (looser) entries.
+Q4_ROUTE_TABLE = {
+    "mat_vec": (2e-4, 2e-4),
+    "compatibility_simdgroup": (2e-4, 2e-4),
+    "compatibility_tensor_v1": (2e-4, 2e-4),
+    "compatibility_v2": (2e-4, 2e-4),
+    "tensor_64x32": (2e-4, 2e-4),
+}
+
+
+def q4_tolerance(route: str, k: int, scale: float = 1.0) -> tuple[float, float]:
+    """(atol, rtol) of a Q4_0 route for random data with |w| * |x| <= scale."""
+    atol, rtol = Q4_ROUTE_TABLE[route]
+    return atol * max(1.0, math.sqrt(k / 32.0)) * scale, rtol

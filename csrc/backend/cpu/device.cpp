@@ -48,7 +48,11 @@ class CpuQueue final : public Queue {
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend() { add_dense_matmul_id_kernels(kernels_); }
+  CpuBackend() {
+    add_dense_matmul_id_kernels(kernels_);
+    add_q4_matmul_kernels(kernels_);
+    add_calibration_kernels(kernels_);
+  }
 
   std::string_view name() const override { return "cpu"; }
   std::string device_name() const override { return "cpu"; }

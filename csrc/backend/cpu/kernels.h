@@ -9,5 +9,9 @@ namespace routemm::cpu {
 
 // Pipelines of csrc/ops/dense_matmul_id.cpp (kDenseMatmulIdPipelineNames).
 void add_dense_matmul_id_kernels(std::vector<KernelDef>& out);
+// Pipelines of csrc/ops/q4_matmul.cpp (kQ4MatmulPipelineNames).
+void add_q4_matmul_kernels(std::vector<KernelDef>& out);
+// Route-calibration proof kernels (routemm_calibration_poison_f32 / _compare_f32), calibration.cpp.
+void add_calibration_kernels(std::vector<KernelDef>& out);
 
 }  // namespace routemm::cpu

@@ -11,5 +11,7 @@ namespace routemm::cuda {
 void add_dense_matmul_id_kernels(std::vector<KernelDef>& out);
 // Tensor-core routes (kDenseMatmulIdTensorPipelineNames), dense_matmul_id_tensor.cu.
 void add_dense_matmul_id_tensor_kernels(std::vector<KernelDef>& out);
+// Route-calibration proof kernels (routemm_calibration_poison_f32 / _compare_f32), calibration.cu.
+void add_calibration_kernels(std::vector<KernelDef>& out);
 
 }  // namespace routemm::cuda

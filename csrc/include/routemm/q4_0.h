@@ -6,7 +6,8 @@
 // nibble is value j + 16. A block's value is d * (nibble - 8).
 //
 // Quantisation of one block (all arithmetic in binary32, round to nearest even, no fused ops):
-//   max = the value of largest magnitude (the first one on ties); d = max / -8;
+//   max = the value of largest magnitude (the first one on ties, so an all-zero block of -0.0
+//   has max = -0.0 and d = +0.0, as in `gguf`); d = max / -8;
 //   inv = d == 0 ? 0 : 1 / d;  nibble = min(15, trunc(x * inv + 8.5));
 //   the stored scale is d rounded to binary16 (overflow gives +-inf), while the nibbles use the
 //   binary32 inv. Non-finite inputs are not part of the contract.

@@ -1,0 +1,158 @@
+// GGML Q4_0: the reference quantiser/dequantiser on flat NumPy arrays, and the dense projection
+// front doors. Enums travel as their snake_case values; results as dicts that the Python
+// dataclasses are built from.
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "bindings.h"
+#include "routemm/error.h"
+#include "routemm/ops/q4_matmul.h"
+#include "routemm/q4_0.h"
+
+namespace routemm::python {
+namespace {
+
+template <class Enum, size_t N>
+Enum parse(const std::string& text, const std::array<Enum, N>& values, const char* what) {
+  for (Enum v : values) {
+    if (to_string(v) == text) return v;
+  }
+  throw InvalidArgument(std::string("quantized_matmul_ggml unknown ") + what + " '" + text + "'");
+}
+
+GgmlRoutingPolicy make_policy(const std::string& dense_tensor_mm, bool allow_large_tile) {
+  GgmlRoutingPolicy policy;
+  policy.dense_tensor_mm = parse(
+      dense_tensor_mm,
+      std::array{GgmlTensorMmPreference::AutoProbe, GgmlTensorMmPreference::ForceSimd},
+      "tensor MM preference");
+  policy.allow_dense_large_tile_mm = allow_large_tile;
+  return policy;
+}
+
+py::dict dispatch_dict(const EncodedKernelDispatch& d) {
+  py::dict out;
+  out["pipeline_label"] = d.pipeline_label;
+  out["dispatch_kind"] = d.dispatch_kind == DispatchKind::Threads ? "threads" : "thread_groups";
+  out["grid"] = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]);
+  out["threads_per_threadgroup"] = py::make_tuple(
+      d.threads_per_threadgroup[0], d.threads_per_threadgroup[1], d.threads_per_threadgroup[2]);
+  py::list memory;
+  for (const auto& [index, bytes] : d.threadgroup_memory) memory.append(py::make_tuple(index, bytes));
+  out["threadgroup_memory"] = py::tuple(memory);
+  return out;
+}
+
+py::dict receipt_dict(const GgmlQuantizedMatmulReceipt& r) {
+  py::dict out;
+  out["ggml_type"] = std::string(to_string(r.ggml_type));
+  out["route"] = r.route ? std::string(to_string(*r.route)) : std::string("mat_vec");
+  out["decision"] = std::string(to_string(r.decision));
+  py::dict policy;
+  policy["dense_tensor_mm"] = std::string(to_string(r.policy.dense_tensor_mm));
+  policy["allow_dense_large_tile_mm"] = r.policy.allow_dense_large_tile_mm;
+  out["policy"] = policy;
+  out["pipeline_label"] = r.pipeline_label;
+  out["dispatch_count"] = r.dispatch_count;
+  out["dispatch"] = dispatch_dict(r.dispatch);
+  return out;
+}
+
+DenseQ4Route parse_route(const std::string& text) {
+  return parse(text, kAllDenseQ4Routes, "dense Q4 route");
+}
+
+}  // namespace
+
+void init_q4(py::module_& m) {
+  m.attr("GGML_QUANTIZED_MATMUL_SCHEMA_VERSION") = kGgmlQuantizedMatmulSchemaVersion;
+  m.attr("GGML_MM_ROUTING_THRESHOLD") = kGgmlMmRoutingThreshold;
+  py::list names;
+  for (auto name : kQ4MatmulPipelineNames) names.append(std::string(name));
+  m.attr("Q4_MATMUL_PIPELINE_NAMES") = py::tuple(names);
+
+  m.def(
+      "_q4_0_quantize",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> values) {
+        const size_t count = static_cast<size_t>(values.size());
+        py::array_t<uint8_t> out(static_cast<py::ssize_t>(q4_0::quantized_bytes(count)));
+        const float* src = values.data();
+        uint8_t* dst = out.mutable_data();
+        const size_t bytes = static_cast<size_t>(out.size());
+        {
+          py::gil_scoped_release release;
+          q4_0::quantize({src, count}, {dst, bytes});
+        }
+        return out;
+      },
+      py::arg("values"), "Flat float32 values (a multiple of 32) -> flat Q4_0 bytes.");
+  m.def(
+      "_q4_0_dequantize",
+      [](py::array_t<uint8_t, py::array::c_style | py::array::forcecast> blocks) {
+        const size_t bytes = static_cast<size_t>(blocks.size());
+        if (bytes % q4_0::kBlockBytes != 0) {
+          throw InvalidArgument("q4_0 dequantize: " + std::to_string(bytes) +
+                                " bytes are not a whole number of 18-byte blocks");
+        }
+        const size_t count = bytes / q4_0::kBlockBytes * q4_0::kBlockValues;
+        py::array_t<float> out(static_cast<py::ssize_t>(count));
+        const uint8_t* src = blocks.data();
+        float* dst = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          q4_0::dequantize({src, bytes}, {dst, count});
+        }
+        return out;
+      },
+      py::arg("blocks"), "Flat Q4_0 bytes -> flat float32 values (exact).");
+
+  py::class_<GgmlQuantizedMatmulParams>(m, "_GgmlQuantizedMatmulParams")
+      .def(py::init([](uint32_t m_, uint32_t n, uint32_t k, const std::string& type) {
+             GgmlQuantizedMatmulParams p;
+             p.m = m_;
+             p.n = n;
+             p.k = k;
+             p.ggml_type = parse(type, kAllGgmlTypes, "GGML type");
+             return p;
+           }),
+           py::arg("m"), py::arg("n"), py::arg("k"), py::arg("ggml_type"));
+
+  m.def("_ggml_block_layout", [](const std::string& type) {
+    return ggml_block_layout(parse(type, kAllGgmlTypes, "GGML type"));
+  });
+  m.def("_dense_q4_pipeline_name",
+        [](const std::string& route) { return std::string(dense_q4_pipeline_name(parse_route(route))); });
+  m.def("_select_dense_q4_route",
+        [](const GgmlQuantizedMatmulParams& p, const std::string& pref, bool allow_large) {
+          const DenseQ4RouteSelection s = select_dense_q4_route(p, make_policy(pref, allow_large));
+          return py::make_tuple(std::string(to_string(s.route)), std::string(to_string(s.decision)));
+        });
+  m.def("_q4_expected_dispatch", [](const std::string& route, uint32_t m_, uint32_t n) {
+    return dispatch_dict(q4_expected_dispatch(parse_route(route), m_, n));
+  });
+  m.def(
+      "_quantized_matmul_ggml",
+      [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,
+         const Buffer& weight, const Buffer& output, const GgmlQuantizedMatmulParams& p,
+         const std::string& dense_tensor_mm, bool allow_large_tile) {
+        return receipt_dict(quantized_matmul_ggml(encoder, registry, input, weight, output, p,
+                                                  make_policy(dense_tensor_mm, allow_large_tile)));
+      },
+      py::arg("encoder"), py::arg("registry"), py::arg("input"), py::arg("weight"),
+      py::arg("output"), py::arg("params"), py::arg("dense_tensor_mm"),
+      py::arg("allow_dense_large_tile_mm"));
+  m.def(
+      "_encode_q4_route",
+      [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,
+         const Buffer& weight, const Buffer& output, const GgmlQuantizedMatmulParams& p,
+         const std::string& route) {
+        return receipt_dict(
+            encode_q4_route(encoder, registry, input, weight, output, p, parse_route(route)));
+      },
+      py::arg("encoder"), py::arg("registry"), py::arg("input"), py::arg("weight"),
+      py::arg("output"), py::arg("params"), py::arg("route"));
+}
+
+}  // namespace routemm::python

@@ -1,0 +1,262 @@
+"""quantized_matmul_ggml and encode_q4_route: every route against a float64 reference over the
+dequantised weights (tails in M, N and K), V2 == 64x32 bit identity, mat-vec at m = 1..8, routing
+under each policy (explicit and from the environment), receipts, geometry and JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import routemm
+from routemm import DenseQ4DecisionSource as Decision
+from routemm import DenseQ4Route as Route
+from routemm import GgmlRoutingPolicy as Policy
+from routemm import GgmlTensorMmPreference as Pref
+from routemm import q4_0
+from support import POISON_U32, guarded, guarded_output, validate
+from tolerances import accumulation_bound, q4_tolerance
+
+# The Q4_0 pipelines exist on the CPU backend; other backends gain them later.
+pytestmark = pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)
+
+LABEL_SUFFIX = "|700:i1|701:i1|702:i1"
+ROUTES = list(Route)
+DEFAULT = Policy()
+
+
+class Q4Case:
+    """Guarded Q4_0 weight, input and output buffers for one (m, n, k), with the reference."""
+
+    def __init__(self, device, rng, m: int, n: int, k: int):
+        self.device, self.m, self.n, self.k = device, m, n, k
+        w = rng.uniform(-1.0, 1.0, (n, k)).astype(np.float32)
+        self.blocks = q4_0.quantize(w)
+        self.w = q4_0.dequantize(self.blocks)  # the exact weights the kernels multiply with
+        self.x = rng.uniform(-1.0, 1.0, (m, k)).astype(np.float32)
+        self.weight = guarded(device, self.blocks, routemm.DType.U8, self.blocks.shape)
+        self.input = guarded(device, self.x, routemm.DType.F32, self.x.shape)
+        self.output = guarded_output(device, m, n)
+        prod = self.x.astype(np.float64)[:, None, :] * self.w.astype(np.float64)[None, :, :]
+        self.ref, self.magnitude = prod.sum(axis=2), np.abs(prod).sum(axis=2)
+
+    def params(self) -> routemm.GgmlQuantizedMatmulParams:
+        return routemm.GgmlQuantizedMatmulParams(self.m, self.n, self.k)
+
+    def run(self, registry, route: Route | None = None, routing: Policy | None = DEFAULT):
+        """Runs the op (forced `route`, else the policy); checks receipt, dispatch and buffers."""
+        self.output.parent.copy_from_numpy(self.output.initial)
+        encoder = self.device.command_encoder()
+        encoder.start_encoded_dispatch_receipt(1)
+        before = routemm.dispatch_count()
+        if route is None:
+            receipt = routemm.quantized_matmul_ggml(encoder, registry, self.input.view, self.weight.view,
+                                                    self.output.view, self.params(), routing)
+        else:
+            receipt = routemm.encode_q4_route(encoder, registry, self.input.view, self.weight.view,
+                                              self.output.view, self.params(), route)
+        assert routemm.dispatch_count() - before == 1 == receipt.dispatch_count
+        assert encoder.take_encoded_dispatch_receipt() == [receipt.dispatch]
+        encoder.commit_and_wait()
+        validate(receipt)
+        assert receipt.pipeline_label == receipt.dispatch.pipeline_label
+        self.weight.assert_unchanged("weight")
+        self.input.assert_unchanged("input")
+        self.output.assert_guards_intact("output")
+        words = self.output.view_bytes().view(np.uint32)
+        assert not np.any(words == POISON_U32), "output element(s) never written"
+        return words.view(np.float32).reshape(self.m, self.n).copy(), receipt
+
+    def check(self, out: np.ndarray, route_name: str) -> None:
+        got = out.astype(np.float64)
+        err = np.abs(got - self.ref)
+        bound = accumulation_bound(self.k, self.magnitude)
+        assert np.all(err <= bound), f"{route_name}: worst excess {np.max(err - bound):.3e}"
+        atol, rtol = q4_tolerance(route_name, self.k)
+        np.testing.assert_allclose(got, self.ref, atol=atol, rtol=rtol, err_msg=route_name)
+
+
+# ---- numerics --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", range(1, 9))
+@pytest.mark.parametrize("n,k", [(1, 32), (13, 64), (67, 800)])
+def test_mat_vec_against_reference(device, registry, rng, m, n, k):
+    case = Q4Case(device, rng, m, n, k)
+    out, receipt = case.run(registry)
+    assert receipt.route == "mat_vec" and receipt.dense_route is None
+    assert receipt.decision is Decision.MAT_VEC_THRESHOLD
+    assert receipt.pipeline_label == "kernel_mul_mv_q4_0_f32" + LABEL_SUFFIX
+    case.check(out, "mat_vec")
+
+
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: r.value)
+@pytest.mark.parametrize("m,n,k", [(9, 1, 32), (33, 65, 64), (129, 77, 800), (40, 130, 96)])
+def test_every_route_against_reference(device, registry, rng, route, m, n, k):
+    case = Q4Case(device, rng, m, n, k)
+    out, receipt = case.run(registry, route)
+    assert receipt.dense_route is route and receipt.decision is Decision.FORCED_TEST
+    assert receipt.dispatch == routemm.q4_expected_dispatch(route, m, n)
+    case.check(out, route.value)
+
+
+@pytest.mark.parametrize("m,n,k", [(9, 64, 32), (33, 70, 800), (200, 129, 64)])
+def test_v2_and_64x32_bit_identical(device, registry, rng, m, n, k):
+    case = Q4Case(device, rng, m, n, k)
+    v2, _ = case.run(registry, Route.COMPATIBILITY_V2)
+    candidate, _ = case.run(registry, Route.TENSOR_64X32)
+    assert np.array_equal(v2.view(np.uint32), candidate.view(np.uint32))
+
+
+def test_cpu_routes_share_one_order(rng):
+    """CPU contract: the mat-vec and all four matrix routes are bit-identical (one FMA-lane order)."""
+    device = routemm.Device("cpu")
+    registry = routemm.KernelRegistry(device)
+    case = Q4Case(device, rng, 9, 37, 288)
+    outs = [case.run(registry, route)[0] for route in ROUTES]
+    # The first 8 rows through the mat-vec pipeline.
+    sub = Q4Case.__new__(Q4Case)
+    sub.__dict__.update(case.__dict__)
+    sub.m = 8
+    sub.input = guarded(device, case.x[:8], routemm.DType.F32, (8, case.k))
+    sub.output = guarded_output(device, 8, case.n)
+    mv, _ = sub.run(registry)
+    for out in outs:
+        assert np.array_equal(out.view(np.uint32), outs[0].view(np.uint32))
+    assert np.array_equal(mv.view(np.uint32), outs[0][:8].view(np.uint32))
+
+
+def test_repeatable_bits(device, registry, rng):
+    case = Q4Case(device, rng, 65, 100, 256)
+    first, _ = case.run(registry)
+    second, _ = case.run(registry)
+    assert np.array_equal(first.view(np.uint32), second.view(np.uint32))
+
+
+# ---- routing ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy,route,decision", [
+    (Policy(), Route.COMPATIBILITY_V2, Decision.NO_PLAN_COMPATIBILITY_FALLBACK),
+    (Policy(Pref.FORCE_SIMD), Route.COMPATIBILITY_SIMDGROUP, Decision.INELIGIBLE_COMPATIBILITY_FALLBACK),
+    (Policy(Pref.FORCE_SIMD, False), Route.COMPATIBILITY_SIMDGROUP, Decision.INELIGIBLE_COMPATIBILITY_FALLBACK),
+    (Policy(allow_dense_large_tile_mm=False), Route.COMPATIBILITY_TENSOR_V1,
+     Decision.INELIGIBLE_COMPATIBILITY_FALLBACK),
+])
+def test_routing_policy(device, registry, rng, policy, route, decision):
+    case = Q4Case(device, rng, 9, 20, 64)
+    out, receipt = case.run(registry, routing=policy)
+    assert (receipt.dense_route, receipt.decision, receipt.policy) == (route, decision, policy)
+    assert receipt.pipeline_label == route.pipeline_name + LABEL_SUFFIX == route.pipeline_label
+    assert receipt.dispatch == routemm.q4_expected_dispatch(route, 9, 20)
+    assert routemm.select_dense_q4_route(case.params(), policy) == (route, decision)
+    case.check(out, route.value)
+
+
+def test_threshold_is_eight(device, registry, rng):
+    for m, route in ((8, "mat_vec"), (9, "compatibility_v2")):
+        _, receipt = Q4Case(device, rng, m, 8, 32).run(registry)
+        assert receipt.route == route
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, Policy()),
+    ({"ROUTEMM_DISABLE_TENSOR_MM": "1"}, Policy(Pref.FORCE_SIMD, True)),
+    ({"ROUTEMM_DISABLE_TENSOR_MM": "0"}, Policy()),
+    ({"ROUTEMM_LARGE_TILE_MM": "0"}, Policy(Pref.AUTO_PROBE, False)),
+    ({"ROUTEMM_LARGE_TILE_MM": "false"}, Policy(Pref.AUTO_PROBE, False)),
+    ({"ROUTEMM_LARGE_TILE_MM": "OFF"}, Policy(Pref.AUTO_PROBE, False)),
+    ({"ROUTEMM_LARGE_TILE_MM": "1"}, Policy()),
+    ({"ROUTEMM_DISABLE_TENSOR_MM": "1", "ROUTEMM_LARGE_TILE_MM": "off"}, Policy(Pref.FORCE_SIMD, False)),
+])
+def test_policy_from_environment(monkeypatch, device, registry, rng, env, expected):
+    monkeypatch.delenv("ROUTEMM_DISABLE_TENSOR_MM", raising=False)
+    monkeypatch.delenv("ROUTEMM_LARGE_TILE_MM", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert Policy.from_environment() == expected
+    case = Q4Case(device, rng, 12, 16, 32)
+    _, receipt = case.run(registry, routing=None)  # routing=None reads the environment now
+    assert receipt.policy == expected
+    assert receipt.dense_route == routemm.select_dense_q4_route(case.params(), expected)[0]
+    # An explicit policy never reads the environment.
+    _, explicit = case.run(registry, routing=Policy())
+    assert explicit.dense_route is Route.COMPATIBILITY_V2 and explicit.policy == Policy()
+
+
+# ---- receipts, geometry, JSON ----------------------------------------------------------------------
+
+
+def test_expected_dispatch_spec_example():
+    grids = {route: routemm.q4_expected_dispatch(route, 129, 769).grid for route in ROUTES}
+    assert grids == {Route.COMPATIBILITY_SIMDGROUP: (5, 13, 1), Route.COMPATIBILITY_TENSOR_V1: (5, 13, 1),
+                     Route.COMPATIBILITY_V2: (2, 13, 1), Route.TENSOR_64X32: (5, 13, 1)}
+    shmem = {route: routemm.q4_expected_dispatch(route, 129, 769).threadgroup_memory for route in ROUTES}
+    assert shmem == {Route.COMPATIBILITY_SIMDGROUP: ((0, 8192),), Route.COMPATIBILITY_TENSOR_V1: ((0, 8192),),
+                     Route.COMPATIBILITY_V2: ((0, 4096),), Route.TENSOR_64X32: ((0, 4096),)}
+    for route in ROUTES:
+        d = routemm.q4_expected_dispatch(route, 129, 769)
+        assert d.threads_per_threadgroup == (128, 1, 1)
+        assert d.dispatch_kind is routemm.DispatchKind.THREAD_GROUPS
+        assert d.pipeline_label == route.pipeline_label
+        validate(d)
+
+
+def test_encoded_geometry_spec_example(device, registry, rng):
+    case = Q4Case(device, rng, 129, 769, 32)
+    for route in ROUTES:
+        _, receipt = case.run(registry, route)
+        assert receipt.dispatch == routemm.q4_expected_dispatch(route, 129, 769)
+
+
+def test_mat_vec_geometry(device, registry, rng):
+    _, receipt = Q4Case(device, rng, 3, 17, 64).run(registry)
+    d = receipt.dispatch
+    assert (d.grid, d.threads_per_threadgroup, d.threadgroup_memory) == ((3, 3, 1), (8, 8, 1), ())
+    assert d.dispatch_kind is routemm.DispatchKind.THREAD_GROUPS
+
+
+def test_pipeline_names():
+    assert routemm.Q4_MATMUL_PIPELINE_NAMES == (
+        "kernel_mul_mv_q4_0_f32", "kernel_mul_mm_q4_0_f32", "kernel_mul_mm_q4_0_tensor_f32",
+        "kernel_mul_mm_q4_0_tensor_v2_f32", "kernel_mul_mm_q4_0_tensor_64x32_f32")
+    assert [r.pipeline_name for r in ROUTES] == list(routemm.Q4_MATMUL_PIPELINE_NAMES[1:])
+    assert [r.value for r in ROUTES] == ["compatibility_simdgroup", "compatibility_tensor_v1",
+                                         "compatibility_v2", "tensor_64x32"]
+    assert routemm.GgmlType.Q4_0.value == "q4_0" and routemm.GgmlType.Q4_0.block_layout == (32, 18)
+
+
+def test_registry_has_every_pipeline(registry):
+    for name in routemm.Q4_MATMUL_PIPELINE_NAMES:
+        assert registry.has_kernel(name)
+
+
+def test_json_round_trips(device, registry, rng):
+    _, receipt = Q4Case(device, rng, 10, 9, 64).run(registry)
+    records = [receipt, Policy(), Policy(Pref.FORCE_SIMD, False), routemm.GgmlQuantizedMatmulParams(3, 4, 64)]
+    for record in records:
+        validate(record)
+        again = type(record).from_json(record.to_json())
+        assert again == record
+    text = receipt.to_dict()
+    with pytest.raises(routemm.InvalidArgumentError, match="unknown field"):
+        routemm.GgmlQuantizedMatmulReceipt.from_dict({**text, "extra": 1})
+    with pytest.raises(routemm.InvalidArgumentError, match="schema_version"):
+        routemm.GgmlQuantizedMatmulReceipt.from_dict({**text, "schema_version": 99})
+    with pytest.raises(routemm.InvalidArgumentError, match="unknown field"):
+        Policy.from_dict({"dense_tensor_mm": "auto_probe", "allow_dense_large_tile_mm": True, "x": 0})
+    assert Policy().to_dict() == {"dense_tensor_mm": "auto_probe", "allow_dense_large_tile_mm": True}
+
+
+def test_schema_rejects_inconsistent_receipt(device, registry, rng):
+    jsonschema = pytest.importorskip("jsonschema")
+    _, receipt = Q4Case(device, rng, 10, 9, 64).run(registry)
+    broken = dataclasses.replace(receipt, route="mat_vec")  # label says V2
+    with pytest.raises(jsonschema.ValidationError):
+        routemm._schemas.validate(broken)
+
+
+def test_policy_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Policy().allow_dense_large_tile_mm = False  # type: ignore[misc]
