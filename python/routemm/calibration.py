@@ -1,0 +1,398 @@
+"""The backend-neutral route-calibration engine shared by the frozen route plans.
+
+A route plan is decided once per activation: every candidate route is first *proved* against the
+compatibility (control) route on the caller's current weights -- a poison dispatch fills both
+outputs and their guard elements with 0xFFFFFFFF, both routes run, a compare dispatch ORs status
+bits per weight (spec §6.4 step 5) -- and only a coherent candidate is *timed*: 5 alternating
+rounds, one submission each, summarised as p25/median/p75, and chosen only when its win is
+material, stable and not contradicted by the GPU clock. Timing results are shared through a
+process-wide cache keyed without weight identity; a cache hit still re-proves the current bytes.
+
+This module holds the pieces both instantiations (dense_q4_plan, dense_matmul_id_plan) use: the
+selection rule and its constants, distributions, the proof kernels, deadlines, submission
+accounting, fingerprints, the process cache, the Python-side store of frozen plans (dispatch-time
+resolution is one dict lookup), progress reporting and versioned plan files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import logging
+import os
+import struct
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+
+from . import _core
+from ._core_api import DispatchKind, PipelineIdentity
+from ._errors import InvalidArgumentError
+
+LOGGER = logging.getLogger("routemm.calibration")
+
+CALIBRATION_SAMPLES = 5
+MATERIAL_WIN_FRACTION = 0.05
+GPU_CONTRARY_TOLERANCE = 0.02
+GUARD_ELEMENTS = 16
+
+POISON_PIPELINE = "routemm_calibration_poison_f32"
+COMPARE_PIPELINE = "routemm_calibration_compare_f32"
+PROOF_PIPELINES = (POISON_PIPELINE, COMPARE_PIPELINE)
+POISON_BITS = 0xFFFFFFFF
+AUX_THREADS = 256
+
+# Status bits of the compare kernel (csrc/backend/common/calibration_params.h).
+STATUS_CONTROL_UNWRITTEN = 1 << 0
+STATUS_CONTROL_NON_FINITE = 1 << 1
+STATUS_CANDIDATE_UNWRITTEN = 1 << 2
+STATUS_CANDIDATE_NON_FINITE = 1 << 3
+STATUS_MISMATCH = 1 << 4
+STATUS_CONTROL_GUARD = 1 << 5
+STATUS_CANDIDATE_GUARD = 1 << 6
+STATUS_LABELS = {
+    STATUS_CONTROL_UNWRITTEN: "control unwritten",
+    STATUS_CONTROL_NON_FINITE: "control non-finite",
+    STATUS_CANDIDATE_UNWRITTEN: "candidate unwritten",
+    STATUS_CANDIDATE_NON_FINITE: "candidate non-finite",
+    STATUS_MISMATCH: "mismatch",
+    STATUS_CONTROL_GUARD: "control guard written",
+    STATUS_CANDIDATE_GUARD: "candidate guard written",
+}
+STATUS_CONTROL_BITS = STATUS_CONTROL_UNWRITTEN | STATUS_CONTROL_NON_FINITE | STATUS_CONTROL_GUARD
+STATUS_CANDIDATE_BITS = (STATUS_CANDIDATE_UNWRITTEN | STATUS_CANDIDATE_NON_FINITE | STATUS_MISMATCH
+                         | STATUS_CANDIDATE_GUARD)
+STATUS_KNOWN_BITS = STATUS_CONTROL_BITS | STATUS_CANDIDATE_BITS
+
+_PARAMS = struct.Struct("<QQII")  # CalibrationKernelParams: 24 bytes
+
+
+class BudgetExceeded(Exception):
+    """The calibration deadline passed; the message is the decision's diagnostic."""
+
+
+# ---- Timing statistics and the selection rule --------------------------------------------------
+
+
+def distribution(samples: Iterable[float]) -> tuple[float, float, float, int]:
+    """(p25, median, p75, n) of the samples: sorted s, p25 = s[(n-1)//4], median = s[n//2],
+    p75 = s[(n-1)*3//4] (spec §6.4)."""
+    s = sorted(float(x) for x in samples)
+    n = len(s)
+    if n == 0:
+        raise InvalidArgumentError("calibration timing distribution needs at least one sample")
+    return s[(n - 1) // 4], s[n // 2], s[(n - 1) * 3 // 4], n
+
+
+class Verdict(enum.Enum):
+    CANDIDATE_WINS = "candidate_wins"
+    CONTROL_FASTEST = "control_fastest"  # candidate wall median >= control wall median
+    NO_STABLE_WINNER = "no_stable_winner"  # faster, but not material, stable and GPU-consistent
+
+
+def select_winner(control_wall, control_gpu, candidate_wall, candidate_gpu) -> Verdict:
+    """The winner rule of spec §6.4 over distributions (objects with p25_us, median_us, p75_us).
+
+    The candidate wins only if its wall median is at most 0.95x the control's (material), its wall
+    p75 is below the control's wall p25 (stable), and its GPU median is at most 1.02x the control's
+    (no contrary GPU evidence).
+    """
+    if candidate_wall.median_us >= control_wall.median_us:
+        return Verdict.CONTROL_FASTEST
+    material = candidate_wall.median_us <= (1.0 - MATERIAL_WIN_FRACTION) * control_wall.median_us
+    stable = candidate_wall.p75_us < control_wall.p25_us
+    no_contrary_gpu = candidate_gpu.median_us <= (1.0 + GPU_CONTRARY_TOLERANCE) * control_gpu.median_us
+    return Verdict.CANDIDATE_WINS if material and stable and no_contrary_gpu else Verdict.NO_STABLE_WINNER
+
+
+# A timing hook replaces measured values (the submission still happens and is counted):
+#   timer(route_value: str, round_index: int, measured: (wall_us, gpu_us)) -> (wall_us, gpu_us)
+Timer = Callable[[str, int, tuple[float, float]], tuple[float, float]]
+
+
+def timed_submission(device, encode: Callable[[Any], None]) -> tuple[float, float]:
+    """One timing sample: wall clock from before the encoder exists to after the wait, and the
+    backend's GPU interval of the submission, both in microseconds."""
+    t0 = time.perf_counter()
+    encoder = device.command_encoder()
+    encode(encoder)
+    start, end = encoder.commit_wait_with_gpu_time()
+    wall = (time.perf_counter() - t0) * 1e6
+    return wall, max(0.0, (end - start) * 1e6)
+
+
+# ---- Deadline and submission accounting ---------------------------------------------------------
+
+
+class Deadline:
+    """Elapsed-time budget measured from `start()` (after case validation)."""
+
+    def __init__(self, max_elapsed_ms: int, clock: Callable[[], float] = time.perf_counter):
+        self.max_elapsed_ms = max_elapsed_ms
+        self._clock = clock
+        self._t0 = clock()
+
+    def elapsed_ms(self) -> float:
+        return (self._clock() - self._t0) * 1e3
+
+    def expired(self) -> bool:
+        return self.elapsed_ms() >= self.max_elapsed_ms
+
+    def check(self, message: str) -> None:
+        if self.expired():
+            raise BudgetExceeded(message)
+
+
+@dataclasses.dataclass
+class Submissions:
+    """Command-buffer submissions of one activation, counted immediately before each commit."""
+
+    proof: int = 0
+    timing: int = 0
+    cleanup: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.proof + self.timing + self.cleanup
+
+
+def cleanup_submission(device, counter: Submissions) -> None:
+    """One empty submission so scratch released by calibration cannot leak into serving work."""
+    encoder = device.command_encoder()
+    counter.cleanup += 1
+    encoder.commit_and_wait()
+
+
+# ---- Proof kernels ------------------------------------------------------------------------------
+
+
+def proof_input(count: int) -> np.ndarray:
+    """value(i) = ((29 i mod 257) - 128) / 251 + ((43 i mod 31) - 15) / 16381, as F32 (spec §6.4)."""
+    i = np.arange(count, dtype=np.int64)
+    v = ((29 * i) % 257 - 128).astype(np.float64) / 251.0 + ((43 * i) % 31 - 15).astype(np.float64) / 16381.0
+    return v.astype(np.float32)
+
+
+def status_text(bits: int) -> str:
+    """'label, label (status=0x..)' for a status word."""
+    labels = [label for bit, label in STATUS_LABELS.items() if bits & bit]
+    return f"{', '.join(labels) or 'ok'} (status=0x{bits:02x})"
+
+
+class ProofKernels:
+    """The poison and compare pipelines of one registry (Threads dispatches over guarded elements)."""
+
+    def __init__(self, registry):
+        self.poison = registry.get_pipeline(POISON_PIPELINE)
+        self.compare = registry.get_pipeline(COMPARE_PIPELINE)
+
+    def identities(self) -> list[PipelineIdentity]:
+        return [self.poison.identity, self.compare.identity]
+
+    @staticmethod
+    def _geometry(guarded: int):
+        return (guarded, 1, 1), (min(guarded, AUX_THREADS), 1, 1)
+
+    def encode_poison(self, encoder, control, candidate, logical: int, guarded: int) -> None:
+        grid, threads = self._geometry(guarded)
+        encoder.dispatch(self.poison, [(0, control), (1, candidate), (2, _PARAMS.pack(logical, guarded, 0, 0))],
+                         grid, threads, dispatch_kind=DispatchKind.THREADS)
+
+    def encode_compare(self, encoder, control, candidate, statuses, index: int, logical: int, guarded: int) -> None:
+        grid, threads = self._geometry(guarded)
+        encoder.dispatch(self.compare, [(0, control), (1, candidate), (2, statuses),
+                                        (3, _PARAMS.pack(logical, guarded, index, 0))],
+                         grid, threads, dispatch_kind=DispatchKind.THREADS)
+
+
+# ---- Fingerprints -------------------------------------------------------------------------------
+
+
+def sha256_hex(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p)
+    return h.hexdigest()
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def pipeline_set_fingerprint(identities: Iterable[PipelineIdentity]) -> str:
+    """SHA-256 hex of the JSON array of the identities sorted by pipeline label."""
+    ids = sorted(identities, key=lambda i: i.pipeline_label)
+    return sha256_hex(canonical_json([i.to_dict() for i in ids]).encode())
+
+
+def build_fingerprint(domain: str, schema_version: int, identities: Iterable[PipelineIdentity]
+                      ) -> tuple[str, str]:
+    """(build fingerprint, pipeline-set fingerprint). The source part covers the library version,
+    the plan schema version and the plan domain; the identity hashes cover the compiled code."""
+    pset = pipeline_set_fingerprint(identities)
+    source = sha256_hex(_core.version().encode(), struct.pack("<I", schema_version), domain.encode())
+    return sha256_hex((source + pset).encode()), pset
+
+
+# ---- Process cache ------------------------------------------------------------------------------
+
+
+class ProcessCache:
+    """Timing outcomes shared by every registry of this process, keyed without weight identity."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._cells: dict[Any, Any] = {}
+
+    def get(self, key):
+        with self._lock:
+            return self._cells.get(key)
+
+    def put(self, key, value) -> None:
+        with self._lock:
+            self._cells[key] = value
+
+    def setdefault(self, key, value):
+        with self._lock:
+            return self._cells.setdefault(key, value)
+
+    def evict(self, key) -> None:
+        with self._lock:
+            self._cells.pop(key, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cells.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._cells)
+
+
+PROCESS_CACHE = ProcessCache()
+
+
+# ---- Frozen plans (Python-side store; the registry holds id, document and protection) ----------
+
+_FROZEN: dict[tuple[int, str], Any] = {}
+_FROZEN_LOCK = threading.Lock()
+
+
+def install_frozen_plan(registry, kind: str, plan, protected_names: Iterable[str], document: str) -> None:
+    """Freeze `plan` into `registry` (one-shot per kind; the same id again is a no-op)."""
+    with _FROZEN_LOCK:
+        registry.freeze_plan(kind, plan.plan_id, sorted(set(protected_names)), document)
+        _FROZEN.setdefault((registry.authority_id, kind), plan)
+
+
+def frozen_plan(registry, kind: str):
+    """The plan frozen into `registry` for `kind`, or None."""
+    return _FROZEN.get((registry.authority_id, kind))
+
+
+# ---- Progress -----------------------------------------------------------------------------------
+
+
+class Progress:
+    """Progress over `total` steps: an optional callback(done, total, info) and a tqdm bar that only
+    shows on a TTY (tqdm is optional)."""
+
+    def __init__(self, total: int, desc: str, callback: Optional[Callable[[int, int, dict], None]] = None):
+        self.total, self.done, self._callback = total, 0, callback
+        self._bar = None
+        try:
+            if sys.stderr is not None and sys.stderr.isatty():
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, desc=desc, leave=False)
+        except Exception:  # tqdm missing or unusable: no bar
+            self._bar = None
+
+    def step(self, info: dict) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        if self._callback is not None:
+            self._callback(self.done, self.total, info)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# ---- Plan files ---------------------------------------------------------------------------------
+
+PLAN_FILE_FORMAT = "routemm-route-plan"
+PLAN_FILE_VERSION = 1
+PLAN_CACHE_DIR_KNOB = "ROUTEMM_PLAN_CACHE_DIR"
+# Knobs that cannot change a plan's meaning and so do not invalidate plan files.
+_NEUTRAL_KNOBS = {PLAN_CACHE_DIR_KNOB, "ROUTEMM_LOG_LEVEL", "ROUTEMM_TEST_BACKENDS"}
+
+
+class PlanFileMismatch(InvalidArgumentError):
+    """A saved plan file does not match this process (library, build, device, driver or knobs)."""
+
+
+def plan_validators(device, build_fp: str) -> dict:
+    """What must be equal for a saved plan to be reused."""
+    from . import env
+
+    return {
+        "library_version": _core.version(),
+        "build_fingerprint": build_fp,
+        "backend": device.backend,
+        "device_name": device.name,
+        "device_registry_id": int(device.registry_id),
+        "device_properties": {str(k): str(v) for k, v in dict(device.properties).items()},
+        "knobs": {k: v for k, v in env.non_default().items() if k not in _NEUTRAL_KNOBS},
+    }
+
+
+def write_plan_file(path, kind: str, validators: dict, plan: dict, receipt: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"format": PLAN_FILE_FORMAT, "format_version": PLAN_FILE_VERSION, "kind": kind,
+           "validators": validators, "plan": plan, "receipt": receipt}
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f, sort_keys=True, indent=1, allow_nan=False)
+    os.replace(tmp, path)
+    return path
+
+
+def read_plan_file(path, kind: str, current: dict) -> tuple[dict, dict]:
+    """(plan, receipt) documents of a saved plan; PlanFileMismatch names the first validator that
+    differs from `current`."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PlanFileMismatch(f"route plan file {path} cannot be read: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != PLAN_FILE_FORMAT:
+        raise PlanFileMismatch(f"route plan file {path} is not a routemm route plan")
+    if doc.get("format_version") != PLAN_FILE_VERSION:
+        raise PlanFileMismatch(f"route plan file {path} has format_version {doc.get('format_version')!r}, "
+                               f"this library reads {PLAN_FILE_VERSION}")
+    if doc.get("kind") != kind:
+        raise PlanFileMismatch(f"route plan file {path} holds a {doc.get('kind')!r} plan, not {kind!r}")
+    saved = doc.get("validators") or {}
+    for name in sorted(set(saved) | set(current)):
+        if saved.get(name) != current.get(name):
+            raise PlanFileMismatch(f"route plan file {path} was made for a different setup: {name} was "
+                                   f"{saved.get(name)!r}, now {current.get(name)!r}; recalibrate")
+    return doc["plan"], doc["receipt"]
+
+
+def plan_cache_path(kind: str, key: Any) -> Optional[Path]:
+    """Where ROUTEMM_PLAN_CACHE_DIR keeps the plan for `key` (None when the knob is unset)."""
+    root = os.environ.get(PLAN_CACHE_DIR_KNOB, "").strip()
+    if not root:
+        return None
+    return Path(root) / f"{kind}-{sha256_hex(canonical_json(key).encode())[:32]}.json"

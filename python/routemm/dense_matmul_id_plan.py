@@ -1,0 +1,694 @@
+"""Frozen, device-calibrated route plans for the expert-ID matmul (spec §7.6).
+
+At activation a caller declares every exact call shape (DenseMatmulIdCalibrationCase: weight
+buffer + params; params.route is ignored). For each shape the candidates -- grouped_prefill and,
+where the backend has them, the tensor-core routes grouped_tensor_tf32 / grouped_tensor_lowp -- are
+proved against direct on two routing profiles (balanced and maximally skewed ids) and timed. A
+candidate is selected only if it is coherent on both profiles and wins both (material, stable, no
+contrary GPU evidence; calibration.select_winner).
+
+Coherence: grouped_prefill must be bit-identical to direct (the compare kernel's Mismatch bit).
+The tensor routes have a documented tolerance instead: relative Frobenius error <= 2e-3 (tf32) or
+<= 1e-2 (lowp) on both profiles. Their error is computed on the host after the proof submission
+(the outputs are read back); the compare kernel still checks that direct wrote every element
+finitely and that neither route touched the guard elements.
+
+Per fully calibrated shape with C candidates: 2 proof submissions (one per profile) and
+2 x 5 x (1 + C) timing submissions; one cleanup submission per activation that submitted anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+import struct
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from . import _core
+from . import calibration as cal
+from ._core_api import DType
+from ._errors import Error, InvalidArgumentError
+from ._json import JsonRecord
+from .dense_matmul_id import (
+    SCHEMA_VERSION,
+    DenseMatmulIdDispatchReceipt,
+    DenseMatmulIdInputLayout,
+    DenseMatmulIdMultiplicity,
+    DenseMatmulIdParams,
+    DenseMatmulIdRoute,
+    DenseMatmulIdScratch,
+    PIPELINE_NAMES,
+    TENSOR_PIPELINE_NAMES,
+    dense_matmul_id,
+    dense_matmul_id_capability,
+)
+
+PLAN_KIND = "dense_matmul_id"
+DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM = (
+    "dense_matmul_id value independence: for a fixed weight dtype, shape, expert stride, input layout and "
+    "id multiplicity, direct and grouped_prefill evaluate every output element with the same widening, the "
+    "same F32 FMA sequence and the same fixed reduction tree, independent of the weight, activation and id "
+    "values; a route proved bit-identical on one weight is therefore identical on every weight of the shape. "
+    "Tensor-core routes carry no such theorem and are re-proved against their tolerance on every activation.")
+THEOREM_SHA256 = cal.sha256_hex(DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM.encode())
+TENSOR_TOLERANCE = {DenseMatmulIdRoute.GROUPED_TENSOR_TF32: 2e-3, DenseMatmulIdRoute.GROUPED_TENSOR_LOWP: 1e-2}
+_ADVERSARIAL = np.array([1.0, -0.0, 0.0078125, -3.5, 1.0009766, -0.33333334, 6.1035156e-05, 2.75], np.float32)
+
+
+class DenseMatmulIdRoutingProfile(enum.Enum):
+    BALANCED = "balanced"  # ids (token + slot) mod E
+    MAXIMALLY_SKEWED_DISTINCT = "maximally_skewed_distinct"  # ids = slot: every token on the same experts
+
+
+class DenseMatmulIdSelectionStatus(enum.Enum):
+    CALIBRATED_WINNER = "calibrated_winner"
+    DIRECT_FASTEST = "direct_fastest"
+    NO_STABLE_WINNER = "no_stable_winner"
+    DIRECT_ONLY = "direct_only"
+    INCOHERENT_GROUPED = "incoherent_grouped"
+    BUDGET_FALLBACK = "budget_fallback"
+    ERROR_FALLBACK = "error_fallback"
+
+
+class DenseMatmulIdDecisionSource(enum.Enum):
+    FROZEN_PLAN = "frozen_plan"
+    UNDECLARED_DIRECT = "undeclared_direct"
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdShape(JsonRecord):
+    SCHEMA = "dense_matmul_id_route_plan.schema.json"
+    weight_dtype: DType
+    m: int
+    n: int
+    k: int
+    top_k: int
+    n_experts: int
+    expert_stride_bytes: int
+    input_layout: DenseMatmulIdInputLayout
+    id_multiplicity: DenseMatmulIdMultiplicity
+
+    @property
+    def key(self) -> tuple:
+        return (self.weight_dtype.type_name, self.m, self.n, self.k, self.top_k, self.n_experts,
+                self.expert_stride_bytes, self.input_layout.value, self.id_multiplicity.value)
+
+    @property
+    def base_key(self) -> tuple:
+        return self.key[:1] + self.key[2:]
+
+    def params(self, route: DenseMatmulIdRoute) -> DenseMatmulIdParams:
+        return DenseMatmulIdParams(self.m, self.n, self.k, self.top_k, self.n_experts, self.expert_stride_bytes,
+                                   self.input_layout, self.id_multiplicity, route)
+
+    @classmethod
+    def of(cls, weight_dtype, p: DenseMatmulIdParams) -> "DenseMatmulIdShape":
+        return cls(weight_dtype, p.m, p.n, p.k, p.top_k, p.n_experts, p.expert_stride_bytes,
+                   DenseMatmulIdInputLayout(p.input_layout), DenseMatmulIdMultiplicity(p.id_multiplicity))
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdCalibrationCase:
+    weight: object  # routemm.Buffer of the expert stack
+    params: DenseMatmulIdParams
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdCalibrationLimits:
+    max_elapsed_ms: int = 15_000
+    max_cases: int = 256
+    max_submissions: int = 6_145
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdTimingDistribution(JsonRecord):
+    SCHEMA = "dense_matmul_id_calibration_receipt.schema.json"
+    p25_us: float
+    median_us: float
+    p75_us: float
+    samples: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdRouteTiming(JsonRecord):
+    SCHEMA = "dense_matmul_id_calibration_receipt.schema.json"
+    profile: DenseMatmulIdRoutingProfile
+    route: DenseMatmulIdRoute
+    wall: DenseMatmulIdTimingDistribution
+    gpu: DenseMatmulIdTimingDistribution
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdCandidateProof(JsonRecord):
+    """One candidate on one profile: bit-exact (tolerance 0) or within its documented tolerance."""
+
+    SCHEMA = "dense_matmul_id_calibration_receipt.schema.json"
+    route: DenseMatmulIdRoute
+    profile: DenseMatmulIdRoutingProfile
+    tolerance: float
+    rel_frobenius_error: float
+    status_bits: int
+    coherent: bool
+    diagnostic: Optional[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdCalibrationDecision(JsonRecord):
+    SCHEMA = "dense_matmul_id_calibration_receipt.schema.json"
+    shape: DenseMatmulIdShape
+    selected_route: DenseMatmulIdRoute
+    status: DenseMatmulIdSelectionStatus
+    diagnostic: Optional[str]
+    candidates: tuple[DenseMatmulIdRoute, ...]
+    proofs: tuple[DenseMatmulIdCandidateProof, ...]
+    timings: tuple[DenseMatmulIdRouteTiming, ...]
+    process_cache_hit: bool
+    theorem_authorized_weight_identities: int
+    proof_submissions: int
+    proof_dispatches: int
+    timing_submissions: int
+    calibration_submissions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdPlanDecision(JsonRecord):
+    SCHEMA = "dense_matmul_id_route_plan.schema.json"
+    shape: DenseMatmulIdShape
+    route: DenseMatmulIdRoute
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdRoutePlan(JsonRecord):
+    SCHEMA = "dense_matmul_id_route_plan.schema.json"
+    plan_id: str
+    build_fingerprint: str
+    theorem_sha256: str
+    device_name: str
+    device_registry_id: int
+    registry_authority_id: int
+    activation_epoch: int
+    decisions: tuple[DenseMatmulIdPlanDecision, ...]
+    schema_version: int = SCHEMA_VERSION
+
+    @functools.cached_property
+    def _lookup(self) -> dict:
+        return {d.shape.key: DenseMatmulIdRoute(d.route) for d in self.decisions}
+
+    @functools.cached_property
+    def _bases(self) -> frozenset:
+        return frozenset(d.shape.base_key for d in self.decisions)
+
+    def decision_count(self) -> int:
+        return len(self.decisions)
+
+    def save(self, path, receipt=None) -> Path:
+        receipt = receipt or _RECEIPTS.get(self.plan_id)
+        device = _DEVICES.get((self.device_name, self.device_registry_id))
+        if device is None:
+            raise InvalidArgumentError("dense_matmul_id route plan was not made by this process; cannot save it")
+        return cal.write_plan_file(path, PLAN_KIND, cal.plan_validators(device, self.build_fingerprint),
+                                   self.to_dict(), receipt.to_dict() if receipt is not None else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdCalibrationReceipt(JsonRecord):
+    SCHEMA = "dense_matmul_id_calibration_receipt.schema.json"
+    routemm_version: str
+    build_fingerprint: str
+    theorem_sha256: str
+    plan_id: str
+    activation_epoch: int
+    device_name: str
+    device_registry_id: int
+    registry_authority_id: int
+    declared_shapes: int
+    calibrated_decisions: int
+    process_cache_hits: int
+    direct_decisions: int
+    proof_submissions: int
+    proof_dispatches: int
+    timing_submissions: int
+    cleanup_submissions: int
+    calibration_submissions: int
+    elapsed_ms: float
+    deadline_overrun_ms: float
+    decisions: tuple[DenseMatmulIdCalibrationDecision, ...]
+    schema_version: int = SCHEMA_VERSION
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdAutoReceipt(JsonRecord):
+    SCHEMA = "dense_matmul_id_plan_auto_receipt.schema.json"
+    route: DenseMatmulIdRoute
+    decision_source: DenseMatmulIdDecisionSource
+    activation_epoch: int
+    primitive: DenseMatmulIdDispatchReceipt
+    schema_version: int = SCHEMA_VERSION
+
+
+_RECEIPTS: dict = {}
+_DEVICES: dict = {}
+
+
+def _fail(msg):
+    raise InvalidArgumentError(msg)
+
+
+def _tensor_pipeline(route: DenseMatmulIdRoute, dtype: DType) -> str:
+    kind = "tf32" if route is DenseMatmulIdRoute.GROUPED_TENSOR_TF32 else "lowp"
+    return f"dense_matmul_id_grouped_{kind}_{dtype.type_name}_f32"
+
+
+def _route_pipelines(route: DenseMatmulIdRoute, dtype: DType) -> list[str]:
+    if route is DenseMatmulIdRoute.DIRECT:
+        return [f"dense_matmul_id_direct_{dtype.type_name}_f32"]
+    if route is DenseMatmulIdRoute.GROUPED_PREFILL:
+        return ["dense_matmul_id_map_distinct", f"dense_matmul_id_grouped_{dtype.type_name}_f32"]
+    return ["dense_matmul_id_map_distinct", _tensor_pipeline(route, dtype)]
+
+
+# ---- Preparation / fingerprints / freeze --------------------------------------------------------
+
+
+def _prepare(registry, dtypes) -> tuple[str, str, dict, Optional[cal.ProofKernels], dict]:
+    """(build fp, pipeline-set fp, identities by name, proof kernels, errors by pipeline name)."""
+    names = set()
+    for dt in dtypes:
+        for route in DenseMatmulIdRoute:
+            for name in _route_pipelines(route, dt):
+                if name in PIPELINE_NAMES or registry.has_kernel(name):
+                    names.add(name)
+    identities, errors = {}, {}
+    for name in sorted(names):
+        try:
+            identities[name] = registry.get_pipeline(name).identity
+        except Error as e:
+            errors[name] = str(e)
+    proof = None
+    try:
+        proof = cal.ProofKernels(registry)
+        for ident in proof.identities():
+            identities[ident.pipeline_label] = ident
+    except Error as e:
+        errors["proof"] = str(e)
+    build_fp, pset = cal.build_fingerprint("routemm.dense_matmul_id_plan:" + THEOREM_SHA256, SCHEMA_VERSION,
+                                           identities.values())
+    return build_fp, pset, identities, proof, errors
+
+
+def _protected_names() -> list[str]:
+    return [*PIPELINE_NAMES, *TENSOR_PIPELINE_NAMES, *cal.PROOF_PIPELINES]
+
+
+def _dtypes_of(plan) -> set:
+    return {DType(d.shape.weight_dtype) if not isinstance(d.shape.weight_dtype, DType) else d.shape.weight_dtype
+            for d in plan.decisions}
+
+
+def freeze_dense_matmul_id_plan(registry, device, plan: DenseMatmulIdRoutePlan, *, _check_fingerprint=True) -> None:
+    if plan.registry_authority_id != registry.authority_id:
+        _fail("dense_matmul_id route plan belongs to a different registry activation authority")
+    if plan.device_registry_id != device.registry_id or plan.device_name != device.name:
+        _fail("dense_matmul_id route plan belongs to a different device")
+    if plan.theorem_sha256 != THEOREM_SHA256:
+        _fail("dense_matmul_id route plan was made under a different value-independence theorem")
+    existing = registry.frozen_plan_id(PLAN_KIND)
+    if existing is not None:
+        if existing == plan.plan_id:
+            return
+        _fail(f"dense_matmul_id route plan is already frozen as {existing}")
+    if _check_fingerprint and _prepare(registry, _dtypes_of(plan))[0] != plan.build_fingerprint:
+        _fail("dense_matmul_id route plan build/pipeline identity mismatch")
+    _DEVICES[(device.name, device.registry_id)] = device
+    cal.install_frozen_plan(registry, PLAN_KIND, plan, _protected_names(), plan.to_json())
+
+
+_core.KernelRegistry.freeze_dense_matmul_id_plan = lambda self, device, plan: freeze_dense_matmul_id_plan(
+    self, device, plan)
+_core.KernelRegistry.dense_matmul_id_plan = lambda self: cal.frozen_plan(self, PLAN_KIND)
+
+
+# ---- Dispatch -----------------------------------------------------------------------------------
+
+
+def resolve_dense_matmul_id_auto_route(registry, device, weight_dtype, params: DenseMatmulIdParams
+                                       ) -> tuple[DenseMatmulIdRoute, DenseMatmulIdDecisionSource, int]:
+    """(route, source, epoch) from the frozen plan; read-only, no GPU work."""
+    plan = cal.frozen_plan(registry, PLAN_KIND)
+    if plan is None:
+        _fail("dense_matmul_id_auto requires a frozen activation plan")
+    if plan.device_registry_id != device.registry_id or plan.device_name != device.name:
+        _fail("dense_matmul_id_auto plan belongs to a different device")
+    if plan.theorem_sha256 != THEOREM_SHA256:
+        _fail("dense_matmul_id_auto plan theorem digest mismatch")
+    shape = DenseMatmulIdShape.of(weight_dtype, params)
+    route = plan._lookup.get(shape.key)
+    if route is not None:
+        return route, DenseMatmulIdDecisionSource.FROZEN_PLAN, plan.activation_epoch
+    if shape.base_key in plan._bases:
+        return DenseMatmulIdRoute.DIRECT, DenseMatmulIdDecisionSource.UNDECLARED_DIRECT, plan.activation_epoch
+    _fail(f"dense_matmul_id_auto shape base was not admitted at activation: {shape.key}")
+
+
+def dense_matmul_id_auto(encoder, registry, device, weights, input, expert_ids, output, scratch,
+                         params: DenseMatmulIdParams) -> DenseMatmulIdAutoReceipt:
+    """dense_matmul_id with the route the frozen plan chose (params.route is ignored)."""
+    route, source, epoch = resolve_dense_matmul_id_auto_route(registry, device, weights.dtype, params)
+    primitive = dense_matmul_id(encoder, registry, weights, input, expert_ids, output, scratch,
+                                dataclasses.replace(params, route=route))
+    return DenseMatmulIdAutoReceipt(route, source, epoch, primitive)
+
+
+# ---- Calibration --------------------------------------------------------------------------------
+
+
+class _Abort(Exception):
+    pass
+
+
+def _ids(shape: DenseMatmulIdShape, profile: DenseMatmulIdRoutingProfile) -> np.ndarray:
+    t = np.arange(shape.m, dtype=np.int64)[:, None]
+    s = np.arange(shape.top_k, dtype=np.int64)[None, :]
+    if shape.id_multiplicity is DenseMatmulIdMultiplicity.MAY_REPEAT:
+        ids = np.broadcast_to(t % shape.n_experts, (shape.m, shape.top_k))
+    elif profile is DenseMatmulIdRoutingProfile.BALANCED:
+        ids = (t + s) % shape.n_experts
+    else:
+        ids = np.broadcast_to(s, (shape.m, shape.top_k))
+    return np.ascontiguousarray(ids, dtype=np.uint32)
+
+
+class _Calibrator:
+    def __init__(self, registry, device, limits, prep, deadline, timer, pinned):
+        self.registry, self.device, self.limits = registry, device, limits
+        self.build_fp, self.pset, self.identities, self.proof, self.errors = prep
+        self.deadline, self.timer, self.pinned = deadline, timer, pinned
+        self.subs = cal.Submissions()
+
+    def _encode(self, encoder, shape, route, weight, inp, ids, out, scratch):
+        dense_matmul_id(encoder, self.registry, weight, inp, ids, out, scratch if route.is_grouped else None,
+                        shape.params(route))
+
+    def _buffers(self, shape, profile):
+        dev = self.device
+        rows = shape.m * (shape.top_k if shape.input_layout is DenseMatmulIdInputLayout.SLOTTED else 1)
+        x = np.resize(_ADVERSARIAL, rows * shape.k).reshape(rows, shape.k)
+        return dev.from_numpy(x), dev.from_numpy(_ids(shape, profile))
+
+    def _prove(self, shape, weight, candidates, profile):
+        """One proof submission: every candidate against direct. Returns proofs, dispatch count."""
+        dev = self.device
+        logical = shape.m * shape.top_k * shape.n
+        guarded = logical + cal.GUARD_ELEMENTS
+        inp, ids = self._buffers(shape, profile)
+        control = dev.alloc(guarded * 4, DType.F32, [guarded])
+        outs = [dev.alloc(guarded * 4, DType.F32, [guarded]) for _ in candidates]
+        statuses = dev.from_numpy(np.zeros(max(1, len(candidates)), dtype=np.uint32))
+        scratch = DenseMatmulIdScratch(dev, shape.n_experts, shape.m)
+        view = lambda b: b.view(0, logical * 4, DType.F32, [shape.m * shape.top_k, shape.n])  # noqa: E731
+        encoder = dev.command_encoder()
+        dispatches = 0
+        errors = {}
+        for j, route in enumerate(candidates):
+            self.proof.encode_poison(encoder, control, outs[j], logical, guarded)
+            encoder.memory_barrier()
+            try:
+                self._encode(encoder, shape, DenseMatmulIdRoute.DIRECT, weight, inp, ids, view(control), None)
+            except Error as e:
+                raise _Abort(f"dense_matmul_id direct proof failed: {e}") from None
+            try:
+                self._encode(encoder, shape, route, weight, inp, ids, view(outs[j]), scratch)
+                dispatches += 2
+            except Error as e:
+                errors[route] = str(e)
+            encoder.memory_barrier()
+            self.proof.encode_compare(encoder, control, outs[j], statuses, j, logical, guarded)
+            encoder.memory_barrier()
+            dispatches += 3
+        self.subs.proof += 1
+        encoder.commit_wait_with_gpu_time()
+        words = statuses.numpy().tolist()
+        reference = view(control).numpy().astype(np.float64) if any(r in TENSOR_TOLERANCE for r in candidates) else None
+        proofs = []
+        for j, route in enumerate(candidates):
+            bits = words[j]
+            if bits & cal.STATUS_CONTROL_BITS:
+                raise _Abort(f"dense_matmul_id direct proof failed on profile {profile.value}: {cal.status_text(bits)}")
+            tol = TENSOR_TOLERANCE.get(route, 0.0)
+            err, diag = 0.0, None
+            if route in errors:
+                coherent, diag = False, f"{route.value} failed to encode: {errors[route]}"
+            elif tol == 0.0:
+                coherent = not bits & cal.STATUS_CANDIDATE_BITS
+                if bits & cal.STATUS_MISMATCH:
+                    err = float("nan")
+            else:
+                got = view(outs[j]).numpy().astype(np.float64)
+                num = float(np.sqrt(np.sum((got - reference) ** 2))) if np.all(np.isfinite(got)) else math.inf
+                den = float(np.sqrt(np.sum(reference ** 2)))
+                err = num / den if den > 0 else (0.0 if num == 0 else math.inf)
+                coherent = not bits & (cal.STATUS_CANDIDATE_BITS & ~cal.STATUS_MISMATCH) and err <= tol
+            if not coherent and diag is None:
+                diag = (f"{route.value} proof failed on profile {profile.value}: {cal.status_text(bits)}"
+                        + (f", relative Frobenius error {err:.3g} > {tol:g}" if tol and err > tol else ""))
+            proofs.append(DenseMatmulIdCandidateProof(route, profile, tol, err if math.isfinite(err) else 1e300,
+                                                      bits, coherent, diag))
+        return proofs, dispatches, (inp, ids, control, scratch)
+
+    def _time(self, shape, weight, routes, profile, bufs, rounds_done):
+        inp, ids, control, scratch = bufs
+        logical = shape.m * shape.top_k * shape.n
+        out = control.view(0, logical * 4, DType.F32, [shape.m * shape.top_k, shape.n])
+        samples = {r: ([], []) for r in routes}
+        for r in range(cal.CALIBRATION_SAMPLES):
+            for route in (routes if r % 2 == 0 else tuple(reversed(routes))):
+                self.deadline.check("calibration deadline reached during timing")
+                t0 = cal.time.perf_counter()
+                enc = self.device.command_encoder()
+                self._encode(enc, shape, route, weight, inp, ids, out, scratch)
+                self.subs.timing += 1
+                rounds_done[0] += 1
+                s, e = enc.commit_wait_with_gpu_time()
+                measured = ((cal.time.perf_counter() - t0) * 1e6, max(0.0, (e - s) * 1e6))
+                wall, gpu = self.timer(route.value, r, measured) if self.timer else measured
+                samples[route][0].append(wall)
+                samples[route][1].append(gpu)
+        return {route: (DenseMatmulIdTimingDistribution(*cal.distribution(w)),
+                        DenseMatmulIdTimingDistribution(*cal.distribution(g))) for route, (w, g) in samples.items()}
+
+    def shape(self, shape, weight, n_identities):
+        S = DenseMatmulIdSelectionStatus
+        D = DenseMatmulIdRoute.DIRECT
+        profiles = tuple(DenseMatmulIdRoutingProfile)
+        candidates = []
+        for route in (DenseMatmulIdRoute.GROUPED_PREFILL, *TENSOR_TOLERANCE):
+            try:
+                dense_matmul_id_capability(shape.weight_dtype, shape.params(route))
+            except InvalidArgumentError:
+                continue
+            if all(n in self.identities for n in _route_pipelines(route, shape.weight_dtype)):
+                candidates.append(route)
+        work = {"proof_submissions": 0, "proof_dispatches": 0, "timing_submissions": 0}
+
+        def decision(route, status, diag, proofs=(), timings=(), hit=False):
+            return DenseMatmulIdCalibrationDecision(
+                shape, route, status, diag, tuple(candidates), tuple(proofs), tuple(timings), hit,
+                n_identities if route is not D else 0, work["proof_submissions"], work["proof_dispatches"],
+                work["timing_submissions"], work["proof_submissions"] + work["timing_submissions"])
+
+        if not candidates:
+            return decision(D, S.DIRECT_ONLY, None), False
+        if self.proof is None:
+            return decision(D, S.ERROR_FALLBACK, f"proof pipelines unavailable: {self.errors.get('proof')}"), False
+        key = (self.build_fp, self.device.name, self.device.registry_id, self.pset, shape.key)
+        cached = self.pinned.get(shape.key) if self.pinned is not None else cal.PROCESS_CACHE.get(key)
+        if cached is not None and cached["route"] is D:
+            return decision(D, cached["status"], cached.get("diagnostic"), timings=cached["timings"], hit=True), False
+        prove = [cached["route"]] if cached is not None else candidates
+        per_route = len(prove)
+        need = len(profiles) * (1 + (0 if cached else cal.CALIBRATION_SAMPLES * (1 + per_route)))
+        if self.subs.total + need > self.limits.max_submissions:
+            return decision(D, S.BUDGET_FALLBACK, f"submission budget {self.limits.max_submissions} leaves no room "
+                            f"for {need} calibration submissions"), False
+        if self.deadline.expired():
+            return decision(D, S.BUDGET_FALLBACK, "calibration deadline reached before shape proof"), False
+        proofs, bufs = [], {}
+        for profile in profiles:
+            p, n, bufs[profile] = self._prove(shape, weight, prove, profile)
+            proofs += p
+            work["proof_submissions"] += 1
+            work["proof_dispatches"] += n
+        coherent = [r for r in prove if all(p.coherent for p in proofs if p.route is r)]
+        if not coherent:
+            failed = [p for p in proofs if not p.coherent]
+            encode_failure = all("failed to encode" in (p.diagnostic or "") for p in failed)
+            status = S.ERROR_FALLBACK if encode_failure else S.INCOHERENT_GROUPED
+            return decision(D, status, "; ".join(p.diagnostic for p in failed), proofs), False
+        if cached is not None:
+            return decision(cached["route"], cached["status"], cached.get("diagnostic"), proofs, cached["timings"],
+                            hit=True), False
+        routes = (D, *coherent)
+        timings, verdicts = [], {r: [] for r in coherent}
+        done = [0]
+        try:
+            for profile in profiles:
+                dist = self._time(shape, weight, routes, profile, bufs[profile], done)
+                for route in routes:
+                    timings.append(DenseMatmulIdRouteTiming(profile, route, *dist[route]))
+                for r in coherent:
+                    verdicts[r].append((cal.select_winner(dist[D][0], dist[D][1], dist[r][0], dist[r][1]),
+                                        dist[r][0].median_us))
+        except cal.BudgetExceeded as b:
+            work["timing_submissions"] = done[0]
+            return decision(D, S.BUDGET_FALLBACK, str(b), proofs, timings), False
+        work["timing_submissions"] = done[0]
+        winners = [r for r in coherent if all(v is cal.Verdict.CANDIDATE_WINS for v, _ in verdicts[r])]
+        if winners:
+            route = min(winners, key=lambda r: sum(m for _, m in verdicts[r]))
+            status = S.CALIBRATED_WINNER
+        elif all(any(v is cal.Verdict.CONTROL_FASTEST for v, _ in verdicts[r]) for r in coherent):
+            route, status = D, S.DIRECT_FASTEST
+        else:
+            route, status = D, S.NO_STABLE_WINNER
+        if self.deadline.expired():
+            return decision(D, S.BUDGET_FALLBACK, "calibration deadline reached during timing", proofs, timings), False
+        cal.PROCESS_CACHE.setdefault(key, {"route": route, "status": status, "timings": tuple(timings)})
+        return decision(route, status, None, proofs, timings), True
+
+
+def _validate(registry, device, epoch, limits, cases):
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= 0:
+        _fail(f"dense_matmul_id activation epoch must be nonzero (got {epoch!r})")
+    frozen = registry.frozen_plan_id(PLAN_KIND)
+    if frozen is not None:
+        _fail(f"dense_matmul_id route plan is already frozen as {frozen}; calibration is one-shot")
+    if limits.max_elapsed_ms <= 0 or limits.max_cases <= 0 or limits.max_submissions <= 0:
+        _fail("dense_matmul_id calibration limits must be nonzero")
+    if not cases:
+        _fail("dense_matmul_id calibration requires at least one case")
+    shapes: dict = {}
+    for case in cases:
+        cap = dense_matmul_id_capability(case.weight.dtype, dataclasses.replace(case.params,
+                                                                               route=DenseMatmulIdRoute.DIRECT))
+        w = case.weight
+        if w.nbytes < cap.required_weight_bytes or w.byte_offset % w.dtype.size:
+            _fail(f"dense_matmul_id calibration weight requires {cap.required_weight_bytes} aligned bytes, "
+                  f"got {w.nbytes} at offset {w.byte_offset}")
+        shape = DenseMatmulIdShape.of(w.dtype, case.params)
+        entry = shapes.setdefault(shape.key, {"shape": shape, "weights": {}})
+        entry["weights"].setdefault((w.address, w.byte_offset, w.nbytes), w)
+    if len(shapes) > limits.max_cases:
+        _fail(f"dense_matmul_id calibration declares {len(shapes)} shapes; limit is {limits.max_cases}")
+    return [shapes[k] for k in sorted(shapes)]
+
+
+def _plan(build_fp, registry, device, epoch, routes, digest):
+    decisions = tuple(DenseMatmulIdPlanDecision(s, r) for s, r in sorted(routes, key=lambda t: t[0].key))
+    pid = cal.sha256_hex(build_fp.encode(), struct.pack("<QQQ", device.registry_id, registry.authority_id, epoch),
+                         digest.encode(), cal.canonical_json([[d.shape.to_dict(), d.route.value] for d in decisions]).encode())
+    return DenseMatmulIdRoutePlan(pid, build_fp, THEOREM_SHA256, device.name, device.registry_id,
+                                  registry.authority_id, epoch, decisions)
+
+
+def _run(registry, device, epoch, limits, cases, *, progress, timer, clock, pinned=None):
+    limits = limits or DenseMatmulIdCalibrationLimits()
+    cases = list(cases)
+    entries = _validate(registry, device, epoch, limits, cases)
+    deadline = cal.Deadline(limits.max_elapsed_ms, clock or cal.time.perf_counter)
+    prep = _prepare(registry, {e["shape"].weight_dtype for e in entries})
+    digest = cal.sha256_hex(b"routemm.dense_matmul_id.authority", struct.pack("<QQ", epoch, device.registry_id),
+                            device.name.encode(), *[cal.canonical_json(e["shape"].to_dict()).encode() for e in entries])
+    c = _Calibrator(registry, device, limits, prep, deadline, timer, pinned)
+    bar = cal.Progress(len(entries), "dense_matmul_id calibration", progress)
+    decisions, fresh = [], 0
+    try:
+        for e in entries:
+            d, was_fresh = c.shape(e["shape"], next(iter(e["weights"].values())), len(e["weights"]))
+            fresh += was_fresh
+            decisions.append(d)
+            cal.LOGGER.debug("dense_matmul_id shape %s: %s / %s%s", e["shape"].key, d.selected_route.value,
+                             d.status.value, f": {d.diagnostic}" if d.diagnostic else "")
+            bar.step({"shape": e["shape"].to_dict(), "route": d.selected_route.value, "status": d.status.value})
+    except _Abort as a:
+        if c.subs.total:
+            cal.cleanup_submission(device, c.subs)
+        raise InvalidArgumentError(str(a)) from None
+    finally:
+        bar.close()
+    if c.subs.total:
+        cal.cleanup_submission(device, c.subs)
+    primary = _plan(prep[0], registry, device, epoch, [(d.shape, d.selected_route) for d in decisions], digest)
+    late = [dataclasses.replace(d, selected_route=DenseMatmulIdRoute.DIRECT,
+                                status=DenseMatmulIdSelectionStatus.BUDGET_FALLBACK,
+                                diagnostic="final dense_matmul_id calibration deadline exceeded; candidates disabled",
+                                theorem_authorized_weight_identities=0)
+            if d.selected_route is not DenseMatmulIdRoute.DIRECT else d for d in decisions]
+    fallback = _plan(prep[0], registry, device, epoch, [(d.shape, d.selected_route) for d in late], digest)
+    elapsed = deadline.elapsed_ms()
+    overrun = max(0.0, elapsed - limits.max_elapsed_ms)
+    plan, final = (fallback, late) if overrun > 0 else (primary, decisions)
+    receipt = DenseMatmulIdCalibrationReceipt(
+        _core.version(), prep[0], THEOREM_SHA256, plan.plan_id, epoch, device.name, device.registry_id,
+        registry.authority_id, len(final), fresh, sum(d.process_cache_hit for d in final),
+        sum(d.selected_route is DenseMatmulIdRoute.DIRECT for d in final), c.subs.proof,
+        sum(d.proof_dispatches for d in final), c.subs.timing, c.subs.cleanup, c.subs.total, elapsed, overrun,
+        tuple(final))
+    freeze_dense_matmul_id_plan(registry, device, plan, _check_fingerprint=False)
+    _RECEIPTS[plan.plan_id] = receipt
+    return plan, receipt
+
+
+def calibrate_dense_matmul_id_routes(registry, device, activation_epoch: int,
+                                     limits: Optional[DenseMatmulIdCalibrationLimits] = None,
+                                     cases: Sequence[DenseMatmulIdCalibrationCase] = (), *,
+                                     progress: Optional[Callable[[int, int, dict], None]] = None,
+                                     _timer: Optional[cal.Timer] = None,
+                                     _clock: Optional[Callable[[], float]] = None):
+    """Prove, time and freeze expert-ID routes for every declared exact shape; returns (plan, receipt).
+    With ROUTEMM_PLAN_CACHE_DIR set, a matching saved plan is reloaded and fresh plans are saved."""
+    cases = list(cases)
+    path = None
+    if cal.os.environ.get(cal.PLAN_CACHE_DIR_KNOB, "").strip() and cases:
+        entries = _validate(registry, device, activation_epoch, limits or DenseMatmulIdCalibrationLimits(), cases)
+        build_fp = _prepare(registry, {e["shape"].weight_dtype for e in entries})[0]
+        path = cal.plan_cache_path(PLAN_KIND, {"validators": cal.plan_validators(device, build_fp),
+                                               "shapes": [e["shape"].to_dict() for e in entries]})
+        if path.exists():
+            try:
+                return load_dense_matmul_id_plan(path, registry, device, cases, activation_epoch=activation_epoch,
+                                                 limits=limits, progress=progress)
+            except cal.PlanFileMismatch as e:
+                cal.LOGGER.warning("ignoring saved dense_matmul_id plan: %s", e)
+    plan, receipt = _run(registry, device, activation_epoch, limits, cases, progress=progress, timer=_timer,
+                         clock=_clock)
+    if path is not None:
+        plan.save(path, receipt)
+    return plan, receipt
+
+
+def load_dense_matmul_id_plan(path, registry, device, cases, *, activation_epoch: Optional[int] = None,
+                              limits=None, progress=None):
+    """Reload a saved expert-ID plan (validators must match; candidates re-proved, timing skipped)."""
+    cases = list(cases)
+    entries = _validate(registry, device, activation_epoch or 1, limits or DenseMatmulIdCalibrationLimits(), cases)
+    build_fp = _prepare(registry, {e["shape"].weight_dtype for e in entries})[0]
+    plan_doc, receipt_doc = cal.read_plan_file(path, PLAN_KIND, cal.plan_validators(device, build_fp))
+    saved = DenseMatmulIdRoutePlan.from_dict(plan_doc)
+    if {e["shape"].key for e in entries} != set(saved._lookup):
+        raise cal.PlanFileMismatch(f"route plan file {path} was made for different shapes than the cases declare")
+    pinned = {}
+    if receipt_doc is not None:
+        for d in DenseMatmulIdCalibrationReceipt.from_dict(receipt_doc).decisions:
+            pinned[d.shape.key] = {"route": d.selected_route, "status": d.status, "diagnostic": d.diagnostic,
+                                   "timings": d.timings}
+    for d in saved.decisions:
+        pinned.setdefault(d.shape.key, {"route": d.route, "status": DenseMatmulIdSelectionStatus.CALIBRATED_WINNER
+                                        if d.route is not DenseMatmulIdRoute.DIRECT else
+                                        DenseMatmulIdSelectionStatus.DIRECT_FASTEST, "timings": ()})["route"] = d.route
+    epoch = saved.activation_epoch if activation_epoch is None else activation_epoch
+    return _run(registry, device, epoch, limits, cases, progress=progress, timer=None, clock=None, pinned=pinned)

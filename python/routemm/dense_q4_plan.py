@@ -1,0 +1,978 @@
+"""Frozen, device-calibrated routing for Q4_0 dense projections (spec §6; seed dense_q4_auto.rs).
+
+The 64x32 candidate route is never chosen from a static threshold: at model activation a caller
+declares every native Q4_0 weight buffer with every row count M that can reach it
+(DenseQ4CalibrationCase); calibrate_dense_q4_routes proves the candidate bit-identical to the V2
+compatibility route on every exact (shape, current weight) pair, times both routes on one
+representative weight per base shape, and freezes an immutable plan into the registry. Dispatch
+then resolves routes with one dict lookup (select_route / dense_q4_auto). Undeclared or late
+shapes keep the compatibility route.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+import struct
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from . import _core
+from . import calibration as cal
+from ._core_api import DType, EncodedKernelDispatch, PipelineIdentity
+from ._errors import Error, InvalidArgumentError
+from ._json import JsonRecord
+from .quantized_matmul import (
+    DenseQ4DecisionSource,
+    DenseQ4Route,
+    GgmlQuantizedMatmulParams,
+    GgmlQuantizedMatmulReceipt,
+    GgmlRoutingPolicy,
+    GgmlTensorMmPreference,
+    GgmlType,
+    Q4_PIPELINE_LABEL_SUFFIX,
+    encode_q4_route,
+    q4_expected_dispatch,
+    quantized_matmul_ggml,
+)
+
+DENSE_Q4_ROUTE_SCHEMA_VERSION = 4
+PLAN_KIND = "dense_q4"
+Q4_INT_CONSTANTS = [(700, 1), (701, 1), (702, 1)]
+I32_MAX = 2**31 - 1
+U32_MAX = 2**32 - 1
+BLOCK_VALUES, BLOCK_BYTES = 32, 18
+COMPATIBILITY_UNPLANNED = "compatibility-unplanned"
+
+
+class DenseQ4InputLayout(enum.Enum):
+    CONTIGUOUS = "contiguous"
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseQ4BaseShape(JsonRecord):
+    SCHEMA = "dense_q4_route_plan.schema.json"
+    n: int
+    k: int
+    batch: int = 1
+    input_layout: DenseQ4InputLayout = DenseQ4InputLayout.CONTIGUOUS
+
+    def with_m(self, m: int) -> "DenseQ4Shape":
+        return DenseQ4Shape(m, self.n, self.k, self.batch, self.input_layout)
+
+    @property
+    def key(self) -> tuple:
+        return (self.n, self.k, self.batch, DenseQ4InputLayout(self.input_layout).value)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseQ4Shape(JsonRecord):
+    """An exact Q4_0 MM shape (ordered m first)."""
+
+    SCHEMA = "dense_q4_route_plan.schema.json"
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    input_layout: DenseQ4InputLayout = DenseQ4InputLayout.CONTIGUOUS
+
+    @property
+    def key(self) -> tuple:
+        return (self.m, self.n, self.k, self.batch, DenseQ4InputLayout(self.input_layout).value)
+
+    @property
+    def base(self) -> DenseQ4BaseShape:
+        return DenseQ4BaseShape(self.n, self.k, self.batch, self.input_layout)
+
+    def params(self) -> GgmlQuantizedMatmulParams:
+        return GgmlQuantizedMatmulParams(self.m, self.n, self.k, GgmlType.Q4_0)
+
+
+def exact_shape(params: GgmlQuantizedMatmulParams, batch: int = 1, contiguous_input: bool = True
+                ) -> Optional[DenseQ4Shape]:
+    """The plan key of a call, or None when the call can never take a planned route."""
+    ok = (GgmlType(params.ggml_type) is GgmlType.Q4_0 and params.m > 8 and params.n > 0 and params.k >= 32
+          and params.k % 32 == 0 and batch == 1 and contiguous_input)
+    return DenseQ4Shape(params.m, params.n, params.k, 1) if ok else None
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseQ4CalibrationCase:
+    """One native Q4_0 weight buffer and every row count that can reach it."""
+
+    weight: object  # routemm.Buffer (U8 Q4_0 blocks, exactly n * k / 32 * 18 bytes)
+    shape: DenseQ4BaseShape
+    reachable_m: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseQ4CalibrationLimits:
+    max_elapsed_ms: int = 15_000
+    max_shapes: int = 256
+
+
+class DenseQ4SelectionStatus(enum.Enum):
+    CALIBRATED_WINNER = "calibrated_winner"
+    COMPATIBILITY_FASTEST = "compatibility_fastest"
+    NO_STABLE_WINNER = "no_stable_winner"
+    CANDIDATE_UNAVAILABLE = "candidate_unavailable"
+    INCOHERENT_CANDIDATE = "incoherent_candidate"
+    CALIBRATION_ERROR_FALLBACK = "calibration_error_fallback"
+    BUDGET_FALLBACK = "budget_fallback"
+
+
+_TIMED_STATUSES = (DenseQ4SelectionStatus.CALIBRATED_WINNER, DenseQ4SelectionStatus.COMPATIBILITY_FASTEST,
+                   DenseQ4SelectionStatus.NO_STABLE_WINNER)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseQ4DispatchDecision(JsonRecord):
+    SCHEMA = "dense_q4_plan_dispatch_trace.schema.json"
+    route: DenseQ4Route
+    source: DenseQ4DecisionSource
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseQ4TimingDistribution(JsonRecord):
+    SCHEMA = "dense_q4_calibration_receipt.schema.json"
+    p25_us: float
+    median_us: float
+    p75_us: float
+    samples: int
+
+    @classmethod
+    def of(cls, samples) -> "DenseQ4TimingDistribution":
+        return cls(*cal.distribution(samples))
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseQ4RouteTiming(JsonRecord):
+    SCHEMA = "dense_q4_calibration_receipt.schema.json"
+    route: DenseQ4Route
+    wall: DenseQ4TimingDistribution
+    gpu: DenseQ4TimingDistribution
+    encoded: EncodedKernelDispatch
+    pipeline: PipelineIdentity
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseQ4CalibrationDecision(JsonRecord):
+    """Why one exact shape takes its route, and what proving and timing it cost."""
+
+    SCHEMA = "dense_q4_calibration_receipt.schema.json"
+    shape: DenseQ4Shape
+    selected_route: DenseQ4Route
+    status: DenseQ4SelectionStatus
+    diagnostic: Optional[str]
+    timings: tuple[DenseQ4RouteTiming, ...]
+    process_cache_hit: bool
+    authorized_weight_buffers: int
+    proof_submissions: int
+    proof_route_dispatches: int
+    proof_auxiliary_dispatches: int
+    proof_scratch_bytes: int
+    proof_gpu_us: float
+    timing_submissions: int
+    calibration_submissions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseQ4PlanDecision(JsonRecord):
+    SCHEMA = "dense_q4_route_plan.schema.json"
+    shape: DenseQ4Shape
+    route: DenseQ4Route
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseQ4RoutePlan(JsonRecord):
+    """An immutable, pointer-free plan: exact shape -> route, bound to one registry authority,
+    one device and one build. Decisions are sorted by shape."""
+
+    SCHEMA = "dense_q4_route_plan.schema.json"
+    plan_id: str
+    build_fingerprint: str
+    device_name: str
+    device_registry_id: int
+    registry_authority_id: int
+    activation_epoch: int
+    decisions: tuple[DenseQ4PlanDecision, ...]
+    schema_version: int = DENSE_Q4_ROUTE_SCHEMA_VERSION
+
+    @functools.cached_property
+    def _lookup(self) -> dict:
+        return {d.shape.key: DenseQ4Route(d.route) for d in self.decisions}
+
+    def route_for(self, shape: DenseQ4Shape) -> Optional[DenseQ4Route]:
+        return self._lookup.get(shape.key)
+
+    def decision_count(self) -> int:
+        return len(self.decisions)
+
+    @property
+    def routes(self) -> dict:
+        """{(m, n, k, batch, layout): route}."""
+        return dict(self._lookup)
+
+    def save(self, path, receipt: Optional["DenseQ4CalibrationBatchReceipt"] = None) -> Path:
+        """Write this plan (and the receipt it came with) as a versioned plan file."""
+        receipt = receipt or _RECEIPTS.get(self.plan_id)
+        validators = cal.plan_validators(_device_of_plan(self), self.build_fingerprint)
+        return cal.write_plan_file(path, PLAN_KIND, validators, self.to_dict(),
+                                   receipt.to_dict() if receipt is not None else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseQ4CalibrationBatchReceipt(JsonRecord):
+    SCHEMA = "dense_q4_calibration_receipt.schema.json"
+    mlx_native_version: str
+    build_fingerprint: str
+    plan_id: str
+    activation_epoch: int
+    device_name: str
+    device_registry_id: int
+    registry_authority_id: int
+    declared_shapes: int
+    calibrated_decisions: int
+    process_cache_hits: int
+    compatibility_route_decisions: int
+    authorized_shape_weight_pairs: int
+    proof_submissions: int
+    proof_route_dispatches: int
+    proof_auxiliary_dispatches: int
+    peak_proof_scratch_bytes: int
+    proof_gpu_us: float
+    timing_submissions: int
+    cleanup_submissions: int
+    calibration_submissions: int
+    elapsed_ms: float
+    deadline_overrun_ms: float
+    decisions: tuple[DenseQ4CalibrationDecision, ...]
+    schema_version: int = DENSE_Q4_ROUTE_SCHEMA_VERSION
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseQ4DispatchTrace(JsonRecord):
+    SCHEMA = "dense_q4_plan_dispatch_trace.schema.json"
+    mlx_native_version: str
+    build_fingerprint: str
+    plan_id: Optional[str]
+    shape: DenseQ4Shape
+    decision: DenseQ4DispatchDecision
+    encoded: EncodedKernelDispatch
+    pipeline: PipelineIdentity
+    schema_version: int = DENSE_Q4_ROUTE_SCHEMA_VERSION
+
+
+# Receipts of plans made in this process, so plan.save() can persist the timings with the plan.
+_RECEIPTS: dict[str, DenseQ4CalibrationBatchReceipt] = {}
+_DEVICES: dict[tuple[str, int], object] = {}
+
+
+def _device_of_plan(plan: DenseQ4RoutePlan):
+    try:
+        return _DEVICES[(plan.device_name, plan.device_registry_id)]
+    except KeyError:
+        raise InvalidArgumentError("dense Q4 route plan was not made by this process; cannot save it") from None
+
+
+def _fail(message: str):
+    raise InvalidArgumentError(message)
+
+
+# ---- Preparation and fingerprints ---------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Prepared:
+    v2: object
+    candidate: object  # Pipeline or None
+    proof: Optional[cal.ProofKernels]
+    unavailable: Optional[str]
+    identities: dict  # route -> PipelineIdentity
+    build_fingerprint: str
+    pipeline_set_fingerprint: str
+
+
+def _prepare(registry) -> _Prepared:
+    try:
+        v2 = registry.get_pipeline(DenseQ4Route.COMPATIBILITY_V2.pipeline_name, Q4_INT_CONSTANTS)
+    except Error as e:
+        _fail(f"required dense Q4 compatibility V2 pipeline is unavailable: {e}")
+    candidate = proof = None
+    unavailable = None
+    try:
+        candidate = registry.get_pipeline(DenseQ4Route.TENSOR_64X32.pipeline_name, Q4_INT_CONSTANTS)
+    except Error as e:
+        unavailable = f"64x32 candidate pipeline unavailable: {e}"
+    if candidate is not None:
+        try:
+            proof = cal.ProofKernels(registry)
+        except Error as e:
+            candidate, unavailable = None, f"dense Q4 proof pipelines unavailable: {e}"
+    ids = [v2.identity]
+    identities = {DenseQ4Route.COMPATIBILITY_V2: v2.identity}
+    if candidate is not None:
+        identities[DenseQ4Route.TENSOR_64X32] = candidate.identity
+        ids += [candidate.identity] + proof.identities()
+    build_fp, pset_fp = cal.build_fingerprint("routemm.dense_q4_plan", DENSE_Q4_ROUTE_SCHEMA_VERSION, ids)
+    return _Prepared(v2, candidate, proof, unavailable, identities, build_fp, pset_fp)
+
+
+def current_build_fingerprint(registry, device) -> str:
+    return _prepare(registry).build_fingerprint
+
+
+def _plan_id(build_fp: str, device_registry_id: int, authority: int, epoch: int, decisions) -> str:
+    pairs = [[d.shape.to_dict(), DenseQ4Route(d.route).value] for d in decisions]
+    return cal.sha256_hex(build_fp.encode(), struct.pack("<QQQ", device_registry_id, authority, epoch),
+                          cal.canonical_json(pairs).encode())
+
+
+def _make_plan(prep: _Prepared, registry, device, epoch: int, routes: dict) -> DenseQ4RoutePlan:
+    decisions = tuple(DenseQ4PlanDecision(shape, routes[key]) for key, shape in
+                      sorted(((s.key, s) for s in _ALL_SHAPES(routes)), key=lambda t: t[0]))
+    plan_id = _plan_id(prep.build_fingerprint, device.registry_id, registry.authority_id, epoch, decisions)
+    return DenseQ4RoutePlan(plan_id, prep.build_fingerprint, device.name, device.registry_id,
+                            registry.authority_id, epoch, decisions)
+
+
+def _ALL_SHAPES(routes: dict):
+    return [DenseQ4Shape(m, n, k, b, DenseQ4InputLayout(layout)) for (m, n, k, b, layout) in routes]
+
+
+# ---- Freezing -----------------------------------------------------------------------------------
+
+
+def _protected_names() -> list[str]:
+    return [DenseQ4Route.COMPATIBILITY_V2.pipeline_name, DenseQ4Route.TENSOR_64X32.pipeline_name,
+            *cal.PROOF_PIPELINES]
+
+
+def _validate_authority_and_device(registry, device, plan: DenseQ4RoutePlan) -> None:
+    if plan.registry_authority_id != registry.authority_id:
+        _fail("dense Q4 route plan belongs to a different registry activation authority")
+    if plan.device_registry_id != device.registry_id or plan.device_name != device.name:
+        _fail("dense Q4 route plan belongs to a different device")
+
+
+def _install(registry, device, plan: DenseQ4RoutePlan, *, check_fingerprint: bool) -> None:
+    if not isinstance(plan, DenseQ4RoutePlan):
+        _fail(f"freeze_dense_q4_plan needs a DenseQ4RoutePlan, got {type(plan).__name__}")
+    _validate_authority_and_device(registry, device, plan)
+    existing = registry.frozen_plan_id(PLAN_KIND)
+    if existing is not None:
+        if existing == plan.plan_id:
+            return
+        _fail(f"dense Q4 route plan is already frozen as {existing}")
+    if check_fingerprint and current_build_fingerprint(registry, device) != plan.build_fingerprint:
+        _fail("dense Q4 route plan build/pipeline identity mismatch")
+    _DEVICES[(device.name, device.registry_id)] = device
+    cal.install_frozen_plan(registry, PLAN_KIND, plan, _protected_names(), plan.to_json())
+
+
+def freeze_dense_q4_plan(registry, device, plan: DenseQ4RoutePlan) -> None:
+    """Freeze `plan` into `registry`: same authority and device, one-shot (the same plan id again
+    is a no-op), and the build/pipeline fingerprint recomputed now must equal the plan's. The
+    pipelines the plan depends on can no longer be re-registered afterwards."""
+    _install(registry, device, plan, check_fingerprint=True)
+
+
+def dense_q4_plan(registry) -> Optional[DenseQ4RoutePlan]:
+    return cal.frozen_plan(registry, PLAN_KIND)
+
+
+_core.KernelRegistry.freeze_dense_q4_plan = lambda self, device, plan: freeze_dense_q4_plan(self, device, plan)
+_core.KernelRegistry.dense_q4_plan = lambda self: dense_q4_plan(self)
+
+
+# ---- Request-time selection and dispatch --------------------------------------------------------
+
+
+def select_route(registry, device, params: GgmlQuantizedMatmulParams, batch: int = 1,
+                 contiguous_input: bool = True, routing: Optional[GgmlRoutingPolicy] = None
+                 ) -> DenseQ4DispatchDecision:
+    """Spec §6.2: the planned route of one call; no GPU work, one dict lookup."""
+    S = DenseQ4DecisionSource
+    shape = exact_shape(params, batch, contiguous_input)
+    if shape is None:
+        return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_V2, S.INELIGIBLE_COMPATIBILITY_FALLBACK)
+    routing = GgmlRoutingPolicy.from_environment() if routing is None else routing
+    if GgmlTensorMmPreference(routing.dense_tensor_mm) is not GgmlTensorMmPreference.AUTO_PROBE:
+        return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_SIMDGROUP, S.INELIGIBLE_COMPATIBILITY_FALLBACK)
+    if not routing.allow_dense_large_tile_mm:
+        return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_TENSOR_V1, S.INELIGIBLE_COMPATIBILITY_FALLBACK)
+    plan = cal.frozen_plan(registry, PLAN_KIND)
+    if plan is None:
+        return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_V2, S.NO_PLAN_COMPATIBILITY_FALLBACK)
+    if (plan.registry_authority_id != registry.authority_id or plan.device_registry_id != device.registry_id
+            or plan.device_name != device.name):
+        return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_V2, S.INELIGIBLE_COMPATIBILITY_FALLBACK)
+    route = plan._lookup.get(shape.key)
+    if route is None:
+        return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_V2, S.UNDECLARED_COMPATIBILITY_FALLBACK)
+    return DenseQ4DispatchDecision(route, S.FROZEN_PLAN)
+
+
+def dense_q4_auto(encoder, registry, device, input, weight, output, params: GgmlQuantizedMatmulParams,
+                  routing: Optional[GgmlRoutingPolicy] = None) -> GgmlQuantizedMatmulReceipt:
+    """quantized_matmul_ggml that honours the registry's frozen plan; the receipt's `decision`
+    says why the route was taken. A failing candidate lookup silently falls back to V2."""
+    policy = GgmlRoutingPolicy.from_environment() if routing is None else routing
+    if params.m <= 8:
+        return quantized_matmul_ggml(encoder, registry, input, weight, output, params, policy)
+    decision = select_route(registry, device, params, 1, True, policy)
+    if decision.route is DenseQ4Route.TENSOR_64X32:
+        try:
+            receipt = encode_q4_route(encoder, registry, input, weight, output, params, DenseQ4Route.TENSOR_64X32)
+            return dataclasses.replace(receipt, decision=decision.source, policy=policy)
+        except Error as e:
+            if "forced dense Q4" in str(e) or isinstance(e, InvalidArgumentError) and "buffer" in str(e):
+                raise
+            cal.LOGGER.debug("dense Q4 candidate lookup failed at dispatch, using V2: %s", e)
+    receipt = quantized_matmul_ggml(encoder, registry, input, weight, output, params, policy)
+    if receipt.dense_route is decision.route:
+        receipt = dataclasses.replace(receipt, decision=decision.source)
+    return receipt
+
+
+def trace_dense_q4_auto(encoder, registry, device, input, weight, output, params: GgmlQuantizedMatmulParams,
+                        routing: GgmlRoutingPolicy) -> DenseQ4DispatchTrace:
+    """Encode one ordinary Q4 call through dense_q4_auto and check it against the frozen plan."""
+    shape = exact_shape(params, 1, True)
+    if shape is None:
+        _fail("dense Q4 auto trace requires eligible Q4_0 MM shape")
+    planned = select_route(registry, device, params, 1, True, routing)
+    if encoder.device_registry_id != device.registry_id:
+        _fail("dense Q4 trace encoder/device mismatch")
+    encoder.start_encoded_dispatch_receipt(1)
+    try:
+        dense_q4_auto(encoder, registry, device, input, weight, output, params, routing)
+    finally:
+        encoded = encoder.take_encoded_dispatch_receipt()
+    if len(encoded) != 1:
+        _fail(f"dense Q4 auto route encoded {len(encoded)} dispatches, expected one")
+    encoded = encoded[0]
+    kernel = encoded.pipeline_label.split("|")[0]
+    actual = next((r for r in DenseQ4Route if r.pipeline_name == kernel), None)
+    if actual is None:
+        _fail(f"dense Q4 auto trace encoded unexpected pipeline {encoded.pipeline_label}")
+    decision = planned if actual is planned.route else DenseQ4DispatchDecision(
+        actual, DenseQ4DecisionSource.INELIGIBLE_COMPATIBILITY_FALLBACK)
+    if encoded != q4_expected_dispatch(decision.route, shape.m, shape.n):
+        _fail(f"dense Q4 auto route {decision.route.value} encoded unexpected geometry: {encoded}")
+    pipeline = registry.pipeline_identity(encoded.pipeline_label)
+    if pipeline.pipeline_label != encoded.pipeline_label or pipeline.kernel_name != decision.route.pipeline_name:
+        _fail("dense Q4 auto route encoded an unexpected pipeline")
+    plan = cal.frozen_plan(registry, PLAN_KIND)
+    if decision.route is DenseQ4Route.TENSOR_64X32 and (
+            plan is None or plan.route_for(shape) is not DenseQ4Route.TENSOR_64X32):
+        _fail("dense Q4 candidate trace lacks a frozen exact-shape decision")
+    return DenseQ4DispatchTrace(_core.version(), plan.build_fingerprint if plan else COMPATIBILITY_UNPLANNED,
+                                plan.plan_id if plan else None, shape, decision, encoded, pipeline)
+
+
+# ---- Calibration --------------------------------------------------------------------------------
+
+
+class _HardFailure(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class _ShapeOutcome:
+    decision: DenseQ4CalibrationDecision
+    proof_failed: bool  # the candidate was not proved for every weight (Cartesian downgrade)
+    fresh_timing: bool
+
+
+def _validate_cases(epoch, registry, limits, cases, device):
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= 0 or epoch > 2**64 - 1:
+        _fail(f"dense Q4 activation epoch must be nonzero (got {epoch!r})")
+    frozen = registry.frozen_plan_id(PLAN_KIND)
+    if frozen is not None:
+        _fail(f"dense Q4 route plan is already frozen as {frozen}; calibration is one-shot")
+    if limits.max_elapsed_ms <= 0 or limits.max_shapes <= 0:
+        _fail("dense Q4 calibration limits must be nonzero")
+    cases = list(cases)
+    if not cases:
+        _fail("dense Q4 calibration requires at least one case")
+    bases: dict[tuple, dict] = {}
+    for case in cases:
+        s = case.shape
+        if not isinstance(s, DenseQ4BaseShape) or not (
+                s.n > 0 and s.k >= 32 and s.k % 32 == 0 and s.batch == 1
+                and DenseQ4InputLayout(s.input_layout) is DenseQ4InputLayout.CONTIGUOUS):
+            _fail(f"invalid dense Q4 calibration base shape: {s}")
+        if s.n > I32_MAX or s.k > I32_MAX:
+            _fail(f"dense Q4 calibration base shape exceeds i32::MAX: {s}")
+        w = case.weight
+        if w.dtype != DType.U8 or w.byte_offset % 2 != 0:
+            _fail(f"dense Q4 calibration weight must be aligned native U8 Q4_0 storage (got {w.dtype}, "
+                  f"byte offset {w.byte_offset})")
+        if w.device.backend != device.backend:
+            _fail("dense Q4 calibration weight lives on a different device")
+        need = s.n * (s.k // BLOCK_VALUES) * BLOCK_BYTES
+        if w.nbytes != need:
+            _fail(f"dense Q4 calibration weight must be exactly {need} bytes, got {w.nbytes}")
+        ms = list(case.reachable_m)
+        if not ms or any(isinstance(m, bool) or not isinstance(m, (int, np.integer)) or not 9 <= m <= I32_MAX
+                         for m in ms):
+            _fail(f"dense Q4 calibration reachable M must be non-empty and within 9..={I32_MAX}, got {ms}")
+        entry = bases.setdefault(s.key, {"base": DenseQ4BaseShape(s.n, s.k, 1), "ms": set(), "weights": {}})
+        entry["ms"].update(int(m) for m in ms)
+        entry["weights"].setdefault((w.address, w.byte_offset, w.nbytes), w)
+    declared = sum(len(e["ms"]) for e in bases.values())
+    if not 1 <= declared <= limits.max_shapes:
+        _fail(f"dense Q4 calibration declares {declared} exact shapes; limits allow 1..={limits.max_shapes}")
+    return [bases[k] for k in sorted(bases)], declared
+
+
+class _Calibrator:
+    def __init__(self, registry, device, epoch, limits, prep, deadline, timer, fault, pinned):
+        self.registry, self.device, self.epoch, self.limits = registry, device, epoch, limits
+        self.prep, self.deadline, self.timer, self.fault, self.pinned = prep, deadline, timer, fault, pinned
+        self.subs = cal.Submissions()
+
+    # -- one route dispatch, traced
+    def _encode_traced(self, encoder, route, shape, inp, weight, out):
+        encoder.start_encoded_dispatch_receipt(1)
+        try:
+            encode_q4_route(encoder, self.registry, inp, weight, out, shape.params(), route)
+        finally:
+            encoded = encoder.take_encoded_dispatch_receipt()
+        if len(encoded) != 1:
+            raise _TraceError(f"{route.value} encoded {len(encoded)} dispatches, expected one")
+        if encoded[0] != q4_expected_dispatch(route, shape.m, shape.n):
+            raise _TraceError(f"{route.value} encoded unexpected geometry: {encoded[0]}")
+        identity = self.registry.pipeline_identity(encoded[0].pipeline_label)
+        if identity != self.prep.identities[route]:
+            raise _TraceError(f"{route.value} pipeline identity differs from the prepared one")
+        return encoded[0]
+
+    def shape(self, shape: DenseQ4Shape, weights: list) -> _ShapeOutcome:
+        S = DenseQ4SelectionStatus
+        V2, C = DenseQ4Route.COMPATIBILITY_V2, DenseQ4Route.TENSOR_64X32
+
+        def fallback(status, diag, proof_failed=True, **work):
+            fields = dict(proof_submissions=0, proof_route_dispatches=0, proof_auxiliary_dispatches=0,
+                          proof_scratch_bytes=0, proof_gpu_us=0.0, timing_submissions=0)
+            fields.update(work)
+            d = DenseQ4CalibrationDecision(
+                shape, V2, status, diag, fields.pop("timings", ()), False,
+                len(weights) if fields["proof_submissions"] else 0, **fields,
+                calibration_submissions=fields["proof_submissions"] + fields["timing_submissions"])
+            return _ShapeOutcome(d, proof_failed, False)
+
+        if self.prep.candidate is None:
+            return fallback(S.CANDIDATE_UNAVAILABLE, self.prep.unavailable)
+        if self.deadline.expired():
+            return fallback(S.BUDGET_FALLBACK, "calibration deadline reached before shape proof")
+        m, n, k = shape.m, shape.n, shape.k
+        logical = m * n
+        guarded = logical + cal.GUARD_ELEMENTS
+        if guarded > U32_MAX:
+            return fallback(S.CALIBRATION_ERROR_FALLBACK, f"dense Q4 proof output of {guarded} elements exceeds u32")
+        dev = self.device
+        inp = dev.from_numpy(cal.proof_input(m * k).reshape(m, k))
+        control = dev.alloc(guarded * 4, DType.F32, [guarded])
+        candidate = dev.alloc(guarded * 4, DType.F32, [guarded])
+        statuses = dev.from_numpy(np.zeros(len(weights), dtype=np.uint32))
+        scratch = inp.nbytes + control.nbytes + candidate.nbytes + statuses.nbytes
+        faulty_input = None
+        encoder = dev.command_encoder()
+        route_dispatches = aux = 0
+        first_encoded = None
+        for i, w in enumerate(weights):
+            if self.deadline.expired():
+                return fallback(S.BUDGET_FALLBACK, "calibration deadline reached while encoding shape proof batch")
+            self.prep.proof.encode_poison(encoder, control, candidate, logical, guarded)
+            encoder.memory_barrier()
+            try:
+                v2_encoded = self._encode_traced(encoder, V2, shape, inp, w, control)
+            except (_TraceError, Error) as e:
+                raise _HardFailure(f"required dense Q4 compatibility V2 proof failed for weight {i}: {e}") from None
+            cand_input = inp
+            if self.fault is not None and self.fault(i, shape):
+                if faulty_input is None:
+                    values = cal.proof_input(m * k)
+                    values[0] = np.nextafter(values[0], np.float32(np.inf))
+                    faulty_input = dev.from_numpy(values.reshape(m, k))
+                cand_input = faulty_input
+            try:
+                self._encode_traced(encoder, C, shape, cand_input, w, candidate)
+            except (_TraceError, Error) as e:
+                # The batch is abandoned uncommitted: a mis-traced candidate is never run.
+                return fallback(S.INCOHERENT_CANDIDATE, f"optional dense Q4 candidate proof failed for weight {i}: "
+                                f"trace: {e}")
+            first_encoded = first_encoded or v2_encoded
+            encoder.memory_barrier()
+            self.prep.proof.encode_compare(encoder, control, candidate, statuses, i, logical, guarded)
+            encoder.memory_barrier()
+            route_dispatches += 2
+            aux += 2
+        self.subs.proof += 1
+        start, end = encoder.commit_wait_with_gpu_time()
+        proof_gpu_us = max((end - start) * 1e6, 1e-3)
+        work = dict(proof_submissions=1, proof_route_dispatches=route_dispatches, proof_auxiliary_dispatches=aux,
+                    proof_scratch_bytes=scratch, proof_gpu_us=proof_gpu_us)
+        words = statuses.numpy().tolist()
+        cand_failure = None
+        for i, bits in enumerate(words):
+            if bits & ~cal.STATUS_KNOWN_BITS:
+                raise _HardFailure(f"dense Q4 proof for weight {i} returned unknown status bits 0x{bits:x}")
+            if bits & cal.STATUS_CONTROL_BITS:
+                raise _HardFailure(f"required dense Q4 compatibility V2 proof failed for weight {i}: "
+                                   f"{cal.status_text(bits)}")
+            if bits & cal.STATUS_CANDIDATE_BITS and cand_failure is None:
+                cand_failure = f"optional dense Q4 candidate proof failed for weight {i}: {cal.status_text(bits)}"
+        if cand_failure is not None:
+            return fallback(S.INCOHERENT_CANDIDATE, cand_failure, **work)
+
+        # Timing, through the process cache (or the pinned outcome of a reloaded plan file).
+        def materialise(outcome, cache_hit, timing_subs):
+            timings = tuple(
+                DenseQ4RouteTiming(route, DenseQ4TimingDistribution(*outcome["wall"][route.value]),
+                                   DenseQ4TimingDistribution(*outcome["gpu"][route.value]),
+                                   first_encoded if route is V2 else q4_expected_dispatch(C, m, n),
+                                   self.prep.identities[route])
+                for route in (V2, C) if route.value in outcome["wall"])
+            d = DenseQ4CalibrationDecision(
+                shape, outcome["route"], outcome["status"], outcome.get("diagnostic"), timings, cache_hit,
+                len(weights), **work, timing_submissions=timing_subs,
+                calibration_submissions=1 + timing_subs)
+            return d
+
+        if self.pinned is not None:
+            outcome = self.pinned.get(shape.key)
+            if outcome is None:
+                raise _HardFailure(f"dense Q4 plan file has no decision for {shape}")
+            return _ShapeOutcome(materialise(outcome, True, 0), False, False)
+        key = (self.prep.build_fingerprint, self.device.name, self.device.registry_id,
+               self.prep.pipeline_set_fingerprint, shape.key)
+        cached = cal.PROCESS_CACHE.get(key)
+        if cached is not None:
+            return _ShapeOutcome(materialise(cached, True, 0), False, False)
+        samples = {V2: ([], []), C: ([], [])}
+        timing_subs = 0
+        rep = weights[0]
+        try:
+            for r in range(cal.CALIBRATION_SAMPLES):
+                for route in ((V2, C) if r % 2 == 0 else (C, V2)):
+                    self.deadline.check("calibration deadline reached during timing")
+                    t0 = cal.time.perf_counter()
+                    enc = dev.command_encoder()
+                    encode_q4_route(enc, self.registry, inp, rep, control, shape.params(), route)
+                    self.subs.timing += 1
+                    timing_subs += 1
+                    s, e = enc.commit_wait_with_gpu_time()
+                    measured = ((cal.time.perf_counter() - t0) * 1e6, max(0.0, (e - s) * 1e6))
+                    wall, gpu = self.timer(route.value, r, measured) if self.timer else measured
+                    samples[route][0].append(wall)
+                    samples[route][1].append(gpu)
+        except cal.BudgetExceeded as b:
+            cal.PROCESS_CACHE.evict(key)
+            return fallback(S.BUDGET_FALLBACK, str(b), proof_failed=False, timing_submissions=timing_subs, **work)
+        except Error as e:
+            cal.PROCESS_CACHE.evict(key)
+            raise _HardFailure(f"dense Q4 timing calibration failed after current-weight proof: {e}") from None
+        dist = {route: (DenseQ4TimingDistribution.of(samples[route][0]), DenseQ4TimingDistribution.of(samples[route][1]))
+                for route in (V2, C)}
+        verdict = cal.select_winner(dist[V2][0], dist[V2][1], dist[C][0], dist[C][1])
+        route, status = {
+            cal.Verdict.CANDIDATE_WINS: (C, S.CALIBRATED_WINNER),
+            cal.Verdict.CONTROL_FASTEST: (V2, S.COMPATIBILITY_FASTEST),
+            cal.Verdict.NO_STABLE_WINNER: (V2, S.NO_STABLE_WINNER),
+        }[verdict]
+        outcome = {"route": route, "status": status,
+                   "wall": {r.value: dataclasses.astuple(dist[r][0]) for r in (V2, C)},
+                   "gpu": {r.value: dataclasses.astuple(dist[r][1]) for r in (V2, C)}}
+        outcome = cal.PROCESS_CACHE.setdefault(key, outcome)
+        return _ShapeOutcome(materialise(outcome, False, timing_subs), False, True)
+
+
+class _TraceError(Exception):
+    pass
+
+
+def _pinned_from_receipt(receipt: Optional[dict], plan: DenseQ4RoutePlan) -> dict:
+    """shape key -> outcome, from a saved receipt (timings kept) or, without one, the plan's routes."""
+    pinned = {}
+    if receipt is not None:
+        saved = DenseQ4CalibrationBatchReceipt.from_dict(receipt)
+        for d in saved.decisions:
+            pinned[d.shape.key] = {
+                "route": d.selected_route, "status": d.status, "diagnostic": d.diagnostic,
+                "wall": {t.route.value: dataclasses.astuple(t.wall) for t in d.timings},
+                "gpu": {t.route.value: dataclasses.astuple(t.gpu) for t in d.timings}}
+    for d in plan.decisions:
+        entry = pinned.setdefault(d.shape.key, {"route": d.route, "status": DenseQ4SelectionStatus.NO_STABLE_WINNER
+                                                if d.route is DenseQ4Route.COMPATIBILITY_V2
+                                                else DenseQ4SelectionStatus.CALIBRATED_WINNER,
+                                                "wall": {}, "gpu": {}})
+        entry["route"] = d.route  # the plan decides; the receipt only explains
+    return pinned
+
+
+def _run(registry, device, activation_epoch, limits, cases, *, progress, timer, fault, clock, pinned=None):
+    limits = limits or DenseQ4CalibrationLimits()
+    bases, declared = _validate_cases(activation_epoch, registry, limits, cases, device)
+    deadline = cal.Deadline(limits.max_elapsed_ms, clock or cal.time.perf_counter)
+    prep = _prepare(registry)
+    c = _Calibrator(registry, device, activation_epoch, limits, prep, deadline, timer, fault, pinned)
+    bar = cal.Progress(declared, "dense Q4 calibration", progress)
+    decisions: list[DenseQ4CalibrationDecision] = []
+    fresh = 0
+    try:
+        for entry in bases:
+            weights = list(entry["weights"].values())
+            outcomes = []
+            for m in sorted(entry["ms"]):
+                shape = entry["base"].with_m(m)
+                o = c.shape(shape, weights)
+                outcomes.append(o)
+                cal.LOGGER.debug("dense Q4 shape m=%d n=%d k=%d: %s / %s%s%s", m, shape.n, shape.k,
+                                 o.decision.selected_route.value, o.decision.status.value,
+                                 " (process cache hit)" if o.decision.process_cache_hit else "",
+                                 f": {o.decision.diagnostic}" if o.decision.diagnostic else "")
+                bar.step({"shape": shape.to_dict(), "route": o.decision.selected_route.value,
+                          "status": o.decision.status.value})
+            first = next((o for o in outcomes if o.proof_failed), None)
+            for o in outcomes:
+                d = o.decision
+                if first is not None:
+                    note = f"base-shape Cartesian proof failure: {first.decision.diagnostic}"
+                    d = dataclasses.replace(d, selected_route=DenseQ4Route.COMPATIBILITY_V2, status=first.decision.status,
+                                            diagnostic=f"{d.diagnostic}; {note}" if d.diagnostic else note)
+                elif o.fresh_timing:
+                    fresh += 1
+                decisions.append(d)
+        total_proof = sum(d.proof_submissions for d in decisions)
+        total_timing = sum(d.timing_submissions for d in decisions)
+        if total_proof + total_timing != c.subs.proof + c.subs.timing:
+            raise _HardFailure("aggregate submission receipt is inconsistent")
+    except _HardFailure as e:
+        cal.cleanup_submission(device, c.subs)
+        msg = str(e)
+        if msg.startswith("required dense Q4 compatibility V2 proof failed for"):
+            msg = f"required dense Q4 compatibility V2 proof failed: {msg}"
+        raise InvalidArgumentError(msg) from None
+    finally:
+        bar.close()
+    cal.cleanup_submission(device, c.subs)
+
+    # Two complete plans before sampling the clock: the candidate plan and compatibility-only.
+    routes = {d.shape.key: d.selected_route for d in decisions}
+    primary = _make_plan(prep, registry, device, activation_epoch, routes)
+    compat_routes = {key: DenseQ4Route.COMPATIBILITY_V2 for key in routes}
+    compat = _make_plan(prep, registry, device, activation_epoch, compat_routes)
+    compat_decisions = [
+        dataclasses.replace(d, selected_route=DenseQ4Route.COMPATIBILITY_V2, status=DenseQ4SelectionStatus.BUDGET_FALLBACK,
+                            diagnostic="final dense Q4 calibration deadline exceeded; candidate disabled")
+        if d.selected_route is DenseQ4Route.TENSOR_64X32 else d for d in decisions]
+    for plan in (primary, compat):
+        _validate_authority_and_device(registry, device, plan)
+    elapsed = deadline.elapsed_ms()
+    overrun = max(0.0, elapsed - limits.max_elapsed_ms)
+    plan, final = (compat, compat_decisions) if overrun > 0 else (primary, decisions)
+    final = sorted(final, key=lambda d: d.shape.key)
+    receipt = DenseQ4CalibrationBatchReceipt(
+        mlx_native_version=_core.version(), build_fingerprint=prep.build_fingerprint, plan_id=plan.plan_id,
+        activation_epoch=activation_epoch, device_name=device.name, device_registry_id=device.registry_id,
+        registry_authority_id=registry.authority_id, declared_shapes=declared,
+        calibrated_decisions=fresh if overrun == 0 else sum(
+            1 for d in final if d.timing_submissions and d.status in _TIMED_STATUSES),
+        process_cache_hits=sum(d.process_cache_hit for d in final),
+        compatibility_route_decisions=sum(d.selected_route is DenseQ4Route.COMPATIBILITY_V2 for d in final),
+        authorized_shape_weight_pairs=sum(d.authorized_weight_buffers for d in final),
+        proof_submissions=c.subs.proof, proof_route_dispatches=sum(d.proof_route_dispatches for d in final),
+        proof_auxiliary_dispatches=sum(d.proof_auxiliary_dispatches for d in final),
+        peak_proof_scratch_bytes=max((d.proof_scratch_bytes for d in final), default=0),
+        proof_gpu_us=sum(d.proof_gpu_us for d in final), timing_submissions=c.subs.timing,
+        cleanup_submissions=c.subs.cleanup, calibration_submissions=c.subs.total,
+        elapsed_ms=elapsed, deadline_overrun_ms=overrun, decisions=tuple(final))
+    _install(registry, device, plan, check_fingerprint=False)
+    _RECEIPTS[plan.plan_id] = receipt
+    return plan, receipt
+
+
+def _cache_key(device, build_fp, cases) -> dict:
+    shapes = sorted({(c.shape.n, c.shape.k, int(m)) for c in cases for m in c.reachable_m})
+    return {"kind": PLAN_KIND, "validators": cal.plan_validators(device, build_fp), "shapes": shapes}
+
+
+def calibrate_dense_q4_routes(registry, device, activation_epoch: int,
+                              limits: Optional[DenseQ4CalibrationLimits] = None,
+                              cases: Sequence[DenseQ4CalibrationCase] = (), *,
+                              progress: Optional[Callable[[int, int, dict], None]] = None,
+                              _timer: Optional[cal.Timer] = None,
+                              _candidate_fault: Optional[Callable[[int, DenseQ4Shape], bool]] = None,
+                              _clock: Optional[Callable[[], float]] = None
+                              ) -> tuple[DenseQ4RoutePlan, DenseQ4CalibrationBatchReceipt]:
+    """Prove, time and freeze dense Q4 routes for every declared exact shape (spec §6.4).
+
+    Returns (plan, receipt); the plan is frozen into `registry`. With ROUTEMM_PLAN_CACHE_DIR set, a
+    matching saved plan is reloaded (proof re-run, timing skipped) and fresh plans are saved.
+    `progress(done, total, info)` is called after each exact shape. `_timer`, `_candidate_fault`
+    and `_clock` are test hooks (timing values, a forced candidate mismatch, the deadline clock).
+    """
+    cases = list(cases)
+    path = None
+    if cal.os.environ.get(cal.PLAN_CACHE_DIR_KNOB, "").strip() and cases:
+        _validate_cases(activation_epoch, registry, limits or DenseQ4CalibrationLimits(), cases, device)
+        path = cal.plan_cache_path(PLAN_KIND, _cache_key(device, _prepare(registry).build_fingerprint, cases))
+        if path is not None and path.exists():
+            try:
+                return load_dense_q4_plan(path, registry, device, cases, activation_epoch=activation_epoch,
+                                          limits=limits, progress=progress)
+            except cal.PlanFileMismatch as e:
+                cal.LOGGER.warning("ignoring saved dense Q4 plan: %s", e)
+    plan, receipt = _run(registry, device, activation_epoch, limits, cases, progress=progress, timer=_timer,
+                         fault=_candidate_fault, clock=_clock)
+    if path is not None:
+        plan.save(path, receipt)
+    return plan, receipt
+
+
+def load_dense_q4_plan(path, registry, device, cases: Sequence[DenseQ4CalibrationCase], *,
+                       activation_epoch: Optional[int] = None, limits: Optional[DenseQ4CalibrationLimits] = None,
+                       progress=None) -> tuple[DenseQ4RoutePlan, DenseQ4CalibrationBatchReceipt]:
+    """Reload a saved plan: every validator must match (else PlanFileMismatch), the declared
+    shapes must equal the saved ones, the current-weight proof is re-run (timing is skipped), and a
+    plan with the saved decisions is frozen into `registry` (new authority, so a new plan id)."""
+    prep = _prepare(registry)
+    plan_doc, receipt_doc = cal.read_plan_file(path, PLAN_KIND, cal.plan_validators(device, prep.build_fingerprint))
+    saved = DenseQ4RoutePlan.from_dict(plan_doc)
+    declared = {(c.shape.n, c.shape.k, 1, "contiguous") for c in cases}
+    shapes = {(int(m),) + key for c in cases for key in [(c.shape.n, c.shape.k, 1, "contiguous")]
+              for m in c.reachable_m}
+    if shapes != set(saved._lookup) or not declared:
+        raise cal.PlanFileMismatch(f"route plan file {path} was made for different shapes than the cases declare")
+    epoch = saved.activation_epoch if activation_epoch is None else activation_epoch
+    return _run(registry, device, epoch, limits, cases, progress=progress, timer=None, fault=None, clock=None,
+                pinned=_pinned_from_receipt(receipt_doc, saved))
+
+
+# ---- Acceptance ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseQ4CartesianAcceptanceRequirements:
+    expected_base_shapes: int
+    expected_weight_buffers_per_base: int
+    reachable_m: tuple[int, ...]
+    required_compatibility_m: tuple[int, ...]
+    minimum_candidate_decisions: int
+    maximum_elapsed_ms: float
+
+
+_HEX64 = frozenset("0123456789abcdef")
+
+
+def _is_hex64(s) -> bool:
+    return isinstance(s, str) and len(s) == 64 and set(s) <= _HEX64
+
+
+def validate_dense_q4_cartesian_acceptance(cold: DenseQ4CalibrationBatchReceipt,
+                                           reactivation: DenseQ4CalibrationBatchReceipt,
+                                           requirements: DenseQ4CartesianAcceptanceRequirements) -> None:
+    """Fail-closed publication gate over a cold and a cache-hit reactivation receipt (spec §6.5)."""
+    prefix = "dense Q4 Cartesian acceptance failed: "
+
+    def need(ok, message):
+        if not ok:
+            raise InvalidArgumentError(prefix + message)
+
+    r = requirements
+    need(r.expected_base_shapes > 0 and r.expected_weight_buffers_per_base > 0 and r.maximum_elapsed_ms > 0,
+         "requirement counts must be nonzero")
+    reach = list(r.reachable_m)
+    need(reach and len(set(reach)) == len(reach) and all(m > 8 for m in reach),
+         "reachable M must be non-empty, unique and all > 8")
+    need(len(set(r.required_compatibility_m)) == len(r.required_compatibility_m)
+         and set(r.required_compatibility_m) <= set(reach), "required compatibility M must be unique and reachable")
+    declared = r.expected_base_shapes * len(reach)
+    need(r.minimum_candidate_decisions <= declared, "minimum candidate decisions exceed declared shapes")
+    pairs = declared * r.expected_weight_buffers_per_base
+    W = r.expected_weight_buffers_per_base
+    for label, rec, is_cold in (("cold", cold, True), ("reactivation", reactivation, False)):
+        need(rec.schema_version == DENSE_Q4_ROUTE_SCHEMA_VERSION, f"{label} receipt schema version")
+        need(bool(rec.mlx_native_version), f"{label} receipt has no version")
+        need(_is_hex64(rec.build_fingerprint) and _is_hex64(rec.plan_id), f"{label} fingerprint/plan id not 64-hex")
+        need(bool(rec.device_name) and rec.activation_epoch != 0 and rec.registry_authority_id != 0,
+             f"{label} receipt identity fields")
+        need(rec.declared_shapes == declared and len(rec.decisions) == declared,
+             f"{label} declared shapes {rec.declared_shapes} / decisions {len(rec.decisions)}, expected {declared}")
+        need(rec.calibrated_decisions == (declared if is_cold else 0), f"{label} calibrated decisions")
+        need(rec.process_cache_hits == (0 if is_cold else declared), f"{label} process cache hits")
+        need(rec.authorized_shape_weight_pairs == pairs,
+             f"{label} authorized pairs {rec.authorized_shape_weight_pairs}, expected {pairs}")
+        need(rec.proof_submissions == declared, f"{label} proof submissions")
+        need(rec.proof_route_dispatches == 2 * pairs and rec.proof_auxiliary_dispatches == 2 * pairs,
+             f"{label} proof dispatch counts")
+        timing = declared * 2 * cal.CALIBRATION_SAMPLES if is_cold else 0
+        need(rec.timing_submissions == timing, f"{label} timing submissions")
+        need(rec.cleanup_submissions == 1, f"{label} cleanup submissions")
+        need(rec.calibration_submissions == declared + timing + 1, f"{label} calibration submissions")
+        need(rec.peak_proof_scratch_bytes > 0, f"{label} peak proof scratch")
+        need(math.isfinite(rec.proof_gpu_us) and rec.proof_gpu_us > 0, f"{label} proof GPU time")
+        need(math.isfinite(rec.elapsed_ms) and 0 < rec.elapsed_ms <= r.maximum_elapsed_ms,
+             f"{label} elapsed {rec.elapsed_ms} ms exceeds {r.maximum_elapsed_ms} ms")
+        need(rec.deadline_overrun_ms == 0, f"{label} deadline overrun {rec.deadline_overrun_ms} ms")
+        seen = set()
+        bases = set()
+        candidates = compat = 0
+        for d in rec.decisions:
+            s = d.shape
+            need(s.m in reach, f"{label} non-Cartesian shape M={s.m}")
+            need(s.key not in seen, f"{label} duplicate shape {s.key}")
+            seen.add(s.key)
+            bases.add(s.key[1:])
+            need(d.authorized_weight_buffers == W, f"{label} authorized buffers at M={s.m}")
+            need(d.proof_submissions == 1 and d.proof_route_dispatches == 2 * W
+                 and d.proof_auxiliary_dispatches == 2 * W, f"{label} proof work at M={s.m}")
+            t = 2 * cal.CALIBRATION_SAMPLES if is_cold else 0
+            need(d.timing_submissions == t and d.calibration_submissions == 1 + t, f"{label} submissions at M={s.m}")
+            need(d.process_cache_hit == (not is_cold), f"{label} cache-hit flag at M={s.m}")
+            need(d.proof_scratch_bytes > 0 and d.proof_gpu_us > 0, f"{label} proof evidence at M={s.m}")
+            pair = (d.selected_route, d.status)
+            need(pair in ((DenseQ4Route.TENSOR_64X32, DenseQ4SelectionStatus.CALIBRATED_WINNER),
+                          (DenseQ4Route.COMPATIBILITY_V2, DenseQ4SelectionStatus.COMPATIBILITY_FASTEST),
+                          (DenseQ4Route.COMPATIBILITY_V2, DenseQ4SelectionStatus.NO_STABLE_WINNER))
+                 and d.diagnostic is None, f"{label} fallback decision at M={s.m}: {d.status.value} {d.diagnostic}")
+            need(len(d.timings) == 2 and {t.route for t in d.timings} == {DenseQ4Route.COMPATIBILITY_V2,
+                                                                         DenseQ4Route.TENSOR_64X32},
+                 f"{label} timings at M={s.m}")
+            for t in d.timings:
+                for dist in (t.wall, t.gpu):
+                    need(dist.samples == cal.CALIBRATION_SAMPLES and all(math.isfinite(v) for v in (
+                        dist.p25_us, dist.median_us, dist.p75_us)) and 0 < dist.p25_us <= dist.median_us <= dist.p75_us,
+                         f"{label} timing distribution at M={s.m}")
+                need(t.encoded == q4_expected_dispatch(t.route, s.m, s.n), f"{label} geometry change at M={s.m}")
+                p = t.pipeline
+                need(p.pipeline_label == t.route.pipeline_label and p.kernel_name == t.route.pipeline_name
+                     and p.pipeline_label.split("|")[0] == p.kernel_name and bool(p.content_sha256),
+                     f"{label} pipeline identity at M={s.m}")
+            if s.m in r.required_compatibility_m:
+                need(d.selected_route is DenseQ4Route.COMPATIBILITY_V2,
+                     f"{label} selected the short-row candidate at required compatibility M={s.m}")
+            candidates += d.selected_route is DenseQ4Route.TENSOR_64X32
+            compat += d.selected_route is DenseQ4Route.COMPATIBILITY_V2
+        need(len(bases) == r.expected_base_shapes, f"{label} has {len(bases)} base shapes, expected "
+             f"{r.expected_base_shapes}")
+        need(all((m,) + b in seen for b in bases for m in reach), f"{label} is not Cartesian")
+        need(candidates >= r.minimum_candidate_decisions, f"{label} has {candidates} candidate decisions")
+        need(compat == rec.compatibility_route_decisions, f"{label} compatibility count")
+    need(cold.build_fingerprint == reactivation.build_fingerprint
+         and cold.mlx_native_version == reactivation.mlx_native_version
+         and cold.device_name == reactivation.device_name
+         and cold.device_registry_id == reactivation.device_registry_id, "receipts come from different builds/devices")
+    need(cold.activation_epoch != reactivation.activation_epoch
+         and cold.registry_authority_id != reactivation.registry_authority_id
+         and cold.plan_id != reactivation.plan_id, "reactivation must use a new epoch, authority and plan")
+    need({d.shape.key: (d.selected_route, d.status) for d in cold.decisions}
+         == {d.shape.key: (d.selected_route, d.status) for d in reactivation.decisions},
+         "cold and reactivation decisions differ")

@@ -1,0 +1,139 @@
+"""Expert-ID route plans (spec §7.6): calibration, dispatch, fallbacks and plan files."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+import routemm
+from routemm import _schemas, calibration as cal
+from routemm import dense_matmul_id_plan as dp
+
+R = routemm.DenseMatmulIdRoute
+S = routemm.DenseMatmulIdSelectionStatus
+_K = itertools.count(40)
+
+
+def setup(device, rng, *, m=9, n=7, top_k=2, E=8, dtype=np.float32, multiplicity=None):
+    k = next(_K)  # a fresh shape per test: the process cache starts cold
+    w = device.from_numpy(rng.standard_normal((E, n, k)).astype(dtype))
+    p = routemm.DenseMatmulIdParams(m, n, k, top_k, E, n * k * np.dtype(dtype).itemsize,
+                                    id_multiplicity=multiplicity or routemm.DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN)
+    return w, p
+
+
+def grouped_wins(route, round_index, measured):
+    wall, gpu = (100, 90) if route == R.DIRECT.value else (70, 60)
+    return wall - 2 + round_index, gpu - 2 + round_index
+
+
+def test_winner_and_auto_dispatch(device, registry, rng):
+    w, p = setup(device, rng)
+    plan, rec = routemm.calibrate_dense_matmul_id_routes(registry, device, 4, None,
+                                                         [routemm.DenseMatmulIdCalibrationCase(w, p)], _timer=grouped_wins)
+    d = rec.decisions[0]
+    assert (d.selected_route, d.status) == (R.GROUPED_PREFILL, S.CALIBRATED_WINNER)
+    assert {t.profile for t in d.timings} == set(routemm.DenseMatmulIdRoutingProfile)
+    assert all(pr.coherent and pr.tolerance == 0 for pr in d.proofs)
+    n_routes = 1 + len(d.candidates)
+    assert d.proof_submissions == 2 and d.timing_submissions == 2 * 5 * n_routes
+    assert rec.calibration_submissions == d.calibration_submissions + 1 and rec.cleanup_submissions == 1
+    _schemas.validate(rec)
+    _schemas.validate(plan)
+    assert dp.DenseMatmulIdCalibrationReceipt.from_json(rec.to_json()) == rec
+    x = device.from_numpy(rng.standard_normal((p.m, p.k)).astype(np.float32))
+    ids = device.from_numpy(np.tile(np.arange(p.top_k, dtype=np.uint32), (p.m, 1)))
+    out = device.alloc(p.m * p.top_k * p.n * 4, routemm.DType.F32, [p.m * p.top_k, p.n])
+    enc = device.command_encoder()
+    r = routemm.dense_matmul_id_auto(enc, registry, device, w, x, ids, out, routemm.DenseMatmulIdScratch(device, 8, p.m), p)
+    enc.commit_and_wait()
+    assert (r.route, r.decision_source, r.activation_epoch, r.primitive.dispatch_count) == (
+        R.GROUPED_PREFILL, routemm.DenseMatmulIdDecisionSource.FROZEN_PLAN, 4, 2)
+    _schemas.validate(r)
+    ref = routemm.matmul_id(w.numpy(), x.numpy(), ids.numpy(), route=R.DIRECT, device=device)
+    assert (out.numpy().view(np.uint32) == ref.view(np.uint32)).all()
+    # Same base, undeclared m: direct. Another base: refused.
+    p2 = type(p)(**{**p.__dict__, "m": 12})
+    assert dp.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, p2)[:2] == (
+        R.DIRECT, routemm.DenseMatmulIdDecisionSource.UNDECLARED_DIRECT)
+    p3 = type(p)(**{**p.__dict__, "top_k": 3})
+    with pytest.raises(routemm.InvalidArgumentError, match="not admitted"):
+        dp.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, p3)
+    with pytest.raises(routemm.InvalidArgumentError, match="frozen activation plan"):
+        dp.resolve_dense_matmul_id_auto_route(routemm.KernelRegistry(device), device, w.dtype, p)
+    # Protected after the freeze; one-shot.
+    with pytest.raises(routemm.InvalidArgumentError, match="protected"):
+        registry.register_kernel_from("dense_matmul_id_grouped_f32_f32", "dense_matmul_id_grouped_f32_f32")
+    with pytest.raises(routemm.InvalidArgumentError, match="one-shot"):
+        routemm.calibrate_dense_matmul_id_routes(registry, device, 5, None, [routemm.DenseMatmulIdCalibrationCase(w, p)])
+    with pytest.raises(routemm.InvalidArgumentError, match="different registry activation authority"):
+        routemm.freeze_dense_matmul_id_plan(routemm.KernelRegistry(device), device, plan)
+
+
+def test_direct_only_and_cache_hit(device, rng):
+    w, p = setup(device, rng, multiplicity=routemm.DenseMatmulIdMultiplicity.MAY_REPEAT)
+    _, rec = routemm.calibrate_dense_matmul_id_routes(routemm.KernelRegistry(device), device, 1, None,
+                                                      [routemm.DenseMatmulIdCalibrationCase(w, p)])
+    assert rec.decisions[0].status is S.DIRECT_ONLY and rec.calibration_submissions == 0
+    w, p = setup(device, rng)
+    case = [routemm.DenseMatmulIdCalibrationCase(w, p)]
+    _, cold = routemm.calibrate_dense_matmul_id_routes(routemm.KernelRegistry(device), device, 1, None, case,
+                                                       _timer=grouped_wins)
+    _, warm = routemm.calibrate_dense_matmul_id_routes(routemm.KernelRegistry(device), device, 2, None, case)
+    d = warm.decisions[0]
+    assert d.process_cache_hit and d.selected_route is R.GROUPED_PREFILL
+    assert (d.proof_submissions, d.timing_submissions) == (2, 0)  # the cached winner is re-proved
+
+
+def test_incoherent_grouped(device, registry, rng):
+    w, p = setup(device, rng)
+    registry.register_kernel_from("dense_matmul_id_grouped_f32_f32", "dense_matmul_id_grouped_f16_f32")
+    _, rec = routemm.calibrate_dense_matmul_id_routes(registry, device, 1, None,
+                                                      [routemm.DenseMatmulIdCalibrationCase(w, p)], _timer=grouped_wins)
+    d = rec.decisions[0]
+    assert (d.selected_route, d.status) == (R.DIRECT, S.INCOHERENT_GROUPED)
+    assert "grouped_prefill proof failed" in d.diagnostic
+
+
+def test_budget_fallbacks(device, rng):
+    w, p = setup(device, rng)
+    case = [routemm.DenseMatmulIdCalibrationCase(w, p)]
+    _, rec = routemm.calibrate_dense_matmul_id_routes(routemm.KernelRegistry(device), device, 1,
+                                                      dp.DenseMatmulIdCalibrationLimits(max_submissions=5), case)
+    assert rec.decisions[0].status is S.BUDGET_FALLBACK and rec.calibration_submissions == 0
+    clock = [0.0]
+    _, rec = routemm.calibrate_dense_matmul_id_routes(
+        routemm.KernelRegistry(device), device, 1, dp.DenseMatmulIdCalibrationLimits(max_elapsed_ms=1), case,
+        _clock=lambda: clock[0], _timer=lambda r, i, m: (clock.__setitem__(0, 1.0), m)[1])
+    assert rec.decisions[0].status is S.BUDGET_FALLBACK and rec.deadline_overrun_ms > 0
+
+
+def test_tensor_candidates_within_tolerance(device, registry, rng):
+    name = "dense_matmul_id_grouped_tf32_f32_f32"
+    if not registry.has_kernel(name):
+        pytest.skip(f"backend {device.backend} has no tensor-core expert-ID routes")
+    w, p = setup(device, rng, m=33, n=64, top_k=4, E=8)
+    _, rec = routemm.calibrate_dense_matmul_id_routes(registry, device, 1, None, [routemm.DenseMatmulIdCalibrationCase(w, p)])
+    proofs = [pr for pr in rec.decisions[0].proofs if pr.route is R.GROUPED_TENSOR_TF32]
+    assert len(proofs) == 2 and all(pr.tolerance == 2e-3 and pr.rel_frobenius_error <= 2e-3 for pr in proofs)
+
+
+def test_plan_file_round_trip_and_refusal(device, rng, tmp_path):
+    w, p = setup(device, rng)
+    case = [routemm.DenseMatmulIdCalibrationCase(w, p)]
+    plan, rec = routemm.calibrate_dense_matmul_id_routes(routemm.KernelRegistry(device), device, 3, None, case,
+                                                         _timer=grouped_wins)
+    path = plan.save(tmp_path / "id.json")
+    cal.PROCESS_CACHE.clear()
+    reg = routemm.KernelRegistry(device)
+    plan2, rec2 = routemm.load_dense_matmul_id_plan(path, reg, device, case)
+    assert plan2._lookup == plan._lookup and rec2.timing_submissions == 0 and rec2.proof_submissions == 2
+    assert reg.frozen_plan_id("dense_matmul_id") == plan2.plan_id
+    doc = json.loads(path.read_text())
+    doc["validators"]["knobs"] = {"ROUTEMM_SOMETHING": "1"}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(cal.PlanFileMismatch, match="knobs"):
+        routemm.load_dense_matmul_id_plan(path, routemm.KernelRegistry(device), device, case)
