@@ -17,7 +17,8 @@
 // Geometry (what the KernelDefs below tell the front door, and how each kernel reads its grid):
 //   direct : grid [ceil(n / 8), m * top_k, 1], 64 threads. Block (x, y) computes columns
 //            [8x, 8x + 8) of flat row y: 2 warps x 4 columns, 8 lanes (one per s_p) per column.
-//   map    : grid [1, 1, 1], threads [n_experts]; ids staged through shared memory.
+//   map    : grid [1, 1, 1], threads [n_experts] as encoded; launched with n_experts * chunks threads
+//            (chunks = 1024 / n_experts) that split each stage of ids, staged through shared memory.
 //   grouped: grid [ceil(m / 32), ceil(n / 64), n_experts], 256 threads. Block (x, y, e) computes
 //            routed rows [32x, 32x + 32) of expert e times columns [64y, 64y + 64): 32 thread tiles
 //            of 8 rows x 8 columns, 8 lanes (one per s_p) per tile, K staged through shared memory
@@ -27,6 +28,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <cstring>
@@ -54,6 +56,7 @@ constexpr uint32_t kGroupCols = 64;      // columns per grouped block
 constexpr uint32_t kGroupThreads = 256;  // 8 warps
 constexpr uint32_t kSlice = 64;          // inner positions per shared-memory slice
 constexpr uint32_t kMapIdsPerStage = 4096;
+constexpr uint32_t kMapMaxThreads = 1024;
 constexpr size_t kGroupDynamicShmem = 2ull * (kGroupRows + kGroupCols) * kSlice * sizeof(float);  // 48 KiB
 
 // ---- element access ------------------------------------------------------------------------------
@@ -251,44 +254,77 @@ __global__ void __launch_bounds__(kDirectThreads)
 
 // ---- map_distinct --------------------------------------------------------------------------------
 
+// Work split: thread (e, c) of a block of n_experts * chunks threads owns expert e and the c-th
+// slice of every stage of tokens. Per stage it counts its slice's entries, the counts of expert e's
+// slices are summed in slice order, then it writes its entries from that offset. Entries therefore
+// land in token order for every expert (as one thread per expert scanning all tokens would write
+// them), while each thread scans only 1/chunks of the ids.
 __global__ void map_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __restrict__ ids,
-                           uint32_t* __restrict__ counts, uint32_t* __restrict__ routed, float* __restrict__ out) {
+                           uint32_t* __restrict__ counts, uint32_t* __restrict__ routed, float* __restrict__ out,
+                           uint32_t chunks) {
   __shared__ uint32_t stage[kMapIdsPerStage];
-  const uint32_t e = threadIdx.x;
+  __shared__ uint32_t slice_counts[kMapMaxThreads];
+  const uint32_t tid = threadIdx.x;
+  const uint32_t e = tid / chunks, c = tid - e * chunks;
+  const bool active = e < p.n_experts;
   const uint32_t top_k = p.top_k;
   const uint32_t tokens_per_stage = top_k >= kMapIdsPerStage ? 1u : kMapIdsPerStage / top_k;
-  const uint32_t ids_per_stage = tokens_per_stage * top_k;  // > kMapIdsPerStage only if top_k is
-  uint32_t count = 0;
+  const bool staged = uint64_t{tokens_per_stage} * top_k <= kMapIdsPerStage;
+  uint32_t base = 0;  // entries of expert e written by earlier stages
   for (uint32_t t0 = 0; t0 < p.m; t0 += tokens_per_stage) {
     const uint32_t t1 = min(p.m, t0 + tokens_per_stage);
     const uint64_t first = uint64_t{t0} * top_k;
     const uint32_t n_ids = (t1 - t0) * top_k;
-    const bool staged = ids_per_stage <= kMapIdsPerStage;
-    __syncthreads();
-    for (uint32_t i = threadIdx.x; i < n_ids; i += blockDim.x) {
+    __syncthreads();  // the previous stage's ids and slice counts are no longer read
+    for (uint32_t i = tid; i < n_ids; i += blockDim.x) {
       const uint32_t id = __ldg(ids + first + i);
       if (staged) stage[i] = id;
       if (id >= p.n_experts) {  // malformed id: its output row is all zeros, as in direct
         float* row = out + (first + i) * p.n;
-        for (uint32_t c = 0; c < p.n; ++c) row[c] = 0.f;
+        for (uint32_t col = 0; col < p.n; ++col) row[col] = 0.f;
       }
     }
     __syncthreads();
-    if (e < p.n_experts) {
-      for (uint32_t t = t0; t < t1; ++t) {
-        const uint32_t local = (t - t0) * top_k;
+    // This thread's slice of the stage: tokens [a, b).
+    const uint32_t per_slice = (t1 - t0 + chunks - 1) / chunks;
+    const uint32_t a = min(t1, t0 + c * per_slice), b = min(t1, a + per_slice);
+    const auto id_at = [&](uint32_t t, uint32_t slot) {
+      const uint32_t local = (t - t0) * top_k + slot;
+      return staged ? stage[local] : __ldg(ids + first + local);
+    };
+    uint32_t mine = 0;
+    if (active) {
+      for (uint32_t t = a; t < b; ++t) {
         for (uint32_t slot = 0; slot < top_k; ++slot) {
-          const uint32_t id = staged ? stage[local + slot] : __ldg(ids + first + local + slot);
-          if (id == e) {  // first matching slot only: one entry per token
-            routed[uint64_t{e} * p.m + count] = t * top_k + slot;
-            ++count;
+          if (id_at(t, slot) == e) {  // first matching slot only: one entry per token
+            ++mine;
             break;
           }
         }
       }
     }
+    slice_counts[tid] = mine;
+    __syncthreads();
+    uint32_t before = 0, total = 0;
+    if (active) {
+      for (uint32_t s = 0; s < chunks; ++s) {
+        const uint32_t v = slice_counts[e * chunks + s];
+        before += s < c ? v : 0u;
+        total += v;
+      }
+      uint32_t pos = base + before;
+      for (uint32_t t = a; t < b; ++t) {
+        for (uint32_t slot = 0; slot < top_k; ++slot) {
+          if (id_at(t, slot) == e) {
+            routed[uint64_t{e} * p.m + pos++] = t * top_k + slot;
+            break;
+          }
+        }
+      }
+    }
+    base += total;
   }
-  if (e < p.n_experts) counts[e] = count;
+  if (active && c == 0) counts[e] = base;
 }
 
 // ---- grouped -------------------------------------------------------------------------------------
@@ -501,12 +537,14 @@ void launch_map(const KernelLaunch& launch, void* stream_ptr) {
   auto* counts = static_cast<uint32_t*>(arg(launch, 2, "expert_counts").data);
   auto* routed = static_cast<uint32_t*>(arg(launch, 3, "routed_rows").data);
   auto* out = static_cast<float*>(arg(launch, 4, "output").data);
-  const uint64_t threads = launch.threads.x * launch.threads.y * launch.threads.z;
-  if (threads < p.n_experts || threads > 1024) {
-    throw Error(launch.label + ": map needs one thread per expert (n_experts " + std::to_string(p.n_experts) +
-                ", threads " + std::to_string(threads) + ", at most 1024)");
+  if (p.n_experts == 0 || p.n_experts > kMapMaxThreads) {
+    throw Error(launch.label + ": map supports 1.." + std::to_string(kMapMaxThreads) + " experts, got " +
+                std::to_string(p.n_experts));
   }
-  map_kernel<<<1, static_cast<unsigned>(threads), 0, stream>>>(p, ids, counts, routed, out);
+  // The encoded geometry is one thread per expert; this launch gives each expert `chunks` threads
+  // (as many as fit in one block) that split every stage of tokens between them.
+  const uint32_t chunks = std::max<uint32_t>(1, kMapMaxThreads / p.n_experts);
+  map_kernel<<<1, p.n_experts * chunks, 0, stream>>>(p, ids, counts, routed, out, chunks);
 }
 
 template <typename T>

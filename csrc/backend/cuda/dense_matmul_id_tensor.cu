@@ -1,6 +1,7 @@
 // Tensor-core kernels of the expert-ID matmul's opt-in routes (grouped_tensor_tf32,
 // grouped_tensor_lowp). They consume the map_distinct output of the grouped route (expert counts and
-// routed rows, same scratch, same barrier pattern) and use warp-level MMA (mma.sync, sm_80+).
+// routed rows, same scratch, same barrier pattern) and use warp-level MMA (mma.sync + ldmatrix +
+// cp.async, sm_80+; the same code runs on sm_90).
 //
 // NUMERICS (not bit-identical to the scalar routes; a stated tolerance instead):
 //   tf32: activations rounded to tf32 (cvt.rna: round to nearest, ties away); weights rounded to
@@ -8,18 +9,29 @@
 //         cores. Tested within 2e-3 relative Frobenius error of a float64 reference.
 //   lowp: activations rounded to the weight dtype (f16 or bf16, round to nearest even); weights
 //         exact; F32 accumulation. Tested within 1e-2 relative Frobenius error.
-// Each output element's sum runs over K in slices of 32 in increasing order, within a slice in the
-// tensor core's own order; the result depends on K only, not on m or the tile position.
+// Each output element's sum runs over K in slices (32 for lowp, 16 for tf32) in increasing order,
+// within a slice in the tensor core's own order; the result depends on K only, not on m, the tile
+// size or the tile position.
 // An id >= n_experts gives an all-zero row: the map dispatch writes it, these kernels never see it.
 //
-// Geometry: grid [ceil(m / 64), ceil(n / 64), n_experts], 128 threads (4 warps as 2 x 2). Block
-// (x, y, e) computes routed rows [64x, 64x + 64) of expert e (rows past its count exit at once)
-// times columns [64y, 64y + 64); each warp owns a 32 x 32 sub-tile. K is staged through shared
-// memory 32 positions at a time, activations gathered by routed row and converted on the way in.
+// Geometry: a persistent grid (multiprocessors x resident CTAs, at most one per possible work item)
+// of 256 threads (8 warps as 2 x 4). Work items are (expert, column tile, row tile) for the row tiles
+// an expert actually holds: each CTA builds the prefix sum of ceil(count / BM) * ceil(n / 128) over
+// the experts in shared memory, then walks items blockIdx.x, + gridDim.x, ... Items run expert by
+// expert, column tile by column tile, so CTAs resident together share weight tiles and activation
+// rows in L2. A CTA tile is BM (128, or 64 when experts hold few rows) routed rows x 128 columns;
+// each warp owns BM/2 x 32. K is staged through a 4-stage shared-memory ring, 64 bytes per row per
+// stage (32 K values for lowp, 16 for tf32), XOR-swizzled so ldmatrix and the stores are free of bank
+// conflicts. Weights arrive by cp.async (16 bytes, zero-filled past n and k) when they are stored in
+// the MMA's operand type; activations (F32, gathered by routed row) are loaded 16 bytes at a time
+// into registers one stage ahead, converted, and stored; so are f16/bf16 weights of the tf32 route.
+// Rows that are not 16-byte aligned or k % 8 != 0 take the same kernel with element loads.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -38,14 +50,25 @@ namespace {
 
 using kernels::DenseMatmulIdKernelParams;
 
-constexpr uint32_t kTileRows = 64;
-constexpr uint32_t kTileCols = 64;
-constexpr uint32_t kSliceK = 32;
-constexpr uint32_t kThreads = 128;
-// Row pitch of the shared tiles, in 32-bit words: 16 words of data plus 4 of padding for 16-bit
-// operands, 32 plus 4 for tf32, so the fragment loads of one warp hit 32 different banks.
-constexpr uint32_t kPitchLowp = kSliceK / 2 + 4;
-constexpr uint32_t kPitchTf32 = kSliceK + 4;
+constexpr uint32_t kThreads = 256;
+constexpr uint32_t kTileCols = 128;  // smallest BN
+constexpr uint32_t kRowBytes = 64;  // bytes per operand row per stage: 4 chunks of 16
+constexpr uint32_t kMaxTileRows = 128;
+constexpr uint32_t kMaxExperts = 4096;
+
+// Stages of the shared-memory ring, and resident CTAs per multiprocessor, per tile shape.
+template <uint32_t BM, uint32_t BN>
+constexpr uint32_t stages() { return BN == 256 && BM == 128 ? 6 : 4; }
+template <uint32_t BM, uint32_t BN>
+constexpr uint32_t min_blocks() { return BN == 256 && BM == 128 ? 1 : 2; }
+template <uint32_t BM, uint32_t BN>
+constexpr uint32_t stage_bytes() { return (BM + BN) * kRowBytes; }
+template <uint32_t BM, uint32_t BN>
+constexpr uint32_t pipe_bytes() { return stages<BM, BN>() * stage_bytes<BM, BN>(); }
+template <uint32_t BM, uint32_t BN>
+constexpr uint64_t smem_bytes(uint32_t experts) {
+  return uint64_t{pipe_bytes<BM, BN>()} + kMaxTileRows * 4 + (uint64_t{experts} + 1) * 4;
+}
 
 enum class Mode { Tf32, LowpF16, LowpBf16 };
 
@@ -105,136 +128,396 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-template <class W, Mode M>
-__global__ void __launch_bounds__(kThreads) grouped_tensor_kernel(
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                            uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void sts64(uint32_t addr, uint32_t a, uint32_t b) {
+  asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(addr), "r"(a), "r"(b) : "memory");
+}
+__device__ __forceinline__ void sts128(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d)
+               : "memory");
+}
+
+// Byte offset of 16-byte chunk `chunk` (0..3) of operand row `row` inside one stage's tile.
+__device__ __forceinline__ uint32_t swz(uint32_t row, uint32_t chunk) {
+  return row * kRowBytes + ((chunk ^ ((row >> 1) & 3u)) << 4);
+}
+
+__device__ __forceinline__ uint16_t load_u16(const void* p) {
+  uint16_t v;
+  memcpy(&v, p, 2);
+  return v;
+}
+
+// W: weight element type; M: route; BM: routed rows per tile; kVec: 16-byte loads allowed (every
+// row 16-byte aligned and k % 8 == 0), else element loads with the same staging.
+template <class W, Mode M, uint32_t BM, uint32_t BN, bool kVec>
+__global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>()) grouped_tensor_kernel(
     DenseMatmulIdKernelParams p, const W* __restrict__ weights, const char* __restrict__ input,
     const uint32_t* __restrict__ counts, const uint32_t* __restrict__ routed,
-    float* __restrict__ output) {
+    float* __restrict__ output, bool out_vec2) {
   constexpr bool kTf32 = M == Mode::Tf32;
-  constexpr uint32_t kPitch = kTf32 ? kPitchTf32 : kPitchLowp;
-  // Operand tiles as 32-bit words: [row][k-word] for activations, [column][k-word] for weights.
-  __shared__ uint32_t a_tile[kTileRows * kPitch];
-  __shared__ uint32_t b_tile[kTileCols * kPitch];
-  __shared__ const float* row_input[kTileRows];
-  __shared__ uint32_t row_flat[kTileRows];
+  constexpr bool kWFloat = sizeof(W) == 4;
+  constexpr uint32_t kBK = kTf32 ? 16 : 32;               // K values per stage
+  constexpr uint32_t kPiecesPerRow = kBK / 4;              // float4 activation pieces per row
+  constexpr uint32_t kAPieces = BM * kPiecesPerRow / kThreads;
+  constexpr uint32_t kARowStep = kThreads / kPiecesPerRow;
+  // Weights stored in the operand type go straight to shared memory by cp.async.
+  constexpr bool kBAsync = kVec && (!kTf32 || kWFloat);
+  constexpr uint32_t kMI = BM / 32;  // 16-row MMA tiles per warp (warp tile BM/2 x BN/4)
+  constexpr uint32_t kNI = BN / 32;  // 8-column MMA tiles per warp
+  constexpr uint32_t kStages = stages<BM, BN>();
+  constexpr uint32_t kTileABytes = BM * kRowBytes;
+  static_assert(kAPieces >= 1 && kAPieces * kThreads == BM * kPiecesPerRow, "activation split");
 
-  const uint32_t expert = blockIdx.z;
-  const uint32_t count = counts[expert];
-  const uint32_t row0 = blockIdx.x * kTileRows;
-  const uint32_t col0 = blockIdx.y * kTileCols;
-  if (row0 >= count || col0 >= p.n) return;
-  const uint32_t rows = min(kTileRows, count - row0);
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint32_t* row_flat = reinterpret_cast<uint32_t*>(smem + pipe_bytes<BM, BN>());
+  uint32_t* prefix = row_flat + kMaxTileRows;
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 
-  const uint32_t tid = threadIdx.x;
-  if (tid < kTileRows) {
-    if (tid < rows) {
-      const uint32_t flat = routed[static_cast<uint64_t>(expert) * p.m + row0 + tid];
-      const uint32_t token = flat / p.top_k;
-      const uint32_t slot = flat - token * p.top_k;
-      row_flat[tid] = flat;
-      row_input[tid] = reinterpret_cast<const float*>(input + token * p.input_token_stride_bytes +
-                                                      slot * p.input_slot_stride_bytes);
-    } else {
-      row_flat[tid] = 0xFFFFFFFFu;
-      row_input[tid] = nullptr;
+  const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const uint32_t n_experts = p.n_experts, m = p.m, n = p.n, k = p.k;
+  const uint32_t col_tiles = (n + BN - 1) / BN;
+
+  // ---- work list: exclusive prefix over experts of their item counts ----
+  {
+    const uint32_t per = (n_experts + kThreads - 1) / kThreads;
+    const uint32_t e0 = min(tid * per, n_experts), e1 = min(e0 + per, n_experts);
+    uint32_t local = 0;
+    for (uint32_t e = e0; e < e1; ++e) local += (min(counts[e], m) + BM - 1) / BM * col_tiles;
+    uint32_t incl = local;
+    for (uint32_t d = 1; d < 32; d <<= 1) {
+      const uint32_t v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+      if (lane >= d) incl += v;
     }
-  }
-  const W* expert_weights = reinterpret_cast<const W*>(reinterpret_cast<const char*>(weights) +
-                                                       expert * p.expert_stride_bytes);
-
-  const uint32_t lane = tid & 31, warp = tid >> 5;
-  const uint32_t group = lane >> 2, quad = lane & 3;
-  const uint32_t warp_row = (warp >> 1) * 32, warp_col = (warp & 1) * 32;
-  float acc[2][4][4] = {};
-
-  for (uint32_t k0 = 0; k0 < p.k; k0 += kSliceK) {
-    __syncthreads();  // previous slice consumed (and row pointers visible on the first pass)
-    // Stage the slice: thread t handles k-word (t % words) of rows t / words, + stride.
-    if constexpr (kTf32) {
-      for (uint32_t i = tid; i < kTileRows * kSliceK; i += kThreads) {
-        const uint32_t r = i / kSliceK, kk = i % kSliceK, k = k0 + kk;
-        const float* src = row_input[r];
-        a_tile[r * kPitch + kk] = to_tf32(src != nullptr && k < p.k ? src[k] : 0.0f);
-      }
-      for (uint32_t i = tid; i < kTileCols * kSliceK; i += kThreads) {
-        const uint32_t c = i / kSliceK, kk = i % kSliceK, k = k0 + kk, col = col0 + c;
-        const float w = col < p.n && k < p.k ? widen(expert_weights[static_cast<uint64_t>(col) * p.k + k]) : 0.0f;
-        b_tile[c * kPitch + kk] = to_tf32(w);
-      }
-    } else {
-      constexpr uint32_t kWords = kSliceK / 2;
-      for (uint32_t i = tid; i < kTileRows * kWords; i += kThreads) {
-        const uint32_t r = i / kWords, kw = i % kWords, k = k0 + 2 * kw;
-        const float* src = row_input[r];
-        const float lo = src != nullptr && k < p.k ? src[k] : 0.0f;
-        const float hi = src != nullptr && k + 1 < p.k ? src[k + 1] : 0.0f;
-        a_tile[r * kPitch + kw] = pack_pair<M>(lo, hi);
-      }
-      for (uint32_t i = tid; i < kTileCols * kWords; i += kThreads) {
-        const uint32_t c = i / kWords, kw = i % kWords, k = k0 + 2 * kw, col = col0 + c;
-        const W* src = expert_weights + static_cast<uint64_t>(col) * p.k;
-        const uint16_t zero = 0;
-        uint16_t lo = zero, hi = zero;
-        if (col < p.n && k < p.k) memcpy(&lo, src + k, 2);
-        if (col < p.n && k + 1 < p.k) memcpy(&hi, src + k + 1, 2);
-        b_tile[c * kPitch + kw] = uint32_t{lo} | (uint32_t{hi} << 16);
-      }
-    }
+    __shared__ uint32_t warp_sums[kThreads / 32];
+    if (lane == 31) warp_sums[warp] = incl;
     __syncthreads();
+    uint32_t base = 0;
+    for (uint32_t w = 0; w < warp; ++w) base += warp_sums[w];
+    uint32_t run = base + incl - local;
+    for (uint32_t e = e0; e < e1; ++e) {
+      prefix[e] = run;
+      run += (min(counts[e], m) + BM - 1) / BM * col_tiles;
+    }
+    if (tid == kThreads - 1) prefix[n_experts] = base + incl;
+    __syncthreads();
+  }
+  const uint32_t total = prefix[n_experts];
 
-    if constexpr (kTf32) {
-      for (uint32_t ks = 0; ks < kSliceK; ks += 8) {
-        uint32_t a[2][4], b[4][2];
-        for (int mi = 0; mi < 2; ++mi) {
-          const uint32_t r = warp_row + mi * 16 + group;
-          a[mi][0] = a_tile[r * kPitch + ks + quad];
-          a[mi][1] = a_tile[(r + 8) * kPitch + ks + quad];
-          a[mi][2] = a_tile[r * kPitch + ks + quad + 4];
-          a[mi][3] = a_tile[(r + 8) * kPitch + ks + quad + 4];
-        }
-        for (int ni = 0; ni < 4; ++ni) {
-          const uint32_t c = warp_col + ni * 8 + group;
-          b[ni][0] = b_tile[c * kPitch + ks + quad];
-          b[ni][1] = b_tile[c * kPitch + ks + quad + 4];
-        }
-        for (int mi = 0; mi < 2; ++mi)
-          for (int ni = 0; ni < 4; ++ni) mma_tf32(acc[mi][ni], a[mi], b[ni]);
+  const uint32_t warp_row = (warp >> 2) * (BM / 2), warp_col = (warp & 3) * (BN / 4);
+  const uint32_t group = lane >> 2, quad = lane & 3;
+  // ldmatrix source rows/chunks of this lane (see the fragment layouts of m16n8k16 / m16n8k8).
+  const uint32_t a_lrow = (lane & 7) + ((lane >> 3) & 1) * 8, a_lchunk = lane >> 4;
+  const uint32_t b_lrow = (lane & 7) + (lane >> 4) * 8, b_lchunk = (lane >> 3) & 1;
+
+  for (uint32_t item = blockIdx.x; item < total; item += gridDim.x) {
+    uint32_t lo = 0, hi = n_experts;  // prefix[lo] <= item < prefix[hi]
+    while (hi - lo > 1) {
+      const uint32_t mid = (lo + hi) >> 1;
+      if (prefix[mid] <= item) lo = mid; else hi = mid;
+    }
+    const uint32_t expert = lo;
+    const uint32_t count = min(counts[expert], m);
+    const uint32_t row_tiles = (count + BM - 1) / BM;
+    const uint32_t local = item - prefix[expert];
+    const uint32_t col0 = (local / row_tiles) * BN;
+    const uint32_t row0 = (local % row_tiles) * BM;
+    const uint32_t rows = min(BM, count - row0);
+    const uint32_t* expert_routed = routed + static_cast<uint64_t>(expert) * m + row0;
+
+    cp_async_wait<0>();
+    __syncthreads();  // the previous item is done with the stages and row_flat
+    if (tid < BM) row_flat[tid] = tid < rows ? expert_routed[tid] : 0u;
+
+    // Activation rows of this thread's pieces.
+    const uint32_t a_kq = tid % kPiecesPerRow;
+    const char* a_src[kAPieces];
+#pragma unroll
+    for (uint32_t i = 0; i < kAPieces; ++i) {
+      const uint32_t r = tid / kPiecesPerRow + i * kARowStep;
+      a_src[i] = nullptr;
+      if (r < rows) {
+        const uint32_t flat = expert_routed[r];
+        const uint32_t token = flat / p.top_k, slot = flat - token * p.top_k;
+        a_src[i] = input + token * p.input_token_stride_bytes + slot * p.input_slot_stride_bytes;
       }
-    } else {
-      for (uint32_t kw = 0; kw < kSliceK / 2; kw += 8) {  // 16 K values = 8 words per MMA
-        uint32_t a[2][4], b[4][2];
-        for (int mi = 0; mi < 2; ++mi) {
-          const uint32_t r = warp_row + mi * 16 + group;
-          a[mi][0] = a_tile[r * kPitch + kw + quad];
-          a[mi][1] = a_tile[(r + 8) * kPitch + kw + quad];
-          a[mi][2] = a_tile[r * kPitch + kw + quad + 4];
-          a[mi][3] = a_tile[(r + 8) * kPitch + kw + quad + 4];
+    }
+    const char* w_expert = reinterpret_cast<const char*>(weights) + expert * p.expert_stride_bytes;
+
+    float areg[kAPieces][4];
+    auto load_a = [&](uint32_t k0) {
+#pragma unroll
+      for (uint32_t i = 0; i < kAPieces; ++i) {
+        const uint32_t kk = k0 + a_kq * 4;
+        const float* src = reinterpret_cast<const float*>(a_src[i]) + kk;
+        if constexpr (kVec) {
+          float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (a_src[i] != nullptr && kk < k) v = __ldg(reinterpret_cast<const float4*>(src));
+          areg[i][0] = v.x; areg[i][1] = v.y; areg[i][2] = v.z; areg[i][3] = v.w;
+        } else {
+#pragma unroll
+          for (uint32_t j = 0; j < 4; ++j)
+            areg[i][j] = a_src[i] != nullptr && kk + j < k ? src[j] : 0.0f;
         }
-        for (int ni = 0; ni < 4; ++ni) {
-          const uint32_t c = warp_col + ni * 8 + group;
-          b[ni][0] = b_tile[c * kPitch + kw + quad];
-          b[ni][1] = b_tile[c * kPitch + kw + quad + 4];
+      }
+    };
+    auto store_a = [&](uint32_t stage) {
+      const uint32_t base = smem_base + stage * stage_bytes<BM, BN>();
+#pragma unroll
+      for (uint32_t i = 0; i < kAPieces; ++i) {
+        const uint32_t r = tid / kPiecesPerRow + i * kARowStep;
+        if constexpr (kTf32) {
+          sts128(base + swz(r, a_kq), to_tf32(areg[i][0]), to_tf32(areg[i][1]), to_tf32(areg[i][2]),
+                 to_tf32(areg[i][3]));
+        } else {
+          sts64(base + swz(r, a_kq >> 1) + (a_kq & 1) * 8, pack_pair<M>(areg[i][0], areg[i][1]),
+                pack_pair<M>(areg[i][2], areg[i][3]));
         }
-        for (int mi = 0; mi < 2; ++mi)
-          for (int ni = 0; ni < 4; ++ni) mma_lowp<M>(acc[mi][ni], a[mi], b[ni]);
+      }
+    };
+    // Weights by cp.async: BN/64 chunks per thread, rows tid/4 + 64i, chunk tid % 4.
+    auto issue_b = [&](uint32_t stage, uint32_t k0) {
+      const uint32_t base = smem_base + stage * stage_bytes<BM, BN>() + kTileABytes;
+      constexpr uint32_t kPerChunk = 16 / sizeof(W);
+#pragma unroll
+      for (uint32_t i = 0; i < BN / 64; ++i) {
+        const uint32_t r = tid / 4 + i * 64, ch = tid % 4;
+        const uint32_t col = col0 + r, kk = k0 + ch * kPerChunk;
+        const bool valid = col < n && kk < k;
+        const char* src = valid ? w_expert + (static_cast<uint64_t>(col) * k + kk) * sizeof(W) : w_expert;
+        cp_async_16(base + swz(r, ch), src, valid);
+      }
+    };
+    // Weights through registers: rows tid/2 + 128h, chunks 2*(tid&1) and +1 (8 tf32 words or 16
+    // halves each).
+    constexpr uint32_t kBH = BN / 128;
+    uint32_t bregs[kBAsync ? 1 : kBH][8];
+    auto load_b = [&](uint32_t k0) {
+      if constexpr (!kBAsync) {
+#pragma unroll
+       for (uint32_t hh = 0; hh < kBH; ++hh) {
+        uint32_t (&breg)[8] = bregs[hh];
+        const uint32_t r = (tid >> 1) + 128 * hh, col = col0 + r;
+        constexpr uint32_t kElems = kTf32 ? 8 : 16;
+        const uint32_t kk = k0 + (tid & 1) * kElems;
+        const char* src = w_expert + (static_cast<uint64_t>(col) * k + kk) * sizeof(W);
+        if constexpr (kTf32 && !kWFloat && kVec) {
+          uint4 v = make_uint4(0, 0, 0, 0);
+          if (col < n && kk < k) v = __ldg(reinterpret_cast<const uint4*>(src));
+          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (uint32_t j = 0; j < 4; ++j) {
+            W lo16, hi16;
+            const uint16_t l = static_cast<uint16_t>(words[j] & 0xFFFFu), h = static_cast<uint16_t>(words[j] >> 16);
+            memcpy(&lo16, &l, 2);
+            memcpy(&hi16, &h, 2);
+            breg[2 * j] = to_tf32(widen(lo16));
+            breg[2 * j + 1] = to_tf32(widen(hi16));
+          }
+        } else if constexpr (kTf32) {
+#pragma unroll
+          for (uint32_t j = 0; j < 8; ++j) {
+            float v = 0.0f;
+            if (col < n && kk + j < k) {
+              if constexpr (kWFloat) {
+                v = widen(reinterpret_cast<const float*>(src)[j]);
+              } else {
+                W h;
+                const uint16_t bits = load_u16(src + j * 2);
+                memcpy(&h, &bits, 2);
+                v = widen(h);
+              }
+            }
+            breg[j] = to_tf32(v);
+          }
+        } else {
+#pragma unroll
+          for (uint32_t j = 0; j < 8; ++j) {
+            const uint32_t lo16 = col < n && kk + 2 * j < k ? load_u16(src + 4 * j) : 0u;
+            const uint32_t hi16 = col < n && kk + 2 * j + 1 < k ? load_u16(src + 4 * j + 2) : 0u;
+            breg[j] = lo16 | (hi16 << 16);
+          }
+        }
+       }
+      }
+    };
+    auto store_b = [&](uint32_t stage) {
+      if constexpr (!kBAsync) {
+        const uint32_t base = smem_base + stage * stage_bytes<BM, BN>() + kTileABytes;
+#pragma unroll
+        for (uint32_t hh = 0; hh < kBH; ++hh) {
+          const uint32_t r = (tid >> 1) + 128 * hh, ch = (tid & 1) * 2;
+          const uint32_t (&breg)[8] = bregs[hh];
+          sts128(base + swz(r, ch), breg[0], breg[1], breg[2], breg[3]);
+          sts128(base + swz(r, ch + 1), breg[4], breg[5], breg[6], breg[7]);
+        }
+      }
+    };
+
+    float acc[kMI][kNI][4];
+#pragma unroll
+    for (uint32_t mi = 0; mi < kMI; ++mi)
+#pragma unroll
+      for (uint32_t ni = 0; ni < kNI; ++ni)
+#pragma unroll
+        for (uint32_t j = 0; j < 4; ++j) acc[mi][ni][j] = 0.0f;
+
+    const uint32_t ktiles = (k + kBK - 1) / kBK;
+    // Prologue: weights for stages 0..S-2 in flight, activations of slice 0 stored, slice 1 loading.
+#pragma unroll
+    for (uint32_t s = 0; s + 1 < kStages; ++s) {
+      if constexpr (kBAsync) {
+        if (s < ktiles) issue_b(s, s * kBK);
+      }
+      cp_async_commit();
+    }
+    load_a(0);
+    load_b(0);
+    store_a(0);
+    store_b(0);
+    if (ktiles > 1) {
+      load_a(kBK);
+      load_b(kBK);
+    }
+
+    for (uint32_t kt = 0; kt < ktiles; ++kt) {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // slice kt complete in its stage; stage (kt - 1) % S free
+      if constexpr (kBAsync) {
+        const uint32_t next = kt + kStages - 1;
+        if (next < ktiles) issue_b(next % kStages, next * kBK);
+      }
+      cp_async_commit();
+
+      const uint32_t a_base = smem_base + (kt % kStages) * stage_bytes<BM, BN>();
+      const uint32_t b_base = a_base + kTileABytes;
+#pragma unroll
+      for (uint32_t s = 0; s < 2; ++s) {  // two MMA K-steps per stage (16 bf16 or 8 tf32 each)
+        uint32_t bf[kNI][2];
+#pragma unroll
+        for (uint32_t nj = 0; nj < kNI / 2; ++nj) {
+          ldmatrix_x4(b_base + swz(warp_col + nj * 16 + b_lrow, 2 * s + b_lchunk), bf[2 * nj][0], bf[2 * nj][1],
+                      bf[2 * nj + 1][0], bf[2 * nj + 1][1]);
+        }
+        if constexpr (kTf32 && kWFloat && kBAsync) {  // raw f32 weights: round to tf32 here
+#pragma unroll
+          for (uint32_t ni = 0; ni < kNI; ++ni) {
+            bf[ni][0] = to_tf32(__uint_as_float(bf[ni][0]));
+            bf[ni][1] = to_tf32(__uint_as_float(bf[ni][1]));
+          }
+        }
+#pragma unroll
+        for (uint32_t mi = 0; mi < kMI; ++mi) {
+          uint32_t af[4];
+          ldmatrix_x4(a_base + swz(warp_row + mi * 16 + a_lrow, 2 * s + a_lchunk), af[0], af[1], af[2], af[3]);
+#pragma unroll
+          for (uint32_t ni = 0; ni < kNI; ++ni) {
+            if constexpr (kTf32) {
+              mma_tf32(acc[mi][ni], af, bf[ni]);
+            } else {
+              mma_lowp<M>(acc[mi][ni], af, bf[ni]);
+            }
+          }
+        }
+      }
+
+      if (kt + 1 < ktiles) {  // slice kt+1 into its stage (last read at kt+1-S, behind this barrier)
+        store_a((kt + 1) % kStages);
+        store_b((kt + 1) % kStages);
+        if (kt + 2 < ktiles) {
+          load_a((kt + 2) * kBK);
+          load_b((kt + 2) * kBK);
+        }
+      }
+    }
+    __syncthreads();  // row_flat visible even when k == 0
+
+    // Scatter: accumulator (mi, ni, j) is row warp_row + mi*16 + group + 8*(j/2), column
+    // warp_col + ni*8 + 2*quad + j%2.
+#pragma unroll
+    for (uint32_t mi = 0; mi < kMI; ++mi) {
+#pragma unroll
+      for (uint32_t half = 0; half < 2; ++half) {
+        const uint32_t r = warp_row + mi * 16 + group + 8 * half;
+        if (r >= rows) continue;
+        float* out_row = output + static_cast<uint64_t>(row_flat[r]) * n;
+#pragma unroll
+        for (uint32_t ni = 0; ni < kNI; ++ni) {
+          const uint32_t col = col0 + warp_col + ni * 8 + 2 * quad;
+          if (out_vec2) {
+            if (col < n) {
+              *reinterpret_cast<float2*>(out_row + col) = make_float2(acc[mi][ni][2 * half], acc[mi][ni][2 * half + 1]);
+            }
+          } else {
+            if (col < n) out_row[col] = acc[mi][ni][2 * half];
+            if (col + 1 < n) out_row[col + 1] = acc[mi][ni][2 * half + 1];
+          }
+        }
       }
     }
   }
+}
 
-  // Scatter: accumulator (mi, ni, j) is row warp_row + mi*16 + group + 8*(j/2), column
-  // warp_col + ni*8 + 2*quad + j%2.
-  for (int mi = 0; mi < 2; ++mi) {
-    for (int half = 0; half < 2; ++half) {
-      const uint32_t r = warp_row + mi * 16 + group + 8 * half;
-      if (r >= rows) continue;
-      float* out_row = output + static_cast<uint64_t>(row_flat[r]) * p.n;
-      for (int ni = 0; ni < 4; ++ni) {
-        const uint32_t col = col0 + warp_col + ni * 8 + 2 * quad;
-        if (col < p.n) out_row[col] = acc[mi][ni][2 * half];
-        if (col + 1 < p.n) out_row[col + 1] = acc[mi][ni][2 * half + 1];
-      }
-    }
+// Per-device launch facts of one kernel instance: multiprocessors x resident CTAs, and the dynamic
+// shared memory limit already raised.
+struct InstanceState {
+  std::atomic<uint32_t> grid{0};
+  std::atomic<uint64_t> smem_set{0};
+};
+constexpr int kMaxDevices = 64;
+
+template <class W, Mode M, uint32_t BM, uint32_t BN, bool kVec>
+void launch_instance(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p, cudaStream_t stream,
+                     bool out_vec2) {
+  static InstanceState states[kMaxDevices];
+  auto kernel = &grouped_tensor_kernel<W, M, BM, BN, kVec>;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    throw Error("'" + launch.label + "': no current CUDA device");
   }
+  InstanceState& st = states[device];
+  const uint64_t smem = smem_bytes<BM, BN>(p.n_experts);
+  if (st.smem_set.load(std::memory_order_acquire) < smem) {
+    // Raise the limit to cover any expert count, once per device.
+    const uint64_t want = smem_bytes<BM, BN>(kMaxExperts);
+    if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(want));
+        e != cudaSuccess) {
+      throw Error("'" + launch.label + "': cannot raise shared memory: " + cudaGetErrorString(e));
+    }
+    st.smem_set.store(want, std::memory_order_release);
+  }
+  uint32_t grid = st.grid.load(std::memory_order_acquire);
+  if (grid == 0) {
+    int sms = 0, per_sm = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads,
+                                                  static_cast<size_t>(smem_bytes<BM, BN>(1024)));
+    grid = static_cast<uint32_t>(std::max(1, sms) * std::max(1, per_sm));
+    st.grid.store(grid, std::memory_order_release);
+  }
+  // At most one CTA per possible work item.
+  const uint64_t items = uint64_t{(p.m + BM - 1) / BM} * ((p.n + BN - 1) / BN) * p.n_experts;
+  if (items == 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::min<uint64_t>(grid, items));
+  kernel<<<blocks, kThreads, static_cast<size_t>(smem), stream>>>(
+      p, static_cast<const W*>(launch.args[1].data), static_cast<const char*>(launch.args[2].data),
+      static_cast<const uint32_t*>(launch.args[3].data), static_cast<const uint32_t*>(launch.args[4].data),
+      static_cast<float*>(launch.args[5].data), out_vec2);
 }
 
 template <class W, Mode M>
@@ -250,31 +533,43 @@ void launch_grouped_tensor(const KernelLaunch& launch, void* queue_native) {
   }
   DenseMatmulIdKernelParams p;
   std::memcpy(&p, params_arg.data, sizeof(p));
-  if (launch.grid.y > 65535 || launch.grid.z > 65535) {
-    throw Error("'" + launch.label + "': grid exceeds the CUDA y/z limits");
+  if (p.n_experts > kMaxExperts) {
+    throw Error("'" + launch.label + "': n_experts " + std::to_string(p.n_experts) + " exceeds " +
+                std::to_string(kMaxExperts));
   }
   auto stream = static_cast<cudaStream_t>(queue_native);
-  const dim3 grid(static_cast<unsigned>(launch.grid.x), static_cast<unsigned>(launch.grid.y),
-                  static_cast<unsigned>(launch.grid.z));
-  grouped_tensor_kernel<W, M><<<grid, kThreads, 0, stream>>>(
-      p, static_cast<const W*>(launch.args[1].data), static_cast<const char*>(launch.args[2].data),
-      static_cast<const uint32_t*>(launch.args[3].data), static_cast<const uint32_t*>(launch.args[4].data),
-      static_cast<float*>(launch.args[5].data));
+  const auto addr = [&](int slot) { return reinterpret_cast<uintptr_t>(launch.args[slot].data); };
+  const bool vec = p.k % 8 == 0 && addr(1) % 16 == 0 && p.expert_stride_bytes % 16 == 0 && addr(2) % 16 == 0 &&
+                   p.input_token_stride_bytes % 16 == 0 && p.input_slot_stride_bytes % 16 == 0;
+  const bool out_vec2 = p.n % 2 == 0 && addr(5) % 8 == 0;
+  // Experts holding few rows on average take 64-row tiles (less padding), others 128.
+  const bool small = uint64_t{p.m} * p.top_k < uint64_t{100} * p.n_experts;
+  // 128 x 256 tiles (1 CTA per multiprocessor) measured no faster than 128 x 128 on the H200 and
+  // slower for tf32, so every shape takes 128 columns.
+  if (!vec) {
+    launch_instance<W, M, 64, 128, false>(launch, p, stream, out_vec2);
+  } else if (small) {
+    launch_instance<W, M, 64, 128, true>(launch, p, stream, out_vec2);
+  } else {
+    launch_instance<W, M, 128, 128, true>(launch, p, stream, out_vec2);
+  }
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     throw Error("'" + launch.label + "': launch failed: " + cudaGetErrorString(e));
   }
 }
 
-KernelDef tensor_def(std::string_view name, KernelFn fn, uint32_t pitch_words) {
+KernelDef tensor_def(std::string_view name, KernelFn fn) {
   KernelDef def;
   def.name = std::string(name);
   def.fn = fn;
   def.max_threads_per_threadgroup = 1024;
   def.threads_per_group = kThreads;
-  def.tile_x = kTileRows;
+  // The front door's grid bounds the work items; the launch runs a persistent grid over them.
+  def.tile_x = 64;
   def.tile_y = kTileCols;
-  // Both operand tiles plus the per-row input pointers and flat indices.
-  def.threadgroup_memory_bytes = uint64_t{2} * kTileRows * pitch_words * 4 + uint64_t{kTileRows} * (sizeof(void*) + 4);
+  // The 128-row variant's stages plus the row indices; the expert prefix adds 4 bytes per expert.
+  // (The launch sizes its dynamic shared memory itself.)
+  def.threadgroup_memory_bytes = uint64_t{pipe_bytes<128, kTileCols>()} + kMaxTileRows * 4;
   def.origin = "cuda_fatbin";
   def.content_sha256 = ROUTEMM_CUDA_DENSE_MATMUL_ID_TENSOR_SHA256;
   return def;
@@ -284,11 +579,11 @@ KernelDef tensor_def(std::string_view name, KernelFn fn, uint32_t pitch_words) {
 
 void add_dense_matmul_id_tensor_kernels(std::vector<KernelDef>& out) {
   const auto& names = kDenseMatmulIdTensorPipelineNames;
-  out.push_back(tensor_def(names[0], &launch_grouped_tensor<float, Mode::Tf32>, kPitchTf32));
-  out.push_back(tensor_def(names[1], &launch_grouped_tensor<__half, Mode::Tf32>, kPitchTf32));
-  out.push_back(tensor_def(names[2], &launch_grouped_tensor<__nv_bfloat16, Mode::Tf32>, kPitchTf32));
-  out.push_back(tensor_def(names[3], &launch_grouped_tensor<__half, Mode::LowpF16>, kPitchLowp));
-  out.push_back(tensor_def(names[4], &launch_grouped_tensor<__nv_bfloat16, Mode::LowpBf16>, kPitchLowp));
+  out.push_back(tensor_def(names[0], &launch_grouped_tensor<float, Mode::Tf32>));
+  out.push_back(tensor_def(names[1], &launch_grouped_tensor<__half, Mode::Tf32>));
+  out.push_back(tensor_def(names[2], &launch_grouped_tensor<__nv_bfloat16, Mode::Tf32>));
+  out.push_back(tensor_def(names[3], &launch_grouped_tensor<__half, Mode::LowpF16>));
+  out.push_back(tensor_def(names[4], &launch_grouped_tensor<__nv_bfloat16, Mode::LowpBf16>));
 }
 
 }  // namespace routemm::cuda
