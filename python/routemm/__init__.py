@@ -62,6 +62,7 @@ encoder_counters = _core.encoder_counters
 reset_encoder_counters = _core.reset_encoder_counters
 DENSE_MATMUL_ID_PIPELINE_NAMES = _core.DENSE_MATMUL_ID_PIPELINE_NAMES
 DENSE_MATMUL_ID_SCHEMA_VERSION = _core.DENSE_MATMUL_ID_SCHEMA_VERSION
+DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES = _core.DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES
 
 __version__ = _core.version()
 
@@ -78,7 +79,7 @@ def backend_status() -> list[tuple[str, bool, str]]:
 
 __all__ = [
     "Buffer", "CapturedNode", "CommandBufferError", "CommandEncoder", "DENSE_MATMUL_ID_PIPELINE_NAMES",
-    "DENSE_MATMUL_ID_SCHEMA_VERSION", "DType", "DenseMatmulIdCapability", "DenseMatmulIdDispatchReceipt",
+    "DENSE_MATMUL_ID_SCHEMA_VERSION", "DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES", "DType", "DenseMatmulIdCapability", "DenseMatmulIdDispatchReceipt",
     "DenseMatmulIdInputLayout", "DenseMatmulIdMultiplicity", "DenseMatmulIdParams", "DenseMatmulIdRoute",
     "DenseMatmulIdScratch", "DenseMatmulIdScratchRequirement", "Device", "DispatchKind",
     "EncodedKernelDispatch", "Error", "InvalidArgumentError", "KernelNotFoundError", "KernelRegistry",

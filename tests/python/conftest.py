@@ -39,20 +39,21 @@ def backend(request) -> str:
 
 
 @pytest.fixture
-def device(backend) -> routemm.Device:
-    return routemm.Device(backend)
+def device(backend, request) -> routemm.Device:
+    """The backend's device; a test marked needs_kernels(...) is skipped where one is missing."""
+    dev = routemm.Device(backend)
+    marker = request.node.get_closest_marker("needs_kernels")
+    if marker is not None:
+        probe = routemm.KernelRegistry(dev)
+        missing = [name for name in marker.args if not probe.has_kernel(name)]
+        if missing:
+            pytest.skip(f"backend {dev.backend} has no {', '.join(missing)}")
+    return dev
 
 
 @pytest.fixture
-def registry(device, request) -> routemm.KernelRegistry:
-    """A fresh registry; a test marked needs_kernels(...) is skipped on a backend lacking one."""
-    reg = routemm.KernelRegistry(device)
-    marker = request.node.get_closest_marker("needs_kernels")
-    if marker is not None:
-        missing = [name for name in marker.args if not reg.has_kernel(name)]
-        if missing:
-            pytest.skip(f"backend {device.backend} has no {', '.join(missing)}")
-    return reg
+def registry(device) -> routemm.KernelRegistry:
+    return routemm.KernelRegistry(device)
 
 
 @pytest.fixture

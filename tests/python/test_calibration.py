@@ -11,8 +11,13 @@ import numpy as np
 import pytest
 
 import routemm
-from routemm import _schemas, calibration as cal, q4_0
+from routemm import calibration as cal, q4_0
+
+from support import validate
 from routemm import dense_q4_plan as dq
+
+# Most tests calibrate Q4_0 routes; the proof-kernel test below needs only the calibration kernels.
+pytestmark = pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)
 
 V2 = routemm.DenseQ4Route.COMPATIBILITY_V2
 C64 = routemm.DenseQ4Route.TENSOR_64X32
@@ -69,6 +74,7 @@ def test_select_winner_rule(cand_wall, cand_gpu, expected):
     assert cal.select_winner(v2_wall, dist(89, 90, 91), dist(*cand_wall), dist(*cand_gpu)) is expected
 
 
+@pytest.mark.needs_kernels(*cal.PROOF_PIPELINES)
 def test_proof_kernels_status_bits(device, registry):
     kernels = cal.ProofKernels(registry)
     logical, guarded = 40, 56
@@ -120,8 +126,8 @@ def test_cold_one_shape_two_weights_accounting(device, registry, rng):
     assert d.status in (S.CALIBRATED_WINNER, S.COMPATIBILITY_FASTEST, S.NO_STABLE_WINNER)
     assert rec.plan_id == plan.plan_id and registry.frozen_plan_id("dense_q4") == plan.plan_id
     assert registry.dense_q4_plan() is plan
-    _schemas.validate(rec)
-    _schemas.validate(plan)
+    validate(rec)
+    validate(plan)
     assert dq.DenseQ4CalibrationBatchReceipt.from_json(rec.to_json()) == rec
     assert dq.DenseQ4RoutePlan.from_json(plan.to_json()) == plan
     assert json.loads(registry.frozen_plan_document("dense_q4"))["plan_id"] == plan.plan_id
@@ -180,7 +186,7 @@ def test_winner_plan_dispatch_and_traces(device, registry, rng):
         enc.commit_and_wait()
         assert trace.decision.route is C64 and trace.decision.source is src.FROZEN_PLAN
         assert trace.plan_id == plan.plan_id and trace.encoded == routemm.q4_expected_dispatch(C64, m, n)
-        _schemas.validate(trace)
+        validate(trace)
         # The candidate's output equals the compatibility route's bit for bit.
         ref_out = device.alloc(m * n * 4, routemm.DType.F32, [m, n])
         enc = device.command_encoder()

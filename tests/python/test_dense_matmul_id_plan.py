@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 import routemm
-from routemm import _schemas, calibration as cal
+from routemm import calibration as cal
 from routemm import dense_matmul_id_plan as dp
+
+from support import validate
 
 R = routemm.DenseMatmulIdRoute
 S = routemm.DenseMatmulIdSelectionStatus
@@ -26,7 +28,9 @@ def setup(device, rng, *, m=9, n=7, top_k=2, E=8, dtype=np.float32, multiplicity
 
 
 def grouped_wins(route, round_index, measured):
-    wall, gpu = (100, 90) if route == R.DIRECT.value else (70, 60)
+    """Injected timings: grouped_prefill clearly fastest, tensor-core candidates (where a backend has
+    them) faster than direct but slower than grouped_prefill."""
+    wall, gpu = {R.DIRECT.value: (100, 90), R.GROUPED_PREFILL.value: (70, 60)}.get(route, (85, 75))
     return wall - 2 + round_index, gpu - 2 + round_index
 
 
@@ -41,8 +45,8 @@ def test_winner_and_auto_dispatch(device, registry, rng):
     n_routes = 1 + len(d.candidates)
     assert d.proof_submissions == 2 and d.timing_submissions == 2 * 5 * n_routes
     assert rec.calibration_submissions == d.calibration_submissions + 1 and rec.cleanup_submissions == 1
-    _schemas.validate(rec)
-    _schemas.validate(plan)
+    validate(rec)
+    validate(plan)
     assert dp.DenseMatmulIdCalibrationReceipt.from_json(rec.to_json()) == rec
     x = device.from_numpy(rng.standard_normal((p.m, p.k)).astype(np.float32))
     ids = device.from_numpy(np.tile(np.arange(p.top_k, dtype=np.uint32), (p.m, 1)))
@@ -52,7 +56,7 @@ def test_winner_and_auto_dispatch(device, registry, rng):
     enc.commit_and_wait()
     assert (r.route, r.decision_source, r.activation_epoch, r.primitive.dispatch_count) == (
         R.GROUPED_PREFILL, routemm.DenseMatmulIdDecisionSource.FROZEN_PLAN, 4, 2)
-    _schemas.validate(r)
+    validate(r)
     ref = routemm.matmul_id(w.numpy(), x.numpy(), ids.numpy(), route=R.DIRECT, device=device)
     assert (out.numpy().view(np.uint32) == ref.view(np.uint32)).all()
     # Same base, undeclared m: direct. Another base: refused.
@@ -89,6 +93,8 @@ def test_direct_only_and_cache_hit(device, rng):
 
 
 def test_incoherent_grouped(device, registry, rng):
+    if any(registry.has_kernel(name) for name in routemm.DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES):
+        pytest.skip("with tensor-core candidates another route may win; this pins the grouped-only outcome")
     w, p = setup(device, rng)
     registry.register_kernel_from("dense_matmul_id_grouped_f32_f32", "dense_matmul_id_grouped_f16_f32")
     _, rec = routemm.calibrate_dense_matmul_id_routes(registry, device, 1, None,

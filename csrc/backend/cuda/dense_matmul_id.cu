@@ -258,14 +258,16 @@ __global__ void __launch_bounds__(kDirectThreads)
 // slice of every stage of tokens. Per stage it counts its slice's entries, the counts of expert e's
 // slices are summed in slice order, then it writes its entries from that offset. Entries therefore
 // land in token order for every expert (as one thread per expert scanning all tokens would write
-// them), while each thread scans only 1/chunks of the ids.
+// them), while each thread scans only 1/chunks of the ids. Experts vary fastest across threads, so
+// a warp reads the same staged id (a broadcast); the stage is padded one word per 32 so the few
+// slices a warp does span (n_experts < 32) fall in different banks.
 __global__ void map_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __restrict__ ids,
                            uint32_t* __restrict__ counts, uint32_t* __restrict__ routed, float* __restrict__ out,
                            uint32_t chunks) {
-  __shared__ uint32_t stage[kMapIdsPerStage];
+  __shared__ uint32_t stage[kMapIdsPerStage + kMapIdsPerStage / 32];
   __shared__ uint32_t slice_counts[kMapMaxThreads];
   const uint32_t tid = threadIdx.x;
-  const uint32_t e = tid / chunks, c = tid - e * chunks;
+  const uint32_t c = tid / p.n_experts, e = tid - c * p.n_experts;
   const bool active = e < p.n_experts;
   const uint32_t top_k = p.top_k;
   const uint32_t tokens_per_stage = top_k >= kMapIdsPerStage ? 1u : kMapIdsPerStage / top_k;
@@ -278,7 +280,7 @@ __global__ void map_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __
     __syncthreads();  // the previous stage's ids and slice counts are no longer read
     for (uint32_t i = tid; i < n_ids; i += blockDim.x) {
       const uint32_t id = __ldg(ids + first + i);
-      if (staged) stage[i] = id;
+      if (staged) stage[i + i / 32] = id;
       if (id >= p.n_experts) {  // malformed id: its output row is all zeros, as in direct
         float* row = out + (first + i) * p.n;
         for (uint32_t col = 0; col < p.n; ++col) row[col] = 0.f;
@@ -290,7 +292,7 @@ __global__ void map_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __
     const uint32_t a = min(t1, t0 + c * per_slice), b = min(t1, a + per_slice);
     const auto id_at = [&](uint32_t t, uint32_t slot) {
       const uint32_t local = (t - t0) * top_k + slot;
-      return staged ? stage[local] : __ldg(ids + first + local);
+      return staged ? stage[local + local / 32] : __ldg(ids + first + local);
     };
     uint32_t mine = 0;
     if (active) {
@@ -303,7 +305,7 @@ __global__ void map_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __
         }
       }
     }
-    slice_counts[tid] = mine;
+    slice_counts[e * chunks + c] = mine;
     __syncthreads();
     uint32_t before = 0, total = 0;
     if (active) {
