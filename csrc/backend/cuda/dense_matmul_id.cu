@@ -17,8 +17,8 @@
 // Geometry (what the KernelDefs below tell the front door, and how each kernel reads its grid):
 //   direct : grid [ceil(n / 8), m * top_k, 1], 64 threads. Block (x, y) computes columns
 //            [8x, 8x + 8) of flat row y: 2 warps x 4 columns, 8 lanes (one per s_p) per column.
-//   map    : grid [1, 1, 1], threads [n_experts] as encoded; launched with n_experts * chunks threads
-//            (chunks = 1024 / n_experts) that split each stage of ids, staged through shared memory.
+//   map    : grid [1, 1, 1], threads [n_experts] as encoded; launched as one block of 1024 threads
+//            that builds per-expert token bitmaps tile by tile (see map_kernel).
 //   grouped: grid [ceil(m / 32), ceil(n / 64), n_experts], 256 threads. Block (x, y, e) computes
 //            routed rows [32x, 32x + 32) of expert e times columns [64y, 64y + 64): 32 thread tiles
 //            of 8 rows x 8 columns, 8 lanes (one per s_p) per tile, K staged through shared memory
@@ -55,7 +55,6 @@ constexpr uint32_t kGroupRows = 32;      // routed rows per grouped block
 constexpr uint32_t kGroupCols = 64;      // columns per grouped block
 constexpr uint32_t kGroupThreads = 256;  // 8 warps
 constexpr uint32_t kSlice = 64;          // inner positions per shared-memory slice
-constexpr uint32_t kMapIdsPerStage = 4096;
 constexpr uint32_t kMapMaxThreads = 1024;
 constexpr size_t kGroupDynamicShmem = 2ull * (kGroupRows + kGroupCols) * kSlice * sizeof(float);  // 48 KiB
 
@@ -254,79 +253,75 @@ __global__ void __launch_bounds__(kDirectThreads)
 
 // ---- map_distinct --------------------------------------------------------------------------------
 
-// Work split: thread (e, c) of a block of n_experts * chunks threads owns expert e and the c-th
-// slice of every stage of tokens. Per stage it counts its slice's entries, the counts of expert e's
-// slices are summed in slice order, then it writes its entries from that offset. Entries therefore
-// land in token order for every expert (as one thread per expert scanning all tokens would write
-// them), while each thread scans only 1/chunks of the ids. Experts vary fastest across threads, so
-// a warp reads the same staged id (a broadcast); the stage is padded one word per 32 so the few
-// slices a warp does span (n_experts < 32) fall in different banks.
+// The map runs as one block over tiles of T tokens. Per tile it sets bit (t - t0) of expert e's
+// bitmap for every token t whose first slot holding e is valid, builds each expert's per-word
+// prefix counts, and then writes every entry at base[e] + (entries of e in earlier words) +
+// (bits below it in its word): entries land in token order for every expert (as the spec's scan
+// writes them), deterministically, with work proportional to m * top_k + n_experts * T / 32 rather
+// than n_experts * m * top_k. T is chosen so the bitmaps and prefixes fit in shared memory.
+constexpr uint32_t kMapBitmapWords = 4096;  // per array: bitmaps and prefixes, n_experts * words each
+
+__device__ __forceinline__ bool first_valid_slot(const uint32_t* token_ids, uint32_t slot, uint32_t id,
+                                                 uint32_t n_experts) {
+  if (id >= n_experts) return false;
+  for (uint32_t s = 0; s < slot; ++s) {
+    if (token_ids[s] == id) return false;  // an earlier slot of this token already maps to id
+  }
+  return true;
+}
+
 __global__ void map_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __restrict__ ids,
                            uint32_t* __restrict__ counts, uint32_t* __restrict__ routed, float* __restrict__ out,
-                           uint32_t chunks) {
-  __shared__ uint32_t stage[kMapIdsPerStage + kMapIdsPerStage / 32];
-  __shared__ uint32_t slice_counts[kMapMaxThreads];
-  const uint32_t tid = threadIdx.x;
-  const uint32_t c = tid / p.n_experts, e = tid - c * p.n_experts;
-  const bool active = e < p.n_experts;
-  const uint32_t top_k = p.top_k;
-  const uint32_t tokens_per_stage = top_k >= kMapIdsPerStage ? 1u : kMapIdsPerStage / top_k;
-  const bool staged = uint64_t{tokens_per_stage} * top_k <= kMapIdsPerStage;
-  uint32_t base = 0;  // entries of expert e written by earlier stages
-  for (uint32_t t0 = 0; t0 < p.m; t0 += tokens_per_stage) {
-    const uint32_t t1 = min(p.m, t0 + tokens_per_stage);
-    const uint64_t first = uint64_t{t0} * top_k;
-    const uint32_t n_ids = (t1 - t0) * top_k;
-    __syncthreads();  // the previous stage's ids and slice counts are no longer read
-    for (uint32_t i = tid; i < n_ids; i += blockDim.x) {
-      const uint32_t id = __ldg(ids + first + i);
-      if (staged) stage[i + i / 32] = id;
-      if (id >= p.n_experts) {  // malformed id: its output row is all zeros, as in direct
-        float* row = out + (first + i) * p.n;
-        for (uint32_t col = 0; col < p.n; ++col) row[col] = 0.f;
-      }
-    }
+                           uint32_t words) {
+  __shared__ uint32_t bits[kMapBitmapWords];    // [expert][word]
+  __shared__ uint32_t prefix[kMapBitmapWords];  // [expert][word]: entries in earlier words of the tile
+  __shared__ uint32_t base[kMapMaxThreads];     // entries of each expert in earlier tiles
+  __shared__ uint32_t tile_total[kMapMaxThreads];
+  const uint32_t E = p.n_experts, top_k = p.top_k, tid = threadIdx.x;
+  const uint32_t tile_tokens = words * 32;
+  for (uint32_t e = tid; e < E; e += blockDim.x) base[e] = 0;
+  for (uint32_t t0 = 0; t0 < p.m; t0 += tile_tokens) {
+    const uint32_t t1 = min(p.m, t0 + tile_tokens);
+    for (uint32_t i = tid; i < E * words; i += blockDim.x) bits[i] = 0;
     __syncthreads();
-    // This thread's slice of the stage: tokens [a, b).
-    const uint32_t per_slice = (t1 - t0 + chunks - 1) / chunks;
-    const uint32_t a = min(t1, t0 + c * per_slice), b = min(t1, a + per_slice);
-    const auto id_at = [&](uint32_t t, uint32_t slot) {
-      const uint32_t local = (t - t0) * top_k + slot;
-      return staged ? stage[local + local / 32] : __ldg(ids + first + local);
-    };
-    uint32_t mine = 0;
-    if (active) {
-      for (uint32_t t = a; t < b; ++t) {
-        for (uint32_t slot = 0; slot < top_k; ++slot) {
-          if (id_at(t, slot) == e) {  // first matching slot only: one entry per token
-            ++mine;
-            break;
-          }
+    for (uint32_t t = t0 + tid; t < t1; t += blockDim.x) {
+      const uint32_t* token_ids = ids + uint64_t{t} * top_k;
+      for (uint32_t slot = 0; slot < top_k; ++slot) {
+        const uint32_t id = __ldg(token_ids + slot);
+        if (id >= E) {  // malformed id: its output row is all zeros, as in direct
+          float* row = out + (uint64_t{t} * top_k + slot) * p.n;
+          for (uint32_t col = 0; col < p.n; ++col) row[col] = 0.f;
+        } else if (first_valid_slot(token_ids, slot, id, E)) {
+          atomicOr(&bits[id * words + (t - t0) / 32], 1u << ((t - t0) % 32));
         }
       }
     }
-    slice_counts[e * chunks + c] = mine;
     __syncthreads();
-    uint32_t before = 0, total = 0;
-    if (active) {
-      for (uint32_t s = 0; s < chunks; ++s) {
-        const uint32_t v = slice_counts[e * chunks + s];
-        before += s < c ? v : 0u;
-        total += v;
+    for (uint32_t e = tid; e < E; e += blockDim.x) {
+      uint32_t running = 0;
+      for (uint32_t w = 0; w < words; ++w) {
+        prefix[e * words + w] = running;
+        running += __popc(bits[e * words + w]);
       }
-      uint32_t pos = base + before;
-      for (uint32_t t = a; t < b; ++t) {
-        for (uint32_t slot = 0; slot < top_k; ++slot) {
-          if (id_at(t, slot) == e) {
-            routed[uint64_t{e} * p.m + pos++] = t * top_k + slot;
-            break;
-          }
+      tile_total[e] = running;
+    }
+    __syncthreads();
+    for (uint32_t t = t0 + tid; t < t1; t += blockDim.x) {
+      const uint32_t* token_ids = ids + uint64_t{t} * top_k;
+      const uint32_t w = (t - t0) / 32, below = (1u << ((t - t0) % 32)) - 1u;
+      for (uint32_t slot = 0; slot < top_k; ++slot) {
+        const uint32_t id = __ldg(token_ids + slot);
+        if (first_valid_slot(token_ids, slot, id, E)) {
+          const uint32_t pos = base[id] + prefix[id * words + w] + __popc(bits[id * words + w] & below);
+          routed[uint64_t{id} * p.m + pos] = t * top_k + slot;
         }
       }
     }
-    base += total;
+    __syncthreads();
+    for (uint32_t e = tid; e < E; e += blockDim.x) base[e] += tile_total[e];
   }
-  if (active && c == 0) counts[e] = base;
+  __syncthreads();
+  for (uint32_t e = tid; e < E; e += blockDim.x) counts[e] = base[e];
 }
 
 // ---- grouped -------------------------------------------------------------------------------------
@@ -543,10 +538,11 @@ void launch_map(const KernelLaunch& launch, void* stream_ptr) {
     throw Error(launch.label + ": map supports 1.." + std::to_string(kMapMaxThreads) + " experts, got " +
                 std::to_string(p.n_experts));
   }
-  // The encoded geometry is one thread per expert; this launch gives each expert `chunks` threads
-  // (as many as fit in one block) that split every stage of tokens between them.
-  const uint32_t chunks = std::max<uint32_t>(1, kMapMaxThreads / p.n_experts);
-  map_kernel<<<1, p.n_experts * chunks, 0, stream>>>(p, ids, counts, routed, out, chunks);
+  // The encoded geometry is one thread per expert; this launch runs one block of 1024 threads over
+  // tiles of 32 * words tokens (words per expert bounded by the shared bitmap size, and by 128 so
+  // the per-expert prefix stays short).
+  const uint32_t words = std::max<uint32_t>(1, std::min<uint32_t>(128, kMapBitmapWords / p.n_experts));
+  map_kernel<<<1, kMapMaxThreads, 0, stream>>>(p, ids, counts, routed, out, words);
 }
 
 template <typename T>
