@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _core, env
-from ._core_api import DType, numpy_dtype
+from ._core_api import DType
 from ._reference import dense_matmul_id_reference
 from .dense_matmul_id import (
     DenseMatmulIdInputLayout,

@@ -34,7 +34,6 @@ from .quantized_matmul import (
     GgmlRoutingPolicy,
     GgmlTensorMmPreference,
     GgmlType,
-    Q4_PIPELINE_LABEL_SUFFIX,
     encode_q4_route,
     q4_expected_dispatch,
     quantized_matmul_ggml,
