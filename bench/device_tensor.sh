@@ -38,7 +38,7 @@ for (m, n, k, top_k, E) in cases:
 print("tails bad:", bad)
 PY
 stamp tails
-for cfg in ${CFGS:-0}; do ROUTEMM_TENSOR_CFG=$cfg timeout 60 python3 /tmp/tails.py 2>&1 | tail -40 | tee -a "$OUT/tails.txt" | grep -E "BAD|bad|Error"; done
+timeout 60 python3 /tmp/tails.py 2>&1 | tail -40 | tee -a "$OUT/tails.txt" | grep -E "BAD|bad|Error"
 cat > /tmp/tbench.py <<'PY'
 import sys, math, statistics, torch, routemm
 sys.path.insert(0, "bench"); import bench_cuda_dense_matmul_id as B
@@ -90,10 +90,7 @@ for name in shapes:
   del stacks, wb; torch.cuda.empty_cache()
 PY
 stamp bench
-for cfg in ${CFGS:-0}; do
-  echo "== ROUTEMM_TENSOR_CFG=$cfg" | tee -a "$OUT/bench.txt"
-  ROUTEMM_TENSOR_CFG=$cfg timeout ${BENCH_T:-120} python3 /tmp/tbench.py ${SHAPES:-qwen3-30b-a3b,mixtral-8x7b,deepseek-v3} ${MS:-512,4096} 2>&1 | grep -v -i warn | tee -a "$OUT/bench.txt"
-done
+timeout ${BENCH_T:-120} python3 /tmp/tbench.py ${SHAPES:-qwen3-30b-a3b,mixtral-8x7b,deepseek-v3} ${MS:-512,4096} 2>&1 | grep -v -i warn | tee -a "$OUT/bench.txt"
 if [ "${SANITIZE:-0}" = 1 ]; then
   stamp sanitize
   timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 python3 /tmp/tails.py short > "$OUT/memcheck.txt" 2>&1; echo "memcheck exit $?" | tee -a "$OUT/memcheck.txt"
