@@ -45,7 +45,8 @@ PipelinePtr KernelRegistry::get_pipeline(std::string_view name,
   pipeline->label_ = label;
   pipeline->def_ = def->second;
   pipeline->constants_.assign(int_constants.begin(), int_constants.end());
-  pipeline->identity_ = PipelineIdentity{kPipelineIdentitySchemaVersion, label, def->second.name,
+  const std::string& entry = def->second.entry_point.empty() ? def->second.name : def->second.entry_point;
+  pipeline->identity_ = PipelineIdentity{kPipelineIdentitySchemaVersion, label, def->second.name, entry,
                                          device_.backend_name(), def->second.origin,
                                          def->second.content_sha256};
   pipelines_.emplace(label, pipeline);

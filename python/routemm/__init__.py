@@ -106,7 +106,7 @@ from .dense_matmul_id_plan import (
     DenseMatmulIdCalibrationDecision, DenseMatmulIdCalibrationLimits, DenseMatmulIdCalibrationReceipt,
     DenseMatmulIdDecisionSource, DenseMatmulIdRoutePlan, DenseMatmulIdRoutingProfile, DenseMatmulIdSelectionStatus,
     DenseMatmulIdShape, calibrate_dense_matmul_id_routes, dense_matmul_id_auto, freeze_dense_matmul_id_plan,
-    load_dense_matmul_id_plan,
+    load_dense_matmul_id_plan, freeze_dense_matmul_id_plan_for_cases,
 )
 __all__ += [
     "DENSE_Q4_ROUTE_SCHEMA_VERSION", "DenseQ4BaseShape", "DenseQ4CalibrationBatchReceipt", "DenseQ4CalibrationCase",
@@ -119,5 +119,5 @@ __all__ += [
     "DenseMatmulIdCalibrationDecision", "DenseMatmulIdCalibrationLimits", "DenseMatmulIdCalibrationReceipt",
     "DenseMatmulIdDecisionSource", "DenseMatmulIdRoutePlan", "DenseMatmulIdRoutingProfile",
     "DenseMatmulIdSelectionStatus", "DenseMatmulIdShape", "calibrate_dense_matmul_id_routes", "dense_matmul_id_auto",
-    "freeze_dense_matmul_id_plan", "load_dense_matmul_id_plan",
+    "freeze_dense_matmul_id_plan", "load_dense_matmul_id_plan", "freeze_dense_matmul_id_plan_for_cases",
 ]

@@ -179,10 +179,11 @@ class PipelineIdentity(JsonRecord):
     SCHEMA = "pipeline_identity.schema.json"
     pipeline_label: str
     kernel_name: str
+    entry_point: str  # the backend kernel behind the name (differs when re-registered under it)
     backend: str
     origin: str
     content_sha256: str
-    schema_version: int = 1
+    schema_version: int = 2
 
 
 def _pipeline_identity(self: _core.KernelRegistry, label: str) -> PipelineIdentity:

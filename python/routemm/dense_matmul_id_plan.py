@@ -255,6 +255,21 @@ _RECEIPTS: dict = {}
 _DEVICES: dict = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Authority:
+    """What the primary activation that made a plan bound it to (kept per plan id, in process)."""
+
+    epoch: int
+    digest: str
+    shape_keys: frozenset
+    build_fingerprint: str
+    identities: dict  # pipeline label -> identity dict
+
+
+_AUTHORITIES: dict = {}
+_WORKER_INSTALLS: set = set()  # (worker registry authority id, plan id)
+
+
 def _fail(msg):
     raise InvalidArgumentError(msg)
 
@@ -311,6 +326,8 @@ def _dtypes_of(plan) -> set:
 
 
 def freeze_dense_matmul_id_plan(registry, device, plan: DenseMatmulIdRoutePlan, *, _check_fingerprint=True) -> None:
+    if (registry.authority_id, plan.plan_id) in _WORKER_INSTALLS and registry.frozen_plan_id(PLAN_KIND) == plan.plan_id:
+        return  # already installed on this worker by freeze_dense_matmul_id_plan_for_cases
     if plan.registry_authority_id != registry.authority_id:
         _fail("dense_matmul_id route plan belongs to a different registry activation authority")
     if plan.device_registry_id != device.registry_id or plan.device_name != device.name:
@@ -328,8 +345,97 @@ def freeze_dense_matmul_id_plan(registry, device, plan: DenseMatmulIdRoutePlan, 
     cal.install_frozen_plan(registry, PLAN_KIND, plan, _protected_names(), plan.to_json())
 
 
+def _key_text(keys, limit: int = 3) -> str:
+    keys = sorted(keys)
+    text = ", ".join(str(k) for k in keys[:limit])
+    return text + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+def freeze_dense_matmul_id_plan_for_cases(worker_registry, device, plan: DenseMatmulIdRoutePlan,
+                                          cases: Sequence[DenseMatmulIdCalibrationCase], *,
+                                          activation_epoch: Optional[int] = None) -> None:
+    """Install a plan calibrated on a primary registry into a worker registry (spec §7.6, Dispatch).
+
+    Plans are bound to the registry activation authority that calibrated them, and
+    freeze_dense_matmul_id_plan refuses any other registry. This is the one documented exception: a
+    worker registry (another KernelRegistry of the same device, e.g. one per serving thread) may
+    carry the primary's plan without re-calibrating, but only for the same activation:
+
+    * device: the worker registry and `device` are the plan's device (same name and registry id);
+    * epoch: the plan's activation epoch is the one its primary activation recorded and, when
+      `activation_epoch` is given, the worker's epoch;
+    * case union: `cases` declare exactly the set of shapes the plan holds (no missing, no extra);
+    * authority digest: recomputed from `cases` exactly as calibration computes it (epoch, device,
+      every shape with its sorted logical weight identities), it equals the primary's -- the worker
+      borrows the very same weight buffers the candidates were proved on; the plan id, which hashes
+      the digest, must also be reproduced;
+    * pipeline identities: the build/pipeline fingerprint computed on the worker equals the plan's
+      (no kernel the plan relies on was re-registered differently on the worker).
+
+    Each mismatch raises InvalidArgumentError "dense_matmul_id worker plan <what> mismatch: ...".
+    Installation is one-shot like the primary freeze: installing the same plan again (after the same
+    checks) is a no-op, a different plan is refused, and a refused install freezes nothing. Once
+    installed, the plan's pipelines are protected on the worker and dense_matmul_id_auto resolves
+    on the worker exactly as on the primary (dispatch checks device and theorem, not the authority id).
+    """
+    worker_device = worker_registry.device
+    if (worker_device.registry_id, worker_device.name) != (device.registry_id, device.name) or (
+            plan.device_registry_id, plan.device_name) != (device.registry_id, device.name):
+        _fail(f"dense_matmul_id worker plan device mismatch: plan is for {plan.device_name!r} "
+              f"(id {plan.device_registry_id}), worker registry is on {worker_device.name!r} "
+              f"(id {worker_device.registry_id}), device is {device.name!r} (id {device.registry_id})")
+    if plan.theorem_sha256 != THEOREM_SHA256:
+        _fail("dense_matmul_id worker plan theorem digest mismatch")
+    epoch = plan.activation_epoch
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= 0:
+        _fail(f"dense_matmul_id worker plan epoch mismatch: plan epoch {epoch!r} is not a valid activation epoch")
+    authority = _AUTHORITIES.get(plan.plan_id)
+    if authority is not None and authority.epoch != epoch:
+        _fail(f"dense_matmul_id worker plan epoch mismatch: plan says epoch {epoch}, its activation "
+              f"was epoch {authority.epoch}")
+    if activation_epoch is not None and activation_epoch != epoch:
+        _fail(f"dense_matmul_id worker plan epoch mismatch: worker epoch {activation_epoch!r}, plan epoch {epoch}")
+    existing = worker_registry.frozen_plan_id(PLAN_KIND)
+    if existing is not None and existing != plan.plan_id:
+        _fail(f"dense_matmul_id route plan is already frozen as {existing} on the worker registry")
+    cases = list(cases)
+    entries = _collect_cases(cases, None) if cases else []
+    declared = {e["shape"].key for e in entries}
+    planned = set(plan._lookup) if authority is None else set(authority.shape_keys)
+    if declared != planned or declared != set(plan._lookup):
+        missing, extra = planned - declared, declared - planned
+        _fail("dense_matmul_id worker plan case union mismatch: "
+              + "; ".join(f"{label} {len(keys)} shape(s): {_key_text(keys)}"
+                          for label, keys in (("cases miss", missing), ("cases add", extra)) if keys))
+    digest = _authority_digest(device, epoch, entries)
+    reproduced = _plan_id(plan.build_fingerprint, plan.device_registry_id, plan.registry_authority_id, epoch,
+                          digest, plan.decisions) == plan.plan_id
+    if (authority is not None and digest != authority.digest) or (authority is None and not reproduced):
+        _fail("dense_matmul_id worker plan authority digest mismatch: the cases borrow different weight "
+              "identities (address, byte_offset, nbytes) than the activation that made the plan")
+    if not reproduced:
+        _fail("dense_matmul_id worker plan id mismatch: the plan's contents were altered after calibration")
+    build_fp, _, identities, _, errors = _prepare(worker_registry, _dtypes_of(plan))
+    if build_fp != plan.build_fingerprint:
+        differing = []
+        if authority is not None:
+            now = {ident.pipeline_label: ident.to_dict() for ident in identities.values()}
+            differing = sorted(label for label in set(now) | set(authority.identities)
+                               if now.get(label) != authority.identities.get(label))
+        detail = (f": {', '.join(differing)} differ" if differing else "") + (
+            f" (lookup errors: {errors})" if errors else "")
+        _fail(f"dense_matmul_id worker plan build/pipeline identity mismatch{detail}")
+    if existing == plan.plan_id:
+        return
+    _DEVICES[(device.name, device.registry_id)] = device
+    cal.install_frozen_plan(worker_registry, PLAN_KIND, plan, _protected_names(), plan.to_json())
+    _WORKER_INSTALLS.add((worker_registry.authority_id, plan.plan_id))
+
+
 _core.KernelRegistry.freeze_dense_matmul_id_plan = lambda self, device, plan: freeze_dense_matmul_id_plan(
     self, device, plan)
+_core.KernelRegistry.freeze_dense_matmul_id_plan_for_cases = (
+    lambda self, device, plan, cases, **kw: freeze_dense_matmul_id_plan_for_cases(self, device, plan, cases, **kw))
 _core.KernelRegistry.dense_matmul_id_plan = lambda self: cal.frozen_plan(self, PLAN_KIND)
 
 
@@ -569,6 +675,11 @@ def _validate(registry, device, epoch, limits, cases):
         _fail(f"dense_matmul_id route plan is already frozen as {frozen}; calibration is one-shot")
     if limits.max_elapsed_ms <= 0 or limits.max_cases <= 0 or limits.max_submissions <= 0:
         _fail("dense_matmul_id calibration limits must be nonzero")
+    return _collect_cases(cases, limits.max_cases)
+
+
+def _collect_cases(cases, max_cases: Optional[int]):
+    """Validated case entries sorted by shape key: {"shape", "weights": {logical identity: buffer}}."""
     if not cases:
         _fail("dense_matmul_id calibration requires at least one case")
     shapes: dict = {}
@@ -582,15 +693,35 @@ def _validate(registry, device, epoch, limits, cases):
         shape = DenseMatmulIdShape.of(w.dtype, case.params)
         entry = shapes.setdefault(shape.key, {"shape": shape, "weights": {}})
         entry["weights"].setdefault((w.address, w.byte_offset, w.nbytes), w)
-    if len(shapes) > limits.max_cases:
-        _fail(f"dense_matmul_id calibration declares {len(shapes)} shapes; limit is {limits.max_cases}")
+    if max_cases is not None and len(shapes) > max_cases:
+        _fail(f"dense_matmul_id calibration declares {len(shapes)} shapes; limit is {max_cases}")
     return [shapes[k] for k in sorted(shapes)]
+
+
+def _authority_digest(device, epoch: int, entries) -> str:
+    """The activation authority digest (spec §7.6 step 2): SHA-256 over a domain tag, the epoch, the
+    device id and name, and every declared shape (canonical JSON, length-prefixed) with its sorted
+    logical weight identities (address, byte_offset, nbytes) -- the weights the activation borrows."""
+    parts = [b"routemm.dense_matmul_id.authority", struct.pack("<QQ", epoch, device.registry_id),
+             struct.pack("<Q", len(device.name.encode())), device.name.encode()]
+    for e in entries:
+        shape = cal.canonical_json(e["shape"].to_dict()).encode()
+        idents = sorted(e["weights"])
+        parts += [struct.pack("<Q", len(shape)), shape, struct.pack("<Q", len(idents))]
+        parts += [struct.pack("<QQQ", *ident) for ident in idents]
+    return cal.sha256_hex(*parts)
+
+
+def _plan_id(build_fp, device_registry_id, authority_id, epoch, digest, decisions) -> str:
+    return cal.sha256_hex(build_fp.encode(), struct.pack("<QQQ", device_registry_id, authority_id, epoch),
+                          digest.encode(),
+                          cal.canonical_json([[d.shape.to_dict(), DenseMatmulIdRoute(d.route).value]
+                                              for d in decisions]).encode())
 
 
 def _plan(build_fp, registry, device, epoch, routes, digest):
     decisions = tuple(DenseMatmulIdPlanDecision(s, r) for s, r in sorted(routes, key=lambda t: t[0].key))
-    pid = cal.sha256_hex(build_fp.encode(), struct.pack("<QQQ", device.registry_id, registry.authority_id, epoch),
-                         digest.encode(), cal.canonical_json([[d.shape.to_dict(), d.route.value] for d in decisions]).encode())
+    pid = _plan_id(build_fp, device.registry_id, registry.authority_id, epoch, digest, decisions)
     return DenseMatmulIdRoutePlan(pid, build_fp, THEOREM_SHA256, device.name, device.registry_id,
                                   registry.authority_id, epoch, decisions)
 
@@ -601,8 +732,7 @@ def _run(registry, device, epoch, limits, cases, *, progress, timer, clock, pinn
     entries = _validate(registry, device, epoch, limits, cases)
     deadline = cal.Deadline(limits.max_elapsed_ms, clock or cal.time.perf_counter)
     prep = _prepare(registry, {e["shape"].weight_dtype for e in entries})
-    digest = cal.sha256_hex(b"routemm.dense_matmul_id.authority", struct.pack("<QQ", epoch, device.registry_id),
-                            device.name.encode(), *[cal.canonical_json(e["shape"].to_dict()).encode() for e in entries])
+    digest = _authority_digest(device, epoch, entries)
     c = _Calibrator(registry, device, limits, prep, deadline, timer, pinned)
     bar = cal.Progress(len(entries), "dense_matmul_id calibration", progress)
     decisions, fresh = [], 0
@@ -640,6 +770,8 @@ def _run(registry, device, epoch, limits, cases, *, progress, timer, clock, pinn
         tuple(final))
     freeze_dense_matmul_id_plan(registry, device, plan, _check_fingerprint=False)
     _RECEIPTS[plan.plan_id] = receipt
+    _AUTHORITIES[plan.plan_id] = _Authority(epoch, digest, frozenset(e["shape"].key for e in entries), prep[0],
+                                            {label: ident.to_dict() for label, ident in prep[2].items()})
     return plan, receipt
 
 

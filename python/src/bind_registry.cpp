@@ -13,6 +13,7 @@ py::dict identity_dict(const PipelineIdentity& id) {
   out["schema_version"] = id.schema_version;
   out["pipeline_label"] = id.pipeline_label;
   out["kernel_name"] = id.kernel_name;
+  out["entry_point"] = id.entry_point;
   out["backend"] = id.backend;
   out["origin"] = id.origin;
   out["content_sha256"] = id.content_sha256;
@@ -54,6 +55,7 @@ void init_registry(py::module_& m) {
             for (const KernelDef& def : r.device().backend()->kernels()) {
               if (def.name == source) {
                 KernelDef copy = def;
+                if (copy.entry_point.empty()) copy.entry_point = copy.name;
                 copy.name = name;
                 r.register_kernel(std::move(copy));
                 return;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -146,3 +147,141 @@ def test_plan_file_round_trip_and_refusal(device, rng, tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(cal.PlanFileMismatch, match="knobs"):
         routemm.load_dense_matmul_id_plan(path, routemm.KernelRegistry(device), device, case)
+
+
+# ---- Worker registries: freeze_dense_matmul_id_plan_for_cases --------------------------------------
+
+
+def _primary(device, registry, rng, epoch=6):
+    """A plan calibrated on `registry` for two shapes sharing one weight (grouped_prefill wins both)."""
+    w, p = setup(device, rng)
+    p16 = type(p)(**{**p.__dict__, "m": 16})
+    cases = [routemm.DenseMatmulIdCalibrationCase(w, p), routemm.DenseMatmulIdCalibrationCase(w, p16)]
+    plan, _ = routemm.calibrate_dense_matmul_id_routes(registry, device, epoch, None, cases, _timer=grouped_wins)
+    return plan, cases, w, p
+
+
+def _assert_nothing_frozen(worker, device, w, p):
+    assert worker.frozen_plan_id("dense_matmul_id") is None and worker.dense_matmul_id_plan() is None
+    assert not worker.is_protected("dense_matmul_id_grouped_f32_f32")
+    with pytest.raises(routemm.InvalidArgumentError, match="frozen activation plan"):
+        dp.resolve_dense_matmul_id_auto_route(worker, device, w.dtype, p)
+
+
+def test_worker_install_resolves_like_primary(device, registry, rng):
+    plan, cases, w, p = _primary(device, registry, rng)
+    worker = routemm.KernelRegistry(device)
+    assert worker.authority_id != registry.authority_id
+    routemm.freeze_dense_matmul_id_plan_for_cases(worker, device, plan, cases, activation_epoch=6)
+    assert worker.frozen_plan_id("dense_matmul_id") == plan.plan_id and worker.dense_matmul_id_plan() is plan
+    p12 = type(p)(**{**p.__dict__, "m": 12})
+    for q in (p, cases[1].params, p12):
+        assert dp.resolve_dense_matmul_id_auto_route(worker, device, w.dtype, q) == \
+            dp.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, q)
+    assert dp.resolve_dense_matmul_id_auto_route(worker, device, w.dtype, p)[:2] == (
+        R.GROUPED_PREFILL, routemm.DenseMatmulIdDecisionSource.FROZEN_PLAN)
+    # dense_matmul_id_auto on the worker: the frozen route, bit-identical to direct.
+    x = device.from_numpy(rng.standard_normal((p.m, p.k)).astype(np.float32))
+    ids = device.from_numpy(np.tile(np.arange(p.top_k, dtype=np.uint32), (p.m, 1)))
+    out = device.alloc(p.m * p.top_k * p.n * 4, routemm.DType.F32, [p.m * p.top_k, p.n])
+    enc = device.command_encoder()
+    r = routemm.dense_matmul_id_auto(enc, worker, device, w, x, ids, out, routemm.DenseMatmulIdScratch(device, 8, p.m), p)
+    enc.commit_and_wait()
+    assert (r.route, r.decision_source, r.activation_epoch) == (
+        R.GROUPED_PREFILL, routemm.DenseMatmulIdDecisionSource.FROZEN_PLAN, 6)
+    validate(r)
+    ref = routemm.matmul_id(w.numpy(), x.numpy(), ids.numpy(), route=R.DIRECT, device=device)
+    assert (out.numpy().view(np.uint32) == ref.view(np.uint32)).all()
+    # Idempotent (cases in any order, duplicates collapse), also through the registry method and the
+    # primary freeze; the plan's pipelines are protected on the worker; calibration there is one-shot.
+    routemm.freeze_dense_matmul_id_plan_for_cases(worker, device, plan, [cases[1], cases[0], cases[0]])
+    worker.freeze_dense_matmul_id_plan_for_cases(device, plan, cases)
+    routemm.freeze_dense_matmul_id_plan(worker, device, plan)
+    assert worker.frozen_plan_id("dense_matmul_id") == plan.plan_id
+    with pytest.raises(routemm.InvalidArgumentError, match="protected"):
+        worker.register_kernel_from("dense_matmul_id_grouped_f32_f32", "dense_matmul_id_grouped_f32_f32")
+    with pytest.raises(routemm.InvalidArgumentError, match="one-shot"):
+        routemm.calibrate_dense_matmul_id_routes(worker, device, 6, None, cases)
+    # Re-installing the same plan is still checked against the cases.
+    with pytest.raises(routemm.InvalidArgumentError, match="case union mismatch"):
+        routemm.freeze_dense_matmul_id_plan_for_cases(worker, device, plan, cases[:1])
+    # The primary freeze still refuses another registry: the worker path is the only exception.
+    with pytest.raises(routemm.InvalidArgumentError, match="different registry activation authority"):
+        routemm.freeze_dense_matmul_id_plan(routemm.KernelRegistry(device), device, plan)
+
+
+def test_worker_install_mismatches_refused(device, registry, rng):
+    plan, cases, w, p = _primary(device, registry, rng)
+    worker = routemm.KernelRegistry(device)
+    install = lambda pl=plan, cs=cases, **kw: routemm.freeze_dense_matmul_id_plan_for_cases(worker, device, pl, cs, **kw)
+    C = routemm.DenseMatmulIdCalibrationCase
+    # Other weights with the same bytes and shapes (another buffer): the authority digest differs.
+    w2 = device.from_numpy(w.numpy().copy())
+    with pytest.raises(routemm.InvalidArgumentError, match="dense_matmul_id worker plan authority digest mismatch"):
+        install(cs=[C(w2, c.params) for c in cases])
+    with pytest.raises(routemm.InvalidArgumentError, match="authority digest mismatch"):
+        install(cs=[*cases, C(w2, cases[0].params)])  # an extra borrowed weight identity for a declared shape
+    # Case union: a missing shape, an extra shape, no cases.
+    with pytest.raises(routemm.InvalidArgumentError, match="dense_matmul_id worker plan case union mismatch: cases miss 1"):
+        install(cs=cases[:1])
+    p20 = type(p)(**{**p.__dict__, "m": 20})
+    with pytest.raises(routemm.InvalidArgumentError, match="case union mismatch: cases add 1"):
+        install(cs=[*cases, C(w, p20)])
+    with pytest.raises(routemm.InvalidArgumentError, match="case union mismatch"):
+        install(cs=[])
+    # Epoch: the worker's epoch, or a plan whose epoch was changed after calibration.
+    with pytest.raises(routemm.InvalidArgumentError, match="dense_matmul_id worker plan epoch mismatch"):
+        install(activation_epoch=7)
+    with pytest.raises(routemm.InvalidArgumentError, match="epoch mismatch: plan says epoch 7"):
+        install(pl=dataclasses.replace(plan, activation_epoch=7))
+    # Device, and a plan whose decisions were altered after calibration.
+    with pytest.raises(routemm.InvalidArgumentError, match="dense_matmul_id worker plan device mismatch"):
+        install(pl=dataclasses.replace(plan, device_name="elsewhere"))
+    altered = dataclasses.replace(plan, decisions=tuple(dataclasses.replace(d, route=R.DIRECT) for d in plan.decisions))
+    with pytest.raises(routemm.InvalidArgumentError, match="dense_matmul_id worker plan id mismatch"):
+        install(pl=altered)
+    _assert_nothing_frozen(worker, device, w, p)
+    install()  # the refusals left the worker installable
+    assert worker.frozen_plan_id("dense_matmul_id") == plan.plan_id
+
+
+def test_worker_install_pipeline_identities(device, registry, rng):
+    plan, cases, w, p = _primary(device, registry, rng)
+    name = "dense_matmul_id_grouped_f32_f32"
+    # A pipeline the plan relies on cannot be resolved on the worker: its identity is missing.
+    worker = routemm.KernelRegistry(device)
+    worker.inject_next_pipeline_lookup_failure(name)
+    with pytest.raises(routemm.InvalidArgumentError,
+                       match=f"dense_matmul_id worker plan build/pipeline identity mismatch: .*{name}"):
+        routemm.freeze_dense_matmul_id_plan_for_cases(worker, device, plan, cases)
+    _assert_nothing_frozen(worker, device, w, p)
+    routemm.freeze_dense_matmul_id_plan_for_cases(worker, device, plan, cases)
+    # A pipeline re-registered from another kernel before installation: refused exactly when the
+    # identity changes. (The CPU backend stamps every builtin kernel with one content hash and origin,
+    # so there re-registration keeps the identity and the install is accepted; a backend with
+    # per-kernel hashes must refuse.)
+    other = routemm.KernelRegistry(device)
+    before = other.get_pipeline(name).identity
+    other.register_kernel_from(name, "dense_matmul_id_grouped_f16_f32")
+    if other.get_pipeline(name).identity == before:
+        routemm.freeze_dense_matmul_id_plan_for_cases(other, device, plan, cases)
+        assert other.frozen_plan_id("dense_matmul_id") == plan.plan_id
+    else:
+        with pytest.raises(routemm.InvalidArgumentError, match=f"pipeline identity mismatch: .*{name}"):
+            routemm.freeze_dense_matmul_id_plan_for_cases(other, device, plan, cases)
+        _assert_nothing_frozen(other, device, w, p)
+
+
+def test_worker_install_is_one_shot(device, registry, rng):
+    plan, cases, w, p = _primary(device, registry, rng)
+    other_plan, other_cases, _, _ = _primary(device, routemm.KernelRegistry(device), rng, epoch=8)
+    worker = routemm.KernelRegistry(device)
+    routemm.freeze_dense_matmul_id_plan_for_cases(worker, device, plan, cases)
+    with pytest.raises(routemm.InvalidArgumentError, match=f"already frozen as {plan.plan_id}"):
+        routemm.freeze_dense_matmul_id_plan_for_cases(worker, device, other_plan, other_cases)
+    assert worker.frozen_plan_id("dense_matmul_id") == plan.plan_id and worker.dense_matmul_id_plan() is plan
+    # A registry with its own activation refuses the primary's plan as well.
+    own = routemm.KernelRegistry(device)
+    routemm.calibrate_dense_matmul_id_routes(own, device, 6, None, cases, _timer=grouped_wins)
+    with pytest.raises(routemm.InvalidArgumentError, match="already frozen"):
+        routemm.freeze_dense_matmul_id_plan_for_cases(own, device, plan, cases)

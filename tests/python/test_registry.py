@@ -105,3 +105,15 @@ def test_authority_ids_distinct(device):
     ids = [r.authority_id for r in regs]
     assert len(set(ids)) == 4 and all(i >= 1 for i in ids)
     assert ids == sorted(ids)
+
+
+def test_identity_names_the_code_behind_a_name(registry):
+    """Registering another kernel under a name changes the identity (its entry point), so plans and
+    fingerprints see that the code behind the name changed."""
+    name = "dense_matmul_id_grouped_f32_f32"
+    before = registry.get_pipeline(name).identity
+    assert before.entry_point == name and before.schema_version == 2
+    registry.register_kernel_from(name, "dense_matmul_id_grouped_f16_f32")
+    after = registry.get_pipeline(name).identity
+    assert after.kernel_name == name and after.entry_point == "dense_matmul_id_grouped_f16_f32"
+    assert after != before

@@ -87,6 +87,9 @@ struct KernelDef {
   uint32_t tile_x = 1;             // op-specific tile extents used to size the grid
   uint32_t tile_y = 1;
   uint64_t threadgroup_memory_bytes = 0;
+  // The function behind the pipeline: the backend's own kernel name. Registering a kernel under
+  // another name keeps it, so an identity shows which code a name resolves to. Empty: `name`.
+  std::string entry_point;
   std::string origin;          // where the code comes from: "builtin_cpu", "cuda_fatbin", "metallib"
   std::string content_sha256;  // hash over what was compiled (source text or machine image)
 };

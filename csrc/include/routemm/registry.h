@@ -25,12 +25,13 @@
 
 namespace routemm {
 
-inline constexpr uint32_t kPipelineIdentitySchemaVersion = 1;
+inline constexpr uint32_t kPipelineIdentitySchemaVersion = 2;
 
 struct PipelineIdentity {
   uint32_t schema_version = kPipelineIdentitySchemaVersion;
   std::string pipeline_label;
   std::string kernel_name;  // the label up to the first '|'
+  std::string entry_point;  // the backend kernel behind the name (KernelDef::entry_point)
   std::string backend;
   std::string origin;           // KernelDef::origin
   std::string content_sha256;   // KernelDef::content_sha256
