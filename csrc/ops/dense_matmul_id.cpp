@@ -2,6 +2,7 @@
 // Backends supply the seven kernels; every contract lives here.
 #include "routemm/ops/dense_matmul_id.h"
 
+#include <algorithm>
 #include <limits>
 #include <string>
 
@@ -314,7 +315,10 @@ DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegi
                                                      {2, KernelArg::of(counts)},
                                                      {3, KernelArg::of(routed)},
                                                      {4, KernelArg::of(output)}};
-  encoder.dispatch(*map, map_args, Dim3{1, 1, 1}, Dim3{params.n_experts, 1, 1});
+  // One threadgroup; one thread per expert unless the backend's map uses a fixed block.
+  const uint64_t map_threads =
+      map->def().threads_per_group > 1 ? map->def().threads_per_group : uint64_t{params.n_experts};
+  encoder.dispatch(*map, map_args, Dim3{1, 1, 1}, Dim3{map_threads, 1, 1});
   // The grouped dispatch reads what the map wrote (RAW edge).
   encoder.memory_barrier();
   if (encoder.is_capturing()) {
@@ -330,9 +334,11 @@ DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegi
                                                        {5, KernelArg::of(output)}};
   std::vector<std::pair<uint64_t, uint64_t>> shmem;
   if (gdef.threadgroup_memory_bytes != 0) shmem.emplace_back(0, gdef.threadgroup_memory_bytes);
-  encoder.dispatch(*group, group_args,
-                   Dim3{ceil_div(params.m, gdef.tile_x), ceil_div(params.n, gdef.tile_y),
-                        params.n_experts},
+  const Dim3 tiles{ceil_div(params.m, gdef.tile_x), ceil_div(params.n, gdef.tile_y), params.n_experts};
+  const Dim3 grid = gdef.persistent_groups == 0
+                        ? tiles
+                        : Dim3{std::min<uint64_t>(gdef.persistent_groups, tiles.x * tiles.y * tiles.z), 1, 1};
+  encoder.dispatch(*group, group_args, grid,
                    Dim3{gdef.threads_per_group, 1, 1}, DispatchKind::ThreadGroups, std::move(shmem));
   return {weights.dtype(), cap.route, 2};
 }

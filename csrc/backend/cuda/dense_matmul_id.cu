@@ -17,8 +17,8 @@
 // Geometry (what the KernelDefs below tell the front door, and how each kernel reads its grid):
 //   direct : grid [ceil(n / 8), m * top_k, 1], 64 threads. Block (x, y) computes columns
 //            [8x, 8x + 8) of flat row y: 2 warps x 4 columns, 8 lanes (one per s_p) per column.
-//   map    : grid [1, 1, 1], threads [n_experts] as encoded; launched as one block of 1024 threads
-//            that builds per-expert token bitmaps tile by tile (see map_kernel).
+//   map    : grid [1, 1, 1], threads [1024]: one block that builds per-expert token bitmaps tile by
+//            tile (see map_kernel).
 //   grouped: grid [ceil(m / 32), ceil(n / 64), n_experts], 256 threads. Block (x, y, e) computes
 //            routed rows [32x, 32x + 32) of expert e times columns [64y, 64y + 64): 32 thread tiles
 //            of 8 rows x 8 columns, 8 lanes (one per s_p) per tile, K staged through shared memory
@@ -538,11 +538,16 @@ void launch_map(const KernelLaunch& launch, void* stream_ptr) {
     throw Error(launch.label + ": map supports 1.." + std::to_string(kMapMaxThreads) + " experts, got " +
                 std::to_string(p.n_experts));
   }
-  // The encoded geometry is one thread per expert; this launch runs one block of 1024 threads over
-  // tiles of 32 * words tokens (words per expert bounded by the shared bitmap size, and by 128 so
-  // the per-expert prefix stays short).
+  // One block of 1024 threads (the KernelDef's threads_per_group, so the receipt says so) over tiles
+  // of 32 * words tokens (words per expert bounded by the shared bitmap size, and by 128 so the
+  // per-expert prefix stays short).
   const uint32_t words = std::max<uint32_t>(1, std::min<uint32_t>(128, kMapBitmapWords / p.n_experts));
-  map_kernel<<<1, kMapMaxThreads, 0, stream>>>(p, ids, counts, routed, out, words);
+  const uint64_t threads = launch.threads.x * launch.threads.y * launch.threads.z;
+  if (threads == 0 || threads > kMapMaxThreads) {
+    throw Error(launch.label + ": map needs 1.." + std::to_string(kMapMaxThreads) + " threads, got " +
+                std::to_string(threads));
+  }
+  map_kernel<<<1, static_cast<unsigned>(threads), 0, stream>>>(p, ids, counts, routed, out, words);
 }
 
 template <typename T>
@@ -607,7 +612,7 @@ void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
   out.push_back(def(names[0], launch_direct<float>, kDirectThreads, kDirectCols, 1, 0, 1024));
   out.push_back(def(names[1], launch_direct<F16Tag>, kDirectThreads, kDirectCols, 1, 0, 1024));
   out.push_back(def(names[2], launch_direct<BF16Tag>, kDirectThreads, kDirectCols, 1, 0, 1024));
-  out.push_back(def(names[3], launch_map, 1, 1, 1, 0, 1024));
+  out.push_back(def(names[3], launch_map, kMapMaxThreads, 1, 1, 0, kMapMaxThreads));
   out.push_back(def(names[4], launch_grouped<float>, kGroupThreads, kGroupRows, kGroupCols, kGroupShmem, 1024));
   out.push_back(def(names[5], launch_grouped<F16Tag>, kGroupThreads, kGroupRows, kGroupCols, kGroupShmem, 1024));
   out.push_back(def(names[6], launch_grouped<BF16Tag>, kGroupThreads, kGroupRows, kGroupCols, kGroupShmem, 1024));

@@ -475,7 +475,6 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>()) grouped_tensor
 // Per-device launch facts of one kernel instance: multiprocessors x resident CTAs, and the dynamic
 // shared memory limit already raised.
 struct InstanceState {
-  std::atomic<uint32_t> grid{0};
   std::atomic<uint64_t> smem_set{0};
 };
 constexpr int kMaxDevices = 64;
@@ -501,19 +500,12 @@ void launch_instance(const KernelLaunch& launch, const DenseMatmulIdKernelParams
     }
     st.smem_set.store(want, std::memory_order_release);
   }
-  uint32_t grid = st.grid.load(std::memory_order_acquire);
-  if (grid == 0) {
-    int sms = 0, per_sm = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads,
-                                                  static_cast<size_t>(smem_bytes<BM, BN>(1024)));
-    grid = static_cast<uint32_t>(std::max(1, sms) * std::max(1, per_sm));
-    st.grid.store(grid, std::memory_order_release);
+  // The persistent grid the front door encoded (KernelDef::persistent_groups, capped by the tile
+  // count); CTAs beyond the work items find none and exit.
+  if (launch.grid.x == 0 || launch.grid.x > 0x7fffffffu || launch.grid.y != 1 || launch.grid.z != 1) {
+    throw Error("'" + launch.label + "': expected a 1-D persistent grid");
   }
-  // At most one CTA per possible work item.
-  const uint64_t items = uint64_t{(p.m + BM - 1) / BM} * ((p.n + BN - 1) / BN) * p.n_experts;
-  if (items == 0) return;
-  const unsigned blocks = static_cast<unsigned>(std::min<uint64_t>(grid, items));
+  const auto blocks = static_cast<unsigned>(launch.grid.x);
   kernel<<<blocks, kThreads, static_cast<size_t>(smem), stream>>>(
       p, static_cast<const W*>(launch.args[1].data), static_cast<const char*>(launch.args[2].data),
       static_cast<const uint32_t*>(launch.args[3].data), static_cast<const uint32_t*>(launch.args[4].data),
@@ -558,13 +550,15 @@ void launch_grouped_tensor(const KernelLaunch& launch, void* queue_native) {
   }
 }
 
-KernelDef tensor_def(std::string_view name, KernelFn fn) {
+KernelDef tensor_def(std::string_view name, KernelFn fn, uint32_t persistent_groups) {
   KernelDef def;
   def.name = std::string(name);
   def.fn = fn;
   def.max_threads_per_threadgroup = 1024;
   def.threads_per_group = kThreads;
-  // The front door's grid bounds the work items; the launch runs a persistent grid over them.
+  // A persistent kernel: the tile fields bound the work items (64-row tiles, the smaller of the two
+  // heights), and the front door encodes min(persistent_groups, tiles) groups.
+  def.persistent_groups = persistent_groups;
   def.tile_x = 64;
   def.tile_y = kTileCols;
   // The 128-row variant's stages plus the row indices; the expert prefix adds 4 bytes per expert.
@@ -578,12 +572,19 @@ KernelDef tensor_def(std::string_view name, KernelFn fn) {
 }  // namespace
 
 void add_dense_matmul_id_tensor_kernels(std::vector<KernelDef>& out) {
+  // Two resident CTAs per multiprocessor of device 0 (the 128x128 variant's occupancy).
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess || sms <= 0) {
+    (void)cudaGetLastError();
+    sms = 132;
+  }
+  const auto groups = static_cast<uint32_t>(2 * sms);
   const auto& names = kDenseMatmulIdTensorPipelineNames;
-  out.push_back(tensor_def(names[0], &launch_grouped_tensor<float, Mode::Tf32>));
-  out.push_back(tensor_def(names[1], &launch_grouped_tensor<__half, Mode::Tf32>));
-  out.push_back(tensor_def(names[2], &launch_grouped_tensor<__nv_bfloat16, Mode::Tf32>));
-  out.push_back(tensor_def(names[3], &launch_grouped_tensor<__half, Mode::LowpF16>));
-  out.push_back(tensor_def(names[4], &launch_grouped_tensor<__nv_bfloat16, Mode::LowpBf16>));
+  out.push_back(tensor_def(names[0], &launch_grouped_tensor<float, Mode::Tf32>, groups));
+  out.push_back(tensor_def(names[1], &launch_grouped_tensor<__half, Mode::Tf32>, groups));
+  out.push_back(tensor_def(names[2], &launch_grouped_tensor<__nv_bfloat16, Mode::Tf32>, groups));
+  out.push_back(tensor_def(names[3], &launch_grouped_tensor<__half, Mode::LowpF16>, groups));
+  out.push_back(tensor_def(names[4], &launch_grouped_tensor<__nv_bfloat16, Mode::LowpBf16>, groups));
 }
 
 }  // namespace routemm::cuda

@@ -87,6 +87,10 @@ struct KernelDef {
   uint32_t tile_x = 1;             // op-specific tile extents used to size the grid
   uint32_t tile_y = 1;
   uint64_t threadgroup_memory_bytes = 0;
+  // Nonzero for a persistent kernel: it walks a work list whose tiles the tile fields describe, so
+  // the front door encodes grid [min(persistent_groups, number of tiles), 1, 1] instead of the tile
+  // grid, and the receipt shows the launch as it happens.
+  uint32_t persistent_groups = 0;
   // The function behind the pipeline: the backend's own kernel name. Registering a kernel under
   // another name keeps it, so an identity shows which code a name resolves to. Empty: `name`.
   std::string entry_point;
