@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "backend/common/calibration_params.h"
+#include "backend/common/launch_args.h"
 #include "kernels.h"
 #include "routemm/error.h"
 #include "thread_pool.h"
@@ -22,29 +23,18 @@ using kernels::CalibrationKernelParams;
 constexpr size_t kGrain = 1 << 14;
 
 const BoundArg& arg(const KernelLaunch& launch, size_t slot, const char* what) {
-  const BoundArg& a = launch.args[slot];
-  if (a.kind == BoundArg::Kind::Empty || a.data == nullptr) {
-    throw Error(launch.label + ": missing " + what + " (slot " + std::to_string(slot) + ")");
-  }
-  return a;
+  return kernels::launch_arg(launch, slot, what);
 }
 
 CalibrationKernelParams params_of(const KernelLaunch& launch, size_t slot) {
-  const BoundArg& a = arg(launch, slot, "params");
-  if (a.kind != BoundArg::Kind::Bytes || a.size != sizeof(CalibrationKernelParams)) {
-    throw Error(launch.label + ": params must be " + std::to_string(sizeof(CalibrationKernelParams)) + " bytes");
-  }
-  CalibrationKernelParams p;
-  std::memcpy(&p, a.data, sizeof p);
+  const auto p = kernels::launch_params<CalibrationKernelParams>(launch, slot);
   if (p.logical_elements > p.guarded_elements) throw Error(launch.label + ": logical elements exceed guarded");
   return p;
 }
 
 uint32_t* f32_words(const KernelLaunch& launch, size_t slot, const char* what, uint64_t elements) {
-  const BoundArg& a = arg(launch, slot, what);
-  if (a.kind != BoundArg::Kind::Buffer || a.size / 4 < elements) {
-    throw Error(launch.label + ": " + what + " is smaller than the guarded range");
-  }
+  const BoundArg& a = kernels::launch_arg(launch, slot, what, elements * 4);
+  if (a.kind != BoundArg::Kind::Buffer) throw Error(launch.label + ": " + what + " must be a buffer");
   return static_cast<uint32_t*>(a.data);
 }
 

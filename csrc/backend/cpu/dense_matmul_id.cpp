@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "backend/common/dense_matmul_id_params.h"
+#include "backend/common/launch_args.h"
 #include "kernels.h"
 #include "routemm/error.h"
 #include "simd.h"
@@ -69,22 +70,11 @@ size_t checked_add(size_t a, size_t b) {
 
 // The host pointer of a bound argument holding at least `need` bytes.
 void* arg_data(const KernelLaunch& launch, size_t slot, size_t need, const char* what) {
-  const BoundArg& arg = launch.args[slot];
-  if (arg.kind == BoundArg::Kind::Empty || arg.data == nullptr) {
-    throw Error(std::string(launch.label) + ": argument slot " + std::to_string(slot) + " (" +
-                what + ") is not bound");
-  }
-  if (arg.size < need) {
-    throw Error(std::string(launch.label) + ": argument slot " + std::to_string(slot) + " (" +
-                what + ") holds " + std::to_string(arg.size) + " bytes, needs " +
-                std::to_string(need));
-  }
-  return arg.data;
+  return kernels::launch_arg(launch, slot, what, need).data;
 }
 
 DenseMatmulIdKernelParams read_params(const KernelLaunch& launch) {
-  DenseMatmulIdKernelParams params;
-  std::memcpy(&params, arg_data(launch, 0, sizeof(params), "params"), sizeof(params));
+  const auto params = kernels::launch_params<DenseMatmulIdKernelParams>(launch, 0);
   if (params.m == 0 || params.n == 0 || params.k == 0 || params.top_k == 0 ||
       params.n_experts == 0) {
     throw Error(std::string(launch.label) + ": params have a zero extent");

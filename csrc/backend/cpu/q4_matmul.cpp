@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "backend/common/q4_0_block.h"
+#include "backend/common/launch_args.h"
 #include "kernels.h"
 #include "routemm/error.h"
 #include "simd.h"
@@ -69,23 +70,10 @@ size_t checked_mul(size_t a, size_t b) {
 
 // The host pointer of a bound argument holding at least `need` bytes.
 void* arg_data(const KernelLaunch& launch, size_t slot, size_t need, const char* what) {
-  const BoundArg& arg = launch.args[slot];
-  if (arg.kind == BoundArg::Kind::Empty || arg.data == nullptr) {
-    launch_error(launch, "argument slot " + std::to_string(slot) + " (" + what + ") is not bound");
-  }
-  if (arg.size < need) {
-    launch_error(launch, "argument slot " + std::to_string(slot) + " (" + what + ") holds " +
-                             std::to_string(arg.size) + " bytes, needs " + std::to_string(need));
-  }
-  return arg.data;
+  return kernels::launch_arg(launch, slot, what, need).data;
 }
 
-template <class T>
-T read_params(const KernelLaunch& launch, size_t slot) {
-  T params;
-  std::memcpy(&params, arg_data(launch, slot, sizeof(T), "params"), sizeof(T));
-  return params;
-}
+
 
 // Pointers and extents every kernel shares. Weight rows are N rows of K / 32 blocks.
 struct Operands {
@@ -320,7 +308,7 @@ MvRun<Isa> mv_run_for_rows(size_t rows) {
 }
 
 void mv_kernel(const KernelLaunch& launch, void* queue_native) {
-  const auto p = read_params<GgmlMatmulMvParams>(launch, 3);
+  const auto p = kernels::launch_params<GgmlMatmulMvParams>(launch, 3);
   if (p.ne00 != p.ne10 || p.ne01 != p.ne0 || p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 ||
       p.r3 != 1 || p.ne1 <= 0 || p.ne0 <= 0 || p.ne00 <= 0) {
     launch_error(launch, "inconsistent mat-vec params");
@@ -424,7 +412,7 @@ void mm_item(const Operands& ops, size_t row0, size_t rows, size_t col0, size_t 
 // follows the launch grid, one item per threadgroup; the per-element order does not depend on it.
 template <size_t TokenTile>
 void mm_kernel(const KernelLaunch& launch, void* queue_native) {
-  const auto p = read_params<GgmlMatmulMmParams>(launch, 0);
+  const auto p = kernels::launch_params<GgmlMatmulMmParams>(launch, 0);
   if (p.ne00 <= 0 || p.ne0 <= 0 || p.ne1 <= 0 || p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 ||
       p.r3 != 1 || p.nb10 != 4 || p.nb11 != uint64_t(p.ne00) * 4 ||
       p.nb01 != uint64_t(p.ne00) / kQK * kBlock) {

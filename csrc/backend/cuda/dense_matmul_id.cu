@@ -35,6 +35,7 @@
 #include <string>
 
 #include "backend/common/dense_matmul_id_params.h"
+#include "backend/common/launch_args.h"
 #include "kernels.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
@@ -472,20 +473,11 @@ __global__ void __launch_bounds__(kGroupThreads, sizeof(typename Chunk<T>::elem)
 // ---- host wrappers -------------------------------------------------------------------------------
 
 const BoundArg& arg(const KernelLaunch& launch, size_t slot, const char* what) {
-  const BoundArg& a = launch.args[slot];
-  if (a.kind == BoundArg::Kind::Empty || a.data == nullptr) {
-    throw Error(launch.label + ": argument slot " + std::to_string(slot) + " (" + what + ") is not bound");
-  }
-  return a;
+  return kernels::launch_arg(launch, slot, what);
 }
 
 DenseMatmulIdKernelParams params_of(const KernelLaunch& launch) {
-  const BoundArg& a = arg(launch, 0, "params");
-  if (a.kind != BoundArg::Kind::Bytes || a.size != sizeof(DenseMatmulIdKernelParams)) {
-    throw Error(launch.label + ": argument slot 0 must hold the 48-byte kernel params");
-  }
-  DenseMatmulIdKernelParams p;
-  std::memcpy(&p, a.data, sizeof p);
+  const auto p = kernels::launch_params<DenseMatmulIdKernelParams>(launch, 0);
   if (p.top_k == 0 || p.n == 0 || p.k == 0 || p.m == 0) throw Error(launch.label + ": zero dimension in params");
   return p;
 }

@@ -37,6 +37,7 @@
 #include <string>
 
 #include "backend/common/dense_matmul_id_params.h"
+#include "backend/common/launch_args.h"
 #include "kernels.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
@@ -514,17 +515,12 @@ void launch_instance(const KernelLaunch& launch, const DenseMatmulIdKernelParams
 
 template <class W, Mode M>
 void launch_grouped_tensor(const KernelLaunch& launch, void* queue_native) {
-  const BoundArg& params_arg = launch.args[0];
-  if (params_arg.kind != BoundArg::Kind::Bytes || params_arg.size != sizeof(DenseMatmulIdKernelParams)) {
-    throw Error("'" + launch.label + "': slot 0 must hold the 48-byte kernel params");
-  }
+  const auto p = kernels::launch_params<DenseMatmulIdKernelParams>(launch, 0);
   for (int slot = 1; slot <= 5; ++slot) {
-    if (launch.args[slot].kind != BoundArg::Kind::Buffer) {
+    if (kernels::launch_arg(launch, slot, "buffer").kind != BoundArg::Kind::Buffer) {
       throw Error("'" + launch.label + "': slot " + std::to_string(slot) + " must be a buffer");
     }
   }
-  DenseMatmulIdKernelParams p;
-  std::memcpy(&p, params_arg.data, sizeof(p));
   if (p.n_experts > kMaxExperts) {
     throw Error("'" + launch.label + "': n_experts " + std::to_string(p.n_experts) + " exceeds " +
                 std::to_string(kMaxExperts));
