@@ -86,4 +86,21 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "bench exit: $?" >> "$OUT/bench.log"
   tail -90 "$OUT/bench.log"
 fi
+
+# ---- Q4_0 bench (optional): Q4_BENCH=0 skips it. Adds q4_0_matmul-h200.json/.md to $OUT and appends
+# its log to bench.log. Narrow it with ROUTEMM_BENCH_Q4_SHAPES / ROUTEMM_BENCH_Q4_MS (see the bench's
+# docstring) or Q4_BENCH_ARGS (extra pytest flags, word-split). It skips itself without Q4 pipelines.
+# SIGINT on timeout lets pytest write the results it has.
+if [ "${Q4_BENCH:-1}" != 0 ]; then
+  stamp "q4 bench"
+  left=$(( 590 - ($(date +%s) - start) ))
+  if [ "$left" -gt 30 ]; then
+    timeout -s INT -k 15 "$left" python3 -m pytest bench/bench_cuda_q4_0_matmul.py -q -s -p no:cacheprovider \
+      --results "$OUT/q4_0_matmul-h200.json" ${Q4_BENCH_ARGS:-} >> "$OUT/bench.log" 2>&1
+    echo "q4 bench exit: $?" >> "$OUT/bench.log"
+  else
+    echo "q4 bench: not run, ${left} s left" >> "$OUT/bench.log"
+  fi
+  tail -60 "$OUT/bench.log"
+fi
 stamp "done"
