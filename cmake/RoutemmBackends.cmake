@@ -13,14 +13,34 @@ elseif(ROUTEMM_CUDA STREQUAL "ON")
   message(FATAL_ERROR "ROUTEMM_CUDA=ON but this source tree has no CUDA backend")
 endif()
 
-# The Metal backend is built and tested on macOS only; until the suite has passed on Apple hardware
-# AUTO leaves it off.
+# The Metal backend is built and tested on macOS only (docs/metal.md). Until the suite has passed on
+# Apple hardware, AUTO leaves it off everywhere; ON builds it on Apple (csrc/backend/metal: xcrun
+# metal -> .air -> routemm.metallib) and is a configure error anywhere else.
 set(ROUTEMM_WITH_METAL OFF)
 if(ROUTEMM_METAL STREQUAL "ON")
-  if(NOT APPLE OR NOT EXISTS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/backend/metal/CMakeLists.txt")
-    message(FATAL_ERROR "ROUTEMM_METAL=ON needs macOS and the Metal backend sources")
+  if(NOT APPLE)
+    message(FATAL_ERROR "ROUTEMM_METAL=ON: the Metal backend builds only on macOS (this host is "
+                        "${CMAKE_SYSTEM_NAME}); use ROUTEMM_METAL=AUTO or OFF here")
+  endif()
+  if(NOT EXISTS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/backend/metal/CMakeLists.txt")
+    message(FATAL_ERROR "ROUTEMM_METAL=ON but this source tree has no csrc/backend/metal")
+  endif()
+  find_program(_routemm_xcrun xcrun)
+  if(NOT _routemm_xcrun)
+    message(FATAL_ERROR "ROUTEMM_METAL=ON needs xcrun (install the Xcode command line tools)")
+  endif()
+  execute_process(COMMAND "${_routemm_xcrun}" -sdk macosx -f metal
+                  RESULT_VARIABLE _routemm_metal_rc OUTPUT_QUIET ERROR_QUIET)
+  if(NOT _routemm_metal_rc EQUAL 0)
+    message(FATAL_ERROR "ROUTEMM_METAL=ON but `xcrun -sdk macosx -f metal` finds no Metal compiler "
+                        "(install Xcode, or run `xcodebuild -downloadComponent MetalToolchain`)")
   endif()
   set(ROUTEMM_WITH_METAL ON)
+elseif(ROUTEMM_METAL STREQUAL "AUTO" AND APPLE)
+  message(STATUS "routemm: ROUTEMM_METAL=AUTO leaves the Metal backend off until it has passed on "
+                 "Apple hardware; configure with -DROUTEMM_METAL=ON to build it")
+elseif(NOT ROUTEMM_METAL MATCHES "^(AUTO|ON|OFF)$")
+  message(FATAL_ERROR "ROUTEMM_METAL must be AUTO, ON or OFF (got '${ROUTEMM_METAL}')")
 endif()
 
 message(STATUS "routemm backends: cpu=ON cuda=${ROUTEMM_WITH_CUDA} metal=${ROUTEMM_WITH_METAL}")

@@ -14,26 +14,28 @@
 #ifdef __METAL_VERSION__
 #define ROUTEMM_U32 uint
 #define ROUTEMM_U64 ulong
+#define ROUTEMM_CONSTANT constant  // MSL: program-scope constants live in the constant address space
 #else
 #include <cstddef>
 #include <cstdint>
 #define ROUTEMM_U32 uint32_t
 #define ROUTEMM_U64 uint64_t
+#define ROUTEMM_CONSTANT
 #endif
 
 namespace routemm::kernels {
 
-constexpr ROUTEMM_U32 kCalibrationPoisonBits = 0xFFFFFFFFu;
+ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kCalibrationPoisonBits = 0xFFFFFFFFu;
 
 // Logical range: control still holds the poison / is NaN or Inf; same for the candidate; the two
 // differ bitwise. Guard range: control / candidate no longer holds the poison.
-constexpr ROUTEMM_U32 kCalibrationControlUnwritten = 1u << 0;
-constexpr ROUTEMM_U32 kCalibrationControlNonFinite = 1u << 1;
-constexpr ROUTEMM_U32 kCalibrationCandidateUnwritten = 1u << 2;
-constexpr ROUTEMM_U32 kCalibrationCandidateNonFinite = 1u << 3;
-constexpr ROUTEMM_U32 kCalibrationMismatch = 1u << 4;
-constexpr ROUTEMM_U32 kCalibrationControlGuard = 1u << 5;
-constexpr ROUTEMM_U32 kCalibrationCandidateGuard = 1u << 6;
+ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kCalibrationControlUnwritten = 1u << 0;
+ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kCalibrationControlNonFinite = 1u << 1;
+ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kCalibrationCandidateUnwritten = 1u << 2;
+ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kCalibrationCandidateNonFinite = 1u << 3;
+ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kCalibrationMismatch = 1u << 4;
+ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kCalibrationControlGuard = 1u << 5;
+ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kCalibrationCandidateGuard = 1u << 6;
 
 struct CalibrationKernelParams {
   ROUTEMM_U64 logical_elements;  // product elements (m * n)
@@ -42,8 +44,7 @@ struct CalibrationKernelParams {
   ROUTEMM_U32 pad;
 };
 
-// Status bits of one element (the compare kernel's whole semantics, shared by CPU and CUDA).
-#ifndef __METAL_VERSION__
+// Status bits of one element (the compare kernel's whole semantics, shared by CPU, CUDA and Metal).
 #if defined(__CUDACC__)
 __host__ __device__
 #endif
@@ -69,6 +70,7 @@ inline ROUTEMM_U32 calibration_element_status(ROUTEMM_U32 control, ROUTEMM_U32 c
   return bits;
 }
 
+#ifndef __METAL_VERSION__
 static_assert(sizeof(CalibrationKernelParams) == 24);
 static_assert(offsetof(CalibrationKernelParams, guarded_elements) == 8);
 static_assert(offsetof(CalibrationKernelParams, status_index) == 16);
@@ -79,3 +81,4 @@ static_assert(offsetof(CalibrationKernelParams, pad) == 20);
 
 #undef ROUTEMM_U32
 #undef ROUTEMM_U64
+#undef ROUTEMM_CONSTANT

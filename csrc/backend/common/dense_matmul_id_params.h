@@ -5,9 +5,11 @@
 #ifdef __METAL_VERSION__
 #define ROUTEMM_U32 uint
 #define ROUTEMM_U64 ulong
+#define ROUTEMM_CONSTANT constant  // MSL: program-scope constants live in the constant address space
 #else
 #include <cstddef>
 #include <cstdint>
+#define ROUTEMM_CONSTANT
 #define ROUTEMM_U32 uint32_t
 #define ROUTEMM_U64 uint64_t
 #endif
@@ -15,8 +17,8 @@
 namespace routemm::kernels {
 
 // input_layout values.
-constexpr ROUTEMM_U32 kInputSharedPerToken = 0;
-constexpr ROUTEMM_U32 kInputSlotted = 1;
+ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kInputSharedPerToken = 0;
+ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kInputSlotted = 1;
 
 struct DenseMatmulIdKernelParams {
   ROUTEMM_U32 m;            // tokens
@@ -42,3 +44,4 @@ static_assert(offsetof(DenseMatmulIdKernelParams, input_slot_stride_bytes) == 40
 
 #undef ROUTEMM_U32
 #undef ROUTEMM_U64
+#undef ROUTEMM_CONSTANT

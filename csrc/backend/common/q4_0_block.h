@@ -11,9 +11,11 @@
 #define ROUTEMM_U64 ulong
 #define ROUTEMM_U16 ushort
 #define ROUTEMM_U8 uchar
+#define ROUTEMM_CONSTANT constant  // MSL: program-scope constants live in the constant address space
 #else
 #include <cstddef>
 #include <cstdint>
+#define ROUTEMM_CONSTANT
 #define ROUTEMM_I16 int16_t
 #define ROUTEMM_I32 int32_t
 #define ROUTEMM_U32 uint32_t
@@ -26,8 +28,8 @@
 namespace routemm::kernels {
 
 // Values per Q4_0 block and bytes per block.
-constexpr ROUTEMM_U32 kQ4_0BlockValues = 32;
-constexpr ROUTEMM_U32 kQ4_0BlockBytes = 18;
+ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kQ4_0BlockValues = 32;
+ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kQ4_0BlockBytes = 18;
 
 // One GGUF-native Q4_0 block: a little-endian IEEE binary16 scale `d` (raw bits), then 16 bytes of
 // nibbles. Value j (j < 16) is the low nibble of qs[j], value j + 16 its high nibble; the value
@@ -110,3 +112,4 @@ static_assert(offsetof(GgmlMatmulMmParams, pad1) == 84);
 #undef ROUTEMM_U64
 #undef ROUTEMM_U16
 #undef ROUTEMM_U8
+#undef ROUTEMM_CONSTANT

@@ -1,0 +1,72 @@
+// The Metal pipeline table (kernels.h). Names come from the core's tables, so every backend
+// registers one list; the static_asserts below fail the build if a table changes under us.
+#include "kernels.h"
+
+#include <array>
+#include <cstddef>
+#include <utility>
+
+#include "routemm/ops/dense_matmul_id.h"
+#include "routemm/ops/q4_matmul.h"
+
+namespace routemm::metal {
+namespace {
+
+constexpr std::string_view kCalibrationPoison = "routemm_calibration_poison_f32";
+constexpr std::string_view kCalibrationCompare = "routemm_calibration_compare_f32";
+
+// Function names in table order: the seven expert-ID pipelines, the five Q4_0 pipelines, the two
+// calibration proof kernels.
+constexpr std::array<std::string_view, 14> kFunctions = {
+    kDenseMatmulIdPipelineNames[0], kDenseMatmulIdPipelineNames[1], kDenseMatmulIdPipelineNames[2],
+    kDenseMatmulIdPipelineNames[3], kDenseMatmulIdPipelineNames[4], kDenseMatmulIdPipelineNames[5],
+    kDenseMatmulIdPipelineNames[6], kQ4MatmulPipelineNames[0],      kQ4MatmulPipelineNames[1],
+    kQ4MatmulPipelineNames[2],      kQ4MatmulPipelineNames[3],      kQ4MatmulPipelineNames[4],
+    kCalibrationPoison,             kCalibrationCompare,
+};
+static_assert(kDenseMatmulIdPipelineNames.size() == 7 && kQ4MatmulPipelineNames.size() == 5);
+static_assert(kFunctions[3] == kDenseMatmulIdMapPipeline && kFunctions[7] == kQ4_0MatVecPipeline);
+
+// A KernelFn knows only its launch; one instantiation per table row carries the function name.
+template <size_t I>
+void launch(const KernelLaunch& launch, void* queue_native) {
+  encode_metal_launch(kFunctions[I], launch, queue_native);
+}
+
+constexpr MetalPipelineSpec spec(size_t i, KernelFn fn, MetalLibrary library, uint32_t threads,
+                                 uint32_t tile_x, uint32_t tile_y, uint64_t shmem, bool q4 = false) {
+  return MetalPipelineSpec{kFunctions[i], library, threads, tile_x, tile_y, shmem, q4, fn};
+}
+
+using enum MetalLibrary;
+
+// Geometry (spec §7.4, §5.5, §5.6, §6.4):
+//   direct   64 threads (2 simdgroups x 4 columns), tile_x = 8 columns per group, one flat row.
+//   map      threads_per_group 0: the front door launches one thread per expert.
+//   grouped  256 threads (8 simdgroups), 8 routed rows x 8 columns, 4096 bytes (8 x 128 F32).
+//   mat-vec  64 threads ([8, 8, 1]), 8 output rows x 1 token per group.
+//   matrix   128 threads; tile_x = tokens per group, tile_y = 64 outputs; 8192 bytes for the
+//            simdgroup and V1 routes, 4096 for V2 (128 tokens) and 64x32 (32 tokens).
+//   proof    Threads dispatches, at most 256 threads per group.
+const std::array<MetalPipelineSpec, kFunctions.size()> kSpecs = {
+    spec(0, launch<0>, Base, 64, 8, 1, 0),
+    spec(1, launch<1>, Base, 64, 8, 1, 0),
+    spec(2, launch<2>, Base, 64, 8, 1, 0),
+    spec(3, launch<3>, Base, 0, 1, 1, 0),
+    spec(4, launch<4>, Base, 256, 8, 8, 4096),
+    spec(5, launch<5>, Base, 256, 8, 8, 4096),
+    spec(6, launch<6>, Base, 256, 8, 8, 4096),
+    spec(7, launch<7>, Base, 64, 8, 1, 0, true),
+    spec(8, launch<8>, Base, 128, 32, 64, 8192, true),
+    spec(9, launch<9>, Tensor, 128, 32, 64, 8192, true),
+    spec(10, launch<10>, Tensor, 128, 128, 64, 4096, true),
+    spec(11, launch<11>, Tensor, 128, 32, 64, 4096, true),
+    spec(12, launch<12>, Base, 256, 1, 1, 0),
+    spec(13, launch<13>, Base, 256, 1, 1, 0),
+};
+
+}  // namespace
+
+std::span<const MetalPipelineSpec> metal_pipeline_specs() { return kSpecs; }
+
+}  // namespace routemm::metal

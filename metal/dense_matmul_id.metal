@@ -1,0 +1,199 @@
+// Expert-ID matmul pipelines (spec §7.4, §7.5): dense_matmul_id_direct_{f32,f16,bf16}_f32,
+// dense_matmul_id_map_distinct and dense_matmul_id_grouped_{f32,f16,bf16}_f32.
+//
+// NUMERIC CONTRACT (why Direct and Grouped are bit-identical on Metal): for every output element
+// the 32 lanes of one simdgroup each walk inner = lane, lane + 32, lane + 64, ... < K in increasing
+// order with acc = fma(widen(w), x, acc) starting from +0.0f, then one simd_sum. Widening F16/BF16
+// to F32 is exact. Grouped stages weights already widened (the same values) and pads past K with
+// zeros; a padded step is fma(0, 0, acc) == acc because acc is never -0.0f (it starts at +0.0f and
+// round-to-nearest never produces -0.0f from a sum with a +0.0f addend or from x + (-x)).
+//
+// Bindings and geometry are the front door's (csrc/ops/dense_matmul_id.cpp) with the KernelDefs of
+// csrc/backend/metal/kernels.cpp:
+//   direct : 0 params, 1 weights, 2 input, 3 ids, 4 output; grid [ceil(n/8), m*top_k, 1],
+//            64 threads (2 simdgroups x 4 output columns), no threadgroup memory.
+//   map    : 0 params, 1 ids, 2 expert_counts, 3 routed_rows, 4 output; one threadgroup of
+//            n_experts threads.
+//   grouped: 0 params, 1 weights, 2 input, 3 expert_counts, 4 routed_rows, 5 output; grid
+//            [ceil(m/8), ceil(n/8), n_experts], 256 threads (8 simdgroups), threadgroup memory
+//            index 0 of 4096 bytes (8 columns x 128 inner positions of F32).
+#include <metal_stdlib>
+
+#include "backend/common/dense_matmul_id_params.h"
+
+using namespace metal;
+using routemm::kernels::DenseMatmulIdKernelParams;
+
+namespace {
+
+constant constexpr uint kSimdWidth = 32;
+constant constexpr uint kDirectColumnsPerSimdgroup = 4;
+constant constexpr uint kDirectColumnsPerGroup = 8;
+constant constexpr uint kGroupedRows = 8;     // routed rows per threadgroup (one per simdgroup)
+constant constexpr uint kGroupedColumns = 8;  // output columns per threadgroup
+constant constexpr uint kGroupedDepth = 128;  // inner positions staged per step
+constant constexpr uint kGroupedThreads = 256;
+
+// BF16 weights are read as their raw 16 bits; widening is exact (the F32 with those high bits).
+struct bf16_bits {
+  ushort bits;
+};
+
+inline float widen(float v) { return v; }
+inline float widen(half v) { return float(v); }
+inline float widen(bf16_bits v) { return as_type<float>(uint(v.bits) << 16); }
+
+// The value-independence boundary shared by both routes: where an input row and an expert start.
+inline device const float* input_row(device const uchar* input, constant DenseMatmulIdKernelParams& p,
+                                     uint flat) {
+  const uint token = flat / p.top_k;
+  const uint slot = flat - token * p.top_k;
+  const ulong offset = ulong(token) * p.input_token_stride_bytes + ulong(slot) * p.input_slot_stride_bytes;
+  return reinterpret_cast<device const float*>(input + offset);
+}
+
+template <typename W>
+inline device const W* expert_matrix(device const uchar* weights, constant DenseMatmulIdKernelParams& p,
+                                     uint expert) {
+  return reinterpret_cast<device const W*>(weights + ulong(expert) * p.expert_stride_bytes);
+}
+
+template <typename W>
+void direct_impl(constant DenseMatmulIdKernelParams& p, device const uchar* weights, device const uchar* input,
+                 device const uint* ids, device float* out, uint3 group, uint simdgroup, uint lane) {
+  const uint flat = group.y;
+  if (flat >= p.m * p.top_k) return;
+  const uint first_col = group.x * kDirectColumnsPerGroup + simdgroup * kDirectColumnsPerSimdgroup;
+  if (first_col >= p.n) return;  // whole simdgroup; this kernel has no threadgroup barriers
+
+  float sums[kDirectColumnsPerSimdgroup] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const uint id = ids[flat];
+  if (id < p.n_experts) {  // an invalid id forms no weight address and writes zeros
+    device const float* x = input_row(input, p, flat);
+    device const W* w = expert_matrix<W>(weights, p, id);
+    for (uint inner = lane; inner < p.k; inner += kSimdWidth) {
+      const float a = x[inner];
+      for (uint c = 0; c < kDirectColumnsPerSimdgroup; ++c) {
+        const uint col = first_col + c;
+        if (col < p.n) sums[c] = fma(widen(w[ulong(col) * p.k + inner]), a, sums[c]);
+      }
+    }
+  }
+  for (uint c = 0; c < kDirectColumnsPerSimdgroup; ++c) {
+    const float total = simd_sum(sums[c]);
+    const uint col = first_col + c;
+    if (lane == 0 && col < p.n) out[ulong(flat) * p.n + col] = total;
+  }
+}
+
+template <typename W>
+void grouped_impl(constant DenseMatmulIdKernelParams& p, device const uchar* weights, device const uchar* input,
+                  device const uint* expert_counts, device const uint* routed_rows, device float* out,
+                  threadgroup float* tile, uint3 group, uint tid, uint simdgroup, uint lane) {
+  const uint expert = group.z;
+  const uint count = expert_counts[expert];
+  const uint first_routed = group.x * kGroupedRows;
+  const uint first_col = group.y * kGroupedColumns;
+  if (first_routed >= count || first_col >= p.n) return;  // uniform across the threadgroup
+
+  const uint routed = first_routed + simdgroup;
+  const bool active = routed < count;
+  const uint flat = active ? routed_rows[ulong(expert) * p.m + routed] : 0;
+  device const float* x = input_row(input, p, flat);
+  device const W* w = expert_matrix<W>(weights, p, expert);
+
+  float sums[kGroupedColumns] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  for (uint k0 = 0; k0 < p.k; k0 += kGroupedDepth) {
+    // Stage 8 columns x 128 inner positions, widened, zero outside [n, k).
+    for (uint t = tid; t < kGroupedColumns * kGroupedDepth; t += kGroupedThreads) {
+      const uint c = t / kGroupedDepth;
+      const uint inner = k0 + (t - c * kGroupedDepth);
+      const uint col = first_col + c;
+      tile[t] = (col < p.n && inner < p.k) ? widen(w[ulong(col) * p.k + inner]) : 0.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (active) {
+      for (uint i = lane; i < kGroupedDepth; i += kSimdWidth) {
+        const uint inner = k0 + i;
+        const float a = inner < p.k ? x[inner] : 0.0f;
+        for (uint c = 0; c < kGroupedColumns; ++c) sums[c] = fma(tile[c * kGroupedDepth + i], a, sums[c]);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (uint c = 0; c < kGroupedColumns; ++c) {
+    const float total = simd_sum(sums[c]);
+    const uint col = first_col + c;
+    if (active && lane == 0 && col < p.n) out[ulong(flat) * p.n + col] = total;
+  }
+}
+
+}  // namespace
+
+#define ROUTEMM_DIRECT_ARGS                                                                    \
+  constant DenseMatmulIdKernelParams &p [[buffer(0)]], device const uchar *weights [[buffer(1)]], \
+      device const uchar *input [[buffer(2)]], device const uint *ids [[buffer(3)]],           \
+      device float *out [[buffer(4)]], uint3 group [[threadgroup_position_in_grid]],          \
+      uint simdgroup [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]
+
+kernel void dense_matmul_id_direct_f32_f32(ROUTEMM_DIRECT_ARGS) {
+  direct_impl<float>(p, weights, input, ids, out, group, simdgroup, lane);
+}
+kernel void dense_matmul_id_direct_f16_f32(ROUTEMM_DIRECT_ARGS) {
+  direct_impl<half>(p, weights, input, ids, out, group, simdgroup, lane);
+}
+kernel void dense_matmul_id_direct_bf16_f32(ROUTEMM_DIRECT_ARGS) {
+  direct_impl<bf16_bits>(p, weights, input, ids, out, group, simdgroup, lane);
+}
+
+// Thread e scans tokens in order and, within a token, slots in order; the first slot holding e
+// appends that flat row to routed_rows[e * m + count] (so at most one entry per token: grouped
+// needs distinct ids). Thread 0 also zero-fills every output row whose id is >= n_experts, which
+// the grouped kernel never visits (Direct's full-overwrite behaviour).
+kernel void dense_matmul_id_map_distinct(constant DenseMatmulIdKernelParams &p [[buffer(0)]],
+                                         device const uint *ids [[buffer(1)]],
+                                         device uint *expert_counts [[buffer(2)]],
+                                         device uint *routed_rows [[buffer(3)]],
+                                         device float *out [[buffer(4)]],
+                                         uint e [[thread_position_in_threadgroup]]) {
+  if (e < p.n_experts) {
+    uint count = 0;
+    for (uint token = 0; token < p.m; ++token) {
+      for (uint slot = 0; slot < p.top_k; ++slot) {
+        const uint flat = token * p.top_k + slot;
+        if (ids[flat] == e) {
+          routed_rows[ulong(e) * p.m + count] = flat;
+          ++count;
+          break;
+        }
+      }
+    }
+    expert_counts[e] = count;
+  }
+  if (e == 0) {
+    const uint total = p.m * p.top_k;
+    for (uint flat = 0; flat < total; ++flat) {
+      if (ids[flat] >= p.n_experts) {
+        for (uint col = 0; col < p.n; ++col) out[ulong(flat) * p.n + col] = 0.0f;
+      }
+    }
+  }
+}
+
+#define ROUTEMM_GROUPED_ARGS                                                                   \
+  constant DenseMatmulIdKernelParams &p [[buffer(0)]], device const uchar *weights [[buffer(1)]], \
+      device const uchar *input [[buffer(2)]], device const uint *expert_counts [[buffer(3)]], \
+      device const uint *routed_rows [[buffer(4)]], device float *out [[buffer(5)]],          \
+      threadgroup float *tile [[threadgroup(0)]], uint3 group [[threadgroup_position_in_grid]], \
+      uint tid [[thread_index_in_threadgroup]], uint simdgroup [[simdgroup_index_in_threadgroup]], \
+      uint lane [[thread_index_in_simdgroup]]
+
+kernel void dense_matmul_id_grouped_f32_f32(ROUTEMM_GROUPED_ARGS) {
+  grouped_impl<float>(p, weights, input, expert_counts, routed_rows, out, tile, group, tid, simdgroup, lane);
+}
+kernel void dense_matmul_id_grouped_f16_f32(ROUTEMM_GROUPED_ARGS) {
+  grouped_impl<half>(p, weights, input, expert_counts, routed_rows, out, tile, group, tid, simdgroup, lane);
+}
+kernel void dense_matmul_id_grouped_bf16_f32(ROUTEMM_GROUPED_ARGS) {
+  grouped_impl<bf16_bits>(p, weights, input, expert_counts, routed_rows, out, tile, group, tid, simdgroup, lane);
+}
