@@ -86,6 +86,13 @@ bool KernelRegistry::has_kernel(std::string_view name) const {
   return kernels_.find(name) != kernels_.end();
 }
 
+std::optional<KernelDef> KernelRegistry::kernel_def(std::string_view name) const {
+  std::lock_guard lock(mutex_);
+  const auto it = kernels_.find(name);
+  if (it == kernels_.end()) return std::nullopt;
+  return it->second;
+}
+
 std::vector<std::string> KernelRegistry::kernel_names() const {
   std::lock_guard lock(mutex_);
   std::vector<std::string> names;

@@ -58,6 +58,48 @@ bool env_is(const char* name, std::initializer_list<std::string_view> values) {
   return std::find(values.begin(), values.end(), text) != values.end();
 }
 
+// Reduction groups along grid.z (KernelDef::k_split_max): the largest power of two that is at
+// most k_split_max, at most K / 32 / kMinBlocksPerSplit, and no more than needed to bring a
+// reference grid up to k_split_target_groups. The reference grid depends on the shape only --
+// mat-vec: its own grid; matrix routes: 64-token x 128-row tiles whatever the route's tiles -- so
+// every matrix route of one shape splits K the same way (V2 and 64x32 stay bit-identical).
+constexpr uint64_t kMinBlocksPerSplit = 16;
+constexpr uint64_t kSplitReferenceTokens = 64;
+constexpr uint64_t kSplitReferenceRows = 128;
+
+uint64_t k_splits(const KernelDef& def, bool mat_vec, uint64_t m, uint64_t n, uint64_t k) {
+  if (def.k_split_max <= 1) return 1;
+  const uint64_t reference = mat_vec ? ceil_div(n, def.tile_x) * ceil_div(m, def.tile_y)
+                                     : ceil_div(m, kSplitReferenceTokens) * ceil_div(n, kSplitReferenceRows);
+  const uint64_t wanted = ceil_div(std::max<uint64_t>(def.k_split_target_groups, 1), reference);
+  const uint64_t limit = std::min<uint64_t>({def.k_split_max, wanted, k / 32 / kMinBlocksPerSplit});
+  uint64_t splits = 1;
+  while (splits * 2 <= limit) splits *= 2;
+  return splits;
+}
+
+struct Geometry {
+  Dim3 grid, threads;
+  std::vector<std::pair<uint64_t, uint64_t>> shmem;
+};
+
+// Spec §5.5 (mat-vec: threadgroups of 8 x threads/8, tile_x output rows and tile_y tokens each) and
+// §5.6 (matrix routes: x covers tokens, tile_x per group; y covers outputs, tile_y per group), with
+// grid.z the K split (1 on backends without one).
+Geometry geometry(const KernelDef& def, bool mat_vec, uint64_t m, uint64_t n, uint64_t k) {
+  Geometry g;
+  const uint64_t splits = k_splits(def, mat_vec, m, n, k);
+  if (mat_vec) {
+    g.grid = Dim3{ceil_div(n, def.tile_x), ceil_div(m, def.tile_y), splits};
+    g.threads = Dim3{8, std::max<uint64_t>(1, def.threads_per_group / 8), 1};
+  } else {
+    g.grid = Dim3{ceil_div(m, def.tile_x), ceil_div(n, def.tile_y), splits};
+    g.threads = Dim3{def.threads_per_group, 1, 1};
+  }
+  if (def.threadgroup_memory_bytes != 0) g.shmem.emplace_back(0, def.threadgroup_memory_bytes);
+  return g;
+}
+
 struct Route {
   std::optional<DenseQ4Route> route;  // nullopt: mat-vec
   DenseQ4DecisionSource decision;
@@ -85,8 +127,7 @@ GgmlQuantizedMatmulReceipt encode(CommandEncoder& encoder, KernelRegistry& regis
   }
 
   const uint64_t row_bytes = uint64_t{p.k} / kernels::kQ4_0BlockValues * kernels::kQ4_0BlockBytes;
-  Dim3 grid, threads;
-  std::vector<std::pair<uint64_t, uint64_t>> shmem;
+  const Geometry geo = geometry(def, !choice.route.has_value(), p.m, p.n, p.k);
   std::vector<std::pair<uint32_t, KernelArg>> args;
   if (!choice.route) {
     kernels::GgmlMatmulMvParams gpu{};
@@ -99,9 +140,6 @@ GgmlQuantizedMatmulReceipt encode(CommandEncoder& encoder, KernelRegistry& regis
     gpu.ne1 = p.m;
     gpu.r2 = 1;
     gpu.r3 = 1;
-    // Spec §5.5: threadgroups of 8 x (threads/8) threads, tile_x output rows each, one per token.
-    grid = Dim3{ceil_div(p.n, def.tile_x), ceil_div(p.m, def.tile_y), 1};
-    threads = Dim3{8, std::max<uint64_t>(1, def.threads_per_group / 8), 1};
     args = {{0, KernelArg::of(weight)},
             {1, KernelArg::of(input)},
             {2, KernelArg::of(output)},
@@ -122,15 +160,13 @@ GgmlQuantizedMatmulReceipt encode(CommandEncoder& encoder, KernelRegistry& regis
     gpu.ne1 = static_cast<int32_t>(p.m);
     gpu.r2 = 1;
     gpu.r3 = 1;
-    // Spec §5.6: x covers tokens (tile_x per group), y covers outputs (tile_y per group).
-    grid = Dim3{ceil_div(p.m, def.tile_x), ceil_div(p.n, def.tile_y), 1};
-    threads = Dim3{def.threads_per_group, 1, 1};
-    if (def.threadgroup_memory_bytes != 0) shmem.emplace_back(0, def.threadgroup_memory_bytes);
     args = {{0, KernelArg::pod(gpu)},
             {1, KernelArg::of(weight)},
             {2, KernelArg::of(input)},
             {3, KernelArg::of(output)}};
   }
+  const Dim3 grid = geo.grid, threads = geo.threads;
+  std::vector<std::pair<uint64_t, uint64_t>> shmem = geo.shmem;
 
   if (encoder.is_capturing()) {
     encoder.set_pending_buffer_ranges({logical_range(weight), logical_range(input)},
@@ -260,6 +296,19 @@ EncodedKernelDispatch q4_expected_dispatch(DenseQ4Route route, uint32_t m, uint3
   d.threads_per_threadgroup = {128, 1, 1};
   d.threadgroup_memory = {{0, shmem}};
   return d;
+}
+
+EncodedKernelDispatch q4_expected_dispatch(const KernelRegistry& registry, DenseQ4Route route,
+                                           uint32_t m, uint32_t n, uint32_t k) {
+  const std::string_view name = dense_q4_pipeline_name(route);
+  const std::optional<KernelDef> def = registry.kernel_def(name);
+  if (!def) {
+    throw KernelNotFound("q4_expected_dispatch: no pipeline '" + std::string(name) + "' on " +
+                         std::string(registry.device().backend()->name()));
+  }
+  const Geometry geo = geometry(*def, false, m, n, k);
+  return EncodedKernelDispatch{pipeline_label(name, kQ4PipelineConstants), DispatchKind::ThreadGroups,
+                               geo.grid.array(), geo.threads.array(), geo.shmem};
 }
 
 void validate_quantized_matmul_ggml_call(const Buffer& input, const Buffer& weight,

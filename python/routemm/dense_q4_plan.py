@@ -461,7 +461,7 @@ def trace_dense_q4_auto(encoder, registry, device, input, weight, output, params
         _fail(f"dense Q4 auto trace encoded unexpected pipeline {encoded.pipeline_label}")
     decision = planned if actual is planned.route else DenseQ4DispatchDecision(
         actual, DenseQ4DecisionSource.INELIGIBLE_COMPATIBILITY_FALLBACK)
-    if encoded != q4_expected_dispatch(decision.route, shape.m, shape.n):
+    if encoded != q4_expected_dispatch(decision.route, shape.m, shape.n, registry=registry, k=shape.k):
         _fail(f"dense Q4 auto route {decision.route.value} encoded unexpected geometry: {encoded}")
     pipeline = registry.pipeline_identity(encoded.pipeline_label)
     if pipeline.pipeline_label != encoded.pipeline_label or pipeline.kernel_name != decision.route.pipeline_name:
@@ -545,7 +545,7 @@ class _Calibrator:
             encoded = encoder.take_encoded_dispatch_receipt()
         if len(encoded) != 1:
             raise _TraceError(f"{route.value} encoded {len(encoded)} dispatches, expected one")
-        if encoded[0] != q4_expected_dispatch(route, shape.m, shape.n):
+        if encoded[0] != q4_expected_dispatch(route, shape.m, shape.n, registry=self.registry, k=shape.k):
             raise _TraceError(f"{route.value} encoded unexpected geometry: {encoded[0]}")
         identity = self.registry.pipeline_identity(encoded[0].pipeline_label)
         if identity != self.prep.identities[route]:
@@ -614,7 +614,18 @@ class _Calibrator:
             route_dispatches += 2
             aux += 2
         self.subs.proof += 1
-        start, end = encoder.commit_wait_with_gpu_time()
+        try:
+            start, end = encoder.commit_wait_with_gpu_time()
+        except Error as e:
+            # Backends that run launches at commit (CPU) report a kernel that rejects the call here.
+            # Launches run in encode order, so the first failure is the first weight's; a failing
+            # candidate launch is an incoherent candidate, anything else breaks the required route.
+            if C.pipeline_label in str(e):
+                return fallback(S.INCOHERENT_CANDIDATE,
+                                f"optional dense Q4 candidate proof failed for weight 0: launch: {e}",
+                                proof_submissions=1, proof_route_dispatches=route_dispatches,
+                                proof_auxiliary_dispatches=aux, proof_scratch_bytes=scratch, proof_gpu_us=1e-3)
+            raise _HardFailure(f"required dense Q4 compatibility V2 proof failed: {e}") from None
         proof_gpu_us = max((end - start) * 1e6, 1e-3)
         work = dict(proof_submissions=1, proof_route_dispatches=route_dispatches, proof_auxiliary_dispatches=aux,
                     proof_scratch_bytes=scratch, proof_gpu_us=proof_gpu_us)
@@ -636,7 +647,8 @@ class _Calibrator:
             timings = tuple(
                 DenseQ4RouteTiming(route, DenseQ4TimingDistribution(*outcome["wall"][route.value]),
                                    DenseQ4TimingDistribution(*outcome["gpu"][route.value]),
-                                   first_encoded if route is V2 else q4_expected_dispatch(C, m, n),
+                                   first_encoded if route is V2 else q4_expected_dispatch(
+                                       C, m, n, registry=self.registry, k=k),
                                    self.prep.identities[route])
                 for route in (V2, C) if route.value in outcome["wall"])
             d = DenseQ4CalibrationDecision(
@@ -897,6 +909,7 @@ def validate_dense_q4_cartesian_acceptance(cold: DenseQ4CalibrationBatchReceipt,
     need(r.minimum_candidate_decisions <= declared, "minimum candidate decisions exceed declared shapes")
     pairs = declared * r.expected_weight_buffers_per_base
     W = r.expected_weight_buffers_per_base
+    geometries: dict = {}  # (shape key, route) -> the cold calibration's encoded dispatch
     for label, rec, is_cold in (("cold", cold, True), ("reactivation", reactivation, False)):
         need(rec.schema_version == DENSE_Q4_ROUTE_SCHEMA_VERSION, f"{label} receipt schema version")
         need(bool(rec.mlx_native_version), f"{label} receipt has no version")
@@ -950,7 +963,12 @@ def validate_dense_q4_cartesian_acceptance(cold: DenseQ4CalibrationBatchReceipt,
                     need(dist.samples == cal.CALIBRATION_SAMPLES and all(math.isfinite(v) for v in (
                         dist.p25_us, dist.median_us, dist.p75_us)) and 0 < dist.p25_us <= dist.median_us <= dist.p75_us,
                          f"{label} timing distribution at M={s.m}")
-                need(t.encoded == q4_expected_dispatch(t.route, s.m, s.n), f"{label} geometry change at M={s.m}")
+                # The geometry is the backend's own (q4_expected_dispatch with the registry); what
+                # acceptance can check without a registry is that it names the route's pipeline and
+                # that the reactivation encoded exactly what the cold calibration did.
+                need(t.encoded.pipeline_label == t.route.pipeline_label, f"{label} encoded pipeline at M={s.m}")
+                cold_geometry = geometries.setdefault((s.key, t.route), t.encoded)
+                need(t.encoded == cold_geometry, f"{label} geometry change at M={s.m}")
                 p = t.pipeline
                 need(p.pipeline_label == t.route.pipeline_label and p.kernel_name == t.route.pipeline_name
                      and p.pipeline_label.split("|")[0] == p.kernel_name and bool(p.content_sha256),

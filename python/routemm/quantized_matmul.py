@@ -167,9 +167,22 @@ def select_dense_q4_route(params: GgmlQuantizedMatmulParams, policy: GgmlRouting
     return DenseQ4Route(route), DenseQ4DecisionSource(decision)
 
 
-def q4_expected_dispatch(route: DenseQ4Route, m: int, n: int) -> EncodedKernelDispatch:
-    """The geometry a route's dispatch must have for m tokens and n outputs (spec §6.2)."""
-    return EncodedKernelDispatch._from_core(_core._q4_expected_dispatch(DenseQ4Route(route).value, int(m), int(n)))
+def q4_expected_dispatch(route: DenseQ4Route, m: int, n: int, *, registry=None,
+                         k: Optional[int] = None) -> EncodedKernelDispatch:
+    """The geometry a route's dispatch must have for m tokens and n outputs.
+
+    Without ``registry``: the reference geometry of spec §6.2 (the CPU backend's, and Metal's).
+    With ``registry`` (and ``k``, the input width): the geometry that registry's pipeline encodes,
+    derived from its kernel definition exactly as the op does -- on CUDA the tiles differ from the
+    reference and grid.z carries the K split, which depends on k.
+    """
+    route = DenseQ4Route(route)
+    if registry is None:
+        return EncodedKernelDispatch._from_core(_core._q4_expected_dispatch(route.value, int(m), int(n)))
+    if k is None:
+        raise InvalidArgumentError("q4_expected_dispatch with a registry needs k (the input width)")
+    return EncodedKernelDispatch._from_core(
+        _core._q4_registry_expected_dispatch(registry, route.value, int(m), int(n), int(k)))
 
 
 def quantized_matmul_ggml(encoder, registry, input, weight, output, params: GgmlQuantizedMatmulParams,
@@ -190,7 +203,7 @@ def quantized_matmul_ggml(encoder, registry, input, weight, output, params: Ggml
 def encode_q4_route(encoder, registry, input, weight, output, params: GgmlQuantizedMatmulParams,
                     route: DenseQ4Route) -> GgmlQuantizedMatmulReceipt:
     """Encode exactly `route` (calibration and tests): Q4_0 and m > 8 only, one dispatch whose
-    geometry equals q4_expected_dispatch(route, m, n)."""
+    geometry equals q4_expected_dispatch(route, m, n, registry=registry, k=k)."""
     native = _core._encode_q4_route(encoder, registry, input, weight, output, params._native(),
                                     DenseQ4Route(route).value)
     return GgmlQuantizedMatmulReceipt._from_core(native)

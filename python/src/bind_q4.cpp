@@ -132,6 +132,10 @@ void init_q4(py::module_& m) {
   m.def("_q4_expected_dispatch", [](const std::string& route, uint32_t m_, uint32_t n) {
     return dispatch_dict(q4_expected_dispatch(parse_route(route), m_, n));
   });
+  m.def("_q4_registry_expected_dispatch",
+        [](const KernelRegistry& registry, const std::string& route, uint32_t m_, uint32_t n, uint32_t k) {
+          return dispatch_dict(q4_expected_dispatch(registry, parse_route(route), m_, n, k));
+        });
   m.def(
       "_quantized_matmul_ggml",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,

@@ -185,7 +185,7 @@ def test_winner_plan_dispatch_and_traces(device, registry, rng):
                                             policy)
         enc.commit_and_wait()
         assert trace.decision.route is C64 and trace.decision.source is src.FROZEN_PLAN
-        assert trace.plan_id == plan.plan_id and trace.encoded == routemm.q4_expected_dispatch(C64, m, n)
+        assert trace.plan_id == plan.plan_id and trace.encoded == routemm.q4_expected_dispatch(C64, m, n, registry=registry, k=k)
         validate(trace)
         # The candidate's output equals the compatibility route's bit for bit.
         ref_out = device.alloc(m * n * 4, routemm.DType.F32, [m, n])

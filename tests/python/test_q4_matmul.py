@@ -16,9 +16,9 @@ from routemm import GgmlRoutingPolicy as Policy
 from routemm import GgmlTensorMmPreference as Pref
 from routemm import q4_0
 from support import POISON_U32, guarded, guarded_output, validate
-from tolerances import accumulation_bound, q4_tolerance
+from tolerances import Q4_CUDA_BF16_FROBENIUS, Q4_CUDA_NUMERICS, accumulation_bound, q4_gpu_bound, q4_tolerance
 
-# The Q4_0 pipelines exist on the CPU backend; other backends gain them later.
+# Backends without the Q4_0 pipelines skip.
 pytestmark = pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)
 
 LABEL_SUFFIX = "|700:i1|701:i1|702:i1"
@@ -71,6 +71,13 @@ class Q4Case:
     def check(self, out: np.ndarray, route_name: str) -> None:
         got = out.astype(np.float64)
         err = np.abs(got - self.ref)
+        if self.device.backend == "cuda":  # tensor-core numerics: the route's own bound
+            bound = q4_gpu_bound(route_name, self.k, self.magnitude)
+            assert np.all(err <= bound), f"{route_name}: worst excess {np.max(err - bound):.3e}"
+            if Q4_CUDA_NUMERICS[route_name] == "bf16":
+                frob = np.linalg.norm(got - self.ref) / max(np.linalg.norm(self.ref), 1e-300)
+                assert frob <= Q4_CUDA_BF16_FROBENIUS, f"{route_name}: relative Frobenius error {frob:.3e}"
+            return
         bound = accumulation_bound(self.k, self.magnitude)
         assert np.all(err <= bound), f"{route_name}: worst excess {np.max(err - bound):.3e}"
         atol, rtol = q4_tolerance(route_name, self.k)
@@ -97,7 +104,7 @@ def test_every_route_against_reference(device, registry, rng, route, m, n, k):
     case = Q4Case(device, rng, m, n, k)
     out, receipt = case.run(registry, route)
     assert receipt.dense_route is route and receipt.decision is Decision.FORCED_TEST
-    assert receipt.dispatch == routemm.q4_expected_dispatch(route, m, n)
+    assert receipt.dispatch == routemm.q4_expected_dispatch(route, m, n, registry=registry, k=k)
     case.check(out, route.value)
 
 
@@ -207,14 +214,34 @@ def test_encoded_geometry_spec_example(device, registry, rng):
     case = Q4Case(device, rng, 129, 769, 32)
     for route in ROUTES:
         _, receipt = case.run(registry, route)
-        assert receipt.dispatch == routemm.q4_expected_dispatch(route, 129, 769)
+        assert receipt.dispatch == routemm.q4_expected_dispatch(route, 129, 769, registry=registry, k=32)
+        if device.backend == "cpu":  # the CPU backend encodes the reference geometry itself
+            assert receipt.dispatch == routemm.q4_expected_dispatch(route, 129, 769)
+
+
+@pytest.mark.parametrize("m,n,k", [(9, 4096, 14336), (512, 4096, 14336), (4096, 512, 2048), (33, 70, 800)])
+def test_registry_geometry_is_shape_derived(registry, m, n, k):
+    """Every matrix route of one shape gets the same K split (grid.z), so V2 and 64x32 can agree."""
+    dispatches = {route: routemm.q4_expected_dispatch(route, m, n, registry=registry, k=k) for route in ROUTES}
+    assert len({d.grid[2] for d in dispatches.values()}) == 1
+    for route, d in dispatches.items():
+        assert d.pipeline_label == route.pipeline_label and d.grid[0] >= 1 and d.grid[1] >= 1
+        validate(d)
+
+
+def test_expected_dispatch_with_registry_needs_k(registry):
+    with pytest.raises(routemm.InvalidArgumentError, match="needs k"):
+        routemm.q4_expected_dispatch(Route.COMPATIBILITY_V2, 9, 64, registry=registry)
 
 
 def test_mat_vec_geometry(device, registry, rng):
     _, receipt = Q4Case(device, rng, 3, 17, 64).run(registry)
     d = receipt.dispatch
-    assert (d.grid, d.threads_per_threadgroup, d.threadgroup_memory) == ((3, 3, 1), (8, 8, 1), ())
     assert d.dispatch_kind is routemm.DispatchKind.THREAD_GROUPS
+    if device.backend == "cpu":
+        assert (d.grid, d.threads_per_threadgroup, d.threadgroup_memory) == ((3, 3, 1), (8, 8, 1), ())
+    else:  # 8 x (threads / 8) threads; x walks output rows, y tokens, z the K split
+        assert d.threads_per_threadgroup[0] == 8 and d.grid[1] == 1 and d.grid[2] >= 1
 
 
 def test_pipeline_names():

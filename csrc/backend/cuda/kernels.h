@@ -11,6 +11,8 @@ namespace routemm::cuda {
 void add_dense_matmul_id_kernels(std::vector<KernelDef>& out);
 // Tensor-core routes (kDenseMatmulIdTensorPipelineNames), dense_matmul_id_tensor.cu.
 void add_dense_matmul_id_tensor_kernels(std::vector<KernelDef>& out);
+// GGML Q4_0 dense projections (kQ4MatmulPipelineNames), q4_matmul.cu.
+void add_q4_matmul_kernels(std::vector<KernelDef>& out);
 // Route-calibration proof kernels (routemm_calibration_poison_f32 / _compare_f32), calibration.cu.
 void add_calibration_kernels(std::vector<KernelDef>& out);
 

@@ -91,6 +91,12 @@ struct KernelDef {
   // the front door encodes grid [min(persistent_groups, number of tiles), 1, 1] instead of the tile
   // grid, and the receipt shows the launch as it happens.
   uint32_t persistent_groups = 0;
+  // Nonzero: the kernel may split its reduction dimension across up to `k_split_max` groups along
+  // grid.z (groups of one split reduce their partial results in a fixed order, so the split changes
+  // no bits run to run). The op front door picks the split from the shape alone, aiming for at least
+  // `k_split_target_groups` groups in all; each op documents its formula.
+  uint32_t k_split_max = 0;
+  uint32_t k_split_target_groups = 0;
   // The function behind the pipeline: the backend's own kernel name. Registering a kernel under
   // another name keeps it, so an identity shows which code a name resolves to. Empty: `name`.
   std::string entry_point;

@@ -73,6 +73,8 @@ class KernelRegistry {
   // Identity of a pipeline by label, resolving it if needed.
   PipelineIdentity pipeline_identity(std::string_view label);
   bool has_kernel(std::string_view name) const;
+  // The definition registered under `name` (a copy), or nullopt. Resolves nothing.
+  std::optional<KernelDef> kernel_def(std::string_view name) const;
   std::vector<std::string> kernel_names() const;
 
   // Test hook: the next lookup of `name` fails with an error naming it (one-shot).

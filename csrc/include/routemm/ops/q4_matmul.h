@@ -107,7 +107,16 @@ DenseQ4RouteSelection select_dense_q4_route(const GgmlQuantizedMatmulParams& par
 // The geometry a route's dispatch must have (spec §6.2 expected_dispatch): token tile 32 and 8192
 // bytes of threadgroup memory for simdgroup/V1, 128 and 4096 for V2, 32 and 4096 for 64x32; grid
 // [ceil(m / tile), ceil(n / 64), 1], threads [128, 1, 1], ThreadGroups.
+// This is the reference geometry (the CPU backend's, and Metal's); see the overload below for
+// the geometry a given registry's pipelines encode.
 EncodedKernelDispatch q4_expected_dispatch(DenseQ4Route route, uint32_t m, uint32_t n);
+
+// The geometry `route` encodes through `registry` for (m, n, k): derived from the registered
+// KernelDef exactly as the front door derives it (tile extents, threads, threadgroup memory and,
+// on backends that split K across grid.z, the split). Equals the reference geometry above on the
+// CPU backend. Throws KernelNotFound when the registry lacks the route's pipeline.
+EncodedKernelDispatch q4_expected_dispatch(const KernelRegistry& registry, DenseQ4Route route,
+                                           uint32_t m, uint32_t n, uint32_t k);
 
 struct GgmlQuantizedMatmulReceipt {
   GgmlType ggml_type = GgmlType::Q4_0;
@@ -133,7 +142,8 @@ GgmlQuantizedMatmulReceipt quantized_matmul_ggml(CommandEncoder& encoder, Kernel
                                                  const GgmlQuantizedMatmulParams& params,
                                                  const GgmlRoutingPolicy& policy);
 
-// Calibration entry: encodes exactly `route` (one dispatch, geometry == q4_expected_dispatch).
+// Calibration entry: encodes exactly `route` (one dispatch, geometry == the registry's
+// q4_expected_dispatch).
 // Requires Q4_0 and M > 8 ("forced dense Q4 MM route requires Q4_0 and M > 8"), then the same
 // validation as quantized_matmul_ggml. The decision is ForcedTest; no policy is consulted.
 GgmlQuantizedMatmulReceipt encode_q4_route(CommandEncoder& encoder, KernelRegistry& registry,

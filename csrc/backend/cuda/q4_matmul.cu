@@ -1,0 +1,534 @@
+// CUDA kernels of the GGML Q4_0 dense projections (csrc/ops/q4_matmul.cpp owns validation, routing
+// and geometry): the mat-vec pipeline and the four matrix routes, all one tensor-core kernel
+// template over warp-level MMA (mma.sync m16n8k16 bf16, ldmatrix, cp.async; sm_80+, the same code on
+// sm_90, where long K is also split across a thread-block cluster).
+//
+// DATA PATH (every route): raw GGUF blocks and F32 activations stream into a shared-memory ring by
+// cp.async (16/8/4-byte copies, the widest the weight view's alignment and row length allow; byte
+// copies for odd views), a stage of SB blocks (32 * SB values of K) at a time. Each stage is then
+// converted once per CTA into bf16 MMA operand tiles (the weights decoded from nibbles, the
+// activations rounded), and the warps multiply the tiles with ldmatrix + mma.sync. Tails in N, M and
+// K are handled in the kernel (rows and tokens past the end are never loaded and never stored).
+//
+// NUMERICS, stated per route (tests/python/tolerances.py holds the matching tolerances):
+//   split (mat-vec, compatibility_simdgroup, compatibility_tensor_v1): the weights enter exactly --
+//     the MMA multiplies the integers (nibble - 8), which bf16 holds exactly -- and each activation
+//     is split into x = hi + lo, two bf16 values (|x - hi - lo| <= 2^-16 |x|). Each 32-value block
+//     is summed by the tensor cores in F32 from zero (hi and lo products of both 16-value halves),
+//     then scaled by the block's F32 scale d with one FMA into the F32 accumulator. Accuracy close to
+//     F32 accumulation; tested within 2^-14 * sum|w x| per element.
+//   bf16 (compatibility_v2, tensor_64x32): the weights are dequantised to bf16 as bf16(d) * (nibble -
+//     8) rounded to bf16, the activations rounded to bf16, products accumulated in F32 by the tensor
+//     cores over the whole K range. The same rounding as a bf16 GEMM over dequantised weights; tested
+//     within 2^-6 * sum|w x| per element and 1e-2 relative Frobenius error.
+// ORDER: an output element's sum runs over K blocks in increasing order within its K split; the
+// splits (grid.z, one cluster) are added in increasing split order by the CTA that stores the
+// element. The split and this order depend on (m, n, k) only (csrc/ops/q4_matmul.cpp), never on a
+// route's token tile, and an MMA's result depends only on its operand values, so V2 and 64x32 --
+// same numerics, different tiles -- give bit-identical outputs (the calibration's contract).
+//
+// GEOMETRY (KernelDef below; tile_x/tile_y as the front door reads them):
+//   kernel_mul_mv_q4_0_f32               split, 128 rows x 8 tokens, 256 threads (8 x 32), SB 4
+//   kernel_mul_mm_q4_0_f32               split,  32 tokens x 64 rows, 128 threads, SB 2
+//   kernel_mul_mm_q4_0_tensor_f32        split,  32 tokens x 128 rows, 256 threads, SB 2
+//   kernel_mul_mm_q4_0_tensor_v2_f32     bf16,  128 tokens x 128 rows, 256 threads, SB 2
+//   kernel_mul_mm_q4_0_tensor_64x32_f32  bf16,   32 tokens x 128 rows, 256 threads, SB 2
+// A 4-stage ring each; grid.z = the K split (<= 8, sm_90 only), reduced through distributed shared
+// memory inside the cluster.
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "backend/common/launch_args.h"
+#include "backend/common/q4_0_block.h"
+#include "kernels.h"
+#include "routemm/error.h"
+#include "routemm/ops/q4_matmul.h"
+#include "warp_mma.cuh"
+
+#ifndef ROUTEMM_CUDA_Q4_MATMUL_SHA256
+#define ROUTEMM_CUDA_Q4_MATMUL_SHA256 "unknown"
+#endif
+
+namespace routemm::cuda {
+namespace {
+
+namespace cg = cooperative_groups;
+
+enum class Numerics { Split, Bf16 };
+
+constexpr int align16(int bytes) { return (bytes + 15) / 16 * 16; }
+
+// One route's tile: MT x NT MMA tiles (16 rows x 8 tokens each) per warp, WR x WT warps, SB blocks of
+// K per stage, STAGES stages in the cp.async ring.
+template <int MT, int NT, int WR, int WT, int SB, int STAGES, Numerics NUM>
+struct Tile {
+  static constexpr int kMT = MT, kNT = NT, kWR = WR, kSB = SB, kStages = STAGES;
+  static constexpr bool kSplit = NUM == Numerics::Split;
+  static constexpr int kThreads = 32 * WR * WT;
+  static constexpr int kRows = 16 * MT * WR;
+  static constexpr int kTokens = 8 * NT * WT;
+  static constexpr int kK = 32 * SB;              // K values per stage
+  static constexpr int kRawRowBytes = 18 * SB;    // raw weight bytes per row per stage
+  static constexpr int kRawW = align16(kRows * kRawRowBytes);
+  static constexpr int kRawX = kTokens * kK * 4;  // F32 activations per stage
+  static constexpr int kRawStage = kRawW + kRawX;
+  static constexpr int kLd = kK + 8;  // converted row stride in bf16: rows 16 bytes apart in banks
+  static constexpr int kA = kRows * kLd * 2;
+  static constexpr int kD = kSplit ? kRows * SB * 4 : 0;
+  static constexpr int kB = kTokens * kLd * 2;
+  static constexpr int kBlo = kSplit ? kB : 0;
+  static constexpr int kPipeline = STAGES * kRawStage + kA + kD + kB + kBlo;
+  static constexpr int kPartials = kRows * kTokens * 4;  // the K-split reduction reuses the ring
+  static constexpr int kSmem = kPipeline > kPartials ? kPipeline : kPartials;
+  static_assert(kRawRowBytes % 2 == 0 && kLd * 2 % 16 == 0 && kRawStage % 16 == 0);
+};
+
+using MatVecTile = Tile<1, 1, 8, 1, 4, 4, Numerics::Split>;
+using SimdgroupTile = Tile<2, 2, 2, 2, 2, 4, Numerics::Split>;
+using TensorV1Tile = Tile<2, 2, 4, 2, 2, 4, Numerics::Split>;
+using TensorV2Tile = Tile<4, 4, 2, 4, 2, 4, Numerics::Bf16>;
+using Tensor64x32Tile = Tile<2, 2, 4, 2, 2, 4, Numerics::Bf16>;
+
+constexpr int kMaxKSplits = 8;  // portable cluster size
+
+struct Q4Args {
+  const uint8_t* weight;
+  const float* input;
+  float* output;
+  int32_t n, m, k_blocks;
+  int32_t blocks_per_split;  // a multiple of the tile's SB
+  uint64_t row_bytes;        // weight row stride (k_blocks * 18)
+  int32_t w_grain;           // bytes per weight copy: 16, 8, 4, 2 or 1
+  int32_t x_grain;           // bytes per activation copy: 16 or 4
+  int32_t rows_on_x;         // 1: grid.x walks row tiles (mat-vec); 0: grid.x walks token tiles
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ uint32_t bits_of(__nv_bfloat162 v) {
+  uint32_t out;
+  memcpy(&out, &v, 4);
+  return out;
+}
+__device__ __forceinline__ __nv_bfloat162 bf162_of(uint32_t bits) {
+  __nv_bfloat162 out;
+  memcpy(&out, &bits, 4);
+  return out;
+}
+
+// Copies `grain` bytes global -> shared (grain and both addresses are multiples of `grain`).
+__device__ __forceinline__ void copy_grain(uint8_t* dst, const uint8_t* src, int grain) {
+  switch (grain) {
+    case 16: cp_async_16(smem_addr(dst), src, true); break;
+    case 8: cp_async_8(smem_addr(dst), src); break;
+    case 4: cp_async_4(smem_addr(dst), src); break;
+    case 2: *reinterpret_cast<uint16_t*>(dst) = *reinterpret_cast<const uint16_t*>(src); break;
+    default: *dst = *src; break;
+  }
+}
+
+// (nibble - 8) of the low (or high) nibbles of two consecutive bytes, as bf16x2: 0x4300 | q is the
+// bf16 of 128 + q, and subtracting 136 is exact.
+__device__ __forceinline__ __nv_bfloat162 nibble_pair(uint32_t two_bytes, bool high) {
+  const uint32_t q = high ? ((two_bytes >> 4) & 0x000Fu) | ((two_bytes & 0xF000u) << 4)
+                          : (two_bytes & 0x000Fu) | ((two_bytes & 0x0F00u) << 8);
+  return __hsub2(bf162_of(q | 0x43004300u), __floats2bfloat162_rn(136.0f, 136.0f));
+}
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1) q4_kernel(const Q4Args a) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row_tile = static_cast<int>(a.rows_on_x ? blockIdx.x : blockIdx.y);
+  const int tok_tile = static_cast<int>(a.rows_on_x ? blockIdx.y : blockIdx.x);
+  const int row0 = row_tile * T::kRows, tok0 = tok_tile * T::kTokens;
+  const int rows_valid = min(T::kRows, a.n - row0);
+  const int toks_valid = min(T::kTokens, a.m - tok0);
+  const int kb_begin = static_cast<int>(blockIdx.z) * a.blocks_per_split;
+  const int kb_end = min(a.k_blocks, kb_begin + a.blocks_per_split);
+  const int stages = kb_end > kb_begin ? (kb_end - kb_begin + T::kSB - 1) / T::kSB : 0;
+
+  uint8_t* const raw = smem;
+  __nv_bfloat16* const sa = reinterpret_cast<__nv_bfloat16*>(smem + T::kStages * T::kRawStage);
+  float* const sd = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(sa) + T::kA);
+  __nv_bfloat16* const sb = reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<uint8_t*>(sd) + T::kD);
+  __nv_bfloat16* const sbl = sb + T::kTokens * T::kLd;  // Split only
+
+  // Edge tiles: rows past n and tokens past m are never loaded; zero the ring once so the values
+  // converted from those rows are finite (their results are never stored).
+  if (rows_valid < T::kRows || toks_valid < T::kTokens) {
+    for (int i = tid * 16; i < T::kStages * T::kRawStage; i += T::kThreads * 16) {
+      sts128(smem_addr(raw + i), 0, 0, 0, 0);
+    }
+    __syncthreads();
+  }
+
+  const uint64_t x_row_floats = uint64_t(a.k_blocks) * 32;
+  const auto load_stage = [&](int stage) {
+    const int kb0 = kb_begin + stage * T::kSB;
+    const int nblk = min(T::kSB, kb_end - kb0);
+    uint8_t* const w_dst = raw + (stage % T::kStages) * T::kRawStage;
+    uint8_t* const x_dst = w_dst + T::kRawW;
+    const int w_units = nblk * 18 / a.w_grain;
+    const uint8_t* const w_src = a.weight + uint64_t(row0) * a.row_bytes + uint64_t(kb0) * 18;
+    for (int u = tid; u < rows_valid * w_units; u += T::kThreads) {
+      const int r = u / w_units, c = (u - r * w_units) * a.w_grain;
+      copy_grain(w_dst + r * T::kRawRowBytes + c, w_src + uint64_t(r) * a.row_bytes + c, a.w_grain);
+    }
+    const int x_units = nblk * 128 / a.x_grain;
+    const uint8_t* const x_src =
+        reinterpret_cast<const uint8_t*>(a.input + uint64_t(tok0) * x_row_floats + uint64_t(kb0) * 32);
+    for (int u = tid; u < toks_valid * x_units; u += T::kThreads) {
+      const int r = u / x_units, c = (u - r * x_units) * a.x_grain;
+      copy_grain(x_dst + r * T::kK * 4 + c, x_src + uint64_t(r) * x_row_floats * 4 + c, a.x_grain);
+    }
+  };
+
+  // Raw stage -> bf16 operand tiles (and the split route's F32 scales).
+  const auto convert_stage = [&](int stage) {
+    const int nblk = min(T::kSB, kb_end - (kb_begin + stage * T::kSB));
+    const uint8_t* const w_raw = raw + (stage % T::kStages) * T::kRawStage;
+    const float* const x_raw = reinterpret_cast<const float*>(w_raw + T::kRawW);
+    for (int u = tid; u < T::kRows * T::kSB; u += T::kThreads) {
+      const int r = u / T::kSB, b = u % T::kSB;
+      if (b >= nblk) continue;
+      const uint8_t* const blk = w_raw + r * T::kRawRowBytes + b * 18;
+      const uint16_t* const half_words = reinterpret_cast<const uint16_t*>(blk);
+      const float d = __half2float(__ushort_as_half(half_words[0]));
+      uint32_t lo[8], hi[8];
+      if constexpr (T::kSplit) {
+        sd[r * T::kSB + b] = d;
+#pragma unroll
+        for (int p = 0; p < 8; ++p) {
+          const uint32_t v = half_words[1 + p];
+          lo[p] = bits_of(nibble_pair(v, false));
+          hi[p] = bits_of(nibble_pair(v, true));
+        }
+      } else {
+        const __nv_bfloat162 d2 = __floats2bfloat162_rn(d, d);
+#pragma unroll
+        for (int p = 0; p < 8; ++p) {
+          const uint32_t v = half_words[1 + p];
+          lo[p] = bits_of(__hmul2(nibble_pair(v, false), d2));
+          hi[p] = bits_of(__hmul2(nibble_pair(v, true), d2));
+        }
+      }
+      const uint32_t dst = smem_addr(sa + r * T::kLd + b * 32);
+      sts128(dst, lo[0], lo[1], lo[2], lo[3]);
+      sts128(dst + 16, lo[4], lo[5], lo[6], lo[7]);
+      sts128(dst + 32, hi[0], hi[1], hi[2], hi[3]);
+      sts128(dst + 48, hi[4], hi[5], hi[6], hi[7]);
+    }
+    constexpr int kQuads = T::kK / 4;
+    for (int u = tid; u < T::kTokens * kQuads; u += T::kThreads) {
+      const int r = u / kQuads, c = (u % kQuads) * 4;
+      if (c >= nblk * 32) continue;
+      const float4 v = *reinterpret_cast<const float4*>(x_raw + r * T::kK + c);
+      const __nv_bfloat162 h0 = __floats2bfloat162_rn(v.x, v.y), h1 = __floats2bfloat162_rn(v.z, v.w);
+      sts64(smem_addr(sb + r * T::kLd + c), bits_of(h0), bits_of(h1));
+      if constexpr (T::kSplit) {
+        const float2 f0 = __bfloat1622float2(h0), f1 = __bfloat1622float2(h1);
+        sts64(smem_addr(sbl + r * T::kLd + c), bits_of(__floats2bfloat162_rn(v.x - f0.x, v.y - f0.y)),
+              bits_of(__floats2bfloat162_rn(v.z - f1.x, v.w - f1.y)));
+      }
+    }
+  };
+
+  const int warp_row = (warp % T::kWR) * T::kMT * 16;
+  const int warp_tok = (warp / T::kWR) * T::kNT * 8;
+  float acc[T::kMT][T::kNT][4];
+#pragma unroll
+  for (int i = 0; i < T::kMT; ++i)
+#pragma unroll
+    for (int j = 0; j < T::kNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+  const auto mma_stage = [&](int nblk) {
+    for (int b = 0; b < nblk; ++b) {
+      uint32_t af[T::kMT][2][4];
+#pragma unroll
+      for (int i = 0; i < T::kMT; ++i)
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          const __nv_bfloat16* p = sa + (warp_row + i * 16 + (lane & 15)) * T::kLd + b * 32 + s * 16 + (lane >> 4) * 8;
+          ldmatrix_x4(smem_addr(p), af[i][s][0], af[i][s][1], af[i][s][2], af[i][s][3]);
+        }
+      uint32_t bh[T::kNT][4];
+#pragma unroll
+      for (int j = 0; j < T::kNT; ++j) {
+        const int off = (warp_tok + j * 8 + (lane & 7)) * T::kLd + b * 32 + (lane >> 3) * 8;
+        ldmatrix_x4(smem_addr(sb + off), bh[j][0], bh[j][1], bh[j][2], bh[j][3]);
+      }
+      if constexpr (T::kSplit) {
+        uint32_t bl[T::kNT][4];
+#pragma unroll
+        for (int j = 0; j < T::kNT; ++j) {
+          const int off = (warp_tok + j * 8 + (lane & 7)) * T::kLd + b * 32 + (lane >> 3) * 8;
+          ldmatrix_x4(smem_addr(sbl + off), bl[j][0], bl[j][1], bl[j][2], bl[j][3]);
+        }
+#pragma unroll
+        for (int i = 0; i < T::kMT; ++i) {
+          const float d_top = sd[(warp_row + i * 16 + g) * T::kSB + b];
+          const float d_bottom = sd[(warp_row + i * 16 + g + 8) * T::kSB + b];
+#pragma unroll
+          for (int j = 0; j < T::kNT; ++j) {
+            float block_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_bf16_16816(block_sum, af[i][0], bh[j][0], bh[j][1]);
+            mma_bf16_16816(block_sum, af[i][0], bl[j][0], bl[j][1]);
+            mma_bf16_16816(block_sum, af[i][1], bh[j][2], bh[j][3]);
+            mma_bf16_16816(block_sum, af[i][1], bl[j][2], bl[j][3]);
+            acc[i][j][0] = fmaf(d_top, block_sum[0], acc[i][j][0]);
+            acc[i][j][1] = fmaf(d_top, block_sum[1], acc[i][j][1]);
+            acc[i][j][2] = fmaf(d_bottom, block_sum[2], acc[i][j][2]);
+            acc[i][j][3] = fmaf(d_bottom, block_sum[3], acc[i][j][3]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < T::kMT; ++i)
+#pragma unroll
+          for (int j = 0; j < T::kNT; ++j) {
+            mma_bf16_16816(acc[i][j], af[i][0], bh[j][0], bh[j][1]);
+            mma_bf16_16816(acc[i][j], af[i][1], bh[j][2], bh[j][3]);
+          }
+      }
+    }
+  };
+
+  // The ring: stage s is waited for, the stage STAGES-1 ahead is issued into the buffer stage s-1
+  // used (free: every thread passed this iteration's first barrier after converting it), then s is
+  // converted and multiplied. One commit per slot keeps the group count uniform.
+#pragma unroll
+  for (int s = 0; s < T::kStages - 1; ++s) {
+    if (s < stages) load_stage(s);
+    cp_async_commit();
+  }
+  for (int s = 0; s < stages; ++s) {
+    cp_async_wait<T::kStages - 2>();
+    __syncthreads();
+    if (s + T::kStages - 1 < stages) load_stage(s + T::kStages - 1);
+    cp_async_commit();
+    convert_stage(s);
+    __syncthreads();
+    mma_stage(min(T::kSB, kb_end - (kb_begin + s * T::kSB)));
+  }
+  cp_async_wait_all();
+
+  // acc[i][j][e] holds row warp_row + 16i + g (+8 for e >= 2), token warp_tok + 8j + 2t (+1 odd e).
+  if (gridDim.z == 1) {
+#pragma unroll
+    for (int i = 0; i < T::kMT; ++i)
+#pragma unroll
+      for (int j = 0; j < T::kNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = warp_row + i * 16 + g + (e >= 2 ? 8 : 0);
+          const int k = warp_tok + j * 8 + 2 * t + (e & 1);
+          if (r < rows_valid && k < toks_valid) a.output[uint64_t(tok0 + k) * a.n + row0 + r] = acc[i][j][e];
+        }
+    return;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // K split across the cluster (grid.z): partials [token][row] in each CTA's shared memory, then CTA
+  // `rank` sums slice `rank` of the tile over the splits in increasing order and stores it.
+  __syncthreads();  // every warp is done with the ring before it is reused
+  float* const partial = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int i = 0; i < T::kMT; ++i)
+#pragma unroll
+    for (int j = 0; j < T::kNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = warp_row + i * 16 + g + (e >= 2 ? 8 : 0);
+        const int k = warp_tok + j * 8 + 2 * t + (e & 1);
+        partial[k * T::kRows + r] = acc[i][j][e];
+      }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int splits = static_cast<int>(gridDim.z);
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int per = T::kRows * T::kTokens / splits;
+  for (int e = rank * per + tid; e < (rank + 1) * per; e += T::kThreads) {
+    const int k = e / T::kRows, r = e % T::kRows;
+    if (k >= toks_valid || r >= rows_valid) continue;
+    float sum = cluster.map_shared_rank(partial, 0)[e];
+    for (int s = 1; s < splits; ++s) sum += cluster.map_shared_rank(partial, s)[e];
+    a.output[uint64_t(tok0 + k) * a.n + row0 + r] = sum;
+  }
+  cluster.sync();  // no CTA leaves while another still reads its partials
+#else
+  __trap();  // the host never splits K below sm_90 (KernelDef::k_split_max == 1)
+#endif
+}
+
+// Largest copy size in {16, 8, 4, 2, 1} that divides the view's address, the row stride and every
+// stage's byte count, so each copy is naturally aligned on both sides.
+int weight_grain(const void* weight, uint64_t row_bytes, int sb, int k_blocks) {
+  const auto address = reinterpret_cast<uintptr_t>(weight);
+  const uint64_t tail = uint64_t(k_blocks % sb) * 18;
+  for (int grain : {16, 8, 4, 2}) {
+    if (address % grain == 0 && row_bytes % grain == 0 && (18 * sb) % grain == 0 && tail % grain == 0) return grain;
+  }
+  return 1;
+}
+
+template <class T>
+void configure_once(const KernelLaunch& launch) {
+  static const cudaError_t status = [] {
+    return cudaFuncSetAttribute(q4_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
+  }();
+  if (status != cudaSuccess) {
+    throw Error("'" + launch.label + "': cannot reserve " + std::to_string(T::kSmem) +
+                " bytes of shared memory: " + cudaGetErrorString(status));
+  }
+}
+
+struct Problem {
+  const uint8_t* weight;
+  const float* input;
+  float* output;
+  uint32_t m, n, k;
+  uint64_t row_bytes;
+};
+
+template <class T>
+void launch_tile(const KernelLaunch& launch, void* stream, const Problem& p, bool rows_on_x) {
+  const uint64_t threads = launch.threads.x * launch.threads.y * launch.threads.z;
+  if (threads != T::kThreads) {
+    throw Error("'" + launch.label + "': launched with " + std::to_string(threads) + " threads, the kernel needs " +
+                std::to_string(T::kThreads));
+  }
+  const uint64_t want_x = rows_on_x ? (p.n + T::kRows - 1) / T::kRows : (p.m + T::kTokens - 1) / T::kTokens;
+  const uint64_t want_y = rows_on_x ? (p.m + T::kTokens - 1) / T::kTokens : (p.n + T::kRows - 1) / T::kRows;
+  const uint64_t splits = launch.grid.z;
+  if (launch.grid.x != want_x || launch.grid.y != want_y || splits < 1 || splits > kMaxKSplits ||
+      (splits & (splits - 1)) != 0) {
+    throw Error("'" + launch.label + "': grid does not match the kernel's tiles");
+  }
+  configure_once<T>(launch);
+  Q4Args a{};
+  a.weight = p.weight;
+  a.input = p.input;
+  a.output = p.output;
+  a.n = static_cast<int32_t>(p.n);
+  a.m = static_cast<int32_t>(p.m);
+  a.k_blocks = static_cast<int32_t>(p.k / 32);
+  const int per_split = static_cast<int>((uint64_t(a.k_blocks) + splits - 1) / splits);
+  a.blocks_per_split = (per_split + T::kSB - 1) / T::kSB * T::kSB;
+  a.row_bytes = p.row_bytes;
+  a.w_grain = weight_grain(p.weight, p.row_bytes, T::kSB, a.k_blocks);
+  a.x_grain = reinterpret_cast<uintptr_t>(p.input) % 16 == 0 ? 16 : 4;
+  a.rows_on_x = rows_on_x ? 1 : 0;
+
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(launch.grid.x), static_cast<unsigned>(launch.grid.y),
+                        static_cast<unsigned>(splits));
+  config.blockDim = dim3(T::kThreads);
+  config.dynamicSmemBytes = T::kSmem;
+  config.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attribute{};
+  if (splits > 1) {
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = 1;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = static_cast<unsigned>(splits);
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  if (const cudaError_t e = cudaLaunchKernelEx(&config, q4_kernel<T>, a); e != cudaSuccess) {
+    throw Error("'" + launch.label + "': launch failed: " + cudaGetErrorString(e));
+  }
+}
+
+Problem problem_of(const KernelLaunch& launch, size_t weight_slot, size_t input_slot, size_t output_slot,
+                   uint64_t m, uint64_t n, uint64_t k, uint64_t row_bytes) {
+  if (m == 0 || n == 0 || k == 0 || k % 32 != 0 || row_bytes != k / 32 * 18 || m > INT32_MAX ||
+      n > INT32_MAX || k > INT32_MAX) {
+    throw Error("'" + launch.label + "': malformed Q4_0 params");
+  }
+  Problem p{};
+  p.m = static_cast<uint32_t>(m);
+  p.n = static_cast<uint32_t>(n);
+  p.k = static_cast<uint32_t>(k);
+  p.row_bytes = row_bytes;
+  p.weight = static_cast<const uint8_t*>(kernels::launch_arg(launch, weight_slot, "weight", n * row_bytes).data);
+  p.input = static_cast<const float*>(kernels::launch_arg(launch, input_slot, "input", m * k * 4).data);
+  p.output = static_cast<float*>(kernels::launch_arg(launch, output_slot, "output", m * n * 4).data);
+  if (reinterpret_cast<uintptr_t>(p.input) % 4 != 0 || reinterpret_cast<uintptr_t>(p.output) % 4 != 0) {
+    throw Error("'" + launch.label + "': input and output must be 4-byte aligned");
+  }
+  return p;
+}
+
+void launch_mat_vec(const KernelLaunch& launch, void* stream) {
+  const auto q = kernels::launch_params<kernels::GgmlMatmulMvParams>(launch, 3);
+  if (q.ne00 != q.ne10 || q.ne01 != q.ne0 || q.ne00 < 0 || q.ne01 < 0 || q.ne1 < 0) {
+    throw Error("'" + launch.label + "': malformed Q4_0 mat-vec params");
+  }
+  const auto k = static_cast<uint64_t>(q.ne00);
+  const Problem p = problem_of(launch, 0, 1, 2, static_cast<uint64_t>(q.ne1), static_cast<uint64_t>(q.ne01), k,
+                               k / 32 * 18);
+  launch_tile<MatVecTile>(launch, stream, p, true);
+}
+
+template <class T>
+void launch_matrix(const KernelLaunch& launch, void* stream) {
+  const auto q = kernels::launch_params<kernels::GgmlMatmulMmParams>(launch, 0);
+  if (q.ne00 <= 0 || q.ne0 <= 0 || q.ne1 <= 0 || q.nb10 != 4 || q.nb11 != uint64_t(q.ne00) * 4) {
+    throw Error("'" + launch.label + "': malformed Q4_0 matrix params");
+  }
+  const Problem p = problem_of(launch, 1, 2, 3, uint64_t(q.ne1), uint64_t(q.ne0), uint64_t(q.ne00), q.nb01);
+  launch_tile<T>(launch, stream, p, false);
+}
+
+template <class T>
+KernelDef q4_def(std::string_view name, KernelFn fn, bool rows_on_x, uint32_t k_split_max, uint32_t target) {
+  KernelDef def;
+  def.name = std::string(name);
+  def.fn = fn;
+  def.max_threads_per_threadgroup = 1024;
+  def.threads_per_group = T::kThreads;
+  def.tile_x = rows_on_x ? T::kRows : T::kTokens;
+  def.tile_y = rows_on_x ? T::kTokens : T::kRows;
+  def.threadgroup_memory_bytes = T::kSmem;
+  def.k_split_max = k_split_max;
+  def.k_split_target_groups = target;
+  def.origin = "cuda_fatbin";
+  def.content_sha256 = ROUTEMM_CUDA_Q4_MATMUL_SHA256;
+  return def;
+}
+
+}  // namespace
+
+void add_q4_matmul_kernels(std::vector<KernelDef>& out) {
+  // K splits need thread-block clusters (sm_90+); the target is two groups per multiprocessor.
+  int sms = 0, major = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess || sms <= 0) {
+    (void)cudaGetLastError();
+    sms = 132;
+    major = 0;
+  }
+  const uint32_t splits = major >= 9 ? kMaxKSplits : 1;
+  const auto target = static_cast<uint32_t>(2 * sms);
+  const auto& names = kQ4MatmulPipelineNames;
+  out.push_back(q4_def<MatVecTile>(names[0], &launch_mat_vec, true, splits, target));
+  out.push_back(q4_def<SimdgroupTile>(names[1], &launch_matrix<SimdgroupTile>, false, splits, target));
+  out.push_back(q4_def<TensorV1Tile>(names[2], &launch_matrix<TensorV1Tile>, false, splits, target));
+  out.push_back(q4_def<TensorV2Tile>(names[3], &launch_matrix<TensorV2Tile>, false, splits, target));
+  out.push_back(q4_def<Tensor64x32Tile>(names[4], &launch_matrix<Tensor64x32Tile>, false, splits, target));
+}
+
+}  // namespace routemm::cuda
