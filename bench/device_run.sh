@@ -66,6 +66,24 @@ for dt, k, n, m, top_k, E in [(np.float32, 35, 7, 9, 6, 8), (ml_dtypes.bfloat16,
         outs[route] = routemm.matmul_id(w, x, ids, route=route, device=dev)
     assert np.array_equal(outs["direct"].view(np.uint32), outs["grouped_prefill"].view(np.uint32)), dt
     print("ok", np.dtype(dt).name, k, n, m, top_k, E)
+# Q4_0: every pipeline on odd tails, an unaligned weight view (byte copies) and a K split (cluster).
+from routemm import q4_0
+for m, n, k, offset in [(3, 200, 4096, 0), (40, 130, 800, 1), (130, 70, 2048, 0), (9, 33, 64, 2)]:
+    w = q4_0.quantize(rng.uniform(-1, 1, (n, k)).astype(np.float32)).reshape(-1)
+    raw = np.zeros(w.size + offset, np.uint8); raw[offset:] = w
+    wbuf = dev.from_numpy(raw).view(offset, w.size, routemm.DType.U8, [w.size])
+    x = dev.from_numpy(rng.uniform(-1, 1, (m, k)).astype(np.float32))
+    p = routemm.GgmlQuantizedMatmulParams(m, n, k)
+    routes = [None] + (list(routemm.DenseQ4Route) if m > 8 else [])
+    for route in routes:
+        out = dev.from_numpy(np.zeros((m, n), np.float32))
+        enc = dev.command_encoder()
+        if route is None:
+            r = routemm.quantized_matmul_ggml(enc, reg, x, wbuf, out, p, routemm.GgmlRoutingPolicy())
+        else:
+            r = routemm.encode_q4_route(enc, reg, x, wbuf, out, p, route)
+        enc.commit_and_wait()
+        print("ok q4", m, n, k, offset, r.route, r.dispatch.grid)
 PY
   if command -v compute-sanitizer >/dev/null; then
     timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 python3 /tmp/sanitize_case.py > "$OUT/sanitizer.log" 2>&1
