@@ -156,7 +156,7 @@ def test_routing_policy(device, registry, rng, policy, route, decision):
     out, receipt = case.run(registry, routing=policy)
     assert (receipt.dense_route, receipt.decision, receipt.policy) == (route, decision, policy)
     assert receipt.pipeline_label == route.pipeline_name + LABEL_SUFFIX == route.pipeline_label
-    assert receipt.dispatch == routemm.q4_expected_dispatch(route, 9, 20)
+    assert receipt.dispatch == routemm.q4_expected_dispatch(route, 9, 20, registry=registry, k=64)
     assert routemm.select_dense_q4_route(case.params(), policy) == (route, decision)
     case.check(out, route.value)
 

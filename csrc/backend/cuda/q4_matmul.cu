@@ -88,6 +88,17 @@ struct Tile {
   static constexpr int kPartials = kRows * kTokens * 4;  // the K-split reduction reuses the ring
   static constexpr int kSmem = kPipeline > kPartials ? kPipeline : kPartials;
   static_assert(kRawRowBytes % 2 == 0 && kLd * 2 % 16 == 0 && kRawStage % 16 == 0);
+  // The vector load path: each weight row's stage is kWUnits copies of kWGrain bytes (the widest
+  // power of two dividing 18 * SB), spread over kThreadsPerRow threads; each activation row's stage
+  // kXUnits 16-byte copies over kThreadsPerToken threads. Fixed per thread for the whole kernel.
+  static constexpr int kWGrain = kRawRowBytes % 16 == 0 ? 16 : kRawRowBytes % 8 == 0 ? 8 : 4;
+  static constexpr int kWUnits = kRawRowBytes / kWGrain;
+  static constexpr int kThreadsPerRow = kThreads / kRows;
+  static constexpr int kWPerThread = (kWUnits + kThreadsPerRow - 1) / kThreadsPerRow;
+  static constexpr int kXUnits = kK * 4 / 16;
+  static constexpr int kThreadsPerToken = kThreads / kTokens;
+  static constexpr int kXPerThread = kXUnits / kThreadsPerToken;
+  static_assert(kThreads % kRows == 0 && kThreads % kTokens == 0 && kXUnits % kThreadsPerToken == 0);
 };
 
 using MatVecTile = Tile<1, 1, 8, 1, 4, 4, Numerics::Split>;
@@ -144,7 +155,9 @@ __device__ __forceinline__ __nv_bfloat162 nibble_pair(uint32_t two_bytes, bool h
   return __hsub2(bf162_of(q | 0x43004300u), __floats2bfloat162_rn(136.0f, 136.0f));
 }
 
-template <class T>
+// kVec: the weight view and row stride allow T::kWGrain-byte copies for every stage (the tail
+// stage included) and the input is 16-byte aligned; else every copy takes the generic path.
+template <class T, bool kVec>
 __global__ void __launch_bounds__(T::kThreads, 1) q4_kernel(const Q4Args a) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = static_cast<int>(threadIdx.x);
@@ -175,11 +188,39 @@ __global__ void __launch_bounds__(T::kThreads, 1) q4_kernel(const Q4Args a) {
   }
 
   const uint64_t x_row_floats = uint64_t(a.k_blocks) * 32;
+  // Vector path: this thread's weight row and first unit, and its activation row and first unit.
+  const int w_row = tid / T::kThreadsPerRow, w_unit0 = tid % T::kThreadsPerRow;
+  const int x_row = tid / T::kThreadsPerToken, x_unit0 = tid % T::kThreadsPerToken;
+  const uint8_t* const w_thread = a.weight + uint64_t(row0 + w_row) * a.row_bytes;
+  const uint8_t* const x_thread = reinterpret_cast<const uint8_t*>(a.input + uint64_t(tok0 + x_row) * x_row_floats);
   const auto load_stage = [&](int stage) {
     const int kb0 = kb_begin + stage * T::kSB;
     const int nblk = min(T::kSB, kb_end - kb0);
     uint8_t* const w_dst = raw + (stage % T::kStages) * T::kRawStage;
     uint8_t* const x_dst = w_dst + T::kRawW;
+    if constexpr (kVec) {
+      if (w_row < rows_valid) {
+        const int units = nblk * 18 / T::kWGrain;
+        const uint8_t* const src = w_thread + uint64_t(kb0) * 18;
+        uint8_t* const dst = w_dst + w_row * T::kRawRowBytes;
+#pragma unroll
+        for (int j = 0; j < T::kWPerThread; ++j) {
+          const int c = w_unit0 + j * T::kThreadsPerRow;
+          if (c < units) copy_grain(dst + c * T::kWGrain, src + c * T::kWGrain, T::kWGrain);
+        }
+      }
+      if (x_row < toks_valid) {
+        const int units = nblk * 8;
+        const uint8_t* const src = x_thread + uint64_t(kb0) * 128;
+        const uint32_t dst = smem_addr(x_dst + x_row * T::kK * 4);
+#pragma unroll
+        for (int j = 0; j < T::kXPerThread; ++j) {
+          const int c = x_unit0 + j * T::kThreadsPerToken;
+          if (c < units) cp_async_16(dst + c * 16, src + c * 16, true);
+        }
+      }
+      return;
+    }
     const int w_units = nblk * 18 / a.w_grain;
     const uint8_t* const w_src = a.weight + uint64_t(row0) * a.row_bytes + uint64_t(kb0) * 18;
     for (int u = tid; u < rows_valid * w_units; u += T::kThreads) {
@@ -387,7 +428,9 @@ int weight_grain(const void* weight, uint64_t row_bytes, int sb, int k_blocks) {
 template <class T>
 void configure_once(const KernelLaunch& launch) {
   static const cudaError_t status = [] {
-    return cudaFuncSetAttribute(q4_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
+    const cudaError_t e = cudaFuncSetAttribute(q4_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
+    return e != cudaSuccess ? e
+                            : cudaFuncSetAttribute(q4_kernel<T, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
   }();
   if (status != cudaSuccess) {
     throw Error("'" + launch.label + "': cannot reserve " + std::to_string(T::kSmem) +
@@ -447,7 +490,10 @@ void launch_tile(const KernelLaunch& launch, void* stream, const Problem& p, boo
     config.attrs = &attribute;
     config.numAttrs = 1;
   }
-  if (const cudaError_t e = cudaLaunchKernelEx(&config, q4_kernel<T>, a); e != cudaSuccess) {
+  const bool vec = a.w_grain >= T::kWGrain && a.x_grain == 16;
+  const cudaError_t e = vec ? cudaLaunchKernelEx(&config, q4_kernel<T, true>, a)
+                            : cudaLaunchKernelEx(&config, q4_kernel<T, false>, a);
+  if (e != cudaSuccess) {
     throw Error("'" + launch.label + "': launch failed: " + cudaGetErrorString(e));
   }
 }
