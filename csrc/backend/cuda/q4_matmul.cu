@@ -67,7 +67,7 @@ constexpr int align16(int bytes) { return (bytes + 15) / 16 * 16; }
 
 // One route's tile: MT x NT MMA tiles (16 rows x 8 tokens each) per warp, WR x WT warps, SB blocks of
 // K per stage, STAGES stages in the cp.async ring.
-template <int MT, int NT, int WR, int WT, int SB, int STAGES, Numerics NUM>
+template <int MT, int NT, int WR, int WT, int SB, int STAGES, Numerics NUM, int MINB = 1>
 struct Tile {
   static constexpr int kMT = MT, kNT = NT, kWR = WR, kSB = SB, kStages = STAGES;
   static constexpr bool kSplit = NUM == Numerics::Split;
@@ -89,22 +89,21 @@ struct Tile {
   static constexpr int kSmem = kPipeline > kPartials ? kPipeline : kPartials;
   static_assert(kRawRowBytes % 2 == 0 && kLd * 2 % 16 == 0 && kRawStage % 16 == 0);
   // The vector load path: each weight row's stage is kWUnits copies of kWGrain bytes (the widest
-  // power of two dividing 18 * SB), spread over kThreadsPerRow threads; each activation row's stage
-  // kXUnits 16-byte copies over kThreadsPerToken threads. Fixed per thread for the whole kernel.
+  // power of two dividing 18 * SB), each activation row's stage kXUnits 16-byte copies. Copy u of a
+  // stage is row u / units, unit u % units, and thread t issues copies t, t + kThreads, ...: a warp
+  // covers whole row segments, so each copy instruction touches as few cache lines as possible.
   static constexpr int kWGrain = kRawRowBytes % 16 == 0 ? 16 : kRawRowBytes % 8 == 0 ? 8 : 4;
   static constexpr int kWUnits = kRawRowBytes / kWGrain;
-  static constexpr int kThreadsPerRow = kThreads / kRows;
-  static constexpr int kWPerThread = (kWUnits + kThreadsPerRow - 1) / kThreadsPerRow;
+  static constexpr int kWPerThread = (kRows * kWUnits + kThreads - 1) / kThreads;
   static constexpr int kXUnits = kK * 4 / 16;
-  static constexpr int kThreadsPerToken = kThreads / kTokens;
-  static constexpr int kXPerThread = kXUnits / kThreadsPerToken;
-  static_assert(kThreads % kRows == 0 && kThreads % kTokens == 0 && kXUnits % kThreadsPerToken == 0);
+  static constexpr int kXPerThread = (kTokens * kXUnits + kThreads - 1) / kThreads;
+  static constexpr int kMinBlocks = MINB;
 };
 
 using MatVecTile = Tile<1, 1, 8, 1, 4, 4, Numerics::Split>;
 using SimdgroupTile = Tile<2, 2, 2, 2, 2, 4, Numerics::Split>;
 using TensorV1Tile = Tile<2, 2, 4, 2, 2, 4, Numerics::Split>;
-using TensorV2Tile = Tile<4, 4, 2, 4, 2, 4, Numerics::Bf16>;
+using TensorV2Tile = Tile<4, 4, 2, 4, 2, 2, Numerics::Bf16, 2>;  // two CTAs per SM overlap phases
 using Tensor64x32Tile = Tile<2, 2, 4, 2, 2, 4, Numerics::Bf16>;
 
 constexpr int kMaxKSplits = 8;  // portable cluster size
@@ -158,7 +157,7 @@ __device__ __forceinline__ __nv_bfloat162 nibble_pair(uint32_t two_bytes, bool h
 // kVec: the weight view and row stride allow T::kWGrain-byte copies for every stage (the tail
 // stage included) and the input is 16-byte aligned; else every copy takes the generic path.
 template <class T, bool kVec>
-__global__ void __launch_bounds__(T::kThreads, 1) q4_kernel(const Q4Args a) {
+__global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4Args a) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31, warp = tid >> 5;
@@ -188,35 +187,32 @@ __global__ void __launch_bounds__(T::kThreads, 1) q4_kernel(const Q4Args a) {
   }
 
   const uint64_t x_row_floats = uint64_t(a.k_blocks) * 32;
-  // Vector path: this thread's weight row and first unit, and its activation row and first unit.
-  const int w_row = tid / T::kThreadsPerRow, w_unit0 = tid % T::kThreadsPerRow;
-  const int x_row = tid / T::kThreadsPerToken, x_unit0 = tid % T::kThreadsPerToken;
-  const uint8_t* const w_thread = a.weight + uint64_t(row0 + w_row) * a.row_bytes;
-  const uint8_t* const x_thread = reinterpret_cast<const uint8_t*>(a.input + uint64_t(tok0 + x_row) * x_row_floats);
   const auto load_stage = [&](int stage) {
     const int kb0 = kb_begin + stage * T::kSB;
     const int nblk = min(T::kSB, kb_end - kb0);
     uint8_t* const w_dst = raw + (stage % T::kStages) * T::kRawStage;
     uint8_t* const x_dst = w_dst + T::kRawW;
     if constexpr (kVec) {
-      if (w_row < rows_valid) {
-        const int units = nblk * 18 / T::kWGrain;
-        const uint8_t* const src = w_thread + uint64_t(kb0) * 18;
-        uint8_t* const dst = w_dst + w_row * T::kRawRowBytes;
+      const int w_units = nblk * 18 / T::kWGrain;  // per row, this stage
+      const uint8_t* const w_src = a.weight + uint64_t(row0) * a.row_bytes + uint64_t(kb0) * 18;
 #pragma unroll
-        for (int j = 0; j < T::kWPerThread; ++j) {
-          const int c = w_unit0 + j * T::kThreadsPerRow;
-          if (c < units) copy_grain(dst + c * T::kWGrain, src + c * T::kWGrain, T::kWGrain);
+      for (int j = 0; j < T::kWPerThread; ++j) {
+        const int u = tid + j * T::kThreads;
+        const int r = u / T::kWUnits, c = u % T::kWUnits;
+        if (r < rows_valid && c < w_units) {
+          copy_grain(w_dst + r * T::kRawRowBytes + c * T::kWGrain, w_src + uint64_t(r) * a.row_bytes + c * T::kWGrain,
+                     T::kWGrain);
         }
       }
-      if (x_row < toks_valid) {
-        const int units = nblk * 8;
-        const uint8_t* const src = x_thread + uint64_t(kb0) * 128;
-        const uint32_t dst = smem_addr(x_dst + x_row * T::kK * 4);
+      const int x_units = nblk * 8;
+      const uint8_t* const x_src =
+          reinterpret_cast<const uint8_t*>(a.input + uint64_t(tok0) * x_row_floats + uint64_t(kb0) * 32);
 #pragma unroll
-        for (int j = 0; j < T::kXPerThread; ++j) {
-          const int c = x_unit0 + j * T::kThreadsPerToken;
-          if (c < units) cp_async_16(dst + c * 16, src + c * 16, true);
+      for (int j = 0; j < T::kXPerThread; ++j) {
+        const int u = tid + j * T::kThreads;
+        const int r = u / T::kXUnits, c = u % T::kXUnits;
+        if (r < toks_valid && c < x_units) {
+          cp_async_16(smem_addr(x_dst + r * T::kK * 4 + c * 16), x_src + uint64_t(r) * x_row_floats * 4 + c * 16, true);
         }
       }
       return;
