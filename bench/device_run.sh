@@ -3,7 +3,8 @@
 # for sm_90a, run the backend-parametrised Python suite on cpu and cuda, a compute-sanitizer memcheck
 # of a small expert-ID script, and the CUDA benchmark. Everything lands in $OUT (<= 8 files):
 #   nvidia-smi.txt build.log pytest.log sanitizer.log bench.log dense_matmul_id-h200.json/.md
-# Env: GIT_REV (recorded in the results), BENCH_ARGS (extra bench flags), SKIP_TESTS=1, SKIP_BENCH=1.
+# Env: GIT_REV (recorded in the results; pass it from the submitting checkout, whose git metadata
+# the device copy may not carry), BENCH_ARGS (extra bench flags), SKIP_TESTS=1, SKIP_BENCH=1.
 set -u
 OUT=${OUT:-/tmp/routemm-out}
 mkdir -p "$OUT"
