@@ -29,14 +29,15 @@
 // route's token tile, and an MMA's result depends only on its operand values, so V2 and 64x32 --
 // same numerics, different tiles -- give bit-identical outputs (the calibration's contract).
 //
-// GEOMETRY (KernelDef below; tile_x/tile_y as the front door reads them):
-//   kernel_mul_mv_q4_0_f32               split, 128 rows x 8 tokens, 256 threads (8 x 32), SB 4
-//   kernel_mul_mm_q4_0_f32               split,  32 tokens x 64 rows, 128 threads, SB 2
-//   kernel_mul_mm_q4_0_tensor_f32        split,  32 tokens x 128 rows, 256 threads, SB 2
-//   kernel_mul_mm_q4_0_tensor_v2_f32     bf16,  128 tokens x 128 rows, 256 threads, SB 2
-//   kernel_mul_mm_q4_0_tensor_64x32_f32  bf16,   32 tokens x 128 rows, 256 threads, SB 2
-// A 4-stage ring each; grid.z = the K split (<= 8, sm_90 only), reduced through distributed shared
-// memory inside the cluster.
+// GEOMETRY (KernelDef below; tile_x/tile_y as the front door reads them; SB and the ring depth are
+// in the Tile aliases further down):
+//   kernel_mul_mv_q4_0_f32               split, 128 rows x 8 tokens, 256 threads (8 x 32)
+//   kernel_mul_mm_q4_0_f32               split,  32 tokens x 64 rows, 128 threads
+//   kernel_mul_mm_q4_0_tensor_f32        split,  32 tokens x 128 rows, 256 threads
+//   kernel_mul_mm_q4_0_tensor_v2_f32     bf16,  128 tokens x 128 rows, 256 threads
+//   kernel_mul_mm_q4_0_tensor_64x32_f32  bf16,   32 tokens x 128 rows, 256 threads
+// grid.z = the K split (<= 8, sm_90 only), reduced through distributed shared memory inside the
+// cluster; threadgroup memory = the ring, the converted tiles (or the split's partial tile).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -106,7 +107,7 @@ struct Tile {
   static constexpr int kMinBlocks = MINB;
 };
 
-using MatVecTile = Tile<1, 1, 8, 1, 4, 4, Numerics::Split>;
+using MatVecTile = Tile<1, 1, 8, 1, 8, 3, Numerics::Split, 2>;
 using SimdgroupTile = Tile<2, 2, 2, 2, 2, 4, Numerics::Split>;
 using TensorV1Tile = Tile<2, 2, 4, 2, 2, 4, Numerics::Split>;
 using TensorV2Tile = Tile<4, 4, 2, 4, 2, 2, Numerics::Bf16, 2>;  // two CTAs per SM overlap phases
