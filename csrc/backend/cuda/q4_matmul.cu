@@ -439,6 +439,174 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 #endif
 }
 
+// The mat-vec (m <= 8), streamed per warp: warp w owns 16 weight rows of the CTA's 128 and streams
+// them over the CTA's K range through its own cp.async ring (kMvSB blocks = 144-byte row runs per
+// stage), with no CTA-wide barrier in the loop. Activations come straight from global memory (they
+// are small and L1/L2-resident): each lane loads the pairs its B fragments need and splits them into
+// bf16 hi + lo itself. Numerics and order are the split numerics above: the converted-tile kernel
+// with MatVecTile gives the same bits.
+struct MatVecStream {
+  static constexpr int kWarps = 8, kThreads = 256, kRows = 128, kTokens = 8;
+  static constexpr int kSB = 8, kStages = 4;
+  static constexpr int kRowBytes = 18 * kSB;                 // one row's run per stage
+  static constexpr int kWarpStage = 16 * kRowBytes;          // 2304 bytes
+  static constexpr int kWarpRing = kStages * kWarpStage;
+  static constexpr int kRing = kWarps * kWarpRing;
+  static constexpr int kPartials = kRows * kTokens * 4;
+  static constexpr int kSmem = kRing > kPartials ? kRing : kPartials;
+  static constexpr int kMinBlocks = 2;
+  static_assert(kRowBytes % 16 == 0 && kWarpStage % 16 == 0);
+};
+
+// kVec: 16-byte weight copies for full stages (16-aligned view, K % 256 == 0) and 8-byte-aligned
+// activation pairs; else element-wise copies and loads.
+template <bool kVec>
+__global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBlocks) q4_matvec_kernel(const Q4Args a) {
+  using T = MatVecStream;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = static_cast<int>(blockIdx.x) * T::kRows;
+  const int tok0 = static_cast<int>(blockIdx.y) * T::kTokens;
+  const int toks_valid = min(T::kTokens, a.m - tok0);
+  const int warp_row0 = row0 + warp * 16;
+  const int warp_rows = max(0, min(16, a.n - warp_row0));
+  const int kb_begin = static_cast<int>(blockIdx.z) * a.blocks_per_split;
+  const int kb_end = min(a.k_blocks, kb_begin + a.blocks_per_split);
+  const int stages = kb_end > kb_begin ? (kb_end - kb_begin + T::kSB - 1) / T::kSB : 0;
+  uint8_t* const ring = smem + warp * T::kWarpRing;
+
+  if (warp_rows < 16) {  // rows past n are never loaded: keep what the MMA reads from them finite
+    for (int i = lane * 16; i < T::kWarpRing; i += 32 * 16) sts128(smem_addr(ring + i), 0, 0, 0, 0);
+    __syncwarp();
+  }
+  const uint8_t* const w_rows = a.weight + uint64_t(warp_row0) * a.row_bytes;
+  const auto load_stage = [&](int stage) {
+    const int kb0 = kb_begin + stage * T::kSB;
+    const int nblk = min(T::kSB, kb_end - kb0);
+    uint8_t* const dst = ring + (stage % T::kStages) * T::kWarpStage;
+    const uint8_t* const src = w_rows + uint64_t(kb0) * 18;
+    if (kVec && nblk == T::kSB) {
+      constexpr int kUnits = T::kRowBytes / 16;  // 9 copies per row
+#pragma unroll
+      for (int j = 0; j < (16 * kUnits + 31) / 32; ++j) {
+        const int u = lane + 32 * j;
+        const int r = u / kUnits, c = u % kUnits;
+        if (u < 16 * kUnits && r < warp_rows) {
+          cp_async_16(smem_addr(dst + r * T::kRowBytes + c * 16), src + uint64_t(r) * a.row_bytes + c * 16, true);
+        }
+      }
+    } else {
+      const int units = nblk * 18 / a.w_grain;
+      for (int u = lane; u < warp_rows * units; u += 32) {
+        const int r = u / units, c = (u - r * units) * a.w_grain;
+        copy_grain(dst + r * T::kRowBytes + c, src + uint64_t(r) * a.row_bytes + c, a.w_grain);
+      }
+    }
+  };
+
+  // Activation row of token g (lanes whose token is past m read nothing and multiply zeros).
+  const bool has_token = g < toks_valid;
+  const float* const x_row = a.input + uint64_t(tok0 + (has_token ? g : 0)) * (uint64_t(a.k_blocks) * 32);
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+
+#pragma unroll
+  for (int s = 0; s < T::kStages - 1; ++s) {
+    if (s < stages) load_stage(s);
+    cp_async_commit();
+  }
+  for (int s = 0; s < stages; ++s) {
+    cp_async_wait<T::kStages - 2>();
+    __syncwarp();
+    if (s + T::kStages - 1 < stages) load_stage(s + T::kStages - 1);
+    cp_async_commit();
+    const int kb0 = kb_begin + s * T::kSB;
+    const int nblk = min(T::kSB, kb_end - kb0);
+    const uint8_t* const stage_rows = ring + (s % T::kStages) * T::kWarpStage;
+    for (int b = 0; b < nblk; ++b) {
+      // B fragments: b0 = token g, K 2t..2t+1 of the 16-value half; b1 = K 2t+8..2t+9.
+      float2 x[4] = {make_float2(0.f, 0.f), make_float2(0.f, 0.f), make_float2(0.f, 0.f), make_float2(0.f, 0.f)};
+      if (has_token) {
+        const float* const xb = x_row + uint64_t(kb0 + b) * 32 + 2 * t;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if constexpr (kVec) {
+            x[q] = *reinterpret_cast<const float2*>(xb + 8 * q);
+          } else {
+            x[q] = make_float2(xb[8 * q], xb[8 * q + 1]);
+          }
+        }
+      }
+      uint32_t bh[4], bl[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(x[q].x, x[q].y);
+        const float2 hf = __bfloat1622float2(h);
+        bh[q] = bits_of(h);
+        bl[q] = bits_of(__floats2bfloat162_rn(x[q].x - hf.x, x[q].y - hf.y));
+      }
+      // A fragments from the raw rows g and g + 8 of this block.
+      const uint16_t* const top = reinterpret_cast<const uint16_t*>(stage_rows + g * T::kRowBytes + b * 18);
+      const uint16_t* const bottom = reinterpret_cast<const uint16_t*>(stage_rows + (g + 8) * T::kRowBytes + b * 18);
+      const float d_top = __half2float(__ushort_as_half(top[0]));
+      const float d_bottom = __half2float(__ushort_as_half(bottom[0]));
+      const uint32_t v[4] = {top[1 + t], bottom[1 + t], top[5 + t], bottom[5 + t]};
+      uint32_t a_lo[4], a_hi[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        a_lo[r] = bits_of(nibble_pair(v[r], false));
+        a_hi[r] = bits_of(nibble_pair(v[r], true));
+      }
+      float block_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma_bf16_16816(block_sum, a_lo, bh[0], bh[1]);
+      mma_bf16_16816(block_sum, a_lo, bl[0], bl[1]);
+      mma_bf16_16816(block_sum, a_hi, bh[2], bh[3]);
+      mma_bf16_16816(block_sum, a_hi, bl[2], bl[3]);
+      acc[0] = fmaf(d_top, block_sum[0], acc[0]);
+      acc[1] = fmaf(d_top, block_sum[1], acc[1]);
+      acc[2] = fmaf(d_bottom, block_sum[2], acc[2]);
+      acc[3] = fmaf(d_bottom, block_sum[3], acc[3]);
+    }
+  }
+  cp_async_wait_all();
+
+  // acc[e]: row warp_row0 + g (+8 for e >= 2), token tok0 + 2t (+1 for odd e).
+  if (gridDim.z == 1) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = g + (e >= 2 ? 8 : 0), k = 2 * t + (e & 1);
+      if (r < warp_rows && k < toks_valid) a.output[uint64_t(tok0 + k) * a.n + warp_row0 + r] = acc[e];
+    }
+    return;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __syncthreads();  // every warp is done with its ring before the partial tile reuses it
+  float* const partial = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int r = warp * 16 + g + (e >= 2 ? 8 : 0), k = 2 * t + (e & 1);
+    partial[k * T::kRows + r] = acc[e];
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int splits = static_cast<int>(gridDim.z);
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int per = T::kRows * T::kTokens / splits;
+  const int rows_valid = min(T::kRows, a.n - row0);
+  for (int e = rank * per + tid; e < (rank + 1) * per; e += T::kThreads) {
+    const int k = e / T::kRows, r = e % T::kRows;
+    if (k >= toks_valid || r >= rows_valid) continue;
+    float sum = cluster.map_shared_rank(partial, 0)[e];
+    for (int q = 1; q < splits; ++q) sum += cluster.map_shared_rank(partial, q)[e];
+    a.output[uint64_t(tok0 + k) * a.n + row0 + r] = sum;
+  }
+  cluster.sync();
+#else
+  __trap();
+#endif
+}
+
 // Largest copy size in {16, 8, 4, 2, 1} that divides the view's address, the row stride and every
 // stage's byte count, so each copy is naturally aligned on both sides.
 int weight_grain(const void* weight, uint64_t row_bytes, int sb, int k_blocks) {
@@ -543,6 +711,57 @@ Problem problem_of(const KernelLaunch& launch, size_t weight_slot, size_t input_
   return p;
 }
 
+void launch_streamed_mat_vec(const KernelLaunch& launch, void* stream, const Problem& p) {
+  using T = MatVecStream;
+  const uint64_t threads = launch.threads.x * launch.threads.y * launch.threads.z;
+  const uint64_t splits = launch.grid.z;
+  if (threads != T::kThreads || launch.grid.x != (p.n + T::kRows - 1) / T::kRows ||
+      launch.grid.y != (p.m + T::kTokens - 1) / T::kTokens || splits < 1 || splits > kMaxKSplits ||
+      (splits & (splits - 1)) != 0) {
+    throw Error("'" + launch.label + "': launch shape does not match the kernel's tiles");
+  }
+  static const cudaError_t configured = [] {
+    const cudaError_t e = cudaFuncSetAttribute(q4_matvec_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
+    return e != cudaSuccess ? e
+                            : cudaFuncSetAttribute(q4_matvec_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
+  }();
+  if (configured != cudaSuccess) {
+    throw Error("'" + launch.label + "': cannot reserve shared memory: " + cudaGetErrorString(configured));
+  }
+  Q4Args a{};
+  a.weight = p.weight;
+  a.input = p.input;
+  a.output = p.output;
+  a.n = static_cast<int32_t>(p.n);
+  a.m = static_cast<int32_t>(p.m);
+  a.k_blocks = static_cast<int32_t>(p.k / 32);
+  const int per_split = static_cast<int>((uint64_t(a.k_blocks) + splits - 1) / splits);
+  a.blocks_per_split = (per_split + T::kSB - 1) / T::kSB * T::kSB;
+  a.row_bytes = p.row_bytes;
+  a.w_grain = weight_grain(p.weight, p.row_bytes, T::kSB, a.k_blocks);
+  a.x_grain = reinterpret_cast<uintptr_t>(p.input) % 8 == 0 ? 8 : 4;
+  a.rows_on_x = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(launch.grid.x), static_cast<unsigned>(launch.grid.y),
+                        static_cast<unsigned>(splits));
+  config.blockDim = dim3(T::kThreads);
+  config.dynamicSmemBytes = T::kSmem;
+  config.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attribute{};
+  if (splits > 1) {
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = 1;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = static_cast<unsigned>(splits);
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  const bool vec = a.w_grain == 16 && a.x_grain == 8;
+  const cudaError_t e = vec ? cudaLaunchKernelEx(&config, q4_matvec_kernel<true>, a)
+                            : cudaLaunchKernelEx(&config, q4_matvec_kernel<false>, a);
+  if (e != cudaSuccess) throw Error("'" + launch.label + "': launch failed: " + cudaGetErrorString(e));
+}
+
 void launch_mat_vec(const KernelLaunch& launch, void* stream) {
   const auto q = kernels::launch_params<kernels::GgmlMatmulMvParams>(launch, 3);
   if (q.ne00 != q.ne10 || q.ne01 != q.ne0 || q.ne00 < 0 || q.ne01 < 0 || q.ne1 < 0) {
@@ -551,7 +770,7 @@ void launch_mat_vec(const KernelLaunch& launch, void* stream) {
   const auto k = static_cast<uint64_t>(q.ne00);
   const Problem p = problem_of(launch, 0, 1, 2, static_cast<uint64_t>(q.ne1), static_cast<uint64_t>(q.ne01), k,
                                k / 32 * 18);
-  launch_tile<MatVecTile>(launch, stream, p, true);
+  launch_streamed_mat_vec(launch, stream, p);
 }
 
 template <class T>
@@ -595,7 +814,7 @@ void add_q4_matmul_kernels(std::vector<KernelDef>& out) {
   const uint32_t splits = major >= 9 ? kMaxKSplits : 1;
   const auto target = static_cast<uint32_t>(2 * sms);
   const auto& names = kQ4MatmulPipelineNames;
-  out.push_back(q4_def<MatVecTile>(names[0], &launch_mat_vec, true, splits, target));
+  out.push_back(q4_def<MatVecStream>(names[0], &launch_mat_vec, true, splits, target));
   out.push_back(q4_def<SimdgroupTile>(names[1], &launch_matrix<SimdgroupTile>, false, splits, target));
   out.push_back(q4_def<TensorV1Tile>(names[2], &launch_matrix<TensorV1Tile>, false, splits, target));
   out.push_back(q4_def<TensorV2Tile>(names[3], &launch_matrix<TensorV2Tile>, false, splits, target));
