@@ -440,26 +440,29 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 }
 
 // The mat-vec (m <= 8), streamed per warp: warp w owns 16 weight rows of the CTA's 128 and streams
-// them over the CTA's K range through its own cp.async ring (kMvSB blocks = 144-byte row runs per
-// stage), with no CTA-wide barrier in the loop. Activations come straight from global memory (they
-// are small and L1/L2-resident): each lane loads the pairs its B fragments need and splits them into
-// bf16 hi + lo itself. Numerics and order are the split numerics above: the converted-tile kernel
-// with MatVecTile gives the same bits.
+// them over the CTA's K range through its own cp.async ring (kSB blocks = 144-byte row runs per
+// stage), synchronising only with itself. The activations of the K range are staged once per chunk
+// of kXChunkBlocks blocks into shared memory (the only CTA-wide barriers), and each lane splits the
+// pairs its B fragments need into bf16 hi + lo itself. Numerics and order are the split numerics
+// above (per 32-value block: hi/lo MMAs from zero, then one FMA with the block's scale).
 struct MatVecStream {
   static constexpr int kWarps = 8, kThreads = 256, kRows = 128, kTokens = 8;
-  static constexpr int kSB = 8, kStages = 4;
-  static constexpr int kRowBytes = 18 * kSB;                 // one row's run per stage
-  static constexpr int kWarpStage = 16 * kRowBytes;          // 2304 bytes
+  static constexpr int kSB = 8, kStages = 3;
+  static constexpr int kRowBytes = 18 * kSB;         // one row's run per stage
+  static constexpr int kWarpStage = 16 * kRowBytes;  // 2304 bytes
   static constexpr int kWarpRing = kStages * kWarpStage;
   static constexpr int kRing = kWarps * kWarpRing;
+  static constexpr int kXChunkBlocks = 32;             // 1024 values of K per activation chunk
+  static constexpr int kXLd = kXChunkBlocks * 32 + 8;  // floats per token row: rows 8 banks apart
+  static constexpr int kX = kTokens * kXLd * 4;
   static constexpr int kPartials = kRows * kTokens * 4;
-  static constexpr int kSmem = kRing > kPartials ? kRing : kPartials;
+  static constexpr int kSmem = kX + kRing;
   static constexpr int kMinBlocks = 2;
-  static_assert(kRowBytes % 16 == 0 && kWarpStage % 16 == 0);
+  static_assert(kRowBytes % 16 == 0 && kX % 16 == 0 && kPartials <= kSmem && kXChunkBlocks % kSB == 0);
 };
 
-// kVec: 16-byte weight copies for full stages (16-aligned view, K % 256 == 0) and 8-byte-aligned
-// activation pairs; else element-wise copies and loads.
+// kVec: 16-byte weight copies for full stages (16-aligned view, K % 256 == 0) and 16-byte-aligned
+// activations; else element-wise copies and loads.
 template <bool kVec>
 __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBlocks) q4_matvec_kernel(const Q4Args a) {
   using T = MatVecStream;
@@ -475,7 +478,8 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
   const int kb_begin = static_cast<int>(blockIdx.z) * a.blocks_per_split;
   const int kb_end = min(a.k_blocks, kb_begin + a.blocks_per_split);
   const int stages = kb_end > kb_begin ? (kb_end - kb_begin + T::kSB - 1) / T::kSB : 0;
-  uint8_t* const ring = smem + warp * T::kWarpRing;
+  float* const xs = reinterpret_cast<float*>(smem);
+  uint8_t* const ring = smem + T::kX + warp * T::kWarpRing;
 
   if (warp_rows < 16) {  // rows past n are never loaded: keep what the MMA reads from them finite
     for (int i = lane * 16; i < T::kWarpRing; i += 32 * 16) sts128(smem_addr(ring + i), 0, 0, 0, 0);
@@ -505,10 +509,28 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
       }
     }
   };
+  // Activations of blocks [kb0, kb0 + kXChunkBlocks) for the valid tokens, by plain loads.
+  const uint64_t x_row_floats = uint64_t(a.k_blocks) * 32;
+  const auto load_x_chunk = [&](int kb0) {
+    const int values = min(T::kXChunkBlocks, kb_end - kb0) * 32;
+    const float* const src = a.input + uint64_t(tok0) * x_row_floats + uint64_t(kb0) * 32;
+    if constexpr (kVec) {
+      const int quads = values / 4;
+      for (int u = tid; u < toks_valid * quads; u += T::kThreads) {
+        const int r = u / quads, c = (u - r * quads) * 4;
+        const float4 v = *reinterpret_cast<const float4*>(src + uint64_t(r) * x_row_floats + c);
+        *reinterpret_cast<float4*>(xs + r * T::kXLd + c) = v;
+      }
+    } else {
+      for (int u = tid; u < toks_valid * values; u += T::kThreads) {
+        const int r = u / values, c = u - r * values;
+        xs[r * T::kXLd + c] = src[uint64_t(r) * x_row_floats + c];
+      }
+    }
+  };
 
-  // Activation row of token g (lanes whose token is past m read nothing and multiply zeros).
   const bool has_token = g < toks_valid;
-  const float* const x_row = a.input + uint64_t(tok0 + (has_token ? g : 0)) * (uint64_t(a.k_blocks) * 32);
+  const float* const x_lane = xs + g * T::kXLd + 2 * t;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
 #pragma unroll
@@ -516,27 +538,30 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
     if (s < stages) load_stage(s);
     cp_async_commit();
   }
+  int chunk0 = kb_begin;
   for (int s = 0; s < stages; ++s) {
+    const int kb0 = kb_begin + s * T::kSB;
+    if ((kb0 - kb_begin) % T::kXChunkBlocks == 0) {  // the same stages in every warp
+      __syncthreads();  // the previous chunk is consumed
+      load_x_chunk(kb0);
+      chunk0 = kb0;
+      __syncthreads();
+    }
     cp_async_wait<T::kStages - 2>();
     __syncwarp();
     if (s + T::kStages - 1 < stages) load_stage(s + T::kStages - 1);
     cp_async_commit();
-    const int kb0 = kb_begin + s * T::kSB;
     const int nblk = min(T::kSB, kb_end - kb0);
     const uint8_t* const stage_rows = ring + (s % T::kStages) * T::kWarpStage;
-    for (int b = 0; b < nblk; ++b) {
-      // B fragments: b0 = token g, K 2t..2t+1 of the 16-value half; b1 = K 2t+8..2t+9.
+    const float* const x_stage = x_lane + (kb0 - chunk0) * 32;
+#pragma unroll
+    for (int b = 0; b < T::kSB; ++b) {
+      if (b >= nblk) break;
+      // B fragments: b0 = token g, K 2t..2t+1 of a 16-value half; b1 = K 2t+8..2t+9.
       float2 x[4] = {make_float2(0.f, 0.f), make_float2(0.f, 0.f), make_float2(0.f, 0.f), make_float2(0.f, 0.f)};
       if (has_token) {
-        const float* const xb = x_row + uint64_t(kb0 + b) * 32 + 2 * t;
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          if constexpr (kVec) {
-            x[q] = *reinterpret_cast<const float2*>(xb + 8 * q);
-          } else {
-            x[q] = make_float2(xb[8 * q], xb[8 * q + 1]);
-          }
-        }
+        for (int q = 0; q < 4; ++q) x[q] = *reinterpret_cast<const float2*>(x_stage + b * 32 + 8 * q);
       }
       uint32_t bh[4], bl[4];
 #pragma unroll
@@ -548,7 +573,7 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
       }
       // A fragments from the raw rows g and g + 8 of this block.
       const uint16_t* const top = reinterpret_cast<const uint16_t*>(stage_rows + g * T::kRowBytes + b * 18);
-      const uint16_t* const bottom = reinterpret_cast<const uint16_t*>(stage_rows + (g + 8) * T::kRowBytes + b * 18);
+      const uint16_t* const bottom = top + 4 * T::kRowBytes;  // 8 rows on, in 16-bit words
       const float d_top = __half2float(__ushort_as_half(top[0]));
       const float d_bottom = __half2float(__ushort_as_half(bottom[0]));
       const uint32_t v[4] = {top[1 + t], bottom[1 + t], top[5 + t], bottom[5 + t]};
@@ -581,7 +606,7 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
     return;
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __syncthreads();  // every warp is done with its ring before the partial tile reuses it
+  __syncthreads();  // every warp is done with the ring and the activations before they are reused
   float* const partial = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
@@ -739,7 +764,7 @@ void launch_streamed_mat_vec(const KernelLaunch& launch, void* stream, const Pro
   a.blocks_per_split = (per_split + T::kSB - 1) / T::kSB * T::kSB;
   a.row_bytes = p.row_bytes;
   a.w_grain = weight_grain(p.weight, p.row_bytes, T::kSB, a.k_blocks);
-  a.x_grain = reinterpret_cast<uintptr_t>(p.input) % 8 == 0 ? 8 : 4;
+  a.x_grain = reinterpret_cast<uintptr_t>(p.input) % 16 == 0 ? 16 : 4;
   a.rows_on_x = 1;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(launch.grid.x), static_cast<unsigned>(launch.grid.y),
@@ -756,7 +781,7 @@ void launch_streamed_mat_vec(const KernelLaunch& launch, void* stream, const Pro
     config.attrs = &attribute;
     config.numAttrs = 1;
   }
-  const bool vec = a.w_grain == 16 && a.x_grain == 8;
+  const bool vec = a.w_grain == 16 && a.x_grain == 16;
   const cudaError_t e = vec ? cudaLaunchKernelEx(&config, q4_matvec_kernel<true>, a)
                             : cudaLaunchKernelEx(&config, q4_matvec_kernel<false>, a);
   if (e != cudaSuccess) throw Error("'" + launch.label + "': launch failed: " + cudaGetErrorString(e));
