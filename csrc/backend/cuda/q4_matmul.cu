@@ -452,12 +452,12 @@ struct MatVecStream {
   static constexpr int kWarpStage = 16 * kRowBytes;  // 2304 bytes
   static constexpr int kWarpRing = kStages * kWarpStage;
   static constexpr int kRing = kWarps * kWarpRing;
-  static constexpr int kXChunkBlocks = 32;             // 1024 values of K per activation chunk
+  static constexpr int kXChunkBlocks = 16;             // 512 values of K per activation chunk
   static constexpr int kXLd = kXChunkBlocks * 32 + 8;  // floats per token row: rows 8 banks apart
   static constexpr int kX = kTokens * kXLd * 4;
   static constexpr int kPartials = kRows * kTokens * 4;
-  static constexpr int kSmem = kX + kRing;
-  static constexpr int kMinBlocks = 2;
+  static constexpr int kSmem = kX + kRing;  // ~72 KB: three CTAs per SM, so a launch of 8-CTA
+  static constexpr int kMinBlocks = 3;       // clusters fits the GPU in one wave
   static_assert(kRowBytes % 16 == 0 && kX % 16 == 0 && kPartials <= kSmem && kXChunkBlocks % kSB == 0);
 };
 
