@@ -439,17 +439,20 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 #endif
 }
 
-// The mat-vec (m <= 8), streamed per warp: warp w owns 16 weight rows of the CTA's 128 and streams
+// The mat-vec (m <= 8), streamed per warp: warp w owns 32 weight rows of the CTA's 128 and streams
 // them over the CTA's K range through its own cp.async ring (kSB blocks = 144-byte row runs per
 // stage), synchronising only with itself. The activations of the K range are staged once per chunk
 // of kXChunkBlocks blocks into shared memory (the only CTA-wide barriers), and each lane splits the
-// pairs its B fragments need into bf16 hi + lo itself. Numerics and order are the split numerics
+// pairs its B fragments need into bf16 hi + lo itself (hi by truncation, so x - hi is exact). Each
+// warp covers two 16-row MMA tiles, so that work is shared by both. Numerics: the split numerics
 // above (per 32-value block: hi/lo MMAs from zero, then one FMA with the block's scale).
 struct MatVecStream {
-  static constexpr int kWarps = 8, kThreads = 256, kRows = 128, kTokens = 8;
+  static constexpr int kWarps = 4, kThreads = 128, kRows = 128, kTokens = 8;
+  static constexpr int kWarpTiles = 2;               // 16-row MMA tiles per warp: B work is shared
+  static constexpr int kWarpRows = 16 * kWarpTiles;
   static constexpr int kSB = 8, kStages = 3;
-  static constexpr int kRowBytes = 18 * kSB;         // one row's run per stage
-  static constexpr int kWarpStage = 16 * kRowBytes;  // 2304 bytes
+  static constexpr int kRowBytes = 18 * kSB;                 // one row's run per stage
+  static constexpr int kWarpStage = kWarpRows * kRowBytes;  // 4608 bytes
   static constexpr int kWarpRing = kStages * kWarpStage;
   static constexpr int kRing = kWarps * kWarpRing;
   static constexpr int kXChunkBlocks = 16;             // 512 values of K per activation chunk
@@ -473,15 +476,15 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
   const int row0 = static_cast<int>(blockIdx.x) * T::kRows;
   const int tok0 = static_cast<int>(blockIdx.y) * T::kTokens;
   const int toks_valid = min(T::kTokens, a.m - tok0);
-  const int warp_row0 = row0 + warp * 16;
-  const int warp_rows = max(0, min(16, a.n - warp_row0));
+  const int warp_row0 = row0 + warp * T::kWarpRows;
+  const int warp_rows = max(0, min(T::kWarpRows, a.n - warp_row0));
   const int kb_begin = static_cast<int>(blockIdx.z) * a.blocks_per_split;
   const int kb_end = min(a.k_blocks, kb_begin + a.blocks_per_split);
   const int stages = kb_end > kb_begin ? (kb_end - kb_begin + T::kSB - 1) / T::kSB : 0;
   float* const xs = reinterpret_cast<float*>(smem);
   uint8_t* const ring = smem + T::kX + warp * T::kWarpRing;
 
-  if (warp_rows < 16) {  // rows past n are never loaded: keep what the MMA reads from them finite
+  if (warp_rows < T::kWarpRows) {  // rows past n are never loaded: keep what the MMA reads finite
     for (int i = lane * 16; i < T::kWarpRing; i += 32 * 16) sts128(smem_addr(ring + i), 0, 0, 0, 0);
     __syncwarp();
   }
@@ -494,10 +497,10 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
     if (kVec && nblk == T::kSB) {
       constexpr int kUnits = T::kRowBytes / 16;  // 9 copies per row
 #pragma unroll
-      for (int j = 0; j < (16 * kUnits + 31) / 32; ++j) {
+      for (int j = 0; j < (T::kWarpRows * kUnits + 31) / 32; ++j) {
         const int u = lane + 32 * j;
         const int r = u / kUnits, c = u % kUnits;
-        if (u < 16 * kUnits && r < warp_rows) {
+        if (u < T::kWarpRows * kUnits && r < warp_rows) {
           cp_async_16(smem_addr(dst + r * T::kRowBytes + c * 16), src + uint64_t(r) * a.row_bytes + c * 16, true);
         }
       }
@@ -531,7 +534,8 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
 
   const bool has_token = g < toks_valid;
   const float* const x_lane = xs + g * T::kXLd + 2 * t;
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const __nv_bfloat162 kNibbleBias = __floats2bfloat162_rn(136.0f, 136.0f);
+  float acc[T::kWarpTiles][4] = {};
 
 #pragma unroll
   for (int s = 0; s < T::kStages - 1; ++s) {
@@ -557,62 +561,72 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
 #pragma unroll
     for (int b = 0; b < T::kSB; ++b) {
       if (b >= nblk) break;
-      // B fragments: b0 = token g, K 2t..2t+1 of a 16-value half; b1 = K 2t+8..2t+9.
-      float2 x[4] = {make_float2(0.f, 0.f), make_float2(0.f, 0.f), make_float2(0.f, 0.f), make_float2(0.f, 0.f)};
+      // B fragments: b0 = token g, K 2t..2t+1 of a 16-value half; b1 = K 2t+8..2t+9. hi keeps the
+      // top 16 bits of x (bf16 truncation), so x - hi is exact and lo = bf16(x - hi) leaves
+      // |x - hi - lo| <= 2^-16 |x|.
+      uint32_t bh[4] = {0, 0, 0, 0}, bl[4] = {0, 0, 0, 0};
       if (has_token) {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) x[q] = *reinterpret_cast<const float2*>(x_stage + b * 32 + 8 * q);
+        for (int q = 0; q < 4; ++q) {
+          const float2 x = *reinterpret_cast<const float2*>(x_stage + b * 32 + 8 * q);
+          const uint32_t x0 = __float_as_uint(x.x), x1 = __float_as_uint(x.y);
+          bh[q] = __byte_perm(x0, x1, 0x7632);
+          const float r0 = x.x - __uint_as_float(x0 & 0xFFFF0000u), r1 = x.y - __uint_as_float(x1 & 0xFFFF0000u);
+          bl[q] = bits_of(__floats2bfloat162_rn(r0, r1));
+        }
       }
-      uint32_t bh[4], bl[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const __nv_bfloat162 h = __floats2bfloat162_rn(x[q].x, x[q].y);
-        const float2 hf = __bfloat1622float2(h);
-        bh[q] = bits_of(h);
-        bl[q] = bits_of(__floats2bfloat162_rn(x[q].x - hf.x, x[q].y - hf.y));
-      }
-      // A fragments from the raw rows g and g + 8 of this block.
-      const uint16_t* const top = reinterpret_cast<const uint16_t*>(stage_rows + g * T::kRowBytes + b * 18);
-      const uint16_t* const bottom = top + 4 * T::kRowBytes;  // 8 rows on, in 16-bit words
-      const float d_top = __half2float(__ushort_as_half(top[0]));
-      const float d_bottom = __half2float(__ushort_as_half(bottom[0]));
-      const uint32_t v[4] = {top[1 + t], bottom[1 + t], top[5 + t], bottom[5 + t]};
-      uint32_t a_lo[4], a_hi[4];
+      for (int i = 0; i < T::kWarpTiles; ++i) {
+        // A fragments from the raw rows g and g + 8 of tile i: a0 row g, K 2t..2t+1; a1 row g+8;
+        // a2 row g, K 2t+8..; a3 row g+8. Low nibbles are values 0..15, high nibbles 16..31.
+        const uint16_t* const top =
+            reinterpret_cast<const uint16_t*>(stage_rows + (16 * i + g) * T::kRowBytes + b * 18);
+        const uint16_t* const bottom = top + 4 * T::kRowBytes;  // 8 rows on, in 16-bit words
+        const float d_top = __half2float(__ushort_as_half(top[0]));
+        const float d_bottom = __half2float(__ushort_as_half(bottom[0]));
+        const uint32_t v[4] = {top[1 + t], bottom[1 + t], top[5 + t], bottom[5 + t]};
+        uint32_t a_lo[4], a_hi[4];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        a_lo[r] = bits_of(nibble_pair(v[r], false));
-        a_hi[r] = bits_of(nibble_pair(v[r], true));
+        for (int r = 0; r < 4; ++r) {
+          const uint32_t spread = __byte_perm(v[r], 0, 0x4140);  // bytes [b0, 0, b1, 0]
+          a_lo[r] = bits_of(__hsub2(bf162_of((spread & 0x000F000Fu) | 0x43004300u), kNibbleBias));
+          a_hi[r] = bits_of(__hsub2(bf162_of(((spread >> 4) & 0x000F000Fu) | 0x43004300u), kNibbleBias));
+        }
+        float block_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_bf16_16816(block_sum, a_lo, bh[0], bh[1]);
+        mma_bf16_16816(block_sum, a_lo, bl[0], bl[1]);
+        mma_bf16_16816(block_sum, a_hi, bh[2], bh[3]);
+        mma_bf16_16816(block_sum, a_hi, bl[2], bl[3]);
+        acc[i][0] = fmaf(d_top, block_sum[0], acc[i][0]);
+        acc[i][1] = fmaf(d_top, block_sum[1], acc[i][1]);
+        acc[i][2] = fmaf(d_bottom, block_sum[2], acc[i][2]);
+        acc[i][3] = fmaf(d_bottom, block_sum[3], acc[i][3]);
       }
-      float block_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      mma_bf16_16816(block_sum, a_lo, bh[0], bh[1]);
-      mma_bf16_16816(block_sum, a_lo, bl[0], bl[1]);
-      mma_bf16_16816(block_sum, a_hi, bh[2], bh[3]);
-      mma_bf16_16816(block_sum, a_hi, bl[2], bl[3]);
-      acc[0] = fmaf(d_top, block_sum[0], acc[0]);
-      acc[1] = fmaf(d_top, block_sum[1], acc[1]);
-      acc[2] = fmaf(d_bottom, block_sum[2], acc[2]);
-      acc[3] = fmaf(d_bottom, block_sum[3], acc[3]);
     }
   }
   cp_async_wait_all();
 
-  // acc[e]: row warp_row0 + g (+8 for e >= 2), token tok0 + 2t (+1 for odd e).
+  // acc[i][e]: row warp_row0 + 16i + g (+8 for e >= 2), token tok0 + 2t (+1 for odd e).
   if (gridDim.z == 1) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = g + (e >= 2 ? 8 : 0), k = 2 * t + (e & 1);
-      if (r < warp_rows && k < toks_valid) a.output[uint64_t(tok0 + k) * a.n + warp_row0 + r] = acc[e];
-    }
+    for (int i = 0; i < T::kWarpTiles; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 16 * i + g + (e >= 2 ? 8 : 0), k = 2 * t + (e & 1);
+        if (r < warp_rows && k < toks_valid) a.output[uint64_t(tok0 + k) * a.n + warp_row0 + r] = acc[i][e];
+      }
     return;
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __syncthreads();  // every warp is done with the ring and the activations before they are reused
   float* const partial = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int r = warp * 16 + g + (e >= 2 ? 8 : 0), k = 2 * t + (e & 1);
-    partial[k * T::kRows + r] = acc[e];
-  }
+  for (int i = 0; i < T::kWarpTiles; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = warp * T::kWarpRows + 16 * i + g + (e >= 2 ? 8 : 0), k = 2 * t + (e & 1);
+      partial[k * T::kRows + r] = acc[i][e];
+    }
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
   const int splits = static_cast<int>(gridDim.z);
