@@ -8,8 +8,8 @@
 // copies for odd views), a stage of SB blocks (32 * SB values of K) at a time. Each stage is then
 // converted once per CTA into bf16 MMA operand tiles (the weights decoded from nibbles, the
 // activations rounded), and the warps multiply the tiles with ldmatrix + mma.sync. The mat-vec,
-// whose warps share no weight rows, decodes its weight fragments in registers straight from the
-// raw stage instead (same values, so the same results). Tails in N, M and
+// whose warps share no weight rows, streams per warp instead (q4_matvec_kernel below) and decodes its
+// weight fragments in registers straight from the raw stage. Tails in N, M and
 // K are handled in the kernel (rows and tokens past the end are never loaded and never stored).
 //
 // NUMERICS, stated per route (tests/python/tolerances.py holds the matching tolerances):
@@ -83,12 +83,8 @@ struct Tile {
   static constexpr int kRawX = kTokens * kK * 4;  // F32 activations per stage
   static constexpr int kRawStage = kRawW + kRawX;
   static constexpr int kLd = kK + 8;  // converted row stride in bf16: rows 16 bytes apart in banks
-  // One warp column (WT == 1, the mat-vec): no weight row is shared between warps, so each warp
-  // decodes its A fragments straight from the raw stage (no converted weight tile, no scale tile).
-  // Same values, same order: the results are those of the converted path.
-  static constexpr bool kDirectA = WT == 1 && kSplit;
-  static constexpr int kA = kDirectA ? 0 : kRows * kLd * 2;
-  static constexpr int kD = kSplit && !kDirectA ? kRows * SB * 4 : 0;
+  static constexpr int kA = kRows * kLd * 2;
+  static constexpr int kD = kSplit ? kRows * SB * 4 : 0;
   static constexpr int kB = kTokens * kLd * 2;
   static constexpr int kBlo = kSplit ? kB : 0;
   static constexpr int kPipeline = STAGES * kRawStage + kA + kD + kB + kBlo;
@@ -107,7 +103,6 @@ struct Tile {
   static constexpr int kMinBlocks = MINB;
 };
 
-using MatVecTile = Tile<1, 1, 8, 1, 8, 3, Numerics::Split, 2>;
 using SimdgroupTile = Tile<2, 2, 2, 2, 2, 4, Numerics::Split>;
 using TensorV1Tile = Tile<2, 2, 4, 2, 2, 4, Numerics::Split>;
 using TensorV2Tile = Tile<4, 4, 2, 4, 2, 2, Numerics::Bf16, 2>;  // two CTAs per SM overlap phases
@@ -244,7 +239,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
     const int nblk = min(T::kSB, kb_end - (kb_begin + stage * T::kSB));
     const uint8_t* const w_raw = raw + (stage % T::kStages) * T::kRawStage;
     const float* const x_raw = reinterpret_cast<const float*>(w_raw + T::kRawW);
-    for (int u = tid; u < (T::kDirectA ? 0 : T::kRows * T::kSB); u += T::kThreads) {
+    for (int u = tid; u < T::kRows * T::kSB; u += T::kThreads) {
       const int r = u / T::kSB, b = u % T::kSB;
       if (b >= nblk) continue;
       const uint8_t* const blk = w_raw + r * T::kRawRowBytes + b * 18;
@@ -299,38 +294,16 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
-  const auto mma_stage = [&](int stage, int nblk) {
-    const uint8_t* const w_raw = raw + (stage % T::kStages) * T::kRawStage;
+  const auto mma_stage = [&](int nblk) {
     for (int b = 0; b < nblk; ++b) {
       uint32_t af[T::kMT][2][4];
-      float d_rows[T::kMT][2];  // kDirectA: the scales of rows g and g + 8
-      if constexpr (T::kDirectA) {
-        // A fragment registers: a0 row g, K 2t..2t+1; a1 row g+8; a2 row g, K 2t+8..; a3 row g+8.
-        // Step 0 takes low nibbles (values 0..15), step 1 high nibbles (16..31) of the same bytes.
 #pragma unroll
-        for (int i = 0; i < T::kMT; ++i) {
-          const uint8_t* const top = w_raw + (warp_row + i * 16 + g) * T::kRawRowBytes + b * 18;
-          const uint8_t* const bottom = top + 8 * T::kRawRowBytes;
-          const uint16_t* const t16 = reinterpret_cast<const uint16_t*>(top);
-          const uint16_t* const b16 = reinterpret_cast<const uint16_t*>(bottom);
-          d_rows[i][0] = __half2float(__ushort_as_half(t16[0]));
-          d_rows[i][1] = __half2float(__ushort_as_half(b16[0]));
-          const uint32_t v[4] = {t16[1 + t], b16[1 + t], t16[5 + t], b16[5 + t]};
+      for (int i = 0; i < T::kMT; ++i)
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            af[i][0][r] = bits_of(nibble_pair(v[r], false));
-            af[i][1][r] = bits_of(nibble_pair(v[r], true));
-          }
+        for (int s = 0; s < 2; ++s) {
+          const __nv_bfloat16* p = sa + (warp_row + i * 16 + (lane & 15)) * T::kLd + b * 32 + s * 16 + (lane >> 4) * 8;
+          ldmatrix_x4(smem_addr(p), af[i][s][0], af[i][s][1], af[i][s][2], af[i][s][3]);
         }
-      } else {
-#pragma unroll
-        for (int i = 0; i < T::kMT; ++i)
-#pragma unroll
-          for (int s = 0; s < 2; ++s) {
-            const __nv_bfloat16* p = sa + (warp_row + i * 16 + (lane & 15)) * T::kLd + b * 32 + s * 16 + (lane >> 4) * 8;
-            ldmatrix_x4(smem_addr(p), af[i][s][0], af[i][s][1], af[i][s][2], af[i][s][3]);
-          }
-      }
       uint32_t bh[T::kNT][4];
 #pragma unroll
       for (int j = 0; j < T::kNT; ++j) {
@@ -346,8 +319,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
         }
 #pragma unroll
         for (int i = 0; i < T::kMT; ++i) {
-          const float d_top = T::kDirectA ? d_rows[i][0] : sd[(warp_row + i * 16 + g) * T::kSB + b];
-          const float d_bottom = T::kDirectA ? d_rows[i][1] : sd[(warp_row + i * 16 + g + 8) * T::kSB + b];
+          const float d_top = sd[(warp_row + i * 16 + g) * T::kSB + b];
+          const float d_bottom = sd[(warp_row + i * 16 + g + 8) * T::kSB + b];
 #pragma unroll
           for (int j = 0; j < T::kNT; ++j) {
             float block_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -388,7 +361,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
     cp_async_commit();
     convert_stage(s);
     __syncthreads();
-    mma_stage(s, min(T::kSB, kb_end - (kb_begin + s * T::kSB)));
+    mma_stage(min(T::kSB, kb_end - (kb_begin + s * T::kSB)));
   }
   cp_async_wait_all();
 
