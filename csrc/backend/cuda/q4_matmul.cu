@@ -31,7 +31,7 @@
 //
 // GEOMETRY (KernelDef below; tile_x/tile_y as the front door reads them; SB and the ring depth are
 // in the Tile aliases further down):
-//   kernel_mul_mv_q4_0_f32               split,  64 rows x 8 tokens,  64 threads (8 x 8)
+//   kernel_mul_mv_q4_0_f32               split, 128 rows x 8 tokens, 256 threads (8 x 32)
 //   kernel_mul_mm_q4_0_f32               split,  32 tokens x 64 rows, 128 threads
 //   kernel_mul_mm_q4_0_tensor_f32        split,  32 tokens x 128 rows, 256 threads
 //   kernel_mul_mm_q4_0_tensor_v2_f32     bf16,  128 tokens x 128 rows, 256 threads
@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 #endif
 }
 
-// The mat-vec (m <= 8), streamed per warp: warp w owns 32 weight rows of the CTA's 64 and streams
+// The mat-vec (m <= 8), streamed per warp: warp w owns 32 weight rows of the CTA's 128 and streams
 // them over the CTA's K range through its own cp.async ring (kSB blocks = 144-byte row runs per
 // stage), synchronising only with itself. The activations of the K range are staged once per chunk
 // of kXChunkBlocks blocks into shared memory (the only CTA-wide barriers), and each lane splits the
@@ -420,7 +420,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 // warp covers two 16-row MMA tiles, so that work is shared by both. Numerics: the split numerics
 // above (per 32-value block: hi/lo MMAs from zero, then one FMA with the block's scale).
 struct MatVecStream {
-  static constexpr int kWarps = 2, kThreads = 64, kRows = 64, kTokens = 8;  // small CTAs balance SMs
+  static constexpr int kWarps = 4, kThreads = 128, kRows = 128, kTokens = 8;
   static constexpr int kWarpTiles = 2;               // 16-row MMA tiles per warp: B work is shared
   static constexpr int kWarpRows = 16 * kWarpTiles;
   static constexpr int kSB = 8, kStages = 3;
@@ -432,8 +432,8 @@ struct MatVecStream {
   static constexpr int kXLd = kXChunkBlocks * 32 + 8;  // floats per token row: rows 8 banks apart
   static constexpr int kX = kTokens * kXLd * 4;
   static constexpr int kPartials = kRows * kTokens * 4;
-  static constexpr int kSmem = kX + kRing;  // ~44 KB: five CTAs per SM
-  static constexpr int kMinBlocks = 4;
+  static constexpr int kSmem = kX + kRing;  // ~72 KB: three CTAs per SM, so a launch of 8-CTA
+  static constexpr int kMinBlocks = 3;       // clusters fits the GPU in one wave
   static_assert(kRowBytes % 16 == 0 && kX % 16 == 0 && kPartials <= kSmem && kXChunkBlocks % kSB == 0);
 };
 
@@ -826,8 +826,7 @@ void add_q4_matmul_kernels(std::vector<KernelDef>& out) {
   const uint32_t splits = major >= 9 ? kMaxKSplits : 1;
   const auto target = static_cast<uint32_t>(2 * sms);
   const auto& names = kQ4MatmulPipelineNames;
-  // The mat-vec's CTAs are small (two warps): aim for four per multiprocessor.
-  out.push_back(q4_def<MatVecStream>(names[0], &launch_mat_vec, true, splits, 2 * target));
+  out.push_back(q4_def<MatVecStream>(names[0], &launch_mat_vec, true, splits, target));
   out.push_back(q4_def<SimdgroupTile>(names[1], &launch_matrix<SimdgroupTile>, false, splits, target));
   out.push_back(q4_def<TensorV1Tile>(names[2], &launch_matrix<TensorV1Tile>, false, splits, target));
   out.push_back(q4_def<TensorV2Tile>(names[3], &launch_matrix<TensorV2Tile>, false, splits, target));
