@@ -26,9 +26,8 @@ import sys
 import time
 
 import numpy as np
-import torch
-
 import routemm
+import torch
 
 SHAPES = {
     "qwen3-30b-a3b": dict(E=128, top_k=8, n=768, k=2048),
@@ -103,15 +102,17 @@ def kernel_time(fn, n_calls, per_call_kernels=None):
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))
     evs = trace["traceEvents"] if isinstance(trace, dict) else trace
-    gpu = sorted((e for e in evs if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                 key=lambda e: e["ts"])
+    gpu = sorted(
+        (e for e in evs if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        key=lambda e: e["ts"],
+    )
     if not gpu:
         return None
     if per_call_kernels:
         ks = [e["dur"] for e in gpu if e.get("cat") == "kernel"]
         if len(ks) != n_calls * per_call_kernels:
             return sum(ks) / 1e6 / n_calls
-        per = [sum(ks[i * per_call_kernels:(i + 1) * per_call_kernels]) for i in range(n_calls)]
+        per = [sum(ks[i * per_call_kernels : (i + 1) * per_call_kernels]) for i in range(n_calls)]
         return statistics.median(per) / 1e6
     return sum(e["dur"] for e in gpu) / 1e6 / n_calls
 
@@ -130,7 +131,6 @@ def run_shape(name, cfg, dtype_name, ms, device, registry, records, quick):
     gen.manual_seed(1234)
     stacks = [(torch.randn((E, n, k), device="cuda", generator=gen) * 0.02).to(tdtype) for _ in range(copies)]
     w_bufs = [to_routemm(s, device) for s in stacks]
-    rdtype = routemm.DType.BF16 if dtype_name == "bf16" else routemm.DType.F32
     for m in ms:
         x = torch.randn((m, k), device="cuda", generator=gen)
         x_buf = to_routemm(x, device)
@@ -148,16 +148,28 @@ def run_shape(name, cfg, dtype_name, ms, device, registry, records, quick):
         avg_bytes = statistics.mean(nbytes(i) for i in ids_list[:4])
 
         def add(route, impl, t, note="", wall=None):
-            rec = dict(op="dense_matmul_id", shape=name, m=m, weight_dtype=dtype_name, route=route, impl=impl,
-                       time_us=t * 1e6, bytes=int(avg_bytes), flops=flops, TBps=avg_bytes / t / 1e12,
-                       TFLOPs=flops / t / 1e12)
+            rec = dict(
+                op="dense_matmul_id",
+                shape=name,
+                m=m,
+                weight_dtype=dtype_name,
+                route=route,
+                impl=impl,
+                time_us=t * 1e6,
+                bytes=int(avg_bytes),
+                flops=flops,
+                TBps=avg_bytes / t / 1e12,
+                TFLOPs=flops / t / 1e12,
+            )
             if wall is not None:
                 rec["wall_us"] = wall * 1e6
             if note:
                 rec["note"] = note
             records.append(rec)
-            log(f"{name:14s} {dtype_name:4s} m={m:5d} {route:16s} {impl:17s} {t * 1e6:11.1f} us "
-                f"{avg_bytes / t / 1e12:6.3f} TB/s {flops / t / 1e12:7.2f} TFLOP/s {note}")
+            log(
+                f"{name:14s} {dtype_name:4s} m={m:5d} {route:16s} {impl:17s} {t * 1e6:11.1f} us "
+                f"{avg_bytes / t / 1e12:6.3f} TB/s {flops / t / 1e12:7.2f} TFLOP/s {note}"
+            )
 
         # ---- routemm, both routes; correctness and bit identity on the first id set ----
         ref = None
@@ -166,8 +178,9 @@ def run_shape(name, cfg, dtype_name, ms, device, registry, records, quick):
         if m >= 32:  # the opt-in tensor-core routes, where prefill work begins
             routes += ["grouped_tensor_tf32"] + (["grouped_tensor_lowp"] if dtype_name != "f32" else [])
         for route in routes:
-            params = routemm.DenseMatmulIdParams(m, n, k, top_k, E, n * k * esize,
-                                                 route=routemm.DenseMatmulIdRoute(route))
+            params = routemm.DenseMatmulIdParams(
+                m, n, k, top_k, E, n * k * esize, route=routemm.DenseMatmulIdRoute(route)
+            )
             enc = device.command_encoder()
             out.fill_(float("nan"))
             torch.cuda.synchronize()
@@ -187,8 +200,18 @@ def run_shape(name, cfg, dtype_name, ms, device, registry, records, quick):
             tolerance = {"grouped_tensor_tf32": 2e-3, "grouped_tensor_lowp": 1e-2}.get(route, 1e-4)
             if not torch.isfinite(got).all() or err > tolerance:
                 log(f"!! {name} {dtype_name} m={m} {route}: relative error {err:.3e} (or non-finite)")
-                records.append(dict(op="dense_matmul_id", shape=name, m=m, weight_dtype=dtype_name, route=route,
-                                    impl="routemm", time_us=float("nan"), note=f"WRONG rel err {float(err):.3e}"))
+                records.append(
+                    dict(
+                        op="dense_matmul_id",
+                        shape=name,
+                        m=m,
+                        weight_dtype=dtype_name,
+                        route=route,
+                        impl="routemm",
+                        time_us=float("nan"),
+                        note=f"WRONG rel err {float(err):.3e}",
+                    )
+                )
                 continue
 
             # one timed call to size the batches
@@ -202,16 +225,18 @@ def run_shape(name, cfg, dtype_name, ms, device, registry, records, quick):
                 enc = device.command_encoder()
                 for i in range(n_calls):
                     j = b * n_calls + i
-                    routemm.dense_matmul_id(enc, registry, w_bufs[j % copies], x_buf, id_bufs[j % ID_SETS],
-                                            out_buf, scratch, params)
+                    routemm.dense_matmul_id(
+                        enc, registry, w_bufs[j % copies], x_buf, id_bufs[j % ID_SETS], out_buf, scratch, params
+                    )
                 g = enc.commit_wait_with_gpu_time()
                 samples.append((g[1] - g[0]) / n_calls)
             wall = statistics.median(samples)
 
             def one_call(j, params=params):
                 enc = device.command_encoder()
-                routemm.dense_matmul_id(enc, registry, w_bufs[j % copies], x_buf, id_bufs[j % ID_SETS],
-                                        out_buf, scratch, params)
+                routemm.dense_matmul_id(
+                    enc, registry, w_bufs[j % copies], x_buf, id_bufs[j % ID_SETS], out_buf, scratch, params
+                )
                 enc.commit_and_wait()
 
             try:
@@ -227,9 +252,18 @@ def run_shape(name, cfg, dtype_name, ms, device, registry, records, quick):
             same = torch.equal(outs["direct"].view(torch.int32), outs["grouped_prefill"].view(torch.int32))
             if not same:
                 log(f"!! {name} {dtype_name} m={m}: direct and grouped_prefill differ bitwise")
-                records.append(dict(op="dense_matmul_id", shape=name, m=m, weight_dtype=dtype_name,
-                                    route="grouped_prefill", impl="routemm", time_us=float("nan"),
-                                    note="NOT bit-identical to direct"))
+                records.append(
+                    dict(
+                        op="dense_matmul_id",
+                        shape=name,
+                        m=m,
+                        weight_dtype=dtype_name,
+                        route="grouped_prefill",
+                        impl="routemm",
+                        time_us=float("nan"),
+                        note="NOT bit-identical to direct",
+                    )
+                )
 
         # ---- peers ----
         def torch_loop(i):  # Hugging Face formulation (Mixtral/Qwen-MoE sparse block)
@@ -295,14 +329,20 @@ def run_shape(name, cfg, dtype_name, ms, device, registry, records, quick):
 
 
 def table(doc):
-    lines = [f"# dense_matmul_id on {doc['device']} (git {doc['git_rev']})", "",
-             f"Command: `{doc['command']}`", "",
-             "Ceilings: copy 4.17 TB/s, fp32 (no tensor cores) 51 TFLOP/s, bf16 794 TFLOP/s. "
-             "frac = achieved / ceiling (TB/s vs copy for m <= 8; beyond, TFLOP/s vs fp32 for scalar routes, tf32 414 for grouped_tensor_tf32, bf16 for grouped_tensor_lowp and torch._grouped_mm).", "",
-             "time = device kernel time per call (CUPTI) where measured; wall = CUDA-event time per call over "
-             "back-to-back calls, including host launch gaps.", "",
-             "| shape | dtype | m | route | impl | time (us) | wall (us) | TB/s | TFLOP/s | frac | vs routemm direct |",
-             "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# dense_matmul_id on {doc['device']} (git {doc['git_rev']})",
+        "",
+        f"Command: `{doc['command']}`",
+        "",
+        "Ceilings: copy 4.17 TB/s, fp32 (no tensor cores) 51 TFLOP/s, bf16 794 TFLOP/s. "
+        "frac = achieved / ceiling (TB/s vs copy for m <= 8; beyond, TFLOP/s vs fp32 for scalar routes, tf32 414 for grouped_tensor_tf32, bf16 for grouped_tensor_lowp and torch._grouped_mm).",
+        "",
+        "time = device kernel time per call (CUPTI) where measured; wall = CUDA-event time per call over "
+        "back-to-back calls, including host launch gaps.",
+        "",
+        "| shape | dtype | m | route | impl | time (us) | wall (us) | TB/s | TFLOP/s | frac | vs routemm direct |",
+        "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     base = {}
     for r in doc["records"]:
         if r["impl"] == "routemm" and r["route"] == "direct" and r.get("time_us") == r.get("time_us"):
@@ -310,16 +350,22 @@ def table(doc):
     for r in doc["records"]:
         t = r.get("time_us", float("nan"))
         if t != t:
-            lines.append(f"| {r['shape']} | {r['weight_dtype']} | {r['m']} | {r['route']} | {r['impl']} | "
-                         f"n/a | | | | | {r.get('note', '')} |")
+            lines.append(
+                f"| {r['shape']} | {r['weight_dtype']} | {r['m']} | {r['route']} | {r['impl']} | "
+                f"n/a | | | | | {r.get('note', '')} |"
+            )
             continue
-        compute_ceiling = {"grouped_tensor_tf32": CEILINGS.get("tf32_TFLOPs", 414),
-                           "grouped_tensor_lowp": CEILINGS["bf16_TFLOPs"],
-                           "grouped_mm": CEILINGS["bf16_TFLOPs"]}.get(r["route"], CEILINGS["fp32_TFLOPs"])
+        compute_ceiling = {
+            "grouped_tensor_tf32": CEILINGS.get("tf32_TFLOPs", 414),
+            "grouped_tensor_lowp": CEILINGS["bf16_TFLOPs"],
+            "grouped_mm": CEILINGS["bf16_TFLOPs"],
+        }.get(r["route"], CEILINGS["fp32_TFLOPs"])
         frac = (r["TBps"] / CEILINGS["copy_TBps"]) if r["m"] <= 8 else (r["TFLOPs"] / compute_ceiling)
         b = base.get((r["shape"], r["weight_dtype"], r["m"]))
-        lines.append(f"| {r['shape']} | {r['weight_dtype']} | {r['m']} | {r['route']} | {r['impl']} | {t:.1f} | "
-                     f"{r.get('wall_us', t):.1f} | {r['TBps']:.3f} | {r['TFLOPs']:.2f} | {frac:.2f} | {b / t if b else float('nan'):.2f}x |")
+        lines.append(
+            f"| {r['shape']} | {r['weight_dtype']} | {r['m']} | {r['route']} | {r['impl']} | {t:.1f} | "
+            f"{r.get('wall_us', t):.1f} | {r['TBps']:.3f} | {r['TFLOPs']:.2f} | {frac:.2f} | {b / t if b else float('nan'):.2f}x |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -335,9 +381,14 @@ def main():
     registry = routemm.KernelRegistry(device)
     records = []
     t0 = time.time()
-    doc = {"device": torch.cuda.get_device_name(0), "git_rev": os.environ.get("GIT_REV", "unknown"),
-           "command": os.environ.get("BENCH_COMMAND", " ".join(["python3"] + sys.argv)),
-           "ceilings": CEILINGS, "torch": torch.__version__, "records": records}
+    doc = {
+        "device": torch.cuda.get_device_name(0),
+        "git_rev": os.environ.get("GIT_REV", "unknown"),
+        "command": os.environ.get("BENCH_COMMAND", " ".join(["python3"] + sys.argv)),
+        "ceilings": CEILINGS,
+        "torch": torch.__version__,
+        "records": records,
+    }
 
     def save():  # after every shape, so a timeout still leaves results
         with open(args.out, "w") as f:
@@ -349,8 +400,9 @@ def main():
 
     for name in args.shapes.split(","):
         for dt in args.dtypes.split(","):
-            run_shape(name, SHAPES[name], dt, [int(v) for v in args.ms.split(",")], device, registry, records,
-                      args.quick)
+            run_shape(
+                name, SHAPES[name], dt, [int(v) for v in args.ms.split(",")], device, registry, records, args.quick
+            )
             log(f"-- {name} {dt} done at {time.time() - t0:.0f} s")
             save()
     print(save())

@@ -162,8 +162,7 @@ def random_q4_blocks(copies: int, n: int, k: int, generator, device) -> torch.Te
     scale = torch.rand((copies, n, nb, 1), generator=generator, device=device) * 0.008 + 0.004
     sign = torch.randint(0, 2, (copies, n, nb, 1), generator=generator, device=device) * 2 - 1
     raw[..., :2] = (scale * sign).to(torch.float16).view(torch.uint8)  # little-endian f16
-    raw[..., 2:] = torch.randint(0, 256, (copies, n, nb, 16), generator=generator, device=device,
-                                 dtype=torch.uint8)
+    raw[..., 2:] = torch.randint(0, 256, (copies, n, nb, 16), generator=generator, device=device, dtype=torch.uint8)
     return raw.view(copies, n, nb * 18)
 
 
@@ -198,8 +197,15 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def performance(t_s: float, nbytes: int, flops: int) -> dict:
     tbps, tflops = nbytes / t_s / 1e12, flops / t_s / 1e12
-    return dict(time_us=t_s * 1e6, bytes=int(nbytes), flops=int(flops), TBps=tbps, TFLOPs=tflops,
-                frac_copy=tbps / CEILINGS["copy_TBps"], frac_bf16=tflops / CEILINGS["bf16_TFLOPs"])
+    return dict(
+        time_us=t_s * 1e6,
+        bytes=int(nbytes),
+        flops=int(flops),
+        TBps=tbps,
+        TFLOPs=tflops,
+        frac_copy=tbps / CEILINGS["copy_TBps"],
+        frac_bf16=tflops / CEILINGS["bf16_TFLOPs"],
+    )
 
 
 # ---- timing ----------------------------------------------------------------------------------
@@ -245,13 +251,21 @@ def _cupti(run, n_calls: int):
         print(f"   profiler unavailable: {type(exc).__name__}: {str(exc)[:160]}")
         return None
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-                  and "spin_kernel" not in e.get("name", "")), key=lambda e: e["ts"])
+    gpu = sorted(
+        (
+            e
+            for e in events
+            if e.get("ph") == "X"
+            and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+            and "spin_kernel" not in e.get("name", "")
+        ),
+        key=lambda e: e["ts"],
+    )
     if not gpu:
         return None
     if len(gpu) % n_calls == 0:
         per = len(gpu) // n_calls
-        return statistics.median(sum(e["dur"] for e in gpu[i * per:(i + 1) * per]) for i in range(n_calls)) / 1e6
+        return statistics.median(sum(e["dur"] for e in gpu[i * per : (i + 1) * per]) for i in range(n_calls)) / 1e6
     return sum(e["dur"] for e in gpu) / 1e6 / n_calls
 
 
@@ -285,8 +299,7 @@ def time_routemm(device, encode) -> dict:
             encode(enc, i + 7)
         enc.commit_and_wait()
 
-    return dict(event_s=statistics.median(samples), kernel_s=_cupti(run, n_k),
-                calls=n_calls, held=held)
+    return dict(event_s=statistics.median(samples), kernel_s=_cupti(run, n_k), calls=n_calls, held=held)
 
 
 def time_torch(fn) -> dict:
@@ -358,9 +371,19 @@ class Bench:
         f16_copies = max(2, math.ceil(ROTATE_BYTES / (n * k * 2)))
         w16 = torch.stack([torch_dequantize(q4[j % copies]) for j in range(f16_copies)]) if WITH_PEERS else None
         torch.cuda.synchronize()
-        self.state = dict(n=n, k=k, q4=q4, copies=copies, wbytes=wbytes, gen=gen,
-                          w_bufs=[routemm.from_dlpack(q4[j], self.device) for j in range(copies)],
-                          w16=w16, f16_copies=f16_copies, w64=torch_dequantize(q4[0], torch.float64), ms={})
+        self.state = dict(
+            n=n,
+            k=k,
+            q4=q4,
+            copies=copies,
+            wbytes=wbytes,
+            gen=gen,
+            w_bufs=[routemm.from_dlpack(q4[j], self.device) for j in range(copies)],
+            w16=w16,
+            f16_copies=f16_copies,
+            w64=torch_dequantize(q4[0], torch.float64),
+            ms={},
+        )
         self.shape = shape
         return self.state
 
@@ -373,8 +396,14 @@ class Bench:
             rows = reference_rows(m).to(TORCH_DEVICE)
             ref = x[rows].double() @ st["w64"].T
             torch.cuda.synchronize()
-            st["ms"][m] = dict(x=x, out=out, x_buf=routemm.from_dlpack(x, self.device),
-                               out_buf=routemm.from_dlpack(out, self.device), rows=rows, ref=ref)
+            st["ms"][m] = dict(
+                x=x,
+                out=out,
+                x_buf=routemm.from_dlpack(x, self.device),
+                out_buf=routemm.from_dlpack(out, self.device),
+                rows=rows,
+                ref=ref,
+            )
         return st, st["ms"][m]
 
 
@@ -399,8 +428,10 @@ def _targets(shape: str, m: int, route: str, impl: str, perf: dict, bench: Bench
     extra, notes = {}, []
     t_us = perf["time_us"]
     if impl == "routemm":  # against the PyTorch baselines of the same (shape, m), when they ran
-        for peer, key in (("torch_cublas_f16", "speedup_vs_torch_f16"),
-                          ("torch_dequant_cublas_f16", "speedup_vs_torch_dequant")):
+        for peer, key in (
+            ("torch_cublas_f16", "speedup_vs_torch_f16"),
+            ("torch_dequant_cublas_f16", "speedup_vs_torch_dequant"),
+        ):
             if (shape, m, peer) in bench.times:
                 extra[key] = bench.times[(shape, m, peer)] / (t_us * 1e-6)
         if "speedup_vs_torch_f16" in extra:
@@ -445,8 +476,11 @@ def test_q4_0_matmul(bench, results, shape, m, impl):
     if impl in PEERS:
         pipeline = None
     elif impl == "default":
-        pipeline = (routemm.Q4_MATMUL_PIPELINE_NAMES[0] if m <= MAT_VEC_MAX_M
-                    else routemm.select_dense_q4_route(params, POLICY)[0].pipeline_name)
+        pipeline = (
+            routemm.Q4_MATMUL_PIPELINE_NAMES[0]
+            if m <= MAT_VEC_MAX_M
+            else routemm.select_dense_q4_route(params, POLICY)[0].pipeline_name
+        )
     else:
         pipeline = routemm.DenseQ4Route(impl).pipeline_name
     if pipeline is not None and not bench.has(pipeline):
@@ -459,13 +493,17 @@ def test_q4_0_matmul(bench, results, shape, m, impl):
     if impl in PEERS:
         x, w16, q4, f16_copies = io["x"], st["w16"], st["q4"], st["f16_copies"]
         if impl == "torch_cublas_f16":
+
             def fn(j):
                 return torch.matmul(x.half(), w16[j % f16_copies].T)
+
             route, weight_dtype, nbytes = "dequantized_f16_cublas", "f16", f16_bytes(m, n, k)
             base["rotation"] = f"{f16_copies} x {n * k * 2 / 1e6:.2f} MB"
         else:
+
             def fn(j):
                 return torch.matmul(x.half(), torch_dequantize(q4[j % copies]).T)
+
             route, weight_dtype, nbytes = "torch_dequantize+cublas_f16", "q4_0", dequant_f16_bytes(m, n, k)
         got = fn(0)[io["rows"]]
         err = relative_error(got, io["ref"])
@@ -473,15 +511,17 @@ def test_q4_0_matmul(bench, results, shape, m, impl):
     else:
         x_buf, out_buf, w_bufs = io["x_buf"], io["out_buf"], st["w_bufs"]
         if impl == "default":
+
             def encode(enc, j):
-                return routemm.quantized_matmul_ggml(enc, bench.registry, x_buf, w_bufs[j % copies], out_buf,
-                                                     params, POLICY)
+                return routemm.quantized_matmul_ggml(
+                    enc, bench.registry, x_buf, w_bufs[j % copies], out_buf, params, POLICY
+                )
         else:
             forced = routemm.DenseQ4Route(impl)
 
             def encode(enc, j):
-                return routemm.encode_q4_route(enc, bench.registry, x_buf, w_bufs[j % copies], out_buf, params,
-                                               forced)
+                return routemm.encode_q4_route(enc, bench.registry, x_buf, w_bufs[j % copies], out_buf, params, forced)
+
         io["out"].fill_(float("nan"))
         torch.cuda.synchronize()
         enc = bench.device.command_encoder()
@@ -490,14 +530,25 @@ def test_q4_0_matmul(bench, results, shape, m, impl):
         err = relative_error(io["out"][io["rows"]], io["ref"])
         route, weight_dtype, nbytes = receipt.route, "q4_0", q4_bytes(m, n, k)
         label = receipt.pipeline_label
-        extra.update(pipeline=label, decision=receipt.decision.value, dispatch_count=receipt.dispatch_count,
-                     path="default" if impl == "default" else "forced")
+        extra.update(
+            pipeline=label,
+            decision=receipt.decision.value,
+            dispatch_count=receipt.dispatch_count,
+            path="default" if impl == "default" else "forced",
+        )
         notes.append("default policy" if impl == "default" else "forced")
     rec_impl = impl if impl in PEERS else "routemm"
     if not err <= TOLERANCE:
-        results.add(**base, weight_dtype=weight_dtype, route=route, impl=rec_impl, time_us=-1.0,
-                    rel_err=err if math.isfinite(err) else -1.0, **extra,
-                    note=f"WRONG: rel err {err:.3e} > {TOLERANCE:g} (not timed)")
+        results.add(
+            **base,
+            weight_dtype=weight_dtype,
+            route=route,
+            impl=rec_impl,
+            time_us=-1.0,
+            rel_err=err if math.isfinite(err) else -1.0,
+            **extra,
+            note=f"WRONG: rel err {err:.3e} > {TOLERANCE:g} (not timed)",
+        )
         pytest.fail(f"{shape} m={m} {impl} ({label or route}): relative error {err:.3e} > {TOLERANCE:g}")
 
     if impl in PEERS:
@@ -515,12 +566,24 @@ def test_q4_0_matmul(bench, results, shape, m, impl):
     notes += target_notes
     if label:
         notes.append(label)
-    record = dict(base, weight_dtype=weight_dtype, route=route, impl=rec_impl, rel_err=err,
-                  event_us=timing["event_s"] * 1e6, calls=timing["calls"], held=bool(timing["held"]), **perf,
-                  **extra, note="; ".join(notes))
+    record = dict(
+        base,
+        weight_dtype=weight_dtype,
+        route=route,
+        impl=rec_impl,
+        rel_err=err,
+        event_us=timing["event_s"] * 1e6,
+        calls=timing["calls"],
+        held=bool(timing["held"]),
+        **perf,
+        **extra,
+        note="; ".join(notes),
+    )
     if timing["kernel_s"] is not None:
         record["kernel_us"] = timing["kernel_s"] * 1e6
     results.add(**record)
-    print(f"\n{shape:22s} m={m:5d} {rec_impl:25s} {route:28s} {perf['time_us']:10.1f} us "
-          f"(events {timing['event_s'] * 1e6:9.1f}) {perf['TBps']:6.3f} TB/s {perf['TFLOPs']:7.2f} TFLOP/s "
-          f"copy {perf['frac_copy']:.2f} bf16 {perf['frac_bf16']:.3f} err {err:.1e} {' '.join(target_notes)}")
+    print(
+        f"\n{shape:22s} m={m:5d} {rec_impl:25s} {route:28s} {perf['time_us']:10.1f} us "
+        f"(events {timing['event_s'] * 1e6:9.1f}) {perf['TBps']:6.3f} TB/s {perf['TFLOPs']:7.2f} TFLOP/s "
+        f"copy {perf['frac_copy']:.2f} bf16 {perf['frac_bf16']:.3f} err {err:.1e} {' '.join(target_notes)}"
+    )

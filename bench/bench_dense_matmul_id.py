@@ -14,7 +14,6 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
-
 import routemm
 from routemm.dense_matmul_id import ids_distinct_per_token
 
@@ -64,9 +63,20 @@ def _record(results, benchmark, *, m, dtype, route, impl, ids, note=""):
     touched = len(np.unique(ids))
     weight_bytes = touched * N * K * np.dtype(DTYPES[dtype]).itemsize
     flops = 2 * m * TOP_K * N * K
-    results.add(op="dense_matmul_id", shape=SHAPE, m=m, weight_dtype=dtype, route=route, impl=impl,
-                time_us=seconds * 1e6, bytes=weight_bytes, flops=flops,
-                TBps=weight_bytes / seconds / 1e12, TFLOPs=flops / seconds / 1e12, note=note)
+    results.add(
+        op="dense_matmul_id",
+        shape=SHAPE,
+        m=m,
+        weight_dtype=dtype,
+        route=route,
+        impl=impl,
+        time_us=seconds * 1e6,
+        bytes=weight_bytes,
+        flops=flops,
+        TBps=weight_bytes / seconds / 1e12,
+        TFLOPs=flops / seconds / 1e12,
+        note=note,
+    )
 
 
 def test_memory_copy_bandwidth(benchmark, results):
@@ -75,7 +85,7 @@ def test_memory_copy_bandwidth(benchmark, results):
     threads = os.cpu_count() or 1
     src = np.ones(128 * 1024 * 1024, dtype=np.float32)
     dst = np.empty_like(src)
-    parts = list(zip(np.array_split(dst, threads), np.array_split(src, threads)))
+    parts = list(zip(np.array_split(dst, threads), np.array_split(src, threads), strict=True))
     pool = concurrent.futures.ThreadPoolExecutor(threads)
 
     def copy():
@@ -85,9 +95,18 @@ def test_memory_copy_bandwidth(benchmark, results):
     pool.shutdown()
     seconds = benchmark.stats.stats.median
     results.ceilings["copy_TBps"] = 2 * src.nbytes / seconds / 1e12
-    results.add(op="memcpy", shape="512MB", m=0, weight_dtype="f32", route="-", impl=f"numpy_{threads}_threads",
-                time_us=seconds * 1e6, bytes=2 * src.nbytes, TBps=2 * src.nbytes / seconds / 1e12,
-                note="bytes read + written")
+    results.add(
+        op="memcpy",
+        shape="512MB",
+        m=0,
+        weight_dtype="f32",
+        route="-",
+        impl=f"numpy_{threads}_threads",
+        time_us=seconds * 1e6,
+        bytes=2 * src.nbytes,
+        TBps=2 * src.nbytes / seconds / 1e12,
+        note="bytes read + written",
+    )
 
 
 @pytest.mark.parametrize("m", sorted(ROUNDS))
@@ -100,8 +119,9 @@ def test_routemm(benchmark, results, device, registry, stack, m, route):
     x = rng.standard_normal((m, K), dtype=np.float32)
     x_buf = device.from_numpy(x)
     out = device.alloc(m * TOP_K * N * 4, routemm.DType.F32, [m * TOP_K, N])
-    params = routemm.DenseMatmulIdParams(m, N, K, TOP_K, E, N * K * np.dtype(DTYPES[dtype]).itemsize,
-                                         route=routemm.DenseMatmulIdRoute(route))
+    params = routemm.DenseMatmulIdParams(
+        m, N, K, TOP_K, E, N * K * np.dtype(DTYPES[dtype]).itemsize, route=routemm.DenseMatmulIdRoute(route)
+    )
     scratch = routemm.DenseMatmulIdScratch(device, E, m) if route == "grouped_prefill" else None
     id_sets = [_router_ids(rng, m) for _ in range(ROUNDS[m] + 2)]
     id_bufs = iter([(ids, device.from_numpy(ids)) for ids in id_sets])
@@ -138,5 +158,13 @@ def test_numpy(benchmark, results, stack, m):
         return (weights, x, last["ids"]), {}
 
     benchmark.pedantic(_numpy_formulation, setup=setup, rounds=ROUNDS[m], warmup_rounds=1)
-    _record(results, benchmark, m=m, dtype=dtype, route="per_expert_matmul", impl="numpy", ids=last["ids"],
-            note="bf16 converted to f32 per used expert" if dtype == "bf16" else "")
+    _record(
+        results,
+        benchmark,
+        m=m,
+        dtype=dtype,
+        route="per_expert_matmul",
+        impl="numpy",
+        ids=last["ids"],
+        note="bf16 converted to f32 per used expert" if dtype == "bf16" else "",
+    )

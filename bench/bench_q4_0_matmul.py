@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import routemm
 from routemm import q4_0
 
@@ -56,9 +55,20 @@ def _numpy_formulation(blocks, x):
 def _record(results, benchmark, *, m, route, impl, note=""):
     seconds = benchmark.stats.stats.median
     flops = 2 * m * N * K
-    results.add(op="q4_0_matmul", shape=SHAPE, m=m, weight_dtype="q4_0", route=route, impl=impl,
-                time_us=seconds * 1e6, bytes=WEIGHT_BYTES, flops=flops,
-                TBps=WEIGHT_BYTES / seconds / 1e12, TFLOPs=flops / seconds / 1e12, note=note)
+    results.add(
+        op="q4_0_matmul",
+        shape=SHAPE,
+        m=m,
+        weight_dtype="q4_0",
+        route=route,
+        impl=impl,
+        time_us=seconds * 1e6,
+        bytes=WEIGHT_BYTES,
+        flops=flops,
+        TBps=WEIGHT_BYTES / seconds / 1e12,
+        TFLOPs=flops / seconds / 1e12,
+        note=note,
+    )
 
 
 @pytest.mark.parametrize("m", sorted(ROUNDS))
@@ -73,8 +83,9 @@ def test_routemm(benchmark, results, device, registry, weight, m):
 
     def run():
         encoder = device.command_encoder()
-        receipts.append(routemm.quantized_matmul_ggml(encoder, registry, x_buf, w_buf, out, params,
-                                                      routemm.GgmlRoutingPolicy()))
+        receipts.append(
+            routemm.quantized_matmul_ggml(encoder, registry, x_buf, w_buf, out, params, routemm.GgmlRoutingPolicy())
+        )
         encoder.commit_and_wait()
 
     benchmark.pedantic(run, rounds=ROUNDS[m], warmup_rounds=1)
@@ -88,5 +99,11 @@ def test_numpy(benchmark, results, weight, m):
     blocks, _ = weight
     x = np.random.default_rng(m).standard_normal((m, K), dtype=np.float32)
     benchmark.pedantic(_numpy_formulation, args=(blocks, x), rounds=min(ROUNDS[m], 3), warmup_rounds=1)
-    _record(results, benchmark, m=m, route="dequantize+matmul", impl="numpy",
-            note="vectorised NumPy dequantise to f32, then BLAS")
+    _record(
+        results,
+        benchmark,
+        m=m,
+        route="dequantize+matmul",
+        impl="numpy",
+        note="vectorised NumPy dequantise to f32, then BLAS",
+    )

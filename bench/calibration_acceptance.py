@@ -12,13 +12,13 @@ in a third registry. Writes DESIGN-format results and both receipts.
 Each weight count runs in its own process: the process cache is keyed without weights, so a second
 profile in the same process would not be cold. The second call merges both into calibration-h200.json.
 """
+
 import json
 import os
 import sys
 import time
 
 import numpy as np
-
 import routemm
 from routemm import q4_0
 
@@ -73,39 +73,86 @@ for per_base in per_base_runs:
         with open(os.path.join(out_dir, f"calibration-{per_base}w-{name}-receipt.json"), "w") as f:
             f.write(rec.to_json(indent=1))
     winners = sum(d.selected_route is routemm.DenseQ4Route.TENSOR_64X32 for d in cold.decisions)
-    base = dict(op="calibration", shape="qwen-dense", weight_dtype="q4_0", route="plan", impl="routemm",
-                m=len(REACHABLE), weights_per_base=per_base, acceptance=verdict,
-                decisions=len(cold.decisions), candidate_wins=winners,
-                timing_submissions=cold.timing_submissions, deadline_overrun_ms=cold.deadline_overrun_ms)
-    records.append(dict(base, phase="cold", time_us=cold_ms * 1e3, receipt_elapsed_ms=cold.elapsed_ms,
-                        target_ms=TARGETS["cold"], target_met=cold_ms <= TARGETS["cold"]))
-    records.append(dict(base, phase="reactivation (process cache)", time_us=warm_ms * 1e3,
-                        receipt_elapsed_ms=warm.elapsed_ms, target_ms=TARGETS["reactivation"],
-                        target_met=warm_ms <= TARGETS["reactivation"]))
-    records.append(dict(base, phase="reload from plan file", time_us=reload_ms * 1e3,
-                        target_ms=TARGETS["reactivation"], target_met=reload_ms <= TARGETS["reactivation"],
-                        same_decisions=same))
-    print(f"{per_base} weight(s)/base: cold {cold_ms:.0f} ms, reactivation {warm_ms:.0f} ms, reload {reload_ms:.0f} ms, "
-          f"acceptance {verdict}, 64x32 chosen {winners}/{len(cold.decisions)}, same decisions after reload {same}",
-          flush=True)
-    for d in cold.decisions[:len(REACHABLE) * len(BASES) if per_base == 1 else 0]:
+    base = dict(
+        op="calibration",
+        shape="qwen-dense",
+        weight_dtype="q4_0",
+        route="plan",
+        impl="routemm",
+        m=len(REACHABLE),
+        weights_per_base=per_base,
+        acceptance=verdict,
+        decisions=len(cold.decisions),
+        candidate_wins=winners,
+        timing_submissions=cold.timing_submissions,
+        deadline_overrun_ms=cold.deadline_overrun_ms,
+    )
+    records.append(
+        dict(
+            base,
+            phase="cold",
+            time_us=cold_ms * 1e3,
+            receipt_elapsed_ms=cold.elapsed_ms,
+            target_ms=TARGETS["cold"],
+            target_met=cold_ms <= TARGETS["cold"],
+        )
+    )
+    records.append(
+        dict(
+            base,
+            phase="reactivation (process cache)",
+            time_us=warm_ms * 1e3,
+            receipt_elapsed_ms=warm.elapsed_ms,
+            target_ms=TARGETS["reactivation"],
+            target_met=warm_ms <= TARGETS["reactivation"],
+        )
+    )
+    records.append(
+        dict(
+            base,
+            phase="reload from plan file",
+            time_us=reload_ms * 1e3,
+            target_ms=TARGETS["reactivation"],
+            target_met=reload_ms <= TARGETS["reactivation"],
+            same_decisions=same,
+        )
+    )
+    print(
+        f"{per_base} weight(s)/base: cold {cold_ms:.0f} ms, reactivation {warm_ms:.0f} ms, reload {reload_ms:.0f} ms, "
+        f"acceptance {verdict}, 64x32 chosen {winners}/{len(cold.decisions)}, same decisions after reload {same}",
+        flush=True,
+    )
+    for d in cold.decisions[: len(REACHABLE) * len(BASES) if per_base == 1 else 0]:
         times = {t.route.value: round(t.gpu.median_us, 1) for t in d.timings}
-        print(f"  n={d.shape.n} k={d.shape.k} m={d.shape.m}: {d.selected_route.value} ({d.status.value}) gpu us {times}")
+        print(
+            f"  n={d.shape.n} k={d.shape.k} m={d.shape.m}: {d.selected_route.value} ({d.status.value}) gpu us {times}"
+        )
 
 previous = os.path.join(out_dir, "calibration-h200.json")
 if os.path.exists(previous):  # merge the other weight counts' records
     with open(previous) as f:
         records = [r for r in json.load(f)["records"] if r["weights_per_base"] not in per_base_runs] + records
-doc = {"device": dev.name, "git_rev": os.environ.get("GIT_REV", "unknown"),
-       "command": "python3 bench/calibration_acceptance.py OUT_DIR 1; python3 bench/calibration_acceptance.py OUT_DIR 4",
-       "ceilings": {"copy_TBps": 4.17, "bf16_TFLOPs": 794}, "records": records}
+doc = {
+    "device": dev.name,
+    "git_rev": os.environ.get("GIT_REV", "unknown"),
+    "command": "python3 bench/calibration_acceptance.py OUT_DIR 1; python3 bench/calibration_acceptance.py OUT_DIR 4",
+    "ceilings": {"copy_TBps": 4.17, "bf16_TFLOPs": 794},
+    "records": records,
+}
 with open(os.path.join(out_dir, "calibration-h200.json"), "w") as f:
     json.dump(doc, f, indent=1)
-lines = [f"# {doc['device']} — {doc['git_rev']}", "", f"Command: `{doc['command']}`", "",
-         "| phase | weights/base | decisions | 64x32 chosen | time (ms) | target (ms) | met | acceptance |",
-         "|---|---|---|---|---|---|---|---|"]
+lines = [
+    f"# {doc['device']} — {doc['git_rev']}",
+    "",
+    f"Command: `{doc['command']}`",
+    "",
+    "| phase | weights/base | decisions | 64x32 chosen | time (ms) | target (ms) | met | acceptance |",
+    "|---|---|---|---|---|---|---|---|",
+]
 for r in records:
-    lines.append(f"| {r['phase']} | {r['weights_per_base']} | {r['decisions']} | {r['candidate_wins']} | "
-                 f"{r['time_us'] / 1e3:.0f} | {r['target_ms']:.0f} | {r['target_met']} | {r['acceptance']} |")
+    lines.append(
+        f"| {r['phase']} | {r['weights_per_base']} | {r['decisions']} | {r['candidate_wins']} | "
+        f"{r['time_us'] / 1e3:.0f} | {r['target_ms']:.0f} | {r['target_met']} | {r['acceptance']} |"
+    )
 with open(os.path.join(out_dir, "calibration-h200.md"), "w") as f:
     f.write("\n".join(lines) + "\n")

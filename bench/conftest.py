@@ -40,8 +40,7 @@ def _git_rev() -> str:
     if os.environ.get("GIT_REV"):
         return os.environ["GIT_REV"]
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       cwd=os.path.dirname(__file__)).strip()
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, cwd=os.path.dirname(__file__)).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -58,15 +57,23 @@ def _cpu_name() -> str:
 
 
 def _markdown(doc: dict) -> str:
-    lines = [f"# {doc['device']} — {doc['git_rev'][:12]}", "", f"Command: `{doc['command']}`", "",
-             "Ceilings: " + ", ".join(f"{k} = {v:.3g}" for k, v in doc["ceilings"].items()), "",
-             "| op | shape | m | weight dtype | route | impl | time (us) | GB/s | GFLOP/s | note |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# {doc['device']} — {doc['git_rev'][:12]}",
+        "",
+        f"Command: `{doc['command']}`",
+        "",
+        "Ceilings: " + ", ".join(f"{k} = {v:.3g}" for k, v in doc["ceilings"].items()),
+        "",
+        "| op | shape | m | weight dtype | route | impl | time (us) | GB/s | GFLOP/s | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc["records"]:
         gbps = f"{r['TBps'] * 1e3:.2f}" if "TBps" in r else ""
         gflops = f"{r['TFLOPs'] * 1e3:.2f}" if "TFLOPs" in r else ""
-        lines.append(f"| {r['op']} | {r['shape']} | {r['m']} | {r['weight_dtype']} | {r['route']} | {r['impl']} | "
-                     f"{r['time_us']:.1f} | {gbps} | {gflops} | {r.get('note', '')} |")
+        lines.append(
+            f"| {r['op']} | {r['shape']} | {r['m']} | {r['weight_dtype']} | {r['route']} | {r['impl']} | "
+            f"{r['time_us']:.1f} | {gbps} | {gflops} | {r.get('note', '')} |"
+        )
     return "\n".join(lines) + "\n"
 
 

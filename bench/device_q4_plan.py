@@ -4,12 +4,12 @@ every decision (route, status, median wall/GPU time of V2 and 64x32) and writes 
 
     python3 bench/device_q4_plan.py [receipt.json]
 """
+
 import json
 import sys
 import time
 
 import numpy as np
-
 import routemm
 from routemm import q4_0
 
@@ -27,8 +27,10 @@ elapsed = time.perf_counter() - start
 print(f"device {dev.name} ({dev.backend}); calibration {elapsed * 1e3:.0f} ms; plan {plan.plan_id[:16]}")
 for d in receipt.decisions:
     times = {t.route.value: (round(t.wall.median_us, 1), round(t.gpu.median_us, 1)) for t in d.timings}
-    print(f"n={d.shape.n:5d} k={d.shape.k:5d} m={d.shape.m:5d} -> {d.selected_route.value:16s} "
-          f"{d.status.value:24s} wall/gpu us {times}")
+    print(
+        f"n={d.shape.n:5d} k={d.shape.k:5d} m={d.shape.m:5d} -> {d.selected_route.value:16s} "
+        f"{d.status.value:24s} wall/gpu us {times}"
+    )
 if len(sys.argv) > 1:
     with open(sys.argv[1], "w") as f:
         json.dump(json.loads(receipt.to_json()), f, indent=1)

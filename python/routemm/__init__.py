@@ -8,8 +8,7 @@ from __future__ import annotations
 import logging as _logging
 import os as _os
 
-from . import _core
-from ._errors import CommandBufferError, Error, InvalidArgumentError, KernelNotFoundError
+from . import _core, env, q4_0
 from ._core_api import (
     CapturedNode,
     DispatchKind,
@@ -19,6 +18,8 @@ from ._core_api import (
     dtype_of,
     numpy_dtype,
 )
+from ._errors import CommandBufferError, Error, InvalidArgumentError, KernelNotFoundError
+from ._interop import from_dlpack
 from .dense_matmul_id import (
     DenseMatmulIdCapability,
     DenseMatmulIdDispatchReceipt,
@@ -32,10 +33,9 @@ from .dense_matmul_id import (
     dense_matmul_id_capability,
     matmul_id,
 )
-from . import env
-from ._interop import from_dlpack
-from . import q4_0
+from .gguf_io import gguf_tensor
 from .quantized_matmul import (
+    Q4_MATMUL_PIPELINE_NAMES,
     DenseQ4DecisionSource,
     DenseQ4Route,
     GgmlQuantizedMatmulParams,
@@ -43,13 +43,11 @@ from .quantized_matmul import (
     GgmlRoutingPolicy,
     GgmlTensorMmPreference,
     GgmlType,
-    Q4_MATMUL_PIPELINE_NAMES,
     encode_q4_route,
     q4_expected_dispatch,
     quantized_matmul_ggml,
     select_dense_q4_route,
 )
-from .gguf_io import gguf_tensor
 
 Device = _core.Device
 Buffer = _core.Buffer
@@ -78,46 +76,141 @@ def backend_status() -> list[tuple[str, bool, str]]:
 
 
 __all__ = [
-    "Buffer", "CapturedNode", "CommandBufferError", "CommandEncoder", "DENSE_MATMUL_ID_PIPELINE_NAMES",
-    "DENSE_MATMUL_ID_SCHEMA_VERSION", "DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES", "DType", "DenseMatmulIdCapability", "DenseMatmulIdDispatchReceipt",
-    "DenseMatmulIdInputLayout", "DenseMatmulIdMultiplicity", "DenseMatmulIdParams", "DenseMatmulIdRoute",
-    "DenseMatmulIdScratch", "DenseMatmulIdScratchRequirement", "Device", "DispatchKind",
-    "EncodedKernelDispatch", "Error", "InvalidArgumentError", "KernelNotFoundError", "KernelRegistry",
-    "Pipeline", "PipelineIdentity", "available_backends", "backend_status", "dense_matmul_id",
-    "dense_matmul_id_capability", "dispatch_count", "from_dlpack", "dtype_of", "encoder_counters", "env", "matmul_id",
-    "numpy_dtype", "reset_encoder_counters",
+    "Buffer",
+    "CapturedNode",
+    "CommandBufferError",
+    "CommandEncoder",
+    "DENSE_MATMUL_ID_PIPELINE_NAMES",
+    "DENSE_MATMUL_ID_SCHEMA_VERSION",
+    "DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES",
+    "DType",
+    "DenseMatmulIdCapability",
+    "DenseMatmulIdDispatchReceipt",
+    "DenseMatmulIdInputLayout",
+    "DenseMatmulIdMultiplicity",
+    "DenseMatmulIdParams",
+    "DenseMatmulIdRoute",
+    "DenseMatmulIdScratch",
+    "DenseMatmulIdScratchRequirement",
+    "Device",
+    "DispatchKind",
+    "EncodedKernelDispatch",
+    "Error",
+    "InvalidArgumentError",
+    "KernelNotFoundError",
+    "KernelRegistry",
+    "Pipeline",
+    "PipelineIdentity",
+    "available_backends",
+    "backend_status",
+    "dense_matmul_id",
+    "dense_matmul_id_capability",
+    "dispatch_count",
+    "from_dlpack",
+    "dtype_of",
+    "encoder_counters",
+    "env",
+    "matmul_id",
+    "numpy_dtype",
+    "reset_encoder_counters",
 ]
 __all__ += [
-    "DenseQ4DecisionSource", "DenseQ4Route", "GgmlQuantizedMatmulParams", "GgmlQuantizedMatmulReceipt",
-    "GgmlRoutingPolicy", "GgmlTensorMmPreference", "GgmlType", "Q4_MATMUL_PIPELINE_NAMES", "encode_q4_route",
-    "gguf_tensor", "q4_0", "q4_expected_dispatch", "quantized_matmul_ggml", "select_dense_q4_route",
+    "DenseQ4DecisionSource",
+    "DenseQ4Route",
+    "GgmlQuantizedMatmulParams",
+    "GgmlQuantizedMatmulReceipt",
+    "GgmlRoutingPolicy",
+    "GgmlTensorMmPreference",
+    "GgmlType",
+    "Q4_MATMUL_PIPELINE_NAMES",
+    "encode_q4_route",
+    "gguf_tensor",
+    "q4_0",
+    "q4_expected_dispatch",
+    "quantized_matmul_ggml",
+    "select_dense_q4_route",
 ]
 
-from . import calibration
-from .dense_q4_plan import (
-    DENSE_Q4_ROUTE_SCHEMA_VERSION, DenseQ4BaseShape, DenseQ4CalibrationBatchReceipt, DenseQ4CalibrationCase,
-    DenseQ4CalibrationDecision, DenseQ4CalibrationLimits, DenseQ4CartesianAcceptanceRequirements,
-    DenseQ4DispatchDecision, DenseQ4DispatchTrace, DenseQ4InputLayout, DenseQ4RoutePlan, DenseQ4RouteTiming,
-    DenseQ4SelectionStatus, DenseQ4Shape, DenseQ4TimingDistribution, calibrate_dense_q4_routes, dense_q4_auto,
-    freeze_dense_q4_plan, load_dense_q4_plan, trace_dense_q4_auto, validate_dense_q4_cartesian_acceptance,
+from . import calibration  # noqa: E402
+from .dense_matmul_id_plan import (  # noqa: E402
+    DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM,
+    DenseMatmulIdAutoReceipt,
+    DenseMatmulIdCalibrationCase,
+    DenseMatmulIdCalibrationDecision,
+    DenseMatmulIdCalibrationLimits,
+    DenseMatmulIdCalibrationReceipt,
+    DenseMatmulIdDecisionSource,
+    DenseMatmulIdRoutePlan,
+    DenseMatmulIdRoutingProfile,
+    DenseMatmulIdSelectionStatus,
+    DenseMatmulIdShape,
+    calibrate_dense_matmul_id_routes,
+    dense_matmul_id_auto,
+    freeze_dense_matmul_id_plan,
+    freeze_dense_matmul_id_plan_for_cases,
+    load_dense_matmul_id_plan,
 )
-from .dense_matmul_id_plan import (
-    DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM, DenseMatmulIdAutoReceipt, DenseMatmulIdCalibrationCase,
-    DenseMatmulIdCalibrationDecision, DenseMatmulIdCalibrationLimits, DenseMatmulIdCalibrationReceipt,
-    DenseMatmulIdDecisionSource, DenseMatmulIdRoutePlan, DenseMatmulIdRoutingProfile, DenseMatmulIdSelectionStatus,
-    DenseMatmulIdShape, calibrate_dense_matmul_id_routes, dense_matmul_id_auto, freeze_dense_matmul_id_plan,
-    load_dense_matmul_id_plan, freeze_dense_matmul_id_plan_for_cases,
+from .dense_q4_plan import (  # noqa: E402
+    DENSE_Q4_ROUTE_SCHEMA_VERSION,
+    DenseQ4BaseShape,
+    DenseQ4CalibrationBatchReceipt,
+    DenseQ4CalibrationCase,
+    DenseQ4CalibrationDecision,
+    DenseQ4CalibrationLimits,
+    DenseQ4CartesianAcceptanceRequirements,
+    DenseQ4DispatchDecision,
+    DenseQ4DispatchTrace,
+    DenseQ4InputLayout,
+    DenseQ4RoutePlan,
+    DenseQ4RouteTiming,
+    DenseQ4SelectionStatus,
+    DenseQ4Shape,
+    DenseQ4TimingDistribution,
+    calibrate_dense_q4_routes,
+    dense_q4_auto,
+    freeze_dense_q4_plan,
+    load_dense_q4_plan,
+    trace_dense_q4_auto,
+    validate_dense_q4_cartesian_acceptance,
 )
+
 __all__ += [
-    "DENSE_Q4_ROUTE_SCHEMA_VERSION", "DenseQ4BaseShape", "DenseQ4CalibrationBatchReceipt", "DenseQ4CalibrationCase",
-    "DenseQ4CalibrationDecision", "DenseQ4CalibrationLimits", "DenseQ4CartesianAcceptanceRequirements",
-    "DenseQ4DispatchDecision", "DenseQ4DispatchTrace", "DenseQ4InputLayout", "DenseQ4RoutePlan", "DenseQ4RouteTiming",
-    "DenseQ4SelectionStatus", "DenseQ4Shape", "DenseQ4TimingDistribution", "calibrate_dense_q4_routes",
-    "calibration", "dense_q4_auto", "freeze_dense_q4_plan", "load_dense_q4_plan", "trace_dense_q4_auto",
+    "DENSE_Q4_ROUTE_SCHEMA_VERSION",
+    "DenseQ4BaseShape",
+    "DenseQ4CalibrationBatchReceipt",
+    "DenseQ4CalibrationCase",
+    "DenseQ4CalibrationDecision",
+    "DenseQ4CalibrationLimits",
+    "DenseQ4CartesianAcceptanceRequirements",
+    "DenseQ4DispatchDecision",
+    "DenseQ4DispatchTrace",
+    "DenseQ4InputLayout",
+    "DenseQ4RoutePlan",
+    "DenseQ4RouteTiming",
+    "DenseQ4SelectionStatus",
+    "DenseQ4Shape",
+    "DenseQ4TimingDistribution",
+    "calibrate_dense_q4_routes",
+    "calibration",
+    "dense_q4_auto",
+    "freeze_dense_q4_plan",
+    "load_dense_q4_plan",
+    "trace_dense_q4_auto",
     "validate_dense_q4_cartesian_acceptance",
-    "DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM", "DenseMatmulIdAutoReceipt", "DenseMatmulIdCalibrationCase",
-    "DenseMatmulIdCalibrationDecision", "DenseMatmulIdCalibrationLimits", "DenseMatmulIdCalibrationReceipt",
-    "DenseMatmulIdDecisionSource", "DenseMatmulIdRoutePlan", "DenseMatmulIdRoutingProfile",
-    "DenseMatmulIdSelectionStatus", "DenseMatmulIdShape", "calibrate_dense_matmul_id_routes", "dense_matmul_id_auto",
-    "freeze_dense_matmul_id_plan", "load_dense_matmul_id_plan", "freeze_dense_matmul_id_plan_for_cases",
+    "DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM",
+    "DenseMatmulIdAutoReceipt",
+    "DenseMatmulIdCalibrationCase",
+    "DenseMatmulIdCalibrationDecision",
+    "DenseMatmulIdCalibrationLimits",
+    "DenseMatmulIdCalibrationReceipt",
+    "DenseMatmulIdDecisionSource",
+    "DenseMatmulIdRoutePlan",
+    "DenseMatmulIdRoutingProfile",
+    "DenseMatmulIdSelectionStatus",
+    "DenseMatmulIdShape",
+    "calibrate_dense_matmul_id_routes",
+    "dense_matmul_id_auto",
+    "freeze_dense_matmul_id_plan",
+    "load_dense_matmul_id_plan",
+    "freeze_dense_matmul_id_plan_for_cases",
 ]

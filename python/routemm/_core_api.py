@@ -59,9 +59,7 @@ def _device_from_numpy(self: _core.Device, array, dtype: Optional[DType] = None)
     if dtype is None:
         dtype = dtype_of(array.dtype)
     elif array.dtype.itemsize != dtype.size:
-        raise InvalidArgumentError(
-            f"from_numpy: {array.dtype} elements cannot be read as {dtype.type_name}"
-        )
+        raise InvalidArgumentError(f"from_numpy: {array.dtype} elements cannot be read as {dtype.type_name}")
     data = np.ascontiguousarray(array)
     buffer = self.alloc(data.nbytes, dtype, list(data.shape) if data.ndim else [1])
     buffer._write_bytes(data.reshape(-1).view(np.uint8))
@@ -157,11 +155,18 @@ def _take_encoded_dispatch_receipt(self: _core.CommandEncoder) -> list[EncodedKe
     return [EncodedKernelDispatch._from_core(d) for d in self._take_encoded_dispatch_receipt()]
 
 
-def _encoder_dispatch(self, pipeline, args, grid, threads, *, dispatch_kind=DispatchKind.THREAD_GROUPS,
-                      threadgroup_memory=()):
+def _encoder_dispatch(
+    self, pipeline, args, grid, threads, *, dispatch_kind=DispatchKind.THREAD_GROUPS, threadgroup_memory=()
+):
     """Encode one raw dispatch. args: [(slot, Buffer | bytes | (Buffer, offset))]."""
-    self._dispatch(pipeline, list(args), tuple(grid), tuple(threads),
-                   DispatchKind(dispatch_kind) is DispatchKind.THREADS, list(threadgroup_memory))
+    self._dispatch(
+        pipeline,
+        list(args),
+        tuple(grid),
+        tuple(threads),
+        DispatchKind(dispatch_kind) is DispatchKind.THREADS,
+        list(threadgroup_memory),
+    )
 
 
 _core.CommandEncoder.take_capture = _take_capture

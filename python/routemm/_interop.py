@@ -78,8 +78,7 @@ def _from_cuda_array_interface(obj, cai: dict, device) -> _core.Buffer:
     if stream:
         _core._wait_for_external_stream(device, int(stream))
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.size if shape else dtype.size
-    return _core._buffer_from_pointer(device, int(pointer), nbytes, dtype, list(shape) or [1],
-                                      not read_only, obj)
+    return _core._buffer_from_pointer(device, int(pointer), nbytes, dtype, list(shape) or [1], not read_only, obj)
 
 
 def _buffer_dlpack(self: _core.Buffer, *, stream=None, max_version=None, dl_device=None, copy=None):

@@ -78,7 +78,7 @@ def _decode(tp: Any, data: Any, where: str) -> Any:
             return tuple(_decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(data))
         if len(args) != len(data):
             raise InvalidArgumentError(f"{where} must have {len(args)} items")
-        return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data)))
+        return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data, strict=True)))
     if origin is dict:
         key_t, val_t = typing.get_args(tp)
         if not isinstance(data, dict):
@@ -135,8 +135,6 @@ def _decode_record(cls: type, data: Any, where: str) -> Any:
     if "schema_version" in fields:
         expected = fields["schema_version"].default
         if data["schema_version"] != expected:
-            raise InvalidArgumentError(
-                f"{where}: schema_version {data['schema_version']!r} is not {expected}"
-            )
+            raise InvalidArgumentError(f"{where}: schema_version {data['schema_version']!r} is not {expected}")
     values = {name: _decode(hints[name], data[name], f"{where}.{name}") for name in fields}
     return cls(**values)

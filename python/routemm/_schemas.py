@@ -18,8 +18,9 @@ def load(name: str) -> dict:
 
 
 def names() -> list[str]:
-    return sorted(p.name for p in resources.files("routemm").joinpath("schemas").iterdir()
-                  if p.name.endswith(".schema.json"))
+    return sorted(
+        p.name for p in resources.files("routemm").joinpath("schemas").iterdir() if p.name.endswith(".schema.json")
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,6 +41,4 @@ def validate(record: Any, name: str | None = None) -> None:
     doc = record.to_dict() if hasattr(record, "to_dict") else record
     errors = sorted(_validator(name).iter_errors(doc), key=lambda e: list(e.path))
     if errors:
-        raise jsonschema.ValidationError(
-            f"{name}: " + "; ".join(f"{list(e.path)}: {e.message}" for e in errors)
-        )
+        raise jsonschema.ValidationError(f"{name}: " + "; ".join(f"{list(e.path)}: {e.message}" for e in errors))

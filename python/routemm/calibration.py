@@ -67,8 +67,9 @@ STATUS_LABELS = {
     STATUS_CANDIDATE_GUARD: "candidate guard written",
 }
 STATUS_CONTROL_BITS = STATUS_CONTROL_UNWRITTEN | STATUS_CONTROL_NON_FINITE | STATUS_CONTROL_GUARD
-STATUS_CANDIDATE_BITS = (STATUS_CANDIDATE_UNWRITTEN | STATUS_CANDIDATE_NON_FINITE | STATUS_MISMATCH
-                         | STATUS_CANDIDATE_GUARD)
+STATUS_CANDIDATE_BITS = (
+    STATUS_CANDIDATE_UNWRITTEN | STATUS_CANDIDATE_NON_FINITE | STATUS_MISMATCH | STATUS_CANDIDATE_GUARD
+)
 STATUS_KNOWN_BITS = STATUS_CONTROL_BITS | STATUS_CANDIDATE_BITS
 
 _PARAMS = struct.Struct("<QQII")  # CalibrationKernelParams: 24 bytes
@@ -202,14 +203,23 @@ class ProofKernels:
 
     def encode_poison(self, encoder, control, candidate, logical: int, guarded: int) -> None:
         grid, threads = self._geometry(guarded)
-        encoder.dispatch(self.poison, [(0, control), (1, candidate), (2, _PARAMS.pack(logical, guarded, 0, 0))],
-                         grid, threads, dispatch_kind=DispatchKind.THREADS)
+        encoder.dispatch(
+            self.poison,
+            [(0, control), (1, candidate), (2, _PARAMS.pack(logical, guarded, 0, 0))],
+            grid,
+            threads,
+            dispatch_kind=DispatchKind.THREADS,
+        )
 
     def encode_compare(self, encoder, control, candidate, statuses, index: int, logical: int, guarded: int) -> None:
         grid, threads = self._geometry(guarded)
-        encoder.dispatch(self.compare, [(0, control), (1, candidate), (2, statuses),
-                                        (3, _PARAMS.pack(logical, guarded, index, 0))],
-                         grid, threads, dispatch_kind=DispatchKind.THREADS)
+        encoder.dispatch(
+            self.compare,
+            [(0, control), (1, candidate), (2, statuses), (3, _PARAMS.pack(logical, guarded, index, 0))],
+            grid,
+            threads,
+            dispatch_kind=DispatchKind.THREADS,
+        )
 
 
 # ---- Fingerprints -------------------------------------------------------------------------------
@@ -232,8 +242,7 @@ def pipeline_set_fingerprint(identities: Iterable[PipelineIdentity]) -> str:
     return sha256_hex(canonical_json([i.to_dict() for i in ids]).encode())
 
 
-def build_fingerprint(domain: str, schema_version: int, identities: Iterable[PipelineIdentity]
-                      ) -> tuple[str, str]:
+def build_fingerprint(domain: str, schema_version: int, identities: Iterable[PipelineIdentity]) -> tuple[str, str]:
     """(build fingerprint, pipeline-set fingerprint). The source part covers the library version,
     the plan schema version and the plan domain; the identity hashes cover the compiled code."""
     pset = pipeline_set_fingerprint(identities)
@@ -358,8 +367,14 @@ def plan_validators(device, build_fp: str) -> dict:
 def write_plan_file(path, kind: str, validators: dict, plan: dict, receipt: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"format": PLAN_FILE_FORMAT, "format_version": PLAN_FILE_VERSION, "kind": kind,
-           "validators": validators, "plan": plan, "receipt": receipt}
+    doc = {
+        "format": PLAN_FILE_FORMAT,
+        "format_version": PLAN_FILE_VERSION,
+        "kind": kind,
+        "validators": validators,
+        "plan": plan,
+        "receipt": receipt,
+    }
     fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         json.dump(doc, f, sort_keys=True, indent=1, allow_nan=False)
@@ -378,15 +393,19 @@ def read_plan_file(path, kind: str, current: dict) -> tuple[dict, dict]:
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FILE_FORMAT:
         raise PlanFileMismatch(f"route plan file {path} is not a routemm route plan")
     if doc.get("format_version") != PLAN_FILE_VERSION:
-        raise PlanFileMismatch(f"route plan file {path} has format_version {doc.get('format_version')!r}, "
-                               f"this library reads {PLAN_FILE_VERSION}")
+        raise PlanFileMismatch(
+            f"route plan file {path} has format_version {doc.get('format_version')!r}, "
+            f"this library reads {PLAN_FILE_VERSION}"
+        )
     if doc.get("kind") != kind:
         raise PlanFileMismatch(f"route plan file {path} holds a {doc.get('kind')!r} plan, not {kind!r}")
     saved = doc.get("validators") or {}
     for name in sorted(set(saved) | set(current)):
         if saved.get(name) != current.get(name):
-            raise PlanFileMismatch(f"route plan file {path} was made for a different setup: {name} was "
-                                   f"{saved.get(name)!r}, now {current.get(name)!r}; recalibrate")
+            raise PlanFileMismatch(
+                f"route plan file {path} was made for a different setup: {name} was "
+                f"{saved.get(name)!r}, now {current.get(name)!r}; recalibrate"
+            )
     return doc["plan"], doc["receipt"]
 
 

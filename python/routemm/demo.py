@@ -49,8 +49,11 @@ def _random_case(rng, n_experts, top_k, n, k, m, dtype):
 
 def _run_route(device, registry, bufs, params, repeats):
     w_buf, x_buf, id_buf, out_buf = bufs
-    scratch = (DenseMatmulIdScratch(device, params.n_experts, params.m)
-               if params.route is DenseMatmulIdRoute.GROUPED_PREFILL else None)
+    scratch = (
+        DenseMatmulIdScratch(device, params.n_experts, params.m)
+        if params.route is DenseMatmulIdRoute.GROUPED_PREFILL
+        else None
+    )
     receipt = encoded = None
     times = []
     for i in range(repeats + 1):
@@ -67,20 +70,26 @@ def _run_route(device, registry, bufs, params, repeats):
 
 
 def run(model: str | None, m_prefill: int, dtype_name: str, backend: str | None, repeats: int, seed: int):
-    name, (n_experts, top_k, n, k) = (REDUCED if model is None else (model, MODELS[model]))
+    name, (n_experts, top_k, n, k) = REDUCED if model is None else (model, MODELS[model])
     rng = np.random.default_rng(seed)
     device = _core.Device(backend)
     registry = _core.KernelRegistry(device)
     wdtype = _DTYPES[dtype_name]
     report = {
-        "model": name, "backend": device.backend, "device": device.name,
+        "model": name,
+        "backend": device.backend,
+        "device": device.name,
         "shape": {"n_experts": n_experts, "top_k": top_k, "n": n, "k": k},
-        "weight_dtype": dtype_name, "env": env.non_default(), "runs": [],
+        "weight_dtype": dtype_name,
+        "env": env.non_default(),
+        "runs": [],
     }
     weights, _, _ = _random_case(rng, n_experts, top_k, n, k, 1, wdtype)
     w_buf = device.from_numpy(weights)
-    for m, routes in ((1, [DenseMatmulIdRoute.DIRECT]),
-                      (m_prefill, [DenseMatmulIdRoute.DIRECT, DenseMatmulIdRoute.GROUPED_PREFILL])):
+    for m, routes in (
+        (1, [DenseMatmulIdRoute.DIRECT]),
+        (m_prefill, [DenseMatmulIdRoute.DIRECT, DenseMatmulIdRoute.GROUPED_PREFILL]),
+    ):
         _, x, ids = _random_case(rng, n_experts, top_k, n, k, m, wdtype)
         reference = dense_matmul_id_reference(weights, x, ids)
         x_buf, id_buf = device.from_numpy(x), device.from_numpy(ids)
@@ -90,41 +99,61 @@ def run(model: str | None, m_prefill: int, dtype_name: str, backend: str | None,
         flops = 2 * m * top_k * n * k
         outputs = {}
         for route in routes:
-            params = DenseMatmulIdParams(m, n, k, top_k, n_experts, n * k * np.dtype(wdtype).itemsize,
-                                         DenseMatmulIdInputLayout.SHARED_PER_TOKEN,
-                                         DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN, route)
+            params = DenseMatmulIdParams(
+                m,
+                n,
+                k,
+                top_k,
+                n_experts,
+                n * k * np.dtype(wdtype).itemsize,
+                DenseMatmulIdInputLayout.SHARED_PER_TOKEN,
+                DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN,
+                route,
+            )
             out_buf.copy_from_numpy(np.full((m * top_k, n), np.nan, np.float32))
-            receipt, encoded, seconds = _run_route(device, registry, (w_buf, x_buf, id_buf, out_buf),
-                                                   params, repeats)
+            receipt, encoded, seconds = _run_route(device, registry, (w_buf, x_buf, id_buf, out_buf), params, repeats)
             out = out_buf.numpy()
             outputs[route] = out
             scale = float(np.max(np.abs(reference))) or 1.0
-            report["runs"].append({
-                "m": m, "route": route.value, "time_us": seconds * 1e6,
-                "GBps": nbytes / seconds / 1e9, "GFLOPs": flops / seconds / 1e9,
-                "experts_touched": touched, "bytes": nbytes, "flops": flops,
-                "max_abs_error": float(np.max(np.abs(out - reference))),
-                "max_rel_error": float(np.max(np.abs(out - reference)) / scale),
-                "all_written": bool(np.all(np.isfinite(out))),
-                "receipt": receipt.to_dict(), "dispatches": [d.to_dict() for d in encoded],
-            })
+            report["runs"].append(
+                {
+                    "m": m,
+                    "route": route.value,
+                    "time_us": seconds * 1e6,
+                    "GBps": nbytes / seconds / 1e9,
+                    "GFLOPs": flops / seconds / 1e9,
+                    "experts_touched": touched,
+                    "bytes": nbytes,
+                    "flops": flops,
+                    "max_abs_error": float(np.max(np.abs(out - reference))),
+                    "max_rel_error": float(np.max(np.abs(out - reference)) / scale),
+                    "all_written": bool(np.all(np.isfinite(out))),
+                    "receipt": receipt.to_dict(),
+                    "dispatches": [d.to_dict() for d in encoded],
+                }
+            )
         if len(outputs) == 2:
             a, b = outputs.values()
             report["routes_bit_identical_at_m%d" % m] = bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)))
     report["ok"] = all(r["all_written"] and r["max_rel_error"] < 1e-4 for r in report["runs"]) and all(
-        v for key, v in report.items() if key.startswith("routes_bit_identical"))
+        v for key, v in report.items() if key.startswith("routes_bit_identical")
+    )
     return report
 
 
 def _print_report(report) -> None:
     s = report["shape"]
-    print(f"routemm demo: {report['model']} expert projection (E={s['n_experts']}, top_k={s['top_k']}, "
-          f"n={s['n']}, k={s['k']}, {report['weight_dtype']} weights) on {report['backend']} ({report['device']})")
+    print(
+        f"routemm demo: {report['model']} expert projection (E={s['n_experts']}, top_k={s['top_k']}, "
+        f"n={s['n']}, k={s['k']}, {report['weight_dtype']} weights) on {report['backend']} ({report['device']})"
+    )
     print(f"{'m':>6} {'route':>16} {'time_us':>10} {'GB/s':>8} {'GFLOP/s':>9} {'max rel err':>12}  dispatches")
     for r in report["runs"]:
         labels = ", ".join(f"{d['pipeline_label']} grid={tuple(d['grid'])}" for d in r["dispatches"])
-        print(f"{r['m']:>6} {r['route']:>16} {r['time_us']:>10.1f} {r['GBps']:>8.2f} {r['GFLOPs']:>9.2f} "
-              f"{r['max_rel_error']:>12.2e}  {labels}")
+        print(
+            f"{r['m']:>6} {r['route']:>16} {r['time_us']:>10.1f} {r['GBps']:>8.2f} {r['GFLOPs']:>9.2f} "
+            f"{r['max_rel_error']:>12.2e}  {labels}"
+        )
     for key, value in report.items():
         if key.startswith("routes_bit_identical"):
             print(f"direct and grouped_prefill bit-identical ({key.rsplit('_', 1)[1]}): {value}")
@@ -133,8 +162,12 @@ def _print_report(report) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m routemm demo", description=__doc__)
-    parser.add_argument("--model", choices=sorted(MODELS), default=None,
-                        help="full sizes of this model's expert projection (default: a reduced Qwen3-30B-A3B layer)")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default=None,
+        help="full sizes of this model's expert projection (default: a reduced Qwen3-30B-A3B layer)",
+    )
     parser.add_argument("--tokens", type=int, default=64, help="tokens of the prefill run (default 64)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="weight dtype (default bf16)")
     parser.add_argument("--backend", default=None, help="cpu, cuda or metal (default: best available)")

@@ -81,11 +81,14 @@ class DenseMatmulIdParams(JsonRecord):
                 raise InvalidArgumentError(f"dense_matmul_id {name} must be a u32, got {value!r}")
         stride = self.expert_stride_bytes
         if not isinstance(stride, (int, np.integer)) or not 0 <= stride <= 0xFFFFFFFFFFFFFFFF:
-            raise InvalidArgumentError(
-                f"dense_matmul_id expert_stride_bytes must be a u64, got {stride!r}"
-            )
+            raise InvalidArgumentError(f"dense_matmul_id expert_stride_bytes must be a u64, got {stride!r}")
         return _core._DenseMatmulIdParams(
-            int(self.m), int(self.n), int(self.k), int(self.top_k), int(self.n_experts), int(stride),
+            int(self.m),
+            int(self.n),
+            int(self.k),
+            int(self.top_k),
+            int(self.n_experts),
+            int(stride),
             DenseMatmulIdInputLayout(self.input_layout).value,
             DenseMatmulIdMultiplicity(self.id_multiplicity).value,
             DenseMatmulIdRoute(self.route).value,
@@ -139,18 +142,19 @@ def dense_matmul_id_capability(weight_dtype: DType, params: DenseMatmulIdParams)
     return _capability_from_native(_core._dense_matmul_id_capability(weight_dtype, params._native_params))
 
 
-def dense_matmul_id(encoder, registry, weights, input, expert_ids, output, scratch, params: DenseMatmulIdParams
-                    ) -> DenseMatmulIdDispatchReceipt:
+def dense_matmul_id(
+    encoder, registry, weights, input, expert_ids, output, scratch, params: DenseMatmulIdParams
+) -> DenseMatmulIdDispatchReceipt:
     """Encode one expert-ID matmul into `encoder` (run it with encoder.commit_and_wait()).
 
     Every validation happens before anything is encoded; on error the encoder is untouched.
     `scratch` is a DenseMatmulIdScratch for grouped_prefill and may be None for direct.
     """
-    native = _core._dense_matmul_id(encoder, registry, weights, input, expert_ids, output, scratch,
-                                    params._native_params)
+    native = _core._dense_matmul_id(
+        encoder, registry, weights, input, expert_ids, output, scratch, params._native_params
+    )
     # Built field by field: this is the per-call hot path (from_dict resolves type hints).
-    return DenseMatmulIdDispatchReceipt(weights.dtype, DenseMatmulIdRoute(native["route"]),
-                                        native["dispatch_count"])
+    return DenseMatmulIdDispatchReceipt(weights.dtype, DenseMatmulIdRoute(native["route"]), native["dispatch_count"])
 
 
 # ---- High level ---------------------------------------------------------------------------------
@@ -218,8 +222,13 @@ def matmul_id(weights, x, ids, *, route: Optional[DenseMatmulIdRoute] = None, ou
     distinct = ids_distinct_per_token(ids64, n_experts)
     route = _pick_route(route, distinct, m)
     if out is not None:
-        if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (m * top_k, n)
-                and out.flags.c_contiguous and out.flags.writeable):
+        if not (
+            isinstance(out, np.ndarray)
+            and out.dtype == np.float32
+            and out.shape == (m * top_k, n)
+            and out.flags.c_contiguous
+            and out.flags.writeable
+        ):
             raise InvalidArgumentError(
                 f"matmul_id out must be a writable C-contiguous float32 array of shape {(m * top_k, n)}"
             )
@@ -255,24 +264,32 @@ def _check_shapes(w_shape, x_shape, ids_shape):
 
 def _pick_route(route, distinct: bool, m: int) -> DenseMatmulIdRoute:
     if route is None:
-        return (DenseMatmulIdRoute.GROUPED_PREFILL if distinct and m >= AUTO_GROUPED_MIN_TOKENS
-                else DenseMatmulIdRoute.DIRECT)
+        return (
+            DenseMatmulIdRoute.GROUPED_PREFILL
+            if distinct and m >= AUTO_GROUPED_MIN_TOKENS
+            else DenseMatmulIdRoute.DIRECT
+        )
     return DenseMatmulIdRoute(route)
 
 
 def _params(m, n, k, top_k, n_experts, wdtype, layout, distinct, route) -> DenseMatmulIdParams:
     return DenseMatmulIdParams(
-        m=m, n=n, k=k, top_k=top_k, n_experts=n_experts, expert_stride_bytes=n * k * wdtype.size,
+        m=m,
+        n=n,
+        k=k,
+        top_k=top_k,
+        n_experts=n_experts,
+        expert_stride_bytes=n * k * wdtype.size,
         input_layout=layout,
-        id_multiplicity=(DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN if distinct
-                         else DenseMatmulIdMultiplicity.MAY_REPEAT),
+        id_multiplicity=(
+            DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN if distinct else DenseMatmulIdMultiplicity.MAY_REPEAT
+        ),
         route=route,
     )
 
 
 def _run(device, params, w_buf, x_buf, id_buf, out_buf) -> None:
-    scratch = (DenseMatmulIdScratch(device, params.n_experts, params.m)
-               if params.route.is_grouped else None)
+    scratch = DenseMatmulIdScratch(device, params.n_experts, params.m) if params.route.is_grouped else None
     encoder = device.command_encoder()
     dense_matmul_id(encoder, _registry_for(device), w_buf, x_buf, id_buf, out_buf, scratch, params)
     encoder.commit_and_wait()
@@ -296,8 +313,11 @@ def _matmul_id_tensors(framework, weights, x, ids, route, out):
     # IDs travel as int32 bit patterns read as u32: anything outside [0, n_experts) becomes -1,
     # i.e. 0xFFFFFFFF, which gives a zero row.
     valid = (ids >= 0) & (ids < n_experts)
-    ids32 = xp.where(valid, ids, xp.full_like(ids, -1)).astype(i32) if framework == "cupy" else \
-        xp.where(valid, ids, xp.full_like(ids, -1)).to(i32).contiguous()
+    ids32 = (
+        xp.where(valid, ids, xp.full_like(ids, -1)).astype(i32)
+        if framework == "cupy"
+        else xp.where(valid, ids, xp.full_like(ids, -1)).to(i32).contiguous()
+    )
     distinct = True
     if route is None or DenseMatmulIdRoute(route).is_grouped:
         # Invalid ids never count as repeats: give each slot its own negative sentinel.
@@ -313,8 +333,11 @@ def _matmul_id_tensors(framework, weights, x, ids, route, out):
     id_i32 = from_dlpack(ids32)
     id_buf = id_i32.view(0, id_i32.nbytes, DType.U32, [m, top_k])
     if out is None:
-        out = (xp.empty((m * top_k, n), dtype=f32, device=x.device) if framework == "torch"
-               else xp.empty((m * top_k, n), dtype=f32))
+        out = (
+            xp.empty((m * top_k, n), dtype=f32, device=x.device)
+            if framework == "torch"
+            else xp.empty((m * top_k, n), dtype=f32)
+        )
     out_buf = from_dlpack(out)
     if tuple(out_buf.shape) != (m * top_k, n) or out_buf.dtype != DType.F32:
         raise InvalidArgumentError(f"matmul_id out must be float32 of shape {(m * top_k, n)}")

@@ -35,15 +35,15 @@ from ._core_api import DType
 from ._errors import Error, InvalidArgumentError
 from ._json import JsonRecord
 from .dense_matmul_id import (
+    PIPELINE_NAMES,
     SCHEMA_VERSION,
+    TENSOR_PIPELINE_NAMES,
     DenseMatmulIdDispatchReceipt,
     DenseMatmulIdInputLayout,
     DenseMatmulIdMultiplicity,
     DenseMatmulIdParams,
     DenseMatmulIdRoute,
     DenseMatmulIdScratch,
-    PIPELINE_NAMES,
-    TENSOR_PIPELINE_NAMES,
     dense_matmul_id,
     dense_matmul_id_capability,
 )
@@ -54,7 +54,8 @@ DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM = (
     "id multiplicity, direct and grouped_prefill evaluate every output element with the same widening, the "
     "same F32 FMA sequence and the same fixed reduction tree, independent of the weight, activation and id "
     "values; a route proved bit-identical on one weight is therefore identical on every weight of the shape. "
-    "Tensor-core routes carry no such theorem and are re-proved against their tolerance on every activation.")
+    "Tensor-core routes carry no such theorem and are re-proved against their tolerance on every activation."
+)
 THEOREM_SHA256 = cal.sha256_hex(DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM.encode())
 TENSOR_TOLERANCE = {DenseMatmulIdRoute.GROUPED_TENSOR_TF32: 2e-3, DenseMatmulIdRoute.GROUPED_TENSOR_LOWP: 1e-2}
 _ADVERSARIAL = np.array([1.0, -0.0, 0.0078125, -3.5, 1.0009766, -0.33333334, 6.1035156e-05, 2.75], np.float32)
@@ -95,21 +96,48 @@ class DenseMatmulIdShape(JsonRecord):
 
     @property
     def key(self) -> tuple:
-        return (self.weight_dtype.type_name, self.m, self.n, self.k, self.top_k, self.n_experts,
-                self.expert_stride_bytes, self.input_layout.value, self.id_multiplicity.value)
+        return (
+            self.weight_dtype.type_name,
+            self.m,
+            self.n,
+            self.k,
+            self.top_k,
+            self.n_experts,
+            self.expert_stride_bytes,
+            self.input_layout.value,
+            self.id_multiplicity.value,
+        )
 
     @property
     def base_key(self) -> tuple:
         return self.key[:1] + self.key[2:]
 
     def params(self, route: DenseMatmulIdRoute) -> DenseMatmulIdParams:
-        return DenseMatmulIdParams(self.m, self.n, self.k, self.top_k, self.n_experts, self.expert_stride_bytes,
-                                   self.input_layout, self.id_multiplicity, route)
+        return DenseMatmulIdParams(
+            self.m,
+            self.n,
+            self.k,
+            self.top_k,
+            self.n_experts,
+            self.expert_stride_bytes,
+            self.input_layout,
+            self.id_multiplicity,
+            route,
+        )
 
     @classmethod
     def of(cls, weight_dtype, p: DenseMatmulIdParams) -> "DenseMatmulIdShape":
-        return cls(weight_dtype, p.m, p.n, p.k, p.top_k, p.n_experts, p.expert_stride_bytes,
-                   DenseMatmulIdInputLayout(p.input_layout), DenseMatmulIdMultiplicity(p.id_multiplicity))
+        return cls(
+            weight_dtype,
+            p.m,
+            p.n,
+            p.k,
+            p.top_k,
+            p.n_experts,
+            p.expert_stride_bytes,
+            DenseMatmulIdInputLayout(p.input_layout),
+            DenseMatmulIdMultiplicity(p.id_multiplicity),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,8 +239,13 @@ class DenseMatmulIdRoutePlan(JsonRecord):
         device = _DEVICES.get((self.device_name, self.device_registry_id))
         if device is None:
             raise InvalidArgumentError("dense_matmul_id route plan was not made by this process; cannot save it")
-        return cal.write_plan_file(path, PLAN_KIND, cal.plan_validators(device, self.build_fingerprint),
-                                   self.to_dict(), receipt.to_dict() if receipt is not None else None)
+        return cal.write_plan_file(
+            path,
+            PLAN_KIND,
+            cal.plan_validators(device, self.build_fingerprint),
+            self.to_dict(),
+            receipt.to_dict() if receipt is not None else None,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,8 +344,9 @@ def _prepare(registry, dtypes) -> tuple[str, str, dict, Optional[cal.ProofKernel
             identities[ident.pipeline_label] = ident
     except Error as e:
         errors["proof"] = str(e)
-    build_fp, pset = cal.build_fingerprint("routemm.dense_matmul_id_plan:" + THEOREM_SHA256, SCHEMA_VERSION,
-                                           identities.values())
+    build_fp, pset = cal.build_fingerprint(
+        "routemm.dense_matmul_id_plan:" + THEOREM_SHA256, SCHEMA_VERSION, identities.values()
+    )
     return build_fp, pset, identities, proof, errors
 
 
@@ -321,8 +355,10 @@ def _protected_names() -> list[str]:
 
 
 def _dtypes_of(plan) -> set:
-    return {DType(d.shape.weight_dtype) if not isinstance(d.shape.weight_dtype, DType) else d.shape.weight_dtype
-            for d in plan.decisions}
+    return {
+        DType(d.shape.weight_dtype) if not isinstance(d.shape.weight_dtype, DType) else d.shape.weight_dtype
+        for d in plan.decisions
+    }
 
 
 def freeze_dense_matmul_id_plan(registry, device, plan: DenseMatmulIdRoutePlan, *, _check_fingerprint=True) -> None:
@@ -351,9 +387,14 @@ def _key_text(keys, limit: int = 3) -> str:
     return text + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
 
 
-def freeze_dense_matmul_id_plan_for_cases(worker_registry, device, plan: DenseMatmulIdRoutePlan,
-                                          cases: Sequence[DenseMatmulIdCalibrationCase], *,
-                                          activation_epoch: Optional[int] = None) -> None:
+def freeze_dense_matmul_id_plan_for_cases(
+    worker_registry,
+    device,
+    plan: DenseMatmulIdRoutePlan,
+    cases: Sequence[DenseMatmulIdCalibrationCase],
+    *,
+    activation_epoch: Optional[int] = None,
+) -> None:
     """Install a plan calibrated on a primary registry into a worker registry (spec §7.6, Dispatch).
 
     Plans are bound to the registry activation authority that calibrated them, and
@@ -380,10 +421,14 @@ def freeze_dense_matmul_id_plan_for_cases(worker_registry, device, plan: DenseMa
     """
     worker_device = worker_registry.device
     if (worker_device.registry_id, worker_device.name) != (device.registry_id, device.name) or (
-            plan.device_registry_id, plan.device_name) != (device.registry_id, device.name):
-        _fail(f"dense_matmul_id worker plan device mismatch: plan is for {plan.device_name!r} "
-              f"(id {plan.device_registry_id}), worker registry is on {worker_device.name!r} "
-              f"(id {worker_device.registry_id}), device is {device.name!r} (id {device.registry_id})")
+        plan.device_registry_id,
+        plan.device_name,
+    ) != (device.registry_id, device.name):
+        _fail(
+            f"dense_matmul_id worker plan device mismatch: plan is for {plan.device_name!r} "
+            f"(id {plan.device_registry_id}), worker registry is on {worker_device.name!r} "
+            f"(id {worker_device.registry_id}), device is {device.name!r} (id {device.registry_id})"
+        )
     if plan.theorem_sha256 != THEOREM_SHA256:
         _fail("dense_matmul_id worker plan theorem digest mismatch")
     epoch = plan.activation_epoch
@@ -391,8 +436,10 @@ def freeze_dense_matmul_id_plan_for_cases(worker_registry, device, plan: DenseMa
         _fail(f"dense_matmul_id worker plan epoch mismatch: plan epoch {epoch!r} is not a valid activation epoch")
     authority = _AUTHORITIES.get(plan.plan_id)
     if authority is not None and authority.epoch != epoch:
-        _fail(f"dense_matmul_id worker plan epoch mismatch: plan says epoch {epoch}, its activation "
-              f"was epoch {authority.epoch}")
+        _fail(
+            f"dense_matmul_id worker plan epoch mismatch: plan says epoch {epoch}, its activation "
+            f"was epoch {authority.epoch}"
+        )
     if activation_epoch is not None and activation_epoch != epoch:
         _fail(f"dense_matmul_id worker plan epoch mismatch: worker epoch {activation_epoch!r}, plan epoch {epoch}")
     existing = worker_registry.frozen_plan_id(PLAN_KIND)
@@ -404,15 +451,26 @@ def freeze_dense_matmul_id_plan_for_cases(worker_registry, device, plan: DenseMa
     planned = set(plan._lookup) if authority is None else set(authority.shape_keys)
     if declared != planned or declared != set(plan._lookup):
         missing, extra = planned - declared, declared - planned
-        _fail("dense_matmul_id worker plan case union mismatch: "
-              + "; ".join(f"{label} {len(keys)} shape(s): {_key_text(keys)}"
-                          for label, keys in (("cases miss", missing), ("cases add", extra)) if keys))
+        _fail(
+            "dense_matmul_id worker plan case union mismatch: "
+            + "; ".join(
+                f"{label} {len(keys)} shape(s): {_key_text(keys)}"
+                for label, keys in (("cases miss", missing), ("cases add", extra))
+                if keys
+            )
+        )
     digest = _authority_digest(device, epoch, entries)
-    reproduced = _plan_id(plan.build_fingerprint, plan.device_registry_id, plan.registry_authority_id, epoch,
-                          digest, plan.decisions) == plan.plan_id
+    reproduced = (
+        _plan_id(
+            plan.build_fingerprint, plan.device_registry_id, plan.registry_authority_id, epoch, digest, plan.decisions
+        )
+        == plan.plan_id
+    )
     if (authority is not None and digest != authority.digest) or (authority is None and not reproduced):
-        _fail("dense_matmul_id worker plan authority digest mismatch: the cases borrow different weight "
-              "identities (address, byte_offset, nbytes) than the activation that made the plan")
+        _fail(
+            "dense_matmul_id worker plan authority digest mismatch: the cases borrow different weight "
+            "identities (address, byte_offset, nbytes) than the activation that made the plan"
+        )
     if not reproduced:
         _fail("dense_matmul_id worker plan id mismatch: the plan's contents were altered after calibration")
     build_fp, _, identities, _, errors = _prepare(worker_registry, _dtypes_of(plan))
@@ -420,10 +478,14 @@ def freeze_dense_matmul_id_plan_for_cases(worker_registry, device, plan: DenseMa
         differing = []
         if authority is not None:
             now = {ident.pipeline_label: ident.to_dict() for ident in identities.values()}
-            differing = sorted(label for label in set(now) | set(authority.identities)
-                               if now.get(label) != authority.identities.get(label))
+            differing = sorted(
+                label
+                for label in set(now) | set(authority.identities)
+                if now.get(label) != authority.identities.get(label)
+            )
         detail = (f": {', '.join(differing)} differ" if differing else "") + (
-            f" (lookup errors: {errors})" if errors else "")
+            f" (lookup errors: {errors})" if errors else ""
+        )
         _fail(f"dense_matmul_id worker plan build/pipeline identity mismatch{detail}")
     if existing == plan.plan_id:
         return
@@ -433,17 +495,20 @@ def freeze_dense_matmul_id_plan_for_cases(worker_registry, device, plan: DenseMa
 
 
 _core.KernelRegistry.freeze_dense_matmul_id_plan = lambda self, device, plan: freeze_dense_matmul_id_plan(
-    self, device, plan)
-_core.KernelRegistry.freeze_dense_matmul_id_plan_for_cases = (
-    lambda self, device, plan, cases, **kw: freeze_dense_matmul_id_plan_for_cases(self, device, plan, cases, **kw))
+    self, device, plan
+)
+_core.KernelRegistry.freeze_dense_matmul_id_plan_for_cases = lambda self, device, plan, cases, **kw: (
+    freeze_dense_matmul_id_plan_for_cases(self, device, plan, cases, **kw)
+)
 _core.KernelRegistry.dense_matmul_id_plan = lambda self: cal.frozen_plan(self, PLAN_KIND)
 
 
 # ---- Dispatch -----------------------------------------------------------------------------------
 
 
-def resolve_dense_matmul_id_auto_route(registry, device, weight_dtype, params: DenseMatmulIdParams
-                                       ) -> tuple[DenseMatmulIdRoute, DenseMatmulIdDecisionSource, int]:
+def resolve_dense_matmul_id_auto_route(
+    registry, device, weight_dtype, params: DenseMatmulIdParams
+) -> tuple[DenseMatmulIdRoute, DenseMatmulIdDecisionSource, int]:
     """(route, source, epoch) from the frozen plan; read-only, no GPU work."""
     plan = cal.frozen_plan(registry, PLAN_KIND)
     if plan is None:
@@ -461,12 +526,14 @@ def resolve_dense_matmul_id_auto_route(registry, device, weight_dtype, params: D
     _fail(f"dense_matmul_id_auto shape base was not admitted at activation: {shape.key}")
 
 
-def dense_matmul_id_auto(encoder, registry, device, weights, input, expert_ids, output, scratch,
-                         params: DenseMatmulIdParams) -> DenseMatmulIdAutoReceipt:
+def dense_matmul_id_auto(
+    encoder, registry, device, weights, input, expert_ids, output, scratch, params: DenseMatmulIdParams
+) -> DenseMatmulIdAutoReceipt:
     """dense_matmul_id with the route the frozen plan chose (params.route is ignored)."""
     route, source, epoch = resolve_dense_matmul_id_auto_route(registry, device, weights.dtype, params)
-    primitive = dense_matmul_id(encoder, registry, weights, input, expert_ids, output, scratch,
-                                dataclasses.replace(params, route=route))
+    primitive = dense_matmul_id(
+        encoder, registry, weights, input, expert_ids, output, scratch, dataclasses.replace(params, route=route)
+    )
     return DenseMatmulIdAutoReceipt(route, source, epoch, primitive)
 
 
@@ -497,8 +564,9 @@ class _Calibrator:
         self.subs = cal.Submissions()
 
     def _encode(self, encoder, shape, route, weight, inp, ids, out, scratch):
-        dense_matmul_id(encoder, self.registry, weight, inp, ids, out, scratch if route.is_grouped else None,
-                        shape.params(route))
+        dense_matmul_id(
+            encoder, self.registry, weight, inp, ids, out, scratch if route.is_grouped else None, shape.params(route)
+        )
 
     def _buffers(self, shape, profile):
         dev = self.device
@@ -556,14 +624,18 @@ class _Calibrator:
             else:
                 got = view(outs[j]).numpy().astype(np.float64)
                 num = float(np.sqrt(np.sum((got - reference) ** 2))) if np.all(np.isfinite(got)) else math.inf
-                den = float(np.sqrt(np.sum(reference ** 2)))
+                den = float(np.sqrt(np.sum(reference**2)))
                 err = num / den if den > 0 else (0.0 if num == 0 else math.inf)
                 coherent = not bits & (cal.STATUS_CANDIDATE_BITS & ~cal.STATUS_MISMATCH) and err <= tol
             if not coherent and diag is None:
-                diag = (f"{route.value} proof failed on profile {profile.value}: {cal.status_text(bits)}"
-                        + (f", relative Frobenius error {err:.3g} > {tol:g}" if tol and err > tol else ""))
-            proofs.append(DenseMatmulIdCandidateProof(route, profile, tol, err if math.isfinite(err) else 1e300,
-                                                      bits, coherent, diag))
+                diag = f"{route.value} proof failed on profile {profile.value}: {cal.status_text(bits)}" + (
+                    f", relative Frobenius error {err:.3g} > {tol:g}" if tol and err > tol else ""
+                )
+            proofs.append(
+                DenseMatmulIdCandidateProof(
+                    route, profile, tol, err if math.isfinite(err) else 1e300, bits, coherent, diag
+                )
+            )
         return proofs, dispatches, (inp, ids, control, scratch)
 
     def _time(self, shape, weight, routes, profile, bufs, rounds_done):
@@ -572,7 +644,7 @@ class _Calibrator:
         out = control.view(0, logical * 4, DType.F32, [shape.m * shape.top_k, shape.n])
         samples = {r: ([], []) for r in routes}
         for r in range(cal.CALIBRATION_SAMPLES):
-            for route in (routes if r % 2 == 0 else tuple(reversed(routes))):
+            for route in routes if r % 2 == 0 else tuple(reversed(routes)):
                 self.deadline.check("calibration deadline reached during timing")
                 t0 = cal.time.perf_counter()
                 enc = self.device.command_encoder()
@@ -584,8 +656,13 @@ class _Calibrator:
                 wall, gpu = self.timer(route.value, r, measured) if self.timer else measured
                 samples[route][0].append(wall)
                 samples[route][1].append(gpu)
-        return {route: (DenseMatmulIdTimingDistribution(*cal.distribution(w)),
-                        DenseMatmulIdTimingDistribution(*cal.distribution(g))) for route, (w, g) in samples.items()}
+        return {
+            route: (
+                DenseMatmulIdTimingDistribution(*cal.distribution(w)),
+                DenseMatmulIdTimingDistribution(*cal.distribution(g)),
+            )
+            for route, (w, g) in samples.items()
+        }
 
     def shape(self, shape, weight, n_identities):
         S = DenseMatmulIdSelectionStatus
@@ -603,9 +680,20 @@ class _Calibrator:
 
         def decision(route, status, diag, proofs=(), timings=(), hit=False):
             return DenseMatmulIdCalibrationDecision(
-                shape, route, status, diag, tuple(candidates), tuple(proofs), tuple(timings), hit,
-                n_identities if route is not D else 0, work["proof_submissions"], work["proof_dispatches"],
-                work["timing_submissions"], work["proof_submissions"] + work["timing_submissions"])
+                shape,
+                route,
+                status,
+                diag,
+                tuple(candidates),
+                tuple(proofs),
+                tuple(timings),
+                hit,
+                n_identities if route is not D else 0,
+                work["proof_submissions"],
+                work["proof_dispatches"],
+                work["timing_submissions"],
+                work["proof_submissions"] + work["timing_submissions"],
+            )
 
         if not candidates:
             return decision(D, S.DIRECT_ONLY, None), False
@@ -619,8 +707,11 @@ class _Calibrator:
         per_route = len(prove)
         need = len(profiles) * (1 + (0 if cached else cal.CALIBRATION_SAMPLES * (1 + per_route)))
         if self.subs.total + need > self.limits.max_submissions:
-            return decision(D, S.BUDGET_FALLBACK, f"submission budget {self.limits.max_submissions} leaves no room "
-                            f"for {need} calibration submissions"), False
+            return decision(
+                D,
+                S.BUDGET_FALLBACK,
+                f"submission budget {self.limits.max_submissions} leaves no room for {need} calibration submissions",
+            ), False
         if self.deadline.expired():
             return decision(D, S.BUDGET_FALLBACK, "calibration deadline reached before shape proof"), False
         proofs, bufs = [], {}
@@ -636,8 +727,9 @@ class _Calibrator:
             status = S.ERROR_FALLBACK if encode_failure else S.INCOHERENT_GROUPED
             return decision(D, status, "; ".join(p.diagnostic for p in failed), proofs), False
         if cached is not None:
-            return decision(cached["route"], cached["status"], cached.get("diagnostic"), proofs, cached["timings"],
-                            hit=True), False
+            return decision(
+                cached["route"], cached["status"], cached.get("diagnostic"), proofs, cached["timings"], hit=True
+            ), False
         routes = (D, *coherent)
         timings, verdicts = [], {r: [] for r in coherent}
         done = [0]
@@ -647,8 +739,9 @@ class _Calibrator:
                 for route in routes:
                     timings.append(DenseMatmulIdRouteTiming(profile, route, *dist[route]))
                 for r in coherent:
-                    verdicts[r].append((cal.select_winner(dist[D][0], dist[D][1], dist[r][0], dist[r][1]),
-                                        dist[r][0].median_us))
+                    verdicts[r].append(
+                        (cal.select_winner(dist[D][0], dist[D][1], dist[r][0], dist[r][1]), dist[r][0].median_us)
+                    )
         except cal.BudgetExceeded as b:
             work["timing_submissions"] = done[0]
             return decision(D, S.BUDGET_FALLBACK, str(b), proofs, timings), False
@@ -684,12 +777,15 @@ def _collect_cases(cases, max_cases: Optional[int]):
         _fail("dense_matmul_id calibration requires at least one case")
     shapes: dict = {}
     for case in cases:
-        cap = dense_matmul_id_capability(case.weight.dtype, dataclasses.replace(case.params,
-                                                                               route=DenseMatmulIdRoute.DIRECT))
+        cap = dense_matmul_id_capability(
+            case.weight.dtype, dataclasses.replace(case.params, route=DenseMatmulIdRoute.DIRECT)
+        )
         w = case.weight
         if w.nbytes < cap.required_weight_bytes or w.byte_offset % w.dtype.size:
-            _fail(f"dense_matmul_id calibration weight requires {cap.required_weight_bytes} aligned bytes, "
-                  f"got {w.nbytes} at offset {w.byte_offset}")
+            _fail(
+                f"dense_matmul_id calibration weight requires {cap.required_weight_bytes} aligned bytes, "
+                f"got {w.nbytes} at offset {w.byte_offset}"
+            )
         shape = DenseMatmulIdShape.of(w.dtype, case.params)
         entry = shapes.setdefault(shape.key, {"shape": shape, "weights": {}})
         entry["weights"].setdefault((w.address, w.byte_offset, w.nbytes), w)
@@ -702,8 +798,12 @@ def _authority_digest(device, epoch: int, entries) -> str:
     """The activation authority digest (spec §7.6 step 2): SHA-256 over a domain tag, the epoch, the
     device id and name, and every declared shape (canonical JSON, length-prefixed) with its sorted
     logical weight identities (address, byte_offset, nbytes) -- the weights the activation borrows."""
-    parts = [b"routemm.dense_matmul_id.authority", struct.pack("<QQ", epoch, device.registry_id),
-             struct.pack("<Q", len(device.name.encode())), device.name.encode()]
+    parts = [
+        b"routemm.dense_matmul_id.authority",
+        struct.pack("<QQ", epoch, device.registry_id),
+        struct.pack("<Q", len(device.name.encode())),
+        device.name.encode(),
+    ]
     for e in entries:
         shape = cal.canonical_json(e["shape"].to_dict()).encode()
         idents = sorted(e["weights"])
@@ -713,17 +813,20 @@ def _authority_digest(device, epoch: int, entries) -> str:
 
 
 def _plan_id(build_fp, device_registry_id, authority_id, epoch, digest, decisions) -> str:
-    return cal.sha256_hex(build_fp.encode(), struct.pack("<QQQ", device_registry_id, authority_id, epoch),
-                          digest.encode(),
-                          cal.canonical_json([[d.shape.to_dict(), DenseMatmulIdRoute(d.route).value]
-                                              for d in decisions]).encode())
+    return cal.sha256_hex(
+        build_fp.encode(),
+        struct.pack("<QQQ", device_registry_id, authority_id, epoch),
+        digest.encode(),
+        cal.canonical_json([[d.shape.to_dict(), DenseMatmulIdRoute(d.route).value] for d in decisions]).encode(),
+    )
 
 
 def _plan(build_fp, registry, device, epoch, routes, digest):
     decisions = tuple(DenseMatmulIdPlanDecision(s, r) for s, r in sorted(routes, key=lambda t: t[0].key))
     pid = _plan_id(build_fp, device.registry_id, registry.authority_id, epoch, digest, decisions)
-    return DenseMatmulIdRoutePlan(pid, build_fp, THEOREM_SHA256, device.name, device.registry_id,
-                                  registry.authority_id, epoch, decisions)
+    return DenseMatmulIdRoutePlan(
+        pid, build_fp, THEOREM_SHA256, device.name, device.registry_id, registry.authority_id, epoch, decisions
+    )
 
 
 def _run(registry, device, epoch, limits, cases, *, progress, timer, clock, pinned=None):
@@ -741,8 +844,13 @@ def _run(registry, device, epoch, limits, cases, *, progress, timer, clock, pinn
             d, was_fresh = c.shape(e["shape"], next(iter(e["weights"].values())), len(e["weights"]))
             fresh += was_fresh
             decisions.append(d)
-            cal.LOGGER.debug("dense_matmul_id shape %s: %s / %s%s", e["shape"].key, d.selected_route.value,
-                             d.status.value, f": {d.diagnostic}" if d.diagnostic else "")
+            cal.LOGGER.debug(
+                "dense_matmul_id shape %s: %s / %s%s",
+                e["shape"].key,
+                d.selected_route.value,
+                d.status.value,
+                f": {d.diagnostic}" if d.diagnostic else "",
+            )
             bar.step({"shape": e["shape"].to_dict(), "route": d.selected_route.value, "status": d.status.value})
     except _Abort as a:
         if c.subs.total:
@@ -753,34 +861,67 @@ def _run(registry, device, epoch, limits, cases, *, progress, timer, clock, pinn
     if c.subs.total:
         cal.cleanup_submission(device, c.subs)
     primary = _plan(prep[0], registry, device, epoch, [(d.shape, d.selected_route) for d in decisions], digest)
-    late = [dataclasses.replace(d, selected_route=DenseMatmulIdRoute.DIRECT,
-                                status=DenseMatmulIdSelectionStatus.BUDGET_FALLBACK,
-                                diagnostic="final dense_matmul_id calibration deadline exceeded; candidates disabled",
-                                theorem_authorized_weight_identities=0)
-            if d.selected_route is not DenseMatmulIdRoute.DIRECT else d for d in decisions]
+    late = [
+        dataclasses.replace(
+            d,
+            selected_route=DenseMatmulIdRoute.DIRECT,
+            status=DenseMatmulIdSelectionStatus.BUDGET_FALLBACK,
+            diagnostic="final dense_matmul_id calibration deadline exceeded; candidates disabled",
+            theorem_authorized_weight_identities=0,
+        )
+        if d.selected_route is not DenseMatmulIdRoute.DIRECT
+        else d
+        for d in decisions
+    ]
     fallback = _plan(prep[0], registry, device, epoch, [(d.shape, d.selected_route) for d in late], digest)
     elapsed = deadline.elapsed_ms()
     overrun = max(0.0, elapsed - limits.max_elapsed_ms)
     plan, final = (fallback, late) if overrun > 0 else (primary, decisions)
     receipt = DenseMatmulIdCalibrationReceipt(
-        _core.version(), prep[0], THEOREM_SHA256, plan.plan_id, epoch, device.name, device.registry_id,
-        registry.authority_id, len(final), fresh, sum(d.process_cache_hit for d in final),
-        sum(d.selected_route is DenseMatmulIdRoute.DIRECT for d in final), c.subs.proof,
-        sum(d.proof_dispatches for d in final), c.subs.timing, c.subs.cleanup, c.subs.total, elapsed, overrun,
-        tuple(final))
+        _core.version(),
+        prep[0],
+        THEOREM_SHA256,
+        plan.plan_id,
+        epoch,
+        device.name,
+        device.registry_id,
+        registry.authority_id,
+        len(final),
+        fresh,
+        sum(d.process_cache_hit for d in final),
+        sum(d.selected_route is DenseMatmulIdRoute.DIRECT for d in final),
+        c.subs.proof,
+        sum(d.proof_dispatches for d in final),
+        c.subs.timing,
+        c.subs.cleanup,
+        c.subs.total,
+        elapsed,
+        overrun,
+        tuple(final),
+    )
     freeze_dense_matmul_id_plan(registry, device, plan, _check_fingerprint=False)
     _RECEIPTS[plan.plan_id] = receipt
-    _AUTHORITIES[plan.plan_id] = _Authority(epoch, digest, frozenset(e["shape"].key for e in entries), prep[0],
-                                            {label: ident.to_dict() for label, ident in prep[2].items()})
+    _AUTHORITIES[plan.plan_id] = _Authority(
+        epoch,
+        digest,
+        frozenset(e["shape"].key for e in entries),
+        prep[0],
+        {label: ident.to_dict() for label, ident in prep[2].items()},
+    )
     return plan, receipt
 
 
-def calibrate_dense_matmul_id_routes(registry, device, activation_epoch: int,
-                                     limits: Optional[DenseMatmulIdCalibrationLimits] = None,
-                                     cases: Sequence[DenseMatmulIdCalibrationCase] = (), *,
-                                     progress: Optional[Callable[[int, int, dict], None]] = None,
-                                     _timer: Optional[cal.Timer] = None,
-                                     _clock: Optional[Callable[[], float]] = None):
+def calibrate_dense_matmul_id_routes(
+    registry,
+    device,
+    activation_epoch: int,
+    limits: Optional[DenseMatmulIdCalibrationLimits] = None,
+    cases: Sequence[DenseMatmulIdCalibrationCase] = (),
+    *,
+    progress: Optional[Callable[[int, int, dict], None]] = None,
+    _timer: Optional[cal.Timer] = None,
+    _clock: Optional[Callable[[], float]] = None,
+):
     """Prove, time and freeze expert-ID routes for every declared exact shape; returns (plan, receipt).
     With ROUTEMM_PLAN_CACHE_DIR set, a matching saved plan is reloaded and fresh plans are saved."""
     cases = list(cases)
@@ -788,23 +929,28 @@ def calibrate_dense_matmul_id_routes(registry, device, activation_epoch: int,
     if cal.os.environ.get(cal.PLAN_CACHE_DIR_KNOB, "").strip() and cases:
         entries = _validate(registry, device, activation_epoch, limits or DenseMatmulIdCalibrationLimits(), cases)
         build_fp = _prepare(registry, {e["shape"].weight_dtype for e in entries})[0]
-        path = cal.plan_cache_path(PLAN_KIND, {"validators": cal.plan_validators(device, build_fp),
-                                               "shapes": [e["shape"].to_dict() for e in entries]})
+        path = cal.plan_cache_path(
+            PLAN_KIND,
+            {"validators": cal.plan_validators(device, build_fp), "shapes": [e["shape"].to_dict() for e in entries]},
+        )
         if path.exists():
             try:
-                return load_dense_matmul_id_plan(path, registry, device, cases, activation_epoch=activation_epoch,
-                                                 limits=limits, progress=progress)
+                return load_dense_matmul_id_plan(
+                    path, registry, device, cases, activation_epoch=activation_epoch, limits=limits, progress=progress
+                )
             except cal.PlanFileMismatch as e:
                 cal.LOGGER.warning("ignoring saved dense_matmul_id plan: %s", e)
-    plan, receipt = _run(registry, device, activation_epoch, limits, cases, progress=progress, timer=_timer,
-                         clock=_clock)
+    plan, receipt = _run(
+        registry, device, activation_epoch, limits, cases, progress=progress, timer=_timer, clock=_clock
+    )
     if path is not None:
         plan.save(path, receipt)
     return plan, receipt
 
 
-def load_dense_matmul_id_plan(path, registry, device, cases, *, activation_epoch: Optional[int] = None,
-                              limits=None, progress=None):
+def load_dense_matmul_id_plan(
+    path, registry, device, cases, *, activation_epoch: Optional[int] = None, limits=None, progress=None
+):
     """Reload a saved expert-ID plan (validators must match; candidates re-proved, timing skipped)."""
     cases = list(cases)
     entries = _validate(registry, device, activation_epoch or 1, limits or DenseMatmulIdCalibrationLimits(), cases)
@@ -816,11 +962,22 @@ def load_dense_matmul_id_plan(path, registry, device, cases, *, activation_epoch
     pinned = {}
     if receipt_doc is not None:
         for d in DenseMatmulIdCalibrationReceipt.from_dict(receipt_doc).decisions:
-            pinned[d.shape.key] = {"route": d.selected_route, "status": d.status, "diagnostic": d.diagnostic,
-                                   "timings": d.timings}
+            pinned[d.shape.key] = {
+                "route": d.selected_route,
+                "status": d.status,
+                "diagnostic": d.diagnostic,
+                "timings": d.timings,
+            }
     for d in saved.decisions:
-        pinned.setdefault(d.shape.key, {"route": d.route, "status": DenseMatmulIdSelectionStatus.CALIBRATED_WINNER
-                                        if d.route is not DenseMatmulIdRoute.DIRECT else
-                                        DenseMatmulIdSelectionStatus.DIRECT_FASTEST, "timings": ()})["route"] = d.route
+        pinned.setdefault(
+            d.shape.key,
+            {
+                "route": d.route,
+                "status": DenseMatmulIdSelectionStatus.CALIBRATED_WINNER
+                if d.route is not DenseMatmulIdRoute.DIRECT
+                else DenseMatmulIdSelectionStatus.DIRECT_FASTEST,
+                "timings": (),
+            },
+        )["route"] = d.route
     epoch = saved.activation_epoch if activation_epoch is None else activation_epoch
     return _run(registry, device, epoch, limits, cases, progress=progress, timer=None, clock=None, pinned=pinned)

@@ -91,11 +91,19 @@ class DenseQ4Shape(JsonRecord):
         return GgmlQuantizedMatmulParams(self.m, self.n, self.k, GgmlType.Q4_0)
 
 
-def exact_shape(params: GgmlQuantizedMatmulParams, batch: int = 1, contiguous_input: bool = True
-                ) -> Optional[DenseQ4Shape]:
+def exact_shape(
+    params: GgmlQuantizedMatmulParams, batch: int = 1, contiguous_input: bool = True
+) -> Optional[DenseQ4Shape]:
     """The plan key of a call, or None when the call can never take a planned route."""
-    ok = (GgmlType(params.ggml_type) is GgmlType.Q4_0 and params.m > 8 and params.n > 0 and params.k >= 32
-          and params.k % 32 == 0 and batch == 1 and contiguous_input)
+    ok = (
+        GgmlType(params.ggml_type) is GgmlType.Q4_0
+        and params.m > 8
+        and params.n > 0
+        and params.k >= 32
+        and params.k % 32 == 0
+        and batch == 1
+        and contiguous_input
+    )
     return DenseQ4Shape(params.m, params.n, params.k, 1) if ok else None
 
 
@@ -124,8 +132,11 @@ class DenseQ4SelectionStatus(enum.Enum):
     BUDGET_FALLBACK = "budget_fallback"
 
 
-_TIMED_STATUSES = (DenseQ4SelectionStatus.CALIBRATED_WINNER, DenseQ4SelectionStatus.COMPATIBILITY_FASTEST,
-                   DenseQ4SelectionStatus.NO_STABLE_WINNER)
+_TIMED_STATUSES = (
+    DenseQ4SelectionStatus.CALIBRATED_WINNER,
+    DenseQ4SelectionStatus.COMPATIBILITY_FASTEST,
+    DenseQ4SelectionStatus.NO_STABLE_WINNER,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,8 +231,9 @@ class DenseQ4RoutePlan(JsonRecord):
         """Write this plan (and the receipt it came with) as a versioned plan file."""
         receipt = receipt or _RECEIPTS.get(self.plan_id)
         validators = cal.plan_validators(_device_of_plan(self), self.build_fingerprint)
-        return cal.write_plan_file(path, PLAN_KIND, validators, self.to_dict(),
-                                   receipt.to_dict() if receipt is not None else None)
+        return cal.write_plan_file(
+            path, PLAN_KIND, validators, self.to_dict(), receipt.to_dict() if receipt is not None else None
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,16 +339,20 @@ def current_build_fingerprint(registry, device) -> str:
 
 def _plan_id(build_fp: str, device_registry_id: int, authority: int, epoch: int, decisions) -> str:
     pairs = [[d.shape.to_dict(), DenseQ4Route(d.route).value] for d in decisions]
-    return cal.sha256_hex(build_fp.encode(), struct.pack("<QQQ", device_registry_id, authority, epoch),
-                          cal.canonical_json(pairs).encode())
+    return cal.sha256_hex(
+        build_fp.encode(), struct.pack("<QQQ", device_registry_id, authority, epoch), cal.canonical_json(pairs).encode()
+    )
 
 
 def _make_plan(prep: _Prepared, registry, device, epoch: int, routes: dict) -> DenseQ4RoutePlan:
-    decisions = tuple(DenseQ4PlanDecision(shape, routes[key]) for key, shape in
-                      sorted(((s.key, s) for s in _ALL_SHAPES(routes)), key=lambda t: t[0]))
+    decisions = tuple(
+        DenseQ4PlanDecision(shape, routes[key])
+        for key, shape in sorted(((s.key, s) for s in _ALL_SHAPES(routes)), key=lambda t: t[0])
+    )
     plan_id = _plan_id(prep.build_fingerprint, device.registry_id, registry.authority_id, epoch, decisions)
-    return DenseQ4RoutePlan(plan_id, prep.build_fingerprint, device.name, device.registry_id,
-                            registry.authority_id, epoch, decisions)
+    return DenseQ4RoutePlan(
+        plan_id, prep.build_fingerprint, device.name, device.registry_id, registry.authority_id, epoch, decisions
+    )
 
 
 def _ALL_SHAPES(routes: dict):
@@ -347,8 +363,7 @@ def _ALL_SHAPES(routes: dict):
 
 
 def _protected_names() -> list[str]:
-    return [DenseQ4Route.COMPATIBILITY_V2.pipeline_name, DenseQ4Route.TENSOR_64X32.pipeline_name,
-            *cal.PROOF_PIPELINES]
+    return [DenseQ4Route.COMPATIBILITY_V2.pipeline_name, DenseQ4Route.TENSOR_64X32.pipeline_name, *cal.PROOF_PIPELINES]
 
 
 def _validate_authority_and_device(registry, device, plan: DenseQ4RoutePlan) -> None:
@@ -391,9 +406,14 @@ _core.KernelRegistry.dense_q4_plan = lambda self: dense_q4_plan(self)
 # ---- Request-time selection and dispatch --------------------------------------------------------
 
 
-def select_route(registry, device, params: GgmlQuantizedMatmulParams, batch: int = 1,
-                 contiguous_input: bool = True, routing: Optional[GgmlRoutingPolicy] = None
-                 ) -> DenseQ4DispatchDecision:
+def select_route(
+    registry,
+    device,
+    params: GgmlQuantizedMatmulParams,
+    batch: int = 1,
+    contiguous_input: bool = True,
+    routing: Optional[GgmlRoutingPolicy] = None,
+) -> DenseQ4DispatchDecision:
     """Spec §6.2: the planned route of one call; no GPU work, one dict lookup."""
     S = DenseQ4DecisionSource
     shape = exact_shape(params, batch, contiguous_input)
@@ -407,8 +427,11 @@ def select_route(registry, device, params: GgmlQuantizedMatmulParams, batch: int
     plan = cal.frozen_plan(registry, PLAN_KIND)
     if plan is None:
         return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_V2, S.NO_PLAN_COMPATIBILITY_FALLBACK)
-    if (plan.registry_authority_id != registry.authority_id or plan.device_registry_id != device.registry_id
-            or plan.device_name != device.name):
+    if (
+        plan.registry_authority_id != registry.authority_id
+        or plan.device_registry_id != device.registry_id
+        or plan.device_name != device.name
+    ):
         return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_V2, S.INELIGIBLE_COMPATIBILITY_FALLBACK)
     route = plan._lookup.get(shape.key)
     if route is None:
@@ -416,8 +439,16 @@ def select_route(registry, device, params: GgmlQuantizedMatmulParams, batch: int
     return DenseQ4DispatchDecision(route, S.FROZEN_PLAN)
 
 
-def dense_q4_auto(encoder, registry, device, input, weight, output, params: GgmlQuantizedMatmulParams,
-                  routing: Optional[GgmlRoutingPolicy] = None) -> GgmlQuantizedMatmulReceipt:
+def dense_q4_auto(
+    encoder,
+    registry,
+    device,
+    input,
+    weight,
+    output,
+    params: GgmlQuantizedMatmulParams,
+    routing: Optional[GgmlRoutingPolicy] = None,
+) -> GgmlQuantizedMatmulReceipt:
     """quantized_matmul_ggml that honours the registry's frozen plan; the receipt's `decision`
     says why the route was taken. A failing candidate lookup silently falls back to V2."""
     policy = GgmlRoutingPolicy.from_environment() if routing is None else routing
@@ -438,8 +469,9 @@ def dense_q4_auto(encoder, registry, device, input, weight, output, params: Ggml
     return receipt
 
 
-def trace_dense_q4_auto(encoder, registry, device, input, weight, output, params: GgmlQuantizedMatmulParams,
-                        routing: GgmlRoutingPolicy) -> DenseQ4DispatchTrace:
+def trace_dense_q4_auto(
+    encoder, registry, device, input, weight, output, params: GgmlQuantizedMatmulParams, routing: GgmlRoutingPolicy
+) -> DenseQ4DispatchTrace:
     """Encode one ordinary Q4 call through dense_q4_auto and check it against the frozen plan."""
     shape = exact_shape(params, 1, True)
     if shape is None:
@@ -459,8 +491,11 @@ def trace_dense_q4_auto(encoder, registry, device, input, weight, output, params
     actual = next((r for r in DenseQ4Route if r.pipeline_name == kernel), None)
     if actual is None:
         _fail(f"dense Q4 auto trace encoded unexpected pipeline {encoded.pipeline_label}")
-    decision = planned if actual is planned.route else DenseQ4DispatchDecision(
-        actual, DenseQ4DecisionSource.INELIGIBLE_COMPATIBILITY_FALLBACK)
+    decision = (
+        planned
+        if actual is planned.route
+        else DenseQ4DispatchDecision(actual, DenseQ4DecisionSource.INELIGIBLE_COMPATIBILITY_FALLBACK)
+    )
     if encoded != q4_expected_dispatch(decision.route, shape.m, shape.n, registry=registry, k=shape.k):
         _fail(f"dense Q4 auto route {decision.route.value} encoded unexpected geometry: {encoded}")
     pipeline = registry.pipeline_identity(encoded.pipeline_label)
@@ -468,10 +503,18 @@ def trace_dense_q4_auto(encoder, registry, device, input, weight, output, params
         _fail("dense Q4 auto route encoded an unexpected pipeline")
     plan = cal.frozen_plan(registry, PLAN_KIND)
     if decision.route is DenseQ4Route.TENSOR_64X32 and (
-            plan is None or plan.route_for(shape) is not DenseQ4Route.TENSOR_64X32):
+        plan is None or plan.route_for(shape) is not DenseQ4Route.TENSOR_64X32
+    ):
         _fail("dense Q4 candidate trace lacks a frozen exact-shape decision")
-    return DenseQ4DispatchTrace(_core.version(), plan.build_fingerprint if plan else COMPATIBILITY_UNPLANNED,
-                                plan.plan_id if plan else None, shape, decision, encoded, pipeline)
+    return DenseQ4DispatchTrace(
+        _core.version(),
+        plan.build_fingerprint if plan else COMPATIBILITY_UNPLANNED,
+        plan.plan_id if plan else None,
+        shape,
+        decision,
+        encoded,
+        pipeline,
+    )
 
 
 # ---- Calibration --------------------------------------------------------------------------------
@@ -503,23 +546,30 @@ def _validate_cases(epoch, registry, limits, cases, device):
     for case in cases:
         s = case.shape
         if not isinstance(s, DenseQ4BaseShape) or not (
-                s.n > 0 and s.k >= 32 and s.k % 32 == 0 and s.batch == 1
-                and DenseQ4InputLayout(s.input_layout) is DenseQ4InputLayout.CONTIGUOUS):
+            s.n > 0
+            and s.k >= 32
+            and s.k % 32 == 0
+            and s.batch == 1
+            and DenseQ4InputLayout(s.input_layout) is DenseQ4InputLayout.CONTIGUOUS
+        ):
             _fail(f"invalid dense Q4 calibration base shape: {s}")
         if s.n > I32_MAX or s.k > I32_MAX:
             _fail(f"dense Q4 calibration base shape exceeds i32::MAX: {s}")
         w = case.weight
         if w.dtype != DType.U8 or w.byte_offset % 2 != 0:
-            _fail(f"dense Q4 calibration weight must be aligned native U8 Q4_0 storage (got {w.dtype}, "
-                  f"byte offset {w.byte_offset})")
+            _fail(
+                f"dense Q4 calibration weight must be aligned native U8 Q4_0 storage (got {w.dtype}, "
+                f"byte offset {w.byte_offset})"
+            )
         if w.device.backend != device.backend:
             _fail("dense Q4 calibration weight lives on a different device")
         need = s.n * (s.k // BLOCK_VALUES) * BLOCK_BYTES
         if w.nbytes != need:
             _fail(f"dense Q4 calibration weight must be exactly {need} bytes, got {w.nbytes}")
         ms = list(case.reachable_m)
-        if not ms or any(isinstance(m, bool) or not isinstance(m, (int, np.integer)) or not 9 <= m <= I32_MAX
-                         for m in ms):
+        if not ms or any(
+            isinstance(m, bool) or not isinstance(m, (int, np.integer)) or not 9 <= m <= I32_MAX for m in ms
+        ):
             _fail(f"dense Q4 calibration reachable M must be non-empty and within 9..={I32_MAX}, got {ms}")
         entry = bases.setdefault(s.key, {"base": DenseQ4BaseShape(s.n, s.k, 1), "ms": set(), "weights": {}})
         entry["ms"].update(int(m) for m in ms)
@@ -557,13 +607,26 @@ class _Calibrator:
         V2, C = DenseQ4Route.COMPATIBILITY_V2, DenseQ4Route.TENSOR_64X32
 
         def fallback(status, diag, proof_failed=True, **work):
-            fields = dict(proof_submissions=0, proof_route_dispatches=0, proof_auxiliary_dispatches=0,
-                          proof_scratch_bytes=0, proof_gpu_us=0.0, timing_submissions=0)
+            fields = dict(
+                proof_submissions=0,
+                proof_route_dispatches=0,
+                proof_auxiliary_dispatches=0,
+                proof_scratch_bytes=0,
+                proof_gpu_us=0.0,
+                timing_submissions=0,
+            )
             fields.update(work)
             d = DenseQ4CalibrationDecision(
-                shape, V2, status, diag, fields.pop("timings", ()), False,
-                len(weights) if fields["proof_submissions"] else 0, **fields,
-                calibration_submissions=fields["proof_submissions"] + fields["timing_submissions"])
+                shape,
+                V2,
+                status,
+                diag,
+                fields.pop("timings", ()),
+                False,
+                len(weights) if fields["proof_submissions"] else 0,
+                **fields,
+                calibration_submissions=fields["proof_submissions"] + fields["timing_submissions"],
+            )
             return _ShapeOutcome(d, proof_failed, False)
 
         if self.prep.candidate is None:
@@ -605,8 +668,9 @@ class _Calibrator:
                 self._encode_traced(encoder, C, shape, cand_input, w, candidate)
             except (_TraceError, Error) as e:
                 # The batch is abandoned uncommitted: a mis-traced candidate is never run.
-                return fallback(S.INCOHERENT_CANDIDATE, f"optional dense Q4 candidate proof failed for weight {i}: "
-                                f"trace: {e}")
+                return fallback(
+                    S.INCOHERENT_CANDIDATE, f"optional dense Q4 candidate proof failed for weight {i}: trace: {e}"
+                )
             first_encoded = first_encoded or v2_encoded
             encoder.memory_barrier()
             self.prep.proof.encode_compare(encoder, control, candidate, statuses, i, logical, guarded)
@@ -621,22 +685,33 @@ class _Calibrator:
             # Launches run in encode order, so the first failure is the first weight's; a failing
             # candidate launch is an incoherent candidate, anything else breaks the required route.
             if C.pipeline_label in str(e):
-                return fallback(S.INCOHERENT_CANDIDATE,
-                                f"optional dense Q4 candidate proof failed for weight 0: launch: {e}",
-                                proof_submissions=1, proof_route_dispatches=route_dispatches,
-                                proof_auxiliary_dispatches=aux, proof_scratch_bytes=scratch, proof_gpu_us=1e-3)
+                return fallback(
+                    S.INCOHERENT_CANDIDATE,
+                    f"optional dense Q4 candidate proof failed for weight 0: launch: {e}",
+                    proof_submissions=1,
+                    proof_route_dispatches=route_dispatches,
+                    proof_auxiliary_dispatches=aux,
+                    proof_scratch_bytes=scratch,
+                    proof_gpu_us=1e-3,
+                )
             raise _HardFailure(f"required dense Q4 compatibility V2 proof failed: {e}") from None
         proof_gpu_us = max((end - start) * 1e6, 1e-3)
-        work = dict(proof_submissions=1, proof_route_dispatches=route_dispatches, proof_auxiliary_dispatches=aux,
-                    proof_scratch_bytes=scratch, proof_gpu_us=proof_gpu_us)
+        work = dict(
+            proof_submissions=1,
+            proof_route_dispatches=route_dispatches,
+            proof_auxiliary_dispatches=aux,
+            proof_scratch_bytes=scratch,
+            proof_gpu_us=proof_gpu_us,
+        )
         words = statuses.numpy().tolist()
         cand_failure = None
         for i, bits in enumerate(words):
             if bits & ~cal.STATUS_KNOWN_BITS:
                 raise _HardFailure(f"dense Q4 proof for weight {i} returned unknown status bits 0x{bits:x}")
             if bits & cal.STATUS_CONTROL_BITS:
-                raise _HardFailure(f"required dense Q4 compatibility V2 proof failed for weight {i}: "
-                                   f"{cal.status_text(bits)}")
+                raise _HardFailure(
+                    f"required dense Q4 compatibility V2 proof failed for weight {i}: {cal.status_text(bits)}"
+                )
             if bits & cal.STATUS_CANDIDATE_BITS and cand_failure is None:
                 cand_failure = f"optional dense Q4 candidate proof failed for weight {i}: {cal.status_text(bits)}"
         if cand_failure is not None:
@@ -645,16 +720,28 @@ class _Calibrator:
         # Timing, through the process cache (or the pinned outcome of a reloaded plan file).
         def materialise(outcome, cache_hit, timing_subs):
             timings = tuple(
-                DenseQ4RouteTiming(route, DenseQ4TimingDistribution(*outcome["wall"][route.value]),
-                                   DenseQ4TimingDistribution(*outcome["gpu"][route.value]),
-                                   first_encoded if route is V2 else q4_expected_dispatch(
-                                       C, m, n, registry=self.registry, k=k),
-                                   self.prep.identities[route])
-                for route in (V2, C) if route.value in outcome["wall"])
+                DenseQ4RouteTiming(
+                    route,
+                    DenseQ4TimingDistribution(*outcome["wall"][route.value]),
+                    DenseQ4TimingDistribution(*outcome["gpu"][route.value]),
+                    first_encoded if route is V2 else q4_expected_dispatch(C, m, n, registry=self.registry, k=k),
+                    self.prep.identities[route],
+                )
+                for route in (V2, C)
+                if route.value in outcome["wall"]
+            )
             d = DenseQ4CalibrationDecision(
-                shape, outcome["route"], outcome["status"], outcome.get("diagnostic"), timings, cache_hit,
-                len(weights), **work, timing_submissions=timing_subs,
-                calibration_submissions=1 + timing_subs)
+                shape,
+                outcome["route"],
+                outcome["status"],
+                outcome.get("diagnostic"),
+                timings,
+                cache_hit,
+                len(weights),
+                **work,
+                timing_submissions=timing_subs,
+                calibration_submissions=1 + timing_subs,
+            )
             return d
 
         if self.pinned is not None:
@@ -662,8 +749,13 @@ class _Calibrator:
             if outcome is None:
                 raise _HardFailure(f"dense Q4 plan file has no decision for {shape}")
             return _ShapeOutcome(materialise(outcome, True, 0), False, False)
-        key = (self.prep.build_fingerprint, self.device.name, self.device.registry_id,
-               self.prep.pipeline_set_fingerprint, shape.key)
+        key = (
+            self.prep.build_fingerprint,
+            self.device.name,
+            self.device.registry_id,
+            self.prep.pipeline_set_fingerprint,
+            shape.key,
+        )
         cached = cal.PROCESS_CACHE.get(key)
         if cached is not None:
             return _ShapeOutcome(materialise(cached, True, 0), False, False)
@@ -672,7 +764,7 @@ class _Calibrator:
         rep = weights[0]
         try:
             for r in range(cal.CALIBRATION_SAMPLES):
-                for route in ((V2, C) if r % 2 == 0 else (C, V2)):
+                for route in (V2, C) if r % 2 == 0 else (C, V2):
                     self.deadline.check("calibration deadline reached during timing")
                     t0 = cal.time.perf_counter()
                     enc = dev.command_encoder()
@@ -690,17 +782,22 @@ class _Calibrator:
         except Error as e:
             cal.PROCESS_CACHE.evict(key)
             raise _HardFailure(f"dense Q4 timing calibration failed after current-weight proof: {e}") from None
-        dist = {route: (DenseQ4TimingDistribution.of(samples[route][0]), DenseQ4TimingDistribution.of(samples[route][1]))
-                for route in (V2, C)}
+        dist = {
+            route: (DenseQ4TimingDistribution.of(samples[route][0]), DenseQ4TimingDistribution.of(samples[route][1]))
+            for route in (V2, C)
+        }
         verdict = cal.select_winner(dist[V2][0], dist[V2][1], dist[C][0], dist[C][1])
         route, status = {
             cal.Verdict.CANDIDATE_WINS: (C, S.CALIBRATED_WINNER),
             cal.Verdict.CONTROL_FASTEST: (V2, S.COMPATIBILITY_FASTEST),
             cal.Verdict.NO_STABLE_WINNER: (V2, S.NO_STABLE_WINNER),
         }[verdict]
-        outcome = {"route": route, "status": status,
-                   "wall": {r.value: dataclasses.astuple(dist[r][0]) for r in (V2, C)},
-                   "gpu": {r.value: dataclasses.astuple(dist[r][1]) for r in (V2, C)}}
+        outcome = {
+            "route": route,
+            "status": status,
+            "wall": {r.value: dataclasses.astuple(dist[r][0]) for r in (V2, C)},
+            "gpu": {r.value: dataclasses.astuple(dist[r][1]) for r in (V2, C)},
+        }
         outcome = cal.PROCESS_CACHE.setdefault(key, outcome)
         return _ShapeOutcome(materialise(outcome, False, timing_subs), False, True)
 
@@ -716,14 +813,24 @@ def _pinned_from_receipt(receipt: Optional[dict], plan: DenseQ4RoutePlan) -> dic
         saved = DenseQ4CalibrationBatchReceipt.from_dict(receipt)
         for d in saved.decisions:
             pinned[d.shape.key] = {
-                "route": d.selected_route, "status": d.status, "diagnostic": d.diagnostic,
+                "route": d.selected_route,
+                "status": d.status,
+                "diagnostic": d.diagnostic,
                 "wall": {t.route.value: dataclasses.astuple(t.wall) for t in d.timings},
-                "gpu": {t.route.value: dataclasses.astuple(t.gpu) for t in d.timings}}
+                "gpu": {t.route.value: dataclasses.astuple(t.gpu) for t in d.timings},
+            }
     for d in plan.decisions:
-        entry = pinned.setdefault(d.shape.key, {"route": d.route, "status": DenseQ4SelectionStatus.NO_STABLE_WINNER
-                                                if d.route is DenseQ4Route.COMPATIBILITY_V2
-                                                else DenseQ4SelectionStatus.CALIBRATED_WINNER,
-                                                "wall": {}, "gpu": {}})
+        entry = pinned.setdefault(
+            d.shape.key,
+            {
+                "route": d.route,
+                "status": DenseQ4SelectionStatus.NO_STABLE_WINNER
+                if d.route is DenseQ4Route.COMPATIBILITY_V2
+                else DenseQ4SelectionStatus.CALIBRATED_WINNER,
+                "wall": {},
+                "gpu": {},
+            },
+        )
         entry["route"] = d.route  # the plan decides; the receipt only explains
     return pinned
 
@@ -745,19 +852,34 @@ def _run(registry, device, activation_epoch, limits, cases, *, progress, timer, 
                 shape = entry["base"].with_m(m)
                 o = c.shape(shape, weights)
                 outcomes.append(o)
-                cal.LOGGER.debug("dense Q4 shape m=%d n=%d k=%d: %s / %s%s%s", m, shape.n, shape.k,
-                                 o.decision.selected_route.value, o.decision.status.value,
-                                 " (process cache hit)" if o.decision.process_cache_hit else "",
-                                 f": {o.decision.diagnostic}" if o.decision.diagnostic else "")
-                bar.step({"shape": shape.to_dict(), "route": o.decision.selected_route.value,
-                          "status": o.decision.status.value})
+                cal.LOGGER.debug(
+                    "dense Q4 shape m=%d n=%d k=%d: %s / %s%s%s",
+                    m,
+                    shape.n,
+                    shape.k,
+                    o.decision.selected_route.value,
+                    o.decision.status.value,
+                    " (process cache hit)" if o.decision.process_cache_hit else "",
+                    f": {o.decision.diagnostic}" if o.decision.diagnostic else "",
+                )
+                bar.step(
+                    {
+                        "shape": shape.to_dict(),
+                        "route": o.decision.selected_route.value,
+                        "status": o.decision.status.value,
+                    }
+                )
             first = next((o for o in outcomes if o.proof_failed), None)
             for o in outcomes:
                 d = o.decision
                 if first is not None:
                     note = f"base-shape Cartesian proof failure: {first.decision.diagnostic}"
-                    d = dataclasses.replace(d, selected_route=DenseQ4Route.COMPATIBILITY_V2, status=first.decision.status,
-                                            diagnostic=f"{d.diagnostic}; {note}" if d.diagnostic else note)
+                    d = dataclasses.replace(
+                        d,
+                        selected_route=DenseQ4Route.COMPATIBILITY_V2,
+                        status=first.decision.status,
+                        diagnostic=f"{d.diagnostic}; {note}" if d.diagnostic else note,
+                    )
                 elif o.fresh_timing:
                     fresh += 1
                 decisions.append(d)
@@ -781,9 +903,16 @@ def _run(registry, device, activation_epoch, limits, cases, *, progress, timer, 
     compat_routes = {key: DenseQ4Route.COMPATIBILITY_V2 for key in routes}
     compat = _make_plan(prep, registry, device, activation_epoch, compat_routes)
     compat_decisions = [
-        dataclasses.replace(d, selected_route=DenseQ4Route.COMPATIBILITY_V2, status=DenseQ4SelectionStatus.BUDGET_FALLBACK,
-                            diagnostic="final dense Q4 calibration deadline exceeded; candidate disabled")
-        if d.selected_route is DenseQ4Route.TENSOR_64X32 else d for d in decisions]
+        dataclasses.replace(
+            d,
+            selected_route=DenseQ4Route.COMPATIBILITY_V2,
+            status=DenseQ4SelectionStatus.BUDGET_FALLBACK,
+            diagnostic="final dense Q4 calibration deadline exceeded; candidate disabled",
+        )
+        if d.selected_route is DenseQ4Route.TENSOR_64X32
+        else d
+        for d in decisions
+    ]
     for plan in (primary, compat):
         _validate_authority_and_device(registry, device, plan)
     elapsed = deadline.elapsed_ms()
@@ -791,20 +920,32 @@ def _run(registry, device, activation_epoch, limits, cases, *, progress, timer, 
     plan, final = (compat, compat_decisions) if overrun > 0 else (primary, decisions)
     final = sorted(final, key=lambda d: d.shape.key)
     receipt = DenseQ4CalibrationBatchReceipt(
-        mlx_native_version=_core.version(), build_fingerprint=prep.build_fingerprint, plan_id=plan.plan_id,
-        activation_epoch=activation_epoch, device_name=device.name, device_registry_id=device.registry_id,
-        registry_authority_id=registry.authority_id, declared_shapes=declared,
-        calibrated_decisions=fresh if overrun == 0 else sum(
-            1 for d in final if d.timing_submissions and d.status in _TIMED_STATUSES),
+        mlx_native_version=_core.version(),
+        build_fingerprint=prep.build_fingerprint,
+        plan_id=plan.plan_id,
+        activation_epoch=activation_epoch,
+        device_name=device.name,
+        device_registry_id=device.registry_id,
+        registry_authority_id=registry.authority_id,
+        declared_shapes=declared,
+        calibrated_decisions=fresh
+        if overrun == 0
+        else sum(1 for d in final if d.timing_submissions and d.status in _TIMED_STATUSES),
         process_cache_hits=sum(d.process_cache_hit for d in final),
         compatibility_route_decisions=sum(d.selected_route is DenseQ4Route.COMPATIBILITY_V2 for d in final),
         authorized_shape_weight_pairs=sum(d.authorized_weight_buffers for d in final),
-        proof_submissions=c.subs.proof, proof_route_dispatches=sum(d.proof_route_dispatches for d in final),
+        proof_submissions=c.subs.proof,
+        proof_route_dispatches=sum(d.proof_route_dispatches for d in final),
         proof_auxiliary_dispatches=sum(d.proof_auxiliary_dispatches for d in final),
         peak_proof_scratch_bytes=max((d.proof_scratch_bytes for d in final), default=0),
-        proof_gpu_us=sum(d.proof_gpu_us for d in final), timing_submissions=c.subs.timing,
-        cleanup_submissions=c.subs.cleanup, calibration_submissions=c.subs.total,
-        elapsed_ms=elapsed, deadline_overrun_ms=overrun, decisions=tuple(final))
+        proof_gpu_us=sum(d.proof_gpu_us for d in final),
+        timing_submissions=c.subs.timing,
+        cleanup_submissions=c.subs.cleanup,
+        calibration_submissions=c.subs.total,
+        elapsed_ms=elapsed,
+        deadline_overrun_ms=overrun,
+        decisions=tuple(final),
+    )
     _install(registry, device, plan, check_fingerprint=False)
     _RECEIPTS[plan.plan_id] = receipt
     return plan, receipt
@@ -815,14 +956,18 @@ def _cache_key(device, build_fp, cases) -> dict:
     return {"kind": PLAN_KIND, "validators": cal.plan_validators(device, build_fp), "shapes": shapes}
 
 
-def calibrate_dense_q4_routes(registry, device, activation_epoch: int,
-                              limits: Optional[DenseQ4CalibrationLimits] = None,
-                              cases: Sequence[DenseQ4CalibrationCase] = (), *,
-                              progress: Optional[Callable[[int, int, dict], None]] = None,
-                              _timer: Optional[cal.Timer] = None,
-                              _candidate_fault: Optional[Callable[[int, DenseQ4Shape], bool]] = None,
-                              _clock: Optional[Callable[[], float]] = None
-                              ) -> tuple[DenseQ4RoutePlan, DenseQ4CalibrationBatchReceipt]:
+def calibrate_dense_q4_routes(
+    registry,
+    device,
+    activation_epoch: int,
+    limits: Optional[DenseQ4CalibrationLimits] = None,
+    cases: Sequence[DenseQ4CalibrationCase] = (),
+    *,
+    progress: Optional[Callable[[int, int, dict], None]] = None,
+    _timer: Optional[cal.Timer] = None,
+    _candidate_fault: Optional[Callable[[int, DenseQ4Shape], bool]] = None,
+    _clock: Optional[Callable[[], float]] = None,
+) -> tuple[DenseQ4RoutePlan, DenseQ4CalibrationBatchReceipt]:
     """Prove, time and freeze dense Q4 routes for every declared exact shape (spec §6.4).
 
     Returns (plan, receipt); the plan is frozen into `registry`. With ROUTEMM_PLAN_CACHE_DIR set, a
@@ -837,20 +982,37 @@ def calibrate_dense_q4_routes(registry, device, activation_epoch: int,
         path = cal.plan_cache_path(PLAN_KIND, _cache_key(device, _prepare(registry).build_fingerprint, cases))
         if path is not None and path.exists():
             try:
-                return load_dense_q4_plan(path, registry, device, cases, activation_epoch=activation_epoch,
-                                          limits=limits, progress=progress)
+                return load_dense_q4_plan(
+                    path, registry, device, cases, activation_epoch=activation_epoch, limits=limits, progress=progress
+                )
             except cal.PlanFileMismatch as e:
                 cal.LOGGER.warning("ignoring saved dense Q4 plan: %s", e)
-    plan, receipt = _run(registry, device, activation_epoch, limits, cases, progress=progress, timer=_timer,
-                         fault=_candidate_fault, clock=_clock)
+    plan, receipt = _run(
+        registry,
+        device,
+        activation_epoch,
+        limits,
+        cases,
+        progress=progress,
+        timer=_timer,
+        fault=_candidate_fault,
+        clock=_clock,
+    )
     if path is not None:
         plan.save(path, receipt)
     return plan, receipt
 
 
-def load_dense_q4_plan(path, registry, device, cases: Sequence[DenseQ4CalibrationCase], *,
-                       activation_epoch: Optional[int] = None, limits: Optional[DenseQ4CalibrationLimits] = None,
-                       progress=None) -> tuple[DenseQ4RoutePlan, DenseQ4CalibrationBatchReceipt]:
+def load_dense_q4_plan(
+    path,
+    registry,
+    device,
+    cases: Sequence[DenseQ4CalibrationCase],
+    *,
+    activation_epoch: Optional[int] = None,
+    limits: Optional[DenseQ4CalibrationLimits] = None,
+    progress=None,
+) -> tuple[DenseQ4RoutePlan, DenseQ4CalibrationBatchReceipt]:
     """Reload a saved plan: every validator must match (else PlanFileMismatch), the declared
     shapes must equal the saved ones, the current-weight proof is re-run (timing is skipped), and a
     plan with the saved decisions is frozen into `registry` (new authority, so a new plan id)."""
@@ -858,13 +1020,24 @@ def load_dense_q4_plan(path, registry, device, cases: Sequence[DenseQ4Calibratio
     plan_doc, receipt_doc = cal.read_plan_file(path, PLAN_KIND, cal.plan_validators(device, prep.build_fingerprint))
     saved = DenseQ4RoutePlan.from_dict(plan_doc)
     declared = {(c.shape.n, c.shape.k, 1, "contiguous") for c in cases}
-    shapes = {(int(m),) + key for c in cases for key in [(c.shape.n, c.shape.k, 1, "contiguous")]
-              for m in c.reachable_m}
+    shapes = {
+        (int(m),) + key for c in cases for key in [(c.shape.n, c.shape.k, 1, "contiguous")] for m in c.reachable_m
+    }
     if shapes != set(saved._lookup) or not declared:
         raise cal.PlanFileMismatch(f"route plan file {path} was made for different shapes than the cases declare")
     epoch = saved.activation_epoch if activation_epoch is None else activation_epoch
-    return _run(registry, device, epoch, limits, cases, progress=progress, timer=None, fault=None, clock=None,
-                pinned=_pinned_from_receipt(receipt_doc, saved))
+    return _run(
+        registry,
+        device,
+        epoch,
+        limits,
+        cases,
+        progress=progress,
+        timer=None,
+        fault=None,
+        clock=None,
+        pinned=_pinned_from_receipt(receipt_doc, saved),
+    )
 
 
 # ---- Acceptance ---------------------------------------------------------------------------------
@@ -887,9 +1060,11 @@ def _is_hex64(s) -> bool:
     return isinstance(s, str) and len(s) == 64 and set(s) <= _HEX64
 
 
-def validate_dense_q4_cartesian_acceptance(cold: DenseQ4CalibrationBatchReceipt,
-                                           reactivation: DenseQ4CalibrationBatchReceipt,
-                                           requirements: DenseQ4CartesianAcceptanceRequirements) -> None:
+def validate_dense_q4_cartesian_acceptance(
+    cold: DenseQ4CalibrationBatchReceipt,
+    reactivation: DenseQ4CalibrationBatchReceipt,
+    requirements: DenseQ4CartesianAcceptanceRequirements,
+) -> None:
     """Fail-closed publication gate over a cold and a cache-hit reactivation receipt (spec §6.5)."""
     prefix = "dense Q4 Cartesian acceptance failed: "
 
@@ -898,13 +1073,20 @@ def validate_dense_q4_cartesian_acceptance(cold: DenseQ4CalibrationBatchReceipt,
             raise InvalidArgumentError(prefix + message)
 
     r = requirements
-    need(r.expected_base_shapes > 0 and r.expected_weight_buffers_per_base > 0 and r.maximum_elapsed_ms > 0,
-         "requirement counts must be nonzero")
+    need(
+        r.expected_base_shapes > 0 and r.expected_weight_buffers_per_base > 0 and r.maximum_elapsed_ms > 0,
+        "requirement counts must be nonzero",
+    )
     reach = list(r.reachable_m)
-    need(reach and len(set(reach)) == len(reach) and all(m > 8 for m in reach),
-         "reachable M must be non-empty, unique and all > 8")
-    need(len(set(r.required_compatibility_m)) == len(r.required_compatibility_m)
-         and set(r.required_compatibility_m) <= set(reach), "required compatibility M must be unique and reachable")
+    need(
+        reach and len(set(reach)) == len(reach) and all(m > 8 for m in reach),
+        "reachable M must be non-empty, unique and all > 8",
+    )
+    need(
+        len(set(r.required_compatibility_m)) == len(r.required_compatibility_m)
+        and set(r.required_compatibility_m) <= set(reach),
+        "required compatibility M must be unique and reachable",
+    )
     declared = r.expected_base_shapes * len(reach)
     need(r.minimum_candidate_decisions <= declared, "minimum candidate decisions exceed declared shapes")
     pairs = declared * r.expected_weight_buffers_per_base
@@ -914,25 +1096,35 @@ def validate_dense_q4_cartesian_acceptance(cold: DenseQ4CalibrationBatchReceipt,
         need(rec.schema_version == DENSE_Q4_ROUTE_SCHEMA_VERSION, f"{label} receipt schema version")
         need(bool(rec.mlx_native_version), f"{label} receipt has no version")
         need(_is_hex64(rec.build_fingerprint) and _is_hex64(rec.plan_id), f"{label} fingerprint/plan id not 64-hex")
-        need(bool(rec.device_name) and rec.activation_epoch != 0 and rec.registry_authority_id != 0,
-             f"{label} receipt identity fields")
-        need(rec.declared_shapes == declared and len(rec.decisions) == declared,
-             f"{label} declared shapes {rec.declared_shapes} / decisions {len(rec.decisions)}, expected {declared}")
+        need(
+            bool(rec.device_name) and rec.activation_epoch != 0 and rec.registry_authority_id != 0,
+            f"{label} receipt identity fields",
+        )
+        need(
+            rec.declared_shapes == declared and len(rec.decisions) == declared,
+            f"{label} declared shapes {rec.declared_shapes} / decisions {len(rec.decisions)}, expected {declared}",
+        )
         need(rec.calibrated_decisions == (declared if is_cold else 0), f"{label} calibrated decisions")
         need(rec.process_cache_hits == (0 if is_cold else declared), f"{label} process cache hits")
-        need(rec.authorized_shape_weight_pairs == pairs,
-             f"{label} authorized pairs {rec.authorized_shape_weight_pairs}, expected {pairs}")
+        need(
+            rec.authorized_shape_weight_pairs == pairs,
+            f"{label} authorized pairs {rec.authorized_shape_weight_pairs}, expected {pairs}",
+        )
         need(rec.proof_submissions == declared, f"{label} proof submissions")
-        need(rec.proof_route_dispatches == 2 * pairs and rec.proof_auxiliary_dispatches == 2 * pairs,
-             f"{label} proof dispatch counts")
+        need(
+            rec.proof_route_dispatches == 2 * pairs and rec.proof_auxiliary_dispatches == 2 * pairs,
+            f"{label} proof dispatch counts",
+        )
         timing = declared * 2 * cal.CALIBRATION_SAMPLES if is_cold else 0
         need(rec.timing_submissions == timing, f"{label} timing submissions")
         need(rec.cleanup_submissions == 1, f"{label} cleanup submissions")
         need(rec.calibration_submissions == declared + timing + 1, f"{label} calibration submissions")
         need(rec.peak_proof_scratch_bytes > 0, f"{label} peak proof scratch")
         need(math.isfinite(rec.proof_gpu_us) and rec.proof_gpu_us > 0, f"{label} proof GPU time")
-        need(math.isfinite(rec.elapsed_ms) and 0 < rec.elapsed_ms <= r.maximum_elapsed_ms,
-             f"{label} elapsed {rec.elapsed_ms} ms exceeds {r.maximum_elapsed_ms} ms")
+        need(
+            math.isfinite(rec.elapsed_ms) and 0 < rec.elapsed_ms <= r.maximum_elapsed_ms,
+            f"{label} elapsed {rec.elapsed_ms} ms exceeds {r.maximum_elapsed_ms} ms",
+        )
         need(rec.deadline_overrun_ms == 0, f"{label} deadline overrun {rec.deadline_overrun_ms} ms")
         seen = set()
         bases = set()
@@ -944,25 +1136,40 @@ def validate_dense_q4_cartesian_acceptance(cold: DenseQ4CalibrationBatchReceipt,
             seen.add(s.key)
             bases.add(s.key[1:])
             need(d.authorized_weight_buffers == W, f"{label} authorized buffers at M={s.m}")
-            need(d.proof_submissions == 1 and d.proof_route_dispatches == 2 * W
-                 and d.proof_auxiliary_dispatches == 2 * W, f"{label} proof work at M={s.m}")
+            need(
+                d.proof_submissions == 1
+                and d.proof_route_dispatches == 2 * W
+                and d.proof_auxiliary_dispatches == 2 * W,
+                f"{label} proof work at M={s.m}",
+            )
             t = 2 * cal.CALIBRATION_SAMPLES if is_cold else 0
             need(d.timing_submissions == t and d.calibration_submissions == 1 + t, f"{label} submissions at M={s.m}")
             need(d.process_cache_hit == (not is_cold), f"{label} cache-hit flag at M={s.m}")
             need(d.proof_scratch_bytes > 0 and d.proof_gpu_us > 0, f"{label} proof evidence at M={s.m}")
             pair = (d.selected_route, d.status)
-            need(pair in ((DenseQ4Route.TENSOR_64X32, DenseQ4SelectionStatus.CALIBRATED_WINNER),
-                          (DenseQ4Route.COMPATIBILITY_V2, DenseQ4SelectionStatus.COMPATIBILITY_FASTEST),
-                          (DenseQ4Route.COMPATIBILITY_V2, DenseQ4SelectionStatus.NO_STABLE_WINNER))
-                 and d.diagnostic is None, f"{label} fallback decision at M={s.m}: {d.status.value} {d.diagnostic}")
-            need(len(d.timings) == 2 and {t.route for t in d.timings} == {DenseQ4Route.COMPATIBILITY_V2,
-                                                                         DenseQ4Route.TENSOR_64X32},
-                 f"{label} timings at M={s.m}")
+            need(
+                pair
+                in (
+                    (DenseQ4Route.TENSOR_64X32, DenseQ4SelectionStatus.CALIBRATED_WINNER),
+                    (DenseQ4Route.COMPATIBILITY_V2, DenseQ4SelectionStatus.COMPATIBILITY_FASTEST),
+                    (DenseQ4Route.COMPATIBILITY_V2, DenseQ4SelectionStatus.NO_STABLE_WINNER),
+                )
+                and d.diagnostic is None,
+                f"{label} fallback decision at M={s.m}: {d.status.value} {d.diagnostic}",
+            )
+            need(
+                len(d.timings) == 2
+                and {t.route for t in d.timings} == {DenseQ4Route.COMPATIBILITY_V2, DenseQ4Route.TENSOR_64X32},
+                f"{label} timings at M={s.m}",
+            )
             for t in d.timings:
                 for dist in (t.wall, t.gpu):
-                    need(dist.samples == cal.CALIBRATION_SAMPLES and all(math.isfinite(v) for v in (
-                        dist.p25_us, dist.median_us, dist.p75_us)) and 0 < dist.p25_us <= dist.median_us <= dist.p75_us,
-                         f"{label} timing distribution at M={s.m}")
+                    need(
+                        dist.samples == cal.CALIBRATION_SAMPLES
+                        and all(math.isfinite(v) for v in (dist.p25_us, dist.median_us, dist.p75_us))
+                        and 0 < dist.p25_us <= dist.median_us <= dist.p75_us,
+                        f"{label} timing distribution at M={s.m}",
+                    )
                 # The geometry is the backend's own (q4_expected_dispatch with the registry); what
                 # acceptance can check without a registry is that it names the route's pipeline and
                 # that the reactivation encoded exactly what the cold calibration did.
@@ -970,26 +1177,42 @@ def validate_dense_q4_cartesian_acceptance(cold: DenseQ4CalibrationBatchReceipt,
                 cold_geometry = geometries.setdefault((s.key, t.route), t.encoded)
                 need(t.encoded == cold_geometry, f"{label} geometry change at M={s.m}")
                 p = t.pipeline
-                need(p.pipeline_label == t.route.pipeline_label and p.kernel_name == t.route.pipeline_name
-                     and p.pipeline_label.split("|")[0] == p.kernel_name and bool(p.content_sha256),
-                     f"{label} pipeline identity at M={s.m}")
+                need(
+                    p.pipeline_label == t.route.pipeline_label
+                    and p.kernel_name == t.route.pipeline_name
+                    and p.pipeline_label.split("|")[0] == p.kernel_name
+                    and bool(p.content_sha256),
+                    f"{label} pipeline identity at M={s.m}",
+                )
             if s.m in r.required_compatibility_m:
-                need(d.selected_route is DenseQ4Route.COMPATIBILITY_V2,
-                     f"{label} selected the short-row candidate at required compatibility M={s.m}")
+                need(
+                    d.selected_route is DenseQ4Route.COMPATIBILITY_V2,
+                    f"{label} selected the short-row candidate at required compatibility M={s.m}",
+                )
             candidates += d.selected_route is DenseQ4Route.TENSOR_64X32
             compat += d.selected_route is DenseQ4Route.COMPATIBILITY_V2
-        need(len(bases) == r.expected_base_shapes, f"{label} has {len(bases)} base shapes, expected "
-             f"{r.expected_base_shapes}")
+        need(
+            len(bases) == r.expected_base_shapes,
+            f"{label} has {len(bases)} base shapes, expected {r.expected_base_shapes}",
+        )
         need(all((m,) + b in seen for b in bases for m in reach), f"{label} is not Cartesian")
         need(candidates >= r.minimum_candidate_decisions, f"{label} has {candidates} candidate decisions")
         need(compat == rec.compatibility_route_decisions, f"{label} compatibility count")
-    need(cold.build_fingerprint == reactivation.build_fingerprint
-         and cold.mlx_native_version == reactivation.mlx_native_version
-         and cold.device_name == reactivation.device_name
-         and cold.device_registry_id == reactivation.device_registry_id, "receipts come from different builds/devices")
-    need(cold.activation_epoch != reactivation.activation_epoch
-         and cold.registry_authority_id != reactivation.registry_authority_id
-         and cold.plan_id != reactivation.plan_id, "reactivation must use a new epoch, authority and plan")
-    need({d.shape.key: (d.selected_route, d.status) for d in cold.decisions}
-         == {d.shape.key: (d.selected_route, d.status) for d in reactivation.decisions},
-         "cold and reactivation decisions differ")
+    need(
+        cold.build_fingerprint == reactivation.build_fingerprint
+        and cold.mlx_native_version == reactivation.mlx_native_version
+        and cold.device_name == reactivation.device_name
+        and cold.device_registry_id == reactivation.device_registry_id,
+        "receipts come from different builds/devices",
+    )
+    need(
+        cold.activation_epoch != reactivation.activation_epoch
+        and cold.registry_authority_id != reactivation.registry_authority_id
+        and cold.plan_id != reactivation.plan_id,
+        "reactivation must use a new epoch, authority and plan",
+    )
+    need(
+        {d.shape.key: (d.selected_route, d.status) for d in cold.decisions}
+        == {d.shape.key: (d.selected_route, d.status) for d in reactivation.decisions},
+        "cold and reactivation decisions differ",
+    )

@@ -22,11 +22,36 @@ class Knob:
 
 _PYTHON_KNOBS = (
     Knob("ROUTEMM_LOG_LEVEL", "str", "", "level of the 'routemm' logger (DEBUG, INFO, ...); unset leaves it alone"),
-    Knob("ROUTEMM_PLAN_CACHE_DIR", "path", "", "directory where calibrated route plans are saved and reloaded automatically (unset: no plan files)"),
-    Knob("ROUTEMM_METALLIB_PATH", "path", "", "routemm.metallib the Metal backend loads instead of the one installed beside the extension (macOS)"),
-    Knob("ROUTEMM_TEST_BACKENDS", "str", "", "test suite only: comma-separated backends to test (default: every available one)"),
-    Knob("ROUTEMM_DISABLE_TENSOR_MM", "bool", "0", "1: Q4_0 matrix routes use the compatibility simdgroup kernel (read by GgmlRoutingPolicy.from_environment())"),
-    Knob("ROUTEMM_LARGE_TILE_MM", "bool", "1", "0/false/off: Q4_0 matrix routes may not use the large-tile V2 kernel or the 64x32 candidate (read by GgmlRoutingPolicy.from_environment())"),
+    Knob(
+        "ROUTEMM_PLAN_CACHE_DIR",
+        "path",
+        "",
+        "directory where calibrated route plans are saved and reloaded automatically (unset: no plan files)",
+    ),
+    Knob(
+        "ROUTEMM_METALLIB_PATH",
+        "path",
+        "",
+        "routemm.metallib the Metal backend loads instead of the one installed beside the extension (macOS)",
+    ),
+    Knob(
+        "ROUTEMM_TEST_BACKENDS",
+        "str",
+        "",
+        "test suite only: comma-separated backends to test (default: every available one)",
+    ),
+    Knob(
+        "ROUTEMM_DISABLE_TENSOR_MM",
+        "bool",
+        "0",
+        "1: Q4_0 matrix routes use the compatibility simdgroup kernel (read by GgmlRoutingPolicy.from_environment())",
+    ),
+    Knob(
+        "ROUTEMM_LARGE_TILE_MM",
+        "bool",
+        "1",
+        "0/false/off: Q4_0 matrix routes may not use the large-tile V2 kernel or the 64x32 candidate (read by GgmlRoutingPolicy.from_environment())",
+    ),
 )
 
 KNOBS: tuple[Knob, ...] = tuple(Knob(*row) for row in _core.env_knobs()) + _PYTHON_KNOBS

@@ -36,8 +36,7 @@ _TENSOR_TYPES = {
 }
 
 # GGUF metadata value types: id -> struct format of a scalar (strings and arrays are special).
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-            11: "<q", 12: "<d"}
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
 
@@ -48,7 +47,7 @@ class _Cursor:
     def take(self, n: int) -> memoryview:
         if self.pos + n > len(self.data):
             raise InvalidArgumentError(f"gguf_tensor: {self.path} is truncated")
-        out = self.data[self.pos:self.pos + n]
+        out = self.data[self.pos : self.pos + n]
         self.pos += n
         return out
 
@@ -106,13 +105,15 @@ def gguf_tensor(path, name: str, device: Optional[_core.Device] = None) -> _core
     dims, type_id, offset = infos[name]
     if type_id not in _TENSOR_TYPES:
         raise InvalidArgumentError(
-            f"gguf_tensor: tensor {name!r} has GGML type {type_id}; supported: q4_0, f32, f16, bf16")
+            f"gguf_tensor: tensor {name!r} has GGML type {type_id}; supported: q4_0, f32, f16, bf16"
+        )
     type_name, dtype, block_values, block_bytes = _TENSOR_TYPES[type_id]
     shape = [int(d) for d in reversed(dims)] or [1]
     if shape[-1] % block_values != 0:
         raise InvalidArgumentError(
             f"gguf_tensor: {type_name} tensor {name!r} has inner dimension {shape[-1]}, not a "
-            f"multiple of {block_values}")
+            f"multiple of {block_values}"
+        )
     shape[-1] = shape[-1] // block_values * block_bytes // dtype.size
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.size
     start = data_start + offset

@@ -21,8 +21,7 @@ def quantized_shape(shape) -> tuple[int, ...]:
     """Byte shape of a quantised array: (*shape[:-1], shape[-1] // 32 * 18)."""
     shape = tuple(int(d) for d in shape)
     if not shape or shape[-1] % BLOCK_VALUES != 0:
-        raise InvalidArgumentError(
-            f"q4_0: the last dimension must be a multiple of {BLOCK_VALUES}, got shape {shape}")
+        raise InvalidArgumentError(f"q4_0: the last dimension must be a multiple of {BLOCK_VALUES}, got shape {shape}")
     return (*shape[:-1], shape[-1] // BLOCK_VALUES * BLOCK_BYTES)
 
 
@@ -47,12 +46,11 @@ def dequantize(blocks, shape=None) -> np.ndarray:
     if shape is None:
         if data.ndim == 0 or data.shape[-1] % BLOCK_BYTES != 0:
             raise InvalidArgumentError(
-                f"q4_0 dequantize: the last dimension must be a multiple of {BLOCK_BYTES} bytes, "
-                f"got shape {data.shape}")
+                f"q4_0 dequantize: the last dimension must be a multiple of {BLOCK_BYTES} bytes, got shape {data.shape}"
+            )
         shape = (*data.shape[:-1], data.shape[-1] // BLOCK_BYTES * BLOCK_VALUES)
     shape = tuple(int(d) for d in shape)
     expected = int(np.prod(quantized_shape(shape), dtype=np.int64))
     if data.size != expected:
-        raise InvalidArgumentError(
-            f"q4_0 dequantize: shape {shape} needs {expected} bytes, got {data.size}")
+        raise InvalidArgumentError(f"q4_0 dequantize: shape {shape} needs {expected} bytes, got {data.size}")
     return _core._q4_0_dequantize(np.ascontiguousarray(data).reshape(-1)).reshape(shape)

@@ -100,8 +100,7 @@ class GgmlRoutingPolicy(JsonRecord):
         simdgroup kernel; ROUTEMM_LARGE_TILE_MM=0/false/off (any case) forbids the large tile."""
         force_simd = os.environ.get("ROUTEMM_DISABLE_TENSOR_MM", "").strip() == "1"
         no_large = os.environ.get("ROUTEMM_LARGE_TILE_MM", "").strip().lower() in _FALSE_WORDS
-        return cls(GgmlTensorMmPreference.FORCE_SIMD if force_simd else GgmlTensorMmPreference.AUTO_PROBE,
-                   not no_large)
+        return cls(GgmlTensorMmPreference.FORCE_SIMD if force_simd else GgmlTensorMmPreference.AUTO_PROBE, not no_large)
 
     def _native(self) -> tuple[str, bool]:
         return GgmlTensorMmPreference(self.dense_tensor_mm).value, bool(self.allow_dense_large_tile_mm)
@@ -123,8 +122,7 @@ class GgmlQuantizedMatmulParams(JsonRecord):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= 0xFFFFFFFF:
                 raise InvalidArgumentError(f"quantized_matmul_ggml {name} must be a u32, got {value!r}")
-        return _core._GgmlQuantizedMatmulParams(int(self.m), int(self.n), int(self.k),
-                                                GgmlType(self.ggml_type).value)
+        return _core._GgmlQuantizedMatmulParams(int(self.m), int(self.n), int(self.k), GgmlType(self.ggml_type).value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,23 +150,26 @@ class GgmlQuantizedMatmulReceipt(JsonRecord):
             ggml_type=GgmlType(d["ggml_type"]),
             route=d["route"],
             decision=DenseQ4DecisionSource(d["decision"]),
-            policy=GgmlRoutingPolicy(GgmlTensorMmPreference(d["policy"]["dense_tensor_mm"]),
-                                     d["policy"]["allow_dense_large_tile_mm"]),
+            policy=GgmlRoutingPolicy(
+                GgmlTensorMmPreference(d["policy"]["dense_tensor_mm"]), d["policy"]["allow_dense_large_tile_mm"]
+            ),
             pipeline_label=d["pipeline_label"],
             dispatch_count=d["dispatch_count"],
             dispatch=EncodedKernelDispatch._from_core(d["dispatch"]),
         )
 
 
-def select_dense_q4_route(params: GgmlQuantizedMatmulParams, policy: GgmlRoutingPolicy
-                          ) -> tuple[DenseQ4Route, DenseQ4DecisionSource]:
+def select_dense_q4_route(
+    params: GgmlQuantizedMatmulParams, policy: GgmlRoutingPolicy
+) -> tuple[DenseQ4Route, DenseQ4DecisionSource]:
     """Spec §6.2 route selection without a frozen plan (pure: no device, no environment)."""
     route, decision = _core._select_dense_q4_route(params._native(), *policy._native())
     return DenseQ4Route(route), DenseQ4DecisionSource(decision)
 
 
-def q4_expected_dispatch(route: DenseQ4Route, m: int, n: int, *, registry=None,
-                         k: Optional[int] = None) -> EncodedKernelDispatch:
+def q4_expected_dispatch(
+    route: DenseQ4Route, m: int, n: int, *, registry=None, k: Optional[int] = None
+) -> EncodedKernelDispatch:
     """The geometry a route's dispatch must have for m tokens and n outputs.
 
     Without ``registry``: the reference geometry of spec §6.2 (the CPU backend's, and Metal's).
@@ -182,11 +183,19 @@ def q4_expected_dispatch(route: DenseQ4Route, m: int, n: int, *, registry=None,
     if k is None:
         raise InvalidArgumentError("q4_expected_dispatch with a registry needs k (the input width)")
     return EncodedKernelDispatch._from_core(
-        _core._q4_registry_expected_dispatch(registry, route.value, int(m), int(n), int(k)))
+        _core._q4_registry_expected_dispatch(registry, route.value, int(m), int(n), int(k))
+    )
 
 
-def quantized_matmul_ggml(encoder, registry, input, weight, output, params: GgmlQuantizedMatmulParams,
-                          routing: Optional[GgmlRoutingPolicy] = None) -> GgmlQuantizedMatmulReceipt:
+def quantized_matmul_ggml(
+    encoder,
+    registry,
+    input,
+    weight,
+    output,
+    params: GgmlQuantizedMatmulParams,
+    routing: Optional[GgmlRoutingPolicy] = None,
+) -> GgmlQuantizedMatmulReceipt:
     """Encode out = input @ dequantize(weight).T into `encoder` (run with commit_and_wait()).
 
     routing=None uses GgmlRoutingPolicy.from_environment(). Every validation happens before
@@ -195,15 +204,16 @@ def quantized_matmul_ggml(encoder, registry, input, weight, output, params: Ggml
     policy = GgmlRoutingPolicy.from_environment() if routing is None else routing
     if not isinstance(policy, GgmlRoutingPolicy):
         raise InvalidArgumentError(f"quantized_matmul_ggml routing must be a GgmlRoutingPolicy, got {policy!r}")
-    native = _core._quantized_matmul_ggml(encoder, registry, input, weight, output, params._native(),
-                                          *policy._native())
+    native = _core._quantized_matmul_ggml(encoder, registry, input, weight, output, params._native(), *policy._native())
     return GgmlQuantizedMatmulReceipt._from_core(native)
 
 
-def encode_q4_route(encoder, registry, input, weight, output, params: GgmlQuantizedMatmulParams,
-                    route: DenseQ4Route) -> GgmlQuantizedMatmulReceipt:
+def encode_q4_route(
+    encoder, registry, input, weight, output, params: GgmlQuantizedMatmulParams, route: DenseQ4Route
+) -> GgmlQuantizedMatmulReceipt:
     """Encode exactly `route` (calibration and tests): Q4_0 and m > 8 only, one dispatch whose
     geometry equals q4_expected_dispatch(route, m, n, registry=registry, k=k)."""
-    native = _core._encode_q4_route(encoder, registry, input, weight, output, params._native(),
-                                    DenseQ4Route(route).value)
+    native = _core._encode_q4_route(
+        encoder, registry, input, weight, output, params._native(), DenseQ4Route(route).value
+    )
     return GgmlQuantizedMatmulReceipt._from_core(native)

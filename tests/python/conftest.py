@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 import routemm
 
 
@@ -23,7 +22,8 @@ def _backend_params():
     for name in requested:
         if name not in status:
             raise pytest.UsageError(
-                f"ROUTEMM_TEST_BACKENDS names unknown backend {name!r} (known: {', '.join(status)})")
+                f"ROUTEMM_TEST_BACKENDS names unknown backend {name!r} (known: {', '.join(status)})"
+            )
         available, reason = status[name]
         marks = () if available else pytest.mark.skip(reason=f"backend {name} unavailable: {reason}")
         params.append(pytest.param(name, id=name, marks=marks))

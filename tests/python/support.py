@@ -7,20 +7,18 @@ import struct
 
 import ml_dtypes
 import numpy as np
-
 import routemm
 import routemm._schemas
-from routemm import DType
 from routemm import DenseMatmulIdInputLayout as Layout
 from routemm import DenseMatmulIdMultiplicity as Mult
 from routemm import DenseMatmulIdRoute as Route
+from routemm import DType
 
 POISON_U32 = 0x7FC000C7  # a quiet-NaN pattern no kernel produces from finite inputs
 PAD_BYTE = 0xD7  # fills expert-stride padding and the guards around input views
 GUARD = 16  # bytes of poison before and after every view
 WEIGHT_DTYPES = (DType.F32, DType.F16, DType.BF16)
-NP_DTYPE = {DType.F32: np.dtype(np.float32), DType.F16: np.dtype(np.float16),
-            DType.BF16: np.dtype(ml_dtypes.bfloat16)}
+NP_DTYPE = {DType.F32: np.dtype(np.float32), DType.F16: np.dtype(np.float16), DType.BF16: np.dtype(ml_dtypes.bfloat16)}
 INVALID_IDS = (0xFFFFFFFF, 0x80000000)  # plus n_experts and n_experts + 1 per call
 
 try:
@@ -56,13 +54,13 @@ class Guarded:
         return self.parent.numpy().view(np.uint8).reshape(-1)
 
     def view_bytes(self) -> np.ndarray:
-        return self.parent_bytes()[GUARD:GUARD + self.view.nbytes]
+        return self.parent_bytes()[GUARD : GUARD + self.view.nbytes]
 
     def assert_guards_intact(self, what: str) -> None:
         now = self.parent_bytes()
         n = self.view.nbytes
         assert np.array_equal(now[:GUARD], self.initial[:GUARD]), f"{what}: prefix guard written"
-        assert np.array_equal(now[GUARD + n:], self.initial[GUARD + n:]), f"{what}: suffix guard written"
+        assert np.array_equal(now[GUARD + n :], self.initial[GUARD + n :]), f"{what}: suffix guard written"
 
     def assert_unchanged(self, what: str) -> None:
         assert np.array_equal(self.parent_bytes(), self.initial), f"{what}: bytes changed"
@@ -84,8 +82,7 @@ def poison_words(count: int) -> np.ndarray:
 
 
 def guarded_output(device, rows: int, n: int) -> Guarded:
-    return guarded(device, poison_words(rows * n), DType.F32, (rows, n),
-                   guard=poison_words(GUARD // 4).view(np.uint8))
+    return guarded(device, poison_words(rows * n), DType.F32, (rows, n), guard=poison_words(GUARD // 4).view(np.uint8))
 
 
 def weight_stack_bytes(w: np.ndarray, pad: int) -> tuple[np.ndarray, int]:
@@ -98,7 +95,7 @@ def weight_stack_bytes(w: np.ndarray, pad: int) -> tuple[np.ndarray, int]:
     stride = matrix + pad
     out = np.full((n_experts - 1) * stride + matrix, PAD_BYTE, np.uint8)
     for e in range(n_experts):
-        out[e * stride:e * stride + matrix] = np.ascontiguousarray(w[e]).reshape(-1).view(np.uint8)
+        out[e * stride : e * stride + matrix] = np.ascontiguousarray(w[e]).reshape(-1).view(np.uint8)
     return out, stride
 
 
@@ -161,19 +158,39 @@ class RunResult:
     dispatches: int
 
 
-def make_params(m, n, k, top_k, n_experts, stride, layout=Layout.SHARED_PER_TOKEN,
-                mult=Mult.DISTINCT_PER_TOKEN, route=Route.DIRECT) -> routemm.DenseMatmulIdParams:
-    return routemm.DenseMatmulIdParams(m=m, n=n, k=k, top_k=top_k, n_experts=n_experts,
-                                       expert_stride_bytes=stride, input_layout=layout,
-                                       id_multiplicity=mult, route=route)
+def make_params(
+    m, n, k, top_k, n_experts, stride, layout=Layout.SHARED_PER_TOKEN, mult=Mult.DISTINCT_PER_TOKEN, route=Route.DIRECT
+) -> routemm.DenseMatmulIdParams:
+    return routemm.DenseMatmulIdParams(
+        m=m,
+        n=n,
+        k=k,
+        top_k=top_k,
+        n_experts=n_experts,
+        expert_stride_bytes=stride,
+        input_layout=layout,
+        id_multiplicity=mult,
+        route=route,
+    )
 
 
 class Case:
     """One fully guarded dense_matmul_id call; `run(route)` may be repeated with the same buffers."""
 
-    def __init__(self, device, registry, dtype: DType, w: np.ndarray, x: np.ndarray, ids: np.ndarray,
-                 *, slotted: bool, pad: int = 12, mult: Mult = Mult.DISTINCT_PER_TOKEN,
-                 scratch_capacity: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        device,
+        registry,
+        dtype: DType,
+        w: np.ndarray,
+        x: np.ndarray,
+        ids: np.ndarray,
+        *,
+        slotted: bool,
+        pad: int = 12,
+        mult: Mult = Mult.DISTINCT_PER_TOKEN,
+        scratch_capacity: tuple[int, int] | None = None,
+    ):
         self.device, self.registry, self.dtype = device, registry, dtype
         self.w, self.x, self.ids, self.slotted, self.mult = w, x, ids, slotted, mult
         self.n_experts, self.n, self.k = w.shape
@@ -187,8 +204,17 @@ class Case:
         self.scratch = routemm.DenseMatmulIdScratch(device, *cap)
 
     def params(self, route: Route) -> routemm.DenseMatmulIdParams:
-        return make_params(self.m, self.n, self.k, self.top_k, self.n_experts, self.stride,
-                           Layout.SLOTTED if self.slotted else Layout.SHARED_PER_TOKEN, self.mult, route)
+        return make_params(
+            self.m,
+            self.n,
+            self.k,
+            self.top_k,
+            self.n_experts,
+            self.stride,
+            Layout.SLOTTED if self.slotted else Layout.SHARED_PER_TOKEN,
+            self.mult,
+            route,
+        )
 
     def run(self, route: Route) -> RunResult:
         # Re-poison the output (and its guards) before every run.
@@ -200,10 +226,16 @@ class Case:
         assert cap.required_weight_bytes == self.weights.view.nbytes
         before = routemm.dispatch_count()
         encoder = self.device.command_encoder()
-        receipt = routemm.dense_matmul_id(encoder, self.registry, self.weights.view, self.input.view,
-                                          self.id_buf.view, self.output.view,
-                                          self.scratch if route is Route.GROUPED_PREFILL else None,
-                                          params)
+        receipt = routemm.dense_matmul_id(
+            encoder,
+            self.registry,
+            self.weights.view,
+            self.input.view,
+            self.id_buf.view,
+            self.output.view,
+            self.scratch if route is Route.GROUPED_PREFILL else None,
+            params,
+        )
         encoder.commit_and_wait()
         dispatches = routemm.dispatch_count() - before
         validate(receipt)
@@ -215,8 +247,7 @@ class Case:
         self.id_buf.assert_unchanged("expert ids")
         self.output.assert_guards_intact("output")
         words = self.output.view_bytes().view(np.uint32)
-        assert not np.any(words == POISON_U32), (
-            f"{int(np.sum(words == POISON_U32))} output element(s) never written")
+        assert not np.any(words == POISON_U32), f"{int(np.sum(words == POISON_U32))} output element(s) never written"
         out = words.view(np.float32).reshape(self.m * self.top_k, self.n).copy()
         return RunResult(out, receipt, dispatches)
 
@@ -228,5 +259,4 @@ def pack_kernel_params(m, n, k, top_k, n_experts, stride, slotted=False) -> byte
     """The 48-byte kernel-argument struct of spec §7.4 (little endian)."""
     row = k * 4
     token_stride, slot_stride = (row * top_k, row) if slotted else (row, 0)
-    return struct.pack("<6I3Q", m, n, k, top_k, n_experts, 1 if slotted else 0, stride, token_stride,
-                       slot_stride)
+    return struct.pack("<6I3Q", m, n, k, top_k, n_experts, 1 if slotted else 0, stride, token_stride, slot_stride)

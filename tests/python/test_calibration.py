@@ -9,12 +9,11 @@ import struct
 
 import numpy as np
 import pytest
-
 import routemm
-from routemm import calibration as cal, q4_0
-
-from support import validate
+from routemm import calibration as cal
 from routemm import dense_q4_plan as dq
+from routemm import q4_0
+from support import validate
 
 # Most tests calibrate Q4_0 routes; the proof-kernel test below needs only the calibration kernels.
 pytestmark = pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)
@@ -62,15 +61,20 @@ def test_distribution_percentiles():
     assert cal.distribution([5, 1, 4, 2, 3]) == (2.0, 3.0, 4.0, 5)
 
 
-@pytest.mark.parametrize("cand_wall,cand_gpu,expected", [
-    ((69, 70, 71), (59, 60, 61), cal.Verdict.CANDIDATE_WINS),
-    ((90, 94, 101), (59, 60, 61), cal.Verdict.NO_STABLE_WINNER),   # overlapping: p75 101 >= V2 p25 95
-    ((69, 70, 71), (99, 100, 101), cal.Verdict.NO_STABLE_WINNER),  # contrary GPU: 100 > 1.02 * 90
-    ((96, 97, 98), (59, 60, 61), cal.Verdict.NO_STABLE_WINNER),    # not material: 97 > 0.95 * 100
-    ((99, 100, 101), (59, 60, 61), cal.Verdict.CONTROL_FASTEST),
-])
+@pytest.mark.parametrize(
+    "cand_wall,cand_gpu,expected",
+    [
+        ((69, 70, 71), (59, 60, 61), cal.Verdict.CANDIDATE_WINS),
+        ((90, 94, 101), (59, 60, 61), cal.Verdict.NO_STABLE_WINNER),  # overlapping: p75 101 >= V2 p25 95
+        ((69, 70, 71), (99, 100, 101), cal.Verdict.NO_STABLE_WINNER),  # contrary GPU: 100 > 1.02 * 90
+        ((96, 97, 98), (59, 60, 61), cal.Verdict.NO_STABLE_WINNER),  # not material: 97 > 0.95 * 100
+        ((99, 100, 101), (59, 60, 61), cal.Verdict.CONTROL_FASTEST),
+    ],
+)
 def test_select_winner_rule(cand_wall, cand_gpu, expected):
-    v2_wall = dist(95, 100, 101) if expected is cal.Verdict.NO_STABLE_WINNER and cand_wall[2] == 101 else dist(99, 100, 101)
+    v2_wall = (
+        dist(95, 100, 101) if expected is cal.Verdict.NO_STABLE_WINNER and cand_wall[2] == 101 else dist(99, 100, 101)
+    )
     assert cal.select_winner(v2_wall, dist(89, 90, 91), dist(*cand_wall), dist(*cand_gpu)) is expected
 
 
@@ -101,8 +105,10 @@ def test_proof_kernels_status_bits(device, registry):
     assert statuses.numpy().tolist() == [0, cal.STATUS_MISMATCH, cal.STATUS_CANDIDATE_GUARD]
     # Unwritten control (still poison) and non-finite candidate.
     control.copy_from_numpy(np.full(guarded, np.nan, np.float32).view(np.uint32) * 0 + 0xFFFFFFFF)
-    candidate.copy_from_numpy(np.where(np.arange(guarded) < logical, np.inf, np.nan).astype(np.float32)
-                              .view(np.uint32) | np.where(np.arange(guarded) < logical, 0, 0xFFFFFFFF).astype(np.uint32))
+    candidate.copy_from_numpy(
+        np.where(np.arange(guarded) < logical, np.inf, np.nan).astype(np.float32).view(np.uint32)
+        | np.where(np.arange(guarded) < logical, 0, 0xFFFFFFFF).astype(np.uint32)
+    )
     statuses.copy_from_numpy(np.zeros(3, np.uint32))
     enc = device.command_encoder()
     kernels.encode_compare(enc, control, candidate, statuses, 0, logical, guarded)
@@ -118,8 +124,14 @@ def test_cold_one_shape_two_weights_accounting(device, registry, rng):
     n, k = fresh_n(), 64
     w0, w1 = weight(device, n, k, rng), weight(device, n, k, rng)
     plan, rec = routemm.calibrate_dense_q4_routes(registry, device, 7, None, [case(w0, n, k, [9]), case(w1, n, k, [9])])
-    assert (rec.authorized_shape_weight_pairs, rec.proof_submissions, rec.proof_route_dispatches,
-            rec.proof_auxiliary_dispatches, rec.timing_submissions, rec.cleanup_submissions) == (2, 1, 4, 4, 10, 1)
+    assert (
+        rec.authorized_shape_weight_pairs,
+        rec.proof_submissions,
+        rec.proof_route_dispatches,
+        rec.proof_auxiliary_dispatches,
+        rec.timing_submissions,
+        rec.cleanup_submissions,
+    ) == (2, 1, 4, 4, 10, 1)
     assert rec.decisions[0].calibration_submissions == 11 and rec.calibration_submissions == 12
     d = rec.decisions[0]
     assert {t.route for t in d.timings} == {V2, C64}  # the candidate is timed even when V2 is kept
@@ -141,20 +153,36 @@ def test_cold_two_shapes_and_cache_hits_across_registries(device, rng):
     n, k = fresh_n(), 64
     reg_a = routemm.KernelRegistry(device)
     w0, w1 = weight(device, n, k, rng), weight(device, n, k, rng)
-    _, rec = routemm.calibrate_dense_q4_routes(reg_a, device, 1, None, [case(w0, n, k, [9, 37]), case(w1, n, k, [37, 9])])
-    assert (rec.authorized_shape_weight_pairs, rec.proof_submissions, rec.proof_route_dispatches,
-            rec.proof_auxiliary_dispatches, rec.timing_submissions, rec.calibration_submissions) == (4, 2, 8, 8, 20, 23)
+    _, rec = routemm.calibrate_dense_q4_routes(
+        reg_a, device, 1, None, [case(w0, n, k, [9, 37]), case(w1, n, k, [37, 9])]
+    )
+    assert (
+        rec.authorized_shape_weight_pairs,
+        rec.proof_submissions,
+        rec.proof_route_dispatches,
+        rec.proof_auxiliary_dispatches,
+        rec.timing_submissions,
+        rec.calibration_submissions,
+    ) == (4, 2, 8, 8, 20, 23)
     assert rec.process_cache_hits == 0 and rec.calibrated_decisions == 2
     # B (new registry, other bytes): cache hit, but the current weight is still proved.
     reg_b = routemm.KernelRegistry(device)
     wb = weight(device, n, k, rng)
     _, rec_b = routemm.calibrate_dense_q4_routes(reg_b, device, 2, None, [case(wb, n, k, [9])])
-    assert (rec_b.proof_submissions, rec_b.proof_route_dispatches, rec_b.proof_auxiliary_dispatches,
-            rec_b.timing_submissions, rec_b.calibration_submissions, rec_b.process_cache_hits) == (1, 2, 2, 0, 2, 1)
+    assert (
+        rec_b.proof_submissions,
+        rec_b.proof_route_dispatches,
+        rec_b.proof_auxiliary_dispatches,
+        rec_b.timing_submissions,
+        rec_b.calibration_submissions,
+        rec_b.process_cache_hits,
+    ) == (1, 2, 2, 0, 2, 1)
     assert rec_b.decisions[0].process_cache_hit and rec_b.decisions[0].timing_submissions == 0
     # A again (a fresh activation of the first model): cache hits, full reproof of both weights.
     reg_a2 = routemm.KernelRegistry(device)
-    _, rec_a2 = routemm.calibrate_dense_q4_routes(reg_a2, device, 3, None, [case(w0, n, k, [9, 37]), case(w1, n, k, [9, 37])])
+    _, rec_a2 = routemm.calibrate_dense_q4_routes(
+        reg_a2, device, 3, None, [case(w0, n, k, [9, 37]), case(w1, n, k, [9, 37])]
+    )
     assert (rec_a2.authorized_shape_weight_pairs, rec_a2.proof_submissions, rec_a2.timing_submissions) == (4, 2, 0)
     routes = lambda r: {d.shape.key: (d.selected_route, d.status) for d in r.decisions}  # noqa: E731
     assert routes(rec_a2) == routes(rec)
@@ -172,8 +200,9 @@ def q4_call(device, n, k, m, rng):
 def test_winner_plan_dispatch_and_traces(device, registry, rng):
     n, k = fresh_n(), 64
     w = weight(device, n, k, rng)
-    plan, rec = routemm.calibrate_dense_q4_routes(registry, device, 5, None, [case(w, n, k, [32, 129])],
-                                                  _timer=winner_timer)
+    plan, rec = routemm.calibrate_dense_q4_routes(
+        registry, device, 5, None, [case(w, n, k, [32, 129])], _timer=winner_timer
+    )
     assert [(d.selected_route, d.status) for d in rec.decisions] == [(C64, S.CALIBRATED_WINNER)] * 2
     assert rec.compatibility_route_decisions == 0 and plan.decision_count() == 2
     policy = routemm.GgmlRoutingPolicy()
@@ -181,11 +210,14 @@ def test_winner_plan_dispatch_and_traces(device, registry, rng):
     for m in (32, 129):
         x, out = q4_call(device, n, k, m, rng)
         enc = device.command_encoder()
-        trace = routemm.trace_dense_q4_auto(enc, registry, device, x, w, out, routemm.GgmlQuantizedMatmulParams(m, n, k),
-                                            policy)
+        trace = routemm.trace_dense_q4_auto(
+            enc, registry, device, x, w, out, routemm.GgmlQuantizedMatmulParams(m, n, k), policy
+        )
         enc.commit_and_wait()
         assert trace.decision.route is C64 and trace.decision.source is src.FROZEN_PLAN
-        assert trace.plan_id == plan.plan_id and trace.encoded == routemm.q4_expected_dispatch(C64, m, n, registry=registry, k=k)
+        assert trace.plan_id == plan.plan_id and trace.encoded == routemm.q4_expected_dispatch(
+            C64, m, n, registry=registry, k=k
+        )
         validate(trace)
         # The candidate's output equals the compatibility route's bit for bit.
         ref_out = device.alloc(m * n * 4, routemm.DType.F32, [m, n])
@@ -196,13 +228,23 @@ def test_winner_plan_dispatch_and_traces(device, registry, rng):
     # Undeclared M keeps V2.
     x, out = q4_call(device, n, k, 33, rng)
     enc = device.command_encoder()
-    t = routemm.trace_dense_q4_auto(enc, registry, device, x, w, out, routemm.GgmlQuantizedMatmulParams(33, n, k), policy)
+    t = routemm.trace_dense_q4_auto(
+        enc, registry, device, x, w, out, routemm.GgmlQuantizedMatmulParams(33, n, k), policy
+    )
     assert (t.decision.route, t.decision.source) == (V2, src.UNDECLARED_COMPATIBILITY_FALLBACK)
     # No large tile: tensor V1, ineligible.
     x, out = q4_call(device, n, k, 32, rng)
     enc = device.command_encoder()
-    t = routemm.trace_dense_q4_auto(enc, registry, device, x, w, out, routemm.GgmlQuantizedMatmulParams(32, n, k),
-                                    routemm.GgmlRoutingPolicy(allow_dense_large_tile_mm=False))
+    t = routemm.trace_dense_q4_auto(
+        enc,
+        registry,
+        device,
+        x,
+        w,
+        out,
+        routemm.GgmlQuantizedMatmulParams(32, n, k),
+        routemm.GgmlRoutingPolicy(allow_dense_large_tile_mm=False),
+    )
     assert t.decision.source is src.INELIGIBLE_COMPATIBILITY_FALLBACK
     # dense_q4_auto receipts say why.
     enc = device.command_encoder()
@@ -232,8 +274,14 @@ def test_incoherent_weight_downgrades_whole_base(device, registry, rng):
     n, k = fresh_n(), 64
     w0, w1 = weight(device, n, k, rng), weight(device, n, k, rng)
     plan, rec = routemm.calibrate_dense_q4_routes(
-        registry, device, 1, None, [case(w0, n, k, [9, 37]), case(w1, n, k, [9, 37])], _timer=winner_timer,
-        _candidate_fault=lambda i, shape: i == 1 and shape.m == 9)
+        registry,
+        device,
+        1,
+        None,
+        [case(w0, n, k, [9, 37]), case(w1, n, k, [9, 37])],
+        _timer=winner_timer,
+        _candidate_fault=lambda i, shape: i == 1 and shape.m == 9,
+    )
     for d in rec.decisions:
         assert (d.selected_route, d.status) == (V2, S.INCOHERENT_CANDIDATE)
         assert "weight 1" in d.diagnostic and "base-shape Cartesian proof failure" in d.diagnostic
@@ -275,8 +323,15 @@ def test_budget_fallback_before_proof(device, registry, rng):
     def jump(done, total, info):
         clock.now = 1.0  # the deadline passes after the first shape
 
-    _, rec = routemm.calibrate_dense_q4_routes(registry, device, 1, dq.DenseQ4CalibrationLimits(max_elapsed_ms=50),
-                                               [case(w, n, k, [9, 10])], progress=jump, _clock=clock)
+    _, rec = routemm.calibrate_dense_q4_routes(
+        registry,
+        device,
+        1,
+        dq.DenseQ4CalibrationLimits(max_elapsed_ms=50),
+        [case(w, n, k, [9, 10])],
+        progress=jump,
+        _clock=clock,
+    )
     assert all(d.status is S.BUDGET_FALLBACK and d.selected_route is V2 for d in rec.decisions)
     assert "calibration deadline reached before shape proof" in rec.decisions[1].diagnostic
     assert "base-shape Cartesian proof failure" in rec.decisions[0].diagnostic
@@ -292,8 +347,16 @@ def test_final_deadline_downgrades_candidates(device, registry, rng):
         if done == total:
             clock.now = 0.01025  # elapsed 10.25 ms against a 10 ms budget
 
-    plan, rec = routemm.calibrate_dense_q4_routes(registry, device, 1, dq.DenseQ4CalibrationLimits(max_elapsed_ms=10),
-                                                  [case(w, n, k, [9])], progress=late, _timer=winner_timer, _clock=clock)
+    plan, rec = routemm.calibrate_dense_q4_routes(
+        registry,
+        device,
+        1,
+        dq.DenseQ4CalibrationLimits(max_elapsed_ms=10),
+        [case(w, n, k, [9])],
+        progress=late,
+        _timer=winner_timer,
+        _clock=clock,
+    )
     assert rec.deadline_overrun_ms == pytest.approx(0.25)
     d = rec.decisions[0]
     assert (d.selected_route, d.status) == (V2, S.BUDGET_FALLBACK)
@@ -306,9 +369,16 @@ def test_final_deadline_downgrades_candidates(device, registry, rng):
     def on_time(done, total, info):
         clock2.now = 0.010  # exactly the budget: no overrun
 
-    _, rec2 = routemm.calibrate_dense_q4_routes(reg2, device, 1, dq.DenseQ4CalibrationLimits(max_elapsed_ms=10),
-                                                [case(weight(device, n2, k, rng), n2, k, [9])], progress=on_time,
-                                                _timer=winner_timer, _clock=clock2)
+    _, rec2 = routemm.calibrate_dense_q4_routes(
+        reg2,
+        device,
+        1,
+        dq.DenseQ4CalibrationLimits(max_elapsed_ms=10),
+        [case(weight(device, n2, k, rng), n2, k, [9])],
+        progress=on_time,
+        _timer=winner_timer,
+        _clock=clock2,
+    )
     assert rec2.deadline_overrun_ms == 0 and rec2.decisions[0].selected_route is C64
 
 
@@ -331,7 +401,9 @@ def test_preconditions(device, registry, rng):
     with pytest.raises(routemm.InvalidArgumentError, match="declares 3 exact shapes"):
         calib(registry, device, 1, dq.DenseQ4CalibrationLimits(max_shapes=2), [case(w, n, k, [9, 10, 11])])
     registry.inject_next_pipeline_lookup_failure(V2.pipeline_name)
-    with pytest.raises(routemm.InvalidArgumentError, match="required dense Q4 compatibility V2 pipeline is unavailable"):
+    with pytest.raises(
+        routemm.InvalidArgumentError, match="required dense Q4 compatibility V2 pipeline is unavailable"
+    ):
         calib(registry, device, 1, None, [case(w, n, k, [9])])
     with pytest.raises(routemm.InvalidArgumentError, match="non-finite"):
         calib(registry, device, 1, None, [case(weight(device, n, k, rng, nan_scale=True), n, k, [9])])
@@ -378,7 +450,9 @@ def test_plan_file_round_trip_and_refusal(device, rng, tmp_path):
     plan2, rec2 = routemm.load_dense_q4_plan(path, reg2, device, [case(w, n, k, [9, 40])])
     assert plan2.routes == plan.routes and reg2.frozen_plan_id("dense_q4") == plan2.plan_id
     assert rec2.timing_submissions == 0 and rec2.proof_submissions == 2
-    assert [(d.selected_route, d.status) for d in rec2.decisions] == [(d.selected_route, d.status) for d in rec.decisions]
+    assert [(d.selected_route, d.status) for d in rec2.decisions] == [
+        (d.selected_route, d.status) for d in rec.decisions
+    ]
     # Different shapes, and a changed validator, are refused.
     with pytest.raises(cal.PlanFileMismatch, match="different shapes"):
         routemm.load_dense_q4_plan(path, routemm.KernelRegistry(device), device, [case(w, n, k, [9])])
@@ -399,11 +473,14 @@ def test_plan_cache_dir_knob(device, rng, tmp_path, monkeypatch):
     monkeypatch.setenv("ROUTEMM_PLAN_CACHE_DIR", str(tmp_path))
     n, k = fresh_n(), 64
     w = weight(device, n, k, rng)
-    plan, rec = routemm.calibrate_dense_q4_routes(routemm.KernelRegistry(device), device, 1, None,
-                                                  [case(w, n, k, [9])], _timer=winner_timer)
+    plan, rec = routemm.calibrate_dense_q4_routes(
+        routemm.KernelRegistry(device), device, 1, None, [case(w, n, k, [9])], _timer=winner_timer
+    )
     assert rec.timing_submissions == 10 and len(list(tmp_path.glob("dense_q4-*.json"))) == 1
     cal.PROCESS_CACHE.clear()
-    plan2, rec2 = routemm.calibrate_dense_q4_routes(routemm.KernelRegistry(device), device, 2, None, [case(w, n, k, [9])])
+    plan2, rec2 = routemm.calibrate_dense_q4_routes(
+        routemm.KernelRegistry(device), device, 2, None, [case(w, n, k, [9])]
+    )
     assert rec2.timing_submissions == 0 and plan2.routes == plan.routes == {(9, n, k, 1, "contiguous"): C64}
 
 
@@ -415,8 +492,14 @@ def test_progress_callback_and_debug_logging(device, registry, rng, caplog):
     n, k = fresh_n(), 64
     seen = []
     with caplog.at_level("DEBUG", logger="routemm.calibration"):
-        routemm.calibrate_dense_q4_routes(registry, device, 1, None, [case(weight(device, n, k, rng), n, k, [9, 12])],
-                                          progress=lambda d, t, info: seen.append((d, t, info["shape"]["m"])))
+        routemm.calibrate_dense_q4_routes(
+            registry,
+            device,
+            1,
+            None,
+            [case(weight(device, n, k, rng), n, k, [9, 12])],
+            progress=lambda d, t, info: seen.append((d, t, info["shape"]["m"])),
+        )
     assert seen == [(1, 2, 9), (2, 2, 12)]
     assert sum("dense Q4 shape m=" in r.message for r in caplog.records) == 2
 
@@ -429,7 +512,9 @@ def test_cartesian_acceptance(device, rng):
     ns = (fresh_n(), fresh_n())
     ws = {n: [weight(device, n, k, rng), weight(device, n, k, rng)] for n in ns}
     cases = [case(w, n, k, [9, 16]) for n in ns for w in ws[n]]
-    _, cold = routemm.calibrate_dense_q4_routes(routemm.KernelRegistry(device), device, 1, None, cases, _timer=winner_timer)
+    _, cold = routemm.calibrate_dense_q4_routes(
+        routemm.KernelRegistry(device), device, 1, None, cases, _timer=winner_timer
+    )
     _, warm = routemm.calibrate_dense_q4_routes(routemm.KernelRegistry(device), device, 2, None, cases)
     req = dq.DenseQ4CartesianAcceptanceRequirements(2, 2, (9, 16), (), 1, 15_000)
     routemm.validate_dense_q4_cartesian_acceptance(cold, warm, req)
@@ -442,14 +527,38 @@ def test_cartesian_acceptance(device, rng):
         (req, dataclasses.replace(cold, authorized_shape_weight_pairs=7), "authorized pairs"),
     ]
     d0 = cold.decisions[0]
-    bad.append((req, dataclasses.replace(cold, decisions=(dataclasses.replace(
-        d0, status=S.BUDGET_FALLBACK, selected_route=V2, diagnostic="x"),) + cold.decisions[1:]), "fallback decision"))
-    bad.append((req, dataclasses.replace(cold, decisions=(dataclasses.replace(
-        d0, shape=dataclasses.replace(d0.shape, m=10)),) + cold.decisions[1:]), "non-Cartesian"))
+    bad.append(
+        (
+            req,
+            dataclasses.replace(
+                cold,
+                decisions=(dataclasses.replace(d0, status=S.BUDGET_FALLBACK, selected_route=V2, diagnostic="x"),)
+                + cold.decisions[1:],
+            ),
+            "fallback decision",
+        )
+    )
+    bad.append(
+        (
+            req,
+            dataclasses.replace(
+                cold,
+                decisions=(dataclasses.replace(d0, shape=dataclasses.replace(d0.shape, m=10)),) + cold.decisions[1:],
+            ),
+            "non-Cartesian",
+        )
+    )
     t0 = d0.timings[0]
     moved = dataclasses.replace(t0, encoded=dataclasses.replace(t0.encoded, grid=(99, 1, 1)))
-    bad.append((req, dataclasses.replace(cold, decisions=(dataclasses.replace(d0, timings=(moved,) + d0.timings[1:]),)
-                                          + cold.decisions[1:]), "geometry change"))
+    bad.append(
+        (
+            req,
+            dataclasses.replace(
+                cold, decisions=(dataclasses.replace(d0, timings=(moved,) + d0.timings[1:]),) + cold.decisions[1:]
+            ),
+            "geometry change",
+        )
+    )
     for requirements, receipt, message in bad:
         with pytest.raises(routemm.InvalidArgumentError, match="dense Q4 Cartesian acceptance failed: .*" + message):
             routemm.validate_dense_q4_cartesian_acceptance(receipt, warm, requirements)

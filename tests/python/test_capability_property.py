@@ -11,14 +11,13 @@ from __future__ import annotations
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
+import routemm  # noqa: E402
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-import routemm  # noqa: E402
-from routemm import DType  # noqa: E402
 from routemm import DenseMatmulIdInputLayout as Layout  # noqa: E402
 from routemm import DenseMatmulIdMultiplicity as Mult  # noqa: E402
 from routemm import DenseMatmulIdRoute as Route  # noqa: E402
+from routemm import DType  # noqa: E402
 from support import validate  # noqa: E402
 
 U32 = 2**32 - 1
@@ -83,14 +82,22 @@ def model(dtype_name: str, m, n, k, top_k, n_experts, stride, layout, mult, rout
         if route == "grouped_tensor_lowp" and dtype_name == "f32":
             raise Rejected(f"{P}grouped_tensor_lowp requires F16 or BF16 weights, got f32")
         scratch = {"expert_counts_bytes": n_experts * 4, "routed_rows_bytes": n_experts * m * 4}
-    return {"schema_version": 3, "weight_dtype": dtype_name, "route": route,
-            "required_weight_bytes": last + matrix, "required_input_bytes": input_bytes,
-            "required_ids_bytes": ids_bytes, "required_output_bytes": output_bytes, "scratch": scratch}
+    return {
+        "schema_version": 3,
+        "weight_dtype": dtype_name,
+        "route": route,
+        "required_weight_bytes": last + matrix,
+        "required_input_bytes": input_bytes,
+        "required_ids_bytes": ids_bytes,
+        "required_output_bytes": output_bytes,
+        "scratch": scratch,
+    }
 
 
 EDGE_U32 = [0, 1, 2, 6, 7, 8, 9, 35, 1023, 1024, 1025, 2**16, 2**31 - 1, 2**31, U32 - 1, U32]
-dims = st.one_of(st.integers(0, 40), st.sampled_from(EDGE_U32), st.integers(0, U32),
-                 st.sampled_from([U32 + 1, 2**40, -1]))
+dims = st.one_of(
+    st.integers(0, 40), st.sampled_from(EDGE_U32), st.integers(0, U32), st.sampled_from([U32 + 1, 2**40, -1])
+)
 DTYPES = list(DType.__members__.values())
 
 
@@ -100,13 +107,15 @@ def cases(draw):
     m, n, k, top_k, n_experts = (draw(dims) for _ in range(5))
     size = dtype.size
     matrix = n * k * size if n >= 0 and k >= 0 else 0
-    stride = draw(st.one_of(
-        st.integers(0, 5000),
-        st.builds(lambda d: matrix + d, st.integers(-3, 16)),  # around one matrix, aligned or not
-        st.builds(lambda d: matrix + d * size, st.integers(0, 8)),  # valid padded strides
-        st.sampled_from([U64, U64 - 1, U64 - 3, 2**63, 2**32, U64 + 1, -1]),
-        st.integers(0, U64),
-    ))
+    stride = draw(
+        st.one_of(
+            st.integers(0, 5000),
+            st.builds(lambda d: matrix + d, st.integers(-3, 16)),  # around one matrix, aligned or not
+            st.builds(lambda d: matrix + d * size, st.integers(0, 8)),  # valid padded strides
+            st.sampled_from([U64, U64 - 1, U64 - 3, 2**63, 2**32, U64 + 1, -1]),
+            st.integers(0, U64),
+        )
+    )
     layout = draw(st.sampled_from(list(Layout)))
     mult = draw(st.sampled_from(list(Mult)))
     route = draw(st.sampled_from(list(Route)))
@@ -126,9 +135,17 @@ def test_capability_matches_independent_model(case):
         want_error = None
     except Rejected as rejected:
         want, want_error = None, str(rejected)
-    params = routemm.DenseMatmulIdParams(m=m, n=n, k=k, top_k=top_k, n_experts=n_experts,
-                                         expert_stride_bytes=stride, input_layout=layout,
-                                         id_multiplicity=mult, route=route)
+    params = routemm.DenseMatmulIdParams(
+        m=m,
+        n=n,
+        k=k,
+        top_k=top_k,
+        n_experts=n_experts,
+        expert_stride_bytes=stride,
+        input_layout=layout,
+        id_multiplicity=mult,
+        route=route,
+    )
     try:
         got = routemm.dense_matmul_id_capability(dtype, params)
     except routemm.InvalidArgumentError as error:
@@ -143,18 +160,20 @@ def test_capability_matches_independent_model(case):
     assert routemm.DenseMatmulIdParams.from_json(params.to_json()) == params
 
 
-@pytest.mark.parametrize("case,message", [
-    ((DType.BF16, 9, 7, 35, 6, U32, U64 - 1), f"{P}expert weight offset overflow"),
-    ((DType.F32, 1, U32, U32, 1, 1, U64), f"{P}expert matrix byte extent overflow"),
-    ((DType.F32, 2**31, 1, 1, 2, 8, 4), f"{P}flattened routed rows exceed the u32 kernel ABI"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ((DType.BF16, 9, 7, 35, 6, U32, U64 - 1), f"{P}expert weight offset overflow"),
+        ((DType.F32, 1, U32, U32, 1, 1, U64), f"{P}expert matrix byte extent overflow"),
+        ((DType.F32, 2**31, 1, 1, 2, 8, 4), f"{P}flattened routed rows exceed the u32 kernel ABI"),
+    ],
+)
 def test_model_spot_checks(case, message):
     """Fixed examples of the rarer rules, so they are exercised whatever hypothesis draws."""
     dtype, m, n, k, top_k, n_experts, stride = case
     params = routemm.DenseMatmulIdParams(m, n, k, top_k, n_experts, stride)
     with pytest.raises(Rejected) as model_error:
-        model(dtype.type_name, m, n, k, top_k, n_experts, stride, "shared_per_token", "distinct_per_token",
-              "direct")
+        model(dtype.type_name, m, n, k, top_k, n_experts, stride, "shared_per_token", "distinct_per_token", "direct")
     assert str(model_error.value) == message
     with pytest.raises(routemm.InvalidArgumentError) as info:
         routemm.dense_matmul_id_capability(dtype, params)

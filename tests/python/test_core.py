@@ -9,14 +9,27 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
-
 import routemm
 from routemm import DType
 
-SIZES = {DType.F32: (4, "f32"), DType.F16: (2, "f16"), DType.BF16: (2, "bf16"), DType.U8: (1, "u8"),
-         DType.U16: (2, "u16"), DType.U32: (4, "u32"), DType.I32: (4, "i32")}
-NP = {DType.F32: np.float32, DType.F16: np.float16, DType.BF16: ml_dtypes.bfloat16, DType.U8: np.uint8,
-      DType.U16: np.uint16, DType.U32: np.uint32, DType.I32: np.int32}
+SIZES = {
+    DType.F32: (4, "f32"),
+    DType.F16: (2, "f16"),
+    DType.BF16: (2, "bf16"),
+    DType.U8: (1, "u8"),
+    DType.U16: (2, "u16"),
+    DType.U32: (4, "u32"),
+    DType.I32: (4, "i32"),
+}
+NP = {
+    DType.F32: np.float32,
+    DType.F16: np.float16,
+    DType.BF16: ml_dtypes.bfloat16,
+    DType.U8: np.uint8,
+    DType.U16: np.uint16,
+    DType.U32: np.uint32,
+    DType.I32: np.int32,
+}
 
 
 @pytest.mark.parametrize("dtype", list(SIZES), ids=lambda d: SIZES[d][1])
@@ -191,23 +204,27 @@ def test_default_device_is_best_available():
 
 
 def test_routemm_backend_env_is_read_once():
-    code = ("import os, routemm\n"
-            "d = routemm.Device()\n"
-            "os.environ['ROUTEMM_BACKEND'] = 'bogus'\n"
-            "print(d.backend, routemm.Device().backend, routemm.env.non_default().get('ROUTEMM_BACKEND'))\n")
+    code = (
+        "import os, routemm\n"
+        "d = routemm.Device()\n"
+        "os.environ['ROUTEMM_BACKEND'] = 'bogus'\n"
+        "print(d.backend, routemm.Device().backend, routemm.env.non_default().get('ROUTEMM_BACKEND'))\n"
+    )
     r = _python(code, ROUTEMM_BACKEND="cpu")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["cpu", "cpu", "cpu"]
 
 
 def test_routemm_backend_env_bogus_lists_known():
-    code = ("import routemm\n"
-            "try:\n"
-            "    routemm.Device()\n"
-            "except routemm.InvalidArgumentError as e:\n"
-            "    print('ERR', e)\n"
-            "print('NAMES', ','.join(s[0] for s in routemm.backend_status()))\n"
-            "print('EXPLICIT', routemm.Device('cpu').backend)\n")
+    code = (
+        "import routemm\n"
+        "try:\n"
+        "    routemm.Device()\n"
+        "except routemm.InvalidArgumentError as e:\n"
+        "    print('ERR', e)\n"
+        "print('NAMES', ','.join(s[0] for s in routemm.backend_status()))\n"
+        "print('EXPLICIT', routemm.Device('cpu').backend)\n"
+    )
     r = _python(code, ROUTEMM_BACKEND="bogus")
     assert r.returncode == 0, r.stderr
     lines = dict(line.split(" ", 1) for line in r.stdout.strip().splitlines())

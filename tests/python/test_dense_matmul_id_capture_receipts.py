@@ -6,12 +6,10 @@ import struct
 
 import numpy as np
 import pytest
-
 import routemm
-from routemm import DispatchKind, DType
 from routemm import DenseMatmulIdRoute as Route
-from support import (POISON_U32, WEIGHT_DTYPES, Case, distinct_ids, pack_kernel_params, random_weights,
-                     validate)
+from routemm import DispatchKind, DType
+from support import POISON_U32, WEIGHT_DTYPES, Case, distinct_ids, pack_kernel_params, random_weights, validate
 from tolerances import assert_close
 
 E = 8
@@ -27,8 +25,16 @@ def _trace_case(device, registry, rng, dtype=DType.F32, slotted=False):
 
 
 def _encode(case, enc, route, scratch=None):
-    return routemm.dense_matmul_id(enc, case.registry, case.weights.view, case.input.view, case.id_buf.view,
-                                   case.output.view, scratch or case.scratch, case.params(route))
+    return routemm.dense_matmul_id(
+        enc,
+        case.registry,
+        case.weights.view,
+        case.input.view,
+        case.id_buf.view,
+        case.output.view,
+        scratch or case.scratch,
+        case.params(route),
+    )
 
 
 def _ranges(node):
@@ -69,9 +75,8 @@ def test_two_grouped_calls_capture_sequence_and_ranges(device, registry, rng):
     assert all(isinstance(n, routemm.CapturedNode) for n in nodes)
     assert all(n.is_barrier == (n.kind == "barrier") for n in nodes)
     counts, routed = _lr(scratch.expert_counts), _lr(scratch.routed_rows)
-    for case, (map_node, grouped_node) in zip((a, b), [(nodes[1], nodes[3]), (nodes[5], nodes[7])]):
-        w, x, ids, out = (_lr(case.weights.view), _lr(case.input.view), _lr(case.id_buf.view),
-                          _lr(case.output.view))
+    for case, (map_node, grouped_node) in zip((a, b), [(nodes[1], nodes[3]), (nodes[5], nodes[7])], strict=True):
+        w, x, ids, out = (_lr(case.weights.view), _lr(case.input.view), _lr(case.id_buf.view), _lr(case.output.view))
         assert map_node.dispatch.pipeline_label == "dense_matmul_id_map_distinct"
         assert grouped_node.dispatch.pipeline_label == f"dense_matmul_id_grouped_{case.dtype.type_name}_f32"
         assert _ranges(map_node) == (sorted([ids]), sorted([counts, routed, out]))
@@ -82,11 +87,20 @@ def test_two_grouped_calls_capture_sequence_and_ranges(device, registry, rng):
             params = _bound_buffer(node, 0)["bytes"]
             assert params == pack_kernel_params(9, 7, 35, 6, E, case.stride, slotted=case.slotted)
             validate(node.dispatch)
-        for slot, buf in ((1, case.id_buf.view), (2, scratch.expert_counts), (3, scratch.routed_rows),
-                          (4, case.output.view)):
+        for slot, buf in (
+            (1, case.id_buf.view),
+            (2, scratch.expert_counts),
+            (3, scratch.routed_rows),
+            (4, case.output.view),
+        ):
             _assert_binding(map_node, slot, buf)
-        for slot, buf in ((1, case.weights.view), (2, case.input.view), (3, scratch.expert_counts),
-                          (4, scratch.routed_rows), (5, case.output.view)):
+        for slot, buf in (
+            (1, case.weights.view),
+            (2, case.input.view),
+            (3, scratch.expert_counts),
+            (4, scratch.routed_rows),
+            (5, case.output.view),
+        ):
             _assert_binding(grouped_node, slot, buf)
         assert len(map_node.bindings) == 5 and len(grouped_node.bindings) == 6
     # Nothing executed while capturing: outputs keep their poison even after a commit.
@@ -105,11 +119,12 @@ def test_direct_capture_ranges_and_no_barriers(device, registry, rng):
     assert [n.kind for n in nodes] == ["dispatch", "dispatch"]  # direct emits no barriers
     for node in nodes:
         assert node.dispatch.pipeline_label == "dense_matmul_id_direct_f16_f32"
-        assert _ranges(node) == (sorted([_lr(case.weights.view), _lr(case.input.view), _lr(case.id_buf.view)]),
-                                 [_lr(case.output.view)])
+        assert _ranges(node) == (
+            sorted([_lr(case.weights.view), _lr(case.input.view), _lr(case.id_buf.view)]),
+            [_lr(case.output.view)],
+        )
         assert _bound_buffer(node, 0)["bytes"] == pack_kernel_params(9, 7, 35, 6, E, case.stride)
-        for slot, buf in ((1, case.weights.view), (2, case.input.view), (3, case.id_buf.view),
-                          (4, case.output.view)):
+        for slot, buf in ((1, case.weights.view), (2, case.input.view), (3, case.id_buf.view), (4, case.output.view)):
             _assert_binding(node, slot, buf)
     # The logical ranges are the views (16-byte offset inside their allocations), not the parents.
     start, end = _lr(case.weights.view)
@@ -119,12 +134,19 @@ def test_direct_capture_ranges_and_no_barriers(device, registry, rng):
 
 
 def _expected_geometry(dtype):
-    direct = routemm.EncodedKernelDispatch(f"dense_matmul_id_direct_{dtype.type_name}_f32",
-                                           DispatchKind.THREAD_GROUPS, (1, 54, 1), (64, 1, 1), ())
-    mapd = routemm.EncodedKernelDispatch("dense_matmul_id_map_distinct", DispatchKind.THREAD_GROUPS,
-                                         (1, 1, 1), (8, 1, 1), ())
-    grouped = routemm.EncodedKernelDispatch(f"dense_matmul_id_grouped_{dtype.type_name}_f32",
-                                            DispatchKind.THREAD_GROUPS, (2, 1, 8), (256, 1, 1), ((0, 4096),))
+    direct = routemm.EncodedKernelDispatch(
+        f"dense_matmul_id_direct_{dtype.type_name}_f32", DispatchKind.THREAD_GROUPS, (1, 54, 1), (64, 1, 1), ()
+    )
+    mapd = routemm.EncodedKernelDispatch(
+        "dense_matmul_id_map_distinct", DispatchKind.THREAD_GROUPS, (1, 1, 1), (8, 1, 1), ()
+    )
+    grouped = routemm.EncodedKernelDispatch(
+        f"dense_matmul_id_grouped_{dtype.type_name}_f32",
+        DispatchKind.THREAD_GROUPS,
+        (2, 1, 8),
+        (256, 1, 1),
+        ((0, 4096),),
+    )
     return direct, mapd, grouped
 
 
@@ -164,18 +186,28 @@ def test_receipts_and_trace_geometry(device, registry, rng, backend, dtype):
     assert np.array_equal(outs[Route.DIRECT].view(np.uint32), outs[Route.GROUPED_PREFILL].view(np.uint32))
 
 
-@pytest.mark.parametrize("m,n,top_k,grid_d,grid_g", [
-    (1, 7, 1, (1, 1, 1), (1, 1, 8)),
-    (33, 40, 6, (5, 198, 1), (5, 5, 8)),
-    (8, 8, 2, (1, 16, 1), (1, 1, 8)),
-])
+@pytest.mark.parametrize(
+    "m,n,top_k,grid_d,grid_g",
+    [
+        (1, 7, 1, (1, 1, 1), (1, 1, 8)),
+        (33, 40, 6, (5, 198, 1), (5, 5, 8)),
+        (8, 8, 2, (1, 16, 1), (1, 1, 8)),
+    ],
+)
 def test_geometry_scales_with_shape(device, registry, rng, backend, m, n, top_k, grid_d, grid_g):
     if backend != "cpu":
         pytest.skip("launch geometry is pinned for the cpu backend only")
     k = 35
     w = random_weights(rng, DType.F32, (E, n, k))
-    case = Case(device, registry, DType.F32, w, rng.uniform(-1, 1, (m, k)).astype(np.float32),
-                distinct_ids(rng, m, top_k, E), slotted=False)
+    case = Case(
+        device,
+        registry,
+        DType.F32,
+        w,
+        rng.uniform(-1, 1, (m, k)).astype(np.float32),
+        distinct_ids(rng, m, top_k, E),
+        slotted=False,
+    )
     enc = device.command_encoder()
     enc.start_encoded_dispatch_receipt(3)
     _encode(case, enc, Route.DIRECT)

@@ -5,13 +5,11 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-
 import routemm
-from routemm import DType
 from routemm import DenseMatmulIdMultiplicity as Mult
 from routemm import DenseMatmulIdRoute as Route
-from support import (NP_DTYPE, WEIGHT_DTYPES, Case, distinct_ids, finfo, invalid_rows, random_weights,
-                     sprinkle_invalid)
+from routemm import DType
+from support import NP_DTYPE, WEIGHT_DTYPES, Case, distinct_ids, finfo, invalid_rows, random_weights, sprinkle_invalid
 from tolerances import assert_close
 
 ROUTES = (Route.DIRECT, Route.GROUPED_PREFILL)
@@ -23,8 +21,7 @@ def _check(case: Case, result, *, use_table=True, scale=1.0, context=""):
     bad = invalid_rows(case.ids, case.n_experts)
     # Invalid ids: rows of exactly +0.0 (all bits zero), in every route.
     assert np.all(result.out[bad].view(np.uint32) == 0), f"{context}: invalid-id rows not +0.0"
-    assert_close(result.out, ref, mag, dtype=case.dtype, k=case.k, use_table=use_table, scale=scale,
-                 context=context)
+    assert_close(result.out, ref, mag, dtype=case.dtype, k=case.k, use_table=use_table, scale=scale, context=context)
 
 
 def _inputs(rng, m, top_k, k, slotted):
@@ -46,8 +43,7 @@ def test_route_matrix_small_tails(device, registry, rng, dtype, slotted, m, top_
     results = {route: case.run(route) for route in ROUTES}
     for route, result in results.items():
         _check(case, result, context=f"{dtype} {route.value}")
-    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32),
-                          results[Route.GROUPED_PREFILL].out.view(np.uint32))
+    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32), results[Route.GROUPED_PREFILL].out.view(np.uint32))
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
@@ -62,23 +58,30 @@ def test_route_matrix_larger_shape(device, registry, rng, dtype, slotted, m):
     results = {route: case.run(route) for route in ROUTES}
     for route, result in results.items():
         _check(case, result, context=f"{dtype} {route.value}")
-    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32),
-                          results[Route.GROUPED_PREFILL].out.view(np.uint32))
+    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32), results[Route.GROUPED_PREFILL].out.view(np.uint32))
 
 
-@pytest.mark.parametrize("dtype,pad", [(DType.F32, 0), (DType.F16, 14), (DType.BF16, 14), (DType.F16, 2)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "dtype,pad", [(DType.F32, 0), (DType.F16, 14), (DType.BF16, 14), (DType.F16, 2)], ids=lambda v: str(v)
+)
 def test_padded_strides(device, registry, rng, dtype, pad):
     m, top_k, n, k = 9, 6, 7, 35
     w = random_weights(rng, dtype, (E, n, k))
-    case = Case(device, registry, dtype, w, _inputs(rng, m, top_k, k, False), distinct_ids(rng, m, top_k, E),
-                slotted=False, pad=pad)
+    case = Case(
+        device,
+        registry,
+        dtype,
+        w,
+        _inputs(rng, m, top_k, k, False),
+        distinct_ids(rng, m, top_k, E),
+        slotted=False,
+        pad=pad,
+    )
     assert case.stride == n * k * dtype.size + pad
     results = {route: case.run(route) for route in ROUTES}
     for route, result in results.items():
         _check(case, result, context=f"{dtype} pad {pad} {route.value}")
-    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32),
-                          results[Route.GROUPED_PREFILL].out.view(np.uint32))
+    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32), results[Route.GROUPED_PREFILL].out.view(np.uint32))
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
@@ -108,8 +111,7 @@ def test_repeated_ids_may_repeat_direct(device, registry, rng, dtype):
     ids[:, 1] = ids[:, 0]  # every token repeats an id
     ids[5] = 3  # one token with a single expert in every slot
     w = random_weights(rng, dtype, (E, n, k))
-    case = Case(device, registry, dtype, w, _inputs(rng, m, top_k, k, True), ids, slotted=True,
-                mult=Mult.MAY_REPEAT)
+    case = Case(device, registry, dtype, w, _inputs(rng, m, top_k, k, True), ids, slotted=True, mult=Mult.MAY_REPEAT)
     result = case.run(Route.DIRECT)
     _check(case, result, context=f"{dtype} may_repeat")
     # Same slotted rows with the same expert give the same output only where the inputs agree: check
@@ -120,9 +122,20 @@ def test_repeated_ids_may_repeat_direct(device, registry, rng, dtype):
 
 def _edge_values(dtype: DType) -> np.ndarray:
     fi = finfo(dtype)
-    vals = [0.0, -0.0, float(fi.smallest_subnormal), -float(fi.smallest_subnormal),
-            float(fi.smallest_normal), -float(fi.smallest_normal), float(fi.max), -float(fi.max), 1.0, -1.0,
-            0.5, 1.0009765625]
+    vals = [
+        0.0,
+        -0.0,
+        float(fi.smallest_subnormal),
+        -float(fi.smallest_subnormal),
+        float(fi.smallest_normal),
+        -float(fi.smallest_normal),
+        float(fi.max),
+        -float(fi.max),
+        1.0,
+        -1.0,
+        0.5,
+        1.0009765625,
+    ]
     return np.array(vals, dtype=np.float64).astype(NP_DTYPE[dtype])
 
 
@@ -139,7 +152,6 @@ def test_single_term_edge_values_exact(device, registry, dtype):
     for e in range(E):
         for c in range(n):
             w[e, c, (c + e) % k] = vals[c]
-    m, top_k = 1, E
     ids = np.arange(E, dtype=np.uint32)[None, :]
     case = Case(device, registry, dtype, w, xs[None, :], ids, slotted=False, pad=12)
     results = {route: case.run(route) for route in ROUTES}
@@ -150,8 +162,7 @@ def test_single_term_edge_values_exact(device, registry, dtype):
         for route, result in results.items():
             got = result.out[e]
             assert np.array_equal(got, want), f"{dtype} {route.value} expert {e}: {got} != {want}"
-    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32),
-                          results[Route.GROUPED_PREFILL].out.view(np.uint32))
+    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32), results[Route.GROUPED_PREFILL].out.view(np.uint32))
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
@@ -174,8 +185,7 @@ def test_edge_value_sums(device, registry, rng, dtype, slotted):
     ids = sprinkle_invalid(rng, distinct_ids(rng, m, top_k, E), E)
     case = Case(device, registry, dtype, w, x, ids, slotted=slotted, pad=12 if dtype is DType.F32 else 14)
     results = {route: case.run(route) for route in ROUTES}
-    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32),
-                          results[Route.GROUPED_PREFILL].out.view(np.uint32))
+    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32), results[Route.GROUPED_PREFILL].out.view(np.uint32))
     got = results[Route.DIRECT].out.astype(np.float64)
     ref, mag = case.reference()
     f32max = float(np.finfo(np.float32).max)
@@ -184,8 +194,15 @@ def test_edge_value_sums(device, registry, rng, dtype, slotted):
     assert np.all(np.isinf(got[over]) & (np.sign(got[over]) == np.sign(ref[over])))
     if dtype is not DType.F16:
         assert over.any(), "test data should overflow somewhere for f32/bf16 weights"
-    assert_close(results[Route.DIRECT].out[fine], ref[fine], mag[fine], dtype=dtype, k=k, use_table=False,
-                 context=f"{dtype} edge sums")
+    assert_close(
+        results[Route.DIRECT].out[fine],
+        ref[fine],
+        mag[fine],
+        dtype=dtype,
+        k=k,
+        use_table=False,
+        context=f"{dtype} edge sums",
+    )
     assert np.all(results[Route.DIRECT].out[invalid_rows(ids, E)].view(np.uint32) == 0)
 
 
@@ -221,15 +238,25 @@ def test_scratch_reuse_across_calls_in_one_encoder(device, registry, rng):
     """Two grouped calls sharing one scratch in one encoder (the leading barrier orders them)."""
     m, top_k, n, k = 9, 6, 7, 35
     w = random_weights(rng, DType.F32, (E, n, k))
-    a = Case(device, registry, DType.F32, w, _inputs(rng, m, top_k, k, False), distinct_ids(rng, m, top_k, E),
-             slotted=False)
-    b = Case(device, registry, DType.F32, w, _inputs(rng, m, top_k, k, False), distinct_ids(rng, m, top_k, E),
-             slotted=False)
+    a = Case(
+        device, registry, DType.F32, w, _inputs(rng, m, top_k, k, False), distinct_ids(rng, m, top_k, E), slotted=False
+    )
+    b = Case(
+        device, registry, DType.F32, w, _inputs(rng, m, top_k, k, False), distinct_ids(rng, m, top_k, E), slotted=False
+    )
     scratch = routemm.DenseMatmulIdScratch(device, E, m)
     enc = device.command_encoder()
     for c in (a, b):
-        routemm.dense_matmul_id(enc, registry, c.weights.view, c.input.view, c.id_buf.view, c.output.view,
-                                scratch, c.params(Route.GROUPED_PREFILL))
+        routemm.dense_matmul_id(
+            enc,
+            registry,
+            c.weights.view,
+            c.input.view,
+            c.id_buf.view,
+            c.output.view,
+            scratch,
+            c.params(Route.GROUPED_PREFILL),
+        )
     enc.commit_and_wait()
     for c in (a, b):
         got = c.output.view.numpy()

@@ -8,11 +8,9 @@ import json
 
 import numpy as np
 import pytest
-
 import routemm
 from routemm import calibration as cal
 from routemm import dense_matmul_id_plan as dp
-
 from support import validate
 
 R = routemm.DenseMatmulIdRoute
@@ -23,8 +21,15 @@ _K = itertools.count(40)
 def setup(device, rng, *, m=9, n=7, top_k=2, E=8, dtype=np.float32, multiplicity=None):
     k = next(_K)  # a fresh shape per test: the process cache starts cold
     w = device.from_numpy(rng.standard_normal((E, n, k)).astype(dtype))
-    p = routemm.DenseMatmulIdParams(m, n, k, top_k, E, n * k * np.dtype(dtype).itemsize,
-                                    id_multiplicity=multiplicity or routemm.DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN)
+    p = routemm.DenseMatmulIdParams(
+        m,
+        n,
+        k,
+        top_k,
+        E,
+        n * k * np.dtype(dtype).itemsize,
+        id_multiplicity=multiplicity or routemm.DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN,
+    )
     return w, p
 
 
@@ -37,8 +42,9 @@ def grouped_wins(route, round_index, measured):
 
 def test_winner_and_auto_dispatch(device, registry, rng):
     w, p = setup(device, rng)
-    plan, rec = routemm.calibrate_dense_matmul_id_routes(registry, device, 4, None,
-                                                         [routemm.DenseMatmulIdCalibrationCase(w, p)], _timer=grouped_wins)
+    plan, rec = routemm.calibrate_dense_matmul_id_routes(
+        registry, device, 4, None, [routemm.DenseMatmulIdCalibrationCase(w, p)], _timer=grouped_wins
+    )
     d = rec.decisions[0]
     assert (d.selected_route, d.status) == (R.GROUPED_PREFILL, S.CALIBRATED_WINNER)
     assert {t.profile for t in d.timings} == set(routemm.DenseMatmulIdRoutingProfile)
@@ -56,17 +62,25 @@ def test_winner_and_auto_dispatch(device, registry, rng):
     ids = device.from_numpy(np.tile(np.arange(p.top_k, dtype=np.uint32), (p.m, 1)))
     out = device.alloc(p.m * p.top_k * p.n * 4, routemm.DType.F32, [p.m * p.top_k, p.n])
     enc = device.command_encoder()
-    r = routemm.dense_matmul_id_auto(enc, registry, device, w, x, ids, out, routemm.DenseMatmulIdScratch(device, 8, p.m), p)
+    r = routemm.dense_matmul_id_auto(
+        enc, registry, device, w, x, ids, out, routemm.DenseMatmulIdScratch(device, 8, p.m), p
+    )
     enc.commit_and_wait()
     assert (r.route, r.decision_source, r.activation_epoch, r.primitive.dispatch_count) == (
-        R.GROUPED_PREFILL, routemm.DenseMatmulIdDecisionSource.FROZEN_PLAN, 4, 2)
+        R.GROUPED_PREFILL,
+        routemm.DenseMatmulIdDecisionSource.FROZEN_PLAN,
+        4,
+        2,
+    )
     validate(r)
     ref = routemm.matmul_id(w.numpy(), x.numpy(), ids.numpy(), route=R.DIRECT, device=device)
     assert (out.numpy().view(np.uint32) == ref.view(np.uint32)).all()
     # Same base, undeclared m: direct. Another base: refused.
     p2 = type(p)(**{**p.__dict__, "m": 12})
     assert dp.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, p2)[:2] == (
-        R.DIRECT, routemm.DenseMatmulIdDecisionSource.UNDECLARED_DIRECT)
+        R.DIRECT,
+        routemm.DenseMatmulIdDecisionSource.UNDECLARED_DIRECT,
+    )
     p3 = type(p)(**{**p.__dict__, "top_k": 3})
     with pytest.raises(routemm.InvalidArgumentError, match="not admitted"):
         dp.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, p3)
@@ -76,20 +90,24 @@ def test_winner_and_auto_dispatch(device, registry, rng):
     with pytest.raises(routemm.InvalidArgumentError, match="protected"):
         registry.register_kernel_from("dense_matmul_id_grouped_f32_f32", "dense_matmul_id_grouped_f32_f32")
     with pytest.raises(routemm.InvalidArgumentError, match="one-shot"):
-        routemm.calibrate_dense_matmul_id_routes(registry, device, 5, None, [routemm.DenseMatmulIdCalibrationCase(w, p)])
+        routemm.calibrate_dense_matmul_id_routes(
+            registry, device, 5, None, [routemm.DenseMatmulIdCalibrationCase(w, p)]
+        )
     with pytest.raises(routemm.InvalidArgumentError, match="different registry activation authority"):
         routemm.freeze_dense_matmul_id_plan(routemm.KernelRegistry(device), device, plan)
 
 
 def test_direct_only_and_cache_hit(device, rng):
     w, p = setup(device, rng, multiplicity=routemm.DenseMatmulIdMultiplicity.MAY_REPEAT)
-    _, rec = routemm.calibrate_dense_matmul_id_routes(routemm.KernelRegistry(device), device, 1, None,
-                                                      [routemm.DenseMatmulIdCalibrationCase(w, p)])
+    _, rec = routemm.calibrate_dense_matmul_id_routes(
+        routemm.KernelRegistry(device), device, 1, None, [routemm.DenseMatmulIdCalibrationCase(w, p)]
+    )
     assert rec.decisions[0].status is S.DIRECT_ONLY and rec.calibration_submissions == 0
     w, p = setup(device, rng)
     case = [routemm.DenseMatmulIdCalibrationCase(w, p)]
-    _, cold = routemm.calibrate_dense_matmul_id_routes(routemm.KernelRegistry(device), device, 1, None, case,
-                                                       _timer=grouped_wins)
+    _, cold = routemm.calibrate_dense_matmul_id_routes(
+        routemm.KernelRegistry(device), device, 1, None, case, _timer=grouped_wins
+    )
     _, warm = routemm.calibrate_dense_matmul_id_routes(routemm.KernelRegistry(device), device, 2, None, case)
     d = warm.decisions[0]
     assert d.process_cache_hit and d.selected_route is R.GROUPED_PREFILL
@@ -101,8 +119,9 @@ def test_incoherent_grouped(device, registry, rng):
         pytest.skip("with tensor-core candidates another route may win; this pins the grouped-only outcome")
     w, p = setup(device, rng)
     registry.register_kernel_from("dense_matmul_id_grouped_f32_f32", "dense_matmul_id_grouped_f16_f32")
-    _, rec = routemm.calibrate_dense_matmul_id_routes(registry, device, 1, None,
-                                                      [routemm.DenseMatmulIdCalibrationCase(w, p)], _timer=grouped_wins)
+    _, rec = routemm.calibrate_dense_matmul_id_routes(
+        registry, device, 1, None, [routemm.DenseMatmulIdCalibrationCase(w, p)], _timer=grouped_wins
+    )
     d = rec.decisions[0]
     assert (d.selected_route, d.status) == (R.DIRECT, S.INCOHERENT_GROUPED)
     assert "grouped_prefill proof failed" in d.diagnostic
@@ -111,13 +130,20 @@ def test_incoherent_grouped(device, registry, rng):
 def test_budget_fallbacks(device, rng):
     w, p = setup(device, rng)
     case = [routemm.DenseMatmulIdCalibrationCase(w, p)]
-    _, rec = routemm.calibrate_dense_matmul_id_routes(routemm.KernelRegistry(device), device, 1,
-                                                      dp.DenseMatmulIdCalibrationLimits(max_submissions=5), case)
+    _, rec = routemm.calibrate_dense_matmul_id_routes(
+        routemm.KernelRegistry(device), device, 1, dp.DenseMatmulIdCalibrationLimits(max_submissions=5), case
+    )
     assert rec.decisions[0].status is S.BUDGET_FALLBACK and rec.calibration_submissions == 0
     clock = [0.0]
     _, rec = routemm.calibrate_dense_matmul_id_routes(
-        routemm.KernelRegistry(device), device, 1, dp.DenseMatmulIdCalibrationLimits(max_elapsed_ms=1), case,
-        _clock=lambda: clock[0], _timer=lambda r, i, m: (clock.__setitem__(0, 1.0), m)[1])
+        routemm.KernelRegistry(device),
+        device,
+        1,
+        dp.DenseMatmulIdCalibrationLimits(max_elapsed_ms=1),
+        case,
+        _clock=lambda: clock[0],
+        _timer=lambda r, i, m: (clock.__setitem__(0, 1.0), m)[1],
+    )
     assert rec.decisions[0].status is S.BUDGET_FALLBACK and rec.deadline_overrun_ms > 0
 
 
@@ -126,7 +152,9 @@ def test_tensor_candidates_within_tolerance(device, registry, rng):
     if not registry.has_kernel(name):
         pytest.skip(f"backend {device.backend} has no tensor-core expert-ID routes")
     w, p = setup(device, rng, m=33, n=64, top_k=4, E=8)
-    _, rec = routemm.calibrate_dense_matmul_id_routes(registry, device, 1, None, [routemm.DenseMatmulIdCalibrationCase(w, p)])
+    _, rec = routemm.calibrate_dense_matmul_id_routes(
+        registry, device, 1, None, [routemm.DenseMatmulIdCalibrationCase(w, p)]
+    )
     proofs = [pr for pr in rec.decisions[0].proofs if pr.route is R.GROUPED_TENSOR_TF32]
     assert len(proofs) == 2 and all(pr.tolerance == 2e-3 and pr.rel_frobenius_error <= 2e-3 for pr in proofs)
 
@@ -134,8 +162,9 @@ def test_tensor_candidates_within_tolerance(device, registry, rng):
 def test_plan_file_round_trip_and_refusal(device, rng, tmp_path):
     w, p = setup(device, rng)
     case = [routemm.DenseMatmulIdCalibrationCase(w, p)]
-    plan, rec = routemm.calibrate_dense_matmul_id_routes(routemm.KernelRegistry(device), device, 3, None, case,
-                                                         _timer=grouped_wins)
+    plan, rec = routemm.calibrate_dense_matmul_id_routes(
+        routemm.KernelRegistry(device), device, 3, None, case, _timer=grouped_wins
+    )
     path = plan.save(tmp_path / "id.json")
     cal.PROCESS_CACHE.clear()
     reg = routemm.KernelRegistry(device)
@@ -176,19 +205,27 @@ def test_worker_install_resolves_like_primary(device, registry, rng):
     assert worker.frozen_plan_id("dense_matmul_id") == plan.plan_id and worker.dense_matmul_id_plan() is plan
     p12 = type(p)(**{**p.__dict__, "m": 12})
     for q in (p, cases[1].params, p12):
-        assert dp.resolve_dense_matmul_id_auto_route(worker, device, w.dtype, q) == \
-            dp.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, q)
+        assert dp.resolve_dense_matmul_id_auto_route(
+            worker, device, w.dtype, q
+        ) == dp.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, q)
     assert dp.resolve_dense_matmul_id_auto_route(worker, device, w.dtype, p)[:2] == (
-        R.GROUPED_PREFILL, routemm.DenseMatmulIdDecisionSource.FROZEN_PLAN)
+        R.GROUPED_PREFILL,
+        routemm.DenseMatmulIdDecisionSource.FROZEN_PLAN,
+    )
     # dense_matmul_id_auto on the worker: the frozen route, bit-identical to direct.
     x = device.from_numpy(rng.standard_normal((p.m, p.k)).astype(np.float32))
     ids = device.from_numpy(np.tile(np.arange(p.top_k, dtype=np.uint32), (p.m, 1)))
     out = device.alloc(p.m * p.top_k * p.n * 4, routemm.DType.F32, [p.m * p.top_k, p.n])
     enc = device.command_encoder()
-    r = routemm.dense_matmul_id_auto(enc, worker, device, w, x, ids, out, routemm.DenseMatmulIdScratch(device, 8, p.m), p)
+    r = routemm.dense_matmul_id_auto(
+        enc, worker, device, w, x, ids, out, routemm.DenseMatmulIdScratch(device, 8, p.m), p
+    )
     enc.commit_and_wait()
     assert (r.route, r.decision_source, r.activation_epoch) == (
-        R.GROUPED_PREFILL, routemm.DenseMatmulIdDecisionSource.FROZEN_PLAN, 6)
+        R.GROUPED_PREFILL,
+        routemm.DenseMatmulIdDecisionSource.FROZEN_PLAN,
+        6,
+    )
     validate(r)
     ref = routemm.matmul_id(w.numpy(), x.numpy(), ids.numpy(), route=R.DIRECT, device=device)
     assert (out.numpy().view(np.uint32) == ref.view(np.uint32)).all()
@@ -213,7 +250,10 @@ def test_worker_install_resolves_like_primary(device, registry, rng):
 def test_worker_install_mismatches_refused(device, registry, rng):
     plan, cases, w, p = _primary(device, registry, rng)
     worker = routemm.KernelRegistry(device)
-    install = lambda pl=plan, cs=cases, **kw: routemm.freeze_dense_matmul_id_plan_for_cases(worker, device, pl, cs, **kw)
+
+    def install(pl=plan, cs=cases, **kw):
+        return routemm.freeze_dense_matmul_id_plan_for_cases(worker, device, pl, cs, **kw)
+
     C = routemm.DenseMatmulIdCalibrationCase
     # Other weights with the same bytes and shapes (another buffer): the authority digest differs.
     w2 = device.from_numpy(w.numpy().copy())
@@ -222,7 +262,9 @@ def test_worker_install_mismatches_refused(device, registry, rng):
     with pytest.raises(routemm.InvalidArgumentError, match="authority digest mismatch"):
         install(cs=[*cases, C(w2, cases[0].params)])  # an extra borrowed weight identity for a declared shape
     # Case union: a missing shape, an extra shape, no cases.
-    with pytest.raises(routemm.InvalidArgumentError, match="dense_matmul_id worker plan case union mismatch: cases miss 1"):
+    with pytest.raises(
+        routemm.InvalidArgumentError, match="dense_matmul_id worker plan case union mismatch: cases miss 1"
+    ):
         install(cs=cases[:1])
     p20 = type(p)(**{**p.__dict__, "m": 20})
     with pytest.raises(routemm.InvalidArgumentError, match="case union mismatch: cases add 1"):
@@ -251,8 +293,9 @@ def test_worker_install_pipeline_identities(device, registry, rng):
     # A pipeline the plan relies on cannot be resolved on the worker: its identity is missing.
     worker = routemm.KernelRegistry(device)
     worker.inject_next_pipeline_lookup_failure(name)
-    with pytest.raises(routemm.InvalidArgumentError,
-                       match=f"dense_matmul_id worker plan build/pipeline identity mismatch: .*{name}"):
+    with pytest.raises(
+        routemm.InvalidArgumentError, match=f"dense_matmul_id worker plan build/pipeline identity mismatch: .*{name}"
+    ):
         routemm.freeze_dense_matmul_id_plan_for_cases(worker, device, plan, cases)
     _assert_nothing_frozen(worker, device, w, p)
     routemm.freeze_dense_matmul_id_plan_for_cases(worker, device, plan, cases)

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import routemm
-from routemm import DType
 from routemm import DenseMatmulIdInputLayout as Layout
 from routemm import DenseMatmulIdRoute as Route
-
+from routemm import DType
 from support import NP_DTYPE, POISON_U32, validate
 from tolerances import TENSOR_ROUTE_FROBENIUS
 
@@ -59,8 +57,7 @@ def _run(device, registry, w, x, ids, params):
 @pytest.mark.parametrize("dtype", [DType.F32, DType.F16, DType.BF16], ids=str)
 @pytest.mark.parametrize("layout", list(Layout), ids=lambda v: v.value)
 @pytest.mark.parametrize("m,n,k,top_k,experts", [(9, 7, 35, 6, 8), (33, 130, 300, 2, 4), (200, 64, 128, 8, 16)])
-def test_tensor_routes_within_tolerance(backend, device, registry, rng, route, dtype, layout, m, n, k, top_k,
-                                        experts):
+def test_tensor_routes_within_tolerance(backend, device, registry, rng, route, dtype, layout, m, n, k, top_k, experts):
     params = routemm.DenseMatmulIdParams(m, n, k, top_k, experts, n * k * dtype.size, layout, route=route)
     if route is Route.GROUPED_TENSOR_LOWP and dtype is DType.F32:
         with pytest.raises(routemm.InvalidArgumentError, match="grouped_tensor_lowp requires F16 or BF16"):

@@ -7,12 +7,11 @@ import contextlib
 
 import numpy as np
 import pytest
-
 import routemm
-from routemm import DType
 from routemm import DenseMatmulIdInputLayout as Layout
 from routemm import DenseMatmulIdMultiplicity as Mult
 from routemm import DenseMatmulIdRoute as Route
+from routemm import DType
 from support import Case, distinct_ids, make_params, random_weights, validate
 
 U32 = 2**32 - 1
@@ -26,41 +25,61 @@ E = 8
 def _cap(dtype=DType.BF16, **kw):
     base = dict(m=9, n=7, k=35, top_k=6, n_experts=8, stride=490)
     base.update(kw)
-    return routemm.dense_matmul_id_capability(dtype, make_params(
-        base["m"], base["n"], base["k"], base["top_k"], base["n_experts"], base["stride"],
-        base.get("layout", Layout.SHARED_PER_TOKEN), base.get("mult", Mult.DISTINCT_PER_TOKEN),
-        base.get("route", Route.DIRECT)))
+    return routemm.dense_matmul_id_capability(
+        dtype,
+        make_params(
+            base["m"],
+            base["n"],
+            base["k"],
+            base["top_k"],
+            base["n_experts"],
+            base["stride"],
+            base.get("layout", Layout.SHARED_PER_TOKEN),
+            base.get("mult", Mult.DISTINCT_PER_TOKEN),
+            base.get("route", Route.DIRECT),
+        ),
+    )
 
 
 @pytest.mark.parametrize("field", ["m", "n", "k", "top_k", "n_experts"])
 def test_zero_dimension_rejected(field):
     before = routemm.dispatch_count()
-    with pytest.raises(routemm.InvalidArgumentError,
-                       match=r"^dense_matmul_id M, N, K, top_k, and n_experts must be nonzero$"):
+    with pytest.raises(
+        routemm.InvalidArgumentError, match=r"^dense_matmul_id M, N, K, top_k, and n_experts must be nonzero$"
+    ):
         _cap(**{field: 0})
     assert routemm.dispatch_count() == before
 
 
-@pytest.mark.parametrize("spec,message", [
-    (dict(top_k=9), "distinct top_k 9 exceeds n_experts 8"),
-    (dict(dtype=DType.U32), "weights must be F32, F16, or BF16, got u32"),
-    (dict(dtype=DType.U8), "weights must be F32, F16, or BF16, got u8"),
-    (dict(dtype=DType.U16), "weights must be F32, F16, or BF16, got u16"),
-    (dict(dtype=DType.I32), "weights must be F32, F16, or BF16, got i32"),
-    (dict(stride=489), "expert stride 489 is smaller than one 490-byte matrix"),
-    (dict(stride=491), "expert stride 491 is not aligned to bf16"),
-    (dict(dtype=DType.F32, stride=980 + 2), "expert stride 982 is not aligned to f32"),
-    # u64::MAX itself is odd (never aligned), so the largest aligned stride is used.
-    (dict(n_experts=U32, stride=U64 - 1, top_k=1), "overflow"),
-    (dict(dtype=DType.F32, n_experts=2, stride=U64 - 3, top_k=1), "dense_matmul_id weight extent overflow"),
-    (dict(n=U32, k=U32, stride=U64), "dense_matmul_id expert matrix byte extent overflow"),
-    (dict(m=U32, k=2**31, n=1, top_k=1, stride=2**32, layout=Layout.SLOTTED), "dense_matmul_id input byte extent overflow"),
-    (dict(m=2**31, top_k=1, n=2**31, stride=2**31 * 35 * 2), "dense_matmul_id output byte extent overflow"),
-    (dict(m=2**31, top_k=2), "flattened routed rows exceed the u32 kernel ABI"),
-    (dict(mult=Mult.MAY_REPEAT, route=Route.GROUPED_PREFILL),
-     "grouped prefill requires distinct expert IDs per token"),
-    (dict(n_experts=1025, route=Route.GROUPED_PREFILL), "grouped prefill supports at most 1024 experts"),
-], ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        (dict(top_k=9), "distinct top_k 9 exceeds n_experts 8"),
+        (dict(dtype=DType.U32), "weights must be F32, F16, or BF16, got u32"),
+        (dict(dtype=DType.U8), "weights must be F32, F16, or BF16, got u8"),
+        (dict(dtype=DType.U16), "weights must be F32, F16, or BF16, got u16"),
+        (dict(dtype=DType.I32), "weights must be F32, F16, or BF16, got i32"),
+        (dict(stride=489), "expert stride 489 is smaller than one 490-byte matrix"),
+        (dict(stride=491), "expert stride 491 is not aligned to bf16"),
+        (dict(dtype=DType.F32, stride=980 + 2), "expert stride 982 is not aligned to f32"),
+        # u64::MAX itself is odd (never aligned), so the largest aligned stride is used.
+        (dict(n_experts=U32, stride=U64 - 1, top_k=1), "overflow"),
+        (dict(dtype=DType.F32, n_experts=2, stride=U64 - 3, top_k=1), "dense_matmul_id weight extent overflow"),
+        (dict(n=U32, k=U32, stride=U64), "dense_matmul_id expert matrix byte extent overflow"),
+        (
+            dict(m=U32, k=2**31, n=1, top_k=1, stride=2**32, layout=Layout.SLOTTED),
+            "dense_matmul_id input byte extent overflow",
+        ),
+        (dict(m=2**31, top_k=1, n=2**31, stride=2**31 * 35 * 2), "dense_matmul_id output byte extent overflow"),
+        (dict(m=2**31, top_k=2), "flattened routed rows exceed the u32 kernel ABI"),
+        (
+            dict(mult=Mult.MAY_REPEAT, route=Route.GROUPED_PREFILL),
+            "grouped prefill requires distinct expert IDs per token",
+        ),
+        (dict(n_experts=1025, route=Route.GROUPED_PREFILL), "grouped prefill supports at most 1024 experts"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
 def test_capability_rejections(spec, message):
     spec = dict(spec)
     dtype = spec.pop("dtype", DType.BF16)
@@ -135,8 +154,9 @@ class Call:
         return routemm.dense_matmul_id_capability(self.weights.dtype, self.params)
 
     def invoke(self, encoder):
-        return routemm.dense_matmul_id(encoder, self.registry, self.weights, self.input, self.ids,
-                                       self.output, self.scratch, self.params)
+        return routemm.dense_matmul_id(
+            encoder, self.registry, self.weights, self.input, self.ids, self.output, self.scratch, self.params
+        )
 
 
 @contextlib.contextmanager
@@ -169,35 +189,66 @@ def _retag(buf, dtype):
 
 BREAKS = {
     # name: (mutator(call, rng), expected message)
-    "weights dtype": (lambda c: setattr(c, "weights", _retag(c.weights, DType.U32)),
-                      "dense_matmul_id weights must be F32, F16, or BF16, got u32"),
-    "input dtype": (lambda c: setattr(c, "input", _retag(c.input, DType.BF16)),
-                    "dense_matmul_id input must be f32, got bf16"),
-    "ids dtype": (lambda c: setattr(c, "ids", _retag(c.ids, DType.I32)),
-                  "dense_matmul_id expert IDs must be u32, got i32"),
-    "output dtype": (lambda c: setattr(c, "output", _retag(c.output, DType.U32)),
-                     "dense_matmul_id output must be f32, got u32"),
-    "weights extent": (lambda c: setattr(c, "weights", _short(c.weights, 4)),
-                       "dense_matmul_id weights requires {w} logical bytes, got {w_1}"),
-    "input extent": (lambda c: setattr(c, "input", _short(c.input, 4)),
-                     "dense_matmul_id input requires 1260 logical bytes, got 1256"),
-    "ids extent": (lambda c: setattr(c, "ids", _short(c.ids, 4)),
-                   "dense_matmul_id expert IDs requires 216 logical bytes, got 212"),
-    "output extent": (lambda c: setattr(c, "output", _short(c.output, 4)),
-                      "dense_matmul_id output requires 1512 logical bytes, got 1508"),
-    "missing scratch": (lambda c: setattr(c, "scratch", None),
-                        "dense_matmul_id grouped prefill requires caller-owned scratch"),
-    "scratch 7/8": (lambda c: setattr(c, "scratch", routemm.DenseMatmulIdScratch(c.device, 7, 8)),
-                    "dense_matmul_id scratch capacity experts/tokens=7/8 is smaller than 8/9"),
-    "scratch 8/8": (lambda c: setattr(c, "scratch", routemm.DenseMatmulIdScratch(c.device, 8, 8)),
-                    "dense_matmul_id scratch capacity experts/tokens=8/8 is smaller than 8/9"),
-    "scratch 7/9": (lambda c: setattr(c, "scratch", routemm.DenseMatmulIdScratch(c.device, 7, 9)),
-                    "dense_matmul_id scratch capacity experts/tokens=7/9 is smaller than 8/9"),
-    "grouped may_repeat": (lambda c: setattr(c, "params_override", make_params(
-        9, 7, 35, 6, E, c.case.stride, mult=Mult.MAY_REPEAT, route=Route.GROUPED_PREFILL)),
-        "dense_matmul_id grouped prefill requires distinct expert IDs per token"),
-    "zero m": (lambda c: setattr(c, "params_override", make_params(0, 7, 35, 6, E, c.case.stride)),
-               "dense_matmul_id M, N, K, top_k, and n_experts must be nonzero"),
+    "weights dtype": (
+        lambda c: setattr(c, "weights", _retag(c.weights, DType.U32)),
+        "dense_matmul_id weights must be F32, F16, or BF16, got u32",
+    ),
+    "input dtype": (
+        lambda c: setattr(c, "input", _retag(c.input, DType.BF16)),
+        "dense_matmul_id input must be f32, got bf16",
+    ),
+    "ids dtype": (
+        lambda c: setattr(c, "ids", _retag(c.ids, DType.I32)),
+        "dense_matmul_id expert IDs must be u32, got i32",
+    ),
+    "output dtype": (
+        lambda c: setattr(c, "output", _retag(c.output, DType.U32)),
+        "dense_matmul_id output must be f32, got u32",
+    ),
+    "weights extent": (
+        lambda c: setattr(c, "weights", _short(c.weights, 4)),
+        "dense_matmul_id weights requires {w} logical bytes, got {w_1}",
+    ),
+    "input extent": (
+        lambda c: setattr(c, "input", _short(c.input, 4)),
+        "dense_matmul_id input requires 1260 logical bytes, got 1256",
+    ),
+    "ids extent": (
+        lambda c: setattr(c, "ids", _short(c.ids, 4)),
+        "dense_matmul_id expert IDs requires 216 logical bytes, got 212",
+    ),
+    "output extent": (
+        lambda c: setattr(c, "output", _short(c.output, 4)),
+        "dense_matmul_id output requires 1512 logical bytes, got 1508",
+    ),
+    "missing scratch": (
+        lambda c: setattr(c, "scratch", None),
+        "dense_matmul_id grouped prefill requires caller-owned scratch",
+    ),
+    "scratch 7/8": (
+        lambda c: setattr(c, "scratch", routemm.DenseMatmulIdScratch(c.device, 7, 8)),
+        "dense_matmul_id scratch capacity experts/tokens=7/8 is smaller than 8/9",
+    ),
+    "scratch 8/8": (
+        lambda c: setattr(c, "scratch", routemm.DenseMatmulIdScratch(c.device, 8, 8)),
+        "dense_matmul_id scratch capacity experts/tokens=8/8 is smaller than 8/9",
+    ),
+    "scratch 7/9": (
+        lambda c: setattr(c, "scratch", routemm.DenseMatmulIdScratch(c.device, 7, 9)),
+        "dense_matmul_id scratch capacity experts/tokens=7/9 is smaller than 8/9",
+    ),
+    "grouped may_repeat": (
+        lambda c: setattr(
+            c,
+            "params_override",
+            make_params(9, 7, 35, 6, E, c.case.stride, mult=Mult.MAY_REPEAT, route=Route.GROUPED_PREFILL),
+        ),
+        "dense_matmul_id grouped prefill requires distinct expert IDs per token",
+    ),
+    "zero m": (
+        lambda c: setattr(c, "params_override", make_params(0, 7, 35, 6, E, c.case.stride)),
+        "dense_matmul_id M, N, K, top_k, and n_experts must be nonzero",
+    ),
 }
 
 
@@ -224,15 +275,23 @@ def test_extent_one_byte_short_is_not_even_a_buffer(device, registry, rng):
     call.weights = call.weights.view(0, call.weights.nbytes - 2, DType.BF16)
     need = call.cap().required_weight_bytes
     with untouched_encoder(device, "capture") as enc:
-        with pytest.raises(routemm.InvalidArgumentError,
-                           match=f"dense_matmul_id weights requires {need} logical bytes, got {need - 2}"):
+        with pytest.raises(
+            routemm.InvalidArgumentError, match=f"dense_matmul_id weights requires {need} logical bytes, got {need - 2}"
+        ):
             call.invoke(enc)
 
 
 @pytest.mark.parametrize("mode", ["capture", "receipt"])
-@pytest.mark.parametrize("which,label,dtype", [
-    ("input", "input", DType.F32), ("ids", "expert IDs", DType.U32), ("output", "output", DType.F32),
-    ("weights", "weights", DType.F32), ("weights_bf16", "weights", DType.BF16)])
+@pytest.mark.parametrize(
+    "which,label,dtype",
+    [
+        ("input", "input", DType.F32),
+        ("ids", "expert IDs", DType.U32),
+        ("output", "output", DType.F32),
+        ("weights", "weights", DType.F32),
+        ("weights_bf16", "weights", DType.BF16),
+    ],
+)
 def test_misaligned_view_rejected(device, registry, rng, mode, which, label, dtype):
     """A view at byte offset 2 (1 for bf16) of an otherwise valid buffer."""
     call = Call(device, registry, rng, dtype=DType.BF16 if which == "weights_bf16" else DType.F32)
@@ -243,8 +302,10 @@ def test_misaligned_view_rejected(device, registry, rng, mode, which, label, dty
     parent.copy_from_numpy(np.zeros(good.nbytes + 16, np.uint8))
     setattr(call, attr, parent.view(offset, good.nbytes, dtype))
     with untouched_encoder(device, mode) as enc:
-        with pytest.raises(routemm.InvalidArgumentError,
-                           match=f"dense_matmul_id {label} byte offset {offset} is not aligned to {dtype.type_name}"):
+        with pytest.raises(
+            routemm.InvalidArgumentError,
+            match=f"dense_matmul_id {label} byte offset {offset} is not aligned to {dtype.type_name}",
+        ):
             call.invoke(enc)
 
 
@@ -264,8 +325,9 @@ def test_output_overlap_rejected(device, registry, rng, mode, victim, label, rou
     call.route = route
     cap = call.cap()
     victim_buf = getattr(call, victim)
-    need = {"weights": cap.required_weight_bytes, "input": cap.required_input_bytes,
-            "ids": cap.required_ids_bytes}[victim]
+    need = {"weights": cap.required_weight_bytes, "input": cap.required_input_bytes, "ids": cap.required_ids_bytes}[
+        victim
+    ]
     out_bytes = cap.required_output_bytes
     parent = _shared_f32(device, need + out_bytes + 64)
     # Victim at [0, need), output starting 4 bytes before the victim's end: one element shared.
@@ -324,11 +386,14 @@ def test_receipt_without_room_rejects_before_encoding(device, registry, rng):
 
 
 @pytest.mark.parametrize("mode", ["capture", "receipt"])
-@pytest.mark.parametrize("dtype,pipeline", [
-    (DType.F32, "dense_matmul_id_grouped_f32_f32"),
-    (DType.BF16, "dense_matmul_id_grouped_bf16_f32"),
-    (DType.F32, "dense_matmul_id_map_distinct"),
-])
+@pytest.mark.parametrize(
+    "dtype,pipeline",
+    [
+        (DType.F32, "dense_matmul_id_grouped_f32_f32"),
+        (DType.BF16, "dense_matmul_id_grouped_bf16_f32"),
+        (DType.F32, "dense_matmul_id_map_distinct"),
+    ],
+)
 def test_injected_grouped_lookup_failure(device, registry, rng, mode, dtype, pipeline):
     call = Call(device, registry, rng, dtype=dtype)
     registry.inject_next_pipeline_lookup_failure(pipeline)

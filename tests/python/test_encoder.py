@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-
 import routemm
 from routemm import DispatchKind, DType
 from support import pack_kernel_params, validate
@@ -71,8 +70,8 @@ def test_raw_dispatch_with_explicit_offset(device, registry, rng):
     enc.dispatch(pipeline, args, grid, (64, 1, 1))
     enc.commit_and_wait()
     got = parent.numpy()
-    np.testing.assert_allclose(got[4:4 + m * n].reshape(m, n), want, rtol=1e-5, atol=1e-5)
-    assert np.all(got[:4] == 0) and np.all(got[4 + m * n:] == 0)
+    np.testing.assert_allclose(got[4 : 4 + m * n].reshape(m, n), want, rtol=1e-5, atol=1e-5)
+    assert np.all(got[:4] == 0) and np.all(got[4 + m * n :] == 0)
 
 
 def test_raw_dispatch_rejections_leave_no_trace(device, registry, rng):
@@ -104,8 +103,9 @@ def test_receipt_records_and_overflows(device, registry, rng):
     assert routemm.dispatch_count() == before and enc.pending_dispatches == 1
     (rec,) = enc.take_encoded_dispatch_receipt()
     validate(rec)
-    assert rec == routemm.EncodedKernelDispatch(f"{PIPE}|700:i1|701:i1", DispatchKind.THREAD_GROUPS, grid,
-                                                (64, 1, 1), ((0, 128),))
+    assert rec == routemm.EncodedKernelDispatch(
+        f"{PIPE}|700:i1|701:i1", DispatchKind.THREAD_GROUPS, grid, (64, 1, 1), ((0, 128),)
+    )
     enc.commit_and_wait()  # receipts record dispatches that still execute
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5)
 

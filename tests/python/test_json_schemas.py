@@ -6,19 +6,20 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import routemm
 import routemm._schemas as schemas
-from routemm import DispatchKind, DType
 from routemm import DenseMatmulIdInputLayout as Layout
 from routemm import DenseMatmulIdMultiplicity as Mult
 from routemm import DenseMatmulIdRoute as Route
+from routemm import DispatchKind, DType
 
 jsonschema = pytest.importorskip("jsonschema")
 
 EXPECTED_SCHEMAS = {
-    "dense_matmul_id_capability.schema.json", "dense_matmul_id_dispatch_receipt.schema.json",
-    "dense_matmul_id_params.schema.json", "encoded_kernel_dispatch.schema.json",
+    "dense_matmul_id_capability.schema.json",
+    "dense_matmul_id_dispatch_receipt.schema.json",
+    "dense_matmul_id_params.schema.json",
+    "encoded_kernel_dispatch.schema.json",
     "pipeline_identity.schema.json",
 }
 
@@ -34,14 +35,17 @@ def test_every_schema_is_valid_draft_2020_12():
 
 
 def _records(registry):
-    params = routemm.DenseMatmulIdParams(9, 7, 35, 6, 8, 504, Layout.SLOTTED, Mult.DISTINCT_PER_TOKEN,
-                                         Route.GROUPED_PREFILL)
+    params = routemm.DenseMatmulIdParams(
+        9, 7, 35, 6, 8, 504, Layout.SLOTTED, Mult.DISTINCT_PER_TOKEN, Route.GROUPED_PREFILL
+    )
     cap_g = routemm.dense_matmul_id_capability(DType.BF16, params)
     cap_d = routemm.dense_matmul_id_capability(
-        DType.F32, routemm.DenseMatmulIdParams(1, 1, 1, 1, 1, 4, id_multiplicity=Mult.MAY_REPEAT))
+        DType.F32, routemm.DenseMatmulIdParams(1, 1, 1, 1, 1, 4, id_multiplicity=Mult.MAY_REPEAT)
+    )
     receipt = routemm.DenseMatmulIdDispatchReceipt(DType.F16, Route.GROUPED_PREFILL, 2)
-    disp = routemm.EncodedKernelDispatch("dense_matmul_id_grouped_f16_f32", DispatchKind.THREAD_GROUPS,
-                                         (2, 1, 8), (256, 1, 1), ((0, 4096),))
+    disp = routemm.EncodedKernelDispatch(
+        "dense_matmul_id_grouped_f16_f32", DispatchKind.THREAD_GROUPS, (2, 1, 8), (256, 1, 1), ((0, 4096),)
+    )
     disp2 = routemm.EncodedKernelDispatch("k|700:i1", DispatchKind.THREADS, (1, 2, 3), (4, 5, 6), ())
     ident = registry.get_pipeline("dense_matmul_id_map_distinct", [(700, 1)]).identity
     return [params, cap_g, cap_d, receipt, disp, disp2, ident]
@@ -60,21 +64,42 @@ def test_round_trips_and_schema(registry):
 def test_json_spelling(registry):
     params, cap_g, cap_d, receipt, disp, _, ident = _records(registry)
     assert json.loads(params.to_json()) == {
-        "m": 9, "n": 7, "k": 35, "top_k": 6, "n_experts": 8, "expert_stride_bytes": 504,
-        "input_layout": "slotted", "id_multiplicity": "distinct_per_token", "route": "grouped_prefill",
-        "schema_version": 3}
+        "m": 9,
+        "n": 7,
+        "k": 35,
+        "top_k": 6,
+        "n_experts": 8,
+        "expert_stride_bytes": 504,
+        "input_layout": "slotted",
+        "id_multiplicity": "distinct_per_token",
+        "route": "grouped_prefill",
+        "schema_version": 3,
+    }
     assert json.loads(cap_g.to_json()) == {
-        "schema_version": 3, "weight_dtype": "bf16", "route": "grouped_prefill",
-        "required_weight_bytes": 7 * 504 + 490, "required_input_bytes": 54 * 35 * 4,
-        "required_ids_bytes": 216, "required_output_bytes": 54 * 7 * 4,
-        "scratch": {"expert_counts_bytes": 32, "routed_rows_bytes": 288}}
+        "schema_version": 3,
+        "weight_dtype": "bf16",
+        "route": "grouped_prefill",
+        "required_weight_bytes": 7 * 504 + 490,
+        "required_input_bytes": 54 * 35 * 4,
+        "required_ids_bytes": 216,
+        "required_output_bytes": 54 * 7 * 4,
+        "scratch": {"expert_counts_bytes": 32, "routed_rows_bytes": 288},
+    }
     assert json.loads(cap_d.to_json())["scratch"] is None
-    assert json.loads(receipt.to_json()) == {"schema_version": 3, "weight_dtype": "f16",
-                                             "route": "grouped_prefill", "dispatch_count": 2}
+    assert json.loads(receipt.to_json()) == {
+        "schema_version": 3,
+        "weight_dtype": "f16",
+        "route": "grouped_prefill",
+        "dispatch_count": 2,
+    }
     assert json.loads(disp.to_json()) == {
-        "schema_version": 1, "pipeline_label": "dense_matmul_id_grouped_f16_f32",
-        "dispatch_kind": "thread_groups", "grid": [2, 1, 8], "threads_per_threadgroup": [256, 1, 1],
-        "threadgroup_memory": [[0, 4096]]}
+        "schema_version": 1,
+        "pipeline_label": "dense_matmul_id_grouped_f16_f32",
+        "dispatch_kind": "thread_groups",
+        "grid": [2, 1, 8],
+        "threads_per_threadgroup": [256, 1, 1],
+        "threadgroup_memory": [[0, 4096]],
+    }
     assert json.loads(ident.to_json())["pipeline_label"] == "dense_matmul_id_map_distinct|700:i1"
 
 
@@ -108,12 +133,15 @@ def test_nested_scratch_unknown_field_rejected():
         schemas.validate(doc, "dense_matmul_id_capability.schema.json")
 
 
-@pytest.mark.parametrize("cls,doc_patch", [
-    (routemm.DenseMatmulIdParams, {"route": "grouped"}),
-    (routemm.DenseMatmulIdParams, {"m": "9"}),
-    (routemm.DenseMatmulIdParams, {"m": True}),
-    (routemm.DenseMatmulIdDispatchReceipt, {"weight_dtype": "f64"}),
-])
+@pytest.mark.parametrize(
+    "cls,doc_patch",
+    [
+        (routemm.DenseMatmulIdParams, {"route": "grouped"}),
+        (routemm.DenseMatmulIdParams, {"m": "9"}),
+        (routemm.DenseMatmulIdParams, {"m": True}),
+        (routemm.DenseMatmulIdDispatchReceipt, {"weight_dtype": "f64"}),
+    ],
+)
 def test_bad_values_rejected(registry, cls, doc_patch):
     rec = {c: r for r in _records(registry) for c in [type(r)]}[cls]
     with pytest.raises(routemm.InvalidArgumentError):
@@ -122,8 +150,7 @@ def test_bad_values_rejected(registry, cls, doc_patch):
 
 def test_schema_rejects_inconsistent_records():
     cap = "dense_matmul_id_capability.schema.json"
-    good = routemm.dense_matmul_id_capability(
-        DType.F32, routemm.DenseMatmulIdParams(2, 2, 2, 1, 2, 16)).to_dict()
+    good = routemm.dense_matmul_id_capability(DType.F32, routemm.DenseMatmulIdParams(2, 2, 2, 1, 2, 16)).to_dict()
     schemas.validate(good, cap)
     with pytest.raises(jsonschema.ValidationError):  # direct with scratch
         schemas.validate({**good, "scratch": {"expert_counts_bytes": 8, "routed_rows_bytes": 16}}, cap)
@@ -136,5 +163,14 @@ def test_schema_rejects_inconsistent_records():
         schemas.validate({"schema_version": 3, "weight_dtype": "f32", "route": "direct", "dispatch_count": 2}, rec)
     ident = "pipeline_identity.schema.json"
     with pytest.raises(jsonschema.ValidationError):
-        schemas.validate({"schema_version": 1, "pipeline_label": "a", "kernel_name": "a", "backend": "cpu",
-                          "origin": "x", "content_sha256": "unknown"}, ident)
+        schemas.validate(
+            {
+                "schema_version": 1,
+                "pipeline_label": "a",
+                "kernel_name": "a",
+                "backend": "cpu",
+                "origin": "x",
+                "content_sha256": "unknown",
+            },
+            ident,
+        )

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import routemm
-from routemm import DType
 from routemm import DenseMatmulIdRoute as Route
+from routemm import DType
 from support import NP_DTYPE, WEIGHT_DTYPES, distinct_ids, random_weights, reference
 from tolerances import assert_close
 
@@ -21,7 +20,9 @@ def test_matches_reference_and_routes_agree(device, rng, dtype, slotted):
     w = random_weights(rng, dtype, (E, n, k))
     x = rng.uniform(-1, 1, (m, top_k, k) if slotted else (m, k)).astype(np.float32)
     ids = distinct_ids(rng, m, top_k, E)
-    outs = {r: routemm.matmul_id(w, x, ids, route=r, device=device) for r in (None, Route.DIRECT, Route.GROUPED_PREFILL)}
+    outs = {
+        r: routemm.matmul_id(w, x, ids, route=r, device=device) for r in (None, Route.DIRECT, Route.GROUPED_PREFILL)
+    }
     ref, mag = reference(w, x, ids, slotted)
     for out in outs.values():
         assert out.dtype == np.float32 and out.shape == (m * top_k, n)
@@ -32,14 +33,17 @@ def test_matches_reference_and_routes_agree(device, rng, dtype, slotted):
     assert np.array_equal(w, w.copy())  # inputs are not written (arrays are copied to buffers)
 
 
-@pytest.mark.parametrize("m,repeat,expected_dispatches", [
-    (9, False, 2),   # distinct and m > 8 -> grouped_prefill (map + grouped)
-    (33, False, 2),
-    (8, False, 1),   # m <= 8 -> direct
-    (1, False, 1),
-    (9, True, 1),    # repeated ids -> direct (grouped would be rejected)
-    (9, "invalid", 2),  # two *different* out-of-range ids in a token are still distinct ids
-])
+@pytest.mark.parametrize(
+    "m,repeat,expected_dispatches",
+    [
+        (9, False, 2),  # distinct and m > 8 -> grouped_prefill (map + grouped)
+        (33, False, 2),
+        (8, False, 1),  # m <= 8 -> direct
+        (1, False, 1),
+        (9, True, 1),  # repeated ids -> direct (grouped would be rejected)
+        (9, "invalid", 2),  # two *different* out-of-range ids in a token are still distinct ids
+    ],
+)
 def test_route_selection_rule(device, rng, m, repeat, expected_dispatches):
     top_k, n, k = 6, 7, 35
     w = random_weights(rng, DType.F32, (E, n, k))
@@ -60,7 +64,7 @@ def test_route_selection_rule(device, rng, m, repeat, expected_dispatches):
 
 
 def test_invalid_ids_zero_rows(device, rng):
-    m, top_k, n, k = 4, 3, 5, 9
+    m, n, k = 4, 5, 9
     w = random_weights(rng, DType.BF16, (E, n, k))
     x = rng.uniform(-1, 1, (m, k)).astype(np.float32)
     ids = np.array([[0, 1, 2], [-1, 3, 8], [2**32 - 1, 2**40, 4], [5, 6, 7]], np.int64)
@@ -83,8 +87,12 @@ def test_out_parameter(device, rng):
     assert got is out
     ref, mag = reference(w, x, ids, False)
     assert_close(out, ref, mag, dtype=DType.F16, k=k)
-    for bad in (np.zeros((m * top_k, n), np.float64), np.zeros((m * top_k, n + 1), np.float32),
-                np.zeros((n, m * top_k), np.float32).T, np.zeros(m * top_k * n, np.float32)):
+    for bad in (
+        np.zeros((m * top_k, n), np.float64),
+        np.zeros((m * top_k, n + 1), np.float32),
+        np.zeros((n, m * top_k), np.float32).T,
+        np.zeros(m * top_k * n, np.float32),
+    ):
         with pytest.raises(routemm.InvalidArgumentError):
             routemm.matmul_id(w, x, ids, out=bad, device=device)
     ro = np.zeros((m * top_k, n), np.float32)
@@ -107,17 +115,17 @@ def test_bad_shapes_and_dtypes(device, rng):
     x = np.zeros((2, 4), np.float32)
     ids = np.array([[0, 1], [2, 3]])
     bad_calls = [
-        (w[0], x, ids),                              # weights not 3-D
-        (w, x, ids.reshape(-1)),                     # ids not 2-D
-        (w, np.zeros((2, 5), np.float32), ids),      # wrong k
-        (w, np.zeros((3, 4), np.float32), ids),      # wrong m
-        (w, np.zeros((2, 3, 4), np.float32), ids),   # wrong slotted top_k
-        (w, x.astype(np.float64), ids),              # activations must be float32
-        (w, x, ids.astype(np.float32)),              # ids must be integers
-        (w.astype(np.float64), x, ids),              # no float64 weights
-        (w.astype(np.int32), x, ids),                # non-scalar weight dtype
-        (np.zeros((E, 0, 4), np.float32), x, ids),   # zero n
-        (w, x, np.zeros((2, 9), np.int64)),          # distinct top_k 9 > 8 experts... but ids repeat
+        (w[0], x, ids),  # weights not 3-D
+        (w, x, ids.reshape(-1)),  # ids not 2-D
+        (w, np.zeros((2, 5), np.float32), ids),  # wrong k
+        (w, np.zeros((3, 4), np.float32), ids),  # wrong m
+        (w, np.zeros((2, 3, 4), np.float32), ids),  # wrong slotted top_k
+        (w, x.astype(np.float64), ids),  # activations must be float32
+        (w, x, ids.astype(np.float32)),  # ids must be integers
+        (w.astype(np.float64), x, ids),  # no float64 weights
+        (w.astype(np.int32), x, ids),  # non-scalar weight dtype
+        (np.zeros((E, 0, 4), np.float32), x, ids),  # zero n
+        (w, x, np.zeros((2, 9), np.int64)),  # distinct top_k 9 > 8 experts... but ids repeat
     ]
     for args in bad_calls[:-1]:
         with pytest.raises(routemm.InvalidArgumentError):

@@ -12,13 +12,15 @@ import re
 from pathlib import Path
 
 import pytest
-
 import routemm
 from routemm.calibration import COMPARE_PIPELINE, POISON_PIPELINE
 
 SHADER_DIR = Path(__file__).resolve().parents[2] / "metal"
-TENSOR_ONLY = {"kernel_mul_mm_q4_0_tensor_f32", "kernel_mul_mm_q4_0_tensor_v2_f32",
-               "kernel_mul_mm_q4_0_tensor_64x32_f32"}
+TENSOR_ONLY = {
+    "kernel_mul_mm_q4_0_tensor_f32",
+    "kernel_mul_mm_q4_0_tensor_v2_f32",
+    "kernel_mul_mm_q4_0_tensor_64x32_f32",
+}
 
 
 def _kernels() -> dict[str, str]:
@@ -34,8 +36,10 @@ if not SHADER_DIR.is_dir():  # an installed package without the source tree
     pytest.skip("metal/ sources not present", allow_module_level=True)
 
 
-@pytest.mark.parametrize("name", [*routemm.DENSE_MATMUL_ID_PIPELINE_NAMES, *routemm.Q4_MATMUL_PIPELINE_NAMES,
-                                  POISON_PIPELINE, COMPARE_PIPELINE])
+@pytest.mark.parametrize(
+    "name",
+    [*routemm.DENSE_MATMUL_ID_PIPELINE_NAMES, *routemm.Q4_MATMUL_PIPELINE_NAMES, POISON_PIPELINE, COMPARE_PIPELINE],
+)
 def test_every_pipeline_has_a_metal_kernel(name):
     kernels = _kernels()
     assert name in kernels, f"no `kernel void {name}(` in metal/*.metal"
@@ -44,6 +48,10 @@ def test_every_pipeline_has_a_metal_kernel(name):
 
 
 def test_no_unregistered_metal_kernels():
-    names = {*routemm.DENSE_MATMUL_ID_PIPELINE_NAMES, *routemm.Q4_MATMUL_PIPELINE_NAMES,
-             POISON_PIPELINE, COMPARE_PIPELINE}
+    names = {
+        *routemm.DENSE_MATMUL_ID_PIPELINE_NAMES,
+        *routemm.Q4_MATMUL_PIPELINE_NAMES,
+        POISON_PIPELINE,
+        COMPARE_PIPELINE,
+    }
     assert set(_kernels()) <= names

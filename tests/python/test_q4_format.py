@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import routemm
 from routemm import q4_0
 
@@ -40,8 +39,12 @@ def test_random_rows_byte_identical(rng, shape, scale):
 
 def test_many_random_rows_byte_identical(rng):
     # 20k blocks of mixed distributions and scales, including heavy tails.
-    rows = [rng.standard_normal((256, 32 * 8)), rng.uniform(-1, 1, (256, 32 * 8)),
-            rng.standard_cauchy((256, 32 * 8)), rng.laplace(size=(256, 32 * 8)) * 1e-5]
+    rows = [
+        rng.standard_normal((256, 32 * 8)),
+        rng.uniform(-1, 1, (256, 32 * 8)),
+        rng.standard_cauchy((256, 32 * 8)),
+        rng.laplace(size=(256, 32 * 8)) * 1e-5,
+    ]
     _assert_same_bytes(np.concatenate(rows).astype(np.float32))
 
 
@@ -60,7 +63,7 @@ def test_all_zero_rows_give_zero_scale_and_nibble_8():
 
 def _row(*values) -> np.ndarray:
     row = np.zeros(32, np.float32)
-    row[:len(values)] = values
+    row[: len(values)] = values
     return row
 
 
@@ -69,10 +72,13 @@ def test_extreme_and_tie_rows():
     rows = [
         _row(f32.max, -f32.max, 1.0),  # scale overflows f16 to -inf
         _row(-f32.max, f32.max),  # magnitude tie: the first wins
-        _row(3.0, -3.0, 1.5), _row(-3.0, 3.0, 1.5),
+        _row(3.0, -3.0, 1.5),
+        _row(-3.0, 3.0, 1.5),
         _row(-8.0, 0.5, -0.5, 1.5, 2.5, 7.5, -7.5, 3.5),  # d = 1: every x + 8.5 is an exact tie point
         _row(8.0, 0.5, -0.5, 1.5, 2.5, 7.5, -7.5, 3.5),
-        _row(-8 * 65504.0, 1.0), _row(-8 * 65519.0, 2.0), _row(-8 * 65520.0, 3.0),  # f16 overflow edge
+        _row(-8 * 65504.0, 1.0),
+        _row(-8 * 65519.0, 2.0),
+        _row(-8 * 65520.0, 3.0),  # f16 overflow edge
         _row(-8 * 2.0**-20, 2.0**-21),  # f16 subnormal scale
         _row(-8 * 2.0**-25, 1e-9),  # scale below half the smallest f16 subnormal
         _row(1e-40, -5e-41, 3e-41),  # f32 subnormal maximum: 1/d overflows

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-
 import routemm
 from routemm import DType, q4_0
 
@@ -54,8 +53,15 @@ def test_q4_0_tensor_round_trip(gguf_file, device):
     np.testing.assert_array_equal(buf.numpy(), np.asarray(t.data))
 
 
-@pytest.mark.parametrize("name,dtype", [("blk.0.norm.weight", DType.F32), ("token_embd.weight", DType.F32),
-                                        ("output.weight", DType.F16), ("blk.0.attn_q.weight", DType.BF16)])
+@pytest.mark.parametrize(
+    "name,dtype",
+    [
+        ("blk.0.norm.weight", DType.F32),
+        ("token_embd.weight", DType.F32),
+        ("output.weight", DType.F16),
+        ("blk.0.attn_q.weight", DType.BF16),
+    ],
+)
 def test_float_tensor_round_trip(gguf_file, device, name, dtype):
     path, tensors, _ = gguf_file
     data = tensors[name][0]
@@ -78,8 +84,15 @@ def test_loaded_weight_feeds_the_matmul(gguf_file, device, rng):
         x = rng.uniform(-1, 1, (m, 96)).astype(np.float32)
         out = device.alloc(m * 40 * 4, DType.F32, [m, 40])
         encoder = device.command_encoder()
-        routemm.quantized_matmul_ggml(encoder, routemm.KernelRegistry(device), device.from_numpy(x), weight,
-                                      out, routemm.GgmlQuantizedMatmulParams(m, 40, 96), routemm.GgmlRoutingPolicy())
+        routemm.quantized_matmul_ggml(
+            encoder,
+            routemm.KernelRegistry(device),
+            device.from_numpy(x),
+            weight,
+            out,
+            routemm.GgmlQuantizedMatmulParams(m, 40, 96),
+            routemm.GgmlRoutingPolicy(),
+        )
         encoder.commit_and_wait()
         np.testing.assert_allclose(out.numpy(), x.astype(np.float64) @ w.T, atol=1e-4, rtol=1e-4)
 

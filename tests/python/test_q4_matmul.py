@@ -8,7 +8,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 import routemm
 from routemm import DenseQ4DecisionSource as Decision
 from routemm import DenseQ4Route as Route
@@ -51,11 +50,13 @@ class Q4Case:
         encoder.start_encoded_dispatch_receipt(1)
         before = routemm.dispatch_count()
         if route is None:
-            receipt = routemm.quantized_matmul_ggml(encoder, registry, self.input.view, self.weight.view,
-                                                    self.output.view, self.params(), routing)
+            receipt = routemm.quantized_matmul_ggml(
+                encoder, registry, self.input.view, self.weight.view, self.output.view, self.params(), routing
+            )
         else:
-            receipt = routemm.encode_q4_route(encoder, registry, self.input.view, self.weight.view,
-                                              self.output.view, self.params(), route)
+            receipt = routemm.encode_q4_route(
+                encoder, registry, self.input.view, self.weight.view, self.output.view, self.params(), route
+            )
         assert routemm.dispatch_count() - before == 1 == receipt.dispatch_count
         assert encoder.take_encoded_dispatch_receipt() == [receipt.dispatch]
         encoder.commit_and_wait()
@@ -144,13 +145,19 @@ def test_repeatable_bits(device, registry, rng):
 # ---- routing ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy,route,decision", [
-    (Policy(), Route.COMPATIBILITY_V2, Decision.NO_PLAN_COMPATIBILITY_FALLBACK),
-    (Policy(Pref.FORCE_SIMD), Route.COMPATIBILITY_SIMDGROUP, Decision.INELIGIBLE_COMPATIBILITY_FALLBACK),
-    (Policy(Pref.FORCE_SIMD, False), Route.COMPATIBILITY_SIMDGROUP, Decision.INELIGIBLE_COMPATIBILITY_FALLBACK),
-    (Policy(allow_dense_large_tile_mm=False), Route.COMPATIBILITY_TENSOR_V1,
-     Decision.INELIGIBLE_COMPATIBILITY_FALLBACK),
-])
+@pytest.mark.parametrize(
+    "policy,route,decision",
+    [
+        (Policy(), Route.COMPATIBILITY_V2, Decision.NO_PLAN_COMPATIBILITY_FALLBACK),
+        (Policy(Pref.FORCE_SIMD), Route.COMPATIBILITY_SIMDGROUP, Decision.INELIGIBLE_COMPATIBILITY_FALLBACK),
+        (Policy(Pref.FORCE_SIMD, False), Route.COMPATIBILITY_SIMDGROUP, Decision.INELIGIBLE_COMPATIBILITY_FALLBACK),
+        (
+            Policy(allow_dense_large_tile_mm=False),
+            Route.COMPATIBILITY_TENSOR_V1,
+            Decision.INELIGIBLE_COMPATIBILITY_FALLBACK,
+        ),
+    ],
+)
 def test_routing_policy(device, registry, rng, policy, route, decision):
     case = Q4Case(device, rng, 9, 20, 64)
     out, receipt = case.run(registry, routing=policy)
@@ -167,16 +174,19 @@ def test_threshold_is_eight(device, registry, rng):
         assert receipt.route == route
 
 
-@pytest.mark.parametrize("env,expected", [
-    ({}, Policy()),
-    ({"ROUTEMM_DISABLE_TENSOR_MM": "1"}, Policy(Pref.FORCE_SIMD, True)),
-    ({"ROUTEMM_DISABLE_TENSOR_MM": "0"}, Policy()),
-    ({"ROUTEMM_LARGE_TILE_MM": "0"}, Policy(Pref.AUTO_PROBE, False)),
-    ({"ROUTEMM_LARGE_TILE_MM": "false"}, Policy(Pref.AUTO_PROBE, False)),
-    ({"ROUTEMM_LARGE_TILE_MM": "OFF"}, Policy(Pref.AUTO_PROBE, False)),
-    ({"ROUTEMM_LARGE_TILE_MM": "1"}, Policy()),
-    ({"ROUTEMM_DISABLE_TENSOR_MM": "1", "ROUTEMM_LARGE_TILE_MM": "off"}, Policy(Pref.FORCE_SIMD, False)),
-])
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({}, Policy()),
+        ({"ROUTEMM_DISABLE_TENSOR_MM": "1"}, Policy(Pref.FORCE_SIMD, True)),
+        ({"ROUTEMM_DISABLE_TENSOR_MM": "0"}, Policy()),
+        ({"ROUTEMM_LARGE_TILE_MM": "0"}, Policy(Pref.AUTO_PROBE, False)),
+        ({"ROUTEMM_LARGE_TILE_MM": "false"}, Policy(Pref.AUTO_PROBE, False)),
+        ({"ROUTEMM_LARGE_TILE_MM": "OFF"}, Policy(Pref.AUTO_PROBE, False)),
+        ({"ROUTEMM_LARGE_TILE_MM": "1"}, Policy()),
+        ({"ROUTEMM_DISABLE_TENSOR_MM": "1", "ROUTEMM_LARGE_TILE_MM": "off"}, Policy(Pref.FORCE_SIMD, False)),
+    ],
+)
 def test_policy_from_environment(monkeypatch, device, registry, rng, env, expected):
     monkeypatch.delenv("ROUTEMM_DISABLE_TENSOR_MM", raising=False)
     monkeypatch.delenv("ROUTEMM_LARGE_TILE_MM", raising=False)
@@ -197,11 +207,19 @@ def test_policy_from_environment(monkeypatch, device, registry, rng, env, expect
 
 def test_expected_dispatch_spec_example():
     grids = {route: routemm.q4_expected_dispatch(route, 129, 769).grid for route in ROUTES}
-    assert grids == {Route.COMPATIBILITY_SIMDGROUP: (5, 13, 1), Route.COMPATIBILITY_TENSOR_V1: (5, 13, 1),
-                     Route.COMPATIBILITY_V2: (2, 13, 1), Route.TENSOR_64X32: (5, 13, 1)}
+    assert grids == {
+        Route.COMPATIBILITY_SIMDGROUP: (5, 13, 1),
+        Route.COMPATIBILITY_TENSOR_V1: (5, 13, 1),
+        Route.COMPATIBILITY_V2: (2, 13, 1),
+        Route.TENSOR_64X32: (5, 13, 1),
+    }
     shmem = {route: routemm.q4_expected_dispatch(route, 129, 769).threadgroup_memory for route in ROUTES}
-    assert shmem == {Route.COMPATIBILITY_SIMDGROUP: ((0, 8192),), Route.COMPATIBILITY_TENSOR_V1: ((0, 8192),),
-                     Route.COMPATIBILITY_V2: ((0, 4096),), Route.TENSOR_64X32: ((0, 4096),)}
+    assert shmem == {
+        Route.COMPATIBILITY_SIMDGROUP: ((0, 8192),),
+        Route.COMPATIBILITY_TENSOR_V1: ((0, 8192),),
+        Route.COMPATIBILITY_V2: ((0, 4096),),
+        Route.TENSOR_64X32: ((0, 4096),),
+    }
     for route in ROUTES:
         d = routemm.q4_expected_dispatch(route, 129, 769)
         assert d.threads_per_threadgroup == (128, 1, 1)
@@ -246,11 +264,19 @@ def test_mat_vec_geometry(device, registry, rng):
 
 def test_pipeline_names():
     assert routemm.Q4_MATMUL_PIPELINE_NAMES == (
-        "kernel_mul_mv_q4_0_f32", "kernel_mul_mm_q4_0_f32", "kernel_mul_mm_q4_0_tensor_f32",
-        "kernel_mul_mm_q4_0_tensor_v2_f32", "kernel_mul_mm_q4_0_tensor_64x32_f32")
+        "kernel_mul_mv_q4_0_f32",
+        "kernel_mul_mm_q4_0_f32",
+        "kernel_mul_mm_q4_0_tensor_f32",
+        "kernel_mul_mm_q4_0_tensor_v2_f32",
+        "kernel_mul_mm_q4_0_tensor_64x32_f32",
+    )
     assert [r.pipeline_name for r in ROUTES] == list(routemm.Q4_MATMUL_PIPELINE_NAMES[1:])
-    assert [r.value for r in ROUTES] == ["compatibility_simdgroup", "compatibility_tensor_v1",
-                                         "compatibility_v2", "tensor_64x32"]
+    assert [r.value for r in ROUTES] == [
+        "compatibility_simdgroup",
+        "compatibility_tensor_v1",
+        "compatibility_v2",
+        "tensor_64x32",
+    ]
     assert routemm.GgmlType.Q4_0.value == "q4_0" and routemm.GgmlType.Q4_0.block_layout == (32, 18)
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 import routemm
-from routemm import DType, GgmlQuantizedMatmulParams as Params, GgmlType
 from routemm import DenseQ4Route as Route
+from routemm import DType, GgmlType
+from routemm import GgmlQuantizedMatmulParams as Params
 
 # The Q4_0 pipelines exist on the CPU backend; other backends gain them later.
 pytestmark = pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)
@@ -16,8 +16,19 @@ pytestmark = pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)
 I32_MAX = 2**31 - 1
 
 
-def _buffers(device, m, n, k, *, weight_bytes=None, input_bytes=None, output_bytes=None,
-             input_dtype=DType.F32, weight_dtype=DType.U8, output_dtype=DType.F32):
+def _buffers(
+    device,
+    m,
+    n,
+    k,
+    *,
+    weight_bytes=None,
+    input_bytes=None,
+    output_bytes=None,
+    input_dtype=DType.F32,
+    weight_dtype=DType.U8,
+    output_dtype=DType.F32,
+):
     weight_bytes = n * (k // 32) * 18 if weight_bytes is None else weight_bytes
     input_bytes = m * k * 4 if input_bytes is None else input_bytes
     output_bytes = m * n * 4 if output_bytes is None else output_bytes
@@ -51,8 +62,10 @@ def _op(registry, bufs, params, routing=None, route=None):
     def call(encoder):
         if route is not None:
             return routemm.encode_q4_route(encoder, registry, inp, weight, out, params, route)
-        return routemm.quantized_matmul_ggml(encoder, registry, inp, weight, out, params,
-                                             routing or routemm.GgmlRoutingPolicy())
+        return routemm.quantized_matmul_ggml(
+            encoder, registry, inp, weight, out, params, routing or routemm.GgmlRoutingPolicy()
+        )
+
     return call
 
 
@@ -61,22 +74,38 @@ def test_messages_in_order(device, registry):
     check of spec §5.3's order."""
     steps = [
         # (params, buffer overrides, expected message)
-        (Params(2**31, 5, 48, GgmlType.Q8_0), dict(input_dtype=DType.F16, input_bytes=8, weight_bytes=1, output_bytes=4),
-         r"quantized_matmul_ggml requires F32 input, native U8 GGUF blocks, and F32 output; got input f16"),
-        (Params(2**31, 5, 48, GgmlType.Q8_0), dict(input_bytes=8, weight_bytes=1, output_bytes=4),
-         r"exceeds the signed kernel ABI"),
-        (Params(4, 5, 0, GgmlType.Q8_0), dict(input_bytes=8, weight_bytes=1, output_bytes=4),
-         r"quantized_matmul_ggml does not support q8_0"),
-        (Params(4, 5, 0), dict(input_bytes=8, weight_bytes=1, output_bytes=4),
-         r"M, K, and N must all be > 0"),
-        (Params(4, 5, 48), dict(input_bytes=8, weight_bytes=1, output_bytes=4),
-         r"K \(48\) must be divisible by block QK \(32\)"),
-        (Params(4, 5, 64), dict(input_bytes=8, weight_bytes=5 * 2 * 18 - 1, output_bytes=4),
-         r"Weight buffer too small: need 180 bytes, got 179"),
-        (Params(4, 5, 64), dict(input_bytes=4 * 64 * 4 - 4, output_bytes=4),
-         r"Input buffer too small: need 1024 bytes, got 1020"),
-        (Params(4, 5, 64), dict(output_bytes=4 * 5 * 4 - 4),
-         r"Output buffer too small: need 80 bytes, got 76"),
+        (
+            Params(2**31, 5, 48, GgmlType.Q8_0),
+            dict(input_dtype=DType.F16, input_bytes=8, weight_bytes=1, output_bytes=4),
+            r"quantized_matmul_ggml requires F32 input, native U8 GGUF blocks, and F32 output; got input f16",
+        ),
+        (
+            Params(2**31, 5, 48, GgmlType.Q8_0),
+            dict(input_bytes=8, weight_bytes=1, output_bytes=4),
+            r"exceeds the signed kernel ABI",
+        ),
+        (
+            Params(4, 5, 0, GgmlType.Q8_0),
+            dict(input_bytes=8, weight_bytes=1, output_bytes=4),
+            r"quantized_matmul_ggml does not support q8_0",
+        ),
+        (Params(4, 5, 0), dict(input_bytes=8, weight_bytes=1, output_bytes=4), r"M, K, and N must all be > 0"),
+        (
+            Params(4, 5, 48),
+            dict(input_bytes=8, weight_bytes=1, output_bytes=4),
+            r"K \(48\) must be divisible by block QK \(32\)",
+        ),
+        (
+            Params(4, 5, 64),
+            dict(input_bytes=8, weight_bytes=5 * 2 * 18 - 1, output_bytes=4),
+            r"Weight buffer too small: need 180 bytes, got 179",
+        ),
+        (
+            Params(4, 5, 64),
+            dict(input_bytes=4 * 64 * 4 - 4, output_bytes=4),
+            r"Input buffer too small: need 1024 bytes, got 1020",
+        ),
+        (Params(4, 5, 64), dict(output_bytes=4 * 5 * 4 - 4), r"Output buffer too small: need 80 bytes, got 76"),
     ]
     for params, overrides, message in steps:
         m, n, k = (min(v, 64) for v in (params.m, params.n, params.k))
@@ -106,29 +135,40 @@ def test_each_dimension_must_be_positive(device, registry, field):
     _expect_nothing_encoded(device, registry, _op(registry, bufs, Params(**dims)), r"M, K, and N must all be > 0")
 
 
-@pytest.mark.parametrize("which,dtype", [("weight_dtype", DType.F32), ("output_dtype", DType.BF16),
-                                         ("input_dtype", DType.U8)])
+@pytest.mark.parametrize(
+    "which,dtype", [("weight_dtype", DType.F32), ("output_dtype", DType.BF16), ("input_dtype", DType.U8)]
+)
 def test_dtype_rejections(device, registry, which, dtype):
     bufs = _buffers(device, 4, 5, 64, **{which: dtype})
-    _expect_nothing_encoded(device, registry, _op(registry, bufs, Params(4, 5, 64)),
-                            "requires F32 input, native U8 GGUF blocks, and F32 output")
+    _expect_nothing_encoded(
+        device,
+        registry,
+        _op(registry, bufs, Params(4, 5, 64)),
+        "requires F32 input, native U8 GGUF blocks, and F32 output",
+    )
 
 
 @pytest.mark.parametrize("ggml_type", [t for t in GgmlType if t is not GgmlType.Q4_0])
 def test_unsupported_types(device, registry, ggml_type):
     bufs = _buffers(device, 4, 5, 256)
-    _expect_nothing_encoded(device, registry, _op(registry, bufs, Params(4, 5, 256, ggml_type)),
-                            f"does not support {ggml_type.value}")
+    _expect_nothing_encoded(
+        device, registry, _op(registry, bufs, Params(4, 5, 256, ggml_type)), f"does not support {ggml_type.value}"
+    )
 
 
 def test_forced_route_requires_q4_0_and_m_above_8(device, registry):
     for params in (Params(8, 5, 64), Params(1, 5, 64), Params(9, 5, 64, GgmlType.Q8_0)):
         bufs = _buffers(device, 9, 5, 64)
-        _expect_nothing_encoded(device, registry, _op(registry, bufs, params, route=Route.TENSOR_64X32),
-                                r"forced dense Q4 MM route requires Q4_0 and M > 8")
+        _expect_nothing_encoded(
+            device,
+            registry,
+            _op(registry, bufs, params, route=Route.TENSOR_64X32),
+            r"forced dense Q4 MM route requires Q4_0 and M > 8",
+        )
     bufs = _buffers(device, 9, 5, 64, output_bytes=8)
-    _expect_nothing_encoded(device, registry, _op(registry, bufs, Params(9, 5, 64), route=Route.COMPATIBILITY_V2),
-                            "Output buffer too small")
+    _expect_nothing_encoded(
+        device, registry, _op(registry, bufs, Params(9, 5, 64), route=Route.COMPATIBILITY_V2), "Output buffer too small"
+    )
 
 
 @pytest.mark.parametrize("m", [1, 9])
@@ -148,7 +188,9 @@ def test_output_overlap_and_read_only(device, registry):
     encoder = device.command_encoder()
     with pytest.raises(routemm.InvalidArgumentError, match="output must not overlap input"):
         alias = inp.view(0, 16, DType.F32, [4])
-        routemm.quantized_matmul_ggml(encoder, registry, inp, weight, alias, Params(2, 2, 32), routemm.GgmlRoutingPolicy())
+        routemm.quantized_matmul_ggml(
+            encoder, registry, inp, weight, alias, Params(2, 2, 32), routemm.GgmlRoutingPolicy()
+        )
     assert encoder.pending_dispatches == 0
 
 

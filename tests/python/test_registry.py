@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 import routemm
 from support import validate
 
@@ -15,7 +14,8 @@ NAMES = routemm.DENSE_MATMUL_ID_PIPELINE_NAMES
 def test_pipeline_names():
     assert len(NAMES) == 7 and len(set(NAMES)) == 7
     assert set(NAMES) == {f"dense_matmul_id_direct_{d}_f32" for d in ("f32", "f16", "bf16")} | {
-        f"dense_matmul_id_grouped_{d}_f32" for d in ("f32", "f16", "bf16")} | {"dense_matmul_id_map_distinct"}
+        f"dense_matmul_id_grouped_{d}_f32" for d in ("f32", "f16", "bf16")
+    } | {"dense_matmul_id_map_distinct"}
 
 
 def test_registry_registers_every_pipeline(registry):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-
 from tolerances import SPEC_TOLERANCES, TABLE, accumulation_bound, table_tolerance
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
 from routemm import DType
 
 U = 2.0**-24  # unit roundoff of F32
@@ -59,8 +58,17 @@ def accumulation_bound(k: int, magnitude: np.ndarray) -> np.ndarray:
     return gamma * magnitude + (k + 8) * SUBNORMAL_HALF_ULP
 
 
-def assert_close(got: np.ndarray, ref: np.ndarray, magnitude: np.ndarray, *, dtype: DType, k: int,
-                 use_table: bool = True, scale: float = 1.0, context: str = "") -> None:
+def assert_close(
+    got: np.ndarray,
+    ref: np.ndarray,
+    magnitude: np.ndarray,
+    *,
+    dtype: DType,
+    k: int,
+    use_table: bool = True,
+    scale: float = 1.0,
+    context: str = "",
+) -> None:
     """got (F32) against ref (float64): the rigorous bound always, the table for random data."""
     got64 = got.astype(np.float64)
     assert got.shape == ref.shape, (got.shape, ref.shape)
@@ -75,6 +83,7 @@ def assert_close(got: np.ndarray, ref: np.ndarray, magnitude: np.ndarray, *, dty
     if use_table:
         atol, rtol = table_tolerance(dtype, k, scale)
         np.testing.assert_allclose(got64, ref, atol=atol, rtol=rtol, err_msg=context)
+
 
 # Tensor-core routes: relative Frobenius error ||out - ref|| / ||ref|| against the float64
 # reference of the exactly widened weights (operands are rounded, so per-element tables do not fit).
