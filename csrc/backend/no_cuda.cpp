@@ -8,7 +8,8 @@ namespace routemm::cuda {
 
 void register_cuda_backend() {
   register_backend(BackendEntry{
-      "cuda", 20, [] { return std::string("not built (configure with ROUTEMM_CUDA=ON and a CUDA toolkit)"); },
+      "cuda", 20,
+      [] { return std::string("not built (configure with ROUTEMM_CUDA=ON and a CUDA toolkit)"); },
       []() -> std::shared_ptr<Backend> { throw Error("backend 'cuda' is not built"); }});
 }
 

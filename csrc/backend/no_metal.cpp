@@ -8,7 +8,8 @@ namespace routemm::metal {
 
 void register_metal_backend() {
   register_backend(BackendEntry{
-      "metal", 10, [] { return std::string("not built (macOS only, configure with ROUTEMM_METAL=ON)"); },
+      "metal", 10,
+      [] { return std::string("not built (macOS only, configure with ROUTEMM_METAL=ON)"); },
       []() -> std::shared_ptr<Backend> { throw Error("backend 'metal' is not built"); }});
 }
 

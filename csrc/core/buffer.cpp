@@ -28,7 +28,8 @@ namespace {
 uint64_t checked_element_count(const std::vector<uint64_t>& shape) {
   uint64_t count = 1;
   for (const uint64_t dim : shape) {
-    if (dim != 0 && count > UINT64_MAX / dim) throw InvalidArgument("buffer shape element count overflows");
+    if (dim != 0 && count > UINT64_MAX / dim)
+      throw InvalidArgument("buffer shape element count overflows");
     count *= dim;
   }
   return count;
@@ -37,8 +38,9 @@ uint64_t checked_element_count(const std::vector<uint64_t>& shape) {
 void check_shape(uint64_t nbytes, DType dtype, const std::vector<uint64_t>& shape) {
   const uint64_t size = dtype_size(dtype);
   if (nbytes % size != 0) {
-    throw InvalidArgument("buffer of " + std::to_string(nbytes) + " bytes is not a whole number of " +
-                          std::string(dtype_name(dtype)) + " elements");
+    throw InvalidArgument("buffer of " + std::to_string(nbytes) +
+                          " bytes is not a whole number of " + std::string(dtype_name(dtype)) +
+                          " elements");
   }
   if (!shape.empty() && checked_element_count(shape) != nbytes / size) {
     throw InvalidArgument("buffer shape holds " + std::to_string(checked_element_count(shape)) +

@@ -66,8 +66,9 @@ void register_backend(BackendEntry entry) {
                                [&](const BackendEntry& e) { return e.name == entry.name; }),
                 entries.end());
   entries.push_back(std::move(entry));
-  std::stable_sort(entries.begin(), entries.end(),
-                   [](const BackendEntry& a, const BackendEntry& b) { return a.priority > b.priority; });
+  std::stable_sort(
+      entries.begin(), entries.end(),
+      [](const BackendEntry& a, const BackendEntry& b) { return a.priority > b.priority; });
 }
 
 const std::vector<BackendEntry>& backend_entries() {

@@ -14,7 +14,9 @@ std::string device_text(DLDevice d) {
 }
 
 DType dtype_from_dlpack(DLDataType t) {
-  if (t.lanes != 1) throw InvalidArgument("from_dlpack: vector dtypes (lanes=" + std::to_string(t.lanes) + ") are not supported");
+  if (t.lanes != 1)
+    throw InvalidArgument("from_dlpack: vector dtypes (lanes=" + std::to_string(t.lanes) +
+                          ") are not supported");
   switch (t.code) {
     case kRoutemmDLFloat:
       if (t.bits == 32) return DType::F32;
@@ -57,7 +59,8 @@ Buffer wrap(const Device& device, const DLTensor& t, bool writable, std::functio
   const DLDevice want = dlpack_device(device);
   if (t.device.device_type != want.device_type || t.device.device_id != want.device_id) {
     throw InvalidArgument("from_dlpack: tensor lives on DLPack device " + device_text(t.device) +
-                          ", not on this " + device.backend_name() + " device " + device_text(want));
+                          ", not on this " + device.backend_name() + " device " +
+                          device_text(want));
   }
   const DType dtype = dtype_from_dlpack(t.dtype);
   if (t.ndim < 0) throw InvalidArgument("from_dlpack: negative ndim");
@@ -73,19 +76,24 @@ Buffer wrap(const Device& device, const DLTensor& t, bool writable, std::functio
     for (int32_t i = t.ndim - 1; i >= 0; --i) {
       if (t.shape[i] != 1 && t.strides[i] != expected) {
         throw InvalidArgument(
-            "from_dlpack: tensor is not contiguous (row-major strides required); call .contiguous() first");
+            "from_dlpack: tensor is not contiguous (row-major strides required); call "
+            ".contiguous() first");
       }
       expected *= t.shape[i];
     }
   }
   const uint64_t nbytes = elements * dtype_size(dtype);
   char* data = static_cast<char*>(t.data) + t.byte_offset;
-  if (nbytes != 0 && data == nullptr) throw InvalidArgument("from_dlpack: tensor has no data pointer");
+  if (nbytes != 0 && data == nullptr)
+    throw InvalidArgument("from_dlpack: tensor has no data pointer");
   if (reinterpret_cast<uintptr_t>(data) % dtype_size(dtype) != 0) {
-    throw InvalidArgument("from_dlpack: data pointer is not aligned to " + std::string(dtype_name(dtype)));
+    throw InvalidArgument("from_dlpack: data pointer is not aligned to " +
+                          std::string(dtype_name(dtype)));
   }
-  auto storage = std::make_shared<Storage>(device.backend(), data, nbytes, writable, std::move(release));
-  return Buffer(std::move(storage), 0, nbytes, dtype, shape.empty() ? std::vector<uint64_t>{1} : shape);
+  auto storage =
+      std::make_shared<Storage>(device.backend(), data, nbytes, writable, std::move(release));
+  return Buffer(std::move(storage), 0, nbytes, dtype,
+                shape.empty() ? std::vector<uint64_t>{1} : shape);
 }
 
 struct ExportContext {
@@ -110,7 +118,8 @@ Buffer buffer_from_dlpack(const Device& device, DLManagedTensor* tensor) {
 Buffer buffer_from_dlpack(const Device& device, DLManagedTensorVersioned* tensor) {
   if (tensor == nullptr) throw InvalidArgument("from_dlpack: null tensor");
   if (tensor->version.major != 1) {
-    throw InvalidArgument("from_dlpack: unsupported DLPack major version " + std::to_string(tensor->version.major));
+    throw InvalidArgument("from_dlpack: unsupported DLPack major version " +
+                          std::to_string(tensor->version.major));
   }
   const bool writable = (tensor->flags & kRoutemmDLFlagReadOnly) == 0;
   return wrap(device, tensor->dl_tensor, writable, [tensor] {
@@ -134,7 +143,9 @@ DLManagedTensor* buffer_to_dlpack(const Buffer& buffer) {
   t.shape = ctx->shape.data();
   t.strides = nullptr;
   ctx->tensor.manager_ctx = ctx;
-  ctx->tensor.deleter = [](DLManagedTensor* self) { delete static_cast<ExportContext*>(self->manager_ctx); };
+  ctx->tensor.deleter = [](DLManagedTensor* self) {
+    delete static_cast<ExportContext*>(self->manager_ctx);
+  };
   return &ctx->tensor;
 }
 

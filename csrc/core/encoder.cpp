@@ -109,7 +109,8 @@ void CommandEncoder::dispatch(const Pipeline& pipeline,
       binding.bytes = arg.bytes;
     } else {
       const Buffer& buffer = arg.buffer;
-      if (!buffer.valid()) throw InvalidArgument("kernel slot of '" + label + "' binds an empty buffer");
+      if (!buffer.valid())
+        throw InvalidArgument("kernel slot of '" + label + "' binds an empty buffer");
       if (buffer.backend() != backend_) {
         throw InvalidArgument("buffer bound to '" + label + "' lives on backend '" +
                               std::string(buffer.backend()->name()) + "', encoder on '" +

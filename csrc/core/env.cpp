@@ -11,7 +11,8 @@ namespace {
 
 constexpr Knob kKnobs[] = {
     {"ROUTEMM_BACKEND", "str", "", "backend Device() opens when none is named: cpu, cuda or metal"},
-    {"ROUTEMM_CPU_THREADS", "int", "0", "worker threads of the CPU backend; 0 uses every hardware thread"},
+    {"ROUTEMM_CPU_THREADS", "int", "0",
+     "worker threads of the CPU backend; 0 uses every hardware thread"},
 };
 
 std::optional<std::string> read(const char* name) {

@@ -26,8 +26,8 @@ KernelRegistry::KernelRegistry(const Device& device)
   for (const KernelDef& def : device_.backend()->kernels()) kernels_.emplace(def.name, def);
 }
 
-PipelinePtr KernelRegistry::get_pipeline(std::string_view name,
-                                         std::span<const std::pair<uint32_t, int32_t>> int_constants) {
+PipelinePtr KernelRegistry::get_pipeline(
+    std::string_view name, std::span<const std::pair<uint32_t, int32_t>> int_constants) {
   std::lock_guard lock(mutex_);
   if (auto injected = injected_failures_.find(name); injected != injected_failures_.end()) {
     injected_failures_.erase(injected);
@@ -45,9 +45,14 @@ PipelinePtr KernelRegistry::get_pipeline(std::string_view name,
   pipeline->label_ = label;
   pipeline->def_ = def->second;
   pipeline->constants_.assign(int_constants.begin(), int_constants.end());
-  const std::string& entry = def->second.entry_point.empty() ? def->second.name : def->second.entry_point;
-  pipeline->identity_ = PipelineIdentity{kPipelineIdentitySchemaVersion, label, def->second.name, entry,
-                                         device_.backend_name(), def->second.origin,
+  const std::string& entry =
+      def->second.entry_point.empty() ? def->second.name : def->second.entry_point;
+  pipeline->identity_ = PipelineIdentity{kPipelineIdentitySchemaVersion,
+                                         label,
+                                         def->second.name,
+                                         entry,
+                                         device_.backend_name(),
+                                         def->second.origin,
                                          def->second.content_sha256};
   pipelines_.emplace(label, pipeline);
   return pipeline;
@@ -61,7 +66,8 @@ PipelineIdentity KernelRegistry::pipeline_identity(std::string_view label) {
   size_t pos = bar;
   while (pos != std::string_view::npos) {
     const size_t next = label.find('|', pos + 1);
-    const std::string_view part = label.substr(pos + 1, next == std::string_view::npos ? next : next - pos - 1);
+    const std::string_view part =
+        label.substr(pos + 1, next == std::string_view::npos ? next : next - pos - 1);
     const size_t colon = part.find(":i");
     if (colon == std::string_view::npos || colon == 0 || colon + 2 >= part.size()) {
       throw InvalidArgument("malformed pipeline label '" + std::string(label) + "'");
@@ -71,7 +77,8 @@ PipelineIdentity KernelRegistry::pipeline_identity(std::string_view label) {
       const std::string index_text(part.substr(0, colon)), value_text(part.substr(colon + 2));
       const unsigned long index = std::stoul(index_text, &used_index);
       const long value = std::stol(value_text, &used_value);
-      if (used_index != index_text.size() || used_value != value_text.size()) throw std::invalid_argument("");
+      if (used_index != index_text.size() || used_value != value_text.size())
+        throw std::invalid_argument("");
       constants.emplace_back(static_cast<uint32_t>(index), static_cast<int32_t>(value));
     } catch (const std::logic_error&) {
       throw InvalidArgument("malformed pipeline label '" + std::string(label) + "'");
@@ -133,13 +140,16 @@ void KernelRegistry::freeze_plan(const std::string& plan_kind, const std::string
 
 std::optional<std::string> KernelRegistry::frozen_plan_id(const std::string& plan_kind) const {
   std::lock_guard lock(mutex_);
-  if (auto frozen = frozen_plans_.find(plan_kind); frozen != frozen_plans_.end()) return frozen->second.id;
+  if (auto frozen = frozen_plans_.find(plan_kind); frozen != frozen_plans_.end())
+    return frozen->second.id;
   return std::nullopt;
 }
 
-std::optional<std::string> KernelRegistry::frozen_plan_document(const std::string& plan_kind) const {
+std::optional<std::string> KernelRegistry::frozen_plan_document(
+    const std::string& plan_kind) const {
   std::lock_guard lock(mutex_);
-  if (auto frozen = frozen_plans_.find(plan_kind); frozen != frozen_plans_.end()) return frozen->second.document;
+  if (auto frozen = frozen_plans_.find(plan_kind); frozen != frozen_plans_.end())
+    return frozen->second.document;
   return std::nullopt;
 }
 

@@ -92,7 +92,8 @@ DenseMatmulIdScratch::DenseMatmulIdScratch(const Device& device, uint32_t max_ex
     : max_experts_(max_experts), max_tokens_(max_tokens) {
   if (max_experts == 0 || max_tokens == 0) fail("scratch capacities must be nonzero");
   const uint64_t counts_bytes = checked_product("scratch expert counts", {max_experts, 4});
-  const uint64_t routed_bytes = checked_product("scratch routed rows", {max_experts, max_tokens, 4});
+  const uint64_t routed_bytes =
+      checked_product("scratch routed rows", {max_experts, max_tokens, 4});
   expert_counts_ = device.alloc(counts_bytes, DType::U32, {max_experts});
   routed_rows_ = device.alloc(routed_bytes, DType::U32, {max_experts, max_tokens});
 }
@@ -262,10 +263,12 @@ DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegi
     gpu.input_slot_stride_bytes = 0;
   } else {
     gpu.input_layout = kernels::kInputSlotted;
-    gpu.input_token_stride_bytes = checked_mul("slotted input token stride", row_bytes, params.top_k);
+    gpu.input_token_stride_bytes =
+        checked_mul("slotted input token stride", row_bytes, params.top_k);
     gpu.input_slot_stride_bytes = row_bytes;
   }
-  const std::vector<std::string_view> names = dense_matmul_id_route_pipelines(weights.dtype(), cap.route);
+  const std::vector<std::string_view> names =
+      dense_matmul_id_route_pipelines(weights.dtype(), cap.route);
   const KernelArg params_arg = KernelArg::pod(gpu);
   const uint64_t total_rows = uint64_t{params.m} * params.top_k;
 
@@ -334,12 +337,14 @@ DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegi
                                                        {5, KernelArg::of(output)}};
   std::vector<std::pair<uint64_t, uint64_t>> shmem;
   if (gdef.threadgroup_memory_bytes != 0) shmem.emplace_back(0, gdef.threadgroup_memory_bytes);
-  const Dim3 tiles{ceil_div(params.m, gdef.tile_x), ceil_div(params.n, gdef.tile_y), params.n_experts};
-  const Dim3 grid = gdef.persistent_groups == 0
-                        ? tiles
-                        : Dim3{std::min<uint64_t>(gdef.persistent_groups, tiles.x * tiles.y * tiles.z), 1, 1};
-  encoder.dispatch(*group, group_args, grid,
-                   Dim3{gdef.threads_per_group, 1, 1}, DispatchKind::ThreadGroups, std::move(shmem));
+  const Dim3 tiles{ceil_div(params.m, gdef.tile_x), ceil_div(params.n, gdef.tile_y),
+                   params.n_experts};
+  const Dim3 grid =
+      gdef.persistent_groups == 0
+          ? tiles
+          : Dim3{std::min<uint64_t>(gdef.persistent_groups, tiles.x * tiles.y * tiles.z), 1, 1};
+  encoder.dispatch(*group, group_args, grid, Dim3{gdef.threads_per_group, 1, 1},
+                   DispatchKind::ThreadGroups, std::move(shmem));
   return {weights.dtype(), cap.route, 2};
 }
 

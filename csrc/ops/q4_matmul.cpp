@@ -69,8 +69,9 @@ constexpr uint64_t kSplitReferenceRows = 128;
 
 uint64_t k_splits(const KernelDef& def, bool mat_vec, uint64_t m, uint64_t n, uint64_t k) {
   if (def.k_split_max <= 1) return 1;
-  const uint64_t reference = mat_vec ? ceil_div(n, def.tile_x) * ceil_div(m, def.tile_y)
-                                     : ceil_div(m, kSplitReferenceTokens) * ceil_div(n, kSplitReferenceRows);
+  const uint64_t reference =
+      mat_vec ? ceil_div(n, def.tile_x) * ceil_div(m, def.tile_y)
+              : ceil_div(m, kSplitReferenceTokens) * ceil_div(n, kSplitReferenceRows);
   const uint64_t wanted = ceil_div(std::max<uint64_t>(def.k_split_target_groups, 1), reference);
   const uint64_t limit = std::min<uint64_t>({def.k_split_max, wanted, k / 32 / kMinBlocksPerSplit});
   uint64_t splits = 1;
@@ -256,7 +257,8 @@ std::string_view to_string(DenseQ4DecisionSource value) {
   switch (value) {
     case DenseQ4DecisionSource::MatVecThreshold: return "mat_vec_threshold";
     case DenseQ4DecisionSource::FrozenPlan: return "frozen_plan";
-    case DenseQ4DecisionSource::NoPlanCompatibilityFallback: return "no_plan_compatibility_fallback";
+    case DenseQ4DecisionSource::NoPlanCompatibilityFallback:
+      return "no_plan_compatibility_fallback";
     case DenseQ4DecisionSource::UndeclaredCompatibilityFallback:
       return "undeclared_compatibility_fallback";
     case DenseQ4DecisionSource::IneligibleCompatibilityFallback:
@@ -307,13 +309,13 @@ EncodedKernelDispatch q4_expected_dispatch(const KernelRegistry& registry, Dense
                          std::string(registry.device().backend()->name()));
   }
   const Geometry geo = geometry(*def, false, m, n, k);
-  return EncodedKernelDispatch{pipeline_label(name, kQ4PipelineConstants), DispatchKind::ThreadGroups,
-                               geo.grid.array(), geo.threads.array(), geo.shmem};
+  return EncodedKernelDispatch{pipeline_label(name, kQ4PipelineConstants),
+                               DispatchKind::ThreadGroups, geo.grid.array(), geo.threads.array(),
+                               geo.shmem};
 }
 
 void validate_quantized_matmul_ggml_call(const Buffer& input, const Buffer& weight,
-                                         const Buffer& output,
-                                         const GgmlQuantizedMatmulParams& p) {
+                                         const Buffer& output, const GgmlQuantizedMatmulParams& p) {
   if (!input.valid() || !weight.valid() || !output.valid()) fail("got an empty buffer");
   if (input.dtype() != DType::F32 || weight.dtype() != DType::U8 || output.dtype() != DType::F32) {
     fail("requires F32 input, native U8 GGUF blocks, and F32 output; got input " +

@@ -20,16 +20,19 @@ void init_core(py::module_& m) {
       .value("U16", DType::U16)
       .value("U32", DType::U32)
       .value("I32", DType::I32)
-      .def_property_readonly("size", [](DType d) { return dtype_size(d); }, "Bytes per element.")
-      .def_property_readonly("type_name", [](DType d) { return std::string(dtype_name(d)); },
-                             "Lowercase name used in messages and JSON ('f32', 'bf16', ...).")
+      .def_property_readonly(
+          "size", [](DType d) { return dtype_size(d); }, "Bytes per element.")
+      .def_property_readonly(
+          "type_name", [](DType d) { return std::string(dtype_name(d)); },
+          "Lowercase name used in messages and JSON ('f32', 'bf16', ...).")
       .def("__str__", [](DType d) { return std::string(dtype_name(d)); });
 
   m.def("available_backends", &available_backends,
         "Names of the backends that can open a device here, best first.");
   m.def("backend_status", [] {
     py::list out;
-    for (const auto& s : backend_status()) out.append(py::make_tuple(s.name, s.available, s.reason));
+    for (const auto& s : backend_status())
+      out.append(py::make_tuple(s.name, s.available, s.reason));
     return out;
   });
   m.def("version", [] { return std::string(ROUTEMM_VERSION); });
@@ -38,7 +41,8 @@ void init_core(py::module_& m) {
     const env::Knob* knobs = env::knobs(&count);
     py::list out;
     for (size_t i = 0; i < count; ++i) {
-      out.append(py::make_tuple(knobs[i].name, knobs[i].type, knobs[i].default_value, knobs[i].effect));
+      out.append(
+          py::make_tuple(knobs[i].name, knobs[i].type, knobs[i].default_value, knobs[i].effect));
     }
     return out;
   });
@@ -49,8 +53,10 @@ void init_core(py::module_& m) {
       .def_property_readonly("backend", &Device::backend_name)
       .def_property_readonly("name", &Device::name)
       .def_property_readonly("registry_id", &Device::registry_id)
-      .def_property_readonly("host_accessible", [](const Device& d) { return d.backend()->host_accessible(); })
-      .def_property_readonly("properties", [](const Device& d) { return d.backend()->properties(); })
+      .def_property_readonly("host_accessible",
+                             [](const Device& d) { return d.backend()->host_accessible(); })
+      .def_property_readonly("properties",
+                             [](const Device& d) { return d.backend()->properties(); })
       .def("alloc", &Device::alloc, py::arg("nbytes"), py::arg("dtype"),
            py::arg("shape") = std::vector<uint64_t>{},
            "Allocate `nbytes` of device memory tagged with dtype and shape (contents undefined).")
@@ -61,11 +67,13 @@ void init_core(py::module_& m) {
         return "Device(backend='" + d.backend_name() + "', name='" + d.name() + "')";
       });
 
-  py::class_<Buffer>(m, "Buffer", "A logical view (byte_offset, nbytes, dtype, shape) of device memory.")
+  py::class_<Buffer>(m, "Buffer",
+                     "A logical view (byte_offset, nbytes, dtype, shape) of device memory.")
       .def_property_readonly("byte_offset", &Buffer::byte_offset)
       .def_property_readonly("nbytes", &Buffer::nbytes)
       .def_property_readonly("dtype", &Buffer::dtype)
-      .def_property_readonly("shape", [](const Buffer& b) { return py::tuple(py::cast(b.shape())); })
+      .def_property_readonly("shape",
+                             [](const Buffer& b) { return py::tuple(py::cast(b.shape())); })
       .def_property_readonly("address", &Buffer::address,
                              "Base address of the whole allocation (not including byte_offset).")
       .def_property_readonly("writable", &Buffer::writable)

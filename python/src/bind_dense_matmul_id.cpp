@@ -28,17 +28,19 @@ DenseMatmulIdParams make_params(uint32_t m, uint32_t n, uint32_t k, uint32_t top
   p.top_k = top_k;
   p.n_experts = n_experts;
   p.expert_stride_bytes = expert_stride_bytes;
-  p.input_layout = parse(input_layout,
-                         std::array{DenseMatmulIdInputLayout::SharedPerToken, DenseMatmulIdInputLayout::Slotted},
-                         "input layout");
+  p.input_layout =
+      parse(input_layout,
+            std::array{DenseMatmulIdInputLayout::SharedPerToken, DenseMatmulIdInputLayout::Slotted},
+            "input layout");
   p.id_multiplicity = parse(
       id_multiplicity,
       std::array{DenseMatmulIdMultiplicity::DistinctPerToken, DenseMatmulIdMultiplicity::MayRepeat},
       "id multiplicity");
-  p.route = parse(route,
-                  std::array{DenseMatmulIdRoute::Direct, DenseMatmulIdRoute::GroupedPrefill,
-                             DenseMatmulIdRoute::GroupedTensorTf32, DenseMatmulIdRoute::GroupedTensorLowp},
-                  "route");
+  p.route = parse(
+      route,
+      std::array{DenseMatmulIdRoute::Direct, DenseMatmulIdRoute::GroupedPrefill,
+                 DenseMatmulIdRoute::GroupedTensorTf32, DenseMatmulIdRoute::GroupedTensorLowp},
+      "route");
   return p;
 }
 
@@ -91,23 +93,23 @@ void init_dense_matmul_id(py::module_& m) {
   for (auto name : kDenseMatmulIdTensorPipelineNames) tensor_names.append(std::string(name));
   m.attr("DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES") = py::tuple(tensor_names);
 
-  m.def("_dense_matmul_id_capability",
-        [](DType dtype, const DenseMatmulIdParams& p) {
-          return capability_dict(dense_matmul_id_capability(dtype, p));
-        });
-  m.def("_dense_matmul_id",
-        [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& weights,
-           const Buffer& input, const Buffer& ids, const Buffer& output,
-           const DenseMatmulIdScratch* scratch, const DenseMatmulIdParams& p) {
-          const auto r = dense_matmul_id(encoder, registry, weights, input, ids, output, scratch, p);
-          py::dict out;
-          out["weight_dtype"] = std::string(dtype_name(r.weight_dtype));
-          out["route"] = std::string(to_string(r.route));
-          out["dispatch_count"] = r.dispatch_count;
-          return out;
-        },
-        py::arg("encoder"), py::arg("registry"), py::arg("weights"), py::arg("input"),
-        py::arg("expert_ids"), py::arg("output"), py::arg("scratch").none(true), py::arg("params"));
+  m.def("_dense_matmul_id_capability", [](DType dtype, const DenseMatmulIdParams& p) {
+    return capability_dict(dense_matmul_id_capability(dtype, p));
+  });
+  m.def(
+      "_dense_matmul_id",
+      [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& weights,
+         const Buffer& input, const Buffer& ids, const Buffer& output,
+         const DenseMatmulIdScratch* scratch, const DenseMatmulIdParams& p) {
+        const auto r = dense_matmul_id(encoder, registry, weights, input, ids, output, scratch, p);
+        py::dict out;
+        out["weight_dtype"] = std::string(dtype_name(r.weight_dtype));
+        out["route"] = std::string(to_string(r.route));
+        out["dispatch_count"] = r.dispatch_count;
+        return out;
+      },
+      py::arg("encoder"), py::arg("registry"), py::arg("weights"), py::arg("input"),
+      py::arg("expert_ids"), py::arg("output"), py::arg("scratch").none(true), py::arg("params"));
 }
 
 }  // namespace routemm::python

@@ -19,11 +19,11 @@ py::dict dispatch_dict(const EncodedKernelDispatch& d) {
   out["pipeline_label"] = d.pipeline_label;
   out["dispatch_kind"] = kind_name(d.dispatch_kind);
   out["grid"] = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]);
-  out["threads_per_threadgroup"] =
-      py::make_tuple(d.threads_per_threadgroup[0], d.threads_per_threadgroup[1],
-                     d.threads_per_threadgroup[2]);
+  out["threads_per_threadgroup"] = py::make_tuple(
+      d.threads_per_threadgroup[0], d.threads_per_threadgroup[1], d.threads_per_threadgroup[2]);
   py::list memory;
-  for (const auto& [index, bytes] : d.threadgroup_memory) memory.append(py::make_tuple(index, bytes));
+  for (const auto& [index, bytes] : d.threadgroup_memory)
+    memory.append(py::make_tuple(index, bytes));
   out["threadgroup_memory"] = py::tuple(memory);
   return out;
 }
@@ -69,7 +69,8 @@ std::vector<ByteRange> to_ranges(const std::vector<std::pair<uint64_t, uint64_t>
 }  // namespace
 
 void init_encoder(py::module_& m) {
-  m.def("dispatch_count", &dispatch_count, "Dispatches encoded by this process since the last reset.");
+  m.def("dispatch_count", &dispatch_count,
+        "Dispatches encoded by this process since the last reset.");
   m.def("encoder_counters", [] {
     const auto c = encoder_counters();
     py::dict out;
@@ -85,17 +86,19 @@ void init_encoder(py::module_& m) {
       .def_property_readonly("device_registry_id", &CommandEncoder::device_registry_id)
       .def_property_readonly("pending_dispatches", &CommandEncoder::pending_dispatches)
       .def("memory_barrier", &CommandEncoder::memory_barrier)
-      .def("commit_and_wait", &CommandEncoder::commit_and_wait, py::call_guard<py::gil_scoped_release>())
-      .def("commit_wait_with_gpu_time",
-           [](CommandEncoder& e) {
-             GpuInterval t;
-             {
-               py::gil_scoped_release release;
-               t = e.commit_wait_with_gpu_time();
-             }
-             return py::make_tuple(t.start_s, t.end_s);
-           },
-           "Commit, wait, and return (gpu_start_s, gpu_end_s).")
+      .def("commit_and_wait", &CommandEncoder::commit_and_wait,
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "commit_wait_with_gpu_time",
+          [](CommandEncoder& e) {
+            GpuInterval t;
+            {
+              py::gil_scoped_release release;
+              t = e.commit_wait_with_gpu_time();
+            }
+            return py::make_tuple(t.start_s, t.end_s);
+          },
+          "Commit, wait, and return (gpu_start_s, gpu_end_s).")
       .def("start_capture", &CommandEncoder::start_capture)
       .def("is_capturing", &CommandEncoder::is_capturing)
       .def("_take_capture",
@@ -115,37 +118,38 @@ void init_encoder(py::module_& m) {
              for (const auto& d : e.take_encoded_dispatch_receipt()) out.append(dispatch_dict(d));
              return out;
            })
-      .def("set_pending_buffer_ranges",
-           [](CommandEncoder& e, const std::vector<std::pair<uint64_t, uint64_t>>& reads,
-              const std::vector<std::pair<uint64_t, uint64_t>>& writes) {
-             e.set_pending_buffer_ranges(to_ranges(reads), to_ranges(writes));
-           },
-           py::arg("reads"), py::arg("writes"))
-      .def("_dispatch",
-           [](CommandEncoder& e, const Pipeline& pipeline, const py::list& args,
-              std::array<uint64_t, 3> grid, std::array<uint64_t, 3> threads, bool threads_kind,
-              std::vector<std::pair<uint64_t, uint64_t>> threadgroup_memory) {
-             // args: (slot, Buffer) | (slot, (Buffer, offset)) | (slot, bytes)
-             std::vector<std::pair<uint32_t, KernelArg>> bound;
-             for (const auto& item : args) {
-               const auto pair = item.cast<py::tuple>();
-               const auto slot = pair[0].cast<uint32_t>();
-               const py::object value = pair[1];
-               if (py::isinstance<Buffer>(value)) {
-                 bound.emplace_back(slot, KernelArg::of(value.cast<Buffer>()));
-               } else if (py::isinstance<py::bytes>(value)) {
-                 const std::string data = value.cast<std::string>();
-                 bound.emplace_back(slot, KernelArg::raw(data.data(), data.size()));
-               } else {
-                 const auto at = value.cast<py::tuple>();
-                 bound.emplace_back(slot, KernelArg::at(at[0].cast<Buffer>(), at[1].cast<uint64_t>()));
-               }
-             }
-             e.dispatch(pipeline, bound, Dim3{grid[0], grid[1], grid[2]},
-                        Dim3{threads[0], threads[1], threads[2]},
-                        threads_kind ? DispatchKind::Threads : DispatchKind::ThreadGroups,
-                        std::move(threadgroup_memory));
-           });
+      .def(
+          "set_pending_buffer_ranges",
+          [](CommandEncoder& e, const std::vector<std::pair<uint64_t, uint64_t>>& reads,
+             const std::vector<std::pair<uint64_t, uint64_t>>& writes) {
+            e.set_pending_buffer_ranges(to_ranges(reads), to_ranges(writes));
+          },
+          py::arg("reads"), py::arg("writes"))
+      .def("_dispatch", [](CommandEncoder& e, const Pipeline& pipeline, const py::list& args,
+                           std::array<uint64_t, 3> grid, std::array<uint64_t, 3> threads,
+                           bool threads_kind,
+                           std::vector<std::pair<uint64_t, uint64_t>> threadgroup_memory) {
+        // args: (slot, Buffer) | (slot, (Buffer, offset)) | (slot, bytes)
+        std::vector<std::pair<uint32_t, KernelArg>> bound;
+        for (const auto& item : args) {
+          const auto pair = item.cast<py::tuple>();
+          const auto slot = pair[0].cast<uint32_t>();
+          const py::object value = pair[1];
+          if (py::isinstance<Buffer>(value)) {
+            bound.emplace_back(slot, KernelArg::of(value.cast<Buffer>()));
+          } else if (py::isinstance<py::bytes>(value)) {
+            const std::string data = value.cast<std::string>();
+            bound.emplace_back(slot, KernelArg::raw(data.data(), data.size()));
+          } else {
+            const auto at = value.cast<py::tuple>();
+            bound.emplace_back(slot, KernelArg::at(at[0].cast<Buffer>(), at[1].cast<uint64_t>()));
+          }
+        }
+        e.dispatch(pipeline, bound, Dim3{grid[0], grid[1], grid[2]},
+                   Dim3{threads[0], threads[1], threads[2]},
+                   threads_kind ? DispatchKind::Threads : DispatchKind::ThreadGroups,
+                   std::move(threadgroup_memory));
+      });
 }
 
 }  // namespace routemm::python

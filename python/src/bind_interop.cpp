@@ -43,8 +43,8 @@ void init_interop(py::module_& m) {
   m.def("_buffer_from_dlpack_capsule", &from_capsule, py::arg("device"), py::arg("capsule"));
   m.def(
       "_buffer_from_pointer",
-      [](const Device& device, uint64_t pointer, uint64_t nbytes, DType dtype, std::vector<uint64_t> shape,
-         bool writable, py::object owner) {
+      [](const Device& device, uint64_t pointer, uint64_t nbytes, DType dtype,
+         std::vector<uint64_t> shape, bool writable, py::object owner) {
         // The owner (the producer object) stays alive as long as the storage; released with the GIL.
         auto* held = new py::object(std::move(owner));
         auto release = [held] {
@@ -55,10 +55,11 @@ void init_interop(py::module_& m) {
         try {
           if (nbytes != 0 && pointer == 0) throw InvalidArgument("from pointer: null data pointer");
           if (pointer % dtype_size(dtype) != 0) {
-            throw InvalidArgument("from pointer: data pointer is not aligned to " + std::string(dtype_name(dtype)));
+            throw InvalidArgument("from pointer: data pointer is not aligned to " +
+                                  std::string(dtype_name(dtype)));
           }
-          storage = std::make_shared<Storage>(device.backend(), reinterpret_cast<void*>(pointer), nbytes,
-                                              writable, release);
+          storage = std::make_shared<Storage>(device.backend(), reinterpret_cast<void*>(pointer),
+                                              nbytes, writable, release);
         } catch (...) {
           delete held;
           throw;
@@ -75,8 +76,9 @@ void init_interop(py::module_& m) {
     DLManagedTensor* tensor = buffer_to_dlpack(buffer);
     return py::capsule(tensor, kLegacy, &capsule_destructor);
   });
-  m.def("_wait_for_external_stream",
-        [](const Device& device, uint64_t stream) { device.backend()->wait_for_external_stream(stream); });
+  m.def("_wait_for_external_stream", [](const Device& device, uint64_t stream) {
+    device.backend()->wait_for_external_stream(stream);
+  });
 }
 
 }  // namespace routemm::python

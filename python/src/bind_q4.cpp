@@ -24,10 +24,10 @@ Enum parse(const std::string& text, const std::array<Enum, N>& values, const cha
 
 GgmlRoutingPolicy make_policy(const std::string& dense_tensor_mm, bool allow_large_tile) {
   GgmlRoutingPolicy policy;
-  policy.dense_tensor_mm = parse(
-      dense_tensor_mm,
-      std::array{GgmlTensorMmPreference::AutoProbe, GgmlTensorMmPreference::ForceSimd},
-      "tensor MM preference");
+  policy.dense_tensor_mm =
+      parse(dense_tensor_mm,
+            std::array{GgmlTensorMmPreference::AutoProbe, GgmlTensorMmPreference::ForceSimd},
+            "tensor MM preference");
   policy.allow_dense_large_tile_mm = allow_large_tile;
   return policy;
 }
@@ -40,7 +40,8 @@ py::dict dispatch_dict(const EncodedKernelDispatch& d) {
   out["threads_per_threadgroup"] = py::make_tuple(
       d.threads_per_threadgroup[0], d.threads_per_threadgroup[1], d.threads_per_threadgroup[2]);
   py::list memory;
-  for (const auto& [index, bytes] : d.threadgroup_memory) memory.append(py::make_tuple(index, bytes));
+  for (const auto& [index, bytes] : d.threadgroup_memory)
+    memory.append(py::make_tuple(index, bytes));
   out["threadgroup_memory"] = py::tuple(memory);
   return out;
 }
@@ -122,18 +123,20 @@ void init_q4(py::module_& m) {
   m.def("_ggml_block_layout", [](const std::string& type) {
     return ggml_block_layout(parse(type, kAllGgmlTypes, "GGML type"));
   });
-  m.def("_dense_q4_pipeline_name",
-        [](const std::string& route) { return std::string(dense_q4_pipeline_name(parse_route(route))); });
-  m.def("_select_dense_q4_route",
-        [](const GgmlQuantizedMatmulParams& p, const std::string& pref, bool allow_large) {
-          const DenseQ4RouteSelection s = select_dense_q4_route(p, make_policy(pref, allow_large));
-          return py::make_tuple(std::string(to_string(s.route)), std::string(to_string(s.decision)));
-        });
+  m.def("_dense_q4_pipeline_name", [](const std::string& route) {
+    return std::string(dense_q4_pipeline_name(parse_route(route)));
+  });
+  m.def("_select_dense_q4_route", [](const GgmlQuantizedMatmulParams& p, const std::string& pref,
+                                     bool allow_large) {
+    const DenseQ4RouteSelection s = select_dense_q4_route(p, make_policy(pref, allow_large));
+    return py::make_tuple(std::string(to_string(s.route)), std::string(to_string(s.decision)));
+  });
   m.def("_q4_expected_dispatch", [](const std::string& route, uint32_t m_, uint32_t n) {
     return dispatch_dict(q4_expected_dispatch(parse_route(route), m_, n));
   });
   m.def("_q4_registry_expected_dispatch",
-        [](const KernelRegistry& registry, const std::string& route, uint32_t m_, uint32_t n, uint32_t k) {
+        [](const KernelRegistry& registry, const std::string& route, uint32_t m_, uint32_t n,
+           uint32_t k) {
           return dispatch_dict(q4_expected_dispatch(registry, parse_route(route), m_, n, k));
         });
   m.def(

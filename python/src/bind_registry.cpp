@@ -43,11 +43,13 @@ void init_registry(py::module_& m) {
           },
           py::arg("name"), py::arg("int_constants") = std::vector<std::pair<uint32_t, int32_t>>{})
       .def("_pipeline_identity",
-           [](KernelRegistry& r, const std::string& label) { return identity_dict(r.pipeline_identity(label)); })
+           [](KernelRegistry& r, const std::string& label) {
+             return identity_dict(r.pipeline_identity(label));
+           })
       .def("has_kernel", &KernelRegistry::has_kernel)
       .def("kernel_names", &KernelRegistry::kernel_names)
-      .def("inject_next_pipeline_lookup_failure", &KernelRegistry::inject_next_pipeline_lookup_failure,
-           py::arg("name"))
+      .def("inject_next_pipeline_lookup_failure",
+           &KernelRegistry::inject_next_pipeline_lookup_failure, py::arg("name"))
       .def(
           "register_kernel_from",
           [](KernelRegistry& r, const std::string& name, const std::string& source) {
@@ -61,10 +63,12 @@ void init_registry(py::module_& m) {
                 return;
               }
             }
-            throw InvalidArgument("backend '" + r.device().backend_name() + "' has no kernel '" + source + "'");
+            throw InvalidArgument("backend '" + r.device().backend_name() + "' has no kernel '" +
+                                  source + "'");
           },
           py::arg("name"), py::arg("source"),
-          "Register the backend kernel `source` under `name`; refused for names a frozen plan protects.")
+          "Register the backend kernel `source` under `name`; refused for names a frozen plan "
+          "protects.")
       .def("freeze_plan", &KernelRegistry::freeze_plan, py::arg("plan_kind"), py::arg("plan_id"),
            py::arg("protected_names"), py::arg("plan_document") = std::string())
       .def("frozen_plan_id", &KernelRegistry::frozen_plan_id, py::arg("plan_kind"))

@@ -44,9 +44,9 @@ TEST(Buffer, ViewsComposeAndStayInRange) {
   EXPECT_EQ(b.byte_offset(), 24u);
   EXPECT_EQ(b.logical_range().first, parent.address() + 24);
   EXPECT_EQ(b.logical_range().second, parent.address() + 32);
-  EXPECT_THROW(a.view(8, 32, DType::U8, {}), InvalidArgument);     // past the parent's end
-  EXPECT_THROW(a.view(0, 6, DType::F32, {}), InvalidArgument);     // not whole f32 elements
-  EXPECT_THROW(a.view(0, 8, DType::F32, {3}), InvalidArgument);    // shape disagrees with bytes
+  EXPECT_THROW(a.view(8, 32, DType::U8, {}), InvalidArgument);   // past the parent's end
+  EXPECT_THROW(a.view(0, 6, DType::F32, {}), InvalidArgument);   // not whole f32 elements
+  EXPECT_THROW(a.view(0, 8, DType::F32, {3}), InvalidArgument);  // shape disagrees with bytes
 }
 
 TEST(Buffer, HostCopiesCoverExactlyTheView) {

@@ -37,7 +37,9 @@ std::string message_of(const std::function<void()>& body) {
   return "<no error>";
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
 
 uint16_t to_bf16(float value) {  // round to nearest even
   const uint32_t b = bits(value);
@@ -72,24 +74,38 @@ TEST(DenseMatmulIdCapability, EveryRejectionInOrder) {
   auto p = params_for(9, 7, 35, 6, 8, DenseMatmulIdRoute::Direct, DType::BF16);
   auto check = [](DType dtype, DenseMatmulIdParams q, const std::string& part) {
     const std::string message = message_of([&] { dense_matmul_id_capability(dtype, q); });
-    EXPECT_TRUE(contains(message, "dense_matmul_id ") && contains(message, part)) << message << " / " << part;
+    EXPECT_TRUE(contains(message, "dense_matmul_id ") && contains(message, part))
+        << message << " / " << part;
   };
-  auto q = p; q.m = 0;
+  auto q = p;
+  q.m = 0;
   check(DType::BF16, q, "M, N, K, top_k, and n_experts must be nonzero");
-  q = p; q.top_k = 9;
+  q = p;
+  q.top_k = 9;
   check(DType::BF16, q, "distinct top_k 9 exceeds n_experts 8");
   check(DType::U32, p, "weights must be F32, F16, or BF16, got u32");
-  q = p; q.expert_stride_bytes = 489;
+  q = p;
+  q.expert_stride_bytes = 489;
   check(DType::BF16, q, "expert stride 489 is smaller than one 490-byte matrix");
-  q = p; q.expert_stride_bytes = 491;
+  q = p;
+  q.expert_stride_bytes = 491;
   check(DType::BF16, q, "expert stride 491 is not aligned to bf16");
-  q = p; q.n_experts = UINT32_MAX; q.expert_stride_bytes = UINT64_MAX - 1;
+  q = p;
+  q.n_experts = UINT32_MAX;
+  q.expert_stride_bytes = UINT64_MAX - 1;
   check(DType::BF16, q, "overflow");
-  q = p; q.route = DenseMatmulIdRoute::GroupedPrefill; q.id_multiplicity = DenseMatmulIdMultiplicity::MayRepeat;
+  q = p;
+  q.route = DenseMatmulIdRoute::GroupedPrefill;
+  q.id_multiplicity = DenseMatmulIdMultiplicity::MayRepeat;
   check(DType::BF16, q, "grouped prefill requires distinct expert IDs per token");
-  q = p; q.route = DenseMatmulIdRoute::GroupedPrefill; q.n_experts = 1025;
+  q = p;
+  q.route = DenseMatmulIdRoute::GroupedPrefill;
+  q.n_experts = 1025;
   check(DType::BF16, q, "grouped prefill supports at most 1024 experts");
-  q = p; q.m = UINT32_MAX; q.top_k = 2; q.id_multiplicity = DenseMatmulIdMultiplicity::MayRepeat;
+  q = p;
+  q.m = UINT32_MAX;
+  q.top_k = 2;
+  q.id_multiplicity = DenseMatmulIdMultiplicity::MayRepeat;
   check(DType::BF16, q, "flattened routed rows exceed");
 }
 
@@ -137,7 +153,9 @@ TEST(DenseMatmulId, TraceGeometryAndBarrierPattern) {
   auto nodes = encoder.take_capture().value();
   ASSERT_EQ(nodes.size(), 8u);
   for (size_t i = 0; i < nodes.size(); ++i) {
-    EXPECT_EQ(nodes[i].kind, i % 2 == 0 ? CapturedNode::Kind::Barrier : CapturedNode::Kind::Dispatch) << i;
+    EXPECT_EQ(nodes[i].kind,
+              i % 2 == 0 ? CapturedNode::Kind::Barrier : CapturedNode::Kind::Dispatch)
+        << i;
     if (nodes[i].kind == CapturedNode::Kind::Dispatch) {
       EXPECT_FALSE(nodes[i].reads.empty());
       EXPECT_FALSE(nodes[i].writes.empty());
@@ -186,7 +204,8 @@ TEST(DenseMatmulId, RoutesAreBitIdenticalAndMatchADoubleReference) {
       for (uint32_t s = 0; s < top_k; ++s) ids[t * top_k + s] = (t + s) % experts;
     ids[5] = 0xFFFFFFFFu;  // invalid ids give zero rows
     ids[13] = experts;
-    Buffer wb = dtype == DType::F32 ? upload(device, w, DType::F32) : upload(device, w16, DType::BF16);
+    Buffer wb =
+        dtype == DType::F32 ? upload(device, w, DType::F32) : upload(device, w16, DType::BF16);
     Buffer xb = upload(device, x, DType::F32);
     Buffer ib = upload(device, ids, DType::U32);
     DenseMatmulIdScratch scratch(device, experts, m);

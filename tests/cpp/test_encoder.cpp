@@ -41,7 +41,8 @@ TEST(Encoder, CaptureRecordsBindingsAndPendingRangesWithoutExecuting) {
   const uint32_t value = 7;
   encoder.start_capture();
   encoder.set_pending_buffer_ranges({{1, 2}}, {{3, 4}});
-  const std::pair<uint32_t, KernelArg> args[] = {{0, KernelArg::pod(value)}, {1, KernelArg::at(a, 8)}};
+  const std::pair<uint32_t, KernelArg> args[] = {{0, KernelArg::pod(value)},
+                                                 {1, KernelArg::at(a, 8)}};
   const uint64_t dispatches = dispatch_count();
   encoder.dispatch(*f.map, args, Dim3{1, 1, 1}, Dim3{4, 1, 1});
   EXPECT_EQ(dispatch_count(), dispatches + 1);

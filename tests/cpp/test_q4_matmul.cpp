@@ -31,10 +31,10 @@ TEST(Q4Format, HalfConversionRoundsToNearestEven) {
   EXPECT_EQ(q4_0::float_to_half_bits(-2.0f), 0xc000);
   EXPECT_EQ(q4_0::float_to_half_bits(65504.0f), 0x7bff);
   EXPECT_EQ(q4_0::float_to_half_bits(65519.0f), 0x7bff);
-  EXPECT_EQ(q4_0::float_to_half_bits(65520.0f), 0x7c00);  // the midpoint rounds to infinity
+  EXPECT_EQ(q4_0::float_to_half_bits(65520.0f), 0x7c00);         // the midpoint rounds to infinity
   EXPECT_EQ(q4_0::float_to_half_bits(1.0f + 0x1p-11f), 0x3c00);  // tie -> even
   EXPECT_EQ(q4_0::float_to_half_bits(1.0f + 3 * 0x1p-11f), 0x3c02);  // tie -> even (up)
-  EXPECT_EQ(q4_0::float_to_half_bits(0x1p-24f), 0x0001);  // smallest subnormal
+  EXPECT_EQ(q4_0::float_to_half_bits(0x1p-24f), 0x0001);             // smallest subnormal
   EXPECT_EQ(q4_0::float_to_half_bits(0x1p-25f), 0x0000);  // half of it: tie -> even (zero)
   EXPECT_EQ(q4_0::float_to_half_bits(0x1.8p-25f), 0x0001);
   EXPECT_EQ(q4_0::float_to_half_bits(-0.0f), 0x8000);
@@ -166,9 +166,11 @@ TEST(Q4Matmul, RoutingWithoutPlan) {
   };
   const Case cases[] = {
       {{}, DenseQ4Route::CompatibilityV2, DenseQ4DecisionSource::NoPlanCompatibilityFallback},
-      {{GgmlTensorMmPreference::ForceSimd, true}, DenseQ4Route::CompatibilitySimdgroup,
+      {{GgmlTensorMmPreference::ForceSimd, true},
+       DenseQ4Route::CompatibilitySimdgroup,
        DenseQ4DecisionSource::IneligibleCompatibilityFallback},
-      {{GgmlTensorMmPreference::AutoProbe, false}, DenseQ4Route::CompatibilityTensorV1,
+      {{GgmlTensorMmPreference::AutoProbe, false},
+       DenseQ4Route::CompatibilityTensorV1,
        DenseQ4DecisionSource::IneligibleCompatibilityFallback},
   };
   for (const Case& c : cases) {
@@ -228,7 +230,8 @@ TEST(Q4Matmul, KernelDefsCarryTheSpecGeometry) {
   Device device(std::string("cpu"));
   KernelRegistry registry(device);
   for (DenseQ4Route route : kAllDenseQ4Routes) {
-    const PipelinePtr p = registry.get_pipeline(dense_q4_pipeline_name(route), kQ4PipelineConstants);
+    const PipelinePtr p =
+        registry.get_pipeline(dense_q4_pipeline_name(route), kQ4PipelineConstants);
     const EncodedKernelDispatch expected = q4_expected_dispatch(route, 1, 1);
     EXPECT_EQ(p->label(), expected.pipeline_label);
     EXPECT_EQ(p->def().tile_y, 64u);

@@ -9,7 +9,8 @@ using namespace routemm;
 
 TEST(Registry, LabelsCarryConstantsInOrder) {
   const std::pair<uint32_t, int32_t> constants[] = {{700, 1}, {701, 1}, {702, 1}};
-  EXPECT_EQ(pipeline_label("kernel_mul_mm_q4_0_f32", constants), "kernel_mul_mm_q4_0_f32|700:i1|701:i1|702:i1");
+  EXPECT_EQ(pipeline_label("kernel_mul_mm_q4_0_f32", constants),
+            "kernel_mul_mm_q4_0_f32|700:i1|701:i1|702:i1");
   EXPECT_EQ(pipeline_label("plain", {}), "plain");
 }
 

@@ -77,7 +77,7 @@ vec<T, N> operator*(vec<T, N>, T);
 
 }  // namespace metal
 
-#define ROUTEMM_MSL_VECTORS(T)     \
+#define ROUTEMM_MSL_VECTORS(T)   \
   typedef metal::vec<T, 2> T##2; \
   typedef metal::vec<T, 3> T##3; \
   typedef metal::vec<T, 4> T##4;
@@ -142,11 +142,14 @@ template <class T, int Cols, int Rows>
 void simdgroup_load(simdgroup_matrix<T, Cols, Rows>& d, const T* src, ulong elements_per_row = Cols,
                     ulong2 matrix_origin = ulong2(0, 0), bool transpose_matrix = false);
 template <class T, int Cols, int Rows>
-void simdgroup_store(const simdgroup_matrix<T, Cols, Rows>& a, T* dst, ulong elements_per_row = Cols,
-                     ulong2 matrix_origin = ulong2(0, 0), bool transpose_matrix = false);
+void simdgroup_store(const simdgroup_matrix<T, Cols, Rows>& a, T* dst,
+                     ulong elements_per_row = Cols, ulong2 matrix_origin = ulong2(0, 0),
+                     bool transpose_matrix = false);
 template <class TD, class TA, class TB, class TC, int N>
-void simdgroup_multiply_accumulate(simdgroup_matrix<TD, N, N>& d, const simdgroup_matrix<TA, N, N>& a,
-                                   const simdgroup_matrix<TB, N, N>& b, const simdgroup_matrix<TC, N, N>& c);
+void simdgroup_multiply_accumulate(simdgroup_matrix<TD, N, N>& d,
+                                   const simdgroup_matrix<TA, N, N>& a,
+                                   const simdgroup_matrix<TB, N, N>& b,
+                                   const simdgroup_matrix<TC, N, N>& c);
 
 // ---- Tensors (<metal_tensor>, Metal 4) ---------------------------------------------------------------
 inline constexpr size_t dynamic_extent = static_cast<size_t>(-1);
@@ -199,8 +202,13 @@ struct matmul2d_descriptor {
   constexpr matmul2d_descriptor(int m_, int n_, int k_ = -1, bool transpose_left_ = false,
                                 bool transpose_right_ = false, bool relaxed_precision_ = false,
                                 mode matmul_mode_ = mode::multiply)
-      : m(m_), n(n_), k(k_), transpose_left(transpose_left_), transpose_right(transpose_right_),
-        relaxed_precision(relaxed_precision_), matmul_mode(matmul_mode_) {}
+      : m(m_),
+        n(n_),
+        k(k_),
+        transpose_left(transpose_left_),
+        transpose_right(transpose_right_),
+        relaxed_precision(relaxed_precision_),
+        matmul_mode(matmul_mode_) {}
 };
 
 template <matmul2d_descriptor Descriptor, class Scope>

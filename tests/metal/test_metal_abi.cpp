@@ -3,15 +3,15 @@
 // structs the front doors fill (the host-mode static_asserts live in the headers themselves).
 // MSL scalars have C's natural size and alignment (uint 4, ulong 8, short 2, ushort 2, uchar 1),
 // which msl_shim.h mirrors; a field added, reordered or retyped on one side fails here.
-#include "msl_shim.h"
-
 #include "backend/common/calibration_params.h"
 #include "backend/common/dense_matmul_id_params.h"
 #include "backend/common/q4_0_block.h"
+#include "msl_shim.h"
 
 namespace k = routemm::kernels;
 
-#define ROUTEMM_EXPECT_FIELD(type, field, offset) static_assert(offsetof(k::type, field) == (offset), #type "." #field)
+#define ROUTEMM_EXPECT_FIELD(type, field, offset) \
+  static_assert(offsetof(k::type, field) == (offset), #type "." #field)
 
 static_assert(sizeof(k::DenseMatmulIdKernelParams) == 48);
 ROUTEMM_EXPECT_FIELD(DenseMatmulIdKernelParams, m, 0);
@@ -63,7 +63,8 @@ ROUTEMM_EXPECT_FIELD(CalibrationKernelParams, logical_elements, 0);
 ROUTEMM_EXPECT_FIELD(CalibrationKernelParams, guarded_elements, 8);
 ROUTEMM_EXPECT_FIELD(CalibrationKernelParams, status_index, 16);
 ROUTEMM_EXPECT_FIELD(CalibrationKernelParams, pad, 20);
-static_assert(k::kCalibrationPoisonBits == 0xFFFFFFFFu && k::kCalibrationCandidateGuard == (1u << 6));
+static_assert(k::kCalibrationPoisonBits == 0xFFFFFFFFu &&
+              k::kCalibrationCandidateGuard == (1u << 6));
 
 // Compiled as a test program: the checks above are the test; running it only reports success.
 int main() { return 0; }

@@ -94,7 +94,8 @@ std::map<std::string, ShaderKernel> shader_kernels() {
   for (const auto& entry : std::filesystem::directory_iterator(ROUTEMM_METAL_SHADER_DIR)) {
     if (entry.path().extension() != ".metal") continue;
     const std::string source = read(entry.path());
-    for (auto it = std::sregex_iterator(source.begin(), source.end(), kernel_re); it != std::sregex_iterator(); ++it) {
+    for (auto it = std::sregex_iterator(source.begin(), source.end(), kernel_re);
+         it != std::sregex_iterator(); ++it) {
       // The parameter list, up to the matching ')'.
       size_t pos = static_cast<size_t>(it->position(0) + it->length(0));
       int depth = 1;
@@ -141,7 +142,8 @@ std::map<std::string, ShaderKernel> shader_kernels() {
 }
 
 std::vector<std::string> core_pipeline_names() {
-  std::vector<std::string> names(kDenseMatmulIdPipelineNames.begin(), kDenseMatmulIdPipelineNames.end());
+  std::vector<std::string> names(kDenseMatmulIdPipelineNames.begin(),
+                                 kDenseMatmulIdPipelineNames.end());
   names.insert(names.end(), kQ4MatmulPipelineNames.begin(), kQ4MatmulPipelineNames.end());
   names.push_back("routemm_calibration_poison_f32");
   names.push_back("routemm_calibration_compare_f32");
@@ -162,11 +164,13 @@ TEST(MetalKernelTable, EveryPipelineIsAKernelInItsLibrary) {
     const auto it = kernels.find(std::string(spec.name));
     ASSERT_NE(it, kernels.end()) << "no `kernel void " << spec.name << "(` in metal/*.metal";
     const bool tensor_file = it->second.file == "q4_matmul_tensor.metal";
-    EXPECT_EQ(tensor_file, spec.library == MetalLibrary::Tensor) << spec.name << " is in " << it->second.file;
+    EXPECT_EQ(tensor_file, spec.library == MetalLibrary::Tensor)
+        << spec.name << " is in " << it->second.file;
     EXPECT_EQ(it->second.threadgroup.empty(), spec.threadgroup_memory_bytes == 0) << spec.name;
   }
   for (const auto& [name, kernel] : kernels) {
-    EXPECT_TRUE(names.count(name)) << kernel.file << " defines kernel " << name << " that no table registers";
+    EXPECT_TRUE(names.count(name))
+        << kernel.file << " defines kernel " << name << " that no table registers";
   }
 }
 
@@ -247,14 +251,16 @@ void expect_bindings_match_shaders() {
       const BoundArg& arg = r.launch.args[slot];
       const auto param = k.buffers.find(static_cast<int>(slot));
       if (param == k.buffers.end()) {
-        EXPECT_EQ(arg.kind, BoundArg::Kind::Empty) << r.function << " binds slot " << slot << " it does not declare";
+        EXPECT_EQ(arg.kind, BoundArg::Kind::Empty)
+            << r.function << " binds slot " << slot << " it does not declare";
         continue;
       }
       const BoundArg::Kind want = param->second ? BoundArg::Kind::Bytes : BoundArg::Kind::Buffer;
       EXPECT_EQ(arg.kind, want) << r.function << " slot " << slot;
     }
     std::set<int> memory;
-    for (const auto& [index, bytes] : r.launch.threadgroup_memory) memory.insert(static_cast<int>(index));
+    for (const auto& [index, bytes] : r.launch.threadgroup_memory)
+      memory.insert(static_cast<int>(index));
     EXPECT_EQ(memory, k.threadgroup) << r.function;
   }
 }
@@ -294,7 +300,8 @@ TEST(MetalKernelTable, ExpertIdGeometryAndBindings) {
 
     ASSERT_EQ(receipt.size(), 3u);
     const auto names = dense_matmul_id_route_pipelines(dtype, DenseMatmulIdRoute::GroupedPrefill);
-    EXPECT_EQ(receipt[0].pipeline_label, std::string(dense_matmul_id_route_pipelines(dtype, DenseMatmulIdRoute::Direct)[0]));
+    EXPECT_EQ(receipt[0].pipeline_label,
+              std::string(dense_matmul_id_route_pipelines(dtype, DenseMatmulIdRoute::Direct)[0]));
     EXPECT_EQ(receipt[0].grid, (std::array<uint64_t, 3>{1, 54, 1}));
     EXPECT_EQ(receipt[0].threads_per_threadgroup, (std::array<uint64_t, 3>{64, 1, 1}));
     EXPECT_TRUE(receipt[0].threadgroup_memory.empty());
@@ -304,7 +311,8 @@ TEST(MetalKernelTable, ExpertIdGeometryAndBindings) {
     EXPECT_EQ(receipt[2].pipeline_label, std::string(names[1]));
     EXPECT_EQ(receipt[2].grid, (std::array<uint64_t, 3>{2, 1, 8}));
     EXPECT_EQ(receipt[2].threads_per_threadgroup, (std::array<uint64_t, 3>{256, 1, 1}));
-    EXPECT_EQ(receipt[2].threadgroup_memory, (std::vector<std::pair<uint64_t, uint64_t>>{{0, 4096}}));
+    EXPECT_EQ(receipt[2].threadgroup_memory,
+              (std::vector<std::pair<uint64_t, uint64_t>>{{0, 4096}}));
     ASSERT_EQ(recorded().size(), 3u);
     EXPECT_EQ(recorded()[0].function, receipt[0].pipeline_label);
     expect_bindings_match_shaders();
@@ -323,7 +331,8 @@ TEST(MetalKernelTable, Q4GeometryAndBindings) {
     recorded().clear();
     CommandEncoder encoder = device.command_encoder();
     if (m <= kGgmlMmRoutingThreshold) {
-      const auto r = quantized_matmul_ggml(encoder, registry, input, weight, output, params, GgmlRoutingPolicy{});
+      const auto r = quantized_matmul_ggml(encoder, registry, input, weight, output, params,
+                                           GgmlRoutingPolicy{});
       // Spec §5.5: grid [ceil(N/8), M, 1], threads [8, 8, 1], no threadgroup memory.
       EXPECT_EQ(r.dispatch.pipeline_label, "kernel_mul_mv_q4_0_f32|700:i1|701:i1|702:i1");
       EXPECT_EQ(r.dispatch.grid, (std::array<uint64_t, 3>{97, m, 1}));
@@ -338,7 +347,8 @@ TEST(MetalKernelTable, Q4GeometryAndBindings) {
     encoder.commit_and_wait();
     for (const RecordedLaunch& launch : recorded()) {
       EXPECT_EQ(launch.launch.int_constants,
-                (std::vector<std::pair<uint32_t, int32_t>>(kQ4PipelineConstants.begin(), kQ4PipelineConstants.end())));
+                (std::vector<std::pair<uint32_t, int32_t>>(kQ4PipelineConstants.begin(),
+                                                           kQ4PipelineConstants.end())));
     }
     expect_bindings_match_shaders();
   }

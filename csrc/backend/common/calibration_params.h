@@ -14,7 +14,8 @@
 #ifdef __METAL_VERSION__
 #define ROUTEMM_U32 uint
 #define ROUTEMM_U64 ulong
-#define ROUTEMM_CONSTANT constant  // MSL: program-scope constants live in the constant address space
+#define ROUTEMM_CONSTANT \
+  constant  // MSL: program-scope constants live in the constant address space
 #else
 #include <cstddef>
 #include <cstdint>
@@ -48,7 +49,8 @@ struct CalibrationKernelParams {
 #if defined(__CUDACC__)
 __host__ __device__
 #endif
-inline ROUTEMM_U32 calibration_element_status(ROUTEMM_U32 control, ROUTEMM_U32 candidate, bool logical) {
+    inline ROUTEMM_U32 calibration_element_status(ROUTEMM_U32 control, ROUTEMM_U32 candidate,
+                                                  bool logical) {
   constexpr ROUTEMM_U32 kExponent = 0x7F800000u;
   ROUTEMM_U32 bits = 0;
   if (logical) {

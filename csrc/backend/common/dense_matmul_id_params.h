@@ -5,7 +5,8 @@
 #ifdef __METAL_VERSION__
 #define ROUTEMM_U32 uint
 #define ROUTEMM_U64 ulong
-#define ROUTEMM_CONSTANT constant  // MSL: program-scope constants live in the constant address space
+#define ROUTEMM_CONSTANT \
+  constant  // MSL: program-scope constants live in the constant address space
 #else
 #include <cstddef>
 #include <cstdint>
@@ -21,12 +22,12 @@ ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kInputSharedPerToken = 0;
 ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kInputSlotted = 1;
 
 struct DenseMatmulIdKernelParams {
-  ROUTEMM_U32 m;            // tokens
-  ROUTEMM_U32 n;            // output features per expert (weight rows)
-  ROUTEMM_U32 k;            // input width (weight columns)
-  ROUTEMM_U32 top_k;        // expert slots per token
-  ROUTEMM_U32 n_experts;    // ids >= n_experts give an all-zero output row
-  ROUTEMM_U32 input_layout; // kInputSharedPerToken or kInputSlotted
+  ROUTEMM_U32 m;                         // tokens
+  ROUTEMM_U32 n;                         // output features per expert (weight rows)
+  ROUTEMM_U32 k;                         // input width (weight columns)
+  ROUTEMM_U32 top_k;                     // expert slots per token
+  ROUTEMM_U32 n_experts;                 // ids >= n_experts give an all-zero output row
+  ROUTEMM_U32 input_layout;              // kInputSharedPerToken or kInputSlotted
   ROUTEMM_U64 expert_stride_bytes;       // byte distance between consecutive expert matrices
   ROUTEMM_U64 input_token_stride_bytes;  // Shared: k*4; Slotted: k*4*top_k
   ROUTEMM_U64 input_slot_stride_bytes;   // Shared: 0;   Slotted: k*4

@@ -21,8 +21,8 @@ inline const BoundArg& launch_arg(const KernelLaunch& launch, size_t slot, const
                 ") is not bound");
   }
   if (arg.size < need) {
-    throw Error(launch.label + ": argument slot " + std::to_string(slot) + " (" + what + ") holds " +
-                std::to_string(arg.size) + " bytes, needs " + std::to_string(need));
+    throw Error(launch.label + ": argument slot " + std::to_string(slot) + " (" + what +
+                ") holds " + std::to_string(arg.size) + " bytes, needs " + std::to_string(need));
   }
   return arg;
 }

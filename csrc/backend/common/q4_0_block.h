@@ -11,7 +11,8 @@
 #define ROUTEMM_U64 ulong
 #define ROUTEMM_U16 ushort
 #define ROUTEMM_U8 uchar
-#define ROUTEMM_CONSTANT constant  // MSL: program-scope constants live in the constant address space
+#define ROUTEMM_CONSTANT \
+  constant  // MSL: program-scope constants live in the constant address space
 #else
 #include <cstddef>
 #include <cstdint>

@@ -28,13 +28,15 @@ const BoundArg& arg(const KernelLaunch& launch, size_t slot, const char* what) {
 
 CalibrationKernelParams params_of(const KernelLaunch& launch, size_t slot) {
   const auto p = kernels::launch_params<CalibrationKernelParams>(launch, slot);
-  if (p.logical_elements > p.guarded_elements) throw Error(launch.label + ": logical elements exceed guarded");
+  if (p.logical_elements > p.guarded_elements)
+    throw Error(launch.label + ": logical elements exceed guarded");
   return p;
 }
 
 uint32_t* f32_words(const KernelLaunch& launch, size_t slot, const char* what, uint64_t elements) {
   const BoundArg& a = kernels::launch_arg(launch, slot, what, elements * 4);
-  if (a.kind != BoundArg::Kind::Buffer) throw Error(launch.label + ": " + what + " must be a buffer");
+  if (a.kind != BoundArg::Kind::Buffer)
+    throw Error(launch.label + ": " + what + " must be a buffer");
   return static_cast<uint32_t*>(a.data);
 }
 
@@ -42,12 +44,13 @@ void poison_kernel(const KernelLaunch& launch, void* pool_ptr) {
   const CalibrationKernelParams p = params_of(launch, 2);
   uint32_t* control = f32_words(launch, 0, "control output", p.guarded_elements);
   uint32_t* candidate = f32_words(launch, 1, "candidate output", p.guarded_elements);
-  static_cast<ThreadPool*>(pool_ptr)->parallel_for(p.guarded_elements, kGrain, [&](size_t b, size_t e) {
-    for (size_t t = b; t < e; ++t) {
-      control[t] = kernels::kCalibrationPoisonBits;
-      candidate[t] = kernels::kCalibrationPoisonBits;
-    }
-  });
+  static_cast<ThreadPool*>(pool_ptr)->parallel_for(
+      p.guarded_elements, kGrain, [&](size_t b, size_t e) {
+        for (size_t t = b; t < e; ++t) {
+          control[t] = kernels::kCalibrationPoisonBits;
+          candidate[t] = kernels::kCalibrationPoisonBits;
+        }
+      });
 }
 
 void compare_kernel(const KernelLaunch& launch, void* pool_ptr) {
@@ -56,16 +59,19 @@ void compare_kernel(const KernelLaunch& launch, void* pool_ptr) {
   const uint32_t* candidate = f32_words(launch, 1, "candidate output", p.guarded_elements);
   const BoundArg& s = arg(launch, 2, "statuses");
   if (s.kind != BoundArg::Kind::Buffer || s.size / 4 <= p.status_index) {
-    throw Error(launch.label + ": status index " + std::to_string(p.status_index) + " is out of range");
+    throw Error(launch.label + ": status index " + std::to_string(p.status_index) +
+                " is out of range");
   }
   std::atomic_ref<uint32_t> status(static_cast<uint32_t*>(s.data)[p.status_index]);
-  static_cast<ThreadPool*>(pool_ptr)->parallel_for(p.guarded_elements, kGrain, [&](size_t b, size_t e) {
-    uint32_t bits = 0;
-    for (size_t t = b; t < e; ++t) {
-      bits |= kernels::calibration_element_status(control[t], candidate[t], t < p.logical_elements);
-    }
-    if (bits != 0) status.fetch_or(bits, std::memory_order_relaxed);
-  });
+  static_cast<ThreadPool*>(pool_ptr)->parallel_for(
+      p.guarded_elements, kGrain, [&](size_t b, size_t e) {
+        uint32_t bits = 0;
+        for (size_t t = b; t < e; ++t) {
+          bits |=
+              kernels::calibration_element_status(control[t], candidate[t], t < p.logical_elements);
+        }
+        if (bits != 0) status.fetch_or(bits, std::memory_order_relaxed);
+      });
 }
 
 KernelDef def(std::string_view name, KernelFn fn) {

@@ -66,7 +66,8 @@ class CpuBackend final : public Backend {
   std::shared_ptr<Storage> allocate(size_t nbytes) override {
     const size_t rounded = ((nbytes + kAlignment - 1) / kAlignment) * kAlignment;
     void* data = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
-    if (data == nullptr) throw Error("cpu backend: cannot allocate " + std::to_string(nbytes) + " bytes");
+    if (data == nullptr)
+      throw Error("cpu backend: cannot allocate " + std::to_string(nbytes) + " bytes");
     return std::make_shared<Storage>(shared_from_this(), data, nbytes, true);
   }
   void deallocate(void* data, size_t) noexcept override { std::free(data); }
@@ -87,12 +88,12 @@ class CpuBackend final : public Backend {
 }  // namespace
 
 void register_cpu_backend() {
-  register_backend(BackendEntry{
-      "cpu", 0, [] { return std::string(); },
-      [] {
-        static std::shared_ptr<Backend> backend = std::make_shared<CpuBackend>();
-        return backend;
-      }});
+  register_backend(BackendEntry{"cpu", 0, [] { return std::string(); },
+                                [] {
+                                  static std::shared_ptr<Backend> backend =
+                                      std::make_shared<CpuBackend>();
+                                  return backend;
+                                }});
 }
 
 }  // namespace routemm::cpu

@@ -27,8 +27,8 @@
 #include <string>
 #include <vector>
 
-#include "backend/common/q4_0_block.h"
 #include "backend/common/launch_args.h"
+#include "backend/common/q4_0_block.h"
 #include "kernels.h"
 #include "routemm/error.h"
 #include "simd.h"
@@ -49,12 +49,12 @@ using kernels::GgmlMatmulMmParams;
 using kernels::GgmlMatmulMvParams;
 using simd::kLanes;
 
-constexpr size_t kQK = kernels::kQ4_0BlockValues;     // values per block
-constexpr size_t kBlock = kernels::kQ4_0BlockBytes;   // bytes per block
-constexpr size_t kLanesPerBlock = kQK / kLanes;       // 4 lane vectors per block
-constexpr size_t kMmOutputTile = 64;                  // outputs per matrix threadgroup tile
-constexpr size_t kMvThreadgroupOutputs = 8;           // outputs per mat-vec threadgroup
-constexpr size_t kMaxMvRows = 8;                      // the mat-vec pipeline serves M <= 8
+constexpr size_t kQK = kernels::kQ4_0BlockValues;    // values per block
+constexpr size_t kBlock = kernels::kQ4_0BlockBytes;  // bytes per block
+constexpr size_t kLanesPerBlock = kQK / kLanes;      // 4 lane vectors per block
+constexpr size_t kMmOutputTile = 64;                 // outputs per matrix threadgroup tile
+constexpr size_t kMvThreadgroupOutputs = 8;          // outputs per mat-vec threadgroup
+constexpr size_t kMaxMvRows = 8;                     // the mat-vec pipeline serves M <= 8
 
 // ---- Arguments ----------------------------------------------------------------------------------
 
@@ -72,8 +72,6 @@ size_t checked_mul(size_t a, size_t b) {
 void* arg_data(const KernelLaunch& launch, size_t slot, size_t need, const char* what) {
   return kernels::launch_arg(launch, slot, what, need).data;
 }
-
-
 
 // Pointers and extents every kernel shares. Weight rows are N rows of K / 32 blocks.
 struct Operands {
@@ -98,8 +96,13 @@ Operands bind_operands(const KernelLaunch& launch, size_t m, size_t n, size_t k,
   const void* weight = arg_data(launch, weight_slot, checked_mul(n, row_bytes), "weight");
   const void* input = arg_data(launch, input_slot, checked_mul(checked_mul(m, k), 4), "input");
   void* output = arg_data(launch, output_slot, checked_mul(checked_mul(m, n), 4), "output");
-  return Operands{static_cast<const uint8_t*>(weight), static_cast<const float*>(input),
-                  static_cast<float*>(output), m, n, k, row_bytes};
+  return Operands{static_cast<const uint8_t*>(weight),
+                  static_cast<const float*>(input),
+                  static_cast<float*>(output),
+                  m,
+                  n,
+                  k,
+                  row_bytes};
 }
 
 uint16_t block_scale_bits(const uint8_t* block) {
@@ -185,7 +188,7 @@ struct Avx2Isa {
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(block)));
     const __m256 minus_8d = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-    const __m256i first = _mm256_cvtepu8_epi32(bytes);                     // bytes 0..7
+    const __m256i first = _mm256_cvtepu8_epi32(bytes);                      // bytes 0..7
     const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));  // bytes 8..15
     const __m256i low = _mm256_set1_epi32(0x0f);
     v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(first, low)), d, minus_8d);
@@ -309,8 +312,8 @@ MvRun<Isa> mv_run_for_rows(size_t rows) {
 
 void mv_kernel(const KernelLaunch& launch, void* queue_native) {
   const auto p = kernels::launch_params<GgmlMatmulMvParams>(launch, 3);
-  if (p.ne00 != p.ne10 || p.ne01 != p.ne0 || p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 ||
-      p.r3 != 1 || p.ne1 <= 0 || p.ne0 <= 0 || p.ne00 <= 0) {
+  if (p.ne00 != p.ne10 || p.ne01 != p.ne0 || p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 || p.r3 != 1 ||
+      p.ne1 <= 0 || p.ne0 <= 0 || p.ne00 <= 0) {
     launch_error(launch, "inconsistent mat-vec params");
   }
   const Operands ops = bind_operands(launch, static_cast<size_t>(p.ne1), static_cast<size_t>(p.ne0),
@@ -404,7 +407,8 @@ void mm_item(const Operands& ops, size_t row0, size_t rows, size_t col0, size_t 
   }
   for (size_t r = 0; r < rows; ++r) {
     float* out = ops.output + (row0 + r) * ops.n + col0;
-    for (size_t c = 0; c < cols; ++c) out[c] = simd::reduce_lanes(acc + r * acc_stride + c * kLanes);
+    for (size_t c = 0; c < cols; ++c)
+      out[c] = simd::reduce_lanes(acc + r * acc_stride + c * kLanes);
   }
 }
 
@@ -416,7 +420,8 @@ void mm_kernel(const KernelLaunch& launch, void* queue_native) {
   if (p.ne00 <= 0 || p.ne0 <= 0 || p.ne1 <= 0 || p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 ||
       p.r3 != 1 || p.nb10 != 4 || p.nb11 != uint64_t(p.ne00) * 4 ||
       p.nb01 != uint64_t(p.ne00) / kQK * kBlock) {
-    launch_error(launch, "inconsistent matrix params (only contiguous batch-1 inputs are supported)");
+    launch_error(launch,
+                 "inconsistent matrix params (only contiguous batch-1 inputs are supported)");
   }
   const Operands ops = bind_operands(launch, static_cast<size_t>(p.ne1), static_cast<size_t>(p.ne0),
                                      static_cast<size_t>(p.ne00), 1, 2, 3);
@@ -435,7 +440,8 @@ void mm_kernel(const KernelLaunch& launch, void* queue_native) {
     for (size_t item = begin; item < end; ++item) {
       const size_t tx = item % token_tiles, ty = item / token_tiles;
       const size_t row0 = tx * TokenTile, col0 = ty * kMmOutputTile;
-      run(ops, row0, std::min(TokenTile, ops.m - row0), col0, std::min(kMmOutputTile, ops.n - col0));
+      run(ops, row0, std::min(TokenTile, ops.m - row0), col0,
+          std::min(kMmOutputTile, ops.n - col0));
     }
   };
   auto* pool = static_cast<ThreadPool*>(queue_native);

@@ -23,7 +23,8 @@ namespace {
 
 using kernels::CalibrationKernelParams;
 
-__global__ void poison_kernel(uint32_t* __restrict__ control, uint32_t* __restrict__ candidate, uint64_t guarded) {
+__global__ void poison_kernel(uint32_t* __restrict__ control, uint32_t* __restrict__ candidate,
+                              uint64_t guarded) {
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
   for (uint64_t t = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; t < guarded; t += stride) {
     control[t] = kernels::kCalibrationPoisonBits;
@@ -31,7 +32,8 @@ __global__ void poison_kernel(uint32_t* __restrict__ control, uint32_t* __restri
   }
 }
 
-__global__ void compare_kernel(const uint32_t* __restrict__ control, const uint32_t* __restrict__ candidate,
+__global__ void compare_kernel(const uint32_t* __restrict__ control,
+                               const uint32_t* __restrict__ candidate,
                                uint32_t* __restrict__ statuses, uint64_t logical, uint64_t guarded,
                                uint32_t status_index) {
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
@@ -40,24 +42,28 @@ __global__ void compare_kernel(const uint32_t* __restrict__ control, const uint3
     bits |= kernels::calibration_element_status(control[t], candidate[t], t < logical);
   }
   // One atomic per warp: OR-reduce the lanes first.
-  for (int offset = 16; offset > 0; offset >>= 1) bits |= __shfl_xor_sync(0xFFFFFFFFu, bits, offset);
+  for (int offset = 16; offset > 0; offset >>= 1)
+    bits |= __shfl_xor_sync(0xFFFFFFFFu, bits, offset);
   if ((threadIdx.x & 31u) == 0 && bits != 0) atomicOr(statuses + status_index, bits);
 }
 
 CalibrationKernelParams params_of(const KernelLaunch& launch, size_t slot) {
   const auto p = kernels::launch_params<CalibrationKernelParams>(launch, slot);
-  if (p.logical_elements > p.guarded_elements) throw Error(launch.label + ": logical elements exceed guarded");
+  if (p.logical_elements > p.guarded_elements)
+    throw Error(launch.label + ": logical elements exceed guarded");
   return p;
 }
 
 uint32_t* words(const KernelLaunch& launch, size_t slot, const char* what, uint64_t elements) {
   const BoundArg& a = kernels::launch_arg(launch, slot, what, elements * 4);
-  if (a.kind != BoundArg::Kind::Buffer) throw Error(launch.label + ": " + what + " must be a buffer");
+  if (a.kind != BoundArg::Kind::Buffer)
+    throw Error(launch.label + ": " + what + " must be a buffer");
   return static_cast<uint32_t*>(a.data);
 }
 
 // Blocks for `guarded` elements at `threads` per block; a grid-stride loop covers the rest.
-void launch_shape(const KernelLaunch& launch, uint64_t guarded, unsigned& blocks, unsigned& threads) {
+void launch_shape(const KernelLaunch& launch, uint64_t guarded, unsigned& blocks,
+                  unsigned& threads) {
   uint64_t t = launch.threads.x * launch.threads.y * launch.threads.z;
   if (t == 0 || t > 1024) throw Error(launch.label + ": threads per block must be in 1..=1024");
   t = (t + 31) / 32 * 32;  // whole warps: the compare kernel's shuffle needs full warps

@@ -57,7 +57,8 @@ constexpr uint32_t kGroupCols = 64;      // columns per grouped block
 constexpr uint32_t kGroupThreads = 256;  // 8 warps
 constexpr uint32_t kSlice = 64;          // inner positions per shared-memory slice
 constexpr uint32_t kMapMaxThreads = 1024;
-constexpr size_t kGroupDynamicShmem = 2ull * (kGroupRows + kGroupCols) * kSlice * sizeof(float);  // 48 KiB
+constexpr size_t kGroupDynamicShmem =
+    2ull * (kGroupRows + kGroupCols) * kSlice * sizeof(float);  // 48 KiB
 
 // ---- element access ------------------------------------------------------------------------------
 
@@ -74,15 +75,26 @@ struct Chunk<float> {
   float4 a, b;
   __device__ __forceinline__ float get(int j) const {
     switch (j) {
-      case 0: return a.x; case 1: return a.y; case 2: return a.z; case 3: return a.w;
-      case 4: return b.x; case 5: return b.y; case 6: return b.z; default: return b.w;
+      case 0: return a.x;
+      case 1: return a.y;
+      case 2: return a.z;
+      case 3: return a.w;
+      case 4: return b.x;
+      case 5: return b.y;
+      case 6: return b.z;
+      default: return b.w;
     }
   }
   __device__ __forceinline__ void zero() { a = b = make_float4(0.f, 0.f, 0.f, 0.f); }
 };
 
 __device__ __forceinline__ uint32_t word_of(const uint4& q, int i) {
-  switch (i) { case 0: return q.x; case 1: return q.y; case 2: return q.z; default: return q.w; }
+  switch (i) {
+    case 0: return q.x;
+    case 1: return q.y;
+    case 2: return q.z;
+    default: return q.w;
+  }
 }
 
 template <>
@@ -102,7 +114,8 @@ struct Chunk<F16Tag> {
   uint4 q;
   __device__ __forceinline__ float get(int j) const {
     const uint32_t w = word_of(q, j >> 1);
-    return __half2float(__ushort_as_half(static_cast<unsigned short>((j & 1) ? (w >> 16) : (w & 0xFFFFu))));
+    return __half2float(
+        __ushort_as_half(static_cast<unsigned short>((j & 1) ? (w >> 16) : (w & 0xFFFFu))));
   }
   __device__ __forceinline__ void zero() { q = make_uint4(0, 0, 0, 0); }
 };
@@ -117,7 +130,8 @@ __device__ __forceinline__ uint4 ld_stream_u4(const void* p) {
 }
 __device__ __forceinline__ float4 ld_stream_f4(const void* p) {
   const uint4 r = ld_stream_u4(p);
-  return make_float4(__uint_as_float(r.x), __uint_as_float(r.y), __uint_as_float(r.z), __uint_as_float(r.w));
+  return make_float4(__uint_as_float(r.x), __uint_as_float(r.y), __uint_as_float(r.z),
+                     __uint_as_float(r.w));
 }
 
 // Loads weight chunk c of one row (row = pointer to element 0 of [col, :]); positions >= k are 0.
@@ -151,7 +165,8 @@ __device__ __forceinline__ Chunk<T> load_w_chunk(const void* row, uint32_t c, ui
       uint32_t v[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = (base + j < k) ? __ldg(p + base + j) : 0u;
-      ch.q = make_uint4(v[0] | (v[1] << 16), v[2] | (v[3] << 16), v[4] | (v[5] << 16), v[6] | (v[7] << 16));
+      ch.q = make_uint4(v[0] | (v[1] << 16), v[2] | (v[3] << 16), v[4] | (v[5] << 16),
+                        v[6] | (v[7] << 16));
     }
   }
   return ch;
@@ -199,8 +214,9 @@ __device__ __forceinline__ const float* input_row(const DenseMatmulIdKernelParam
 
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kDirectThreads)
-    direct_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w, const char* __restrict__ x,
-                  const uint32_t* __restrict__ ids, float* __restrict__ out, uint32_t tiles_x, uint64_t rows) {
+    direct_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
+                  const char* __restrict__ x, const uint32_t* __restrict__ ids,
+                  float* __restrict__ out, uint32_t tiles_x, uint64_t rows) {
   const uint64_t block = blockIdx.x;
   const uint64_t flat64 = block / tiles_x;
   if (flat64 >= rows) return;
@@ -260,10 +276,11 @@ __global__ void __launch_bounds__(kDirectThreads)
 // (bits below it in its word): entries land in token order for every expert (as the spec's scan
 // writes them), deterministically, with work proportional to m * top_k + n_experts * T / 32 rather
 // than n_experts * m * top_k. T is chosen so the bitmaps and prefixes fit in shared memory.
-constexpr uint32_t kMapBitmapWords = 4096;  // per array: bitmaps and prefixes, n_experts * words each
+constexpr uint32_t kMapBitmapWords =
+    4096;  // per array: bitmaps and prefixes, n_experts * words each
 
-__device__ __forceinline__ bool first_valid_slot(const uint32_t* token_ids, uint32_t slot, uint32_t id,
-                                                 uint32_t n_experts) {
+__device__ __forceinline__ bool first_valid_slot(const uint32_t* token_ids, uint32_t slot,
+                                                 uint32_t id, uint32_t n_experts) {
   if (id >= n_experts) return false;
   for (uint32_t s = 0; s < slot; ++s) {
     if (token_ids[s] == id) return false;  // an earlier slot of this token already maps to id
@@ -272,11 +289,12 @@ __device__ __forceinline__ bool first_valid_slot(const uint32_t* token_ids, uint
 }
 
 __global__ void map_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __restrict__ ids,
-                           uint32_t* __restrict__ counts, uint32_t* __restrict__ routed, float* __restrict__ out,
-                           uint32_t words) {
-  __shared__ uint32_t bits[kMapBitmapWords];    // [expert][word]
-  __shared__ uint32_t prefix[kMapBitmapWords];  // [expert][word]: entries in earlier words of the tile
-  __shared__ uint32_t base[kMapMaxThreads];     // entries of each expert in earlier tiles
+                           uint32_t* __restrict__ counts, uint32_t* __restrict__ routed,
+                           float* __restrict__ out, uint32_t words) {
+  __shared__ uint32_t bits[kMapBitmapWords];  // [expert][word]
+  __shared__ uint32_t
+      prefix[kMapBitmapWords];               // [expert][word]: entries in earlier words of the tile
+  __shared__ uint32_t base[kMapMaxThreads];  // entries of each expert in earlier tiles
   __shared__ uint32_t tile_total[kMapMaxThreads];
   const uint32_t E = p.n_experts, top_k = p.top_k, tid = threadIdx.x;
   const uint32_t tile_tokens = words * 32;
@@ -313,7 +331,8 @@ __global__ void map_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __
       for (uint32_t slot = 0; slot < top_k; ++slot) {
         const uint32_t id = __ldg(token_ids + slot);
         if (first_valid_slot(token_ids, slot, id, E)) {
-          const uint32_t pos = base[id] + prefix[id * words + w] + __popc(bits[id * words + w] & below);
+          const uint32_t pos =
+              base[id] + prefix[id * words + w] + __popc(bits[id * words + w] & below);
           routed[uint64_t{id} * p.m + pos] = t * top_k + slot;
         }
       }
@@ -336,12 +355,14 @@ __device__ __forceinline__ uint32_t slice_index(uint32_t r, uint32_t part, uint3
 
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kGroupThreads, sizeof(typename Chunk<T>::elem) == 2 ? 2 : 1)
-    grouped_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w, const char* __restrict__ x,
-                   const uint32_t* __restrict__ counts, const uint32_t* __restrict__ routed,
-                   float* __restrict__ out, uint32_t tiles_x, uint32_t tiles_y) {
-  extern __shared__ float4 grouped_smem[];  // kGroupDynamicShmem bytes: xs[2][32 * 64], ws[2][64 * 64]
-  float(*xs)[kGroupRows * kSlice] = reinterpret_cast<float(*)[kGroupRows * kSlice]>(grouped_smem);
-  float(*ws)[kGroupCols * kSlice] = reinterpret_cast<float(*)[kGroupCols * kSlice]>(
+    grouped_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
+                   const char* __restrict__ x, const uint32_t* __restrict__ counts,
+                   const uint32_t* __restrict__ routed, float* __restrict__ out, uint32_t tiles_x,
+                   uint32_t tiles_y) {
+  extern __shared__ float4
+      grouped_smem[];  // kGroupDynamicShmem bytes: xs[2][32 * 64], ws[2][64 * 64]
+  float (*xs)[kGroupRows * kSlice] = reinterpret_cast<float (*)[kGroupRows * kSlice]>(grouped_smem);
+  float (*ws)[kGroupCols * kSlice] = reinterpret_cast<float (*)[kGroupCols * kSlice]>(
       reinterpret_cast<float*>(grouped_smem) + 2 * kGroupRows * kSlice);
   __shared__ uint32_t flat_rows[kGroupRows];
 
@@ -356,7 +377,8 @@ __global__ void __launch_bounds__(kGroupThreads, sizeof(typename Chunk<T>::elem)
   const uint32_t rows_here = min(kGroupRows, count - row0);
 
   const uint32_t tid = threadIdx.x;
-  if (tid < kGroupRows) flat_rows[tid] = tid < rows_here ? __ldg(routed + uint64_t{e} * p.m + row0 + tid) : 0u;
+  if (tid < kGroupRows)
+    flat_rows[tid] = tid < rows_here ? __ldg(routed + uint64_t{e} * p.m + row0 + tid) : 0u;
   __syncthreads();
 
   using Elem = typename Chunk<T>::elem;
@@ -378,9 +400,18 @@ __global__ void __launch_bounds__(kGroupThreads, sizeof(typename Chunk<T>::elem)
   Chunk<T> wr0, wr1;
   auto load_slice = [&](uint32_t slice) {
     const uint32_t c_x = slice * 8 + x_part, c_w = slice * 8 + w_part;
-    if (x_live) xr = load_x_chunk<VEC>(x_src, c_x, p.k); else xr.zero();
-    if (w_live0) wr0 = load_w_chunk<T, VEC>(w_src0, c_w, p.k); else wr0.zero();
-    if (w_live1) wr1 = load_w_chunk<T, VEC>(w_src1, c_w, p.k); else wr1.zero();
+    if (x_live)
+      xr = load_x_chunk<VEC>(x_src, c_x, p.k);
+    else
+      xr.zero();
+    if (w_live0)
+      wr0 = load_w_chunk<T, VEC>(w_src0, c_w, p.k);
+    else
+      wr0.zero();
+    if (w_live1)
+      wr1 = load_w_chunk<T, VEC>(w_src1, c_w, p.k);
+    else
+      wr1.zero();
   };
   auto store_slice = [&](int buf) {
     *reinterpret_cast<float4*>(&xs[buf][slice_index(x_row, x_part, 0)]) = xr.a;
@@ -417,10 +448,12 @@ __global__ void __launch_bounds__(kGroupThreads, sizeof(typename Chunk<T>::elem)
     for (uint32_t half = 0; half < 2; ++half) {
       float4 wv[8];
 #pragma unroll
-      for (int c = 0; c < 8; ++c) wv[c] = *reinterpret_cast<const float4*>(&ws[buf][slice_index(c_base + c, part, half)]);
+      for (int c = 0; c < 8; ++c)
+        wv[c] = *reinterpret_cast<const float4*>(&ws[buf][slice_index(c_base + c, part, half)]);
 #pragma unroll
       for (int r = 0; r < 8; ++r) {
-        const float4 xv = *reinterpret_cast<const float4*>(&xs[buf][slice_index(r_base + r, part, half)]);
+        const float4 xv =
+            *reinterpret_cast<const float4*>(&xs[buf][slice_index(r_base + r, part, half)]);
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
           acc[r][c] = fmaf(wv[c].x, xv.x, acc[r][c]);
@@ -430,7 +463,8 @@ __global__ void __launch_bounds__(kGroupThreads, sizeof(typename Chunk<T>::elem)
         }
       }
     }
-    if (s + 1 < slices) store_slice(buf ^ 1);  // the other buffer was last read before the previous barrier
+    if (s + 1 < slices)
+      store_slice(buf ^ 1);  // the other buffer was last read before the previous barrier
     __syncthreads();
   }
 
@@ -478,7 +512,8 @@ const BoundArg& arg(const KernelLaunch& launch, size_t slot, const char* what) {
 
 DenseMatmulIdKernelParams params_of(const KernelLaunch& launch) {
   const auto p = kernels::launch_params<DenseMatmulIdKernelParams>(launch, 0);
-  if (p.top_k == 0 || p.n == 0 || p.k == 0 || p.m == 0) throw Error(launch.label + ": zero dimension in params");
+  if (p.top_k == 0 || p.n == 0 || p.k == 0 || p.m == 0)
+    throw Error(launch.label + ": zero dimension in params");
   return p;
 }
 
@@ -494,7 +529,8 @@ bool vector_ok(const DenseMatmulIdKernelParams& p, const void* w, const void* x,
 
 void check_grid(const KernelLaunch& launch, uint64_t blocks) {
   if (blocks > static_cast<uint64_t>(INT_MAX)) {
-    throw Error(launch.label + ": grid of " + std::to_string(blocks) + " blocks exceeds the CUDA limit");
+    throw Error(launch.label + ": grid of " + std::to_string(blocks) +
+                " blocks exceeds the CUDA limit");
   }
 }
 
@@ -513,9 +549,11 @@ void launch_direct(const KernelLaunch& launch, void* stream_ptr) {
   const dim3 grid(static_cast<unsigned>(tiles_x * rows));
   const size_t elem = sizeof(typename Chunk<T>::elem);
   if (vector_ok(p, w, x, elem)) {
-    direct_kernel<T, true><<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
+    direct_kernel<T, true>
+        <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
   } else {
-    direct_kernel<T, false><<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
+    direct_kernel<T, false>
+        <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
   }
 }
 
@@ -527,17 +565,18 @@ void launch_map(const KernelLaunch& launch, void* stream_ptr) {
   auto* routed = static_cast<uint32_t*>(arg(launch, 3, "routed_rows").data);
   auto* out = static_cast<float*>(arg(launch, 4, "output").data);
   if (p.n_experts == 0 || p.n_experts > kMapMaxThreads) {
-    throw Error(launch.label + ": map supports 1.." + std::to_string(kMapMaxThreads) + " experts, got " +
-                std::to_string(p.n_experts));
+    throw Error(launch.label + ": map supports 1.." + std::to_string(kMapMaxThreads) +
+                " experts, got " + std::to_string(p.n_experts));
   }
   // One block of 1024 threads (the KernelDef's threads_per_group, so the receipt says so) over tiles
   // of 32 * words tokens (words per expert bounded by the shared bitmap size, and by 128 so the
   // per-expert prefix stays short).
-  const uint32_t words = std::max<uint32_t>(1, std::min<uint32_t>(128, kMapBitmapWords / p.n_experts));
+  const uint32_t words =
+      std::max<uint32_t>(1, std::min<uint32_t>(128, kMapBitmapWords / p.n_experts));
   const uint64_t threads = launch.threads.x * launch.threads.y * launch.threads.z;
   if (threads == 0 || threads > kMapMaxThreads) {
-    throw Error(launch.label + ": map needs 1.." + std::to_string(kMapMaxThreads) + " threads, got " +
-                std::to_string(threads));
+    throw Error(launch.label + ": map needs 1.." + std::to_string(kMapMaxThreads) +
+                " threads, got " + std::to_string(threads));
   }
   map_kernel<<<1, static_cast<unsigned>(threads), 0, stream>>>(p, ids, counts, routed, out, words);
 }
@@ -553,16 +592,19 @@ void launch_grouped(const KernelLaunch& launch, void* stream_ptr) {
   auto* out = static_cast<float*>(arg(launch, 5, "output").data);
   const uint64_t tx = launch.grid.x, ty = launch.grid.y, tz = launch.grid.z;
   if (tx == 0 || ty == 0 || tz == 0) return;
-  if (tz > 65535 || tx > UINT32_MAX || ty > UINT32_MAX) throw Error(launch.label + ": grid too large");
+  if (tz > 65535 || tx > UINT32_MAX || ty > UINT32_MAX)
+    throw Error(launch.label + ": grid too large");
   check_grid(launch, tx * ty);
   const dim3 grid(static_cast<unsigned>(tx * ty), 1, static_cast<unsigned>(tz));
   const size_t elem = sizeof(typename Chunk<T>::elem);
   // More than 48 KiB of dynamic shared memory must be opted into, once per kernel.
   static const cudaError_t opt_in = [] {
-    cudaError_t e = cudaFuncSetAttribute(grouped_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kGroupDynamicShmem));
+    cudaError_t e =
+        cudaFuncSetAttribute(grouped_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(kGroupDynamicShmem));
     if (e == cudaSuccess) {
-      e = cudaFuncSetAttribute(grouped_kernel<T, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      e = cudaFuncSetAttribute(grouped_kernel<T, false>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(kGroupDynamicShmem));
     }
     return e;
@@ -572,16 +614,16 @@ void launch_grouped(const KernelLaunch& launch, void* stream_ptr) {
                 cudaGetErrorString(opt_in));
   }
   if (vector_ok(p, w, x, elem)) {
-    grouped_kernel<T, true><<<grid, kGroupThreads, kGroupDynamicShmem, stream>>>(p, w, x, counts, routed, out,
-                                                                                 uint32_t(tx), uint32_t(ty));
+    grouped_kernel<T, true><<<grid, kGroupThreads, kGroupDynamicShmem, stream>>>(
+        p, w, x, counts, routed, out, uint32_t(tx), uint32_t(ty));
   } else {
-    grouped_kernel<T, false><<<grid, kGroupThreads, kGroupDynamicShmem, stream>>>(p, w, x, counts, routed, out,
-                                                                                  uint32_t(tx), uint32_t(ty));
+    grouped_kernel<T, false><<<grid, kGroupThreads, kGroupDynamicShmem, stream>>>(
+        p, w, x, counts, routed, out, uint32_t(tx), uint32_t(ty));
   }
 }
 
-KernelDef def(std::string_view name, KernelFn fn, uint32_t threads, uint32_t tile_x, uint32_t tile_y,
-              uint64_t shmem, uint64_t max_threads) {
+KernelDef def(std::string_view name, KernelFn fn, uint32_t threads, uint32_t tile_x,
+              uint32_t tile_y, uint64_t shmem, uint64_t max_threads) {
   KernelDef d;
   d.name = std::string(name);
   d.fn = fn;
@@ -605,9 +647,12 @@ void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
   out.push_back(def(names[1], launch_direct<F16Tag>, kDirectThreads, kDirectCols, 1, 0, 1024));
   out.push_back(def(names[2], launch_direct<BF16Tag>, kDirectThreads, kDirectCols, 1, 0, 1024));
   out.push_back(def(names[3], launch_map, kMapMaxThreads, 1, 1, 0, kMapMaxThreads));
-  out.push_back(def(names[4], launch_grouped<float>, kGroupThreads, kGroupRows, kGroupCols, kGroupShmem, 1024));
-  out.push_back(def(names[5], launch_grouped<F16Tag>, kGroupThreads, kGroupRows, kGroupCols, kGroupShmem, 1024));
-  out.push_back(def(names[6], launch_grouped<BF16Tag>, kGroupThreads, kGroupRows, kGroupCols, kGroupShmem, 1024));
+  out.push_back(def(names[4], launch_grouped<float>, kGroupThreads, kGroupRows, kGroupCols,
+                    kGroupShmem, 1024));
+  out.push_back(def(names[5], launch_grouped<F16Tag>, kGroupThreads, kGroupRows, kGroupCols,
+                    kGroupShmem, 1024));
+  out.push_back(def(names[6], launch_grouped<BF16Tag>, kGroupThreads, kGroupRows, kGroupCols,
+                    kGroupShmem, 1024));
 }
 
 }  // namespace routemm::cuda

@@ -39,9 +39,9 @@
 #include "backend/common/dense_matmul_id_params.h"
 #include "backend/common/launch_args.h"
 #include "kernels.h"
-#include "warp_mma.cuh"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
+#include "warp_mma.cuh"
 
 #ifndef ROUTEMM_CUDA_DENSE_MATMUL_ID_TENSOR_SHA256
 #define ROUTEMM_CUDA_DENSE_MATMUL_ID_TENSOR_SHA256 "unknown"
@@ -54,19 +54,27 @@ using kernels::DenseMatmulIdKernelParams;
 
 constexpr uint32_t kThreads = 256;
 constexpr uint32_t kTileCols = 128;  // smallest BN
-constexpr uint32_t kRowBytes = 64;  // bytes per operand row per stage: 4 chunks of 16
+constexpr uint32_t kRowBytes = 64;   // bytes per operand row per stage: 4 chunks of 16
 constexpr uint32_t kMaxTileRows = 128;
 constexpr uint32_t kMaxExperts = 4096;
 
 // Stages of the shared-memory ring, and resident CTAs per multiprocessor, per tile shape.
 template <uint32_t BM, uint32_t BN>
-constexpr uint32_t stages() { return BN == 256 && BM == 128 ? 6 : 4; }
+constexpr uint32_t stages() {
+  return BN == 256 && BM == 128 ? 6 : 4;
+}
 template <uint32_t BM, uint32_t BN>
-constexpr uint32_t min_blocks() { return BN == 256 && BM == 128 ? 1 : 2; }
+constexpr uint32_t min_blocks() {
+  return BN == 256 && BM == 128 ? 1 : 2;
+}
 template <uint32_t BM, uint32_t BN>
-constexpr uint32_t stage_bytes() { return (BM + BN) * kRowBytes; }
+constexpr uint32_t stage_bytes() {
+  return (BM + BN) * kRowBytes;
+}
 template <uint32_t BM, uint32_t BN>
-constexpr uint32_t pipe_bytes() { return stages<BM, BN>() * stage_bytes<BM, BN>(); }
+constexpr uint32_t pipe_bytes() {
+  return stages<BM, BN>() * stage_bytes<BM, BN>();
+}
 template <uint32_t BM, uint32_t BN>
 constexpr uint64_t smem_bytes(uint32_t experts) {
   return uint64_t{pipe_bytes<BM, BN>()} + kMaxTileRows * 4 + (uint64_t{experts} + 1) * 4;
@@ -77,11 +85,17 @@ enum class Mode { Tf32, LowpF16, LowpBf16 };
 template <class W>
 __device__ __forceinline__ float widen(W value);
 template <>
-__device__ __forceinline__ float widen<float>(float value) { return value; }
+__device__ __forceinline__ float widen<float>(float value) {
+  return value;
+}
 template <>
-__device__ __forceinline__ float widen<__half>(__half value) { return __half2float(value); }
+__device__ __forceinline__ float widen<__half>(__half value) {
+  return __half2float(value);
+}
 template <>
-__device__ __forceinline__ float widen<__nv_bfloat16>(__nv_bfloat16 value) { return __bfloat162float(value); }
+__device__ __forceinline__ float widen<__nv_bfloat16>(__nv_bfloat16 value) {
+  return __bfloat162float(value);
+}
 
 __device__ __forceinline__ uint32_t to_tf32(float value) {
   uint32_t out;
@@ -106,7 +120,8 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
 }
 
 template <Mode M>
-__device__ __forceinline__ void mma_lowp(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+__device__ __forceinline__ void mma_lowp(float (&d)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[2]) {
   if constexpr (M == Mode::LowpF16) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -115,14 +130,16 @@ __device__ __forceinline__ void mma_lowp(float (&d)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   } else {
     asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
 }
 
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[2]) {
   asm volatile(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
@@ -144,14 +161,15 @@ __device__ __forceinline__ uint16_t load_u16(const void* p) {
 // W: weight element type; M: route; BM: routed rows per tile; kVec: 16-byte loads allowed (every
 // row 16-byte aligned and k % 8 == 0), else element loads with the same staging.
 template <class W, Mode M, uint32_t BM, uint32_t BN, bool kVec>
-__global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>()) grouped_tensor_kernel(
-    DenseMatmulIdKernelParams p, const W* __restrict__ weights, const char* __restrict__ input,
-    const uint32_t* __restrict__ counts, const uint32_t* __restrict__ routed,
-    float* __restrict__ output, bool out_vec2) {
+__global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>())
+    grouped_tensor_kernel(DenseMatmulIdKernelParams p, const W* __restrict__ weights,
+                          const char* __restrict__ input, const uint32_t* __restrict__ counts,
+                          const uint32_t* __restrict__ routed, float* __restrict__ output,
+                          bool out_vec2) {
   constexpr bool kTf32 = M == Mode::Tf32;
   constexpr bool kWFloat = sizeof(W) == 4;
-  constexpr uint32_t kBK = kTf32 ? 16 : 32;               // K values per stage
-  constexpr uint32_t kPiecesPerRow = kBK / 4;              // float4 activation pieces per row
+  constexpr uint32_t kBK = kTf32 ? 16 : 32;    // K values per stage
+  constexpr uint32_t kPiecesPerRow = kBK / 4;  // float4 activation pieces per row
   constexpr uint32_t kAPieces = BM * kPiecesPerRow / kThreads;
   constexpr uint32_t kARowStep = kThreads / kPiecesPerRow;
   // Weights stored in the operand type go straight to shared memory by cp.async.
@@ -207,7 +225,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>()) grouped_tensor
     uint32_t lo = 0, hi = n_experts;  // prefix[lo] <= item < prefix[hi]
     while (hi - lo > 1) {
       const uint32_t mid = (lo + hi) >> 1;
-      if (prefix[mid] <= item) lo = mid; else hi = mid;
+      if (prefix[mid] <= item)
+        lo = mid;
+      else
+        hi = mid;
     }
     const uint32_t expert = lo;
     const uint32_t count = min(counts[expert], m);
@@ -246,7 +267,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>()) grouped_tensor
         if constexpr (kVec) {
           float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
           if (a_src[i] != nullptr && kk < k) v = __ldg(reinterpret_cast<const float4*>(src));
-          areg[i][0] = v.x; areg[i][1] = v.y; areg[i][2] = v.z; areg[i][3] = v.w;
+          areg[i][0] = v.x;
+          areg[i][1] = v.y;
+          areg[i][2] = v.z;
+          areg[i][3] = v.w;
         } else {
 #pragma unroll
           for (uint32_t j = 0; j < 4; ++j)
@@ -277,7 +301,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>()) grouped_tensor
         const uint32_t r = tid / 4 + i * 64, ch = tid % 4;
         const uint32_t col = col0 + r, kk = k0 + ch * kPerChunk;
         const bool valid = col < n && kk < k;
-        const char* src = valid ? w_expert + (static_cast<uint64_t>(col) * k + kk) * sizeof(W) : w_expert;
+        const char* src =
+            valid ? w_expert + (static_cast<uint64_t>(col) * k + kk) * sizeof(W) : w_expert;
         cp_async_16(base + swz(r, ch), src, valid);
       }
     };
@@ -288,50 +313,51 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>()) grouped_tensor
     auto load_b = [&](uint32_t k0) {
       if constexpr (!kBAsync) {
 #pragma unroll
-       for (uint32_t hh = 0; hh < kBH; ++hh) {
-        uint32_t (&breg)[8] = bregs[hh];
-        const uint32_t r = (tid >> 1) + 128 * hh, col = col0 + r;
-        constexpr uint32_t kElems = kTf32 ? 8 : 16;
-        const uint32_t kk = k0 + (tid & 1) * kElems;
-        const char* src = w_expert + (static_cast<uint64_t>(col) * k + kk) * sizeof(W);
-        if constexpr (kTf32 && !kWFloat && kVec) {
-          uint4 v = make_uint4(0, 0, 0, 0);
-          if (col < n && kk < k) v = __ldg(reinterpret_cast<const uint4*>(src));
-          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+        for (uint32_t hh = 0; hh < kBH; ++hh) {
+          uint32_t (&breg)[8] = bregs[hh];
+          const uint32_t r = (tid >> 1) + 128 * hh, col = col0 + r;
+          constexpr uint32_t kElems = kTf32 ? 8 : 16;
+          const uint32_t kk = k0 + (tid & 1) * kElems;
+          const char* src = w_expert + (static_cast<uint64_t>(col) * k + kk) * sizeof(W);
+          if constexpr (kTf32 && !kWFloat && kVec) {
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (col < n && kk < k) v = __ldg(reinterpret_cast<const uint4*>(src));
+            const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-          for (uint32_t j = 0; j < 4; ++j) {
-            W lo16, hi16;
-            const uint16_t l = static_cast<uint16_t>(words[j] & 0xFFFFu), h = static_cast<uint16_t>(words[j] >> 16);
-            memcpy(&lo16, &l, 2);
-            memcpy(&hi16, &h, 2);
-            breg[2 * j] = to_tf32(widen(lo16));
-            breg[2 * j + 1] = to_tf32(widen(hi16));
-          }
-        } else if constexpr (kTf32) {
-#pragma unroll
-          for (uint32_t j = 0; j < 8; ++j) {
-            float v = 0.0f;
-            if (col < n && kk + j < k) {
-              if constexpr (kWFloat) {
-                v = widen(reinterpret_cast<const float*>(src)[j]);
-              } else {
-                W h;
-                const uint16_t bits = load_u16(src + j * 2);
-                memcpy(&h, &bits, 2);
-                v = widen(h);
-              }
+            for (uint32_t j = 0; j < 4; ++j) {
+              W lo16, hi16;
+              const uint16_t l = static_cast<uint16_t>(words[j] & 0xFFFFu),
+                             h = static_cast<uint16_t>(words[j] >> 16);
+              memcpy(&lo16, &l, 2);
+              memcpy(&hi16, &h, 2);
+              breg[2 * j] = to_tf32(widen(lo16));
+              breg[2 * j + 1] = to_tf32(widen(hi16));
             }
-            breg[j] = to_tf32(v);
-          }
-        } else {
+          } else if constexpr (kTf32) {
 #pragma unroll
-          for (uint32_t j = 0; j < 8; ++j) {
-            const uint32_t lo16 = col < n && kk + 2 * j < k ? load_u16(src + 4 * j) : 0u;
-            const uint32_t hi16 = col < n && kk + 2 * j + 1 < k ? load_u16(src + 4 * j + 2) : 0u;
-            breg[j] = lo16 | (hi16 << 16);
+            for (uint32_t j = 0; j < 8; ++j) {
+              float v = 0.0f;
+              if (col < n && kk + j < k) {
+                if constexpr (kWFloat) {
+                  v = widen(reinterpret_cast<const float*>(src)[j]);
+                } else {
+                  W h;
+                  const uint16_t bits = load_u16(src + j * 2);
+                  memcpy(&h, &bits, 2);
+                  v = widen(h);
+                }
+              }
+              breg[j] = to_tf32(v);
+            }
+          } else {
+#pragma unroll
+            for (uint32_t j = 0; j < 8; ++j) {
+              const uint32_t lo16 = col < n && kk + 2 * j < k ? load_u16(src + 4 * j) : 0u;
+              const uint32_t hi16 = col < n && kk + 2 * j + 1 < k ? load_u16(src + 4 * j + 2) : 0u;
+              breg[j] = lo16 | (hi16 << 16);
+            }
           }
         }
-       }
       }
     };
     auto store_b = [&](uint32_t stage) {
@@ -389,8 +415,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>()) grouped_tensor
         uint32_t bf[kNI][2];
 #pragma unroll
         for (uint32_t nj = 0; nj < kNI / 2; ++nj) {
-          ldmatrix_x4(b_base + swz(warp_col + nj * 16 + b_lrow, 2 * s + b_lchunk), bf[2 * nj][0], bf[2 * nj][1],
-                      bf[2 * nj + 1][0], bf[2 * nj + 1][1]);
+          ldmatrix_x4(b_base + swz(warp_col + nj * 16 + b_lrow, 2 * s + b_lchunk), bf[2 * nj][0],
+                      bf[2 * nj][1], bf[2 * nj + 1][0], bf[2 * nj + 1][1]);
         }
         if constexpr (kTf32 && kWFloat && kBAsync) {  // raw f32 weights: round to tf32 here
 #pragma unroll
@@ -402,7 +428,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>()) grouped_tensor
 #pragma unroll
         for (uint32_t mi = 0; mi < kMI; ++mi) {
           uint32_t af[4];
-          ldmatrix_x4(a_base + swz(warp_row + mi * 16 + a_lrow, 2 * s + a_lchunk), af[0], af[1], af[2], af[3]);
+          ldmatrix_x4(a_base + swz(warp_row + mi * 16 + a_lrow, 2 * s + a_lchunk), af[0], af[1],
+                      af[2], af[3]);
 #pragma unroll
           for (uint32_t ni = 0; ni < kNI; ++ni) {
             if constexpr (kTf32) {
@@ -414,7 +441,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>()) grouped_tensor
         }
       }
 
-      if (kt + 1 < ktiles) {  // slice kt+1 into its stage (last read at kt+1-S, behind this barrier)
+      if (kt + 1 <
+          ktiles) {  // slice kt+1 into its stage (last read at kt+1-S, behind this barrier)
         store_a((kt + 1) % kStages);
         store_b((kt + 1) % kStages);
         if (kt + 2 < ktiles) {
@@ -439,7 +467,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>()) grouped_tensor
           const uint32_t col = col0 + warp_col + ni * 8 + 2 * quad;
           if (out_vec2) {
             if (col < n) {
-              *reinterpret_cast<float2*>(out_row + col) = make_float2(acc[mi][ni][2 * half], acc[mi][ni][2 * half + 1]);
+              *reinterpret_cast<float2*>(out_row + col) =
+                  make_float2(acc[mi][ni][2 * half], acc[mi][ni][2 * half + 1]);
             }
           } else {
             if (col < n) out_row[col] = acc[mi][ni][2 * half];
@@ -459,8 +488,8 @@ struct InstanceState {
 constexpr int kMaxDevices = 64;
 
 template <class W, Mode M, uint32_t BM, uint32_t BN, bool kVec>
-void launch_instance(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p, cudaStream_t stream,
-                     bool out_vec2) {
+void launch_instance(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p,
+                     cudaStream_t stream, bool out_vec2) {
   static InstanceState states[kMaxDevices];
   auto kernel = &grouped_tensor_kernel<W, M, BM, BN, kVec>;
   int device = 0;
@@ -472,8 +501,8 @@ void launch_instance(const KernelLaunch& launch, const DenseMatmulIdKernelParams
   if (st.smem_set.load(std::memory_order_acquire) < smem) {
     // Raise the limit to cover any expert count, once per device.
     const uint64_t want = smem_bytes<BM, BN>(kMaxExperts);
-    if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(want));
+    if (const cudaError_t e = cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(want));
         e != cudaSuccess) {
       throw Error("'" + launch.label + "': cannot raise shared memory: " + cudaGetErrorString(e));
     }
@@ -481,14 +510,16 @@ void launch_instance(const KernelLaunch& launch, const DenseMatmulIdKernelParams
   }
   // The persistent grid the front door encoded (KernelDef::persistent_groups, capped by the tile
   // count); CTAs beyond the work items find none and exit.
-  if (launch.grid.x == 0 || launch.grid.x > 0x7fffffffu || launch.grid.y != 1 || launch.grid.z != 1) {
+  if (launch.grid.x == 0 || launch.grid.x > 0x7fffffffu || launch.grid.y != 1 ||
+      launch.grid.z != 1) {
     throw Error("'" + launch.label + "': expected a 1-D persistent grid");
   }
   const auto blocks = static_cast<unsigned>(launch.grid.x);
   kernel<<<blocks, kThreads, static_cast<size_t>(smem), stream>>>(
       p, static_cast<const W*>(launch.args[1].data), static_cast<const char*>(launch.args[2].data),
-      static_cast<const uint32_t*>(launch.args[3].data), static_cast<const uint32_t*>(launch.args[4].data),
-      static_cast<float*>(launch.args[5].data), out_vec2);
+      static_cast<const uint32_t*>(launch.args[3].data),
+      static_cast<const uint32_t*>(launch.args[4].data), static_cast<float*>(launch.args[5].data),
+      out_vec2);
 }
 
 template <class W, Mode M>
@@ -505,8 +536,9 @@ void launch_grouped_tensor(const KernelLaunch& launch, void* queue_native) {
   }
   auto stream = static_cast<cudaStream_t>(queue_native);
   const auto addr = [&](int slot) { return reinterpret_cast<uintptr_t>(launch.args[slot].data); };
-  const bool vec = p.k % 8 == 0 && addr(1) % 16 == 0 && p.expert_stride_bytes % 16 == 0 && addr(2) % 16 == 0 &&
-                   p.input_token_stride_bytes % 16 == 0 && p.input_slot_stride_bytes % 16 == 0;
+  const bool vec = p.k % 8 == 0 && addr(1) % 16 == 0 && p.expert_stride_bytes % 16 == 0 &&
+                   addr(2) % 16 == 0 && p.input_token_stride_bytes % 16 == 0 &&
+                   p.input_slot_stride_bytes % 16 == 0;
   const bool out_vec2 = p.n % 2 == 0 && addr(5) % 8 == 0;
   // Experts holding few rows on average take 64-row tiles (less padding), others 128.
   const bool small = uint64_t{p.m} * p.top_k < uint64_t{100} * p.n_experts;
@@ -558,7 +590,8 @@ void add_dense_matmul_id_tensor_kernels(std::vector<KernelDef>& out) {
   out.push_back(tensor_def(names[1], &launch_grouped_tensor<__half, Mode::Tf32>, groups));
   out.push_back(tensor_def(names[2], &launch_grouped_tensor<__nv_bfloat16, Mode::Tf32>, groups));
   out.push_back(tensor_def(names[3], &launch_grouped_tensor<__half, Mode::LowpF16>, groups));
-  out.push_back(tensor_def(names[4], &launch_grouped_tensor<__nv_bfloat16, Mode::LowpBf16>, groups));
+  out.push_back(
+      tensor_def(names[4], &launch_grouped_tensor<__nv_bfloat16, Mode::LowpBf16>, groups));
 }
 
 }  // namespace routemm::cuda

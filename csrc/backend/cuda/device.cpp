@@ -25,7 +25,8 @@ std::string cuda_error_text(cudaError_t e) {
 }
 
 void check(cudaError_t e, const std::string& what) {
-  if (e != cudaSuccess) throw Error("cuda backend: " + what + " failed (" + cuda_error_text(e) + ")");
+  if (e != cudaSuccess)
+    throw Error("cuda backend: " + what + " failed (" + cuda_error_text(e) + ")");
 }
 
 std::string version_text(int v) {
@@ -62,15 +63,16 @@ class CudaQueue final : public Queue {
     if (!started_) {
       const cudaError_t e = cudaEventRecord(start_, stream_);
       if (e != cudaSuccess) {
-        throw CommandBufferError("cuda backend: cudaEventRecord before '" + label + "' failed: " +
-                                 cuda_error_text(e));
+        throw CommandBufferError("cuda backend: cudaEventRecord before '" + label +
+                                 "' failed: " + cuda_error_text(e));
       }
       started_ = true;
     }
     command.fn(command.launch, static_cast<void*>(stream_));
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) {
-      throw CommandBufferError("cuda backend: launch of '" + label + "' failed: " + cuda_error_text(e));
+      throw CommandBufferError("cuda backend: launch of '" + label +
+                               "' failed: " + cuda_error_text(e));
     }
     pending_.push_back(std::move(command));
   }
@@ -93,7 +95,8 @@ class CudaQueue final : public Queue {
     if (e == cudaSuccess && timed) e = cudaEventElapsedTime(elapsed_ms, start_, end_);
     std::string labels;
     for (const auto& c : pending_) {
-      if (labels.find(c.launch.label) == std::string::npos) labels += (labels.empty() ? "" : ", ") + c.launch.label;
+      if (labels.find(c.launch.label) == std::string::npos)
+        labels += (labels.empty() ? "" : ", ") + c.launch.label;
     }
     pending_.clear();
     started_ = false;
@@ -135,10 +138,12 @@ class CudaBackend final : public Backend {
   uint64_t registry_id() const override { return registry_id_; }
   std::map<std::string, std::string> properties() const override {
     char pci[32];
-    std::snprintf(pci, sizeof pci, "%04x:%02x:%02x.0", prop_.pciDomainID, prop_.pciBusID, prop_.pciDeviceID);
+    std::snprintf(pci, sizeof pci, "%04x:%02x:%02x.0", prop_.pciDomainID, prop_.pciBusID,
+                  prop_.pciDeviceID);
     char uuid[40];
     char* p = uuid;
-    for (size_t i = 0; i < 16; ++i) p += std::snprintf(p, 3, "%02x", static_cast<uint8_t>(prop_.uuid.bytes[i]));
+    for (size_t i = 0; i < 16; ++i)
+      p += std::snprintf(p, 3, "%02x", static_cast<uint8_t>(prop_.uuid.bytes[i]));
     return {{"driver_version", version_text(driver_version_)},
             {"runtime_version", version_text(runtime_version_)},
             {"compute_capability", std::to_string(prop_.major) + "." + std::to_string(prop_.minor)},
@@ -165,7 +170,8 @@ class CudaBackend final : public Backend {
     const cudaError_t e = cudaMalloc(&data, nbytes == 0 ? 1 : nbytes);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();  // an allocation failure is not sticky; clear it
-      throw Error("cuda backend: cannot allocate " + std::to_string(nbytes) + " bytes (" + cuda_error_text(e) + ")");
+      throw Error("cuda backend: cannot allocate " + std::to_string(nbytes) + " bytes (" +
+                  cuda_error_text(e) + ")");
     }
     return std::make_shared<Storage>(shared_from_this(), data, nbytes, true);
   }
@@ -175,7 +181,8 @@ class CudaBackend final : public Backend {
     check(cudaMemcpy(dst, src, nbytes, cudaMemcpyHostToDevice), "cudaMemcpy host to device");
     // A pageable host-to-device cudaMemcpy may return before its DMA lands; kernels run on other
     // streams, so wait for the legacy stream that carried the copy.
-    check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize after host to device copy");
+    check(cudaStreamSynchronize(cudaStreamLegacy),
+          "cudaStreamSynchronize after host to device copy");
   }
   void copy_to_host(void* dst, const void* src, size_t nbytes) override {
     if (nbytes == 0) return;

@@ -77,8 +77,8 @@ struct Tile {
   static constexpr int kThreads = 32 * WR * WT;
   static constexpr int kRows = 16 * MT * WR;
   static constexpr int kTokens = 8 * NT * WT;
-  static constexpr int kK = 32 * SB;              // K values per stage
-  static constexpr int kRawRowBytes = 18 * SB;    // raw weight bytes per row per stage
+  static constexpr int kK = 32 * SB;            // K values per stage
+  static constexpr int kRawRowBytes = 18 * SB;  // raw weight bytes per row per stage
   static constexpr int kRawW = align16(kRows * kRawRowBytes);
   static constexpr int kRawX = kTokens * kK * 4;  // F32 activations per stage
   static constexpr int kRawStage = kRawW + kRawX;
@@ -176,7 +176,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
   uint8_t* const raw = smem;
   __nv_bfloat16* const sa = reinterpret_cast<__nv_bfloat16*>(smem + T::kStages * T::kRawStage);
   float* const sd = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(sa) + T::kA);
-  __nv_bfloat16* const sb = reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<uint8_t*>(sd) + T::kD);
+  __nv_bfloat16* const sb =
+      reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<uint8_t*>(sd) + T::kD);
   __nv_bfloat16* const sbl = sb + T::kTokens * T::kLd;  // Split only
 
   // Edge tiles: rows past n and tokens past m are never loaded; zero the ring once so the values
@@ -202,19 +203,20 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
         const int u = tid + j * T::kThreads;
         const int r = u / T::kWUnits, c = u % T::kWUnits;
         if (r < rows_valid && c < w_units) {
-          copy_grain(w_dst + r * T::kRawRowBytes + c * T::kWGrain, w_src + uint64_t(r) * a.row_bytes + c * T::kWGrain,
-                     T::kWGrain);
+          copy_grain(w_dst + r * T::kRawRowBytes + c * T::kWGrain,
+                     w_src + uint64_t(r) * a.row_bytes + c * T::kWGrain, T::kWGrain);
         }
       }
       const int x_units = nblk * 8;
-      const uint8_t* const x_src =
-          reinterpret_cast<const uint8_t*>(a.input + uint64_t(tok0) * x_row_floats + uint64_t(kb0) * 32);
+      const uint8_t* const x_src = reinterpret_cast<const uint8_t*>(
+          a.input + uint64_t(tok0) * x_row_floats + uint64_t(kb0) * 32);
 #pragma unroll
       for (int j = 0; j < T::kXPerThread; ++j) {
         const int u = tid + j * T::kThreads;
         const int r = u / T::kXUnits, c = u % T::kXUnits;
         if (r < toks_valid && c < x_units) {
-          cp_async_16(smem_addr(x_dst + r * T::kK * 4 + c * 16), x_src + uint64_t(r) * x_row_floats * 4 + c * 16, true);
+          cp_async_16(smem_addr(x_dst + r * T::kK * 4 + c * 16),
+                      x_src + uint64_t(r) * x_row_floats * 4 + c * 16, true);
         }
       }
       return;
@@ -226,8 +228,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
       copy_grain(w_dst + r * T::kRawRowBytes + c, w_src + uint64_t(r) * a.row_bytes + c, a.w_grain);
     }
     const int x_units = nblk * 128 / a.x_grain;
-    const uint8_t* const x_src =
-        reinterpret_cast<const uint8_t*>(a.input + uint64_t(tok0) * x_row_floats + uint64_t(kb0) * 32);
+    const uint8_t* const x_src = reinterpret_cast<const uint8_t*>(
+        a.input + uint64_t(tok0) * x_row_floats + uint64_t(kb0) * 32);
     for (int u = tid; u < toks_valid * x_units; u += T::kThreads) {
       const int r = u / x_units, c = (u - r * x_units) * a.x_grain;
       copy_grain(x_dst + r * T::kK * 4 + c, x_src + uint64_t(r) * x_row_floats * 4 + c, a.x_grain);
@@ -274,11 +276,13 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
       const int r = u / kQuads, c = (u % kQuads) * 4;
       if (c >= nblk * 32) continue;
       const float4 v = *reinterpret_cast<const float4*>(x_raw + r * T::kK + c);
-      const __nv_bfloat162 h0 = __floats2bfloat162_rn(v.x, v.y), h1 = __floats2bfloat162_rn(v.z, v.w);
+      const __nv_bfloat162 h0 = __floats2bfloat162_rn(v.x, v.y),
+                           h1 = __floats2bfloat162_rn(v.z, v.w);
       sts64(smem_addr(sb + r * T::kLd + c), bits_of(h0), bits_of(h1));
       if constexpr (T::kSplit) {
         const float2 f0 = __bfloat1622float2(h0), f1 = __bfloat1622float2(h1);
-        sts64(smem_addr(sbl + r * T::kLd + c), bits_of(__floats2bfloat162_rn(v.x - f0.x, v.y - f0.y)),
+        sts64(smem_addr(sbl + r * T::kLd + c),
+              bits_of(__floats2bfloat162_rn(v.x - f0.x, v.y - f0.y)),
               bits_of(__floats2bfloat162_rn(v.z - f1.x, v.w - f1.y)));
       }
     }
@@ -301,7 +305,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
       for (int i = 0; i < T::kMT; ++i)
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
-          const __nv_bfloat16* p = sa + (warp_row + i * 16 + (lane & 15)) * T::kLd + b * 32 + s * 16 + (lane >> 4) * 8;
+          const __nv_bfloat16* p =
+              sa + (warp_row + i * 16 + (lane & 15)) * T::kLd + b * 32 + s * 16 + (lane >> 4) * 8;
           ldmatrix_x4(smem_addr(p), af[i][s][0], af[i][s][1], af[i][s][2], af[i][s][3]);
         }
       uint32_t bh[T::kNT][4];
@@ -375,7 +380,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
         for (int e = 0; e < 4; ++e) {
           const int r = warp_row + i * 16 + g + (e >= 2 ? 8 : 0);
           const int k = warp_tok + j * 8 + 2 * t + (e & 1);
-          if (r < rows_valid && k < toks_valid) a.output[uint64_t(tok0 + k) * a.n + row0 + r] = acc[i][j][e];
+          if (r < rows_valid && k < toks_valid)
+            a.output[uint64_t(tok0 + k) * a.n + row0 + r] = acc[i][j][e];
         }
     return;
   }
@@ -421,10 +427,10 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 // above (per 32-value block: hi/lo MMAs from zero, then one FMA with the block's scale).
 struct MatVecStream {
   static constexpr int kWarps = 4, kThreads = 128, kRows = 128, kTokens = 8;
-  static constexpr int kWarpTiles = 2;               // 16-row MMA tiles per warp: B work is shared
+  static constexpr int kWarpTiles = 2;  // 16-row MMA tiles per warp: B work is shared
   static constexpr int kWarpRows = 16 * kWarpTiles;
   static constexpr int kSB = 8, kStages = 3;
-  static constexpr int kRowBytes = 18 * kSB;                 // one row's run per stage
+  static constexpr int kRowBytes = 18 * kSB;                // one row's run per stage
   static constexpr int kWarpStage = kWarpRows * kRowBytes;  // 4608 bytes
   static constexpr int kWarpRing = kStages * kWarpStage;
   static constexpr int kRing = kWarps * kWarpRing;
@@ -433,14 +439,16 @@ struct MatVecStream {
   static constexpr int kX = kTokens * kXLd * 4;
   static constexpr int kPartials = kRows * kTokens * 4;
   static constexpr int kSmem = kX + kRing;  // ~72 KB: three CTAs per SM, so a launch of 8-CTA
-  static constexpr int kMinBlocks = 3;       // clusters fits the GPU in one wave
-  static_assert(kRowBytes % 16 == 0 && kX % 16 == 0 && kPartials <= kSmem && kXChunkBlocks % kSB == 0);
+  static constexpr int kMinBlocks = 3;      // clusters fits the GPU in one wave
+  static_assert(kRowBytes % 16 == 0 && kX % 16 == 0 && kPartials <= kSmem &&
+                kXChunkBlocks % kSB == 0);
 };
 
 // kVec: 16-byte weight copies for full stages (16-aligned view, K % 256 == 0) and 16-byte-aligned
 // activations; else element-wise copies and loads.
 template <bool kVec>
-__global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBlocks) q4_matvec_kernel(const Q4Args a) {
+__global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBlocks)
+    q4_matvec_kernel(const Q4Args a) {
   using T = MatVecStream;
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = static_cast<int>(threadIdx.x);
@@ -474,7 +482,8 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
         const int u = lane + 32 * j;
         const int r = u / kUnits, c = u % kUnits;
         if (u < T::kWarpRows * kUnits && r < warp_rows) {
-          cp_async_16(smem_addr(dst + r * T::kRowBytes + c * 16), src + uint64_t(r) * a.row_bytes + c * 16, true);
+          cp_async_16(smem_addr(dst + r * T::kRowBytes + c * 16),
+                      src + uint64_t(r) * a.row_bytes + c * 16, true);
         }
       }
     } else {
@@ -519,7 +528,7 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
   for (int s = 0; s < stages; ++s) {
     const int kb0 = kb_begin + s * T::kSB;
     if ((kb0 - kb_begin) % T::kXChunkBlocks == 0) {  // the same stages in every warp
-      __syncthreads();  // the previous chunk is consumed
+      __syncthreads();                               // the previous chunk is consumed
       load_x_chunk(kb0);
       chunk0 = kb0;
       __syncthreads();
@@ -544,7 +553,8 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
           const float2 x = *reinterpret_cast<const float2*>(x_stage + b * 32 + 8 * q);
           const uint32_t x0 = __float_as_uint(x.x), x1 = __float_as_uint(x.y);
           bh[q] = __byte_perm(x0, x1, 0x7632);
-          const float r0 = x.x - __uint_as_float(x0 & 0xFFFF0000u), r1 = x.y - __uint_as_float(x1 & 0xFFFF0000u);
+          const float r0 = x.x - __uint_as_float(x0 & 0xFFFF0000u),
+                      r1 = x.y - __uint_as_float(x1 & 0xFFFF0000u);
           bl[q] = bits_of(__floats2bfloat162_rn(r0, r1));
         }
       }
@@ -563,7 +573,8 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
         for (int r = 0; r < 4; ++r) {
           const uint32_t spread = __byte_perm(v[r], 0, 0x4140);  // bytes [b0, 0, b1, 0]
           a_lo[r] = bits_of(__hsub2(bf162_of((spread & 0x000F000Fu) | 0x43004300u), kNibbleBias));
-          a_hi[r] = bits_of(__hsub2(bf162_of(((spread >> 4) & 0x000F000Fu) | 0x43004300u), kNibbleBias));
+          a_hi[r] =
+              bits_of(__hsub2(bf162_of(((spread >> 4) & 0x000F000Fu) | 0x43004300u), kNibbleBias));
         }
         float block_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         mma_bf16_16816(block_sum, a_lo, bh[0], bh[1]);
@@ -586,7 +597,8 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = 16 * i + g + (e >= 2 ? 8 : 0), k = 2 * t + (e & 1);
-        if (r < warp_rows && k < toks_valid) a.output[uint64_t(tok0 + k) * a.n + warp_row0 + r] = acc[i][e];
+        if (r < warp_rows && k < toks_valid)
+          a.output[uint64_t(tok0 + k) * a.n + warp_row0 + r] = acc[i][e];
       }
     return;
   }
@@ -625,7 +637,9 @@ int weight_grain(const void* weight, uint64_t row_bytes, int sb, int k_blocks) {
   const auto address = reinterpret_cast<uintptr_t>(weight);
   const uint64_t tail = uint64_t(k_blocks % sb) * 18;
   for (int grain : {16, 8, 4, 2}) {
-    if (address % grain == 0 && row_bytes % grain == 0 && (18 * sb) % grain == 0 && tail % grain == 0) return grain;
+    if (address % grain == 0 && row_bytes % grain == 0 && (18 * sb) % grain == 0 &&
+        tail % grain == 0)
+      return grain;
   }
   return 1;
 }
@@ -633,9 +647,12 @@ int weight_grain(const void* weight, uint64_t row_bytes, int sb, int k_blocks) {
 template <class T>
 void configure_once(const KernelLaunch& launch) {
   static const cudaError_t status = [] {
-    const cudaError_t e = cudaFuncSetAttribute(q4_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
-    return e != cudaSuccess ? e
-                            : cudaFuncSetAttribute(q4_kernel<T, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
+    const cudaError_t e = cudaFuncSetAttribute(
+        q4_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
+    return e != cudaSuccess
+               ? e
+               : cudaFuncSetAttribute(q4_kernel<T, false>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
   }();
   if (status != cudaSuccess) {
     throw Error("'" + launch.label + "': cannot reserve " + std::to_string(T::kSmem) +
@@ -655,11 +672,13 @@ template <class T>
 void launch_tile(const KernelLaunch& launch, void* stream, const Problem& p, bool rows_on_x) {
   const uint64_t threads = launch.threads.x * launch.threads.y * launch.threads.z;
   if (threads != T::kThreads) {
-    throw Error("'" + launch.label + "': launched with " + std::to_string(threads) + " threads, the kernel needs " +
-                std::to_string(T::kThreads));
+    throw Error("'" + launch.label + "': launched with " + std::to_string(threads) +
+                " threads, the kernel needs " + std::to_string(T::kThreads));
   }
-  const uint64_t want_x = rows_on_x ? (p.n + T::kRows - 1) / T::kRows : (p.m + T::kTokens - 1) / T::kTokens;
-  const uint64_t want_y = rows_on_x ? (p.m + T::kTokens - 1) / T::kTokens : (p.n + T::kRows - 1) / T::kRows;
+  const uint64_t want_x =
+      rows_on_x ? (p.n + T::kRows - 1) / T::kRows : (p.m + T::kTokens - 1) / T::kTokens;
+  const uint64_t want_y =
+      rows_on_x ? (p.m + T::kTokens - 1) / T::kTokens : (p.n + T::kRows - 1) / T::kRows;
   const uint64_t splits = launch.grid.z;
   if (launch.grid.x != want_x || launch.grid.y != want_y || splits < 1 || splits > kMaxKSplits ||
       (splits & (splits - 1)) != 0) {
@@ -703,8 +722,8 @@ void launch_tile(const KernelLaunch& launch, void* stream, const Problem& p, boo
   }
 }
 
-Problem problem_of(const KernelLaunch& launch, size_t weight_slot, size_t input_slot, size_t output_slot,
-                   uint64_t m, uint64_t n, uint64_t k, uint64_t row_bytes) {
+Problem problem_of(const KernelLaunch& launch, size_t weight_slot, size_t input_slot,
+                   size_t output_slot, uint64_t m, uint64_t n, uint64_t k, uint64_t row_bytes) {
   if (m == 0 || n == 0 || k == 0 || k % 32 != 0 || row_bytes != k / 32 * 18 || m > INT32_MAX ||
       n > INT32_MAX || k > INT32_MAX) {
     throw Error("'" + launch.label + "': malformed Q4_0 params");
@@ -714,10 +733,14 @@ Problem problem_of(const KernelLaunch& launch, size_t weight_slot, size_t input_
   p.n = static_cast<uint32_t>(n);
   p.k = static_cast<uint32_t>(k);
   p.row_bytes = row_bytes;
-  p.weight = static_cast<const uint8_t*>(kernels::launch_arg(launch, weight_slot, "weight", n * row_bytes).data);
-  p.input = static_cast<const float*>(kernels::launch_arg(launch, input_slot, "input", m * k * 4).data);
-  p.output = static_cast<float*>(kernels::launch_arg(launch, output_slot, "output", m * n * 4).data);
-  if (reinterpret_cast<uintptr_t>(p.input) % 4 != 0 || reinterpret_cast<uintptr_t>(p.output) % 4 != 0) {
+  p.weight = static_cast<const uint8_t*>(
+      kernels::launch_arg(launch, weight_slot, "weight", n * row_bytes).data);
+  p.input =
+      static_cast<const float*>(kernels::launch_arg(launch, input_slot, "input", m * k * 4).data);
+  p.output =
+      static_cast<float*>(kernels::launch_arg(launch, output_slot, "output", m * n * 4).data);
+  if (reinterpret_cast<uintptr_t>(p.input) % 4 != 0 ||
+      reinterpret_cast<uintptr_t>(p.output) % 4 != 0) {
     throw Error("'" + launch.label + "': input and output must be 4-byte aligned");
   }
   return p;
@@ -733,12 +756,16 @@ void launch_streamed_mat_vec(const KernelLaunch& launch, void* stream, const Pro
     throw Error("'" + launch.label + "': launch shape does not match the kernel's tiles");
   }
   static const cudaError_t configured = [] {
-    const cudaError_t e = cudaFuncSetAttribute(q4_matvec_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
-    return e != cudaSuccess ? e
-                            : cudaFuncSetAttribute(q4_matvec_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
+    const cudaError_t e = cudaFuncSetAttribute(
+        q4_matvec_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
+    return e != cudaSuccess
+               ? e
+               : cudaFuncSetAttribute(q4_matvec_kernel<false>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
   }();
   if (configured != cudaSuccess) {
-    throw Error("'" + launch.label + "': cannot reserve shared memory: " + cudaGetErrorString(configured));
+    throw Error("'" + launch.label +
+                "': cannot reserve shared memory: " + cudaGetErrorString(configured));
   }
   Q4Args a{};
   a.weight = p.weight;
@@ -771,7 +798,8 @@ void launch_streamed_mat_vec(const KernelLaunch& launch, void* stream, const Pro
   const bool vec = a.w_grain == 16 && a.x_grain == 16;
   const cudaError_t e = vec ? cudaLaunchKernelEx(&config, q4_matvec_kernel<true>, a)
                             : cudaLaunchKernelEx(&config, q4_matvec_kernel<false>, a);
-  if (e != cudaSuccess) throw Error("'" + launch.label + "': launch failed: " + cudaGetErrorString(e));
+  if (e != cudaSuccess)
+    throw Error("'" + launch.label + "': launch failed: " + cudaGetErrorString(e));
 }
 
 void launch_mat_vec(const KernelLaunch& launch, void* stream) {
@@ -780,8 +808,8 @@ void launch_mat_vec(const KernelLaunch& launch, void* stream) {
     throw Error("'" + launch.label + "': malformed Q4_0 mat-vec params");
   }
   const auto k = static_cast<uint64_t>(q.ne00);
-  const Problem p = problem_of(launch, 0, 1, 2, static_cast<uint64_t>(q.ne1), static_cast<uint64_t>(q.ne01), k,
-                               k / 32 * 18);
+  const Problem p = problem_of(launch, 0, 1, 2, static_cast<uint64_t>(q.ne1),
+                               static_cast<uint64_t>(q.ne01), k, k / 32 * 18);
   launch_streamed_mat_vec(launch, stream, p);
 }
 
@@ -791,12 +819,14 @@ void launch_matrix(const KernelLaunch& launch, void* stream) {
   if (q.ne00 <= 0 || q.ne0 <= 0 || q.ne1 <= 0 || q.nb10 != 4 || q.nb11 != uint64_t(q.ne00) * 4) {
     throw Error("'" + launch.label + "': malformed Q4_0 matrix params");
   }
-  const Problem p = problem_of(launch, 1, 2, 3, uint64_t(q.ne1), uint64_t(q.ne0), uint64_t(q.ne00), q.nb01);
+  const Problem p =
+      problem_of(launch, 1, 2, 3, uint64_t(q.ne1), uint64_t(q.ne0), uint64_t(q.ne00), q.nb01);
   launch_tile<T>(launch, stream, p, false);
 }
 
 template <class T>
-KernelDef q4_def(std::string_view name, KernelFn fn, bool rows_on_x, uint32_t k_split_max, uint32_t target) {
+KernelDef q4_def(std::string_view name, KernelFn fn, bool rows_on_x, uint32_t k_split_max,
+                 uint32_t target) {
   KernelDef def;
   def.name = std::string(name);
   def.fn = fn;
@@ -818,7 +848,8 @@ void add_q4_matmul_kernels(std::vector<KernelDef>& out) {
   // K splits need thread-block clusters (sm_90+); the target is two groups per multiprocessor.
   int sms = 0, major = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess || sms <= 0) {
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
+      sms <= 0) {
     (void)cudaGetLastError();
     sms = 132;
     major = 0;
@@ -827,10 +858,14 @@ void add_q4_matmul_kernels(std::vector<KernelDef>& out) {
   const auto target = static_cast<uint32_t>(2 * sms);
   const auto& names = kQ4MatmulPipelineNames;
   out.push_back(q4_def<MatVecStream>(names[0], &launch_mat_vec, true, splits, target));
-  out.push_back(q4_def<SimdgroupTile>(names[1], &launch_matrix<SimdgroupTile>, false, splits, target));
-  out.push_back(q4_def<TensorV1Tile>(names[2], &launch_matrix<TensorV1Tile>, false, splits, target));
-  out.push_back(q4_def<TensorV2Tile>(names[3], &launch_matrix<TensorV2Tile>, false, splits, target));
-  out.push_back(q4_def<Tensor64x32Tile>(names[4], &launch_matrix<Tensor64x32Tile>, false, splits, target));
+  out.push_back(
+      q4_def<SimdgroupTile>(names[1], &launch_matrix<SimdgroupTile>, false, splits, target));
+  out.push_back(
+      q4_def<TensorV1Tile>(names[2], &launch_matrix<TensorV1Tile>, false, splits, target));
+  out.push_back(
+      q4_def<TensorV2Tile>(names[3], &launch_matrix<TensorV2Tile>, false, splits, target));
+  out.push_back(
+      q4_def<Tensor64x32Tile>(names[4], &launch_matrix<Tensor64x32Tile>, false, splits, target));
 }
 
 }  // namespace routemm::cuda

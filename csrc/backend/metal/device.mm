@@ -52,7 +52,9 @@ constexpr const char* kBaseLibrary = "routemm.metallib";
 constexpr const char* kTensorLibrary = "routemm_tensor.metallib";
 
 std::string text(NSString* s) { return s == nil ? std::string() : std::string([s UTF8String]); }
-std::string error_text(NSError* e) { return e == nil ? std::string("unknown error") : text([e localizedDescription]); }
+std::string error_text(NSError* e) {
+  return e == nil ? std::string("unknown error") : text([e localizedDescription]);
+}
 
 std::string directory_of(const std::string& path) {
   const size_t slash = path.rfind('/');
@@ -62,7 +64,9 @@ std::string directory_of(const std::string& path) {
 // The directory of the binary this code is linked into.
 std::string module_directory() {
   Dl_info info{};
-  if (dladdr(reinterpret_cast<const void*>(&module_directory), &info) == 0 || info.dli_fname == nullptr) return {};
+  if (dladdr(reinterpret_cast<const void*>(&module_directory), &info) == 0 ||
+      info.dli_fname == nullptr)
+    return {};
   return directory_of(info.dli_fname);
 }
 
@@ -106,10 +110,13 @@ Library try_load(id<MTLDevice> device, const std::string& path, std::string& tri
 }
 
 std::vector<std::string> base_library_candidates() {
-  if (const char* env = std::getenv("ROUTEMM_METALLIB_PATH"); env != nullptr && *env != '\0') return {env};
+  if (const char* env = std::getenv("ROUTEMM_METALLIB_PATH"); env != nullptr && *env != '\0')
+    return {env};
   std::vector<std::string> out;
-  if (const std::string dir = module_directory(); !dir.empty()) out.push_back(dir + "/" + kBaseLibrary);
-  if (std::strlen(ROUTEMM_METALLIB_BUILD_DIR) != 0) out.push_back(std::string(ROUTEMM_METALLIB_BUILD_DIR) + "/" + kBaseLibrary);
+  if (const std::string dir = module_directory(); !dir.empty())
+    out.push_back(dir + "/" + kBaseLibrary);
+  if (std::strlen(ROUTEMM_METALLIB_BUILD_DIR) != 0)
+    out.push_back(std::string(ROUTEMM_METALLIB_BUILD_DIR) + "/" + kBaseLibrary);
   return out;
 }
 
@@ -123,7 +130,8 @@ class MetalBackend final : public Backend {
   MetalBackend() {
     @autoreleasepool {
       device_ = MTLCreateSystemDefaultDevice();
-      if (device_ == nil) throw Error("metal backend: MTLCreateSystemDefaultDevice returned no device");
+      if (device_ == nil)
+        throw Error("metal backend: MTLCreateSystemDefaultDevice returned no device");
       queue_ = [device_ newCommandQueue];
       if (queue_ == nil) throw Error("metal backend: cannot create a command queue");
       std::string tried;
@@ -157,12 +165,15 @@ class MetalBackend final : public Backend {
   int32_t dlpack_device_type() const override { return 8; }
 
   std::shared_ptr<Storage> allocate(size_t nbytes) override {
-    id<MTLBuffer> buffer = [device_ newBufferWithLength:(nbytes == 0 ? 1 : nbytes) options:MTLResourceStorageModeShared];
-    if (buffer == nil) throw Error("metal backend: cannot allocate " + std::to_string(nbytes) + " bytes");
+    id<MTLBuffer> buffer = [device_ newBufferWithLength:(nbytes == 0 ? 1 : nbytes)
+                                                options:MTLResourceStorageModeShared];
+    if (buffer == nil)
+      throw Error("metal backend: cannot allocate " + std::to_string(nbytes) + " bytes");
     void* data = buffer.contents;
     {
       std::lock_guard lock(mutex_);
-      allocations_[reinterpret_cast<uintptr_t>(data)] = Allocation{buffer, nbytes == 0 ? 1 : nbytes};
+      allocations_[reinterpret_cast<uintptr_t>(data)] =
+          Allocation{buffer, nbytes == 0 ? 1 : nbytes};
     }
     return std::make_shared<Storage>(shared_from_this(), data, nbytes, true);
   }
@@ -183,15 +194,18 @@ class MetalBackend final : public Backend {
   id<MTLCommandQueue> command_queue() const { return queue_; }
 
   // The Metal buffer holding `address` and the offset of `address` inside it.
-  std::pair<id<MTLBuffer>, NSUInteger> resolve(const void* address, const std::string& label, size_t slot) const {
+  std::pair<id<MTLBuffer>, NSUInteger> resolve(const void* address, const std::string& label,
+                                               size_t slot) const {
     const auto a = reinterpret_cast<uintptr_t>(address);
     std::lock_guard lock(mutex_);
     auto it = allocations_.upper_bound(a);
     if (it != allocations_.begin()) {
       --it;
-      if (a < it->first + it->second.length) return {it->second.buffer, static_cast<NSUInteger>(a - it->first)};
+      if (a < it->first + it->second.length)
+        return {it->second.buffer, static_cast<NSUInteger>(a - it->first)};
     }
-    throw Error(label + ": argument slot " + std::to_string(slot) + " is not memory of this Metal device");
+    throw Error(label + ": argument slot " + std::to_string(slot) +
+                " is not memory of this Metal device");
   }
 
   // The pipeline state for `function` specialised with `constants`, cached by label.
@@ -209,9 +223,12 @@ class MetalBackend final : public Backend {
 
  private:
   id<MTLComputePipelineState> build(std::string_view function, const std::string& label,
-                                    const std::vector<std::pair<uint32_t, int32_t>>& constants, std::string& why) {
+                                    const std::vector<std::pair<uint32_t, int32_t>>& constants,
+                                    std::string& why) {
     @autoreleasepool {
-      NSString* name = [[NSString alloc] initWithBytes:function.data() length:function.size() encoding:NSUTF8StringEncoding];
+      NSString* name = [[NSString alloc] initWithBytes:function.data()
+                                                length:function.size()
+                                              encoding:NSUTF8StringEncoding];
       MTLFunctionConstantValues* values = [MTLFunctionConstantValues new];
       for (const auto& [index, value] : constants) {
         const int32_t v = value;
@@ -237,10 +254,11 @@ class MetalBackend final : public Backend {
       descriptor.label = [NSString stringWithUTF8String:label.c_str()];
       descriptor.computeFunction = fn;
       NSError* error = nil;
-      id<MTLComputePipelineState> state = [device_ newComputePipelineStateWithDescriptor:descriptor
-                                                                                 options:MTLPipelineOptionNone
-                                                                              reflection:nil
-                                                                                   error:&error];
+      id<MTLComputePipelineState> state =
+          [device_ newComputePipelineStateWithDescriptor:descriptor
+                                                 options:MTLPipelineOptionNone
+                                              reflection:nil
+                                                   error:&error];
       if (state == nil) why = error_text(error);
       return state;
     }
@@ -249,7 +267,8 @@ class MetalBackend final : public Backend {
   // Builds every pipeline once, with the constants its op fetches it with, so that KernelDefs carry
   // the device's real thread limit and a broken library fails at open, not mid-encode.
   void register_kernels() {
-    const std::vector<std::pair<uint32_t, int32_t>> q4(kQ4PipelineConstants.begin(), kQ4PipelineConstants.end());
+    const std::vector<std::pair<uint32_t, int32_t>> q4(kQ4PipelineConstants.begin(),
+                                                       kQ4PipelineConstants.end());
     const std::vector<std::pair<uint32_t, int32_t>> none;
     std::string tensor_failures;
     for (const MetalPipelineSpec& spec : metal_pipeline_specs()) {
@@ -257,13 +276,16 @@ class MetalBackend final : public Backend {
       const std::string label = pipeline_label(spec.name, constants);
       std::string why;
       id<MTLComputePipelineState> state = nil;
-      if (spec.library == MetalLibrary::Base || tensor_.library != nil) state = build(spec.name, label, constants, why);
+      if (spec.library == MetalLibrary::Base || tensor_.library != nil)
+        state = build(spec.name, label, constants, why);
       if (state == nil) {
         if (spec.library == MetalLibrary::Tensor) {
-          if (tensor_.library != nil) tensor_failures += (tensor_failures.empty() ? "" : "; ") + label + ": " + why;
+          if (tensor_.library != nil)
+            tensor_failures += (tensor_failures.empty() ? "" : "; ") + label + ": " + why;
           continue;  // the route is unavailable here, not an error
         }
-        throw Error("metal backend: " + base_.path + " cannot build pipeline '" + label + "': " + why);
+        throw Error("metal backend: " + base_.path + " cannot build pipeline '" + label +
+                    "': " + why);
       }
       pipelines_.emplace(std::string(spec.name) + "#" + label, state);
       KernelDef def;
@@ -310,7 +332,8 @@ class MetalQueue final : public Queue {
       }
       if (command_buffer_ == nil) command_buffer_ = [backend_->command_queue() commandBuffer];
       if (encoder_ == nil) {
-        encoder_ = [command_buffer_ computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
+        encoder_ =
+            [command_buffer_ computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
       }
       command.fn(command.launch, this);
       pending_.push_back(std::move(command));
@@ -321,8 +344,10 @@ class MetalQueue final : public Queue {
   GpuInterval commit_wait_with_gpu_time() override { return finish(); }
 
   void encode(std::string_view function, const KernelLaunch& launch) {
-    if (encoder_ == nil) throw Error("metal backend: '" + launch.label + "' encoded outside a submission");
-    [encoder_ setComputePipelineState:backend_->pipeline(function, launch.label, launch.int_constants)];
+    if (encoder_ == nil)
+      throw Error("metal backend: '" + launch.label + "' encoded outside a submission");
+    [encoder_
+        setComputePipelineState:backend_->pipeline(function, launch.label, launch.int_constants)];
     for (size_t slot = 0; slot < launch.args.size(); ++slot) {
       const BoundArg& arg = launch.args[slot];
       if (arg.kind == BoundArg::Kind::Buffer) {
@@ -347,7 +372,8 @@ class MetalQueue final : public Queue {
  private:
   GpuInterval finish() {
     @autoreleasepool {
-      id<MTLCommandBuffer> buffer = command_buffer_ != nil ? command_buffer_ : [backend_->command_queue() commandBuffer];
+      id<MTLCommandBuffer> buffer =
+          command_buffer_ != nil ? command_buffer_ : [backend_->command_queue() commandBuffer];
       if (encoder_ != nil) [encoder_ endEncoding];
       encoder_ = nil;
       command_buffer_ = nil;
@@ -355,12 +381,14 @@ class MetalQueue final : public Queue {
       [buffer waitUntilCompleted];
       std::string labels;
       for (const auto& c : pending_) {
-        if (labels.find(c.launch.label) == std::string::npos) labels += (labels.empty() ? "" : ", ") + c.launch.label;
+        if (labels.find(c.launch.label) == std::string::npos)
+          labels += (labels.empty() ? "" : ", ") + c.launch.label;
       }
       pending_.clear();
       if (buffer.status != MTLCommandBufferStatusCompleted) {
         throw CommandBufferError("metal backend: GPU command buffer completed with error status " +
-                                 std::to_string(static_cast<long>(buffer.status)) + ": " + error_text(buffer.error) +
+                                 std::to_string(static_cast<long>(buffer.status)) + ": " +
+                                 error_text(buffer.error) +
                                  (labels.empty() ? std::string() : " (pipelines: " + labels + ")"));
       }
       return {buffer.GPUStartTime, buffer.GPUEndTime};
@@ -383,7 +411,9 @@ std::string probe() {
     if (device == nil) return "no Metal device (MTLCreateSystemDefaultDevice returned nil)";
     std::string tried;
     for (const std::string& path : base_library_candidates()) {
-      if ([[NSFileManager defaultManager] fileExistsAtPath:[NSString stringWithUTF8String:path.c_str()]]) return {};
+      if ([[NSFileManager defaultManager]
+              fileExistsAtPath:[NSString stringWithUTF8String:path.c_str()]])
+        return {};
       tried += (tried.empty() ? "" : "; ") + path;
     }
     return std::string(kBaseLibrary) + " not found (tried: " + (tried.empty() ? "nothing" : tried) +
@@ -393,7 +423,8 @@ std::string probe() {
 
 }  // namespace
 
-void encode_metal_launch(std::string_view function, const KernelLaunch& launch, void* queue_native) {
+void encode_metal_launch(std::string_view function, const KernelLaunch& launch,
+                         void* queue_native) {
   static_cast<MetalQueue*>(queue_native)->encode(function, launch);
 }
 

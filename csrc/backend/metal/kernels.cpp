@@ -18,11 +18,20 @@ constexpr std::string_view kCalibrationCompare = "routemm_calibration_compare_f3
 // Function names in table order: the seven expert-ID pipelines, the five Q4_0 pipelines, the two
 // calibration proof kernels.
 constexpr std::array<std::string_view, 14> kFunctions = {
-    kDenseMatmulIdPipelineNames[0], kDenseMatmulIdPipelineNames[1], kDenseMatmulIdPipelineNames[2],
-    kDenseMatmulIdPipelineNames[3], kDenseMatmulIdPipelineNames[4], kDenseMatmulIdPipelineNames[5],
-    kDenseMatmulIdPipelineNames[6], kQ4MatmulPipelineNames[0],      kQ4MatmulPipelineNames[1],
-    kQ4MatmulPipelineNames[2],      kQ4MatmulPipelineNames[3],      kQ4MatmulPipelineNames[4],
-    kCalibrationPoison,             kCalibrationCompare,
+    kDenseMatmulIdPipelineNames[0],
+    kDenseMatmulIdPipelineNames[1],
+    kDenseMatmulIdPipelineNames[2],
+    kDenseMatmulIdPipelineNames[3],
+    kDenseMatmulIdPipelineNames[4],
+    kDenseMatmulIdPipelineNames[5],
+    kDenseMatmulIdPipelineNames[6],
+    kQ4MatmulPipelineNames[0],
+    kQ4MatmulPipelineNames[1],
+    kQ4MatmulPipelineNames[2],
+    kQ4MatmulPipelineNames[3],
+    kQ4MatmulPipelineNames[4],
+    kCalibrationPoison,
+    kCalibrationCompare,
 };
 static_assert(kDenseMatmulIdPipelineNames.size() == 7 && kQ4MatmulPipelineNames.size() == 5);
 static_assert(kFunctions[3] == kDenseMatmulIdMapPipeline && kFunctions[7] == kQ4_0MatVecPipeline);
@@ -34,7 +43,8 @@ void launch(const KernelLaunch& launch, void* queue_native) {
 }
 
 constexpr MetalPipelineSpec spec(size_t i, KernelFn fn, MetalLibrary library, uint32_t threads,
-                                 uint32_t tile_x, uint32_t tile_y, uint64_t shmem, bool q4 = false) {
+                                 uint32_t tile_x, uint32_t tile_y, uint64_t shmem,
+                                 bool q4 = false) {
   return MetalPipelineSpec{kFunctions[i], library, threads, tile_x, tile_y, shmem, q4, fn};
 }
 

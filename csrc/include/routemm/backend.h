@@ -100,7 +100,7 @@ struct KernelDef {
   // The function behind the pipeline: the backend's own kernel name. Registering a kernel under
   // another name keeps it, so an identity shows which code a name resolves to. Empty: `name`.
   std::string entry_point;
-  std::string origin;          // where the code comes from: "builtin_cpu", "cuda_fatbin", "metallib"
+  std::string origin;  // where the code comes from: "builtin_cpu", "cuda_fatbin", "metallib"
   std::string content_sha256;  // hash over what was compiled (source text or machine image)
 };
 
@@ -110,7 +110,7 @@ struct QueuedCommand {
   Kind kind = Kind::Dispatch;
   KernelFn fn = nullptr;
   KernelLaunch launch;
-  std::vector<std::vector<uint8_t>> inline_bytes;  // owns Bytes arguments
+  std::vector<std::vector<uint8_t>> inline_bytes;    // owns Bytes arguments
   std::vector<std::shared_ptr<Storage>> keep_alive;  // storages referenced by the launch
 };
 

@@ -10,7 +10,7 @@ namespace routemm {
 enum class DType : uint8_t { F32, F16, BF16, U8, U16, U32, I32 };
 
 inline constexpr DType kAllDTypes[] = {DType::F32, DType::F16, DType::BF16, DType::U8,
-                                       DType::U16, DType::U32,  DType::I32};
+                                       DType::U16, DType::U32, DType::I32};
 
 constexpr size_t dtype_size(DType dtype) {
   switch (dtype) {

@@ -33,8 +33,8 @@ struct PipelineIdentity {
   std::string kernel_name;  // the label up to the first '|'
   std::string entry_point;  // the backend kernel behind the name (KernelDef::entry_point)
   std::string backend;
-  std::string origin;           // KernelDef::origin
-  std::string content_sha256;   // KernelDef::content_sha256
+  std::string origin;          // KernelDef::origin
+  std::string content_sha256;  // KernelDef::content_sha256
   bool operator==(const PipelineIdentity&) const = default;
 };
 

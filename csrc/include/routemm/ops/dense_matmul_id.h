@@ -36,23 +36,28 @@ inline constexpr uint32_t kDenseMatmulIdGroupedMaxExperts = 1024;
 
 // Every pipeline name this op owns: registration and post-freeze protection use this one list.
 inline constexpr std::array<std::string_view, 7> kDenseMatmulIdPipelineNames = {
-    "dense_matmul_id_direct_f32_f32",  "dense_matmul_id_direct_f16_f32",
-    "dense_matmul_id_direct_bf16_f32", "dense_matmul_id_map_distinct",
-    "dense_matmul_id_grouped_f32_f32", "dense_matmul_id_grouped_f16_f32",
+    "dense_matmul_id_direct_f32_f32",   "dense_matmul_id_direct_f16_f32",
+    "dense_matmul_id_direct_bf16_f32",  "dense_matmul_id_map_distinct",
+    "dense_matmul_id_grouped_f32_f32",  "dense_matmul_id_grouped_f16_f32",
     "dense_matmul_id_grouped_bf16_f32",
 };
 inline constexpr std::string_view kDenseMatmulIdMapPipeline = "dense_matmul_id_map_distinct";
 
 // Pipelines of the tensor-core routes (registered only by backends that have tensor cores).
 inline constexpr std::array<std::string_view, 5> kDenseMatmulIdTensorPipelineNames = {
-    "dense_matmul_id_grouped_tf32_f32_f32", "dense_matmul_id_grouped_tf32_f16_f32",
+    "dense_matmul_id_grouped_tf32_f32_f32",  "dense_matmul_id_grouped_tf32_f16_f32",
     "dense_matmul_id_grouped_tf32_bf16_f32", "dense_matmul_id_grouped_lowp_f16_f32",
     "dense_matmul_id_grouped_lowp_bf16_f32",
 };
 
 enum class DenseMatmulIdInputLayout : uint8_t { SharedPerToken, Slotted };
 enum class DenseMatmulIdMultiplicity : uint8_t { DistinctPerToken, MayRepeat };
-enum class DenseMatmulIdRoute : uint8_t { Direct, GroupedPrefill, GroupedTensorTf32, GroupedTensorLowp };
+enum class DenseMatmulIdRoute : uint8_t {
+  Direct,
+  GroupedPrefill,
+  GroupedTensorTf32,
+  GroupedTensorLowp
+};
 
 // Routes that run the map dispatch and need caller-owned scratch and distinct IDs.
 constexpr bool is_grouped(DenseMatmulIdRoute route) { return route != DenseMatmulIdRoute::Direct; }
@@ -62,11 +67,11 @@ std::string_view to_string(DenseMatmulIdMultiplicity value);
 std::string_view to_string(DenseMatmulIdRoute value);
 
 struct DenseMatmulIdParams {
-  uint32_t m = 0;          // tokens
-  uint32_t n = 0;          // output features per expert
-  uint32_t k = 0;          // input width
-  uint32_t top_k = 0;      // expert slots per token
-  uint32_t n_experts = 0;  // experts in the weight stack
+  uint32_t m = 0;                    // tokens
+  uint32_t n = 0;                    // output features per expert
+  uint32_t k = 0;                    // input width
+  uint32_t top_k = 0;                // expert slots per token
+  uint32_t n_experts = 0;            // experts in the weight stack
   uint64_t expert_stride_bytes = 0;  // byte distance from expert e to e + 1
   DenseMatmulIdInputLayout input_layout = DenseMatmulIdInputLayout::SharedPerToken;
   DenseMatmulIdMultiplicity id_multiplicity = DenseMatmulIdMultiplicity::DistinctPerToken;

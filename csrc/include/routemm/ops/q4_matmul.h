@@ -28,10 +28,23 @@ inline constexpr uint32_t kGgmlMmRoutingThreshold = 8;
 // GGML block formats this library knows by name. Only Q4_0 is supported by quantized_matmul_ggml;
 // the others exist so that callers can name them and get "does not support" rather than a parse
 // error. snake_case names ("q4_0") are the JSON values.
-enum class GgmlType : uint8_t { Q4_0, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS };
+enum class GgmlType : uint8_t {
+  Q4_0,
+  Q5_0,
+  Q5_1,
+  Q8_0,
+  Q2_K,
+  Q3_K,
+  Q4_K,
+  Q5_K,
+  Q6_K,
+  IQ4_NL,
+  IQ4_XS
+};
 inline constexpr std::array<GgmlType, 11> kAllGgmlTypes = {
-    GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0,   GgmlType::Q2_K,  GgmlType::Q3_K,
-    GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::IQ4_NL, GgmlType::IQ4_XS};
+    GgmlType::Q4_0, GgmlType::Q5_0,   GgmlType::Q5_1,  GgmlType::Q8_0,
+    GgmlType::Q2_K, GgmlType::Q3_K,   GgmlType::Q4_K,  GgmlType::Q5_K,
+    GgmlType::Q6_K, GgmlType::IQ4_NL, GgmlType::IQ4_XS};
 std::string_view to_string(GgmlType type);
 // (values per block, bytes per block) of spec §5.1.
 std::pair<uint32_t, uint32_t> ggml_block_layout(GgmlType type);
