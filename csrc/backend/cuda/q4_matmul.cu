@@ -31,7 +31,7 @@
 //
 // GEOMETRY (KernelDef below; tile_x/tile_y as the front door reads them; SB and the ring depth are
 // in the Tile aliases further down):
-//   kernel_mul_mv_q4_0_f32               split, 128 rows x 8 tokens, 256 threads (8 x 32)
+//   kernel_mul_mv_q4_0_f32               split, 128 rows x 8 tokens, 128 threads (8 x 16)
 //   kernel_mul_mm_q4_0_f32               split,  32 tokens x 64 rows, 128 threads
 //   kernel_mul_mm_q4_0_tensor_f32        split,  32 tokens x 128 rows, 256 threads
 //   kernel_mul_mm_q4_0_tensor_v2_f32     bf16,  128 tokens x 128 rows, 256 threads
