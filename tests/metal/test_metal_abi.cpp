@@ -3,10 +3,14 @@
 // structs the front doors fill (the host-mode static_asserts live in the headers themselves).
 // MSL scalars have C's natural size and alignment (uint 4, ulong 8, short 2, ushort 2, uchar 1),
 // which msl_shim.h mirrors; a field added, reordered or retyped on one side fails here.
+// The shim comes first, so the shared headers below compile in Metal mode.
+// clang-format off
+#include "msl_shim.h"
+// clang-format on
+
 #include "backend/common/calibration_params.h"
 #include "backend/common/dense_matmul_id_params.h"
 #include "backend/common/q4_0_block.h"
-#include "msl_shim.h"
 
 namespace k = routemm::kernels;
 
