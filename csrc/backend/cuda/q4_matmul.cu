@@ -1,7 +1,7 @@
 // CUDA kernels of the GGML Q4_0 dense projections (csrc/ops/q4_matmul.cpp owns validation, routing
-// and geometry): the mat-vec pipeline and the four matrix routes, all one tensor-core kernel
-// template over warp-level MMA (mma.sync m16n8k16 bf16, ldmatrix, cp.async; sm_80+, the same code on
-// sm_90, where long K is also split across a thread-block cluster).
+// and geometry): the four matrix routes (one kernel template) and the mat-vec (a per-warp streamed
+// kernel), all on warp-level MMA (mma.sync m16n8k16 bf16, ldmatrix, cp.async; sm_80+, the same code
+// on sm_90, where long K is also split across a thread-block cluster).
 //
 // DATA PATH (every route): raw GGUF blocks and F32 activations stream into a shared-memory ring by
 // cp.async (16/8/4-byte copies, the widest the weight view's alignment and row length allow; byte
@@ -431,6 +431,7 @@ struct MatVecStream {
   static constexpr int kWarpRows = 16 * kWarpTiles;
   static constexpr int kSB = 8, kStages = 3;
   static constexpr int kRowBytes = 18 * kSB;                // one row's run per stage
+  static constexpr int kWGrain = 16;                        // copy size of the vector path
   static constexpr int kWarpStage = kWarpRows * kRowBytes;  // 4608 bytes
   static constexpr int kWarpRing = kStages * kWarpStage;
   static constexpr int kRing = kWarps * kWarpRing;
@@ -644,22 +645,6 @@ int weight_grain(const void* weight, uint64_t row_bytes, int sb, int k_blocks) {
   return 1;
 }
 
-template <class T>
-void configure_once(const KernelLaunch& launch) {
-  static const cudaError_t status = [] {
-    const cudaError_t e = cudaFuncSetAttribute(
-        q4_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
-    return e != cudaSuccess
-               ? e
-               : cudaFuncSetAttribute(q4_kernel<T, false>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
-  }();
-  if (status != cudaSuccess) {
-    throw Error("'" + launch.label + "': cannot reserve " + std::to_string(T::kSmem) +
-                " bytes of shared memory: " + cudaGetErrorString(status));
-  }
-}
-
 struct Problem {
   const uint8_t* weight;
   const float* input;
@@ -668,23 +653,64 @@ struct Problem {
   uint64_t row_bytes;
 };
 
+Problem problem_of(const KernelLaunch& launch, size_t weight_slot, size_t input_slot,
+                   size_t output_slot, uint64_t m, uint64_t n, uint64_t k, uint64_t row_bytes) {
+  if (m == 0 || n == 0 || k == 0 || k % 32 != 0 || row_bytes != k / 32 * 18 || m > INT32_MAX ||
+      n > INT32_MAX || k > INT32_MAX) {
+    throw Error("'" + launch.label + "': malformed Q4_0 params");
+  }
+  Problem p{};
+  p.m = static_cast<uint32_t>(m);
+  p.n = static_cast<uint32_t>(n);
+  p.k = static_cast<uint32_t>(k);
+  p.row_bytes = row_bytes;
+  p.weight = static_cast<const uint8_t*>(
+      kernels::launch_arg(launch, weight_slot, "weight", n * row_bytes).data);
+  p.input =
+      static_cast<const float*>(kernels::launch_arg(launch, input_slot, "input", m * k * 4).data);
+  p.output =
+      static_cast<float*>(kernels::launch_arg(launch, output_slot, "output", m * n * 4).data);
+  if (reinterpret_cast<uintptr_t>(p.input) % 4 != 0 ||
+      reinterpret_cast<uintptr_t>(p.output) % 4 != 0) {
+    throw Error("'" + launch.label + "': input and output must be 4-byte aligned");
+  }
+  return p;
+}
+
+using Q4Kernel = void (*)(const Q4Args);
+
+// Launches one Q4 kernel (T: its tile constants; `vec` / `generic`: its two instantiations) for `p`
+// with the grid the front door encoded: checks that grid and block match the tiles, reserves the
+// kernel's shared memory once, derives the copy sizes and the K split, and launches grid.z > 1 as
+// clusters of grid.z CTAs. The vector instantiation runs when the weight view allows T::kWGrain-byte
+// copies and the input 16-byte ones.
 template <class T>
-void launch_tile(const KernelLaunch& launch, void* stream, const Problem& p, bool rows_on_x) {
+void launch_q4(const KernelLaunch& launch, void* stream, const Problem& p, bool rows_on_x,
+               Q4Kernel vec, Q4Kernel generic) {
   const uint64_t threads = launch.threads.x * launch.threads.y * launch.threads.z;
   if (threads != T::kThreads) {
     throw Error("'" + launch.label + "': launched with " + std::to_string(threads) +
                 " threads, the kernel needs " + std::to_string(T::kThreads));
   }
-  const uint64_t want_x =
-      rows_on_x ? (p.n + T::kRows - 1) / T::kRows : (p.m + T::kTokens - 1) / T::kTokens;
-  const uint64_t want_y =
-      rows_on_x ? (p.m + T::kTokens - 1) / T::kTokens : (p.n + T::kRows - 1) / T::kRows;
+  const uint64_t row_tiles = (p.n + T::kRows - 1) / T::kRows;
+  const uint64_t token_tiles = (p.m + T::kTokens - 1) / T::kTokens;
   const uint64_t splits = launch.grid.z;
-  if (launch.grid.x != want_x || launch.grid.y != want_y || splits < 1 || splits > kMaxKSplits ||
-      (splits & (splits - 1)) != 0) {
+  if (launch.grid.x != (rows_on_x ? row_tiles : token_tiles) ||
+      launch.grid.y != (rows_on_x ? token_tiles : row_tiles) || splits < 1 ||
+      splits > kMaxKSplits || (splits & (splits - 1)) != 0) {
     throw Error("'" + launch.label + "': grid does not match the kernel's tiles");
   }
-  configure_once<T>(launch);
+  static const cudaError_t configured = [vec, generic] {
+    const cudaError_t e =
+        cudaFuncSetAttribute(vec, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
+    return e != cudaSuccess ? e
+                            : cudaFuncSetAttribute(
+                                  generic, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
+  }();
+  if (configured != cudaSuccess) {
+    throw Error("'" + launch.label + "': cannot reserve " + std::to_string(T::kSmem) +
+                " bytes of shared memory: " + cudaGetErrorString(configured));
+  }
   Q4Args a{};
   a.weight = p.weight;
   a.input = p.input;
@@ -714,92 +740,11 @@ void launch_tile(const KernelLaunch& launch, void* stream, const Problem& p, boo
     config.attrs = &attribute;
     config.numAttrs = 1;
   }
-  const bool vec = a.w_grain >= T::kWGrain && a.x_grain == 16;
-  const cudaError_t e = vec ? cudaLaunchKernelEx(&config, q4_kernel<T, true>, a)
-                            : cudaLaunchKernelEx(&config, q4_kernel<T, false>, a);
-  if (e != cudaSuccess) {
+  const bool use_vec = a.w_grain >= T::kWGrain && a.x_grain == 16;
+  if (const cudaError_t e = cudaLaunchKernelEx(&config, use_vec ? vec : generic, a);
+      e != cudaSuccess) {
     throw Error("'" + launch.label + "': launch failed: " + cudaGetErrorString(e));
   }
-}
-
-Problem problem_of(const KernelLaunch& launch, size_t weight_slot, size_t input_slot,
-                   size_t output_slot, uint64_t m, uint64_t n, uint64_t k, uint64_t row_bytes) {
-  if (m == 0 || n == 0 || k == 0 || k % 32 != 0 || row_bytes != k / 32 * 18 || m > INT32_MAX ||
-      n > INT32_MAX || k > INT32_MAX) {
-    throw Error("'" + launch.label + "': malformed Q4_0 params");
-  }
-  Problem p{};
-  p.m = static_cast<uint32_t>(m);
-  p.n = static_cast<uint32_t>(n);
-  p.k = static_cast<uint32_t>(k);
-  p.row_bytes = row_bytes;
-  p.weight = static_cast<const uint8_t*>(
-      kernels::launch_arg(launch, weight_slot, "weight", n * row_bytes).data);
-  p.input =
-      static_cast<const float*>(kernels::launch_arg(launch, input_slot, "input", m * k * 4).data);
-  p.output =
-      static_cast<float*>(kernels::launch_arg(launch, output_slot, "output", m * n * 4).data);
-  if (reinterpret_cast<uintptr_t>(p.input) % 4 != 0 ||
-      reinterpret_cast<uintptr_t>(p.output) % 4 != 0) {
-    throw Error("'" + launch.label + "': input and output must be 4-byte aligned");
-  }
-  return p;
-}
-
-void launch_streamed_mat_vec(const KernelLaunch& launch, void* stream, const Problem& p) {
-  using T = MatVecStream;
-  const uint64_t threads = launch.threads.x * launch.threads.y * launch.threads.z;
-  const uint64_t splits = launch.grid.z;
-  if (threads != T::kThreads || launch.grid.x != (p.n + T::kRows - 1) / T::kRows ||
-      launch.grid.y != (p.m + T::kTokens - 1) / T::kTokens || splits < 1 || splits > kMaxKSplits ||
-      (splits & (splits - 1)) != 0) {
-    throw Error("'" + launch.label + "': launch shape does not match the kernel's tiles");
-  }
-  static const cudaError_t configured = [] {
-    const cudaError_t e = cudaFuncSetAttribute(
-        q4_matvec_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
-    return e != cudaSuccess
-               ? e
-               : cudaFuncSetAttribute(q4_matvec_kernel<false>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
-  }();
-  if (configured != cudaSuccess) {
-    throw Error("'" + launch.label +
-                "': cannot reserve shared memory: " + cudaGetErrorString(configured));
-  }
-  Q4Args a{};
-  a.weight = p.weight;
-  a.input = p.input;
-  a.output = p.output;
-  a.n = static_cast<int32_t>(p.n);
-  a.m = static_cast<int32_t>(p.m);
-  a.k_blocks = static_cast<int32_t>(p.k / 32);
-  const int per_split = static_cast<int>((uint64_t(a.k_blocks) + splits - 1) / splits);
-  a.blocks_per_split = (per_split + T::kSB - 1) / T::kSB * T::kSB;
-  a.row_bytes = p.row_bytes;
-  a.w_grain = weight_grain(p.weight, p.row_bytes, T::kSB, a.k_blocks);
-  a.x_grain = reinterpret_cast<uintptr_t>(p.input) % 16 == 0 ? 16 : 4;
-  a.rows_on_x = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(launch.grid.x), static_cast<unsigned>(launch.grid.y),
-                        static_cast<unsigned>(splits));
-  config.blockDim = dim3(T::kThreads);
-  config.dynamicSmemBytes = T::kSmem;
-  config.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attribute{};
-  if (splits > 1) {
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = 1;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = static_cast<unsigned>(splits);
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-  }
-  const bool vec = a.w_grain == 16 && a.x_grain == 16;
-  const cudaError_t e = vec ? cudaLaunchKernelEx(&config, q4_matvec_kernel<true>, a)
-                            : cudaLaunchKernelEx(&config, q4_matvec_kernel<false>, a);
-  if (e != cudaSuccess)
-    throw Error("'" + launch.label + "': launch failed: " + cudaGetErrorString(e));
 }
 
 void launch_mat_vec(const KernelLaunch& launch, void* stream) {
@@ -810,7 +755,7 @@ void launch_mat_vec(const KernelLaunch& launch, void* stream) {
   const auto k = static_cast<uint64_t>(q.ne00);
   const Problem p = problem_of(launch, 0, 1, 2, static_cast<uint64_t>(q.ne1),
                                static_cast<uint64_t>(q.ne01), k, k / 32 * 18);
-  launch_streamed_mat_vec(launch, stream, p);
+  launch_q4<MatVecStream>(launch, stream, p, true, q4_matvec_kernel<true>, q4_matvec_kernel<false>);
 }
 
 template <class T>
@@ -821,7 +766,7 @@ void launch_matrix(const KernelLaunch& launch, void* stream) {
   }
   const Problem p =
       problem_of(launch, 1, 2, 3, uint64_t(q.ne1), uint64_t(q.ne0), uint64_t(q.ne00), q.nb01);
-  launch_tile<T>(launch, stream, p, false);
+  launch_q4<T>(launch, stream, p, false, q4_kernel<T, true>, q4_kernel<T, false>);
 }
 
 template <class T>
