@@ -14,4 +14,7 @@ class KernelNotFoundError(Error, LookupError):
 
 
 class CommandBufferError(Error):
-    """A submission failed on the device."""
+    """A submission failed on the device; ``pipeline_label`` names the pipeline whose launch failed
+    ("" when the failure belongs to no single launch)."""
+
+    pipeline_label: str = ""

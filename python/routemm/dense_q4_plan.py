@@ -24,7 +24,7 @@ import numpy as np
 from . import _core
 from . import calibration as cal
 from ._core_api import DType, EncodedKernelDispatch, PipelineIdentity
-from ._errors import Error, InvalidArgumentError
+from ._errors import CommandBufferError, Error, InvalidArgumentError
 from ._json import JsonRecord
 from .quantized_matmul import (
     DenseQ4DecisionSource,
@@ -684,7 +684,7 @@ class _Calibrator:
             # Backends that run launches at commit (CPU) report a kernel that rejects the call here.
             # Launches run in encode order, so the first failure is the first weight's; a failing
             # candidate launch is an incoherent candidate, anything else breaks the required route.
-            if C.pipeline_label in str(e):
+            if isinstance(e, CommandBufferError) and e.pipeline_label == C.pipeline_label:
                 return fallback(
                     S.INCOHERENT_CANDIDATE,
                     f"optional dense Q4 candidate proof failed for weight 0: launch: {e}",

@@ -13,6 +13,14 @@ void raise_as(const char* class_name, const char* message) {
   PyErr_SetString(cls.ptr(), message);
 }
 
+// CommandBufferError carries the failing pipeline's label as an attribute.
+void raise_command_buffer_error(const routemm::CommandBufferError& e) {
+  py::object cls = py::module_::import("routemm._errors").attr("CommandBufferError");
+  py::object error = cls(e.what());
+  error.attr("pipeline_label") = e.pipeline_label();
+  PyErr_SetObject(cls.ptr(), error.ptr());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -25,7 +33,7 @@ PYBIND11_MODULE(_core, m) {
     } catch (const routemm::KernelNotFound& e) {
       raise_as("KernelNotFoundError", e.what());
     } catch (const routemm::CommandBufferError& e) {
-      raise_as("CommandBufferError", e.what());
+      raise_command_buffer_error(e);
     } catch (const routemm::Error& e) {
       raise_as("Error", e.what());
     }

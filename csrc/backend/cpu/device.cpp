@@ -37,8 +37,13 @@ class CpuQueue final : public Queue {
     auto commands = std::move(commands_);
     commands_.clear();
     for (const auto& command : commands) {
-      if (command.kind == QueuedCommand::Kind::Dispatch) {
+      if (command.kind != QueuedCommand::Kind::Dispatch) continue;
+      try {
         command.fn(command.launch, &ThreadPool::instance());
+      } catch (const CommandBufferError&) {
+        throw;
+      } catch (const Error& e) {
+        throw CommandBufferError(e.what(), command.launch.label);
       }
     }
   }

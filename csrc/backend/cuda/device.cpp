@@ -58,21 +58,29 @@ class CudaQueue final : public Queue {
     const cudaError_t stale = cudaGetLastError();
     if (stale != cudaSuccess) {
       throw CommandBufferError("cuda backend: CUDA error pending before launching '" + label +
-                               "': " + cuda_error_text(stale));
+                                   "': " + cuda_error_text(stale),
+                               label);
     }
     if (!started_) {
       const cudaError_t e = cudaEventRecord(start_, stream_);
       if (e != cudaSuccess) {
-        throw CommandBufferError("cuda backend: cudaEventRecord before '" + label +
-                                 "' failed: " + cuda_error_text(e));
+        throw CommandBufferError(
+            "cuda backend: cudaEventRecord before '" + label + "' failed: " + cuda_error_text(e),
+            label);
       }
       started_ = true;
     }
-    command.fn(command.launch, static_cast<void*>(stream_));
+    try {
+      command.fn(command.launch, static_cast<void*>(stream_));
+    } catch (const CommandBufferError&) {
+      throw;
+    } catch (const Error& e) {
+      throw CommandBufferError(e.what(), label);
+    }
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) {
-      throw CommandBufferError("cuda backend: launch of '" + label +
-                               "' failed: " + cuda_error_text(e));
+      throw CommandBufferError(
+          "cuda backend: launch of '" + label + "' failed: " + cuda_error_text(e), label);
     }
     pending_.push_back(std::move(command));
   }

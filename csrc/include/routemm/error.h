@@ -4,6 +4,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace routemm {
 
@@ -23,10 +24,17 @@ class KernelNotFound : public Error {
   using Error::Error;
 };
 
-// A submission that the backend reported as failed (launch error, sticky device error).
+// A submission that the backend reported as failed (launch error, sticky device error, a kernel
+// that rejected its launch). `pipeline_label` names the pipeline whose launch failed, when one did.
 class CommandBufferError : public Error {
  public:
   using Error::Error;
+  CommandBufferError(const std::string& message, std::string pipeline_label)
+      : Error(message), pipeline_label_(std::move(pipeline_label)) {}
+  const std::string& pipeline_label() const { return pipeline_label_; }
+
+ private:
+  std::string pipeline_label_;
 };
 
 }  // namespace routemm
