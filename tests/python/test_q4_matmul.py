@@ -89,7 +89,8 @@ class Q4Case:
 
 
 @pytest.mark.parametrize("m", range(1, 9))
-@pytest.mark.parametrize("n,k", [(1, 32), (13, 64), (67, 800)])
+# K = 2048 and 2560: long enough that backends splitting K (CUDA clusters) do so.
+@pytest.mark.parametrize("n,k", [(1, 32), (13, 64), (67, 800), (70, 2048)])
 def test_mat_vec_against_reference(device, registry, rng, m, n, k):
     case = Q4Case(device, rng, m, n, k)
     out, receipt = case.run(registry)
@@ -100,7 +101,7 @@ def test_mat_vec_against_reference(device, registry, rng, m, n, k):
 
 
 @pytest.mark.parametrize("route", ROUTES, ids=lambda r: r.value)
-@pytest.mark.parametrize("m,n,k", [(9, 1, 32), (33, 65, 64), (129, 77, 800), (40, 130, 96)])
+@pytest.mark.parametrize("m,n,k", [(9, 1, 32), (33, 65, 64), (129, 77, 800), (40, 130, 96), (33, 77, 2560)])
 def test_every_route_against_reference(device, registry, rng, route, m, n, k):
     case = Q4Case(device, rng, m, n, k)
     out, receipt = case.run(registry, route)
@@ -109,7 +110,7 @@ def test_every_route_against_reference(device, registry, rng, route, m, n, k):
     case.check(out, route.value)
 
 
-@pytest.mark.parametrize("m,n,k", [(9, 64, 32), (33, 70, 800), (200, 129, 64)])
+@pytest.mark.parametrize("m,n,k", [(9, 64, 32), (33, 70, 800), (200, 129, 64), (9, 70, 2048)])
 def test_v2_and_64x32_bit_identical(device, registry, rng, m, n, k):
     case = Q4Case(device, rng, m, n, k)
     v2, _ = case.run(registry, Route.COMPATIBILITY_V2)
@@ -313,3 +314,18 @@ def test_schema_rejects_inconsistent_receipt(device, registry, rng):
 def test_policy_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         Policy().allow_dense_large_tile_mm = False  # type: ignore[misc]
+
+
+def test_rejected_launch_names_its_pipeline(device, registry, rng):
+    """A kernel that rejects its launch (here: the mat-vec's code under the 64x32 name, given the
+    matrix routes' arguments) fails the submission with a CommandBufferError naming that pipeline,
+    whether the backend launches at encode (CUDA) or at commit (CPU)."""
+    registry.register_kernel_from(Route.TENSOR_64X32.pipeline_name, "kernel_mul_mv_q4_0_f32")
+    case = Q4Case(device, rng, 9, 16, 64)
+    encoder = device.command_encoder()
+    with pytest.raises(routemm.CommandBufferError) as info:
+        routemm.encode_q4_route(
+            encoder, registry, case.input.view, case.weight.view, case.output.view, case.params(), Route.TENSOR_64X32
+        )
+        encoder.commit_and_wait()
+    assert info.value.pipeline_label == Route.TENSOR_64X32.pipeline_label
