@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1 SKIP_BENCH=1
 bash bench/device_run.sh > "$OUT/run.log" 2>&1
 grep -E "passed|failed|FAILED" "$OUT/pytest.log" | tail -4
 grep -E "exit" "$OUT/sanitizer.log" 2>/dev/null; rm -f "$OUT/sanitizer.log" "$OUT/build.log" "$OUT/nvidia-smi.txt"
-grep -E "routemm |torch_" "$OUT/bench.log" | awk '{print $1,$2,$3,$4,$5,$6,$7}' | head -150
+[ -f "$OUT/bench.log" ] && grep -E "routemm |torch_" "$OUT/bench.log" | awk '{print $1,$2,$3,$4,$5,$6,$7}' | head -150
 repo=$(pwd)
 mkdir -p /tmp/calibration
 (cd /tmp && timeout 120 python3 "$repo/bench/device_q4_plan.py" /tmp/calibration/q4_plan_receipt-h200.json > "$OUT/q4_plan-h200.txt" 2>&1)

@@ -174,11 +174,51 @@ def cleanup_submission(device, counter: Submissions) -> None:
 # ---- Proof kernels ------------------------------------------------------------------------------
 
 
+# value(i) depends on i mod 257 and i mod 31 only, so the sequence repeats every 257 * 31 values.
+PROOF_INPUT_PERIOD = 257 * 31
+_proof_period: Optional[np.ndarray] = None
+
+
 def proof_input(count: int) -> np.ndarray:
-    """value(i) = ((29 i mod 257) - 128) / 251 + ((43 i mod 31) - 15) / 16381, as F32 (spec §6.4)."""
-    i = np.arange(count, dtype=np.int64)
-    v = ((29 * i) % 257 - 128).astype(np.float64) / 251.0 + ((43 * i) % 31 - 15).astype(np.float64) / 16381.0
-    return v.astype(np.float32)
+    """value(i) = ((29 i mod 257) - 128) / 251 + ((43 i mod 31) - 15) / 16381, as F32 (spec §6.4).
+
+    One period is computed from the formula and tiled: a profile's inputs run to hundreds of millions
+    of values, which the formula itself would take seconds to evaluate. Returns a fresh array."""
+    global _proof_period
+    if _proof_period is None:
+        i = np.arange(PROOF_INPUT_PERIOD, dtype=np.int64)
+        v = ((29 * i) % 257 - 128).astype(np.float64) / 251.0 + ((43 * i) % 31 - 15).astype(np.float64) / 16381.0
+        _proof_period = v.astype(np.float32)
+    return np.tile(_proof_period, -(-count // PROOF_INPUT_PERIOD))[:count]
+
+
+class ProofScratch:
+    """Device buffers one calibration reuses across its shapes, allocated on first use: per K width,
+    the proof input of the longest declared M (an (m, k) input is the first m * k values, since
+    proof_input depends on the flat index only), and `outputs` F32 buffers of the largest guarded
+    output, viewed per shape. Saves regenerating, copying and allocating per shape."""
+
+    def __init__(self, device, rows_by_width: dict, outputs: int, max_elements: int):
+        self._device, self._rows, self._count, self._max = device, dict(rows_by_width), outputs, max_elements
+        self._inputs: dict = {}
+        self._outputs: list = []
+
+    def input(self, m: int, k: int):
+        if k not in self._inputs:
+            rows = self._rows[k]
+            self._inputs[k] = self._device.from_numpy(proof_input(rows * k).reshape(rows, k))
+        if m > self._rows[k]:
+            raise ValueError(f"proof input of {m} rows requested, {self._rows[k]} declared for k={k}")
+        return self._inputs[k].view(0, m * k * 4, _core.DType.F32, [m, k])
+
+    def outputs(self, elements: int) -> list:
+        if elements > self._max:
+            raise ValueError(f"proof output of {elements} elements requested, {self._max} declared")
+        if not self._outputs:
+            self._outputs = [
+                self._device.alloc(self._max * 4, _core.DType.F32, [self._max]) for _ in range(self._count)
+            ]
+        return [b.view(0, elements * 4, _core.DType.F32, [elements]) for b in self._outputs]
 
 
 def status_text(bits: int) -> str:

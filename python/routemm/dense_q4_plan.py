@@ -581,9 +581,10 @@ def _validate_cases(epoch, registry, limits, cases, device):
 
 
 class _Calibrator:
-    def __init__(self, registry, device, epoch, limits, prep, deadline, timer, fault, pinned):
+    def __init__(self, registry, device, epoch, limits, prep, deadline, timer, fault, pinned, scratch):
         self.registry, self.device, self.epoch, self.limits = registry, device, epoch, limits
         self.prep, self.deadline, self.timer, self.fault, self.pinned = prep, deadline, timer, fault, pinned
+        self.scratch = scratch
         self.subs = cal.Submissions()
 
     # -- one route dispatch, traced
@@ -639,9 +640,8 @@ class _Calibrator:
         if guarded > U32_MAX:
             return fallback(S.CALIBRATION_ERROR_FALLBACK, f"dense Q4 proof output of {guarded} elements exceeds u32")
         dev = self.device
-        inp = dev.from_numpy(cal.proof_input(m * k).reshape(m, k))
-        control = dev.alloc(guarded * 4, DType.F32, [guarded])
-        candidate = dev.alloc(guarded * 4, DType.F32, [guarded])
+        inp = self.scratch.input(m, k)
+        control, candidate = self.scratch.outputs(guarded)
         statuses = dev.from_numpy(np.zeros(len(weights), dtype=np.uint32))
         scratch = inp.nbytes + control.nbytes + candidate.nbytes + statuses.nbytes
         faulty_input = None
@@ -840,7 +840,13 @@ def _run(registry, device, activation_epoch, limits, cases, *, progress, timer, 
     bases, declared = _validate_cases(activation_epoch, registry, limits, cases, device)
     deadline = cal.Deadline(limits.max_elapsed_ms, clock or cal.time.perf_counter)
     prep = _prepare(registry)
-    c = _Calibrator(registry, device, activation_epoch, limits, prep, deadline, timer, fault, pinned)
+    rows_by_width: dict = {}
+    for entry in bases:
+        k = entry["base"].k
+        rows_by_width[k] = max(rows_by_width.get(k, 0), max(entry["ms"]))
+    outputs = [m * e["base"].n + cal.GUARD_ELEMENTS for e in bases for m in e["ms"]]
+    scratch = cal.ProofScratch(device, rows_by_width, 2, max([g for g in outputs if g <= U32_MAX], default=0))
+    c = _Calibrator(registry, device, activation_epoch, limits, prep, deadline, timer, fault, pinned, scratch)
     bar = cal.Progress(declared, "dense Q4 calibration", progress)
     decisions: list[DenseQ4CalibrationDecision] = []
     fresh = 0

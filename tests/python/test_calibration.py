@@ -79,6 +79,36 @@ def test_select_winner_rule(cand_wall, cand_gpu, expected):
 
 
 @pytest.mark.needs_kernels(*cal.PROOF_PIPELINES)
+@pytest.mark.parametrize(
+    "count", [0, 1, cal.PROOF_INPUT_PERIOD - 1, cal.PROOF_INPUT_PERIOD, 3 * cal.PROOF_INPUT_PERIOD + 5]
+)
+def test_proof_input_is_the_spec_formula(count):
+    """The tiled period equals the formula evaluated at every index, across period boundaries."""
+    i = np.arange(count, dtype=np.int64)
+    expected = ((29 * i) % 257 - 128) / 251.0 + ((43 * i) % 31 - 15) / 16381.0
+    got = cal.proof_input(count)
+    assert got.dtype == np.float32 and got.shape == (count,)
+    assert np.array_equal(got, expected.astype(np.float32))
+    if count:
+        got[0] += 1  # a fresh array each call: the caller may perturb it (the fault hook does)
+        assert cal.proof_input(count)[0] == np.float32(expected[0])
+
+
+def test_proof_scratch_views_share_one_input_per_width(device):
+    scratch = cal.ProofScratch(device, {64: 5, 32: 2}, 2, 100)
+    a, b = scratch.input(3, 64), scratch.input(5, 64)
+    assert a.address == b.address and a.shape == (3, 64) and b.shape == (5, 64)
+    assert np.array_equal(a.numpy(), cal.proof_input(5 * 64)[: 3 * 64].reshape(3, 64))
+    assert np.array_equal(scratch.input(2, 32).numpy(), cal.proof_input(64).reshape(2, 32))
+    outs = scratch.outputs(40)
+    assert len(outs) == 2 and all(o.shape == (40,) for o in outs) and outs[0].address != outs[1].address
+    assert [o.address for o in scratch.outputs(100)] == [o.address for o in outs]
+    with pytest.raises(ValueError, match="declared"):
+        scratch.input(6, 64)
+    with pytest.raises(ValueError, match="declared"):
+        scratch.outputs(101)
+
+
 def test_proof_kernels_status_bits(device, registry):
     kernels = cal.ProofKernels(registry)
     logical, guarded = 40, 56
