@@ -31,7 +31,7 @@
 //
 // GEOMETRY (KernelDef below; tile_x/tile_y as the front door reads them; SB and the ring depth are
 // in the Tile aliases further down):
-//   kernel_mul_mv_q4_0_f32               split, 128 rows x 8 tokens, 128 threads (8 x 16)
+//   kernel_mul_mv_q4_0_f32               split,  64 rows x 8 tokens, 128 threads (8 x 16)
 //   kernel_mul_mm_q4_0_f32               split,  32 tokens x 64 rows, 128 threads
 //   kernel_mul_mm_q4_0_tensor_f32        split,  32 tokens x 128 rows, 256 threads
 //   kernel_mul_mm_q4_0_tensor_v2_f32     bf16,  128 tokens x 128 rows, 256 threads
@@ -418,32 +418,64 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 #endif
 }
 
-// The mat-vec (m <= 8), streamed per warp: warp w owns 32 weight rows of the CTA's 128 and streams
-// them over the CTA's K range through its own cp.async ring (kSB blocks = 144-byte row runs per
-// stage), synchronising only with itself. The activations of the K range are staged once per chunk
-// of kXChunkBlocks blocks into shared memory (the only CTA-wide barriers), and each lane splits the
-// pairs its B fragments need into bf16 hi + lo itself (hi by truncation, so x - hi is exact). Each
-// warp covers two 16-row MMA tiles, so that work is shared by both. Numerics: the split numerics
-// above (per 32-value block: hi/lo MMAs from zero, then one FMA with the block's scale).
+// The mat-vec (m <= 8), streamed per warp: warp w owns 16 weight rows (one MMA tile) of the CTA's 64
+// and streams them over the CTA's K range through its own cp.async ring (kSB blocks = 144-byte row
+// runs per stage, kStages deep), synchronising only with itself. Small tiles keep many warps per
+// multiprocessor in flight: the kernel is bound by latency, not by issue. The activations of the K
+// range are staged per chunk (the only CTA-wide barriers), already split into bf16 hi + lo and laid
+// out in B-fragment order, so a lane fetches a block's eight B registers with two 16-byte shared
+// loads and every warp of the CTA reuses them. Only the valid tokens are staged, so a chunk spans
+// kX / (128 bytes * tokens) blocks: a single token's whole K range (up to 4096 values) in one go.
+//
+// K order inside one 32-value block (a dot product may pair A and B slots in any order, as long as
+// both sides agree): the first MMA of a block takes the low nibbles (values 0..15), the second the
+// high nibbles (16..31); lane t's k-slots 2t, 2t+1 hold values 4t, 4t+1 and slots 2t+8, 2t+9 values
+// 4t+2, 4t+3 (+16 for the high MMA). So a lane's A registers for one row come from the 4 contiguous
+// nibble bytes 4t..4t+3 and its B registers from the float4s x[4t..4t+3] and x[16+4t..16+4t+3].
+// Numerics: the split numerics above (per block: hi and lo MMAs from zero, then one FMA with the
+// block's scale).
 struct MatVecStream {
-  static constexpr int kWarps = 4, kThreads = 128, kRows = 128, kTokens = 8;
-  static constexpr int kWarpTiles = 2;  // 16-row MMA tiles per warp: B work is shared
-  static constexpr int kWarpRows = 16 * kWarpTiles;
-  static constexpr int kSB = 8, kStages = 3;
+  static constexpr int kWarps = 4, kThreads = 128, kRows = 64, kTokens = 8;
+  static constexpr int kWarpRows = 16;
+  static constexpr int kSB = 8, kStages = 4;
   static constexpr int kRowBytes = 18 * kSB;                // one row's run per stage
   static constexpr int kWGrain = 16;                        // copy size of the vector path
-  static constexpr int kWarpStage = kWarpRows * kRowBytes;  // 4608 bytes
+  static constexpr int kWarpStage = kWarpRows * kRowBytes;  // 2304 bytes
   static constexpr int kWarpRing = kStages * kWarpStage;
   static constexpr int kRing = kWarps * kWarpRing;
-  static constexpr int kXChunkBlocks = 16;             // 512 values of K per activation chunk
-  static constexpr int kXLd = kXChunkBlocks * 32 + 8;  // floats per token row: rows 8 banks apart
-  static constexpr int kX = kTokens * kXLd * 4;
+  // Staged activations: per token and block, the hi and lo 16-byte quads of its 4 lanes (128 bytes).
+  static constexpr int kX = 16 * 1024;
+  static constexpr int kXTokenBlockBytes = 2 * 4 * 16;
   static constexpr int kPartials = kRows * kTokens * 4;
-  static constexpr int kSmem = kX + kRing;  // ~72 KB: three CTAs per SM, so a launch of 8-CTA
-  static constexpr int kMinBlocks = 3;      // clusters fits the GPU in one wave
-  static_assert(kRowBytes % 16 == 0 && kX % 16 == 0 && kPartials <= kSmem &&
-                kXChunkBlocks % kSB == 0);
+  static constexpr int kSmem = kX + kRing;  // 52 KB: four CTAs per SM
+  static constexpr int kMinBlocks = 4;
+  static_assert(kRowBytes % 16 == 0 && kWarpStage % 16 == 0 && kPartials <= kSmem &&
+                kX / (kTokens * kXTokenBlockBytes) % kSB == 0 && kThreads == 32 * kWarps &&
+                kRows == kWarps * kWarpRows);
 };
+
+// The B registers of lane quarter t for one token and block: v = x[4t..4t+3], x[16+4t..16+4t+3] of
+// the block's 32 values; hi = the top 16 bits of each value (bf16 truncation, so x - hi is exact),
+// lo = bf16(x - hi), which leaves |x - hi - lo| <= 2^-16 |x|. Pairs as v: (v0, v1), ..., (v6, v7).
+__device__ __forceinline__ void split_activation_pairs(const float (&v)[8], uint32_t (&hi)[4],
+                                                       uint32_t (&lo)[4]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t x0 = __float_as_uint(v[2 * q]), x1 = __float_as_uint(v[2 * q + 1]);
+    hi[q] = __byte_perm(x0, x1, 0x7632);
+    lo[q] = bits_of(__floats2bfloat162_rn(v[2 * q] - __uint_as_float(x0 & 0xFFFF0000u),
+                                          v[2 * q + 1] - __uint_as_float(x1 & 0xFFFF0000u)));
+  }
+}
+
+// (nibble - 8) as bf16x2 for the low and high nibbles of bytes 0 and 1 of `two_bytes` (the A
+// registers of one row): 0x4300 | q is the bf16 of 128 + q, and subtracting 136 is exact.
+__device__ __forceinline__ void nibble_pairs(uint32_t two_bytes, uint32_t& low, uint32_t& high) {
+  const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);
+  const uint32_t spread = __byte_perm(two_bytes, 0, 0x4140);  // bytes [b0, 0, b1, 0]
+  low = bits_of(__hsub2(bf162_of((spread & 0x000F000Fu) | 0x43004300u), bias));
+  high = bits_of(__hsub2(bf162_of(((spread >> 4) & 0x000F000Fu) | 0x43004300u), bias));
+}
 
 // kVec: 16-byte weight copies for full stages (16-aligned view, K % 256 == 0) and 16-byte-aligned
 // activations; else element-wise copies and loads.
@@ -463,7 +495,7 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
   const int kb_begin = static_cast<int>(blockIdx.z) * a.blocks_per_split;
   const int kb_end = min(a.k_blocks, kb_begin + a.blocks_per_split);
   const int stages = kb_end > kb_begin ? (kb_end - kb_begin + T::kSB - 1) / T::kSB : 0;
-  float* const xs = reinterpret_cast<float*>(smem);
+  uint8_t* const xsplit = smem;
   uint8_t* const ring = smem + T::kX + warp * T::kWarpRing;
 
   if (warp_rows < T::kWarpRows) {  // rows past n are never loaded: keep what the MMA reads finite
@@ -495,30 +527,42 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
       }
     }
   };
-  // Activations of blocks [kb0, kb0 + kXChunkBlocks) for the valid tokens, by plain loads.
+  // Activations of blocks [kb0, kb0 + chunk_blocks) for the valid tokens, split and stored in
+  // fragment order: block cb's hi quad of lane L (token L / 4 < toks_valid) at cb * x_block_bytes +
+  // 16 L, its lo quad x_lo_offset further. Fragments of tokens past m are never written or read.
+  const int x_lo_offset = toks_valid * 4 * 16;
+  const int x_block_bytes = 2 * x_lo_offset;
+  const int chunk_blocks = T::kX / x_block_bytes / T::kSB * T::kSB;
   const uint64_t x_row_floats = uint64_t(a.k_blocks) * 32;
   const auto load_x_chunk = [&](int kb0) {
-    const int values = min(T::kXChunkBlocks, kb_end - kb0) * 32;
-    const float* const src = a.input + uint64_t(tok0) * x_row_floats + uint64_t(kb0) * 32;
-    if constexpr (kVec) {
-      const int quads = values / 4;
-      for (int u = tid; u < toks_valid * quads; u += T::kThreads) {
-        const int r = u / quads, c = (u - r * quads) * 4;
-        const float4 v = *reinterpret_cast<const float4*>(src + uint64_t(r) * x_row_floats + c);
-        *reinterpret_cast<float4*>(xs + r * T::kXLd + c) = v;
+    const int lanes = toks_valid * 4;  // fragment lanes per block
+    const int items = min(chunk_blocks, kb_end - kb0) * lanes;
+    for (int item = tid; item < items; item += T::kThreads) {
+      const int cb = item / lanes, frag_lane = item - cb * lanes;
+      const int tg = frag_lane >> 2, tt = frag_lane & 3;
+      const float* const src =
+          a.input + uint64_t(tok0 + tg) * x_row_floats + uint64_t(kb0 + cb) * 32 + 4 * tt;
+      float v[8];
+      if constexpr (kVec) {
+        const float4 low = *reinterpret_cast<const float4*>(src);
+        const float4 high = *reinterpret_cast<const float4*>(src + 16);
+        v[0] = low.x, v[1] = low.y, v[2] = low.z, v[3] = low.w;
+        v[4] = high.x, v[5] = high.y, v[6] = high.z, v[7] = high.w;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = src[i], v[4 + i] = src[16 + i];
       }
-    } else {
-      for (int u = tid; u < toks_valid * values; u += T::kThreads) {
-        const int r = u / values, c = u - r * values;
-        xs[r * T::kXLd + c] = src[uint64_t(r) * x_row_floats + c];
-      }
+      uint32_t hi[4], lo[4];
+      split_activation_pairs(v, hi, lo);
+      uint8_t* const dst = xsplit + cb * x_block_bytes + frag_lane * 16;
+      sts128(smem_addr(dst), hi[0], hi[1], hi[2], hi[3]);
+      sts128(smem_addr(dst + x_lo_offset), lo[0], lo[1], lo[2], lo[3]);
     }
   };
 
   const bool has_token = g < toks_valid;
-  const float* const x_lane = xs + g * T::kXLd + 2 * t;
-  const __nv_bfloat162 kNibbleBias = __floats2bfloat162_rn(136.0f, 136.0f);
-  float acc[T::kWarpTiles][4] = {};
+  const uint8_t* const x_lane = xsplit + lane * 16;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
 #pragma unroll
   for (int s = 0; s < T::kStages - 1; ++s) {
@@ -528,8 +572,8 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
   int chunk0 = kb_begin;
   for (int s = 0; s < stages; ++s) {
     const int kb0 = kb_begin + s * T::kSB;
-    if ((kb0 - kb_begin) % T::kXChunkBlocks == 0) {  // the same stages in every warp
-      __syncthreads();                               // the previous chunk is consumed
+    if ((kb0 - kb_begin) % chunk_blocks == 0) {  // the same stages in every warp
+      __syncthreads();                           // the previous chunk is consumed
       load_x_chunk(kb0);
       chunk0 = kb0;
       __syncthreads();
@@ -539,80 +583,66 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
     if (s + T::kStages - 1 < stages) load_stage(s + T::kStages - 1);
     cp_async_commit();
     const int nblk = min(T::kSB, kb_end - kb0);
-    const uint8_t* const stage_rows = ring + (s % T::kStages) * T::kWarpStage;
-    const float* const x_stage = x_lane + (kb0 - chunk0) * 32;
+    // This lane's rows g and g + 8, at the nibble bytes 4t..4t+3 of block 0 of the stage.
+    const uint8_t* const top = ring + (s % T::kStages) * T::kWarpStage + g * T::kRowBytes;
+    const uint8_t* const bottom = top + 8 * T::kRowBytes;
+    const uint8_t* const x_stage = x_lane + (kb0 - chunk0) * x_block_bytes;
 #pragma unroll
     for (int b = 0; b < T::kSB; ++b) {
       if (b >= nblk) break;
-      // B fragments: b0 = token g, K 2t..2t+1 of a 16-value half; b1 = K 2t+8..2t+9. hi keeps the
-      // top 16 bits of x (bf16 truncation), so x - hi is exact and lo = bf16(x - hi) leaves
-      // |x - hi - lo| <= 2^-16 |x|.
-      uint32_t bh[4] = {0, 0, 0, 0}, bl[4] = {0, 0, 0, 0};
+      uint4 bh = make_uint4(0, 0, 0, 0), bl = make_uint4(0, 0, 0, 0);
       if (has_token) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float2 x = *reinterpret_cast<const float2*>(x_stage + b * 32 + 8 * q);
-          const uint32_t x0 = __float_as_uint(x.x), x1 = __float_as_uint(x.y);
-          bh[q] = __byte_perm(x0, x1, 0x7632);
-          const float r0 = x.x - __uint_as_float(x0 & 0xFFFF0000u),
-                      r1 = x.y - __uint_as_float(x1 & 0xFFFF0000u);
-          bl[q] = bits_of(__floats2bfloat162_rn(r0, r1));
-        }
+        bh = *reinterpret_cast<const uint4*>(x_stage + b * x_block_bytes);
+        bl = *reinterpret_cast<const uint4*>(x_stage + b * x_block_bytes + x_lo_offset);
       }
-#pragma unroll
-      for (int i = 0; i < T::kWarpTiles; ++i) {
-        // A fragments from the raw rows g and g + 8 of tile i: a0 row g, K 2t..2t+1; a1 row g+8;
-        // a2 row g, K 2t+8..; a3 row g+8. Low nibbles are values 0..15, high nibbles 16..31.
-        const uint16_t* const top =
-            reinterpret_cast<const uint16_t*>(stage_rows + (16 * i + g) * T::kRowBytes + b * 18);
-        const uint16_t* const bottom = top + 4 * T::kRowBytes;  // 8 rows on, in 16-bit words
-        const float d_top = __half2float(__ushort_as_half(top[0]));
-        const float d_bottom = __half2float(__ushort_as_half(bottom[0]));
-        const uint32_t v[4] = {top[1 + t], bottom[1 + t], top[5 + t], bottom[5 + t]};
-        uint32_t a_lo[4], a_hi[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const uint32_t spread = __byte_perm(v[r], 0, 0x4140);  // bytes [b0, 0, b1, 0]
-          a_lo[r] = bits_of(__hsub2(bf162_of((spread & 0x000F000Fu) | 0x43004300u), kNibbleBias));
-          a_hi[r] =
-              bits_of(__hsub2(bf162_of(((spread >> 4) & 0x000F000Fu) | 0x43004300u), kNibbleBias));
-        }
-        float block_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma_bf16_16816(block_sum, a_lo, bh[0], bh[1]);
-        mma_bf16_16816(block_sum, a_lo, bl[0], bl[1]);
-        mma_bf16_16816(block_sum, a_hi, bh[2], bh[3]);
-        mma_bf16_16816(block_sum, a_hi, bl[2], bl[3]);
-        acc[i][0] = fmaf(d_top, block_sum[0], acc[i][0]);
-        acc[i][1] = fmaf(d_top, block_sum[1], acc[i][1]);
-        acc[i][2] = fmaf(d_bottom, block_sum[2], acc[i][2]);
-        acc[i][3] = fmaf(d_bottom, block_sum[3], acc[i][3]);
-      }
+      // Row runs are 16-byte aligned and blocks 18 bytes long, so the 4 nibble bytes of odd blocks
+      // are 4-byte aligned and those of even blocks 2-byte aligned.
+      const int nib = b * 18 + 2 + 4 * t;
+      const auto nibble_bytes = [&](const uint8_t* row) -> uint32_t {
+        if (b % 2 == 1) return *reinterpret_cast<const uint32_t*>(row + nib);
+        return uint32_t(*reinterpret_cast<const uint16_t*>(row + nib)) |
+               (uint32_t(*reinterpret_cast<const uint16_t*>(row + nib + 2)) << 16);
+      };
+      const uint32_t v_top = nibble_bytes(top), v_bottom = nibble_bytes(bottom);
+      const float d_top = __half2float(*reinterpret_cast<const __half*>(top + b * 18));
+      const float d_bottom = __half2float(*reinterpret_cast<const __half*>(bottom + b * 18));
+      // a0 row g, a1 row g+8 (values 4t, 4t+1); a2 row g, a3 row g+8 (values 4t+2, 4t+3).
+      uint32_t a_lo[4], a_hi[4];
+      nibble_pairs(v_top, a_lo[0], a_hi[0]);
+      nibble_pairs(v_bottom, a_lo[1], a_hi[1]);
+      nibble_pairs(v_top >> 16, a_lo[2], a_hi[2]);
+      nibble_pairs(v_bottom >> 16, a_lo[3], a_hi[3]);
+      float block_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma_bf16_16816(block_sum, a_lo, bh.x, bh.y);
+      mma_bf16_16816(block_sum, a_lo, bl.x, bl.y);
+      mma_bf16_16816(block_sum, a_hi, bh.z, bh.w);
+      mma_bf16_16816(block_sum, a_hi, bl.z, bl.w);
+      acc[0] = fmaf(d_top, block_sum[0], acc[0]);
+      acc[1] = fmaf(d_top, block_sum[1], acc[1]);
+      acc[2] = fmaf(d_bottom, block_sum[2], acc[2]);
+      acc[3] = fmaf(d_bottom, block_sum[3], acc[3]);
     }
   }
   cp_async_wait_all();
 
-  // acc[i][e]: row warp_row0 + 16i + g (+8 for e >= 2), token tok0 + 2t (+1 for odd e).
+  // acc[e]: row warp_row0 + g (+8 for e >= 2), token tok0 + 2t (+1 for odd e).
   if (gridDim.z == 1) {
 #pragma unroll
-    for (int i = 0; i < T::kWarpTiles; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = 16 * i + g + (e >= 2 ? 8 : 0), k = 2 * t + (e & 1);
-        if (r < warp_rows && k < toks_valid)
-          a.output[uint64_t(tok0 + k) * a.n + warp_row0 + r] = acc[i][e];
-      }
+    for (int e = 0; e < 4; ++e) {
+      const int r = g + (e >= 2 ? 8 : 0), k = 2 * t + (e & 1);
+      if (r < warp_rows && k < toks_valid)
+        a.output[uint64_t(tok0 + k) * a.n + warp_row0 + r] = acc[e];
+    }
     return;
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __syncthreads();  // every warp is done with the ring and the activations before they are reused
   float* const partial = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int i = 0; i < T::kWarpTiles; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = warp * T::kWarpRows + 16 * i + g + (e >= 2 ? 8 : 0), k = 2 * t + (e & 1);
-      partial[k * T::kRows + r] = acc[i][e];
-    }
+  for (int e = 0; e < 4; ++e) {
+    const int r = warp * T::kWarpRows + g + (e >= 2 ? 8 : 0), k = 2 * t + (e & 1);
+    partial[k * T::kRows + r] = acc[e];
+  }
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
   const int splits = static_cast<int>(gridDim.z);
@@ -790,7 +820,8 @@ KernelDef q4_def(std::string_view name, KernelFn fn, bool rows_on_x, uint32_t k_
 }  // namespace
 
 void add_q4_matmul_kernels(std::vector<KernelDef>& out) {
-  // K splits need thread-block clusters (sm_90+); the target is two groups per multiprocessor.
+  // K splits need thread-block clusters (sm_90+); the matrix routes aim at two groups per
+  // multiprocessor.
   int sms = 0, major = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
@@ -802,7 +833,8 @@ void add_q4_matmul_kernels(std::vector<KernelDef>& out) {
   const uint32_t splits = major >= 9 ? kMaxKSplits : 1;
   const auto target = static_cast<uint32_t>(2 * sms);
   const auto& names = kQ4MatmulPipelineNames;
-  out.push_back(q4_def<MatVecStream>(names[0], &launch_mat_vec, true, splits, target));
+  // The mat-vec is latency-bound: it aims at four of its small groups per multiprocessor.
+  out.push_back(q4_def<MatVecStream>(names[0], &launch_mat_vec, true, splits, 2 * target));
   out.push_back(
       q4_def<SimdgroupTile>(names[1], &launch_matrix<SimdgroupTile>, false, splits, target));
   out.push_back(
