@@ -10,7 +10,7 @@ for reason in barrier long_scoreboard short_scoreboard mio_throttle math_pipe_th
   metrics="$metrics,smsp__average_warps_issue_stalled_${reason}_per_issue_active.ratio"
 done
 metrics="$metrics,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"
-metrics="$metrics,dram__bytes_read.sum,gpu__time_duration.sum"
+metrics="$metrics,dram__bytes_read.sum,gpu__time_duration.sum,sm__cycles_active.avg,sm__cycles_active.max,launch__cluster_max_active,launch__occupancy_limit_shared_mem,launch__registers_per_thread"
 timeout 150 ncu --clock-control none -k regex:q4_ --metrics "$metrics" python3 bench/q4_profile.py > "$OUT/q4-ncu.txt" 2>&1
 echo "ncu exit: $?" >> "$OUT/q4-ncu.txt"
 so=$(cd /tmp && python3 -c "import routemm._core as c; print(c.__file__)")

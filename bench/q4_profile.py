@@ -1,4 +1,4 @@
-"""One launch each of the Q4_0 mat-vec (m=1) and the V2 / 64x32 routes (m=512, m=4096) on 4096 x 14336,
+"""One launch each of the Q4_0 mat-vec (m=1, 8) and the V2 / 64x32 routes (m=512, m=4096) on 4096 x 14336,
 for Nsight Compute:  ncu --clock-control none -k regex:q4_kernel --section SpeedOfLight \
 --section WarpStateStats python3 bench/q4_profile.py  (each case runs twice: warm-up, then the
 profiled launch)."""
@@ -14,6 +14,7 @@ n, k = 4096, 14336
 w = dev.from_numpy(q4_0.quantize(rng.uniform(-1, 1, (n, k)).astype(np.float32)).reshape(-1))
 for m, route in [
     (1, None),
+    (8, None),
     (512, routemm.DenseQ4Route.COMPATIBILITY_V2),
     (512, routemm.DenseQ4Route.TENSOR_64X32),
     (4096, routemm.DenseQ4Route.COMPATIBILITY_V2),
