@@ -148,12 +148,13 @@ __device__ __forceinline__ void copy_grain(uint8_t* dst, const uint8_t* src, int
   }
 }
 
-// (nibble - 8) of the low (or high) nibbles of two consecutive bytes, as bf16x2: 0x4300 | q is the
-// bf16 of 128 + q, and subtracting 136 is exact.
-__device__ __forceinline__ __nv_bfloat162 nibble_pair(uint32_t two_bytes, bool high) {
-  const uint32_t q = high ? ((two_bytes >> 4) & 0x000Fu) | ((two_bytes & 0xF000u) << 4)
-                          : (two_bytes & 0x000Fu) | ((two_bytes & 0x0F00u) << 8);
-  return __hsub2(bf162_of(q | 0x43004300u), __floats2bfloat162_rn(136.0f, 136.0f));
+// (nibble - 8) as bf16x2 for the low (`low`) and high (`high`) nibbles of bytes 0 and 1 of
+// `two_bytes`, byte 0 in the lower half: 0x4300 | q is the bf16 of 128 + q; subtracting 136 is exact.
+__device__ __forceinline__ void nibble_pairs(uint32_t two_bytes, uint32_t& low, uint32_t& high) {
+  const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);
+  const uint32_t spread = __byte_perm(two_bytes, 0, 0x4140);  // bytes [b0, 0, b1, 0]
+  low = bits_of(__hsub2(bf162_of((spread & 0x000F000Fu) | 0x43004300u), bias));
+  high = bits_of(__hsub2(bf162_of(((spread >> 4) & 0x000F000Fu) | 0x43004300u), bias));
 }
 
 // kVec: the weight view and row stride allow T::kWGrain-byte copies for every stage (the tail
@@ -251,18 +252,14 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
       if constexpr (T::kSplit) {
         sd[r * T::kSB + b] = d;
 #pragma unroll
-        for (int p = 0; p < 8; ++p) {
-          const uint32_t v = half_words[1 + p];
-          lo[p] = bits_of(nibble_pair(v, false));
-          hi[p] = bits_of(nibble_pair(v, true));
-        }
+        for (int p = 0; p < 8; ++p) nibble_pairs(half_words[1 + p], lo[p], hi[p]);
       } else {
         const __nv_bfloat162 d2 = __floats2bfloat162_rn(d, d);
 #pragma unroll
         for (int p = 0; p < 8; ++p) {
-          const uint32_t v = half_words[1 + p];
-          lo[p] = bits_of(__hmul2(nibble_pair(v, false), d2));
-          hi[p] = bits_of(__hmul2(nibble_pair(v, true), d2));
+          nibble_pairs(half_words[1 + p], lo[p], hi[p]);
+          lo[p] = bits_of(__hmul2(bf162_of(lo[p]), d2));
+          hi[p] = bits_of(__hmul2(bf162_of(hi[p]), d2));
         }
       }
       const uint32_t dst = smem_addr(sa + r * T::kLd + b * 32);
@@ -466,15 +463,6 @@ __device__ __forceinline__ void split_activation_pairs(const float (&v)[8], uint
     lo[q] = bits_of(__floats2bfloat162_rn(v[2 * q] - __uint_as_float(x0 & 0xFFFF0000u),
                                           v[2 * q + 1] - __uint_as_float(x1 & 0xFFFF0000u)));
   }
-}
-
-// (nibble - 8) as bf16x2 for the low and high nibbles of bytes 0 and 1 of `two_bytes` (the A
-// registers of one row): 0x4300 | q is the bf16 of 128 + q, and subtracting 136 is exact.
-__device__ __forceinline__ void nibble_pairs(uint32_t two_bytes, uint32_t& low, uint32_t& high) {
-  const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);
-  const uint32_t spread = __byte_perm(two_bytes, 0, 0x4140);  // bytes [b0, 0, b1, 0]
-  low = bits_of(__hsub2(bf162_of((spread & 0x000F000Fu) | 0x43004300u), bias));
-  high = bits_of(__hsub2(bf162_of(((spread >> 4) & 0x000F000Fu) | 0x43004300u), bias));
 }
 
 // kVec: 16-byte weight copies for full stages (16-aligned view, K % 256 == 0) and 16-byte-aligned
