@@ -157,6 +157,44 @@ __device__ __forceinline__ void nibble_pairs(uint32_t two_bytes, uint32_t& low, 
   high = bits_of(__hsub2(bf162_of(((spread >> 4) & 0x000F000Fu) | 0x43004300u), bias));
 }
 
+// Stores a CTA's T::kRows x T::kTokens output tile. `for_each(store)` calls store(r, k, value) for
+// each of the thread's accumulators (tile row r, tile token k). Without a K split the valid ones go
+// straight to the output. With one (grid.z CTAs, one cluster) every CTA parks its partial tile
+// [token][row] in its own shared memory (the pipeline's buffers are free by then), and CTA `rank`
+// sums slice `rank` of the tile over the splits in increasing split order -- a fixed order, so the
+// result depends on (m, n, k) only -- and stores it.
+template <class T, class ForEach>
+__device__ __forceinline__ void store_tile(const Q4Args& a, uint8_t* smem, int row0, int tok0,
+                                           int rows_valid, int toks_valid, ForEach for_each) {
+  if (gridDim.z == 1) {
+    for_each([&](int r, int k, float v) {
+      if (r < rows_valid && k < toks_valid) a.output[uint64_t(tok0 + k) * a.n + row0 + r] = v;
+    });
+    return;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static_assert(T::kRows * T::kTokens * 4 <= T::kSmem);
+  __syncthreads();  // every warp is done with the pipeline's buffers before they are reused
+  float* const partial = reinterpret_cast<float*>(smem);
+  for_each([&](int r, int k, float v) { partial[k * T::kRows + r] = v; });
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int splits = static_cast<int>(gridDim.z);
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int per = T::kRows * T::kTokens / splits;
+  for (int e = rank * per + static_cast<int>(threadIdx.x); e < (rank + 1) * per; e += T::kThreads) {
+    const int k = e / T::kRows, r = e % T::kRows;
+    if (k >= toks_valid || r >= rows_valid) continue;
+    float sum = cluster.map_shared_rank(partial, 0)[e];
+    for (int s = 1; s < splits; ++s) sum += cluster.map_shared_rank(partial, s)[e];
+    a.output[uint64_t(tok0 + k) * a.n + row0 + r] = sum;
+  }
+  cluster.sync();  // no CTA leaves while another still reads its partials
+#else
+  __trap();  // the host never splits K below sm_90 (KernelDef::k_split_max == 1)
+#endif
+}
+
 // kVec: the weight view and row stride allow T::kWGrain-byte copies for every stage (the tail
 // stage included) and the input is 16-byte aligned; else every copy takes the generic path.
 template <class T, bool kVec>
@@ -368,51 +406,16 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
   cp_async_wait_all();
 
   // acc[i][j][e] holds row warp_row + 16i + g (+8 for e >= 2), token warp_tok + 8j + 2t (+1 odd e).
-  if (gridDim.z == 1) {
+  store_tile<T>(a, smem, row0, tok0, rows_valid, toks_valid, [&](auto&& store) {
 #pragma unroll
     for (int i = 0; i < T::kMT; ++i)
 #pragma unroll
       for (int j = 0; j < T::kNT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = warp_row + i * 16 + g + (e >= 2 ? 8 : 0);
-          const int k = warp_tok + j * 8 + 2 * t + (e & 1);
-          if (r < rows_valid && k < toks_valid)
-            a.output[uint64_t(tok0 + k) * a.n + row0 + r] = acc[i][j][e];
-        }
-    return;
-  }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // K split across the cluster (grid.z): partials [token][row] in each CTA's shared memory, then CTA
-  // `rank` sums slice `rank` of the tile over the splits in increasing order and stores it.
-  __syncthreads();  // every warp is done with the ring before it is reused
-  float* const partial = reinterpret_cast<float*>(smem);
-#pragma unroll
-  for (int i = 0; i < T::kMT; ++i)
-#pragma unroll
-    for (int j = 0; j < T::kNT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = warp_row + i * 16 + g + (e >= 2 ? 8 : 0);
-        const int k = warp_tok + j * 8 + 2 * t + (e & 1);
-        partial[k * T::kRows + r] = acc[i][j][e];
-      }
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  const int splits = static_cast<int>(gridDim.z);
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int per = T::kRows * T::kTokens / splits;
-  for (int e = rank * per + tid; e < (rank + 1) * per; e += T::kThreads) {
-    const int k = e / T::kRows, r = e % T::kRows;
-    if (k >= toks_valid || r >= rows_valid) continue;
-    float sum = cluster.map_shared_rank(partial, 0)[e];
-    for (int s = 1; s < splits; ++s) sum += cluster.map_shared_rank(partial, s)[e];
-    a.output[uint64_t(tok0 + k) * a.n + row0 + r] = sum;
-  }
-  cluster.sync();  // no CTA leaves while another still reads its partials
-#else
-  __trap();  // the host never splits K below sm_90 (KernelDef::k_split_max == 1)
-#endif
+        for (int e = 0; e < 4; ++e)
+          store(warp_row + i * 16 + g + (e >= 2 ? 8 : 0), warp_tok + j * 8 + 2 * t + (e & 1),
+                acc[i][j][e]);
+  });
 }
 
 // The mat-vec (m <= 8), streamed per warp: warp w owns 16 weight rows (one MMA tile) of the CTA's 64
@@ -614,40 +617,11 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
   cp_async_wait_all();
 
   // acc[e]: row warp_row0 + g (+8 for e >= 2), token tok0 + 2t (+1 for odd e).
-  if (gridDim.z == 1) {
+  store_tile<T>(a, smem, row0, tok0, min(T::kRows, a.n - row0), toks_valid, [&](auto&& store) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int r = g + (e >= 2 ? 8 : 0), k = 2 * t + (e & 1);
-      if (r < warp_rows && k < toks_valid)
-        a.output[uint64_t(tok0 + k) * a.n + warp_row0 + r] = acc[e];
-    }
-    return;
-  }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __syncthreads();  // every warp is done with the ring and the activations before they are reused
-  float* const partial = reinterpret_cast<float*>(smem);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int r = warp * T::kWarpRows + g + (e >= 2 ? 8 : 0), k = 2 * t + (e & 1);
-    partial[k * T::kRows + r] = acc[e];
-  }
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  const int splits = static_cast<int>(gridDim.z);
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int per = T::kRows * T::kTokens / splits;
-  const int rows_valid = min(T::kRows, a.n - row0);
-  for (int e = rank * per + tid; e < (rank + 1) * per; e += T::kThreads) {
-    const int k = e / T::kRows, r = e % T::kRows;
-    if (k >= toks_valid || r >= rows_valid) continue;
-    float sum = cluster.map_shared_rank(partial, 0)[e];
-    for (int q = 1; q < splits; ++q) sum += cluster.map_shared_rank(partial, q)[e];
-    a.output[uint64_t(tok0 + k) * a.n + row0 + r] = sum;
-  }
-  cluster.sync();
-#else
-  __trap();
-#endif
+    for (int e = 0; e < 4; ++e)
+      store(warp * T::kWarpRows + g + (e >= 2 ? 8 : 0), 2 * t + (e & 1), acc[e]);
+  });
 }
 
 // Largest copy size in {16, 8, 4, 2, 1} that divides the view's address, the row stride and every
