@@ -57,8 +57,9 @@ def _cpu_name() -> str:
 
 
 def _markdown(doc: dict) -> str:
+    revision, _, detail = doc["git_rev"].partition(" ")  # a full hash, then any merge detail
     lines = [
-        f"# {doc['device']} — {doc['git_rev'][:12]}",
+        f"# {doc['device']} — {revision[:12]}{' ' + detail if detail else ''}",
         "",
         f"Command: `{doc['command']}`",
         "",
