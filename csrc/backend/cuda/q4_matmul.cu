@@ -148,13 +148,24 @@ __device__ __forceinline__ void copy_grain(uint8_t* dst, const uint8_t* src, int
   }
 }
 
-// (nibble - 8) as bf16x2 for the low (`low`) and high (`high`) nibbles of bytes 0 and 1 of
-// `two_bytes`, byte 0 in the lower half: 0x4300 | q is the bf16 of 128 + q; subtracting 136 is exact.
-__device__ __forceinline__ void nibble_pairs(uint32_t two_bytes, uint32_t& low, uint32_t& high) {
+// (x & 0x000F000F) | 0x43004300 as one LOP3 (with both masks immediate the compiler emits two): the
+// two nibbles at bits 0 and 16 as the bf16 pair (128 + q0, 128 + q1).
+__device__ __forceinline__ uint32_t nibbles_plus_128(uint32_t x) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "n"(0x000F000F), "r"(0x43004300u));
+  return r;
+}
+
+// (nibble - 8) as bf16x2 for the low (`low`) and high (`high`) nibbles of two bytes of `bytes`
+// (kSelect 0x4140: bytes 0 and 1; 0x4342: bytes 2 and 3), the first byte in the lower half:
+// 0x4300 | q is the bf16 of 128 + q, and subtracting 136 is exact.
+template <uint32_t kSelect = 0x4140>
+__device__ __forceinline__ void nibble_pairs(uint32_t bytes, uint32_t& low, uint32_t& high) {
+  static_assert(kSelect == 0x4140 || kSelect == 0x4342);
   const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);
-  const uint32_t spread = __byte_perm(two_bytes, 0, 0x4140);  // bytes [b0, 0, b1, 0]
-  low = bits_of(__hsub2(bf162_of((spread & 0x000F000Fu) | 0x43004300u), bias));
-  high = bits_of(__hsub2(bf162_of(((spread >> 4) & 0x000F000Fu) | 0x43004300u), bias));
+  const uint32_t spread = __byte_perm(bytes, 0, kSelect);  // [b0, 0, b1, 0]
+  low = bits_of(__hsub2(bf162_of(nibbles_plus_128(spread)), bias));
+  high = bits_of(__hsub2(bf162_of(nibbles_plus_128(spread >> 4)), bias));
 }
 
 // Stores a CTA's T::kRows x T::kTokens output tile. `for_each(store)` calls store(r, k, value) for
@@ -437,7 +448,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 struct MatVecStream {
   static constexpr int kWarps = 4, kThreads = 128, kRows = 64, kTokens = 8;
   static constexpr int kWarpRows = 16;
-  static constexpr int kSB = 8, kStages = 4;
+  static constexpr int kSB = 8, kStages = 3;
   static constexpr int kRowBytes = 18 * kSB;                // one row's run per stage
   static constexpr int kWGrain = 16;                        // copy size of the vector path
   static constexpr int kWarpStage = kWarpRows * kRowBytes;  // 2304 bytes
@@ -447,8 +458,10 @@ struct MatVecStream {
   static constexpr int kX = 16 * 1024;
   static constexpr int kXTokenBlockBytes = 2 * 4 * 16;
   static constexpr int kPartials = kRows * kTokens * 4;
-  static constexpr int kSmem = kX + kRing;  // 52 KB: four CTAs per SM
-  static constexpr int kMinBlocks = 4;
+  // 43.5 KB: five CTAs per SM, so a launch of 8-CTA clusters with four CTAs per SM fits in one wave
+  // (the GPCs hold fewer clusters than multiprocessors / 8 * CTAs per SM).
+  static constexpr int kSmem = kX + kRing;
+  static constexpr int kMinBlocks = 5;
   static_assert(kRowBytes % 16 == 0 && kWarpStage % 16 == 0 && kPartials <= kSmem &&
                 kX / (kTokens * kXTokenBlockBytes) % kSB == 0 && kThreads == 32 * kWarps &&
                 kRows == kWarps * kWarpRows);
@@ -551,8 +564,9 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
     }
   };
 
-  const bool has_token = g < toks_valid;
-  const uint8_t* const x_lane = xsplit + lane * 16;
+  // Lanes of tokens past m read the fragments of a valid token instead of branching around the
+  // loads: their MMA columns are never stored.
+  const uint8_t* const x_lane = xsplit + min(lane, 4 * toks_valid - 1) * 16;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
 #pragma unroll
@@ -560,13 +574,14 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
     if (s < stages) load_stage(s);
     cp_async_commit();
   }
-  int chunk0 = kb_begin;
+  int chunk0 = kb_begin, next_chunk = kb_begin;
   for (int s = 0; s < stages; ++s) {
     const int kb0 = kb_begin + s * T::kSB;
-    if ((kb0 - kb_begin) % chunk_blocks == 0) {  // the same stages in every warp
-      __syncthreads();                           // the previous chunk is consumed
+    if (kb0 == next_chunk) {  // the same stages in every warp
+      __syncthreads();        // the previous chunk is consumed
       load_x_chunk(kb0);
       chunk0 = kb0;
+      next_chunk = kb0 + chunk_blocks;
       __syncthreads();
     }
     cp_async_wait<T::kStages - 2>();
@@ -578,14 +593,9 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
     const uint8_t* const top = ring + (s % T::kStages) * T::kWarpStage + g * T::kRowBytes;
     const uint8_t* const bottom = top + 8 * T::kRowBytes;
     const uint8_t* const x_stage = x_lane + (kb0 - chunk0) * x_block_bytes;
-#pragma unroll
-    for (int b = 0; b < T::kSB; ++b) {
-      if (b >= nblk) break;
-      uint4 bh = make_uint4(0, 0, 0, 0), bl = make_uint4(0, 0, 0, 0);
-      if (has_token) {
-        bh = *reinterpret_cast<const uint4*>(x_stage + b * x_block_bytes);
-        bl = *reinterpret_cast<const uint4*>(x_stage + b * x_block_bytes + x_lo_offset);
-      }
+    const auto block = [&](int b) {
+      const uint4 bh = *reinterpret_cast<const uint4*>(x_stage + b * x_block_bytes);
+      const uint4 bl = *reinterpret_cast<const uint4*>(x_stage + b * x_block_bytes + x_lo_offset);
       // Row runs are 16-byte aligned and blocks 18 bytes long, so the 4 nibble bytes of odd blocks
       // are 4-byte aligned and those of even blocks 2-byte aligned.
       const int nib = b * 18 + 2 + 4 * t;
@@ -599,10 +609,10 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
       const float d_bottom = __half2float(*reinterpret_cast<const __half*>(bottom + b * 18));
       // a0 row g, a1 row g+8 (values 4t, 4t+1); a2 row g, a3 row g+8 (values 4t+2, 4t+3).
       uint32_t a_lo[4], a_hi[4];
-      nibble_pairs(v_top, a_lo[0], a_hi[0]);
-      nibble_pairs(v_bottom, a_lo[1], a_hi[1]);
-      nibble_pairs(v_top >> 16, a_lo[2], a_hi[2]);
-      nibble_pairs(v_bottom >> 16, a_lo[3], a_hi[3]);
+      nibble_pairs<0x4140>(v_top, a_lo[0], a_hi[0]);
+      nibble_pairs<0x4140>(v_bottom, a_lo[1], a_hi[1]);
+      nibble_pairs<0x4342>(v_top, a_lo[2], a_hi[2]);
+      nibble_pairs<0x4342>(v_bottom, a_lo[3], a_hi[3]);
       float block_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       mma_bf16_16816(block_sum, a_lo, bh.x, bh.y);
       mma_bf16_16816(block_sum, a_lo, bl.x, bl.y);
@@ -612,6 +622,16 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
       acc[1] = fmaf(d_top, block_sum[1], acc[1]);
       acc[2] = fmaf(d_bottom, block_sum[2], acc[2]);
       acc[3] = fmaf(d_bottom, block_sum[3], acc[3]);
+    };
+    if (nblk == T::kSB) {  // full stages without per-block bounds checks
+#pragma unroll
+      for (int b = 0; b < T::kSB; ++b) block(b);
+    } else {
+#pragma unroll
+      for (int b = 0; b < T::kSB; ++b) {
+        if (b >= nblk) break;
+        block(b);
+      }
     }
   }
   cp_async_wait_all();
