@@ -191,12 +191,21 @@ class PipelineIdentity(JsonRecord):
     schema_version: int = 2
 
 
+_IDENTITY_FIELDS = tuple(f.name for f in dataclasses.fields(PipelineIdentity))
+
+
+def _identity_from_core(d: dict) -> PipelineIdentity:
+    # The core's dict has exactly these flat string/int fields: built directly, not through the
+    # generic JSON decoder (the calibration looks identities up for every traced dispatch).
+    return PipelineIdentity(**{name: d[name] for name in _IDENTITY_FIELDS if name in d})
+
+
 def _pipeline_identity(self: _core.KernelRegistry, label: str) -> PipelineIdentity:
-    return PipelineIdentity.from_dict(self._pipeline_identity(label))
+    return _identity_from_core(self._pipeline_identity(label))
 
 
 def _pipeline_identity_of(self: _core.Pipeline) -> PipelineIdentity:
-    return PipelineIdentity.from_dict(self._identity())
+    return _identity_from_core(self._identity())
 
 
 _core.KernelRegistry.pipeline_identity = _pipeline_identity
