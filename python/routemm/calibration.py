@@ -202,14 +202,32 @@ class ProofScratch:
         self._device, self._rows, self._count, self._max = device, dict(rows_by_width), outputs, max_elements
         self._inputs: dict = {}
         self._outputs: list = []
+        self._statuses = None
+
+    # Inputs are uploaded in copies of one host chunk (a whole number of periods, so every copy
+    # continues the sequence): hundreds of MB are never generated on the host.
+    UPLOAD_CHUNK = PROOF_INPUT_PERIOD * 128  # 4 MB of F32
 
     def input(self, m: int, k: int):
         if k not in self._inputs:
-            rows = self._rows[k]
-            self._inputs[k] = self._device.from_numpy(proof_input(rows * k).reshape(rows, k))
+            count = self._rows[k] * k
+            buffer = self._device.alloc(count * 4, _core.DType.F32, [self._rows[k], k])
+            chunk = proof_input(min(count, self.UPLOAD_CHUNK)).view(np.uint8)
+            for start in range(0, count, self.UPLOAD_CHUNK):
+                n = min(self.UPLOAD_CHUNK, count - start)
+                buffer.view(start * 4, n * 4, _core.DType.F32, [n])._write_bytes(chunk[: n * 4])
+            self._inputs[k] = buffer
         if m > self._rows[k]:
             raise ValueError(f"proof input of {m} rows requested, {self._rows[k]} declared for k={k}")
         return self._inputs[k].view(0, m * k * 4, _core.DType.F32, [m, k])
+
+    def statuses(self, count: int):
+        """`count` zeroed U32 status words (one buffer per calibration, zeroed for every batch)."""
+        if self._statuses is None or self._statuses.shape[0] < count:
+            self._statuses = self._device.alloc(max(count, 16) * 4, _core.DType.U32, [max(count, 16)])
+        words = self._statuses.view(0, count * 4, _core.DType.U32, [count])
+        words._write_bytes(np.zeros(count * 4, np.uint8))
+        return words
 
     def outputs(self, elements: int) -> list:
         if elements > self._max:

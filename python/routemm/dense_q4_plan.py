@@ -642,7 +642,7 @@ class _Calibrator:
         dev = self.device
         inp = self.scratch.input(m, k)
         control, candidate = self.scratch.outputs(guarded)
-        statuses = dev.from_numpy(np.zeros(len(weights), dtype=np.uint32))
+        statuses = self.scratch.statuses(len(weights))
         scratch = inp.nbytes + control.nbytes + candidate.nbytes + statuses.nbytes
         faulty_input = None
         encoder = dev.command_encoder()
