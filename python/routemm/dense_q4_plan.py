@@ -810,15 +810,28 @@ def _pinned_from_receipt(receipt: Optional[dict], plan: DenseQ4RoutePlan) -> dic
     """shape key -> outcome, from a saved receipt (timings kept) or, without one, the plan's routes."""
     pinned = {}
     if receipt is not None:
-        saved = DenseQ4CalibrationBatchReceipt.from_dict(receipt)
-        for d in saved.decisions:
-            pinned[d.shape.key] = {
-                "route": d.selected_route,
-                "status": d.status,
-                "diagnostic": d.diagnostic,
-                "wall": {t.route.value: dataclasses.astuple(t.wall) for t in d.timings},
-                "gpu": {t.route.value: dataclasses.astuple(t.gpu) for t in d.timings},
-            }
+        # Only the fields a reload needs, read straight from the document (decoding the whole
+        # receipt into records took longer than a reload's proof of a small profile).
+        fields = [f.name for f in dataclasses.fields(DenseQ4TimingDistribution)]
+        try:
+            for d in receipt["decisions"]:
+                s = d["shape"]
+                key = (
+                    int(s["m"]),
+                    int(s["n"]),
+                    int(s["k"]),
+                    int(s["batch"]),
+                    DenseQ4InputLayout(s["input_layout"]).value,
+                )
+                pinned[key] = {
+                    "route": DenseQ4Route(d["selected_route"]),
+                    "status": DenseQ4SelectionStatus(d["status"]),
+                    "diagnostic": d["diagnostic"],
+                    "wall": {DenseQ4Route(t["route"]).value: tuple(t["wall"][f] for f in fields) for t in d["timings"]},
+                    "gpu": {DenseQ4Route(t["route"]).value: tuple(t["gpu"][f] for f in fields) for t in d["timings"]},
+                }
+        except (KeyError, TypeError, ValueError) as e:
+            raise cal.PlanFileMismatch(f"route plan file holds a malformed calibration receipt: {e!r}") from None
     for d in plan.decisions:
         entry = pinned.setdefault(
             d.shape.key,

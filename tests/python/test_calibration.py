@@ -505,6 +505,11 @@ def test_plan_file_round_trip_and_refusal(device, rng, tmp_path):
     bad.write_text(json.dumps(doc))
     with pytest.raises(cal.PlanFileMismatch, match="library_version"):
         routemm.load_dense_q4_plan(bad, routemm.KernelRegistry(device), device, [case(w, n, k, [9, 40])])
+    doc = json.loads(path.read_text())
+    del doc["receipt"]["decisions"][0]["timings"]
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(cal.PlanFileMismatch, match="malformed calibration receipt"):
+        routemm.load_dense_q4_plan(bad, routemm.KernelRegistry(device), device, [case(w, n, k, [9, 40])])
 
 
 def test_plan_cache_dir_knob(device, rng, tmp_path, monkeypatch):
