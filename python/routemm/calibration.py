@@ -198,15 +198,15 @@ class ProofScratch:
     proof_input depends on the flat index only), and `outputs` F32 buffers of the largest guarded
     output, viewed per shape. Saves regenerating, copying and allocating per shape."""
 
+    # Inputs are uploaded in copies of one host chunk (a whole number of periods, so every copy
+    # continues the sequence): hundreds of MB are never generated on the host.
+    UPLOAD_CHUNK = PROOF_INPUT_PERIOD * 128  # 4 MB of F32
+
     def __init__(self, device, rows_by_width: dict, outputs: int, max_elements: int):
         self._device, self._rows, self._count, self._max = device, dict(rows_by_width), outputs, max_elements
         self._inputs: dict = {}
         self._outputs: list = []
         self._statuses = None
-
-    # Inputs are uploaded in copies of one host chunk (a whole number of periods, so every copy
-    # continues the sequence): hundreds of MB are never generated on the host.
-    UPLOAD_CHUNK = PROOF_INPUT_PERIOD * 128  # 4 MB of F32
 
     def input(self, m: int, k: int):
         if k not in self._inputs:

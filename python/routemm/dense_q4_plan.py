@@ -816,14 +816,10 @@ def _pinned_from_receipt(receipt: Optional[dict], plan: DenseQ4RoutePlan) -> dic
         try:
             for d in receipt["decisions"]:
                 s = d["shape"]
-                key = (
-                    int(s["m"]),
-                    int(s["n"]),
-                    int(s["k"]),
-                    int(s["batch"]),
-                    DenseQ4InputLayout(s["input_layout"]).value,
+                shape = DenseQ4Shape(
+                    int(s["m"]), int(s["n"]), int(s["k"]), int(s["batch"]), DenseQ4InputLayout(s["input_layout"])
                 )
-                pinned[key] = {
+                pinned[shape.key] = {
                     "route": DenseQ4Route(d["selected_route"]),
                     "status": DenseQ4SelectionStatus(d["status"]),
                     "diagnostic": d["diagnostic"],

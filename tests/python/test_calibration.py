@@ -78,7 +78,6 @@ def test_select_winner_rule(cand_wall, cand_gpu, expected):
     assert cal.select_winner(v2_wall, dist(89, 90, 91), dist(*cand_wall), dist(*cand_gpu)) is expected
 
 
-@pytest.mark.needs_kernels(*cal.PROOF_PIPELINES)
 @pytest.mark.parametrize(
     "count", [0, 1, cal.PROOF_INPUT_PERIOD - 1, cal.PROOF_INPUT_PERIOD, 3 * cal.PROOF_INPUT_PERIOD + 5]
 )
@@ -117,6 +116,7 @@ def test_proof_scratch_views_share_one_input_per_width(device):
         scratch.outputs(101)
 
 
+@pytest.mark.needs_kernels(*cal.PROOF_PIPELINES)
 def test_proof_kernels_status_bits(device, registry):
     kernels = cal.ProofKernels(registry)
     logical, guarded = 40, 56

@@ -457,12 +457,11 @@ struct MatVecStream {
   // Staged activations: per token and block, the hi and lo 16-byte quads of its 4 lanes (128 bytes).
   static constexpr int kX = 16 * 1024;
   static constexpr int kXTokenBlockBytes = 2 * 4 * 16;
-  static constexpr int kPartials = kRows * kTokens * 4;
   // 43.5 KB: five CTAs per SM, so a launch of 8-CTA clusters with four CTAs per SM fits in one wave
   // (the GPCs hold fewer clusters than multiprocessors / 8 * CTAs per SM).
   static constexpr int kSmem = kX + kRing;
   static constexpr int kMinBlocks = 5;
-  static_assert(kRowBytes % 16 == 0 && kWarpStage % 16 == 0 && kPartials <= kSmem &&
+  static_assert(kRowBytes % 16 == 0 && kWarpStage % 16 == 0 &&
                 kX / (kTokens * kXTokenBlockBytes) % kSB == 0 && kThreads == 32 * kWarps &&
                 kRows == kWarps * kWarpRows);
 };
