@@ -120,6 +120,42 @@ def test_repeated_ids_may_repeat_direct(device, registry, rng, dtype):
     assert not np.allclose(ref[0 * top_k + 0], ref[0 * top_k + 1])
 
 
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
+@pytest.mark.parametrize("slotted", [False, True], ids=["shared", "slotted"])
+@pytest.mark.parametrize("m,top_k", [(1, 8), (8, 8), (47, 6), (64, 8)])
+def test_aligned_rows_shared_experts(device, registry, rng, dtype, slotted, m, top_k):
+    """The vectorised path (16-byte aligned rows, k % 8 == 0) with k = 200 (not a multiple of 64),
+    n = 13 (a partial column tile) and 8 experts, so many rows share an expert inside and across the
+    direct route's 256-row windows (up to 512 flat rows here); some ids invalid. Both routes match
+    the reference and each other bit for bit."""
+    n, k = 13, 200
+    w = random_weights(rng, dtype, (E, n, k))
+    ids = sprinkle_invalid(rng, distinct_ids(rng, m, top_k, E), E)
+    case = Case(device, registry, dtype, w, _inputs(rng, m, top_k, k, slotted), ids, slotted=slotted, pad=0)
+    results = {route: case.run(route) for route in ROUTES}
+    for route, result in results.items():
+        _check(case, result, context=f"{dtype} {route.value}")
+        assert np.all(result.out[~invalid_rows(ids, E)] != 0), "a valid row was left unwritten or zeroed"
+    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32), results[Route.GROUPED_PREFILL].out.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
+def test_aligned_rows_one_expert_dominates(device, registry, rng, dtype):
+    """MAY_REPEAT on the vectorised direct path with two experts over 320 flat rows: each window's
+    leader computes ~128 rows of one expert in passes of a few rows; duplicates within a token are
+    computed from their own input rows."""
+    m, top_k, n, k = 40, 8, 9, 64
+    ids = rng.integers(0, 2, size=(m, top_k)).astype(np.uint32)
+    ids[7] = E + 1  # one token with no valid slot
+    w = random_weights(rng, dtype, (E, n, k))
+    case = Case(
+        device, registry, dtype, w, _inputs(rng, m, top_k, k, True), ids, slotted=True, pad=0, mult=Mult.MAY_REPEAT
+    )
+    result = case.run(Route.DIRECT)
+    _check(case, result, context=f"{dtype} one expert dominates")
+    assert np.all(result.out[~invalid_rows(ids, E)] != 0)
+
+
 def _edge_values(dtype: DType) -> np.ndarray:
     fi = finfo(dtype)
     vals = [

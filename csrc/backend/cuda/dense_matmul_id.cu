@@ -17,6 +17,8 @@
 // Geometry (what the KernelDefs below tell the front door, and how each kernel reads its grid):
 //   direct : grid [ceil(n / 8), m * top_k, 1], 64 threads. Block (x, y) computes columns
 //            [8x, 8x + 8) of flat row y: 2 warps x 4 columns, 8 lanes (one per s_p) per column.
+//            On the 16-byte path (direct_ring_kernel) block (x, y) also computes the later rows
+//            of y's 256-row window that share its expert, and the blocks of those rows exit.
 //   map    : grid [1, 1, 1], threads [1024]: one block that builds per-expert token bitmaps tile by
 //            tile (see map_kernel).
 //   grouped: grid [ceil(m / 32), ceil(n / 64), n_experts], 256 threads. Block (x, y, e) computes
@@ -39,6 +41,7 @@
 #include "kernels.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
+#include "warp_mma.cuh"
 
 #ifndef ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256
 #define ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256 "unknown"
@@ -266,6 +269,166 @@ __global__ void __launch_bounds__(kDirectThreads)
   }
   s = reduce8(s);
   if (part == 0 && col < p.n) out[uint64_t{flat} * p.n + col] = s;
+}
+
+// ---- direct, 16-byte path: expert sharing and a per-warp cp.async ring ----------------------------
+//
+// Same grid and lane roles as direct_kernel, and the same per-element FMA chain (so the result is
+// bit-identical), with two changes for the bandwidth-bound decode case:
+//   * Flat rows that share an expert inside an aligned window of kShareWindow rows are computed by
+//     one block per column tile: the block of the first such row (the leader) walks the weights
+//     once per kShareRows of them; the blocks of the other rows exit at once. Decode batches route
+//     many tokens to the same experts, and each shared expert's weights are then read once, not
+//     once per row. An invalid id is never shared: its block writes its zero row itself.
+//   * Each warp streams its 4 columns through a shared-memory ring of kRingDepth slices filled by
+//     cp.async, so kRingDepth - 1 slices per lane are in flight without holding registers and no
+//     lane waits for a whole round of loads before issuing the next. The activation chunks of the
+//     warp's rows ride in the same ring, one row per lane group.
+constexpr uint32_t kShareWindow = 256;  // flat rows searched for a shared expert
+constexpr uint32_t kShareRows = 4;      // rows of one expert per pass over its weights
+constexpr uint32_t kRingDepth = 8;      // slices per warp ring
+
+// Per-warp ring: weights [slot][half][lane][16 B], activations [slot][row][half][part][16 B].
+template <typename T>
+struct DirectRing {
+  static constexpr uint32_t kHalves = sizeof(typename Chunk<T>::elem) == 4 ? 2 : 1;
+  static constexpr uint32_t kWSlot = kHalves * 32 * 16;
+  static constexpr uint32_t kXSlot = kShareRows * 2 * 8 * 16;
+  static constexpr uint32_t kWarpBytes = kRingDepth * (kWSlot + kXSlot);
+  static constexpr uint32_t kBlockBytes = (kDirectThreads / 32) * kWarpBytes;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kDirectThreads)
+    direct_ring_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
+                       const char* __restrict__ x, const uint32_t* __restrict__ ids,
+                       float* __restrict__ out, uint32_t tiles_x, uint64_t rows) {
+  using Ring = DirectRing<T>;
+  using Elem = typename Chunk<T>::elem;
+  extern __shared__ __align__(16) unsigned char direct_ring_smem[];
+  __shared__ uint32_t shared_rows[kShareWindow];
+  __shared__ uint32_t shared_count;
+
+  const uint64_t block = blockIdx.x;
+  const uint64_t flat64 = block / tiles_x;
+  if (flat64 >= rows) return;
+  const uint32_t flat = static_cast<uint32_t>(flat64);
+  const uint32_t tile = static_cast<uint32_t>(block - flat64 * tiles_x);
+  const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const uint32_t part = lane & 7, group = lane >> 3;
+  const uint32_t id = __ldg(ids + flat);
+
+  if (id >= p.n_experts) {  // zero row, never shared
+    const uint32_t col = tile * kDirectCols + tid;
+    if (tid < kDirectCols && col < p.n) out[uint64_t{flat} * p.n + col] = 0.f;
+    return;
+  }
+  // Leader test: no earlier row of the window holds the same expert.
+  const uint64_t w0 = flat64 / kShareWindow * kShareWindow;
+  const uint64_t w1 = min(rows, w0 + kShareWindow);
+  bool earlier = false;
+  for (uint64_t r = w0 + tid; r < flat64; r += kDirectThreads) earlier |= __ldg(ids + r) == id;
+  if (__syncthreads_or(earlier)) return;
+  if (warp == 0) {  // the rows this block computes, in row order
+    uint32_t count = 0;
+    for (uint64_t base = flat64; base < w1; base += 32) {
+      const uint64_t r = base + lane;
+      const bool same = r < w1 && __ldg(ids + r) == id;
+      const uint32_t mask = __ballot_sync(0xFFFFFFFFu, same);
+      if (same) shared_rows[count + __popc(mask & ((1u << lane) - 1u))] = static_cast<uint32_t>(r);
+      count += __popc(mask);
+    }
+    if (lane == 0) shared_count = count;
+  }
+  __syncthreads();
+
+  const uint32_t warp_col0 = tile * kDirectCols + warp * 4;
+  if (warp_col0 >= p.n) return;  // whole warp past n (no block-wide barrier follows)
+  const uint32_t col = warp_col0 + group;
+  const bool col_live = col < p.n;
+  const char* wrow =
+      w + uint64_t{id} * p.expert_stride_bytes + uint64_t{col_live ? col : 0} * p.k * sizeof(Elem);
+  const uint32_t ring =
+      static_cast<uint32_t>(__cvta_generic_to_shared(direct_ring_smem)) + warp * Ring::kWarpBytes;
+  const uint32_t x_ring = ring + kRingDepth * Ring::kWSlot;
+  const uint32_t slices = (p.k + kSlice - 1) / kSlice;
+  const uint32_t count = shared_count;
+
+  for (uint32_t b = 0; b < count; b += kShareRows) {
+    const uint32_t nb = min(kShareRows, count - b);
+    const float* xrow = group < nb ? input_row(p, x, shared_rows[b + group]) : nullptr;
+    // Slice i into slot i % depth: this lane's weight chunk and, for group < nb, the activation
+    // chunk of row b + group at the same position. Chunks past k are zero-filled.
+    auto issue = [&](uint32_t i) {
+      const uint32_t slot = i % kRingDepth;
+      const uint32_t base = (i * 8 + part) * 8;  // first inner position of the chunk
+      const bool in_k = base < p.k;
+#pragma unroll
+      for (uint32_t h = 0; h < Ring::kHalves; ++h) {
+        const char* src = wrow + (uint64_t{base} * sizeof(Elem) + h * 16);
+        cp_async_16(ring + slot * Ring::kWSlot + (h * 32 + lane) * 16, in_k && col_live ? src : w,
+                    in_k && col_live);
+      }
+      if (xrow != nullptr) {
+#pragma unroll
+        for (uint32_t h = 0; h < 2; ++h) {
+          cp_async_16(x_ring + slot * Ring::kXSlot + ((group * 2 + h) * 8 + part) * 16,
+                      in_k ? static_cast<const void*>(xrow + base + h * 4) : xrow, in_k);
+        }
+      }
+    };
+#pragma unroll
+    for (uint32_t i = 0; i + 1 < kRingDepth; ++i) {
+      if (i < slices) issue(i);
+      cp_async_commit();
+    }
+    float acc[kShareRows];
+#pragma unroll
+    for (uint32_t r = 0; r < kShareRows; ++r) acc[r] = 0.f;
+    for (uint32_t i = 0; i < slices; ++i) {
+      cp_async_wait<kRingDepth - 2>();
+      __syncwarp();  // slice i landed for every lane; slot (i - 1) % depth is free
+      if (i + kRingDepth - 1 < slices) issue(i + kRingDepth - 1);
+      cp_async_commit();
+      const uint32_t slot = i % kRingDepth;
+      Chunk<T> wc;
+      if constexpr (Ring::kHalves == 2) {
+        uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
+        lds128(ring + slot * Ring::kWSlot + lane * 16, a0, a1, a2, a3);
+        lds128(ring + slot * Ring::kWSlot + (32 + lane) * 16, b0, b1, b2, b3);
+        wc.a = make_float4(__uint_as_float(a0), __uint_as_float(a1), __uint_as_float(a2),
+                           __uint_as_float(a3));
+        wc.b = make_float4(__uint_as_float(b0), __uint_as_float(b1), __uint_as_float(b2),
+                           __uint_as_float(b3));
+      } else {
+        lds128(ring + slot * Ring::kWSlot + lane * 16, wc.q.x, wc.q.y, wc.q.z, wc.q.w);
+      }
+#pragma unroll
+      for (uint32_t r = 0; r < kShareRows; ++r) {
+        if (r < nb) {
+          Chunk<float> xc;
+          uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
+          lds128(x_ring + slot * Ring::kXSlot + ((r * 2) * 8 + part) * 16, a0, a1, a2, a3);
+          lds128(x_ring + slot * Ring::kXSlot + ((r * 2 + 1) * 8 + part) * 16, b0, b1, b2, b3);
+          xc.a = make_float4(__uint_as_float(a0), __uint_as_float(a1), __uint_as_float(a2),
+                             __uint_as_float(a3));
+          xc.b = make_float4(__uint_as_float(b0), __uint_as_float(b1), __uint_as_float(b2),
+                             __uint_as_float(b3));
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[r] = fmaf(wc.get(j), xc.get(j), acc[r]);
+        }
+      }
+    }
+#pragma unroll
+    for (uint32_t r = 0; r < kShareRows; ++r) {
+      if (r < nb) {
+        const float s = reduce8(acc[r]);
+        if (part == 0 && col_live) out[uint64_t{shared_rows[b + r]} * p.n + col] = s;
+      }
+    }
+    cp_async_wait<0>();
+    __syncwarp();  // the next pass refills every slot
+  }
 }
 
 // ---- map_distinct --------------------------------------------------------------------------------
@@ -549,8 +712,8 @@ void launch_direct(const KernelLaunch& launch, void* stream_ptr) {
   const dim3 grid(static_cast<unsigned>(tiles_x * rows));
   const size_t elem = sizeof(typename Chunk<T>::elem);
   if (vector_ok(p, w, x, elem)) {
-    direct_kernel<T, true>
-        <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
+    direct_ring_kernel<T><<<grid, kDirectThreads, DirectRing<T>::kBlockBytes, stream>>>(
+        p, w, x, ids, out, uint32_t(tiles_x), rows);
   } else {
     direct_kernel<T, false>
         <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
@@ -643,9 +806,14 @@ void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
   const auto& names = kDenseMatmulIdPipelineNames;
   // Static shared memory of the grouped kernel, reported so receipts show what a block uses.
   constexpr uint64_t kGroupShmem = kGroupDynamicShmem + kGroupRows * 4;
-  out.push_back(def(names[0], launch_direct<float>, kDirectThreads, kDirectCols, 1, 0, 1024));
-  out.push_back(def(names[1], launch_direct<F16Tag>, kDirectThreads, kDirectCols, 1, 0, 1024));
-  out.push_back(def(names[2], launch_direct<BF16Tag>, kDirectThreads, kDirectCols, 1, 0, 1024));
+  // The direct kernels' dynamic ring (16-byte path), reported for the record; the direct
+  // dispatch itself declares no threadgroup memory.
+  out.push_back(def(names[0], launch_direct<float>, kDirectThreads, kDirectCols, 1,
+                    DirectRing<float>::kBlockBytes, 1024));
+  out.push_back(def(names[1], launch_direct<F16Tag>, kDirectThreads, kDirectCols, 1,
+                    DirectRing<F16Tag>::kBlockBytes, 1024));
+  out.push_back(def(names[2], launch_direct<BF16Tag>, kDirectThreads, kDirectCols, 1,
+                    DirectRing<BF16Tag>::kBlockBytes, 1024));
   out.push_back(def(names[3], launch_map, kMapMaxThreads, 1, 1, 0, kMapMaxThreads));
   out.push_back(def(names[4], launch_grouped<float>, kGroupThreads, kGroupRows, kGroupCols,
                     kGroupShmem, 1024));
