@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -288,6 +289,44 @@ constexpr uint32_t kShareWindow = 256;  // flat rows searched for a shared exper
 constexpr uint32_t kShareRows = 4;      // rows of one expert per pass over its weights
 constexpr uint32_t kRingDepth = 8;      // slices per warp ring
 
+// The rows a direct block computes (16-byte path): returns false when the block has nothing to
+// do -- its row's id is invalid (the block then writes the zero row itself) or an earlier row of
+// the same kShareWindow-row window holds the same expert (that row's block computes this one).
+// Otherwise `shared_rows[0..shared_count)` lists, in row order, flat row `flat64` and the later rows
+// of its window with the same expert, and `id` is that expert. Called by the whole block.
+__device__ __forceinline__ bool claim_shared_rows(const DenseMatmulIdKernelParams& p,
+                                                  const uint32_t* __restrict__ ids,
+                                                  float* __restrict__ out, uint64_t flat64,
+                                                  uint64_t rows, uint32_t tile,
+                                                  uint32_t* shared_rows, uint32_t& shared_count,
+                                                  uint32_t& id) {
+  const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  id = __ldg(ids + flat64);
+  if (id >= p.n_experts) {  // zero row, never shared
+    const uint32_t col = tile * kDirectCols + tid;
+    if (tid < kDirectCols && col < p.n) out[flat64 * p.n + col] = 0.f;
+    return false;
+  }
+  const uint64_t w0 = flat64 / kShareWindow * kShareWindow;
+  const uint64_t w1 = min(rows, w0 + kShareWindow);
+  bool earlier = false;
+  for (uint64_t r = w0 + tid; r < flat64; r += blockDim.x) earlier |= __ldg(ids + r) == id;
+  if (__syncthreads_or(earlier)) return false;
+  if (warp == 0) {
+    uint32_t count = 0;
+    for (uint64_t base = flat64; base < w1; base += 32) {
+      const uint64_t r = base + lane;
+      const bool same = r < w1 && __ldg(ids + r) == id;
+      const uint32_t mask = __ballot_sync(0xFFFFFFFFu, same);
+      if (same) shared_rows[count + __popc(mask & ((1u << lane) - 1u))] = static_cast<uint32_t>(r);
+      count += __popc(mask);
+    }
+    if (lane == 0) shared_count = count;
+  }
+  __syncthreads();
+  return true;
+}
+
 // Per-warp ring: weights [slot][half][lane][16 B], activations [slot][row][half][part][16 B].
 template <typename T>
 struct DirectRing {
@@ -312,35 +351,11 @@ __global__ void __launch_bounds__(kDirectThreads)
   const uint64_t block = blockIdx.x;
   const uint64_t flat64 = block / tiles_x;
   if (flat64 >= rows) return;
-  const uint32_t flat = static_cast<uint32_t>(flat64);
   const uint32_t tile = static_cast<uint32_t>(block - flat64 * tiles_x);
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t part = lane & 7, group = lane >> 3;
-  const uint32_t id = __ldg(ids + flat);
-
-  if (id >= p.n_experts) {  // zero row, never shared
-    const uint32_t col = tile * kDirectCols + tid;
-    if (tid < kDirectCols && col < p.n) out[uint64_t{flat} * p.n + col] = 0.f;
-    return;
-  }
-  // Leader test: no earlier row of the window holds the same expert.
-  const uint64_t w0 = flat64 / kShareWindow * kShareWindow;
-  const uint64_t w1 = min(rows, w0 + kShareWindow);
-  bool earlier = false;
-  for (uint64_t r = w0 + tid; r < flat64; r += kDirectThreads) earlier |= __ldg(ids + r) == id;
-  if (__syncthreads_or(earlier)) return;
-  if (warp == 0) {  // the rows this block computes, in row order
-    uint32_t count = 0;
-    for (uint64_t base = flat64; base < w1; base += 32) {
-      const uint64_t r = base + lane;
-      const bool same = r < w1 && __ldg(ids + r) == id;
-      const uint32_t mask = __ballot_sync(0xFFFFFFFFu, same);
-      if (same) shared_rows[count + __popc(mask & ((1u << lane) - 1u))] = static_cast<uint32_t>(r);
-      count += __popc(mask);
-    }
-    if (lane == 0) shared_count = count;
-  }
-  __syncthreads();
+  uint32_t id = 0;
+  if (!claim_shared_rows(p, ids, out, flat64, rows, tile, shared_rows, shared_count, id)) return;
 
   const uint32_t warp_col0 = tile * kDirectCols + warp * 4;
   if (warp_col0 >= p.n) return;  // whole warp past n (no block-wide barrier follows)
@@ -428,6 +443,67 @@ __global__ void __launch_bounds__(kDirectThreads)
     }
     cp_async_wait<0>();
     __syncwarp();  // the next pass refills every slot
+  }
+}
+
+// The 16-byte path with register loads: the same expert sharing as direct_ring_kernel, and
+// direct_kernel's loop for each of the block's rows in turn.
+template <typename T>
+__global__ void __launch_bounds__(kDirectThreads)
+    direct_shared_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
+                         const char* __restrict__ x, const uint32_t* __restrict__ ids,
+                         float* __restrict__ out, uint32_t tiles_x, uint64_t rows) {
+  using Elem = typename Chunk<T>::elem;
+  __shared__ uint32_t shared_rows[kShareWindow];
+  __shared__ uint32_t shared_count;
+  const uint64_t block = blockIdx.x;
+  const uint64_t flat64 = block / tiles_x;
+  if (flat64 >= rows) return;
+  const uint32_t tile = static_cast<uint32_t>(block - flat64 * tiles_x);
+  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t part = lane & 7;
+  uint32_t id = 0;
+  if (!claim_shared_rows(p, ids, out, flat64, rows, tile, shared_rows, shared_count, id)) return;
+  const uint32_t warp_col0 = tile * kDirectCols + warp * 4;
+  if (warp_col0 >= p.n) return;  // whole warp past n (no block-wide barrier follows)
+  const uint32_t col = warp_col0 + (lane >> 3);
+  const bool col_live = col < p.n;
+  const void* wrow =
+      w + uint64_t{id} * p.expert_stride_bytes + uint64_t{col_live ? col : 0} * p.k * sizeof(Elem);
+  const uint32_t slices = (p.k + kSlice - 1) / kSlice;
+  const uint32_t count = shared_count;
+  for (uint32_t j = 0; j < count; ++j) {  // the weights of rows after the first come from L2
+    const float* xrow = input_row(p, x, shared_rows[j]);
+    float acc = 0.f;
+    for (uint32_t i = 0; i < slices; i += kDirectUnroll) {
+      Chunk<T> wc[kDirectUnroll];
+      Chunk<float> xc[kDirectUnroll];
+#pragma unroll
+      for (uint32_t u = 0; u < kDirectUnroll; ++u) {
+        if (i + u < slices && col_live) {
+          wc[u] = load_w_chunk<T, true>(wrow, (i + u) * 8 + part, p.k);
+        } else {
+          wc[u].zero();
+        }
+      }
+#pragma unroll
+      for (uint32_t u = 0; u < kDirectUnroll; ++u) {
+        if (i + u < slices) {
+          xc[u] = load_x_chunk<true>(xrow, (i + u) * 8 + part, p.k);
+        } else {
+          xc[u].zero();
+        }
+      }
+#pragma unroll
+      for (uint32_t u = 0; u < kDirectUnroll; ++u) {
+        if (i + u < slices) {
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc = fmaf(wc[u].get(q), xc[u].get(q), acc);
+        }
+      }
+    }
+    acc = reduce8(acc);
+    if (part == 0 && col_live) out[uint64_t{shared_rows[j]} * p.n + col] = acc;
   }
 }
 
@@ -711,7 +787,24 @@ void launch_direct(const KernelLaunch& launch, void* stream_ptr) {
   check_grid(launch, tiles_x * rows);
   const dim3 grid(static_cast<unsigned>(tiles_x * rows));
   const size_t elem = sizeof(typename Chunk<T>::elem);
-  if (vector_ok(p, w, x, elem)) {
+  static const int variant = [] {
+    const char* v = std::getenv("ROUTEMM_CUDA_DIRECT_VARIANT");
+    return v == nullptr ? 0 : std::atoi(v);
+  }();
+  static const cudaError_t carveout =
+      cudaFuncSetAttribute(direct_ring_kernel<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           variant == 2 ? -1 : static_cast<int>(cudaSharedmemCarveoutMaxShared));
+  if (carveout != cudaSuccess) {
+    throw Error(launch.label +
+                ": cudaFuncSetAttribute(carveout) failed: " + cudaGetErrorString(carveout));
+  }
+  if (vector_ok(p, w, x, elem) && variant == 3) {
+    direct_kernel<T, true>
+        <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
+  } else if (vector_ok(p, w, x, elem) && variant == 1) {
+    direct_shared_kernel<T>
+        <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
+  } else if (vector_ok(p, w, x, elem)) {
     direct_ring_kernel<T><<<grid, kDirectThreads, DirectRing<T>::kBlockBytes, stream>>>(
         p, w, x, ids, out, uint32_t(tiles_x), rows);
   } else {

@@ -1,0 +1,147 @@
+"""Host-side cost of one dense_matmul_id call (validation + encode), on an otherwise empty stream.
+
+    python3 bench/host_cost.py OUT.json [--device cuda|cpu] [--calls N] [--batches B]
+
+Each batch encodes `calls` back-to-back calls into one fresh encoder and times them with
+perf_counter_ns; commit_and_wait runs after the timer stops, so kernel execution is not counted
+(on CUDA a call includes its kernel launch, which is host work; the CPU backend's encoders are
+dropped uncommitted, since it runs the work at commit). Two layers are timed:
+  * `front_door`: routemm.dense_matmul_id(...) as users call it (params built once, reused);
+  * `native`: the pybind11 entry underneath it, i.e. the C++ validation + encode plus the binding.
+Shapes: the Qwen3-30B-A3B expert projection (E=128, top_k=8, n=768, k=2048, bf16) at m=1 (direct)
+and m=512 (grouped_prefill: map + grouped dispatch, with the leading scratch barrier).
+The median per-call time over batches is reported (time_us), with min and max beside it. The
+target (issue 3): under 5 us per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import routemm
+from routemm import DenseMatmulIdRoute as Route
+from routemm import DType, _core
+
+SHAPE = ("qwen3-30b-a3b", 128, 8, 768, 2048)  # name, E, top_k, n, k
+TARGET_US = 5.0
+
+
+def build_case(device, m: int, route: Route):
+    name, E, top_k, n, k = SHAPE
+    rng = np.random.default_rng(0)
+    weights = device.alloc(E * n * k * 2, DType.BF16)
+    x = device.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    ids = np.stack([rng.permutation(E)[:top_k] for _ in range(m)]).astype(np.uint32)
+    id_buf = device.from_numpy(ids)
+    out = device.alloc(m * top_k * n * 4, DType.F32)
+    params = routemm.DenseMatmulIdParams(
+        m=m,
+        n=n,
+        k=k,
+        top_k=top_k,
+        n_experts=E,
+        expert_stride_bytes=n * k * 2,
+        input_layout=routemm.DenseMatmulIdInputLayout.SHARED_PER_TOKEN,
+        id_multiplicity=routemm.DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN,
+        route=route,
+    )
+    scratch = routemm.DenseMatmulIdScratch(device, E, m) if route is Route.GROUPED_PREFILL else None
+    return dict(weights=weights, input=x, ids=id_buf, out=out, params=params, scratch=scratch)
+
+
+def time_calls(device, registry, case, layer: str, calls: int, batches: int) -> list[float]:
+    w, x, ids, out, params, scratch = (case[key] for key in ("weights", "input", "ids", "out", "params", "scratch"))
+    native_params = params._native_params
+    per_call = []
+    for _ in range(batches + 1):  # the first batch warms caches and is dropped
+        enc = device.command_encoder()
+        if layer == "front_door":
+            t0 = time.perf_counter_ns()
+            for _ in range(calls):
+                routemm.dense_matmul_id(enc, registry, w, x, ids, out, scratch, params)
+            t1 = time.perf_counter_ns()
+        else:
+            t0 = time.perf_counter_ns()
+            for _ in range(calls):
+                _core._dense_matmul_id(enc, registry, w, x, ids, out, scratch, native_params)
+            t1 = time.perf_counter_ns()
+        if device.backend != "cpu":  # the CPU backend runs the work at commit: not needed here
+            enc.commit_and_wait()
+        per_call.append((t1 - t0) / calls / 1e3)
+    return per_call[1:]
+
+
+def table(doc) -> str:
+    lines = [
+        f"# dense_matmul_id host cost on {doc['device']} (git {doc['git_rev']})",
+        "",
+        f"Command: `{doc['command']}`",
+        "",
+        "Per-call host time of validation + encode (CUDA: including the kernel launch), calls back to back "
+        "into one encoder, commit outside the timer; median over batches. Target: under 5 us.",
+        "",
+        "| shape | dtype | m | route | layer | time (us) | min | max | target met |",
+        "|---|---|---:|---|---|---:|---:|---:|---|",
+    ]
+    for r in doc["records"]:
+        lines.append(
+            f"| {r['shape']} | {r['weight_dtype']} | {r['m']} | {r['route']} | {r['layer']} | {r['time_us']:.2f} | "
+            f"{r['min_us']:.2f} | {r['max_us']:.2f} | {'yes' if r['time_us'] < TARGET_US else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: the best available)")
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--batches", type=int, default=15)
+    args = ap.parse_args()
+    device = routemm.Device(args.device) if args.device else routemm.Device()
+    registry = routemm.KernelRegistry(device)
+    records = []
+    for m, route in [(1, Route.DIRECT), (512, Route.GROUPED_PREFILL)]:
+        case = build_case(device, m, route)
+        for layer in ("front_door", "native"):
+            times = time_calls(device, registry, case, layer, args.calls, args.batches)
+            rec = {
+                "op": "dense_matmul_id_host_cost",
+                "shape": SHAPE[0],
+                "m": m,
+                "weight_dtype": "bf16",
+                "route": route.value,
+                "impl": "routemm",
+                "layer": layer,
+                "time_us": statistics.median(times),
+                "min_us": min(times),
+                "max_us": max(times),
+                "calls_per_batch": args.calls,
+                "batches": args.batches,
+            }
+            records.append(rec)
+            print(f"m={m} {route.value} {layer}: {rec['time_us']:.2f} us/call (min {rec['min_us']:.2f})", flush=True)
+    doc = {
+        "device": str(device),
+        "git_rev": os.environ.get("GIT_REV", "unknown"),
+        "command": os.environ.get("BENCH_COMMAND", " ".join(["python3"] + sys.argv)),
+        "ceilings": {},
+        "target_us": TARGET_US,
+        "records": records,
+    }
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    md = table(doc)
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
