@@ -87,7 +87,12 @@ void CommandEncoder::dispatch(const Pipeline& pipeline,
   command.launch.threadgroup_memory = threadgroup_memory;
   command.launch.int_constants = pipeline.int_constants();
   command.inline_bytes.reserve(args.size());
+  command.keep_alive.reserve(args.size());
+  // Bindings and the encoded record are only kept by a capture or an open receipt: the per-call
+  // hot path (plain encoding) skips building them.
+  const bool recording = capturing_ || receipt_.has_value();
   std::vector<CapturedBinding> bindings;
+  if (capturing_) bindings.reserve(args.size());
   for (const auto& [slot, arg] : args) {
     if (slot >= kMaxKernelSlots) {
       throw InvalidArgument("kernel slot " + std::to_string(slot) + " of '" + label +
@@ -105,8 +110,10 @@ void CommandEncoder::dispatch(const Pipeline& pipeline,
       bound.kind = BoundArg::Kind::Bytes;
       bound.data = command.inline_bytes.back().data();
       bound.size = command.inline_bytes.back().size();
-      binding.is_bytes = true;
-      binding.bytes = arg.bytes;
+      if (capturing_) {
+        binding.is_bytes = true;
+        binding.bytes = arg.bytes;
+      }
     } else {
       const Buffer& buffer = arg.buffer;
       if (!buffer.valid())
@@ -125,14 +132,21 @@ void CommandEncoder::dispatch(const Pipeline& pipeline,
       bound.data = static_cast<char*>(buffer.storage()->data()) + arg.offset;
       bound.size = allocation - arg.offset;
       command.keep_alive.push_back(buffer.storage());
-      binding.address = buffer.address();
-      binding.offset = arg.offset;
+      if (capturing_) {
+        binding.address = buffer.address();
+        binding.offset = arg.offset;
+      }
     }
     command.launch.args[slot] = bound;
-    bindings.push_back(std::move(binding));
+    if (capturing_) bindings.push_back(std::move(binding));
   }
 
   ++g_dispatches;
+  if (!recording) {
+    queue_->submit(std::move(command));
+    ++pending_dispatches_;
+    return;
+  }
   EncodedKernelDispatch encoded{label, kind, grid.array(), threads.array(),
                                 std::move(threadgroup_memory)};
   if (capturing_) {

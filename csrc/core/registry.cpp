@@ -34,6 +34,10 @@ PipelinePtr KernelRegistry::get_pipeline(
     throw KernelNotFound("pipeline lookup failed for '" + std::string(name) +
                          "' (injected failure)");
   }
+  // Without constants the label is the name: look it up without building a string (hot path).
+  if (int_constants.empty()) {
+    if (auto cached = pipelines_.find(name); cached != pipelines_.end()) return cached->second;
+  }
   std::string label = pipeline_label(name, int_constants);
   if (auto cached = pipelines_.find(label); cached != pipelines_.end()) return cached->second;
   auto def = kernels_.find(name);

@@ -19,7 +19,7 @@ import numpy as np
 from . import _core
 from ._core_api import DType, dtype_of
 from ._errors import InvalidArgumentError
-from ._json import JsonRecord
+from ._json import JsonRecord, dtype_from_name
 
 SCHEMA_VERSION: int = _core.DENSE_MATMUL_ID_SCHEMA_VERSION
 PIPELINE_NAMES: tuple[str, ...] = _core.DENSE_MATMUL_ID_PIPELINE_NAMES
@@ -153,8 +153,18 @@ def dense_matmul_id(
     native = _core._dense_matmul_id(
         encoder, registry, weights, input, expert_ids, output, scratch, params._native_params
     )
-    # Built field by field: this is the per-call hot path (from_dict resolves type hints).
-    return DenseMatmulIdDispatchReceipt(weights.dtype, DenseMatmulIdRoute(native["route"]), native["dispatch_count"])
+    # Receipts are immutable and few distinct ones exist: one cached instance per native result
+    # keeps the per-call hot path free of enum and dataclass construction.
+    receipt = _DISPATCH_RECEIPTS.get(native)
+    if receipt is None:
+        dtype_name, route, count = native
+        receipt = _DISPATCH_RECEIPTS.setdefault(
+            native, DenseMatmulIdDispatchReceipt(dtype_from_name(dtype_name), DenseMatmulIdRoute(route), count)
+        )
+    return receipt
+
+
+_DISPATCH_RECEIPTS: dict[tuple[str, str, int], DenseMatmulIdDispatchReceipt] = {}
 
 
 # ---- High level ---------------------------------------------------------------------------------

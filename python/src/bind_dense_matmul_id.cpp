@@ -101,12 +101,10 @@ void init_dense_matmul_id(py::module_& m) {
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& weights,
          const Buffer& input, const Buffer& ids, const Buffer& output,
          const DenseMatmulIdScratch* scratch, const DenseMatmulIdParams& p) {
+        // (weight dtype name, route value, dispatch count): a hashable tuple, so the Python front
+        // door can return one cached receipt per distinct result (its per-call hot path).
         const auto r = dense_matmul_id(encoder, registry, weights, input, ids, output, scratch, p);
-        py::dict out;
-        out["weight_dtype"] = std::string(dtype_name(r.weight_dtype));
-        out["route"] = std::string(to_string(r.route));
-        out["dispatch_count"] = r.dispatch_count;
-        return out;
+        return py::make_tuple(dtype_name(r.weight_dtype), to_string(r.route), r.dispatch_count);
       },
       py::arg("encoder"), py::arg("registry"), py::arg("weights"), py::arg("input"),
       py::arg("expert_ids"), py::arg("output"), py::arg("scratch").none(true), py::arg("params"));
