@@ -156,6 +156,21 @@ def test_aligned_rows_one_expert_dominates(device, registry, rng, dtype):
     assert np.all(result.out[~invalid_rows(ids, E)] != 0)
 
 
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
+@pytest.mark.parametrize("k", [24576, 24584])
+def test_aligned_rows_long_k(device, registry, rng, dtype, k):
+    """The vectorised direct path at the longest row it stages in shared memory (24576 values) and
+    just past it (register loads instead): both match the reference and grouped_prefill bit for bit."""
+    m, top_k, n = 3, 2, 5
+    w = random_weights(rng, dtype, (2, n, k))
+    ids = np.array([[0, 1], [1, 0], [0, 2]], np.uint32)  # shared experts and an invalid id
+    case = Case(device, registry, dtype, w, _inputs(rng, m, top_k, k, False), ids, slotted=False, pad=0)
+    results = {route: case.run(route) for route in ROUTES}
+    for route, result in results.items():
+        _check(case, result, context=f"{dtype} k={k} {route.value}")
+    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32), results[Route.GROUPED_PREFILL].out.view(np.uint32))
+
+
 def _edge_values(dtype: DType) -> np.ndarray:
     fi = finfo(dtype)
     vals = [

@@ -17,8 +17,8 @@
 // Geometry (what the KernelDefs below tell the front door, and how each kernel reads its grid):
 //   direct : grid [ceil(n / 8), m * top_k, 1], 64 threads. Block (x, y) computes columns
 //            [8x, 8x + 8) of flat row y: 2 warps x 4 columns, 8 lanes (one per s_p) per column.
-//            On the 16-byte path (direct_ring_kernel) block (x, y) also computes the later rows
-//            of y's 256-row window that share its expert, and the blocks of those rows exit.
+//            On the 16-byte path with k <= 24576 (direct_staged_kernel) block (x, y) also computes
+//            the later rows of y's 256-row window that share its expert (their blocks exit).
 //   map    : grid [1, 1, 1], threads [1024]: one block that builds per-expert token bitmaps tile by
 //            tile (see map_kernel).
 //   grouped: grid [ceil(m / 32), ceil(n / 64), n_experts], 256 threads. Block (x, y, e) computes
@@ -42,7 +42,6 @@
 #include "kernels.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
-#include "warp_mma.cuh"
 
 #ifndef ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256
 #define ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256 "unknown"
@@ -272,47 +271,66 @@ __global__ void __launch_bounds__(kDirectThreads)
   if (part == 0 && col < p.n) out[uint64_t{flat} * p.n + col] = s;
 }
 
-// ---- direct, 16-byte path: expert sharing and a per-warp cp.async ring ----------------------------
+// ---- direct, 16-byte path: staged activations, shared experts -----------------------------------
 //
-// Same grid and lane roles as direct_kernel, and the same per-element FMA chain (so the result is
-// bit-identical), with two changes for the bandwidth-bound decode case:
+// Same grid, lane roles and per-element FMA chain as direct_kernel (so the result is bit-identical),
+// for rows that allow 16-byte loads and k <= kStagedMaxK. Two changes for decode:
+//   * Activations are staged in shared memory, zero-padded to kp = round_up(k, 64), and a lane
+//     keeps only weight chunks in registers: kStagedUnroll per round (64 registers for any weight
+//     type), two rounds in flight (kPipe), so a row needs a quarter of direct_kernel's round trips.
 //   * Flat rows that share an expert inside an aligned window of kShareWindow rows are computed by
-//     one block per column tile: the block of the first such row (the leader) walks the weights
-//     once per kShareRows of them; the blocks of the other rows exit at once. Decode batches route
-//     many tokens to the same experts, and each shared expert's weights are then read once, not
-//     once per row. An invalid id is never shared: its block writes its zero row itself.
-//   * Each warp streams its 4 columns through a shared-memory ring of kRingDepth slices filled by
-//     cp.async, so kRingDepth - 1 slices per lane are in flight without holding registers and no
-//     lane waits for a whole round of loads before issuing the next. The activation chunks of the
-//     warp's rows ride in the same ring, one row per lane group.
-constexpr uint32_t kShareWindow = 256;  // flat rows searched for a shared expert
-constexpr uint32_t kShareRows = 4;      // rows of one expert per pass over its weights
-constexpr uint32_t kRingDepth = 8;      // slices per warp ring
+//     one block per column tile, up to `share_rows` of them from each weight chunk loaded (more
+//     take further passes): the block of the window's first such row (the leader) does it, the
+//     blocks of the others exit at once. Decode batches route many tokens to the same experts, and
+//     their weights are then read once. An invalid id is never shared: its block writes its zero
+//     row itself.
+// Staged layout per row: chunk c = 8 * slice + part, half h at ((slice * 2 + h) * 8 + part) * 16
+// bytes, so the 8 parts of a half are 128 contiguous bytes (no bank conflicts).
+template <typename T>
+inline constexpr uint32_t kStagedUnroll = sizeof(typename Chunk<T>::elem) == 4 ? 8 : 16;
+constexpr uint32_t kStagedMaxK = 24576;  // one staged row of at most 96 KiB
+constexpr uint32_t kShareWindow = 256;   // flat rows searched for a shared expert
+constexpr uint32_t kMaxShareRows = 4;    // rows summed from one weight chunk
+// Staged rows of a sharing block stay within 32 KiB, so six blocks fit a multiprocessor.
+constexpr uint32_t kShareSmemBudget = 32768;
+constexpr uint32_t staged_row_bytes(uint32_t k) { return (k + kSlice - 1) / kSlice * kSlice * 4; }
+// Rows per pass: 1 for a single token (its ids are distinct per token), else as many as fit.
+uint32_t share_rows_for(const DenseMatmulIdKernelParams& p) {
+  if (p.m == 1) return 1;
+  return std::clamp<uint32_t>(kShareSmemBudget / staged_row_bytes(p.k), 1, kMaxShareRows);
+}
 
-// The rows a direct block computes (16-byte path): returns false when the block has nothing to
-// do -- its row's id is invalid (the block then writes the zero row itself) or an earlier row of
-// the same kShareWindow-row window holds the same expert (that row's block computes this one).
-// Otherwise `shared_rows[0..shared_count)` lists, in row order, flat row `flat64` and the later rows
-// of its window with the same expert, and `id` is that expert. Called by the whole block.
-__device__ __forceinline__ bool claim_shared_rows(const DenseMatmulIdKernelParams& p,
-                                                  const uint32_t* __restrict__ ids,
-                                                  float* __restrict__ out, uint64_t flat64,
-                                                  uint64_t rows, uint32_t tile,
-                                                  uint32_t* shared_rows, uint32_t& shared_count,
-                                                  uint32_t& id) {
+template <typename T, bool kPipe>
+__global__ void __launch_bounds__(kDirectThreads)
+    direct_staged_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
+                         const char* __restrict__ x, const uint32_t* __restrict__ ids,
+                         float* __restrict__ out, uint32_t tiles_x, uint64_t rows,
+                         uint32_t share_rows) {
+  constexpr uint32_t kUnroll = kStagedUnroll<T>;
+  using Elem = typename Chunk<T>::elem;
+  extern __shared__ __align__(16) float4 staged_x[];  // [share_rows][kp / 4]
+  __shared__ uint32_t shared_rows[kShareWindow];
+  __shared__ uint32_t shared_count;
+  const uint64_t block = blockIdx.x;
+  const uint64_t flat64 = block / tiles_x;
+  if (flat64 >= rows) return;
+  const uint32_t tile = static_cast<uint32_t>(block - flat64 * tiles_x);
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  id = __ldg(ids + flat64);
+  const uint32_t part = lane & 7;
+  const uint32_t col = tile * kDirectCols + warp * 4 + (lane >> 3);
+  const uint32_t id = __ldg(ids + flat64);
   if (id >= p.n_experts) {  // zero row, never shared
-    const uint32_t col = tile * kDirectCols + tid;
-    if (tid < kDirectCols && col < p.n) out[flat64 * p.n + col] = 0.f;
-    return false;
+    const uint32_t zcol = tile * kDirectCols + tid;
+    if (tid < kDirectCols && zcol < p.n) out[flat64 * p.n + zcol] = 0.f;
+    return;
   }
+  // Leader test: no earlier row of the window holds the same expert.
   const uint64_t w0 = flat64 / kShareWindow * kShareWindow;
   const uint64_t w1 = min(rows, w0 + kShareWindow);
   bool earlier = false;
-  for (uint64_t r = w0 + tid; r < flat64; r += blockDim.x) earlier |= __ldg(ids + r) == id;
-  if (__syncthreads_or(earlier)) return false;
-  if (warp == 0) {
+  for (uint64_t r = w0 + tid; r < flat64; r += kDirectThreads) earlier |= __ldg(ids + r) == id;
+  if (__syncthreads_or(earlier)) return;
+  if (warp == 0) {  // the rows this block computes, in row order
     uint32_t count = 0;
     for (uint64_t base = flat64; base < w1; base += 32) {
       const uint64_t r = base + lane;
@@ -324,186 +342,86 @@ __device__ __forceinline__ bool claim_shared_rows(const DenseMatmulIdKernelParam
     if (lane == 0) shared_count = count;
   }
   __syncthreads();
-  return true;
-}
 
-// Per-warp ring: weights [slot][half][lane][16 B], activations [slot][row][half][part][16 B].
-template <typename T>
-struct DirectRing {
-  static constexpr uint32_t kHalves = sizeof(typename Chunk<T>::elem) == 4 ? 2 : 1;
-  static constexpr uint32_t kWSlot = kHalves * 32 * 16;
-  static constexpr uint32_t kXSlot = kShareRows * 2 * 8 * 16;
-  static constexpr uint32_t kWarpBytes = kRingDepth * (kWSlot + kXSlot);
-  static constexpr uint32_t kBlockBytes = (kDirectThreads / 32) * kWarpBytes;
-};
-
-template <typename T>
-__global__ void __launch_bounds__(kDirectThreads)
-    direct_ring_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
-                       const char* __restrict__ x, const uint32_t* __restrict__ ids,
-                       float* __restrict__ out, uint32_t tiles_x, uint64_t rows) {
-  using Ring = DirectRing<T>;
-  using Elem = typename Chunk<T>::elem;
-  extern __shared__ __align__(16) unsigned char direct_ring_smem[];
-  __shared__ uint32_t shared_rows[kShareWindow];
-  __shared__ uint32_t shared_count;
-
-  const uint64_t block = blockIdx.x;
-  const uint64_t flat64 = block / tiles_x;
-  if (flat64 >= rows) return;
-  const uint32_t tile = static_cast<uint32_t>(block - flat64 * tiles_x);
-  const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const uint32_t part = lane & 7, group = lane >> 3;
-  uint32_t id = 0;
-  if (!claim_shared_rows(p, ids, out, flat64, rows, tile, shared_rows, shared_count, id)) return;
-
-  const uint32_t warp_col0 = tile * kDirectCols + warp * 4;
-  if (warp_col0 >= p.n) return;  // whole warp past n (no block-wide barrier follows)
-  const uint32_t col = warp_col0 + group;
   const bool col_live = col < p.n;
-  const char* wrow =
-      w + uint64_t{id} * p.expert_stride_bytes + uint64_t{col_live ? col : 0} * p.k * sizeof(Elem);
-  const uint32_t ring =
-      static_cast<uint32_t>(__cvta_generic_to_shared(direct_ring_smem)) + warp * Ring::kWarpBytes;
-  const uint32_t x_ring = ring + kRingDepth * Ring::kWSlot;
+  const bool warp_live = tile * kDirectCols + warp * 4 < p.n;  // else the whole warp is past n
   const uint32_t slices = (p.k + kSlice - 1) / kSlice;
+  const uint32_t row_quads = slices * kSlice / 4;
+  const void* wrow =
+      w + uint64_t{id} * p.expert_stride_bytes + uint64_t{col_live ? col : 0} * p.k * sizeof(Elem);
   const uint32_t count = shared_count;
 
-  for (uint32_t b = 0; b < count; b += kShareRows) {
-    const uint32_t nb = min(kShareRows, count - b);
-    const float* xrow = group < nb ? input_row(p, x, shared_rows[b + group]) : nullptr;
-    // Slice i into slot i % depth: this lane's weight chunk and, for group < nb, the activation
-    // chunk of row b + group at the same position. Chunks past k are zero-filled.
-    auto issue = [&](uint32_t i) {
-      const uint32_t slot = i % kRingDepth;
-      const uint32_t base = (i * 8 + part) * 8;  // first inner position of the chunk
-      const bool in_k = base < p.k;
+  Chunk<T> wa[kUnroll], wb[kPipe ? kUnroll : 1];
+  const auto load_round = [&](Chunk<T>* wc, uint32_t i) {
 #pragma unroll
-      for (uint32_t h = 0; h < Ring::kHalves; ++h) {
-        const char* src = wrow + (uint64_t{base} * sizeof(Elem) + h * 16);
-        cp_async_16(ring + slot * Ring::kWSlot + (h * 32 + lane) * 16, in_k && col_live ? src : w,
-                    in_k && col_live);
+    for (uint32_t u = 0; u < kUnroll; ++u) {
+      if (col_live && i + u < slices) {
+        wc[u] = load_w_chunk<T, true>(wrow, (i + u) * 8 + part, p.k);
+      } else {
+        wc[u].zero();
       }
-      if (xrow != nullptr) {
+    }
+  };
+  for (uint32_t b = 0; b < count; b += share_rows) {
+    const uint32_t nb = min(share_rows, count - b);
+    // The first round's weights are requested before the activations are staged, so the two
+    // latencies overlap.
+    if (warp_live) load_round(wa, 0);
+    if (b > 0) __syncthreads();  // the previous pass is done with the staged rows
+    for (uint32_t r = 0; r < nb; ++r) {
+      const float4* xrow = reinterpret_cast<const float4*>(input_row(p, x, shared_rows[b + r]));
+      const uint32_t k_quads = p.k / 4;
+      for (uint32_t q = tid; q < row_quads; q += kDirectThreads) {  // q: float4 index along k
+        const uint32_t c = q / 2, h = q % 2;
+        staged_x[r * row_quads + ((c / 8) * 2 + h) * 8 + c % 8] =
+            q < k_quads ? __ldg(xrow + q) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+    __syncthreads();
+    if (!warp_live) continue;  // no block barrier is skipped: later passes only sync above
+
+    float acc[kMaxShareRows];
 #pragma unroll
-        for (uint32_t h = 0; h < 2; ++h) {
-          cp_async_16(x_ring + slot * Ring::kXSlot + ((group * 2 + h) * 8 + part) * 16,
-                      in_k ? static_cast<const void*>(xrow + base + h * 4) : xrow, in_k);
+    for (uint32_t r = 0; r < kMaxShareRows; ++r) acc[r] = 0.f;
+    const auto sum_round = [&](const Chunk<T>* wc, uint32_t i) {
+#pragma unroll
+      for (uint32_t u = 0; u < kUnroll; ++u) {
+        if (i + u < slices) {
+#pragma unroll
+          for (uint32_t r = 0; r < kMaxShareRows; ++r) {
+            if (r < nb) {
+              Chunk<float> xc;
+              const float4* xs = staged_x + r * row_quads + (i + u) * 16 + part;
+              xc.a = xs[0];
+              xc.b = xs[8];
+#pragma unroll
+              for (int j = 0; j < 8; ++j) acc[r] = fmaf(wc[u].get(j), xc.get(j), acc[r]);
+            }
+          }
         }
       }
     };
-#pragma unroll
-    for (uint32_t i = 0; i + 1 < kRingDepth; ++i) {
-      if (i < slices) issue(i);
-      cp_async_commit();
-    }
-    float acc[kShareRows];
-#pragma unroll
-    for (uint32_t r = 0; r < kShareRows; ++r) acc[r] = 0.f;
-    for (uint32_t i = 0; i < slices; ++i) {
-      cp_async_wait<kRingDepth - 2>();
-      __syncwarp();  // slice i landed for every lane; slot (i - 1) % depth is free
-      if (i + kRingDepth - 1 < slices) issue(i + kRingDepth - 1);
-      cp_async_commit();
-      const uint32_t slot = i % kRingDepth;
-      Chunk<T> wc;
-      if constexpr (Ring::kHalves == 2) {
-        uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
-        lds128(ring + slot * Ring::kWSlot + lane * 16, a0, a1, a2, a3);
-        lds128(ring + slot * Ring::kWSlot + (32 + lane) * 16, b0, b1, b2, b3);
-        wc.a = make_float4(__uint_as_float(a0), __uint_as_float(a1), __uint_as_float(a2),
-                           __uint_as_float(a3));
-        wc.b = make_float4(__uint_as_float(b0), __uint_as_float(b1), __uint_as_float(b2),
-                           __uint_as_float(b3));
-      } else {
-        lds128(ring + slot * Ring::kWSlot + lane * 16, wc.q.x, wc.q.y, wc.q.z, wc.q.w);
+    if constexpr (kPipe) {
+      for (uint32_t i = 0; i < slices; i += 2 * kUnroll) {
+        if (i + kUnroll < slices) load_round(wb, i + kUnroll);
+        sum_round(wa, i);
+        if (i + kUnroll >= slices) break;
+        if (i + 2 * kUnroll < slices) load_round(wa, i + 2 * kUnroll);
+        sum_round(wb, i + kUnroll);
       }
-#pragma unroll
-      for (uint32_t r = 0; r < kShareRows; ++r) {
-        if (r < nb) {
-          Chunk<float> xc;
-          uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
-          lds128(x_ring + slot * Ring::kXSlot + ((r * 2) * 8 + part) * 16, a0, a1, a2, a3);
-          lds128(x_ring + slot * Ring::kXSlot + ((r * 2 + 1) * 8 + part) * 16, b0, b1, b2, b3);
-          xc.a = make_float4(__uint_as_float(a0), __uint_as_float(a1), __uint_as_float(a2),
-                             __uint_as_float(a3));
-          xc.b = make_float4(__uint_as_float(b0), __uint_as_float(b1), __uint_as_float(b2),
-                             __uint_as_float(b3));
-#pragma unroll
-          for (int j = 0; j < 8; ++j) acc[r] = fmaf(wc.get(j), xc.get(j), acc[r]);
-        }
+    } else {
+      for (uint32_t i = 0; i < slices; i += kUnroll) {
+        if (i > 0) load_round(wa, i);
+        sum_round(wa, i);
       }
     }
 #pragma unroll
-    for (uint32_t r = 0; r < kShareRows; ++r) {
+    for (uint32_t r = 0; r < kMaxShareRows; ++r) {
       if (r < nb) {
-        const float s = reduce8(acc[r]);
-        if (part == 0 && col_live) out[uint64_t{shared_rows[b + r]} * p.n + col] = s;
+        const float v = reduce8(acc[r]);
+        if (part == 0 && col_live) out[uint64_t{shared_rows[b + r]} * p.n + col] = v;
       }
     }
-    cp_async_wait<0>();
-    __syncwarp();  // the next pass refills every slot
-  }
-}
-
-// The 16-byte path with register loads: the same expert sharing as direct_ring_kernel, and
-// direct_kernel's loop for each of the block's rows in turn.
-template <typename T>
-__global__ void __launch_bounds__(kDirectThreads)
-    direct_shared_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
-                         const char* __restrict__ x, const uint32_t* __restrict__ ids,
-                         float* __restrict__ out, uint32_t tiles_x, uint64_t rows) {
-  using Elem = typename Chunk<T>::elem;
-  __shared__ uint32_t shared_rows[kShareWindow];
-  __shared__ uint32_t shared_count;
-  const uint64_t block = blockIdx.x;
-  const uint64_t flat64 = block / tiles_x;
-  if (flat64 >= rows) return;
-  const uint32_t tile = static_cast<uint32_t>(block - flat64 * tiles_x);
-  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint32_t part = lane & 7;
-  uint32_t id = 0;
-  if (!claim_shared_rows(p, ids, out, flat64, rows, tile, shared_rows, shared_count, id)) return;
-  const uint32_t warp_col0 = tile * kDirectCols + warp * 4;
-  if (warp_col0 >= p.n) return;  // whole warp past n (no block-wide barrier follows)
-  const uint32_t col = warp_col0 + (lane >> 3);
-  const bool col_live = col < p.n;
-  const void* wrow =
-      w + uint64_t{id} * p.expert_stride_bytes + uint64_t{col_live ? col : 0} * p.k * sizeof(Elem);
-  const uint32_t slices = (p.k + kSlice - 1) / kSlice;
-  const uint32_t count = shared_count;
-  for (uint32_t j = 0; j < count; ++j) {  // the weights of rows after the first come from L2
-    const float* xrow = input_row(p, x, shared_rows[j]);
-    float acc = 0.f;
-    for (uint32_t i = 0; i < slices; i += kDirectUnroll) {
-      Chunk<T> wc[kDirectUnroll];
-      Chunk<float> xc[kDirectUnroll];
-#pragma unroll
-      for (uint32_t u = 0; u < kDirectUnroll; ++u) {
-        if (i + u < slices && col_live) {
-          wc[u] = load_w_chunk<T, true>(wrow, (i + u) * 8 + part, p.k);
-        } else {
-          wc[u].zero();
-        }
-      }
-#pragma unroll
-      for (uint32_t u = 0; u < kDirectUnroll; ++u) {
-        if (i + u < slices) {
-          xc[u] = load_x_chunk<true>(xrow, (i + u) * 8 + part, p.k);
-        } else {
-          xc[u].zero();
-        }
-      }
-#pragma unroll
-      for (uint32_t u = 0; u < kDirectUnroll; ++u) {
-        if (i + u < slices) {
-#pragma unroll
-          for (int q = 0; q < 8; ++q) acc = fmaf(wc[u].get(q), xc[u].get(q), acc);
-        }
-      }
-    }
-    acc = reduce8(acc);
-    if (part == 0 && col_live) out[uint64_t{shared_rows[j]} * p.n + col] = acc;
   }
 }
 
@@ -787,26 +705,38 @@ void launch_direct(const KernelLaunch& launch, void* stream_ptr) {
   check_grid(launch, tiles_x * rows);
   const dim3 grid(static_cast<unsigned>(tiles_x * rows));
   const size_t elem = sizeof(typename Chunk<T>::elem);
+  // Activations up to kStagedMaxK values are staged in shared memory (over 48 KiB must be opted
+  // into, once per kernel); longer rows take direct_kernel's register loads.
   static const int variant = [] {
     const char* v = std::getenv("ROUTEMM_CUDA_DIRECT_VARIANT");
     return v == nullptr ? 0 : std::atoi(v);
   }();
-  static const cudaError_t carveout =
-      cudaFuncSetAttribute(direct_ring_kernel<T>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                           variant == 2 ? -1 : static_cast<int>(cudaSharedmemCarveoutMaxShared));
-  if (carveout != cudaSuccess) {
-    throw Error(launch.label +
-                ": cudaFuncSetAttribute(carveout) failed: " + cudaGetErrorString(carveout));
+  static const cudaError_t opt_in = [] {
+    cudaError_t e = cudaFuncSetAttribute(direct_staged_kernel<T, true>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(staged_row_bytes(kStagedMaxK)));
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(direct_staged_kernel<T, false>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(staged_row_bytes(kStagedMaxK)));
+    return e;
+  }();
+  if (opt_in != cudaSuccess) {
+    throw Error(launch.label + ": cudaFuncSetAttribute(MaxDynamicSharedMemorySize) failed: " +
+                cudaGetErrorString(opt_in));
   }
-  if (vector_ok(p, w, x, elem) && variant == 3) {
+  const bool vec = vector_ok(p, w, x, elem);
+  const uint32_t share_rows = share_rows_for(p);
+  const size_t staged = size_t{share_rows} * staged_row_bytes(p.k);
+  if (vec && p.k <= kStagedMaxK && variant == 0) {
+    direct_staged_kernel<T, true><<<grid, kDirectThreads, staged, stream>>>(
+        p, w, x, ids, out, uint32_t(tiles_x), rows, share_rows);
+  } else if (vec && p.k <= kStagedMaxK && variant == 1) {
+    direct_staged_kernel<T, false><<<grid, kDirectThreads, staged, stream>>>(
+        p, w, x, ids, out, uint32_t(tiles_x), rows, share_rows);
+  } else if (vec) {
     direct_kernel<T, true>
         <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
-  } else if (vector_ok(p, w, x, elem) && variant == 1) {
-    direct_shared_kernel<T>
-        <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
-  } else if (vector_ok(p, w, x, elem)) {
-    direct_ring_kernel<T><<<grid, kDirectThreads, DirectRing<T>::kBlockBytes, stream>>>(
-        p, w, x, ids, out, uint32_t(tiles_x), rows);
   } else {
     direct_kernel<T, false>
         <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
@@ -899,14 +829,11 @@ void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
   const auto& names = kDenseMatmulIdPipelineNames;
   // Static shared memory of the grouped kernel, reported so receipts show what a block uses.
   constexpr uint64_t kGroupShmem = kGroupDynamicShmem + kGroupRows * 4;
-  // The direct kernels' dynamic ring (16-byte path), reported for the record; the direct
-  // dispatch itself declares no threadgroup memory.
-  out.push_back(def(names[0], launch_direct<float>, kDirectThreads, kDirectCols, 1,
-                    DirectRing<float>::kBlockBytes, 1024));
-  out.push_back(def(names[1], launch_direct<F16Tag>, kDirectThreads, kDirectCols, 1,
-                    DirectRing<F16Tag>::kBlockBytes, 1024));
-  out.push_back(def(names[2], launch_direct<BF16Tag>, kDirectThreads, kDirectCols, 1,
-                    DirectRing<BF16Tag>::kBlockBytes, 1024));
+  // The direct dispatch declares no threadgroup memory; the 16-byte path sizes its staged
+  // activations per launch (share_rows_for(p) * staged_row_bytes(k)).
+  out.push_back(def(names[0], launch_direct<float>, kDirectThreads, kDirectCols, 1, 0, 1024));
+  out.push_back(def(names[1], launch_direct<F16Tag>, kDirectThreads, kDirectCols, 1, 0, 1024));
+  out.push_back(def(names[2], launch_direct<BF16Tag>, kDirectThreads, kDirectCols, 1, 0, 1024));
   out.push_back(def(names[3], launch_map, kMapMaxThreads, 1, 1, 0, kMapMaxThreads));
   out.push_back(def(names[4], launch_grouped<float>, kGroupThreads, kGroupRows, kGroupCols,
                     kGroupShmem, 1024));
