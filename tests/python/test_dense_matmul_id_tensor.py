@@ -56,7 +56,9 @@ def _run(device, registry, w, x, ids, params):
 @pytest.mark.parametrize("route", TENSOR_ROUTES, ids=lambda r: r.value)
 @pytest.mark.parametrize("dtype", [DType.F32, DType.F16, DType.BF16], ids=str)
 @pytest.mark.parametrize("layout", list(Layout), ids=lambda v: v.value)
-@pytest.mark.parametrize("m,n,k,top_k,experts", [(9, 7, 35, 6, 8), (33, 130, 300, 2, 4), (200, 64, 128, 8, 16)])
+@pytest.mark.parametrize(
+    "m,n,k,top_k,experts", [(9, 7, 35, 6, 8), (33, 130, 300, 2, 4), (200, 64, 128, 8, 16), (300, 300, 96, 4, 8)]
+)
 def test_tensor_routes_within_tolerance(backend, device, registry, rng, route, dtype, layout, m, n, k, top_k, experts):
     params = routemm.DenseMatmulIdParams(m, n, k, top_k, experts, n * k * dtype.size, layout, route=route)
     if route is Route.GROUPED_TENSOR_LOWP and dtype is DType.F32:

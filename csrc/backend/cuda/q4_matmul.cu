@@ -506,30 +506,23 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
     __syncwarp();
   }
   const uint8_t* const w_rows = a.weight + uint64_t(warp_row0) * a.row_bytes;
-  // Full-stage copies of the vector path: lane L copies row L % 16, 16-byte units L / 16 + 2j
-  // (j = 0..4, unit < 9), so lanes L and L + 16 fetch 32 contiguous bytes and a lane's five copies
-  // sit at fixed offsets from one source and one destination address per stage.
-  constexpr int kUnits = T::kRowBytes / 16;  // 9 copies per row
-  static_assert(kUnits == 9 && T::kWarpRows == 16, "the copy map below covers 16 rows x 9 units");
-  const int copy_row = lane & 15, copy_unit = lane >> 4;
-  const bool copy_live = copy_row < warp_rows;
-  const uint8_t* const copy_src = w_rows + uint64_t(copy_row) * a.row_bytes + copy_unit * 16;
-  const uint32_t copy_dst = smem_addr(ring) + copy_row * T::kRowBytes + copy_unit * 16;
-  const auto load_stage = [&](int stage, int slot) {
+  const auto load_stage = [&](int stage) {
     const int kb0 = kb_begin + stage * T::kSB;
     const int nblk = min(T::kSB, kb_end - kb0);
+    uint8_t* const dst = ring + (stage % T::kStages) * T::kWarpStage;
+    const uint8_t* const src = w_rows + uint64_t(kb0) * 18;
     if (kVec && nblk == T::kSB) {
-      if (copy_live) {
-        const uint8_t* const src = copy_src + uint64_t(kb0) * 18;
-        const uint32_t dst = copy_dst + slot * T::kWarpStage;
+      constexpr int kUnits = T::kRowBytes / 16;  // 9 copies per row
 #pragma unroll
-        for (int j = 0; j < (kUnits + 1) / 2; ++j) {
-          if (2 * j + 1 < kUnits || copy_unit == 0) cp_async_16(dst + 32 * j, src + 32 * j, true);
+      for (int j = 0; j < (T::kWarpRows * kUnits + 31) / 32; ++j) {
+        const int u = lane + 32 * j;
+        const int r = u / kUnits, c = u % kUnits;
+        if (u < T::kWarpRows * kUnits && r < warp_rows) {
+          cp_async_16(smem_addr(dst + r * T::kRowBytes + c * 16),
+                      src + uint64_t(r) * a.row_bytes + c * 16, true);
         }
       }
     } else {
-      uint8_t* const dst = ring + slot * T::kWarpStage;
-      const uint8_t* const src = w_rows + uint64_t(kb0) * 18;
       const int units = nblk * 18 / a.w_grain;
       for (int u = lane; u < warp_rows * units; u += 32) {
         const int r = u / units, c = (u - r * units) * a.w_grain;
@@ -577,13 +570,10 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
 
 #pragma unroll
   for (int s = 0; s < T::kStages - 1; ++s) {
-    if (s < stages) load_stage(s, s);
+    if (s < stages) load_stage(s);
     cp_async_commit();
   }
   int chunk0 = kb_begin, next_chunk = kb_begin;
-  // Ring slots of the stage read (s % kStages) and of the stage loaded (s - 1 % kStages), kept
-  // as running counters rather than divisions.
-  int read_slot = 0, load_slot = T::kStages - 1;
   for (int s = 0; s < stages; ++s) {
     const int kb0 = kb_begin + s * T::kSB;
     if (kb0 == next_chunk) {  // the same stages in every warp
@@ -595,13 +585,11 @@ __global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBloc
     }
     cp_async_wait<T::kStages - 2>();
     __syncwarp();
-    if (s + T::kStages - 1 < stages) load_stage(s + T::kStages - 1, load_slot);
+    if (s + T::kStages - 1 < stages) load_stage(s + T::kStages - 1);
     cp_async_commit();
     const int nblk = min(T::kSB, kb_end - kb0);
     // This lane's rows g and g + 8, at the nibble bytes 4t..4t+3 of block 0 of the stage.
-    const uint8_t* const top = ring + read_slot * T::kWarpStage + g * T::kRowBytes;
-    load_slot = read_slot;
-    read_slot = read_slot == T::kStages - 1 ? 0 : read_slot + 1;
+    const uint8_t* const top = ring + (s % T::kStages) * T::kWarpStage + g * T::kRowBytes;
     const uint8_t* const bottom = top + 8 * T::kRowBytes;
     const uint8_t* const x_stage = x_lane + (kb0 - chunk0) * x_block_bytes;
     const auto block = [&](int b) {
