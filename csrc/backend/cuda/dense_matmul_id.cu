@@ -42,6 +42,7 @@
 #include "kernels.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
+#include "warp_mma.cuh"
 
 #ifndef ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256
 #define ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256 "unknown"
@@ -368,15 +369,20 @@ __global__ void __launch_bounds__(kDirectThreads)
     // latencies overlap.
     if (warp_live) load_round(wa, 0);
     if (b > 0) __syncthreads();  // the previous pass is done with the staged rows
+    // Staged by cp.async, so every 16-byte piece is in flight at once (a load-then-store loop
+    // would wait for each piece in turn); pieces past k are zero-filled.
+    const uint32_t staged_base = static_cast<uint32_t>(__cvta_generic_to_shared(staged_x));
     for (uint32_t r = 0; r < nb; ++r) {
       const float4* xrow = reinterpret_cast<const float4*>(input_row(p, x, shared_rows[b + r]));
       const uint32_t k_quads = p.k / 4;
       for (uint32_t q = tid; q < row_quads; q += kDirectThreads) {  // q: float4 index along k
         const uint32_t c = q / 2, h = q % 2;
-        staged_x[r * row_quads + ((c / 8) * 2 + h) * 8 + c % 8] =
-            q < k_quads ? __ldg(xrow + q) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const uint32_t slot = r * row_quads + ((c / 8) * 2 + h) * 8 + c % 8;
+        cp_async_16(staged_base + slot * 16, q < k_quads ? xrow + q : xrow, q < k_quads);
       }
     }
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();
     if (!warp_live) continue;  // no block barrier is skipped: later passes only sync above
 
