@@ -125,9 +125,9 @@ def test_repeated_ids_may_repeat_direct(device, registry, rng, dtype):
 @pytest.mark.parametrize("m,top_k", [(1, 8), (8, 8), (47, 6), (64, 8)])
 def test_aligned_rows_shared_experts(device, registry, rng, dtype, slotted, m, top_k):
     """The vectorised path (16-byte aligned rows, k % 8 == 0) with k = 200 (not a multiple of 64),
-    n = 13 (a partial column tile) and 8 experts, so many rows share an expert inside and across the
-    direct route's 256-row windows (up to 512 flat rows here); some ids invalid. Both routes match
-    the reference and each other bit for bit."""
+    n = 13 (a partial column tile) and 8 experts, so many of up to 512 flat rows share an expert;
+    some ids invalid. Both routes match the reference and each other bit for bit, and every valid
+    row is written."""
     n, k = 13, 200
     w = random_weights(rng, dtype, (E, n, k))
     ids = sprinkle_invalid(rng, distinct_ids(rng, m, top_k, E), E)
@@ -141,9 +141,9 @@ def test_aligned_rows_shared_experts(device, registry, rng, dtype, slotted, m, t
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
 def test_aligned_rows_one_expert_dominates(device, registry, rng, dtype):
-    """MAY_REPEAT on the vectorised direct path with two experts over 320 flat rows: each window's
-    leader computes ~128 rows of one expert in passes of a few rows; duplicates within a token are
-    computed from their own input rows."""
+    """MAY_REPEAT on the vectorised direct path with two experts over 320 flat rows: duplicates
+    within a token are computed from their own input rows, and a token with no valid slot gives
+    zero rows."""
     m, top_k, n, k = 40, 8, 9, 64
     ids = rng.integers(0, 2, size=(m, top_k)).astype(np.uint32)
     ids[7] = E + 1  # one token with no valid slot
@@ -159,8 +159,9 @@ def test_aligned_rows_one_expert_dominates(device, registry, rng, dtype):
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
 @pytest.mark.parametrize("k", [24576, 24584])
 def test_aligned_rows_long_k(device, registry, rng, dtype, k):
-    """The vectorised direct path at the longest row it stages in shared memory (24576 values) and
-    just past it (register loads instead): both match the reference and grouped_prefill bit for bit."""
+    """Long rows on the vectorised path (k = 24576 and 24584, 384 chunk slices per lane group):
+    both routes match the reference and each other bit for bit, with shared experts and an
+    invalid id."""
     m, top_k, n = 3, 2, 5
     w = random_weights(rng, dtype, (2, n, k))
     ids = np.array([[0, 1], [1, 0], [0, 2]], np.uint32)  # shared experts and an invalid id

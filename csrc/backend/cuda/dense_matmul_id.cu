@@ -17,8 +17,6 @@
 // Geometry (what the KernelDefs below tell the front door, and how each kernel reads its grid):
 //   direct : grid [ceil(n / 8), m * top_k, 1], 64 threads. Block (x, y) computes columns
 //            [8x, 8x + 8) of flat row y: 2 warps x 4 columns, 8 lanes (one per s_p) per column.
-//            On the 16-byte path with k <= 24576 (direct_staged_kernel) block (x, y) also computes
-//            the later rows of y's 256-row window that share its expert (their blocks exit).
 //   map    : grid [1, 1, 1], threads [1024]: one block that builds per-expert token bitmaps tile by
 //            tile (see map_kernel).
 //   grouped: grid [ceil(m / 32), ceil(n / 64), n_experts], 256 threads. Block (x, y, e) computes
@@ -33,7 +31,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -42,7 +39,6 @@
 #include "kernels.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
-#include "warp_mma.cuh"
 
 #ifndef ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256
 #define ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256 "unknown"
@@ -270,165 +266,6 @@ __global__ void __launch_bounds__(kDirectThreads)
   }
   s = reduce8(s);
   if (part == 0 && col < p.n) out[uint64_t{flat} * p.n + col] = s;
-}
-
-// ---- direct, 16-byte path: staged activations, shared experts -----------------------------------
-//
-// Same grid, lane roles and per-element FMA chain as direct_kernel (so the result is bit-identical),
-// for rows that allow 16-byte loads and k <= kStagedMaxK. Two changes for decode:
-//   * Activations are staged in shared memory, zero-padded to kp = round_up(k, 64), and a lane
-//     keeps only weight chunks in registers: kStagedUnroll per round (64 registers for any weight
-//     type), two rounds in flight (kPipe), so a row needs a quarter of direct_kernel's round trips.
-//   * Flat rows that share an expert inside an aligned window of kShareWindow rows are computed by
-//     one block per column tile, up to `share_rows` of them from each weight chunk loaded (more
-//     take further passes): the block of the window's first such row (the leader) does it, the
-//     blocks of the others exit at once. Decode batches route many tokens to the same experts, and
-//     their weights are then read once. An invalid id is never shared: its block writes its zero
-//     row itself.
-// Staged layout per row: chunk c = 8 * slice + part, half h at ((slice * 2 + h) * 8 + part) * 16
-// bytes, so the 8 parts of a half are 128 contiguous bytes (no bank conflicts).
-template <typename T>
-inline constexpr uint32_t kStagedUnroll = sizeof(typename Chunk<T>::elem) == 4 ? 8 : 16;
-constexpr uint32_t kStagedMaxK = 24576;  // one staged row of at most 96 KiB
-constexpr uint32_t kShareWindow = 256;   // flat rows searched for a shared expert
-constexpr uint32_t kMaxShareRows = 4;    // rows summed from one weight chunk
-// Staged rows of a sharing block stay within 32 KiB, so six blocks fit a multiprocessor.
-constexpr uint32_t kShareSmemBudget = 32768;
-constexpr uint32_t staged_row_bytes(uint32_t k) { return (k + kSlice - 1) / kSlice * kSlice * 4; }
-// Rows per pass: 1 for a single token (its ids are distinct per token), else as many as fit.
-uint32_t share_rows_for(const DenseMatmulIdKernelParams& p) {
-  if (p.m == 1) return 1;
-  return std::clamp<uint32_t>(kShareSmemBudget / staged_row_bytes(p.k), 1, kMaxShareRows);
-}
-
-template <typename T, bool kPipe>
-__global__ void __launch_bounds__(kDirectThreads)
-    direct_staged_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
-                         const char* __restrict__ x, const uint32_t* __restrict__ ids,
-                         float* __restrict__ out, uint32_t tiles_x, uint64_t rows,
-                         uint32_t share_rows) {
-  constexpr uint32_t kUnroll = kStagedUnroll<T>;
-  using Elem = typename Chunk<T>::elem;
-  extern __shared__ __align__(16) float4 staged_x[];  // [share_rows][kp / 4]
-  __shared__ uint32_t shared_rows[kShareWindow];
-  __shared__ uint32_t shared_count;
-  const uint64_t block = blockIdx.x;
-  const uint64_t flat64 = block / tiles_x;
-  if (flat64 >= rows) return;
-  const uint32_t tile = static_cast<uint32_t>(block - flat64 * tiles_x);
-  const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const uint32_t part = lane & 7;
-  const uint32_t col = tile * kDirectCols + warp * 4 + (lane >> 3);
-  const uint32_t id = __ldg(ids + flat64);
-  if (id >= p.n_experts) {  // zero row, never shared
-    const uint32_t zcol = tile * kDirectCols + tid;
-    if (tid < kDirectCols && zcol < p.n) out[flat64 * p.n + zcol] = 0.f;
-    return;
-  }
-  // Leader test: no earlier row of the window holds the same expert.
-  const uint64_t w0 = flat64 / kShareWindow * kShareWindow;
-  const uint64_t w1 = min(rows, w0 + kShareWindow);
-  bool earlier = false;
-  for (uint64_t r = w0 + tid; r < flat64; r += kDirectThreads) earlier |= __ldg(ids + r) == id;
-  if (__syncthreads_or(earlier)) return;
-  if (warp == 0) {  // the rows this block computes, in row order
-    uint32_t count = 0;
-    for (uint64_t base = flat64; base < w1; base += 32) {
-      const uint64_t r = base + lane;
-      const bool same = r < w1 && __ldg(ids + r) == id;
-      const uint32_t mask = __ballot_sync(0xFFFFFFFFu, same);
-      if (same) shared_rows[count + __popc(mask & ((1u << lane) - 1u))] = static_cast<uint32_t>(r);
-      count += __popc(mask);
-    }
-    if (lane == 0) shared_count = count;
-  }
-  __syncthreads();
-
-  const bool col_live = col < p.n;
-  const bool warp_live = tile * kDirectCols + warp * 4 < p.n;  // else the whole warp is past n
-  const uint32_t slices = (p.k + kSlice - 1) / kSlice;
-  const uint32_t row_quads = slices * kSlice / 4;
-  const void* wrow =
-      w + uint64_t{id} * p.expert_stride_bytes + uint64_t{col_live ? col : 0} * p.k * sizeof(Elem);
-  const uint32_t count = shared_count;
-
-  Chunk<T> wa[kUnroll], wb[kPipe ? kUnroll : 1];
-  const auto load_round = [&](Chunk<T>* wc, uint32_t i) {
-#pragma unroll
-    for (uint32_t u = 0; u < kUnroll; ++u) {
-      if (col_live && i + u < slices) {
-        wc[u] = load_w_chunk<T, true>(wrow, (i + u) * 8 + part, p.k);
-      } else {
-        wc[u].zero();
-      }
-    }
-  };
-  for (uint32_t b = 0; b < count; b += share_rows) {
-    const uint32_t nb = min(share_rows, count - b);
-    // The first round's weights are requested before the activations are staged, so the two
-    // latencies overlap.
-    if (warp_live) load_round(wa, 0);
-    if (b > 0) __syncthreads();  // the previous pass is done with the staged rows
-    // Staged by cp.async, so every 16-byte piece is in flight at once (a load-then-store loop
-    // would wait for each piece in turn); pieces past k are zero-filled.
-    const uint32_t staged_base = static_cast<uint32_t>(__cvta_generic_to_shared(staged_x));
-    for (uint32_t r = 0; r < nb; ++r) {
-      const float4* xrow = reinterpret_cast<const float4*>(input_row(p, x, shared_rows[b + r]));
-      const uint32_t k_quads = p.k / 4;
-      for (uint32_t q = tid; q < row_quads; q += kDirectThreads) {  // q: float4 index along k
-        const uint32_t c = q / 2, h = q % 2;
-        const uint32_t slot = r * row_quads + ((c / 8) * 2 + h) * 8 + c % 8;
-        cp_async_16(staged_base + slot * 16, q < k_quads ? xrow + q : xrow, q < k_quads);
-      }
-    }
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    if (!warp_live) continue;  // no block barrier is skipped: later passes only sync above
-
-    float acc[kMaxShareRows];
-#pragma unroll
-    for (uint32_t r = 0; r < kMaxShareRows; ++r) acc[r] = 0.f;
-    const auto sum_round = [&](const Chunk<T>* wc, uint32_t i) {
-#pragma unroll
-      for (uint32_t u = 0; u < kUnroll; ++u) {
-        if (i + u < slices) {
-#pragma unroll
-          for (uint32_t r = 0; r < kMaxShareRows; ++r) {
-            if (r < nb) {
-              Chunk<float> xc;
-              const float4* xs = staged_x + r * row_quads + (i + u) * 16 + part;
-              xc.a = xs[0];
-              xc.b = xs[8];
-#pragma unroll
-              for (int j = 0; j < 8; ++j) acc[r] = fmaf(wc[u].get(j), xc.get(j), acc[r]);
-            }
-          }
-        }
-      }
-    };
-    if constexpr (kPipe) {
-      for (uint32_t i = 0; i < slices; i += 2 * kUnroll) {
-        if (i + kUnroll < slices) load_round(wb, i + kUnroll);
-        sum_round(wa, i);
-        if (i + kUnroll >= slices) break;
-        if (i + 2 * kUnroll < slices) load_round(wa, i + 2 * kUnroll);
-        sum_round(wb, i + kUnroll);
-      }
-    } else {
-      for (uint32_t i = 0; i < slices; i += kUnroll) {
-        if (i > 0) load_round(wa, i);
-        sum_round(wa, i);
-      }
-    }
-#pragma unroll
-    for (uint32_t r = 0; r < kMaxShareRows; ++r) {
-      if (r < nb) {
-        const float v = reduce8(acc[r]);
-        if (part == 0 && col_live) out[uint64_t{shared_rows[b + r]} * p.n + col] = v;
-      }
-    }
-  }
 }
 
 // ---- map_distinct --------------------------------------------------------------------------------
@@ -711,36 +548,7 @@ void launch_direct(const KernelLaunch& launch, void* stream_ptr) {
   check_grid(launch, tiles_x * rows);
   const dim3 grid(static_cast<unsigned>(tiles_x * rows));
   const size_t elem = sizeof(typename Chunk<T>::elem);
-  // Activations up to kStagedMaxK values are staged in shared memory (over 48 KiB must be opted
-  // into, once per kernel); longer rows take direct_kernel's register loads.
-  static const int variant = [] {
-    const char* v = std::getenv("ROUTEMM_CUDA_DIRECT_VARIANT");
-    return v == nullptr ? 0 : std::atoi(v);
-  }();
-  static const cudaError_t opt_in = [] {
-    cudaError_t e = cudaFuncSetAttribute(direct_staged_kernel<T, true>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(staged_row_bytes(kStagedMaxK)));
-    if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(direct_staged_kernel<T, false>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(staged_row_bytes(kStagedMaxK)));
-    return e;
-  }();
-  if (opt_in != cudaSuccess) {
-    throw Error(launch.label + ": cudaFuncSetAttribute(MaxDynamicSharedMemorySize) failed: " +
-                cudaGetErrorString(opt_in));
-  }
-  const bool vec = vector_ok(p, w, x, elem);
-  const uint32_t share_rows = share_rows_for(p);
-  const size_t staged = size_t{share_rows} * staged_row_bytes(p.k);
-  if (vec && p.k <= kStagedMaxK && variant == 0) {
-    direct_staged_kernel<T, true><<<grid, kDirectThreads, staged, stream>>>(
-        p, w, x, ids, out, uint32_t(tiles_x), rows, share_rows);
-  } else if (vec && p.k <= kStagedMaxK && variant == 1) {
-    direct_staged_kernel<T, false><<<grid, kDirectThreads, staged, stream>>>(
-        p, w, x, ids, out, uint32_t(tiles_x), rows, share_rows);
-  } else if (vec) {
+  if (vector_ok(p, w, x, elem)) {
     direct_kernel<T, true>
         <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
   } else {
@@ -835,8 +643,6 @@ void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
   const auto& names = kDenseMatmulIdPipelineNames;
   // Static shared memory of the grouped kernel, reported so receipts show what a block uses.
   constexpr uint64_t kGroupShmem = kGroupDynamicShmem + kGroupRows * 4;
-  // The direct dispatch declares no threadgroup memory; the 16-byte path sizes its staged
-  // activations per launch (share_rows_for(p) * staged_row_bytes(k)).
   out.push_back(def(names[0], launch_direct<float>, kDirectThreads, kDirectCols, 1, 0, 1024));
   out.push_back(def(names[1], launch_direct<F16Tag>, kDirectThreads, kDirectCols, 1, 0, 1024));
   out.push_back(def(names[2], launch_direct<BF16Tag>, kDirectThreads, kDirectCols, 1, 0, 1024));

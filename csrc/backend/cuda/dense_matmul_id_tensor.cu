@@ -33,7 +33,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -53,17 +52,12 @@ namespace {
 
 using kernels::DenseMatmulIdKernelParams;
 
-constexpr uint32_t kThreads = 256;   // threads of the 128-column tiles (the KernelDef's)
+constexpr uint32_t kThreads = 256;
 constexpr uint32_t kTileCols = 128;  // smallest BN
 constexpr uint32_t kRowBytes = 64;   // bytes per operand row per stage: 4 chunks of 16
 constexpr uint32_t kMaxTileRows = 128;
 constexpr uint32_t kMaxExperts = 4096;
 
-// Threads per CTA: 64 per 32 columns of the tile, so every warp owns BM/2 x 32 (2 x BN/32 warps).
-template <uint32_t BN>
-constexpr uint32_t threads_of() {
-  return BN * 2;
-}
 // Stages of the shared-memory ring, and resident CTAs per multiprocessor, per tile shape.
 template <uint32_t BM, uint32_t BN>
 constexpr uint32_t stages() {
@@ -167,7 +161,7 @@ __device__ __forceinline__ uint16_t load_u16(const void* p) {
 // W: weight element type; M: route; BM: routed rows per tile; kVec: 16-byte loads allowed (every
 // row 16-byte aligned and k % 8 == 0), else element loads with the same staging.
 template <class W, Mode M, uint32_t BM, uint32_t BN, bool kVec>
-__global__ void __launch_bounds__(threads_of<BN>(), min_blocks<BM, BN>())
+__global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>())
     grouped_tensor_kernel(DenseMatmulIdKernelParams p, const W* __restrict__ weights,
                           const char* __restrict__ input, const uint32_t* __restrict__ counts,
                           const uint32_t* __restrict__ routed, float* __restrict__ output,
@@ -176,18 +170,15 @@ __global__ void __launch_bounds__(threads_of<BN>(), min_blocks<BM, BN>())
   constexpr bool kWFloat = sizeof(W) == 4;
   constexpr uint32_t kBK = kTf32 ? 16 : 32;    // K values per stage
   constexpr uint32_t kPiecesPerRow = kBK / 4;  // float4 activation pieces per row
-  constexpr uint32_t kT = threads_of<BN>();
-  constexpr uint32_t kWarpsN = kT / 64;  // warps across the columns (2 across the rows)
-  constexpr uint32_t kAPieces = BM * kPiecesPerRow / kT;
-  constexpr uint32_t kARowStep = kT / kPiecesPerRow;
+  constexpr uint32_t kAPieces = BM * kPiecesPerRow / kThreads;
+  constexpr uint32_t kARowStep = kThreads / kPiecesPerRow;
   // Weights stored in the operand type go straight to shared memory by cp.async.
   constexpr bool kBAsync = kVec && (!kTf32 || kWFloat);
-  constexpr uint32_t kMI = BM / 32;           // 16-row MMA tiles per warp (warp tile BM/2 x 32)
-  constexpr uint32_t kNI = BN / kWarpsN / 8;  // 8-column MMA tiles per warp
-  static_assert(kNI == 4, "warp tiles are 32 columns wide");
+  constexpr uint32_t kMI = BM / 32;  // 16-row MMA tiles per warp (warp tile BM/2 x BN/4)
+  constexpr uint32_t kNI = BN / 32;  // 8-column MMA tiles per warp
   constexpr uint32_t kStages = stages<BM, BN>();
   constexpr uint32_t kTileABytes = BM * kRowBytes;
-  static_assert(kAPieces >= 1 && kAPieces * kT == BM * kPiecesPerRow, "activation split");
+  static_assert(kAPieces >= 1 && kAPieces * kThreads == BM * kPiecesPerRow, "activation split");
 
   extern __shared__ __align__(128) unsigned char smem[];
   uint32_t* row_flat = reinterpret_cast<uint32_t*>(smem + pipe_bytes<BM, BN>());
@@ -200,7 +191,7 @@ __global__ void __launch_bounds__(threads_of<BN>(), min_blocks<BM, BN>())
 
   // ---- work list: exclusive prefix over experts of their item counts ----
   {
-    const uint32_t per = (n_experts + kT - 1) / kT;
+    const uint32_t per = (n_experts + kThreads - 1) / kThreads;
     const uint32_t e0 = min(tid * per, n_experts), e1 = min(e0 + per, n_experts);
     uint32_t local = 0;
     for (uint32_t e = e0; e < e1; ++e) local += (min(counts[e], m) + BM - 1) / BM * col_tiles;
@@ -209,7 +200,7 @@ __global__ void __launch_bounds__(threads_of<BN>(), min_blocks<BM, BN>())
       const uint32_t v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
       if (lane >= d) incl += v;
     }
-    __shared__ uint32_t warp_sums[kT / 32];
+    __shared__ uint32_t warp_sums[kThreads / 32];
     if (lane == 31) warp_sums[warp] = incl;
     __syncthreads();
     uint32_t base = 0;
@@ -219,12 +210,12 @@ __global__ void __launch_bounds__(threads_of<BN>(), min_blocks<BM, BN>())
       prefix[e] = run;
       run += (min(counts[e], m) + BM - 1) / BM * col_tiles;
     }
-    if (tid == kT - 1) prefix[n_experts] = base + incl;
+    if (tid == kThreads - 1) prefix[n_experts] = base + incl;
     __syncthreads();
   }
   const uint32_t total = prefix[n_experts];
 
-  const uint32_t warp_row = (warp / kWarpsN) * (BM / 2), warp_col = (warp % kWarpsN) * 32;
+  const uint32_t warp_row = (warp >> 2) * (BM / 2), warp_col = (warp & 3) * (BN / 4);
   const uint32_t group = lane >> 2, quad = lane & 3;
   // ldmatrix source rows/chunks of this lane (see the fragment layouts of m16n8k16 / m16n8k8).
   const uint32_t a_lrow = (lane & 7) + ((lane >> 3) & 1) * 8, a_lchunk = lane >> 4;
@@ -301,13 +292,13 @@ __global__ void __launch_bounds__(threads_of<BN>(), min_blocks<BM, BN>())
         }
       }
     };
-    // Weights by cp.async: 4 BN / kT chunks per thread, rows tid/4 + (kT/4) i, chunk tid % 4.
+    // Weights by cp.async: BN/64 chunks per thread, rows tid/4 + 64i, chunk tid % 4.
     auto issue_b = [&](uint32_t stage, uint32_t k0) {
       const uint32_t base = smem_base + stage * stage_bytes<BM, BN>() + kTileABytes;
       constexpr uint32_t kPerChunk = 16 / sizeof(W);
 #pragma unroll
-      for (uint32_t i = 0; i < BN / (kT / 4); ++i) {
-        const uint32_t r = tid / 4 + i * (kT / 4), ch = tid % 4;
+      for (uint32_t i = 0; i < BN / 64; ++i) {
+        const uint32_t r = tid / 4 + i * 64, ch = tid % 4;
         const uint32_t col = col0 + r, kk = k0 + ch * kPerChunk;
         const bool valid = col < n && kk < k;
         const char* src =
@@ -315,16 +306,16 @@ __global__ void __launch_bounds__(threads_of<BN>(), min_blocks<BM, BN>())
         cp_async_16(base + swz(r, ch), src, valid);
       }
     };
-    // Weights through registers: rows tid/2 + (kT/2) h, chunks 2*(tid&1) and +1 (8 tf32 words or 16
+    // Weights through registers: rows tid/2 + 128h, chunks 2*(tid&1) and +1 (8 tf32 words or 16
     // halves each).
-    constexpr uint32_t kBH = BN / (kT / 2);
+    constexpr uint32_t kBH = BN / 128;
     uint32_t bregs[kBAsync ? 1 : kBH][8];
     auto load_b = [&](uint32_t k0) {
       if constexpr (!kBAsync) {
 #pragma unroll
         for (uint32_t hh = 0; hh < kBH; ++hh) {
           uint32_t (&breg)[8] = bregs[hh];
-          const uint32_t r = (tid >> 1) + (kT / 2) * hh, col = col0 + r;
+          const uint32_t r = (tid >> 1) + 128 * hh, col = col0 + r;
           constexpr uint32_t kElems = kTf32 ? 8 : 16;
           const uint32_t kk = k0 + (tid & 1) * kElems;
           const char* src = w_expert + (static_cast<uint64_t>(col) * k + kk) * sizeof(W);
@@ -374,7 +365,7 @@ __global__ void __launch_bounds__(threads_of<BN>(), min_blocks<BM, BN>())
         const uint32_t base = smem_base + stage * stage_bytes<BM, BN>() + kTileABytes;
 #pragma unroll
         for (uint32_t hh = 0; hh < kBH; ++hh) {
-          const uint32_t r = (tid >> 1) + (kT / 2) * hh, ch = (tid & 1) * 2;
+          const uint32_t r = (tid >> 1) + 128 * hh, ch = (tid & 1) * 2;
           const uint32_t (&breg)[8] = bregs[hh];
           sts128(base + swz(r, ch), breg[0], breg[1], breg[2], breg[3]);
           sts128(base + swz(r, ch + 1), breg[4], breg[5], breg[6], breg[7]);
@@ -524,7 +515,7 @@ void launch_instance(const KernelLaunch& launch, const DenseMatmulIdKernelParams
     throw Error("'" + launch.label + "': expected a 1-D persistent grid");
   }
   const auto blocks = static_cast<unsigned>(launch.grid.x);
-  kernel<<<blocks, threads_of<BN>(), static_cast<size_t>(smem), stream>>>(
+  kernel<<<blocks, kThreads, static_cast<size_t>(smem), stream>>>(
       p, static_cast<const W*>(launch.args[1].data), static_cast<const char*>(launch.args[2].data),
       static_cast<const uint32_t*>(launch.args[3].data),
       static_cast<const uint32_t*>(launch.args[4].data), static_cast<float*>(launch.args[5].data),
@@ -551,16 +542,12 @@ void launch_grouped_tensor(const KernelLaunch& launch, void* queue_native) {
   const bool out_vec2 = p.n % 2 == 0 && addr(5) % 8 == 0;
   // Experts holding few rows on average take 64-row tiles (less padding), others 128.
   const bool small = uint64_t{p.m} * p.top_k < uint64_t{100} * p.n_experts;
-  static const int variant = [] {
-    const char* v = std::getenv("ROUTEMM_CUDA_TENSOR_VARIANT");
-    return v == nullptr ? 0 : std::atoi(v);
-  }();
+  // 128 x 256 tiles (1 CTA per multiprocessor) measured no faster than 128 x 128 on the H200 and
+  // slower for tf32, so every shape takes 128 columns.
   if (!vec) {
     launch_instance<W, M, 64, 128, false>(launch, p, stream, out_vec2);
   } else if (small) {
     launch_instance<W, M, 64, 128, true>(launch, p, stream, out_vec2);
-  } else if (variant == 1) {
-    launch_instance<W, M, 128, 256, true>(launch, p, stream, out_vec2);
   } else {
     launch_instance<W, M, 128, 128, true>(launch, p, stream, out_vec2);
   }
