@@ -556,11 +556,62 @@ def _ids(shape: DenseMatmulIdShape, profile: DenseMatmulIdRoutingProfile) -> np.
     return np.ascontiguousarray(ids, dtype=np.uint32)
 
 
+class _ProofPool:
+    """Device buffers one calibration reuses across its shapes and profiles, allocated on first use:
+    per K width the adversarial input of the most rows declared (an input of fewer rows is a prefix,
+    since the pattern depends on the flat index only), the control and candidate outputs at the
+    largest guarded size (poisoned before every proof, so reuse cannot leak a previous result), the
+    status words (zeroed per proof) and one grouped scratch of the largest expert and token counts."""
+
+    CANDIDATES = 3  # grouped_prefill and the two tensor routes
+    UPLOAD_CHUNK = len(_ADVERSARIAL) * 2**19  # 16 MB of F32 per copy, a whole number of periods
+
+    def __init__(self, device, shapes):
+        self._device = device
+        self._rows: dict[int, int] = {}
+        guarded = experts = tokens = 1
+        for shape in shapes:
+            rows = shape.m * (shape.top_k if shape.input_layout is DenseMatmulIdInputLayout.SLOTTED else 1)
+            self._rows[shape.k] = max(self._rows.get(shape.k, 0), rows)
+            guarded = max(guarded, shape.m * shape.top_k * shape.n + cal.GUARD_ELEMENTS)
+            experts, tokens = max(experts, shape.n_experts), max(tokens, shape.m)
+        self._outputs = cal.ProofScratch(device, {}, 1 + self.CANDIDATES, guarded)
+        self._capacity = (experts, tokens)
+        self._inputs: dict = {}
+        self._scratch = None
+
+    def input(self, rows: int, k: int):
+        if k not in self._inputs:
+            count = self._rows[k] * k
+            buffer = self._device.alloc(count * 4, DType.F32, [self._rows[k], k])
+            chunk = np.resize(_ADVERSARIAL, min(count, self.UPLOAD_CHUNK)).view(np.uint8)
+            for start in range(0, count, self.UPLOAD_CHUNK):
+                n = min(self.UPLOAD_CHUNK, count - start)
+                buffer.view(start * 4, n * 4, DType.F32, [n])._write_bytes(chunk[: n * 4])
+            self._inputs[k] = buffer
+        if rows > self._rows[k]:
+            raise ValueError(f"proof input of {rows} rows requested, {self._rows[k]} declared for k={k}")
+        return self._inputs[k].view(0, rows * k * 4, DType.F32, [rows, k])
+
+    def outputs(self, guarded: int, count: int) -> list:
+        """The control output and `count` candidate outputs, `guarded` F32 elements each."""
+        return self._outputs.outputs(guarded)[: 1 + count]
+
+    def statuses(self, count: int):
+        return self._outputs.statuses(max(1, count))
+
+    def scratch(self) -> DenseMatmulIdScratch:
+        if self._scratch is None:
+            self._scratch = DenseMatmulIdScratch(self._device, *self._capacity)
+        return self._scratch
+
+
 class _Calibrator:
-    def __init__(self, registry, device, limits, prep, deadline, timer, pinned):
+    def __init__(self, registry, device, limits, prep, deadline, timer, pinned, pool):
         self.registry, self.device, self.limits = registry, device, limits
         self.build_fp, self.pset, self.identities, self.proof, self.errors = prep
         self.deadline, self.timer, self.pinned = deadline, timer, pinned
+        self.pool = pool
         self.subs = cal.Submissions()
 
     def _encode(self, encoder, shape, route, weight, inp, ids, out, scratch):
@@ -569,23 +620,19 @@ class _Calibrator:
         )
 
     def _buffers(self, shape, profile):
-        dev = self.device
         rows = shape.m * (shape.top_k if shape.input_layout is DenseMatmulIdInputLayout.SLOTTED else 1)
-        x = np.resize(_ADVERSARIAL, rows * shape.k).reshape(rows, shape.k)
-        return dev.from_numpy(x), dev.from_numpy(_ids(shape, profile))
+        return self.pool.input(rows, shape.k), self.device.from_numpy(_ids(shape, profile))
 
     def _prove(self, shape, weight, candidates, profile):
         """One proof submission: every candidate against direct. Returns proofs, dispatch count."""
-        dev = self.device
         logical = shape.m * shape.top_k * shape.n
         guarded = logical + cal.GUARD_ELEMENTS
         inp, ids = self._buffers(shape, profile)
-        control = dev.alloc(guarded * 4, DType.F32, [guarded])
-        outs = [dev.alloc(guarded * 4, DType.F32, [guarded]) for _ in candidates]
-        statuses = dev.from_numpy(np.zeros(max(1, len(candidates)), dtype=np.uint32))
-        scratch = DenseMatmulIdScratch(dev, shape.n_experts, shape.m)
+        control, *outs = self.pool.outputs(guarded, len(candidates))
+        statuses = self.pool.statuses(len(candidates))
+        scratch = self.pool.scratch()
         view = lambda b: b.view(0, logical * 4, DType.F32, [shape.m * shape.top_k, shape.n])  # noqa: E731
-        encoder = dev.command_encoder()
+        encoder = self.device.command_encoder()
         dispatches = 0
         errors = {}
         for j, route in enumerate(candidates):
@@ -836,7 +883,9 @@ def _run(registry, device, epoch, limits, cases, *, progress, timer, clock, pinn
     deadline = cal.Deadline(limits.max_elapsed_ms, clock or cal.time.perf_counter)
     prep = _prepare(registry, {e["shape"].weight_dtype for e in entries})
     digest = _authority_digest(device, epoch, entries)
-    c = _Calibrator(registry, device, limits, prep, deadline, timer, pinned)
+    c = _Calibrator(
+        registry, device, limits, prep, deadline, timer, pinned, _ProofPool(device, [e["shape"] for e in entries])
+    )
     bar = cal.Progress(len(entries), "dense_matmul_id calibration", progress)
     decisions, fresh = [], 0
     try:

@@ -97,6 +97,52 @@ def test_winner_and_auto_dispatch(device, registry, rng):
         routemm.freeze_dense_matmul_id_plan(routemm.KernelRegistry(device), device, plan)
 
 
+def test_shapes_of_one_calibration_share_proof_buffers(device, registry, rng):
+    """One calibration over shapes of two K widths, different m, n and E, both input layouts: the
+    proofs reuse one pool of buffers (outputs at the largest size, inputs as prefixes, one scratch),
+    and every shape still proves coherent and picks the injected winner."""
+    k0, k1 = next(_K), next(_K)
+    specs = [(9, 7, k0, 2, 8, False), (33, 20, k0, 3, 6, True), (5, 13, k1, 4, 16, False), (40, 3, k1, 1, 4, True)]
+    cases = []
+    for m, n, k, top_k, E, slotted in specs:
+        w = device.from_numpy(rng.standard_normal((E, n, k)).astype(np.float32))
+        layout = (
+            routemm.DenseMatmulIdInputLayout.SLOTTED if slotted else routemm.DenseMatmulIdInputLayout.SHARED_PER_TOKEN
+        )
+        p = routemm.DenseMatmulIdParams(m, n, k, top_k, E, n * k * 4, layout)
+        cases.append(routemm.DenseMatmulIdCalibrationCase(w, p))
+    _, rec = routemm.calibrate_dense_matmul_id_routes(registry, device, 11, None, cases, _timer=grouped_wins)
+    assert len(rec.decisions) == len(specs)
+    for d in rec.decisions:
+        assert (d.selected_route, d.status) == (R.GROUPED_PREFILL, S.CALIBRATED_WINNER), d.diagnostic
+        assert d.proofs and all(pr.coherent for pr in d.proofs)
+
+
+def test_proof_pool_inputs_are_prefixes(device):
+    shape = dp.DenseMatmulIdShape(
+        routemm.DType.F32,
+        6,
+        5,
+        24,
+        3,
+        4,
+        5 * 24 * 4,
+        routemm.DenseMatmulIdInputLayout.SLOTTED,
+        routemm.DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN,
+    )
+    pool = dp._ProofPool(device, [shape])
+    full = pool.input(18, 24).numpy()
+    assert np.array_equal(full.reshape(-1), np.resize(dp._ADVERSARIAL, 18 * 24))
+    assert np.array_equal(pool.input(7, 24).numpy(), full[:7])
+    with pytest.raises(ValueError, match="19 rows requested"):
+        pool.input(19, 24)
+    control, *outs = pool.outputs(6 * 3 * 5 + cal.GUARD_ELEMENTS, 2)
+    assert len(outs) == 2 and control.shape[0] == 6 * 3 * 5 + cal.GUARD_ELEMENTS
+    assert pool.statuses(2).numpy().tolist() == [0, 0]
+    scratch = pool.scratch()
+    assert (scratch.max_experts, scratch.max_tokens) == (4, 6) and pool.scratch() is scratch
+
+
 def test_direct_only_and_cache_hit(device, rng):
     w, p = setup(device, rng, multiplicity=routemm.DenseMatmulIdMultiplicity.MAY_REPEAT)
     _, rec = routemm.calibrate_dense_matmul_id_routes(
