@@ -24,6 +24,15 @@ def _check(case: Case, result, *, use_table=True, scale=1.0, context=""):
     assert_close(result.out, ref, mag, dtype=case.dtype, k=case.k, use_table=use_table, scale=scale, context=context)
 
 
+def _check_routes(case: Case, context: str) -> dict:
+    """Runs both routes, checks each against the reference and checks they agree bit for bit."""
+    results = {route: case.run(route) for route in ROUTES}
+    for route, result in results.items():
+        _check(case, result, context=f"{context} {route.value}")
+    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32), results[Route.GROUPED_PREFILL].out.view(np.uint32))
+    return results
+
+
 def _inputs(rng, m, top_k, k, slotted):
     shape = (m * top_k, k) if slotted else (m, k)
     return rng.uniform(-1.0, 1.0, size=shape).astype(np.float32)
@@ -40,10 +49,7 @@ def test_route_matrix_small_tails(device, registry, rng, dtype, slotted, m, top_
     w = random_weights(rng, dtype, (E, n, k))
     ids = sprinkle_invalid(rng, distinct_ids(rng, m, top_k, E), E)
     case = Case(device, registry, dtype, w, _inputs(rng, m, top_k, k, slotted), ids, slotted=slotted, pad=12)
-    results = {route: case.run(route) for route in ROUTES}
-    for route, result in results.items():
-        _check(case, result, context=f"{dtype} {route.value}")
-    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32), results[Route.GROUPED_PREFILL].out.view(np.uint32))
+    _check_routes(case, f"{dtype}")
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
@@ -55,10 +61,7 @@ def test_route_matrix_larger_shape(device, registry, rng, dtype, slotted, m):
     w = random_weights(rng, dtype, (E, n, k))
     ids = distinct_ids(rng, m, top_k, E)
     case = Case(device, registry, dtype, w, _inputs(rng, m, top_k, k, slotted), ids, slotted=slotted, pad=pad)
-    results = {route: case.run(route) for route in ROUTES}
-    for route, result in results.items():
-        _check(case, result, context=f"{dtype} {route.value}")
-    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32), results[Route.GROUPED_PREFILL].out.view(np.uint32))
+    _check_routes(case, f"{dtype}")
 
 
 @pytest.mark.parametrize(
@@ -78,10 +81,7 @@ def test_padded_strides(device, registry, rng, dtype, pad):
         pad=pad,
     )
     assert case.stride == n * k * dtype.size + pad
-    results = {route: case.run(route) for route in ROUTES}
-    for route, result in results.items():
-        _check(case, result, context=f"{dtype} pad {pad} {route.value}")
-    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32), results[Route.GROUPED_PREFILL].out.view(np.uint32))
+    _check_routes(case, f"{dtype} pad {pad}")
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
@@ -132,11 +132,8 @@ def test_aligned_rows_shared_experts(device, registry, rng, dtype, slotted, m, t
     w = random_weights(rng, dtype, (E, n, k))
     ids = sprinkle_invalid(rng, distinct_ids(rng, m, top_k, E), E)
     case = Case(device, registry, dtype, w, _inputs(rng, m, top_k, k, slotted), ids, slotted=slotted, pad=0)
-    results = {route: case.run(route) for route in ROUTES}
-    for route, result in results.items():
-        _check(case, result, context=f"{dtype} {route.value}")
+    for result in _check_routes(case, f"{dtype}").values():
         assert np.all(result.out[~invalid_rows(ids, E)] != 0), "a valid row was left unwritten or zeroed"
-    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32), results[Route.GROUPED_PREFILL].out.view(np.uint32))
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
@@ -166,10 +163,7 @@ def test_aligned_rows_long_k(device, registry, rng, dtype, k):
     w = random_weights(rng, dtype, (2, n, k))
     ids = np.array([[0, 1], [1, 0], [0, 2]], np.uint32)  # shared experts and an invalid id
     case = Case(device, registry, dtype, w, _inputs(rng, m, top_k, k, False), ids, slotted=False, pad=0)
-    results = {route: case.run(route) for route in ROUTES}
-    for route, result in results.items():
-        _check(case, result, context=f"{dtype} k={k} {route.value}")
-    assert np.array_equal(results[Route.DIRECT].out.view(np.uint32), results[Route.GROUPED_PREFILL].out.view(np.uint32))
+    _check_routes(case, f"{dtype} k={k}")
 
 
 def _edge_values(dtype: DType) -> np.ndarray:
