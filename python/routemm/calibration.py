@@ -194,16 +194,30 @@ def proof_input(count: int) -> np.ndarray:
 
 class ProofScratch:
     """Device buffers one calibration reuses across its shapes, allocated on first use: per K width,
-    the proof input of the longest declared M (an (m, k) input is the first m * k values, since
-    proof_input depends on the flat index only), and `outputs` F32 buffers of the largest guarded
-    output, viewed per shape. Saves regenerating, copying and allocating per shape."""
+    the proof input of the longest declared M (an (m, k) input is the first m * k values, since the
+    input pattern depends on the flat index only), and `outputs` F32 buffers of the largest guarded
+    output, viewed per shape. Saves regenerating, copying and allocating per shape.
 
-    # Inputs are uploaded in copies of one host chunk (a whole number of periods, so every copy
-    # continues the sequence): hundreds of MB are never generated on the host.
-    UPLOAD_CHUNK = PROOF_INPUT_PERIOD * 128  # 4 MB of F32
+    `pattern(count)` gives the first `count` input values (default: proof_input) and `period` the
+    length after which they repeat."""
 
-    def __init__(self, device, rows_by_width: dict, outputs: int, max_elements: int):
+    # Inputs are uploaded in copies of one host chunk of about 4 MB (a whole number of periods, so
+    # every copy continues the sequence): hundreds of MB are never generated on the host.
+    UPLOAD_BYTES = 4 << 20
+
+    def __init__(
+        self,
+        device,
+        rows_by_width: dict,
+        outputs: int,
+        max_elements: int,
+        *,
+        pattern=None,
+        period: int = PROOF_INPUT_PERIOD,
+    ):
         self._device, self._rows, self._count, self._max = device, dict(rows_by_width), outputs, max_elements
+        self._pattern = pattern or proof_input
+        self.upload_chunk = max(1, self.UPLOAD_BYTES // 4 // period) * period
         self._inputs: dict = {}
         self._outputs: list = []
         self._statuses = None
@@ -212,9 +226,9 @@ class ProofScratch:
         if k not in self._inputs:
             count = self._rows[k] * k
             buffer = self._device.alloc(count * 4, _core.DType.F32, [self._rows[k], k])
-            chunk = proof_input(min(count, self.UPLOAD_CHUNK)).view(np.uint8)
-            for start in range(0, count, self.UPLOAD_CHUNK):
-                n = min(self.UPLOAD_CHUNK, count - start)
+            chunk = self._pattern(min(count, self.upload_chunk)).view(np.uint8)
+            for start in range(0, count, self.upload_chunk):
+                n = min(self.upload_chunk, count - start)
                 buffer.view(start * 4, n * 4, _core.DType.F32, [n])._write_bytes(chunk[: n * 4])
             self._inputs[k] = buffer
         if m > self._rows[k]:

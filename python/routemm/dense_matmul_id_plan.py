@@ -556,49 +556,46 @@ def _ids(shape: DenseMatmulIdShape, profile: DenseMatmulIdRoutingProfile) -> np.
     return np.ascontiguousarray(ids, dtype=np.uint32)
 
 
+def _input_rows(shape: DenseMatmulIdShape) -> int:
+    return shape.m * (shape.top_k if shape.input_layout is DenseMatmulIdInputLayout.SLOTTED else 1)
+
+
 class _ProofPool:
-    """Device buffers one calibration reuses across its shapes and profiles, allocated on first use:
-    per K width the adversarial input of the most rows declared (an input of fewer rows is a prefix,
-    since the pattern depends on the flat index only), the control and candidate outputs at the
-    largest guarded size (poisoned before every proof, so reuse cannot leak a previous result), the
-    status words (zeroed per proof) and one grouped scratch of the largest expert and token counts."""
+    """Device buffers one calibration reuses across its shapes and profiles (a cal.ProofScratch
+    holding the adversarial inputs, the control and candidate outputs, poisoned before every proof,
+    and the status words, zeroed per proof), plus one grouped scratch of the largest expert and token
+    counts."""
 
     CANDIDATES = 3  # grouped_prefill and the two tensor routes
-    UPLOAD_CHUNK = len(_ADVERSARIAL) * 2**19  # 16 MB of F32 per copy, a whole number of periods
 
     def __init__(self, device, shapes):
         self._device = device
-        self._rows: dict[int, int] = {}
+        rows: dict[int, int] = {}
         guarded = experts = tokens = 1
         for shape in shapes:
-            rows = shape.m * (shape.top_k if shape.input_layout is DenseMatmulIdInputLayout.SLOTTED else 1)
-            self._rows[shape.k] = max(self._rows.get(shape.k, 0), rows)
+            rows[shape.k] = max(rows.get(shape.k, 0), _input_rows(shape))
             guarded = max(guarded, shape.m * shape.top_k * shape.n + cal.GUARD_ELEMENTS)
             experts, tokens = max(experts, shape.n_experts), max(tokens, shape.m)
-        self._outputs = cal.ProofScratch(device, {}, 1 + self.CANDIDATES, guarded)
+        self._proof = cal.ProofScratch(
+            device,
+            rows,
+            1 + self.CANDIDATES,
+            guarded,
+            pattern=lambda count: np.resize(_ADVERSARIAL, count),
+            period=len(_ADVERSARIAL),
+        )
         self._capacity = (experts, tokens)
-        self._inputs: dict = {}
         self._scratch = None
 
     def input(self, rows: int, k: int):
-        if k not in self._inputs:
-            count = self._rows[k] * k
-            buffer = self._device.alloc(count * 4, DType.F32, [self._rows[k], k])
-            chunk = np.resize(_ADVERSARIAL, min(count, self.UPLOAD_CHUNK)).view(np.uint8)
-            for start in range(0, count, self.UPLOAD_CHUNK):
-                n = min(self.UPLOAD_CHUNK, count - start)
-                buffer.view(start * 4, n * 4, DType.F32, [n])._write_bytes(chunk[: n * 4])
-            self._inputs[k] = buffer
-        if rows > self._rows[k]:
-            raise ValueError(f"proof input of {rows} rows requested, {self._rows[k]} declared for k={k}")
-        return self._inputs[k].view(0, rows * k * 4, DType.F32, [rows, k])
+        return self._proof.input(rows, k)
 
     def outputs(self, guarded: int, count: int) -> list:
         """The control output and `count` candidate outputs, `guarded` F32 elements each."""
-        return self._outputs.outputs(guarded)[: 1 + count]
+        return self._proof.outputs(guarded)[: 1 + count]
 
     def statuses(self, count: int):
-        return self._outputs.statuses(max(1, count))
+        return self._proof.statuses(max(1, count))
 
     def scratch(self) -> DenseMatmulIdScratch:
         if self._scratch is None:
@@ -620,8 +617,7 @@ class _Calibrator:
         )
 
     def _buffers(self, shape, profile):
-        rows = shape.m * (shape.top_k if shape.input_layout is DenseMatmulIdInputLayout.SLOTTED else 1)
-        return self.pool.input(rows, shape.k), self.device.from_numpy(_ids(shape, profile))
+        return self.pool.input(_input_rows(shape), shape.k), self.device.from_numpy(_ids(shape, profile))
 
     def _prove(self, shape, weight, candidates, profile):
         """One proof submission: every candidate against direct. Returns proofs, dispatch count."""

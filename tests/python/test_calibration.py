@@ -109,7 +109,8 @@ def test_proof_scratch_views_share_one_input_per_width(device):
     assert scratch.statuses(3).numpy().tolist() == [0, 0, 0]  # zeroed again for the next batch
     assert scratch.statuses(40).shape == (40,)
     # An input longer than one upload chunk continues the sequence across chunk boundaries.
-    rows, k = 3, (cal.ProofScratch.UPLOAD_CHUNK + 5 * 32) // 32
+    chunk = cal.ProofScratch(device, {}, 1, 1).upload_chunk
+    rows, k = 3, (chunk + 5 * 32) // 32
     long = cal.ProofScratch(device, {k: rows}, 1, 1)
     assert np.array_equal(long.input(rows, k).numpy(), cal.proof_input(rows * k).reshape(rows, k))
     with pytest.raises(ValueError, match="declared"):
