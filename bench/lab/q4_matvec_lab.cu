@@ -1,0 +1,317 @@
+// Lab: how fast can the Q4_0 mat-vec's grid stream its weights? Times copy-only kernels with the
+// mat-vec's decomposition (CTA = 4 warps x 16 rows, K split over grid.z; warp w streams its 16 rows'
+// K range through its own shared-memory ring) with two data paths -- per-lane cp.async 16-byte copies
+// and TMA bulk copies (one per row run, completion on an mbarrier) -- over ring depths and stage
+// sizes, beside the production kernel and an empty kernel. Weights rotate over 8 copies (> 2x L2).
+// Kernel spans come from %globaltimer (first CTA start to last CTA end) and from CUDA events.
+//   nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -Icsrc/include -Icsrc \
+//        -Icsrc/backend/cuda -o /tmp/lab bench/lab/q4_matvec_lab.cu && /tmp/lab
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+#include "backend/cuda/q4_matmul.cu"
+
+using namespace routemm::cuda;
+
+// mbarrier and TMA bulk copies (sm_90+): one stage of a ring completes when its expected bytes
+// have landed. mbar_wait spins on try_wait (which itself suspends for a while in hardware).
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+// Global -> shared bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned),
+// counted on the mbarrier `bar` of the issuing CTA.
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes,
+                                              uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+// Orders this thread's earlier generic-proxy shared-memory accesses before later async-proxy
+// (bulk copy) writes to the same memory.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+#define CHECK(call)                                                                              \
+  do {                                                                                           \
+    const cudaError_t e_ = (call);                                                               \
+    if (e_ != cudaSuccess) {                                                                     \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                              \
+    }                                                                                            \
+  } while (0)
+
+struct LabArgs {
+  const uint8_t* weight;
+  uint64_t row_bytes;
+  int k_blocks, blocks_per_split;
+  unsigned long long* span;  // [0] = min start, [1] = max end (ns)
+  uint32_t* sink;
+};
+
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void span_begin(const LabArgs& a) {
+  if (threadIdx.x == 0) atomicMin(&a.span[0], now_ns());
+}
+__device__ __forceinline__ void span_end(const LabArgs& a) {
+  __syncthreads();
+  if (threadIdx.x == 0) atomicMax(&a.span[1], now_ns());
+}
+
+__global__ void empty_kernel(LabArgs a) {
+  span_begin(a);
+  span_end(a);
+}
+
+constexpr int kWarpRows = 16;
+
+// Per-lane cp.async 16-byte copies, SB blocks per stage, S stages per warp ring.
+template <int SB, int S>
+__global__ void __launch_bounds__(128) stream_cp(LabArgs a) {
+  span_begin(a);
+  extern __shared__ __align__(128) uint8_t smem[];
+  constexpr int kRowBytes = 18 * SB, kStage = kWarpRows * kRowBytes, kUnits = kRowBytes / 16;
+  constexpr int kCopies = (kWarpRows * kUnits + 31) / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = blockIdx.x * 64 + warp * kWarpRows;
+  const int kb_begin = blockIdx.z * a.blocks_per_split;
+  const int stages = (min(a.k_blocks, kb_begin + a.blocks_per_split) - kb_begin) / SB;
+  uint8_t* ring = smem + warp * S * kStage;
+  const uint8_t* rows = a.weight + uint64_t(row0) * a.row_bytes + uint64_t(kb_begin) * 18;
+  uint32_t x = 0;
+  const auto load = [&](int s) {
+#pragma unroll
+    for (int j = 0; j < kCopies; ++j) {
+      const int u = lane + 32 * j;
+      if (u < kWarpRows * kUnits) {
+        const int r = u / kUnits, c = u % kUnits;
+        cp_async_16(smem_addr(ring + (s % S) * kStage + r * kRowBytes + c * 16),
+                    rows + uint64_t(r) * a.row_bytes + uint64_t(s) * kRowBytes + c * 16, true);
+      }
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < stages) load(s);
+    cp_async_commit();
+  }
+  for (int s = 0; s < stages; ++s) {
+    cp_async_wait<S - 2>();
+    __syncwarp();
+    if (s + S - 1 < stages) load(s + S - 1);
+    cp_async_commit();
+    x ^= *reinterpret_cast<const uint32_t*>(ring + (s % S) * kStage + lane * 4);
+  }
+  cp_async_wait_all();
+  if (x == 0x12345678u) a.sink[0] = x;
+  span_end(a);
+}
+
+// TMA bulk copies: per stage, lane r < 16 copies row r's run (18 * SB bytes) and the stage's
+// mbarrier counts the bytes; S stages per warp ring.
+template <int SB, int S>
+__global__ void __launch_bounds__(128) stream_bulk(LabArgs a) {
+  span_begin(a);
+  extern __shared__ __align__(128) uint8_t smem[];
+  constexpr int kRowBytes = 18 * SB, kStage = kWarpRows * kRowBytes;
+  __shared__ __align__(8) uint64_t bars[4][S];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int row0 = blockIdx.x * 64 + warp * kWarpRows;
+  const int kb_begin = blockIdx.z * a.blocks_per_split;
+  const int stages = (min(a.k_blocks, kb_begin + a.blocks_per_split) - kb_begin) / SB;
+  uint8_t* ring = smem + warp * S * kStage;
+  const uint8_t* rows = a.weight + uint64_t(row0) * a.row_bytes + uint64_t(kb_begin) * 18;
+  const uint32_t bar0 = smem_addr(&bars[warp][0]);
+  if (lane < S) mbar_init(bar0 + 8 * lane, 1);
+  mbar_init_fence();
+  __syncwarp();
+  const auto load = [&](int s) {
+    const uint32_t bar = bar0 + 8 * (s % S);
+    if (lane == 0) mbar_arrive_expect_tx(bar, kStage);
+    __syncwarp();
+    if (lane < kWarpRows) {
+      bulk_copy_g2s(smem_addr(ring + (s % S) * kStage + lane * kRowBytes),
+                    rows + uint64_t(lane) * a.row_bytes + uint64_t(s) * kRowBytes, kRowBytes, bar);
+    }
+  };
+  for (int s = 0; s < S - 1 && s < stages; ++s) load(s);
+  uint32_t x = 0;
+  for (int s = 0; s < stages; ++s) {
+    mbar_wait(bar0 + 8 * (s % S), (s / S) & 1);
+    x ^= *reinterpret_cast<const uint32_t*>(ring + (s % S) * kStage + lane * 4);
+    __syncwarp();
+    fence_proxy_async_shared();
+    if (s + S - 1 < stages) load(s + S - 1);
+  }
+  if (x == 0x12345678u) a.sink[0] = x;
+  span_end(a);
+}
+
+using LabKernel = void (*)(LabArgs);
+
+struct Case {
+  const char* name;
+  LabKernel kernel;
+  int smem, splits, k;
+};
+
+int main() {
+  const int copies = 8;
+  const int n = 4096, k_max = 14336;
+  const size_t w_bytes = size_t(n) * (k_max / 32) * 18;
+  std::vector<uint8_t> host(w_bytes);
+  uint32_t state = 12345;
+  for (auto& b : host) {
+    state = state * 1664525u + 1013904223u;
+    b = uint8_t(state >> 24);
+  }
+  for (size_t i = 0; i < host.size(); i += 18) host[i + 1] = 0x2c;  // finite f16 scales
+  std::vector<uint8_t*> w(copies);
+  for (auto& p : w) {
+    CHECK(cudaMalloc(&p, w_bytes));
+    CHECK(cudaMemcpy(p, host.data(), w_bytes, cudaMemcpyHostToDevice));
+  }
+  float *x, *out;
+  CHECK(cudaMalloc(&x, size_t(8) * k_max * 4));
+  CHECK(cudaMemset(x, 0, size_t(8) * k_max * 4));
+  CHECK(cudaMalloc(&out, size_t(8) * n * 4));
+  unsigned long long* span;
+  uint32_t* sink;
+  CHECK(cudaMalloc(&span, 16));
+  CHECK(cudaMalloc(&sink, 16));
+  const int stage8 = kWarpRows * 8 * 18 * 4, stage16 = 2 * stage8;  // per CTA
+  const std::vector<Case> cases = {
+      {"empty", empty_kernel, 0, 8, k_max},
+      {"cp  SB8  S3", stream_cp<8, 3>, 3 * stage8, 8, k_max},
+      {"cp  SB8  S4", stream_cp<8, 4>, 4 * stage8, 8, k_max},
+      {"cp  SB8  S6", stream_cp<8, 6>, 6 * stage8, 8, k_max},
+      {"blk SB8  S4", stream_bulk<8, 4>, 4 * stage8, 8, k_max},
+      {"blk SB8  S6", stream_bulk<8, 6>, 6 * stage8, 8, k_max},
+      {"cp  SB8  S4", stream_cp<8, 4>, 4 * stage8, 4, k_max},
+      {"cp  SB8  S8", stream_cp<8, 8>, 8 * stage8, 4, k_max},
+      {"blk SB8  S8", stream_bulk<8, 8>, 8 * stage8, 4, k_max},
+      {"blk SB16 S6", stream_bulk<16, 6>, 6 * stage16, 4, k_max},
+      {"cp  SB8  S8", stream_cp<8, 8>, 8 * stage8, 2, k_max},
+      {"blk SB16 S6", stream_bulk<16, 6>, 6 * stage16, 2, k_max},
+      {"blk SB8  S8", stream_bulk<8, 8>, 8 * stage8, 16, k_max},
+      {"cp  SB8  S4", stream_cp<8, 4>, 4 * stage8, 8, 2048},
+      {"blk SB8  S4", stream_bulk<8, 4>, 4 * stage8, 8, 2048},
+  };
+  cudaStream_t stream;
+  CHECK(cudaStreamCreate(&stream));
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  for (const Case& c : cases) {
+    CHECK(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
+    LabArgs a{};
+    a.k_blocks = c.k / 32;
+    a.row_bytes = uint64_t(a.k_blocks) * 18;
+    a.blocks_per_split = (a.k_blocks + c.splits - 1) / c.splits;
+    a.span = span;
+    a.sink = sink;
+    int sb = std::strstr(c.name, "SB16") ? 16 : 8;
+    a.blocks_per_split = (a.blocks_per_split + sb - 1) / sb * sb;
+    const double bytes = double(n) * a.k_blocks * 18;
+    std::vector<double> spans, events;
+    for (int i = 0; i < 60; ++i) {
+      a.weight = w[i % copies];
+      const unsigned long long init[2] = {~0ull, 0ull};
+      CHECK(cudaMemcpyAsync(span, init, 16, cudaMemcpyHostToDevice, stream));
+      CHECK(cudaEventRecord(e0, stream));
+      c.kernel<<<dim3(n / 64, 1, c.splits), 128, c.smem, stream>>>(a);
+      CHECK(cudaGetLastError());
+      CHECK(cudaEventRecord(e1, stream));
+      unsigned long long got[2];
+      CHECK(cudaMemcpyAsync(got, span, 16, cudaMemcpyDeviceToHost, stream));
+      CHECK(cudaStreamSynchronize(stream));
+      float ms = 0;
+      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (i >= 10) {
+        spans.push_back((got[1] - got[0]) / 1000.0);
+        events.push_back(ms * 1000.0);
+      }
+    }
+    std::sort(spans.begin(), spans.end());
+    std::sort(events.begin(), events.end());
+    const double med = spans[spans.size() / 2];
+    std::printf(
+        "%-12s k=%5d splits=%2d smem=%6d  span median %6.2f us (min %6.2f) = %5.2f TB/s"
+        "  events median %6.2f us\n",
+        c.name, c.k, c.splits, c.smem, med, spans[0], bytes / med / 1e6, events[events.size() / 2]);
+  }
+  // The production mat-vec (Q4Args, cluster launch when split), CUDA-event times minus nothing:
+  // compare with the empty kernel's event time above.
+  CHECK(cudaFuncSetAttribute(q4_matvec_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             MatVecStream::kSmem));
+  for (int kk : {14336, 2048}) {
+    for (int m : {1, 8}) {
+      for (int splits : {8, 4, 2, 1}) {
+        Q4Args q{};
+        q.input = x;
+        q.output = out;
+        q.n = n;
+        q.m = m;
+        q.k_blocks = kk / 32;
+        const int per = (q.k_blocks + splits - 1) / splits;
+        q.blocks_per_split = (per + 7) / 8 * 8;
+        q.row_bytes = uint64_t(q.k_blocks) * 18;
+        q.w_grain = 16;
+        q.x_grain = 16;
+        q.rows_on_x = 1;
+        cudaLaunchConfig_t config{};
+        config.gridDim = dim3(n / 64, (m + 7) / 8, splits);
+        config.blockDim = dim3(128);
+        config.dynamicSmemBytes = MatVecStream::kSmem;
+        config.stream = stream;
+        cudaLaunchAttribute attribute{};
+        attribute.id = cudaLaunchAttributeClusterDimension;
+        attribute.val.clusterDim.x = 1;
+        attribute.val.clusterDim.y = 1;
+        attribute.val.clusterDim.z = splits;
+        config.attrs = &attribute;
+        config.numAttrs = 1;
+        std::vector<double> events;
+        for (int i = 0; i < 60; ++i) {
+          q.weight = w[i % copies];
+          CHECK(cudaEventRecord(e0, stream));
+          CHECK(cudaLaunchKernelEx(&config, q4_matvec_kernel<true>, q));
+          CHECK(cudaEventRecord(e1, stream));
+          CHECK(cudaEventSynchronize(e1));
+          float ms = 0;
+          CHECK(cudaEventElapsedTime(&ms, e0, e1));
+          if (i >= 10) events.push_back(ms * 1000.0);
+        }
+        std::sort(events.begin(), events.end());
+        std::printf("matvec k=%5d m=%d splits=%d  events median %6.2f us (min %6.2f)\n", kk, m,
+                    splits, events[events.size() / 2], events[0]);
+      }
+    }
+  }
+  return 0;
+}
