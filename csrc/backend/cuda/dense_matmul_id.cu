@@ -23,7 +23,9 @@
 //            routed rows [32x, 32x + 32) of expert e times columns [64y, 64y + 64): 32 thread tiles
 //            of 8 rows x 8 columns, 8 lanes (one per s_p) per tile, K staged through shared memory
 //            in slices of 64 (one chunk per s_p), double-buffered.
-// The host wrappers launch these grids flattened into x (no 65535 limit on y).
+// The host wrappers launch these grids flattened into x (no 65535 limit on y); the direct kernel's
+// flattened order is tile-major (all flat rows of tile x side by side), so rows routed to one
+// expert read its weight tile together.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -217,11 +219,14 @@ __global__ void __launch_bounds__(kDirectThreads)
     direct_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
                   const char* __restrict__ x, const uint32_t* __restrict__ ids,
                   float* __restrict__ out, uint32_t tiles_x, uint64_t rows) {
+  // Blocks walk the column tiles outermost: the blocks of one tile -- every flat row, among them
+  // the rows routed to the same expert -- are launched side by side, so a weight tile that several
+  // rows share is read from DRAM once and by the others from L2 while it is still there.
   const uint64_t block = blockIdx.x;
-  const uint64_t flat64 = block / tiles_x;
-  if (flat64 >= rows) return;
-  const uint32_t flat = static_cast<uint32_t>(flat64);
-  const uint32_t tile = static_cast<uint32_t>(block - flat64 * tiles_x);
+  const uint64_t tile64 = block / rows;
+  if (tile64 >= tiles_x) return;
+  const uint32_t tile = static_cast<uint32_t>(tile64);
+  const uint32_t flat = static_cast<uint32_t>(block - tile64 * rows);
   const uint32_t lane = threadIdx.x & 31;
   const uint32_t part = lane & 7;  // which partial sum s_p this lane owns
   const uint32_t col = tile * kDirectCols + (threadIdx.x >> 5) * 4 + (lane >> 3);
