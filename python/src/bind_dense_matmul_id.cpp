@@ -99,15 +99,29 @@ void init_dense_matmul_id(py::module_& m) {
   m.def(
       "_dense_matmul_id",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& weights,
-         const Buffer& input, const Buffer& ids, const Buffer& output,
-         const DenseMatmulIdScratch* scratch, const DenseMatmulIdParams& p) {
+         const Buffer& input, const Buffer& ids, const Buffer& output, const py::object& scratch,
+         const DenseMatmulIdParams& p) {
+        // `scratch` is taken as an object and None checked here: pybind11's caster for a class
+        // pointer tries (and fails) a foreign-module attribute lookup on None before accepting
+        // it, and a None that fails the no-convert pass makes the dispatcher load every argument
+        // twice. This keeps the direct route's per-call path to one pass.
+        const DenseMatmulIdScratch* scratch_ptr = nullptr;
+        if (!scratch.is_none()) {
+          if (!py::isinstance<DenseMatmulIdScratch>(scratch)) {
+            throw py::type_error(
+                "dense_matmul_id: scratch must be a DenseMatmulIdScratch or None, not " +
+                std::string(py::str(py::type::of(scratch).attr("__name__"))));
+          }
+          scratch_ptr = scratch.cast<const DenseMatmulIdScratch*>();
+        }
         // (weight dtype name, route value, dispatch count): a hashable tuple, so the Python front
         // door can return one cached receipt per distinct result (its per-call hot path).
-        const auto r = dense_matmul_id(encoder, registry, weights, input, ids, output, scratch, p);
+        const auto r =
+            dense_matmul_id(encoder, registry, weights, input, ids, output, scratch_ptr, p);
         return py::make_tuple(dtype_name(r.weight_dtype), to_string(r.route), r.dispatch_count);
       },
       py::arg("encoder"), py::arg("registry"), py::arg("weights"), py::arg("input"),
-      py::arg("expert_ids"), py::arg("output"), py::arg("scratch").none(true), py::arg("params"));
+      py::arg("expert_ids"), py::arg("output"), py::arg("scratch"), py::arg("params"));
 }
 
 }  // namespace routemm::python

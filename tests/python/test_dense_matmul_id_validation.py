@@ -266,6 +266,31 @@ def test_call_validation_leaves_encoder_untouched(device, registry, rng, mode, n
     assert message in str(info.value)
 
 
+@pytest.mark.parametrize("route", [Route.DIRECT, Route.GROUPED_PREFILL])
+@pytest.mark.parametrize("bad", ["scratch", 0, "buffer"])
+def test_scratch_of_the_wrong_type_is_a_type_error(device, registry, rng, route, bad):
+    """A scratch that is neither None nor a DenseMatmulIdScratch is a TypeError naming the type, at
+    the front door and at the native entry under it, before anything is encoded."""
+    call = Call(device, registry, rng)
+    call.route = route
+    call.scratch = call.output if bad == "buffer" else bad
+    name = {"scratch": "str", 0: "int", "buffer": "Buffer"}[bad]
+    with untouched_encoder(device, "capture") as enc:
+        with pytest.raises(TypeError, match=f"scratch must be a DenseMatmulIdScratch or None, not {name}"):
+            call.invoke(enc)
+        with pytest.raises(TypeError, match=f"scratch must be a DenseMatmulIdScratch or None, not {name}"):
+            routemm._core._dense_matmul_id(
+                enc,
+                registry,
+                call.weights,
+                call.input,
+                call.ids,
+                call.output,
+                call.scratch,
+                call.params._native_params,
+            )
+
+
 def test_extent_one_byte_short_is_not_even_a_buffer(device, registry, rng):
     """required - 1 bytes cannot be expressed as an F32/BF16 view (whole elements only), so the
     call-level extent tests above use required - one element."""
