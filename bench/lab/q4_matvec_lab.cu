@@ -90,19 +90,36 @@ __global__ void empty_kernel(LabArgs a) {
 
 constexpr int kWarpRows = 16;
 
+// What warp `warp` of a CTA streams (the mat-vec's decomposition): its 16 rows' K range of this
+// CTA's split, in stages of SB blocks through its own S-stage shared-memory ring.
+template <int SB, int S>
+struct WarpShare {
+  static constexpr int kRowBytes = 18 * SB, kStage = kWarpRows * kRowBytes;
+  int lane, warp, stages;
+  uint8_t* ring;
+  const uint8_t* rows;
+  __device__ WarpShare(const LabArgs& a, uint8_t* smem) {
+    lane = threadIdx.x & 31;
+    warp = threadIdx.x >> 5;
+    const int row0 = blockIdx.x * 64 + warp * kWarpRows;
+    const int kb_begin = blockIdx.z * a.blocks_per_split;
+    stages = (min(a.k_blocks, kb_begin + a.blocks_per_split) - kb_begin) / SB;
+    ring = smem + warp * S * kStage;
+    rows = a.weight + uint64_t(row0) * a.row_bytes + uint64_t(kb_begin) * 18;
+  }
+  __device__ uint8_t* slot(int s) const { return ring + (s % S) * kStage; }
+};
+
 // Per-lane cp.async 16-byte copies, SB blocks per stage, S stages per warp ring.
 template <int SB, int S>
 __global__ void __launch_bounds__(128) stream_cp(LabArgs a) {
   span_begin(a);
   extern __shared__ __align__(128) uint8_t smem[];
-  constexpr int kRowBytes = 18 * SB, kStage = kWarpRows * kRowBytes, kUnits = kRowBytes / 16;
+  using Share = WarpShare<SB, S>;
+  const Share w(a, smem);
+  constexpr int kRowBytes = Share::kRowBytes, kUnits = kRowBytes / 16;
   constexpr int kCopies = (kWarpRows * kUnits + 31) / 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int row0 = blockIdx.x * 64 + warp * kWarpRows;
-  const int kb_begin = blockIdx.z * a.blocks_per_split;
-  const int stages = (min(a.k_blocks, kb_begin + a.blocks_per_split) - kb_begin) / SB;
-  uint8_t* ring = smem + warp * S * kStage;
-  const uint8_t* rows = a.weight + uint64_t(row0) * a.row_bytes + uint64_t(kb_begin) * 18;
+  const int lane = w.lane, stages = w.stages;
   uint32_t x = 0;
   const auto load = [&](int s) {
 #pragma unroll
@@ -110,8 +127,8 @@ __global__ void __launch_bounds__(128) stream_cp(LabArgs a) {
       const int u = lane + 32 * j;
       if (u < kWarpRows * kUnits) {
         const int r = u / kUnits, c = u % kUnits;
-        cp_async_16(smem_addr(ring + (s % S) * kStage + r * kRowBytes + c * 16),
-                    rows + uint64_t(r) * a.row_bytes + uint64_t(s) * kRowBytes + c * 16, true);
+        cp_async_16(smem_addr(w.slot(s) + r * kRowBytes + c * 16),
+                    w.rows + uint64_t(r) * a.row_bytes + uint64_t(s) * kRowBytes + c * 16, true);
       }
     }
   };
@@ -125,7 +142,7 @@ __global__ void __launch_bounds__(128) stream_cp(LabArgs a) {
     __syncwarp();
     if (s + S - 1 < stages) load(s + S - 1);
     cp_async_commit();
-    x ^= *reinterpret_cast<const uint32_t*>(ring + (s % S) * kStage + lane * 4);
+    x ^= *reinterpret_cast<const uint32_t*>(w.slot(s) + lane * 4);
   }
   cp_async_wait_all();
   if (x == 0x12345678u) a.sink[0] = x;
@@ -138,15 +155,12 @@ template <int SB, int S>
 __global__ void __launch_bounds__(128) stream_bulk(LabArgs a) {
   span_begin(a);
   extern __shared__ __align__(128) uint8_t smem[];
-  constexpr int kRowBytes = 18 * SB, kStage = kWarpRows * kRowBytes;
+  using Share = WarpShare<SB, S>;
+  const Share w(a, smem);
+  constexpr int kRowBytes = Share::kRowBytes, kStage = Share::kStage;
+  const int lane = w.lane, stages = w.stages;
   __shared__ __align__(8) uint64_t bars[4][S];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int row0 = blockIdx.x * 64 + warp * kWarpRows;
-  const int kb_begin = blockIdx.z * a.blocks_per_split;
-  const int stages = (min(a.k_blocks, kb_begin + a.blocks_per_split) - kb_begin) / SB;
-  uint8_t* ring = smem + warp * S * kStage;
-  const uint8_t* rows = a.weight + uint64_t(row0) * a.row_bytes + uint64_t(kb_begin) * 18;
-  const uint32_t bar0 = smem_addr(&bars[warp][0]);
+  const uint32_t bar0 = smem_addr(&bars[w.warp][0]);
   if (lane < S) mbar_init(bar0 + 8 * lane, 1);
   mbar_init_fence();
   __syncwarp();
@@ -155,15 +169,16 @@ __global__ void __launch_bounds__(128) stream_bulk(LabArgs a) {
     if (lane == 0) mbar_arrive_expect_tx(bar, kStage);
     __syncwarp();
     if (lane < kWarpRows) {
-      bulk_copy_g2s(smem_addr(ring + (s % S) * kStage + lane * kRowBytes),
-                    rows + uint64_t(lane) * a.row_bytes + uint64_t(s) * kRowBytes, kRowBytes, bar);
+      bulk_copy_g2s(smem_addr(w.slot(s) + lane * kRowBytes),
+                    w.rows + uint64_t(lane) * a.row_bytes + uint64_t(s) * kRowBytes, kRowBytes,
+                    bar);
     }
   };
   for (int s = 0; s < S - 1 && s < stages; ++s) load(s);
   uint32_t x = 0;
   for (int s = 0; s < stages; ++s) {
     mbar_wait(bar0 + 8 * (s % S), (s / S) & 1);
-    x ^= *reinterpret_cast<const uint32_t*>(ring + (s % S) * kStage + lane * 4);
+    x ^= *reinterpret_cast<const uint32_t*>(w.slot(s) + lane * 4);
     __syncwarp();
     fence_proxy_async_shared();
     if (s + S - 1 < stages) load(s + S - 1);
