@@ -137,6 +137,26 @@ def test_aligned_rows_shared_experts(device, registry, rng, dtype, slotted, m, t
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
+@pytest.mark.parametrize("slotted", [False, True], ids=["shared", "slotted"])
+@pytest.mark.parametrize("rows", [63, 1024, 1031], ids=lambda r: f"rows{r}")
+def test_aligned_rows_expert_group_sizes(device, registry, rng, dtype, slotted, rows):
+    """Experts routed from 1, 2, 7, 8, 9 and 17 flat rows (and the rest of the rows spread over two
+    more experts or invalid), shuffled, on the vectorised path with top_k = 1: a kernel that
+    computes the rows of one expert in groups sees full groups, partial groups and lone rows, up
+    to and past 1024 flat rows. Both routes match the reference and each other bit for bit."""
+    n, k, top_k = 11, 136, 1
+    sizes = [1, 2, 7, 8, 9, 17]
+    ids = np.concatenate([np.full(c, e, np.uint32) for e, c in enumerate(sizes)])
+    rest = rows - ids.size
+    spread = rng.choice(np.array([6, 7, E, 0xFFFFFFFF], np.uint32), size=rest, p=[0.45, 0.45, 0.05, 0.05])
+    ids = rng.permutation(np.concatenate([ids, spread])).reshape(rows, top_k)
+    w = random_weights(rng, dtype, (E, n, k))
+    case = Case(device, registry, dtype, w, _inputs(rng, rows, top_k, k, slotted), ids, slotted=slotted, pad=0)
+    for result in _check_routes(case, f"{dtype} rows={rows}").values():
+        assert np.all(result.out[~invalid_rows(ids, E)] != 0), "a valid row was left unwritten or zeroed"
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
 def test_aligned_rows_one_expert_dominates(device, registry, rng, dtype):
     """MAY_REPEAT on the vectorised direct path with two experts over 320 flat rows: duplicates
     within a token are computed from their own input rows, and a token with no valid slot gives

@@ -17,15 +17,18 @@
 // Geometry (what the KernelDefs below tell the front door, and how each kernel reads its grid):
 //   direct : grid [ceil(n / 8), m * top_k, 1], 64 threads. Block (x, y) computes columns
 //            [8x, 8x + 8) of flat row y: 2 warps x 4 columns, 8 lanes (one per s_p) per column.
+//            Up to kGatherMaxRows flat rows, the block of the first flat row routed to an expert
+//            computes that tile for every row routed there and the others exit (see
+//            direct_gathered_kernel); the grid and the tile are the same either way.
 //   map    : grid [1, 1, 1], threads [1024]: one block that builds per-expert token bitmaps tile by
 //            tile (see map_kernel).
 //   grouped: grid [ceil(m / 32), ceil(n / 64), n_experts], 256 threads. Block (x, y, e) computes
 //            routed rows [32x, 32x + 32) of expert e times columns [64y, 64y + 64): 32 thread tiles
 //            of 8 rows x 8 columns, 8 lanes (one per s_p) per tile, K staged through shared memory
 //            in slices of 64 (one chunk per s_p), double-buffered.
-// The host wrappers launch these grids flattened into x (no 65535 limit on y); the direct kernel's
-// flattened order is tile-major (all flat rows of tile x side by side), so rows routed to one
-// expert read its weight tile together.
+// The host wrappers launch these grids flattened into x (no 65535 limit on y): the gathered direct
+// kernel row-major, the other direct kernel tile-major (all flat rows of tile x side by side, so
+// rows routed to one expert read its weight tile together).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -51,13 +54,15 @@ namespace {
 
 using kernels::DenseMatmulIdKernelParams;
 
-constexpr uint32_t kDirectCols = 8;      // columns per direct block
-constexpr uint32_t kDirectThreads = 64;  // 2 warps
-constexpr uint32_t kDirectUnroll = 8;    // chunk loads in flight per lane
-constexpr uint32_t kGroupRows = 32;      // routed rows per grouped block
-constexpr uint32_t kGroupCols = 64;      // columns per grouped block
-constexpr uint32_t kGroupThreads = 256;  // 8 warps
-constexpr uint32_t kSlice = 64;          // inner positions per shared-memory slice
+constexpr uint32_t kDirectCols = 8;        // columns per direct block
+constexpr uint32_t kDirectThreads = 64;    // 2 warps
+constexpr uint32_t kDirectUnroll = 8;      // chunk loads in flight per lane
+constexpr uint32_t kGatherMaxRows = 1024;  // flat rows up to which direct gathers rows per expert
+constexpr uint32_t kGatherRows = 8;        // rows a gathered direct block computes per weight pass
+constexpr uint32_t kGroupRows = 32;        // routed rows per grouped block
+constexpr uint32_t kGroupCols = 64;        // columns per grouped block
+constexpr uint32_t kGroupThreads = 256;    // 8 warps
+constexpr uint32_t kSlice = 64;            // inner positions per shared-memory slice
 constexpr uint32_t kMapMaxThreads = 1024;
 constexpr size_t kGroupDynamicShmem =
     2ull * (kGroupRows + kGroupCols) * kSlice * sizeof(float);  // 48 KiB
@@ -214,14 +219,90 @@ __device__ __forceinline__ const float* input_row(const DenseMatmulIdKernelParam
 
 // ---- direct --------------------------------------------------------------------------------------
 
+// Dot product of one weight column (lane group of 8, this lane owning s_p, p = part) with one
+// input row, by the numeric contract. A slice's weight and activation chunks are all loaded before
+// the first FMA, so kDirectUnroll loads of each are in flight per lane.
+template <typename T, bool VEC>
+__device__ __forceinline__ float dot_row(const DenseMatmulIdKernelParams& p, const void* wrow,
+                                         const float* xrow, uint32_t part) {
+  float s = 0.f;
+  const uint32_t slices = (p.k + kSlice - 1) / kSlice;  // chunks per lane
+  for (uint32_t i = 0; i < slices; i += kDirectUnroll) {
+    Chunk<T> wc[kDirectUnroll];
+    Chunk<float> xc[kDirectUnroll];
+#pragma unroll
+    for (uint32_t u = 0; u < kDirectUnroll; ++u) {
+      if (i + u < slices) {
+        wc[u] = load_w_chunk<T, VEC>(wrow, (i + u) * 8 + part, p.k);
+      } else {
+        wc[u].zero();
+      }
+    }
+#pragma unroll
+    for (uint32_t u = 0; u < kDirectUnroll; ++u) {
+      if (i + u < slices) {
+        xc[u] = load_x_chunk<VEC>(xrow, (i + u) * 8 + part, p.k);
+      } else {
+        xc[u].zero();
+      }
+    }
+#pragma unroll
+    for (uint32_t u = 0; u < kDirectUnroll; ++u) {
+      if (i + u < slices) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s = fmaf(wc[u].get(j), xc[u].get(j), s);
+      }
+    }
+  }
+  return s;
+}
+
+// The same for up to R input rows at once (nrows of them used): each weight chunk is loaded once
+// and applied to every row, in the contract's chunk and position order for each row, so the result
+// of a row is bit-identical to dot_row. Activation chunks are loaded next to their use, which keeps
+// R rows within the register budget (R * kDirectUnroll chunks in flight would not be).
+template <typename T, bool VEC, uint32_t R>
+__device__ __forceinline__ void dot_rows(const DenseMatmulIdKernelParams& p, const void* wrow,
+                                         const float* const (&xrows)[R], uint32_t nrows,
+                                         uint32_t part, float (&s)[R]) {
+#pragma unroll
+  for (uint32_t q = 0; q < R; ++q) s[q] = 0.f;
+  const uint32_t slices = (p.k + kSlice - 1) / kSlice;
+  for (uint32_t i = 0; i < slices; i += kDirectUnroll) {
+    Chunk<T> wc[kDirectUnroll];
+#pragma unroll
+    for (uint32_t u = 0; u < kDirectUnroll; ++u) {
+      if (i + u < slices) {
+        wc[u] = load_w_chunk<T, VEC>(wrow, (i + u) * 8 + part, p.k);
+      } else {
+        wc[u].zero();
+      }
+    }
+#pragma unroll
+    for (uint32_t u = 0; u < kDirectUnroll; ++u) {
+      if (i + u < slices) {
+#pragma unroll
+        for (uint32_t q = 0; q < R; ++q) {
+          if (q < nrows) {
+            const Chunk<float> xc = load_x_chunk<VEC>(xrows[q], (i + u) * 8 + part, p.k);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) s[q] = fmaf(wc[u].get(j), xc.get(j), s[q]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Tile-major direct kernel (more than kGatherMaxRows flat rows): blocks walk the column tiles
+// outermost, so the blocks of one tile -- every flat row, among them the rows routed to the same
+// expert -- are launched side by side and a weight tile that several rows share is read from DRAM
+// once and by the others from L2 while it is still there.
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kDirectThreads)
     direct_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
                   const char* __restrict__ x, const uint32_t* __restrict__ ids,
                   float* __restrict__ out, uint32_t tiles_x, uint64_t rows) {
-  // Blocks walk the column tiles outermost: the blocks of one tile -- every flat row, among them
-  // the rows routed to the same expert -- are launched side by side, so a weight tile that several
-  // rows share is read from DRAM once and by the others from L2 while it is still there.
   const uint64_t block = blockIdx.x;
   const uint64_t tile64 = block / rows;
   if (tile64 >= tiles_x) return;
@@ -237,40 +318,88 @@ __global__ void __launch_bounds__(kDirectThreads)
   if (id < p.n_experts && col < p.n) {
     const void* wrow = w + uint64_t{id} * p.expert_stride_bytes +
                        uint64_t{col} * p.k * sizeof(typename Chunk<T>::elem);
-    const float* xrow = input_row(p, x, flat);
-    const uint32_t slices = (p.k + kSlice - 1) / kSlice;  // chunks per lane
-    for (uint32_t i = 0; i < slices; i += kDirectUnroll) {
-      Chunk<T> wc[kDirectUnroll];
-      Chunk<float> xc[kDirectUnroll];
-#pragma unroll
-      for (uint32_t u = 0; u < kDirectUnroll; ++u) {
-        const uint32_t c = (i + u) * 8 + part;
-        if (i + u < slices) {
-          wc[u] = load_w_chunk<T, VEC>(wrow, c, p.k);
-        } else {
-          wc[u].zero();
-        }
-      }
-#pragma unroll
-      for (uint32_t u = 0; u < kDirectUnroll; ++u) {
-        const uint32_t c = (i + u) * 8 + part;
-        if (i + u < slices) {
-          xc[u] = load_x_chunk<VEC>(xrow, c, p.k);
-        } else {
-          xc[u].zero();
-        }
-      }
-#pragma unroll
-      for (uint32_t u = 0; u < kDirectUnroll; ++u) {
-        if (i + u < slices) {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) s = fmaf(wc[u].get(j), xc[u].get(j), s);
-        }
-      }
-    }
+    s = dot_row<T, VEC>(p, wrow, input_row(p, x, flat), part);
   }
   s = reduce8(s);
   if (part == 0 && col < p.n) out[uint64_t{flat} * p.n + col] = s;
+}
+
+// Gathered direct kernel (at most kGatherMaxRows flat rows, the decode sizes): block (tile, flat)
+// is the leader of its expert when no earlier flat row holds the same valid id; the leader computes
+// its tile for every flat row routed to that expert, so each weight tile is read once, and the
+// other blocks of that expert exit. Blocks walk the flat rows outermost (a leader's tiles are
+// consecutive in memory). A block with an invalid id writes its own row's zeros.
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kDirectThreads)
+    direct_gathered_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
+                           const char* __restrict__ x, const uint32_t* __restrict__ ids,
+                           float* __restrict__ out, uint32_t tiles_x, uint32_t rows) {
+  __shared__ uint16_t members[kGatherMaxRows];  // flat rows of the leader's expert, ascending
+  __shared__ uint32_t member_count;
+  const uint32_t flat = blockIdx.x / tiles_x;
+  const uint32_t tile = blockIdx.x - flat * tiles_x;
+  if (flat >= rows) return;
+  const uint32_t lane = threadIdx.x & 31;
+  const uint32_t warp = threadIdx.x >> 5;
+  const uint32_t id = __ldg(ids + flat);
+
+  if (warp == 0) {
+    uint32_t count = 0;
+    if (id < p.n_experts) {
+      bool earlier = false;
+      for (uint32_t base = 0; base < flat && !earlier; base += 32) {
+        const uint32_t f = base + lane;
+        earlier = __any_sync(0xFFFFFFFFu, f < flat && __ldg(ids + f) == id);
+      }
+      if (!earlier) {
+        for (uint32_t base = flat; base < rows; base += 32) {
+          const uint32_t f = base + lane;
+          const bool match = f < rows && __ldg(ids + f) == id;
+          const uint32_t mask = __ballot_sync(0xFFFFFFFFu, match);
+          if (match) members[count + __popc(mask & ((1u << lane) - 1u))] = static_cast<uint16_t>(f);
+          count += __popc(mask);
+        }
+      }
+    } else if (lane == 0) {
+      members[0] = static_cast<uint16_t>(flat);  // invalid id: this block zeroes its own row
+      count = 1;
+    }
+    if (lane == 0) member_count = count;
+  }
+  __syncthreads();
+  const uint32_t count = member_count;
+  if (count == 0) return;  // another block leads this expert
+  const uint32_t part = lane & 7;
+  const uint32_t col = tile * kDirectCols + warp * 4 + (lane >> 3);
+  if (tile * kDirectCols + warp * 4 >= p.n) return;  // whole warp past n
+
+  if (id >= p.n_experts) {
+    if (part == 0 && col < p.n) out[uint64_t{flat} * p.n + col] = 0.f;
+    return;
+  }
+  const void* wrow = w + uint64_t{id} * p.expert_stride_bytes +
+                     uint64_t{col < p.n ? col : 0} * p.k * sizeof(typename Chunk<T>::elem);
+  // Rows in groups of R (one row at a time on the element-wise path, whose loads would not fit R
+  // rows in registers); a lone row takes dot_row, which keeps more loads in flight.
+  constexpr uint32_t R = VEC ? kGatherRows : 1;
+  for (uint32_t g = 0; g < count; g += R) {
+    const uint32_t nrows = min(R, count - g);
+    if (nrows == 1) {
+      const float v = reduce8(dot_row<T, VEC>(p, wrow, input_row(p, x, members[g]), part));
+      if (part == 0 && col < p.n) out[uint64_t{members[g]} * p.n + col] = v;
+      continue;
+    }
+    const float* xrows[R];
+#pragma unroll
+    for (uint32_t q = 0; q < R; ++q) xrows[q] = input_row(p, x, members[g + (q < nrows ? q : 0)]);
+    float s[R];
+    dot_rows<T, VEC, R>(p, wrow, xrows, nrows, part, s);
+#pragma unroll
+    for (uint32_t q = 0; q < R; ++q) {
+      const float v = reduce8(s[q]);
+      if (q < nrows && part == 0 && col < p.n) out[uint64_t{members[g + q]} * p.n + col] = v;
+    }
+  }
 }
 
 // ---- map_distinct --------------------------------------------------------------------------------
@@ -553,12 +682,21 @@ void launch_direct(const KernelLaunch& launch, void* stream_ptr) {
   check_grid(launch, tiles_x * rows);
   const dim3 grid(static_cast<unsigned>(tiles_x * rows));
   const size_t elem = sizeof(typename Chunk<T>::elem);
-  if (vector_ok(p, w, x, elem)) {
-    direct_kernel<T, true>
-        <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
+  const bool vec = vector_ok(p, w, x, elem);
+  const auto tx = static_cast<uint32_t>(tiles_x);
+  if (rows <= kGatherMaxRows) {
+    const auto r = static_cast<uint32_t>(rows);
+    if (vec) {
+      direct_gathered_kernel<T, true>
+          <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, tx, r);
+    } else {
+      direct_gathered_kernel<T, false>
+          <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, tx, r);
+    }
+  } else if (vec) {
+    direct_kernel<T, true><<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, tx, rows);
   } else {
-    direct_kernel<T, false>
-        <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, uint32_t(tiles_x), rows);
+    direct_kernel<T, false><<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, tx, rows);
   }
 }
 
@@ -648,9 +786,13 @@ void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
   const auto& names = kDenseMatmulIdPipelineNames;
   // Static shared memory of the grouped kernel, reported so receipts show what a block uses.
   constexpr uint64_t kGroupShmem = kGroupDynamicShmem + kGroupRows * 4;
-  out.push_back(def(names[0], launch_direct<float>, kDirectThreads, kDirectCols, 1, 0, 1024));
-  out.push_back(def(names[1], launch_direct<F16Tag>, kDirectThreads, kDirectCols, 1, 0, 1024));
-  out.push_back(def(names[2], launch_direct<BF16Tag>, kDirectThreads, kDirectCols, 1, 0, 1024));
+  // Static shared memory of the gathered direct kernel (member list and count).
+  constexpr uint64_t kDirectShmem = kGatherMaxRows * sizeof(uint16_t) + sizeof(uint32_t);
+  for (size_t i = 0; i < 3; ++i) {
+    constexpr KernelFn fns[] = {launch_direct<float>, launch_direct<F16Tag>,
+                                launch_direct<BF16Tag>};
+    out.push_back(def(names[i], fns[i], kDirectThreads, kDirectCols, 1, kDirectShmem, 1024));
+  }
   out.push_back(def(names[3], launch_map, kMapMaxThreads, 1, 1, 0, kMapMaxThreads));
   out.push_back(def(names[4], launch_grouped<float>, kGroupThreads, kGroupRows, kGroupCols,
                     kGroupShmem, 1024));
