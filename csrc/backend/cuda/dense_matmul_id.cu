@@ -257,34 +257,70 @@ __device__ __forceinline__ float dot_row(const DenseMatmulIdKernelParams& p, con
   return s;
 }
 
-// The same for up to R input rows at once (nrows of them used): each weight chunk is loaded once
-// and applied to every row, in the contract's chunk and position order for each row, so the result
-// of a row is bit-identical to dot_row. Activation chunks are loaded next to their use, which keeps
-// R rows within the register budget (R * kDirectUnroll chunks in flight would not be).
-template <typename T, bool VEC, uint32_t R>
+// Activations of up to kGatherRows input rows for one slice iteration of dot_rows (kDirectUnroll
+// chunks per lane = 512 positions per row), split into the first and second half of every chunk so
+// that the 8 lanes of a column group read 8 consecutive float4 (no bank conflicts).
+struct StagedRows {
+  float4 lo[kGatherRows][kDirectUnroll * 8];  // positions [8c, 8c + 4) of chunk c of the slice
+  float4 hi[kGatherRows][kDirectUnroll * 8];  // positions [8c + 4, 8c + 8)
+};
+
+// Dot products of one weight column with nrows (2..kGatherRows) input rows, by the numeric contract
+// for each row: every weight chunk is loaded once and applied to each row in the contract's chunk
+// and position order, so a row's result is bit-identical to dot_row. Per slice iteration the whole
+// block stages the rows' activations in shared memory (the weight loads already in flight), then
+// computes from there; the activations are read from L2 once per block instead of once per FMA
+// group with a round trip each. Vectorised path only (16-byte aligned rows, k % 8 == 0). Every
+// thread of the block must call it (it synchronises); lanes of a warp past n pass active = false.
+template <typename T>
 __device__ __forceinline__ void dot_rows(const DenseMatmulIdKernelParams& p, const void* wrow,
-                                         const float* const (&xrows)[R], uint32_t nrows,
-                                         uint32_t part, float (&s)[R]) {
+                                         const char* x, const uint16_t* rows, uint32_t nrows,
+                                         uint32_t part, bool active, StagedRows& st,
+                                         float (&s)[kGatherRows]) {
+  constexpr uint32_t kVecPerRow = kDirectUnroll * 8 * 2;  // float4s per row per slice iteration
+  constexpr uint32_t kLoads = kGatherRows * kVecPerRow / kDirectThreads;
 #pragma unroll
-  for (uint32_t q = 0; q < R; ++q) s[q] = 0.f;
+  for (uint32_t q = 0; q < kGatherRows; ++q) s[q] = 0.f;
   const uint32_t slices = (p.k + kSlice - 1) / kSlice;
   for (uint32_t i = 0; i < slices; i += kDirectUnroll) {
     Chunk<T> wc[kDirectUnroll];
 #pragma unroll
     for (uint32_t u = 0; u < kDirectUnroll; ++u) {
-      if (i + u < slices) {
-        wc[u] = load_w_chunk<T, VEC>(wrow, (i + u) * 8 + part, p.k);
+      if (active && i + u < slices) {
+        wc[u] = load_w_chunk<T, true>(wrow, (i + u) * 8 + part, p.k);
       } else {
         wc[u].zero();
       }
     }
+    const uint32_t first = i * kSlice;  // first inner position of this slice iteration
+    float4 v[kLoads];
+#pragma unroll
+    for (uint32_t j = 0; j < kLoads; ++j) {
+      const uint32_t t = threadIdx.x + j * kDirectThreads;
+      const uint32_t q = t / kVecPerRow, f = t % kVecPerRow, pos = first + f * 4;
+      v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (q < nrows && pos < p.k) {
+        v[j] = __ldg(reinterpret_cast<const float4*>(input_row(p, x, rows[q]) + pos));
+      }
+    }
+    __syncthreads();  // the previous iteration's reads of st are done
+#pragma unroll
+    for (uint32_t j = 0; j < kLoads; ++j) {
+      const uint32_t t = threadIdx.x + j * kDirectThreads;
+      const uint32_t q = t / kVecPerRow, f = t % kVecPerRow;
+      if (q < nrows) (f & 1 ? st.hi : st.lo)[q][f >> 1] = v[j];
+    }
+    __syncthreads();
+    if (!active) continue;
 #pragma unroll
     for (uint32_t u = 0; u < kDirectUnroll; ++u) {
       if (i + u < slices) {
 #pragma unroll
-        for (uint32_t q = 0; q < R; ++q) {
+        for (uint32_t q = 0; q < kGatherRows; ++q) {
           if (q < nrows) {
-            const Chunk<float> xc = load_x_chunk<VEC>(xrows[q], (i + u) * 8 + part, p.k);
+            Chunk<float> xc;
+            xc.a = st.lo[q][u * 8 + part];
+            xc.b = st.hi[q][u * 8 + part];
 #pragma unroll
             for (int j = 0; j < 8; ++j) s[q] = fmaf(wc[u].get(j), xc.get(j), s[q]);
           }
@@ -336,6 +372,7 @@ __global__ void __launch_bounds__(kDirectThreads)
                            float* __restrict__ out, uint32_t tiles_x, uint32_t rows) {
   __shared__ uint16_t members[kGatherMaxRows];  // flat rows of the leader's expert, ascending
   __shared__ uint32_t member_count;
+  __shared__ StagedRows staged;
   const uint32_t flat = blockIdx.x / tiles_x;
   const uint32_t tile = blockIdx.x - flat * tiles_x;
   if (flat >= rows) return;
@@ -371,7 +408,8 @@ __global__ void __launch_bounds__(kDirectThreads)
   if (count == 0) return;  // another block leads this expert
   const uint32_t part = lane & 7;
   const uint32_t col = tile * kDirectCols + warp * 4 + (lane >> 3);
-  if (tile * kDirectCols + warp * 4 >= p.n) return;  // whole warp past n
+  // A warp whose columns all lie past n computes nothing but still takes part in staging.
+  const bool active = tile * kDirectCols + warp * 4 < p.n;
 
   if (id >= p.n_experts) {
     if (part == 0 && col < p.n) out[uint64_t{flat} * p.n + col] = 0.f;
@@ -379,26 +417,27 @@ __global__ void __launch_bounds__(kDirectThreads)
   }
   const void* wrow = w + uint64_t{id} * p.expert_stride_bytes +
                      uint64_t{col < p.n ? col : 0} * p.k * sizeof(typename Chunk<T>::elem);
-  // Rows in groups of R (one row at a time on the element-wise path, whose loads would not fit R
-  // rows in registers); a lone row takes dot_row, which keeps more loads in flight.
-  constexpr uint32_t R = VEC ? kGatherRows : 1;
-  for (uint32_t g = 0; g < count; g += R) {
-    const uint32_t nrows = min(R, count - g);
+  // A lone row (and every row on the element-wise path) takes dot_row; groups of 2..kGatherRows
+  // rows take dot_rows. The group sizes depend only on count, so the branch is block-uniform.
+  for (uint32_t g = 0; g < count;) {
+    const uint32_t nrows = VEC ? min(kGatherRows, count - g) : 1;
     if (nrows == 1) {
-      const float v = reduce8(dot_row<T, VEC>(p, wrow, input_row(p, x, members[g]), part));
-      if (part == 0 && col < p.n) out[uint64_t{members[g]} * p.n + col] = v;
-      continue;
-    }
-    const float* xrows[R];
+      if (active) {
+        const float v = reduce8(dot_row<T, VEC>(p, wrow, input_row(p, x, members[g]), part));
+        if (part == 0 && col < p.n) out[uint64_t{members[g]} * p.n + col] = v;
+      }
+    } else if constexpr (VEC) {
+      float s[kGatherRows];
+      dot_rows<T>(p, wrow, x, members + g, nrows, part, active, staged, s);
 #pragma unroll
-    for (uint32_t q = 0; q < R; ++q) xrows[q] = input_row(p, x, members[g + (q < nrows ? q : 0)]);
-    float s[R];
-    dot_rows<T, VEC, R>(p, wrow, xrows, nrows, part, s);
-#pragma unroll
-    for (uint32_t q = 0; q < R; ++q) {
-      const float v = reduce8(s[q]);
-      if (q < nrows && part == 0 && col < p.n) out[uint64_t{members[g + q]} * p.n + col] = v;
+      for (uint32_t q = 0; q < kGatherRows; ++q) {
+        const float v = reduce8(s[q]);
+        if (active && q < nrows && part == 0 && col < p.n) {
+          out[uint64_t{members[g + q]} * p.n + col] = v;
+        }
+      }
     }
+    g += nrows;
   }
 }
 
@@ -786,8 +825,9 @@ void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
   const auto& names = kDenseMatmulIdPipelineNames;
   // Static shared memory of the grouped kernel, reported so receipts show what a block uses.
   constexpr uint64_t kGroupShmem = kGroupDynamicShmem + kGroupRows * 4;
-  // Static shared memory of the gathered direct kernel (member list and count).
-  constexpr uint64_t kDirectShmem = kGatherMaxRows * sizeof(uint16_t) + sizeof(uint32_t);
+  // Static shared memory of the gathered direct kernel (member list, count, staged activations).
+  constexpr uint64_t kDirectShmem =
+      kGatherMaxRows * sizeof(uint16_t) + sizeof(uint32_t) + sizeof(StagedRows);
   for (size_t i = 0; i < 3; ++i) {
     constexpr KernelFn fns[] = {launch_direct<float>, launch_direct<F16Tag>,
                                 launch_direct<BF16Tag>};
