@@ -360,17 +360,25 @@ __global__ void __launch_bounds__(kDirectThreads)
   if (part == 0 && col < p.n) out[uint64_t{flat} * p.n + col] = s;
 }
 
+// Resident blocks per SM the gathered kernel's register budget must allow: as many as the
+// tile-major kernel fits with 2-byte weights (8); 6 with F32 weights, whose chunks take twice the
+// registers (7 would leave 128 per thread and spill).
+template <typename T>
+constexpr uint32_t gather_min_blocks() {
+  return sizeof(typename Chunk<T>::elem) == 4 ? 6 : 8;
+}
+
 // Gathered direct kernel (at most kGatherMaxRows flat rows, the decode sizes): block (tile, flat)
 // is the leader of its expert when no earlier flat row holds the same valid id; the leader computes
 // its tile for every flat row routed to that expert, so each weight tile is read once, and the
 // other blocks of that expert exit. Blocks walk the flat rows outermost (a leader's tiles are
 // consecutive in memory). A block with an invalid id writes its own row's zeros.
 template <typename T, bool VEC>
-__global__ void __launch_bounds__(kDirectThreads)
+__global__ void __launch_bounds__(kDirectThreads, gather_min_blocks<T>())
     direct_gathered_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
                            const char* __restrict__ x, const uint32_t* __restrict__ ids,
                            float* __restrict__ out, uint32_t tiles_x, uint32_t rows) {
-  __shared__ uint16_t members[kGatherMaxRows];  // flat rows of the leader's expert, ascending
+  __shared__ uint16_t members[kGatherMaxRows];  // flat rows of the leader's expert
   __shared__ uint32_t member_count;
   __shared__ StagedRows staged;
   const uint32_t flat = blockIdx.x / tiles_x;
@@ -378,43 +386,42 @@ __global__ void __launch_bounds__(kDirectThreads)
   if (flat >= rows) return;
   const uint32_t lane = threadIdx.x & 31;
   const uint32_t warp = threadIdx.x >> 5;
-  const uint32_t id = __ldg(ids + flat);
-
-  if (warp == 0) {
-    uint32_t count = 0;
-    if (id < p.n_experts) {
-      bool earlier = false;
-      for (uint32_t base = 0; base < flat && !earlier; base += 32) {
-        const uint32_t f = base + lane;
-        earlier = __any_sync(0xFFFFFFFFu, f < flat && __ldg(ids + f) == id);
-      }
-      if (!earlier) {
-        for (uint32_t base = flat; base < rows; base += 32) {
-          const uint32_t f = base + lane;
-          const bool match = f < rows && __ldg(ids + f) == id;
-          const uint32_t mask = __ballot_sync(0xFFFFFFFFu, match);
-          if (match) members[count + __popc(mask & ((1u << lane) - 1u))] = static_cast<uint16_t>(f);
-          count += __popc(mask);
-        }
-      }
-    } else if (lane == 0) {
-      members[0] = static_cast<uint16_t>(flat);  // invalid id: this block zeroes its own row
-      count = 1;
-    }
-    if (lane == 0) member_count = count;
-  }
-  __syncthreads();
-  const uint32_t count = member_count;
-  if (count == 0) return;  // another block leads this expert
   const uint32_t part = lane & 7;
   const uint32_t col = tile * kDirectCols + warp * 4 + (lane >> 3);
-  // A warp whose columns all lie past n computes nothing but still takes part in staging.
-  const bool active = tile * kDirectCols + warp * 4 < p.n;
-
-  if (id >= p.n_experts) {
+  const uint32_t id = __ldg(ids + flat);
+  if (id >= p.n_experts) {  // an invalid id: this block writes its own row's zeros
     if (part == 0 && col < p.n) out[uint64_t{flat} * p.n + col] = 0.f;
     return;
   }
+
+  // Membership in one round trip: every thread loads its share of the ids at once. The member list
+  // is in no particular order (each row's result is independent of which group computes it).
+  constexpr uint32_t kIdsPerThread = kGatherMaxRows / kDirectThreads;
+  if (threadIdx.x == 0) member_count = 0;
+  uint32_t seen[kIdsPerThread];
+#pragma unroll
+  for (uint32_t j = 0; j < kIdsPerThread; ++j) {
+    const uint32_t f = threadIdx.x + j * kDirectThreads;
+    seen[j] = f < rows ? __ldg(ids + f) : UINT32_MAX;
+  }
+  bool earlier = false;
+#pragma unroll
+  for (uint32_t j = 0; j < kIdsPerThread; ++j) {
+    earlier |= threadIdx.x + j * kDirectThreads < flat && seen[j] == id;
+  }
+  if (__syncthreads_or(earlier)) return;  // another block leads this expert
+#pragma unroll
+  for (uint32_t j = 0; j < kIdsPerThread; ++j) {
+    const uint32_t f = threadIdx.x + j * kDirectThreads;
+    if (f >= flat && seen[j] == id) {
+      members[atomicAdd(&member_count, 1u)] = static_cast<uint16_t>(f);
+    }
+  }
+  __syncthreads();
+  const uint32_t count = member_count;
+  // A warp whose columns all lie past n computes nothing but still takes part in staging.
+  const bool active = tile * kDirectCols + warp * 4 < p.n;
+
   const void* wrow = w + uint64_t{id} * p.expert_stride_bytes +
                      uint64_t{col < p.n ? col : 0} * p.k * sizeof(typename Chunk<T>::elem);
   // A lone row (and every row on the element-wise path) takes dot_row; groups of 2..kGatherRows
