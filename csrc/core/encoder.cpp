@@ -84,7 +84,7 @@ void CommandEncoder::dispatch(const Pipeline& pipeline,
   command.launch.kind = kind;
   command.launch.grid = grid;
   command.launch.threads = threads;
-  command.launch.threadgroup_memory = threadgroup_memory;
+  command.launch.threadgroup_memory = std::move(threadgroup_memory);
   command.launch.int_constants = pipeline.int_constants();
   command.inline_bytes.reserve(args.size());
   command.keep_alive.reserve(args.size());
@@ -148,7 +148,7 @@ void CommandEncoder::dispatch(const Pipeline& pipeline,
     return;
   }
   EncodedKernelDispatch encoded{label, kind, grid.array(), threads.array(),
-                                std::move(threadgroup_memory)};
+                                command.launch.threadgroup_memory};
   if (capturing_) {
     CapturedNode node;
     node.kind = CapturedNode::Kind::Dispatch;

@@ -3,6 +3,7 @@
 #include "routemm/ops/dense_matmul_id.h"
 
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <string>
 
@@ -207,8 +208,11 @@ DenseMatmulIdCapability validate_dense_matmul_id_call(const Buffer& weights, con
   return cap;
 }
 
-std::vector<std::string_view> dense_matmul_id_route_pipelines(DType weight_dtype,
-                                                              DenseMatmulIdRoute route) {
+namespace {
+
+// The pipelines of a route in dispatch order (the second empty for one-dispatch routes), without
+// allocating: this runs on every call.
+std::array<std::string_view, 2> route_pipeline_names(DType weight_dtype, DenseMatmulIdRoute route) {
   // Index of the weight dtype in each per-dtype list: f32, f16, bf16.
   size_t index = 0;
   switch (weight_dtype) {
@@ -218,7 +222,7 @@ std::vector<std::string_view> dense_matmul_id_route_pipelines(DType weight_dtype
     default: fail("has no scalar pipeline for " + std::string(dtype_name(weight_dtype)));
   }
   switch (route) {
-    case DenseMatmulIdRoute::Direct: return {kDenseMatmulIdPipelineNames[index]};
+    case DenseMatmulIdRoute::Direct: return {kDenseMatmulIdPipelineNames[index], {}};
     case DenseMatmulIdRoute::GroupedPrefill:
       return {kDenseMatmulIdMapPipeline, kDenseMatmulIdPipelineNames[4 + index]};
     case DenseMatmulIdRoute::GroupedTensorTf32:
@@ -228,6 +232,15 @@ std::vector<std::string_view> dense_matmul_id_route_pipelines(DType weight_dtype
       return {kDenseMatmulIdMapPipeline, kDenseMatmulIdTensorPipelineNames[2 + index]};
   }
   fail("unknown route");
+}
+
+}  // namespace
+
+std::vector<std::string_view> dense_matmul_id_route_pipelines(DType weight_dtype,
+                                                              DenseMatmulIdRoute route) {
+  const auto names = route_pipeline_names(weight_dtype, route);
+  if (names[1].empty()) return {names[0]};
+  return {names[0], names[1]};
 }
 
 DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegistry& registry,
@@ -267,8 +280,7 @@ DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegi
         checked_mul("slotted input token stride", row_bytes, params.top_k);
     gpu.input_slot_stride_bytes = row_bytes;
   }
-  const std::vector<std::string_view> names =
-      dense_matmul_id_route_pipelines(weights.dtype(), cap.route);
+  const std::array<std::string_view, 2> names = route_pipeline_names(weights.dtype(), cap.route);
   const KernelArg params_arg = KernelArg::pod(gpu);
   const uint64_t total_rows = uint64_t{params.m} * params.top_k;
 

@@ -17,7 +17,7 @@
 // Geometry (what the KernelDefs below tell the front door, and how each kernel reads its grid):
 //   direct : grid [ceil(n / 8), m * top_k, 1], 64 threads. Block (x, y) computes columns
 //            [8x, 8x + 8) of flat row y: 2 warps x 4 columns, 8 lanes (one per s_p) per column.
-//            Up to kGatherMaxRows flat rows, the block of the first flat row routed to an expert
+//            Where rows share experts enough, the block of the first flat row routed to an expert
 //            computes that tile for every row routed there and the others exit (see
 //            direct_gathered_kernel); the grid and the tile are the same either way.
 //   map    : grid [1, 1, 1], threads [1024]: one block that builds per-expert token bitmaps tile by
@@ -26,9 +26,8 @@
 //            routed rows [32x, 32x + 32) of expert e times columns [64y, 64y + 64): 32 thread tiles
 //            of 8 rows x 8 columns, 8 lanes (one per s_p) per tile, K staged through shared memory
 //            in slices of 64 (one chunk per s_p), double-buffered.
-// The host wrappers launch these grids flattened into x (no 65535 limit on y): the gathered direct
-// kernel row-major, the other direct kernel tile-major (all flat rows of tile x side by side, so
-// rows routed to one expert read its weight tile together).
+// The host wrappers launch these grids flattened into x (no 65535 limit on y); which direct kernel
+// runs, and in which block order, depends on the shape only (see launch_direct).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -330,20 +329,24 @@ __device__ __forceinline__ void dot_rows(const DenseMatmulIdKernelParams& p, con
   }
 }
 
-// Tile-major direct kernel (more than kGatherMaxRows flat rows): blocks walk the column tiles
-// outermost, so the blocks of one tile -- every flat row, among them the rows routed to the same
-// expert -- are launched side by side and a weight tile that several rows share is read from DRAM
-// once and by the others from L2 while it is still there.
+// Per-row direct kernel: every block computes one tile of one flat row. With tile_major, blocks walk
+// the column tiles outermost, so the blocks of one tile -- every flat row, among them the rows
+// routed to the same expert -- are launched side by side and a weight tile that several rows share
+// is read from DRAM once and by the others from L2 while it is still there. Otherwise (one token,
+// whose rows share no expert) blocks walk the flat rows outermost, and the blocks launched together
+// read one expert's consecutive tiles.
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kDirectThreads)
     direct_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
                   const char* __restrict__ x, const uint32_t* __restrict__ ids,
-                  float* __restrict__ out, uint32_t tiles_x, uint64_t rows) {
+                  float* __restrict__ out, uint32_t tiles_x, uint64_t rows, bool tile_major) {
   const uint64_t block = blockIdx.x;
-  const uint64_t tile64 = block / rows;
-  if (tile64 >= tiles_x) return;
+  const uint64_t major = tile_major ? block / rows : block / tiles_x;
+  const uint64_t minor = tile_major ? block - major * rows : block - major * tiles_x;
+  const uint64_t tile64 = tile_major ? major : minor;
+  if (tile64 >= tiles_x || (tile_major ? minor : major) >= rows) return;
   const uint32_t tile = static_cast<uint32_t>(tile64);
-  const uint32_t flat = static_cast<uint32_t>(block - tile64 * rows);
+  const uint32_t flat = static_cast<uint32_t>(tile_major ? minor : major);
   const uint32_t lane = threadIdx.x & 31;
   const uint32_t part = lane & 7;  // which partial sum s_p this lane owns
   const uint32_t col = tile * kDirectCols + (threadIdx.x >> 5) * 4 + (lane >> 3);
@@ -368,7 +371,7 @@ constexpr uint32_t gather_min_blocks() {
   return sizeof(typename Chunk<T>::elem) == 4 ? 6 : 8;
 }
 
-// Gathered direct kernel (at most kGatherMaxRows flat rows, the decode sizes): block (tile, flat)
+// Gathered direct kernel (at most kGatherMaxRows flat rows): block (tile, flat)
 // is the leader of its expert when no earlier flat row holds the same valid id; the leader computes
 // its tile for every flat row routed to that expert, so each weight tile is read once, and the
 // other blocks of that expert exit. Blocks walk the flat rows outermost (a leader's tiles are
@@ -730,7 +733,14 @@ void launch_direct(const KernelLaunch& launch, void* stream_ptr) {
   const size_t elem = sizeof(typename Chunk<T>::elem);
   const bool vec = vector_ok(p, w, x, elem);
   const auto tx = static_cast<uint32_t>(tiles_x);
-  if (rows <= kGatherMaxRows) {
+  // Kernel choice by shape only (every kernel follows the numeric contract, so the results are the
+  // same bits): the gathered kernel where rows are expected to share experts enough to pay for its
+  // membership scan and staging -- at least kGatherRowsPerExpert rows per expert on average (1 with
+  // F32 weights, 4 with 2-byte weights, measured on the H200 in
+  // bench/results/experiments/dense_matmul_id-h200-direct-kernels-2026-12-03.md) -- and up to
+  // kGatherMaxRows rows; otherwise the per-row kernel, tile-major unless there is one token.
+  const uint64_t per_expert = elem == 4 ? 1 : 4;
+  if (rows <= kGatherMaxRows && rows >= per_expert * p.n_experts) {
     const auto r = static_cast<uint32_t>(rows);
     if (vec) {
       direct_gathered_kernel<T, true>
@@ -739,10 +749,15 @@ void launch_direct(const KernelLaunch& launch, void* stream_ptr) {
       direct_gathered_kernel<T, false>
           <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, tx, r);
     }
-  } else if (vec) {
-    direct_kernel<T, true><<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, tx, rows);
+    return;
+  }
+  const bool tile_major = p.m > 1;
+  if (vec) {
+    direct_kernel<T, true>
+        <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, tx, rows, tile_major);
   } else {
-    direct_kernel<T, false><<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, tx, rows);
+    direct_kernel<T, false>
+        <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, tx, rows, tile_major);
   }
 }
 
