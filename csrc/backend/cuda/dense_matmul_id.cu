@@ -734,13 +734,13 @@ void launch_direct(const KernelLaunch& launch, void* stream_ptr) {
   const bool vec = vector_ok(p, w, x, elem);
   const auto tx = static_cast<uint32_t>(tiles_x);
   // Kernel choice by shape only (every kernel follows the numeric contract, so the results are the
-  // same bits): the gathered kernel where rows are expected to share experts enough to pay for its
-  // membership scan and staging -- at least kGatherRowsPerExpert rows per expert on average (1 with
-  // F32 weights, 4 with 2-byte weights, measured on the H200 in
-  // bench/results/experiments/dense_matmul_id-h200-direct-kernels-2026-12-03.md) -- and up to
-  // kGatherMaxRows rows; otherwise the per-row kernel, tile-major unless there is one token.
-  const uint64_t per_expert = elem == 4 ? 1 : 4;
-  if (rows <= kGatherMaxRows && rows >= per_expert * p.n_experts) {
+  // same bits), from the H200 measurements in
+  // bench/results/experiments/dense_matmul_id-h200-direct-kernels-2026-12-03.md: up to
+  // kGatherMaxRows rows, the gathered kernel for F32 weights from two tokens on, and for 2-byte
+  // weights once there are at least 4 rows per expert on average (below that the per-row kernel's
+  // L2 sharing is faster); otherwise the per-row kernel, tile-major unless there is one token.
+  const bool gather = elem == 4 ? p.m > 1 : rows >= 4 * uint64_t{p.n_experts};
+  if (rows <= kGatherMaxRows && gather) {
     const auto r = static_cast<uint32_t>(rows);
     if (vec) {
       direct_gathered_kernel<T, true>
