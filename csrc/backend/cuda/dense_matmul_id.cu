@@ -58,13 +58,10 @@ constexpr uint32_t kDirectThreads = 64;    // 2 warps
 constexpr uint32_t kDirectUnroll = 8;      // chunk loads in flight per lane
 constexpr uint32_t kGatherMaxRows = 1024;  // flat rows up to which direct gathers rows per expert
 constexpr uint32_t kGatherRows = 8;        // rows a gathered direct block computes per weight pass
-constexpr uint32_t kStageUnroll = 16;    // weight chunks in flight per lane, staged per-row kernel
-constexpr uint32_t kStageMaxK = 12288;   // staged activation row: <= 48 KiB of shared memory
-constexpr uint32_t kStageBatch = 8;      // staged activation float4 loads in flight per thread
-constexpr uint32_t kGroupRows = 32;      // routed rows per grouped block
-constexpr uint32_t kGroupCols = 64;      // columns per grouped block
-constexpr uint32_t kGroupThreads = 256;  // 8 warps
-constexpr uint32_t kSlice = 64;          // inner positions per shared-memory slice
+constexpr uint32_t kGroupRows = 32;        // routed rows per grouped block
+constexpr uint32_t kGroupCols = 64;        // columns per grouped block
+constexpr uint32_t kGroupThreads = 256;    // 8 warps
+constexpr uint32_t kSlice = 64;            // inner positions per shared-memory slice
 constexpr uint32_t kMapMaxThreads = 1024;
 constexpr size_t kGroupDynamicShmem =
     2ull * (kGroupRows + kGroupCols) * kSlice * sizeof(float);  // 48 KiB
@@ -361,102 +358,6 @@ __global__ void __launch_bounds__(kDirectThreads)
     const void* wrow = w + uint64_t{id} * p.expert_stride_bytes +
                        uint64_t{col} * p.k * sizeof(typename Chunk<T>::elem);
     s = dot_row<T, VEC>(p, wrow, input_row(p, x, flat), part);
-  }
-  s = reduce8(s);
-  if (part == 0 && col < p.n) out[uint64_t{flat} * p.n + col] = s;
-}
-
-// Per-row direct kernel with the activation row staged in shared memory (2-byte weights, the
-// vectorised path, k <= kStageMaxK): the block loads its row's activations once, split into chunk
-// halves like StagedRows, while the first weight chunks are in flight; the lanes then read the
-// activations from shared memory, which frees the registers of the per-row kernel's activation
-// chunks for twice as many weight chunks in flight (kStageUnroll per lane). Same block order and
-// numeric contract as direct_kernel.
-template <typename T>
-__global__ void __launch_bounds__(kDirectThreads)
-    direct_staged_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
-                         const char* __restrict__ x, const uint32_t* __restrict__ ids,
-                         float* __restrict__ out, uint32_t tiles_x, uint64_t rows,
-                         bool tile_major) {
-  extern __shared__ float4 staged_x[];  // [lo: kp / 8][hi: kp / 8], kp = round_up(k, 64)
-  const uint64_t block = blockIdx.x;
-  const uint64_t major = tile_major ? block / rows : block / tiles_x;
-  const uint64_t minor = tile_major ? block - major * rows : block - major * tiles_x;
-  const uint64_t tile64 = tile_major ? major : minor;
-  if (tile64 >= tiles_x || (tile_major ? minor : major) >= rows) return;
-  const uint32_t tile = static_cast<uint32_t>(tile64);
-  const uint32_t flat = static_cast<uint32_t>(tile_major ? minor : major);
-  const uint32_t lane = threadIdx.x & 31;
-  const uint32_t part = lane & 7;
-  const uint32_t col = tile * kDirectCols + (threadIdx.x >> 5) * 4 + (lane >> 3);
-  const uint32_t id = __ldg(ids + flat);
-  // A lane of a column past n, or of a row with an invalid id, loads no weights; every thread
-  // stages (barrier).
-  const bool active = id < p.n_experts && col < p.n;
-  const uint32_t slices = (p.k + kSlice - 1) / kSlice;  // chunks per lane
-  const uint32_t chunks = slices * 8;                   // chunks of the padded row
-  const void* wrow = w + uint64_t{active ? id : 0} * p.expert_stride_bytes +
-                     uint64_t{active ? col : 0} * p.k * sizeof(typename Chunk<T>::elem);
-
-  Chunk<T> wc[kStageUnroll];
-#pragma unroll
-  for (uint32_t u = 0; u < kStageUnroll; ++u) {
-    if (active && u < slices) {
-      wc[u] = load_w_chunk<T, true>(wrow, u * 8 + part, p.k);
-    } else {
-      wc[u].zero();
-    }
-  }
-  {
-    const float* xrow = input_row(p, x, flat);
-    float4* lo = staged_x;
-    float4* hi = staged_x + chunks;
-    // In batches of kStageBatch float4 per thread, all loads of a batch in flight together.
-    for (uint32_t base = 0; base < 2 * chunks; base += kStageBatch * kDirectThreads) {
-      float4 v[kStageBatch];
-#pragma unroll
-      for (uint32_t j = 0; j < kStageBatch; ++j) {
-        const uint32_t pos = (base + j * kDirectThreads + threadIdx.x) * 4;
-        v[j] = pos < p.k ? __ldg(reinterpret_cast<const float4*>(xrow + pos))
-                         : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (uint32_t j = 0; j < kStageBatch; ++j) {
-        const uint32_t f = base + j * kDirectThreads + threadIdx.x;
-        if (f < 2 * chunks) (f & 1 ? hi : lo)[f >> 1] = v[j];
-      }
-    }
-  }
-  __syncthreads();
-  if (id >= p.n_experts) {  // block-uniform: the row is all zeros
-    if (part == 0 && col < p.n) out[uint64_t{flat} * p.n + col] = 0.f;
-    return;
-  }
-  if (tile * kDirectCols + (threadIdx.x >> 5) * 4 >= p.n) return;  // whole warp past n
-  // Lanes of a column past n (in a partly filled warp) add zeros and stay for the shuffles.
-  float s = 0.f;
-  for (uint32_t i = 0; i < slices; i += kStageUnroll) {
-    if (i > 0) {
-#pragma unroll
-      for (uint32_t u = 0; u < kStageUnroll; ++u) {
-        if (active && i + u < slices) {
-          wc[u] = load_w_chunk<T, true>(wrow, (i + u) * 8 + part, p.k);
-        } else {
-          wc[u].zero();
-        }
-      }
-    }
-#pragma unroll
-    for (uint32_t u = 0; u < kStageUnroll; ++u) {
-      if (i + u < slices) {
-        const uint32_t c = (i + u) * 8 + part;
-        Chunk<float> xc;
-        xc.a = staged_x[c];
-        xc.b = staged_x[chunks + c];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) s = fmaf(wc[u].get(j), xc.get(j), s);
-      }
-    }
   }
   s = reduce8(s);
   if (part == 0 && col < p.n) out[uint64_t{flat} * p.n + col] = s;
@@ -851,14 +752,6 @@ void launch_direct(const KernelLaunch& launch, void* stream_ptr) {
     return;
   }
   const bool tile_major = p.m > 1;
-  if constexpr (sizeof(typename Chunk<T>::elem) == 2) {
-    if (vec && p.k <= kStageMaxK) {
-      const size_t shmem = size_t{(p.k + kSlice - 1) / kSlice} * kSlice * sizeof(float);
-      direct_staged_kernel<T>
-          <<<grid, kDirectThreads, shmem, stream>>>(p, w, x, ids, out, tx, rows, tile_major);
-      return;
-    }
-  }
   if (vec) {
     direct_kernel<T, true>
         <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, tx, rows, tile_major);
