@@ -12,6 +12,11 @@ Shapes: the Qwen3-30B-A3B expert projection (E=128, top_k=8, n=768, k=2048, bf16
 and m=512 (grouped_prefill: map + grouped dispatch, with the leading scratch barrier).
 The median per-call time over batches is reported (time_us), with min and max beside it. The
 target (issue 3): under 5 us per call.
+
+On CUDA, when nvcc is on PATH, the bare-launch floor of the same host is measured just before and
+just after (bench/lab/launch_cost.cu, same protocol; `--no-launch-floor` skips it) and recorded
+beside the records: the launch alone drifts by microseconds between hosts and runs, so a per-call
+time means little without it.
 """
 
 from __future__ import annotations
@@ -19,8 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -77,6 +86,34 @@ def time_calls(device, registry, case, layer: str, calls: int, batches: int) -> 
     return per_call[1:]
 
 
+LAB_LAUNCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lab", "launch_cost.cu")
+
+
+def build_launch_floor(workdir: str) -> str | None:
+    """Compiles the bare-launch lab for this host's GPU; None (with the reason printed) if it can't."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("launch floor: nvcc not found, not measured", flush=True)
+        return None
+    exe = os.path.join(workdir, "launch_cost")
+    cmd = [nvcc, "-std=c++20", "-arch=native", "-O3", "-cudart", "static", "-o", exe, LAB_LAUNCH]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"launch floor: build failed, not measured: {proc.stderr.strip()[-300:]}", flush=True)
+        return None
+    return exe
+
+
+def run_launch_floor(exe: str, calls: int, batches: int) -> dict | None:
+    """Per-call medians (us) of the lab's three launch variants, keyed by their labels."""
+    proc = subprocess.run([exe, str(calls), str(batches)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"launch floor: run failed: {proc.stderr.strip()[-300:]}", flush=True)
+        return None
+    found = re.findall(r"^(.+): ([0-9.]+) us/call$", proc.stdout, re.MULTILINE)
+    return {label: float(value) for label, value in found} or None
+
+
 def table(doc) -> str:
     lines = [
         f"# dense_matmul_id host cost on {doc['device']} (git {doc['git_rev']})",
@@ -94,6 +131,12 @@ def table(doc) -> str:
             f"| {r['shape']} | {r['weight_dtype']} | {r['m']} | {r['route']} | {r['layer']} | {r['time_us']:.2f} | "
             f"{r['min_us']:.2f} | {r['max_us']:.2f} | {'yes' if r['time_us'] < TARGET_US else 'no'} |"
         )
+    floor = doc.get("bare_launch_us") or {}
+    if floor:
+        lines += ["", "Bare kernel launch on the same host (bench/lab/launch_cost.cu, same protocol), us per call:", ""]
+        for when in ("before", "after"):
+            if floor.get(when):
+                lines.append(f"- {when}: " + "; ".join(f"{k} {v:.2f}" for k, v in floor[when].items()))
     return "\n".join(lines) + "\n"
 
 
@@ -103,10 +146,16 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cuda or cpu (default: the best available)")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--batches", type=int, default=15)
+    ap.add_argument("--no-launch-floor", action="store_true", help="skip the bare-launch measurement on CUDA")
     args = ap.parse_args()
     device = routemm.Device(args.device) if args.device else routemm.Device()
     registry = routemm.KernelRegistry(device)
     records = []
+    floor = {}
+    workdir = tempfile.TemporaryDirectory()
+    exe = build_launch_floor(workdir.name) if device.backend == "cuda" and not args.no_launch_floor else None
+    if exe:
+        floor["before"] = run_launch_floor(exe, args.calls, args.batches)
     for m, route in [(1, Route.DIRECT), (512, Route.GROUPED_PREFILL)]:
         case = build_case(device, m, route)
         for layer in ("front_door", "native"):
@@ -127,6 +176,9 @@ def main() -> None:
             }
             records.append(rec)
             print(f"m={m} {route.value} {layer}: {rec['time_us']:.2f} us/call (min {rec['min_us']:.2f})", flush=True)
+    if exe:
+        floor["after"] = run_launch_floor(exe, args.calls, args.batches)
+    workdir.cleanup()
     doc = {
         "device": str(device),
         "git_rev": os.environ.get("GIT_REV", "unknown"),
@@ -135,6 +187,8 @@ def main() -> None:
         "target_us": TARGET_US,
         "records": records,
     }
+    if floor:
+        doc["bare_launch_us"] = floor
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     md = table(doc)

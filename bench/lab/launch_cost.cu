@@ -1,5 +1,6 @@
 // Host cost of one bare kernel launch on an otherwise empty stream: the floor under the per-call
-// host cost that bench/host_cost.py measures (validation + encode + launch).
+// host cost that bench/host_cost.py measures (validation + encode + launch); host_cost.py builds
+// and runs it before and after its own measurement on CUDA.
 //
 //   nvcc -std=c++20 -arch=sm_90a -O3 -cudart static -o /tmp/launch_cost bench/lab/launch_cost.cu
 //   /tmp/launch_cost [calls=200] [batches=15]
