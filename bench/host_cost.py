@@ -152,8 +152,8 @@ def main() -> None:
     registry = routemm.KernelRegistry(device)
     records = []
     floor = {}
-    workdir = tempfile.TemporaryDirectory()
-    exe = build_launch_floor(workdir.name) if device.backend == "cuda" and not args.no_launch_floor else None
+    workdir = tempfile.TemporaryDirectory() if device.backend == "cuda" and not args.no_launch_floor else None
+    exe = build_launch_floor(workdir.name) if workdir else None
     if exe:
         floor["before"] = run_launch_floor(exe, args.calls, args.batches)
     for m, route in [(1, Route.DIRECT), (512, Route.GROUPED_PREFILL)]:
@@ -178,7 +178,8 @@ def main() -> None:
             print(f"m={m} {route.value} {layer}: {rec['time_us']:.2f} us/call (min {rec['min_us']:.2f})", flush=True)
     if exe:
         floor["after"] = run_launch_floor(exe, args.calls, args.batches)
-    workdir.cleanup()
+    if workdir:
+        workdir.cleanup()
     doc = {
         "device": str(device),
         "git_rev": os.environ.get("GIT_REV", "unknown"),

@@ -218,6 +218,22 @@ __device__ __forceinline__ const float* input_row(const DenseMatmulIdKernelParam
 
 // ---- direct --------------------------------------------------------------------------------------
 
+// Loads the weight chunks of slice iteration i (chunks (i + u) * 8 + part, u < kDirectUnroll);
+// chunks past the row, or all of them when !active, are zero.
+template <typename T, bool VEC>
+__device__ __forceinline__ void load_w_slice(const void* wrow, uint32_t i, uint32_t slices,
+                                             uint32_t part, uint32_t k, bool active,
+                                             Chunk<T> (&wc)[kDirectUnroll]) {
+#pragma unroll
+  for (uint32_t u = 0; u < kDirectUnroll; ++u) {
+    if (active && i + u < slices) {
+      wc[u] = load_w_chunk<T, VEC>(wrow, (i + u) * 8 + part, k);
+    } else {
+      wc[u].zero();
+    }
+  }
+}
+
 // Dot product of one weight column (lane group of 8, this lane owning s_p, p = part) with one
 // input row, by the numeric contract. A slice's weight and activation chunks are all loaded before
 // the first FMA, so kDirectUnroll loads of each are in flight per lane.
@@ -229,14 +245,7 @@ __device__ __forceinline__ float dot_row(const DenseMatmulIdKernelParams& p, con
   for (uint32_t i = 0; i < slices; i += kDirectUnroll) {
     Chunk<T> wc[kDirectUnroll];
     Chunk<float> xc[kDirectUnroll];
-#pragma unroll
-    for (uint32_t u = 0; u < kDirectUnroll; ++u) {
-      if (i + u < slices) {
-        wc[u] = load_w_chunk<T, VEC>(wrow, (i + u) * 8 + part, p.k);
-      } else {
-        wc[u].zero();
-      }
-    }
+    load_w_slice<T, VEC>(wrow, i, slices, part, p.k, true, wc);
 #pragma unroll
     for (uint32_t u = 0; u < kDirectUnroll; ++u) {
       if (i + u < slices) {
@@ -283,14 +292,7 @@ __device__ __forceinline__ void dot_rows(const DenseMatmulIdKernelParams& p, con
   const uint32_t slices = (p.k + kSlice - 1) / kSlice;
   for (uint32_t i = 0; i < slices; i += kDirectUnroll) {
     Chunk<T> wc[kDirectUnroll];
-#pragma unroll
-    for (uint32_t u = 0; u < kDirectUnroll; ++u) {
-      if (active && i + u < slices) {
-        wc[u] = load_w_chunk<T, true>(wrow, (i + u) * 8 + part, p.k);
-      } else {
-        wc[u].zero();
-      }
-    }
+    load_w_slice<T, true>(wrow, i, slices, part, p.k, active, wc);
     const uint32_t first = i * kSlice;  // first inner position of this slice iteration
     float4 v[kLoads];
 #pragma unroll
@@ -341,12 +343,11 @@ __global__ void __launch_bounds__(kDirectThreads)
                   const char* __restrict__ x, const uint32_t* __restrict__ ids,
                   float* __restrict__ out, uint32_t tiles_x, uint64_t rows, bool tile_major) {
   const uint64_t block = blockIdx.x;
-  const uint64_t major = tile_major ? block / rows : block / tiles_x;
-  const uint64_t minor = tile_major ? block - major * rows : block - major * tiles_x;
-  const uint64_t tile64 = tile_major ? major : minor;
-  if (tile64 >= tiles_x || (tile_major ? minor : major) >= rows) return;
+  const uint64_t tile64 = tile_major ? block / rows : block % tiles_x;
+  const uint64_t flat64 = tile_major ? block % rows : block / tiles_x;
+  if (tile64 >= tiles_x || flat64 >= rows) return;
   const uint32_t tile = static_cast<uint32_t>(tile64);
-  const uint32_t flat = static_cast<uint32_t>(tile_major ? minor : major);
+  const uint32_t flat = static_cast<uint32_t>(flat64);
   const uint32_t lane = threadIdx.x & 31;
   const uint32_t part = lane & 7;  // which partial sum s_p this lane owns
   const uint32_t col = tile * kDirectCols + (threadIdx.x >> 5) * 4 + (lane >> 3);
