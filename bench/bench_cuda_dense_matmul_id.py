@@ -121,7 +121,7 @@ def calls_for(estimate_s, lo=1, hi=200):
     return int(max(lo, min(hi, TARGET_S / 5 / max(estimate_s, 1e-7))))
 
 
-def run_shape(name, cfg, dtype_name, ms, device, registry, records, quick):
+def run_shape(name, cfg, dtype_name, ms, device, registry, records, quick, only_routes=None, peer_names=None):
     E, top_k, n, k = cfg["E"], cfg["top_k"], cfg["n"], cfg["k"]
     tdtype = DTYPES[dtype_name]
     esize = torch.tensor([], dtype=tdtype).element_size()
@@ -177,6 +177,8 @@ def run_shape(name, cfg, dtype_name, ms, device, registry, records, quick):
         routes = ["direct", "grouped_prefill"]
         if m >= 32:  # the opt-in tensor-core routes, where prefill work begins
             routes += ["grouped_tensor_tf32"] + (["grouped_tensor_lowp"] if dtype_name != "f32" else [])
+        if only_routes is not None:
+            routes = [r for r in routes if r in only_routes]
         for route in routes:
             params = routemm.DenseMatmulIdParams(
                 m, n, k, top_k, E, n * k * esize, route=routemm.DenseMatmulIdRoute(route)
@@ -302,6 +304,8 @@ def run_shape(name, cfg, dtype_name, ms, device, registry, records, quick):
             peers.append(("torch_grouped_mm", grouped_mm))
         if m <= 8:
             peers.append(("torch_gather_bmm", gather_bmm))
+        if peer_names is not None:
+            peers = [(impl, fn) for impl, fn in peers if impl in peer_names]
         for impl, fn in peers:
             try:
                 t0 = time.perf_counter()
@@ -376,6 +380,10 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--dtypes", default="bf16,f32")
+    ap.add_argument("--routes", default=None, help="comma list of routemm routes to run (default: all)")
+    ap.add_argument(
+        "--peers", default=None, help="comma list of peers (torch_loop, torch_grouped_mm, torch_gather_bmm); 'none'"
+    )
     args = ap.parse_args()
     device = routemm.Device("cuda")
     registry = routemm.KernelRegistry(device)
@@ -401,7 +409,16 @@ def main():
     for name in args.shapes.split(","):
         for dt in args.dtypes.split(","):
             run_shape(
-                name, SHAPES[name], dt, [int(v) for v in args.ms.split(",")], device, registry, records, args.quick
+                name,
+                SHAPES[name],
+                dt,
+                [int(v) for v in args.ms.split(",")],
+                device,
+                registry,
+                records,
+                args.quick,
+                only_routes=None if args.routes is None else set(args.routes.split(",")),
+                peer_names=None if args.peers is None else set(args.peers.split(",")),
             )
             log(f"-- {name} {dt} done at {time.time() - t0:.0f} s")
             save()

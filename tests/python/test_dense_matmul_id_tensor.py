@@ -57,7 +57,17 @@ def _run(device, registry, w, x, ids, params):
 @pytest.mark.parametrize("dtype", [DType.F32, DType.F16, DType.BF16], ids=str)
 @pytest.mark.parametrize("layout", list(Layout), ids=lambda v: v.value)
 @pytest.mark.parametrize(
-    "m,n,k,top_k,experts", [(9, 7, 35, 6, 8), (33, 130, 300, 2, 4), (200, 64, 128, 8, 16), (300, 300, 96, 4, 8)]
+    "m,n,k,top_k,experts",
+    [
+        (9, 7, 35, 6, 8),
+        (33, 130, 300, 2, 4),
+        (200, 64, 128, 8, 16),
+        (300, 300, 96, 4, 8),
+        # Aligned shapes for the Hopper lowp kernel: column and K tails of its 256 x 64 slices, row
+        # tiles of 128 with a last one under 64 rows, and more work items than multiprocessors.
+        (260, 520, 1000, 2, 4),
+        (300, 520, 200, 8, 64),
+    ],
 )
 def test_tensor_routes_within_tolerance(backend, device, registry, rng, route, dtype, layout, m, n, k, top_k, experts):
     params = routemm.DenseMatmulIdParams(m, n, k, top_k, experts, n * k * dtype.size, layout, route=route)

@@ -35,9 +35,12 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "backend/common/dense_matmul_id_params.h"
 #include "backend/common/launch_args.h"
+#include "dense_matmul_id_wgmma.h"
+#include "grouped_work_list.cuh"
 #include "kernels.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
@@ -189,30 +192,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>())
   const uint32_t n_experts = p.n_experts, m = p.m, n = p.n, k = p.k;
   const uint32_t col_tiles = (n + BN - 1) / BN;
 
-  // ---- work list: exclusive prefix over experts of their item counts ----
-  {
-    const uint32_t per = (n_experts + kThreads - 1) / kThreads;
-    const uint32_t e0 = min(tid * per, n_experts), e1 = min(e0 + per, n_experts);
-    uint32_t local = 0;
-    for (uint32_t e = e0; e < e1; ++e) local += (min(counts[e], m) + BM - 1) / BM * col_tiles;
-    uint32_t incl = local;
-    for (uint32_t d = 1; d < 32; d <<= 1) {
-      const uint32_t v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-      if (lane >= d) incl += v;
-    }
-    __shared__ uint32_t warp_sums[kThreads / 32];
-    if (lane == 31) warp_sums[warp] = incl;
-    __syncthreads();
-    uint32_t base = 0;
-    for (uint32_t w = 0; w < warp; ++w) base += warp_sums[w];
-    uint32_t run = base + incl - local;
-    for (uint32_t e = e0; e < e1; ++e) {
-      prefix[e] = run;
-      run += (min(counts[e], m) + BM - 1) / BM * col_tiles;
-    }
-    if (tid == kThreads - 1) prefix[n_experts] = base + incl;
-    __syncthreads();
-  }
+  build_item_prefix<kThreads>(counts, m, n_experts, BM, col_tiles, prefix);
   const uint32_t total = prefix[n_experts];
 
   const uint32_t warp_row = (warp >> 2) * (BM / 2), warp_col = (warp & 3) * (BN / 4);
@@ -222,21 +202,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>())
   const uint32_t b_lrow = (lane & 7) + (lane >> 4) * 8, b_lchunk = (lane >> 3) & 1;
 
   for (uint32_t item = blockIdx.x; item < total; item += gridDim.x) {
-    uint32_t lo = 0, hi = n_experts;  // prefix[lo] <= item < prefix[hi]
-    while (hi - lo > 1) {
-      const uint32_t mid = (lo + hi) >> 1;
-      if (prefix[mid] <= item)
-        lo = mid;
-      else
-        hi = mid;
-    }
-    const uint32_t expert = lo;
-    const uint32_t count = min(counts[expert], m);
-    const uint32_t row_tiles = (count + BM - 1) / BM;
-    const uint32_t local = item - prefix[expert];
-    const uint32_t col0 = (local / row_tiles) * BN;
-    const uint32_t row0 = (local % row_tiles) * BM;
-    const uint32_t rows = min(BM, count - row0);
+    const WorkItem w = decode_item(item, prefix, counts, m, n_experts, BM, BN);
+    const uint32_t expert = w.expert, col0 = w.col0, row0 = w.row0, rows = w.rows;
     const uint32_t* expert_routed = routed + static_cast<uint64_t>(expert) * m + row0;
 
     cp_async_wait<0>();
@@ -540,6 +507,16 @@ void launch_grouped_tensor(const KernelLaunch& launch, void* queue_native) {
                    addr(2) % 16 == 0 && p.input_token_stride_bytes % 16 == 0 &&
                    p.input_slot_stride_bytes % 16 == 0;
   const bool out_vec2 = p.n % 2 == 0 && addr(5) % 8 == 0;
+  if constexpr (M != Mode::Tf32) {
+    int device = 0;
+    if (vec && p.k > 0 && cudaGetDevice(&device) == cudaSuccess && wgmma_lowp_available(device)) {
+      launch_grouped_lowp_wgmma(launch, p, stream, M == Mode::LowpF16, out_vec2);
+      if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
+        throw Error("'" + launch.label + "': launch failed: " + cudaGetErrorString(e));
+      }
+      return;
+    }
+  }
   // Experts holding few rows on average take 64-row tiles (less padding), others 128.
   const bool small = uint64_t{p.m} * p.top_k < uint64_t{100} * p.n_experts;
   // 128 x 256 tiles (1 CTA per multiprocessor) measured no faster than 128 x 128 on the H200 and
@@ -589,9 +566,22 @@ void add_dense_matmul_id_tensor_kernels(std::vector<KernelDef>& out) {
   out.push_back(tensor_def(names[0], &launch_grouped_tensor<float, Mode::Tf32>, groups));
   out.push_back(tensor_def(names[1], &launch_grouped_tensor<__half, Mode::Tf32>, groups));
   out.push_back(tensor_def(names[2], &launch_grouped_tensor<__nv_bfloat16, Mode::Tf32>, groups));
-  out.push_back(tensor_def(names[3], &launch_grouped_tensor<__half, Mode::LowpF16>, groups));
-  out.push_back(
-      tensor_def(names[4], &launch_grouped_tensor<__nv_bfloat16, Mode::LowpBf16>, groups));
+  // Where the Hopper kernel serves the lowp routes: one CTA per multiprocessor (its shared memory
+  // and registers), so a persistent grid of one wave; the mma.sync fallback of those pipelines
+  // (unaligned views) runs its persistent loop on that grid too.
+  const bool hopper = wgmma_lowp_available(0);
+  const auto lowp_groups = hopper ? static_cast<uint32_t>(sms) : groups;
+  KernelDef lowp_f16 =
+      tensor_def(names[3], &launch_grouped_tensor<__half, Mode::LowpF16>, lowp_groups);
+  KernelDef lowp_bf16 =
+      tensor_def(names[4], &launch_grouped_tensor<__nv_bfloat16, Mode::LowpBf16>, lowp_groups);
+  if (hopper) {
+    const uint64_t wgmma_smem = wgmma_lowp_smem_bytes(0);
+    lowp_f16.threadgroup_memory_bytes = std::max(lowp_f16.threadgroup_memory_bytes, wgmma_smem);
+    lowp_bf16.threadgroup_memory_bytes = std::max(lowp_bf16.threadgroup_memory_bytes, wgmma_smem);
+  }
+  out.push_back(std::move(lowp_f16));
+  out.push_back(std::move(lowp_bf16));
 }
 
 }  // namespace routemm::cuda

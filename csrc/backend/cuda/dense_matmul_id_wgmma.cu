@@ -1,0 +1,385 @@
+// The grouped_tensor_lowp route on Hopper (sm_90a builds, compute capability 9.0 devices): a
+// warp-specialised persistent kernel on warpgroup MMA (wgmma) with the weights brought in by TMA.
+// dense_matmul_id_tensor.cu's launcher takes it for f16/bf16 weights on the vector path (every row
+// 16-byte aligned, k % 8 == 0); everything else keeps the mma.sync kernel there.
+//
+// NUMERICS: those of the lowp route (dense_matmul_id_tensor.cu): activations rounded to the weight
+// dtype (round to nearest even), weights exact, products summed in F32 by the tensor cores. Each
+// output element's sum runs over K in slices of 16 in increasing order (one wgmma each), within a
+// slice in the tensor core's order; the result depends on K only, not on m, the tile or its place.
+// The slices differ from the mma.sync kernel's (32), so the two kernels agree within the route's
+// tolerance, not bit for bit.
+//
+// GEOMETRY: a persistent grid over the work list of grouped_work_list.cuh with 128 x BN tiles
+// (routed rows x output columns; BN = 256, or 128 when n <= 128). Three warpgroups per CTA:
+//   - warpgroup 0, the producer: one thread streams the expert's weight tile through a ring of
+//     kStages shared-memory slots by TMA (64 K values = 128 bytes per row per slot, 128-byte
+//     swizzle; rows past n and K past k arrive as zeros), one mbarrier "full" per slot;
+//   - warpgroups 1 and 2, the consumers: each owns 64 of the tile's rows. It loads its rows' F32
+//     activations (gathered through the routed-row list) into registers one slot ahead, rounds
+//     them and stores them into the slot's A tile with the same swizzle, then issues four
+//     m64nBNk16 wgmmas per slot and, while they run, converts the next slot's activations. A slot
+//     is handed back to the producer (mbarrier "empty", one arrival per consumer warp) once the
+//     wgmmas that read it have retired (wgmma.wait_group 1: one group stays in flight).
+// Registers: the producer drops to 40 per thread and the consumers rise to 232 (setmaxnreg; 168
+// each at launch, the bound of 384 threads), which holds a 64 x 256 F32 accumulator (128 per
+// thread) without spills. A consumer warpgroup without rows in an item (the last row tile of an
+// expert holding <= 64 of them) only passes the slots back.
+// Output rows are stored straight from the accumulators (float2 when n is even and the output
+// 8-byte aligned) to the routed rows' positions; rows past the item and columns past n are skipped.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "dense_matmul_id_wgmma.h"
+#include "grouped_work_list.cuh"
+#include "routemm/error.h"
+#include "wgmma.cuh"
+
+namespace routemm::cuda {
+namespace {
+
+using kernels::DenseMatmulIdKernelParams;
+
+constexpr uint32_t kTileRows = 128;       // two consumer warpgroups of 64 rows
+constexpr uint32_t kSliceK = 64;          // K values per slot: 128 bytes per operand row
+constexpr uint32_t kSliceRowBytes = 128;  // = the swizzle span
+constexpr uint32_t kThreads = 384;
+constexpr uint32_t kMaxExperts = 4096;
+constexpr int kMaxDevices = 64;
+
+template <uint32_t BN>
+struct WgTile {
+  static constexpr uint32_t kStages = BN == 256 ? 4 : 6;
+  static constexpr uint32_t kABytes = kTileRows * kSliceRowBytes;  // 16 KB
+  static constexpr uint32_t kBBytes = BN * kSliceRowBytes;
+  static constexpr uint32_t kSlotBytes = kABytes + kBBytes;
+  static constexpr uint32_t kPipeBytes = kStages * kSlotBytes;
+  static_assert(kSlotBytes % 1024 == 0, "slots keep the swizzle atoms aligned");
+};
+
+// Dynamic shared memory: 1024 bytes of alignment slack, the slots, 2 x kStages mbarriers, the
+// expert prefix.
+template <uint32_t BN>
+constexpr uint64_t smem_bytes(uint32_t experts) {
+  return 1024 + uint64_t{WgTile<BN>::kPipeBytes} + 16 * WgTile<BN>::kStages +
+         (uint64_t{experts} + 1) * 4;
+}
+
+template <bool kHalf>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+  uint32_t out;
+  if constexpr (kHalf) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    memcpy(&out, &h, 4);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    memcpy(&out, &h, 4);
+  }
+  return out;
+}
+
+template <uint32_t BN, bool kHalf>
+__device__ __forceinline__ void wgmma_slice(float (&acc)[BN / 2], uint64_t desc_a, uint64_t desc_b,
+                                            uint32_t accumulate) {
+  if constexpr (BN == 256 && kHalf) {
+    sm90::wgmma_m64n256k16_f16(acc, desc_a, desc_b, accumulate);
+  } else if constexpr (BN == 256) {
+    sm90::wgmma_m64n256k16_bf16(acc, desc_a, desc_b, accumulate);
+  } else if constexpr (kHalf) {
+    sm90::wgmma_m64n128k16_f16(acc, desc_a, desc_b, accumulate);
+  } else {
+    sm90::wgmma_m64n128k16_bf16(acc, desc_a, desc_b, accumulate);
+  }
+}
+
+template <uint32_t BN, bool kHalf>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_lowp_wgmma_kernel(const __grid_constant__ CUtensorMap weights_map,
+                              DenseMatmulIdKernelParams p, const char* __restrict__ input,
+                              const uint32_t* __restrict__ counts,
+                              const uint32_t* __restrict__ routed, float* __restrict__ output,
+                              bool out_vec2) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = WgTile<BN>;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t pipe = (raw_base + 1023u) & ~1023u;  // slot s: A at pipe + s * kSlotBytes, then B
+  const uint32_t full_bar = pipe + T::kPipeBytes;     // kStages x 8 bytes
+  const uint32_t empty_bar = full_bar + 8 * T::kStages;
+  uint32_t* const prefix =
+      reinterpret_cast<uint32_t*>(smem_raw + (pipe - raw_base) + T::kPipeBytes + 16 * T::kStages);
+
+  const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const uint32_t m = p.m, n = p.n, k = p.k, n_experts = p.n_experts;
+  const uint32_t col_tiles = (n + BN - 1) / BN;
+  const uint32_t slices = (k + kSliceK - 1) / kSliceK;
+
+  if (tid == 0) {
+    for (uint32_t s = 0; s < T::kStages; ++s) {
+      sm90::mbar_init(full_bar + 8 * s, 1);
+      sm90::mbar_init(empty_bar + 8 * s, 8);  // one arrival per consumer warp
+    }
+    sm90::fence_mbar_init();
+  }
+  build_item_prefix<kThreads>(counts, m, n_experts, kTileRows, col_tiles, prefix);  // + barrier
+  const uint32_t total = prefix[n_experts];
+
+  if (warp < 4) {  // ---- producer warpgroup ----
+    sm90::setmaxnreg_dec<40>();
+    if (warp != 0 || lane != 0) return;
+    sm90::prefetch_tensor_map(&weights_map);
+    uint32_t stage = 0;
+    for (uint32_t item = blockIdx.x; item < total; item += gridDim.x) {
+      const WorkItem w = decode_item(item, prefix, counts, m, n_experts, kTileRows, BN);
+      for (uint32_t kt = 0; kt < slices; ++kt, ++stage) {
+        const uint32_t slot = stage % T::kStages, parity = (stage / T::kStages) & 1u;
+        sm90::mbar_wait(empty_bar + 8 * slot, parity ^ 1u);
+        sm90::mbar_arrive_expect_tx(full_bar + 8 * slot, T::kBBytes);
+        sm90::tma_load_3d(pipe + slot * T::kSlotBytes + T::kABytes, &weights_map,
+                          full_bar + 8 * slot, static_cast<int32_t>(kt * kSliceK),
+                          static_cast<int32_t>(w.col0), static_cast<int32_t>(w.expert));
+      }
+    }
+    return;
+  }
+
+  // ---- consumer warpgroups ----
+  sm90::setmaxnreg_inc<232>();          // 128 x 40 + 256 x 232 <= 64 K registers
+  const uint32_t wg = (warp >> 2) - 1;  // 0 or 1: rows 64 wg .. 64 wg + 63 of each tile
+  const uint32_t t = tid & 127;
+  const uint32_t wg_warp = t >> 5;
+  // Activation staging: thread t converts K values 4q..4q+3 of rows r0 + 8i (i < 8) of the slice;
+  // in the swizzled row those 8 bytes sit in 16-byte chunk (q / 2) ^ (row % 8) = (q / 2) ^ r0.
+  const uint32_t q = t & 15, r0 = t >> 4;
+  const uint32_t a_store_off =
+      wg * 64 * kSliceRowBytes + r0 * kSliceRowBytes + (((q >> 1) ^ r0) << 4) + (q & 1u) * 8;
+  float acc[BN / 2];  // the warpgroup's 64 x BN accumulator, BN / 2 per thread
+  uint32_t stage = 0;
+
+  for (uint32_t item = blockIdx.x; item < total; item += gridDim.x) {
+    const WorkItem w = decode_item(item, prefix, counts, m, n_experts, kTileRows, BN);
+    const uint32_t* const item_routed = routed + static_cast<uint64_t>(w.expert) * m + w.row0;
+    const uint32_t my_rows = w.rows > wg * 64 ? min(64u, w.rows - wg * 64) : 0u;
+
+    if (my_rows == 0) {  // pass the slots back without reading them
+      for (uint32_t kt = 0; kt < slices; ++kt, ++stage) {
+        const uint32_t slot = stage % T::kStages, parity = (stage / T::kStages) & 1u;
+        sm90::mbar_wait(full_bar + 8 * slot, parity);
+        __syncwarp();
+        if (lane == 0) sm90::mbar_arrive(empty_bar + 8 * slot);
+      }
+      continue;
+    }
+
+    const char* src[8];
+#pragma unroll
+    for (uint32_t i = 0; i < 8; ++i) {
+      const uint32_t r = r0 + 8 * i;
+      src[i] = nullptr;
+      if (r < my_rows) {
+        const uint32_t flat = item_routed[wg * 64 + r];
+        const uint32_t token = flat / p.top_k, slot = flat - token * p.top_k;
+        src[i] =
+            input + token * p.input_token_stride_bytes + slot * p.input_slot_stride_bytes + q * 16;
+      }
+    }
+    float4 areg[8];
+    const auto load_a = [&](uint32_t kt) {
+      const uint32_t kk = kt * kSliceK + 4 * q;
+#pragma unroll
+      for (uint32_t i = 0; i < 8; ++i) {
+        areg[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (src[i] != nullptr && kk < k) {
+          areg[i] = __ldg(reinterpret_cast<const float4*>(src[i] + uint64_t{kt} * kSliceK * 4));
+        }
+      }
+    };
+    const auto store_a = [&](uint32_t slot) {
+      const uint32_t base = pipe + slot * T::kSlotBytes + a_store_off;
+#pragma unroll
+      for (uint32_t i = 0; i < 8; ++i) {
+        asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(base + i * 8 * kSliceRowBytes),
+                     "r"(pack_pair<kHalf>(areg[i].x, areg[i].y)),
+                     "r"(pack_pair<kHalf>(areg[i].z, areg[i].w))
+                     : "memory");
+      }
+    };
+
+    load_a(0);
+    store_a(stage % T::kStages);
+    if (slices > 1) load_a(1);
+    for (uint32_t kt = 0; kt < slices; ++kt) {
+      const uint32_t s = stage + kt;
+      const uint32_t slot = s % T::kStages, parity = (s / T::kStages) & 1u;
+      sm90::fence_proxy_async_smem();                // this thread's A stores -> the wgmma's view
+      sm90::named_barrier_sync(1 + wg, 128);         // the warpgroup's A tile of slice kt is stored
+      sm90::mbar_wait(full_bar + 8 * slot, parity);  // the weight tile has landed
+      const uint32_t a_tile = pipe + slot * T::kSlotBytes + wg * 64 * kSliceRowBytes;
+      const uint64_t desc_a = sm90::smem_desc_k128(a_tile);
+      const uint64_t desc_b = sm90::smem_desc_k128(pipe + slot * T::kSlotBytes + T::kABytes);
+      sm90::wgmma_fence();
+      sm90::fence_operands(acc);
+#pragma unroll
+      for (uint32_t j = 0; j < kSliceK / 16; ++j) {
+        wgmma_slice<BN, kHalf>(acc, desc_a + 2 * j, desc_b + 2 * j, kt > 0 || j > 0 ? 1u : 0u);
+      }
+      sm90::wgmma_commit();
+      sm90::fence_operands(acc);
+      // While the tensor cores run: slice kt + 1's activations into its slot (whose last reader,
+      // slice kt + 1 - kStages <= kt - 2, retired at the previous wait), slice kt + 2's loads.
+      if (kt + 1 < slices) {
+        store_a((s + 1) % T::kStages);
+        if (kt + 2 < slices) load_a(kt + 2);
+      }
+      sm90::wgmma_wait<1>();
+      sm90::fence_operands(acc);
+      if (kt > 0) {
+        __syncwarp();
+        if (lane == 0) sm90::mbar_arrive(empty_bar + 8 * ((s - 1) % T::kStages));
+      }
+    }
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(acc);
+    __syncwarp();
+    if (lane == 0) sm90::mbar_arrive(empty_bar + 8 * ((stage + slices - 1) % T::kStages));
+    stage += slices;
+
+    // Epilogue: rows 16 wg_warp + lane / 4 (+ 8) of this warpgroup's 64, columns 8 j + 2 (lane % 4).
+#pragma unroll
+    for (uint32_t half = 0; half < 2; ++half) {
+      const uint32_t r = wg_warp * 16 + (lane >> 2) + 8 * half;
+      if (r >= my_rows) continue;
+      float* const out_row = output + static_cast<uint64_t>(item_routed[wg * 64 + r]) * n;
+#pragma unroll
+      for (uint32_t j = 0; j < BN / 8; ++j) {
+        const uint32_t col = w.col0 + 8 * j + 2 * (lane & 3);
+        const float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
+        if (out_vec2) {
+          if (col < n) *reinterpret_cast<float2*>(out_row + col) = make_float2(v0, v1);
+        } else {
+          if (col < n) out_row[col] = v0;
+          if (col + 1 < n) out_row[col + 1] = v1;
+        }
+      }
+    }
+  }
+#else
+  __trap();  // launched only where the sm_90a image exists (wgmma_lowp_available)
+#endif
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult query{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &query) != cudaSuccess ||
+        query != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      ptr = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// The weight stack as a 3-D tensor (k, n, experts) of 16-bit values, boxes of 64 x BN x 1 with the
+// 128-byte swizzle; out-of-range rows and K values read as zeros.
+CUtensorMap weights_tensor_map(const std::string& label, const void* weights,
+                               const DenseMatmulIdKernelParams& p, uint32_t box_rows, bool half) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) throw Error("'" + label + "': cuTensorMapEncodeTiled is unavailable");
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {p.k, p.n, p.n_experts};
+  const cuuint64_t strides[2] = {cuuint64_t{p.k} * 2, p.expert_stride_bytes};
+  const cuuint32_t box[3] = {kSliceK, box_rows, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult r =
+      encode(&map, half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
+             const_cast<void*>(weights), dims, strides, box, element_strides,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    throw Error("'" + label + "': cannot describe the weights for TMA (CUresult " +
+                std::to_string(static_cast<int>(r)) + ")");
+  }
+  return map;
+}
+
+template <uint32_t BN, bool kHalf>
+void launch_wgmma(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p,
+                  cudaStream_t stream, bool out_vec2) {
+  auto kernel = &grouped_lowp_wgmma_kernel<BN, kHalf>;
+  // Raise the dynamic shared memory limit to cover any expert count, once per device.
+  static std::atomic<bool> raised[kMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    throw Error("'" + launch.label + "': no current CUDA device");
+  }
+  if (!raised[device].load(std::memory_order_acquire)) {
+    if (const cudaError_t e =
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(smem_bytes<BN>(kMaxExperts)));
+        e != cudaSuccess) {
+      throw Error("'" + launch.label + "': cannot raise shared memory: " + cudaGetErrorString(e));
+    }
+    raised[device].store(true, std::memory_order_release);
+  }
+  const CUtensorMap map = weights_tensor_map(launch.label, launch.args[1].data, p, BN, kHalf);
+  kernel<<<static_cast<unsigned>(launch.grid.x), kThreads,
+           static_cast<size_t>(smem_bytes<BN>(p.n_experts)), stream>>>(
+      map, p, static_cast<const char*>(launch.args[2].data),
+      static_cast<const uint32_t*>(launch.args[3].data),
+      static_cast<const uint32_t*>(launch.args[4].data), static_cast<float*>(launch.args[5].data),
+      out_vec2);
+}
+
+}  // namespace
+
+bool wgmma_lowp_available(int device) {
+#if defined(ROUTEMM_CUDA_HAS_SM90A)
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major == 9 && minor == 0 && tensor_map_encoder() != nullptr;
+#else
+  (void)device;
+  return false;
+#endif
+}
+
+uint64_t wgmma_lowp_smem_bytes(uint32_t n_experts) { return smem_bytes<256>(n_experts); }
+
+void launch_grouped_lowp_wgmma(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p,
+                               cudaStream_t stream, bool half_weights, bool out_vec2) {
+  if (p.n_experts > kMaxExperts) {
+    throw Error("'" + launch.label + "': n_experts " + std::to_string(p.n_experts) + " exceeds " +
+                std::to_string(kMaxExperts));
+  }
+  if (launch.grid.x == 0 || launch.grid.x > 0x7fffffffu || launch.grid.y != 1 ||
+      launch.grid.z != 1) {
+    throw Error("'" + launch.label + "': expected a 1-D persistent grid");
+  }
+  const bool narrow = p.n <= 128;
+  if (half_weights) {
+    narrow ? launch_wgmma<128, true>(launch, p, stream, out_vec2)
+           : launch_wgmma<256, true>(launch, p, stream, out_vec2);
+  } else {
+    narrow ? launch_wgmma<128, false>(launch, p, stream, out_vec2)
+           : launch_wgmma<256, false>(launch, p, stream, out_vec2);
+  }
+}
+
+}  // namespace routemm::cuda
