@@ -175,7 +175,7 @@ def run_shape(name, cfg, dtype_name, ms, device, registry, records, quick, only_
         ref = None
         outs = {}
         routes = ["direct", "grouped_prefill"]
-        if m >= 32:  # the opt-in tensor-core routes, where prefill work begins
+        if m >= 8:  # the opt-in tensor-core routes: from a few rows per expert on (decode batches too)
             routes += ["grouped_tensor_tf32"] + (["grouped_tensor_lowp"] if dtype_name != "f32" else [])
         if only_routes is not None:
             routes = [r for r in routes if r in only_routes]
