@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "backend/common/dense_matmul_id_params.h"
@@ -507,15 +508,18 @@ void launch_grouped_tensor(const KernelLaunch& launch, void* queue_native) {
                    addr(2) % 16 == 0 && p.input_token_stride_bytes % 16 == 0 &&
                    p.input_slot_stride_bytes % 16 == 0;
   const bool out_vec2 = p.n % 2 == 0 && addr(5) % 8 == 0;
-  if constexpr (M != Mode::Tf32) {
-    int device = 0;
-    if (vec && p.k > 0 && cudaGetDevice(&device) == cudaSuccess && wgmma_lowp_available(device)) {
-      launch_grouped_lowp_wgmma(launch, p, stream, M == Mode::LowpF16, out_vec2);
-      if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
-        throw Error("'" + launch.label + "': launch failed: " + cudaGetErrorString(e));
-      }
-      return;
+  if (int device = 0;
+      vec && p.k > 0 && cudaGetDevice(&device) == cudaSuccess && wgmma_grouped_available(device)) {
+    constexpr WgmmaOperands kOperands = M == Mode::LowpF16                 ? WgmmaOperands::LowpF16
+                                        : M == Mode::LowpBf16              ? WgmmaOperands::LowpBf16
+                                        : std::is_same_v<W, __half>        ? WgmmaOperands::Tf32F16
+                                        : std::is_same_v<W, __nv_bfloat16> ? WgmmaOperands::Tf32Bf16
+                                                                           : WgmmaOperands::Tf32F32;
+    launch_grouped_wgmma(launch, p, stream, kOperands, out_vec2);
+    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
+      throw Error("'" + launch.label + "': launch failed: " + cudaGetErrorString(e));
     }
+    return;
   }
   // Experts holding few rows on average take 64-row tiles (less padding), others 128.
   const bool small = uint64_t{p.m} * p.top_k < uint64_t{100} * p.n_experts;
@@ -561,27 +565,27 @@ void add_dense_matmul_id_tensor_kernels(std::vector<KernelDef>& out) {
     (void)cudaGetLastError();
     sms = 132;
   }
-  const auto groups = static_cast<uint32_t>(2 * sms);
+  // Where the Hopper kernel serves these routes: one CTA per multiprocessor (its shared memory and
+  // registers), so a persistent grid of one wave; the mma.sync fallback (unaligned views) runs its
+  // persistent loop on that grid too.
+  const bool hopper = wgmma_grouped_available(0);
+  const auto groups = static_cast<uint32_t>(hopper ? sms : 2 * sms);
   const auto& names = kDenseMatmulIdTensorPipelineNames;
-  out.push_back(tensor_def(names[0], &launch_grouped_tensor<float, Mode::Tf32>, groups));
-  out.push_back(tensor_def(names[1], &launch_grouped_tensor<__half, Mode::Tf32>, groups));
-  out.push_back(tensor_def(names[2], &launch_grouped_tensor<__nv_bfloat16, Mode::Tf32>, groups));
-  // Where the Hopper kernel serves the lowp routes: one CTA per multiprocessor (its shared memory
-  // and registers), so a persistent grid of one wave; the mma.sync fallback of those pipelines
-  // (unaligned views) runs its persistent loop on that grid too.
-  const bool hopper = wgmma_lowp_available(0);
-  const auto lowp_groups = hopper ? static_cast<uint32_t>(sms) : groups;
-  KernelDef lowp_f16 =
-      tensor_def(names[3], &launch_grouped_tensor<__half, Mode::LowpF16>, lowp_groups);
-  KernelDef lowp_bf16 =
-      tensor_def(names[4], &launch_grouped_tensor<__nv_bfloat16, Mode::LowpBf16>, lowp_groups);
-  if (hopper) {
-    const uint64_t wgmma_smem = wgmma_lowp_smem_bytes(0);
-    lowp_f16.threadgroup_memory_bytes = std::max(lowp_f16.threadgroup_memory_bytes, wgmma_smem);
-    lowp_bf16.threadgroup_memory_bytes = std::max(lowp_bf16.threadgroup_memory_bytes, wgmma_smem);
+  const KernelFn fns[5] = {
+      &launch_grouped_tensor<float, Mode::Tf32>,
+      &launch_grouped_tensor<__half, Mode::Tf32>,
+      &launch_grouped_tensor<__nv_bfloat16, Mode::Tf32>,
+      &launch_grouped_tensor<__half, Mode::LowpF16>,
+      &launch_grouped_tensor<__nv_bfloat16, Mode::LowpBf16>,
+  };
+  for (size_t i = 0; i < names.size(); ++i) {
+    KernelDef def = tensor_def(names[i], fns[i], groups);
+    if (hopper) {
+      def.threadgroup_memory_bytes =
+          std::max(def.threadgroup_memory_bytes, wgmma_grouped_smem_bytes(0));
+    }
+    out.push_back(std::move(def));
   }
-  out.push_back(std::move(lowp_f16));
-  out.push_back(std::move(lowp_bf16));
 }
 
 }  // namespace routemm::cuda

@@ -49,11 +49,26 @@ namespace {
 using kernels::DenseMatmulIdKernelParams;
 
 constexpr uint32_t kTileRows = 128;       // two consumer warpgroups of 64 rows
-constexpr uint32_t kSliceK = 64;          // K values per slot: 128 bytes per operand row
-constexpr uint32_t kSliceRowBytes = 128;  // = the swizzle span
+constexpr uint32_t kSliceRowBytes = 128;  // bytes per operand row per slot = the swizzle span
 constexpr uint32_t kThreads = 384;
 constexpr uint32_t kMaxExperts = 4096;
 constexpr int kMaxDevices = 64;
+
+// The operation: operand precision and the weights' storage type.
+enum class WgOp { LowpBf16, LowpF16, Tf32Bf16, Tf32F16, Tf32F32 };
+
+template <WgOp Op>
+struct WgOpTraits {
+  static constexpr bool kTf32 = Op == WgOp::Tf32Bf16 || Op == WgOp::Tf32F16 || Op == WgOp::Tf32F32;
+  static constexpr bool kHalfWeights = Op == WgOp::LowpF16 || Op == WgOp::Tf32F16;
+  static constexpr uint32_t kWeightBytes = Op == WgOp::Tf32F32 ? 4 : 2;
+  // K values per slot: 128-byte operand rows of 16-bit (lowp) or 32-bit (tf32) values.
+  static constexpr uint32_t kSliceK = kTf32 ? 32 : 64;
+  // tf32 from 16-bit weights: TMA brings the raw rows (64 bytes each, unswizzled) into the back
+  // half of the weight tile and the consumers widen them in place; otherwise TMA writes the tile
+  // as the wgmma reads it (128-byte swizzle; F32 weights are then rounded to tf32 in place).
+  static constexpr bool kWiden = kTf32 && kWeightBytes == 2;
+};
 
 template <uint32_t BN>
 struct WgTile {
@@ -73,6 +88,8 @@ constexpr uint64_t smem_bytes(uint32_t experts) {
          (uint64_t{experts} + 1) * 4;
 }
 
+// Device helpers of the kernel, compiled where its body is (the sm_90a image).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 template <bool kHalf>
 __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   uint32_t out;
@@ -86,29 +103,79 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   return out;
 }
 
-template <uint32_t BN, bool kHalf>
-__device__ __forceinline__ void wgmma_slice(float (&acc)[BN / 2], uint64_t desc_a, uint64_t desc_b,
-                                            uint32_t accumulate) {
-  if constexpr (BN == 256 && kHalf) {
+__device__ __forceinline__ uint32_t to_tf32(float value) {
+  uint32_t out;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(out) : "f"(value));
+  return out;
+}
+
+// The F32 bits of one 16-bit weight value (exact, hence exact in tf32 as well).
+template <bool kHalf>
+__device__ __forceinline__ uint32_t widen_bits(uint32_t bits16) {
+  if constexpr (kHalf) {
+    __half h;
+    const auto b = static_cast<uint16_t>(bits16);
+    memcpy(&h, &b, 2);
+    return __float_as_uint(__half2float(h));
+  } else {
+    return bits16 << 16;
+  }
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void sts128(uint32_t addr, uint32_t a, uint32_t b, uint32_t c,
+                                       uint32_t d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c),
+               "r"(d)
+               : "memory");
+}
+__device__ __forceinline__ void sts64(uint32_t addr, uint32_t a, uint32_t b) {
+  asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(addr), "r"(a), "r"(b) : "memory");
+}
+
+// One slot's MMA step: 64 K values (lowp) or 32 (tf32), four instructions.
+template <uint32_t BN, WgOp Op>
+__device__ __forceinline__ void wgmma_step(float (&acc)[BN / 2], uint64_t desc_a, uint64_t desc_b,
+                                           uint32_t accumulate) {
+  if constexpr (WgOpTraits<Op>::kTf32) {
+    if constexpr (BN == 256) {
+      sm90::wgmma_m64n256k8_tf32(acc, desc_a, desc_b, accumulate);
+    } else {
+      sm90::wgmma_m64n128k8_tf32(acc, desc_a, desc_b, accumulate);
+    }
+  } else if constexpr (BN == 256 && Op == WgOp::LowpF16) {
     sm90::wgmma_m64n256k16_f16(acc, desc_a, desc_b, accumulate);
   } else if constexpr (BN == 256) {
     sm90::wgmma_m64n256k16_bf16(acc, desc_a, desc_b, accumulate);
-  } else if constexpr (kHalf) {
+  } else if constexpr (Op == WgOp::LowpF16) {
     sm90::wgmma_m64n128k16_f16(acc, desc_a, desc_b, accumulate);
   } else {
     sm90::wgmma_m64n128k16_bf16(acc, desc_a, desc_b, accumulate);
   }
 }
 
-template <uint32_t BN, bool kHalf>
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+template <uint32_t BN, WgOp Op>
 __global__ void __launch_bounds__(kThreads, 1)
-    grouped_lowp_wgmma_kernel(const __grid_constant__ CUtensorMap weights_map,
-                              DenseMatmulIdKernelParams p, const char* __restrict__ input,
-                              const uint32_t* __restrict__ counts,
-                              const uint32_t* __restrict__ routed, float* __restrict__ output,
-                              bool out_vec2) {
+    grouped_wgmma_kernel(const __grid_constant__ CUtensorMap weights_map,
+                         DenseMatmulIdKernelParams p, const char* __restrict__ input,
+                         const uint32_t* __restrict__ counts, const uint32_t* __restrict__ routed,
+                         float* __restrict__ output, bool out_vec2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = WgTile<BN>;
+  using O = WgOpTraits<Op>;
+  constexpr uint32_t kSliceK = O::kSliceK;
+  // Bytes TMA writes per slot, and where in the weight tile.
+  constexpr uint32_t kTmaBytes = BN * kSliceK * O::kWeightBytes;
+  constexpr uint32_t kTmaOffset = O::kWiden ? T::kBBytes - kTmaBytes : 0;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t pipe = (raw_base + 1023u) & ~1023u;  // slot s: A at pipe + s * kSlotBytes, then B
@@ -142,8 +209,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (uint32_t kt = 0; kt < slices; ++kt, ++stage) {
         const uint32_t slot = stage % T::kStages, parity = (stage / T::kStages) & 1u;
         sm90::mbar_wait(empty_bar + 8 * slot, parity ^ 1u);
-        sm90::mbar_arrive_expect_tx(full_bar + 8 * slot, T::kBBytes);
-        sm90::tma_load_3d(pipe + slot * T::kSlotBytes + T::kABytes, &weights_map,
+        sm90::mbar_arrive_expect_tx(full_bar + 8 * slot, kTmaBytes);
+        sm90::tma_load_3d(pipe + slot * T::kSlotBytes + T::kABytes + kTmaOffset, &weights_map,
                           full_bar + 8 * slot, static_cast<int32_t>(kt * kSliceK),
                           static_cast<int32_t>(w.col0), static_cast<int32_t>(w.expert));
       }
@@ -154,13 +221,61 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ---- consumer warpgroups ----
   sm90::setmaxnreg_inc<232>();          // 128 x 40 + 256 x 232 <= 64 K registers
   const uint32_t wg = (warp >> 2) - 1;  // 0 or 1: rows 64 wg .. 64 wg + 63 of each tile
-  const uint32_t t = tid & 127;
+  const uint32_t t = tid & 127, ct = tid - 128;
   const uint32_t wg_warp = t >> 5;
-  // Activation staging: thread t converts K values 4q..4q+3 of rows r0 + 8i (i < 8) of the slice;
-  // in the swizzled row those 8 bytes sit in 16-byte chunk (q / 2) ^ (row % 8) = (q / 2) ^ r0.
-  const uint32_t q = t & 15, r0 = t >> 4;
+  // Activation staging: a row's slice is kAq float4 pieces; thread t converts piece q of rows
+  // r0 + kRowStep i (i < kAPer) of its warpgroup's 64. In the swizzled row, 16-byte chunk c sits at
+  // chunk c ^ (row % 8) = c ^ (r0 % 8) for every i.
+  constexpr uint32_t kAq = kSliceK / 4;
+  constexpr uint32_t kRowStep = 128 / kAq;
+  constexpr uint32_t kAPer = 64 / kRowStep;
+  const uint32_t q = t % kAq, r0 = t / kAq;
   const uint32_t a_store_off =
-      wg * 64 * kSliceRowBytes + r0 * kSliceRowBytes + (((q >> 1) ^ r0) << 4) + (q & 1u) * 8;
+      wg * 64 * kSliceRowBytes + r0 * kSliceRowBytes +
+      (O::kTf32 ? ((q ^ (r0 & 7u)) << 4) : ((((q >> 1) ^ (r0 & 7u)) << 4) + (q & 1u) * 8));
+  // Barrier ids: 1 + wg for one warpgroup's activation tile (lowp), 3 for both warpgroups (tf32,
+  // where each also prepares half of the shared weight tile).
+  constexpr uint32_t kSyncThreads = O::kTf32 ? 256 : 128;
+  const uint32_t sync_id = O::kTf32 ? 3 : 1 + wg;
+
+  // tf32: the slot's weights as the wgmma reads them, prepared by both consumer warpgroups.
+  const auto prepare_weights = [&](uint32_t b_tile) {
+    if constexpr (O::kWiden) {
+      // Raw rows of 32 16-bit values (64 bytes) at b_tile + kTmaOffset; four threads per row, 8
+      // values each, widened into the two 16-byte chunks of K 8c..8c+7 of the swizzled row.
+      constexpr uint32_t kPer = BN * 4 / 256;
+      const uint32_t c = ct & 3u;
+      uint4 raw[kPer];
+#pragma unroll
+      for (uint32_t i = 0; i < kPer; ++i) {
+        raw[i] = lds128(b_tile + kTmaOffset + ((ct >> 2) + 64 * i) * 64 + c * 16);
+      }
+      sm90::named_barrier_sync(3, 256);  // every raw row is read before the widened rows land
+#pragma unroll
+      for (uint32_t i = 0; i < kPer; ++i) {
+        const uint32_t r = (ct >> 2) + 64 * i;
+        const uint32_t row = b_tile + r * kSliceRowBytes;
+        const uint32_t words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+        uint32_t f[8];
+#pragma unroll
+        for (uint32_t j = 0; j < 4; ++j) {
+          f[2 * j] = widen_bits<O::kHalfWeights>(words[j] & 0xFFFFu);
+          f[2 * j + 1] = widen_bits<O::kHalfWeights>(words[j] >> 16);
+        }
+        sts128(row + (((2 * c) ^ (r & 7u)) << 4), f[0], f[1], f[2], f[3]);
+        sts128(row + (((2 * c + 1) ^ (r & 7u)) << 4), f[4], f[5], f[6], f[7]);
+      }
+    } else if constexpr (O::kTf32) {  // F32 weights: round each value to tf32 in place
+#pragma unroll
+      for (uint32_t i = 0; i < BN * 8 / 256; ++i) {
+        const uint32_t addr = b_tile + (ct + 256 * i) * 16;
+        const uint4 v = lds128(addr);
+        sts128(addr, to_tf32(__uint_as_float(v.x)), to_tf32(__uint_as_float(v.y)),
+               to_tf32(__uint_as_float(v.z)), to_tf32(__uint_as_float(v.w)));
+      }
+    }
+  };
+
   float acc[BN / 2];  // the warpgroup's 64 x BN accumulator, BN / 2 per thread
   uint32_t stage = 0;
 
@@ -168,21 +283,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     const WorkItem w = decode_item(item, prefix, counts, m, n_experts, kTileRows, BN);
     const uint32_t* const item_routed = routed + static_cast<uint64_t>(w.expert) * m + w.row0;
     const uint32_t my_rows = w.rows > wg * 64 ? min(64u, w.rows - wg * 64) : 0u;
-
-    if (my_rows == 0) {  // pass the slots back without reading them
+    if (my_rows == 0) {  // no rows here: prepare its share of the weights (tf32), pass slots back
       for (uint32_t kt = 0; kt < slices; ++kt, ++stage) {
         const uint32_t slot = stage % T::kStages, parity = (stage / T::kStages) & 1u;
         sm90::mbar_wait(full_bar + 8 * slot, parity);
+        if constexpr (O::kTf32) {
+          prepare_weights(pipe + slot * T::kSlotBytes + T::kABytes);
+          sm90::fence_proxy_async_smem();
+          sm90::named_barrier_sync(sync_id, kSyncThreads);
+        }
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(empty_bar + 8 * slot);
       }
       continue;
     }
 
-    const char* src[8];
+    const char* src[kAPer];
 #pragma unroll
-    for (uint32_t i = 0; i < 8; ++i) {
-      const uint32_t r = r0 + 8 * i;
+    for (uint32_t i = 0; i < kAPer; ++i) {
+      const uint32_t r = r0 + kRowStep * i;
       src[i] = nullptr;
       if (r < my_rows) {
         const uint32_t flat = item_routed[wg * 64 + r];
@@ -191,11 +310,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             input + token * p.input_token_stride_bytes + slot * p.input_slot_stride_bytes + q * 16;
       }
     }
-    float4 areg[8];
+    float4 areg[kAPer];
     const auto load_a = [&](uint32_t kt) {
       const uint32_t kk = kt * kSliceK + 4 * q;
 #pragma unroll
-      for (uint32_t i = 0; i < 8; ++i) {
+      for (uint32_t i = 0; i < kAPer; ++i) {
         areg[i] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (src[i] != nullptr && kk < k) {
           areg[i] = __ldg(reinterpret_cast<const float4*>(src[i] + uint64_t{kt} * kSliceK * 4));
@@ -205,11 +324,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     const auto store_a = [&](uint32_t slot) {
       const uint32_t base = pipe + slot * T::kSlotBytes + a_store_off;
 #pragma unroll
-      for (uint32_t i = 0; i < 8; ++i) {
-        asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(base + i * 8 * kSliceRowBytes),
-                     "r"(pack_pair<kHalf>(areg[i].x, areg[i].y)),
-                     "r"(pack_pair<kHalf>(areg[i].z, areg[i].w))
-                     : "memory");
+      for (uint32_t i = 0; i < kAPer; ++i) {
+        const uint32_t addr = base + i * kRowStep * kSliceRowBytes;
+        if constexpr (O::kTf32) {
+          sts128(addr, to_tf32(areg[i].x), to_tf32(areg[i].y), to_tf32(areg[i].z),
+                 to_tf32(areg[i].w));
+        } else {
+          sts64(addr, pack_pair<O::kHalfWeights>(areg[i].x, areg[i].y),
+                pack_pair<O::kHalfWeights>(areg[i].z, areg[i].w));
+        }
       }
     };
 
@@ -219,17 +342,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (uint32_t kt = 0; kt < slices; ++kt) {
       const uint32_t s = stage + kt;
       const uint32_t slot = s % T::kStages, parity = (s / T::kStages) & 1u;
-      sm90::fence_proxy_async_smem();                // this thread's A stores -> the wgmma's view
-      sm90::named_barrier_sync(1 + wg, 128);         // the warpgroup's A tile of slice kt is stored
+      const uint32_t b_tile = pipe + slot * T::kSlotBytes + T::kABytes;
       sm90::mbar_wait(full_bar + 8 * slot, parity);  // the weight tile has landed
-      const uint32_t a_tile = pipe + slot * T::kSlotBytes + wg * 64 * kSliceRowBytes;
-      const uint64_t desc_a = sm90::smem_desc_k128(a_tile);
-      const uint64_t desc_b = sm90::smem_desc_k128(pipe + slot * T::kSlotBytes + T::kABytes);
+      prepare_weights(b_tile);
+      sm90::fence_proxy_async_smem();  // this thread's operand stores -> the wgmma's view
+      sm90::named_barrier_sync(sync_id, kSyncThreads);  // slice kt's operands are in place
+      const uint64_t desc_a =
+          sm90::smem_desc_k128(pipe + slot * T::kSlotBytes + wg * 64 * kSliceRowBytes);
+      const uint64_t desc_b = sm90::smem_desc_k128(b_tile);
       sm90::wgmma_fence();
       sm90::fence_operands(acc);
 #pragma unroll
-      for (uint32_t j = 0; j < kSliceK / 16; ++j) {
-        wgmma_slice<BN, kHalf>(acc, desc_a + 2 * j, desc_b + 2 * j, kt > 0 || j > 0 ? 1u : 0u);
+      for (uint32_t j = 0; j < 4; ++j) {  // 32-byte steps along the 128-byte rows
+        wgmma_step<BN, Op>(acc, desc_a + 2 * j, desc_b + 2 * j, kt > 0 || j > 0 ? 1u : 0u);
       }
       sm90::wgmma_commit();
       sm90::fence_operands(acc);
@@ -246,11 +371,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (lane == 0) sm90::mbar_arrive(empty_bar + 8 * ((s - 1) % T::kStages));
       }
     }
+    stage += slices;
     sm90::wgmma_wait<0>();
     sm90::fence_operands(acc);
     __syncwarp();
-    if (lane == 0) sm90::mbar_arrive(empty_bar + 8 * ((stage + slices - 1) % T::kStages));
-    stage += slices;
+    if (lane == 0) sm90::mbar_arrive(empty_bar + 8 * ((stage - 1) % T::kStages));
 
     // Epilogue: rows 16 wg_warp + lane / 4 (+ 8) of this warpgroup's 64, columns 8 j + 2 (lane % 4).
 #pragma unroll
@@ -272,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 #else
-  __trap();  // launched only where the sm_90a image exists (wgmma_lowp_available)
+  __trap();  // launched only where the sm_90a image exists (wgmma_grouped_available)
 #endif
 }
 
@@ -292,22 +417,26 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// The weight stack as a 3-D tensor (k, n, experts) of 16-bit values, boxes of 64 x BN x 1 with the
-// 128-byte swizzle; out-of-range rows and K values read as zeros.
+// The weight stack as a 3-D tensor (k, n, experts), boxes of kSliceK x BN x 1 laid out as the
+// kernel expects (see WgOpTraits); out-of-range rows and K values read as zeros.
+template <uint32_t BN, WgOp Op>
 CUtensorMap weights_tensor_map(const std::string& label, const void* weights,
-                               const DenseMatmulIdKernelParams& p, uint32_t box_rows, bool half) {
+                               const DenseMatmulIdKernelParams& p) {
+  using O = WgOpTraits<Op>;
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) throw Error("'" + label + "': cuTensorMapEncodeTiled is unavailable");
   CUtensorMap map;
   const cuuint64_t dims[3] = {p.k, p.n, p.n_experts};
-  const cuuint64_t strides[2] = {cuuint64_t{p.k} * 2, p.expert_stride_bytes};
-  const cuuint32_t box[3] = {kSliceK, box_rows, 1};
+  const cuuint64_t strides[2] = {cuuint64_t{p.k} * O::kWeightBytes, p.expert_stride_bytes};
+  const cuuint32_t box[3] = {O::kSliceK, BN, 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult r =
-      encode(&map, half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
-             const_cast<void*>(weights), dims, strides, box, element_strides,
-             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUtensorMapDataType type = O::kWeightBytes == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                   : O::kHalfWeights    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                        : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUresult r = encode(&map, type, 3, const_cast<void*>(weights), dims, strides, box,
+                            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            O::kWiden ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     throw Error("'" + label + "': cannot describe the weights for TMA (CUresult " +
                 std::to_string(static_cast<int>(r)) + ")");
@@ -315,10 +444,10 @@ CUtensorMap weights_tensor_map(const std::string& label, const void* weights,
   return map;
 }
 
-template <uint32_t BN, bool kHalf>
+template <uint32_t BN, WgOp Op>
 void launch_wgmma(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p,
                   cudaStream_t stream, bool out_vec2) {
-  auto kernel = &grouped_lowp_wgmma_kernel<BN, kHalf>;
+  auto kernel = &grouped_wgmma_kernel<BN, Op>;
   // Raise the dynamic shared memory limit to cover any expert count, once per device.
   static std::atomic<bool> raised[kMaxDevices];
   int device = 0;
@@ -334,7 +463,7 @@ void launch_wgmma(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p
     }
     raised[device].store(true, std::memory_order_release);
   }
-  const CUtensorMap map = weights_tensor_map(launch.label, launch.args[1].data, p, BN, kHalf);
+  const CUtensorMap map = weights_tensor_map<BN, Op>(launch.label, launch.args[1].data, p);
   kernel<<<static_cast<unsigned>(launch.grid.x), kThreads,
            static_cast<size_t>(smem_bytes<BN>(p.n_experts)), stream>>>(
       map, p, static_cast<const char*>(launch.args[2].data),
@@ -343,9 +472,19 @@ void launch_wgmma(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p
       out_vec2);
 }
 
+template <WgOp Op>
+void launch_op(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p, cudaStream_t stream,
+               bool out_vec2) {
+  if (p.n <= 128) {
+    launch_wgmma<128, Op>(launch, p, stream, out_vec2);
+  } else {
+    launch_wgmma<256, Op>(launch, p, stream, out_vec2);
+  }
+}
+
 }  // namespace
 
-bool wgmma_lowp_available(int device) {
+bool wgmma_grouped_available(int device) {
 #if defined(ROUTEMM_CUDA_HAS_SM90A)
   int major = 0, minor = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
@@ -360,10 +499,10 @@ bool wgmma_lowp_available(int device) {
 #endif
 }
 
-uint64_t wgmma_lowp_smem_bytes(uint32_t n_experts) { return smem_bytes<256>(n_experts); }
+uint64_t wgmma_grouped_smem_bytes(uint32_t n_experts) { return smem_bytes<256>(n_experts); }
 
-void launch_grouped_lowp_wgmma(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p,
-                               cudaStream_t stream, bool half_weights, bool out_vec2) {
+void launch_grouped_wgmma(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p,
+                          cudaStream_t stream, WgmmaOperands operands, bool out_vec2) {
   if (p.n_experts > kMaxExperts) {
     throw Error("'" + launch.label + "': n_experts " + std::to_string(p.n_experts) + " exceeds " +
                 std::to_string(kMaxExperts));
@@ -372,14 +511,14 @@ void launch_grouped_lowp_wgmma(const KernelLaunch& launch, const DenseMatmulIdKe
       launch.grid.z != 1) {
     throw Error("'" + launch.label + "': expected a 1-D persistent grid");
   }
-  const bool narrow = p.n <= 128;
-  if (half_weights) {
-    narrow ? launch_wgmma<128, true>(launch, p, stream, out_vec2)
-           : launch_wgmma<256, true>(launch, p, stream, out_vec2);
-  } else {
-    narrow ? launch_wgmma<128, false>(launch, p, stream, out_vec2)
-           : launch_wgmma<256, false>(launch, p, stream, out_vec2);
+  switch (operands) {
+    case WgmmaOperands::LowpBf16: return launch_op<WgOp::LowpBf16>(launch, p, stream, out_vec2);
+    case WgmmaOperands::LowpF16: return launch_op<WgOp::LowpF16>(launch, p, stream, out_vec2);
+    case WgmmaOperands::Tf32Bf16: return launch_op<WgOp::Tf32Bf16>(launch, p, stream, out_vec2);
+    case WgmmaOperands::Tf32F16: return launch_op<WgOp::Tf32F16>(launch, p, stream, out_vec2);
+    case WgmmaOperands::Tf32F32: return launch_op<WgOp::Tf32F32>(launch, p, stream, out_vec2);
   }
+  throw Error("'" + launch.label + "': unknown wgmma operand kind");
 }
 
 }  // namespace routemm::cuda
