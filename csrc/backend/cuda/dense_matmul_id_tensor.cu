@@ -1,7 +1,9 @@
 // Tensor-core kernels of the expert-ID matmul's opt-in routes (grouped_tensor_tf32,
 // grouped_tensor_lowp). They consume the map_distinct output of the grouped route (expert counts and
 // routed rows, same scratch, same barrier pattern) and use warp-level MMA (mma.sync + ldmatrix +
-// cp.async, sm_80+; the same code runs on sm_90).
+// cp.async, sm_80+). On Hopper, when the build carries the sm_90a image, aligned views take the
+// warpgroup-MMA kernel of dense_matmul_id_wgmma.cu instead (same numerics contract, its own K steps);
+// this file's kernel then serves only views that are not 16-byte aligned or have k % 8 != 0.
 //
 // NUMERICS (not bit-identical to the scalar routes; a stated tolerance instead):
 //   tf32: activations rounded to tf32 (cvt.rna: round to nearest, ties away); weights rounded to
@@ -9,7 +11,7 @@
 //         cores. Tested within 2e-3 relative Frobenius error of a float64 reference.
 //   lowp: activations rounded to the weight dtype (f16 or bf16, round to nearest even); weights
 //         exact; F32 accumulation. Tested within 1e-2 relative Frobenius error.
-// Each output element's sum runs over K in slices (32 for lowp, 16 for tf32) in increasing order,
+// In this kernel each output element's sum runs over K in slices (32 for lowp, 16 for tf32) in increasing order,
 // within a slice in the tensor core's own order; the result depends on K only, not on m, the tile
 // size or the tile position.
 // An id >= n_experts gives an all-zero row: the map dispatch writes it, these kernels never see it.

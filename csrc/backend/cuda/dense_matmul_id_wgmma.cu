@@ -1,43 +1,39 @@
-// The grouped_tensor_lowp route on Hopper (sm_90a builds, compute capability 9.0 devices): a
-// warp-specialised persistent kernel on warpgroup MMA (wgmma) with the weights brought in by TMA.
-// dense_matmul_id_tensor.cu's launcher takes it for f16/bf16 weights on the vector path (every row
-// 16-byte aligned, k % 8 == 0); everything else keeps the mma.sync kernel there.
+// The tensor-core expert-ID routes (grouped_tensor_lowp, grouped_tensor_tf32) on Hopper (sm_90a
+// builds, compute capability 9.0 devices): a warp-specialised persistent kernel on warpgroup MMA
+// (wgmma) with the weights brought in by TMA. dense_matmul_id_tensor.cu's launcher takes it on the
+// vector path (every row 16-byte aligned, k % 8 == 0, k > 0); everything else keeps the mma.sync
+// kernel there.
 //
-// NUMERICS: those of the lowp route (dense_matmul_id_tensor.cu): activations rounded to the weight
-// dtype (round to nearest even), weights exact, products summed in F32 by the tensor cores. Each
-// output element's sum runs over K in slices of 16 in increasing order (one wgmma each), within a
-// slice in the tensor core's order; the result depends on K only, not on m, the tile or its place.
-// The slices differ from the mma.sync kernel's (32), so the two kernels agree within the route's
-// tolerance, not bit for bit.
+// NUMERICS: those of the routes (dense_matmul_id_tensor.cu): lowp rounds the activations to the
+// weight dtype (round to nearest even); tf32 rounds the activations, and F32 weights, to tf32
+// (cvt.rna), f16/bf16 weights being exact in tf32; products summed in F32 by the tensor cores. Each
+// output element's sum runs over K in steps of 16 (lowp) or 8 (tf32) values in increasing order (one
+// wgmma each), within a step in the tensor core's order; the result depends on K only, not on m, the
+// tile or its place. The steps differ from the mma.sync kernel's, so the two kernels agree within
+// the route's tolerance, not bit for bit.
 //
 // GEOMETRY: a persistent grid over the work list of grouped_work_list.cuh with 128 x BN tiles
-// (routed rows x output columns; BN = 256, or 128 when n <= 128). Three warpgroups per CTA:
-//   - warpgroup 0, the producer: one thread streams the expert's weight tile through a ring of
-//     kStages shared-memory slots by TMA (64 K values = 128 bytes per row per slot, 128-byte
-//     swizzle; rows past n and K past k arrive as zeros), one mbarrier "full" per slot;
+// (routed rows x output columns; BN = 256, or 128 when n <= 128). Each slot of the shared-memory ring
+// holds one K slice of both operands as 128-byte rows (64 16-bit or 32 32-bit values) with the
+// 128-byte swizzle the wgmma descriptors name. Three warpgroups per CTA:
+//   - warpgroup 0, the producer: one thread streams the expert's weight tile slice by slice through
+//     kStages slots by TMA (rows past n and K past k arrive as zeros), one mbarrier "full" per slot.
+//     For tf32 over 16-bit weights it lands the raw rows, unswizzled, in the back half of the slot's
+//     weight tile, and the consumers widen them in place; F32 weights are rounded to tf32 in place.
 //   - warpgroups 1 and 2, the consumers: each owns 64 of the tile's rows. It loads its rows' F32
-//     activations (gathered through the routed-row list) into registers one slot ahead, rounds
-//     them and stores them into the slot's A tile with the same swizzle, then issues four
-//     m64nBNk16 wgmmas per slot and, while they run, converts the next slot's activations. A slot
-//     is handed back to the producer (mbarrier "empty", one arrival per consumer warp) once the
-//     wgmmas that read it have retired (wgmma.wait_group 1: one group stays in flight).
-// Registers: the producer drops to 40 per thread and the consumers rise to 232 (setmaxnreg; 168
+//     activations (gathered through the routed-row list) into registers two slices ahead (two
+//     register sets), rounds them and stores them into the slot's activation tile with the same
+//     swizzle, then issues four wgmmas (m64 x BN, 16 or 8 K values each) per slot and, while they
+//     run, stores the next slice's activations. A slot goes back to the producer (mbarrier "empty",
+//     one arrival per consumer warp) once the wgmmas that read it have retired (wgmma.wait_group 1:
+//     one group stays in flight).
+// Registers: the producer drops to 24 per thread and the consumers rise to 240 (setmaxnreg; 168
 // each at launch, the bound of 384 threads), which holds a 64 x 256 F32 accumulator (128 per
-// thread) without spills. A consumer warpgroup without rows in an item (the last row tile of an
-// expert holding <= 64 of them) only passes the slots back.
+// thread) and both activation sets without spills. A consumer warpgroup without rows in an item (the
+// last row tile of an expert holding <= 64 of them) only prepares its share of the weights (tf32)
+// and passes the slots back.
 // Output rows are stored straight from the accumulators (float2 when n is even and the output
 // 8-byte aligned) to the routed rows' positions; rows past the item and columns past n are skipped.
-#include <cuda.h>
-#include <cudaTypedefs.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
-#include <atomic>
-#include <cstdint>
-#include <cstring>
-#include <string>
-
 #include "dense_matmul_id_wgmma.h"
 #include "grouped_work_list.cuh"
 #include "routemm/error.h"
@@ -200,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t total = prefix[n_experts];
 
   if (warp < 4) {  // ---- producer warpgroup ----
-    sm90::setmaxnreg_dec<40>();
+    sm90::setmaxnreg_dec<24>();
     if (warp != 0 || lane != 0) return;
     sm90::prefetch_tensor_map(&weights_map);
     uint32_t stage = 0;
@@ -219,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- consumer warpgroups ----
-  sm90::setmaxnreg_inc<232>();          // 128 x 40 + 256 x 232 <= 64 K registers
+  sm90::setmaxnreg_inc<240>();          // 128 x 24 + 256 x 240 <= 64 K registers
   const uint32_t wg = (warp >> 2) - 1;  // 0 or 1: rows 64 wg .. 64 wg + 63 of each tile
   const uint32_t t = tid & 127, ct = tid - 128;
   const uint32_t wg_warp = t >> 5;
@@ -310,36 +306,45 @@ __global__ void __launch_bounds__(kThreads, 1)
             input + token * p.input_token_stride_bytes + slot * p.input_slot_stride_bytes + q * 16;
       }
     }
-    float4 areg[kAPer];
-    const auto load_a = [&](uint32_t kt) {
+    // Two register sets of staged activations: slice j lives in set j % 2, loaded two slices
+    // before it is stored, so a load has two slot times to arrive. (Set indices are compile-time
+    // constants: the slice loop below runs in pairs.)
+    float4 areg[2][kAPer];
+    const auto load_a = [&](uint32_t kt, auto set) {
+      constexpr int kSet = decltype(set)::value;
       const uint32_t kk = kt * kSliceK + 4 * q;
 #pragma unroll
       for (uint32_t i = 0; i < kAPer; ++i) {
-        areg[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        areg[kSet][i] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (src[i] != nullptr && kk < k) {
-          areg[i] = __ldg(reinterpret_cast<const float4*>(src[i] + uint64_t{kt} * kSliceK * 4));
+          areg[kSet][i] =
+              __ldg(reinterpret_cast<const float4*>(src[i] + uint64_t{kt} * kSliceK * 4));
         }
       }
     };
-    const auto store_a = [&](uint32_t slot) {
+    const auto store_a = [&](uint32_t slot, auto set) {
+      constexpr int kSet = decltype(set)::value;
       const uint32_t base = pipe + slot * T::kSlotBytes + a_store_off;
 #pragma unroll
       for (uint32_t i = 0; i < kAPer; ++i) {
         const uint32_t addr = base + i * kRowStep * kSliceRowBytes;
+        const float4 v = areg[kSet][i];
         if constexpr (O::kTf32) {
-          sts128(addr, to_tf32(areg[i].x), to_tf32(areg[i].y), to_tf32(areg[i].z),
-                 to_tf32(areg[i].w));
+          sts128(addr, to_tf32(v.x), to_tf32(v.y), to_tf32(v.z), to_tf32(v.w));
         } else {
-          sts64(addr, pack_pair<O::kHalfWeights>(areg[i].x, areg[i].y),
-                pack_pair<O::kHalfWeights>(areg[i].z, areg[i].w));
+          sts64(addr, pack_pair<O::kHalfWeights>(v.x, v.y), pack_pair<O::kHalfWeights>(v.z, v.w));
         }
       }
     };
+    using Set0 = std::integral_constant<int, 0>;
+    using Set1 = std::integral_constant<int, 1>;
 
-    load_a(0);
-    store_a(stage % T::kStages);
-    if (slices > 1) load_a(1);
-    for (uint32_t kt = 0; kt < slices; ++kt) {
+    load_a(0, Set0{});
+    if (slices > 1) load_a(1, Set1{});
+    store_a(stage % T::kStages, Set0{});
+    if (slices > 2) load_a(2, Set0{});
+    // One slot: `next_set` holds slice kt + 1.
+    const auto slot_step = [&](uint32_t kt, auto next_set) {
       const uint32_t s = stage + kt;
       const uint32_t slot = s % T::kStages, parity = (s / T::kStages) & 1u;
       const uint32_t b_tile = pipe + slot * T::kSlotBytes + T::kABytes;
@@ -359,10 +364,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::wgmma_commit();
       sm90::fence_operands(acc);
       // While the tensor cores run: slice kt + 1's activations into its slot (whose last reader,
-      // slice kt + 1 - kStages <= kt - 2, retired at the previous wait), slice kt + 2's loads.
+      // slice kt + 1 - kStages <= kt - 2, retired at the previous wait), then slice kt + 3's loads
+      // into the set just freed.
       if (kt + 1 < slices) {
-        store_a((s + 1) % T::kStages);
-        if (kt + 2 < slices) load_a(kt + 2);
+        store_a((s + 1) % T::kStages, next_set);
+        if (kt + 3 < slices) load_a(kt + 3, next_set);
       }
       sm90::wgmma_wait<1>();
       sm90::fence_operands(acc);
@@ -370,6 +376,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(empty_bar + 8 * ((s - 1) % T::kStages));
       }
+    };
+    for (uint32_t kt = 0; kt < slices; kt += 2) {
+      slot_step(kt, Set1{});
+      if (kt + 1 < slices) slot_step(kt + 1, Set0{});
     }
     stage += slices;
     sm90::wgmma_wait<0>();
