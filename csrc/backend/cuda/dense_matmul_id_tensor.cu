@@ -11,9 +11,9 @@
 //         cores. Tested within 2e-3 relative Frobenius error of a float64 reference.
 //   lowp: activations rounded to the weight dtype (f16 or bf16, round to nearest even); weights
 //         exact; F32 accumulation. Tested within 1e-2 relative Frobenius error.
-// In this kernel each output element's sum runs over K in slices (32 for lowp, 16 for tf32) in increasing order,
-// within a slice in the tensor core's own order; the result depends on K only, not on m, the tile
-// size or the tile position.
+// In this kernel each output element's sum runs over K in slices (32 for lowp, 16 for tf32) in
+// increasing order, within a slice in the tensor core's own order; the result depends on K only,
+// not on m, the tile size or the tile position.
 // An id >= n_experts gives an all-zero row: the map dispatch writes it, these kernels never see it.
 //
 // Geometry: a persistent grid (multiprocessors x resident CTAs, at most one per possible work item)
