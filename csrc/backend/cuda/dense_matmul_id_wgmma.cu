@@ -34,6 +34,18 @@
 // and passes the slots back.
 // Output rows are stored straight from the accumulators (float2 when n is even and the output
 // 8-byte aligned) to the routed rows' positions; rows past the item and columns past n are skipped.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
 #include "dense_matmul_id_wgmma.h"
 #include "grouped_work_list.cuh"
 #include "routemm/error.h"
