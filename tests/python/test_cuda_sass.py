@@ -1,0 +1,86 @@
+"""The machine code of the CUDA tensor-core kernels, read back from the built extension: on sm_90a the
+expert-ID tensor routes run warpgroup MMA fed by TMA, the portable kernel runs warp-level MMA, and
+neither touches local memory (no register spills). Needs cuobjdump and a build carrying CUDA code;
+skips otherwise (a CPU-only build, or a toolkit without cuobjdump)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import routemm
+
+
+def _cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    candidate = os.path.join(home, "bin", "cuobjdump")
+    return candidate if os.access(candidate, os.X_OK) else None
+
+
+def _functions_by_arch() -> dict[str, dict[str, str]]:
+    """{arch: {mangled function name: SASS text}} of the extension's fatbin."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    libs = glob.glob(os.path.join(os.path.dirname(routemm.__file__), "_core*.so"))
+    if not libs:
+        pytest.skip("routemm's extension module not found")
+    run = subprocess.run([tool, "-sass", libs[0]], capture_output=True, text=True, check=False)
+    if run.returncode != 0 or "Function :" not in run.stdout:
+        pytest.skip("the extension carries no CUDA machine code")
+    arches: dict[str, dict[str, str]] = {}
+    arch, name, body = None, None, []
+    for line in run.stdout.splitlines():
+        arch_match = re.match(r"\s*arch = (sm_\w+)", line)
+        func_match = re.match(r"\s*Function : (\S+)", line)
+        if arch_match or func_match:
+            if arch and name:
+                arches.setdefault(arch, {})[name] = "\n".join(body)
+            name, body = None, []
+            if arch_match:
+                arch = arch_match.group(1)
+            else:
+                name = func_match.group(1)
+        elif name:
+            body.append(line)
+    if arch and name:
+        arches.setdefault(arch, {})[name] = "\n".join(body)
+    return arches
+
+
+def _local_memory(sass: str) -> list[str]:
+    return [line.strip() for line in sass.splitlines() if re.search(r"\b(LDL|STL)(\.\w+)*\b", line)]
+
+
+def test_hopper_tensor_routes_use_wgmma_and_tma():
+    arches = _functions_by_arch()
+    if "sm_90a" not in arches:
+        pytest.skip("the build carries no sm_90a code")
+    kernels = {name: sass for name, sass in arches["sm_90a"].items() if "grouped_wgmma_kernel" in name}
+    # Five operand kinds (lowp f16/bf16, tf32 from f16/bf16/f32) x two column tiles.
+    assert len(kernels) == 10, sorted(kernels)
+    for name, sass in kernels.items():
+        assert "HGMMA" in sass, name
+        assert "UTMALDG" in sass, name
+        assert not _local_memory(sass), (name, _local_memory(sass)[:5])
+
+
+def test_portable_tensor_kernel_uses_warp_mma_without_spills():
+    arches = _functions_by_arch()
+    checked = 0
+    for arch, functions in arches.items():
+        for name, sass in functions.items():
+            if "grouped_tensor_kernel" not in name:
+                continue
+            checked += 1
+            assert "HMMA" in sass, (arch, name)
+            assert not _local_memory(sass), (arch, name, _local_memory(sass)[:5])
+    if checked == 0:
+        pytest.skip("no portable tensor kernel in this build")
