@@ -9,7 +9,7 @@ stamp build
 export ROUTEMM_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16
 export SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90a;ROUTEMM_CUDA_PTXAS_VERBOSE=ON"
 python3 -m pip install --no-build-isolation --no-deps -v . > /tmp/build.log 2>&1; echo "pip exit $?"
-grep -A3 "grouped_tensor_kernel" /tmp/build.log | grep -E "registers|spill" | sort | uniq -c > "$OUT/ptxas.txt"
+grep -E -A3 "grouped_(tensor|wgmma)_kernel" /tmp/build.log | grep -E "registers|spill" | sort | uniq -c > "$OUT/ptxas.txt"
 cat "$OUT/ptxas.txt"; grep -E "error|warning" /tmp/build.log | head -5
 stamp pytest
 ROUTEMM_TEST_BACKENDS=cuda timeout 120 python3 -m pytest tests/python/test_dense_matmul_id_tensor.py -q -x -p no:cacheprovider -k "not q4" 2>&1 | tail -5 | tee "$OUT/pytest.txt"
