@@ -33,7 +33,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -47,6 +46,7 @@
 #include "kernels.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
+#include "smem_opt_in.h"
 #include "warp_mma.cuh"
 
 #ifndef ROUTEMM_CUDA_DENSE_MATMUL_ID_TENSOR_SHA256
@@ -62,7 +62,6 @@ constexpr uint32_t kThreads = 256;
 constexpr uint32_t kTileCols = 128;  // smallest BN
 constexpr uint32_t kRowBytes = 64;   // bytes per operand row per stage: 4 chunks of 16
 constexpr uint32_t kMaxTileRows = 128;
-constexpr uint32_t kMaxExperts = 4096;
 
 // Stages of the shared-memory ring, and resident CTAs per multiprocessor, per tile shape.
 template <uint32_t BM, uint32_t BN>
@@ -450,40 +449,12 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>())
   }
 }
 
-// Per-device launch facts of one kernel instance: multiprocessors x resident CTAs, and the dynamic
-// shared memory limit already raised.
-struct InstanceState {
-  std::atomic<uint64_t> smem_set{0};
-};
-constexpr int kMaxDevices = 64;
-
 template <class W, Mode M, uint32_t BM, uint32_t BN, bool kVec>
 void launch_instance(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p,
                      cudaStream_t stream, bool out_vec2) {
-  static InstanceState states[kMaxDevices];
-  auto kernel = &grouped_tensor_kernel<W, M, BM, BN, kVec>;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    throw Error("'" + launch.label + "': no current CUDA device");
-  }
-  InstanceState& st = states[device];
+  constexpr auto kernel = &grouped_tensor_kernel<W, M, BM, BN, kVec>;
   const uint64_t smem = smem_bytes<BM, BN>(p.n_experts);
-  if (st.smem_set.load(std::memory_order_acquire) < smem) {
-    // Raise the limit to cover any expert count, once per device.
-    const uint64_t want = smem_bytes<BM, BN>(kMaxExperts);
-    if (const cudaError_t e = cudaFuncSetAttribute(
-            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(want));
-        e != cudaSuccess) {
-      throw Error("'" + launch.label + "': cannot raise shared memory: " + cudaGetErrorString(e));
-    }
-    st.smem_set.store(want, std::memory_order_release);
-  }
-  // The persistent grid the front door encoded (KernelDef::persistent_groups, capped by the tile
-  // count); CTAs beyond the work items find none and exit.
-  if (launch.grid.x == 0 || launch.grid.x > 0x7fffffffu || launch.grid.y != 1 ||
-      launch.grid.z != 1) {
-    throw Error("'" + launch.label + "': expected a 1-D persistent grid");
-  }
+  opt_in_dynamic_smem<kernel>(launch.label, smem, smem_bytes<BM, BN>(kMaxWorkListExperts));
   const auto blocks = static_cast<unsigned>(launch.grid.x);
   kernel<<<blocks, kThreads, static_cast<size_t>(smem), stream>>>(
       p, static_cast<const W*>(launch.args[1].data), static_cast<const char*>(launch.args[2].data),
@@ -500,9 +471,15 @@ void launch_grouped_tensor(const KernelLaunch& launch, void* queue_native) {
       throw Error("'" + launch.label + "': slot " + std::to_string(slot) + " must be a buffer");
     }
   }
-  if (p.n_experts > kMaxExperts) {
+  if (p.n_experts > kMaxWorkListExperts) {
     throw Error("'" + launch.label + "': n_experts " + std::to_string(p.n_experts) + " exceeds " +
-                std::to_string(kMaxExperts));
+                std::to_string(kMaxWorkListExperts));
+  }
+  // The persistent grid the front door encoded (KernelDef::persistent_groups, capped by the tile
+  // count); CTAs beyond the work items find none and exit.
+  if (launch.grid.x == 0 || launch.grid.x > 0x7fffffffu || launch.grid.y != 1 ||
+      launch.grid.z != 1) {
+    throw Error("'" + launch.label + "': expected a 1-D persistent grid");
   }
   auto stream = static_cast<cudaStream_t>(queue_native);
   const auto addr = [&](int slot) { return reinterpret_cast<uintptr_t>(launch.args[slot].data); };

@@ -49,6 +49,7 @@
 #include "dense_matmul_id_wgmma.h"
 #include "grouped_work_list.cuh"
 #include "routemm/error.h"
+#include "smem_opt_in.h"
 #include "wgmma.cuh"
 
 namespace routemm::cuda {
@@ -59,8 +60,6 @@ using kernels::DenseMatmulIdKernelParams;
 constexpr uint32_t kTileRows = 128;       // two consumer warpgroups of 64 rows
 constexpr uint32_t kSliceRowBytes = 128;  // bytes per operand row per slot = the swizzle span
 constexpr uint32_t kThreads = 384;
-constexpr uint32_t kMaxExperts = 4096;
-constexpr int kMaxDevices = 64;
 
 // The operation: operand precision and the weights' storage type.
 enum class WgOp { LowpBf16, LowpF16, Tf32Bf16, Tf32F16, Tf32F32 };
@@ -469,22 +468,9 @@ CUtensorMap weights_tensor_map(const std::string& label, const void* weights,
 template <uint32_t BN, WgOp Op>
 void launch_wgmma(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p,
                   cudaStream_t stream, bool out_vec2) {
-  auto kernel = &grouped_wgmma_kernel<BN, Op>;
-  // Raise the dynamic shared memory limit to cover any expert count, once per device.
-  static std::atomic<bool> raised[kMaxDevices];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
-    throw Error("'" + launch.label + "': no current CUDA device");
-  }
-  if (!raised[device].load(std::memory_order_acquire)) {
-    if (const cudaError_t e =
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(smem_bytes<BN>(kMaxExperts)));
-        e != cudaSuccess) {
-      throw Error("'" + launch.label + "': cannot raise shared memory: " + cudaGetErrorString(e));
-    }
-    raised[device].store(true, std::memory_order_release);
-  }
+  constexpr auto kernel = &grouped_wgmma_kernel<BN, Op>;
+  opt_in_dynamic_smem<kernel>(launch.label, smem_bytes<BN>(p.n_experts),
+                              smem_bytes<BN>(kMaxWorkListExperts));
   const CUtensorMap map = weights_tensor_map<BN, Op>(launch.label, launch.args[1].data, p);
   kernel<<<static_cast<unsigned>(launch.grid.x), kThreads,
            static_cast<size_t>(smem_bytes<BN>(p.n_experts)), stream>>>(
@@ -508,13 +494,19 @@ void launch_op(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p, c
 
 bool wgmma_grouped_available(int device) {
 #if defined(ROUTEMM_CUDA_HAS_SM90A)
+  // Asked on every launch of the tensor routes: answered once per device (0 unknown, 1 no, 2 yes).
+  static std::atomic<int> known[kMaxOptInDevices];
+  if (device < 0 || device >= kMaxOptInDevices) return false;
+  if (const int v = known[device].load(std::memory_order_acquire); v != 0) return v == 2;
   int major = 0, minor = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
     (void)cudaGetLastError();
-    return false;
+    return false;  // not cached: a later call may find the device
   }
-  return major == 9 && minor == 0 && tensor_map_encoder() != nullptr;
+  const bool yes = major == 9 && minor == 0 && tensor_map_encoder() != nullptr;
+  known[device].store(yes ? 2 : 1, std::memory_order_release);
+  return yes;
 #else
   (void)device;
   return false;
@@ -525,14 +517,6 @@ uint64_t wgmma_grouped_smem_bytes(uint32_t n_experts) { return smem_bytes<256>(n
 
 void launch_grouped_wgmma(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p,
                           cudaStream_t stream, WgmmaOperands operands, bool out_vec2) {
-  if (p.n_experts > kMaxExperts) {
-    throw Error("'" + launch.label + "': n_experts " + std::to_string(p.n_experts) + " exceeds " +
-                std::to_string(kMaxExperts));
-  }
-  if (launch.grid.x == 0 || launch.grid.x > 0x7fffffffu || launch.grid.y != 1 ||
-      launch.grid.z != 1) {
-    throw Error("'" + launch.label + "': expected a 1-D persistent grid");
-  }
   switch (operands) {
     case WgmmaOperands::LowpBf16: return launch_op<WgOp::LowpBf16>(launch, p, stream, out_vec2);
     case WgmmaOperands::LowpF16: return launch_op<WgOp::LowpF16>(launch, p, stream, out_vec2);

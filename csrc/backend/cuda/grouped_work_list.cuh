@@ -9,6 +9,10 @@
 
 namespace routemm::cuda {
 
+// The prefix lives in shared memory (4 bytes per expert); the kernels size it for up to this many
+// experts, and their launchers refuse more.
+inline constexpr uint32_t kMaxWorkListExperts = 4096;
+
 // Fills prefix[0..n_experts] with the exclusive prefix sum over experts of their item counts
 // (prefix[n_experts] = total items). Every thread of the CTA calls it; it ends with a CTA barrier.
 // kThreads: the CTA's thread count (a multiple of 32).
