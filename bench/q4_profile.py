@@ -1,24 +1,34 @@
-"""One launch each of the Q4_0 mat-vec (m=1, 8) and the V2 / 64x32 routes (m=512, m=4096) on 4096 x 14336,
-for Nsight Compute:  ncu --clock-control none -k regex:q4_kernel --section SpeedOfLight \
---section WarpStateStats python3 bench/q4_profile.py  (each case runs twice: warm-up, then the
-profiled launch)."""
+"""Launches of the Q4_0 routes on 4096 x 14336, for Nsight Compute. Cases from the command line as
+m:route (route: mv = the default mat-vec path, simd, v1, v2, 64x32), default: 1:mv 8:mv 512:v2
+512:64x32 4096:v2. Each case runs twice (warm-up, then the launch to profile), e.g.
+
+    ncu --clock-control none -k regex:q4_wgmma --launch-skip 1 --launch-count 1 \\
+        --section SpeedOfLight --section WarpStateStats python3 bench/q4_profile.py 9:64x32
+"""
+
+import sys
 
 import numpy as np
 import routemm
 from routemm import q4_0
+
+ROUTES = {
+    "mv": None,
+    "simd": routemm.DenseQ4Route.COMPATIBILITY_SIMDGROUP,
+    "v1": routemm.DenseQ4Route.COMPATIBILITY_TENSOR_V1,
+    "v2": routemm.DenseQ4Route.COMPATIBILITY_V2,
+    "64x32": routemm.DenseQ4Route.TENSOR_64X32,
+}
+cases = sys.argv[1:] or ["1:mv", "8:mv", "512:v2", "512:64x32", "4096:v2"]
 
 dev = routemm.Device("cuda")
 reg = routemm.KernelRegistry(dev)
 rng = np.random.default_rng(0)
 n, k = 4096, 14336
 w = dev.from_numpy(q4_0.quantize(rng.uniform(-1, 1, (n, k)).astype(np.float32)).reshape(-1))
-for m, route in [
-    (1, None),
-    (8, None),
-    (512, routemm.DenseQ4Route.COMPATIBILITY_V2),
-    (512, routemm.DenseQ4Route.TENSOR_64X32),
-    (4096, routemm.DenseQ4Route.COMPATIBILITY_V2),
-]:
+for case in cases:
+    m_text, route_key = case.split(":")
+    m, route = int(m_text), ROUTES[route_key]
     x = dev.from_numpy(rng.uniform(-1, 1, (m, k)).astype(np.float32))
     out = dev.from_numpy(np.zeros((m, n), np.float32))
     p = routemm.GgmlQuantizedMatmulParams(m, n, k)

@@ -44,23 +44,25 @@ def finfo(dtype: DType):
 
 @dataclasses.dataclass
 class Guarded:
-    """A view at byte offset GUARD inside a parent allocation with GUARD poison bytes each side."""
+    """A view at byte offset `offset` (GUARD unless a caller chose another guard) inside a parent
+    allocation with `offset` poison bytes each side."""
 
     parent: routemm.Buffer
     view: routemm.Buffer
     initial: np.ndarray  # every byte of the parent as written
+    offset: int = GUARD
 
     def parent_bytes(self) -> np.ndarray:
         return self.parent.numpy().view(np.uint8).reshape(-1)
 
     def view_bytes(self) -> np.ndarray:
-        return self.parent_bytes()[GUARD : GUARD + self.view.nbytes]
+        return self.parent_bytes()[self.offset : self.offset + self.view.nbytes]
 
     def assert_guards_intact(self, what: str) -> None:
         now = self.parent_bytes()
-        n = self.view.nbytes
-        assert np.array_equal(now[:GUARD], self.initial[:GUARD]), f"{what}: prefix guard written"
-        assert np.array_equal(now[GUARD + n :], self.initial[GUARD + n :]), f"{what}: suffix guard written"
+        end = self.offset + self.view.nbytes
+        assert np.array_equal(now[: self.offset], self.initial[: self.offset]), f"{what}: prefix guard written"
+        assert np.array_equal(now[end:], self.initial[end:]), f"{what}: suffix guard written"
 
     def assert_unchanged(self, what: str) -> None:
         assert np.array_equal(self.parent_bytes(), self.initial), f"{what}: bytes changed"
@@ -73,8 +75,8 @@ def guarded(device, payload: np.ndarray, dtype: DType, shape=(), guard: np.ndarr
     full = np.concatenate([guard, payload, guard]).astype(np.uint8)
     parent = device.alloc(full.nbytes, DType.U8)
     parent.copy_from_numpy(full)
-    view = parent.view(GUARD, payload.nbytes, dtype, list(shape))
-    return Guarded(parent, view, full.copy())
+    view = parent.view(guard.size, payload.nbytes, dtype, list(shape))
+    return Guarded(parent, view, full.copy(), guard.size)
 
 
 def poison_words(count: int) -> np.ndarray:

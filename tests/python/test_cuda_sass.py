@@ -1,6 +1,6 @@
 """The machine code of the CUDA tensor-core kernels, read back from the built extension: on sm_90a the
-expert-ID tensor routes run warpgroup MMA fed by TMA, the portable kernel runs warp-level MMA, and
-neither touches local memory (no register spills). Needs cuobjdump and a build carrying CUDA code;
+expert-ID tensor routes and the bf16 Q4_0 routes run warpgroup MMA fed by TMA, the portable kernel
+runs warp-level MMA, and none touches local memory (no register spills). Needs cuobjdump and a build carrying CUDA code;
 skips otherwise (a CPU-only build, or a toolkit without cuobjdump)."""
 
 from __future__ import annotations
@@ -84,3 +84,17 @@ def test_portable_tensor_kernel_uses_warp_mma_without_spills():
             assert not _local_memory(sass), (arch, name, _local_memory(sass)[:5])
     if checked == 0:
         pytest.skip("no portable tensor kernel in this build")
+
+
+def test_hopper_q4_kernel_uses_wgmma_and_tma():
+    """The bf16 Q4_0 routes' Hopper kernel: one instantiation per token tile (128 for V2, 32 for
+    64x32), each with HGMMA fed by TMA loads and no local memory."""
+    arches = _functions_by_arch()
+    if "sm_90a" not in arches:
+        pytest.skip("the build carries no sm_90a code")
+    kernels = {name: sass for name, sass in arches["sm_90a"].items() if "q4_wgmma_kernel" in name}
+    assert len(kernels) == 2, sorted(kernels)
+    for name, sass in kernels.items():
+        assert "HGMMA" in sass, name
+        assert "UTMALDG" in sass, name
+        assert not _local_memory(sass), (name, _local_memory(sass)[:5])

@@ -14,7 +14,7 @@ from routemm import DenseQ4Route as Route
 from routemm import GgmlRoutingPolicy as Policy
 from routemm import GgmlTensorMmPreference as Pref
 from routemm import q4_0
-from support import POISON_U32, guarded, guarded_output, validate
+from support import PAD_BYTE, POISON_U32, guarded, guarded_output, validate
 from tolerances import Q4_CUDA_BF16_FROBENIUS, Q4_CUDA_NUMERICS, accumulation_bound, q4_gpu_bound, q4_tolerance
 
 # Backends without the Q4_0 pipelines skip.
@@ -100,8 +100,14 @@ def test_mat_vec_against_reference(device, registry, rng, m, n, k):
     case.check(out, "mat_vec")
 
 
+# K % 256 == 0 with a 16-byte aligned weight view (2560, 512, 4352) is where CUDA's bf16 routes take
+# the Hopper kernel (H100/H200): (150, 136, 512) has token and row tails on both tiles and no K
+# split; (20, 40, 4352) splits K 8 ways with the last two splits empty.
 @pytest.mark.parametrize("route", ROUTES, ids=lambda r: r.value)
-@pytest.mark.parametrize("m,n,k", [(9, 1, 32), (33, 65, 64), (129, 77, 800), (40, 130, 96), (33, 77, 2560)])
+@pytest.mark.parametrize(
+    "m,n,k",
+    [(9, 1, 32), (33, 65, 64), (129, 77, 800), (40, 130, 96), (33, 77, 2560), (150, 136, 512), (20, 40, 4352)],
+)
 def test_every_route_against_reference(device, registry, rng, route, m, n, k):
     case = Q4Case(device, rng, m, n, k)
     out, receipt = case.run(registry, route)
@@ -110,7 +116,19 @@ def test_every_route_against_reference(device, registry, rng, route, m, n, k):
     case.check(out, route.value)
 
 
-@pytest.mark.parametrize("m,n,k", [(9, 64, 32), (33, 70, 800), (200, 129, 64), (9, 70, 2048)])
+@pytest.mark.parametrize("route", ROUTES, ids=lambda r: r.value)
+def test_every_route_with_unaligned_weight_view(device, registry, rng, route):
+    """A weight view 2 bytes off 16-byte alignment (K % 256 == 0): the kernels that need aligned
+    views (TMA, 16-byte copies) are not taken; the result keeps the route's numerics."""
+    case = Q4Case(device, rng, 40, 70, 512)
+    case.weight = guarded(device, case.blocks, routemm.DType.U8, case.blocks.shape, guard=np.full(18, PAD_BYTE, np.uint8))
+    out, _ = case.run(registry, route)
+    case.check(out, route.value)
+
+
+@pytest.mark.parametrize(
+    "m,n,k", [(9, 64, 32), (33, 70, 800), (200, 129, 64), (9, 70, 2048), (40, 136, 2560), (150, 136, 512)]
+)
 def test_v2_and_64x32_bit_identical(device, registry, rng, m, n, k):
     case = Q4Case(device, rng, m, n, k)
     v2, _ = case.run(registry, Route.COMPATIBILITY_V2)

@@ -40,7 +40,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -48,6 +47,7 @@
 
 #include "dense_matmul_id_wgmma.h"
 #include "grouped_work_list.cuh"
+#include "hopper_support.h"
 #include "routemm/error.h"
 #include "smem_opt_in.h"
 #include "wgmma.cuh"
@@ -422,22 +422,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult query{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                         &query) != cudaSuccess ||
-        query != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      ptr = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  }();
-  return fn;
-}
-
 // The weight stack as a 3-D tensor (k, n, experts), boxes of kSliceK x BN x 1 laid out as the
 // kernel expects (see WgOpTraits); out-of-range rows and K values read as zeros.
 template <uint32_t BN, WgOp Op>
@@ -492,26 +476,7 @@ void launch_op(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p, c
 
 }  // namespace
 
-bool wgmma_grouped_available(int device) {
-#if defined(ROUTEMM_CUDA_HAS_SM90A)
-  // Asked on every launch of the tensor routes: answered once per device (0 unknown, 1 no, 2 yes).
-  static std::atomic<int> known[kMaxOptInDevices];
-  if (device < 0 || device >= kMaxOptInDevices) return false;
-  if (const int v = known[device].load(std::memory_order_acquire); v != 0) return v == 2;
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;  // not cached: a later call may find the device
-  }
-  const bool yes = major == 9 && minor == 0 && tensor_map_encoder() != nullptr;
-  known[device].store(yes ? 2 : 1, std::memory_order_release);
-  return yes;
-#else
-  (void)device;
-  return false;
-#endif
-}
+bool wgmma_grouped_available(int device) { return hopper_kernels_available(device); }
 
 uint64_t wgmma_grouped_smem_bytes(uint32_t n_experts) { return smem_bytes<256>(n_experts); }
 

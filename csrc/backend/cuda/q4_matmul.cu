@@ -53,6 +53,9 @@
 #include "kernels.h"
 #include "routemm/error.h"
 #include "routemm/ops/q4_matmul.h"
+#include "hopper_support.h"
+#include "q4_matmul_wgmma.h"
+#include "q4_nibbles.cuh"
 #include "warp_mma.cuh"
 
 #ifndef ROUTEMM_CUDA_Q4_MATMUL_SHA256
@@ -126,17 +129,6 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ uint32_t bits_of(__nv_bfloat162 v) {
-  uint32_t out;
-  memcpy(&out, &v, 4);
-  return out;
-}
-__device__ __forceinline__ __nv_bfloat162 bf162_of(uint32_t bits) {
-  __nv_bfloat162 out;
-  memcpy(&out, &bits, 4);
-  return out;
-}
-
 // Copies `grain` bytes global -> shared (grain and both addresses are multiples of `grain`).
 __device__ __forceinline__ void copy_grain(uint8_t* dst, const uint8_t* src, int grain) {
   switch (grain) {
@@ -146,26 +138,6 @@ __device__ __forceinline__ void copy_grain(uint8_t* dst, const uint8_t* src, int
     case 2: *reinterpret_cast<uint16_t*>(dst) = *reinterpret_cast<const uint16_t*>(src); break;
     default: *dst = *src; break;
   }
-}
-
-// (x & 0x000F000F) | 0x43004300 as one LOP3 (with both masks immediate the compiler emits two): the
-// two nibbles at bits 0 and 16 as the bf16 pair (128 + q0, 128 + q1).
-__device__ __forceinline__ uint32_t nibbles_plus_128(uint32_t x) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "n"(0x000F000F), "r"(0x43004300u));
-  return r;
-}
-
-// (nibble - 8) as bf16x2 for the low (`low`) and high (`high`) nibbles of two bytes of `bytes`
-// (kSelect 0x4140: bytes 0 and 1; 0x4342: bytes 2 and 3), the first byte in the lower half:
-// 0x4300 | q is the bf16 of 128 + q, and subtracting 136 is exact.
-template <uint32_t kSelect = 0x4140>
-__device__ __forceinline__ void nibble_pairs(uint32_t bytes, uint32_t& low, uint32_t& high) {
-  static_assert(kSelect == 0x4140 || kSelect == 0x4342);
-  const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);
-  const uint32_t spread = __byte_perm(bytes, 0, kSelect);  // [b0, 0, b1, 0]
-  low = bits_of(__hsub2(bf162_of(nibbles_plus_128(spread)), bias));
-  high = bits_of(__hsub2(bf162_of(nibbles_plus_128(spread >> 4)), bias));
 }
 
 // Stores a CTA's T::kRows x T::kTokens output tile. `for_each(store)` calls store(r, k, value) for
@@ -307,8 +279,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 #pragma unroll
         for (int p = 0; p < 8; ++p) {
           nibble_pairs(half_words[1 + p], lo[p], hi[p]);
-          lo[p] = bits_of(__hmul2(bf162_of(lo[p]), d2));
-          hi[p] = bits_of(__hmul2(bf162_of(hi[p]), d2));
+          lo[p] = scale_pair(lo[p], d2);
+          hi[p] = scale_pair(hi[p], d2);
         }
       }
       const uint32_t dst = smem_addr(sa + r * T::kLd + b * 32);
@@ -688,16 +660,10 @@ Problem problem_of(const KernelLaunch& launch, size_t weight_slot, size_t input_
   return p;
 }
 
-using Q4Kernel = void (*)(const Q4Args);
-
-// Launches one Q4 kernel (T: its tile constants; `vec` / `generic`: its two instantiations) for `p`
-// with the grid the front door encoded: checks that grid and block match the tiles, reserves the
-// kernel's shared memory once, derives the copy sizes and the K split, and launches grid.z > 1 as
-// clusters of grid.z CTAs. The vector instantiation runs when the weight view allows T::kWGrain-byte
-// copies and the input 16-byte ones.
+// The encoded launch must match the tiles of T: T::kThreads threads, one CTA per tile, and a K
+// split of 1, 2, 4 or 8 along grid.z.
 template <class T>
-void launch_q4(const KernelLaunch& launch, void* stream, const Problem& p, bool rows_on_x,
-               Q4Kernel vec, Q4Kernel generic) {
+void check_launch_shape(const KernelLaunch& launch, const Problem& p, bool rows_on_x) {
   const uint64_t threads = launch.threads.x * launch.threads.y * launch.threads.z;
   if (threads != T::kThreads) {
     throw Error("'" + launch.label + "': launched with " + std::to_string(threads) +
@@ -711,6 +677,20 @@ void launch_q4(const KernelLaunch& launch, void* stream, const Problem& p, bool 
       splits > kMaxKSplits || (splits & (splits - 1)) != 0) {
     throw Error("'" + launch.label + "': grid does not match the kernel's tiles");
   }
+}
+
+using Q4Kernel = void (*)(const Q4Args);
+
+// Launches one Q4 kernel (T: its tile constants; `vec` / `generic`: its two instantiations) for `p`
+// with the grid the front door encoded: checks that grid and block match the tiles, reserves the
+// kernel's shared memory once, derives the copy sizes and the K split, and launches grid.z > 1 as
+// clusters of grid.z CTAs. The vector instantiation runs when the weight view allows T::kWGrain-byte
+// copies and the input 16-byte ones.
+template <class T>
+void launch_q4(const KernelLaunch& launch, void* stream, const Problem& p, bool rows_on_x,
+               Q4Kernel vec, Q4Kernel generic) {
+  check_launch_shape<T>(launch, p, rows_on_x);
+  const uint64_t splits = launch.grid.z;
   static const cudaError_t configured = [vec, generic] {
     const cudaError_t e =
         cudaFuncSetAttribute(vec, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
@@ -777,12 +757,30 @@ void launch_matrix(const KernelLaunch& launch, void* stream) {
   }
   const Problem p =
       problem_of(launch, 1, 2, 3, uint64_t(q.ne1), uint64_t(q.ne0), uint64_t(q.ne00), q.nb01);
+  if constexpr (!T::kSplit) {  // the bf16 routes: the Hopper kernel where it applies
+    int device = 0;
+    if (cudaGetDevice(&device) == cudaSuccess && q4_wgmma_eligible(device, p.weight, p.k)) {
+      check_launch_shape<T>(launch, p, false);
+      Q4WgmmaProblem h{};
+      h.weight = p.weight;
+      h.input = p.input;
+      h.output = p.output;
+      h.m = p.m;
+      h.n = p.n;
+      h.k = p.k;
+      h.splits = static_cast<uint32_t>(launch.grid.z);
+      launch_q4_wgmma(launch.label, static_cast<cudaStream_t>(stream), h, T::kTokens);
+      return;
+    }
+  }
   launch_q4<T>(launch, stream, p, false, q4_kernel<T, true>, q4_kernel<T, false>);
 }
 
+// `hopper`: the bf16 routes may launch q4_matmul_wgmma.cu's kernel on this device, so the
+// definition reserves the larger of the two kernels' shared memory.
 template <class T>
 KernelDef q4_def(std::string_view name, KernelFn fn, bool rows_on_x, uint32_t k_split_max,
-                 uint32_t target) {
+                 uint32_t target, bool hopper = false) {
   KernelDef def;
   def.name = std::string(name);
   def.fn = fn;
@@ -791,6 +789,10 @@ KernelDef q4_def(std::string_view name, KernelFn fn, bool rows_on_x, uint32_t k_
   def.tile_x = rows_on_x ? T::kRows : T::kTokens;
   def.tile_y = rows_on_x ? T::kTokens : T::kRows;
   def.threadgroup_memory_bytes = T::kSmem;
+  if (hopper) {
+    def.threadgroup_memory_bytes =
+        std::max<uint64_t>(def.threadgroup_memory_bytes, q4_wgmma_smem_bytes(T::kTokens));
+  }
   def.k_split_max = k_split_max;
   def.k_split_target_groups = target;
   def.origin = "cuda_fatbin";
@@ -820,10 +822,11 @@ void add_q4_matmul_kernels(std::vector<KernelDef>& out) {
       q4_def<SimdgroupTile>(names[1], &launch_matrix<SimdgroupTile>, false, splits, target));
   out.push_back(
       q4_def<TensorV1Tile>(names[2], &launch_matrix<TensorV1Tile>, false, splits, target));
-  out.push_back(
-      q4_def<TensorV2Tile>(names[3], &launch_matrix<TensorV2Tile>, false, splits, target));
-  out.push_back(
-      q4_def<Tensor64x32Tile>(names[4], &launch_matrix<Tensor64x32Tile>, false, splits, target));
+  const bool hopper = hopper_kernels_available(0);
+  out.push_back(q4_def<TensorV2Tile>(names[3], &launch_matrix<TensorV2Tile>, false, splits, target,
+                                     hopper));
+  out.push_back(q4_def<Tensor64x32Tile>(names[4], &launch_matrix<Tensor64x32Tile>, false, splits,
+                                        target, hopper));
 }
 
 }  // namespace routemm::cuda

@@ -65,6 +65,15 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* tensor_map
       "l"(tensor_map), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
+// A 2-D TMA tile load into shared memory, completing `bar`'s transaction bytes.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tensor_map, uint32_t bar,
+                                            int32_t c0, int32_t c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, "
+      "{%3, %4}], [%2];\n" ::"r"(dst),
+      "l"(tensor_map), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(tensor_map) : "memory");
 }
@@ -207,9 +216,47 @@ __device__ __forceinline__ void wgmma_m64n256k8_tf32(float (&d)[128], uint64_t d
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// D (64 x N, F32) += A (64 x 16, bf16, in registers) * B (16 x N, bf16, K-major in shared memory).
+// A's fragment in warp w of the warpgroup is mma.m16n8k16's for rows 16 w .. 16 w + 15: a[0] row
+// lane / 4, K 2 (lane % 4) + {0, 1}; a[1] the same K, row + 8; a[2], a[3] the same rows, K + 8. The
+// registers must stay unchanged until the wgmma retires (wgmma.wait_group).
+#define ROUTEMM_WGMMA_D16 \
+  "{"                     \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"  \
+  "}"
+#define ROUTEMM_WGMMA_OUT16(d)                                                                    \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),    \
+      "+f"(d[15])
+__device__ __forceinline__ void wgmma_m64n128k16_bf16_rs(float (&d)[64], const uint32_t (&a)[4],
+                                                         uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " ROUTEMM_WGMMA_D64
+      ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : ROUTEMM_WGMMA_OUT64(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1u));
+}
+__device__ __forceinline__ void wgmma_m64n32k16_bf16_rs(float (&d)[16], const uint32_t (&a)[4],
+                                                        uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " ROUTEMM_WGMMA_D16
+      ", {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : ROUTEMM_WGMMA_OUT16(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1u));
+}
+// Keeps A registers alive (and unmoved) until this point: placed after the wait that retires the
+// wgmma reading them, it stops the compiler from reusing them while the wgmma is in flight.
+__device__ __forceinline__ void fence_operands(uint32_t (&a)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[i])::"memory");
+}
 #undef ROUTEMM_WGMMA_D64
 #undef ROUTEMM_WGMMA_D128
 #undef ROUTEMM_WGMMA_OUT64
 #undef ROUTEMM_WGMMA_OUT128
+#undef ROUTEMM_WGMMA_D16
+#undef ROUTEMM_WGMMA_OUT16
 
 }  // namespace routemm::cuda::sm90

@@ -1,0 +1,102 @@
+// Host side of the Hopper kernels (hopper_support.h).
+#include "hopper_support.h"
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+
+#include "routemm/error.h"
+#include "smem_opt_in.h"
+
+namespace routemm::cuda {
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult query{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &query) != cudaSuccess ||
+        query != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      ptr = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+bool hopper_kernels_available(int device) {
+#if defined(ROUTEMM_CUDA_HAS_SM90A)
+  // Asked on every launch of the routes with a Hopper kernel: answered once per device (0 unknown,
+  // 1 no, 2 yes).
+  static std::atomic<int> known[kMaxOptInDevices];
+  if (device < 0 || device >= kMaxOptInDevices) return false;
+  if (const int v = known[device].load(std::memory_order_acquire); v != 0) return v == 2;
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;  // not cached: a later call may find the device
+  }
+  const bool yes = major == 9 && minor == 0 && tensor_map_encoder() != nullptr;
+  known[device].store(yes ? 2 : 1, std::memory_order_release);
+  return yes;
+#else
+  (void)device;
+  return false;
+#endif
+}
+
+namespace {
+
+// The workspace pool of `device`, created on first use. Its release threshold is unbounded: memory
+// freed into it stays reserved for the next call instead of going back to the driver at every
+// synchronisation (the pool holds at most the largest workspace in use at once).
+cudaMemPool_t workspace_pool(const std::string& label, int device) {
+  static std::mutex mutex;
+  static cudaMemPool_t pools[kMaxOptInDevices] = {};
+  if (device < 0 || device >= kMaxOptInDevices) throw Error("'" + label + "': bad CUDA device");
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (pools[device] != nullptr) return pools[device];
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.handleTypes = cudaMemHandleTypeNone;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device;
+  cudaMemPool_t pool = nullptr;
+  if (const cudaError_t e = cudaMemPoolCreate(&pool, &props); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw Error("'" + label + "': cannot create a workspace pool: " + cudaGetErrorString(e));
+  }
+  uint64_t keep = UINT64_MAX;
+  if (const cudaError_t e = cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+      e != cudaSuccess) {
+    (void)cudaGetLastError();
+    (void)cudaMemPoolDestroy(pool);
+    throw Error("'" + label + "': cannot configure the workspace pool: " + cudaGetErrorString(e));
+  }
+  pools[device] = pool;
+  return pool;
+}
+
+}  // namespace
+
+StreamWorkspace::StreamWorkspace(const std::string& label, size_t bytes, cudaStream_t stream)
+    : stream_(stream) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw Error("'" + label + "': no current CUDA device");
+  }
+  const cudaMemPool_t pool = workspace_pool(label, device);
+  if (const cudaError_t e = cudaMallocFromPoolAsync(&data_, bytes == 0 ? 1 : bytes, pool, stream);
+      e != cudaSuccess) {
+    (void)cudaGetLastError();  // an allocation failure is not sticky; clear it
+    throw Error("'" + label + "': cannot allocate a " + std::to_string(bytes) +
+                "-byte workspace: " + cudaGetErrorString(e));
+  }
+}
+
+StreamWorkspace::~StreamWorkspace() { (void)cudaFreeAsync(data_, stream_); }
+
+}  // namespace routemm::cuda

@@ -1,0 +1,40 @@
+// What the Hopper (sm_90a) kernels need from the host: whether they can run on a device, the TMA
+// descriptor encoder, and a stream-ordered workspace for kernels that stage operands in global
+// memory. Shared by the expert-ID (dense_matmul_id_wgmma.cu) and Q4_0 (q4_matmul_wgmma.cu) kernels.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <string>
+
+namespace routemm::cuda {
+
+// True when this build carries the sm_90a image, `device` is compute capability 9.0 (where that
+// image runs) and the driver can encode TMA descriptors. Answered once per device.
+bool hopper_kernels_available(int device);
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda), or
+// nullptr where the driver lacks it.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder();
+
+// `bytes` of device memory ordered on `stream`: allocated from a per-device pool (which keeps its
+// memory between calls, so steady-state use costs no driver allocation) and freed on the same
+// stream when this object goes away, after every kernel launched before that point. Throws a
+// routemm::Error naming `label` when the allocation fails; nothing is launched then.
+class StreamWorkspace {
+ public:
+  StreamWorkspace(const std::string& label, size_t bytes, cudaStream_t stream);
+  ~StreamWorkspace();
+  StreamWorkspace(const StreamWorkspace&) = delete;
+  StreamWorkspace& operator=(const StreamWorkspace&) = delete;
+  void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
+  cudaStream_t stream_;
+};
+
+}  // namespace routemm::cuda
