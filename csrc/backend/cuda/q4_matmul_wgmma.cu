@@ -14,8 +14,9 @@
 //
 // DATA PATH of the kernel (256 threads = two warpgroups of 64 weight rows each; no producer
 // warpgroup: thread 0 issues every TMA copy):
-//   - weights: raw GGUF blocks by 2-D TMA over the view as bytes (n rows of k / 32 * 18 bytes), one
-//     stage = 8 blocks (144 bytes) of 128 rows, kWStages deep; rows past n arrive as zeros.
+//   - weights: raw GGUF blocks by 2-D TMA over the view as 8-byte elements (n rows of k / 32 * 18
+//     bytes), one stage = 8 blocks (144 bytes) of 128 rows, kWStages deep; rows past n arrive as
+//     zeros.
 //   - activations: 2-D TMA boxes of 64 bf16 values x T tokens from the workspace with the 128-byte
 //     swizzle, one slot = 64 values of K, kXSlots deep; tokens past m arrive as zeros.
 //   - each thread decodes its own A fragment from the raw stage straight into registers (weights
@@ -23,8 +24,11 @@
 //     g + 8, the four nibble bytes 4t..4t+3 (t = lane % 4) give the K slots 2t, 2t+1, 2t+8, 2t+9
 //     of the two wgmmas of the block (low nibbles: values 4t..4t+3; high: 16 + 4t..). The
 //     activation workspace holds each block's values in that slot order.
-//   - two wgmmas (m64 x T x 16, A from registers, B the swizzled slot) per block; two register sets
-//     of A, so block b + 1 is decoded while block b's wgmmas run (wgmma.wait_group 1).
+//   - four wgmmas (m64 x T x 16, A from registers, B the swizzled slot) per slot of two blocks; two
+//     register sets of A, so slot j + 1 is decoded while slot j's wgmmas run (wgmma.wait_group 1).
+//     The loop runs per weight stage (one wait) over its four slots (unrolled: constant offsets),
+//     which keeps the per-warp instruction chain short -- at two CTAs per multiprocessor the kernel
+//     has four warps per scheduler, so every instruction of a block's chain shows in its time.
 //   - slots and stages go back to thread 0 through "empty" mbarriers (one arrival per warp), which
 //     refills them: an activation slot once the wgmmas that read it retired, a weight stage once
 //     every warp decoded its last block.
@@ -199,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, Cfg<kTokens>::kMinBlocks)
     const int pos = s % C::kWStages;
     sm90::mbar_arrive_expect_tx(w_full(pos), kWStageBytes);
     sm90::tma_load_2d(w_ring + pos * kWStageBytes, &weight_map, w_full(pos),
-                      (kb_begin + s * kStageBlocks) * 18, row0);
+                      (kb_begin + s * kStageBlocks) * 18 / 8, row0);
   };
   const auto issue_inputs = [&](int j) {
     const int pos = j % C::kXSlots;
@@ -219,50 +223,64 @@ __global__ void __launch_bounds__(kThreads, Cfg<kTokens>::kMinBlocks)
   float acc[kTokens / 2];
 #pragma unroll
   for (int i = 0; i < kTokens / 2; ++i) acc[i] = 0.0f;
-  uint32_t frag[2][2][4];  // [register set][low / high nibble wgmma][A register]
+  // A registers of one slot (two blocks): [register set][block of the slot][low / high nibble
+  // wgmma][register]. Slot j is decoded into set j % 2 while slot j - 1's wgmmas run.
+  uint32_t frag[2][2][2][4];
+  // This thread's row g in the weight ring (row g + 8 is 8 stage rows further).
+  const unsigned char* const w_thread = base_ptr + L::kXBytes + row_off;
+  const uint32_t quarter = static_cast<uint32_t>(t);
 
-  // Block b of the split, decoded into register set kSet = b % 2.
-  const auto block_step = [&](int b, auto set) {
-    constexpr int kSet = decltype(set)::value;
-    const int s = b / kStageBlocks, bi = b % kStageBlocks, j = b / 2;
-    if (bi == 0) sm90::mbar_wait(w_full(s % C::kWStages), (s / C::kWStages) & 1);
-    if (kSet == 0) sm90::mbar_wait(x_full(j % C::kXSlots), (j / C::kXSlots) & 1);
-    decode_block(base_ptr + L::kXBytes + (s % C::kWStages) * kWStageBytes + row_off + bi * 18,
-                 static_cast<uint32_t>(t), frag[kSet][0], frag[kSet][1]);
-    const uint64_t desc =
-        sm90::smem_desc_k128(x_ring + (j % C::kXSlots) * L::kXSlotBytes) + 4 * kSet;
+  // Slot q (0..3, a compile-time constant) of weight stage s: blocks 2q and 2q + 1 of the stage.
+  const auto slot_step = [&](int s, const unsigned char* w_stage, auto slot_in_stage) {
+    constexpr int kQ = decltype(slot_in_stage)::value;
+    constexpr int kSet = kQ & 1;
+    const int j = 4 * s + kQ;
+    const int x_pos = j % C::kXSlots;
+    sm90::mbar_wait(x_full(x_pos), (j / C::kXSlots) & 1);
+    decode_block(w_stage + (2 * kQ) * 18, quarter, frag[kSet][0][0], frag[kSet][0][1]);
+    decode_block(w_stage + (2 * kQ + 1) * 18, quarter, frag[kSet][1][0], frag[kSet][1][1]);
+    const uint64_t desc = sm90::smem_desc_k128(x_ring + x_pos * L::kXSlotBytes);
     sm90::wgmma_fence();
     sm90::fence_operands(acc);
-    wgmma_block_half<kTokens>(acc, frag[kSet][0], desc);
-    wgmma_block_half<kTokens>(acc, frag[kSet][1], desc + 2);
+    wgmma_block_half<kTokens>(acc, frag[kSet][0][0], desc);
+    wgmma_block_half<kTokens>(acc, frag[kSet][0][1], desc + 2);
+    wgmma_block_half<kTokens>(acc, frag[kSet][1][0], desc + 4);
+    wgmma_block_half<kTokens>(acc, frag[kSet][1][1], desc + 6);
     sm90::wgmma_commit();
     sm90::fence_operands(acc);
-    if (bi == kStageBlocks - 1) {  // this warp read the stage for the last time
+    if (kQ == 3) {  // this warp read the stage for the last time
       __syncwarp();
       if (lane == 0) sm90::mbar_arrive(w_empty(s % C::kWStages));
     }
-    sm90::wgmma_wait<1>();  // block b - 1's wgmmas retired: its registers and slot are free
+    sm90::wgmma_wait<1>();  // slot j - 1's wgmmas retired: its registers and slot are free
     sm90::fence_operands(acc);
-    sm90::fence_operands(frag[kSet ^ 1][0]);
-    sm90::fence_operands(frag[kSet ^ 1][1]);
-    if (kSet == 0 && b > 0) {  // block b - 1 was the last reader of slot j - 1
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      sm90::fence_operands(frag[kSet ^ 1][b][0]);
+      sm90::fence_operands(frag[kSet ^ 1][b][1]);
+    }
+    if (j > 0) {
+      const int done = (j - 1) % C::kXSlots;
       __syncwarp();
-      if (lane == 0) sm90::mbar_arrive(x_empty((j - 1) % C::kXSlots));
+      if (lane == 0) sm90::mbar_arrive(x_empty(done));
       if (tid == 0 && j - 1 + C::kXSlots < slots) {
-        sm90::mbar_wait(x_empty((j - 1) % C::kXSlots), ((j - 1) / C::kXSlots) & 1);
+        sm90::mbar_wait(x_empty(done), ((j - 1) / C::kXSlots) & 1);
         issue_inputs(j - 1 + C::kXSlots);
       }
     }
-    if (bi == kStageBlocks - 1 && tid == 0 && s + C::kWStages < stages) {
+    if (kQ == 3 && tid == 0 && s + C::kWStages < stages) {
       sm90::mbar_wait(w_empty(s % C::kWStages), (s / C::kWStages) & 1);
       issue_weights(s + C::kWStages);
     }
   };
-  using Set0 = std::integral_constant<int, 0>;
-  using Set1 = std::integral_constant<int, 1>;
-  for (int b = 0; b < blocks; b += 2) {
-    block_step(b, Set0{});
-    block_step(b + 1, Set1{});
+  for (int s = 0; s < stages; ++s) {
+    const int w_pos = s % C::kWStages;
+    sm90::mbar_wait(w_full(w_pos), (s / C::kWStages) & 1);
+    const unsigned char* const w_stage = w_thread + w_pos * kWStageBytes;
+    slot_step(s, w_stage, std::integral_constant<int, 0>{});
+    slot_step(s, w_stage, std::integral_constant<int, 1>{});
+    slot_step(s, w_stage, std::integral_constant<int, 2>{});
+    slot_step(s, w_stage, std::integral_constant<int, 3>{});
   }
   sm90::wgmma_wait<0>();
   sm90::fence_operands(acc);
@@ -331,9 +349,12 @@ void launch_tile(const std::string& label, cudaStream_t stream, const Q4WgmmaPro
   constexpr auto kernel = &q4_wgmma_kernel<kTokens>;
   opt_in_dynamic_smem<kernel>(label, L::kSmem, L::kSmem);
   const uint64_t row_bytes = uint64_t{p.k} / 32 * 18;
+  // The blocks as 8-byte elements (row_bytes % 16 == 0): TMA walks a box element by element, so
+  // 18 wide elements per row run move the same bytes in far fewer steps than 144 single bytes.
   const CUtensorMap weight_map =
-      encode_map(label, "weights", CU_TENSOR_MAP_DATA_TYPE_UINT8, const_cast<uint8_t*>(p.weight),
-                 row_bytes, p.n, row_bytes, kStageRowBytes, kRows, CU_TENSOR_MAP_SWIZZLE_NONE);
+      encode_map(label, "weights", CU_TENSOR_MAP_DATA_TYPE_UINT64, const_cast<uint8_t*>(p.weight),
+                 row_bytes / 8, p.n, row_bytes, kStageRowBytes / 8, kRows,
+                 CU_TENSOR_MAP_SWIZZLE_NONE);
   const CUtensorMap input_map =
       encode_map(label, "activations", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                  const_cast<uint32_t*>(activations), p.k, p.m, uint64_t{p.k} * 2, kSliceK,
