@@ -1,7 +1,10 @@
 // CUDA kernels of the GGML Q4_0 dense projections (csrc/ops/q4_matmul.cpp owns validation, routing
 // and geometry): the four matrix routes (one kernel template) and the mat-vec (a per-warp streamed
 // kernel), all on warp-level MMA (mma.sync m16n8k16 bf16, ldmatrix, cp.async; sm_80+, the same code
-// on sm_90, where long K is also split across a thread-block cluster).
+// on sm_90, where long K is also split across a thread-block cluster). On Hopper the two bf16 routes
+// (compatibility_v2, tensor_64x32) take the warpgroup-MMA kernel of q4_matmul_wgmma.cu instead when
+// k % 256 == 0 and the weight view is 16-byte aligned (launch_matrix below); same tiles, K split and
+// numerics, so the dispatch geometry and the V2 == 64x32 contract hold on either kernel.
 //
 // DATA PATH (every route): raw GGUF blocks and F32 activations stream into a shared-memory ring by
 // cp.async (16/8/4-byte copies, the widest the weight view's alignment and row length allow; byte
