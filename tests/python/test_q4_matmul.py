@@ -121,7 +121,9 @@ def test_every_route_with_unaligned_weight_view(device, registry, rng, route):
     """A weight view 2 bytes off 16-byte alignment (K % 256 == 0): the kernels that need aligned
     views (TMA, 16-byte copies) are not taken; the result keeps the route's numerics."""
     case = Q4Case(device, rng, 40, 70, 512)
-    case.weight = guarded(device, case.blocks, routemm.DType.U8, case.blocks.shape, guard=np.full(18, PAD_BYTE, np.uint8))
+    case.weight = guarded(
+        device, case.blocks, routemm.DType.U8, case.blocks.shape, guard=np.full(18, PAD_BYTE, np.uint8)
+    )
     out, _ = case.run(registry, route)
     case.check(out, route.value)
 

@@ -1,10 +1,9 @@
 // Host side of the Hopper kernels (hopper_support.h).
-#include "hopper_support.h"
-
 #include <atomic>
 #include <cstdint>
 #include <mutex>
 
+#include "hopper_support.h"
 #include "routemm/error.h"
 #include "smem_opt_in.h"
 

@@ -53,12 +53,12 @@
 
 #include "backend/common/launch_args.h"
 #include "backend/common/q4_0_block.h"
-#include "kernels.h"
-#include "routemm/error.h"
-#include "routemm/ops/q4_matmul.h"
 #include "hopper_support.h"
+#include "kernels.h"
 #include "q4_matmul_wgmma.h"
 #include "q4_nibbles.cuh"
+#include "routemm/error.h"
+#include "routemm/ops/q4_matmul.h"
 #include "warp_mma.cuh"
 
 #ifndef ROUTEMM_CUDA_Q4_MATMUL_SHA256
@@ -826,8 +826,8 @@ void add_q4_matmul_kernels(std::vector<KernelDef>& out) {
   out.push_back(
       q4_def<TensorV1Tile>(names[2], &launch_matrix<TensorV1Tile>, false, splits, target));
   const bool hopper = hopper_kernels_available(0);
-  out.push_back(q4_def<TensorV2Tile>(names[3], &launch_matrix<TensorV2Tile>, false, splits, target,
-                                     hopper));
+  out.push_back(
+      q4_def<TensorV2Tile>(names[3], &launch_matrix<TensorV2Tile>, false, splits, target, hopper));
   out.push_back(q4_def<Tensor64x32Tile>(names[4], &launch_matrix<Tensor64x32Tile>, false, splits,
                                         target, hopper));
 }

@@ -41,8 +41,6 @@
 // K split (grid.z > 1, one cluster along z): every CTA parks its partial tile in its own shared
 // memory (the ring is free by then) and CTA `rank` adds slice `rank` of the tile over the splits in
 // increasing split order through distributed shared memory, then stores it.
-#include "q4_matmul_wgmma.h"
-
 #include <cooperative_groups.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -57,6 +55,7 @@
 #include <type_traits>
 
 #include "hopper_support.h"
+#include "q4_matmul_wgmma.h"
 #include "q4_nibbles.cuh"
 #include "routemm/error.h"
 #include "smem_opt_in.h"
@@ -349,16 +348,14 @@ void launch_tile(const std::string& label, cudaStream_t stream, const Q4WgmmaPro
   constexpr auto kernel = &q4_wgmma_kernel<kTokens>;
   opt_in_dynamic_smem<kernel>(label, L::kSmem, L::kSmem);
   const uint64_t row_bytes = uint64_t{p.k} / 32 * 18;
-  // The blocks as 8-byte elements (row_bytes % 16 == 0): TMA walks a box element by element, so
-  // 18 wide elements per row run move the same bytes in far fewer steps than 144 single bytes.
-  const CUtensorMap weight_map =
-      encode_map(label, "weights", CU_TENSOR_MAP_DATA_TYPE_UINT64, const_cast<uint8_t*>(p.weight),
-                 row_bytes / 8, p.n, row_bytes, kStageRowBytes / 8, kRows,
-                 CU_TENSOR_MAP_SWIZZLE_NONE);
-  const CUtensorMap input_map =
-      encode_map(label, "activations", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                 const_cast<uint32_t*>(activations), p.k, p.m, uint64_t{p.k} * 2, kSliceK,
-                 kTokens, CU_TENSOR_MAP_SWIZZLE_128B);
+  // The blocks as 8-byte elements (row_bytes % 16 == 0 keeps rows whole): 18 elements per row run
+  // instead of 144 bytes (measured on the H200: the same time either way).
+  const CUtensorMap weight_map = encode_map(
+      label, "weights", CU_TENSOR_MAP_DATA_TYPE_UINT64, const_cast<uint8_t*>(p.weight),
+      row_bytes / 8, p.n, row_bytes, kStageRowBytes / 8, kRows, CU_TENSOR_MAP_SWIZZLE_NONE);
+  const CUtensorMap input_map = encode_map(
+      label, "activations", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, const_cast<uint32_t*>(activations),
+      p.k, p.m, uint64_t{p.k} * 2, kSliceK, kTokens, CU_TENSOR_MAP_SWIZZLE_128B);
   WgArgs a{};
   a.output = p.output;
   a.n = static_cast<int32_t>(p.n);

@@ -14,7 +14,7 @@ struct Q4WgmmaProblem {
   const float* input;     // m x k, 4-byte aligned
   float* output;          // m x n
   uint32_t m, n, k;
-  uint32_t splits;        // K split = cluster size along grid.z (1, 2, 4 or 8)
+  uint32_t splits;  // K split = cluster size along grid.z (1, 2, 4 or 8)
 };
 
 // True when the kernel can run this product on `device`: the Hopper image and TMA are there

@@ -220,9 +220,9 @@ __device__ __forceinline__ void wgmma_m64n256k8_tf32(float (&d)[128], uint64_t d
 // A's fragment in warp w of the warpgroup is mma.m16n8k16's for rows 16 w .. 16 w + 15: a[0] row
 // lane / 4, K 2 (lane % 4) + {0, 1}; a[1] the same K, row + 8; a[2], a[3] the same rows, K + 8. The
 // registers must stay unchanged until the wgmma retires (wgmma.wait_group).
-#define ROUTEMM_WGMMA_D16 \
-  "{"                     \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"  \
+#define ROUTEMM_WGMMA_D16                                                \
+  "{"                                                                    \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
   "}"
 #define ROUTEMM_WGMMA_OUT16(d)                                                                    \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
