@@ -59,17 +59,28 @@ def _local_memory(sass: str) -> list[str]:
     return [line.strip() for line in sass.splitlines() if re.search(r"\b(LDL|STL)(\.\w+)*\b", line)]
 
 
-def test_hopper_tensor_routes_use_wgmma_and_tma():
+def _assert_wgmma_fed_by_tma(name_part: str, count: int) -> None:
+    """`count` sm_90a functions named with `name_part`, each with HGMMA and UTMALDG and no local memory."""
     arches = _functions_by_arch()
     if "sm_90a" not in arches:
         pytest.skip("the build carries no sm_90a code")
-    kernels = {name: sass for name, sass in arches["sm_90a"].items() if "grouped_wgmma_kernel" in name}
-    # Five operand kinds (lowp f16/bf16, tf32 from f16/bf16/f32) x two column tiles.
-    assert len(kernels) == 10, sorted(kernels)
+    kernels = {name: sass for name, sass in arches["sm_90a"].items() if name_part in name}
+    assert len(kernels) == count, sorted(kernels)
     for name, sass in kernels.items():
         assert "HGMMA" in sass, name
         assert "UTMALDG" in sass, name
         assert not _local_memory(sass), (name, _local_memory(sass)[:5])
+
+
+def test_hopper_tensor_routes_use_wgmma_and_tma():
+    # Five operand kinds (lowp f16/bf16, tf32 from f16/bf16/f32) x two column tiles.
+    _assert_wgmma_fed_by_tma("grouped_wgmma_kernel", 10)
+
+
+def test_hopper_q4_kernel_uses_wgmma_and_tma():
+    """The bf16 Q4_0 routes' Hopper kernel: one instantiation per token tile (128 for V2, 32 for
+    64x32)."""
+    _assert_wgmma_fed_by_tma("q4_wgmma_kernel", 2)
 
 
 def test_portable_tensor_kernel_uses_warp_mma_without_spills():
@@ -84,17 +95,3 @@ def test_portable_tensor_kernel_uses_warp_mma_without_spills():
             assert not _local_memory(sass), (arch, name, _local_memory(sass)[:5])
     if checked == 0:
         pytest.skip("no portable tensor kernel in this build")
-
-
-def test_hopper_q4_kernel_uses_wgmma_and_tma():
-    """The bf16 Q4_0 routes' Hopper kernel: one instantiation per token tile (128 for V2, 32 for
-    64x32), each with HGMMA fed by TMA loads and no local memory."""
-    arches = _functions_by_arch()
-    if "sm_90a" not in arches:
-        pytest.skip("the build carries no sm_90a code")
-    kernels = {name: sass for name, sass in arches["sm_90a"].items() if "q4_wgmma_kernel" in name}
-    assert len(kernels) == 2, sorted(kernels)
-    for name, sass in kernels.items():
-        assert "HGMMA" in sass, name
-        assert "UTMALDG" in sass, name
-        assert not _local_memory(sass), (name, _local_memory(sass)[:5])

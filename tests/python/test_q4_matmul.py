@@ -100,13 +100,23 @@ def test_mat_vec_against_reference(device, registry, rng, m, n, k):
     case.check(out, "mat_vec")
 
 
-# K % 256 == 0 with a 16-byte aligned weight view (2560, 512, 4352) is where CUDA's bf16 routes take
-# the Hopper kernel (H100/H200): (150, 136, 512) has token and row tails on both tiles and no K
-# split; (20, 40, 4352) splits K 8 ways with the last two splits empty.
+# K % 256 == 0 with a 16-byte aligned weight view (2560, 512, 4352, 256) is where CUDA's bf16 routes
+# take the Hopper kernel (H100/H200): (150, 136, 512) has token and row tails on both tiles and no K
+# split; (20, 40, 4352) splits K 8 ways with the last two splits empty; (9, 1, 256) is one weight
+# row and one stage, the tiles mostly past the tensors' ends.
 @pytest.mark.parametrize("route", ROUTES, ids=lambda r: r.value)
 @pytest.mark.parametrize(
     "m,n,k",
-    [(9, 1, 32), (33, 65, 64), (129, 77, 800), (40, 130, 96), (33, 77, 2560), (150, 136, 512), (20, 40, 4352)],
+    [
+        (9, 1, 32),
+        (33, 65, 64),
+        (129, 77, 800),
+        (40, 130, 96),
+        (33, 77, 2560),
+        (150, 136, 512),
+        (20, 40, 4352),
+        (9, 1, 256),
+    ],
 )
 def test_every_route_against_reference(device, registry, rng, route, m, n, k):
     case = Q4Case(device, rng, m, n, k)

@@ -41,7 +41,6 @@
 //   kernel_mul_mm_q4_0_tensor_64x32_f32  bf16,   32 tokens x 128 rows, 256 threads
 // grid.z = the K split (<= 8, sm_90 only), reduced through distributed shared memory inside the
 // cluster; threadgroup memory = the ring, the converted tiles (or the split's partial tile).
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -57,6 +56,7 @@
 #include "kernels.h"
 #include "q4_matmul_wgmma.h"
 #include "q4_nibbles.cuh"
+#include "q4_split_store.cuh"
 #include "routemm/error.h"
 #include "routemm/ops/q4_matmul.h"
 #include "warp_mma.cuh"
@@ -67,8 +67,6 @@
 
 namespace routemm::cuda {
 namespace {
-
-namespace cg = cooperative_groups;
 
 enum class Numerics { Split, Bf16 };
 
@@ -143,42 +141,14 @@ __device__ __forceinline__ void copy_grain(uint8_t* dst, const uint8_t* src, int
   }
 }
 
-// Stores a CTA's T::kRows x T::kTokens output tile. `for_each(store)` calls store(r, k, value) for
-// each of the thread's accumulators (tile row r, tile token k). Without a K split the valid ones go
-// straight to the output. With one (grid.z CTAs, one cluster) every CTA parks its partial tile
-// [token][row] in its own shared memory (the pipeline's buffers are free by then), and CTA `rank`
-// sums slice `rank` of the tile over the splits in increasing split order -- a fixed order, so the
-// result depends on (m, n, k) only -- and stores it.
+// Stores a CTA's T::kRows x T::kTokens output tile (q4_split_store.cuh: a K split is reduced in
+// increasing split order through the cluster's shared memory).
 template <class T, class ForEach>
 __device__ __forceinline__ void store_tile(const Q4Args& a, uint8_t* smem, int row0, int tok0,
                                            int rows_valid, int toks_valid, ForEach for_each) {
-  if (gridDim.z == 1) {
-    for_each([&](int r, int k, float v) {
-      if (r < rows_valid && k < toks_valid) a.output[uint64_t(tok0 + k) * a.n + row0 + r] = v;
-    });
-    return;
-  }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static_assert(T::kRows * T::kTokens * 4 <= T::kSmem);
-  __syncthreads();  // every warp is done with the pipeline's buffers before they are reused
-  float* const partial = reinterpret_cast<float*>(smem);
-  for_each([&](int r, int k, float v) { partial[k * T::kRows + r] = v; });
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  const int splits = static_cast<int>(gridDim.z);
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int per = T::kRows * T::kTokens / splits;
-  for (int e = rank * per + static_cast<int>(threadIdx.x); e < (rank + 1) * per; e += T::kThreads) {
-    const int k = e / T::kRows, r = e % T::kRows;
-    if (k >= toks_valid || r >= rows_valid) continue;
-    float sum = cluster.map_shared_rank(partial, 0)[e];
-    for (int s = 1; s < splits; ++s) sum += cluster.map_shared_rank(partial, s)[e];
-    a.output[uint64_t(tok0 + k) * a.n + row0 + r] = sum;
-  }
-  cluster.sync();  // no CTA leaves while another still reads its partials
-#else
-  __trap();  // the host never splits K below sm_90 (KernelDef::k_split_max == 1)
-#endif
+  store_q4_tile<T::kRows, T::kTokens, T::kThreads, T::kRows>(a.output, a.n, smem, row0, tok0,
+                                                             rows_valid, toks_valid, for_each);
 }
 
 // kVec: the weight view and row stride allow T::kWGrain-byte copies for every stage (the tail

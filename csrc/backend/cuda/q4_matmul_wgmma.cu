@@ -38,10 +38,9 @@
 // from the mma.sync kernel's (K 16 per mma.sync, other internal order), so the two kernels agree
 // within the route's tolerance, not bit for bit; an output element's value depends on (m, n, k) and
 // its operands only, never on T, which keeps V2 == 64x32.
-// K split (grid.z > 1, one cluster along z): every CTA parks its partial tile in its own shared
-// memory (the ring is free by then) and CTA `rank` adds slice `rank` of the tile over the splits in
-// increasing split order through distributed shared memory, then stores it.
-#include <cooperative_groups.h>
+// K split (grid.z > 1, one cluster along z): q4_split_store.cuh, as in q4_matmul.cu -- every CTA
+// parks its partial tile in its own shared memory (the ring is free by then) and CTA `rank` adds
+// slice `rank` of the tile over the splits in increasing split order, then stores it.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -57,14 +56,13 @@
 #include "hopper_support.h"
 #include "q4_matmul_wgmma.h"
 #include "q4_nibbles.cuh"
+#include "q4_split_store.cuh"
 #include "routemm/error.h"
 #include "smem_opt_in.h"
 #include "wgmma.cuh"
 
 namespace routemm::cuda {
 namespace {
-
-namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
 constexpr int kRows = 128;                            // weight rows per CTA: 64 per warpgroup
@@ -293,29 +291,8 @@ __global__ void __launch_bounds__(kThreads, Cfg<kTokens>::kMinBlocks)
       for (int i = 0; i < 4; ++i)
         visit(wg * 64 + wg_warp * 16 + g + 8 * (i >> 1), 8 * jj + 2 * t + (i & 1), acc[4 * jj + i]);
   };
-  if (gridDim.z == 1) {
-    for_each([&](int r, int k, float v) {
-      if (r < rows_valid && k < toks_valid) a.output[uint64_t(tok0 + k) * a.n + row0 + r] = v;
-    });
-    return;
-  }
-  __syncthreads();  // every copy has landed and every wgmma retired: the ring is free
-  float* const partial = reinterpret_cast<float*>(base_ptr);
-  for_each([&](int r, int k, float v) { partial[k * L::kPartialStride + r] = v; });
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  const int splits = static_cast<int>(gridDim.z);
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int per = kRows * kTokens / splits;
-  for (int e = rank * per + tid; e < (rank + 1) * per; e += kThreads) {
-    const int k = e / kRows, r = e % kRows;
-    if (k >= toks_valid || r >= rows_valid) continue;
-    const int at = k * L::kPartialStride + r;
-    float sum = cluster.map_shared_rank(partial, 0)[at];
-    for (int s = 1; s < splits; ++s) sum += cluster.map_shared_rank(partial, s)[at];
-    a.output[uint64_t(tok0 + k) * a.n + row0 + r] = sum;
-  }
-  cluster.sync();  // no CTA leaves while another still reads its partials
+  store_q4_tile<kRows, kTokens, kThreads, L::kPartialStride>(a.output, a.n, base_ptr, row0, tok0,
+                                                             rows_valid, toks_valid, for_each);
 #else
   __trap();  // launched only where the sm_90a image exists (q4_wgmma_eligible)
 #endif
