@@ -211,8 +211,13 @@ __global__ void __launch_bounds__(kThreads, Cfg<kTokens>::kMinBlocks)
   if (tid == 0) {
     sm90::prefetch_tensor_map(&weight_map);
     sm90::prefetch_tensor_map(&input_map);
-    for (int s = 0; s < min(C::kWStages, stages); ++s) issue_weights(s);
-    for (int j = 0; j < min(C::kXSlots, slots); ++j) issue_inputs(j);
+    // In the order the consumers need them: a stage's activation slots (L2-resident, small), then
+    // its weights (from DRAM), so the first slots do not queue behind the whole weight ring.
+    for (int s = 0; s < min(C::kWStages, stages); ++s) {
+      for (int j = 4 * s; j < min(4 * s + 4, min(C::kXSlots, slots)); ++j) issue_inputs(j);
+      issue_weights(s);
+    }
+    for (int j = 4 * C::kWStages; j < min(C::kXSlots, slots); ++j) issue_inputs(j);
   }
 
   const int wg = warp >> 2, wg_warp = warp & 3;
