@@ -43,6 +43,7 @@
 #include "backend/common/launch_args.h"
 #include "dense_matmul_id_wgmma.h"
 #include "grouped_work_list.cuh"
+#include "hopper_support.h"
 #include "kernels.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
@@ -488,7 +489,7 @@ void launch_grouped_tensor(const KernelLaunch& launch, void* queue_native) {
                    p.input_slot_stride_bytes % 16 == 0;
   const bool out_vec2 = p.n % 2 == 0 && addr(5) % 8 == 0;
   if (int device = 0;
-      vec && p.k > 0 && cudaGetDevice(&device) == cudaSuccess && wgmma_grouped_available(device)) {
+      vec && p.k > 0 && cudaGetDevice(&device) == cudaSuccess && hopper_kernels_available(device)) {
     constexpr WgmmaOperands kOperands = M == Mode::LowpF16                 ? WgmmaOperands::LowpF16
                                         : M == Mode::LowpBf16              ? WgmmaOperands::LowpBf16
                                         : std::is_same_v<W, __half>        ? WgmmaOperands::Tf32F16
@@ -547,7 +548,7 @@ void add_dense_matmul_id_tensor_kernels(std::vector<KernelDef>& out) {
   // Where the Hopper kernel serves these routes: one CTA per multiprocessor (its shared memory and
   // registers), so a persistent grid of one wave; the mma.sync fallback (unaligned views) runs its
   // persistent loop on that grid too.
-  const bool hopper = wgmma_grouped_available(0);
+  const bool hopper = hopper_kernels_available(0);
   const auto groups = static_cast<uint32_t>(hopper ? sms : 2 * sms);
   const auto& names = kDenseMatmulIdTensorPipelineNames;
   const KernelFn fns[5] = {

@@ -418,7 +418,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 #else
-  __trap();  // launched only where the sm_90a image exists (wgmma_grouped_available)
+  __trap();  // launched only where the sm_90a image exists (hopper_kernels_available)
 #endif
 }
 
@@ -475,8 +475,6 @@ void launch_op(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p, c
 }
 
 }  // namespace
-
-bool wgmma_grouped_available(int device) { return hopper_kernels_available(device); }
 
 uint64_t wgmma_grouped_smem_bytes(uint32_t n_experts) { return smem_bytes<256>(n_experts); }
 

@@ -59,6 +59,7 @@
 #include "q4_split_store.cuh"
 #include "routemm/error.h"
 #include "routemm/ops/q4_matmul.h"
+#include "smem_opt_in.h"
 #include "warp_mma.cuh"
 
 #ifndef ROUTEMM_CUDA_Q4_MATMUL_SHA256
@@ -652,29 +653,15 @@ void check_launch_shape(const KernelLaunch& launch, const Problem& p, bool rows_
   }
 }
 
-using Q4Kernel = void (*)(const Q4Args);
-
-// Launches one Q4 kernel (T: its tile constants; `vec` / `generic`: its two instantiations) for `p`
+// Launches one Q4 kernel (T: its tile constants; kVec / kGeneric: its two instantiations) for `p`
 // with the grid the front door encoded: checks that grid and block match the tiles, reserves the
-// kernel's shared memory once, derives the copy sizes and the K split, and launches grid.z > 1 as
-// clusters of grid.z CTAs. The vector instantiation runs when the weight view allows T::kWGrain-byte
-// copies and the input 16-byte ones.
-template <class T>
-void launch_q4(const KernelLaunch& launch, void* stream, const Problem& p, bool rows_on_x,
-               Q4Kernel vec, Q4Kernel generic) {
+// launched kernel's shared memory once per device, derives the copy sizes and the K split, and
+// launches grid.z > 1 as clusters of grid.z CTAs. The vector instantiation runs when the weight view
+// allows T::kWGrain-byte copies and the input 16-byte ones.
+template <class T, auto kVec, auto kGeneric>
+void launch_q4(const KernelLaunch& launch, void* stream, const Problem& p, bool rows_on_x) {
   check_launch_shape<T>(launch, p, rows_on_x);
   const uint64_t splits = launch.grid.z;
-  static const cudaError_t configured = [vec, generic] {
-    const cudaError_t e =
-        cudaFuncSetAttribute(vec, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
-    return e != cudaSuccess ? e
-                            : cudaFuncSetAttribute(
-                                  generic, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem);
-  }();
-  if (configured != cudaSuccess) {
-    throw Error("'" + launch.label + "': cannot reserve " + std::to_string(T::kSmem) +
-                " bytes of shared memory: " + cudaGetErrorString(configured));
-  }
   Q4Args a{};
   a.weight = p.weight;
   a.input = p.input;
@@ -689,23 +676,16 @@ void launch_q4(const KernelLaunch& launch, void* stream, const Problem& p, bool 
   a.x_grain = reinterpret_cast<uintptr_t>(p.input) % 16 == 0 ? 16 : 4;
   a.rows_on_x = rows_on_x ? 1 : 0;
 
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(launch.grid.x), static_cast<unsigned>(launch.grid.y),
-                        static_cast<unsigned>(splits));
-  config.blockDim = dim3(T::kThreads);
-  config.dynamicSmemBytes = T::kSmem;
-  config.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attribute{};
-  if (splits > 1) {
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = 1;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = static_cast<unsigned>(splits);
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-  }
   const bool use_vec = a.w_grain >= T::kWGrain && a.x_grain == 16;
-  if (const cudaError_t e = cudaLaunchKernelEx(&config, use_vec ? vec : generic, a);
+  if (use_vec) {
+    opt_in_dynamic_smem<kVec>(launch.label, T::kSmem, T::kSmem);
+  } else {
+    opt_in_dynamic_smem<kGeneric>(launch.label, T::kSmem, T::kSmem);
+  }
+  const dim3 grid(static_cast<unsigned>(launch.grid.x), static_cast<unsigned>(launch.grid.y),
+                  static_cast<unsigned>(splits));
+  if (const cudaError_t e = launch_k_split(use_vec ? kVec : kGeneric, grid, T::kThreads, T::kSmem,
+                                           static_cast<cudaStream_t>(stream), a);
       e != cudaSuccess) {
     throw Error("'" + launch.label + "': launch failed: " + cudaGetErrorString(e));
   }
@@ -719,7 +699,7 @@ void launch_mat_vec(const KernelLaunch& launch, void* stream) {
   const auto k = static_cast<uint64_t>(q.ne00);
   const Problem p = problem_of(launch, 0, 1, 2, static_cast<uint64_t>(q.ne1),
                                static_cast<uint64_t>(q.ne01), k, k / 32 * 18);
-  launch_q4<MatVecStream>(launch, stream, p, true, q4_matvec_kernel<true>, q4_matvec_kernel<false>);
+  launch_q4<MatVecStream, q4_matvec_kernel<true>, q4_matvec_kernel<false>>(launch, stream, p, true);
 }
 
 template <class T>
@@ -734,19 +714,18 @@ void launch_matrix(const KernelLaunch& launch, void* stream) {
     int device = 0;
     if (cudaGetDevice(&device) == cudaSuccess && q4_wgmma_eligible(device, p.weight, p.k)) {
       check_launch_shape<T>(launch, p, false);
-      Q4WgmmaProblem h{};
-      h.weight = p.weight;
-      h.input = p.input;
-      h.output = p.output;
-      h.m = p.m;
-      h.n = p.n;
-      h.k = p.k;
-      h.splits = static_cast<uint32_t>(launch.grid.z);
+      const Q4WgmmaProblem h{.weight = p.weight,
+                             .input = p.input,
+                             .output = p.output,
+                             .m = p.m,
+                             .n = p.n,
+                             .k = p.k,
+                             .splits = static_cast<uint32_t>(launch.grid.z)};
       launch_q4_wgmma(launch.label, static_cast<cudaStream_t>(stream), h, T::kTokens);
       return;
     }
   }
-  launch_q4<T>(launch, stream, p, false, q4_kernel<T, true>, q4_kernel<T, false>);
+  launch_q4<T, q4_kernel<T, true>, q4_kernel<T, false>>(launch, stream, p, false);
 }
 
 // `hopper`: the bf16 routes may launch q4_matmul_wgmma.cu's kernel on this device, so the

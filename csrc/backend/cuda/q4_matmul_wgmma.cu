@@ -98,6 +98,10 @@ struct Layout {
   static_assert(kTokens * kPartialStride * 4 <= kBarOffset, "partials reuse the ring");
 };
 
+// The activation pass is a grid-stride loop; more groups than this add nothing on any GPU of this
+// class (a few waves of 256-thread groups) and only cost launch time.
+constexpr uint64_t kConvertGroupsMax = 2048;
+
 struct WgArgs {
   float* output;
   int32_t n, m, k_blocks, blocks_per_split;
@@ -346,21 +350,9 @@ void launch_tile(const std::string& label, cudaStream_t stream, const Q4WgmmaPro
   const int per_split = (a.k_blocks + static_cast<int>(p.splits) - 1) / static_cast<int>(p.splits);
   a.blocks_per_split = (per_split + kStageBlocks - 1) / kStageBlocks * kStageBlocks;
 
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3((p.m + kTokens - 1) / kTokens, (p.n + kRows - 1) / kRows, p.splits);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = L::kSmem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  if (p.splits > 1) {
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = 1;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = p.splits;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-  }
-  if (const cudaError_t e = cudaLaunchKernelEx(&config, kernel, weight_map, input_map, a);
+  const dim3 grid((p.m + kTokens - 1) / kTokens, (p.n + kRows - 1) / kRows, p.splits);
+  if (const cudaError_t e =
+          launch_k_split(kernel, grid, kThreads, L::kSmem, stream, weight_map, input_map, a);
       e != cudaSuccess) {
     throw Error("'" + label + "': launch failed: " + cudaGetErrorString(e));
   }
@@ -385,7 +377,7 @@ void launch_q4_wgmma(const std::string& label, cudaStream_t stream, const Q4Wgmm
   const StreamWorkspace workspace(label, quads * 8, stream);
   auto* const activations = static_cast<uint32_t*>(workspace.data());
   const bool vec = reinterpret_cast<uintptr_t>(p.input) % 16 == 0;
-  const uint64_t groups = std::min<uint64_t>((quads + 255) / 256, 132 * 16);
+  const uint64_t groups = std::min<uint64_t>((quads + 255) / 256, kConvertGroupsMax);
   q4_activations_bf16_kernel<<<static_cast<unsigned>(groups), 256, 0, stream>>>(
       p.input, activations, quads, vec);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {

@@ -3,8 +3,10 @@
 #pragma once
 
 #include <cooperative_groups.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 namespace routemm::cuda {
 
@@ -47,6 +49,28 @@ __device__ __forceinline__ void store_q4_tile(float* output, int n, void* smem, 
 #else
   __trap();  // the host never splits K below sm_90 (KernelDef::k_split_max == 1)
 #endif
+}
+
+// Launches a Q4_0 kernel whose grid.z is the K split: grid.z > 1 runs as clusters of grid.z CTAs
+// along z, the cluster store_q4_tile reduces in.
+template <class... Params, class... Args>
+cudaError_t launch_k_split(void (*kernel)(Params...), dim3 grid, unsigned threads, size_t smem,
+                           cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  if (grid.z > 1) {
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = 1;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = grid.z;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace routemm::cuda
