@@ -89,8 +89,11 @@ class Q4Case:
 
 
 @pytest.mark.parametrize("m", range(1, 9))
-# K = 2048 and 2560: long enough that backends splitting K (CUDA clusters) do so.
-@pytest.mark.parametrize("n,k", [(1, 32), (13, 64), (67, 800), (70, 2048)])
+# K = 2048 and up: long enough that backends splitting K (CUDA clusters) do so. K % 256 == 0 with
+# aligned views is where CUDA takes the TMA mat-vec on Hopper: (70, 2048) is one row tile with a
+# tail, 2 stages per split; (200, 4352) two row tiles, an 8-way split whose last two splits are
+# empty; (130, 14336) 7 stages per split, so every ring of that kernel wraps around.
+@pytest.mark.parametrize("n,k", [(1, 32), (13, 64), (67, 800), (70, 2048), (200, 4352), (130, 14336)])
 def test_mat_vec_against_reference(device, registry, rng, m, n, k):
     case = Q4Case(device, rng, m, n, k)
     out, receipt = case.run(registry)
@@ -136,6 +139,26 @@ def test_every_route_with_unaligned_weight_view(device, registry, rng, route):
     )
     out, _ = case.run(registry, route)
     case.check(out, route.value)
+
+
+@pytest.mark.parametrize("which", ["weight", "input"])
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_mat_vec_with_unaligned_views(device, registry, rng, which, m):
+    """A weight view 2 bytes or an input view 4 bytes off 16-byte alignment (K % 256 == 0): the TMA
+    mat-vec is not taken; the other kernel runs the same tile, splits and per-block order, so the
+    two give the same bits."""
+    case = Q4Case(device, rng, m, 150, 4608)
+    aligned, _ = case.run(registry)
+    if which == "weight":
+        guard = np.full(18, PAD_BYTE, np.uint8)
+        case.weight = guarded(device, case.blocks, routemm.DType.U8, case.blocks.shape, guard=guard)
+    else:
+        guard = np.full(20, PAD_BYTE, np.uint8)
+        case.input = guarded(device, case.x, routemm.DType.F32, case.x.shape, guard=guard)
+    out, receipt = case.run(registry)
+    assert receipt.route == "mat_vec"
+    case.check(out, "mat_vec")
+    assert np.array_equal(out.view(np.uint32), aligned.view(np.uint32))
 
 
 @pytest.mark.parametrize(

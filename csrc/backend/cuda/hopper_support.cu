@@ -2,6 +2,7 @@
 #include <atomic>
 #include <cstdint>
 #include <mutex>
+#include <string>
 
 #include "hopper_support.h"
 #include "routemm/error.h"
@@ -22,6 +23,26 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
   }();
   return fn;
+}
+
+CUtensorMap encode_tensor_map_2d(const std::string& label, const char* what, CUtensorMapDataType type,
+                       void* data, uint64_t inner, uint64_t outer, uint64_t row_stride_bytes,
+                       uint32_t box_inner, uint32_t box_outer, CUtensorMapSwizzle swizzle) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) throw Error("'" + label + "': cuTensorMapEncodeTiled is unavailable");
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {row_stride_bytes};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode(&map, type, 2, data, dims, strides, box, element_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    throw Error("'" + label + "': cannot describe the " + what + " for TMA (CUresult " +
+                std::to_string(static_cast<int>(r)) + ")");
+  }
+  return map;
 }
 
 bool hopper_kernels_available(int device) {

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace routemm::cuda {
@@ -19,6 +20,15 @@ bool hopper_kernels_available(int device);
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda), or
 // nullptr where the driver lacks it.
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder();
+
+// A 2-D TMA descriptor of `data`: `outer` rows of `inner` elements of `type`, rows
+// `row_stride_bytes` apart, boxes of box_inner x box_outer, L2 promotion of 256 bytes, out-of-bounds
+// elements read as zeros. Throws a routemm::Error naming `label` and `what` when the driver lacks the
+// encoder or refuses the description.
+CUtensorMap encode_tensor_map_2d(const std::string& label, const char* what,
+                                 CUtensorMapDataType type, void* data, uint64_t inner,
+                                 uint64_t outer, uint64_t row_stride_bytes, uint32_t box_inner,
+                                 uint32_t box_outer, CUtensorMapSwizzle swizzle);
 
 // `bytes` of device memory ordered on `stream`: allocated from a per-device pool (which keeps its
 // memory between calls, so steady-state use costs no driver allocation) and freed on the same

@@ -307,26 +307,6 @@ __global__ void __launch_bounds__(kThreads, Cfg<kTokens>::kMinBlocks)
 #endif
 }
 
-CUtensorMap encode_map(const std::string& label, const char* what, CUtensorMapDataType type,
-                       void* data, uint64_t inner, uint64_t outer, uint64_t row_stride_bytes,
-                       uint32_t box_inner, uint32_t box_outer, CUtensorMapSwizzle swizzle) {
-  const auto encode = tensor_map_encoder();
-  if (encode == nullptr) throw Error("'" + label + "': cuTensorMapEncodeTiled is unavailable");
-  CUtensorMap map;
-  const cuuint64_t dims[2] = {inner, outer};
-  const cuuint64_t strides[1] = {row_stride_bytes};
-  const cuuint32_t box[2] = {box_inner, box_outer};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encode(&map, type, 2, data, dims, strides, box, element_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    throw Error("'" + label + "': cannot describe the " + what + " for TMA (CUresult " +
-                std::to_string(static_cast<int>(r)) + ")");
-  }
-  return map;
-}
-
 template <int kTokens>
 void launch_tile(const std::string& label, cudaStream_t stream, const Q4WgmmaProblem& p,
                  const uint32_t* activations) {
@@ -336,10 +316,10 @@ void launch_tile(const std::string& label, cudaStream_t stream, const Q4WgmmaPro
   const uint64_t row_bytes = uint64_t{p.k} / 32 * 18;
   // The blocks as 8-byte elements (row_bytes % 16 == 0 keeps rows whole): 18 elements per row run
   // instead of 144 bytes (measured on the H200: the same time either way).
-  const CUtensorMap weight_map = encode_map(
+  const CUtensorMap weight_map = encode_tensor_map_2d(
       label, "weights", CU_TENSOR_MAP_DATA_TYPE_UINT64, const_cast<uint8_t*>(p.weight),
       row_bytes / 8, p.n, row_bytes, kStageRowBytes / 8, kRows, CU_TENSOR_MAP_SWIZZLE_NONE);
-  const CUtensorMap input_map = encode_map(
+  const CUtensorMap input_map = encode_tensor_map_2d(
       label, "activations", CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, const_cast<uint32_t*>(activations),
       p.k, p.m, uint64_t{p.k} * 2, kSliceK, kTokens, CU_TENSOR_MAP_SWIZZLE_128B);
   WgArgs a{};

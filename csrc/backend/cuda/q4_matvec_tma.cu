@@ -1,0 +1,326 @@
+// The Q4_0 mat-vec (kernel_mul_mv_q4_0_f32) on Hopper: the same split numerics, fragment order and
+// K-split reduction as q4_matmul.cu's mma.sync mat-vec, fed by TMA through CTA-wide rings instead of
+// per-warp cp.async rings. q4_matmul.cu's launcher takes it on compute capability 9.0 in sm_90a
+// builds when k % 256 == 0 and the weight view and the activations are 16-byte aligned
+// (q4_matvec_tma_eligible); every other product there runs the mma.sync mat-vec on the same
+// 128-row x 8-token tile.
+//
+// WHY: the mat-vec streams n * k * 18 / 32 bytes once and does little arithmetic per byte, so its
+// time is how fast the weights arrive plus whatever cannot hide under them. Here one thread issues a
+// whole stage of the CTA (18 KB: 128 rows x 144 bytes, one 2-D TMA box) where the warps issued 1152
+// 16-byte copies; the activations arrive the same way; and the ring is as deep as the shared memory
+// left beside the activation rings allows (3..6 stages, two CTAs per multiprocessor), so more bytes
+// are in flight per multiprocessor while the warps compute.
+//
+// PER CTA (256 threads = 8 warps x 16 weight rows; one K split of one row tile, tokens tok0..+7):
+//   - weights: stage s = blocks [kb_begin + 8 s, +8) of the 128 rows, raw GGUF bytes, w_stages deep;
+//     rows past n arrive as zeros (TMA out-of-bounds fill), so their outputs are finite and unstored.
+//   - activations: stage s's 256 F32 values of each token (box 256 x min(m, 8)) land in a raw ring
+//     (kXRawSlots deep, tokens past m as zeros); warp j < tokens converts token j's stage once into
+//     the split ring (kXSplitSlots deep): per block, the bf16 hi and lo quads of every lane in
+//     fragment order, so a lane reads each of its B operands with one 16-byte load and no bank
+//     conflict, and the other warps reuse them.
+//   - each warp multiplies its 16 rows: per block, four mma.sync m16n8k16 (low / high nibbles x hi /
+//     lo activations) summed from zero, then one FMA with the block's scale per accumulator -- the
+//     split numerics of q4_matmul.cu, in the same order, so a product has one result whichever of
+//     the two mat-vec kernels runs it.
+//   - synchronisation: mbarriers only. "full" barriers: TMA bytes (weights, raw activations) or the
+//     256 threads' arrivals after converting (split activations); "empty" barriers: one arrival per
+//     warp. Thread 0 refills a slot one iteration after its last use, so it waits on the slowest warp
+//     only when the ring is about to run dry, never for the stage it has just finished itself.
+//   - the K split: q4_split_store.cuh (one cluster along z, fixed split order), as everywhere.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "hopper_support.h"
+#include "q4_matvec_tma.h"
+#include "q4_nibbles.cuh"
+#include "q4_split_store.cuh"
+#include "routemm/error.h"
+#include "smem_opt_in.h"
+#include "warp_mma.cuh"
+#include "wgmma.cuh"
+
+namespace routemm::cuda {
+namespace {
+
+constexpr int kThreads = kQ4MatVecTmaThreads;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRows = kQ4MatVecTmaRows;
+constexpr int kTokens = kQ4MatVecTmaTokens;
+static_assert(kRows == 16 * kWarps && kTokens == 8);
+constexpr int kStageBlocks = 8;                       // Q4_0 blocks of K per stage
+constexpr int kStageK = 32 * kStageBlocks;            // 256 values: one activation box row
+constexpr int kStageRowBytes = 18 * kStageBlocks;     // 144 = 9 x 16: one weight box row
+constexpr int kWStageBytes = kRows * kStageRowBytes;  // 18432
+constexpr int kXTokenBytes = kStageK * 4;  // per token and stage: raw F32, or split hi + lo bf16
+constexpr int kXRawSlots = 4, kXSplitSlots = 3;
+constexpr int kMinWStages = 3, kMaxWStages = 6;
+// Two CTAs per multiprocessor: 228 KB per SM less 1 KB the runtime reserves per CTA, halved.
+constexpr int kSmemPerCta = (228 * 1024 - 2 * 1024) / 2;
+constexpr int kAlignSlack = 128;  // the dynamic window is aligned up to 128 bytes for TMA
+constexpr int kPartialStride = kRows + 4;
+
+// Shared-memory layout for a token box of `box_tokens` (1..8): the weight ring first (128-byte
+// aligned stages), then the raw and split activation rings, then the barriers.
+struct MvLayout {
+  int box_tokens, w_stages;
+  __host__ __device__ int x_slot() const { return box_tokens * kXTokenBytes; }
+  __host__ __device__ int raw_offset() const { return w_stages * kWStageBytes; }
+  __host__ __device__ int split_offset() const { return raw_offset() + kXRawSlots * x_slot(); }
+  __host__ __device__ int bar_offset() const { return split_offset() + kXSplitSlots * x_slot(); }
+  __host__ __device__ static constexpr int bars(int w_stages) {
+    return 2 * w_stages + 2 * kXRawSlots + 2 * kXSplitSlots;
+  }
+  __host__ __device__ int smem_bytes() const {
+    return kAlignSlack + bar_offset() + 8 * bars(w_stages);
+  }
+};
+static_assert(kTokens * kPartialStride * 4 <= kMinWStages * kWStageBytes, "partials reuse the ring");
+
+// The deepest weight ring that fits beside the activation rings of `box_tokens` tokens.
+MvLayout layout_for(int box_tokens) {
+  MvLayout l{box_tokens, kMaxWStages};
+  while (l.w_stages > kMinWStages && l.smem_bytes() > kSmemPerCta) --l.w_stages;
+  return l;
+}
+
+struct MvArgs {
+  float* output;
+  int32_t n, m, k_blocks, blocks_per_split;
+  MvLayout layout;
+};
+
+__global__ void __launch_bounds__(kThreads, 2)
+    q4_matvec_tma_kernel(const __grid_constant__ CUtensorMap weight_map,
+                         const __grid_constant__ CUtensorMap input_map, const MvArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t raw_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t base = (raw_base + (kAlignSlack - 1)) & ~uint32_t(kAlignSlack - 1);
+  unsigned char* const base_ptr = smem_raw + (base - raw_base);
+  const MvLayout l = a.layout;
+  const int w_stages = l.w_stages, x_slot = l.x_slot();
+  const uint32_t bars = base + l.bar_offset();
+  const auto w_full = [&](int i) { return bars + 8 * i; };
+  const auto w_empty = [&](int i) { return bars + 8 * (w_stages + i); };
+  const auto xr_full = [&](int i) { return bars + 8 * (2 * w_stages + i); };
+  const auto xr_empty = [&](int i) { return bars + 8 * (2 * w_stages + kXRawSlots + i); };
+  const auto xs_full = [&](int i) { return bars + 8 * (2 * w_stages + 2 * kXRawSlots + i); };
+  const auto xs_empty = [&](int i) {
+    return bars + 8 * (2 * w_stages + 2 * kXRawSlots + kXSplitSlots + i);
+  };
+
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = static_cast<int>(blockIdx.x) * kRows;
+  const int tok0 = static_cast<int>(blockIdx.y) * kTokens;
+  const int rows_valid = min(kRows, a.n - row0), toks_valid = min(kTokens, a.m - tok0);
+  const int kb_begin = static_cast<int>(blockIdx.z) * a.blocks_per_split;
+  // A whole number of stages: k % 256 == 0 and blocks_per_split % kStageBlocks == 0.
+  const int stages = max(0, min(a.k_blocks, kb_begin + a.blocks_per_split) - kb_begin) / kStageBlocks;
+
+  if (tid == 0) {
+    for (int i = 0; i < w_stages; ++i) {
+      sm90::mbar_init(w_full(i), 1);
+      sm90::mbar_init(w_empty(i), kWarps);
+    }
+    for (int i = 0; i < kXRawSlots; ++i) {
+      sm90::mbar_init(xr_full(i), 1);
+      sm90::mbar_init(xr_empty(i), kWarps);
+    }
+    for (int i = 0; i < kXSplitSlots; ++i) {
+      sm90::mbar_init(xs_full(i), kThreads);
+      sm90::mbar_init(xs_empty(i), kWarps);
+    }
+    sm90::fence_mbar_init();
+  }
+  __syncthreads();
+
+  // Thread 0 only.
+  const auto issue_weights = [&](int s) {
+    const int pos = s % w_stages;
+    sm90::mbar_arrive_expect_tx(w_full(pos), kWStageBytes);
+    sm90::tma_load_2d(base + pos * kWStageBytes, &weight_map, w_full(pos),
+                      (kb_begin + s * kStageBlocks) * 18 / 8, row0);
+  };
+  const auto issue_inputs = [&](int s) {
+    const int pos = s % kXRawSlots;
+    sm90::mbar_arrive_expect_tx(xr_full(pos), x_slot);
+    sm90::tma_load_2d(base + l.raw_offset() + pos * x_slot, &input_map, xr_full(pos),
+                      kb_begin * 32 + s * kStageK, tok0);
+  };
+  if (tid == 0) {
+    sm90::prefetch_tensor_map(&weight_map);
+    sm90::prefetch_tensor_map(&input_map);
+    // The activations of a stage before its weights: they are small and the conversion waits on them.
+    for (int s = 0; s < max(w_stages, kXRawSlots); ++s) {
+      if (s < kXRawSlots && s < stages) issue_inputs(s);
+      if (s < w_stages && s < stages) issue_weights(s);
+    }
+  }
+
+  // Stage s of the split ring: block b's hi quads at b * x_block + token * 64 + quad * 16, its lo
+  // quads x_lo further (x_block = box_tokens * 128, x_lo = box_tokens * 64).
+  const int x_block = l.box_tokens * 128, x_lo = l.box_tokens * 64;
+  unsigned char* const split_ring = base_ptr + l.split_offset();
+  const unsigned char* const raw_ring = base_ptr + l.raw_offset();
+  // Warp j < toks_valid converts token j: lane = block * 4 + quad (the fragment lane's quarter).
+  const auto convert = [&](int s) {
+    const int raw_pos = s % kXRawSlots, split_pos = s % kXSplitSlots;
+    if (s >= kXSplitSlots) {  // every warp is done reading stage s - kXSplitSlots from this slot
+      sm90::mbar_wait(xs_empty(split_pos), ((s - kXSplitSlots) / kXSplitSlots) & 1);
+    }
+    sm90::mbar_wait(xr_full(raw_pos), (s / kXRawSlots) & 1);
+    if (warp < toks_valid) {
+      const int b = lane >> 2, q = lane & 3;
+      const auto* const src = reinterpret_cast<const float*>(raw_ring + raw_pos * x_slot) +
+                              warp * kStageK + b * 32 + 4 * q;
+      const float4 low = *reinterpret_cast<const float4*>(src);
+      const float4 high = *reinterpret_cast<const float4*>(src + 16);
+      const float v[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+      uint32_t hi[4], lo[4];
+      split_activation_pairs(v, hi, lo);
+      unsigned char* const dst = split_ring + split_pos * x_slot + b * x_block + warp * 64 + q * 16;
+      sts128(static_cast<uint32_t>(__cvta_generic_to_shared(dst)), hi[0], hi[1], hi[2], hi[3]);
+      sts128(static_cast<uint32_t>(__cvta_generic_to_shared(dst + x_lo)), lo[0], lo[1], lo[2],
+             lo[3]);
+    }
+    __syncwarp();
+    if (lane == 0) sm90::mbar_arrive(xr_empty(raw_pos));
+    sm90::mbar_arrive(xs_full(split_pos));  // every thread: each releases its own stores
+  };
+
+  // Lanes of tokens past m read a valid token's fragments instead of branching around the loads:
+  // their MMA columns are never stored.
+  const int x_lane = min(g, max(toks_valid, 1) - 1) * 64 + t * 16;
+  const unsigned char* const w_warp = base_ptr + (16 * warp + g) * kStageRowBytes;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+
+  if (stages > 0) convert(0);
+  for (int s = 0; s < stages; ++s) {
+    if (s + 1 < stages) convert(s + 1);
+    const int w_pos = s % w_stages, x_pos = s % kXSplitSlots;
+    sm90::mbar_wait(xs_full(x_pos), (s / kXSplitSlots) & 1);
+    sm90::mbar_wait(w_full(w_pos), (s / w_stages) & 1);
+    const unsigned char* const top = w_warp + w_pos * kWStageBytes;
+    const unsigned char* const bottom = top + 8 * kStageRowBytes;
+    const unsigned char* const x_stage = split_ring + x_pos * x_slot + x_lane;
+#pragma unroll
+    for (int b = 0; b < kStageBlocks; ++b) {
+      const uint4 bh = *reinterpret_cast<const uint4*>(x_stage + b * x_block);
+      const uint4 bl = *reinterpret_cast<const uint4*>(x_stage + b * x_block + x_lo);
+      // Stage rows are 144 bytes (16-byte aligned) and blocks 18: the nibble bytes 4t..4t+3 of a
+      // block are 4-byte aligned in odd blocks and 2-byte aligned in even ones.
+      const int nib = b * 18 + 2 + 4 * t;
+      const auto nibble_bytes = [&](const unsigned char* row) -> uint32_t {
+        if (b % 2 == 1) return *reinterpret_cast<const uint32_t*>(row + nib);
+        return uint32_t{*reinterpret_cast<const uint16_t*>(row + nib)} |
+               (uint32_t{*reinterpret_cast<const uint16_t*>(row + nib + 2)} << 16);
+      };
+      const uint32_t v_top = nibble_bytes(top), v_bottom = nibble_bytes(bottom);
+      const float d_top = __half2float(*reinterpret_cast<const __half*>(top + b * 18));
+      const float d_bottom = __half2float(*reinterpret_cast<const __half*>(bottom + b * 18));
+      // a0 row g, a1 row g+8 (values 4t, 4t+1); a2 row g, a3 row g+8 (values 4t+2, 4t+3).
+      uint32_t a_lo[4], a_hi[4];
+      nibble_pairs<0x4140>(v_top, a_lo[0], a_hi[0]);
+      nibble_pairs<0x4140>(v_bottom, a_lo[1], a_hi[1]);
+      nibble_pairs<0x4342>(v_top, a_lo[2], a_hi[2]);
+      nibble_pairs<0x4342>(v_bottom, a_lo[3], a_hi[3]);
+      float block_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma_bf16_16816(block_sum, a_lo, bh.x, bh.y);
+      mma_bf16_16816(block_sum, a_lo, bl.x, bl.y);
+      mma_bf16_16816(block_sum, a_hi, bh.z, bh.w);
+      mma_bf16_16816(block_sum, a_hi, bl.z, bl.w);
+      acc[0] = fmaf(d_top, block_sum[0], acc[0]);
+      acc[1] = fmaf(d_top, block_sum[1], acc[1]);
+      acc[2] = fmaf(d_bottom, block_sum[2], acc[2]);
+      acc[3] = fmaf(d_bottom, block_sum[3], acc[3]);
+    }
+    __syncwarp();
+    if (lane == 0) {
+      sm90::mbar_arrive(w_empty(w_pos));
+      sm90::mbar_arrive(xs_empty(x_pos));
+    }
+    if (tid == 0) {
+      // Refill the weight stage every warp finished one iteration ago, and the raw activation slot
+      // every warp converted one iteration ago (stage s; converted during iteration s - 1).
+      if (s >= 1 && s - 1 + w_stages < stages) {
+        sm90::mbar_wait(w_empty((s - 1) % w_stages), ((s - 1) / w_stages) & 1);
+        issue_weights(s - 1 + w_stages);
+      }
+      if (s + kXRawSlots < stages) {
+        sm90::mbar_wait(xr_empty(s % kXRawSlots), (s / kXRawSlots) & 1);
+        issue_inputs(s + kXRawSlots);
+      }
+    }
+  }
+
+  // acc[e]: tile row 16 warp + g (+8 for e >= 2), tile token 2t + (e & 1).
+  const auto for_each = [&](auto&& visit) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) visit(16 * warp + g + (e >= 2 ? 8 : 0), 2 * t + (e & 1), acc[e]);
+  };
+  store_q4_tile<kRows, kTokens, kThreads, kPartialStride>(a.output, a.n, base_ptr, row0, tok0,
+                                                          rows_valid, toks_valid, for_each);
+#else
+  __trap();  // launched only where the sm_90a image exists (q4_matvec_tma_eligible)
+#endif
+}
+
+}  // namespace
+
+bool q4_matvec_tma_eligible(int device, const void* weight, const float* input, uint64_t k) {
+  return k > 0 && k % 256 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(input) % 16 == 0 && hopper_kernels_available(device);
+}
+
+uint64_t q4_matvec_tma_smem_bytes() {
+  int most = 0;
+  for (int tokens = 1; tokens <= kTokens; ++tokens) {
+    most = std::max(most, layout_for(tokens).smem_bytes());
+  }
+  return static_cast<uint64_t>(most);
+}
+
+void launch_q4_matvec_tma(const std::string& label, cudaStream_t stream,
+                          const Q4MatVecTmaProblem& p) {
+  constexpr auto kernel = &q4_matvec_tma_kernel;
+  const int box_tokens = static_cast<int>(std::min<uint32_t>(p.m, kTokens));
+  const MvLayout layout = layout_for(box_tokens);
+  opt_in_dynamic_smem<kernel>(label, static_cast<uint64_t>(layout.smem_bytes()),
+                              q4_matvec_tma_smem_bytes());
+  const uint64_t row_bytes = uint64_t{p.k} / 32 * 18;
+  // The blocks as 8-byte elements (row_bytes % 16 == 0 keeps rows whole), as the Q4_0 wgmma kernel.
+  const CUtensorMap weight_map = encode_tensor_map_2d(
+      label, "weights", CU_TENSOR_MAP_DATA_TYPE_UINT64, const_cast<uint8_t*>(p.weight),
+      row_bytes / 8, p.n, row_bytes, kStageRowBytes / 8, kRows, CU_TENSOR_MAP_SWIZZLE_NONE);
+  const CUtensorMap input_map = encode_tensor_map_2d(
+      label, "activations", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, const_cast<float*>(p.input), p.k,
+      p.m, uint64_t{p.k} * 4, kStageK, static_cast<uint32_t>(box_tokens),
+      CU_TENSOR_MAP_SWIZZLE_NONE);
+  MvArgs a{};
+  a.output = p.output;
+  a.n = static_cast<int32_t>(p.n);
+  a.m = static_cast<int32_t>(p.m);
+  a.k_blocks = static_cast<int32_t>(p.k / 32);
+  const int per_split = (a.k_blocks + static_cast<int>(p.splits) - 1) / static_cast<int>(p.splits);
+  a.blocks_per_split = (per_split + kStageBlocks - 1) / kStageBlocks * kStageBlocks;
+  a.layout = layout;
+
+  const dim3 grid((p.n + kRows - 1) / kRows, (p.m + kTokens - 1) / kTokens, p.splits);
+  if (const cudaError_t e = launch_k_split(kernel, grid, kThreads,
+                                           static_cast<size_t>(layout.smem_bytes()), stream,
+                                           weight_map, input_map, a);
+      e != cudaSuccess) {
+    throw Error("'" + label + "': launch failed: " + cudaGetErrorString(e));
+  }
+}
+
+}  // namespace routemm::cuda
