@@ -25,9 +25,10 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-CUtensorMap encode_tensor_map_2d(const std::string& label, const char* what, CUtensorMapDataType type,
-                       void* data, uint64_t inner, uint64_t outer, uint64_t row_stride_bytes,
-                       uint32_t box_inner, uint32_t box_outer, CUtensorMapSwizzle swizzle) {
+CUtensorMap encode_tensor_map_2d(const std::string& label, const char* what,
+                                 CUtensorMapDataType type, void* data, uint64_t inner,
+                                 uint64_t outer, uint64_t row_stride_bytes, uint32_t box_inner,
+                                 uint32_t box_outer, CUtensorMapSwizzle swizzle) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) throw Error("'" + label + "': cuTensorMapEncodeTiled is unavailable");
   CUtensorMap map;

@@ -82,7 +82,8 @@ struct MvLayout {
     return kAlignSlack + bar_offset() + 8 * bars(w_stages);
   }
 };
-static_assert(kTokens * kPartialStride * 4 <= kMinWStages * kWStageBytes, "partials reuse the ring");
+static_assert(kTokens * kPartialStride * 4 <= kMinWStages * kWStageBytes,
+              "partials reuse the ring");
 
 // The deepest weight ring that fits beside the activation rings of `box_tokens` tokens.
 MvLayout layout_for(int box_tokens) {
@@ -124,7 +125,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int rows_valid = min(kRows, a.n - row0), toks_valid = min(kTokens, a.m - tok0);
   const int kb_begin = static_cast<int>(blockIdx.z) * a.blocks_per_split;
   // A whole number of stages: k % 256 == 0 and blocks_per_split % kStageBlocks == 0.
-  const int stages = max(0, min(a.k_blocks, kb_begin + a.blocks_per_split) - kb_begin) / kStageBlocks;
+  const int stages =
+      max(0, min(a.k_blocks, kb_begin + a.blocks_per_split) - kb_begin) / kStageBlocks;
 
   if (tid == 0) {
     for (int i = 0; i < w_stages; ++i) {
@@ -302,9 +304,8 @@ void launch_q4_matvec_tma(const std::string& label, cudaStream_t stream,
       label, "weights", CU_TENSOR_MAP_DATA_TYPE_UINT64, const_cast<uint8_t*>(p.weight),
       row_bytes / 8, p.n, row_bytes, kStageRowBytes / 8, kRows, CU_TENSOR_MAP_SWIZZLE_NONE);
   const CUtensorMap input_map = encode_tensor_map_2d(
-      label, "activations", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, const_cast<float*>(p.input), p.k,
-      p.m, uint64_t{p.k} * 4, kStageK, static_cast<uint32_t>(box_tokens),
-      CU_TENSOR_MAP_SWIZZLE_NONE);
+      label, "activations", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, const_cast<float*>(p.input), p.k, p.m,
+      uint64_t{p.k} * 4, kStageK, static_cast<uint32_t>(box_tokens), CU_TENSOR_MAP_SWIZZLE_NONE);
   MvArgs a{};
   a.output = p.output;
   a.n = static_cast<int32_t>(p.n);
@@ -315,9 +316,9 @@ void launch_q4_matvec_tma(const std::string& label, cudaStream_t stream,
   a.layout = layout;
 
   const dim3 grid((p.n + kRows - 1) / kRows, (p.m + kTokens - 1) / kTokens, p.splits);
-  if (const cudaError_t e = launch_k_split(kernel, grid, kThreads,
-                                           static_cast<size_t>(layout.smem_bytes()), stream,
-                                           weight_map, input_map, a);
+  if (const cudaError_t e =
+          launch_k_split(kernel, grid, kThreads, static_cast<size_t>(layout.smem_bytes()), stream,
+                         weight_map, input_map, a);
       e != cudaSuccess) {
     throw Error("'" + label + "': launch failed: " + cudaGetErrorString(e));
   }
