@@ -1,5 +1,5 @@
-// Lab: the Hopper Q4_0 mat-vec (csrc/backend/cuda/q4_matvec_tma.cu) over K splits, beside the
-// cluster capacity the driver reports for each launch. Weights rotate over 8 copies (> 2x L2); CUDA
+// Lab: the Hopper Q4_0 mat-vec (csrc/backend/cuda/q4_matvec_tma.cu) over CTA shapes (warps x CTAs
+// per SM) and K splits, beside the cluster capacity the driver reports for each launch. Weights rotate over 8 copies (> 2x L2); CUDA
 // events per launch (an empty kernel's event time is printed for the overhead).
 //   nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -DROUTEMM_CUDA_HAS_SM90A=1 \
 //        -Icsrc/include -Icsrc -Icsrc/backend/cuda -o /tmp/mvlab bench/lab/q4_matvec_tma_lab.cu \
@@ -66,40 +66,48 @@ int main() {
   struct Shape {
     uint32_t n, k;
   };
-  for (const Shape s : {Shape{4096, 14336}, Shape{4096, 2048}}) {
-    for (uint32_t m : {1u, 8u}) {
-      for (uint32_t splits : {1u, 2u, 4u, 8u}) {
-        const MvLayout l = layout_for(static_cast<int>(std::min(m, 8u)));
-        cudaLaunchConfig_t config{};
-        config.gridDim = dim3((s.n + 127) / 128, (m + 7) / 8, splits);
-        config.blockDim = dim3(256);
-        config.dynamicSmemBytes = l.smem_bytes();
-        cudaLaunchAttribute attribute{};
-        attribute.id = cudaLaunchAttributeClusterDimension;
-        attribute.val.clusterDim.x = 1;
-        attribute.val.clusterDim.y = 1;
-        attribute.val.clusterDim.z = splits;
-        config.attrs = &attribute;
-        config.numAttrs = 1;
-        CHECK(cudaFuncSetAttribute(q4_matvec_tma_kernel,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   static_cast<int>(q4_matvec_tma_smem_bytes())));
-        int clusters = 0;
-        CHECK(cudaOccupancyMaxActiveClusters(&clusters, q4_matvec_tma_kernel, &config));
-        const float us = median_us(
-            [&](int i) {
-              const Q4MatVecTmaProblem p{w[i % copies], x, out, m, s.n, s.k, splits};
-              launch_q4_matvec_tma("lab", nullptr, p);
-            },
-            100);
-        CHECK(cudaGetLastError());
-        std::printf("n=%u k=%5u m=%u splits=%u ctas=%4u smem=%6d w_stages=%d max_clusters=%3d  "
-                    "events median %6.2f us\n",
-                    s.n, s.k, m, splits, config.gridDim.x * config.gridDim.z, l.smem_bytes(),
-                    l.w_stages, clusters, us);
+  const auto sweep = [&](auto shape_tag, const char* name) {
+    using S = decltype(shape_tag);
+    for (const Shape s : {Shape{4096, 14336}, Shape{4096, 2048}}) {
+      for (uint32_t m : {1u, 8u}) {
+        for (uint32_t splits : {2u, 4u, 8u}) {
+          const MvLayout l = layout_for<S>(static_cast<int>(std::min(m, 8u)));
+          cudaLaunchConfig_t config{};
+          config.gridDim = dim3((s.n + S::kRows - 1) / S::kRows, (m + 7) / 8, splits);
+          config.blockDim = dim3(S::kThreads);
+          config.dynamicSmemBytes = l.smem_bytes();
+          cudaLaunchAttribute attribute{};
+          attribute.id = cudaLaunchAttributeClusterDimension;
+          attribute.val.clusterDim.x = 1;
+          attribute.val.clusterDim.y = 1;
+          attribute.val.clusterDim.z = splits;
+          config.attrs = &attribute;
+          config.numAttrs = 1;
+          CHECK(cudaFuncSetAttribute(q4_matvec_tma_kernel<S>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(smem_bytes_of<S>())));
+          int clusters = 0;
+          CHECK(cudaOccupancyMaxActiveClusters(&clusters, q4_matvec_tma_kernel<S>, &config));
+          const float us = median_us(
+              [&](int i) {
+                const Q4MatVecTmaProblem p{w[i % copies], x, out, m, s.n, s.k, splits};
+                launch_shape<S>("lab", nullptr, p);
+              },
+              100);
+          CHECK(cudaGetLastError());
+          std::printf(
+              "%-10s n=%u k=%5u m=%u splits=%u ctas=%4u clusters=%3u smem=%6d w_stages=%d "
+              "x_slots=%d max_clusters=%3d  events median %6.2f us\n",
+              name, s.n, s.k, m, splits, config.gridDim.x * config.gridDim.z, config.gridDim.x,
+              l.smem_bytes(), l.w_stages, l.x_slots, clusters, us);
+        }
       }
     }
-  }
+  };
+  sweep(MvShape<8, 3>{}, "8w x 3/SM");
+  sweep(MvShape<8, 2>{}, "8w x 2/SM");
+  sweep(MvShape<4, 5>{}, "4w x 5/SM");
+  sweep(MvShape<4, 4>{}, "4w x 4/SM");
   CHECK(cudaDeviceSynchronize());
   return 0;
 }

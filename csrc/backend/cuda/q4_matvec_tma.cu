@@ -16,8 +16,8 @@
 //   - weights: stage s = blocks [kb_begin + 8 s, +8) of the 128 rows, raw GGUF bytes, w_stages deep;
 //     rows past n arrive as zeros (TMA out-of-bounds fill), so their outputs are finite and unstored.
 //   - activations: stage s's 256 F32 values of each token (box 256 x min(m, 8)) land in a raw ring
-//     (kXRawSlots deep, tokens past m as zeros); warp j < tokens converts token j's stage once into
-//     the split ring (kXSplitSlots deep): per block, the bf16 hi and lo quads of every lane in
+//     (x_slots deep, tokens past m as zeros); warp j < tokens converts token j's stage once into
+//     the split ring (x_slots deep): per block, the bf16 hi and lo quads of every lane in
 //     fragment order, so a lane reads each of its B operands with one 16-byte load and no bank
 //     conflict, and the other warps reuse them.
 //   - each warp multiplies its 16 rows: per block, four mma.sync m16n8k16 (low / high nibbles x hi /
@@ -50,45 +50,46 @@
 namespace routemm::cuda {
 namespace {
 
-constexpr int kThreads = kQ4MatVecTmaThreads;
-constexpr int kWarps = kThreads / 32;
-constexpr int kRows = kQ4MatVecTmaRows;
 constexpr int kTokens = kQ4MatVecTmaTokens;
-static_assert(kRows == 16 * kWarps && kTokens == 8);
-constexpr int kStageBlocks = 8;                       // Q4_0 blocks of K per stage
-constexpr int kStageK = 32 * kStageBlocks;            // 256 values: one activation box row
-constexpr int kStageRowBytes = 18 * kStageBlocks;     // 144 = 9 x 16: one weight box row
-constexpr int kWStageBytes = kRows * kStageRowBytes;  // 18432
+static_assert(kTokens == 8, "one MMA column per token");
+constexpr int kStageBlocks = 8;                    // Q4_0 blocks of K per stage
+constexpr int kStageK = 32 * kStageBlocks;         // 256 values: one activation box row
+constexpr int kStageRowBytes = 18 * kStageBlocks;  // 144 = 9 x 16: one weight box row
 constexpr int kXTokenBytes = kStageK * 4;  // per token and stage: raw F32, or split hi + lo bf16
-constexpr int kXRawSlots = 4, kXSplitSlots = 3;
-constexpr int kMinWStages = 3, kMaxWStages = 6;
-// Two CTAs per multiprocessor: 228 KB per SM less 1 KB the runtime reserves per CTA, halved.
-constexpr int kSmemPerCta = (228 * 1024 - 2 * 1024) / 2;
+constexpr int kMaxWStages = 6;
 constexpr int kAlignSlack = 128;  // the dynamic window is aligned up to 128 bytes for TMA
-constexpr int kPartialStride = kRows + 4;
+
+// A CTA shape: kWarps warps of 16 weight rows, sized for kCtasPerSm CTAs per multiprocessor
+// (registers via __launch_bounds__, shared memory via kSmemPerCta: 228 KB per SM less the 1 KB the
+// runtime reserves per CTA, shared out).
+template <int kWarpsPerCta, int kCtasPerSm>
+struct MvShape {
+  static constexpr int kWarps = kWarpsPerCta, kThreads = 32 * kWarps, kRows = 16 * kWarps;
+  static constexpr int kMinBlocks = kCtasPerSm;
+  static constexpr int kWStageBytes = kRows * kStageRowBytes;
+  static constexpr int kSmemPerCta = (228 * 1024 - kCtasPerSm * 1024) / kCtasPerSm;
+  static constexpr int kPartialStride = kRows + 4;
+  static_assert(kTokens * kPartialStride * 4 <= 2 * kWStageBytes, "partials reuse the ring");
+};
 
 // Shared-memory layout for a token box of `box_tokens` (1..8): the weight ring first (128-byte
-// aligned stages), then the raw and split activation rings, then the barriers.
+// aligned stages), then the raw and the split activation rings (x_slots each), then the barriers.
 struct MvLayout {
-  int box_tokens, w_stages;
+  int box_tokens, w_stages, x_slots, w_stage_bytes;
   __host__ __device__ int x_slot() const { return box_tokens * kXTokenBytes; }
-  __host__ __device__ int raw_offset() const { return w_stages * kWStageBytes; }
-  __host__ __device__ int split_offset() const { return raw_offset() + kXRawSlots * x_slot(); }
-  __host__ __device__ int bar_offset() const { return split_offset() + kXSplitSlots * x_slot(); }
-  __host__ __device__ static constexpr int bars(int w_stages) {
-    return 2 * w_stages + 2 * kXRawSlots + 2 * kXSplitSlots;
-  }
-  __host__ __device__ int smem_bytes() const {
-    return kAlignSlack + bar_offset() + 8 * bars(w_stages);
-  }
+  __host__ __device__ int raw_offset() const { return w_stages * w_stage_bytes; }
+  __host__ __device__ int split_offset() const { return raw_offset() + x_slots * x_slot(); }
+  __host__ __device__ int bar_offset() const { return split_offset() + x_slots * x_slot(); }
+  __host__ __device__ int bars() const { return 2 * w_stages + 4 * x_slots; }
+  __host__ __device__ int smem_bytes() const { return kAlignSlack + bar_offset() + 8 * bars(); }
 };
-static_assert(kTokens * kPartialStride * 4 <= kMinWStages * kWStageBytes,
-              "partials reuse the ring");
 
-// The deepest weight ring that fits beside the activation rings of `box_tokens` tokens.
+// Three activation slots per ring for one or two tokens, two beyond; then the deepest weight ring
+// (2..kMaxWStages stages) that fits the shape's share of shared memory.
+template <class S>
 MvLayout layout_for(int box_tokens) {
-  MvLayout l{box_tokens, kMaxWStages};
-  while (l.w_stages > kMinWStages && l.smem_bytes() > kSmemPerCta) --l.w_stages;
+  MvLayout l{box_tokens, kMaxWStages, box_tokens <= 2 ? 3 : 2, S::kWStageBytes};
+  while (l.w_stages > 2 && l.smem_bytes() > S::kSmemPerCta) --l.w_stages;
   return l;
 }
 
@@ -98,24 +99,27 @@ struct MvArgs {
   MvLayout layout;
 };
 
-__global__ void __launch_bounds__(kThreads, 2)
+template <class S>
+__global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     q4_matvec_tma_kernel(const __grid_constant__ CUtensorMap weight_map,
                          const __grid_constant__ CUtensorMap input_map, const MvArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kWarps = S::kWarps, kThreads = S::kThreads, kRows = S::kRows;
+  constexpr int kWStageBytes = S::kWStageBytes;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const uint32_t raw_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t base = (raw_base + (kAlignSlack - 1)) & ~uint32_t(kAlignSlack - 1);
   unsigned char* const base_ptr = smem_raw + (base - raw_base);
   const MvLayout l = a.layout;
-  const int w_stages = l.w_stages, x_slot = l.x_slot();
+  const int w_stages = l.w_stages, x_slots = l.x_slots, x_slot = l.x_slot();
   const uint32_t bars = base + l.bar_offset();
   const auto w_full = [&](int i) { return bars + 8 * i; };
   const auto w_empty = [&](int i) { return bars + 8 * (w_stages + i); };
   const auto xr_full = [&](int i) { return bars + 8 * (2 * w_stages + i); };
-  const auto xr_empty = [&](int i) { return bars + 8 * (2 * w_stages + kXRawSlots + i); };
-  const auto xs_full = [&](int i) { return bars + 8 * (2 * w_stages + 2 * kXRawSlots + i); };
+  const auto xr_empty = [&](int i) { return bars + 8 * (2 * w_stages + x_slots + i); };
+  const auto xs_full = [&](int i) { return bars + 8 * (2 * w_stages + 2 * x_slots + i); };
   const auto xs_empty = [&](int i) {
-    return bars + 8 * (2 * w_stages + 2 * kXRawSlots + kXSplitSlots + i);
+    return bars + 8 * (2 * w_stages + 2 * x_slots + x_slots + i);
   };
 
   const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
@@ -133,11 +137,11 @@ __global__ void __launch_bounds__(kThreads, 2)
       sm90::mbar_init(w_full(i), 1);
       sm90::mbar_init(w_empty(i), kWarps);
     }
-    for (int i = 0; i < kXRawSlots; ++i) {
+    for (int i = 0; i < x_slots; ++i) {
       sm90::mbar_init(xr_full(i), 1);
       sm90::mbar_init(xr_empty(i), kWarps);
     }
-    for (int i = 0; i < kXSplitSlots; ++i) {
+    for (int i = 0; i < x_slots; ++i) {
       sm90::mbar_init(xs_full(i), kThreads);
       sm90::mbar_init(xs_empty(i), kWarps);
     }
@@ -153,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                       (kb_begin + s * kStageBlocks) * 18 / 8, row0);
   };
   const auto issue_inputs = [&](int s) {
-    const int pos = s % kXRawSlots;
+    const int pos = s % x_slots;
     sm90::mbar_arrive_expect_tx(xr_full(pos), x_slot);
     sm90::tma_load_2d(base + l.raw_offset() + pos * x_slot, &input_map, xr_full(pos),
                       kb_begin * 32 + s * kStageK, tok0);
@@ -162,8 +166,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     sm90::prefetch_tensor_map(&weight_map);
     sm90::prefetch_tensor_map(&input_map);
     // The activations of a stage before its weights: they are small and the conversion waits on them.
-    for (int s = 0; s < max(w_stages, kXRawSlots); ++s) {
-      if (s < kXRawSlots && s < stages) issue_inputs(s);
+    for (int s = 0; s < max(w_stages, x_slots); ++s) {
+      if (s < x_slots && s < stages) issue_inputs(s);
       if (s < w_stages && s < stages) issue_weights(s);
     }
   }
@@ -175,11 +179,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   const unsigned char* const raw_ring = base_ptr + l.raw_offset();
   // Warp j < toks_valid converts token j: lane = block * 4 + quad (the fragment lane's quarter).
   const auto convert = [&](int s) {
-    const int raw_pos = s % kXRawSlots, split_pos = s % kXSplitSlots;
-    if (s >= kXSplitSlots) {  // every warp is done reading stage s - kXSplitSlots from this slot
-      sm90::mbar_wait(xs_empty(split_pos), ((s - kXSplitSlots) / kXSplitSlots) & 1);
+    const int raw_pos = s % x_slots, split_pos = s % x_slots;
+    if (s >= x_slots) {  // every warp is done reading stage s - x_slots from this slot
+      sm90::mbar_wait(xs_empty(split_pos), ((s - x_slots) / x_slots) & 1);
     }
-    sm90::mbar_wait(xr_full(raw_pos), (s / kXRawSlots) & 1);
+    sm90::mbar_wait(xr_full(raw_pos), (s / x_slots) & 1);
     if (warp < toks_valid) {
       const int b = lane >> 2, q = lane & 3;
       const auto* const src = reinterpret_cast<const float*>(raw_ring + raw_pos * x_slot) +
@@ -208,8 +212,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (stages > 0) convert(0);
   for (int s = 0; s < stages; ++s) {
     if (s + 1 < stages) convert(s + 1);
-    const int w_pos = s % w_stages, x_pos = s % kXSplitSlots;
-    sm90::mbar_wait(xs_full(x_pos), (s / kXSplitSlots) & 1);
+    const int w_pos = s % w_stages, x_pos = s % x_slots;
+    sm90::mbar_wait(xs_full(x_pos), (s / x_slots) & 1);
     sm90::mbar_wait(w_full(w_pos), (s / w_stages) & 1);
     const unsigned char* const top = w_warp + w_pos * kWStageBytes;
     const unsigned char* const bottom = top + 8 * kStageRowBytes;
@@ -251,15 +255,18 @@ __global__ void __launch_bounds__(kThreads, 2)
       sm90::mbar_arrive(xs_empty(x_pos));
     }
     if (tid == 0) {
-      // Refill the weight stage every warp finished one iteration ago, and the raw activation slot
-      // every warp converted one iteration ago (stage s; converted during iteration s - 1).
-      if (s >= 1 && s - 1 + w_stages < stages) {
-        sm90::mbar_wait(w_empty((s - 1) % w_stages), ((s - 1) / w_stages) & 1);
-        issue_weights(s - 1 + w_stages);
+      // Refill the weight stage every warp finished `lag` iterations ago (one with a ring of three
+      // or more, so thread 0 rarely waits for the slowest warp; none with two, where a lag would
+      // leave no stage in flight), and the raw activation slot every warp converted one iteration
+      // ago (stage s, converted during iteration s - 1).
+      const int lag = w_stages >= 3 ? 1 : 0;
+      if (s >= lag && s - lag + w_stages < stages) {
+        sm90::mbar_wait(w_empty((s - lag) % w_stages), ((s - lag) / w_stages) & 1);
+        issue_weights(s - lag + w_stages);
       }
-      if (s + kXRawSlots < stages) {
-        sm90::mbar_wait(xr_empty(s % kXRawSlots), (s / kXRawSlots) & 1);
-        issue_inputs(s + kXRawSlots);
+      if (s + x_slots < stages) {
+        sm90::mbar_wait(xr_empty(s % x_slots), (s / x_slots) & 1);
+        issue_inputs(s + x_slots);
       }
     }
   }
@@ -269,40 +276,34 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int e = 0; e < 4; ++e) visit(16 * warp + g + (e >= 2 ? 8 : 0), 2 * t + (e & 1), acc[e]);
   };
-  store_q4_tile<kRows, kTokens, kThreads, kPartialStride>(a.output, a.n, base_ptr, row0, tok0,
-                                                          rows_valid, toks_valid, for_each);
+  store_q4_tile<kRows, kTokens, kThreads, S::kPartialStride>(a.output, a.n, base_ptr, row0, tok0,
+                                                             rows_valid, toks_valid, for_each);
 #else
   __trap();  // launched only where the sm_90a image exists (q4_matvec_tma_eligible)
 #endif
 }
 
-}  // namespace
-
-bool q4_matvec_tma_eligible(int device, const void* weight, const float* input, uint64_t k) {
-  return k > 0 && k % 256 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(input) % 16 == 0 && hopper_kernels_available(device);
-}
-
-uint64_t q4_matvec_tma_smem_bytes() {
+template <class S>
+uint64_t smem_bytes_of() {
   int most = 0;
   for (int tokens = 1; tokens <= kTokens; ++tokens) {
-    most = std::max(most, layout_for(tokens).smem_bytes());
+    most = std::max(most, layout_for<S>(tokens).smem_bytes());
   }
   return static_cast<uint64_t>(most);
 }
 
-void launch_q4_matvec_tma(const std::string& label, cudaStream_t stream,
-                          const Q4MatVecTmaProblem& p) {
-  constexpr auto kernel = &q4_matvec_tma_kernel;
+template <class S>
+void launch_shape(const std::string& label, cudaStream_t stream, const Q4MatVecTmaProblem& p) {
+  constexpr auto kernel = &q4_matvec_tma_kernel<S>;
   const int box_tokens = static_cast<int>(std::min<uint32_t>(p.m, kTokens));
-  const MvLayout layout = layout_for(box_tokens);
+  const MvLayout layout = layout_for<S>(box_tokens);
   opt_in_dynamic_smem<kernel>(label, static_cast<uint64_t>(layout.smem_bytes()),
-                              q4_matvec_tma_smem_bytes());
+                              smem_bytes_of<S>());
   const uint64_t row_bytes = uint64_t{p.k} / 32 * 18;
   // The blocks as 8-byte elements (row_bytes % 16 == 0 keeps rows whole), as the Q4_0 wgmma kernel.
   const CUtensorMap weight_map = encode_tensor_map_2d(
       label, "weights", CU_TENSOR_MAP_DATA_TYPE_UINT64, const_cast<uint8_t*>(p.weight),
-      row_bytes / 8, p.n, row_bytes, kStageRowBytes / 8, kRows, CU_TENSOR_MAP_SWIZZLE_NONE);
+      row_bytes / 8, p.n, row_bytes, kStageRowBytes / 8, S::kRows, CU_TENSOR_MAP_SWIZZLE_NONE);
   const CUtensorMap input_map = encode_tensor_map_2d(
       label, "activations", CU_TENSOR_MAP_DATA_TYPE_FLOAT32, const_cast<float*>(p.input), p.k, p.m,
       uint64_t{p.k} * 4, kStageK, static_cast<uint32_t>(box_tokens), CU_TENSOR_MAP_SWIZZLE_NONE);
@@ -315,13 +316,31 @@ void launch_q4_matvec_tma(const std::string& label, cudaStream_t stream,
   a.blocks_per_split = (per_split + kStageBlocks - 1) / kStageBlocks * kStageBlocks;
   a.layout = layout;
 
-  const dim3 grid((p.n + kRows - 1) / kRows, (p.m + kTokens - 1) / kTokens, p.splits);
+  const dim3 grid((p.n + S::kRows - 1) / S::kRows, (p.m + kTokens - 1) / kTokens, p.splits);
   if (const cudaError_t e =
-          launch_k_split(kernel, grid, kThreads, static_cast<size_t>(layout.smem_bytes()), stream,
-                         weight_map, input_map, a);
+          launch_k_split(kernel, grid, S::kThreads, static_cast<size_t>(layout.smem_bytes()),
+                         stream, weight_map, input_map, a);
       e != cudaSuccess) {
     throw Error("'" + label + "': launch failed: " + cudaGetErrorString(e));
   }
+}
+
+// The shape the library launches (q4_matvec_tma.h's tile constants).
+using ProductionShape = MvShape<kQ4MatVecTmaThreads / 32, kQ4MatVecTmaCtasPerSm>;
+static_assert(ProductionShape::kRows == kQ4MatVecTmaRows);
+
+}  // namespace
+
+bool q4_matvec_tma_eligible(int device, const void* weight, const float* input, uint64_t k) {
+  return k > 0 && k % 256 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(input) % 16 == 0 && hopper_kernels_available(device);
+}
+
+uint64_t q4_matvec_tma_smem_bytes() { return smem_bytes_of<ProductionShape>(); }
+
+void launch_q4_matvec_tma(const std::string& label, cudaStream_t stream,
+                          const Q4MatVecTmaProblem& p) {
+  launch_shape<ProductionShape>(label, stream, p);
 }
 
 }  // namespace routemm::cuda

@@ -15,6 +15,7 @@ namespace routemm::cuda {
 inline constexpr int kQ4MatVecTmaRows = 128;
 inline constexpr int kQ4MatVecTmaTokens = 8;
 inline constexpr int kQ4MatVecTmaThreads = 256;
+inline constexpr int kQ4MatVecTmaCtasPerSm = 3;  // the occupancy the kernel is built for
 
 struct Q4MatVecTmaProblem {
   const uint8_t* weight;  // n rows of k / 32 GGUF Q4_0 blocks, 16-byte aligned
