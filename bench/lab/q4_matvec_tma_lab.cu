@@ -6,6 +6,7 @@
 //        csrc/backend/cuda/hopper_support.cu && /tmp/mvlab
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 #include "backend/cuda/q4_matvec_tma.cu"
@@ -22,6 +23,86 @@ using namespace routemm::cuda;
   } while (0)
 
 __global__ void empty_kernel() {}
+
+// Stream-only: the weight ring of the kernel above with nothing but the waits (all threads wait for
+// a stage, one arrival per warp frees it, thread 0 refills it at once): what 2-D TMA boxes of
+// kRowsPerBox rows x kBoxBytes bytes deliver by themselves.
+template <int kRowsPerBox, int kBoxBytes, int kStages>
+__global__ void __launch_bounds__(256)
+    tma_stream_kernel(const __grid_constant__ CUtensorMap map, int blocks_per_split, int k_blocks,
+                      uint32_t* sink) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 127) & ~127u;
+  constexpr int kStageBytes = kRowsPerBox * kBoxBytes;
+  const uint32_t bars = base + kStages * kStageBytes;
+  const int kb0 = blockIdx.z * blocks_per_split;
+  const int blocks = max(0, min(k_blocks, kb0 + blocks_per_split) - kb0);
+  const int stages = blocks * 18 / kBoxBytes;
+  const int row0 = blockIdx.x * kRowsPerBox;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      sm90::mbar_init(bars + 8 * i, 1);
+      sm90::mbar_init(bars + 8 * (kStages + i), 8);
+    }
+    sm90::fence_mbar_init();
+  }
+  __syncthreads();
+  const auto issue = [&](int s) {
+    const int pos = s % kStages;
+    sm90::mbar_arrive_expect_tx(bars + 8 * pos, kStageBytes);
+    sm90::tma_load_2d(base + pos * kStageBytes, &map, bars + 8 * pos,
+                      (kb0 * 18 + s * kBoxBytes) / 8, row0);
+  };
+  if (threadIdx.x == 0)
+    for (int s = 0; s < min(kStages, stages); ++s) issue(s);
+  uint32_t acc = 0;
+  for (int s = 0; s < stages; ++s) {
+    const int pos = s % kStages;
+    sm90::mbar_wait(bars + 8 * pos, (s / kStages) & 1);
+    acc += smem_raw[(base - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))) +
+                    pos * kStageBytes + threadIdx.x * 4];
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) sm90::mbar_arrive(bars + 8 * (kStages + pos));
+    if (threadIdx.x == 0 && s + kStages < stages) {
+      sm90::mbar_wait(bars + 8 * (kStages + pos), (s / kStages) & 1);
+      issue(s + kStages);
+    }
+  }
+  if (acc == 0xFFFFFFFFu) sink[0] = acc;
+}
+
+template <int kRowsPerBox, int kBoxBytes, int kStages>
+void stream_case(const std::vector<uint8_t*>& w, int copies, uint32_t* sink, uint32_t n, uint32_t k,
+                 uint32_t splits) {
+  constexpr auto kernel = &tma_stream_kernel<kRowsPerBox, kBoxBytes, kStages>;
+  const int smem = 128 + kStages * kRowsPerBox * kBoxBytes + 16 * kStages;
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const uint64_t row_bytes = uint64_t{k} / 32 * 18;
+  const int k_blocks = static_cast<int>(k / 32);
+  // Whole boxes per split.
+  const int box_blocks = kBoxBytes / 18;
+  const int per = (k_blocks + static_cast<int>(splits) - 1) / static_cast<int>(splits);
+  const int blocks_per_split = (per + box_blocks - 1) / box_blocks * box_blocks;
+  std::vector<CUtensorMap> maps;
+  for (int c = 0; c < copies; ++c) {
+    maps.push_back(encode_tensor_map_2d("lab", "weights", CU_TENSOR_MAP_DATA_TYPE_UINT64, w[c],
+                                        row_bytes / 8, n, row_bytes, kBoxBytes / 8, kRowsPerBox,
+                                        CU_TENSOR_MAP_SWIZZLE_NONE));
+  }
+  const dim3 grid(n / kRowsPerBox, 1, splits);
+  int per_sm = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, smem));
+  const float us = median_us(
+      [&](int i) {
+        kernel<<<grid, 256, smem>>>(maps[i % copies], blocks_per_split, k_blocks, sink);
+      },
+      100);
+  CHECK(cudaGetLastError());
+  std::printf(
+      "stream rows=%3d box=%4d B stages=%d n=%u k=%5u splits=%u ctas=%4u per_sm=%d  "
+      "events median %6.2f us\n",
+      kRowsPerBox, kBoxBytes, kStages, n, k, splits, grid.x * grid.z, per_sm, us);
+}
 
 template <class Launch>
 float median_us(Launch&& launch, int reps) {
@@ -104,10 +185,22 @@ int main() {
       }
     }
   };
-  sweep(MvShape<8, 3>{}, "8w x 3/SM");
-  sweep(MvShape<8, 2>{}, "8w x 2/SM");
-  sweep(MvShape<4, 5>{}, "4w x 5/SM");
-  sweep(MvShape<4, 4>{}, "4w x 4/SM");
+  uint32_t* sink;
+  CHECK(cudaMalloc(&sink, 16));
+  stream_case<128, 144, 3>(w, copies, sink, 4096, 14336, 8);
+  stream_case<128, 144, 6>(w, copies, sink, 4096, 14336, 8);
+  stream_case<64, 144, 6>(w, copies, sink, 4096, 14336, 8);
+  stream_case<32, 144, 8>(w, copies, sink, 4096, 14336, 8);
+  stream_case<128, 288, 3>(w, copies, sink, 4096, 14336, 8);
+  stream_case<64, 288, 4>(w, copies, sink, 4096, 14336, 8);
+  stream_case<32, 576, 4>(w, copies, sink, 4096, 14336, 4);
+  stream_case<16, 1008, 4>(w, copies, sink, 4096, 14336, 8);
+  stream_case<16, 2016, 2>(w, copies, sink, 4096, 14336, 4);
+  stream_case<8, 2016, 4>(w, copies, sink, 4096, 14336, 4);
+  if (std::getenv("LAB_SWEEP") != nullptr) {
+    sweep(MvShape<8, 3>{}, "8w x 3/SM");
+    sweep(MvShape<4, 5>{}, "4w x 5/SM");
+  }
   CHECK(cudaDeviceSynchronize());
   return 0;
 }
