@@ -69,8 +69,8 @@ for dt, k, n, m, top_k, E in [(np.float32, 35, 7, 9, 6, 8), (ml_dtypes.bfloat16,
     assert np.array_equal(outs["direct"].view(np.uint32), outs["grouped_prefill"].view(np.uint32)), dt
     print("ok", np.dtype(dt).name, k, n, m, top_k, E)
 # Q4_0: every pipeline on odd tails, an unaligned weight view (byte copies), K splits (clusters; the
-# 4352 cases have empty splits) and, on Hopper, the bf16 routes' wgmma kernel and the TMA mat-vec
-# (k % 256 == 0, aligned; 14336: every ring of the mat-vec wraps).
+# 4352 cases have empty splits) and, on Hopper, the bf16 routes' wgmma kernel (k % 256 == 0, aligned;
+# 14336: every warp ring of the mat-vec wraps).
 from routemm import q4_0
 for m, n, k, offset in [(3, 200, 4096, 0), (40, 130, 800, 1), (130, 70, 2048, 0), (9, 33, 64, 2),
                           (20, 40, 4352, 0), (150, 136, 512, 0), (8, 200, 4352, 0), (1, 130, 14336, 0),

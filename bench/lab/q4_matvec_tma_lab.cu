@@ -1,6 +1,8 @@
-// Lab: the Hopper Q4_0 mat-vec (csrc/backend/cuda/q4_matvec_tma.cu) over CTA shapes (warps x CTAs
-// per SM) and K splits, beside the cluster capacity the driver reports for each launch. Weights rotate over 8 copies (> 2x L2); CUDA
-// events per launch (an empty kernel's event time is printed for the overhead).
+// Lab: the experimental TMA-fed Q4_0 mat-vec (q4_matvec_tma_kernel.cuh) over CTA shapes (warps x
+// CTAs per SM) and K splits, beside the cluster capacity the driver reports for each launch, and
+// stream-only TMA rings over box shapes (what the data path alone delivers). Weights rotate over
+// 8 copies (> 2x L2); CUDA events per launch (an empty kernel's event time is printed for the
+// overhead). The shape sweep runs with LAB_SWEEP=1.
 //   nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -DROUTEMM_CUDA_HAS_SM90A=1 \
 //        -Icsrc/include -Icsrc -Icsrc/backend/cuda -o /tmp/mvlab bench/lab/q4_matvec_tma_lab.cu \
 //        csrc/backend/cuda/hopper_support.cu && /tmp/mvlab
@@ -9,7 +11,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "backend/cuda/q4_matvec_tma.cu"
+#include "q4_matvec_tma_kernel.cuh"
 
 using namespace routemm::cuda;
 

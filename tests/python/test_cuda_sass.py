@@ -83,18 +83,6 @@ def test_hopper_q4_kernel_uses_wgmma_and_tma():
     _assert_wgmma_fed_by_tma("q4_wgmma_kernel", 2)
 
 
-def test_hopper_q4_mat_vec_uses_tma_and_warp_mma():
-    """The Q4_0 mat-vec's Hopper kernel: TMA-fed (UTMALDG), warp-level MMA (HMMA), no spills."""
-    arches = _functions_by_arch()
-    if "sm_90a" not in arches:
-        pytest.skip("the build carries no sm_90a code")
-    kernels = {name: sass for name, sass in arches["sm_90a"].items() if "q4_matvec_tma_kernel" in name}
-    assert len(kernels) == 1, sorted(kernels)
-    for name, sass in kernels.items():
-        assert "HMMA" in sass and "UTMALDG" in sass, name
-        assert not _local_memory(sass), (name, _local_memory(sass)[:5])
-
-
 def test_portable_tensor_kernel_uses_warp_mma_without_spills():
     arches = _functions_by_arch()
     checked = 0

@@ -89,10 +89,9 @@ class Q4Case:
 
 
 @pytest.mark.parametrize("m", range(1, 9))
-# K = 2048 and up: long enough that backends splitting K (CUDA clusters) do so. K % 256 == 0 with
-# aligned views is where CUDA takes the TMA mat-vec on Hopper: (70, 2048) is one row tile with a
-# tail, 2 stages per split; (200, 4352) two row tiles, an 8-way split whose last two splits are
-# empty; (130, 14336) 7 stages per split, so every ring of that kernel wraps around.
+# K = 2048 and up: long enough that backends splitting K (CUDA clusters) do so. On CUDA (sm_90):
+# (70, 2048) is one row tile with a tail, 2 stages per split; (200, 4352) an 8-way split whose last
+# two splits are empty; (130, 14336) 7 stages per split, so every warp's ring wraps around.
 @pytest.mark.parametrize("n,k", [(1, 32), (13, 64), (67, 800), (70, 2048), (200, 4352), (130, 14336)])
 def test_mat_vec_against_reference(device, registry, rng, m, n, k):
     case = Q4Case(device, rng, m, n, k)
@@ -144,9 +143,9 @@ def test_every_route_with_unaligned_weight_view(device, registry, rng, route):
 @pytest.mark.parametrize("which", ["weight", "input"])
 @pytest.mark.parametrize("m", [1, 5, 8])
 def test_mat_vec_with_unaligned_views(device, registry, rng, which, m):
-    """A weight view 2 bytes or an input view 4 bytes off 16-byte alignment (K % 256 == 0): the TMA
-    mat-vec is not taken; the other kernel runs the same tile, splits and per-block order, so the
-    two give the same bits."""
+    """A weight view 2 bytes or an input view 4 bytes off 16-byte alignment (K % 256 == 0): CUDA's
+    mat-vec takes its element-wise copy path instead of 16-byte copies; same tile, splits and
+    per-block order, so the same bits as with aligned views."""
     case = Q4Case(device, rng, m, 150, 4608)
     aligned, _ = case.run(registry)
     if which == "weight":

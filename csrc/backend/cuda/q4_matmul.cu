@@ -34,10 +34,7 @@
 //
 // GEOMETRY (KernelDef below; tile_x/tile_y as the front door reads them; SB and the ring depth are
 // in the Tile aliases further down):
-//   kernel_mul_mv_q4_0_f32               split,  64 rows x 8 tokens, 128 threads (8 x 16);
-//                                        on Hopper 128 rows x 8 tokens, 256 threads (8 x 32), the
-//                                        tile of q4_matvec_tma.cu's kernel, which takes the products
-//                                        with k % 256 == 0 and 16-byte aligned weights and input
+//   kernel_mul_mv_q4_0_f32               split,  64 rows x 8 tokens, 128 threads (8 x 16)
 //   kernel_mul_mm_q4_0_f32               split,  32 tokens x 64 rows, 128 threads
 //   kernel_mul_mm_q4_0_tensor_f32        split,  32 tokens x 128 rows, 256 threads
 //   kernel_mul_mm_q4_0_tensor_v2_f32     bf16,  128 tokens x 128 rows, 256 threads
@@ -58,7 +55,6 @@
 #include "hopper_support.h"
 #include "kernels.h"
 #include "q4_matmul_wgmma.h"
-#include "q4_matvec_tma.h"
 #include "q4_nibbles.cuh"
 #include "q4_split_store.cuh"
 #include "routemm/error.h"
@@ -379,9 +375,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
   });
 }
 
-// The mat-vec (m <= 8), streamed per warp: warp w owns 16 weight rows (one MMA tile) of the CTA's
-// 16 * kWarps (64 rows and 4 warps; on Hopper, where q4_matvec_tma.cu's kernel takes the aligned
-// products, 128 rows and 8 warps: the tile of that kernel, so both run one geometry) and streams them over the CTA's K range through its own cp.async ring (kSB blocks = 144-byte row
+// The mat-vec (m <= 8), streamed per warp: warp w owns 16 weight rows (one MMA tile) of the CTA's 64
+// and streams them over the CTA's K range through its own cp.async ring (kSB blocks = 144-byte row
 // runs per stage, kStages deep), synchronising only with itself. Small tiles keep many warps per
 // multiprocessor in flight: the kernel is bound by latency, not by issue. The activations of the K
 // range are staged per chunk (the only CTA-wide barriers), already split into bf16 hi + lo and laid
@@ -396,10 +391,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 // nibble bytes 4t..4t+3 and its B registers from the float4s x[4t..4t+3] and x[16+4t..16+4t+3].
 // Numerics: the split numerics above (per block: hi and lo MMAs from zero, then one FMA with the
 // block's scale).
-template <int kWarpsPerCta>
 struct MatVecStream {
-  static constexpr int kWarps = kWarpsPerCta, kThreads = 32 * kWarps, kRows = 16 * kWarps;
-  static constexpr int kTokens = 8;
+  static constexpr int kWarps = 4, kThreads = 128, kRows = 64, kTokens = 8;
   static constexpr int kWarpRows = 16;
   static constexpr int kSB = 8, kStages = 3;
   static constexpr int kRowBytes = 18 * kSB;                // one row's run per stage
@@ -410,11 +403,10 @@ struct MatVecStream {
   // Staged activations: per token and block, the hi and lo 16-byte quads of its 4 lanes (128 bytes).
   static constexpr int kX = 16 * 1024;
   static constexpr int kXTokenBlockBytes = 2 * 4 * 16;
-  // 4 warps, 43.5 KB: five CTAs per SM, so a launch of 8-CTA clusters with four CTAs per SM fits in
-  // one wave (the GPCs hold fewer clusters than multiprocessors / 8 * CTAs per SM). 8 warps, 71 KB:
-  // three per SM.
+  // 43.5 KB: five CTAs per SM, so a launch of 8-CTA clusters with four CTAs per SM fits in one wave
+  // (the GPCs hold fewer clusters than multiprocessors / 8 * CTAs per SM).
   static constexpr int kSmem = kX + kRing;
-  static constexpr int kMinBlocks = kWarps == 4 ? 5 : 3;
+  static constexpr int kMinBlocks = 5;
   static_assert(kRowBytes % 16 == 0 && kWarpStage % 16 == 0 &&
                 kX / (kTokens * kXTokenBlockBytes) % kSB == 0 && kThreads == 32 * kWarps &&
                 kRows == kWarps * kWarpRows);
@@ -422,8 +414,10 @@ struct MatVecStream {
 
 // kVec: 16-byte weight copies for full stages (16-aligned view, K % 256 == 0) and 16-byte-aligned
 // activations; else element-wise copies and loads.
-template <class T, bool kVec>
-__global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_matvec_kernel(const Q4Args a) {
+template <bool kVec>
+__global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBlocks)
+    q4_matvec_kernel(const Q4Args a) {
+  using T = MatVecStream;
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31, warp = tid >> 5;
@@ -683,8 +677,6 @@ void launch_q4(const KernelLaunch& launch, void* stream, const Problem& p, bool 
   }
 }
 
-// The mat-vec's tile follows the KernelDef (add_q4_matmul_kernels): 256 threads where the Hopper
-// kernel may run (which it then does for eligible products), 128 elsewhere.
 void launch_mat_vec(const KernelLaunch& launch, void* stream) {
   const auto q = kernels::launch_params<kernels::GgmlMatmulMvParams>(launch, 3);
   if (q.ne00 != q.ne10 || q.ne01 != q.ne0 || q.ne00 < 0 || q.ne01 < 0 || q.ne1 < 0) {
@@ -693,31 +685,7 @@ void launch_mat_vec(const KernelLaunch& launch, void* stream) {
   const auto k = static_cast<uint64_t>(q.ne00);
   const Problem p = problem_of(launch, 0, 1, 2, static_cast<uint64_t>(q.ne1),
                                static_cast<uint64_t>(q.ne01), k, k / 32 * 18);
-  const uint64_t threads = launch.threads.x * launch.threads.y * launch.threads.z;
-  if (threads != kQ4MatVecTmaThreads) {
-    launch_q4<MatVecStream<4>, q4_matvec_kernel<MatVecStream<4>, true>,
-              q4_matvec_kernel<MatVecStream<4>, false>>(launch, stream, p, true);
-    return;
-  }
-  using Wide = MatVecStream<8>;
-  static_assert(Wide::kRows == kQ4MatVecTmaRows && Wide::kTokens == kQ4MatVecTmaTokens &&
-                Wide::kThreads == kQ4MatVecTmaThreads);
-  int device = 0;
-  if (cudaGetDevice(&device) == cudaSuccess &&
-      q4_matvec_tma_eligible(device, p.weight, p.input, p.k)) {
-    check_launch_shape<Wide>(launch, p, true);
-    const Q4MatVecTmaProblem h{.weight = p.weight,
-                               .input = p.input,
-                               .output = p.output,
-                               .m = p.m,
-                               .n = p.n,
-                               .k = p.k,
-                               .splits = static_cast<uint32_t>(launch.grid.z)};
-    launch_q4_matvec_tma(launch.label, static_cast<cudaStream_t>(stream), h);
-    return;
-  }
-  launch_q4<Wide, q4_matvec_kernel<Wide, true>, q4_matvec_kernel<Wide, false>>(launch, stream, p,
-                                                                               true);
+  launch_q4<MatVecStream, q4_matvec_kernel<true>, q4_matvec_kernel<false>>(launch, stream, p, true);
 }
 
 template <class T>
@@ -786,22 +754,13 @@ void add_q4_matmul_kernels(std::vector<KernelDef>& out) {
   const uint32_t splits = major >= 9 ? kMaxKSplits : 1;
   const auto target = static_cast<uint32_t>(2 * sms);
   const auto& names = kQ4MatmulPipelineNames;
-  const bool hopper = hopper_kernels_available(0);
-  if (hopper) {
-    // Hopper: the TMA mat-vec's 128-row tile (q4_matvec_tma.cu) at two groups per multiprocessor,
-    // shared with the mma.sync mat-vec for the products that kernel does not take.
-    auto def = q4_def<MatVecStream<8>>(names[0], &launch_mat_vec, true, splits, target);
-    def.threadgroup_memory_bytes =
-        std::max<uint64_t>(def.threadgroup_memory_bytes, q4_matvec_tma_smem_bytes());
-    out.push_back(def);
-  } else {
-    // The mat-vec is latency-bound: it aims at four of its small groups per multiprocessor.
-    out.push_back(q4_def<MatVecStream<4>>(names[0], &launch_mat_vec, true, splits, 2 * target));
-  }
+  // The mat-vec is latency-bound: it aims at four of its small groups per multiprocessor.
+  out.push_back(q4_def<MatVecStream>(names[0], &launch_mat_vec, true, splits, 2 * target));
   out.push_back(
       q4_def<SimdgroupTile>(names[1], &launch_matrix<SimdgroupTile>, false, splits, target));
   out.push_back(
       q4_def<TensorV1Tile>(names[2], &launch_matrix<TensorV1Tile>, false, splits, target));
+  const bool hopper = hopper_kernels_available(0);
   out.push_back(
       q4_def<TensorV2Tile>(names[3], &launch_matrix<TensorV2Tile>, false, splits, target, hopper));
   out.push_back(q4_def<Tensor64x32Tile>(names[4], &launch_matrix<Tensor64x32Tile>, false, splits,

@@ -1,6 +1,6 @@
 // Q4_0 nibble decoding into bf16 MMA operands (and the split numerics' activation pairs), shared by
-// the warp-MMA kernels (q4_matmul.cu) and the Hopper kernels (q4_matmul_wgmma.cu, q4_matvec_tma.cu),
-// so all of them dequantise with the same instructions and roundings.
+// the warp-MMA kernels (q4_matmul.cu), the Hopper kernel (q4_matmul_wgmma.cu) and the mat-vec
+// experiments under bench/lab, so all of them dequantise with the same instructions and roundings.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -46,7 +46,7 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t q_minus_8, __nv_bfloat16
   return bits_of(__hmul2(bf162_of(q_minus_8), d2));
 }
 
-// The split numerics' B registers (both mat-vec kernels) of lane quarter t for one token and
+// The split numerics' B registers (the mat-vec) of lane quarter t for one token and
 // block: v = x[4t..4t+3], x[16+4t..16+4t+3] of the block's 32 values; hi = the top 16 bits of each value (bf16 truncation, so x - hi is exact),
 // lo = bf16(x - hi), which leaves |x - hi - lo| <= 2^-16 |x|. Pairs as v: (v0, v1), ..., (v6, v7).
 __device__ __forceinline__ void split_activation_pairs(const float (&v)[8], uint32_t (&hi)[4],

@@ -1,34 +1,23 @@
-// The Q4_0 mat-vec (kernel_mul_mv_q4_0_f32) on Hopper: the same split numerics, fragment order and
-// K-split reduction as q4_matmul.cu's mma.sync mat-vec, fed by TMA through CTA-wide rings instead of
-// per-warp cp.async rings. q4_matmul.cu's launcher takes it on compute capability 9.0 in sm_90a
-// builds when k % 256 == 0 and the weight view and the activations are 16-byte aligned
-// (q4_matvec_tma_eligible); every other product there runs the mma.sync mat-vec on the same
-// 128-row x 8-token tile.
+// EXPERIMENT (not part of the library): a TMA-fed Q4_0 mat-vec for Hopper, kept so the
+// measurements in bench/results/experiments/q4_0_matvec_tma-h200-2026-12-04.md can be reproduced
+// with bench/lab/q4_matvec_tma_lab.cu. It has the library mat-vec's split numerics, fragment order
+// and K-split reduction (q4_matmul.cu), so its outputs are bit-identical to that kernel's (checked on
+// the H200 through the Q4 test suite while it was wired in), but it ran 20-25% slower there, so the
+// library keeps the per-warp cp.async kernel.
 //
-// WHY: the mat-vec streams n * k * 18 / 32 bytes once and does little arithmetic per byte, so its
-// time is how fast the weights arrive plus whatever cannot hide under them. Here one thread issues a
-// whole stage of the CTA (18 KB: 128 rows x 144 bytes, one 2-D TMA box) where the warps issued 1152
-// 16-byte copies; the activations arrive the same way; and the ring is as deep as the shared memory
-// left beside the activation rings allows (3..6 stages, two CTAs per multiprocessor), so more bytes
-// are in flight per multiprocessor while the warps compute.
-//
-// PER CTA (256 threads = 8 warps x 16 weight rows; one K split of one row tile, tokens tok0..+7):
-//   - weights: stage s = blocks [kb_begin + 8 s, +8) of the 128 rows, raw GGUF bytes, w_stages deep;
-//     rows past n arrive as zeros (TMA out-of-bounds fill), so their outputs are finite and unstored.
-//   - activations: stage s's 256 F32 values of each token (box 256 x min(m, 8)) land in a raw ring
-//     (x_slots deep, tokens past m as zeros); warp j < tokens converts token j's stage once into
-//     the split ring (x_slots deep): per block, the bf16 hi and lo quads of every lane in
-//     fragment order, so a lane reads each of its B operands with one 16-byte load and no bank
-//     conflict, and the other warps reuse them.
-//   - each warp multiplies its 16 rows: per block, four mma.sync m16n8k16 (low / high nibbles x hi /
-//     lo activations) summed from zero, then one FMA with the block's scale per accumulator -- the
-//     split numerics of q4_matmul.cu, in the same order, so a product has one result whichever of
-//     the two mat-vec kernels runs it.
-//   - synchronisation: mbarriers only. "full" barriers: TMA bytes (weights, raw activations) or the
-//     256 threads' arrivals after converting (split activations); "empty" barriers: one arrival per
-//     warp. Thread 0 refills a slot one iteration after its last use, so it waits on the slowest warp
-//     only when the ring is about to run dry, never for the stage it has just finished itself.
-//   - the K split: q4_split_store.cuh (one cluster along z, fixed split order), as everywhere.
+// DESIGN: CTA-wide rings instead of per-warp ones. One thread issues a whole weight stage of the
+// CTA (16 * kWarps rows x 144 bytes, one 2-D TMA box) and a stage of F32 activations (a 256 x tokens
+// box); warp j < tokens converts token j's stage into bf16 hi / lo quads in fragment order in a
+// split ring; every warp then multiplies its 16 rows per block with four mma.sync m16n8k16 (low /
+// high nibbles x hi / lo activations) from zero and one FMA with the block's scale.
+// Synchronisation: mbarriers only ("full": TMA bytes, or the CTA's arrivals after converting;
+// "empty": one arrival per warp); thread 0 refills.
+//   - weights: stage s = blocks [kb_begin + 8 s, +8) of the CTA's rows, w_stages deep; rows past n
+//     arrive as zeros (TMA out-of-bounds fill).
+//   - activations: raw and split rings of x_slots slots; tokens past m arrive as zeros.
+//   - the K split: q4_split_store.cuh (one cluster along z, fixed split order).
+#pragma once
+
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -39,7 +28,6 @@
 #include <string>
 
 #include "hopper_support.h"
-#include "q4_matvec_tma.h"
 #include "q4_nibbles.cuh"
 #include "q4_split_store.cuh"
 #include "routemm/error.h"
@@ -50,7 +38,7 @@
 namespace routemm::cuda {
 namespace {
 
-constexpr int kTokens = kQ4MatVecTmaTokens;
+constexpr int kTokens = 8;
 static_assert(kTokens == 8, "one MMA column per token");
 constexpr int kStageBlocks = 8;                    // Q4_0 blocks of K per stage
 constexpr int kStageK = 32 * kStageBlocks;         // 256 values: one activation box row
@@ -92,6 +80,14 @@ MvLayout layout_for(int box_tokens) {
   while (l.w_stages > 2 && l.smem_bytes() > S::kSmemPerCta) --l.w_stages;
   return l;
 }
+
+struct Q4MatVecTmaProblem {
+  const uint8_t* weight;  // n rows of k / 32 GGUF Q4_0 blocks, 16-byte aligned
+  const float* input;     // m x k, 16-byte aligned
+  float* output;          // m x n
+  uint32_t m, n, k;
+  uint32_t splits;  // K split = cluster size along grid.z (1, 2, 4 or 8)
+};
 
 struct MvArgs {
   float* output;
@@ -325,22 +321,5 @@ void launch_shape(const std::string& label, cudaStream_t stream, const Q4MatVecT
   }
 }
 
-// The shape the library launches (q4_matvec_tma.h's tile constants).
-using ProductionShape = MvShape<kQ4MatVecTmaThreads / 32, kQ4MatVecTmaCtasPerSm>;
-static_assert(ProductionShape::kRows == kQ4MatVecTmaRows);
-
 }  // namespace
-
-bool q4_matvec_tma_eligible(int device, const void* weight, const float* input, uint64_t k) {
-  return k > 0 && k % 256 == 0 && reinterpret_cast<uintptr_t>(weight) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(input) % 16 == 0 && hopper_kernels_available(device);
-}
-
-uint64_t q4_matvec_tma_smem_bytes() { return smem_bytes_of<ProductionShape>(); }
-
-void launch_q4_matvec_tma(const std::string& label, cudaStream_t stream,
-                          const Q4MatVecTmaProblem& p) {
-  launch_shape<ProductionShape>(label, stream, p);
-}
-
 }  // namespace routemm::cuda
