@@ -4,10 +4,12 @@
 // and TMA bulk copies (one per row run, completion on an mbarrier) -- over ring depths and stage
 // sizes, beside the production kernel and an empty kernel. Weights rotate over 8 copies (> 2x L2).
 // Kernel spans come from %globaltimer (first CTA start to last CTA end) and from CUDA events.
-//   nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -Icsrc/include -Icsrc \
-//        -Icsrc/backend/cuda -o /tmp/lab bench/lab/q4_matvec_lab.cu && /tmp/lab
+//   nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -DROUTEMM_CUDA_HAS_SM90A=1 \
+//        -Icsrc/include -Icsrc -Icsrc/backend/cuda -o /tmp/lab bench/lab/q4_matvec_lab.cu \
+//        csrc/backend/cuda/q4_matmul_wgmma.cu csrc/backend/cuda/hopper_support.cu && /tmp/lab
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 #include "backend/cuda/q4_matmul.cu"
@@ -196,7 +198,8 @@ struct Case {
 };
 
 int main() {
-  const int copies = 8;
+  // LAB_COPIES=1 keeps one weight copy (33 MB, inside the 50 MB L2): the time without DRAM.
+  const int copies = std::getenv("LAB_COPIES") ? std::atoi(std::getenv("LAB_COPIES")) : 8;
   const int n = 4096, k_max = 14336;
   const size_t w_bytes = size_t(n) * (k_max / 32) * 18;
   std::vector<uint8_t> host(w_bytes);
