@@ -246,6 +246,7 @@ int main() {
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
   for (const Case& c : cases) {
+    if (std::getenv("LAB_MATVEC_ONLY") != nullptr) break;  // the mat-vec sweep below only
     CHECK(cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, c.smem));
     LabArgs a{};
     a.k_blocks = c.k / 32;
@@ -283,13 +284,16 @@ int main() {
         "  events median %6.2f us\n",
         c.name, c.k, c.splits, c.smem, med, spans[0], bytes / med / 1e6, events[events.size() / 2]);
   }
-  // The production mat-vec (Q4Args, cluster launch when split), CUDA-event times minus nothing:
-  // compare with the empty kernel's event time above.
-  CHECK(cudaFuncSetAttribute(q4_matvec_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             MatVecStream::kSmem));
-  for (int kk : {14336, 2048}) {
-    for (int m : {1, 8}) {
-      for (int splits : {8, 4, 2, 1}) {
+  // The library mat-vec (Q4Args, cluster launch when split) at its own point and at other ring
+  // depths / activation chunks / CTAs per SM (MatVecStreamTile), CUDA-event times: compare with the
+  // empty kernel's event time above.
+  const auto matvec = [&](auto tile, const char* name) {
+    using T = decltype(tile);
+    constexpr auto kernel = q4_matvec_kernel<T, true>;
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmem));
+    for (int kk : {14336, 2048}) {
+      for (int m : {1, 8}) {
+        const int splits = 8;
         Q4Args q{};
         q.input = x;
         q.output = out;
@@ -305,7 +309,7 @@ int main() {
         cudaLaunchConfig_t config{};
         config.gridDim = dim3(n / 64, (m + 7) / 8, splits);
         config.blockDim = dim3(128);
-        config.dynamicSmemBytes = MatVecStream::kSmem;
+        config.dynamicSmemBytes = T::kSmem;
         config.stream = stream;
         cudaLaunchAttribute attribute{};
         attribute.id = cudaLaunchAttributeClusterDimension;
@@ -314,11 +318,13 @@ int main() {
         attribute.val.clusterDim.z = splits;
         config.attrs = &attribute;
         config.numAttrs = 1;
+        int clusters = 0;
+        CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
         std::vector<double> events;
         for (int i = 0; i < 60; ++i) {
           q.weight = w[i % copies];
           CHECK(cudaEventRecord(e0, stream));
-          CHECK(cudaLaunchKernelEx(&config, q4_matvec_kernel<true>, q));
+          CHECK(cudaLaunchKernelEx(&config, kernel, q));
           CHECK(cudaEventRecord(e1, stream));
           CHECK(cudaEventSynchronize(e1));
           float ms = 0;
@@ -326,10 +332,18 @@ int main() {
           if (i >= 10) events.push_back(ms * 1000.0);
         }
         std::sort(events.begin(), events.end());
-        std::printf("matvec k=%5d m=%d splits=%d  events median %6.2f us (min %6.2f)\n", kk, m,
-                    splits, events[events.size() / 2], events[0]);
+        std::printf(
+            "matvec %-22s smem=%6d max_clusters=%3d k=%5d m=%d splits=%d  events median "
+            "%6.2f us (min %6.2f)\n",
+            name, T::kSmem, clusters, kk, m, splits, events[events.size() / 2], events[0]);
       }
     }
-  }
+  };
+  matvec(MatVecStream{}, "library (3 st, 16K, 5)");
+  matvec(MatVecStreamTile<2, 8, 8>{}, "2 st, 8K x, 8/SM");
+  matvec(MatVecStreamTile<3, 8, 6>{}, "3 st, 8K x, 6/SM");
+  matvec(MatVecStreamTile<3, 16, 4>{}, "3 st, 16K x, 4/SM");
+  matvec(MatVecStreamTile<5, 16, 3>{}, "5 st, 16K x, 3/SM");
+  matvec(MatVecStreamTile<8, 16, 2>{}, "8 st, 16K x, 2/SM");
   return 0;
 }

@@ -391,33 +391,36 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 // nibble bytes 4t..4t+3 and its B registers from the float4s x[4t..4t+3] and x[16+4t..16+4t+3].
 // Numerics: the split numerics above (per block: hi and lo MMAs from zero, then one FMA with the
 // block's scale).
-struct MatVecStream {
+// The ring depth, the activation chunk and the CTAs per SM are parameters so the lab
+// (bench/lab/q4_matvec_lab.cu) can time other points; the library runs MatVecStream.
+template <int kStagesPerWarp, int kXKiB, int kCtasPerSm>
+struct MatVecStreamTile {
   static constexpr int kWarps = 4, kThreads = 128, kRows = 64, kTokens = 8;
   static constexpr int kWarpRows = 16;
-  static constexpr int kSB = 8, kStages = 3;
+  static constexpr int kSB = 8, kStages = kStagesPerWarp;
   static constexpr int kRowBytes = 18 * kSB;                // one row's run per stage
   static constexpr int kWGrain = 16;                        // copy size of the vector path
   static constexpr int kWarpStage = kWarpRows * kRowBytes;  // 2304 bytes
   static constexpr int kWarpRing = kStages * kWarpStage;
   static constexpr int kRing = kWarps * kWarpRing;
   // Staged activations: per token and block, the hi and lo 16-byte quads of its 4 lanes (128 bytes).
-  static constexpr int kX = 16 * 1024;
+  static constexpr int kX = kXKiB * 1024;
   static constexpr int kXTokenBlockBytes = 2 * 4 * 16;
-  // 43.5 KB: five CTAs per SM, so a launch of 8-CTA clusters with four CTAs per SM fits in one wave
-  // (the GPCs hold fewer clusters than multiprocessors / 8 * CTAs per SM).
   static constexpr int kSmem = kX + kRing;
-  static constexpr int kMinBlocks = 5;
+  static constexpr int kMinBlocks = kCtasPerSm;
   static_assert(kRowBytes % 16 == 0 && kWarpStage % 16 == 0 &&
                 kX / (kTokens * kXTokenBlockBytes) % kSB == 0 && kThreads == 32 * kWarps &&
                 kRows == kWarps * kWarpRows);
 };
+// 3 stages, 16 KB of activations: 43.5 KB, five CTAs per SM, so a launch of 8-CTA clusters with
+// four CTAs per SM fits in one wave (the GPCs hold fewer clusters than multiprocessors / 8 * CTAs
+// per SM).
+using MatVecStream = MatVecStreamTile<3, 16, 5>;
 
 // kVec: 16-byte weight copies for full stages (16-aligned view, K % 256 == 0) and 16-byte-aligned
 // activations; else element-wise copies and loads.
-template <bool kVec>
-__global__ void __launch_bounds__(MatVecStream::kThreads, MatVecStream::kMinBlocks)
-    q4_matvec_kernel(const Q4Args a) {
-  using T = MatVecStream;
+template <class T, bool kVec>
+__global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_matvec_kernel(const Q4Args a) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31, warp = tid >> 5;
@@ -685,7 +688,8 @@ void launch_mat_vec(const KernelLaunch& launch, void* stream) {
   const auto k = static_cast<uint64_t>(q.ne00);
   const Problem p = problem_of(launch, 0, 1, 2, static_cast<uint64_t>(q.ne1),
                                static_cast<uint64_t>(q.ne01), k, k / 32 * 18);
-  launch_q4<MatVecStream, q4_matvec_kernel<true>, q4_matvec_kernel<false>>(launch, stream, p, true);
+  launch_q4<MatVecStream, q4_matvec_kernel<MatVecStream, true>,
+            q4_matvec_kernel<MatVecStream, false>>(launch, stream, p, true);
 }
 
 template <class T>
