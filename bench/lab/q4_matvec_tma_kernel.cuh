@@ -28,6 +28,7 @@
 #include <string>
 
 #include "hopper_support.h"
+#include "q4_matvec_block.cuh"
 #include "q4_nibbles.cuh"
 #include "q4_split_store.cuh"
 #include "routemm/error.h"
@@ -218,32 +219,7 @@ __global__ void __launch_bounds__(S::kThreads, S::kMinBlocks)
     for (int b = 0; b < kStageBlocks; ++b) {
       const uint4 bh = *reinterpret_cast<const uint4*>(x_stage + b * x_block);
       const uint4 bl = *reinterpret_cast<const uint4*>(x_stage + b * x_block + x_lo);
-      // Stage rows are 144 bytes (16-byte aligned) and blocks 18: the nibble bytes 4t..4t+3 of a
-      // block are 4-byte aligned in odd blocks and 2-byte aligned in even ones.
-      const int nib = b * 18 + 2 + 4 * t;
-      const auto nibble_bytes = [&](const unsigned char* row) -> uint32_t {
-        if (b % 2 == 1) return *reinterpret_cast<const uint32_t*>(row + nib);
-        return uint32_t{*reinterpret_cast<const uint16_t*>(row + nib)} |
-               (uint32_t{*reinterpret_cast<const uint16_t*>(row + nib + 2)} << 16);
-      };
-      const uint32_t v_top = nibble_bytes(top), v_bottom = nibble_bytes(bottom);
-      const float d_top = __half2float(*reinterpret_cast<const __half*>(top + b * 18));
-      const float d_bottom = __half2float(*reinterpret_cast<const __half*>(bottom + b * 18));
-      // a0 row g, a1 row g+8 (values 4t, 4t+1); a2 row g, a3 row g+8 (values 4t+2, 4t+3).
-      uint32_t a_lo[4], a_hi[4];
-      nibble_pairs<0x4140>(v_top, a_lo[0], a_hi[0]);
-      nibble_pairs<0x4140>(v_bottom, a_lo[1], a_hi[1]);
-      nibble_pairs<0x4342>(v_top, a_lo[2], a_hi[2]);
-      nibble_pairs<0x4342>(v_bottom, a_lo[3], a_hi[3]);
-      float block_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      mma_bf16_16816(block_sum, a_lo, bh.x, bh.y);
-      mma_bf16_16816(block_sum, a_lo, bl.x, bl.y);
-      mma_bf16_16816(block_sum, a_hi, bh.z, bh.w);
-      mma_bf16_16816(block_sum, a_hi, bl.z, bl.w);
-      acc[0] = fmaf(d_top, block_sum[0], acc[0]);
-      acc[1] = fmaf(d_top, block_sum[1], acc[1]);
-      acc[2] = fmaf(d_bottom, block_sum[2], acc[2]);
-      acc[3] = fmaf(d_bottom, block_sum[3], acc[3]);
+      matvec_split_block(top, bottom, b, t, bh, bl, acc);
     }
     __syncwarp();
     if (lane == 0) {

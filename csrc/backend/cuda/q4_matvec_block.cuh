@@ -1,0 +1,49 @@
+// One Q4_0 block of the mat-vec's split numerics for one warp (16 weight rows x 8 tokens), shared by
+// the library mat-vec (q4_matmul.cu) and the mat-vec experiments under bench/lab, so every variant
+// computes the same bits: the four mma.sync m16n8k16 of the block (low / high nibbles x the hi / lo
+// bf16 parts of the activations) summed in F32 from zero, then one FMA with the block's scale.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "q4_nibbles.cuh"
+#include "warp_mma.cuh"
+
+namespace routemm::cuda {
+
+// Block b of a stage whose row runs start 16-byte aligned: `top` / `bottom` point at the runs of
+// rows g and g + 8 (lane g = lane / 4, t = lane % 4), `bh` / `bl` are the lane's hi and lo B quads
+// (split_activation_pairs). acc[0..1]: row g, tokens 2t, 2t + 1; acc[2..3]: row g + 8.
+__device__ __forceinline__ void matvec_split_block(const uint8_t* top, const uint8_t* bottom, int b,
+                                                   int t, uint4 bh, uint4 bl, float (&acc)[4]) {
+  // Blocks are 18 bytes, so the 4 nibble bytes 4t..4t+3 of odd blocks are 4-byte aligned and those
+  // of even blocks 2-byte aligned.
+  const int nib = b * 18 + 2 + 4 * t;
+  const auto nibble_bytes = [&](const uint8_t* row) -> uint32_t {
+    if (b % 2 == 1) return *reinterpret_cast<const uint32_t*>(row + nib);
+    return uint32_t{*reinterpret_cast<const uint16_t*>(row + nib)} |
+           (uint32_t{*reinterpret_cast<const uint16_t*>(row + nib + 2)} << 16);
+  };
+  const uint32_t v_top = nibble_bytes(top), v_bottom = nibble_bytes(bottom);
+  const float d_top = __half2float(*reinterpret_cast<const __half*>(top + b * 18));
+  const float d_bottom = __half2float(*reinterpret_cast<const __half*>(bottom + b * 18));
+  // a0 row g, a1 row g+8 (values 4t, 4t+1); a2 row g, a3 row g+8 (values 4t+2, 4t+3).
+  uint32_t a_lo[4], a_hi[4];
+  nibble_pairs<0x4140>(v_top, a_lo[0], a_hi[0]);
+  nibble_pairs<0x4140>(v_bottom, a_lo[1], a_hi[1]);
+  nibble_pairs<0x4342>(v_top, a_lo[2], a_hi[2]);
+  nibble_pairs<0x4342>(v_bottom, a_lo[3], a_hi[3]);
+  float block_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  mma_bf16_16816(block_sum, a_lo, bh.x, bh.y);
+  mma_bf16_16816(block_sum, a_lo, bl.x, bl.y);
+  mma_bf16_16816(block_sum, a_hi, bh.z, bh.w);
+  mma_bf16_16816(block_sum, a_hi, bl.z, bl.w);
+  acc[0] = fmaf(d_top, block_sum[0], acc[0]);
+  acc[1] = fmaf(d_top, block_sum[1], acc[1]);
+  acc[2] = fmaf(d_bottom, block_sum[2], acc[2]);
+  acc[3] = fmaf(d_bottom, block_sum[3], acc[3]);
+}
+
+}  // namespace routemm::cuda
