@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/cuda/q4_matmul.cu"
+#include "q4_lab_common.cuh"
 
 using namespace routemm::cuda;
 
@@ -54,15 +55,6 @@ __device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uin
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-
-#define CHECK(call)                                                                              \
-  do {                                                                                           \
-    const cudaError_t e_ = (call);                                                               \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
 
 struct LabArgs {
   const uint8_t* weight;
@@ -198,26 +190,8 @@ struct Case {
 };
 
 int main() {
-  // LAB_COPIES=1 keeps one weight copy (33 MB, inside the 50 MB L2): the time without DRAM.
-  const int copies = std::getenv("LAB_COPIES") ? std::atoi(std::getenv("LAB_COPIES")) : 8;
   const int n = 4096, k_max = 14336;
-  const size_t w_bytes = size_t(n) * (k_max / 32) * 18;
-  std::vector<uint8_t> host(w_bytes);
-  uint32_t state = 12345;
-  for (auto& b : host) {
-    state = state * 1664525u + 1013904223u;
-    b = uint8_t(state >> 24);
-  }
-  for (size_t i = 0; i < host.size(); i += 18) host[i + 1] = 0x2c;  // finite f16 scales
-  std::vector<uint8_t*> w(copies);
-  for (auto& p : w) {
-    CHECK(cudaMalloc(&p, w_bytes));
-    CHECK(cudaMemcpy(p, host.data(), w_bytes, cudaMemcpyHostToDevice));
-  }
-  float *x, *out;
-  CHECK(cudaMalloc(&x, size_t(8) * k_max * 4));
-  CHECK(cudaMemset(x, 0, size_t(8) * k_max * 4));
-  CHECK(cudaMalloc(&out, size_t(8) * n * 4));
+  const Q4LabOperands ops(n, k_max, 8, lab_weight_copies());
   unsigned long long* span;
   uint32_t* sink;
   CHECK(cudaMalloc(&span, 16));
@@ -259,7 +233,7 @@ int main() {
     const double bytes = double(n) * a.k_blocks * 18;
     std::vector<double> spans, events;
     for (int i = 0; i < 60; ++i) {
-      a.weight = w[i % copies];
+      a.weight = ops.weight(i);
       const unsigned long long init[2] = {~0ull, 0ull};
       CHECK(cudaMemcpyAsync(span, init, 16, cudaMemcpyHostToDevice, stream));
       CHECK(cudaEventRecord(e0, stream));
@@ -295,8 +269,8 @@ int main() {
       for (int m : {1, 8}) {
         const int splits = 8;
         Q4Args q{};
-        q.input = x;
-        q.output = out;
+        q.input = ops.input;
+        q.output = ops.output;
         q.n = n;
         q.m = m;
         q.k_blocks = kk / 32;
@@ -306,36 +280,22 @@ int main() {
         q.w_grain = 16;
         q.x_grain = 16;
         q.rows_on_x = 1;
-        cudaLaunchConfig_t config{};
-        config.gridDim = dim3(n / 64, (m + 7) / 8, splits);
-        config.blockDim = dim3(128);
-        config.dynamicSmemBytes = T::kSmem;
-        config.stream = stream;
-        cudaLaunchAttribute attribute{};
-        attribute.id = cudaLaunchAttributeClusterDimension;
-        attribute.val.clusterDim.x = 1;
-        attribute.val.clusterDim.y = 1;
-        attribute.val.clusterDim.z = splits;
-        config.attrs = &attribute;
-        config.numAttrs = 1;
+        cudaLaunchAttribute attribute;
+        const cudaLaunchConfig_t config =
+            k_split_config(dim3(n / 64, (m + 7) / 8, splits), 128, T::kSmem, stream, attribute);
         int clusters = 0;
         CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
-        std::vector<double> events;
-        for (int i = 0; i < 60; ++i) {
-          q.weight = w[i % copies];
-          CHECK(cudaEventRecord(e0, stream));
-          CHECK(cudaLaunchKernelEx(&config, kernel, q));
-          CHECK(cudaEventRecord(e1, stream));
-          CHECK(cudaEventSynchronize(e1));
-          float ms = 0;
-          CHECK(cudaEventElapsedTime(&ms, e0, e1));
-          if (i >= 10) events.push_back(ms * 1000.0);
-        }
-        std::sort(events.begin(), events.end());
+        float fastest = 0;
+        const float median = median_event_us(
+            [&](int i) {
+              q.weight = ops.weight(i);
+              CHECK(cudaLaunchKernelEx(&config, kernel, q));
+            },
+            50, 10, stream, &fastest);
         std::printf(
             "matvec %-22s smem=%6d max_clusters=%3d k=%5d m=%d splits=%d  events median "
             "%6.2f us (min %6.2f)\n",
-            name, T::kSmem, clusters, kk, m, splits, events[events.size() / 2], events[0]);
+            name, T::kSmem, clusters, kk, m, splits, median, fastest);
       }
     }
   };

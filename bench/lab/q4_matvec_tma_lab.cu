@@ -11,18 +11,10 @@
 #include <cstdlib>
 #include <vector>
 
+#include "q4_lab_common.cuh"
 #include "q4_matvec_tma_kernel.cuh"
 
 using namespace routemm::cuda;
-
-#define CHECK(call)                                                                              \
-  do {                                                                                           \
-    const cudaError_t e_ = (call);                                                               \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
 
 __global__ void empty_kernel() {}
 
@@ -74,7 +66,7 @@ __global__ void __launch_bounds__(256)
 }
 
 template <int kRowsPerBox, int kBoxBytes, int kStages>
-void stream_case(const std::vector<uint8_t*>& w, int copies, uint32_t* sink, uint32_t n, uint32_t k,
+void stream_case(const Q4LabOperands& ops, uint32_t* sink, uint32_t n, uint32_t k,
                  uint32_t splits) {
   constexpr auto kernel = &tma_stream_kernel<kRowsPerBox, kBoxBytes, kStages>;
   const int smem = 128 + kStages * kRowsPerBox * kBoxBytes + 16 * kStages;
@@ -86,68 +78,29 @@ void stream_case(const std::vector<uint8_t*>& w, int copies, uint32_t* sink, uin
   const int per = (k_blocks + static_cast<int>(splits) - 1) / static_cast<int>(splits);
   const int blocks_per_split = (per + box_blocks - 1) / box_blocks * box_blocks;
   std::vector<CUtensorMap> maps;
-  for (int c = 0; c < copies; ++c) {
-    maps.push_back(encode_tensor_map_2d("lab", "weights", CU_TENSOR_MAP_DATA_TYPE_UINT64, w[c],
+  for (uint8_t* w : ops.weights) {
+    maps.push_back(encode_tensor_map_2d("lab", "weights", CU_TENSOR_MAP_DATA_TYPE_UINT64, w,
                                         row_bytes / 8, n, row_bytes, kBoxBytes / 8, kRowsPerBox,
                                         CU_TENSOR_MAP_SWIZZLE_NONE));
   }
   const dim3 grid(n / kRowsPerBox, 1, splits);
   int per_sm = 0;
   CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 256, smem));
-  const float us = median_us(
+  const float us = median_event_us(
       [&](int i) {
-        kernel<<<grid, 256, smem>>>(maps[i % copies], blocks_per_split, k_blocks, sink);
+        kernel<<<grid, 256, smem>>>(maps[i % maps.size()], blocks_per_split, k_blocks, sink);
       },
       100);
-  CHECK(cudaGetLastError());
   std::printf(
       "stream rows=%3d box=%4d B stages=%d n=%u k=%5u splits=%u ctas=%4u per_sm=%d  "
       "events median %6.2f us\n",
       kRowsPerBox, kBoxBytes, kStages, n, k, splits, grid.x * grid.z, per_sm, us);
 }
 
-template <class Launch>
-float median_us(Launch&& launch, int reps) {
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> t;
-  for (int i = 0; i < reps + 5; ++i) {
-    CHECK(cudaEventRecord(a));
-    launch(i);
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
-    if (i >= 5) t.push_back(ms * 1000.0f);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
-
 int main() {
-  // LAB_COPIES=1 keeps one weight copy (33 MB, inside the 50 MB L2): the time without DRAM.
-  const int copies = std::getenv("LAB_COPIES") ? std::atoi(std::getenv("LAB_COPIES")) : 8;
-  const int n_max = 4096, k_max = 14336;
-  const size_t w_bytes = size_t(n_max) * (k_max / 32) * 18;
-  std::vector<uint8_t> host(w_bytes);
-  uint32_t state = 12345;
-  for (auto& b : host) {
-    state = state * 1664525u + 1013904223u;
-    b = uint8_t(state >> 24);
-  }
-  for (size_t i = 0; i < host.size(); i += 18) host[i + 1] = 0x2c;  // finite f16 scales
-  std::vector<uint8_t*> w(copies);
-  for (auto& p : w) {
-    CHECK(cudaMalloc(&p, w_bytes));
-    CHECK(cudaMemcpy(p, host.data(), w_bytes, cudaMemcpyHostToDevice));
-  }
-  float *x, *out;
-  CHECK(cudaMalloc(&x, size_t(8) * k_max * 4));
-  CHECK(cudaMemset(x, 0, size_t(8) * k_max * 4));
-  CHECK(cudaMalloc(&out, size_t(8) * n_max * 4));
+  const Q4LabOperands ops(4096, 14336, 8, lab_weight_copies());
   std::printf("empty kernel: events median %.2f us\n",
-              median_us([&](int) { empty_kernel<<<1, 32>>>(); }, 200));
+              median_event_us([&](int) { empty_kernel<<<1, 32>>>(); }, 200));
   struct Shape {
     uint32_t n, k;
   };
@@ -157,29 +110,22 @@ int main() {
       for (uint32_t m : {1u, 8u}) {
         for (uint32_t splits : {2u, 4u, 8u}) {
           const MvLayout l = layout_for<S>(static_cast<int>(std::min(m, 8u)));
-          cudaLaunchConfig_t config{};
-          config.gridDim = dim3((s.n + S::kRows - 1) / S::kRows, (m + 7) / 8, splits);
-          config.blockDim = dim3(S::kThreads);
-          config.dynamicSmemBytes = l.smem_bytes();
-          cudaLaunchAttribute attribute{};
-          attribute.id = cudaLaunchAttributeClusterDimension;
-          attribute.val.clusterDim.x = 1;
-          attribute.val.clusterDim.y = 1;
-          attribute.val.clusterDim.z = splits;
-          config.attrs = &attribute;
-          config.numAttrs = 1;
+          cudaLaunchAttribute attribute;
+          const cudaLaunchConfig_t config =
+              k_split_config(dim3((s.n + S::kRows - 1) / S::kRows, (m + 7) / 8, splits),
+                             S::kThreads, l.smem_bytes(), nullptr, attribute);
           CHECK(cudaFuncSetAttribute(q4_matvec_tma_kernel<S>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(smem_bytes_of<S>())));
           int clusters = 0;
           CHECK(cudaOccupancyMaxActiveClusters(&clusters, q4_matvec_tma_kernel<S>, &config));
-          const float us = median_us(
+          const float us = median_event_us(
               [&](int i) {
-                const Q4MatVecTmaProblem p{w[i % copies], x, out, m, s.n, s.k, splits};
+                const Q4MatVecTmaProblem p{ops.weight(i), ops.input, ops.output, m,
+                                           s.n,           s.k,       splits};
                 launch_shape<S>("lab", nullptr, p);
               },
               100);
-          CHECK(cudaGetLastError());
           std::printf(
               "%-10s n=%u k=%5u m=%u splits=%u ctas=%4u clusters=%3u smem=%6d w_stages=%d "
               "x_slots=%d max_clusters=%3d  events median %6.2f us\n",
@@ -191,16 +137,16 @@ int main() {
   };
   uint32_t* sink;
   CHECK(cudaMalloc(&sink, 16));
-  stream_case<128, 144, 3>(w, copies, sink, 4096, 14336, 8);
-  stream_case<128, 144, 6>(w, copies, sink, 4096, 14336, 8);
-  stream_case<64, 144, 6>(w, copies, sink, 4096, 14336, 8);
-  stream_case<32, 144, 8>(w, copies, sink, 4096, 14336, 8);
-  stream_case<128, 288, 3>(w, copies, sink, 4096, 14336, 8);
-  stream_case<64, 288, 4>(w, copies, sink, 4096, 14336, 8);
-  stream_case<32, 576, 4>(w, copies, sink, 4096, 14336, 4);
-  stream_case<16, 1008, 4>(w, copies, sink, 4096, 14336, 8);
-  stream_case<16, 2016, 2>(w, copies, sink, 4096, 14336, 4);
-  stream_case<8, 2016, 4>(w, copies, sink, 4096, 14336, 4);
+  stream_case<128, 144, 3>(ops, sink, 4096, 14336, 8);
+  stream_case<128, 144, 6>(ops, sink, 4096, 14336, 8);
+  stream_case<64, 144, 6>(ops, sink, 4096, 14336, 8);
+  stream_case<32, 144, 8>(ops, sink, 4096, 14336, 8);
+  stream_case<128, 288, 3>(ops, sink, 4096, 14336, 8);
+  stream_case<64, 288, 4>(ops, sink, 4096, 14336, 8);
+  stream_case<32, 576, 4>(ops, sink, 4096, 14336, 4);
+  stream_case<16, 1008, 4>(ops, sink, 4096, 14336, 8);
+  stream_case<16, 2016, 2>(ops, sink, 4096, 14336, 4);
+  stream_case<8, 2016, 4>(ops, sink, 4096, 14336, 4);
   if (std::getenv("LAB_SWEEP") != nullptr) {
     sweep(MvShape<8, 3>{}, "8w x 3/SM");
     sweep(MvShape<4, 5>{}, "4w x 5/SM");

@@ -51,17 +51,17 @@ __device__ __forceinline__ void store_q4_tile(float* output, int n, void* smem, 
 #endif
 }
 
-// Launches a Q4_0 kernel whose grid.z is the K split: grid.z > 1 runs as clusters of grid.z CTAs
-// along z, the cluster store_q4_tile reduces in.
-template <class... Params, class... Args>
-cudaError_t launch_k_split(void (*kernel)(Params...), dim3 grid, unsigned threads, size_t smem,
-                           cudaStream_t stream, Args&&... args) {
+// The launch configuration of a Q4_0 kernel whose grid.z is the K split: grid.z > 1 runs as
+// clusters of grid.z CTAs along z, the cluster store_q4_tile reduces in. `attribute` holds the
+// cluster dimension the configuration points at (it must outlive the launch or query).
+inline cudaLaunchConfig_t k_split_config(dim3 grid, unsigned threads, size_t smem,
+                                         cudaStream_t stream, cudaLaunchAttribute& attribute) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute{};
+  attribute = cudaLaunchAttribute{};
   if (grid.z > 1) {
     attribute.id = cudaLaunchAttributeClusterDimension;
     attribute.val.clusterDim.x = 1;
@@ -70,6 +70,15 @@ cudaError_t launch_k_split(void (*kernel)(Params...), dim3 grid, unsigned thread
     config.attrs = &attribute;
     config.numAttrs = 1;
   }
+  return config;
+}
+
+// Launches a Q4_0 kernel over k_split_config.
+template <class... Params, class... Args>
+cudaError_t launch_k_split(void (*kernel)(Params...), dim3 grid, unsigned threads, size_t smem,
+                           cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = k_split_config(grid, threads, smem, stream, attribute);
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
