@@ -477,40 +477,28 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_matvec_kernel(c
   const uint64_t x_row_floats = uint64_t(a.k_blocks) * 32;
   const auto load_x_chunk = [&](int kb0) {
     const int nblk = min(chunk_blocks, kb_end - kb0);
-    const int items = nblk * toks_valid * 8;  // a multiple of 8: whole lane groups
-    // kBatch loads per thread are issued before any is converted, so a chunk costs one global
-    // round trip per kBatch * kThreads items instead of one per kThreads.
-    constexpr int kBatch = 4;
-    for (int base = 0; base < items; base += kBatch * T::kThreads) {  // whole warps take part
-      float v[kBatch][4];
+    const int items = nblk * toks_valid * 8;                 // a multiple of 8: whole lane groups
+    for (int base = 0; base < items; base += T::kThreads) {  // whole warps take part
+      const int item = base + tid;
+      const bool active = item < items;
+      const int group = item >> 3, c = item & 7;
+      const int cb = group / toks_valid, tok = group - cb * toks_valid;
+      float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (active) {
+        const float* const src =
+            a.input + uint64_t(tok0 + tok) * x_row_floats + uint64_t(kb0 + cb) * 32 + 4 * c;
+        if constexpr (kVec) {
+          const float4 q = *reinterpret_cast<const float4*>(src);
+          v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+        } else {
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int item = base + u * T::kThreads + tid;
-        const int group = item >> 3, c = item & 7;
-        const int cb = group / toks_valid, tok = group - cb * toks_valid;
-        v[u][0] = v[u][1] = v[u][2] = v[u][3] = 0.0f;
-        if (item < items) {
-          const float* const src =
-              a.input + uint64_t(tok0 + tok) * x_row_floats + uint64_t(kb0 + cb) * 32 + 4 * c;
-          if constexpr (kVec) {
-            const float4 q = *reinterpret_cast<const float4*>(src);
-            v[u][0] = q.x, v[u][1] = q.y, v[u][2] = q.z, v[u][3] = q.w;
-          } else {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) v[u][i] = src[i];
-          }
+          for (int i = 0; i < 4; ++i) v[i] = src[i];
         }
       }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int item = base + u * T::kThreads + tid;
-        const int group = item >> 3;
-        const int cb = group / toks_valid, tok = group - cb * toks_valid;
-        uint8_t* const block = xdigits + cb * x_block_bytes;
-        stage_activation_digits(
-            v[u], item < items, block + kDigitBlockHeader + tok * kDigitTokenBytes,
-            reinterpret_cast<float*>(block) + tok, reinterpret_cast<int32_t*>(block + 32) + tok);
-      }
+      uint8_t* const block = xdigits + cb * x_block_bytes;
+      stage_activation_digits(v, active, block + kDigitBlockHeader + tok * kDigitTokenBytes,
+                              reinterpret_cast<float*>(block) + tok,
+                              reinterpret_cast<int32_t*>(block + 32) + tok);
     }
     const int pad = 8 - toks_valid;  // header entries of tokens past m
     for (int item = tid; item < nblk * pad; item += T::kThreads) {
