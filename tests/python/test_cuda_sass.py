@@ -1,6 +1,6 @@
 """The machine code of the CUDA tensor-core kernels, read back from the built extension: on sm_90a the
 expert-ID tensor routes and the bf16 Q4_0 routes run warpgroup MMA fed by TMA, the portable kernel
-runs warp-level MMA, the Q4_0 mat-vec integer MMA, and none touches local memory (no register spills). Needs cuobjdump and a build carrying CUDA code;
+runs warp-level MMA, and none touches local memory (no register spills). Needs cuobjdump and a build carrying CUDA code;
 skips otherwise (a CPU-only build, or a toolkit without cuobjdump)."""
 
 from __future__ import annotations
@@ -95,20 +95,3 @@ def test_portable_tensor_kernel_uses_warp_mma_without_spills():
             assert not _local_memory(sass), (arch, name, _local_memory(sass)[:5])
     if checked == 0:
         pytest.skip("no portable tensor kernel in this build")
-
-
-def test_q4_mat_vec_uses_integer_mma_without_spills():
-    """The Q4_0 mat-vec multiplies nibbles by activation digits on the int8 tensor cores (IMMA),
-    with no local memory, in both instantiations (vector and element-wise copies) on every arch."""
-    arches = _functions_by_arch()
-    checked = 0
-    for arch, functions in arches.items():
-        for name, sass in functions.items():
-            if "q4_matvec_kernel" not in name:
-                continue
-            checked += 1
-            assert "IMMA" in sass, (arch, name)
-            assert "HMMA" not in sass, (arch, name)
-            assert not _local_memory(sass), (arch, name, _local_memory(sass)[:5])
-    if checked == 0:
-        pytest.skip("no Q4_0 mat-vec kernel in this build")

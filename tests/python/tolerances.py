@@ -103,11 +103,7 @@ TENSOR_ROUTE_FROBENIUS = {_Route.GROUPED_TENSOR_TF32: 2e-3, _Route.GROUPED_TENSO
 #
 # CUDA routes run on tensor cores with the numerics stated in csrc/backend/cuda/q4_matmul.cu, so they
 # are checked against their own scale-free bounds (`q4_gpu_bound`) instead of the F32 FMA chain:
-# * digits (mat-vec): exact nibbles times each activation block rounded to an integer multiple of a
-#   power of two (within 2^-20 of the block's max |x|), integer MMA, exact int32 block sums, then the
-#   split numerics' F32 conversion, scale and accumulation: |err| <= (K / 32 + 8) * 2^-23 * sum|w x|
-#   + 2^-19 * sum_j |w_j| * max|x|_block(j) (the second sum: `block_magnitude`).
-# * split (simdgroup, V1): exact weights, x = hi + lo in bf16 (|x - hi - lo| <= 2^-18 |x|),
+# * split (mat-vec, simdgroup, V1): exact weights, x = hi + lo in bf16 (|x - hi - lo| <= 2^-18 |x|),
 #   each 32-value block summed by the tensor cores (F32, truncating alignment) then one FMA per block:
 #   |err| <= (2^-14 + (K / 32 + 8) * 2^-23) * sum|w x|.
 # * bf16 (V2, 64x32): weights bf16(bf16(d) * (q - 8)), activations bf16(x), F32 accumulation:
@@ -129,7 +125,7 @@ def q4_tolerance(route: str, k: int, scale: float = 1.0) -> tuple[float, float]:
 
 
 Q4_CUDA_NUMERICS = {
-    "mat_vec": "digits",
+    "mat_vec": "split",
     "compatibility_simdgroup": "split",
     "compatibility_tensor_v1": "split",
     "compatibility_v2": "bf16",
@@ -138,19 +134,8 @@ Q4_CUDA_NUMERICS = {
 Q4_CUDA_BF16_FROBENIUS = 1e-2
 
 
-def q4_block_magnitude(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """sum_j |w[n, j]| * max |x[m, block(j)]| for the digits numerics (w: n x k, x: m x k)."""
-    m, k = x.shape
-    block_max = np.abs(x.astype(np.float64)).reshape(m, k // 32, 32).max(axis=2)
-    return np.repeat(block_max, 32, axis=1) @ np.abs(w.astype(np.float64)).T
-
-
-def q4_gpu_bound(route: str, k: int, magnitude: np.ndarray, block_magnitude: np.ndarray | None = None) -> np.ndarray:
-    """Scale-free bound on |result - exact| for a CUDA Q4_0 route (magnitude = sum |w * x|;
-    block_magnitude = q4_block_magnitude, needed by the digits numerics)."""
-    if Q4_CUDA_NUMERICS[route] == "digits":
-        assert block_magnitude is not None, "the digits numerics' bound needs the block magnitude"
-        return (k / 32 + 8) * 2.0**-23 * magnitude + 2.0**-19 * block_magnitude + (k + 8) * SUBNORMAL_HALF_ULP
+def q4_gpu_bound(route: str, k: int, magnitude: np.ndarray) -> np.ndarray:
+    """Scale-free bound on |result - exact| for a CUDA Q4_0 route (magnitude = sum |w * x|)."""
     if Q4_CUDA_NUMERICS[route] == "split":
         rel = 2.0**-14 + (k / 32 + 8) * 2.0**-23
     else:

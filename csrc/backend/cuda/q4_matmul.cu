@@ -16,11 +16,7 @@
 // K are handled in the kernel (rows and tokens past the end are never loaded and never stored).
 //
 // NUMERICS, stated per route (tests/python/tolerances.py holds the matching tolerances):
-//   digits (mat-vec): exact integer products on the int8 tensor cores; each activation block is
-//     rounded once to an integer multiple of a power of two, within 2^-20 of the block's largest
-//     |x| (q4_matvec_digits.cuh); tested within 2^-19 * sum_j |w_j| * max|x|_block(j) plus the F32
-//     accumulation term of the split numerics.
-//   split (compatibility_simdgroup, compatibility_tensor_v1): the weights enter exactly --
+//   split (mat-vec, compatibility_simdgroup, compatibility_tensor_v1): the weights enter exactly --
 //     the MMA multiplies the integers (nibble - 8), which bf16 holds exactly -- and each activation
 //     is split into x = hi + lo, two bf16 values (|x - hi - lo| <= 2^-16 |x|). Each 32-value block
 //     is summed by the tensor cores in F32 from zero (hi and lo products of both 16-value halves),
@@ -38,7 +34,7 @@
 //
 // GEOMETRY (KernelDef below; tile_x/tile_y as the front door reads them; SB and the ring depth are
 // in the Tile aliases further down):
-//   kernel_mul_mv_q4_0_f32               digits, 64 rows x 8 tokens, 128 threads (8 x 16)
+//   kernel_mul_mv_q4_0_f32               split,  64 rows x 8 tokens, 128 threads (8 x 16)
 //   kernel_mul_mm_q4_0_f32               split,  32 tokens x 64 rows, 128 threads
 //   kernel_mul_mm_q4_0_tensor_f32        split,  32 tokens x 128 rows, 256 threads
 //   kernel_mul_mm_q4_0_tensor_v2_f32     bf16,  128 tokens x 128 rows, 256 threads
@@ -59,7 +55,7 @@
 #include "hopper_support.h"
 #include "kernels.h"
 #include "q4_matmul_wgmma.h"
-#include "q4_matvec_digits.cuh"
+#include "q4_matvec_block.cuh"
 #include "q4_nibbles.cuh"
 #include "q4_split_store.cuh"
 #include "routemm/error.h"
@@ -383,17 +379,19 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 // The mat-vec (m <= 8), streamed per warp: warp w owns 16 weight rows (one MMA tile) of the CTA's 64
 // and streams them over the CTA's K range through its own cp.async ring (kSB blocks = 144-byte row
 // runs per stage, kStages deep), synchronising only with itself. Small tiles keep many warps per
-// multiprocessor in flight. The activations of the K range are staged per chunk (the only CTA-wide
-// barriers) as integer digits in B-fragment order (q4_matvec_digits.cuh), so a lane fetches a
-// block's B registers with three 8-byte shared loads and every warp of the CTA reuses them. Only
-// the valid tokens' digits are staged, so a chunk spans kX / (64 + 96 * tokens) blocks: a single
-// token's whole K range of an 8-way split of K = 14336 in one go.
+// multiprocessor in flight: the kernel is bound by latency, not by issue. The activations of the K
+// range are staged per chunk (the only CTA-wide barriers), already split into bf16 hi + lo and laid
+// out in B-fragment order, so a lane fetches a block's eight B registers with two 16-byte shared
+// loads and every warp of the CTA reuses them. Only the valid tokens are staged, so a chunk spans
+// kX / (128 bytes * tokens) blocks: a single token's whole K range (up to 4096 values) in one go.
 //
-// Per block a warp issues three independent integer MMAs (m16n8k32, one per digit) whose A
-// registers are the nibble bytes 4t..4t+3 of rows g and g + 8 masked in place (no permutation, no
-// bf16 decode), then one int32 combine, one conversion and one FMA per accumulator: a per-block
-// chain far shorter than four dependent bf16 MMAs. Numerics: the digits numerics
-// (q4_matvec_digits.cuh).
+// K order inside one 32-value block (a dot product may pair A and B slots in any order, as long as
+// both sides agree): the first MMA of a block takes the low nibbles (values 0..15), the second the
+// high nibbles (16..31); lane t's k-slots 2t, 2t+1 hold values 4t, 4t+1 and slots 2t+8, 2t+9 values
+// 4t+2, 4t+3 (+16 for the high MMA). So a lane's A registers for one row come from the 4 contiguous
+// nibble bytes 4t..4t+3 and its B registers from the float4s x[4t..4t+3] and x[16+4t..16+4t+3].
+// Numerics: the split numerics above (per block: hi and lo MMAs from zero, then one FMA with the
+// block's scale).
 // The ring depth, the activation chunk and the CTAs per SM are parameters so the lab
 // (bench/lab/q4_matvec_lab.cu) can time other points; the library runs MatVecStream.
 template <int kStagesPerWarp, int kXKiB, int kCtasPerSm>
@@ -406,14 +404,14 @@ struct MatVecStreamTile {
   static constexpr int kWarpStage = kWarpRows * kRowBytes;  // 2304 bytes
   static constexpr int kWarpRing = kStages * kWarpStage;
   static constexpr int kRing = kWarps * kWarpRing;
-  // Staged activations: per block a 64-byte header and 96 bytes of digits per valid token
-  // (q4_matvec_digits.cuh); a chunk of kX bytes holds at least one stage's blocks for 8 tokens.
+  // Staged activations: per token and block, the hi and lo 16-byte quads of its 4 lanes (128 bytes).
   static constexpr int kX = kXKiB * 1024;
+  static constexpr int kXTokenBlockBytes = 2 * 4 * 16;
   static constexpr int kSmem = kX + kRing;
   static constexpr int kMinBlocks = kCtasPerSm;
   static_assert(kRowBytes % 16 == 0 && kWarpStage % 16 == 0 &&
-                kX / (kDigitBlockHeader + kTokens * kDigitTokenBytes) >= kSB &&
-                kThreads == 32 * kWarps && kRows == kWarps * kWarpRows);
+                kX / (kTokens * kXTokenBlockBytes) % kSB == 0 && kThreads == 32 * kWarps &&
+                kRows == kWarps * kWarpRows);
 };
 // 3 stages, 16 KB of activations: 43.5 KB, five CTAs per SM, so a launch of 8-CTA clusters with
 // four CTAs per SM fits in one wave (the GPCs hold fewer clusters than multiprocessors / 8 * CTAs
@@ -436,7 +434,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_matvec_kernel(c
   const int kb_begin = static_cast<int>(blockIdx.z) * a.blocks_per_split;
   const int kb_end = min(a.k_blocks, kb_begin + a.blocks_per_split);
   const int stages = kb_end > kb_begin ? (kb_end - kb_begin + T::kSB - 1) / T::kSB : 0;
-  uint8_t* const xdigits = smem;
+  uint8_t* const xsplit = smem;
   uint8_t* const ring = smem + T::kX + warp * T::kWarpRing;
 
   if (warp_rows < T::kWarpRows) {  // rows past n are never loaded: keep what the MMA reads finite
@@ -468,50 +466,42 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_matvec_kernel(c
       }
     }
   };
-  // Activations of blocks [kb0, kb0 + chunk_blocks) for the valid tokens, as digits
-  // (q4_matvec_digits.cuh): chunk block cb at cb * x_block_bytes, the header of all 8 tokens (zero
-  // past m), then the digit words of the valid tokens only. Eight consecutive threads convert one
-  // (block, token): each loads 4 values, and the group shares the block's maximum and sum.
-  const int x_block_bytes = kDigitBlockHeader + toks_valid * kDigitTokenBytes;
+  // Activations of blocks [kb0, kb0 + chunk_blocks) for the valid tokens, split and stored in
+  // fragment order: block cb's hi quad of lane L (token L / 4 < toks_valid) at cb * x_block_bytes +
+  // 16 L, its lo quad x_lo_offset further. Fragments of tokens past m are never written or read.
+  const int x_lo_offset = toks_valid * 4 * 16;
+  const int x_block_bytes = 2 * x_lo_offset;
   const int chunk_blocks = T::kX / x_block_bytes / T::kSB * T::kSB;
   const uint64_t x_row_floats = uint64_t(a.k_blocks) * 32;
   const auto load_x_chunk = [&](int kb0) {
-    const int nblk = min(chunk_blocks, kb_end - kb0);
-    const int items = nblk * toks_valid * 8;                 // a multiple of 8: whole lane groups
-    for (int base = 0; base < items; base += T::kThreads) {  // whole warps take part
-      const int item = base + tid;
-      const bool active = item < items;
-      const int group = item >> 3, c = item & 7;
-      const int cb = group / toks_valid, tok = group - cb * toks_valid;
-      float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (active) {
-        const float* const src =
-            a.input + uint64_t(tok0 + tok) * x_row_floats + uint64_t(kb0 + cb) * 32 + 4 * c;
-        if constexpr (kVec) {
-          const float4 q = *reinterpret_cast<const float4*>(src);
-          v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
-        } else {
+    const int lanes = toks_valid * 4;  // fragment lanes per block
+    const int items = min(chunk_blocks, kb_end - kb0) * lanes;
+    for (int item = tid; item < items; item += T::kThreads) {
+      const int cb = item / lanes, frag_lane = item - cb * lanes;
+      const int tg = frag_lane >> 2, tt = frag_lane & 3;
+      const float* const src =
+          a.input + uint64_t(tok0 + tg) * x_row_floats + uint64_t(kb0 + cb) * 32 + 4 * tt;
+      float v[8];
+      if constexpr (kVec) {
+        const float4 low = *reinterpret_cast<const float4*>(src);
+        const float4 high = *reinterpret_cast<const float4*>(src + 16);
+        v[0] = low.x, v[1] = low.y, v[2] = low.z, v[3] = low.w;
+        v[4] = high.x, v[5] = high.y, v[6] = high.z, v[7] = high.w;
+      } else {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) v[i] = src[i];
-        }
+        for (int i = 0; i < 4; ++i) v[i] = src[i], v[4 + i] = src[16 + i];
       }
-      uint8_t* const block = xdigits + cb * x_block_bytes;
-      stage_activation_digits(v, active, block + kDigitBlockHeader + tok * kDigitTokenBytes,
-                              reinterpret_cast<float*>(block) + tok,
-                              reinterpret_cast<int32_t*>(block + 32) + tok);
-    }
-    const int pad = 8 - toks_valid;  // header entries of tokens past m
-    for (int item = tid; item < nblk * pad; item += T::kThreads) {
-      uint8_t* const block = xdigits + (item / pad) * x_block_bytes;
-      const int tok = toks_valid + item % pad;
-      reinterpret_cast<float*>(block)[tok] = 0.0f;
-      reinterpret_cast<int32_t*>(block + 32)[tok] = 0;
+      uint32_t hi[4], lo[4];
+      split_activation_pairs(v, hi, lo);
+      uint8_t* const dst = xsplit + cb * x_block_bytes + frag_lane * 16;
+      sts128(smem_addr(dst), hi[0], hi[1], hi[2], hi[3]);
+      sts128(smem_addr(dst + x_lo_offset), lo[0], lo[1], lo[2], lo[3]);
     }
   };
 
-  // Lanes of tokens past m read the digits of a valid token instead of branching around the
+  // Lanes of tokens past m read the fragments of a valid token instead of branching around the
   // loads: their MMA columns are never stored.
-  const int lane_digits = kDigitBlockHeader + min(g, toks_valid - 1) * kDigitTokenBytes + 8 * t;
+  const uint8_t* const x_lane = xsplit + min(lane, 4 * toks_valid - 1) * 16;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
 #pragma unroll
@@ -537,10 +527,11 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_matvec_kernel(c
     // This lane's rows g and g + 8, at the nibble bytes 4t..4t+3 of block 0 of the stage.
     const uint8_t* const top = ring + (s % T::kStages) * T::kWarpStage + g * T::kRowBytes;
     const uint8_t* const bottom = top + 8 * T::kRowBytes;
-    const uint8_t* const x_stage = xdigits + (kb0 - chunk0) * x_block_bytes;
+    const uint8_t* const x_stage = x_lane + (kb0 - chunk0) * x_block_bytes;
     const auto block = [&](int b) {
-      const uint8_t* const x_block = x_stage + b * x_block_bytes;
-      matvec_digit_block(top, bottom, b, t, x_block, x_block + lane_digits, acc);
+      const uint4 bh = *reinterpret_cast<const uint4*>(x_stage + b * x_block_bytes);
+      const uint4 bl = *reinterpret_cast<const uint4*>(x_stage + b * x_block_bytes + x_lo_offset);
+      matvec_split_block(top, bottom, b, t, bh, bl, acc);
     };
     if (nblk == T::kSB) {  // full stages without per-block bounds checks
 #pragma unroll

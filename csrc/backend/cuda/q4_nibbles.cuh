@@ -1,4 +1,4 @@
-// Q4_0 nibble decoding into bf16 MMA operands, shared by
+// Q4_0 nibble decoding into bf16 MMA operands (and the split numerics' activation pairs), shared by
 // the warp-MMA kernels (q4_matmul.cu), the Hopper kernel (q4_matmul_wgmma.cu) and the mat-vec
 // experiments under bench/lab, so all of them dequantise with the same instructions and roundings.
 #pragma once
@@ -44,6 +44,20 @@ __device__ __forceinline__ void nibble_pairs(uint32_t bytes, uint32_t& low, uint
 // The bf16 numerics' weight pair: bf16(d) * (q - 8), rounded to bf16 (`d2` = bf16(d) twice).
 __device__ __forceinline__ uint32_t scale_pair(uint32_t q_minus_8, __nv_bfloat162 d2) {
   return bits_of(__hmul2(bf162_of(q_minus_8), d2));
+}
+
+// The split numerics' B registers (the mat-vec) of lane quarter t for one token and
+// block: v = x[4t..4t+3], x[16+4t..16+4t+3] of the block's 32 values; hi = the top 16 bits of each value (bf16 truncation, so x - hi is exact),
+// lo = bf16(x - hi), which leaves |x - hi - lo| <= 2^-16 |x|. Pairs as v: (v0, v1), ..., (v6, v7).
+__device__ __forceinline__ void split_activation_pairs(const float (&v)[8], uint32_t (&hi)[4],
+                                                       uint32_t (&lo)[4]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t x0 = __float_as_uint(v[2 * q]), x1 = __float_as_uint(v[2 * q + 1]);
+    hi[q] = __byte_perm(x0, x1, 0x7632);
+    lo[q] = bits_of(__floats2bfloat162_rn(v[2 * q] - __uint_as_float(x0 & 0xFFFF0000u),
+                                          v[2 * q + 1] - __uint_as_float(x1 & 0xFFFF0000u)));
+  }
 }
 
 }  // namespace routemm::cuda

@@ -1,8 +1,7 @@
-// One Q4_0 block of the earlier mat-vec's split numerics for one warp (16 weight rows x 8 tokens),
-// kept for the TMA mat-vec experiment (q4_matvec_tma_kernel.cuh): the four mma.sync m16n8k16 of the
-// block (low / high nibbles x the hi / lo bf16 parts of the activations) summed in F32 from zero,
-// then one FMA with the block's scale. The library mat-vec now runs the digits numerics
-// (csrc/backend/cuda/q4_matvec_digits.cuh).
+// One Q4_0 block of the mat-vec's split numerics for one warp (16 weight rows x 8 tokens), shared by
+// the library mat-vec (q4_matmul.cu) and the mat-vec experiments under bench/lab, so every variant
+// computes the same bits: the four mma.sync m16n8k16 of the block (low / high nibbles x the hi / lo
+// bf16 parts of the activations) summed in F32 from zero, then one FMA with the block's scale.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -13,21 +12,6 @@
 #include "warp_mma.cuh"
 
 namespace routemm::cuda {
-
-// The split numerics' B registers (the mat-vec) of lane quarter t for one token and
-// block: v = x[4t..4t+3], x[16+4t..16+4t+3] of the block's 32 values; hi = the top 16 bits of each value (bf16 truncation, so x - hi is exact),
-// lo = bf16(x - hi), which leaves |x - hi - lo| <= 2^-16 |x|. Pairs as v: (v0, v1), ..., (v6, v7).
-__device__ __forceinline__ void split_activation_pairs(const float (&v)[8], uint32_t (&hi)[4],
-                                                       uint32_t (&lo)[4]) {
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const uint32_t x0 = __float_as_uint(v[2 * q]), x1 = __float_as_uint(v[2 * q + 1]);
-    hi[q] = __byte_perm(x0, x1, 0x7632);
-    lo[q] = bits_of(__floats2bfloat162_rn(v[2 * q] - __uint_as_float(x0 & 0xFFFF0000u),
-                                          v[2 * q + 1] - __uint_as_float(x1 & 0xFFFF0000u)));
-  }
-}
-
 
 // Block b of a stage whose row runs start 16-byte aligned: `top` / `bottom` point at the runs of
 // rows g and g + 8 (lane g = lane / 4, t = lane % 4), `bh` / `bl` are the lane's hi and lo B quads
