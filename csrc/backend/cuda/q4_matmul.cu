@@ -381,8 +381,10 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 // runs per stage, kStages deep), synchronising only with itself. Small tiles keep many warps per
 // multiprocessor in flight: the kernel is bound by latency, not by issue. The activations of the K
 // range are staged per chunk (the only CTA-wide barriers), already split into bf16 hi + lo and laid
-// out in B-fragment order, so a lane fetches a block's eight B registers with two 16-byte shared
-// loads and every warp of the CTA reuses them. Only the valid tokens are staged, so a chunk spans
+// out in B-fragment order with token j's hi parts in MMA column 2j and its lo parts in column 2j + 1
+// (q4_matvec_block.cuh) for m <= 4, so one MMA pair per block covers four tokens and a lane fetches
+// its four B registers with one 16-byte shared load; for m > 4 eight tokens' hi parts and eight
+// tokens' lo parts, four MMAs and two loads. Every warp of the CTA reuses them. Only the valid tokens are staged, so a chunk spans
 // kX / (128 bytes * tokens) blocks: a single token's whole K range (up to 4096 values) in one go.
 //
 // K order inside one 32-value block (a dot product may pair A and B slots in any order, as long as
@@ -390,8 +392,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 // high nibbles (16..31); lane t's k-slots 2t, 2t+1 hold values 4t, 4t+1 and slots 2t+8, 2t+9 values
 // 4t+2, 4t+3 (+16 for the high MMA). So a lane's A registers for one row come from the 4 contiguous
 // nibble bytes 4t..4t+3 and its B registers from the float4s x[4t..4t+3] and x[16+4t..16+4t+3].
-// Numerics: the split numerics above (per block: hi and lo MMAs from zero, then one FMA with the
-// block's scale).
+// Numerics: the split numerics above (per block: the MMAs from zero, the hi and lo columns added,
+// then one FMA with the block's scale).
 // The ring depth, the activation chunk and the CTAs per SM are parameters so the lab
 // (bench/lab/q4_matvec_lab.cu) can time other points; the library runs MatVecStream.
 template <int kStagesPerWarp, int kXKiB, int kCtasPerSm>
@@ -419,8 +421,10 @@ struct MatVecStreamTile {
 using MatVecStream = MatVecStreamTile<3, 16, 5>;
 
 // kVec: 16-byte weight copies for full stages (16-aligned view, K % 256 == 0) and 16-byte-aligned
-// activations; else element-wise copies and loads.
-template <class T, bool kVec>
+// activations; else element-wise copies and loads. kColumns (m <= 4): the hi / lo column layout of
+// matvec_split_columns_block, two MMAs per block; else eight tokens of hi and eight of lo columns,
+// four MMAs per block.
+template <class T, bool kVec, bool kColumns = false>
 __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_matvec_kernel(const Q4Args a) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = static_cast<int>(threadIdx.x);
@@ -467,8 +471,10 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_matvec_kernel(c
     }
   };
   // Activations of blocks [kb0, kb0 + chunk_blocks) for the valid tokens, split and stored in
-  // fragment order: block cb's hi quad of lane L (token L / 4 < toks_valid) at cb * x_block_bytes +
-  // 16 L, its lo quad x_lo_offset further. Fragments of tokens past m are never written or read.
+  // fragment order. kColumns: token j's hi quad of lane quarter t at cb * x_block_bytes + 16 (8 j +
+  // t), its lo quad 64 bytes further, so lane L's quad sits at 16 L. Else: the hi quad of lane L
+  // (token L / 4) at 16 L, its lo quad x_lo_offset further. Fragments of tokens past m are never
+  // written or read.
   const int x_lo_offset = toks_valid * 4 * 16;
   const int x_block_bytes = 2 * x_lo_offset;
   const int chunk_blocks = T::kX / x_block_bytes / T::kSB * T::kSB;
@@ -493,16 +499,16 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_matvec_kernel(c
       }
       uint32_t hi[4], lo[4];
       split_activation_pairs(v, hi, lo);
-      uint8_t* const dst = xsplit + cb * x_block_bytes + frag_lane * 16;
+      uint8_t* const dst = xsplit + cb * x_block_bytes + (kColumns ? 8 * tg + tt : frag_lane) * 16;
       sts128(smem_addr(dst), hi[0], hi[1], hi[2], hi[3]);
-      sts128(smem_addr(dst + x_lo_offset), lo[0], lo[1], lo[2], lo[3]);
+      sts128(smem_addr(dst + (kColumns ? 64 : x_lo_offset)), lo[0], lo[1], lo[2], lo[3]);
     }
   };
 
   // Lanes of tokens past m read the fragments of a valid token instead of branching around the
   // loads: their MMA columns are never stored.
-  const uint8_t* const x_lane = xsplit + min(lane, 4 * toks_valid - 1) * 16;
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const int x_lane = min(lane, (kColumns ? 8 : 4) * toks_valid - 1) * 16;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // kColumns: acc[0] row g, acc[2] row g + 8
 
 #pragma unroll
   for (int s = 0; s < T::kStages - 1; ++s) {
@@ -527,11 +533,16 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_matvec_kernel(c
     // This lane's rows g and g + 8, at the nibble bytes 4t..4t+3 of block 0 of the stage.
     const uint8_t* const top = ring + (s % T::kStages) * T::kWarpStage + g * T::kRowBytes;
     const uint8_t* const bottom = top + 8 * T::kRowBytes;
-    const uint8_t* const x_stage = x_lane + (kb0 - chunk0) * x_block_bytes;
+    const uint8_t* const x_stage = xsplit + (kb0 - chunk0) * x_block_bytes;
     const auto block = [&](int b) {
-      const uint4 bh = *reinterpret_cast<const uint4*>(x_stage + b * x_block_bytes);
-      const uint4 bl = *reinterpret_cast<const uint4*>(x_stage + b * x_block_bytes + x_lo_offset);
-      matvec_split_block(top, bottom, b, t, bh, bl, acc);
+      const uint8_t* const x = x_stage + b * x_block_bytes + x_lane;
+      if constexpr (kColumns) {
+        matvec_split_columns_block(top, bottom, b, t, *reinterpret_cast<const uint4*>(x), acc[0],
+                                   acc[2]);
+      } else {
+        matvec_split_block(top, bottom, b, t, *reinterpret_cast<const uint4*>(x),
+                           *reinterpret_cast<const uint4*>(x + x_lo_offset), acc);
+      }
     };
     if (nblk == T::kSB) {  // full stages without per-block bounds checks
 #pragma unroll
@@ -546,11 +557,17 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_matvec_kernel(c
   }
   cp_async_wait_all();
 
-  // acc[e]: row warp_row0 + g (+8 for e >= 2), token tok0 + 2t (+1 for odd e).
+  // kColumns: acc[0] / acc[2] hold rows warp_row0 + g / + 8, token tok0 + t. Else acc[e]: row
+  // warp_row0 + g (+8 for e >= 2), token tok0 + 2t (+1 for odd e).
   store_tile<T>(a, smem, row0, tok0, min(T::kRows, a.n - row0), toks_valid, [&](auto&& store) {
+    if constexpr (kColumns) {
+      store(warp * T::kWarpRows + g, t, acc[0]);
+      store(warp * T::kWarpRows + g + 8, t, acc[2]);
+    } else {
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      store(warp * T::kWarpRows + g + (e >= 2 ? 8 : 0), 2 * t + (e & 1), acc[e]);
+      for (int e = 0; e < 4; ++e)
+        store(warp * T::kWarpRows + g + (e >= 2 ? 8 : 0), 2 * t + (e & 1), acc[e]);
+    }
   });
 }
 
@@ -664,8 +681,13 @@ void launch_mat_vec(const KernelLaunch& launch, void* stream) {
   const auto k = static_cast<uint64_t>(q.ne00);
   const Problem p = problem_of(launch, 0, 1, 2, static_cast<uint64_t>(q.ne1),
                                static_cast<uint64_t>(q.ne01), k, k / 32 * 18);
-  launch_q4<MatVecStream, q4_matvec_kernel<MatVecStream, true>,
-            q4_matvec_kernel<MatVecStream, false>>(launch, stream, p, true);
+  if (p.m <= 4) {  // hi / lo columns: two MMAs per block
+    launch_q4<MatVecStream, q4_matvec_kernel<MatVecStream, true, true>,
+              q4_matvec_kernel<MatVecStream, false, true>>(launch, stream, p, true);
+  } else {
+    launch_q4<MatVecStream, q4_matvec_kernel<MatVecStream, true, false>,
+              q4_matvec_kernel<MatVecStream, false, false>>(launch, stream, p, true);
+  }
 }
 
 template <class T>

@@ -1,7 +1,9 @@
-// One Q4_0 block of the mat-vec's split numerics for one warp (16 weight rows x 8 tokens), shared by
-// the library mat-vec (q4_matmul.cu) and the mat-vec experiments under bench/lab, so every variant
-// computes the same bits: the four mma.sync m16n8k16 of the block (low / high nibbles x the hi / lo
-// bf16 parts of the activations) summed in F32 from zero, then one FMA with the block's scale.
+// One Q4_0 block of the mat-vec's split numerics for one warp (16 weight rows), in two column
+// layouts. matvec_split_columns_block (the library mat-vec for m <= 4): B column 2j holds token j's
+// hi parts and column 2j + 1 its lo parts, so one pair of mma.sync m16n8k16 (low / high nibbles)
+// covers four tokens. matvec_split_block (the library mat-vec for m > 4, and the TMA experiment
+// under bench/lab): 8 tokens of hi parts and 8 of lo, four MMAs. Both sum the block in F32 from
+// zero, then one FMA with the block's scale, so the library and the lab compute the same bits.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -13,11 +15,13 @@
 
 namespace routemm::cuda {
 
-// Block b of a stage whose row runs start 16-byte aligned: `top` / `bottom` point at the runs of
-// rows g and g + 8 (lane g = lane / 4, t = lane % 4), `bh` / `bl` are the lane's hi and lo B quads
-// (split_activation_pairs). acc[0..1]: row g, tokens 2t, 2t + 1; acc[2..3]: row g + 8.
-__device__ __forceinline__ void matvec_split_block(const uint8_t* top, const uint8_t* bottom, int b,
-                                                   int t, uint4 bh, uint4 bl, float (&acc)[4]) {
+// The lane's A registers of block b (low and high nibbles, rows g and g + 8, as bf16 q - 8) and the
+// two rows' F32 scales, from a stage whose row runs start 16-byte aligned (`top` / `bottom`: rows g
+// and g + 8).
+__device__ __forceinline__ void matvec_block_weights(const uint8_t* top, const uint8_t* bottom,
+                                                     int b, int t, uint32_t (&a_lo)[4],
+                                                     uint32_t (&a_hi)[4], float& d_top,
+                                                     float& d_bottom) {
   // Blocks are 18 bytes, so the 4 nibble bytes 4t..4t+3 of odd blocks are 4-byte aligned and those
   // of even blocks 2-byte aligned.
   const int nib = b * 18 + 2 + 4 * t;
@@ -27,14 +31,40 @@ __device__ __forceinline__ void matvec_split_block(const uint8_t* top, const uin
            (uint32_t{*reinterpret_cast<const uint16_t*>(row + nib + 2)} << 16);
   };
   const uint32_t v_top = nibble_bytes(top), v_bottom = nibble_bytes(bottom);
-  const float d_top = __half2float(*reinterpret_cast<const __half*>(top + b * 18));
-  const float d_bottom = __half2float(*reinterpret_cast<const __half*>(bottom + b * 18));
+  d_top = __half2float(*reinterpret_cast<const __half*>(top + b * 18));
+  d_bottom = __half2float(*reinterpret_cast<const __half*>(bottom + b * 18));
   // a0 row g, a1 row g+8 (values 4t, 4t+1); a2 row g, a3 row g+8 (values 4t+2, 4t+3).
-  uint32_t a_lo[4], a_hi[4];
   nibble_pairs<0x4140>(v_top, a_lo[0], a_hi[0]);
   nibble_pairs<0x4140>(v_bottom, a_lo[1], a_hi[1]);
   nibble_pairs<0x4342>(v_top, a_lo[2], a_hi[2]);
   nibble_pairs<0x4342>(v_bottom, a_lo[3], a_hi[3]);
+}
+
+// Block b for up to four tokens: `bq` is the lane's B quad (lane (g, t): token g / 2, its hi parts
+// for even g, lo parts for odd g). acc_top / acc_bottom: rows g / g + 8, token t (the hi and lo
+// columns of the MMA added before the scale FMA).
+__device__ __forceinline__ void matvec_split_columns_block(const uint8_t* top,
+                                                           const uint8_t* bottom, int b, int t,
+                                                           uint4 bq, float& acc_top,
+                                                           float& acc_bottom) {
+  uint32_t a_lo[4], a_hi[4];
+  float d_top, d_bottom;
+  matvec_block_weights(top, bottom, b, t, a_lo, a_hi, d_top, d_bottom);
+  float block_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  mma_bf16_16816(block_sum, a_lo, bq.x, bq.y);
+  mma_bf16_16816(block_sum, a_hi, bq.z, bq.w);
+  acc_top = fmaf(d_top, block_sum[0] + block_sum[1], acc_top);
+  acc_bottom = fmaf(d_bottom, block_sum[2] + block_sum[3], acc_bottom);
+}
+
+// Block b of a stage whose row runs start 16-byte aligned: `top` / `bottom` point at the runs of
+// rows g and g + 8 (lane g = lane / 4, t = lane % 4), `bh` / `bl` are the lane's hi and lo B quads
+// (split_activation_pairs). acc[0..1]: row g, tokens 2t, 2t + 1; acc[2..3]: row g + 8.
+__device__ __forceinline__ void matvec_split_block(const uint8_t* top, const uint8_t* bottom, int b,
+                                                   int t, uint4 bh, uint4 bl, float (&acc)[4]) {
+  uint32_t a_lo[4], a_hi[4];
+  float d_top, d_bottom;
+  matvec_block_weights(top, bottom, b, t, a_lo, a_hi, d_top, d_bottom);
   float block_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   mma_bf16_16816(block_sum, a_lo, bh.x, bh.y);
   mma_bf16_16816(block_sum, a_lo, bl.x, bl.y);
