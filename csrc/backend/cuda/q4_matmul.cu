@@ -507,7 +507,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_matvec_kernel(c
 
   // Lanes of tokens past m read the fragments of a valid token instead of branching around the
   // loads: their MMA columns are never stored.
-  const int x_lane = min(lane, (kColumns ? 8 : 4) * toks_valid - 1) * 16;
+  const uint8_t* const x_lane = xsplit + min(lane, (kColumns ? 8 : 4) * toks_valid - 1) * 16;
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // kColumns: acc[0] row g, acc[2] row g + 8
 
 #pragma unroll
@@ -533,9 +533,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_matvec_kernel(c
     // This lane's rows g and g + 8, at the nibble bytes 4t..4t+3 of block 0 of the stage.
     const uint8_t* const top = ring + (s % T::kStages) * T::kWarpStage + g * T::kRowBytes;
     const uint8_t* const bottom = top + 8 * T::kRowBytes;
-    const uint8_t* const x_stage = xsplit + (kb0 - chunk0) * x_block_bytes;
+    const uint8_t* const x_stage = x_lane + (kb0 - chunk0) * x_block_bytes;
     const auto block = [&](int b) {
-      const uint8_t* const x = x_stage + b * x_block_bytes + x_lane;
+      const uint8_t* const x = x_stage + b * x_block_bytes;
       if constexpr (kColumns) {
         matvec_split_columns_block(top, bottom, b, t, *reinterpret_cast<const uint4*>(x), acc[0],
                                    acc[2]);
