@@ -384,8 +384,10 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_kernel(const Q4
 // out in B-fragment order with token j's hi parts in MMA column 2j and its lo parts in column 2j + 1
 // (q4_matvec_block.cuh) for m <= 4, so one MMA pair per block covers four tokens and a lane fetches
 // its four B registers with one 16-byte shared load; for m > 4 eight tokens' hi parts and eight
-// tokens' lo parts, four MMAs and two loads. Every warp of the CTA reuses them. Only the valid tokens are staged, so a chunk spans
-// kX / (128 bytes * tokens) blocks: a single token's whole K range (up to 4096 values) in one go.
+// tokens' lo parts, four MMAs and two loads. Every warp of the CTA reuses them. Only the valid
+// tokens are staged, so a chunk spans kX / (128 bytes * tokens) blocks: a single token's whole K
+// range (up to 4096 values) in one go. Measured on the H200 (4096 x 14336): the column layout took
+// m = 1 from 21.2 to 18.3 us and m = 4 from 23.3 to 21.0 us.
 //
 // K order inside one 32-value block (a dot product may pair A and B slots in any order, as long as
 // both sides agree): the first MMA of a block takes the low nibbles (values 0..15), the second the
