@@ -37,12 +37,15 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "backend/common/dense_matmul_id_params.h"
 #include "backend/common/launch_args.h"
 #include "kernels.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
+#include "smem_opt_in.h"
+#include "warp_mma.cuh"
 
 #ifndef ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256
 #define ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256 "unknown"
@@ -537,6 +540,68 @@ __device__ __forceinline__ uint32_t slice_index(uint32_t r, uint32_t part, uint3
   return r * kSlice + half * 32 + part * 4;
 }
 
+// Step 2 for one half-slice: the thread's 8 x 8 tile takes the 4 positions of `half` of its chunk
+// (part) from the weight quads `wv` (columns c_base..c_base + 7) and the activation slice `xs`
+// (slice_index layout, rows r_base..r_base + 7), in increasing position order.
+__device__ __forceinline__ void grouped_fma_half(float (&acc)[8][8], const float4 (&wv)[8],
+                                                 const float* xs, uint32_t r_base, uint32_t part,
+                                                 uint32_t half) {
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    const float4 xv = *reinterpret_cast<const float4*>(&xs[slice_index(r_base + r, part, half)]);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      acc[r][c] = fmaf(wv[c].x, xv.x, acc[r][c]);
+      acc[r][c] = fmaf(wv[c].y, xv.y, acc[r][c]);
+      acc[r][c] = fmaf(wv[c].z, xv.z, acc[r][c]);
+      acc[r][c] = fmaf(wv[c].w, xv.w, acc[r][c]);
+    }
+  }
+}
+
+// Step 3 and the store of one thread tile: lane `part` of the group ends with row r_base + part of
+// the 8 columns c_base..c_base + 7 and writes the ones inside the block's rows and n.
+__device__ __forceinline__ void grouped_store_tile(const DenseMatmulIdKernelParams& p,
+                                                   const float (&acc)[8][8], uint32_t part,
+                                                   uint32_t r_base, uint32_t c_base, uint32_t col0,
+                                                   uint32_t rows_here, const uint32_t* flat_rows,
+                                                   float* out) {
+  // By recursive halving: the same own + partner sums as reduce8's butterfly, with half of
+  // the values exchanged per step. Afterwards lane `part` holds row r_base + part, columns 0..7.
+  float v[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {  // xor 4 decides row bit 2
+    const bool hi = part & 4;
+    const float keep = hi ? acc[4 + i / 8][i % 8] : acc[i / 8][i % 8];
+    const float send = hi ? acc[i / 8][i % 8] : acc[4 + i / 8][i % 8];
+    v[i] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, 4);
+  }
+  float u[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {  // xor 2 decides row bit 1 (v index bit 4)
+    const bool hi = part & 2;
+    const float keep = hi ? v[16 + i] : v[i];
+    const float send = hi ? v[i] : v[16 + i];
+    u[i] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, 2);
+  }
+  float o[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {  // xor 1 decides row bit 0 (u index bit 3)
+    const bool hi = part & 1;
+    const float keep = hi ? u[8 + i] : u[i];
+    const float send = hi ? u[i] : u[8 + i];
+    o[i] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, 1);
+  }
+  const uint32_t r = r_base + part;
+  if (r < rows_here) {
+    float* dst = out + uint64_t{flat_rows[r]} * p.n + col0 + c_base;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      if (col0 + c_base + c < p.n) dst[c] = o[c];
+    }
+  }
+}
+
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kGroupThreads, sizeof(typename Chunk<T>::elem) == 2 ? 2 : 1)
     grouped_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
@@ -634,58 +699,169 @@ __global__ void __launch_bounds__(kGroupThreads, sizeof(typename Chunk<T>::elem)
 #pragma unroll
       for (int c = 0; c < 8; ++c)
         wv[c] = *reinterpret_cast<const float4*>(&ws[buf][slice_index(c_base + c, part, half)]);
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        const float4 xv =
-            *reinterpret_cast<const float4*>(&xs[buf][slice_index(r_base + r, part, half)]);
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          acc[r][c] = fmaf(wv[c].x, xv.x, acc[r][c]);
-          acc[r][c] = fmaf(wv[c].y, xv.y, acc[r][c]);
-          acc[r][c] = fmaf(wv[c].z, xv.z, acc[r][c]);
-          acc[r][c] = fmaf(wv[c].w, xv.w, acc[r][c]);
-        }
-      }
+      grouped_fma_half(acc, wv, xs[buf], r_base, part, half);
     }
     if (s + 1 < slices)
       store_slice(buf ^ 1);  // the other buffer was last read before the previous barrier
     __syncthreads();
   }
 
-  // Step 3 by recursive halving: the same own + partner sums as reduce8's butterfly, with half of
-  // the values exchanged per step. Afterwards lane `part` holds row r_base + part, columns 0..7.
-  float v[32];
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {  // xor 4 decides row bit 2
-    const bool hi = part & 4;
-    const float keep = hi ? acc[4 + i / 8][i % 8] : acc[i / 8][i % 8];
-    const float send = hi ? acc[i / 8][i % 8] : acc[4 + i / 8][i % 8];
-    v[i] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, 4);
+  grouped_store_tile(p, acc, part, r_base, c_base, col0, rows_here, flat_rows, out);
+}
+
+// The grouped kernel for 16-byte-aligned operands with k % 8 == 0 (vector_ok): the same block,
+// thread tiles and FMA order as grouped_kernel (so the same bits), but the slices arrive by
+// cp.async through a ring of kRingStages stages instead of through registers, so up to
+// kRingStages - 1 slices are in flight per block without holding a register, and a stage costs one
+// barrier. Per stage: the activations widened as grouped_kernel stores them (F32, slice_index
+// layout), the weights raw: F32 in slice_index layout, 16-bit weights as whole 16-byte chunks
+// (column c, chunk part at c * 128 + part * 16 bytes) widened when the FMAs read them. Positions
+// past k, rows past the block's count and columns past n are zero-filled by the copy itself.
+constexpr uint32_t kRingStages = 4;
+
+template <typename T>
+struct GroupRing {
+  static constexpr uint32_t kElem = sizeof(typename Chunk<T>::elem);
+  static constexpr uint32_t kXBytes = kGroupRows * kSlice * 4;
+  static constexpr uint32_t kWBytes = kGroupCols * kSlice * kElem;
+  static constexpr uint32_t kStageBytes = kXBytes + kWBytes;
+  static constexpr uint32_t kBytes = kRingStages * kStageBytes;  // 96 KiB (F32), 64 KiB (16-bit)
+};
+
+// Blocks per multiprocessor the library's ring kernel is compiled for: 2 caps it at 128 registers
+// (some spills), 1 lets it keep its tile without spilling at 8 warps per multiprocessor.
+constexpr int kRingMinBlocks = 2;
+
+// The four weights of `half` of the lane's chunk of column `col` in a 16-bit stage, widened.
+template <typename T>
+__device__ __forceinline__ float4 widen_quad(const uint8_t* ws, uint32_t col, uint32_t part,
+                                             uint32_t half) {
+  const uint2 q = *reinterpret_cast<const uint2*>(ws + col * 128 + part * 16 + half * 8);
+  if constexpr (std::is_same_v<T, BF16Tag>) {
+    return make_float4(__uint_as_float(q.x << 16), __uint_as_float(q.x & 0xFFFF0000u),
+                       __uint_as_float(q.y << 16), __uint_as_float(q.y & 0xFFFF0000u));
+  } else {
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&q.x));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&q.y));
+    return make_float4(a.x, a.y, b.x, b.y);
   }
-  float u[16];
+}
+
+template <typename T, int kMinBlocks>
+__global__ void __launch_bounds__(kGroupThreads, kMinBlocks)
+    grouped_ring_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
+                        const char* __restrict__ x, const uint32_t* __restrict__ counts,
+                        const uint32_t* __restrict__ routed, float* __restrict__ out,
+                        uint32_t tiles_x, uint32_t tiles_y) {
+  using R = GroupRing<T>;
+  extern __shared__ __align__(128) uint8_t ring_smem[];
+  __shared__ uint32_t flat_rows[kGroupRows];
+
+  const uint32_t e = blockIdx.z;
+  const uint32_t bx = blockIdx.x % tiles_x;
+  const uint32_t by = blockIdx.x / tiles_x;
+  if (by >= tiles_y || e >= p.n_experts) return;
+  const uint32_t count = __ldg(counts + e);
+  const uint32_t row0 = bx * kGroupRows;
+  const uint32_t col0 = by * kGroupCols;
+  if (row0 >= count || col0 >= p.n) return;
+  const uint32_t rows_here = min(kGroupRows, count - row0);
+
+  const uint32_t tid = threadIdx.x;
+  if (tid < kGroupRows)
+    flat_rows[tid] = tid < rows_here ? __ldg(routed + uint64_t{e} * p.m + row0 + tid) : 0u;
+  __syncthreads();
+
+  const char* wexp = w + uint64_t{e} * p.expert_stride_bytes;
+  const uint32_t slices = (p.k + kSlice - 1) / kSlice;
+  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(ring_smem));
+
+  // Copy roles. Piece q of a row (16 bytes) = half (q & 1) of chunk part (q >> 1): 16 consecutive
+  // threads copy one activation row's 256 bytes of a slice. Activations: rows tid / 16 and
+  // tid / 16 + 16. F32 weights: columns tid / 16 + 16 i, i < 4; 16-bit weights (one piece per
+  // chunk): columns tid / 8 + 32 i, i < 2.
+  // Row pointers are rebuilt per slice (a few integer ops against 512 FMAs per thread) rather than
+  // held in registers across the FMAs.
+  const uint32_t x_piece = tid & 15, x_part = x_piece >> 1, x_half = x_piece & 1;
+  constexpr int kWCopies = R::kElem == 4 ? 4 : 2;
+  constexpr uint32_t kWColsPerPass = kGroupThreads / (R::kElem == 4 ? 16 : 8);
+  const uint32_t w_piece = R::kElem == 4 ? tid & 15 : tid & 7;
+  const uint32_t w_col = R::kElem == 4 ? tid / 16 : tid / 8;
+
+  const auto issue = [&](uint32_t slice) {
+    const uint32_t stage = ring + (slice % kRingStages) * R::kStageBytes;
+    const uint32_t first = slice * kSlice;  // first inner position of the slice
+    {
+      const uint32_t pos = first + 8 * x_part + 4 * x_half;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {  // xor 2 decides row bit 1 (v index bit 4)
-    const bool hi = part & 2;
-    const float keep = hi ? v[16 + i] : v[i];
-    const float send = hi ? v[i] : v[16 + i];
-    u[i] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, 2);
+      for (int i = 0; i < 2; ++i) {
+        const uint32_t row = tid / 16 + 16 * i;
+        const bool valid = row < rows_here && pos < p.k;
+        const float* src =
+            valid ? input_row(p, x, flat_rows[row]) + pos : reinterpret_cast<const float*>(x);
+        cp_async_16(stage + 4 * slice_index(row, x_part, x_half), src, valid);
+      }
+    }
+    const uint32_t ws = stage + R::kXBytes;
+#pragma unroll
+    for (int i = 0; i < kWCopies; ++i) {
+      const uint32_t col = w_col + kWColsPerPass * i;
+      const char* row = wexp + uint64_t{col0 + col} * p.k * R::kElem;
+      if constexpr (R::kElem == 4) {
+        const uint32_t part = w_piece >> 1, half = w_piece & 1;
+        const uint32_t pos = first + 8 * part + 4 * half;
+        const bool valid = col0 + col < p.n && pos < p.k;
+        cp_async_16(ws + 4 * slice_index(col, part, half), valid ? row + 4 * pos : wexp, valid);
+      } else {
+        const uint32_t pos = first + 8 * w_piece;
+        const bool valid = col0 + col < p.n && pos < p.k;
+        cp_async_16(ws + col * 128 + w_piece * 16, valid ? row + 2 * pos : wexp, valid);
+      }
+    }
+  };
+
+  // Compute roles as in grouped_kernel.
+  const uint32_t lane = tid & 31, part = lane & 7, group = lane >> 3, warp = tid >> 5;
+  const uint32_t r_base = group * 8;
+  const uint32_t c_base = warp * 8;
+
+  float acc[8][8];
+#pragma unroll
+  for (int r = 0; r < 8; ++r)
+#pragma unroll
+    for (int c = 0; c < 8; ++c) acc[r][c] = 0.f;
+
+#pragma unroll
+  for (uint32_t s = 0; s + 1 < kRingStages; ++s) {
+    if (s < slices) issue(s);
+    cp_async_commit();
   }
-  float o[8];
+  for (uint32_t s = 0; s < slices; ++s) {
+    cp_async_wait<kRingStages - 2>();  // slice s has landed (this thread's copies) ...
+    __syncthreads();  // ... for every thread, and stage (s - 1) % kRingStages is free again
+    if (s + kRingStages - 1 < slices) issue(s + kRingStages - 1);
+    cp_async_commit();
+    const uint8_t* stage = ring_smem + (s % kRingStages) * R::kStageBytes;
+    const float* xs = reinterpret_cast<const float*>(stage);
+    const uint8_t* ws = stage + R::kXBytes;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {  // xor 1 decides row bit 0 (u index bit 3)
-    const bool hi = part & 1;
-    const float keep = hi ? u[8 + i] : u[i];
-    const float send = hi ? u[i] : u[8 + i];
-    o[i] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, 1);
-  }
-  const uint32_t r = r_base + part;
-  if (r < rows_here) {
-    float* dst = out + uint64_t{flat_rows[r]} * p.n + col0 + c_base;
+    for (uint32_t half = 0; half < 2; ++half) {
+      float4 wv[8];
 #pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      if (col0 + c_base + c < p.n) dst[c] = o[c];
+      for (int c = 0; c < 8; ++c) {
+        if constexpr (R::kElem == 4) {
+          wv[c] = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(ws) +
+                                                   slice_index(c_base + c, part, half));
+        } else {
+          wv[c] = widen_quad<T>(ws, c_base + c, part, half);
+        }
+      }
+      grouped_fma_half(acc, wv, xs, r_base, part, half);
     }
   }
+  cp_async_wait_all();
+
+  grouped_store_tile(p, acc, part, r_base, c_base, col0, rows_here, flat_rows, out);
 }
 
 // ---- host wrappers -------------------------------------------------------------------------------
@@ -802,26 +978,14 @@ void launch_grouped(const KernelLaunch& launch, void* stream_ptr) {
   check_grid(launch, tx * ty);
   const dim3 grid(static_cast<unsigned>(tx * ty), 1, static_cast<unsigned>(tz));
   const size_t elem = sizeof(typename Chunk<T>::elem);
-  // More than 48 KiB of dynamic shared memory must be opted into, once per kernel.
-  static const cudaError_t opt_in = [] {
-    cudaError_t e =
-        cudaFuncSetAttribute(grouped_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(kGroupDynamicShmem));
-    if (e == cudaSuccess) {
-      e = cudaFuncSetAttribute(grouped_kernel<T, false>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(kGroupDynamicShmem));
-    }
-    return e;
-  }();
-  if (opt_in != cudaSuccess) {
-    throw Error(launch.label + ": cudaFuncSetAttribute(MaxDynamicSharedMemorySize) failed: " +
-                cudaGetErrorString(opt_in));
-  }
   if (vector_ok(p, w, x, elem)) {
-    grouped_kernel<T, true><<<grid, kGroupThreads, kGroupDynamicShmem, stream>>>(
+    opt_in_dynamic_smem<grouped_ring_kernel<T, kRingMinBlocks>>(launch.label, GroupRing<T>::kBytes,
+                                                                GroupRing<T>::kBytes);
+    grouped_ring_kernel<T, kRingMinBlocks><<<grid, kGroupThreads, GroupRing<T>::kBytes, stream>>>(
         p, w, x, counts, routed, out, uint32_t(tx), uint32_t(ty));
   } else {
+    opt_in_dynamic_smem<grouped_kernel<T, false>>(launch.label, kGroupDynamicShmem,
+                                                  kGroupDynamicShmem);
     grouped_kernel<T, false><<<grid, kGroupThreads, kGroupDynamicShmem, stream>>>(
         p, w, x, counts, routed, out, uint32_t(tx), uint32_t(ty));
   }
@@ -846,8 +1010,10 @@ KernelDef def(std::string_view name, KernelFn fn, uint32_t threads, uint32_t til
 
 void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
   const auto& names = kDenseMatmulIdPipelineNames;
-  // Static shared memory of the grouped kernel, reported so receipts show what a block uses.
-  constexpr uint64_t kGroupShmem = kGroupDynamicShmem + kGroupRows * 4;
+  // Shared memory of a grouped block on the ring kernel (the unaligned fallback uses 48 KiB),
+  // reported so receipts show what a block uses.
+  constexpr uint64_t kGroupShmemF32 = GroupRing<float>::kBytes + kGroupRows * 4;
+  constexpr uint64_t kGroupShmem16 = GroupRing<BF16Tag>::kBytes + kGroupRows * 4;
   // Static shared memory of the gathered direct kernel (member list, count, staged activations).
   constexpr uint64_t kDirectShmem =
       kGatherMaxRows * sizeof(uint16_t) + sizeof(uint32_t) + sizeof(StagedRows);
@@ -858,11 +1024,11 @@ void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
   }
   out.push_back(def(names[3], launch_map, kMapMaxThreads, 1, 1, 0, kMapMaxThreads));
   out.push_back(def(names[4], launch_grouped<float>, kGroupThreads, kGroupRows, kGroupCols,
-                    kGroupShmem, 1024));
+                    kGroupShmemF32, 1024));
   out.push_back(def(names[5], launch_grouped<F16Tag>, kGroupThreads, kGroupRows, kGroupCols,
-                    kGroupShmem, 1024));
+                    kGroupShmem16, 1024));
   out.push_back(def(names[6], launch_grouped<BF16Tag>, kGroupThreads, kGroupRows, kGroupCols,
-                    kGroupShmem, 1024));
+                    kGroupShmem16, 1024));
 }
 
 }  // namespace routemm::cuda
