@@ -709,52 +709,29 @@ __global__ void __launch_bounds__(kGroupThreads, sizeof(typename Chunk<T>::elem)
   grouped_store_tile(p, acc, part, r_base, c_base, col0, rows_here, flat_rows, out);
 }
 
-// The grouped kernel for 16-byte-aligned operands with k % 8 == 0 (vector_ok): the same block,
-// thread tiles and FMA order as grouped_kernel (so the same bits), but the slices arrive by
-// cp.async through a ring of kRingStages stages instead of through registers, so up to
-// kRingStages - 1 slices are in flight per block without holding a register, and a stage costs one
-// barrier. Per stage: the activations widened as grouped_kernel stores them (F32, slice_index
-// layout), the weights raw: F32 in slice_index layout, 16-bit weights as whole 16-byte chunks
-// (column c, chunk part at c * 128 + part * 16 bytes) widened when the FMAs read them. Positions
-// past k, rows past the block's count and columns past n are zero-filled by the copy itself.
-constexpr uint32_t kRingStages = 4;
+// The grouped kernel with the slices stored transposed ("outer" layout): per buffer and chunk
+// part, position j of the chunk holds the 32 rows (activations) or 64 columns (weights) side by
+// side, so a thread reads its 8 rows and its 8 columns of one position with four 16-byte loads and
+// does the 64 FMAs of that position as an outer product: 16 operand registers where the
+// slice_index layout needs 36, which leaves room for two blocks per multiprocessor. Blocks, thread
+// tiles, the position order of every partial sum and the reduction are those of grouped_kernel, so
+// the bits are the same. A part's rows are padded by 16 bytes so that the 8 parts of a quarter
+// warp fall on distinct banks, for the loads and for the element-wise stores alike.
+constexpr uint32_t kOuterXPart = 8 * kGroupRows * 4 + 16;  // bytes per part: 8 positions x 32 rows
+constexpr uint32_t kOuterWPart = 8 * kGroupCols * 4 + 16;  // 8 positions x 64 columns
+constexpr uint32_t kOuterBuffer = 8 * (kOuterXPart + kOuterWPart);
+constexpr size_t kOuterDynamicShmem = 2ull * kOuterBuffer;  // double-buffered: 49.75 KiB
 
-template <typename T>
-struct GroupRing {
-  static constexpr uint32_t kElem = sizeof(typename Chunk<T>::elem);
-  static constexpr uint32_t kXBytes = kGroupRows * kSlice * 4;
-  static constexpr uint32_t kWBytes = kGroupCols * kSlice * kElem;
-  static constexpr uint32_t kStageBytes = kXBytes + kWBytes;
-  static constexpr uint32_t kBytes = kRingStages * kStageBytes;  // 96 KiB (F32), 64 KiB (16-bit)
-};
+// Blocks per multiprocessor the library's outer-layout kernel is compiled for.
+constexpr int kOuterMinBlocks = 2;
 
-// Blocks per multiprocessor the library's ring kernel is compiled for: 2 caps it at 128 registers
-// (some spills), 1 lets it keep its tile without spilling at 8 warps per multiprocessor.
-constexpr int kRingMinBlocks = 2;
-
-// The four weights of `half` of the lane's chunk of column `col` in a 16-bit stage, widened.
-template <typename T>
-__device__ __forceinline__ float4 widen_quad(const uint8_t* ws, uint32_t col, uint32_t part,
-                                             uint32_t half) {
-  const uint2 q = *reinterpret_cast<const uint2*>(ws + col * 128 + part * 16 + half * 8);
-  if constexpr (std::is_same_v<T, BF16Tag>) {
-    return make_float4(__uint_as_float(q.x << 16), __uint_as_float(q.x & 0xFFFF0000u),
-                       __uint_as_float(q.y << 16), __uint_as_float(q.y & 0xFFFF0000u));
-  } else {
-    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&q.x));
-    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&q.y));
-    return make_float4(a.x, a.y, b.x, b.y);
-  }
-}
-
-template <typename T, int kMinBlocks>
+template <typename T, bool VEC, int kMinBlocks>
 __global__ void __launch_bounds__(kGroupThreads, kMinBlocks)
-    grouped_ring_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
-                        const char* __restrict__ x, const uint32_t* __restrict__ counts,
-                        const uint32_t* __restrict__ routed, float* __restrict__ out,
-                        uint32_t tiles_x, uint32_t tiles_y) {
-  using R = GroupRing<T>;
-  extern __shared__ __align__(128) uint8_t ring_smem[];
+    grouped_outer_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
+                         const char* __restrict__ x, const uint32_t* __restrict__ counts,
+                         const uint32_t* __restrict__ routed, float* __restrict__ out,
+                         uint32_t tiles_x, uint32_t tiles_y) {
+  extern __shared__ __align__(16) uint8_t outer_smem[];
   __shared__ uint32_t flat_rows[kGroupRows];
 
   const uint32_t e = blockIdx.z;
@@ -772,55 +749,53 @@ __global__ void __launch_bounds__(kGroupThreads, kMinBlocks)
     flat_rows[tid] = tid < rows_here ? __ldg(routed + uint64_t{e} * p.m + row0 + tid) : 0u;
   __syncthreads();
 
+  using Elem = typename Chunk<T>::elem;
   const char* wexp = w + uint64_t{e} * p.expert_stride_bytes;
   const uint32_t slices = (p.k + kSlice - 1) / kSlice;
-  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(ring_smem));
 
-  // Copy roles. Piece q of a row (16 bytes) = half (q & 1) of chunk part (q >> 1): 16 consecutive
-  // threads copy one activation row's 256 bytes of a slice. Activations: rows tid / 16 and
-  // tid / 16 + 16. F32 weights: columns tid / 16 + 16 i, i < 4; 16-bit weights (one piece per
-  // chunk): columns tid / 8 + 32 i, i < 2.
-  // Row pointers are rebuilt per slice (a few integer ops against 512 FMAs per thread) rather than
-  // held in registers across the FMAs.
-  const uint32_t x_piece = tid & 15, x_part = x_piece >> 1, x_half = x_piece & 1;
-  constexpr int kWCopies = R::kElem == 4 ? 4 : 2;
-  constexpr uint32_t kWColsPerPass = kGroupThreads / (R::kElem == 4 ? 16 : 8);
-  const uint32_t w_piece = R::kElem == 4 ? tid & 15 : tid & 7;
-  const uint32_t w_col = R::kElem == 4 ? tid / 16 : tid / 8;
+  // Loader roles as in grouped_kernel: X row tid / 8, W columns tid / 8 and tid / 8 + 32, chunk
+  // part tid % 8.
+  const uint32_t x_row = tid >> 3, x_part = tid & 7;
+  const bool x_live = x_row < rows_here;
+  const float* x_src = x_live ? input_row(p, x, flat_rows[x_row]) : nullptr;
+  const uint32_t w_col0 = tid >> 3, w_part = tid & 7;
+  const bool w_live0 = col0 + w_col0 < p.n;
+  const bool w_live1 = col0 + w_col0 + 32 < p.n;
+  const void* w_src0 = wexp + uint64_t{col0 + w_col0} * p.k * sizeof(Elem);
+  const void* w_src1 = wexp + uint64_t{col0 + w_col0 + 32} * p.k * sizeof(Elem);
 
-  const auto issue = [&](uint32_t slice) {
-    const uint32_t stage = ring + (slice % kRingStages) * R::kStageBytes;
-    const uint32_t first = slice * kSlice;  // first inner position of the slice
-    {
-      const uint32_t pos = first + 8 * x_part + 4 * x_half;
+  const auto xs_of = [&](int buf) { return outer_smem + buf * kOuterBuffer; };
+  const auto ws_of = [&](int buf) { return outer_smem + buf * kOuterBuffer + 8 * kOuterXPart; };
+
+  Chunk<float> xr;
+  Chunk<T> wr0, wr1;
+  auto load_slice = [&](uint32_t slice) {
+    const uint32_t c_x = slice * 8 + x_part, c_w = slice * 8 + w_part;
+    if (x_live)
+      xr = load_x_chunk<VEC>(x_src, c_x, p.k);
+    else
+      xr.zero();
+    if (w_live0)
+      wr0 = load_w_chunk<T, VEC>(w_src0, c_w, p.k);
+    else
+      wr0.zero();
+    if (w_live1)
+      wr1 = load_w_chunk<T, VEC>(w_src1, c_w, p.k);
+    else
+      wr1.zero();
+  };
+  auto store_slice = [&](int buf) {
+    float* xs = reinterpret_cast<float*>(xs_of(buf) + x_part * kOuterXPart) + x_row;
+    float* ws = reinterpret_cast<float*>(ws_of(buf) + w_part * kOuterWPart) + w_col0;
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const uint32_t row = tid / 16 + 16 * i;
-        const bool valid = row < rows_here && pos < p.k;
-        const float* src =
-            valid ? input_row(p, x, flat_rows[row]) + pos : reinterpret_cast<const float*>(x);
-        cp_async_16(stage + 4 * slice_index(row, x_part, x_half), src, valid);
-      }
-    }
-    const uint32_t ws = stage + R::kXBytes;
-#pragma unroll
-    for (int i = 0; i < kWCopies; ++i) {
-      const uint32_t col = w_col + kWColsPerPass * i;
-      const char* row = wexp + uint64_t{col0 + col} * p.k * R::kElem;
-      if constexpr (R::kElem == 4) {
-        const uint32_t part = w_piece >> 1, half = w_piece & 1;
-        const uint32_t pos = first + 8 * part + 4 * half;
-        const bool valid = col0 + col < p.n && pos < p.k;
-        cp_async_16(ws + 4 * slice_index(col, part, half), valid ? row + 4 * pos : wexp, valid);
-      } else {
-        const uint32_t pos = first + 8 * w_piece;
-        const bool valid = col0 + col < p.n && pos < p.k;
-        cp_async_16(ws + col * 128 + w_piece * 16, valid ? row + 2 * pos : wexp, valid);
-      }
+    for (int j = 0; j < 8; ++j) {
+      xs[j * kGroupRows] = xr.get(j);
+      ws[j * kGroupCols] = wr0.get(j);
+      ws[j * kGroupCols + 32] = wr1.get(j);
     }
   };
 
-  // Compute roles as in grouped_kernel.
+  // Compute roles as in grouped_kernel: tile = warp * 4 + group, lane `part` owns s_part.
   const uint32_t lane = tid & 31, part = lane & 7, group = lane >> 3, warp = tid >> 5;
   const uint32_t r_base = group * 8;
   const uint32_t c_base = warp * 8;
@@ -831,35 +806,31 @@ __global__ void __launch_bounds__(kGroupThreads, kMinBlocks)
 #pragma unroll
     for (int c = 0; c < 8; ++c) acc[r][c] = 0.f;
 
-#pragma unroll
-  for (uint32_t s = 0; s + 1 < kRingStages; ++s) {
-    if (s < slices) issue(s);
-    cp_async_commit();
-  }
+  load_slice(0);
+  store_slice(0);
+  __syncthreads();
   for (uint32_t s = 0; s < slices; ++s) {
-    cp_async_wait<kRingStages - 2>();  // slice s has landed (this thread's copies) ...
-    __syncthreads();  // ... for every thread, and stage (s - 1) % kRingStages is free again
-    if (s + kRingStages - 1 < slices) issue(s + kRingStages - 1);
-    cp_async_commit();
-    const uint8_t* stage = ring_smem + (s % kRingStages) * R::kStageBytes;
-    const float* xs = reinterpret_cast<const float*>(stage);
-    const uint8_t* ws = stage + R::kXBytes;
+    const int buf = s & 1;
+    if (s + 1 < slices) load_slice(s + 1);  // in flight during the FMAs below
+    const float* xs = reinterpret_cast<const float*>(xs_of(buf) + part * kOuterXPart) + r_base;
+    const float* ws = reinterpret_cast<const float*>(ws_of(buf) + part * kOuterWPart) + c_base;
 #pragma unroll
-    for (uint32_t half = 0; half < 2; ++half) {
-      float4 wv[8];
+    for (int j = 0; j < 8; ++j) {  // the chunk's positions in increasing order
+      const float4 x0 = *reinterpret_cast<const float4*>(xs + j * kGroupRows);
+      const float4 x1 = *reinterpret_cast<const float4*>(xs + j * kGroupRows + 4);
+      const float4 w0 = *reinterpret_cast<const float4*>(ws + j * kGroupCols);
+      const float4 w1 = *reinterpret_cast<const float4*>(ws + j * kGroupCols + 4);
+      const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+      const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        if constexpr (R::kElem == 4) {
-          wv[c] = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(ws) +
-                                                   slice_index(c_base + c, part, half));
-        } else {
-          wv[c] = widen_quad<T>(ws, c_base + c, part, half);
-        }
-      }
-      grouped_fma_half(acc, wv, xs, r_base, part, half);
+      for (int r = 0; r < 8; ++r)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[r][c] = fmaf(wv[c], xv[r], acc[r][c]);
     }
+    if (s + 1 < slices)
+      store_slice(buf ^ 1);  // the other buffer was last read before the previous barrier
+    __syncthreads();
   }
-  cp_async_wait_all();
 
   grouped_store_tile(p, acc, part, r_base, c_base, col0, rows_here, flat_rows, out);
 }
@@ -979,15 +950,17 @@ void launch_grouped(const KernelLaunch& launch, void* stream_ptr) {
   const dim3 grid(static_cast<unsigned>(tx * ty), 1, static_cast<unsigned>(tz));
   const size_t elem = sizeof(typename Chunk<T>::elem);
   if (vector_ok(p, w, x, elem)) {
-    opt_in_dynamic_smem<grouped_ring_kernel<T, kRingMinBlocks>>(launch.label, GroupRing<T>::kBytes,
-                                                                GroupRing<T>::kBytes);
-    grouped_ring_kernel<T, kRingMinBlocks><<<grid, kGroupThreads, GroupRing<T>::kBytes, stream>>>(
-        p, w, x, counts, routed, out, uint32_t(tx), uint32_t(ty));
+    opt_in_dynamic_smem<grouped_outer_kernel<T, true, kOuterMinBlocks>>(
+        launch.label, kOuterDynamicShmem, kOuterDynamicShmem);
+    grouped_outer_kernel<T, true, kOuterMinBlocks>
+        <<<grid, kGroupThreads, kOuterDynamicShmem, stream>>>(p, w, x, counts, routed, out,
+                                                              uint32_t(tx), uint32_t(ty));
   } else {
-    opt_in_dynamic_smem<grouped_kernel<T, false>>(launch.label, kGroupDynamicShmem,
-                                                  kGroupDynamicShmem);
-    grouped_kernel<T, false><<<grid, kGroupThreads, kGroupDynamicShmem, stream>>>(
-        p, w, x, counts, routed, out, uint32_t(tx), uint32_t(ty));
+    opt_in_dynamic_smem<grouped_outer_kernel<T, false, kOuterMinBlocks>>(
+        launch.label, kOuterDynamicShmem, kOuterDynamicShmem);
+    grouped_outer_kernel<T, false, kOuterMinBlocks>
+        <<<grid, kGroupThreads, kOuterDynamicShmem, stream>>>(p, w, x, counts, routed, out,
+                                                              uint32_t(tx), uint32_t(ty));
   }
 }
 
@@ -1010,10 +983,8 @@ KernelDef def(std::string_view name, KernelFn fn, uint32_t threads, uint32_t til
 
 void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
   const auto& names = kDenseMatmulIdPipelineNames;
-  // Shared memory of a grouped block on the ring kernel (the unaligned fallback uses 48 KiB),
-  // reported so receipts show what a block uses.
-  constexpr uint64_t kGroupShmemF32 = GroupRing<float>::kBytes + kGroupRows * 4;
-  constexpr uint64_t kGroupShmem16 = GroupRing<BF16Tag>::kBytes + kGroupRows * 4;
+  // Shared memory of a grouped block, reported so receipts show what a block uses.
+  constexpr uint64_t kGroupShmem = kOuterDynamicShmem + kGroupRows * 4;
   // Static shared memory of the gathered direct kernel (member list, count, staged activations).
   constexpr uint64_t kDirectShmem =
       kGatherMaxRows * sizeof(uint16_t) + sizeof(uint32_t) + sizeof(StagedRows);
@@ -1024,11 +995,11 @@ void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
   }
   out.push_back(def(names[3], launch_map, kMapMaxThreads, 1, 1, 0, kMapMaxThreads));
   out.push_back(def(names[4], launch_grouped<float>, kGroupThreads, kGroupRows, kGroupCols,
-                    kGroupShmemF32, 1024));
+                    kGroupShmem, 1024));
   out.push_back(def(names[5], launch_grouped<F16Tag>, kGroupThreads, kGroupRows, kGroupCols,
-                    kGroupShmem16, 1024));
+                    kGroupShmem, 1024));
   out.push_back(def(names[6], launch_grouped<BF16Tag>, kGroupThreads, kGroupRows, kGroupCols,
-                    kGroupShmem16, 1024));
+                    kGroupShmem, 1024));
 }
 
 }  // namespace routemm::cuda

@@ -1,11 +1,12 @@
-// Lab: the exact grouped expert-ID kernels side by side on the prefill shapes (m = 4096): the
-// register-staged grouped_kernel<T, true> against the cp.async ring kernel compiled for one and for
-// two blocks per multiprocessor. Same operands, same routing, CUDA-event medians; every variant's
-// output must equal the register kernel's bit for bit (the numeric contract of
-// csrc/backend/cuda/dense_matmul_id.cu), else the lab exits 1.
+// Lab: the exact grouped expert-ID kernels side by side on the prefill shapes (m = 4096):
+// grouped_kernel<T, true> (slices in slice_index layout) against grouped_outer_kernel (slices
+// transposed, one outer product per position) compiled for one and for two blocks per
+// multiprocessor. Same operands, same routing, CUDA-event medians; every variant's output must
+// equal the first one's bit for bit (the numeric contract of csrc/backend/cuda/dense_matmul_id.cu),
+// and every element must be written, else the lab exits 1.
 //
 //   nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -Icsrc/include -Icsrc \
-//     -Icsrc/backend/cuda -o /tmp/grouped_ring_lab bench/lab/grouped_ring_lab.cu && /tmp/grouped_ring_lab
+//     -Icsrc/backend/cuda -o /tmp/grouped_exact_lab bench/lab/grouped_exact_lab.cu && /tmp/grouped_exact_lab
 #include <cstring>
 #include <random>
 
@@ -93,23 +94,23 @@ int run(const Shape& s, uint32_t m) {
   const dim3 grid(tx * ty, 1, s.experts);
   CHECK(cudaFuncSetAttribute(grouped_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              int(kGroupDynamicShmem)));
-  CHECK(cudaFuncSetAttribute(grouped_ring_kernel<T, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int(GroupRing<T>::kBytes)));
-  CHECK(cudaFuncSetAttribute(grouped_ring_kernel<T, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int(GroupRing<T>::kBytes)));
+  CHECK(cudaFuncSetAttribute(grouped_outer_kernel<T, true, 1>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(kOuterDynamicShmem)));
+  CHECK(cudaFuncSetAttribute(grouped_outer_kernel<T, true, 2>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(kOuterDynamicShmem)));
   const auto launch = [&](int variant) {
     if (variant == 0) {
       grouped_kernel<T, true><<<grid, kGroupThreads, kGroupDynamicShmem>>>(
           p, w, x, d_counts, d_routed, out[0], tx, ty);
     } else if (variant == 1) {
-      grouped_ring_kernel<T, 1><<<grid, kGroupThreads, GroupRing<T>::kBytes>>>(
+      grouped_outer_kernel<T, true, 1><<<grid, kGroupThreads, kOuterDynamicShmem>>>(
           p, w, x, d_counts, d_routed, out[1], tx, ty);
     } else {
-      grouped_ring_kernel<T, 2><<<grid, kGroupThreads, GroupRing<T>::kBytes>>>(
+      grouped_outer_kernel<T, true, 2><<<grid, kGroupThreads, kOuterDynamicShmem>>>(
           p, w, x, d_counts, d_routed, out[2], tx, ty);
     }
   };
-  const char* names[3] = {"register staging", "ring, 1 block/SM", "ring, 2 blocks/SM"};
+  const char* names[3] = {"slice layout", "outer, 1 block/SM", "outer, 2 blocks/SM"};
   const double flops = 2.0 * double(rows) * s.n * s.k;
   float us[3];
   for (int v = 0; v < 3; ++v) {
@@ -128,7 +129,7 @@ int run(const Shape& s, uint32_t m) {
       if (std::memcmp(got.data(), ref.data(), got.size() * 4) != 0) ++bad;
     }
     std::printf("%-14s %-5s m=%u %-18s %9.1f us %6.2f TFLOP/s%s\n", s.name, f32 ? "f32" : "bf16", m,
-                names[v], us[v], flops / us[v] * 1e-6, v == 0 ? "" : " (bits vs register)");
+                names[v], us[v], flops / us[v] * 1e-6, v == 0 ? "" : " (bits checked)");
   }
   std::printf("%s %s: %s\n", s.name, f32 ? "f32" : "bf16",
               bad == 0 ? "all variants bit-identical, every element written" : "MISMATCH");
