@@ -1,5 +1,5 @@
 // Lab: the exact grouped expert-ID kernels side by side on the prefill shapes (m = 4096):
-// grouped_kernel<T, true> (slices in slice_index layout) against grouped_outer_kernel (slices
+// slice_layout_kernel<T, true> (slices in slice_index layout) against grouped_outer_kernel (slices
 // transposed, one outer product per position) compiled for one and for two blocks per
 // multiprocessor. Same operands, same routing, CUDA-event medians; every variant's output must
 // equal the first one's bit for bit (the numeric contract of csrc/backend/cuda/dense_matmul_id.cu),
@@ -17,6 +17,145 @@ namespace lab {
 
 using namespace routemm::cuda;
 using routemm::kernels::DenseMatmulIdKernelParams;
+
+// The previous grouped kernel, kept here as the lab's baseline: slices in slice_index layout
+// (per position run of a row, 16-byte quads along K), 8 weight quads and one activation quad
+// live per 32 FMAs; one block per SM for F32 weights, two for 16-bit ones.
+constexpr size_t kGroupDynamicShmem =
+    2ull * (kGroupRows + kGroupCols) * kSlice * sizeof(float);  // 48 KiB
+
+// Shared-memory slice layout, for X [32 rows][64] and W [64 cols][64] widened to F32: element
+// (r, inner = 8 * part + j) sits at r * 64 + (j / 4) * 32 + part * 4 + (j % 4), so the 8 lanes of a
+// group read 128 contiguous bytes with one 16-byte load each (no bank conflicts).
+__device__ __forceinline__ uint32_t slice_index(uint32_t r, uint32_t part, uint32_t half) {
+  return r * kSlice + half * 32 + part * 4;
+}
+
+// Step 2 for one half-slice: the thread's 8 x 8 tile takes the 4 positions of `half` of its chunk
+// (part) from the weight quads `wv` (columns c_base..c_base + 7) and the activation slice `xs`
+// (slice_index layout, rows r_base..r_base + 7), in increasing position order.
+__device__ __forceinline__ void grouped_fma_half(float (&acc)[8][8], const float4 (&wv)[8],
+                                                 const float* xs, uint32_t r_base, uint32_t part,
+                                                 uint32_t half) {
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    const float4 xv = *reinterpret_cast<const float4*>(&xs[slice_index(r_base + r, part, half)]);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      acc[r][c] = fmaf(wv[c].x, xv.x, acc[r][c]);
+      acc[r][c] = fmaf(wv[c].y, xv.y, acc[r][c]);
+      acc[r][c] = fmaf(wv[c].z, xv.z, acc[r][c]);
+      acc[r][c] = fmaf(wv[c].w, xv.w, acc[r][c]);
+    }
+  }
+}
+
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kGroupThreads, sizeof(typename Chunk<T>::elem) == 2 ? 2 : 1)
+    slice_layout_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
+                        const char* __restrict__ x, const uint32_t* __restrict__ counts,
+                        const uint32_t* __restrict__ routed, float* __restrict__ out,
+                        uint32_t tiles_x, uint32_t tiles_y) {
+  extern __shared__ float4
+      grouped_smem[];  // kGroupDynamicShmem bytes: xs[2][32 * 64], ws[2][64 * 64]
+  float (*xs)[kGroupRows * kSlice] = reinterpret_cast<float (*)[kGroupRows * kSlice]>(grouped_smem);
+  float (*ws)[kGroupCols * kSlice] = reinterpret_cast<float (*)[kGroupCols * kSlice]>(
+      reinterpret_cast<float*>(grouped_smem) + 2 * kGroupRows * kSlice);
+  __shared__ uint32_t flat_rows[kGroupRows];
+
+  const uint32_t e = blockIdx.z;
+  const uint32_t bx = blockIdx.x % tiles_x;
+  const uint32_t by = blockIdx.x / tiles_x;
+  if (by >= tiles_y || e >= p.n_experts) return;
+  const uint32_t count = __ldg(counts + e);
+  const uint32_t row0 = bx * kGroupRows;
+  const uint32_t col0 = by * kGroupCols;
+  if (row0 >= count || col0 >= p.n) return;
+  const uint32_t rows_here = min(kGroupRows, count - row0);
+
+  const uint32_t tid = threadIdx.x;
+  if (tid < kGroupRows)
+    flat_rows[tid] = tid < rows_here ? __ldg(routed + uint64_t{e} * p.m + row0 + tid) : 0u;
+  __syncthreads();
+
+  using Elem = typename Chunk<T>::elem;
+  const char* wexp = w + uint64_t{e} * p.expert_stride_bytes;
+  const uint32_t slices = (p.k + kSlice - 1) / kSlice;
+
+  // Loader roles. X: 32 rows x 8 chunks = 256 chunk loads, one per thread. W: 64 cols x 8 chunks
+  // = 512, two per thread. Chunk index within the slice = the partial sum it feeds.
+  const uint32_t x_row = tid >> 3, x_part = tid & 7;
+  const bool x_live = x_row < rows_here;
+  const float* x_src = x_live ? input_row(p, x, flat_rows[x_row]) : nullptr;
+  const uint32_t w_col0 = tid >> 3, w_part = tid & 7;  // second load: column + 32
+  const bool w_live0 = col0 + w_col0 < p.n;
+  const bool w_live1 = col0 + w_col0 + 32 < p.n;
+  const void* w_src0 = wexp + uint64_t{col0 + w_col0} * p.k * sizeof(Elem);
+  const void* w_src1 = wexp + uint64_t{col0 + w_col0 + 32} * p.k * sizeof(Elem);
+
+  Chunk<float> xr;
+  Chunk<T> wr0, wr1;
+  auto load_slice = [&](uint32_t slice) {
+    const uint32_t c_x = slice * 8 + x_part, c_w = slice * 8 + w_part;
+    if (x_live)
+      xr = load_x_chunk<VEC>(x_src, c_x, p.k);
+    else
+      xr.zero();
+    if (w_live0)
+      wr0 = load_w_chunk<T, VEC>(w_src0, c_w, p.k);
+    else
+      wr0.zero();
+    if (w_live1)
+      wr1 = load_w_chunk<T, VEC>(w_src1, c_w, p.k);
+    else
+      wr1.zero();
+  };
+  auto store_slice = [&](int buf) {
+    *reinterpret_cast<float4*>(&xs[buf][slice_index(x_row, x_part, 0)]) = xr.a;
+    *reinterpret_cast<float4*>(&xs[buf][slice_index(x_row, x_part, 1)]) = xr.b;
+    float4 a, b;
+    a = make_float4(wr0.get(0), wr0.get(1), wr0.get(2), wr0.get(3));
+    b = make_float4(wr0.get(4), wr0.get(5), wr0.get(6), wr0.get(7));
+    *reinterpret_cast<float4*>(&ws[buf][slice_index(w_col0, w_part, 0)]) = a;
+    *reinterpret_cast<float4*>(&ws[buf][slice_index(w_col0, w_part, 1)]) = b;
+    a = make_float4(wr1.get(0), wr1.get(1), wr1.get(2), wr1.get(3));
+    b = make_float4(wr1.get(4), wr1.get(5), wr1.get(6), wr1.get(7));
+    *reinterpret_cast<float4*>(&ws[buf][slice_index(w_col0 + 32, w_part, 0)]) = a;
+    *reinterpret_cast<float4*>(&ws[buf][slice_index(w_col0 + 32, w_part, 1)]) = b;
+  };
+
+  // Compute roles: tile = warp * 4 + group; in a warp the 4 groups share the column tile.
+  const uint32_t lane = tid & 31, part = lane & 7, group = lane >> 3, warp = tid >> 5;
+  const uint32_t r_base = group * 8;  // row tile (0..3) * 8
+  const uint32_t c_base = warp * 8;   // column tile (0..7) * 8
+
+  float acc[8][8];
+#pragma unroll
+  for (int r = 0; r < 8; ++r)
+#pragma unroll
+    for (int c = 0; c < 8; ++c) acc[r][c] = 0.f;
+
+  load_slice(0);
+  store_slice(0);
+  __syncthreads();
+  for (uint32_t s = 0; s < slices; ++s) {
+    const int buf = s & 1;
+    if (s + 1 < slices) load_slice(s + 1);  // in flight during the FMAs below
+#pragma unroll
+    for (uint32_t half = 0; half < 2; ++half) {
+      float4 wv[8];
+#pragma unroll
+      for (int c = 0; c < 8; ++c)
+        wv[c] = *reinterpret_cast<const float4*>(&ws[buf][slice_index(c_base + c, part, half)]);
+      grouped_fma_half(acc, wv, xs[buf], r_base, part, half);
+    }
+    if (s + 1 < slices)
+      store_slice(buf ^ 1);  // the other buffer was last read before the previous barrier
+    __syncthreads();
+  }
+
+  grouped_store_tile(p, acc, part, r_base, c_base, col0, rows_here, flat_rows, out);
+}
 
 struct Shape {
   const char* name;
@@ -92,15 +231,15 @@ int run(const Shape& s, uint32_t m) {
   const uint32_t tx = (max_count + kGroupRows - 1) / kGroupRows;
   const uint32_t ty = (s.n + kGroupCols - 1) / kGroupCols;
   const dim3 grid(tx * ty, 1, s.experts);
-  CHECK(cudaFuncSetAttribute(grouped_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             int(kGroupDynamicShmem)));
+  CHECK(cudaFuncSetAttribute(slice_layout_kernel<T, true>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(kGroupDynamicShmem)));
   CHECK(cudaFuncSetAttribute(grouped_outer_kernel<T, true, 1>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, int(kOuterDynamicShmem)));
   CHECK(cudaFuncSetAttribute(grouped_outer_kernel<T, true, 2>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, int(kOuterDynamicShmem)));
   const auto launch = [&](int variant) {
     if (variant == 0) {
-      grouped_kernel<T, true><<<grid, kGroupThreads, kGroupDynamicShmem>>>(
+      slice_layout_kernel<T, true><<<grid, kGroupThreads, kGroupDynamicShmem>>>(
           p, w, x, d_counts, d_routed, out[0], tx, ty);
     } else if (variant == 1) {
       grouped_outer_kernel<T, true, 1><<<grid, kGroupThreads, kOuterDynamicShmem>>>(
