@@ -62,54 +62,17 @@ __global__ void __launch_bounds__(kGroupThreads, sizeof(typename Chunk<T>::elem)
   float (*ws)[kGroupCols * kSlice] = reinterpret_cast<float (*)[kGroupCols * kSlice]>(
       reinterpret_cast<float*>(grouped_smem) + 2 * kGroupRows * kSlice);
   __shared__ uint32_t flat_rows[kGroupRows];
-
-  const uint32_t e = blockIdx.z;
-  const uint32_t bx = blockIdx.x % tiles_x;
-  const uint32_t by = blockIdx.x / tiles_x;
-  if (by >= tiles_y || e >= p.n_experts) return;
-  const uint32_t count = __ldg(counts + e);
-  const uint32_t row0 = bx * kGroupRows;
-  const uint32_t col0 = by * kGroupCols;
-  if (row0 >= count || col0 >= p.n) return;
-  const uint32_t rows_here = min(kGroupRows, count - row0);
-
+  GroupedBlock blk;
+  if (!grouped_block_begin(p, counts, routed, tiles_x, tiles_y, flat_rows, blk)) return;
   const uint32_t tid = threadIdx.x;
-  if (tid < kGroupRows)
-    flat_rows[tid] = tid < rows_here ? __ldg(routed + uint64_t{e} * p.m + row0 + tid) : 0u;
-  __syncthreads();
-
-  using Elem = typename Chunk<T>::elem;
-  const char* wexp = w + uint64_t{e} * p.expert_stride_bytes;
   const uint32_t slices = (p.k + kSlice - 1) / kSlice;
+  GroupedSliceLoader<T, VEC> loads(p, w, x, flat_rows, blk, tid);
+  const uint32_t x_row = loads.row, x_part = loads.part, w_col0 = loads.col, w_part = loads.part;
+  const Chunk<float>& xr = loads.xr;
+  const Chunk<T>& wr0 = loads.wr0;
+  const Chunk<T>& wr1 = loads.wr1;
+  const auto load_slice = [&](uint32_t slice) { loads.load(slice); };
 
-  // Loader roles. X: 32 rows x 8 chunks = 256 chunk loads, one per thread. W: 64 cols x 8 chunks
-  // = 512, two per thread. Chunk index within the slice = the partial sum it feeds.
-  const uint32_t x_row = tid >> 3, x_part = tid & 7;
-  const bool x_live = x_row < rows_here;
-  const float* x_src = x_live ? input_row(p, x, flat_rows[x_row]) : nullptr;
-  const uint32_t w_col0 = tid >> 3, w_part = tid & 7;  // second load: column + 32
-  const bool w_live0 = col0 + w_col0 < p.n;
-  const bool w_live1 = col0 + w_col0 + 32 < p.n;
-  const void* w_src0 = wexp + uint64_t{col0 + w_col0} * p.k * sizeof(Elem);
-  const void* w_src1 = wexp + uint64_t{col0 + w_col0 + 32} * p.k * sizeof(Elem);
-
-  Chunk<float> xr;
-  Chunk<T> wr0, wr1;
-  auto load_slice = [&](uint32_t slice) {
-    const uint32_t c_x = slice * 8 + x_part, c_w = slice * 8 + w_part;
-    if (x_live)
-      xr = load_x_chunk<VEC>(x_src, c_x, p.k);
-    else
-      xr.zero();
-    if (w_live0)
-      wr0 = load_w_chunk<T, VEC>(w_src0, c_w, p.k);
-    else
-      wr0.zero();
-    if (w_live1)
-      wr1 = load_w_chunk<T, VEC>(w_src1, c_w, p.k);
-    else
-      wr1.zero();
-  };
   auto store_slice = [&](int buf) {
     *reinterpret_cast<float4*>(&xs[buf][slice_index(x_row, x_part, 0)]) = xr.a;
     *reinterpret_cast<float4*>(&xs[buf][slice_index(x_row, x_part, 1)]) = xr.b;
@@ -154,7 +117,7 @@ __global__ void __launch_bounds__(kGroupThreads, sizeof(typename Chunk<T>::elem)
     __syncthreads();
   }
 
-  grouped_store_tile(p, acc, part, r_base, c_base, col0, rows_here, flat_rows, out);
+  grouped_store_tile(p, acc, part, r_base, c_base, blk.col0, blk.rows_here, flat_rows, out);
 }
 
 struct Shape {

@@ -531,6 +531,79 @@ __global__ void map_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __
 
 // ---- grouped -------------------------------------------------------------------------------------
 
+// Where a grouped block sits (see Geometry above).
+struct GroupedBlock {
+  uint32_t e, row0, col0, rows_here;
+};
+
+// Places the block and lists its routed rows in `flat_rows` (then a barrier). False when the block
+// has nothing to compute: the whole block returns, before any barrier.
+__device__ __forceinline__ bool grouped_block_begin(const DenseMatmulIdKernelParams& p,
+                                                    const uint32_t* __restrict__ counts,
+                                                    const uint32_t* __restrict__ routed,
+                                                    uint32_t tiles_x, uint32_t tiles_y,
+                                                    uint32_t* flat_rows, GroupedBlock& b) {
+  b.e = blockIdx.z;
+  const uint32_t bx = blockIdx.x % tiles_x;
+  const uint32_t by = blockIdx.x / tiles_x;
+  if (by >= tiles_y || b.e >= p.n_experts) return false;
+  const uint32_t count = __ldg(counts + b.e);
+  b.row0 = bx * kGroupRows;
+  b.col0 = by * kGroupCols;
+  if (b.row0 >= count || b.col0 >= p.n) return false;
+  b.rows_here = min(kGroupRows, count - b.row0);
+  const uint32_t tid = threadIdx.x;
+  if (tid < kGroupRows)
+    flat_rows[tid] = tid < b.rows_here ? __ldg(routed + uint64_t{b.e} * p.m + b.row0 + tid) : 0u;
+  __syncthreads();
+  return true;
+}
+
+// One thread's slice loads in a grouped block: activation chunk `part` of the block's routed row
+// `row`, weight chunk `part` of the block's columns `col` and `col` + 32 (row = col = tid / 8,
+// part = tid % 8). Chunks of rows past the block's count, columns past n or positions past k are
+// zero.
+template <typename T, bool VEC>
+struct GroupedSliceLoader {
+  uint32_t row, col, part, k;
+  bool x_live, w_live0, w_live1;
+  const float* x_src;
+  const void* w_src0;
+  const void* w_src1;
+  Chunk<float> xr;
+  Chunk<T> wr0, wr1;
+
+  __device__ __forceinline__ GroupedSliceLoader(const DenseMatmulIdKernelParams& p, const char* w,
+                                                const char* x, const uint32_t* flat_rows,
+                                                const GroupedBlock& b, uint32_t tid)
+      : row(tid >> 3), col(tid >> 3), part(tid & 7), k(p.k) {
+    using Elem = typename Chunk<T>::elem;
+    const char* wexp = w + uint64_t{b.e} * p.expert_stride_bytes;
+    x_live = row < b.rows_here;
+    x_src = x_live ? input_row(p, x, flat_rows[row]) : nullptr;
+    w_live0 = b.col0 + col < p.n;
+    w_live1 = b.col0 + col + 32 < p.n;
+    w_src0 = wexp + uint64_t{b.col0 + col} * p.k * sizeof(Elem);
+    w_src1 = wexp + uint64_t{b.col0 + col + 32} * p.k * sizeof(Elem);
+  }
+
+  __device__ __forceinline__ void load(uint32_t slice) {
+    const uint32_t c = slice * 8 + part;
+    if (x_live)
+      xr = load_x_chunk<VEC>(x_src, c, k);
+    else
+      xr.zero();
+    if (w_live0)
+      wr0 = load_w_chunk<T, VEC>(w_src0, c, k);
+    else
+      wr0.zero();
+    if (w_live1)
+      wr1 = load_w_chunk<T, VEC>(w_src1, c, k);
+    else
+      wr1.zero();
+  }
+};
+
 // Step 3 and the store of one thread tile: lane `part` of the group ends with row r_base + part of
 // the 8 columns c_base..c_base + 7 and writes the ones inside the block's rows and n.
 __device__ __forceinline__ void grouped_store_tile(const DenseMatmulIdKernelParams& p,
@@ -602,64 +675,23 @@ __global__ void __launch_bounds__(kGroupThreads, kMinBlocks)
                          uint32_t tiles_x, uint32_t tiles_y) {
   extern __shared__ __align__(16) uint8_t outer_smem[];
   __shared__ uint32_t flat_rows[kGroupRows];
-
-  const uint32_t e = blockIdx.z;
-  const uint32_t bx = blockIdx.x % tiles_x;
-  const uint32_t by = blockIdx.x / tiles_x;
-  if (by >= tiles_y || e >= p.n_experts) return;
-  const uint32_t count = __ldg(counts + e);
-  const uint32_t row0 = bx * kGroupRows;
-  const uint32_t col0 = by * kGroupCols;
-  if (row0 >= count || col0 >= p.n) return;
-  const uint32_t rows_here = min(kGroupRows, count - row0);
-
+  GroupedBlock b;
+  if (!grouped_block_begin(p, counts, routed, tiles_x, tiles_y, flat_rows, b)) return;
   const uint32_t tid = threadIdx.x;
-  if (tid < kGroupRows)
-    flat_rows[tid] = tid < rows_here ? __ldg(routed + uint64_t{e} * p.m + row0 + tid) : 0u;
-  __syncthreads();
-
-  using Elem = typename Chunk<T>::elem;
-  const char* wexp = w + uint64_t{e} * p.expert_stride_bytes;
   const uint32_t slices = (p.k + kSlice - 1) / kSlice;
-
-  // Loader roles: X row tid / 8, W columns tid / 8 and tid / 8 + 32, chunk part tid % 8.
-  const uint32_t x_row = tid >> 3, x_part = tid & 7;
-  const bool x_live = x_row < rows_here;
-  const float* x_src = x_live ? input_row(p, x, flat_rows[x_row]) : nullptr;
-  const uint32_t w_col0 = tid >> 3, w_part = tid & 7;
-  const bool w_live0 = col0 + w_col0 < p.n;
-  const bool w_live1 = col0 + w_col0 + 32 < p.n;
-  const void* w_src0 = wexp + uint64_t{col0 + w_col0} * p.k * sizeof(Elem);
-  const void* w_src1 = wexp + uint64_t{col0 + w_col0 + 32} * p.k * sizeof(Elem);
+  GroupedSliceLoader<T, VEC> loads(p, w, x, flat_rows, b, tid);
 
   const auto xs_of = [&](int buf) { return outer_smem + buf * kOuterBuffer; };
   const auto ws_of = [&](int buf) { return outer_smem + buf * kOuterBuffer + 8 * kOuterXPart; };
 
-  Chunk<float> xr;
-  Chunk<T> wr0, wr1;
-  auto load_slice = [&](uint32_t slice) {
-    const uint32_t c_x = slice * 8 + x_part, c_w = slice * 8 + w_part;
-    if (x_live)
-      xr = load_x_chunk<VEC>(x_src, c_x, p.k);
-    else
-      xr.zero();
-    if (w_live0)
-      wr0 = load_w_chunk<T, VEC>(w_src0, c_w, p.k);
-    else
-      wr0.zero();
-    if (w_live1)
-      wr1 = load_w_chunk<T, VEC>(w_src1, c_w, p.k);
-    else
-      wr1.zero();
-  };
   auto store_slice = [&](int buf) {
-    float* xs = reinterpret_cast<float*>(xs_of(buf) + x_part * kOuterXPart) + x_row;
-    float* ws = reinterpret_cast<float*>(ws_of(buf) + w_part * kOuterWPart) + w_col0;
+    float* xs = reinterpret_cast<float*>(xs_of(buf) + loads.part * kOuterXPart) + loads.row;
+    float* ws = reinterpret_cast<float*>(ws_of(buf) + loads.part * kOuterWPart) + loads.col;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      xs[j * kGroupRows] = xr.get(j);
-      ws[j * kGroupCols] = wr0.get(j);
-      ws[j * kGroupCols + 32] = wr1.get(j);
+      xs[j * kGroupRows] = loads.xr.get(j);
+      ws[j * kGroupCols] = loads.wr0.get(j);
+      ws[j * kGroupCols + 32] = loads.wr1.get(j);
     }
   };
 
@@ -674,12 +706,12 @@ __global__ void __launch_bounds__(kGroupThreads, kMinBlocks)
 #pragma unroll
     for (int c = 0; c < 8; ++c) acc[r][c] = 0.f;
 
-  load_slice(0);
+  loads.load(0);
   store_slice(0);
   __syncthreads();
   for (uint32_t s = 0; s < slices; ++s) {
     const int buf = s & 1;
-    if (s + 1 < slices) load_slice(s + 1);  // in flight during the FMAs below
+    if (s + 1 < slices) loads.load(s + 1);  // in flight during the FMAs below
     const float* xs = reinterpret_cast<const float*>(xs_of(buf) + part * kOuterXPart) + r_base;
     const float* ws = reinterpret_cast<const float*>(ws_of(buf) + part * kOuterWPart) + c_base;
 #pragma unroll
@@ -700,7 +732,7 @@ __global__ void __launch_bounds__(kGroupThreads, kMinBlocks)
     __syncthreads();
   }
 
-  grouped_store_tile(p, acc, part, r_base, c_base, col0, rows_here, flat_rows, out);
+  grouped_store_tile(p, acc, part, r_base, c_base, b.col0, b.rows_here, flat_rows, out);
 }
 
 // ---- host wrappers -------------------------------------------------------------------------------
