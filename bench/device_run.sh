@@ -58,7 +58,8 @@ import numpy as np, ml_dtypes, routemm
 dev = routemm.Device("cuda"); reg = routemm.KernelRegistry(dev)
 rng = np.random.default_rng(0)
 for dt, k, n, m, top_k, E in [(np.float32, 35, 7, 9, 6, 8), (ml_dtypes.bfloat16, 64, 40, 33, 4, 16),
-                              (np.float16, 2048, 96, 5, 8, 32)]:
+                              (np.float16, 2048, 96, 5, 8, 32), (np.float32, 72, 1030, 130, 8, 8),
+                              (ml_dtypes.bfloat16, 72, 1030, 130, 8, 8)]:  # 680 grouped tiles
     w = rng.standard_normal((E, n, k)).astype(dt)
     x = rng.standard_normal((m, k)).astype(np.float32)
     ids = np.argsort(rng.random((m, E)), 1)[:, :top_k].astype(np.uint32)

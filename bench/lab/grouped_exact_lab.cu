@@ -1,9 +1,11 @@
-// Lab: the exact grouped expert-ID kernels side by side on the prefill shapes (m = 4096):
-// slice_layout_kernel<T, true> (slices in slice_index layout) against grouped_outer_kernel (slices
-// transposed, one outer product per position) compiled for one and for two blocks per
-// multiprocessor. Same operands, same routing, CUDA-event medians; every variant's output must
-// equal the first one's bit for bit (the numeric contract of csrc/backend/cuda/dense_matmul_id.cu),
-// and every element must be written, else the lab exits 1.
+// Lab: the exact grouped expert-ID kernels side by side on the prefill shapes (m = 4096): the
+// previous layout (slice_layout_kernel: slices as 16-byte quads along K, one block per tile of the
+// front door's geometry, most of them empty) against the library's kernel (transposed slices, one
+// outer product per position, persistent over the work list of tiles holding rows). Same
+// operands, same routing, CUDA-event medians; the library's output must equal the baseline's bit
+// for bit (the numeric contract of csrc/backend/cuda/dense_matmul_id.cu), and every element must
+// be written, else the lab exits 1. (The transposed layout on the front door's geometry, at one
+// and two blocks per SM, is in git at 7866718.)
 //
 //   nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -Icsrc/include -Icsrc \
 //     -Icsrc/backend/cuda -o /tmp/grouped_exact_lab bench/lab/grouped_exact_lab.cu && /tmp/grouped_exact_lab
@@ -17,6 +19,29 @@ namespace lab {
 
 using namespace routemm::cuda;
 using routemm::kernels::DenseMatmulIdKernelParams;
+
+// Places the block and lists its routed rows in `flat_rows` (then a barrier). False when the block
+// has nothing to compute: the whole block returns, before any barrier.
+__device__ __forceinline__ bool grouped_block_begin(const DenseMatmulIdKernelParams& p,
+                                                    const uint32_t* __restrict__ counts,
+                                                    const uint32_t* __restrict__ routed,
+                                                    uint32_t tiles_x, uint32_t tiles_y,
+                                                    uint32_t* flat_rows, WorkItem& b) {
+  b.expert = blockIdx.z;
+  const uint32_t bx = blockIdx.x % tiles_x;
+  const uint32_t by = blockIdx.x / tiles_x;
+  if (by >= tiles_y || b.expert >= p.n_experts) return false;
+  const uint32_t count = __ldg(counts + b.expert);
+  b.row0 = bx * kGroupRows;
+  b.col0 = by * kGroupCols;
+  if (b.row0 >= count || b.col0 >= p.n) return false;
+  b.rows = min(kGroupRows, count - b.row0);
+  const uint32_t tid = threadIdx.x;
+  if (tid < kGroupRows)
+    flat_rows[tid] = tid < b.rows ? __ldg(routed + uint64_t{b.expert} * p.m + b.row0 + tid) : 0u;
+  __syncthreads();
+  return true;
+}
 
 // The previous grouped kernel, kept here as the lab's baseline: slices in slice_index layout
 // (per position run of a row, 16-byte quads along K), 8 weight quads and one activation quad
@@ -62,7 +87,7 @@ __global__ void __launch_bounds__(kGroupThreads, sizeof(typename Chunk<T>::elem)
   float (*ws)[kGroupCols * kSlice] = reinterpret_cast<float (*)[kGroupCols * kSlice]>(
       reinterpret_cast<float*>(grouped_smem) + 2 * kGroupRows * kSlice);
   __shared__ uint32_t flat_rows[kGroupRows];
-  GroupedBlock blk;
+  WorkItem blk;
   if (!grouped_block_begin(p, counts, routed, tiles_x, tiles_y, flat_rows, blk)) return;
   const uint32_t tid = threadIdx.x;
   const uint32_t slices = (p.k + kSlice - 1) / kSlice;
@@ -117,7 +142,7 @@ __global__ void __launch_bounds__(kGroupThreads, sizeof(typename Chunk<T>::elem)
     __syncthreads();
   }
 
-  grouped_store_tile(p, acc, part, r_base, c_base, blk.col0, blk.rows_here, flat_rows, out);
+  grouped_store_tile(p, acc, part, r_base, c_base, blk.col0, blk.rows, flat_rows, out);
 }
 
 struct Shape {
@@ -169,17 +194,15 @@ int run(const Shape& s, uint32_t m) {
     }
   }
   std::vector<uint32_t> counts(s.experts), routed(size_t(s.experts) * m, 0);
-  uint32_t max_count = 0;
   for (uint32_t e = 0; e < s.experts; ++e) {
     counts[e] = uint32_t(lists[e].size());
-    max_count = std::max(max_count, counts[e]);
     std::copy(lists[e].begin(), lists[e].end(), routed.begin() + size_t(e) * m);
   }
 
   const size_t w_count = size_t(s.experts) * s.n * s.k, rows = size_t(m) * s.top_k;
   char *w = nullptr, *x = nullptr;
   uint32_t *d_counts = nullptr, *d_routed = nullptr;
-  float* out[3] = {};
+  float* out[2] = {};
   CHECK(cudaMalloc(&w, w_count * elem));
   CHECK(cudaMalloc(&x, size_t(m) * s.k * 4));
   CHECK(cudaMalloc(&d_counts, counts.size() * 4));
@@ -191,31 +214,32 @@ int run(const Shape& s, uint32_t m) {
   CHECK(cudaMemcpy(d_counts, counts.data(), counts.size() * 4, cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(d_routed, routed.data(), routed.size() * 4, cudaMemcpyHostToDevice));
 
-  const uint32_t tx = (max_count + kGroupRows - 1) / kGroupRows;
+  // The baseline on the front door's geometry (row tiles over m, most of them empty); the library
+  // kernel persistent over the work list, on two blocks per multiprocessor.
+  const uint32_t tx = (m + kGroupRows - 1) / kGroupRows;
   const uint32_t ty = (s.n + kGroupCols - 1) / kGroupCols;
   const dim3 grid(tx * ty, 1, s.experts);
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const unsigned persistent = unsigned(std::min<uint64_t>(uint64_t{tx} * ty * s.experts, 2 * sms));
+  const size_t outer_smem = kOuterDynamicShmem + (size_t{s.experts} + 1) * 4;
   CHECK(cudaFuncSetAttribute(slice_layout_kernel<T, true>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, int(kGroupDynamicShmem)));
-  CHECK(cudaFuncSetAttribute(grouped_outer_kernel<T, true, 1>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(kOuterDynamicShmem)));
   CHECK(cudaFuncSetAttribute(grouped_outer_kernel<T, true, 2>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(kOuterDynamicShmem)));
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(outer_smem)));
   const auto launch = [&](int variant) {
     if (variant == 0) {
       slice_layout_kernel<T, true><<<grid, kGroupThreads, kGroupDynamicShmem>>>(
           p, w, x, d_counts, d_routed, out[0], tx, ty);
-    } else if (variant == 1) {
-      grouped_outer_kernel<T, true, 1><<<grid, kGroupThreads, kOuterDynamicShmem>>>(
-          p, w, x, d_counts, d_routed, out[1], tx, ty);
     } else {
-      grouped_outer_kernel<T, true, 2><<<grid, kGroupThreads, kOuterDynamicShmem>>>(
-          p, w, x, d_counts, d_routed, out[2], tx, ty);
+      grouped_outer_kernel<T, true, 2>
+          <<<persistent, kGroupThreads, outer_smem>>>(p, w, x, d_counts, d_routed, out[1]);
     }
   };
-  const char* names[3] = {"slice layout", "outer, 1 block/SM", "outer, 2 blocks/SM"};
+  const char* names[2] = {"slice layout", "library (work list)"};
   const double flops = 2.0 * double(rows) * s.n * s.k;
-  float us[3];
-  for (int v = 0; v < 3; ++v) {
+  float us[2];
+  for (int v = 0; v < 2; ++v) {
     CHECK(cudaMemset(out[v], 0xFF, rows * s.n * 4));  // NaN poison: every element must be written
     us[v] = median_event_us([&](int) { launch(v); }, 7, 2);
     CHECK(cudaGetLastError());
@@ -225,7 +249,7 @@ int run(const Shape& s, uint32_t m) {
   CHECK(cudaMemcpy(ref.data(), out[0], ref.size() * 4, cudaMemcpyDeviceToHost));
   int bad = 0;
   for (const uint32_t v : ref) bad += v == 0xFFFFFFFFu;
-  for (int v = 0; v < 3; ++v) {
+  for (int v = 0; v < 2; ++v) {
     if (v > 0) {
       CHECK(cudaMemcpy(got.data(), out[v], got.size() * 4, cudaMemcpyDeviceToHost));
       if (std::memcmp(got.data(), ref.data(), got.size() * 4) != 0) ++bad;

@@ -172,6 +172,21 @@ def test_aligned_rows_grouped_slice_counts(device, registry, rng, dtype, k):
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
+@pytest.mark.parametrize("pad", [0, 12], ids=["aligned", "padded"])
+def test_grouped_many_tiles(device, registry, rng, dtype, pad):
+    """More 32 x 64 tiles than a GPU keeps resident (8 experts x 5 row tiles x 17 column tiles),
+    so a persistent grid runs several per block, with row and column tails, a partial K slice and
+    some invalid ids; aligned and padded (element-wise) weight stacks. Both routes match the
+    reference and each other bit for bit, and every valid row is written."""
+    m, top_k, n, k = 130, 8, 1030, 72
+    ids = sprinkle_invalid(rng, distinct_ids(rng, m, top_k, E), E)
+    w = random_weights(rng, dtype, (E, n, k))
+    case = Case(device, registry, dtype, w, _inputs(rng, m, top_k, k, False), ids, slotted=False, pad=pad)
+    for result in _check_routes(case, f"{dtype} many tiles pad={pad}").values():
+        assert np.all(result.out[~invalid_rows(ids, E)] != 0), "a valid row was left unwritten or zeroed"
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
 def test_aligned_rows_one_expert_dominates(device, registry, rng, dtype):
     """MAY_REPEAT on the vectorised direct path with two experts over 320 flat rows: duplicates
     within a token are computed from their own input rows, and a token with no valid slot gives

@@ -22,17 +22,19 @@
 //            direct_gathered_kernel); the grid and the tile are the same either way.
 //   map    : grid [1, 1, 1], threads [1024]: one block that builds per-expert token bitmaps tile by
 //            tile (see map_kernel).
-//   grouped: grid [ceil(m / 32), ceil(n / 64), n_experts], 256 threads. Block (x, y, e) computes
-//            routed rows [32x, 32x + 32) of expert e times columns [64y, 64y + 64): 32 thread tiles
-//            of 8 rows x 8 columns, 8 lanes (one per s_p) per tile, K staged through shared memory
-//            in slices of 64 (one chunk per s_p), double-buffered.
-// The host wrappers launch these grids flattened into x (no 65535 limit on y); which direct kernel
-// runs, and in which block order, depends on the shape only (see launch_direct).
+//   grouped: grid [ceil(m / 32), ceil(n / 64), n_experts], 256 threads. Tile (x, y, e) is routed
+//            rows [32x, 32x + 32) of expert e times columns [64y, 64y + 64): 32 thread tiles of 8
+//            rows x 8 columns, 8 lanes (one per s_p) per tile, K staged through shared memory in
+//            slices of 64 (one chunk per s_p), double-buffered. The launch runs the tiles that hold
+//            routed rows as a work list on a persistent grid (see launch_grouped).
+// The host wrappers launch the direct grid flattened into x (no 65535 limit on y); which direct
+// kernel runs, and in which block order, depends on the shape only (see launch_direct).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <cstring>
@@ -41,6 +43,7 @@
 
 #include "backend/common/dense_matmul_id_params.h"
 #include "backend/common/launch_args.h"
+#include "grouped_work_list.cuh"
 #include "kernels.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
@@ -531,34 +534,6 @@ __global__ void map_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __
 
 // ---- grouped -------------------------------------------------------------------------------------
 
-// Where a grouped block sits (see Geometry above).
-struct GroupedBlock {
-  uint32_t e, row0, col0, rows_here;
-};
-
-// Places the block and lists its routed rows in `flat_rows` (then a barrier). False when the block
-// has nothing to compute: the whole block returns, before any barrier.
-__device__ __forceinline__ bool grouped_block_begin(const DenseMatmulIdKernelParams& p,
-                                                    const uint32_t* __restrict__ counts,
-                                                    const uint32_t* __restrict__ routed,
-                                                    uint32_t tiles_x, uint32_t tiles_y,
-                                                    uint32_t* flat_rows, GroupedBlock& b) {
-  b.e = blockIdx.z;
-  const uint32_t bx = blockIdx.x % tiles_x;
-  const uint32_t by = blockIdx.x / tiles_x;
-  if (by >= tiles_y || b.e >= p.n_experts) return false;
-  const uint32_t count = __ldg(counts + b.e);
-  b.row0 = bx * kGroupRows;
-  b.col0 = by * kGroupCols;
-  if (b.row0 >= count || b.col0 >= p.n) return false;
-  b.rows_here = min(kGroupRows, count - b.row0);
-  const uint32_t tid = threadIdx.x;
-  if (tid < kGroupRows)
-    flat_rows[tid] = tid < b.rows_here ? __ldg(routed + uint64_t{b.e} * p.m + b.row0 + tid) : 0u;
-  __syncthreads();
-  return true;
-}
-
 // One thread's slice loads in a grouped block: activation chunk `part` of the block's routed row
 // `row`, weight chunk `part` of the block's columns `col` and `col` + 32 (row = col = tid / 8,
 // part = tid % 8). Chunks of rows past the block's count, columns past n or positions past k are
@@ -575,11 +550,11 @@ struct GroupedSliceLoader {
 
   __device__ __forceinline__ GroupedSliceLoader(const DenseMatmulIdKernelParams& p, const char* w,
                                                 const char* x, const uint32_t* flat_rows,
-                                                const GroupedBlock& b, uint32_t tid)
+                                                const WorkItem& b, uint32_t tid)
       : row(tid >> 3), col(tid >> 3), part(tid & 7), k(p.k) {
     using Elem = typename Chunk<T>::elem;
-    const char* wexp = w + uint64_t{b.e} * p.expert_stride_bytes;
-    x_live = row < b.rows_here;
+    const char* wexp = w + uint64_t{b.expert} * p.expert_stride_bytes;
+    x_live = row < b.rows;
     x_src = x_live ? input_row(p, x, flat_rows[row]) : nullptr;
     w_live0 = b.col0 + col < p.n;
     w_live1 = b.col0 + col + 32 < p.n;
@@ -667,18 +642,15 @@ constexpr size_t kOuterDynamicShmem = 2ull * kOuterBuffer;  // double-buffered: 
 // Blocks per multiprocessor the library's outer-layout kernel is compiled for.
 constexpr int kOuterMinBlocks = 2;
 
-template <typename T, bool VEC, int kMinBlocks>
-__global__ void __launch_bounds__(kGroupThreads, kMinBlocks)
-    grouped_outer_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
-                         const char* __restrict__ x, const uint32_t* __restrict__ counts,
-                         const uint32_t* __restrict__ routed, float* __restrict__ out,
-                         uint32_t tiles_x, uint32_t tiles_y) {
-  extern __shared__ __align__(16) uint8_t outer_smem[];
-  __shared__ uint32_t flat_rows[kGroupRows];
-  GroupedBlock b;
-  if (!grouped_block_begin(p, counts, routed, tiles_x, tiles_y, flat_rows, b)) return;
+// One work item of the grouped kernel (block `b`, its routed rows already in `flat_rows`).
+template <typename T, bool VEC>
+__device__ __forceinline__ void grouped_outer_item(const DenseMatmulIdKernelParams& p,
+                                                   const char* __restrict__ w,
+                                                   const char* __restrict__ x,
+                                                   float* __restrict__ out, const WorkItem& b,
+                                                   const uint32_t* flat_rows, uint8_t* outer_smem,
+                                                   uint32_t slices) {
   const uint32_t tid = threadIdx.x;
-  const uint32_t slices = (p.k + kSlice - 1) / kSlice;
   GroupedSliceLoader<T, VEC> loads(p, w, x, flat_rows, b, tid);
 
   const auto xs_of = [&](int buf) { return outer_smem + buf * kOuterBuffer; };
@@ -732,7 +704,31 @@ __global__ void __launch_bounds__(kGroupThreads, kMinBlocks)
     __syncthreads();
   }
 
-  grouped_store_tile(p, acc, part, r_base, c_base, b.col0, b.rows_here, flat_rows, out);
+  grouped_store_tile(p, acc, part, r_base, c_base, b.col0, b.rows, flat_rows, out);
+}
+
+template <typename T, bool VEC, int kMinBlocks>
+__global__ void __launch_bounds__(kGroupThreads, kMinBlocks)
+    grouped_outer_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
+                         const char* __restrict__ x, const uint32_t* __restrict__ counts,
+                         const uint32_t* __restrict__ routed, float* __restrict__ out) {
+  extern __shared__ __align__(16) uint8_t outer_smem[];  // buffers, then the expert prefix
+  __shared__ uint32_t flat_rows[kGroupRows];
+  uint32_t* const prefix = reinterpret_cast<uint32_t*>(outer_smem + kOuterDynamicShmem);
+  const uint32_t tid = threadIdx.x;
+  const uint32_t slices = (p.k + kSlice - 1) / kSlice;
+  const uint32_t col_tiles = (p.n + kGroupCols - 1) / kGroupCols;
+  build_item_prefix<kGroupThreads>(counts, p.m, p.n_experts, kGroupRows, col_tiles, prefix);
+  const uint32_t total = prefix[p.n_experts];
+
+  for (uint32_t item = blockIdx.x; item < total; item += gridDim.x) {
+    const WorkItem b = decode_item(item, prefix, counts, p.m, p.n_experts, kGroupRows, kGroupCols);
+    if (tid < kGroupRows)
+      flat_rows[tid] = tid < b.rows ? __ldg(routed + uint64_t{b.expert} * p.m + b.row0 + tid) : 0u;
+    __syncthreads();
+    grouped_outer_item<T, VEC>(p, w, x, out, b, flat_rows, outer_smem, slices);
+    __syncthreads();  // flat_rows and the buffers are rewritten by the next item
+  }
 }
 
 // ---- host wrappers -------------------------------------------------------------------------------
@@ -756,6 +752,27 @@ bool vector_ok(const DenseMatmulIdKernelParams& p, const void* w, const void* x,
   return p.k % 8 == 0 && aligned16(w) && aligned16(x) && p.expert_stride_bytes % 16 == 0 &&
          (uint64_t{p.k} * elem) % 16 == 0 && p.input_token_stride_bytes % 16 == 0 &&
          p.input_slot_stride_bytes % 16 == 0;
+}
+
+// Multiprocessors of the current device, asked once per device.
+uint32_t multiprocessors(const std::string& label) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<uint32_t> known[kMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices)
+    throw Error(label + ": no current CUDA device");
+  uint32_t sms = known[device].load(std::memory_order_relaxed);
+  if (sms == 0) {
+    int value = 0;
+    if (const cudaError_t e =
+            cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device);
+        e != cudaSuccess || value <= 0) {
+      throw Error(label + ": cannot read the multiprocessor count: " + cudaGetErrorString(e));
+    }
+    sms = static_cast<uint32_t>(value);
+    known[device].store(sms, std::memory_order_relaxed);
+  }
+  return sms;
 }
 
 void check_grid(const KernelLaunch& launch, uint64_t blocks) {
@@ -844,23 +861,28 @@ void launch_grouped(const KernelLaunch& launch, void* stream_ptr) {
   auto* out = static_cast<float*>(arg(launch, 5, "output").data);
   const uint64_t tx = launch.grid.x, ty = launch.grid.y, tz = launch.grid.z;
   if (tx == 0 || ty == 0 || tz == 0) return;
-  if (tz > 65535 || tx > UINT32_MAX || ty > UINT32_MAX)
-    throw Error(launch.label + ": grid too large");
-  check_grid(launch, tx * ty);
-  const dim3 grid(static_cast<unsigned>(tx * ty), 1, static_cast<unsigned>(tz));
+  if (p.n_experts > kMaxWorkListExperts) {
+    throw Error(launch.label + ": the grouped kernel supports up to " +
+                std::to_string(kMaxWorkListExperts) + " experts, got " +
+                std::to_string(p.n_experts));
+  }
+  // The front door's grid is the spec's geometry, one block per (row tile, column tile, expert);
+  // most of those hold no routed rows (row tiles cover m, an expert holds about m * top_k /
+  // n_experts). So the kernel runs persistent over the work list of the tiles that hold rows,
+  // resident blocks only: two per multiprocessor, fewer when the grid is smaller.
+  const uint64_t resident = 2ull * multiprocessors(launch.label);
+  const auto blocks = static_cast<unsigned>(std::min<uint64_t>(tx * ty * tz, resident));
+  const size_t smem = kOuterDynamicShmem + (size_t{p.n_experts} + 1) * 4;
+  constexpr size_t kSmemCap = kOuterDynamicShmem + (size_t{kMaxWorkListExperts} + 1) * 4;
   const size_t elem = sizeof(typename Chunk<T>::elem);
   if (vector_ok(p, w, x, elem)) {
-    opt_in_dynamic_smem<grouped_outer_kernel<T, true, kOuterMinBlocks>>(
-        launch.label, kOuterDynamicShmem, kOuterDynamicShmem);
-    grouped_outer_kernel<T, true, kOuterMinBlocks>
-        <<<grid, kGroupThreads, kOuterDynamicShmem, stream>>>(p, w, x, counts, routed, out,
-                                                              uint32_t(tx), uint32_t(ty));
+    constexpr auto kernel = &grouped_outer_kernel<T, true, kOuterMinBlocks>;
+    opt_in_dynamic_smem<kernel>(launch.label, smem, kSmemCap);
+    kernel<<<blocks, kGroupThreads, smem, stream>>>(p, w, x, counts, routed, out);
   } else {
-    opt_in_dynamic_smem<grouped_outer_kernel<T, false, kOuterMinBlocks>>(
-        launch.label, kOuterDynamicShmem, kOuterDynamicShmem);
-    grouped_outer_kernel<T, false, kOuterMinBlocks>
-        <<<grid, kGroupThreads, kOuterDynamicShmem, stream>>>(p, w, x, counts, routed, out,
-                                                              uint32_t(tx), uint32_t(ty));
+    constexpr auto kernel = &grouped_outer_kernel<T, false, kOuterMinBlocks>;
+    opt_in_dynamic_smem<kernel>(launch.label, smem, kSmemCap);
+    kernel<<<blocks, kGroupThreads, smem, stream>>>(p, w, x, counts, routed, out);
   }
 }
 
