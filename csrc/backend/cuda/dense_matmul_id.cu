@@ -905,7 +905,8 @@ KernelDef def(std::string_view name, KernelFn fn, uint32_t threads, uint32_t til
 
 void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
   const auto& names = kDenseMatmulIdPipelineNames;
-  // Shared memory of a grouped block, reported so receipts show what a block uses.
+  // Shared memory of a grouped block, reported so receipts show what a block uses (the launch adds
+  // 4 bytes per expert for the work list's prefix).
   constexpr uint64_t kGroupShmem = kOuterDynamicShmem + kGroupRows * 4;
   // Static shared memory of the gathered direct kernel (member list, count, staged activations).
   constexpr uint64_t kDirectShmem =
