@@ -56,12 +56,30 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _command_lines(doc: dict) -> list[str]:
+    """The header's command: one line, or one per revision when records carry their own (merged files)."""
+    if "records by revision" not in doc["git_rev"]:  # a single run
+        return [f"Command: `{doc['command']}`"]
+    by_rev: dict = {}
+    for r in doc["records"]:
+        if "command" in r:
+            by_rev.setdefault(r.get("git_rev", "?"), r["command"])
+    untold = sorted({r.get("git_rev", "?") for r in doc["records"] if "command" not in r})
+    if not untold and len(set(by_rev.values())) <= 1:
+        return [f"Command: `{doc['command']}`"]
+    lines = ["Commands, by the revision of the records they measured:", ""]
+    lines += [f"- {rev}: `{cmd}`" for rev, cmd in by_rev.items()]
+    if untold:
+        lines.append(f"- {', '.join(untold)}: merged before records kept their command; see bench/results/logs")
+    return lines
+
+
 def _markdown(doc: dict) -> str:
     revision, _, detail = doc["git_rev"].partition(" ")  # a full hash, then any merge detail
     lines = [
         f"# {doc['device']} — {revision[:12]}{' ' + detail if detail else ''}",
         "",
-        f"Command: `{doc['command']}`",
+        *_command_lines(doc),
         "",
         "Ceilings: " + ", ".join(f"{k} = {v:.3g}" for k, v in doc["ceilings"].items()),
         "",

@@ -5,8 +5,8 @@ some cases:
 
 A record of NEW replaces the old record of the same case (op, shape, m, weight dtype, route, impl and
 how the route was chosen: the note's first clause, e.g. "forced" / "default policy"); every record
-keeps the git revision it was measured at, and the header lists the revisions. The Markdown table
-beside the old file is rewritten.
+keeps the git revision and the command it was measured with, and the header lists the commands by
+revision. The Markdown table beside the old file is rewritten.
 """
 
 import json
@@ -32,6 +32,11 @@ def main(old_path: str, new_path: str) -> None:
     for doc in (old, new):
         for r in doc["records"]:
             r.setdefault("git_rev", doc["git_rev"].split()[0])
+            # A single run's header command is its records' command. A file merged before records
+            # carried theirs has only the last merged run's in its header: those records stay
+            # without one (the device-run logs under bench/results/logs name them).
+            if "records by revision" not in doc["git_rev"]:
+                r.setdefault("command", doc["command"])
     replaced = {case_key(r): r for r in new["records"]}
     records = [replaced.pop(case_key(r), r) for r in old["records"]] + list(replaced.values())
     counts: dict = {}
