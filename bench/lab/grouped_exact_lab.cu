@@ -36,10 +36,7 @@ __device__ __forceinline__ bool grouped_block_begin(const DenseMatmulIdKernelPar
   b.col0 = by * kGroupCols;
   if (b.row0 >= count || b.col0 >= p.n) return false;
   b.rows = min(kGroupRows, count - b.row0);
-  const uint32_t tid = threadIdx.x;
-  if (tid < kGroupRows)
-    flat_rows[tid] = tid < b.rows ? __ldg(routed + uint64_t{b.expert} * p.m + b.row0 + tid) : 0u;
-  __syncthreads();
+  load_item_rows(p, routed, b, flat_rows);
   return true;
 }
 
@@ -225,14 +222,14 @@ int run(const Shape& s, uint32_t m) {
   const size_t outer_smem = kOuterDynamicShmem + (size_t{s.experts} + 1) * 4;
   CHECK(cudaFuncSetAttribute(slice_layout_kernel<T, true>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, int(kGroupDynamicShmem)));
-  CHECK(cudaFuncSetAttribute(grouped_outer_kernel<T, true, 2>,
+  CHECK(cudaFuncSetAttribute(grouped_outer_kernel<T, true>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, int(outer_smem)));
   const auto launch = [&](int variant) {
     if (variant == 0) {
       slice_layout_kernel<T, true><<<grid, kGroupThreads, kGroupDynamicShmem>>>(
           p, w, x, d_counts, d_routed, out[0], tx, ty);
     } else {
-      grouped_outer_kernel<T, true, 2>
+      grouped_outer_kernel<T, true>
           <<<persistent, kGroupThreads, outer_smem>>>(p, w, x, d_counts, d_routed, out[1]);
     }
   };

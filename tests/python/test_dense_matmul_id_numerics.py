@@ -159,8 +159,8 @@ def test_aligned_rows_expert_group_sizes(device, registry, rng, dtype, slotted, 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
 @pytest.mark.parametrize("k", [8, 64, 128, 192, 264, 520])
 def test_aligned_rows_grouped_slice_counts(device, registry, rng, dtype, k):
-    """The vectorised grouped path over 1 to 9 K slices of 64 (fewer slices than a staging ring
-    has stages, exactly as many, more, and a partial last slice), with experts of more than one
+    """The vectorised grouped path over 1 to 9 K slices of 64 (one slice, so no prefetch; fewer
+    slices than double-buffering turns over, more, and a partial last slice), with experts of more than one
     32-row tile and two column tiles (n = 70): both routes match the reference and each other bit
     for bit, and every valid row is written."""
     m, top_k, n = 80, 4, 70

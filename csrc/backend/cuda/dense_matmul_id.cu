@@ -39,7 +39,6 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <type_traits>
 
 #include "backend/common/dense_matmul_id_params.h"
 #include "backend/common/launch_args.h"
@@ -48,7 +47,6 @@
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
 #include "smem_opt_in.h"
-#include "warp_mma.cuh"
 
 #ifndef ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256
 #define ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256 "unknown"
@@ -639,8 +637,18 @@ constexpr uint32_t kOuterWPart = 8 * kGroupCols * 4 + 16;  // 8 positions x 64 c
 constexpr uint32_t kOuterBuffer = 8 * (kOuterXPart + kOuterWPart);
 constexpr size_t kOuterDynamicShmem = 2ull * kOuterBuffer;  // double-buffered: 49.75 KiB
 
-// Blocks per multiprocessor the library's outer-layout kernel is compiled for.
+// Blocks per multiprocessor the grouped kernel is compiled for (at most 128 registers).
 constexpr int kOuterMinBlocks = 2;
+
+// Lists the routed rows of work item `b` in `flat_rows` (zeros past its rows), then a barrier.
+__device__ __forceinline__ void load_item_rows(const DenseMatmulIdKernelParams& p,
+                                               const uint32_t* __restrict__ routed,
+                                               const WorkItem& b, uint32_t* flat_rows) {
+  const uint32_t tid = threadIdx.x;
+  if (tid < kGroupRows)
+    flat_rows[tid] = tid < b.rows ? __ldg(routed + uint64_t{b.expert} * p.m + b.row0 + tid) : 0u;
+  __syncthreads();
+}
 
 // One work item of the grouped kernel (block `b`, its routed rows already in `flat_rows`).
 template <typename T, bool VEC>
@@ -707,15 +715,14 @@ __device__ __forceinline__ void grouped_outer_item(const DenseMatmulIdKernelPara
   grouped_store_tile(p, acc, part, r_base, c_base, b.col0, b.rows, flat_rows, out);
 }
 
-template <typename T, bool VEC, int kMinBlocks>
-__global__ void __launch_bounds__(kGroupThreads, kMinBlocks)
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kGroupThreads, kOuterMinBlocks)
     grouped_outer_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
                          const char* __restrict__ x, const uint32_t* __restrict__ counts,
                          const uint32_t* __restrict__ routed, float* __restrict__ out) {
   extern __shared__ __align__(16) uint8_t outer_smem[];  // buffers, then the expert prefix
   __shared__ uint32_t flat_rows[kGroupRows];
   uint32_t* const prefix = reinterpret_cast<uint32_t*>(outer_smem + kOuterDynamicShmem);
-  const uint32_t tid = threadIdx.x;
   const uint32_t slices = (p.k + kSlice - 1) / kSlice;
   const uint32_t col_tiles = (p.n + kGroupCols - 1) / kGroupCols;
   build_item_prefix<kGroupThreads>(counts, p.m, p.n_experts, kGroupRows, col_tiles, prefix);
@@ -723,9 +730,7 @@ __global__ void __launch_bounds__(kGroupThreads, kMinBlocks)
 
   for (uint32_t item = blockIdx.x; item < total; item += gridDim.x) {
     const WorkItem b = decode_item(item, prefix, counts, p.m, p.n_experts, kGroupRows, kGroupCols);
-    if (tid < kGroupRows)
-      flat_rows[tid] = tid < b.rows ? __ldg(routed + uint64_t{b.expert} * p.m + b.row0 + tid) : 0u;
-    __syncthreads();
+    load_item_rows(p, routed, b, flat_rows);
     grouped_outer_item<T, VEC>(p, w, x, out, b, flat_rows, outer_smem, slices);
     __syncthreads();  // flat_rows and the buffers are rewritten by the next item
   }
@@ -876,11 +881,11 @@ void launch_grouped(const KernelLaunch& launch, void* stream_ptr) {
   constexpr size_t kSmemCap = kOuterDynamicShmem + (size_t{kMaxWorkListExperts} + 1) * 4;
   const size_t elem = sizeof(typename Chunk<T>::elem);
   if (vector_ok(p, w, x, elem)) {
-    constexpr auto kernel = &grouped_outer_kernel<T, true, kOuterMinBlocks>;
+    constexpr auto kernel = &grouped_outer_kernel<T, true>;
     opt_in_dynamic_smem<kernel>(launch.label, smem, kSmemCap);
     kernel<<<blocks, kGroupThreads, smem, stream>>>(p, w, x, counts, routed, out);
   } else {
-    constexpr auto kernel = &grouped_outer_kernel<T, false, kOuterMinBlocks>;
+    constexpr auto kernel = &grouped_outer_kernel<T, false>;
     opt_in_dynamic_smem<kernel>(launch.label, smem, kSmemCap);
     kernel<<<blocks, kGroupThreads, smem, stream>>>(p, w, x, counts, routed, out);
   }
