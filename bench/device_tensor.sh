@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Short device run for the tensor-core expert-ID routes: build (sm_90a), their tests on cuda, extra
 # K/N-tail checks, a timing of grouped_tensor_{lowp,tf32} vs torch._grouped_mm on the three MoE
-# shapes at m = 512 and 4096, and (SANITIZE=1) compute-sanitizer memcheck on small cases.
+# shapes at m = 512 and 4096, and (SANITIZE=1) compute-sanitizer memcheck and racecheck on small
+# cases.
 set -u
 OUT=${OUT:-/tmp/routemm-out}; mkdir -p "$OUT"
 start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
@@ -12,7 +13,7 @@ python3 -m pip install --no-build-isolation --no-deps -v . > /tmp/build.log 2>&1
 grep -E -A3 "grouped_(tensor|wgmma)_kernel" /tmp/build.log | grep -E "registers|spill" | sort | uniq -c > "$OUT/ptxas.txt"
 cat "$OUT/ptxas.txt"; grep -E "error|warning" /tmp/build.log | head -5
 stamp pytest
-ROUTEMM_TEST_BACKENDS=cuda timeout 120 python3 -m pytest tests/python/test_dense_matmul_id_tensor.py -q -x -p no:cacheprovider -k "not q4" 2>&1 | tail -5 | tee "$OUT/pytest.txt"
+ROUTEMM_TEST_BACKENDS=cuda timeout 120 python3 -m pytest tests/python/test_dense_matmul_id_tensor.py tests/python/test_dense_matmul_id_numerics.py tests/python/test_dense_matmul_id_capture_receipts.py -q -x -p no:cacheprovider -k "not q4" 2>&1 | tail -5 | tee "$OUT/pytest.txt"
 cat > /tmp/tails.py <<'PY'
 import numpy as np, ml_dtypes, routemm, sys
 dev = routemm.Device("cuda"); reg = routemm.KernelRegistry(dev)
@@ -56,7 +57,9 @@ def ktimes(fn, n):
   split = {}
   for e in evs:
     if e.get("ph") == "X" and e.get("cat") == "kernel":
-      key = "map" if "map_kernel" in e["name"] else "tensor" if "grouped_tensor" in e["name"] else "other"
+      nm = e["name"]
+      key = ("map" if "map_count" in nm or "map_scatter" in nm else "convert" if "round_activation" in nm
+             else "tensor" if "grouped_tensor" in nm or "grouped_wgmma" in nm else "other")
       split[key] = split.get(key, 0) + e["dur"] / 1e6 / n
   return sum(split.values()), split
 shapes = sys.argv[1].split(","); ms = [int(v) for v in sys.argv[2].split(",")]
@@ -80,7 +83,7 @@ for name in shapes:
       err = float((out[rows] - want).norm() / want.norm())
       t, split = ktimes(call, 10)
       tt = split.get("tensor", float("nan"))
-      print(f"{name:14s} m={m:5d} {route:20s} {t*1e6:9.1f} us {flops/t/1e12:7.1f} TFLOP/s | tensor kernel {tt*1e6:8.1f} us {flops/tt/1e12:7.1f} TFLOP/s, map {split.get('map', 0)*1e6:7.1f} us | err {err:.1e}", flush=True)
+      print(f"{name:14s} m={m:5d} {route:20s} {t*1e6:9.1f} us {flops/t/1e12:7.1f} TFLOP/s | tensor kernel {tt*1e6:8.1f} us {flops/tt/1e12:7.1f} TFLOP/s, map {split.get('map', 0)*1e6:7.1f} us, convert {split.get('convert', 0)*1e6:6.1f} us | err {err:.1e}", flush=True)
     def gm(i):
       w = stacks[i % copies]; flat = ids[i % 4].reshape(-1); order = torch.argsort(flat, stable=True)
       offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
@@ -95,5 +98,7 @@ if [ "${SANITIZE:-0}" = 1 ]; then
   stamp sanitize
   timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 python3 /tmp/tails.py short > "$OUT/memcheck.txt" 2>&1; echo "memcheck exit $?" | tee -a "$OUT/memcheck.txt"
   tail -4 "$OUT/memcheck.txt"
+  timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 /tmp/tails.py short > "$OUT/racecheck.txt" 2>&1; echo "racecheck exit $?" | tee -a "$OUT/racecheck.txt"
+  tail -4 "$OUT/racecheck.txt"
 fi
 stamp done

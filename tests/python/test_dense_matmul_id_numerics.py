@@ -186,6 +186,39 @@ def test_grouped_many_tiles(device, registry, rng, dtype, pad):
         assert np.all(result.out[~invalid_rows(ids, E)] != 0), "a valid row was left unwritten or zeroed"
 
 
+def _expected_lists(ids: np.ndarray, n_experts: int, m: int) -> tuple[np.ndarray, list[list[int]]]:
+    """The spec's scan: for each expert, in token order, the flat row of each token's first slot
+    holding it (ids >= n_experts skipped; grouped ids are distinct per token)."""
+    lists: list[list[int]] = [[] for _ in range(n_experts)]
+    for t in range(m):
+        seen = set()
+        for s, e in enumerate(ids[t]):
+            if e < n_experts and e not in seen:
+                seen.add(int(e))
+                lists[int(e)].append(t * ids.shape[1] + s)
+    return np.array([len(v) for v in lists], np.uint32), lists
+
+
+@pytest.mark.parametrize("m", [1, 255, 256, 700, 2100])
+def test_grouped_map_lists_in_token_order(device, registry, rng, m):
+    """The grouped route's map writes, for every expert, its count and its routed flat rows in
+    token order (invalid ids skipped), over one to nine tiles of 256 tokens, with experts that no
+    token picks and a token with no valid slot."""
+    n_experts, top_k, n, k = 37, 6, 5, 16
+    ids = sprinkle_invalid(rng, distinct_ids(rng, m, top_k, n_experts - 3), n_experts)
+    ids[m // 2, :] = 0xFFFFFFFF
+    w = random_weights(rng, DType.F32, (n_experts, n, k))
+    case = Case(device, registry, DType.F32, w, _inputs(rng, m, top_k, k, False), ids, slotted=False, pad=0)
+    case.scratch.expert_counts.copy_from_numpy(np.full(n_experts, 0xDEADBEEF, np.uint32))
+    _check(case, case.run(Route.GROUPED_PREFILL), context=f"map m={m}")
+    counts = case.scratch.expert_counts.numpy().reshape(-1).view(np.uint32)
+    routed = case.scratch.routed_rows.numpy().reshape(-1).view(np.uint32).reshape(n_experts, m)
+    want_counts, want_lists = _expected_lists(ids, n_experts, m)
+    assert np.array_equal(counts, want_counts)
+    for e in range(n_experts):
+        assert routed[e, : counts[e]].tolist() == want_lists[e], f"expert {e}"
+
+
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
 def test_aligned_rows_one_expert_dominates(device, registry, rng, dtype):
     """MAY_REPEAT on the vectorised direct path with two experts over 320 flat rows: duplicates

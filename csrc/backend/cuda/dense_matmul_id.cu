@@ -20,8 +20,9 @@
 //            Where rows share experts enough, the block of the first flat row routed to an expert
 //            computes that tile for every row routed there and the others exit (see
 //            direct_gathered_kernel); the grid and the tile are the same either way.
-//   map    : grid [1, 1, 1], threads [1024]: one block that builds per-expert token bitmaps tile by
-//            tile (see map_kernel).
+//   map    : grid [1, 1, 1], threads [1024] (the spec's geometry, which receipts show). The launch
+//            runs two kernels with one 256-thread CTA per tile of 256 tokens (see
+//            map_count_kernel).
 //   grouped: grid [ceil(m / 32), ceil(n / 64), n_experts], 256 threads. Tile (x, y, e) is routed
 //            rows [32x, 32x + 32) of expert e times columns [64y, 64y + 64): 32 thread tiles of 8
 //            rows x 8 columns, 8 lanes (one per s_p) per tile, K staged through shared memory in
@@ -43,6 +44,7 @@
 #include "backend/common/dense_matmul_id_params.h"
 #include "backend/common/launch_args.h"
 #include "grouped_work_list.cuh"
+#include "hopper_support.h"
 #include "kernels.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
@@ -456,14 +458,19 @@ __global__ void __launch_bounds__(kDirectThreads, gather_min_blocks<T>())
 
 // ---- map_distinct --------------------------------------------------------------------------------
 
-// The map runs as one block over tiles of T tokens. Per tile it sets bit (t - t0) of expert e's
-// bitmap for every token t whose first slot holding e is valid, builds each expert's per-word
-// prefix counts, and then writes every entry at base[e] + (entries of e in earlier words) +
-// (bits below it in its word): entries land in token order for every expert (as the spec's scan
-// writes them), deterministically, with work proportional to m * top_k + n_experts * T / 32 rather
-// than n_experts * m * top_k. T is chosen so the bitmaps and prefixes fit in shared memory.
-constexpr uint32_t kMapBitmapWords =
-    4096;  // per array: bitmaps and prefixes, n_experts * words each
+// The map runs as two launches over tiles of kMapTileTokens tokens, one CTA per tile and one thread
+// per token. Both build the tile's per-expert token bitmap in shared memory: bit (t - t0) of expert
+// e's bitmap is set for every token t whose first slot holding e is valid.
+//   - map_count_kernel writes each expert's entry count in the tile to a workspace
+//     (tile_counts[tile][expert]) and zeroes the output rows of malformed ids.
+//   - map_scatter_kernel rebuilds the same bitmap, adds the counts of the earlier tiles (base[e])
+//     and writes every entry at base[e] + (entries of e in earlier words of the tile) + (bits below
+//     it in its word); the last tile's CTA writes counts[].
+// Entries land in token order for every expert (as the spec's scan writes them), deterministically.
+// The work is proportional to m * top_k, plus n_experts * tiles^2 / 2 count reads for the bases
+// (tiles = m / kMapTileTokens: 16 at m = 4096).
+constexpr uint32_t kMapTileTokens = 256;  // = threads per CTA
+constexpr uint32_t kMapTileWords = kMapTileTokens / 32;
 
 __device__ __forceinline__ bool first_valid_slot(const uint32_t* token_ids, uint32_t slot,
                                                  uint32_t id, uint32_t n_experts) {
@@ -474,60 +481,77 @@ __device__ __forceinline__ bool first_valid_slot(const uint32_t* token_ids, uint
   return true;
 }
 
-__global__ void map_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __restrict__ ids,
-                           uint32_t* __restrict__ counts, uint32_t* __restrict__ routed,
-                           float* __restrict__ out, uint32_t words) {
-  __shared__ uint32_t bits[kMapBitmapWords];  // [expert][word]
-  __shared__ uint32_t
-      prefix[kMapBitmapWords];               // [expert][word]: entries in earlier words of the tile
-  __shared__ uint32_t base[kMapMaxThreads];  // entries of each expert in earlier tiles
-  __shared__ uint32_t tile_total[kMapMaxThreads];
+// Builds the bitmap of the CTA's tile (bits[e * kMapTileWords + w]); ends with a CTA barrier. With
+// `zero_invalid`, also zeroes the output rows of ids >= n_experts.
+__device__ __forceinline__ void map_tile_bitmap(const DenseMatmulIdKernelParams& p,
+                                                const uint32_t* __restrict__ ids, float* out,
+                                                bool zero_invalid, uint32_t* bits) {
   const uint32_t E = p.n_experts, top_k = p.top_k, tid = threadIdx.x;
-  const uint32_t tile_tokens = words * 32;
-  for (uint32_t e = tid; e < E; e += blockDim.x) base[e] = 0;
-  for (uint32_t t0 = 0; t0 < p.m; t0 += tile_tokens) {
-    const uint32_t t1 = min(p.m, t0 + tile_tokens);
-    for (uint32_t i = tid; i < E * words; i += blockDim.x) bits[i] = 0;
-    __syncthreads();
-    for (uint32_t t = t0 + tid; t < t1; t += blockDim.x) {
-      const uint32_t* token_ids = ids + uint64_t{t} * top_k;
-      for (uint32_t slot = 0; slot < top_k; ++slot) {
-        const uint32_t id = __ldg(token_ids + slot);
-        if (id >= E) {  // malformed id: its output row is all zeros, as in direct
+  for (uint32_t i = tid; i < E * kMapTileWords; i += kMapTileTokens) bits[i] = 0;
+  __syncthreads();
+  const uint32_t t = blockIdx.x * kMapTileTokens + tid;
+  if (t < p.m) {
+    const uint32_t* token_ids = ids + uint64_t{t} * top_k;
+    for (uint32_t slot = 0; slot < top_k; ++slot) {
+      const uint32_t id = __ldg(token_ids + slot);
+      if (id >= E) {  // malformed id: its output row is all zeros, as in direct
+        if (zero_invalid) {
           float* row = out + (uint64_t{t} * top_k + slot) * p.n;
           for (uint32_t col = 0; col < p.n; ++col) row[col] = 0.f;
-        } else if (first_valid_slot(token_ids, slot, id, E)) {
-          atomicOr(&bits[id * words + (t - t0) / 32], 1u << ((t - t0) % 32));
         }
+      } else if (first_valid_slot(token_ids, slot, id, E)) {
+        atomicOr(&bits[id * kMapTileWords + tid / 32], 1u << (tid % 32));
       }
     }
-    __syncthreads();
-    for (uint32_t e = tid; e < E; e += blockDim.x) {
-      uint32_t running = 0;
-      for (uint32_t w = 0; w < words; ++w) {
-        prefix[e * words + w] = running;
-        running += __popc(bits[e * words + w]);
-      }
-      tile_total[e] = running;
-    }
-    __syncthreads();
-    for (uint32_t t = t0 + tid; t < t1; t += blockDim.x) {
-      const uint32_t* token_ids = ids + uint64_t{t} * top_k;
-      const uint32_t w = (t - t0) / 32, below = (1u << ((t - t0) % 32)) - 1u;
-      for (uint32_t slot = 0; slot < top_k; ++slot) {
-        const uint32_t id = __ldg(token_ids + slot);
-        if (first_valid_slot(token_ids, slot, id, E)) {
-          const uint32_t pos =
-              base[id] + prefix[id * words + w] + __popc(bits[id * words + w] & below);
-          routed[uint64_t{id} * p.m + pos] = t * top_k + slot;
-        }
-      }
-    }
-    __syncthreads();
-    for (uint32_t e = tid; e < E; e += blockDim.x) base[e] += tile_total[e];
   }
   __syncthreads();
-  for (uint32_t e = tid; e < E; e += blockDim.x) counts[e] = base[e];
+}
+
+__global__ void __launch_bounds__(kMapTileTokens)
+    map_count_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __restrict__ ids,
+                     float* __restrict__ out, uint32_t* __restrict__ tile_counts) {
+  __shared__ uint32_t bits[kMapMaxThreads * kMapTileWords];  // [expert][word]
+  map_tile_bitmap(p, ids, out, true, bits);
+  for (uint32_t e = threadIdx.x; e < p.n_experts; e += kMapTileTokens) {
+    uint32_t count = 0;
+#pragma unroll
+    for (uint32_t w = 0; w < kMapTileWords; ++w) count += __popc(bits[e * kMapTileWords + w]);
+    tile_counts[uint64_t{blockIdx.x} * p.n_experts + e] = count;
+  }
+}
+
+__global__ void __launch_bounds__(kMapTileTokens)
+    map_scatter_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __restrict__ ids,
+                       const uint32_t* __restrict__ tile_counts, uint32_t* __restrict__ counts,
+                       uint32_t* __restrict__ routed) {
+  __shared__ uint32_t bits[kMapMaxThreads * kMapTileWords];  // [expert][word]
+  __shared__ uint32_t base[kMapMaxThreads];                  // entries in the earlier tiles
+  const uint32_t E = p.n_experts, top_k = p.top_k, tid = threadIdx.x, tile = blockIdx.x;
+  map_tile_bitmap(p, ids, nullptr, false, bits);
+  for (uint32_t e = tid; e < E; e += kMapTileTokens) {
+    uint32_t run = 0;
+    for (uint32_t j = 0; j < tile; ++j) run += tile_counts[uint64_t{j} * E + e];
+    base[e] = run;
+    if (tile + 1 == gridDim.x) {
+#pragma unroll
+      for (uint32_t w = 0; w < kMapTileWords; ++w) run += __popc(bits[e * kMapTileWords + w]);
+      counts[e] = run;
+    }
+  }
+  __syncthreads();
+  const uint32_t t = tile * kMapTileTokens + tid;
+  if (t >= p.m) return;
+  const uint32_t* token_ids = ids + uint64_t{t} * top_k;
+  const uint32_t w = tid / 32, below = (1u << (tid % 32)) - 1u;
+  for (uint32_t slot = 0; slot < top_k; ++slot) {
+    const uint32_t id = __ldg(token_ids + slot);
+    if (first_valid_slot(token_ids, slot, id, E)) {
+      const uint32_t* const id_bits = bits + id * kMapTileWords;
+      uint32_t pos = base[id] + __popc(id_bits[w] & below);
+      for (uint32_t v = 0; v < w; ++v) pos += __popc(id_bits[v]);
+      routed[uint64_t{id} * p.m + pos] = t * top_k + slot;
+    }
+  }
 }
 
 // ---- grouped -------------------------------------------------------------------------------------
@@ -842,17 +866,25 @@ void launch_map(const KernelLaunch& launch, void* stream_ptr) {
     throw Error(launch.label + ": map supports 1.." + std::to_string(kMapMaxThreads) +
                 " experts, got " + std::to_string(p.n_experts));
   }
-  // One block of 1024 threads (the KernelDef's threads_per_group, so the receipt says so) over tiles
-  // of 32 * words tokens (words per expert bounded by the shared bitmap size, and by 128 so the
-  // per-expert prefix stays short).
-  const uint32_t words =
-      std::max<uint32_t>(1, std::min<uint32_t>(128, kMapBitmapWords / p.n_experts));
-  const uint64_t threads = launch.threads.x * launch.threads.y * launch.threads.z;
-  if (threads == 0 || threads > kMapMaxThreads) {
-    throw Error(launch.label + ": map needs 1.." + std::to_string(kMapMaxThreads) +
-                " threads, got " + std::to_string(threads));
+  if (p.m == 0) {  // no tokens: every expert holds no rows
+    if (const cudaError_t e =
+            cudaMemsetAsync(counts, 0, uint64_t{p.n_experts} * sizeof(uint32_t), stream);
+        e != cudaSuccess) {
+      throw Error(launch.label + ": clearing the expert counts failed: " + cudaGetErrorString(e));
+    }
+    return;
   }
-  map_kernel<<<1, static_cast<unsigned>(threads), 0, stream>>>(p, ids, counts, routed, out, words);
+  // The receipt keeps the spec's geometry (one 1024-thread group); the launch runs one CTA per
+  // tile of tokens, twice (see map_count_kernel), with the per-tile counts in a stream workspace.
+  const uint32_t tiles = (p.m + kMapTileTokens - 1) / kMapTileTokens;
+  const StreamWorkspace workspace(launch.label, uint64_t{tiles} * p.n_experts * sizeof(uint32_t),
+                                  stream);
+  auto* const tile_counts = static_cast<uint32_t*>(workspace.data());
+  map_count_kernel<<<tiles, kMapTileTokens, 0, stream>>>(p, ids, out, tile_counts);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
+    throw Error(launch.label + ": launch failed: " + cudaGetErrorString(e));
+  }
+  map_scatter_kernel<<<tiles, kMapTileTokens, 0, stream>>>(p, ids, tile_counts, counts, routed);
 }
 
 template <typename T>

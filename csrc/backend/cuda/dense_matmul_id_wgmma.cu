@@ -12,26 +12,33 @@
 // tile or its place. The steps differ from the mma.sync kernel's, so the two kernels agree within
 // the route's tolerance, not bit for bit.
 //
+// OPERANDS: before the kernel, a conversion pass rounds every input row (token, slot; one per token
+// for the shared layout) once into a stream-ordered workspace (hopper_support.h) of dense rows:
+// k values of the route's activation operand (bf16 / f16 for lowp, tf32 bit patterns in 32 bits
+// for tf32), m x slots x k x 2 or 4 bytes. The kernel then only copies those rows; the rounding
+// is the same one the routes define, so the result does not depend on where it happens.
+//
 // GEOMETRY: a persistent grid over the work list of grouped_work_list.cuh with 128 x BN tiles
 // (routed rows x output columns; BN = 256, or 128 when n <= 128). Each slot of the shared-memory ring
 // holds one K slice of both operands as 128-byte rows (64 16-bit or 32 32-bit values) with the
 // 128-byte swizzle the wgmma descriptors name. Three warpgroups per CTA:
-//   - warpgroup 0, the producer: one thread streams the expert's weight tile slice by slice through
-//     kStages slots by TMA (rows past n and K past k arrive as zeros), one mbarrier "full" per slot.
-//     For tf32 over 16-bit weights it lands the raw rows, unswizzled, in the back half of the slot's
-//     weight tile, and the consumers widen them in place; F32 weights are rounded to tf32 in place.
-//   - warpgroups 1 and 2, the consumers: each owns 64 of the tile's rows. It loads its rows' F32
-//     activations (gathered through the routed-row list) into registers two slices ahead (two
-//     register sets), rounds them and stores them into the slot's activation tile with the same
-//     swizzle, then issues four wgmmas (m64 x BN, 16 or 8 K values each) per slot and, while they
-//     run, stores the next slice's activations. A slot goes back to the producer (mbarrier "empty",
-//     one arrival per consumer warp) once the wgmmas that read it have retired (wgmma.wait_group 1:
-//     one group stays in flight).
-// Registers: the producer drops to 24 per thread and the consumers rise to 240 (setmaxnreg; 168
+//   - warpgroup 0, the producers. Thread 0 streams the expert's weight tile slice by slice through
+//     kStages slots by TMA (rows past n and K past k arrive as zeros). All 128 threads gather the
+//     tile's 128 routed activation rows from the workspace with 16-byte cp.async (8 per thread and
+//     slice; rows past the item and K past k are zero-filled), writing the same swizzle. A slot's
+//     "full" mbarrier completes on the TMA bytes plus one cp.async arrival per producer thread.
+//     For tf32 over 16-bit weights TMA lands the raw rows, unswizzled, in the back half of the
+//     slot's weight tile, and the consumers widen them in place; F32 weights are rounded to tf32
+//     in place.
+//   - warpgroups 1 and 2, the consumers: each owns 64 of the tile's rows and issues four wgmmas
+//     (m64 x BN, 16 or 8 K values each) per slot. A slot goes back to the producers (mbarrier
+//     "empty", one arrival per consumer warp) once the wgmmas that read it have retired
+//     (wgmma.wait_group 1: one group stays in flight).
+// Registers: the producers drop to 56 per thread and the consumers rise to 224 (setmaxnreg; 168
 // each at launch, the bound of 384 threads), which holds a 64 x 256 F32 accumulator (128 per
-// thread) and both activation sets without spills. A consumer warpgroup without rows in an item (the
-// last row tile of an expert holding <= 64 of them) only prepares its share of the weights (tf32)
-// and passes the slots back.
+// thread) without spills. A consumer warpgroup without rows in an item (the last row tile of an
+// expert holding <= 64 of them) only prepares its share of the weights (tf32) and passes the
+// slots back.
 // Output rows are stored straight from the accumulators (float2 when n is even and the output
 // 8-byte aligned) to the routed rows' positions; rows past the item and columns past n are skipped.
 #include <cuda.h>
@@ -40,6 +47,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -60,6 +68,7 @@ using kernels::DenseMatmulIdKernelParams;
 constexpr uint32_t kTileRows = 128;       // two consumer warpgroups of 64 rows
 constexpr uint32_t kSliceRowBytes = 128;  // bytes per operand row per slot = the swizzle span
 constexpr uint32_t kThreads = 384;
+constexpr uint32_t kProducerThreads = 128;  // warpgroup 0
 
 // The operation: operand precision and the weights' storage type.
 enum class WgOp { LowpBf16, LowpF16, Tf32Bf16, Tf32F16, Tf32F32 };
@@ -71,6 +80,9 @@ struct WgOpTraits {
   static constexpr uint32_t kWeightBytes = Op == WgOp::Tf32F32 ? 4 : 2;
   // K values per slot: 128-byte operand rows of 16-bit (lowp) or 32-bit (tf32) values.
   static constexpr uint32_t kSliceK = kTf32 ? 32 : 64;
+  // Bytes of one activation operand value in the conversion pass's rows (tf32 in 32 bits).
+  static constexpr uint32_t kOperandBytes = kTf32 ? 4 : 2;
+  static_assert(kSliceK * kOperandBytes == kSliceRowBytes);
   // tf32 from 16-bit weights: TMA brings the raw rows (64 bytes each, unswizzled) into the back
   // half of the weight tile and the consumers widen them in place; otherwise TMA writes the tile
   // as the wgmma reads it (128-byte swizzle; F32 weights are then rounded to tf32 in place).
@@ -143,9 +155,6 @@ __device__ __forceinline__ void sts128(uint32_t addr, uint32_t a, uint32_t b, ui
                "r"(d)
                : "memory");
 }
-__device__ __forceinline__ void sts64(uint32_t addr, uint32_t a, uint32_t b) {
-  asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(addr), "r"(a), "r"(b) : "memory");
-}
 
 // One slot's MMA step: 64 K values (lowp) or 32 (tf32), four instructions.
 template <uint32_t BN, WgOp Op>
@@ -170,12 +179,54 @@ __device__ __forceinline__ void wgmma_step(float (&acc)[BN / 2], uint64_t desc_a
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
+// The conversion pass: row token * slots + slot of `out` (dense, k values of the route's activation
+// operand each) is input row (token, slot) rounded as the route defines. One warp per row, eight
+// values per lane and step (k % 8 == 0; input rows and strides 16-byte aligned, as the launcher
+// checks).
+template <WgOp Op>
+__global__ void __launch_bounds__(256)
+    round_activation_rows_kernel(const char* __restrict__ input, uint64_t token_stride,
+                                 uint64_t slot_stride, uint32_t slots, uint64_t rows, uint32_t k,
+                                 char* __restrict__ out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using O = WgOpTraits<Op>;
+  const uint32_t lane = threadIdx.x & 31;
+  const uint64_t warps = uint64_t{gridDim.x} * (blockDim.x / 32);
+  const uint32_t chunks = k / 8;
+  for (uint64_t row = (uint64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32; row < rows;
+       row += warps) {
+    const uint64_t token = row / slots, slot = row - token * slots;
+    const char* const src = input + token * token_stride + slot * slot_stride;
+    char* const dst = out + row * k * O::kOperandBytes;
+#pragma unroll 4
+    for (uint32_t c = lane; c < chunks; c += 32) {
+      const float4 a = __ldg(reinterpret_cast<const float4*>(src + 32 * uint64_t{c}));
+      const float4 b = __ldg(reinterpret_cast<const float4*>(src + 32 * uint64_t{c} + 16));
+      if constexpr (O::kTf32) {
+        auto* const d = reinterpret_cast<uint4*>(dst + 32 * uint64_t{c});
+        d[0] = make_uint4(to_tf32(a.x), to_tf32(a.y), to_tf32(a.z), to_tf32(a.w));
+        d[1] = make_uint4(to_tf32(b.x), to_tf32(b.y), to_tf32(b.z), to_tf32(b.w));
+      } else {
+        *reinterpret_cast<uint4*>(dst + 16 * uint64_t{c}) =
+            make_uint4(pack_pair<O::kHalfWeights>(a.x, a.y), pack_pair<O::kHalfWeights>(a.z, a.w),
+                       pack_pair<O::kHalfWeights>(b.x, b.y), pack_pair<O::kHalfWeights>(b.z, b.w));
+      }
+    }
+  }
+#else
+  __trap();  // launched only where the sm_90a image exists (hopper_kernels_available)
+#endif
+}
+
+// `operands`: the conversion pass's rows (m x slots); `slots`: 1 for the shared input layout, top_k
+// for the slotted one.
 template <uint32_t BN, WgOp Op>
 __global__ void __launch_bounds__(kThreads, 1)
     grouped_wgmma_kernel(const __grid_constant__ CUtensorMap weights_map,
-                         DenseMatmulIdKernelParams p, const char* __restrict__ input,
-                         const uint32_t* __restrict__ counts, const uint32_t* __restrict__ routed,
-                         float* __restrict__ output, bool out_vec2) {
+                         DenseMatmulIdKernelParams p, const char* __restrict__ operands,
+                         uint32_t slots, const uint32_t* __restrict__ counts,
+                         const uint32_t* __restrict__ routed, float* __restrict__ output,
+                         bool out_vec2) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using T = WgTile<BN>;
   using O = WgOpTraits<Op>;
@@ -198,7 +249,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
     for (uint32_t s = 0; s < T::kStages; ++s) {
-      sm90::mbar_init(full_bar + 8 * s, 1);
+      // The weight TMA's arrive_expect_tx plus one cp.async arrival per producer thread.
+      sm90::mbar_init(full_bar + 8 * s, 1 + kProducerThreads);
       sm90::mbar_init(empty_bar + 8 * s, 8);  // one arrival per consumer warp
     }
     sm90::fence_mbar_init();
@@ -207,43 +259,59 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t total = prefix[n_experts];
 
   if (warp < 4) {  // ---- producer warpgroup ----
-    sm90::setmaxnreg_dec<24>();
-    if (warp != 0 || lane != 0) return;
-    sm90::prefetch_tensor_map(&weights_map);
+    sm90::setmaxnreg_dec<56>();
+    // Thread t copies 16-byte chunk q = t % 8 of the 128-byte slice rows r0 + 16 i (i < 8); in the
+    // swizzled row that chunk sits at q ^ (row % 8) = q ^ (r0 % 8).
+    constexpr uint32_t kRowsPer = kTileRows / (kProducerThreads / 8);
+    const uint32_t q = tid & 7u, r0 = tid >> 3;
+    const uint32_t a_off = r0 * kSliceRowBytes + ((q ^ (r0 & 7u)) << 4);
+    const uint64_t row_bytes = uint64_t{k} * O::kOperandBytes;
+    if (tid == 0) sm90::prefetch_tensor_map(&weights_map);
     uint32_t stage = 0;
     for (uint32_t item = blockIdx.x; item < total; item += gridDim.x) {
       const WorkItem w = decode_item(item, prefix, counts, m, n_experts, kTileRows, BN);
+      const uint32_t* const item_routed = routed + static_cast<uint64_t>(w.expert) * m + w.row0;
+      const char* src[kRowsPer];
+#pragma unroll
+      for (uint32_t i = 0; i < kRowsPer; ++i) {
+        const uint32_t r = r0 + 16 * i;
+        src[i] = nullptr;
+        if (r < w.rows) {
+          const uint32_t flat = item_routed[r];
+          const uint32_t row = slots == 1 ? flat / p.top_k : flat;
+          src[i] = operands + row * row_bytes + q * 16;
+        }
+      }
       for (uint32_t kt = 0; kt < slices; ++kt, ++stage) {
         const uint32_t slot = stage % T::kStages, parity = (stage / T::kStages) & 1u;
         sm90::mbar_wait(empty_bar + 8 * slot, parity ^ 1u);
-        sm90::mbar_arrive_expect_tx(full_bar + 8 * slot, kTmaBytes);
-        sm90::tma_load_3d(pipe + slot * T::kSlotBytes + T::kABytes + kTmaOffset, &weights_map,
-                          full_bar + 8 * slot, static_cast<int32_t>(kt * kSliceK),
-                          static_cast<int32_t>(w.col0), static_cast<int32_t>(w.expert));
+        if (tid == 0) {
+          sm90::mbar_arrive_expect_tx(full_bar + 8 * slot, kTmaBytes);
+          sm90::tma_load_3d(pipe + slot * T::kSlotBytes + T::kABytes + kTmaOffset, &weights_map,
+                            full_bar + 8 * slot, static_cast<int32_t>(kt * kSliceK),
+                            static_cast<int32_t>(w.col0), static_cast<int32_t>(w.expert));
+        }
+        const uint32_t a_tile = pipe + slot * T::kSlotBytes + a_off;
+        const uint64_t kb = uint64_t{kt} * kSliceRowBytes;
+        const bool k_in = kb + q * 16 < row_bytes;
+#pragma unroll
+        for (uint32_t i = 0; i < kRowsPer; ++i) {
+          const bool valid = src[i] != nullptr && k_in;
+          sm90::cp_async_16_zfill(a_tile + 16 * i * kSliceRowBytes, valid ? src[i] + kb : operands,
+                                  valid);
+        }
+        sm90::cp_async_mbar_arrive_noinc(full_bar + 8 * slot);
       }
     }
+    sm90::cp_async_wait_all();
     return;
   }
 
   // ---- consumer warpgroups ----
-  sm90::setmaxnreg_inc<240>();          // 128 x 24 + 256 x 240 <= 64 K registers
+  sm90::setmaxnreg_inc<224>();          // 128 x 56 + 256 x 224 <= 64 K registers
   const uint32_t wg = (warp >> 2) - 1;  // 0 or 1: rows 64 wg .. 64 wg + 63 of each tile
   const uint32_t t = tid & 127, ct = tid - 128;
   const uint32_t wg_warp = t >> 5;
-  // Activation staging: a row's slice is kAq float4 pieces; thread t converts piece q of rows
-  // r0 + kRowStep i (i < kAPer) of its warpgroup's 64. In the swizzled row, 16-byte chunk c sits at
-  // chunk c ^ (row % 8) = c ^ (r0 % 8) for every i.
-  constexpr uint32_t kAq = kSliceK / 4;
-  constexpr uint32_t kRowStep = 128 / kAq;
-  constexpr uint32_t kAPer = 64 / kRowStep;
-  const uint32_t q = t % kAq, r0 = t / kAq;
-  const uint32_t a_store_off =
-      wg * 64 * kSliceRowBytes + r0 * kSliceRowBytes +
-      (O::kTf32 ? ((q ^ (r0 & 7u)) << 4) : ((((q >> 1) ^ (r0 & 7u)) << 4) + (q & 1u) * 8));
-  // Barrier ids: 1 + wg for one warpgroup's activation tile (lowp), 3 for both warpgroups (tf32,
-  // where each also prepares half of the shared weight tile).
-  constexpr uint32_t kSyncThreads = O::kTf32 ? 256 : 128;
-  const uint32_t sync_id = O::kTf32 ? 3 : 1 + wg;
 
   // tf32: the slot's weights as the wgmma reads them, prepared by both consumer warpgroups.
   const auto prepare_weights = [&](uint32_t b_tile) {
@@ -282,6 +350,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   };
+  // Slot `slot`'s operands, ready for the wgmma: its TMA bytes and the producers' cp.async have
+  // landed (the full barrier), the tf32 weights are prepared, and the proxy fence orders the
+  // generic-proxy writes (cp.async, the preparation's stores) before the async-proxy wgmma reads.
+  const auto slot_ready = [&](uint32_t slot, uint32_t parity) {
+    sm90::mbar_wait(full_bar + 8 * slot, parity);
+    prepare_weights(pipe + slot * T::kSlotBytes + T::kABytes);
+    sm90::fence_proxy_async_smem();
+    if constexpr (O::kTf32) sm90::named_barrier_sync(3, 256);  // both halves of the weights
+  };
 
   float acc[BN / 2];  // the warpgroup's 64 x BN accumulator, BN / 2 per thread
   uint32_t stage = 0;
@@ -293,79 +370,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (my_rows == 0) {  // no rows here: prepare its share of the weights (tf32), pass slots back
       for (uint32_t kt = 0; kt < slices; ++kt, ++stage) {
         const uint32_t slot = stage % T::kStages, parity = (stage / T::kStages) & 1u;
-        sm90::mbar_wait(full_bar + 8 * slot, parity);
-        if constexpr (O::kTf32) {
-          prepare_weights(pipe + slot * T::kSlotBytes + T::kABytes);
-          sm90::fence_proxy_async_smem();
-          sm90::named_barrier_sync(sync_id, kSyncThreads);
-        }
+        slot_ready(slot, parity);
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(empty_bar + 8 * slot);
       }
       continue;
     }
 
-    const char* src[kAPer];
-#pragma unroll
-    for (uint32_t i = 0; i < kAPer; ++i) {
-      const uint32_t r = r0 + kRowStep * i;
-      src[i] = nullptr;
-      if (r < my_rows) {
-        const uint32_t flat = item_routed[wg * 64 + r];
-        const uint32_t token = flat / p.top_k, slot = flat - token * p.top_k;
-        src[i] =
-            input + token * p.input_token_stride_bytes + slot * p.input_slot_stride_bytes + q * 16;
-      }
-    }
-    // Two register sets of staged activations: slice j lives in set j % 2, loaded two slices
-    // before it is stored, so a load has two slot times to arrive. (Set indices are compile-time
-    // constants: the slice loop below runs in pairs.)
-    float4 areg[2][kAPer];
-    const auto load_a = [&](uint32_t kt, auto set) {
-      constexpr int kSet = decltype(set)::value;
-      const uint32_t kk = kt * kSliceK + 4 * q;
-#pragma unroll
-      for (uint32_t i = 0; i < kAPer; ++i) {
-        areg[kSet][i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (src[i] != nullptr && kk < k) {
-          areg[kSet][i] =
-              __ldg(reinterpret_cast<const float4*>(src[i] + uint64_t{kt} * kSliceK * 4));
-        }
-      }
-    };
-    const auto store_a = [&](uint32_t slot, auto set) {
-      constexpr int kSet = decltype(set)::value;
-      const uint32_t base = pipe + slot * T::kSlotBytes + a_store_off;
-#pragma unroll
-      for (uint32_t i = 0; i < kAPer; ++i) {
-        const uint32_t addr = base + i * kRowStep * kSliceRowBytes;
-        const float4 v = areg[kSet][i];
-        if constexpr (O::kTf32) {
-          sts128(addr, to_tf32(v.x), to_tf32(v.y), to_tf32(v.z), to_tf32(v.w));
-        } else {
-          sts64(addr, pack_pair<O::kHalfWeights>(v.x, v.y), pack_pair<O::kHalfWeights>(v.z, v.w));
-        }
-      }
-    };
-    using Set0 = std::integral_constant<int, 0>;
-    using Set1 = std::integral_constant<int, 1>;
-
-    load_a(0, Set0{});
-    if (slices > 1) load_a(1, Set1{});
-    store_a(stage % T::kStages, Set0{});
-    if (slices > 2) load_a(2, Set0{});
-    // One slot: `next_set` holds slice kt + 1.
-    const auto slot_step = [&](uint32_t kt, auto next_set) {
+    for (uint32_t kt = 0; kt < slices; ++kt) {
       const uint32_t s = stage + kt;
       const uint32_t slot = s % T::kStages, parity = (s / T::kStages) & 1u;
-      const uint32_t b_tile = pipe + slot * T::kSlotBytes + T::kABytes;
-      sm90::mbar_wait(full_bar + 8 * slot, parity);  // the weight tile has landed
-      prepare_weights(b_tile);
-      sm90::fence_proxy_async_smem();  // this thread's operand stores -> the wgmma's view
-      sm90::named_barrier_sync(sync_id, kSyncThreads);  // slice kt's operands are in place
+      slot_ready(slot, parity);
       const uint64_t desc_a =
           sm90::smem_desc_k128(pipe + slot * T::kSlotBytes + wg * 64 * kSliceRowBytes);
-      const uint64_t desc_b = sm90::smem_desc_k128(b_tile);
+      const uint64_t desc_b = sm90::smem_desc_k128(pipe + slot * T::kSlotBytes + T::kABytes);
       sm90::wgmma_fence();
       sm90::fence_operands(acc);
 #pragma unroll
@@ -374,23 +392,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       sm90::wgmma_commit();
       sm90::fence_operands(acc);
-      // While the tensor cores run: slice kt + 1's activations into its slot (whose last reader,
-      // slice kt + 1 - kStages <= kt - 2, retired at the previous wait), then slice kt + 3's loads
-      // into the set just freed.
-      if (kt + 1 < slices) {
-        store_a((s + 1) % T::kStages, next_set);
-        if (kt + 3 < slices) load_a(kt + 3, next_set);
-      }
-      sm90::wgmma_wait<1>();
+      sm90::wgmma_wait<1>();  // slice kt - 1's wgmmas have retired: its slot goes back
       sm90::fence_operands(acc);
       if (kt > 0) {
         __syncwarp();
         if (lane == 0) sm90::mbar_arrive(empty_bar + 8 * ((s - 1) % T::kStages));
       }
-    };
-    for (uint32_t kt = 0; kt < slices; kt += 2) {
-      slot_step(kt, Set1{});
-      if (kt + 1 < slices) slot_step(kt + 1, Set0{});
     }
     stage += slices;
     sm90::wgmma_wait<0>();
@@ -449,17 +456,34 @@ CUtensorMap weights_tensor_map(const std::string& label, const void* weights,
   return map;
 }
 
+// Grid of the conversion pass: one warp per row, at most this many CTAs of 8 warps (grid-stride).
+constexpr uint64_t kConvertBlocksMax = 4096;
+
 template <uint32_t BN, WgOp Op>
 void launch_wgmma(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p,
                   cudaStream_t stream, bool out_vec2) {
+  using O = WgOpTraits<Op>;
   constexpr auto kernel = &grouped_wgmma_kernel<BN, Op>;
   opt_in_dynamic_smem<kernel>(launch.label, smem_bytes<BN>(p.n_experts),
                               smem_bytes<BN>(kMaxWorkListExperts));
   const CUtensorMap map = weights_tensor_map<BN, Op>(launch.label, launch.args[1].data, p);
+  // The activation operand rows, converted once. The workspace is freed on the stream after both
+  // launches (or at once if a launch fails).
+  const uint32_t slots = p.input_layout == kernels::kInputSlotted ? p.top_k : 1u;
+  const uint64_t rows = uint64_t{p.m} * slots;
+  const StreamWorkspace workspace(launch.label, rows * p.k * O::kOperandBytes, stream);
+  char* const operands = static_cast<char*>(workspace.data());
+  const uint64_t blocks = std::min<uint64_t>((rows + 7) / 8, kConvertBlocksMax);
+  round_activation_rows_kernel<Op><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      static_cast<const char*>(launch.args[2].data), p.input_token_stride_bytes,
+      p.input_slot_stride_bytes, slots, rows, p.k, operands);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
+    throw Error("'" + launch.label +
+                "': activation conversion launch failed: " + cudaGetErrorString(e));
+  }
   kernel<<<static_cast<unsigned>(launch.grid.x), kThreads,
            static_cast<size_t>(smem_bytes<BN>(p.n_experts)), stream>>>(
-      map, p, static_cast<const char*>(launch.args[2].data),
-      static_cast<const uint32_t*>(launch.args[3].data),
+      map, p, operands, slots, static_cast<const uint32_t*>(launch.args[3].data),
       static_cast<const uint32_t*>(launch.args[4].data), static_cast<float*>(launch.args[5].data),
       out_vec2);
 }
