@@ -106,7 +106,8 @@ fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   stamp "bench"
-  export BENCH_COMMAND="GIT_REV=$GIT_REV bash bench/device_run.sh"
+  # The recorded command names the bench flags too, so a record says how to measure it again.
+  export BENCH_COMMAND="GIT_REV=$GIT_REV${BENCH_ARGS:+ BENCH_ARGS=\"$BENCH_ARGS\"} bash bench/device_run.sh"
   timeout $(( 500 - ($(date +%s) - start) )) python3 bench/bench_cuda_dense_matmul_id.py \
     "$OUT/dense_matmul_id-h200.json" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   echo "bench exit: $?" >> "$OUT/bench.log"
