@@ -465,7 +465,8 @@ __global__ void __launch_bounds__(kDirectThreads, gather_min_blocks<T>())
 //     (tile_counts[tile][expert]) and zeroes the output rows of malformed ids.
 //   - map_scatter_kernel rebuilds the same bitmap, adds the counts of the earlier tiles (base[e])
 //     and writes every entry at base[e] + (entries of e in earlier words of the tile) + (bits below
-//     it in its word); the last tile's CTA writes counts[].
+//     it in its word); the last tile's CTA writes counts[]. With a single tile it runs alone (no
+//     earlier tiles to count) and zeroes the malformed ids' rows itself (`zero_out`).
 // Entries land in token order for every expert (as the spec's scan writes them), deterministically.
 // The work is proportional to m * top_k, plus n_experts * tiles^2 / 2 count reads for the bases
 // (tiles = m / kMapTileTokens: 16 at m = 4096).
@@ -523,14 +524,15 @@ __global__ void __launch_bounds__(kMapTileTokens)
 __global__ void __launch_bounds__(kMapTileTokens)
     map_scatter_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __restrict__ ids,
                        const uint32_t* __restrict__ tile_counts, uint32_t* __restrict__ counts,
-                       uint32_t* __restrict__ routed) {
+                       uint32_t* __restrict__ routed, float* __restrict__ zero_out) {
   __shared__ uint32_t bits[kMapMaxThreads * kMapTileWords];  // [expert][word]
   __shared__ uint32_t base[kMapMaxThreads];                  // entries in the earlier tiles
   const uint32_t E = p.n_experts, top_k = p.top_k, tid = threadIdx.x, tile = blockIdx.x;
-  map_tile_bitmap(p, ids, nullptr, false, bits);
+  map_tile_bitmap(p, ids, zero_out, zero_out != nullptr, bits);
   for (uint32_t e = tid; e < E; e += kMapTileTokens) {
     uint32_t run = 0;
-    for (uint32_t j = 0; j < tile; ++j) run += tile_counts[uint64_t{j} * E + e];
+#pragma unroll 8
+    for (uint32_t j = 0; j < tile; ++j) run += tile_counts[uint64_t{j} * E + e];  // loads in flight
     base[e] = run;
     if (tile + 1 == gridDim.x) {
 #pragma unroll
@@ -876,7 +878,13 @@ void launch_map(const KernelLaunch& launch, void* stream_ptr) {
   }
   // The receipt keeps the spec's geometry (one 1024-thread group); the launch runs one CTA per
   // tile of tokens, twice (see map_count_kernel), with the per-tile counts in a stream workspace.
+  // One tile (m <= 256: decode batches) has no earlier tiles to count: the scatter kernel alone,
+  // which then also zeroes the rows of malformed ids.
   const uint32_t tiles = (p.m + kMapTileTokens - 1) / kMapTileTokens;
+  if (tiles == 1) {
+    map_scatter_kernel<<<1, kMapTileTokens, 0, stream>>>(p, ids, nullptr, counts, routed, out);
+    return;
+  }
   const StreamWorkspace workspace(launch.label, uint64_t{tiles} * p.n_experts * sizeof(uint32_t),
                                   stream);
   auto* const tile_counts = static_cast<uint32_t*>(workspace.data());
@@ -884,7 +892,8 @@ void launch_map(const KernelLaunch& launch, void* stream_ptr) {
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     throw Error(launch.label + ": launch failed: " + cudaGetErrorString(e));
   }
-  map_scatter_kernel<<<tiles, kMapTileTokens, 0, stream>>>(p, ids, tile_counts, counts, routed);
+  map_scatter_kernel<<<tiles, kMapTileTokens, 0, stream>>>(p, ids, tile_counts, counts, routed,
+                                                           nullptr);
 }
 
 template <typename T>

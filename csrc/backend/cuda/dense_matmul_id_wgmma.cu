@@ -19,7 +19,8 @@
 // is the same one the routes define, so the result does not depend on where it happens.
 //
 // GEOMETRY: a persistent grid over the work list of grouped_work_list.cuh with 128 x BN tiles
-// (routed rows x output columns; BN = 256, or 128 when n <= 128). Each slot of the shared-memory ring
+// (routed rows x output columns; BN = 256, or 128 when n <= 128); lowp shares an expert's rows
+// evenly among its row tiles (balanced_rows). Each slot of the shared-memory ring
 // holds one K slice of both operands as 128-byte rows (64 16-bit or 32 32-bit values) with the
 // 128-byte swizzle the wgmma descriptors name. Three warpgroups per CTA:
 //   - warpgroup 0, the producers. Thread 0 streams the expert's weight tile slice by slice through
@@ -68,7 +69,7 @@ using kernels::DenseMatmulIdKernelParams;
 constexpr uint32_t kTileRows = 128;       // two consumer warpgroups of 64 rows
 constexpr uint32_t kSliceRowBytes = 128;  // bytes per operand row per slot = the swizzle span
 constexpr uint32_t kThreads = 384;
-constexpr uint32_t kProducerThreads = 128;  // warpgroup 0
+[[maybe_unused]] constexpr uint32_t kProducerThreads = 128;  // warpgroup 0
 
 // The operation: operand precision and the weights' storage type.
 enum class WgOp { LowpBf16, LowpF16, Tf32Bf16, Tf32F16, Tf32F32 };
@@ -88,6 +89,17 @@ struct WgOpTraits {
   // as the wgmma reads it (128-byte swizzle; F32 weights are then rounded to tf32 in place).
   static constexpr bool kWiden = kTf32 && kWeightBytes == 2;
 };
+
+// lowp splits an expert's rows evenly over its row tiles (grouped_work_list.cuh): the tiles of
+// one (expert, column tile) then run at one pace on their multiprocessors and share each weight
+// slice in L2, where a full tile and a short remainder drift apart and the remainder reads the
+// weights from DRAM again (DeepSeek-V3 at m = 4096: 12.6 -> 8.6 GB read, 2.99 -> 2.13 ms). tf32
+// keeps full tiles: at half the tensor rate the extra MMA work of two half-full tiles costs more
+// than the second read (DeepSeek-V3: 4.36 ms full tiles, 4.52 ms balanced).
+template <WgOp Op>
+constexpr bool balanced_rows() {
+  return !WgOpTraits<Op>::kTf32;
+}
 
 template <uint32_t BN>
 struct WgTile {
@@ -269,7 +281,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid == 0) sm90::prefetch_tensor_map(&weights_map);
     uint32_t stage = 0;
     for (uint32_t item = blockIdx.x; item < total; item += gridDim.x) {
-      const WorkItem w = decode_item(item, prefix, counts, m, n_experts, kTileRows, BN);
+      const WorkItem w =
+          decode_item(item, prefix, counts, m, n_experts, kTileRows, BN, balanced_rows<Op>());
       const uint32_t* const item_routed = routed + static_cast<uint64_t>(w.expert) * m + w.row0;
       const char* src[kRowsPer];
 #pragma unroll
@@ -364,7 +377,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t stage = 0;
 
   for (uint32_t item = blockIdx.x; item < total; item += gridDim.x) {
-    const WorkItem w = decode_item(item, prefix, counts, m, n_experts, kTileRows, BN);
+    const WorkItem w =
+        decode_item(item, prefix, counts, m, n_experts, kTileRows, BN, balanced_rows<Op>());
     const uint32_t* const item_routed = routed + static_cast<uint64_t>(w.expert) * m + w.row0;
     const uint32_t my_rows = w.rows > wg * 64 ? min(64u, w.rows - wg * 64) : 0u;
     if (my_rows == 0) {  // no rows here: prepare its share of the weights (tf32), pass slots back

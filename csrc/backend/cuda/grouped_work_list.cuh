@@ -53,11 +53,13 @@ struct WorkItem {
   uint32_t expert, col0, row0, rows;
 };
 
-// Item `item` (< prefix[n_experts]) of the list built by build_item_prefix.
+// Item `item` (< prefix[n_experts]) of the list built by build_item_prefix. With `balanced`, an
+// expert's row tiles share its rows evenly (sizes differ by at most one) instead of full tiles and
+// a remainder; the number of tiles is the same.
 __device__ __forceinline__ WorkItem decode_item(uint32_t item, const uint32_t* prefix,
                                                 const uint32_t* __restrict__ counts, uint32_t m,
                                                 uint32_t n_experts, uint32_t tile_rows,
-                                                uint32_t tile_cols) {
+                                                uint32_t tile_cols, bool balanced = false) {
   uint32_t lo = 0, hi = n_experts;  // prefix[lo] <= item < prefix[hi]
   while (hi - lo > 1) {
     const uint32_t mid = (lo + hi) >> 1;
@@ -69,8 +71,13 @@ __device__ __forceinline__ WorkItem decode_item(uint32_t item, const uint32_t* p
   const uint32_t count = min(counts[lo], m);
   const uint32_t row_tiles = (count + tile_rows - 1) / tile_rows;
   const uint32_t local = item - prefix[lo];
-  const uint32_t row0 = (local % row_tiles) * tile_rows;
-  return WorkItem{lo, (local / row_tiles) * tile_cols, row0, min(tile_rows, count - row0)};
+  const uint32_t col0 = (local / row_tiles) * tile_cols, tile = local % row_tiles;
+  if (balanced) {
+    const uint32_t base = count / row_tiles, extra = count % row_tiles;
+    return WorkItem{lo, col0, tile * base + min(tile, extra), base + (tile < extra ? 1u : 0u)};
+  }
+  const uint32_t row0 = tile * tile_rows;
+  return WorkItem{lo, col0, row0, min(tile_rows, count - row0)};
 }
 
 }  // namespace routemm::cuda
