@@ -473,13 +473,36 @@ __global__ void __launch_bounds__(kDirectThreads, gather_min_blocks<T>())
 constexpr uint32_t kMapTileTokens = 256;  // = threads per CTA
 constexpr uint32_t kMapTileWords = kMapTileTokens / 32;
 
-__device__ __forceinline__ bool first_valid_slot(const uint32_t* token_ids, uint32_t slot,
-                                                 uint32_t id, uint32_t n_experts) {
-  if (id >= n_experts) return false;
-  for (uint32_t s = 0; s < slot; ++s) {
-    if (token_ids[s] == id) return false;  // an earlier slot of this token already maps to id
+// Calls fn(slot, id, first) for every slot of one token (`token_ids`: its top_k ids); `first` is
+// true when the id is valid (< n_experts) and no earlier slot of the token holds it. Up to
+// kMapRegisterSlots ids are loaded together into registers (one memory latency per token instead
+// of one per slot); wider tokens read them slot by slot.
+constexpr uint32_t kMapRegisterSlots = 8;
+
+template <class Fn>
+__device__ __forceinline__ void for_each_slot(const uint32_t* __restrict__ token_ids,
+                                              uint32_t top_k, uint32_t n_experts, Fn&& fn) {
+  if (top_k <= kMapRegisterSlots) {
+    uint32_t v[kMapRegisterSlots];
+#pragma unroll
+    for (uint32_t s = 0; s < kMapRegisterSlots; ++s) v[s] = s < top_k ? __ldg(token_ids + s) : 0u;
+#pragma unroll
+    for (uint32_t slot = 0; slot < kMapRegisterSlots; ++slot) {
+      if (slot < top_k) {
+        bool first = v[slot] < n_experts;
+#pragma unroll
+        for (uint32_t s = 0; s < slot; ++s) first = first && v[s] != v[slot];
+        fn(slot, v[slot], first);
+      }
+    }
+    return;
   }
-  return true;
+  for (uint32_t slot = 0; slot < top_k; ++slot) {
+    const uint32_t id = __ldg(token_ids + slot);
+    bool first = id < n_experts;
+    for (uint32_t s = 0; s < slot && first; ++s) first = __ldg(token_ids + s) != id;
+    fn(slot, id, first);
+  }
 }
 
 // Builds the bitmap of the CTA's tile (bits[e * kMapTileWords + w]); ends with a CTA barrier. With
@@ -492,18 +515,16 @@ __device__ __forceinline__ void map_tile_bitmap(const DenseMatmulIdKernelParams&
   __syncthreads();
   const uint32_t t = blockIdx.x * kMapTileTokens + tid;
   if (t < p.m) {
-    const uint32_t* token_ids = ids + uint64_t{t} * top_k;
-    for (uint32_t slot = 0; slot < top_k; ++slot) {
-      const uint32_t id = __ldg(token_ids + slot);
+    for_each_slot(ids + uint64_t{t} * top_k, top_k, E, [&](uint32_t slot, uint32_t id, bool first) {
       if (id >= E) {  // malformed id: its output row is all zeros, as in direct
         if (zero_invalid) {
           float* row = out + (uint64_t{t} * top_k + slot) * p.n;
           for (uint32_t col = 0; col < p.n; ++col) row[col] = 0.f;
         }
-      } else if (first_valid_slot(token_ids, slot, id, E)) {
+      } else if (first) {
         atomicOr(&bits[id * kMapTileWords + tid / 32], 1u << (tid % 32));
       }
-    }
+    });
   }
   __syncthreads();
 }
@@ -543,17 +564,14 @@ __global__ void __launch_bounds__(kMapTileTokens)
   __syncthreads();
   const uint32_t t = tile * kMapTileTokens + tid;
   if (t >= p.m) return;
-  const uint32_t* token_ids = ids + uint64_t{t} * top_k;
   const uint32_t w = tid / 32, below = (1u << (tid % 32)) - 1u;
-  for (uint32_t slot = 0; slot < top_k; ++slot) {
-    const uint32_t id = __ldg(token_ids + slot);
-    if (first_valid_slot(token_ids, slot, id, E)) {
-      const uint32_t* const id_bits = bits + id * kMapTileWords;
-      uint32_t pos = base[id] + __popc(id_bits[w] & below);
-      for (uint32_t v = 0; v < w; ++v) pos += __popc(id_bits[v]);
-      routed[uint64_t{id} * p.m + pos] = t * top_k + slot;
-    }
-  }
+  for_each_slot(ids + uint64_t{t} * top_k, top_k, E, [&](uint32_t slot, uint32_t id, bool first) {
+    if (!first) return;
+    const uint32_t* const id_bits = bits + id * kMapTileWords;
+    uint32_t pos = base[id] + __popc(id_bits[w] & below);
+    for (uint32_t v = 0; v < w; ++v) pos += __popc(id_bits[v]);
+    routed[uint64_t{id} * p.m + pos] = t * top_k + slot;
+  });
 }
 
 // ---- grouped -------------------------------------------------------------------------------------
