@@ -37,9 +37,8 @@
 //     (wgmma.wait_group 1: one group stays in flight).
 // Registers: the producers drop to 56 per thread and the consumers rise to 224 (setmaxnreg; 168
 // each at launch, the bound of 384 threads), which holds a 64 x 256 F32 accumulator (128 per
-// thread) without spills. A consumer warpgroup without rows in an item (the last row tile of an
-// expert holding <= 64 of them) only prepares its share of the weights (tf32) and passes the
-// slots back.
+// thread) without spills. A consumer warpgroup without rows in an item (an item of at most 64
+// rows) only prepares its share of the weights (tf32) and passes the slots back.
 // Output rows are stored straight from the accumulators (float2 when n is even and the output
 // 8-byte aligned) to the routed rows' positions; rows past the item and columns past n are skipped.
 #include <cuda.h>
@@ -52,7 +51,6 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <type_traits>
 
 #include "dense_matmul_id_wgmma.h"
 #include "grouped_work_list.cuh"
