@@ -63,8 +63,10 @@ def _run(device, registry, w, x, ids, params):
         (33, 130, 300, 2, 4),
         (200, 64, 128, 8, 16),
         (300, 300, 96, 4, 8),
-        # Aligned shapes for the Hopper lowp kernel: column and K tails of its 256 x 64 slices, row
-        # tiles of 128 with a last one under 64 rows, and more work items than multiprocessors.
+        # Aligned shapes for the Hopper kernel: column and K tails of its 256 x 64 slices, experts
+        # of more than 128 rows (a full tile and a remainder for tf32, two balanced tiles for lowp),
+        # items of at most 64 rows (one consumer warpgroup idle), and more work items than
+        # multiprocessors.
         (260, 520, 1000, 2, 4),
         (300, 520, 200, 8, 64),
     ],
