@@ -886,14 +886,7 @@ void launch_map(const KernelLaunch& launch, void* stream_ptr) {
     throw Error(launch.label + ": map supports 1.." + std::to_string(kMapMaxThreads) +
                 " experts, got " + std::to_string(p.n_experts));
   }
-  if (p.m == 0) {  // no tokens: every expert holds no rows
-    if (const cudaError_t e =
-            cudaMemsetAsync(counts, 0, uint64_t{p.n_experts} * sizeof(uint32_t), stream);
-        e != cudaSuccess) {
-      throw Error(launch.label + ": clearing the expert counts failed: " + cudaGetErrorString(e));
-    }
-    return;
-  }
+  if (p.m == 0) throw Error(launch.label + ": map needs at least one token");  // validated before
   // The receipt keeps the spec's geometry (one 1024-thread group); the launch runs one CTA per
   // tile of tokens, twice (see map_count_kernel), with the per-tile counts in a stream workspace.
   // One tile (m <= 256: decode batches) has no earlier tiles to count: the scatter kernel alone,

@@ -57,6 +57,7 @@
 #include "hopper_support.h"
 #include "routemm/error.h"
 #include "smem_opt_in.h"
+#include "warp_mma.cuh"
 #include "wgmma.cuh"
 
 namespace routemm::cuda {
@@ -158,12 +159,6 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
                : "r"(addr)
                : "memory");
   return v;
-}
-__device__ __forceinline__ void sts128(uint32_t addr, uint32_t a, uint32_t b, uint32_t c,
-                                       uint32_t d) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c),
-               "r"(d)
-               : "memory");
 }
 
 // One slot's MMA step: 64 K values (lowp) or 32 (tf32), four instructions.
@@ -308,13 +303,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (uint32_t i = 0; i < kRowsPer; ++i) {
           const bool valid = src[i] != nullptr && k_in;
-          sm90::cp_async_16_zfill(a_tile + 16 * i * kSliceRowBytes, valid ? src[i] + kb : operands,
-                                  valid);
+          cp_async_16(a_tile + 16 * i * kSliceRowBytes, valid ? src[i] + kb : operands, valid);
         }
-        sm90::cp_async_mbar_arrive_noinc(full_bar + 8 * slot);
+        cp_async_mbar_arrive_noinc(full_bar + 8 * slot);
       }
     }
-    sm90::cp_async_wait_all();
+    cp_async_wait_all();
     return;
   }
 

@@ -74,21 +74,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tensor_map
       "l"(tensor_map), "r"(bar), "r"(c0), "r"(c1)
       : "memory");
 }
-// A 16-byte global -> shared copy by this thread (generic proxy, L2 only); `valid` false writes
-// 16 zero bytes and reads nothing (`src` must still be a mapped address).
-__device__ __forceinline__ void cp_async_16_zfill(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-// One arrival on `bar` once every cp.async this thread issued before it has landed. The barrier's
-// expected arrival count must include it (noinc: it does not raise the pending count).
-__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(tensor_map) : "memory");
 }
