@@ -2,19 +2,24 @@
 
     python3 bench/host_cost.py OUT.json [--device cuda|cpu] [--calls N] [--batches B]
 
-Each batch encodes `calls` back-to-back calls into one fresh encoder and times them with
-perf_counter_ns; commit_and_wait runs after the timer stops, so kernel execution is not counted
-(on CUDA a call includes its kernel launch, which is host work; the CPU backend's encoders are
-dropped uncommitted, since it runs the work at commit). Two layers are timed:
+Two protocols, both with perf_counter_ns and commit_and_wait outside the timer, so kernel execution
+is not counted (on CUDA a call includes its kernel launch, which is host work; the CPU backend's
+encoders are dropped uncommitted, since it runs the work at commit):
+  * `empty_stream` (the target's protocol): each call timed alone into a fresh encoder, the previous
+    call's work waited for first, so the stream is idle at every call; median over calls * batches;
+  * `back_to_back`: each batch encodes `calls` calls into one fresh encoder; median per call over
+    batches. A kernel that runs longer than the host cost (the m = 1 direct kernel: ~9 us) makes the
+    GPU fall behind, and the later launches of a batch go in behind a growing queue.
+Two layers are timed:
   * `front_door`: routemm.dense_matmul_id(...) as users call it (params built once, reused);
   * `native`: the pybind11 entry underneath it, i.e. the C++ validation + encode plus the binding.
 Shapes: the Qwen3-30B-A3B expert projection (E=128, top_k=8, n=768, k=2048, bf16) at m=1 (direct)
 and m=512 (grouped_prefill: map + grouped dispatch, with the leading scratch barrier).
-The median per-call time over batches is reported (time_us), with min and max beside it. The
-target (issue 3): under 5 us per call.
+The median per-call time is reported (time_us), with min and max beside it. The target (issue 3):
+under 5 us per call on an empty stream.
 
 On CUDA, when nvcc is on PATH, the bare-launch floor of the same host is measured just before and
-just after (bench/lab/launch_cost.cu, same protocol; `--no-launch-floor` skips it) and recorded
+just after (bench/lab/launch_cost.cu, both protocols; `--no-launch-floor` skips it) and recorded
 beside the records: the launch alone drifts by microseconds between hosts and runs, so a per-call
 time means little without it.
 """
@@ -22,6 +27,7 @@ time means little without it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -62,6 +68,31 @@ def build_case(device, m: int, route: Route):
     )
     scratch = routemm.DenseMatmulIdScratch(device, E, m) if route is Route.GROUPED_PREFILL else None
     return dict(weights=weights, input=x, ids=id_buf, out=out, params=params, scratch=scratch)
+
+
+def time_calls_empty_stream(device, registry, case, layer: str, calls: int) -> list[float]:
+    """Per-call host times (us) of `calls` calls, each timed alone into a fresh encoder on an idle
+    stream: the previous call's work is committed and waited for before the next timer starts. This
+    is the issue's empty-stream protocol; back to back (time_calls) the GPU falls behind a kernel
+    longer than the host cost and the launches run behind a growing queue."""
+    w, x, ids, out, params, scratch = (case[key] for key in ("weights", "input", "ids", "out", "params", "scratch"))
+    native_params = params._native_params
+    per_call = []
+    for i in range(calls + 1):  # the first call warms caches and is dropped
+        enc = device.command_encoder()
+        if layer == "front_door":
+            t0 = time.perf_counter_ns()
+            routemm.dense_matmul_id(enc, registry, w, x, ids, out, scratch, params)
+            t1 = time.perf_counter_ns()
+        else:
+            t0 = time.perf_counter_ns()
+            _core._dense_matmul_id(enc, registry, w, x, ids, out, scratch, native_params)
+            t1 = time.perf_counter_ns()
+        if device.backend != "cpu":
+            enc.commit_and_wait()
+        if i > 0:
+            per_call.append((t1 - t0) / 1e3)
+    return per_call
 
 
 def time_calls(device, registry, case, layer: str, calls: int, batches: int) -> list[float]:
@@ -120,15 +151,17 @@ def table(doc) -> str:
         "",
         f"Command: `{doc['command']}`",
         "",
-        "Per-call host time of validation + encode (CUDA: including the kernel launch), calls back to back "
-        "into one encoder, commit outside the timer; median over batches. Target: under 5 us.",
+        "Per-call host time of validation + encode (CUDA: including the kernel launch), commit outside the timer. "
+        "Protocols: `empty_stream` times each call alone on an idle stream (median over calls; the issue's "
+        "protocol); `back_to_back` times batches of calls into one encoder (median over batches), where "
+        "kernels longer than the host cost leave the launches behind a growing queue. Target: under 5 us.",
         "",
-        "| shape | dtype | m | route | layer | time (us) | min | max | target met |",
-        "|---|---|---:|---|---|---:|---:|---:|---|",
+        "| shape | dtype | m | route | layer | protocol | time (us) | min | max | target met |",
+        "|---|---|---:|---|---|---|---:|---:|---:|---|",
     ]
     for r in doc["records"]:
         lines.append(
-            f"| {r['shape']} | {r['weight_dtype']} | {r['m']} | {r['route']} | {r['layer']} | {r['time_us']:.2f} | "
+            f"| {r['shape']} | {r['weight_dtype']} | {r['m']} | {r['route']} | {r['layer']} | {r.get('protocol', 'back_to_back')} | {r['time_us']:.2f} | "
             f"{r['min_us']:.2f} | {r['max_us']:.2f} | {'yes' if r['time_us'] < TARGET_US else 'no'} |"
         )
     floor = doc.get("bare_launch_us") or {}
@@ -158,8 +191,11 @@ def main() -> None:
         floor["before"] = run_launch_floor(exe, args.calls, args.batches)
     for m, route in [(1, Route.DIRECT), (512, Route.GROUPED_PREFILL)]:
         case = build_case(device, m, route)
-        for layer in ("front_door", "native"):
-            times = time_calls(device, registry, case, layer, args.calls, args.batches)
+        for protocol, layer in itertools.product(("empty_stream", "back_to_back"), ("front_door", "native")):
+            if protocol == "empty_stream":
+                times = time_calls_empty_stream(device, registry, case, layer, args.calls * args.batches)
+            else:
+                times = time_calls(device, registry, case, layer, args.calls, args.batches)
             rec = {
                 "op": "dense_matmul_id_host_cost",
                 "shape": SHAPE[0],
@@ -168,6 +204,7 @@ def main() -> None:
                 "route": route.value,
                 "impl": "routemm",
                 "layer": layer,
+                "protocol": protocol,
                 "time_us": statistics.median(times),
                 "min_us": min(times),
                 "max_us": max(times),
@@ -175,7 +212,10 @@ def main() -> None:
                 "batches": args.batches,
             }
             records.append(rec)
-            print(f"m={m} {route.value} {layer}: {rec['time_us']:.2f} us/call (min {rec['min_us']:.2f})", flush=True)
+            print(
+                f"m={m} {route.value} {layer} {protocol}: {rec['time_us']:.2f} us/call (min {rec['min_us']:.2f})",
+                flush=True,
+            )
     if exe:
         floor["after"] = run_launch_floor(exe, args.calls, args.batches)
     if workdir:

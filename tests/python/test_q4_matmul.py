@@ -37,8 +37,9 @@ class Q4Case:
         self.weight = guarded(device, self.blocks, routemm.DType.U8, self.blocks.shape)
         self.input = guarded(device, self.x, routemm.DType.F32, self.x.shape)
         self.output = guarded_output(device, m, n)
-        prod = self.x.astype(np.float64)[:, None, :] * self.w.astype(np.float64)[None, :, :]
-        self.ref, self.magnitude = prod.sum(axis=2), np.abs(prod).sum(axis=2)
+        x64, w64 = self.x.astype(np.float64), self.w.astype(np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):  # non-finite inputs give non-finite refs
+            self.ref, self.magnitude = x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
 
     def params(self) -> routemm.GgmlQuantizedMatmulParams:
         return routemm.GgmlQuantizedMatmulParams(self.m, self.n, self.k)
@@ -104,6 +105,25 @@ def test_mat_vec_against_reference(device, registry, rng, m, n, k):
     assert receipt.route == "mat_vec" and receipt.dense_route is None
     assert receipt.decision is Decision.MAT_VEC_THRESHOLD
     assert receipt.pipeline_label == "kernel_mul_mv_q4_0_f32" + LABEL_SUFFIX
+    case.check(out, "mat_vec")
+
+
+@pytest.mark.parametrize("k", [16384, 16416])
+def test_mat_vec_one_token_width_bound(device, registry, rng, k):
+    """One token at the widest K of CUDA's one-token kernel on Hopper (16384: eight warps of 32 pairs
+    of blocks) and one block past it (the tensor-core mat-vec); both within the mat-vec's bound."""
+    case = Q4Case(device, rng, 1, 9, k)
+    out, receipt = case.run(registry)
+    assert receipt.route == "mat_vec"
+    case.check(out, "mat_vec")
+
+
+def test_mat_vec_one_token_long_stream(device, registry, rng):
+    """2201 rows x 14336 (17.7 MB of blocks): on the H200 CUDA's one-token kernel gives each CTA more
+    stages than its ring has slots, and the last stage holds one row."""
+    case = Q4Case(device, rng, 1, 2201, 14336)
+    out, receipt = case.run(registry)
+    assert receipt.route == "mat_vec"
     case.check(out, "mat_vec")
 
 

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Device run for the Q4_0 mat-vec (m <= 8): build (sm_90a), the CUDA halves of the Q4 tests and the
+# SASS checks, compute-sanitizer memcheck and racecheck over the mat-vec tests (SANITIZE=1), the
+# mat-vec bench at 4096 x 14336 and q_proj (m = 1, 2, 4, 8; records in $OUT/q4-mv.json), and the
+# host-cost bench with its launch floor (HOST_COST=1). SKIP_BUILD=1 / SKIP_TESTS=1 skip those steps.
+set -u
+OUT=${OUT:-/tmp/routemm-out}; mkdir -p "$OUT"
+start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  stamp build
+  export ROUTEMM_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16
+  export SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90a;ROUTEMM_CUDA_PTXAS_VERBOSE=ON"
+  python3 -m pip install --no-build-isolation --no-deps -v . > /tmp/build.log 2>&1; echo "pip exit $?"
+  grep -E -A3 "q4_matvec_(rows_)?kernel" /tmp/build.log | grep -E "registers|spill" | sort | uniq -c > "$OUT/ptxas.txt"
+  cat "$OUT/ptxas.txt"; grep -E " error|warning" /tmp/build.log | head -5
+fi
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  stamp pytest
+  ROUTEMM_TEST_BACKENDS=cuda timeout 240 python3 -m pytest tests/python/test_q4_matmul.py tests/python/test_cuda_sass.py \
+    tests/python/test_calibration.py -q -x -p no:cacheprovider 2>&1 | tail -5 | tee "$OUT/pytest.txt"
+fi
+if [ "${SANITIZE:-0}" = 1 ]; then
+  stamp memcheck
+  ROUTEMM_TEST_BACKENDS=cuda timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
+    tests/python/test_q4_matmul.py -q -x -p no:cacheprovider -k "mat_vec and not long_stream" > "$OUT/memcheck.txt" 2>&1
+  echo "memcheck exit $?" | tee -a "$OUT/memcheck.txt"; tail -3 "$OUT/memcheck.txt"
+  stamp racecheck
+  ROUTEMM_TEST_BACKENDS=cuda timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest \
+    tests/python/test_q4_matmul.py -q -x -p no:cacheprovider -k "one_token_width or unaligned_views or wide_range" > "$OUT/racecheck.txt" 2>&1
+  echo "racecheck exit $?" | tee -a "$OUT/racecheck.txt"; tail -3 "$OUT/racecheck.txt"
+fi
+stamp bench
+ROUTEMM_BENCH_Q4_SHAPES=${SHAPES:-4096x14336,q_proj} ROUTEMM_BENCH_Q4_MS=${MS:-1,2,4,8} ROUTEMM_BENCH_Q4_PEERS=${PEERS:-0} \
+  BENCH_COMMAND="ROUTEMM_BENCH_Q4_SHAPES=${SHAPES:-4096x14336,q_proj} ROUTEMM_BENCH_Q4_MS=${MS:-1,2,4,8} python3 -m pytest bench/bench_cuda_q4_0_matmul.py -k default" \
+  timeout 200 python3 -m pytest bench/bench_cuda_q4_0_matmul.py -q -s -p no:cacheprovider ${Q4_BENCH_ARGS:-} --results "$OUT/q4-mv.json" 2>&1 \
+  | grep -E "us|!!|Error|error" | grep -v -i warn | tail -40
+if [ "${HOST_COST:-0}" = 1 ]; then
+  stamp host_cost
+  BENCH_COMMAND="python3 bench/host_cost.py \$OUT/host_cost-h200.json" timeout 120 python3 bench/host_cost.py "$OUT/host_cost-h200.json" 2>&1 | tail -20
+fi
+stamp done
