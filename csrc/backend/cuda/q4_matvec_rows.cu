@@ -6,12 +6,12 @@
 // per-block MMA chain was what bounded the tensor-core kernel at m = 1; see
 // bench/results/experiments/q4_0_matvec-h200-2026-12-03.md and the 2026-12-04 notes beside it).
 //
-// WORK SPLIT. A lane owns one pair of blocks of K (64 values; the last pair may hold one block when
-// k / 32 is odd) and keeps the token's 64 activations of that pair in registers for the whole
-// kernel. A warp spans 32 pairs (2048 values of K), so KC = ceil(k / 2048) <= 8 "chunk" warps cover
-// K, and a CTA holds G = max(1, 8 / KC) groups of them (consumers = KC * G warps) plus one producer
+// WORK SPLIT. A lane owns one block of K (32 values) and keeps the token's 32 activations of that
+// block in registers for the whole kernel. A warp spans 32 blocks (1024 values of K), so
+// KC = ceil(k / 1024) <= 15 "chunk" warps cover K, and a CTA holds G = max(1, 15 / KC) groups of
+// them (consumers = KC * G warps, 64 registers each: two CTAs per multiprocessor) plus one producer
 // warp. The CTA walks a contiguous range of weight rows in stages of R rows (R a multiple of G, about
-// 16 KB per stage); within a stage group j takes rows j, j + G, ...
+// 16 KB per stage); within a stage group j takes rows j, j + G, ..., two rows at a time.
 //
 // DATA PATH. Stages land in a ring of up to 4 slots in shared memory, rows `stride` bytes apart
 // (row_bytes rounded up to 16). When the weight view is 16-byte aligned and k % 256 == 0 (row_bytes
@@ -26,10 +26,10 @@
 // weights or the activations): a nibble q becomes the exact F32 (q - 8) by building the float
 // 2^23 + q with one byte permute and subtracting 2^23 + 8 (a high nibble is used in place, as 16 q,
 // and scaled back by 1/16 once per block). Per block, the low and the high 16 products are each
-// summed in F32 by FMAs in increasing K order from zero; the block's sum is hi / 16 + lo (one FMA),
-// then scaled by the block's F32 scale d: pair = d0 * block0, then fma(d1, block1, pair). The 32
-// lanes' pair sums are added by a butterfly over lanes (xor 16, 8, 4, 2, 1), and the chunk warps'
-// sums in increasing chunk order. The order depends on k only, never on the view's alignment.
+// summed in F32 by FMAs in increasing K order from zero; the block's value is
+// d * fma(hi, 1/16, lo) with d the block's F32 scale. A row's 32 block values of one warp are added
+// lanes l + (l + 16) first, then by a butterfly (xor 8, 4, 2, 1), and the chunk warps' sums in
+// increasing chunk order. The order depends on k only, never on the views' alignment.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -49,9 +49,9 @@
 namespace routemm::cuda {
 namespace {
 
-constexpr uint32_t kMaxConsumerWarps = 8;
+constexpr uint32_t kMaxConsumerWarps = 15;
 constexpr uint32_t kMaxThreads = 32 * (kMaxConsumerWarps + 1);
-constexpr uint32_t kPairsPerWarp = 32;
+constexpr uint32_t kBlocksPerWarp = 32;
 constexpr uint32_t kStageTargetBytes = 16384;
 constexpr uint32_t kRingSlots = 4;
 constexpr uint32_t kMaxStagesPerCta = 8;
@@ -62,7 +62,7 @@ struct RowsArgs {
   const uint8_t* weight;
   const float* input;
   float* output;
-  uint32_t n, k_blocks, pairs;
+  uint32_t n, k_blocks;
   uint32_t row_bytes, stride;  // global and shared-memory row strides
   uint32_t chunk_warps, groups, stage_rows, stages_total, stages_per_cta, ring;
   uint32_t ring_offset;  // bytes from the start of shared memory (after barriers and partials)
@@ -87,54 +87,43 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
       : "memory");
 }
 
-// One block's sum over its 32 values: `lo` / `hi` are the pair's words masked to their low / high
-// nibbles, kFirst the pair byte of the block's first nibble byte (2 or 20), `x` the block's values.
-template <int kFirst>
-__device__ __forceinline__ float block_sum(const uint32_t (&lo)[9], const uint32_t (&hi)[9],
-                                           const float* x) {
+// One row's block for this lane: `window` is the 4-byte-aligned run of 20 bytes holding it (an even
+// block starts at its first byte, an odd one 2 bytes in), `x` the block's 32 values. `shift` (16 for
+// an even block, 32 for an odd one) aligns the 16 nibble bytes, `d_shift` (0 / 16) picks the scale.
+__device__ __forceinline__ float block_row_sum(const uint8_t* window, const float (&x)[32],
+                                               uint32_t shift, uint32_t d_shift) {
+  const auto* words = reinterpret_cast<const uint32_t*>(window);
+  uint32_t w[5];
+#pragma unroll
+  for (int j = 0; j < 5; ++j) w[j] = words[j];
   float s_lo = 0.0f, s_hi = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const int word = (kFirst + i) >> 2, byte = (kFirst + i) & 3;
-    // 2^23 + q (or 2^23 + 16 q): the byte in the low mantissa bits under exponent 150.
-    const float q_lo = __uint_as_float(__byte_perm(lo[word], 0x4B000000u, 0x7440u | byte));
-    const float q_hi = __uint_as_float(__byte_perm(hi[word], 0x4B000000u, 0x7440u | byte));
-    s_lo = fmaf(q_lo - 8388616.0f, x[i], s_lo);       // (q - 8) x
-    s_hi = fmaf(q_hi - 8388736.0f, x[16 + i], s_hi);  // 16 (q - 8) x
-  }
-  return fmaf(s_hi, 0.0625f, s_lo);
-}
-
-// The lane's sum over its pair of blocks of one row (`pair`: the pair's 36 bytes in the stage,
-// 4-byte aligned; only the first 18 are read when !two).
-__device__ __forceinline__ float pair_sum(const uint8_t* pair, const float (&x)[64], bool two) {
-  const auto* words = reinterpret_cast<const uint32_t*>(pair);
-  uint32_t lo[9], hi[9];
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t nibbles = __funnelshift_rc(w[j], w[j + 1], shift);
+    const uint32_t lo = nibbles & 0x0F0F0F0Fu, hi = nibbles & 0xF0F0F0F0u;
 #pragma unroll
-  for (int j = 0; j < 5; ++j) {
-    const uint32_t w = words[j];
-    lo[j] = w & 0x0F0F0F0Fu;
-    hi[j] = w & 0xF0F0F0F0u;
-  }
-  const float d0 = __half2float(__ushort_as_half(static_cast<unsigned short>(words[0] & 0xFFFFu)));
-  float sum = d0 * block_sum<2>(lo, hi, x);
-  if (two) {
-#pragma unroll
-    for (int j = 5; j < 9; ++j) {
-      const uint32_t w = words[j];
-      lo[j] = w & 0x0F0F0F0Fu;
-      hi[j] = w & 0xF0F0F0F0u;
+    for (int byte = 0; byte < 4; ++byte) {
+      const int i = 4 * j + byte;
+      // 2^23 + q (or 2^23 + 16 q): the byte in the low mantissa bits under exponent 150.
+      const float q_lo = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7440u | byte));
+      const float q_hi = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7440u | byte));
+      s_lo = fmaf(q_lo - 8388616.0f, x[i], s_lo);       // (q - 8) x
+      s_hi = fmaf(q_hi - 8388736.0f, x[16 + i], s_hi);  // 16 (q - 8) x
     }
-    const float d1 = __half2float(__ushort_as_half(static_cast<unsigned short>(words[4] >> 16)));
-    sum = fmaf(d1, block_sum<20>(lo, hi, x + 32), sum);
   }
-  return sum;
+  const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(w[0] >> d_shift)));
+  return d * fmaf(s_hi, 0.0625f, s_lo);
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// The warp's sums of two rows' lane values: row `a` ends in lane 0, row `b` in lane 16 (lanes l and
+// l + 16 added first, then a butterfly within each half).
+__device__ __forceinline__ float warp_sum_two(float a, float b, uint32_t lane) {
+  const bool upper = (lane & 16) != 0;
+  float keep = upper ? b : a;
+  keep += __shfl_xor_sync(0xFFFFFFFFu, upper ? a : b, 16);
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
-  return v;
+  for (int offset = 8; offset > 0; offset >>= 1) keep += __shfl_xor_sync(0xFFFFFFFFu, keep, offset);
+  return keep;
 }
 
 // The producer warp's copy of one stage without the bulk engine: `rows` rows of row_bytes, `grain`
@@ -200,29 +189,29 @@ __global__ void __launch_bounds__(kMaxThreads, 2) q4_matvec_rows_kernel(const Ro
   }
 
   const uint32_t chunk = warp % a.chunk_warps, group = warp / a.chunk_warps;
-  const uint32_t pair = chunk * kPairsPerWarp + lane;
-  const bool valid = pair < a.pairs, two = 2 * pair + 1 < a.k_blocks;
-  float x[64];
+  const uint32_t block = chunk * kBlocksPerWarp + lane;
+  const bool valid = block < a.k_blocks;
+  // Lanes past the last block read the last block (same code, no divergence) and add zero.
+  const uint32_t read_block = valid ? block : a.k_blocks - 1;
+  const uint32_t window = (read_block * 18) & ~3u;
+  const uint32_t shift = read_block % 2 == 0 ? 16 : 32, d_shift = read_block % 2 == 0 ? 0 : 16;
+  float x[32];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) x[i] = 0.0f;
+  for (int i = 0; i < 32; ++i) x[i] = 0.0f;
   if (valid) {
-    const float* src = a.input + uint64_t(pair) * 64;
+    const float* src = a.input + uint64_t(block) * 32;
     if (a.x_vec) {
 #pragma unroll
-      for (int q = 0; q < 16; ++q) {
-        if (q < 8 || two) {
-          const float4 v = __ldg(reinterpret_cast<const float4*>(src) + q);
-          x[4 * q] = v.x;
-          x[4 * q + 1] = v.y;
-          x[4 * q + 2] = v.z;
-          x[4 * q + 3] = v.w;
-        }
+      for (int q = 0; q < 8; ++q) {
+        const float4 v = __ldg(reinterpret_cast<const float4*>(src) + q);
+        x[4 * q] = v.x;
+        x[4 * q + 1] = v.y;
+        x[4 * q + 2] = v.z;
+        x[4 * q + 3] = v.w;
       }
     } else {
 #pragma unroll
-      for (int i = 0; i < 64; ++i) {
-        if (i < 32 || two) x[i] = __ldg(src + i);
-      }
+      for (int i = 0; i < 32; ++i) x[i] = __ldg(src + i);
     }
   }
 
@@ -230,20 +219,18 @@ __global__ void __launch_bounds__(kMaxThreads, 2) q4_matvec_rows_kernel(const Ro
     const uint32_t slot = s % a.ring, round = s / a.ring;
     sm90::mbar_wait(full0 + 8 * slot, round & 1);
     const uint32_t rows = min(a.stage_rows, a.n - (row0 + s * a.stage_rows));
-    const uint8_t* const stage = ring + slot * stage_bytes + pair * 36;
+    const uint8_t* const stage = ring + slot * stage_bytes + window;
     float* const out = partial + (s * a.stage_rows) * a.chunk_warps + chunk;
-    // Two rows at a time: independent FMA chains for the scheduler to interleave.
+    // Two rows at a time: independent FMA chains for the scheduler to interleave. Without a second
+    // row the first is read twice and the copy dropped.
     for (uint32_t r = group; r < rows; r += 2 * a.groups) {
       const uint32_t r2 = r + a.groups;
       const bool second = r2 < rows;
-      float v1 = valid ? pair_sum(stage + r * a.stride, x, two) : 0.0f;
-      float v2 = valid && second ? pair_sum(stage + r2 * a.stride, x, two) : 0.0f;
-      v1 = warp_sum(v1);
-      v2 = warp_sum(v2);
-      if (lane == 0) {
-        out[r * a.chunk_warps] = v1;
-        if (second) out[r2 * a.chunk_warps] = v2;
-      }
+      const float v1 = block_row_sum(stage + r * a.stride, x, shift, d_shift);
+      const float v2 = block_row_sum(stage + (second ? r2 : r) * a.stride, x, shift, d_shift);
+      const float sum = warp_sum_two(valid ? v1 : 0.0f, valid ? v2 : 0.0f, lane);
+      if (lane == 0) out[r * a.chunk_warps] = sum;
+      if (lane == 16 && second) out[r2 * a.chunk_warps] = sum;
     }
     __syncwarp();
     if (lane == 0) sm90::mbar_arrive(empty0 + 8 * slot);
@@ -303,8 +290,7 @@ void launch_q4_matvec_rows(const std::string& label, cudaStream_t stream,
   a.output = p.output;
   a.n = p.n;
   a.k_blocks = p.k / 32;
-  a.pairs = (a.k_blocks + 1) / 2;
-  a.chunk_warps = (a.pairs + kPairsPerWarp - 1) / kPairsPerWarp;
+  a.chunk_warps = (a.k_blocks + kBlocksPerWarp - 1) / kBlocksPerWarp;
   a.groups = std::max<uint32_t>(1, kMaxConsumerWarps / a.chunk_warps);
   a.row_bytes = 18 * a.k_blocks;
   a.stride = round_up(a.row_bytes, 16);

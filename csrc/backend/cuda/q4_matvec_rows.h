@@ -19,7 +19,7 @@ struct Q4MatVecRowsProblem {
 // True when the kernel runs a one-token product of width `k` on `device`: the sm_90a image is there
 // and the device runs it (hopper_kernels_available), and k <= kQ4MatVecRowsMaxK, so that one CTA's
 // warps hold the whole activation row in registers. Any weight or input alignment.
-inline constexpr uint64_t kQ4MatVecRowsMaxK = 16384;
+inline constexpr uint64_t kQ4MatVecRowsMaxK = 15360;
 bool q4_matvec_rows_eligible(int device, uint64_t k);
 
 // Launches the kernel for `p` on `stream` (grid and CTA shape derived from n and k; see the .cu).
