@@ -52,9 +52,8 @@ namespace {
 constexpr uint32_t kMaxConsumerWarps = 15;
 constexpr uint32_t kMaxThreads = 32 * (kMaxConsumerWarps + 1);
 constexpr uint32_t kBlocksPerWarp = 32;
-constexpr uint32_t kStageTargetBytes = 16384;
-constexpr uint32_t kRingSlots = 4;
-constexpr uint32_t kMaxStagesPerCta = 8;
+constexpr uint32_t kRingSlots =
+    8;  // barrier pairs reserved; a launch uses RowsTuning::ring of them
 constexpr uint32_t kBarrierBytes = 2 * kRingSlots * 8;
 constexpr uint32_t kTailSlackBytes = 32;
 
@@ -146,6 +145,12 @@ __device__ __forceinline__ void copy_stage(const RowsArgs& a, uint8_t* dst, cons
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
+// The library runs kFull; bench/lab/q4_matvec_rows_lab.cu times the data path alone (kStreamOnly:
+// consumers release each stage unread) and the arithmetic alone (kComputeOnly: no copies, consumers
+// read whatever the ring holds).
+enum class RowsMode { kFull, kStreamOnly, kComputeOnly };
+
+template <RowsMode kMode = RowsMode::kFull>
 __global__ void __launch_bounds__(kMaxThreads, 2) q4_matvec_rows_kernel(const RowsArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) uint8_t smem[];
@@ -168,7 +173,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2) q4_matvec_rows_kernel(const Ro
   __syncthreads();
 
   if (warp == consumers) {  // the producer
-    for (uint32_t s = 0; s < stages; ++s) {
+    for (uint32_t s = 0; kMode != RowsMode::kComputeOnly && s < stages; ++s) {
       const uint32_t slot = s % a.ring, round = s / a.ring;
       if (round > 0) sm90::mbar_wait(empty0 + 8 * slot, (round - 1) & 1);
       const uint32_t first = row0 + s * a.stage_rows;
@@ -217,13 +222,14 @@ __global__ void __launch_bounds__(kMaxThreads, 2) q4_matvec_rows_kernel(const Ro
 
   for (uint32_t s = 0; s < stages; ++s) {
     const uint32_t slot = s % a.ring, round = s / a.ring;
-    sm90::mbar_wait(full0 + 8 * slot, round & 1);
-    const uint32_t rows = min(a.stage_rows, a.n - (row0 + s * a.stage_rows));
+    if constexpr (kMode != RowsMode::kComputeOnly) sm90::mbar_wait(full0 + 8 * slot, round & 1);
+    const uint32_t rows =
+        kMode == RowsMode::kStreamOnly ? 0 : min(a.stage_rows, a.n - (row0 + s * a.stage_rows));
     const uint8_t* const stage = ring + slot * stage_bytes + window;
     float* const out = partial + (s * a.stage_rows) * a.chunk_warps + chunk;
     // Two rows at a time: independent FMA chains for the scheduler to interleave. Without a second
     // row the first is read twice and the copy dropped.
-    for (uint32_t r = group; r < rows; r += 2 * a.groups) {
+    for (uint32_t r = group; kMode != RowsMode::kStreamOnly && r < rows; r += 2 * a.groups) {
       const uint32_t r2 = r + a.groups;
       const bool second = r2 < rows;
       const float v1 = block_row_sum(stage + r * a.stride, x, shift, d_shift);
@@ -233,7 +239,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2) q4_matvec_rows_kernel(const Ro
       if (lane == 16 && second) out[r2 * a.chunk_warps] = sum;
     }
     __syncwarp();
-    if (lane == 0) sm90::mbar_arrive(empty0 + 8 * slot);
+    if (kMode != RowsMode::kComputeOnly && lane == 0) sm90::mbar_arrive(empty0 + 8 * slot);
   }
 
   sm90::named_barrier_sync(1, consumers * 32);
@@ -267,6 +273,53 @@ uint32_t multiprocessors(const std::string& label, int device) {
 
 constexpr uint32_t round_up(uint32_t v, uint32_t to) { return (v + to - 1) / to * to; }
 
+// The grid and CTA shape of one launch; `tuning` holds the choices the lab varies.
+struct RowsTuning {
+  uint32_t stage_bytes = 16384;     // target bytes per stage (whole rows, a multiple of G rows)
+  uint32_t ring = 4;                // slots in the ring, <= kRingSlots
+  uint32_t ctas_per_sm = 2;         // the grid aims at this many CTAs per multiprocessor ...
+  uint32_t max_stages_per_cta = 8;  // ... unless a CTA would get more stages than this
+};
+
+struct RowsLaunch {
+  RowsArgs args;
+  uint32_t grid, threads, smem;
+};
+
+RowsLaunch rows_launch(const Q4MatVecRowsProblem& p, uint32_t multiprocessors,
+                       const RowsTuning& tuning = {}) {
+  RowsArgs a{};
+  a.weight = p.weight;
+  a.input = p.input;
+  a.output = p.output;
+  a.n = p.n;
+  a.k_blocks = p.k / 32;
+  a.chunk_warps = (a.k_blocks + kBlocksPerWarp - 1) / kBlocksPerWarp;
+  a.groups = std::max<uint32_t>(1, kMaxConsumerWarps / a.chunk_warps);
+  a.row_bytes = 18 * a.k_blocks;
+  a.stride = round_up(a.row_bytes, 16);
+  const uint32_t group_bytes = a.stride * a.groups;
+  a.stage_rows =
+      a.groups * std::max<uint32_t>(1, (tuning.stage_bytes + group_bytes / 2) / group_bytes);
+  a.stages_total = (p.n + a.stage_rows - 1) / a.stage_rows;
+  const uint32_t target = tuning.ctas_per_sm * multiprocessors;
+  a.stages_per_cta =
+      std::clamp<uint32_t>((a.stages_total + target - 1) / target, 1, tuning.max_stages_per_cta);
+  a.ring = std::min({kRingSlots, tuning.ring, a.stages_per_cta});
+  const uint32_t partial_bytes = round_up(a.stages_per_cta * a.stage_rows * a.chunk_warps * 4, 16);
+  a.ring_offset = kBarrierBytes + partial_bytes;
+  const auto address = reinterpret_cast<uintptr_t>(p.weight);
+  a.bulk = address % 16 == 0 && a.row_bytes % 16 == 0;
+  a.grain = address % 4 == 0 && a.row_bytes % 4 == 0 ? 4 : address % 2 == 0 ? 2 : 1;
+  a.x_vec = reinterpret_cast<uintptr_t>(p.input) % 16 == 0;
+  RowsLaunch l{};
+  l.args = a;
+  l.grid = (a.stages_total + a.stages_per_cta - 1) / a.stages_per_cta;
+  l.threads = 32 * (a.chunk_warps * a.groups + 1);
+  l.smem = a.ring_offset + a.ring * a.stage_rows * a.stride + kTailSlackBytes;
+  return l;
+}
+
 }  // namespace
 
 bool q4_matvec_rows_eligible(int device, uint64_t k) {
@@ -284,37 +337,9 @@ void launch_q4_matvec_rows(const std::string& label, cudaStream_t stream,
     throw Error("'" + label + "': the one-token mat-vec needs 0 < k <= " +
                 std::to_string(kQ4MatVecRowsMaxK) + ", k % 32 == 0 and n > 0");
   }
-  RowsArgs a{};
-  a.weight = p.weight;
-  a.input = p.input;
-  a.output = p.output;
-  a.n = p.n;
-  a.k_blocks = p.k / 32;
-  a.chunk_warps = (a.k_blocks + kBlocksPerWarp - 1) / kBlocksPerWarp;
-  a.groups = std::max<uint32_t>(1, kMaxConsumerWarps / a.chunk_warps);
-  a.row_bytes = 18 * a.k_blocks;
-  a.stride = round_up(a.row_bytes, 16);
-  const uint32_t group_bytes = a.stride * a.groups;
-  a.stage_rows =
-      a.groups * std::max<uint32_t>(1, (kStageTargetBytes + group_bytes / 2) / group_bytes);
-  a.stages_total = (p.n + a.stage_rows - 1) / a.stage_rows;
-  // About two CTAs per multiprocessor, each over a contiguous range of at most kMaxStagesPerCta
-  // stages (larger products launch more CTAs).
-  const uint32_t target = 2 * multiprocessors(label, device);
-  a.stages_per_cta =
-      std::clamp<uint32_t>((a.stages_total + target - 1) / target, 1, kMaxStagesPerCta);
-  const uint32_t grid = (a.stages_total + a.stages_per_cta - 1) / a.stages_per_cta;
-  a.ring = std::min(kRingSlots, a.stages_per_cta);
-  const uint32_t partial_bytes = round_up(a.stages_per_cta * a.stage_rows * a.chunk_warps * 4, 16);
-  a.ring_offset = kBarrierBytes + partial_bytes;
-  const uint32_t smem = a.ring_offset + a.ring * a.stage_rows * a.stride + kTailSlackBytes;
-  const auto address = reinterpret_cast<uintptr_t>(p.weight);
-  a.bulk = address % 16 == 0 && a.row_bytes % 16 == 0;
-  a.grain = address % 4 == 0 && a.row_bytes % 4 == 0 ? 4 : address % 2 == 0 ? 2 : 1;
-  a.x_vec = reinterpret_cast<uintptr_t>(p.input) % 16 == 0;
-  const uint32_t threads = 32 * (a.chunk_warps * a.groups + 1);
-  opt_in_dynamic_smem<q4_matvec_rows_kernel>(label, smem, smem);
-  q4_matvec_rows_kernel<<<grid, threads, smem, stream>>>(a);
+  const RowsLaunch l = rows_launch(p, multiprocessors(label, device));
+  opt_in_dynamic_smem<q4_matvec_rows_kernel<>>(label, l.smem, l.smem);
+  q4_matvec_rows_kernel<><<<l.grid, l.threads, l.smem, stream>>>(l.args);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     throw Error("'" + label + "': launch failed: " + cudaGetErrorString(e));
   }
