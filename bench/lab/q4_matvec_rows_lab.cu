@@ -50,7 +50,7 @@ float per_launch_us(Launch launch, int copies) {
   return ms * 1000 / kCalls;
 }
 
-template <rc::RowsMode kMode>
+template <rc::RowsMode kMode, rc::RowsDecode kDecode = rc::RowsDecode::kPermute>
 float time_mode(const std::vector<uint8_t*>& weights, const float* x, float* out, uint32_t n,
                 uint32_t k, uint32_t sms, const rc::RowsTuning& tuning) {
   std::vector<rc::RowsLaunch> launches;
@@ -58,7 +58,7 @@ float time_mode(const std::vector<uint8_t*>& weights, const float* x, float* out
     launches.push_back(
         rc::rows_launch({.weight = w, .input = x, .output = out, .n = n, .k = k}, sms, tuning));
   }
-  const auto kernel = rc::q4_matvec_rows_kernel<kMode>;
+  const auto kernel = rc::q4_matvec_rows_kernel<kMode, kDecode>;
   CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, launches[0].smem));
   int per_sm = 0;
@@ -112,12 +112,22 @@ int main() {
     CHECK(cudaMemcpy(x, hx.data(), s.k * 4, cudaMemcpyHostToDevice));
     std::printf("n=%u k=%u (%.1f MB), %d copies\n", s.n, s.k, bytes / 1e6, copies);
     const rc::RowsTuning base;
+    if (std::getenv("LAB_PROFILE")) {  // one launch of each mode, for Nsight Compute
+      time_mode<rc::RowsMode::kFull>(weights, x, out, s.n, s.k, sms, base);
+      time_mode<rc::RowsMode::kComputeOnly>(weights, x, out, s.n, s.k, sms, base);
+      break;
+    }
     std::printf(" full\n");
     time_mode<rc::RowsMode::kFull>(weights, x, out, s.n, s.k, sms, base);
     std::printf(" stream only\n");
     time_mode<rc::RowsMode::kStreamOnly>(weights, x, out, s.n, s.k, sms, base);
     std::printf(" compute only\n");
     time_mode<rc::RowsMode::kComputeOnly>(weights, x, out, s.n, s.k, sms, base);
+    std::printf(" half decode: full / compute only\n");
+    time_mode<rc::RowsMode::kFull, rc::RowsDecode::kHalves>(weights, x, out, s.n, s.k, sms, base);
+    time_mode<rc::RowsMode::kComputeOnly, rc::RowsDecode::kHalves>(weights, x, out, s.n, s.k, sms,
+                                                                   base);
+    if (std::getenv("LAB_SHORT")) continue;
     std::printf(" tunings (full / stream only)\n");
     for (const rc::RowsTuning t : {
              rc::RowsTuning{.stage_bytes = 8192, .ring = 8},

@@ -68,6 +68,10 @@ struct RowsArgs {
   uint32_t bulk;         // 1: one cp.async.bulk per stage; 0: the producer warp's copies
   uint32_t grain;        // bytes per copy of the second path: 4, 2 or 1
   uint32_t x_vec;        // 1: the input is 16-byte aligned (float4 loads)
+  // 0x4B000000, the bits of 2^23, passed at run time: the compiler keeps it in a register, so each
+  // byte permute takes its selector as the immediate (a compile-time constant here would take the
+  // immediate slot and push every selector into a register rebuilt before its permute).
+  uint32_t exponent_2_23;
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -90,7 +94,8 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
 // block starts at its first byte, an odd one 2 bytes in), `x` the block's 32 values. `shift` (16 for
 // an even block, 32 for an odd one) aligns the 16 nibble bytes, `d_shift` (0 / 16) picks the scale.
 __device__ __forceinline__ float block_row_sum(const uint8_t* window, const float (&x)[32],
-                                               uint32_t shift, uint32_t d_shift) {
+                                               uint32_t shift, uint32_t d_shift,
+                                               uint32_t exponent) {
   const auto* words = reinterpret_cast<const uint32_t*>(window);
   uint32_t w[5];
 #pragma unroll
@@ -104,11 +109,45 @@ __device__ __forceinline__ float block_row_sum(const uint8_t* window, const floa
     for (int byte = 0; byte < 4; ++byte) {
       const int i = 4 * j + byte;
       // 2^23 + q (or 2^23 + 16 q): the byte in the low mantissa bits under exponent 150.
-      const float q_lo = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7440u | byte));
-      const float q_hi = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7440u | byte));
+      const float q_lo = __uint_as_float(__byte_perm(lo, exponent, 0x7440u | byte));
+      const float q_hi = __uint_as_float(__byte_perm(hi, exponent, 0x7440u | byte));
       s_lo = fmaf(q_lo - 8388616.0f, x[i], s_lo);       // (q - 8) x
       s_hi = fmaf(q_hi - 8388736.0f, x[16 + i], s_hi);  // 16 (q - 8) x
     }
+  }
+  const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(w[0] >> d_shift)));
+  return d * fmaf(s_hi, 0.0625f, s_lo);
+}
+
+// The same sum with the nibbles decoded two at a time in f16: (n & 0x000F000F) | 0x64006400 is the
+// pair of halves 1024 + q (bytes 0 and 2; bytes 1 and 3 after a shift by 8), minus 1032 the exact
+// q - 8 (high nibbles: 1024 + 16 q, minus 1152), then each half widened to F32. The products and
+// their order are those of block_row_sum, so the two decodes give the same bits.
+__device__ __forceinline__ float block_row_sum_half(const uint8_t* window, const float (&x)[32],
+                                                    uint32_t shift, uint32_t d_shift) {
+  const auto* words = reinterpret_cast<const uint32_t*>(window);
+  uint32_t w[5];
+#pragma unroll
+  for (int j = 0; j < 5; ++j) w[j] = words[j];
+  const __half2 lo_bias = __floats2half2_rn(1032.0f, 1032.0f);
+  const __half2 hi_bias = __floats2half2_rn(1152.0f, 1152.0f);
+  const auto halves = [](uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); };
+  float s_lo = 0.0f, s_hi = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t n02 = __funnelshift_rc(w[j], w[j + 1], shift), n13 = n02 >> 8;
+    const float2 lo02 = __half22float2(__hsub2(halves((n02 & 0x000F000Fu) | 0x64006400u), lo_bias));
+    const float2 lo13 = __half22float2(__hsub2(halves((n13 & 0x000F000Fu) | 0x64006400u), lo_bias));
+    const float2 hi02 = __half22float2(__hsub2(halves((n02 & 0x00F000F0u) | 0x64006400u), hi_bias));
+    const float2 hi13 = __half22float2(__hsub2(halves((n13 & 0x00F000F0u) | 0x64006400u), hi_bias));
+    s_lo = fmaf(lo02.x, x[4 * j], s_lo);
+    s_hi = fmaf(hi02.x, x[16 + 4 * j], s_hi);
+    s_lo = fmaf(lo13.x, x[4 * j + 1], s_lo);
+    s_hi = fmaf(hi13.x, x[16 + 4 * j + 1], s_hi);
+    s_lo = fmaf(lo02.y, x[4 * j + 2], s_lo);
+    s_hi = fmaf(hi02.y, x[16 + 4 * j + 2], s_hi);
+    s_lo = fmaf(lo13.y, x[4 * j + 3], s_lo);
+    s_hi = fmaf(hi13.y, x[16 + 4 * j + 3], s_hi);
   }
   const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(w[0] >> d_shift)));
   return d * fmaf(s_hi, 0.0625f, s_lo);
@@ -149,8 +188,10 @@ __device__ __forceinline__ void copy_stage(const RowsArgs& a, uint8_t* dst, cons
 // consumers release each stage unread) and the arithmetic alone (kComputeOnly: no copies, consumers
 // read whatever the ring holds).
 enum class RowsMode { kFull, kStreamOnly, kComputeOnly };
+// The nibble decode: byte permutes (block_row_sum) or packed halves (block_row_sum_half).
+enum class RowsDecode { kPermute, kHalves };
 
-template <RowsMode kMode = RowsMode::kFull>
+template <RowsMode kMode = RowsMode::kFull, RowsDecode kDecode = RowsDecode::kPermute>
 __global__ void __launch_bounds__(kMaxThreads, 2) q4_matvec_rows_kernel(const RowsArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(128) uint8_t smem[];
@@ -200,6 +241,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2) q4_matvec_rows_kernel(const Ro
   const uint32_t read_block = valid ? block : a.k_blocks - 1;
   const uint32_t window = (read_block * 18) & ~3u;
   const uint32_t shift = read_block % 2 == 0 ? 16 : 32, d_shift = read_block % 2 == 0 ? 0 : 16;
+  const uint32_t exponent = a.exponent_2_23;
   float x[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) x[i] = 0.0f;
@@ -232,8 +274,15 @@ __global__ void __launch_bounds__(kMaxThreads, 2) q4_matvec_rows_kernel(const Ro
     for (uint32_t r = group; kMode != RowsMode::kStreamOnly && r < rows; r += 2 * a.groups) {
       const uint32_t r2 = r + a.groups;
       const bool second = r2 < rows;
-      const float v1 = block_row_sum(stage + r * a.stride, x, shift, d_shift);
-      const float v2 = block_row_sum(stage + (second ? r2 : r) * a.stride, x, shift, d_shift);
+      const auto row_sum = [&](uint32_t row) {
+        if constexpr (kDecode == RowsDecode::kHalves) {
+          return block_row_sum_half(stage + row * a.stride, x, shift, d_shift);
+        } else {
+          return block_row_sum(stage + row * a.stride, x, shift, d_shift, exponent);
+        }
+      };
+      const float v1 = row_sum(r);
+      const float v2 = row_sum(second ? r2 : r);
       const float sum = warp_sum_two(valid ? v1 : 0.0f, valid ? v2 : 0.0f, lane);
       if (lane == 0) out[r * a.chunk_warps] = sum;
       if (lane == 16 && second) out[r2 * a.chunk_warps] = sum;
@@ -312,6 +361,7 @@ RowsLaunch rows_launch(const Q4MatVecRowsProblem& p, uint32_t multiprocessors,
   a.bulk = address % 16 == 0 && a.row_bytes % 16 == 0;
   a.grain = address % 4 == 0 && a.row_bytes % 4 == 0 ? 4 : address % 2 == 0 ? 2 : 1;
   a.x_vec = reinterpret_cast<uintptr_t>(p.input) % 16 == 0;
+  a.exponent_2_23 = 0x4B000000u;
   RowsLaunch l{};
   l.args = a;
   l.grid = (a.stages_total + a.stages_per_cta - 1) / a.stages_per_cta;
