@@ -1,10 +1,9 @@
-// Where the one-token Q4_0 mat-vec (csrc/backend/cuda/q4_matvec_rows.cu) spends its time: the
-// library kernel, its data path alone (consumers release every stage unread) and its arithmetic
+// Where the one-token Q4_0 mat-vec experiment (bench/lab/q4_matvec_rows_kernel.cuh) spends its
+// time: the kernel, its data path alone (consumers release every stage unread) and its arithmetic
 // alone (no copies), over stage size, ring depth and CTAs per multiprocessor.
 //
 //   nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -DROUTEMM_CUDA_HAS_SM90A=1 \
-//     -Icsrc/include -Icsrc -Icsrc/backend/cuda -o /tmp/rows_lab bench/lab/q4_matvec_rows_lab.cu \
-//     csrc/backend/cuda/hopper_support.cu
+//     -Icsrc/include -Icsrc -Icsrc/backend/cuda -o /tmp/rows_lab bench/lab/q4_matvec_rows_lab.cu
 //   /tmp/rows_lab            (LAB_COPIES=1: one weight copy, so the matrix can sit in L2)
 //
 // Timing: CUDA events around 40 back-to-back launches, weights rotating over 8 copies (> 2x L2);
@@ -16,7 +15,7 @@
 #include <random>
 #include <vector>
 
-#include "backend/cuda/q4_matvec_rows.cu"
+#include "q4_matvec_rows_kernel.cuh"
 
 #define CHECK(call)                                                           \
   do {                                                                        \
@@ -27,7 +26,7 @@
     }                                                                         \
   } while (0)
 
-namespace rc = routemm::cuda;
+namespace rc = q4_rows_lab;
 
 __global__ void empty_kernel() {}
 

@@ -95,18 +95,3 @@ def test_portable_tensor_kernel_uses_warp_mma_without_spills():
             assert not _local_memory(sass), (arch, name, _local_memory(sass)[:5])
     if checked == 0:
         pytest.skip("no portable tensor kernel in this build")
-
-
-def test_hopper_one_token_q4_mat_vec_streams_by_bulk_copy():
-    """The one-token Q4_0 mat-vec on sm_90a: weights by bulk copy (UBLKCP), nibbles decoded with byte
-    permutes (PRMT) into F32 FMAs, no tensor-core MMA and no local memory."""
-    arches = _functions_by_arch()
-    if "sm_90a" not in arches:
-        pytest.skip("the build carries no sm_90a code")
-    kernels = {name: sass for name, sass in arches["sm_90a"].items() if "q4_matvec_rows_kernel" in name}
-    assert len(kernels) == 1, sorted(kernels)
-    ((name, sass),) = kernels.items()
-    for opcode in ("UBLKCP", "PRMT", "FFMA"):
-        assert opcode in sass, (name, opcode)
-    assert "HMMA" not in sass and "HGMMA" not in sass, name
-    assert not _local_memory(sass), (name, _local_memory(sass)[:5])

@@ -108,25 +108,6 @@ def test_mat_vec_against_reference(device, registry, rng, m, n, k):
     case.check(out, "mat_vec")
 
 
-@pytest.mark.parametrize("k", [15360, 15392])
-def test_mat_vec_one_token_width_bound(device, registry, rng, k):
-    """One token at the widest K of CUDA's one-token kernel on Hopper (15360: fifteen warps of 32
-    blocks) and one block past it (the tensor-core mat-vec); both within the mat-vec's bound."""
-    case = Q4Case(device, rng, 1, 9, k)
-    out, receipt = case.run(registry)
-    assert receipt.route == "mat_vec"
-    case.check(out, "mat_vec")
-
-
-def test_mat_vec_one_token_long_stream(device, registry, rng):
-    """2201 rows x 14336 (17.7 MB of blocks): on the H200 CUDA's one-token kernel gives each CTA more
-    stages than its ring has slots, and the last stage holds one row."""
-    case = Q4Case(device, rng, 1, 2201, 14336)
-    out, receipt = case.run(registry)
-    assert receipt.route == "mat_vec"
-    case.check(out, "mat_vec")
-
-
 def _wide_range_activations(rng, m: int, k: int) -> np.ndarray:
     """Activations whose 32-value blocks span many binades: each value scaled by 2^[-40, 40], one
     block per token all zero, one of subnormals, one with a single outlier among tiny values."""

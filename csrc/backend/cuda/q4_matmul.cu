@@ -56,7 +56,6 @@
 #include "kernels.h"
 #include "q4_matmul_wgmma.h"
 #include "q4_matvec_block.cuh"
-#include "q4_matvec_rows.h"
 #include "q4_nibbles.cuh"
 #include "q4_split_store.cuh"
 #include "routemm/error.h"
@@ -684,16 +683,6 @@ void launch_mat_vec(const KernelLaunch& launch, void* stream) {
   const auto k = static_cast<uint64_t>(q.ne00);
   const Problem p = problem_of(launch, 0, 1, 2, static_cast<uint64_t>(q.ne1),
                                static_cast<uint64_t>(q.ne01), k, k / 32 * 18);
-  int device = 0;
-  if (p.m == 1 && cudaGetDevice(&device) == cudaSuccess && q4_matvec_rows_eligible(device, p.k)) {
-    // One token on Hopper: the row-stream FMA kernel (q4_matvec_rows.cu). The receipt keeps the
-    // tiles and K split encoded above; the kernel derives its own grid from (n, k).
-    check_launch_shape<MatVecStream>(launch, p, true);
-    launch_q4_matvec_rows(
-        launch.label, static_cast<cudaStream_t>(stream),
-        {.weight = p.weight, .input = p.input, .output = p.output, .n = p.n, .k = p.k});
-    return;
-  }
   if (p.m <= 4) {  // hi / lo columns: two MMAs per block
     launch_q4<MatVecStream, q4_matvec_kernel<MatVecStream, true, true>,
               q4_matvec_kernel<MatVecStream, false, true>>(launch, stream, p, true);

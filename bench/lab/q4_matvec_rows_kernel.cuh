@@ -1,5 +1,7 @@
-// The one-token Q4_0 mat-vec on Hopper: m == 1, k <= 16384 (q4_matmul.cu's mat-vec launcher takes
-// it there; every other mat-vec keeps the tensor-core kernel). A decode step's projection streams
+// EXPERIMENT (not in the library; bench/results/experiments/q4_0_matvec_rows-h200-2026-12-04.md): a
+// one-token Q4_0 mat-vec on Hopper (m == 1, k <= 15360), timed by bench/lab/q4_matvec_rows_lab.cu.
+// It was wired in as the library's m = 1 mat-vec at cdc9131..ebfda09 and lost to the tensor-core
+// mat-vec on every measured shape, so it lives here. A decode step's projection streams
 // n * k * 18 / 32 bytes of weights once and does 2 FLOPs per weight, so this kernel is built around
 // the weight stream: whole rows, one bulk copy per stage, and F32 FMAs on the CUDA cores instead of
 // tensor-core MMAs (with one token, seven of an MMA's eight columns would be padding, and the
@@ -30,24 +32,24 @@
 // d * fma(hi, 1/16, lo) with d the block's F32 scale. A row's 32 block values of one warp are added
 // lanes l + (l + 16) first, then by a butterfly (xor 8, 4, 2, 1), and the chunk warps' sums in
 // increasing chunk order. The order depends on k only, never on the views' alignment.
+#pragma once
+
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <string>
-
-#include "hopper_support.h"
-#include "q4_matvec_rows.h"
-#include "routemm/error.h"
-#include "smem_opt_in.h"
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "wgmma.cuh"
-#endif
 
-namespace routemm::cuda {
-namespace {
+namespace q4_rows_lab {
+namespace sm90 = routemm::cuda::sm90;
+
+struct Q4MatVecRowsProblem {
+  const uint8_t* weight;  // n rows of k / 32 GGUF Q4_0 blocks, rows k / 32 * 18 bytes apart
+  const float* input;     // one token: k values, 4-byte aligned
+  float* output;          // n values
+  uint32_t n, k;
+};
 
 constexpr uint32_t kMaxConsumerWarps = 15;
 constexpr uint32_t kMaxThreads = 32 * (kMaxConsumerWarps + 1);
@@ -184,7 +186,7 @@ __device__ __forceinline__ void copy_stage(const RowsArgs& a, uint8_t* dst, cons
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
-// The library runs kFull; bench/lab/q4_matvec_rows_lab.cu times the data path alone (kStreamOnly:
+// kFull is the mat-vec; the lab also times the data path alone (kStreamOnly:
 // consumers release each stage unread) and the arithmetic alone (kComputeOnly: no copies, consumers
 // read whatever the ring holds).
 enum class RowsMode { kFull, kStreamOnly, kComputeOnly };
@@ -299,25 +301,8 @@ __global__ void __launch_bounds__(kMaxThreads, 2) q4_matvec_rows_kernel(const Ro
     a.output[row0 + i] = sum;
   }
 #else
-  __trap();  // launched only where the sm_90a image exists (q4_matvec_rows_eligible)
+  __trap();  // the lab builds for sm_90a only
 #endif
-}
-
-uint32_t multiprocessors(const std::string& label, int device) {
-  static std::atomic<uint32_t> known[kMaxOptInDevices];
-  uint32_t sms = known[device].load(std::memory_order_relaxed);
-  if (sms == 0) {
-    int value = 0;
-    if (const cudaError_t e =
-            cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device);
-        e != cudaSuccess || value <= 0) {
-      (void)cudaGetLastError();
-      throw Error("'" + label + "': cannot read the multiprocessor count");
-    }
-    sms = static_cast<uint32_t>(value);
-    known[device].store(sms, std::memory_order_relaxed);
-  }
-  return sms;
 }
 
 constexpr uint32_t round_up(uint32_t v, uint32_t to) { return (v + to - 1) / to * to; }
@@ -370,29 +355,4 @@ RowsLaunch rows_launch(const Q4MatVecRowsProblem& p, uint32_t multiprocessors,
   return l;
 }
 
-}  // namespace
-
-bool q4_matvec_rows_eligible(int device, uint64_t k) {
-  return k >= 32 && k % 32 == 0 && k <= kQ4MatVecRowsMaxK && hopper_kernels_available(device);
-}
-
-void launch_q4_matvec_rows(const std::string& label, cudaStream_t stream,
-                           const Q4MatVecRowsProblem& p) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxOptInDevices) {
-    (void)cudaGetLastError();
-    throw Error("'" + label + "': no current CUDA device");
-  }
-  if (p.n == 0 || p.k == 0 || p.k % 32 != 0 || p.k > kQ4MatVecRowsMaxK) {
-    throw Error("'" + label + "': the one-token mat-vec needs 0 < k <= " +
-                std::to_string(kQ4MatVecRowsMaxK) + ", k % 32 == 0 and n > 0");
-  }
-  const RowsLaunch l = rows_launch(p, multiprocessors(label, device));
-  opt_in_dynamic_smem<q4_matvec_rows_kernel<>>(label, l.smem, l.smem);
-  q4_matvec_rows_kernel<><<<l.grid, l.threads, l.smem, stream>>>(l.args);
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
-    throw Error("'" + label + "': launch failed: " + cudaGetErrorString(e));
-  }
-}
-
-}  // namespace routemm::cuda
+}  // namespace q4_rows_lab
