@@ -4,10 +4,9 @@
 # (the producers' cp.async activation gather) and all requests (plus TMA's weight tiles). Cases:
 # shape:m pairs for bench/lowp_profile.py (CASES). Assumes routemm is installed (SKIP_BUILD=0 builds).
 set -u
-OUT=${OUT:-/tmp/routemm-out}; mkdir -p "$OUT"
+source "$(dirname "$0")/device_common.sh"
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
-  ROUTEMM_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90a" \
-    python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+  build_sm90a || { tail -20 "$OUT/build.log"; exit 1; }
 fi
 M=dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_read.sum,lts__t_sectors_op_read_lookup_hit.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,gpu__time_duration.sum
 for case in ${CASES:-deepseek-v3:4096 qwen3-30b-a3b:4096}; do

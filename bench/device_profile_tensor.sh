@@ -4,10 +4,9 @@
 # first unless SKIP_BUILD=1. Everything lands in $OUT: ncu-<case>.txt, ncu-src-<case>.txt (top stall
 # lines), host_cost-h200.json/.md.
 set -u
-OUT=${OUT:-/tmp/routemm-out}; mkdir -p "$OUT"
+source "$(dirname "$0")/device_common.sh"
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
-  ROUTEMM_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90a" \
-    python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+  build_sm90a || { tail -20 "$OUT/build.log"; exit 1; }
 fi
 for case in ${CASES:-qwen3-30b-a3b:4096 deepseek-v3:4096}; do
   tag=${case/:/-}

@@ -4,14 +4,11 @@
 # mat-vec bench at 4096 x 14336 and q_proj (m = 1, 2, 4, 8; records in $OUT/q4-mv.json), and the
 # host-cost bench with its launch floor (HOST_COST=1). SKIP_BUILD=1 / SKIP_TESTS=1 skip those steps.
 set -u
-OUT=${OUT:-/tmp/routemm-out}; mkdir -p "$OUT"
-start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
+source "$(dirname "$0")/device_common.sh"
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   stamp build
-  export ROUTEMM_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16
-  export SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90a;ROUTEMM_CUDA_PTXAS_VERBOSE=ON"
-  python3 -m pip install --no-build-isolation --no-deps -v . > /tmp/build.log 2>&1; echo "pip exit $?"
-  grep -E -A3 "q4_matvec_(rows_)?kernel" /tmp/build.log | grep -E "registers|spill" | sort | uniq -c > "$OUT/ptxas.txt"
+  build_sm90a /tmp/build.log; echo "pip exit $?"
+  grep -E -A3 "q4_matvec_kernel" /tmp/build.log | grep -E "registers|spill" | sort | uniq -c > "$OUT/ptxas.txt"
   cat "$OUT/ptxas.txt"; grep -E " error|warning" /tmp/build.log | head -5
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then

@@ -4,13 +4,10 @@
 # shapes at m = 512 and 4096, and (SANITIZE=1) compute-sanitizer memcheck and racecheck on small
 # cases. SKIP_BUILD=1 uses the installed build; SKIP_TESTS=1 skips the tests and tail checks.
 set -u
-OUT=${OUT:-/tmp/routemm-out}; mkdir -p "$OUT"
-start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
+source "$(dirname "$0")/device_common.sh"
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   stamp build
-  export ROUTEMM_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16
-  export SKBUILD_CMAKE_DEFINE="CMAKE_CUDA_ARCHITECTURES=90a;ROUTEMM_CUDA_PTXAS_VERBOSE=ON"
-  python3 -m pip install --no-build-isolation --no-deps -v . > /tmp/build.log 2>&1; echo "pip exit $?"
+  build_sm90a /tmp/build.log; echo "pip exit $?"
   grep -E -A3 "grouped_(tensor|wgmma)_kernel" /tmp/build.log | grep -E "registers|spill" | sort | uniq -c > "$OUT/ptxas.txt"
   cat "$OUT/ptxas.txt"; grep -E "error|warning" /tmp/build.log | head -5
 fi

@@ -70,47 +70,24 @@ def build_case(device, m: int, route: Route):
     return dict(weights=weights, input=x, ids=id_buf, out=out, params=params, scratch=scratch)
 
 
-def time_calls_empty_stream(device, registry, case, layer: str, calls: int) -> list[float]:
-    """Per-call host times (us) of `calls` calls, each timed alone into a fresh encoder on an idle
-    stream: the previous call's work is committed and waited for before the next timer starts. This
-    is the issue's empty-stream protocol; back to back (time_calls) the GPU falls behind a kernel
-    longer than the host cost and the launches run behind a growing queue."""
+def time_encoders(device, registry, case, layer: str, encoders: int, calls: int) -> list[float]:
+    """Per-call host times (us), one per encoder: `encoders` fresh encoders (plus a first one that
+    warms caches and is dropped), each timed over `calls` back-to-back calls, then committed and
+    waited for outside the timer, so the stream is idle when the next encoder's timer starts.
+    calls == 1 is the issue's empty-stream protocol; with many calls per encoder the GPU falls
+    behind a kernel longer than the host cost and the later launches go in behind a growing queue."""
     w, x, ids, out, params, scratch = (case[key] for key in ("weights", "input", "ids", "out", "params", "scratch"))
-    native_params = params._native_params
+    if layer == "front_door":
+        fn, rest = routemm.dense_matmul_id, (registry, w, x, ids, out, scratch, params)
+    else:
+        fn, rest = _core._dense_matmul_id, (registry, w, x, ids, out, scratch, params._native_params)
     per_call = []
-    for i in range(calls + 1):  # the first call warms caches and is dropped
+    for _ in range(encoders + 1):
         enc = device.command_encoder()
-        if layer == "front_door":
-            t0 = time.perf_counter_ns()
-            routemm.dense_matmul_id(enc, registry, w, x, ids, out, scratch, params)
-            t1 = time.perf_counter_ns()
-        else:
-            t0 = time.perf_counter_ns()
-            _core._dense_matmul_id(enc, registry, w, x, ids, out, scratch, native_params)
-            t1 = time.perf_counter_ns()
-        if device.backend != "cpu":
-            enc.commit_and_wait()
-        if i > 0:
-            per_call.append((t1 - t0) / 1e3)
-    return per_call
-
-
-def time_calls(device, registry, case, layer: str, calls: int, batches: int) -> list[float]:
-    w, x, ids, out, params, scratch = (case[key] for key in ("weights", "input", "ids", "out", "params", "scratch"))
-    native_params = params._native_params
-    per_call = []
-    for _ in range(batches + 1):  # the first batch warms caches and is dropped
-        enc = device.command_encoder()
-        if layer == "front_door":
-            t0 = time.perf_counter_ns()
-            for _ in range(calls):
-                routemm.dense_matmul_id(enc, registry, w, x, ids, out, scratch, params)
-            t1 = time.perf_counter_ns()
-        else:
-            t0 = time.perf_counter_ns()
-            for _ in range(calls):
-                _core._dense_matmul_id(enc, registry, w, x, ids, out, scratch, native_params)
-            t1 = time.perf_counter_ns()
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn(enc, *rest)
+        t1 = time.perf_counter_ns()
         if device.backend != "cpu":  # the CPU backend runs the work at commit: not needed here
             enc.commit_and_wait()
         per_call.append((t1 - t0) / calls / 1e3)
@@ -193,9 +170,9 @@ def main() -> None:
         case = build_case(device, m, route)
         for protocol, layer in itertools.product(("empty_stream", "back_to_back"), ("front_door", "native")):
             if protocol == "empty_stream":
-                times = time_calls_empty_stream(device, registry, case, layer, args.calls * args.batches)
+                times = time_encoders(device, registry, case, layer, args.calls * args.batches, 1)
             else:
-                times = time_calls(device, registry, case, layer, args.calls, args.batches)
+                times = time_encoders(device, registry, case, layer, args.batches, args.calls)
             rec = {
                 "op": "dense_matmul_id_host_cost",
                 "shape": SHAPE[0],

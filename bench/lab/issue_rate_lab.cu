@@ -10,14 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define CHECK(call)                                                           \
-  do {                                                                        \
-    const cudaError_t e_ = (call);                                            \
-    if (e_ != cudaSuccess) {                                                  \
-      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                           \
-    }                                                                         \
-  } while (0)
+#include "q4_lab_common.cuh"
 
 constexpr int kIters = 4096;
 constexpr int kChains = 8;

@@ -1,5 +1,5 @@
-// What the Q4_0 labs (bench/lab/*.cu) share: the CUDA-call check, the rotated weight copies and
-// their activations, and a median of CUDA-event times per call.
+// What the labs (bench/lab/*.cu) share: the CUDA-call check, the rotated weight copies and their
+// activations, a median of CUDA-event times per call, and the 1-D bulk copy (sm_90).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,6 +9,17 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+
+// Global -> shared bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned),
+// counted on the mbarrier `bar` of the issuing CTA (sm_90+).
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes,
+                                              uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
 
 #define CHECK(call)                                                                              \
   do {                                                                                           \

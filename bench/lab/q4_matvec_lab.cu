@@ -40,16 +40,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "memory");
   }
 }
-// Global -> shared bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned),
-// counted on the mbarrier `bar` of the issuing CTA.
-__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes,
-                                              uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
 // Orders this thread's earlier generic-proxy shared-memory accesses before later async-proxy
 // (bulk copy) writes to the same memory.
 __device__ __forceinline__ void fence_proxy_async_shared() {

@@ -39,6 +39,8 @@
 
 #include <algorithm>
 #include <cstdint>
+
+#include "q4_lab_common.cuh"
 #include "wgmma.cuh"
 
 namespace q4_rows_lab {
@@ -79,17 +81,6 @@ struct RowsArgs {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) global -> shared, completing `bar`'s
-// transaction bytes.
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes,
-                                          uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
 }
 
 // One row's block for this lane: `window` is the 4-byte-aligned run of 20 bytes holding it (an even
@@ -226,7 +217,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2) q4_matvec_rows_kernel(const Ro
       if (a.bulk) {
         if (lane == 0) {
           sm90::mbar_arrive_expect_tx(full0 + 8 * slot, rows * a.stride);
-          bulk_load(smem_u32(dst), src, rows * a.stride, full0 + 8 * slot);
+          bulk_copy_g2s(smem_u32(dst), src, rows * a.stride, full0 + 8 * slot);
         }
       } else {
         copy_stage(a, dst, src, rows, lane);
@@ -267,27 +258,28 @@ __global__ void __launch_bounds__(kMaxThreads, 2) q4_matvec_rows_kernel(const Ro
   for (uint32_t s = 0; s < stages; ++s) {
     const uint32_t slot = s % a.ring, round = s / a.ring;
     if constexpr (kMode != RowsMode::kComputeOnly) sm90::mbar_wait(full0 + 8 * slot, round & 1);
-    const uint32_t rows =
-        kMode == RowsMode::kStreamOnly ? 0 : min(a.stage_rows, a.n - (row0 + s * a.stage_rows));
+    const uint32_t rows = min(a.stage_rows, a.n - (row0 + s * a.stage_rows));
     const uint8_t* const stage = ring + slot * stage_bytes + window;
     float* const out = partial + (s * a.stage_rows) * a.chunk_warps + chunk;
     // Two rows at a time: independent FMA chains for the scheduler to interleave. Without a second
     // row the first is read twice and the copy dropped.
-    for (uint32_t r = group; kMode != RowsMode::kStreamOnly && r < rows; r += 2 * a.groups) {
-      const uint32_t r2 = r + a.groups;
-      const bool second = r2 < rows;
-      const auto row_sum = [&](uint32_t row) {
-        if constexpr (kDecode == RowsDecode::kHalves) {
-          return block_row_sum_half(stage + row * a.stride, x, shift, d_shift);
-        } else {
-          return block_row_sum(stage + row * a.stride, x, shift, d_shift, exponent);
-        }
-      };
-      const float v1 = row_sum(r);
-      const float v2 = row_sum(second ? r2 : r);
-      const float sum = warp_sum_two(valid ? v1 : 0.0f, valid ? v2 : 0.0f, lane);
-      if (lane == 0) out[r * a.chunk_warps] = sum;
-      if (lane == 16 && second) out[r2 * a.chunk_warps] = sum;
+    if constexpr (kMode != RowsMode::kStreamOnly) {  // kStreamOnly hands the stage back unread
+      for (uint32_t r = group; r < rows; r += 2 * a.groups) {
+        const uint32_t r2 = r + a.groups;
+        const bool second = r2 < rows;
+        const auto row_sum = [&](uint32_t row) {
+          if constexpr (kDecode == RowsDecode::kHalves) {
+            return block_row_sum_half(stage + row * a.stride, x, shift, d_shift);
+          } else {
+            return block_row_sum(stage + row * a.stride, x, shift, d_shift, exponent);
+          }
+        };
+        const float v1 = row_sum(r);
+        const float v2 = row_sum(second ? r2 : r);
+        const float sum = warp_sum_two(valid ? v1 : 0.0f, valid ? v2 : 0.0f, lane);
+        if (lane == 0) out[r * a.chunk_warps] = sum;
+        if (lane == 16 && second) out[r2 * a.chunk_warps] = sum;
+      }
     }
     __syncwarp();
     if (kMode != RowsMode::kComputeOnly && lane == 0) sm90::mbar_arrive(empty0 + 8 * slot);

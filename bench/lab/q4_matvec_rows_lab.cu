@@ -15,16 +15,8 @@
 #include <random>
 #include <vector>
 
+#include "q4_lab_common.cuh"
 #include "q4_matvec_rows_kernel.cuh"
-
-#define CHECK(call)                                                           \
-  do {                                                                        \
-    const cudaError_t e_ = (call);                                            \
-    if (e_ != cudaSuccess) {                                                  \
-      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                           \
-    }                                                                         \
-  } while (0)
 
 namespace rc = q4_rows_lab;
 
@@ -82,8 +74,7 @@ int main() {
   CHECK(cudaSetDevice(0));
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const char* copies_env = std::getenv("LAB_COPIES");
-  const int copies = copies_env ? std::atoi(copies_env) : 8;
+  const int copies = lab_weight_copies();
   std::mt19937 rng(1);
   std::printf("empty kernel: %.2f us per launch\n",
               per_launch_us([](int) { empty_kernel<<<1, 32>>>(); }, 1));
