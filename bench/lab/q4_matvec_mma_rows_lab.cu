@@ -1,0 +1,295 @@
+// The next Q4_0 mat-vec experiment (bench/results/experiments/q4_0_matvec_rows-h200-2026-12-04.md,
+// "Reading"): the library mat-vec's tensor-core arithmetic for one token
+// (matvec_split_columns_block: two mma.sync per block, hi / lo activation columns, the split
+// numerics) fed by the bulk-copy data path of the CUDA-core experiment. Written and compiled for
+// sm_90a; not yet run on a GPU when committed.
+//
+//   nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -Icsrc/include -Icsrc \
+//     -Icsrc/backend/cuda -o /tmp/mma_rows bench/lab/q4_matvec_mma_rows_lab.cu && /tmp/mma_rows
+//
+// KERNEL (m = 1, k % 256 == 0, 16-byte aligned weights and input):
+//   - A CTA walks 16-row groups (rg = blockIdx.x, blockIdx.x + gridDim.x, ...). A row group's K is cut
+//     into slabs of 64 blocks (1152 bytes per row; the last slab may be shorter, a multiple of 8
+//     blocks), and a stage is one slab of the 16 rows: 16 bulk copies (one per row, issued by the
+//     producer warp's lanes 0..15) into a ring of kRing slots with full / empty mbarriers.
+//   - Four consumer warps split each stage's blocks: warp w takes blocks 16w..16w+15. Per block, each
+//     lane decodes its A registers of rows g and g + 8 from the stage and runs the block's two MMAs
+//     with the token's hi / lo B quad (matvec_split_columns_block), then one FMA with the block's
+//     scale into its two accumulators.
+//   - The token's B quads (hi and lo bf16 parts of every block, 128 bytes per block: the whole K)
+//     are built once per CTA in shared memory before the first stage.
+//   - After a row group's last slab the four warps' sums of each row are added in warp order and
+//     stored.
+// Each output is summed in a fixed order (a warp's blocks in increasing order, then warps 0..3), so
+// a run is repeatable. The order differs from the library mat-vec's K split: the results agree
+// within the split numerics' bound, not bit for bit. The lab checks sampled rows against a float64
+// reference of the dequantised weights with that bound.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "q4_lab_common.cuh"
+#include "q4_matvec_block.cuh"
+#include "wgmma.cuh"
+
+namespace {
+
+namespace rc = routemm::cuda;
+namespace sm90 = routemm::cuda::sm90;
+
+constexpr int kRows = 16;                              // one MMA tile of weight rows per row group
+constexpr int kConsumers = 4;                          // consumer warps
+constexpr int kWarpBlocks = 16;                        // blocks per consumer warp and stage
+constexpr int kSlabBlocks = kConsumers * kWarpBlocks;  // 64
+constexpr int kSlabBytes = kSlabBlocks * 18;           // 1152, the stage's row stride
+constexpr int kRing = 3;
+constexpr int kThreads = 32 * (kConsumers + 1);
+constexpr int kBarrierBytes = 128;
+constexpr int kQuadBytes = 8 * 16;  // B quads of one block: lanes 0..3 hi, 4..7 lo
+
+struct Args {
+  const uint8_t* weight;
+  const float* input;
+  float* output;
+  int n, k_blocks, row_groups;
+};
+
+// Per-launch time (us): CUDA events around 40 back-to-back launches (the launch gap included).
+template <class Launch>
+float per_launch_us(Launch&& launch) {
+  constexpr int kCalls = 40;
+  for (int i = 0; i < 4; ++i) launch(i);
+  cudaEvent_t t0, t1;
+  CHECK(cudaEventCreate(&t0));
+  CHECK(cudaEventCreate(&t1));
+  CHECK(cudaEventRecord(t0));
+  for (int i = 0; i < kCalls; ++i) launch(i);
+  CHECK(cudaEventRecord(t1));
+  CHECK(cudaEventSynchronize(t1));
+  CHECK(cudaGetLastError());
+  float ms = 0;
+  CHECK(cudaEventElapsedTime(&ms, t0, t1));
+  CHECK(cudaEventDestroy(t0));
+  CHECK(cudaEventDestroy(t1));
+  return ms * 1000 / kCalls;
+}
+
+__global__ void empty_kernel() {}
+
+__host__ __device__ constexpr int smem_bytes(int k_blocks) {
+  return kBarrierBytes + k_blocks * kQuadBytes + kRing * kRows * kSlabBytes +
+         kConsumers * kRows * 4;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ constexpr int slabs_of(int k_blocks) {
+  return (k_blocks + kSlabBlocks - 1) / kSlabBlocks;
+}
+#endif
+
+__global__ void __launch_bounds__(kThreads, 2) q4_matvec_mma_rows_kernel(const Args a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const uint32_t full0 = smem_u32(smem), empty0 = full0 + 8 * kRing;
+  uint8_t* const quads = smem + kBarrierBytes;
+  uint8_t* const ring = quads + a.k_blocks * kQuadBytes;
+  float* const partial = reinterpret_cast<float*>(ring + kRing * kRows * kSlabBytes);
+  const int slabs = slabs_of(a.k_blocks);
+  const uint64_t row_bytes = uint64_t(a.k_blocks) * 18;
+  if (tid == 0) {
+    for (int s = 0; s < kRing; ++s) {
+      sm90::mbar_init(full0 + 8 * s, 1);
+      sm90::mbar_init(empty0 + 8 * s, kConsumers);
+    }
+    sm90::fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (warp == kConsumers) {  // producer: stages in (row group, slab) order
+    int s = 0;
+    for (int rg = blockIdx.x; rg < a.row_groups; rg += gridDim.x) {
+      const int rows = min(kRows, a.n - rg * kRows);
+      for (int j = 0; j < slabs; ++j, ++s) {
+        const int slot = s % kRing, round = s / kRing;
+        if (round > 0) sm90::mbar_wait(empty0 + 8 * slot, (round - 1) & 1);
+        const int bytes = min(kSlabBlocks, a.k_blocks - j * kSlabBlocks) * 18;
+        if (lane == 0) sm90::mbar_arrive_expect_tx(full0 + 8 * slot, rows * bytes);
+        __syncwarp();
+        if (lane < rows) {
+          bulk_copy_g2s(smem_u32(ring + (slot * kRows + lane) * kSlabBytes),
+                        a.weight + (uint64_t(rg) * kRows + lane) * row_bytes + j * kSlabBytes,
+                        bytes, full0 + 8 * slot);
+        }
+      }
+    }
+    return;
+  }
+
+  // The token's B quads, once per CTA: quad L = 4h + t of block b holds the hi (h = 0) or lo
+  // (h = 1) bf16 parts of x[32b + 4t .. + 3] and x[32b + 16 + 4t .. + 3].
+  for (int item = tid; item < a.k_blocks * 8; item += 32 * kConsumers) {
+    const int b = item >> 3, quad = item & 7, h = quad >> 2, tq = quad & 3;
+    const float* const src = a.input + b * 32 + 4 * tq;
+    const float4 low = *reinterpret_cast<const float4*>(src);
+    const float4 high = *reinterpret_cast<const float4*>(src + 16);
+    const float v[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+    uint32_t hi[4], lo[4];
+    rc::split_activation_pairs(v, hi, lo);
+    rc::sts128(smem_u32(quads + b * kQuadBytes + quad * 16), h == 0 ? hi[0] : lo[0],
+               h == 0 ? hi[1] : lo[1], h == 0 ? hi[2] : lo[2], h == 0 ? hi[3] : lo[3]);
+  }
+  sm90::named_barrier_sync(1, 32 * kConsumers);
+
+  // Lanes past the token's 8 quads read quad 7 (finite; their MMA columns are never used).
+  const uint8_t* const my_quads = quads + min(lane, 7) * 16;
+  int s = 0;
+  for (int rg = blockIdx.x; rg < a.row_groups; rg += gridDim.x) {
+    float acc_top = 0.0f, acc_bottom = 0.0f;  // rows g and g + 8 (lanes t == 0)
+    for (int j = 0; j < slabs; ++j, ++s) {
+      const int slot = s % kRing, round = s / kRing;
+      sm90::mbar_wait(full0 + 8 * slot, round & 1);
+      const int blocks = min(kSlabBlocks, a.k_blocks - j * kSlabBlocks);
+      const uint8_t* const top = ring + (slot * kRows + g) * kSlabBytes;
+      const uint8_t* const bottom = top + 8 * kSlabBytes;
+      const int first = warp * kWarpBlocks;
+      if (first + kWarpBlocks <= blocks) {
+#pragma unroll
+        for (int i = 0; i < kWarpBlocks; ++i) {
+          const uint4 bq = *reinterpret_cast<const uint4*>(
+              my_quads + (j * kSlabBlocks + first + i) * kQuadBytes);
+          rc::matvec_split_columns_block(top, bottom, first + i, t, bq, acc_top, acc_bottom);
+        }
+      } else {
+        for (int i = 0; first + i < blocks; ++i) {
+          const uint4 bq = *reinterpret_cast<const uint4*>(
+              my_quads + (j * kSlabBlocks + first + i) * kQuadBytes);
+          rc::matvec_split_columns_block(top, bottom, first + i, t, bq, acc_top, acc_bottom);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) sm90::mbar_arrive(empty0 + 8 * slot);
+    }
+    if (t == 0) {
+      partial[warp * kRows + g] = acc_top;
+      partial[warp * kRows + g + 8] = acc_bottom;
+    }
+    sm90::named_barrier_sync(1, 32 * kConsumers);
+    if (tid < kRows && rg * kRows + tid < a.n) {
+      float sum = partial[tid];
+      for (int w = 1; w < kConsumers; ++w) sum += partial[w * kRows + tid];
+      a.output[rg * kRows + tid] = sum;
+    }
+    sm90::named_barrier_sync(1, 32 * kConsumers);  // partial is free for the next row group
+  }
+#else
+  __trap();  // the lab builds for sm_90a only
+#endif
+}
+
+// float64 reference of sampled rows and the split numerics' bound on each.
+bool check(const std::vector<uint8_t>& blocks, const std::vector<float>& x,
+           const std::vector<float>& out, int n, int k) {
+  const int kb = k / 32;
+  int bad = 0;
+  double worst = 0;
+  for (int r = 0; r < n; r += std::max(1, n / 257)) {
+    double ref = 0, magnitude = 0;
+    for (int b = 0; b < kb; ++b) {
+      const uint8_t* blk = blocks.data() + (size_t(r) * kb + b) * 18;
+      const uint16_t bits = uint16_t(blk[0] | (blk[1] << 8));
+      const int e = (bits >> 10) & 31, mant = bits & 1023;
+      const double d = (bits & 0x8000 ? -1 : 1) *
+                       (e == 0 ? std::ldexp(mant, -24) : std::ldexp(1024 + mant, e - 25));
+      for (int i = 0; i < 16; ++i) {
+        const double w_lo = d * ((blk[2 + i] & 15) - 8), w_hi = d * ((blk[2 + i] >> 4) - 8);
+        ref += w_lo * x[b * 32 + i] + w_hi * x[b * 32 + 16 + i];
+        magnitude += std::fabs(w_lo * x[b * 32 + i]) + std::fabs(w_hi * x[b * 32 + 16 + i]);
+      }
+    }
+    const double bound = (std::ldexp(1.0, -14) + (kb + 8) * std::ldexp(1.0, -23)) * magnitude;
+    const double err = std::fabs(out[r] - ref);
+    worst = std::max(worst, err / std::max(bound, 1e-30));
+    if (!(err <= bound)) ++bad;
+  }
+  std::printf("  check n=%d k=%d: %d rows over the bound, worst error / bound %.3f\n", n, k, bad,
+              worst);
+  return bad == 0;
+}
+
+}  // namespace
+
+int main() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int copies = lab_weight_copies();
+  std::mt19937 rng(7);
+  bool ok = true;
+  std::printf("empty kernel: %.2f us per launch\n",
+              per_launch_us([](int) { empty_kernel<<<1, 32>>>(); }));
+  struct Shape {
+    int n, k;
+  };
+  for (const Shape s : {Shape{4096, 14336}, Shape{4096, 2048}, Shape{2048, 4096}, Shape{512, 2048},
+                        Shape{37, 4352}, Shape{16, 256}}) {
+    const int kb = s.k / 32;
+    const size_t bytes = size_t(s.n) * kb * 18;
+    std::vector<uint8_t> host(bytes);
+    for (size_t b = 0; b < bytes; b += 18) {
+      const float d = std::ldexp(1.0f + float(rng() % 1000) / 1000.0f, -6);
+      const uint32_t f =
+          *reinterpret_cast<const uint32_t*>(&d);  // to f16 (normal range, truncated)
+      const uint16_t h =
+          uint16_t(((f >> 16) & 0x8000) | ((((f >> 23) & 0xFF) - 112) << 10) | ((f >> 13) & 0x3FF));
+      host[b] = uint8_t(h & 0xFF);
+      host[b + 1] = uint8_t(h >> 8);
+      for (int i = 2; i < 18; ++i) host[b + i] = uint8_t(rng());
+    }
+    std::vector<float> hx(s.k);
+    for (auto& v : hx) v = float(int(rng() % 2001) - 1000) / 1000.0f;
+    std::vector<uint8_t*> weights(copies);
+    for (auto& w : weights) {
+      CHECK(cudaMalloc(&w, bytes));
+      CHECK(cudaMemcpy(w, host.data(), bytes, cudaMemcpyHostToDevice));
+    }
+    float *x, *out;
+    CHECK(cudaMalloc(&x, s.k * 4));
+    CHECK(cudaMalloc(&out, s.n * 4));
+    CHECK(cudaMemcpy(x, hx.data(), s.k * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemset(out, 0xFF, s.n * 4));  // NaN poison: every output must be written
+    const int row_groups = (s.n + kRows - 1) / kRows;
+    const int grid = std::min(row_groups, 2 * sms);
+    const int smem = smem_bytes(kb);
+    CHECK(cudaFuncSetAttribute(q4_matvec_mma_rows_kernel,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    const auto launch = [&](int call) {
+      const Args a{weights[call % copies], x, out, s.n, kb, row_groups};
+      q4_matvec_mma_rows_kernel<<<grid, kThreads, smem>>>(a);
+    };
+    launch(0);
+    CHECK(cudaDeviceSynchronize());
+    std::vector<float> hout(s.n);
+    CHECK(cudaMemcpy(hout.data(), out, s.n * 4, cudaMemcpyDeviceToHost));
+    int unwritten = 0;
+    for (float v : hout) unwritten += std::isnan(v) ? 1 : 0;
+    std::printf("n=%d k=%d (%.1f MB): grid %d x %d threads, smem %d B, %d outputs unwritten\n", s.n,
+                s.k, bytes / 1e6, grid, kThreads, smem, unwritten);
+    ok = check(host, hx, hout, s.n, s.k) && unwritten == 0 && ok;
+    std::printf("  %.2f us per launch (events around 40 back-to-back launches), %d weight copies\n",
+                per_launch_us(launch), copies);
+    for (auto* w : weights) CHECK(cudaFree(w));
+    CHECK(cudaFree(x));
+    CHECK(cudaFree(out));
+  }
+  std::printf("%s\n", ok ? "all checks passed" : "CHECKS FAILED");
+  return ok ? 0 : 1;
+}
