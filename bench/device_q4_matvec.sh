@@ -5,12 +5,7 @@
 # host-cost bench with its launch floor (HOST_COST=1). SKIP_BUILD=1 / SKIP_TESTS=1 skip those steps.
 set -u
 source "$(dirname "$0")/device_common.sh"
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
-  stamp build
-  build_sm90a /tmp/build.log; echo "pip exit $?"
-  grep -E -A3 "q4_matvec_kernel" /tmp/build.log | grep -E "registers|spill" | sort | uniq -c > "$OUT/ptxas.txt"
-  cat "$OUT/ptxas.txt"; grep -E " error|warning" /tmp/build.log | head -5
-fi
+[ "${SKIP_BUILD:-0}" = 1 ] || build_and_report "q4_matvec_kernel"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   stamp pytest
   ROUTEMM_TEST_BACKENDS=cuda timeout 240 python3 -m pytest tests/python/test_q4_matmul.py tests/python/test_cuda_sass.py \

@@ -5,12 +5,7 @@
 # cases. SKIP_BUILD=1 uses the installed build; SKIP_TESTS=1 skips the tests and tail checks.
 set -u
 source "$(dirname "$0")/device_common.sh"
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
-  stamp build
-  build_sm90a /tmp/build.log; echo "pip exit $?"
-  grep -E -A3 "grouped_(tensor|wgmma)_kernel" /tmp/build.log | grep -E "registers|spill" | sort | uniq -c > "$OUT/ptxas.txt"
-  cat "$OUT/ptxas.txt"; grep -E "error|warning" /tmp/build.log | head -5
-fi
+[ "${SKIP_BUILD:-0}" = 1 ] || build_and_report "grouped_(tensor|wgmma)_kernel"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   stamp pytest
   ROUTEMM_TEST_BACKENDS=cuda timeout 120 python3 -m pytest tests/python/test_dense_matmul_id_tensor.py tests/python/test_dense_matmul_id_numerics.py tests/python/test_dense_matmul_id_capture_receipts.py -q -x -p no:cacheprovider -k "not q4" 2>&1 | tail -5 | tee "$OUT/pytest.txt"

@@ -57,16 +57,16 @@ def main() -> None:
         routemm.dense_matmul_id(enc, reg, wb[j % copies], xb, ib[j % 4], ob, sc, params)
         enc.commit_and_wait()
 
-    def batch(calls: int) -> None:  # back to back, one encoder
+    def batch(calls: int) -> float:
+        """`calls` calls back to back into one encoder; GPU time per call (s) from its events."""
         enc = dev.command_encoder()
         for j in range(calls):
             routemm.dense_matmul_id(enc, reg, wb[j % copies], xb, ib[j % 4], ob, sc, params)
-        enc.commit_and_wait()
+        g = enc.commit_wait_with_gpu_time()
+        return (g[1] - g[0]) / calls
 
     call(0)
-    t0 = time.perf_counter()
-    batch(20)
-    per_call = (time.perf_counter() - t0) / 20
+    per_call = batch(20)
     flops = 2 * m * top_k * n * k
     print(f"{name} m={m} grouped_tensor_lowp, {copies} weight copies, ~{per_call * 1e6:.0f} us per call", flush=True)
     for phase in ("after idle", "after sustained load", "after idle again"):
@@ -82,11 +82,7 @@ def main() -> None:
         else:
             time.sleep(5.0)
             print(f"  idle: {smi()}", flush=True)
-        enc = dev.command_encoder()
-        for j in range(20):
-            routemm.dense_matmul_id(enc, reg, wb[j % copies], xb, ib[j % 4], ob, sc, params)
-        g = enc.commit_wait_with_gpu_time()
-        ev = (g[1] - g[0]) / 20
+        ev = batch(20)
         print(f"  {phase:22s}: {ev * 1e6:8.1f} us  {flops / ev / 1e12:6.1f} TFLOP/s (events, 20 calls)", flush=True)
         t = B.kernel_time(call, 10)
         print(f"  {phase:22s}: {t * 1e6:8.1f} us  {flops / t / 1e12:6.1f} TFLOP/s (CUPTI, 10 calls)", flush=True)

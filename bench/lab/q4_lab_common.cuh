@@ -90,3 +90,27 @@ float median_event_us(Launch&& launch, int reps, int warmup = 5, cudaStream_t st
   if (min_us != nullptr) *min_us = t.front();
   return t[t.size() / 2];
 }
+
+// Per-launch time (us) of launches back to back: CUDA events around 40 calls launch(i) after 4
+// warm-up calls, so the launch gap is included but not the host's wait for each call. Compare with
+// lab_empty_kernel's figure.
+template <class Launch>
+float back_to_back_us(Launch&& launch) {
+  constexpr int kCalls = 40;
+  for (int i = 0; i < 4; ++i) launch(i);
+  cudaEvent_t t0, t1;
+  CHECK(cudaEventCreate(&t0));
+  CHECK(cudaEventCreate(&t1));
+  CHECK(cudaEventRecord(t0));
+  for (int i = 0; i < kCalls; ++i) launch(i);
+  CHECK(cudaEventRecord(t1));
+  CHECK(cudaEventSynchronize(t1));
+  CHECK(cudaGetLastError());
+  float ms = 0;
+  CHECK(cudaEventElapsedTime(&ms, t0, t1));
+  CHECK(cudaEventDestroy(t0));
+  CHECK(cudaEventDestroy(t1));
+  return ms * 1000 / kCalls;
+}
+
+__global__ void lab_empty_kernel() {}

@@ -58,28 +58,6 @@ struct Args {
   int n, k_blocks, row_groups;
 };
 
-// Per-launch time (us): CUDA events around 40 back-to-back launches (the launch gap included).
-template <class Launch>
-float per_launch_us(Launch&& launch) {
-  constexpr int kCalls = 40;
-  for (int i = 0; i < 4; ++i) launch(i);
-  cudaEvent_t t0, t1;
-  CHECK(cudaEventCreate(&t0));
-  CHECK(cudaEventCreate(&t1));
-  CHECK(cudaEventRecord(t0));
-  for (int i = 0; i < kCalls; ++i) launch(i);
-  CHECK(cudaEventRecord(t1));
-  CHECK(cudaEventSynchronize(t1));
-  CHECK(cudaGetLastError());
-  float ms = 0;
-  CHECK(cudaEventElapsedTime(&ms, t0, t1));
-  CHECK(cudaEventDestroy(t0));
-  CHECK(cudaEventDestroy(t1));
-  return ms * 1000 / kCalls;
-}
-
-__global__ void empty_kernel() {}
-
 __host__ __device__ constexpr int smem_bytes(int k_blocks) {
   return kBarrierBytes + k_blocks * kQuadBytes + kRing * kRows * kSlabBytes +
          kConsumers * kRows * 4;
@@ -235,7 +213,7 @@ int main() {
   std::mt19937 rng(7);
   bool ok = true;
   std::printf("empty kernel: %.2f us per launch\n",
-              per_launch_us([](int) { empty_kernel<<<1, 32>>>(); }));
+              back_to_back_us([](int) { lab_empty_kernel<<<1, 32>>>(); }));
   struct Shape {
     int n, k;
   };
@@ -285,7 +263,7 @@ int main() {
                 s.k, bytes / 1e6, grid, kThreads, smem, unwritten);
     ok = check(host, hx, hout, s.n, s.k) && unwritten == 0 && ok;
     std::printf("  %.2f us per launch (events around 40 back-to-back launches), %d weight copies\n",
-                per_launch_us(launch), copies);
+                back_to_back_us(launch), copies);
     for (auto* w : weights) CHECK(cudaFree(w));
     CHECK(cudaFree(x));
     CHECK(cudaFree(out));

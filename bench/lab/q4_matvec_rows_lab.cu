@@ -20,27 +20,6 @@
 
 namespace rc = q4_rows_lab;
 
-__global__ void empty_kernel() {}
-
-template <typename Launch>
-float per_launch_us(Launch launch, int copies) {
-  constexpr int kCalls = 40;
-  cudaEvent_t t0, t1;
-  CHECK(cudaEventCreate(&t0));
-  CHECK(cudaEventCreate(&t1));
-  for (int i = 0; i < 4; ++i) launch(i % copies);
-  CHECK(cudaEventRecord(t0));
-  for (int i = 0; i < kCalls; ++i) launch(i % copies);
-  CHECK(cudaEventRecord(t1));
-  CHECK(cudaEventSynchronize(t1));
-  CHECK(cudaGetLastError());
-  float ms = 0;
-  CHECK(cudaEventElapsedTime(&ms, t0, t1));
-  CHECK(cudaEventDestroy(t0));
-  CHECK(cudaEventDestroy(t1));
-  return ms * 1000 / kCalls;
-}
-
 template <rc::RowsMode kMode, rc::RowsDecode kDecode = rc::RowsDecode::kPermute>
 float time_mode(const std::vector<uint8_t*>& weights, const float* x, float* out, uint32_t n,
                 uint32_t k, uint32_t sms, const rc::RowsTuning& tuning) {
@@ -55,12 +34,10 @@ float time_mode(const std::vector<uint8_t*>& weights, const float* x, float* out
   int per_sm = 0;
   CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, launches[0].threads,
                                                       launches[0].smem));
-  const float us = per_launch_us(
-      [&](int i) {
-        const rc::RowsLaunch& l = launches[i];
-        kernel<<<l.grid, l.threads, l.smem>>>(l.args);
-      },
-      static_cast<int>(weights.size()));
+  const float us = back_to_back_us([&](int i) {
+    const rc::RowsLaunch& l = launches[i % launches.size()];
+    kernel<<<l.grid, l.threads, l.smem>>>(l.args);
+  });
   const rc::RowsLaunch& l = launches[0];
   std::printf(
       "  grid %4u x %3u threads, smem %6u B, %d CTAs/SM, stage %2u rows x %5u B, %u stages/CTA, "
@@ -77,7 +54,7 @@ int main() {
   const int copies = lab_weight_copies();
   std::mt19937 rng(1);
   std::printf("empty kernel: %.2f us per launch\n",
-              per_launch_us([](int) { empty_kernel<<<1, 32>>>(); }, 1));
+              back_to_back_us([](int) { lab_empty_kernel<<<1, 32>>>(); }));
   struct Shape {
     uint32_t n, k;
   };
