@@ -41,14 +41,25 @@ namespace {
 namespace rc = routemm::cuda;
 namespace sm90 = routemm::cuda::sm90;
 
-constexpr int kRows = 16;                              // one MMA tile of weight rows per row group
-constexpr int kConsumers = 4;                          // consumer warps
-constexpr int kWarpBlocks = 16;                        // blocks per consumer warp and stage
-constexpr int kSlabBlocks = kConsumers * kWarpBlocks;  // 64
-constexpr int kSlabBytes = kSlabBlocks * 18;           // 1152, the stage's row stride
-constexpr int kRing = 3;
-constexpr int kThreads = 32 * (kConsumers + 1);
+constexpr int kRows = 16;         // one MMA tile of weight rows per row group
+constexpr int kMaxConsumers = 8;  // consumer warps: 4 or 8
 constexpr int kBarrierBytes = 128;
+
+// What a variant runs: kFull the product; kDataPath the token's copy and conversion and the stages
+// (waited for and released, no arithmetic; the outputs are zeros); kStagesOnly the stages alone.
+enum Mode { kFull, kDataPath, kStagesOnly };
+
+// kSlabBlocks blocks per stage and row, kRing stages in the ring.
+template <int kSlabBlocks_, int kRing_>
+struct Ring {
+  static constexpr int kSlabBlocks = kSlabBlocks_, kRing = kRing_;
+  static constexpr int kSlabBytes = kSlabBlocks * 18;  // a full slab of one row
+  // The stage's row stride: 64 * 18 = 1152 is a multiple of 128, so rows g = 0..7 of a lane's MMA
+  // fragment would share banks (8-way conflicts on every A and scale load); 16 more bytes spread
+  // the 8 rows over distinct 16-byte bank groups (also for 32-block slabs: 592 bytes).
+  static constexpr int kRowStride = kSlabBytes + 16;
+  static constexpr int kBytes = kRing * kRows * kRowStride;
+};
 constexpr int kQuadBytes = 8 * 16;  // B quads of one block: lanes 0..3 hi, 4..7 lo
 
 struct Args {
@@ -58,42 +69,52 @@ struct Args {
   int n, k_blocks, row_groups;
 };
 
-__host__ __device__ constexpr int smem_bytes(int k_blocks) {
-  return kBarrierBytes + k_blocks * kQuadBytes + kRing * kRows * kSlabBytes +
-         kConsumers * kRows * 4;
+template <class R>
+constexpr int smem_bytes(int k_blocks) {
+  return kBarrierBytes + k_blocks * kQuadBytes + R::kBytes + kMaxConsumers * kRows * 4;
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-
-__device__ constexpr int slabs_of(int k_blocks) {
-  return (k_blocks + kSlabBlocks - 1) / kSlabBlocks;
-}
 #endif
 
-__global__ void __launch_bounds__(kThreads, 2) q4_matvec_mma_rows_kernel(const Args a) {
+template <int kConsumers, class R, Mode kMode>
+__global__ void __launch_bounds__(32 * (kConsumers + 1), 2) q4_matvec_mma_rows_kernel(const Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kSlabBlocks = R::kSlabBlocks, kRing = R::kRing, kSlabBytes = R::kSlabBytes;
+  constexpr int kRowStride = R::kRowStride;
+  constexpr int kWarpBlocks = kSlabBlocks / kConsumers;  // blocks per consumer warp and stage
+  constexpr bool kMath = kMode == kFull;
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const uint32_t full0 = smem_u32(smem), empty0 = full0 + 8 * kRing;
+  const uint32_t full0 = smem_u32(smem), empty0 = full0 + 8 * kRing, input_bar = empty0 + 8 * kRing;
   uint8_t* const quads = smem + kBarrierBytes;
   uint8_t* const ring = quads + a.k_blocks * kQuadBytes;
-  float* const partial = reinterpret_cast<float*>(ring + kRing * kRows * kSlabBytes);
-  const int slabs = slabs_of(a.k_blocks);
+  float* const partial = reinterpret_cast<float*>(ring + R::kBytes);
+  const int slabs = (a.k_blocks + kSlabBlocks - 1) / kSlabBlocks;
   const uint64_t row_bytes = uint64_t(a.k_blocks) * 18;
   if (tid == 0) {
     for (int s = 0; s < kRing; ++s) {
       sm90::mbar_init(full0 + 8 * s, 1);
       sm90::mbar_init(empty0 + 8 * s, kConsumers);
     }
+    sm90::mbar_init(input_bar, 1);
     sm90::fence_mbar_init();
   }
   __syncthreads();
 
-  if (warp == kConsumers) {  // producer: stages in (row group, slab) order
+  if (warp == kConsumers) {  // producer: the token, then stages in (row group, slab) order
+    if (kMode != kStagesOnly) {
+      // 32 equal pieces of the k * 4 bytes of x (k % 256 == 0: each a multiple of 32 bytes).
+      const uint32_t piece = uint32_t(a.k_blocks) * 4;
+      if (lane == 0) sm90::mbar_arrive_expect_tx(input_bar, 32 * piece);
+      __syncwarp();
+      bulk_copy_g2s(smem_u32(quads + lane * piece),
+                    reinterpret_cast<const uint8_t*>(a.input) + lane * piece, piece, input_bar);
+    }
     int s = 0;
     for (int rg = blockIdx.x; rg < a.row_groups; rg += gridDim.x) {
       const int rows = min(kRows, a.n - rg * kRows);
@@ -104,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 2) q4_matvec_mma_rows_kernel(const A
         if (lane == 0) sm90::mbar_arrive_expect_tx(full0 + 8 * slot, rows * bytes);
         __syncwarp();
         if (lane < rows) {
-          bulk_copy_g2s(smem_u32(ring + (slot * kRows + lane) * kSlabBytes),
+          bulk_copy_g2s(smem_u32(ring + (slot * kRows + lane) * kRowStride),
                         a.weight + (uint64_t(rg) * kRows + lane) * row_bytes + j * kSlabBytes,
                         bytes, full0 + 8 * slot);
         }
@@ -113,18 +134,38 @@ __global__ void __launch_bounds__(kThreads, 2) q4_matvec_mma_rows_kernel(const A
     return;
   }
 
-  // The token's B quads, once per CTA: quad L = 4h + t of block b holds the hi (h = 0) or lo
-  // (h = 1) bf16 parts of x[32b + 4t .. + 3] and x[32b + 16 + 4t .. + 3].
-  for (int item = tid; item < a.k_blocks * 8; item += 32 * kConsumers) {
-    const int b = item >> 3, quad = item & 7, h = quad >> 2, tq = quad & 3;
-    const float* const src = a.input + b * 32 + 4 * tq;
-    const float4 low = *reinterpret_cast<const float4*>(src);
-    const float4 high = *reinterpret_cast<const float4*>(src + 16);
-    const float v[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+  // The token's B quads, once per CTA, built in place: the producer's bulk copies put x (4 bytes
+  // per value, the same size as a block's 8 quads) into the quad region; then each consumer warp
+  // converts four blocks per step. Lane L holds chunk c = L % 8 (x[32b + 4c .. + 3]) of block L / 8;
+  // quad tq needs chunks tq and tq + 4, so lanes L and L ^ 4 exchange chunks, and lane c < 4 writes
+  // the hi quad tq = c while lane c >= 4 writes the lo quad 4 + (c - 4). A warp reads its 512 bytes
+  // before it writes them (__syncwarp), so in place is safe.
+  if (kMode != kStagesOnly) sm90::mbar_wait(input_bar, 0);
+  for (int b0 = 4 * warp; kMode != kStagesOnly && b0 < a.k_blocks; b0 += 4 * kConsumers) {
+    const uint32_t addr = smem_u32(quads + b0 * kQuadBytes + lane * 16);
+    uint32_t own[4];
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(own[0]), "=r"(own[1]), "=r"(own[2]), "=r"(own[3])
+                 : "r"(addr)
+                 : "memory");
+    uint32_t other[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) other[i] = __shfl_xor_sync(0xFFFFFFFFu, own[i], 4);
+    const bool low_half = (lane & 4) == 0;
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[i] = __uint_as_float(low_half ? own[i] : other[i]);
+      v[4 + i] = __uint_as_float(low_half ? other[i] : own[i]);
+    }
     uint32_t hi[4], lo[4];
     rc::split_activation_pairs(v, hi, lo);
-    rc::sts128(smem_u32(quads + b * kQuadBytes + quad * 16), h == 0 ? hi[0] : lo[0],
-               h == 0 ? hi[1] : lo[1], h == 0 ? hi[2] : lo[2], h == 0 ? hi[3] : lo[3]);
+    __syncwarp();
+    if (low_half) {
+      rc::sts128(addr, hi[0], hi[1], hi[2], hi[3]);
+    } else {
+      rc::sts128(addr, lo[0], lo[1], lo[2], lo[3]);
+    }
   }
   sm90::named_barrier_sync(1, 32 * kConsumers);
 
@@ -137,10 +178,11 @@ __global__ void __launch_bounds__(kThreads, 2) q4_matvec_mma_rows_kernel(const A
       const int slot = s % kRing, round = s / kRing;
       sm90::mbar_wait(full0 + 8 * slot, round & 1);
       const int blocks = min(kSlabBlocks, a.k_blocks - j * kSlabBlocks);
-      const uint8_t* const top = ring + (slot * kRows + g) * kSlabBytes;
-      const uint8_t* const bottom = top + 8 * kSlabBytes;
+      const uint8_t* const top = ring + (slot * kRows + g) * kRowStride;
+      const uint8_t* const bottom = top + 8 * kRowStride;
       const int first = warp * kWarpBlocks;
-      if (first + kWarpBlocks <= blocks) {
+      if (!kMath) {
+      } else if (first + kWarpBlocks <= blocks) {
 #pragma unroll
         for (int i = 0; i < kWarpBlocks; ++i) {
           const uint4 bq = *reinterpret_cast<const uint4*>(
@@ -217,8 +259,12 @@ int main() {
   struct Shape {
     int n, k;
   };
-  for (const Shape s : {Shape{4096, 14336}, Shape{4096, 2048}, Shape{2048, 4096}, Shape{512, 2048},
-                        Shape{37, 4352}, Shape{16, 256}}) {
+  // LAB_FIRST_SHAPE=1: 4096 x 14336 only (for a profiler's kernel durations).
+  const bool first_only = std::getenv("LAB_FIRST_SHAPE") != nullptr;
+  std::vector<Shape> shapes = {Shape{4096, 14336}, Shape{4096, 2048}, Shape{2048, 4096},
+                               Shape{512, 2048},   Shape{37, 4352},   Shape{16, 256}};
+  if (first_only) shapes.resize(1);
+  for (const Shape s : shapes) {
     const int kb = s.k / 32;
     const size_t bytes = size_t(s.n) * kb * 18;
     std::vector<uint8_t> host(bytes);
@@ -243,27 +289,45 @@ int main() {
     CHECK(cudaMalloc(&x, s.k * 4));
     CHECK(cudaMalloc(&out, s.n * 4));
     CHECK(cudaMemcpy(x, hx.data(), s.k * 4, cudaMemcpyHostToDevice));
-    CHECK(cudaMemset(out, 0xFF, s.n * 4));  // NaN poison: every output must be written
     const int row_groups = (s.n + kRows - 1) / kRows;
     const int grid = std::min(row_groups, 2 * sms);
-    const int smem = smem_bytes(kb);
-    CHECK(cudaFuncSetAttribute(q4_matvec_mma_rows_kernel,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const auto launch = [&](int call) {
-      const Args a{weights[call % copies], x, out, s.n, kb, row_groups};
-      q4_matvec_mma_rows_kernel<<<grid, kThreads, smem>>>(a);
+    const auto run_variant = [&](auto kernel, int consumers, int smem, Mode mode, const char* what) {
+      CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      const int threads = 32 * (consumers + 1);
+      const auto launch = [&](int call) {
+        const Args a{weights[call % copies], x, out, s.n, kb, row_groups};
+        kernel<<<grid, threads, smem>>>(a);
+      };
+      if (mode == kFull) {
+        CHECK(cudaMemset(out, 0xFF, s.n * 4));  // NaN poison: every output must be written
+        launch(0);
+        CHECK(cudaDeviceSynchronize());
+        std::vector<float> hout(s.n);
+        CHECK(cudaMemcpy(hout.data(), out, s.n * 4, cudaMemcpyDeviceToHost));
+        int unwritten = 0;
+        for (float v : hout) unwritten += std::isnan(v) ? 1 : 0;
+        std::printf("  %s: %d outputs unwritten\n", what, unwritten);
+        ok = check(host, hx, hout, s.n, s.k) && unwritten == 0 && ok;
+      }
+      std::printf("  %-48s %6.2f us per launch (events around 40 back-to-back launches)\n", what,
+                  back_to_back_us(launch));
     };
-    launch(0);
-    CHECK(cudaDeviceSynchronize());
-    std::vector<float> hout(s.n);
-    CHECK(cudaMemcpy(hout.data(), out, s.n * 4, cudaMemcpyDeviceToHost));
-    int unwritten = 0;
-    for (float v : hout) unwritten += std::isnan(v) ? 1 : 0;
-    std::printf("n=%d k=%d (%.1f MB): grid %d x %d threads, smem %d B, %d outputs unwritten\n", s.n,
-                s.k, bytes / 1e6, grid, kThreads, smem, unwritten);
-    ok = check(host, hx, hout, s.n, s.k) && unwritten == 0 && ok;
-    std::printf("  %.2f us per launch (events around 40 back-to-back launches), %d weight copies\n",
-                back_to_back_us(launch), copies);
+    using R64x3 = Ring<64, 3>;
+    using R32x6 = Ring<32, 6>;
+    std::printf("n=%d k=%d (%.1f MB): grid %d, %d weight copies\n", s.n, s.k, bytes / 1e6, grid,
+                copies);
+    run_variant(q4_matvec_mma_rows_kernel<4, R64x3, kFull>, 4, smem_bytes<R64x3>(kb), kFull,
+                "4 consumers, 64-block slabs x 3, full");
+    run_variant(q4_matvec_mma_rows_kernel<8, R64x3, kFull>, 8, smem_bytes<R64x3>(kb), kFull,
+                "8 consumers, 64-block slabs x 3, full");
+    run_variant(q4_matvec_mma_rows_kernel<4, R32x6, kFull>, 4, smem_bytes<R32x6>(kb), kFull,
+                "4 consumers, 32-block slabs x 6, full");
+    run_variant(q4_matvec_mma_rows_kernel<4, R64x3, kDataPath>, 4, smem_bytes<R64x3>(kb),
+                kDataPath, "64-block slabs x 3, data path (token + stages)");
+    run_variant(q4_matvec_mma_rows_kernel<4, R64x3, kStagesOnly>, 4, smem_bytes<R64x3>(kb),
+                kStagesOnly, "64-block slabs x 3, stages only");
+    run_variant(q4_matvec_mma_rows_kernel<4, R32x6, kStagesOnly>, 4, smem_bytes<R32x6>(kb),
+                kStagesOnly, "32-block slabs x 6, stages only");
     for (auto* w : weights) CHECK(cudaFree(w));
     CHECK(cudaFree(x));
     CHECK(cudaFree(out));
