@@ -16,9 +16,12 @@ def main(path: str) -> None:
     times = defaultdict(list)
     for row in csv.DictReader(lines):
         if row.get("Metric Name") == "gpu__time_duration.sum":
-            scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(row["Metric Unit"], 1.0)
+            unit = row["Metric Unit"]
+            scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+            if unit not in scale:
+                raise SystemExit(f"unknown duration unit {unit!r}")
             times[(row["Kernel Name"], row.get("Grid Size", ""), row.get("Block Size", ""))].append(
-                float(row["Metric Value"].replace(",", "")) * scale
+                float(row["Metric Value"].replace(",", "")) * scale[unit]
             )
     for (name, grid, block), t in times.items():
         print(f"{statistics.median(t):8.2f} us median, {min(t):8.2f} min, {len(t):4d} launches  {name[:90]} {grid} {block}")

@@ -259,11 +259,11 @@ int main() {
   struct Shape {
     int n, k;
   };
-  // LAB_FIRST_SHAPE=1: 4096 x 14336 only (for a profiler's kernel durations).
-  const bool first_only = std::getenv("LAB_FIRST_SHAPE") != nullptr;
+  // LAB_SHAPE=i: shape i alone (for a profiler's kernel durations, keyed by kernel and grid).
+  const char* only = std::getenv("LAB_SHAPE");
   std::vector<Shape> shapes = {Shape{4096, 14336}, Shape{4096, 2048}, Shape{2048, 4096},
                                Shape{512, 2048},   Shape{37, 4352},   Shape{16, 256}};
-  if (first_only) shapes.resize(1);
+  if (only != nullptr) shapes = {shapes.at(std::atoi(only))};
   for (const Shape s : shapes) {
     const int kb = s.k / 32;
     const size_t bytes = size_t(s.n) * kb * 18;
