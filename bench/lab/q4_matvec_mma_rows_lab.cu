@@ -1,8 +1,8 @@
 // The next Q4_0 mat-vec experiment (bench/results/experiments/q4_0_matvec_rows-h200-2026-12-04.md,
 // "Reading"): the library mat-vec's tensor-core arithmetic for one token
 // (matvec_split_columns_block: two mma.sync per block, hi / lo activation columns, the split
-// numerics) fed by the bulk-copy data path of the CUDA-core experiment. Written and compiled for
-// sm_90a; not yet run on a GPU when committed.
+// numerics) fed by the bulk-copy data path of the CUDA-core experiment. Runs and readings:
+// bench/results/experiments/q4_0_matvec_mma_rows-h200-2026-12-04.md.
 //
 //   nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -Icsrc/include -Icsrc \
 //     -Icsrc/backend/cuda -o /tmp/mma_rows bench/lab/q4_matvec_mma_rows_lab.cu && /tmp/mma_rows
@@ -12,15 +12,18 @@
 //     into slabs of 64 blocks (1152 bytes per row; the last slab may be shorter, a multiple of 8
 //     blocks), and a stage is one slab of the 16 rows: 16 bulk copies (one per row, issued by the
 //     producer warp's lanes 0..15) into a ring of kRing slots with full / empty mbarriers.
-//   - Four consumer warps split each stage's blocks: warp w takes blocks 16w..16w+15. Per block, each
+//   - kConsumers warps split each stage's blocks (4 warps: warp w takes blocks 16w..16w+15). Per
+//     block, each
 //     lane decodes its A registers of rows g and g + 8 from the stage and runs the block's two MMAs
 //     with the token's hi / lo B quad (matvec_split_columns_block), then one FMA with the block's
 //     scale into its two accumulators.
-//   - The token's B quads (hi and lo bf16 parts of every block, 128 bytes per block: the whole K)
-//     are built once per CTA in shared memory before the first stage.
-//   - After a row group's last slab the four warps' sums of each row are added in warp order and
+//   - The token's B quads (hi and lo bf16 parts of a block, 128 bytes per block): each consumer warp
+//     loads its blocks' activations one stage ahead into registers and splits them into its own
+//     shared slice before it waits for the stage (no prologue, no limit on K). (Runs 1-5 built the
+//     whole K's quads per CTA before the first stage: about 1 us of prologue at 4096 x 14336.)
+//   - After a row group's last slab the consumer warps' sums of each row are added in warp order and
 //     stored.
-// Each output is summed in a fixed order (a warp's blocks in increasing order, then warps 0..3), so
+// Each output is summed in a fixed order (a warp's blocks in increasing order, then the warps in order), so
 // a run is repeatable. The order differs from the library mat-vec's K split: the results agree
 // within the split numerics' bound, not bit for bit. The lab checks sampled rows against a float64
 // reference of the dequantised weights with that bound.
@@ -70,8 +73,8 @@ struct Args {
 };
 
 template <class R>
-constexpr int smem_bytes(int k_blocks) {
-  return kBarrierBytes + k_blocks * kQuadBytes + R::kBytes + kMaxConsumers * kRows * 4;
+constexpr int smem_bytes() {
+  return kBarrierBytes + R::kBytes + R::kSlabBlocks * kQuadBytes + kMaxConsumers * kRows * 4;
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -86,14 +89,17 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1), 2) q4_matvec_mma_rows_k
   constexpr int kSlabBlocks = R::kSlabBlocks, kRing = R::kRing, kSlabBytes = R::kSlabBytes;
   constexpr int kRowStride = R::kRowStride;
   constexpr int kWarpBlocks = kSlabBlocks / kConsumers;  // blocks per consumer warp and stage
+  constexpr int kXLoads = kWarpBlocks / 4;               // float4 loads per lane and stage
   constexpr bool kMath = kMode == kFull;
+  static_assert(kWarpBlocks % 4 == 0);
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const uint32_t full0 = smem_u32(smem), empty0 = full0 + 8 * kRing, input_bar = empty0 + 8 * kRing;
-  uint8_t* const quads = smem + kBarrierBytes;
-  uint8_t* const ring = quads + a.k_blocks * kQuadBytes;
-  float* const partial = reinterpret_cast<float*>(ring + R::kBytes);
+  const uint32_t full0 = smem_u32(smem), empty0 = full0 + 8 * kRing;
+  uint8_t* const ring = smem + kBarrierBytes;
+  uint8_t* const warp_quads = ring + R::kBytes + warp * kWarpBlocks * kQuadBytes;
+  float* const partial =
+      reinterpret_cast<float*>(ring + R::kBytes + kConsumers * kWarpBlocks * kQuadBytes);
   const int slabs = (a.k_blocks + kSlabBlocks - 1) / kSlabBlocks;
   const uint64_t row_bytes = uint64_t(a.k_blocks) * 18;
   if (tid == 0) {
@@ -101,20 +107,11 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1), 2) q4_matvec_mma_rows_k
       sm90::mbar_init(full0 + 8 * s, 1);
       sm90::mbar_init(empty0 + 8 * s, kConsumers);
     }
-    sm90::mbar_init(input_bar, 1);
     sm90::fence_mbar_init();
   }
   __syncthreads();
 
-  if (warp == kConsumers) {  // producer: the token, then stages in (row group, slab) order
-    if (kMode != kStagesOnly) {
-      // 32 equal pieces of the k * 4 bytes of x (k % 256 == 0: each a multiple of 32 bytes).
-      const uint32_t piece = uint32_t(a.k_blocks) * 4;
-      if (lane == 0) sm90::mbar_arrive_expect_tx(input_bar, 32 * piece);
-      __syncwarp();
-      bulk_copy_g2s(smem_u32(quads + lane * piece),
-                    reinterpret_cast<const uint8_t*>(a.input) + lane * piece, piece, input_bar);
-    }
+  if (warp == kConsumers) {  // producer: stages in (row group, slab) order
     int s = 0;
     for (int rg = blockIdx.x; rg < a.row_groups; rg += gridDim.x) {
       const int rows = min(kRows, a.n - rg * kRows);
@@ -134,48 +131,58 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1), 2) q4_matvec_mma_rows_k
     return;
   }
 
-  // The token's B quads, once per CTA, built in place: the producer's bulk copies put x (4 bytes
-  // per value, the same size as a block's 8 quads) into the quad region; then each consumer warp
-  // converts four blocks per step. Lane L holds chunk c = L % 8 (x[32b + 4c .. + 3]) of block L / 8;
-  // quad tq needs chunks tq and tq + 4, so lanes L and L ^ 4 exchange chunks, and lane c < 4 writes
-  // the hi quad tq = c while lane c >= 4 writes the lo quad 4 + (c - 4). A warp reads its 512 bytes
-  // before it writes them (__syncwarp), so in place is safe.
-  if (kMode != kStagesOnly) sm90::mbar_wait(input_bar, 0);
-  for (int b0 = 4 * warp; kMode != kStagesOnly && b0 < a.k_blocks; b0 += 4 * kConsumers) {
-    const uint32_t addr = smem_u32(quads + b0 * kQuadBytes + lane * 16);
-    uint32_t own[4];
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(own[0]), "=r"(own[1]), "=r"(own[2]), "=r"(own[3])
-                 : "r"(addr)
-                 : "memory");
-    uint32_t other[4];
+  // The token, per consumer warp and stage: the warp's kWarpBlocks blocks of the slab (loaded one
+  // stage ahead into registers, L2-resident after the first CTA), split into B quads in the warp's
+  // own shared slice. Load step q: lane L holds chunk c = L % 8 (x[32b + 4c .. + 3]) of block
+  // b = 4q + L / 8 of the slice; quad tq needs chunks tq and tq + 4, so lanes L and L ^ 4 exchange
+  // chunks, and lane c < 4 writes the hi quad c, lane c >= 4 the lo quad c (= 4 + (c - 4)).
+  float4 xv[kXLoads];
+  const auto load_x = [&](int j) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) other[i] = __shfl_xor_sync(0xFFFFFFFFu, own[i], 4);
+    for (int q = 0; q < kXLoads; ++q) {
+      const int b = j * kSlabBlocks + warp * kWarpBlocks + 4 * q + (lane >> 3);
+      xv[q] = b < a.k_blocks
+                  ? __ldg(reinterpret_cast<const float4*>(a.input + b * 32 + 4 * (lane & 7)))
+                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  };
+  const auto split_x = [&]() {
     const bool low_half = (lane & 4) == 0;
-    float v[8];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[i] = __uint_as_float(low_half ? own[i] : other[i]);
-      v[4 + i] = __uint_as_float(low_half ? other[i] : own[i]);
+    for (int q = 0; q < kXLoads; ++q) {
+      const float own[4] = {xv[q].x, xv[q].y, xv[q].z, xv[q].w};
+      float v[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float other = __shfl_xor_sync(0xFFFFFFFFu, own[i], 4);
+        v[i] = low_half ? own[i] : other;
+        v[4 + i] = low_half ? other : own[i];
+      }
+      uint32_t hi[4], lo[4];
+      rc::split_activation_pairs(v, hi, lo);
+      const uint32_t dst = smem_u32(warp_quads + q * 4 * kQuadBytes + lane * 16);
+      if (low_half) {
+        rc::sts128(dst, hi[0], hi[1], hi[2], hi[3]);
+      } else {
+        rc::sts128(dst, lo[0], lo[1], lo[2], lo[3]);
+      }
     }
-    uint32_t hi[4], lo[4];
-    rc::split_activation_pairs(v, hi, lo);
-    __syncwarp();
-    if (low_half) {
-      rc::sts128(addr, hi[0], hi[1], hi[2], hi[3]);
-    } else {
-      rc::sts128(addr, lo[0], lo[1], lo[2], lo[3]);
-    }
-  }
-  sm90::named_barrier_sync(1, 32 * kConsumers);
+  };
 
   // Lanes past the token's 8 quads read quad 7 (finite; their MMA columns are never used).
-  const uint8_t* const my_quads = quads + min(lane, 7) * 16;
+  const uint8_t* const my_quads = warp_quads + min(lane, 7) * 16;
+  if (kMode != kStagesOnly) load_x(0);
   int s = 0;
   for (int rg = blockIdx.x; rg < a.row_groups; rg += gridDim.x) {
     float acc_top = 0.0f, acc_bottom = 0.0f;  // rows g and g + 8 (lanes t == 0)
     for (int j = 0; j < slabs; ++j, ++s) {
       const int slot = s % kRing, round = s / kRing;
+      if (kMode != kStagesOnly) {
+        __syncwarp();  // the previous stage's quads are read
+        split_x();
+        load_x(j + 1 < slabs ? j + 1 : 0);  // the next stage's slice (the next row group's first)
+        __syncwarp();
+      }
       sm90::mbar_wait(full0 + 8 * slot, round & 1);
       const int blocks = min(kSlabBlocks, a.k_blocks - j * kSlabBlocks);
       const uint8_t* const top = ring + (slot * kRows + g) * kRowStride;
@@ -185,14 +192,12 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1), 2) q4_matvec_mma_rows_k
       } else if (first + kWarpBlocks <= blocks) {
 #pragma unroll
         for (int i = 0; i < kWarpBlocks; ++i) {
-          const uint4 bq = *reinterpret_cast<const uint4*>(
-              my_quads + (j * kSlabBlocks + first + i) * kQuadBytes);
+          const uint4 bq = *reinterpret_cast<const uint4*>(my_quads + i * kQuadBytes);
           rc::matvec_split_columns_block(top, bottom, first + i, t, bq, acc_top, acc_bottom);
         }
       } else {
         for (int i = 0; first + i < blocks; ++i) {
-          const uint4 bq = *reinterpret_cast<const uint4*>(
-              my_quads + (j * kSlabBlocks + first + i) * kQuadBytes);
+          const uint4 bq = *reinterpret_cast<const uint4*>(my_quads + i * kQuadBytes);
           rc::matvec_split_columns_block(top, bottom, first + i, t, bq, acc_top, acc_bottom);
         }
       }
@@ -313,21 +318,25 @@ int main() {
                   back_to_back_us(launch));
     };
     using R64x3 = Ring<64, 3>;
-    using R32x6 = Ring<32, 6>;
+    using R64x4 = Ring<64, 4>;
+    using R64x5 = Ring<64, 5>;
+    using R32x10 = Ring<32, 10>;
     std::printf("n=%d k=%d (%.1f MB): grid %d, %d weight copies\n", s.n, s.k, bytes / 1e6, grid,
                 copies);
-    run_variant(q4_matvec_mma_rows_kernel<4, R64x3, kFull>, 4, smem_bytes<R64x3>(kb), kFull,
+    run_variant(q4_matvec_mma_rows_kernel<4, R64x3, kFull>, 4, smem_bytes<R64x3>(), kFull,
                 "4 consumers, 64-block slabs x 3, full");
-    run_variant(q4_matvec_mma_rows_kernel<8, R64x3, kFull>, 8, smem_bytes<R64x3>(kb), kFull,
-                "8 consumers, 64-block slabs x 3, full");
-    run_variant(q4_matvec_mma_rows_kernel<4, R32x6, kFull>, 4, smem_bytes<R32x6>(kb), kFull,
-                "4 consumers, 32-block slabs x 6, full");
-    run_variant(q4_matvec_mma_rows_kernel<4, R64x3, kDataPath>, 4, smem_bytes<R64x3>(kb),
-                kDataPath, "64-block slabs x 3, data path (token + stages)");
-    run_variant(q4_matvec_mma_rows_kernel<4, R64x3, kStagesOnly>, 4, smem_bytes<R64x3>(kb),
-                kStagesOnly, "64-block slabs x 3, stages only");
-    run_variant(q4_matvec_mma_rows_kernel<4, R32x6, kStagesOnly>, 4, smem_bytes<R32x6>(kb),
-                kStagesOnly, "32-block slabs x 6, stages only");
+    run_variant(q4_matvec_mma_rows_kernel<4, R64x4, kFull>, 4, smem_bytes<R64x4>(), kFull,
+                "4 consumers, 64-block slabs x 4, full");
+    run_variant(q4_matvec_mma_rows_kernel<4, R64x5, kFull>, 4, smem_bytes<R64x5>(), kFull,
+                "4 consumers, 64-block slabs x 5, full");
+    run_variant(q4_matvec_mma_rows_kernel<8, R64x5, kFull>, 8, smem_bytes<R64x5>(), kFull,
+                "8 consumers, 64-block slabs x 5, full");
+    run_variant(q4_matvec_mma_rows_kernel<4, R32x10, kFull>, 4, smem_bytes<R32x10>(), kFull,
+                "4 consumers, 32-block slabs x 10, full");
+    run_variant(q4_matvec_mma_rows_kernel<4, R64x5, kDataPath>, 4, smem_bytes<R64x5>(), kDataPath,
+                "64-block slabs x 5, data path (token + stages)");
+    run_variant(q4_matvec_mma_rows_kernel<4, R64x5, kStagesOnly>, 4, smem_bytes<R64x5>(),
+                kStagesOnly, "64-block slabs x 5, stages only");
     for (auto* w : weights) CHECK(cudaFree(w));
     CHECK(cudaFree(x));
     CHECK(cudaFree(out));
