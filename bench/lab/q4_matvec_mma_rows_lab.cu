@@ -46,7 +46,7 @@ namespace sm90 = routemm::cuda::sm90;
 
 constexpr int kRows = 16;         // one MMA tile of weight rows per row group
 constexpr int kMaxConsumers = 8;  // consumer warps: 4 or 8
-constexpr int kBarrierBytes = 128;
+constexpr int kBarrierBytes = 256;  // full and empty mbarriers of up to 16 slots
 
 // What a variant runs: kFull the product; kDataPath the token's copy and conversion and the stages
 // (waited for and released, no arithmetic; the outputs are zeros); kStagesOnly the stages alone.
@@ -62,6 +62,7 @@ struct Ring {
   // the 8 rows over distinct 16-byte bank groups (also for 32-block slabs: 592 bytes).
   static constexpr int kRowStride = kSlabBytes + 16;
   static constexpr int kBytes = kRing * kRows * kRowStride;
+  static_assert(2 * 8 * kRing <= kBarrierBytes);
 };
 constexpr int kQuadBytes = 8 * 16;  // B quads of one block: lanes 0..3 hi, 4..7 lo
 
@@ -317,26 +318,25 @@ int main() {
       std::printf("  %-48s %6.2f us per launch (events around 40 back-to-back launches)\n", what,
                   back_to_back_us(launch));
     };
+    using R64x2 = Ring<64, 2>;
     using R64x3 = Ring<64, 3>;
     using R64x4 = Ring<64, 4>;
-    using R64x5 = Ring<64, 5>;
-    using R32x10 = Ring<32, 10>;
     std::printf("n=%d k=%d (%.1f MB): grid %d, %d weight copies\n", s.n, s.k, bytes / 1e6, grid,
                 copies);
+    run_variant(q4_matvec_mma_rows_kernel<8, R64x3, kFull>, 8, smem_bytes<R64x3>(), kFull,
+                "8 consumers, 64-block slabs x 3, full");
     run_variant(q4_matvec_mma_rows_kernel<4, R64x3, kFull>, 4, smem_bytes<R64x3>(), kFull,
                 "4 consumers, 64-block slabs x 3, full");
-    run_variant(q4_matvec_mma_rows_kernel<4, R64x4, kFull>, 4, smem_bytes<R64x4>(), kFull,
-                "4 consumers, 64-block slabs x 4, full");
-    run_variant(q4_matvec_mma_rows_kernel<4, R64x5, kFull>, 4, smem_bytes<R64x5>(), kFull,
-                "4 consumers, 64-block slabs x 5, full");
-    run_variant(q4_matvec_mma_rows_kernel<8, R64x5, kFull>, 8, smem_bytes<R64x5>(), kFull,
-                "8 consumers, 64-block slabs x 5, full");
-    run_variant(q4_matvec_mma_rows_kernel<4, R32x10, kFull>, 4, smem_bytes<R32x10>(), kFull,
-                "4 consumers, 32-block slabs x 10, full");
-    run_variant(q4_matvec_mma_rows_kernel<4, R64x5, kDataPath>, 4, smem_bytes<R64x5>(), kDataPath,
-                "64-block slabs x 5, data path (token + stages)");
-    run_variant(q4_matvec_mma_rows_kernel<4, R64x5, kStagesOnly>, 4, smem_bytes<R64x5>(),
-                kStagesOnly, "64-block slabs x 5, stages only");
+    run_variant(q4_matvec_mma_rows_kernel<4, R64x2, kFull>, 4, smem_bytes<R64x2>(), kFull,
+                "4 consumers, 64-block slabs x 2, full");
+    run_variant(q4_matvec_mma_rows_kernel<8, R64x2, kFull>, 8, smem_bytes<R64x2>(), kFull,
+                "8 consumers, 64-block slabs x 2, full");
+    run_variant(q4_matvec_mma_rows_kernel<8, R64x4, kFull>, 8, smem_bytes<R64x4>(), kFull,
+                "8 consumers, 64-block slabs x 4, full");
+    run_variant(q4_matvec_mma_rows_kernel<4, R64x3, kDataPath>, 4, smem_bytes<R64x3>(), kDataPath,
+                "64-block slabs x 3, data path (token + stages)");
+    run_variant(q4_matvec_mma_rows_kernel<4, R64x3, kStagesOnly>, 4, smem_bytes<R64x3>(),
+                kStagesOnly, "64-block slabs x 3, stages only");
     for (auto* w : weights) CHECK(cudaFree(w));
     CHECK(cudaFree(x));
     CHECK(cudaFree(out));

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Device script of bench/lab/q4_matvec_mma_rows_lab.cu: build, run every shape (checks and
+# back-to-back times), ncu kernel durations per shape, and stall ratios of the first two variants
+# at 4096 x 14336. Output under $OUT.
+set -u
+nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -Icsrc/include -Icsrc -Icsrc/backend/cuda \
+  -lineinfo -o /tmp/mma_rows bench/lab/q4_matvec_mma_rows_lab.cu || exit 1
+/tmp/mma_rows > "$OUT/lab.txt" 2>&1
+grep -E "n=|us per|FAIL|passed|launch failure" "$OUT/lab.txt" | grep -v " 0 rows over"
+for i in ${LAB_NCU_SHAPES:-0 1 2 3 4}; do
+  echo "== shape $i"
+  LAB_SHAPE=$i ncu --clock-control none --csv --metrics gpu__time_duration.sum -k regex:mma_rows \
+    /tmp/mma_rows > /tmp/ncu$i.csv 2>&1
+  python3 bench/lab/ncu_durations.py /tmp/ncu$i.csv | sed 's/void <unnamed>::q4_matvec_mma_rows_kernel//'
+done 2>&1 | tee "$OUT/ncu_durations.txt"
+for skip in 0 45; do
+  LAB_SHAPE=0 ncu --clock-control none -k regex:mma_rows --launch-skip $skip --launch-count 1 \
+    --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \
+    /tmp/mma_rows 2>&1 | grep -vE " 0$|\(!\)" | grep -E "mma_rows_kernel|stalled|inst_executed|issue_active|hmma|bank" \
+    | awk '$NF+0 >= 0.05 || /kernel|inst|issue|hmma|bank/' 
+done 2>&1 | tee "$OUT/ncu_stalls.txt"
