@@ -3,7 +3,7 @@
 // conversion. Each thread runs 8 independent chains of one instruction kind; the grid fills every
 // multiprocessor with 32 warps.
 //
-//   nvcc -std=c++20 -arch=sm_90a -O3 -o /tmp/issue_rate bench/lab/issue_rate_lab.cu && /tmp/issue_rate
+//   nvcc -std=c++20 -arch=sm_90a -O3 -Icsrc/backend/cuda -o /tmp/issue_rate bench/lab/issue_rate_lab.cu && /tmp/issue_rate
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 

@@ -10,15 +10,13 @@
 #include <cstdlib>
 #include <vector>
 
+#include "wgmma.cuh"
+
 // Global -> shared bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned),
-// counted on the mbarrier `bar` of the issuing CTA (sm_90+).
+// counted on the mbarrier `bar` of the issuing CTA (sm_90+): the library's primitive.
 __device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes,
                                               uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
+  routemm::cuda::sm90::bulk_load(dst, src, bytes, bar);
 }
 
 #define CHECK(call)                                                                              \

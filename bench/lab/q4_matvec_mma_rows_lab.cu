@@ -44,8 +44,8 @@ namespace {
 namespace rc = routemm::cuda;
 namespace sm90 = routemm::cuda::sm90;
 
-constexpr int kRows = 16;         // one MMA tile of weight rows per row group
-constexpr int kMaxConsumers = 8;  // consumer warps: 4 or 8
+constexpr int kRows = 16;           // one MMA tile of weight rows per row group
+constexpr int kMaxConsumers = 8;    // consumer warps: 4 or 8
 constexpr int kBarrierBytes = 256;  // full and empty mbarriers of up to 16 slots
 
 // What a variant runs: kFull the product; kDataPath the token's copy and conversion and the stages
@@ -85,7 +85,8 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 #endif
 
 template <int kConsumers, class R, Mode kMode>
-__global__ void __launch_bounds__(32 * (kConsumers + 1), 2) q4_matvec_mma_rows_kernel(const Args a) {
+__global__ void __launch_bounds__(32 * (kConsumers + 1), 2)
+    q4_matvec_mma_rows_kernel(const Args a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kSlabBlocks = R::kSlabBlocks, kRing = R::kRing, kSlabBytes = R::kSlabBytes;
   constexpr int kRowStride = R::kRowStride;
@@ -297,7 +298,8 @@ int main() {
     CHECK(cudaMemcpy(x, hx.data(), s.k * 4, cudaMemcpyHostToDevice));
     const int row_groups = (s.n + kRows - 1) / kRows;
     const int grid = std::min(row_groups, 2 * sms);
-    const auto run_variant = [&](auto kernel, int consumers, int smem, Mode mode, const char* what) {
+    const auto run_variant = [&](auto kernel, int consumers, int smem, Mode mode,
+                                 const char* what) {
       CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       const int threads = 32 * (consumers + 1);
       const auto launch = [&](int call) {

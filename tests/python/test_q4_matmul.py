@@ -154,6 +154,32 @@ def test_mat_vec_non_finite_activation_poisons_its_outputs(device, registry, rng
     finite.check(out[keep], "mat_vec")
 
 
+@pytest.mark.parametrize("n,k", [(4500, 256), (33, 14336), (17, 512)])
+def test_one_token_mat_vec_row_groups_and_slabs(device, registry, rng, n, k):
+    """One token with K % 256 == 0 (the Hopper bulk-copy mat-vec on CUDA): more 16-row groups than
+    the grid holds (4500 rows: CTAs loop over groups), one row past a group (33, 17), seven full
+    64-block slabs (14336) and a slab shorter than the consumer warps' share (512: 16 blocks).
+    Every output written (poisoned before) and within the mat-vec's bound; a second run repeats the
+    bits."""
+    case = Q4Case(device, rng, 1, n, k)
+    out, receipt = case.run(registry)
+    assert receipt.route == "mat_vec"
+    case.check(out, "mat_vec", table=False)
+    again, _ = case.run(registry)
+    assert np.array_equal(out.view(np.uint32), again.view(np.uint32))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_one_token_non_finite_activation_poisons_every_output(device, registry, rng, bad):
+    """One token with a NaN or infinity at K % 256 == 0: every output is non-finite."""
+    x = rng.uniform(-1.0, 1.0, (1, 512)).astype(np.float32)
+    x[0, 300] = bad
+    with np.errstate(invalid="ignore"):
+        case = Q4Case(device, rng, 1, 40, 512, x=x)
+    out, _ = case.run(registry)
+    assert not np.any(np.isfinite(out))
+
+
 # K % 256 == 0 with a 16-byte aligned weight view (2560, 512, 4352, 256) is where CUDA's bf16 routes
 # take the Hopper kernel (H100/H200): (150, 136, 512) has token and row tails on both tiles and no K
 # split; (20, 40, 4352) splits K 8 ways with the last two splits empty; (9, 1, 256) is one weight
@@ -192,16 +218,17 @@ def test_every_route_with_unaligned_weight_view(device, registry, rng, route):
     case.check(out, route.value)
 
 
-@pytest.mark.parametrize("which", ["weight", "input"])
+@pytest.mark.parametrize("which", ["weight", "weight4", "weight_odd", "input"])
 @pytest.mark.parametrize("m", [1, 5, 8])
 def test_mat_vec_with_unaligned_views(device, registry, rng, which, m):
-    """A weight view 2 bytes or an input view 4 bytes off 16-byte alignment (K % 256 == 0): CUDA's
-    mat-vec takes its element-wise copy path instead of 16-byte copies; same tile, splits and
-    per-block order, so the same bits as with aligned views."""
+    """A weight view 2, 4 or 1 bytes or an input view 4 bytes off 16-byte alignment (K % 256 == 0):
+    CUDA's mat-vec takes its narrower copy paths instead of 16-byte or bulk copies; same tile,
+    splits and per-block order (for one token on Hopper: the same fixed order of the bulk-copy
+    kernel), so the same bits as with aligned views."""
     case = Q4Case(device, rng, m, 150, 4608)
     aligned, _ = case.run(registry)
-    if which == "weight":
-        guard = np.full(18, PAD_BYTE, np.uint8)
+    if which.startswith("weight"):
+        guard = np.full({"weight": 18, "weight4": 20, "weight_odd": 17}[which], PAD_BYTE, np.uint8)
         case.weight = guarded(device, case.blocks, routemm.DType.U8, case.blocks.shape, guard=guard)
     else:
         guard = np.full(20, PAD_BYTE, np.uint8)
