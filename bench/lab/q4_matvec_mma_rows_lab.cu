@@ -323,6 +323,8 @@ int main() {
     using R64x2 = Ring<64, 2>;
     using R64x3 = Ring<64, 3>;
     using R64x4 = Ring<64, 4>;
+    using R32x3 = Ring<32, 3>;
+    using R32x4 = Ring<32, 4>;
     std::printf("n=%d k=%d (%.1f MB): grid %d, %d weight copies\n", s.n, s.k, bytes / 1e6, grid,
                 copies);
     run_variant(q4_matvec_mma_rows_kernel<8, R64x3, kFull>, 8, smem_bytes<R64x3>(), kFull,
@@ -335,6 +337,10 @@ int main() {
                 "8 consumers, 64-block slabs x 2, full");
     run_variant(q4_matvec_mma_rows_kernel<8, R64x4, kFull>, 8, smem_bytes<R64x4>(), kFull,
                 "8 consumers, 64-block slabs x 4, full");
+    run_variant(q4_matvec_mma_rows_kernel<4, R32x3, kFull>, 4, smem_bytes<R32x3>(), kFull,
+                "4 consumers, 32-block slabs x 3, full");
+    run_variant(q4_matvec_mma_rows_kernel<4, R32x4, kFull>, 4, smem_bytes<R32x4>(), kFull,
+                "4 consumers, 32-block slabs x 4, full");
     run_variant(q4_matvec_mma_rows_kernel<4, R64x3, kDataPath>, 4, smem_bytes<R64x3>(), kDataPath,
                 "64-block slabs x 3, data path (token + stages)");
     run_variant(q4_matvec_mma_rows_kernel<4, R64x3, kStagesOnly>, 4, smem_bytes<R64x3>(),
