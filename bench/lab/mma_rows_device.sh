@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Device script of bench/lab/q4_matvec_mma_rows_lab.cu: build, run every shape (checks and
-# back-to-back times), ncu kernel durations per shape, and stall ratios of the first two variants
-# at 4096 x 14336. Output under $OUT.
+# Device script of bench/lab/q4_matvec_mma_rows_lab.cu: build, run every shape (checks, back-to-back
+# times, the shape's plain read floor), ncu kernel durations per shape, and the stall ratios of the
+# first two variants at 4096 x 14336. Output under $OUT.
 set -u
 nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -Icsrc/include -Icsrc -Icsrc/backend/cuda \
   -lineinfo -o /tmp/mma_rows bench/lab/q4_matvec_mma_rows_lab.cu || exit 1
@@ -9,9 +9,9 @@ nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -Icsrc/include -Icsrc 
 grep -E "n=|us per|FAIL|passed|launch failure" "$OUT/lab.txt" | grep -v " 0 rows over"
 for i in ${LAB_NCU_SHAPES:-0 1 2 3 4}; do
   echo "== shape $i"
-  LAB_SHAPE=$i ncu --clock-control none --csv --metrics gpu__time_duration.sum -k regex:mma_rows \
+  LAB_SHAPE=$i ncu --clock-control none --csv --metrics gpu__time_duration.sum -k regex:'mma_rows|read_floor' \
     /tmp/mma_rows > /tmp/ncu$i.csv 2>&1
-  python3 bench/lab/ncu_durations.py /tmp/ncu$i.csv | sed 's/void <unnamed>::q4_matvec_mma_rows_kernel//'
+  python3 bench/lab/ncu_durations.py /tmp/ncu$i.csv | sed 's/void <unnamed>::q4_matvec_mma_rows_kernel//; s/void <unnamed>::read_floor_kernel/read floor/'
 done 2>&1 | tee "$OUT/ncu_durations.txt"
 for skip in 0 45; do
   LAB_SHAPE=0 ncu --clock-control none -k regex:mma_rows --launch-skip $skip --launch-count 1 \
