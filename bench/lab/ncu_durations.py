@@ -1,7 +1,7 @@
 """Median gpu__time_duration per kernel name from `ncu --csv --metrics gpu__time_duration.sum` output.
 
-  ncu --clock-control none --csv --metrics gpu__time_duration.sum -c N ./lab > ncu.csv
-  python3 bench/lab/ncu_durations.py ncu.csv
+ncu --clock-control none --csv --metrics gpu__time_duration.sum -c N ./lab > ncu.csv
+python3 bench/lab/ncu_durations.py ncu.csv
 """
 
 import csv
@@ -24,7 +24,9 @@ def main(path: str) -> None:
                 float(row["Metric Value"].replace(",", "")) * scale[unit]
             )
     for (name, grid, block), t in times.items():
-        print(f"{statistics.median(t):8.2f} us median, {min(t):8.2f} min, {len(t):4d} launches  {name[:90]} {grid} {block}")
+        print(
+            f"{statistics.median(t):8.2f} us median, {min(t):8.2f} min, {len(t):4d} launches  {name[:90]} {grid} {block}"
+        )
 
 
 if __name__ == "__main__":
