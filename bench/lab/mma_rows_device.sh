@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device script of bench/lab/q4_matvec_mma_rows_lab.cu: build, run every shape (checks, back-to-back
 # times, the shape's plain read floor), ncu kernel durations per shape, and the stall ratios of the
-# first two variants at 4096 x 14336. Output under $OUT.
+# first two variants at 4096 x 14336; then bench/lab/read_floor_lab.cu (one kernel reading 4-512 MB
+# once: back to back, and ncu durations per size). Output under $OUT.
 set -u
 nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -Icsrc/include -Icsrc -Icsrc/backend/cuda \
   -lineinfo -o /tmp/mma_rows bench/lab/q4_matvec_mma_rows_lab.cu || exit 1
@@ -19,3 +20,10 @@ for skip in 0 45; do
     /tmp/mma_rows 2>&1 | grep -vE " 0$|\(!\)" | grep -E "mma_rows_kernel|stalled|inst_executed|issue_active|hmma|bank" \
     | awk '$NF+0 >= 0.05 || /kernel|inst|issue|hmma|bank/' 
 done 2>&1 | tee "$OUT/ncu_stalls.txt"
+nvcc -std=c++20 -arch=sm_90a -O3 -Icsrc/backend/cuda -o /tmp/read_floor bench/lab/read_floor_lab.cu \
+  && /tmp/read_floor 2>&1 | tee "$OUT/read_floor.txt"
+for mb in 4 8 16 25.2 33 64 128 256 512; do
+  READ_FLOOR_MB=$mb ncu --clock-control none --csv --metrics gpu__time_duration.sum -k regex:read_kernel \
+    /tmp/read_floor > /tmp/ncu_rf.csv 2>&1
+  echo "$mb MB: $(python3 bench/lab/ncu_durations.py /tmp/ncu_rf.csv | sed 's/void <unnamed>::read_kernel//' | tr '\n' ' ')"
+done 2>&1 | tee -a "$OUT/read_floor.txt"
