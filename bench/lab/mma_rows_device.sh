@@ -10,9 +10,9 @@ nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -Icsrc/include -Icsrc 
 grep -E "n=|us per|FAIL|passed|launch failure" "$OUT/lab.txt" | grep -v " 0 rows over"
 for i in ${LAB_NCU_SHAPES:-0 1 2 3 4}; do
   echo "== shape $i"
-  LAB_SHAPE=$i ncu --clock-control none --csv --metrics gpu__time_duration.sum -k regex:'mma_rows|read_floor' \
+  LAB_SHAPE=$i ncu --clock-control none --csv --metrics gpu__time_duration.sum -k regex:'mma_rows|lab_read' \
     /tmp/mma_rows > /tmp/ncu$i.csv 2>&1
-  python3 bench/lab/ncu_durations.py /tmp/ncu$i.csv | sed 's/void <unnamed>::q4_matvec_mma_rows_kernel//; s/void <unnamed>::read_floor_kernel/read floor/'
+  python3 bench/lab/ncu_durations.py /tmp/ncu$i.csv | sed 's/void <unnamed>::q4_matvec_mma_rows_kernel//; s/void lab_read_kernel/read floor/'
 done 2>&1 | tee "$OUT/ncu_durations.txt"
 for skip in 0 45; do
   LAB_SHAPE=0 ncu --clock-control none -k regex:mma_rows --launch-skip $skip --launch-count 1 \
@@ -25,5 +25,5 @@ nvcc -std=c++20 -arch=sm_90a -O3 -Icsrc/backend/cuda -o /tmp/read_floor bench/la
 for mb in 4 8 16 25.2 33 64 128 256 512; do
   READ_FLOOR_MB=$mb ncu --clock-control none --csv --metrics gpu__time_duration.sum -k regex:read_kernel \
     /tmp/read_floor > /tmp/ncu_rf.csv 2>&1
-  echo "$mb MB: $(python3 bench/lab/ncu_durations.py /tmp/ncu_rf.csv | sed 's/void <unnamed>::read_kernel//' | tr '\n' ' ')"
+  echo "$mb MB: $(python3 bench/lab/ncu_durations.py /tmp/ncu_rf.csv | sed 's/void lab_read_kernel//' | tr '\n' ' ')"
 done 2>&1 | tee -a "$OUT/read_floor.txt"

@@ -153,9 +153,9 @@ __global__ void __launch_bounds__(128) stream_bulk(LabArgs a) {
     if (lane == 0) mbar_arrive_expect_tx(bar, kStage);
     __syncwarp();
     if (lane < kWarpRows) {
-      bulk_copy_g2s(smem_addr(w.slot(s) + lane * kRowBytes),
-                    w.rows + uint64_t(lane) * a.row_bytes + uint64_t(s) * kRowBytes, kRowBytes,
-                    bar);
+      routemm::cuda::sm90::bulk_load(
+          smem_addr(w.slot(s) + lane * kRowBytes),
+          w.rows + uint64_t(lane) * a.row_bytes + uint64_t(s) * kRowBytes, kRowBytes, bar);
     }
   };
   for (int s = 0; s < S - 1 && s < stages; ++s) load(s);

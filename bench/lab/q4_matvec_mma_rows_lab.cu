@@ -124,9 +124,10 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1), 2)
         if (lane == 0) sm90::mbar_arrive_expect_tx(full0 + 8 * slot, rows * bytes);
         __syncwarp();
         if (lane < rows) {
-          bulk_copy_g2s(smem_u32(ring + (slot * kRows + lane) * kRowStride),
-                        a.weight + (uint64_t(rg) * kRows + lane) * row_bytes + j * kSlabBytes,
-                        bytes, full0 + 8 * slot);
+          routemm::cuda::sm90::bulk_load(
+              smem_u32(ring + (slot * kRows + lane) * kRowStride),
+              a.weight + (uint64_t(rg) * kRows + lane) * row_bytes + j * kSlabBytes, bytes,
+              full0 + 8 * slot);
         }
       }
     }
@@ -223,30 +224,6 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1), 2)
 #endif
 }
 
-// The read floor of a shape: `units` 16-byte words loaded once each (non-caching loads, kUnroll in
-// flight per thread, a grid of 8 x 256-thread CTAs per SM), XOR-folded so no load can be dropped;
-// the sink is written only when the fold hits one value (never for the lab's weights, and a store
-// the compiler must keep).
-template <int kUnroll>
-__global__ void __launch_bounds__(256)
-    read_floor_kernel(const uint4* data, size_t units, uint32_t* sink) {
-  uint32_t acc = 0;
-  const size_t stride = size_t(gridDim.x) * blockDim.x;
-  size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i + (kUnroll - 1) * stride < units; i += kUnroll * stride) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcs(data + i + u * stride);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  for (; i < units; i += stride) {
-    const uint4 v = __ldcs(data + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9E3779B9u) sink[0] = acc;
-}
-
 // float64 reference of sampled rows and the split numerics' bound on each.
 bool check(const std::vector<uint8_t>& blocks, const std::vector<float>& x,
            const std::vector<float>& out, int n, int k) {
@@ -322,15 +299,16 @@ int main() {
     CHECK(cudaMemcpy(x, hx.data(), s.k * 4, cudaMemcpyHostToDevice));
     const int row_groups = (s.n + kRows - 1) / kRows;
     const int grid = std::min(row_groups, 2 * sms);
-    const auto run_variant = [&](auto kernel, int consumers, int smem, Mode mode,
-                                 const char* what) {
+    // kConsumers consumer warps, ring R, mode kMode; threads and shared memory follow from them.
+    const auto run_variant = [&]<int kConsumers, class R, Mode kMode>(const char* what) {
+      const auto kernel = q4_matvec_mma_rows_kernel<kConsumers, R, kMode>;
+      const int smem = smem_bytes<R>(), threads = 32 * (kConsumers + 1);
       CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      const int threads = 32 * (consumers + 1);
       const auto launch = [&](int call) {
         const Args a{weights[call % copies], x, out, s.n, kb, row_groups};
         kernel<<<grid, threads, smem>>>(a);
       };
-      if (mode == kFull) {
+      if (kMode == kFull) {
         CHECK(cudaMemset(out, 0xFF, s.n * 4));  // NaN poison: every output must be written
         launch(0);
         CHECK(cudaDeviceSynchronize());
@@ -351,20 +329,13 @@ int main() {
     using R32x4 = Ring<32, 4>;
     std::printf("n=%d k=%d (%.1f MB): grid %d, %d weight copies\n", s.n, s.k, bytes / 1e6, grid,
                 copies);
-    run_variant(q4_matvec_mma_rows_kernel<8, R64x3, kFull>, 8, smem_bytes<R64x3>(), kFull,
-                "8 consumers, 64-block slabs x 3, full");
-    run_variant(q4_matvec_mma_rows_kernel<4, R64x3, kFull>, 4, smem_bytes<R64x3>(), kFull,
-                "4 consumers, 64-block slabs x 3, full");
-    run_variant(q4_matvec_mma_rows_kernel<4, R64x2, kFull>, 4, smem_bytes<R64x2>(), kFull,
-                "4 consumers, 64-block slabs x 2, full");
-    run_variant(q4_matvec_mma_rows_kernel<8, R64x2, kFull>, 8, smem_bytes<R64x2>(), kFull,
-                "8 consumers, 64-block slabs x 2, full");
-    run_variant(q4_matvec_mma_rows_kernel<8, R64x4, kFull>, 8, smem_bytes<R64x4>(), kFull,
-                "8 consumers, 64-block slabs x 4, full");
-    run_variant(q4_matvec_mma_rows_kernel<4, R32x3, kFull>, 4, smem_bytes<R32x3>(), kFull,
-                "4 consumers, 32-block slabs x 3, full");
-    run_variant(q4_matvec_mma_rows_kernel<4, R32x4, kFull>, 4, smem_bytes<R32x4>(), kFull,
-                "4 consumers, 32-block slabs x 4, full");
+    run_variant.operator()<8, R64x3, kFull>("8 consumers, 64-block slabs x 3, full");
+    run_variant.operator()<4, R64x3, kFull>("4 consumers, 64-block slabs x 3, full");
+    run_variant.operator()<4, R64x2, kFull>("4 consumers, 64-block slabs x 2, full");
+    run_variant.operator()<8, R64x2, kFull>("8 consumers, 64-block slabs x 2, full");
+    run_variant.operator()<8, R64x4, kFull>("8 consumers, 64-block slabs x 4, full");
+    run_variant.operator()<4, R32x3, kFull>("4 consumers, 32-block slabs x 3, full");
+    run_variant.operator()<4, R32x4, kFull>("4 consumers, 32-block slabs x 4, full");
     {  // the shape's read floor: its weight bytes read once by a plain streaming kernel
       uint32_t* sink = nullptr;
       CHECK(cudaMalloc(&sink, 4));
@@ -376,15 +347,13 @@ int main() {
         });
       };
       std::printf("  %-48s %6.2f us per launch (events around 40 back-to-back launches)\n",
-                  "read floor, 4 loads in flight per thread", floor_launch(read_floor_kernel<4>));
+                  "read floor, 4 loads in flight per thread", floor_launch(lab_read_kernel<4>));
       std::printf("  %-48s %6.2f us per launch (events around 40 back-to-back launches)\n",
-                  "read floor, 8 loads in flight per thread", floor_launch(read_floor_kernel<8>));
+                  "read floor, 8 loads in flight per thread", floor_launch(lab_read_kernel<8>));
       CHECK(cudaFree(sink));
     }
-    run_variant(q4_matvec_mma_rows_kernel<4, R64x3, kDataPath>, 4, smem_bytes<R64x3>(), kDataPath,
-                "64-block slabs x 3, data path (token + stages)");
-    run_variant(q4_matvec_mma_rows_kernel<4, R64x3, kStagesOnly>, 4, smem_bytes<R64x3>(),
-                kStagesOnly, "64-block slabs x 3, stages only");
+    run_variant.operator()<4, R64x3, kDataPath>("64-block slabs x 3, data path (token + stages)");
+    run_variant.operator()<4, R64x3, kStagesOnly>("64-block slabs x 3, stages only");
     for (auto* w : weights) CHECK(cudaFree(w));
     CHECK(cudaFree(x));
     CHECK(cudaFree(out));

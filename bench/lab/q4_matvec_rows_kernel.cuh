@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kMaxThreads, 2) q4_matvec_rows_kernel(const Ro
       if (a.bulk) {
         if (lane == 0) {
           sm90::mbar_arrive_expect_tx(full0 + 8 * slot, rows * a.stride);
-          bulk_copy_g2s(smem_u32(dst), src, rows * a.stride, full0 + 8 * slot);
+          routemm::cuda::sm90::bulk_load(smem_u32(dst), src, rows * a.stride, full0 + 8 * slot);
         }
       } else {
         copy_stage(a, dst, src, rows, lane);

@@ -7,9 +7,9 @@
 //   nvcc -std=c++20 -arch=sm_90a -O3 -Icsrc/backend/cuda -o /tmp/read_floor \
 //     bench/lab/read_floor_lab.cu && /tmp/read_floor
 //
-// The reader: 16-byte streaming loads (ld.global.cs), kUnroll in flight per thread, grid-stride
-// over 8 x 256-thread CTAs per SM, XOR-folded so no load can be dropped (the sink is written only
-// for one fold value). Buffers rotate over copies totalling >= 512 MB, so no call reads from L2.
+// The reader: lab_read_kernel (q4_lab_common.cuh: 16-byte streaming loads, 4 or 8 in flight per
+// thread, grid-stride over 8 x 256-thread CTAs per SM). Buffers rotate over copies totalling
+// >= 512 MB, so no call reads from L2.
 // Times: back-to-back launches (events around 40 calls; below about 8 MB that is the host's launch
 // rate, not the kernel). Kernel durations come from ncu: READ_FLOOR_MB=X runs size X alone, as
 // bench/lab/mma_rows_device.sh does for each size.
@@ -20,30 +20,6 @@
 #include <vector>
 
 #include "q4_lab_common.cuh"
-
-namespace {
-
-template <int kUnroll>
-__global__ void __launch_bounds__(256)
-    read_kernel(const uint4* data, size_t units, uint32_t* sink) {
-  uint32_t acc = 0;
-  const size_t stride = size_t(gridDim.x) * blockDim.x;
-  size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; i + (kUnroll - 1) * stride < units; i += kUnroll * stride) {
-    uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcs(data + i + u * stride);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  for (; i < units; i += stride) {
-    const uint4 v = __ldcs(data + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x9E3779B9u) sink[0] = acc;
-}
-
-}  // namespace
 
 int main() {
   int sms = 0;
@@ -70,7 +46,7 @@ int main() {
                                  sink);
       });
     };
-    const float t4 = time(read_kernel<4>), t8 = time(read_kernel<8>);
+    const float t4 = time(lab_read_kernel<4>), t8 = time(lab_read_kernel<8>);
     std::printf("%10.1f %8d | %12.2f %10.2f | %12.2f %10.2f\n", mb, copies, t4, bytes / t4 / 1e6,
                 t8, bytes / t8 / 1e6);
     for (auto* b : buffers) CHECK(cudaFree(b));
