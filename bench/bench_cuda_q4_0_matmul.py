@@ -15,6 +15,9 @@ Restrict with pytest -k (ids are `<shape>-m<m>-<impl>`) or the environment:
     ROUTEMM_BENCH_Q4_PEERS=0                    no PyTorch baselines
     ROUTEMM_BENCH_Q4_CUPTI=0                    no CUPTI kernel times (CUDA-event times only)
     ROUTEMM_BENCH_Q4_TARGET_S=0.05              device seconds per measurement (5 batches)
+    ROUTEMM_BENCH_Q4_L2_RESIDENT=1              one weight per shape, reused by every call (the
+                                                weights stay in L2, as in llama.cpp's
+                                                test-backend-ops perf); records say "L2-resident"
 
 Per (shape, m), in this order:
   - torch_cublas_f16: x.half() @ w16.T with the weights already dequantised to f16 [n, k] (cuBLAS);
@@ -100,6 +103,7 @@ def _env(name: str, default: str) -> str:
 TARGET_S = float(_env("ROUTEMM_BENCH_Q4_TARGET_S", "0.05"))
 WITH_PEERS = _env("ROUTEMM_BENCH_Q4_PEERS", "1") not in ("0", "false", "off")
 WITH_CUPTI = _env("ROUTEMM_BENCH_Q4_CUPTI", "1") not in ("0", "false", "off")
+L2_RESIDENT = _env("ROUTEMM_BENCH_Q4_L2_RESIDENT", "0") in ("1", "true", "on")
 
 
 def _selected_shapes() -> list[str]:
@@ -360,7 +364,7 @@ class Bench:
         gen = torch.Generator(device=TORCH_DEVICE)
         gen.manual_seed(0x5104 + n + k)
         wbytes = n * k // 32 * 18
-        copies = max(4, math.ceil(ROTATE_BYTES / wbytes))
+        copies = 1 if L2_RESIDENT else max(4, math.ceil(ROTATE_BYTES / wbytes))
         q4 = random_q4_blocks(copies, n, k, gen, TORCH_DEVICE)
         # The torch dequantiser (also the reference's) must match routemm's exact host dequantiser.
         head = q4[0, :8].cpu()
@@ -368,7 +372,7 @@ class Bench:
         got = torch_dequantize(head, torch.float32).numpy()
         if not np.array_equal(got, want):
             pytest.fail(f"{shape}: torch dequantiser disagrees with routemm.q4_0.dequantize")
-        f16_copies = max(2, math.ceil(ROTATE_BYTES / (n * k * 2)))
+        f16_copies = 1 if L2_RESIDENT else max(2, math.ceil(ROTATE_BYTES / (n * k * 2)))
         w16 = torch.stack([torch_dequantize(q4[j % copies]) for j in range(f16_copies)]) if WITH_PEERS else None
         torch.cuda.synchronize()
         self.state = dict(
@@ -488,7 +492,7 @@ def test_q4_0_matmul(bench, results, shape, m, impl):
 
     st, io = bench.inputs(shape, m)
     copies = st["copies"]
-    base["rotation"] = f"{copies} x {st['wbytes'] / 1e6:.2f} MB"
+    base["rotation"] = f"{copies} x {st['wbytes'] / 1e6:.2f} MB" + (" (L2-resident)" if L2_RESIDENT else "")
 
     if impl in PEERS:
         x, w16, q4, f16_copies = io["x"], st["w16"], st["q4"], st["f16_copies"]
@@ -498,7 +502,7 @@ def test_q4_0_matmul(bench, results, shape, m, impl):
                 return torch.matmul(x.half(), w16[j % f16_copies].T)
 
             route, weight_dtype, nbytes = "dequantized_f16_cublas", "f16", f16_bytes(m, n, k)
-            base["rotation"] = f"{f16_copies} x {n * k * 2 / 1e6:.2f} MB"
+            base["rotation"] = f"{f16_copies} x {n * k * 2 / 1e6:.2f} MB" + (" (L2-resident)" if L2_RESIDENT else "")
         else:
 
             def fn(j):
