@@ -19,7 +19,7 @@ if [ "${SANITIZE:-0}" = 1 ]; then
   echo "memcheck exit $?" | tee -a "$OUT/memcheck.txt"; tail -3 "$OUT/memcheck.txt"
   stamp racecheck
   ROUTEMM_TEST_BACKENDS=cuda timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest \
-    tests/python/test_q4_matmul.py -q -x -p no:cacheprovider -k "one_token or unaligned_views or wide_range" > "$OUT/racecheck.txt" 2>&1
+    tests/python/test_q4_matmul.py -q -x -p no:cacheprovider -k "few_token or one_token or unaligned_views or wide_range" > "$OUT/racecheck.txt" 2>&1
   echo "racecheck exit $?" | tee -a "$OUT/racecheck.txt"; tail -3 "$OUT/racecheck.txt"
 fi
 stamp bench

@@ -10,14 +10,14 @@ nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -Icsrc/include -Icsrc 
 grep -E "n=|us per|FAIL|passed|launch failure" "$OUT/lab.txt" | grep -v " 0 rows over"
 for i in ${LAB_NCU_SHAPES:-0 1 2 3 4}; do
   echo "== shape $i"
-  LAB_SHAPE=$i ncu --clock-control none --csv --metrics gpu__time_duration.sum -k regex:'mma_rows|lab_read' \
+  LAB_SHAPE=$i ncu --clock-control none --csv --metrics gpu__time_duration.sum -k regex:'q4_matvec_rows_kernel|lab_read' \
     /tmp/mma_rows > /tmp/ncu$i.csv 2>&1
-  python3 bench/lab/ncu_durations.py /tmp/ncu$i.csv | sed 's/void <unnamed>::q4_matvec_mma_rows_kernel//; s/void lab_read_kernel/read floor/'
+  python3 bench/lab/ncu_durations.py /tmp/ncu$i.csv | sed 's/void routemm::cuda::q4_matvec_rows_kernel//; s/void lab_read_kernel/read floor/'
 done 2>&1 | tee "$OUT/ncu_durations.txt"
 for skip in 0 45; do
-  LAB_SHAPE=0 ncu --clock-control none -k regex:mma_rows --launch-skip $skip --launch-count 1 \
+  LAB_SHAPE=0 ncu --clock-control none -k regex:q4_matvec_rows_kernel --launch-skip $skip --launch-count 1 \
     --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \
-    /tmp/mma_rows 2>&1 | grep -vE " 0$|\(!\)" | grep -E "mma_rows_kernel|stalled|inst_executed|issue_active|hmma|bank" \
+    /tmp/mma_rows 2>&1 | grep -vE " 0$|\(!\)" | grep -E "rows_kernel|stalled|inst_executed|issue_active|hmma|bank" \
     | awk '$NF+0 >= 0.05 || /kernel|inst|issue|hmma|bank/' 
 done 2>&1 | tee "$OUT/ncu_stalls.txt"
 nvcc -std=c++20 -arch=sm_90a -O3 -Icsrc/backend/cuda -o /tmp/read_floor bench/lab/read_floor_lab.cu \

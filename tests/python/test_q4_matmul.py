@@ -154,12 +154,15 @@ def test_mat_vec_non_finite_activation_poisons_its_outputs(device, registry, rng
     finite.check(out[keep], "mat_vec")
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k", [(4500, 256), (33, 14336), (17, 512)])
-def test_one_token_mat_vec_row_groups_and_slabs(device, registry, rng, n, k):
-    """One token with K % 256 == 0: many row tiles (4500 rows), one row past a 16-row group (33,
-    17), a long K (14336) and a short one (512). Every output written (poisoned before) and within
-    the mat-vec's bound; a second run repeats the bits."""
-    case = Q4Case(device, rng, 1, n, k)
+def test_few_token_mat_vec_row_groups_and_slabs(device, registry, rng, m, n, k):
+    """One to four tokens with K % 256 == 0 (one and two: the Hopper bulk-copy mat-vec on CUDA;
+    three and four: the cp.async mat-vec's hi / lo columns): more 16-row groups than the grid
+    holds (4500 rows: CTAs loop over groups), one row past a group (33, 17), seven full 64-block
+    slabs (14336) and a slab shorter than the consumer warps' share (512: 16 blocks). Every output
+    written (poisoned before) and within the mat-vec's bound; a second run repeats the bits."""
+    case = Q4Case(device, rng, m, n, k)
     out, receipt = case.run(registry)
     assert receipt.route == "mat_vec"
     case.check(out, "mat_vec", table=False)
@@ -217,11 +220,12 @@ def test_every_route_with_unaligned_weight_view(device, registry, rng, route):
 
 
 @pytest.mark.parametrize("which", ["weight", "weight4", "weight_odd", "input"])
-@pytest.mark.parametrize("m", [1, 5, 8])
+@pytest.mark.parametrize("m", [1, 3, 5, 8])
 def test_mat_vec_with_unaligned_views(device, registry, rng, which, m):
     """A weight view 2, 4 or 1 bytes or an input view 4 bytes off 16-byte alignment (K % 256 == 0):
-    CUDA's mat-vec takes its narrower copy paths instead of 16-byte copies; same tile, splits and
-    per-block order, so the same bits as with aligned views."""
+    CUDA's mat-vec takes its narrower copy paths instead of 16-byte or bulk copies; same tile,
+    splits and per-block order (for one token on Hopper: the same fixed order of the bulk-copy
+    kernel), so the same bits as with aligned views."""
     case = Q4Case(device, rng, m, 150, 4608)
     aligned, _ = case.run(registry)
     if which.startswith("weight"):

@@ -35,7 +35,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <cstring>
@@ -801,27 +800,6 @@ bool vector_ok(const DenseMatmulIdKernelParams& p, const void* w, const void* x,
   return p.k % 8 == 0 && aligned16(w) && aligned16(x) && p.expert_stride_bytes % 16 == 0 &&
          (uint64_t{p.k} * elem) % 16 == 0 && p.input_token_stride_bytes % 16 == 0 &&
          p.input_slot_stride_bytes % 16 == 0;
-}
-
-// Multiprocessors of the current device, asked once per device.
-uint32_t multiprocessors(const std::string& label) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<uint32_t> known[kMaxDevices];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices)
-    throw Error(label + ": no current CUDA device");
-  uint32_t sms = known[device].load(std::memory_order_relaxed);
-  if (sms == 0) {
-    int value = 0;
-    if (const cudaError_t e =
-            cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device);
-        e != cudaSuccess || value <= 0) {
-      throw Error(label + ": cannot read the multiprocessor count: " + cudaGetErrorString(e));
-    }
-    sms = static_cast<uint32_t>(value);
-    known[device].store(sms, std::memory_order_relaxed);
-  }
-  return sms;
 }
 
 void check_grid(const KernelLaunch& launch, uint64_t blocks) {

@@ -10,6 +10,26 @@
 
 namespace routemm::cuda {
 
+uint32_t multiprocessors(const std::string& label) {
+  static std::atomic<uint32_t> known[kMaxOptInDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxOptInDevices) {
+    throw Error(label + ": no current CUDA device");
+  }
+  uint32_t sms = known[device].load(std::memory_order_relaxed);
+  if (sms == 0) {
+    int value = 0;
+    if (const cudaError_t e =
+            cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, device);
+        e != cudaSuccess || value <= 0) {
+      throw Error(label + ": cannot read the multiprocessor count: " + cudaGetErrorString(e));
+    }
+    sms = static_cast<uint32_t>(value);
+    known[device].store(sms, std::memory_order_relaxed);
+  }
+  return sms;
+}
+
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void* ptr = nullptr;

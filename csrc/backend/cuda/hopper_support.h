@@ -1,6 +1,8 @@
-// What the Hopper (sm_90a) kernels need from the host: whether they can run on a device, the TMA
-// descriptor encoder, and a stream-ordered workspace for kernels that stage operands in global
-// memory. Shared by the expert-ID (dense_matmul_id_wgmma.cu) and Q4_0 (q4_matmul_wgmma.cu) kernels.
+// What the Hopper (sm_90a) kernels need from the host: whether they can run on a device, the
+// multiprocessor count their one-wave grids are sized by, the TMA descriptor encoder, and a
+// stream-ordered workspace for kernels that stage operands in global memory. Shared by the
+// expert-ID (dense_matmul_id.cu, dense_matmul_id_wgmma.cu) and Q4_0 (q4_matmul_wgmma.cu,
+// q4_matvec_rows.cu) launchers.
 #pragma once
 
 #include <cuda.h>
@@ -12,6 +14,10 @@
 #include <string>
 
 namespace routemm::cuda {
+
+// Multiprocessors of the current device, asked once per device (grids sized to one wave). Throws a
+// routemm::Error naming `label` when there is no current device or the count cannot be read.
+uint32_t multiprocessors(const std::string& label);
 
 // True when this build carries the sm_90a image, `device` is compute capability 9.0 (where that
 // image runs) and the driver can encode TMA descriptors. Answered once per device.

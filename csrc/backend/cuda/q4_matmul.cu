@@ -4,7 +4,10 @@
 // on sm_90, where long K is also split across a thread-block cluster). On Hopper the two bf16 routes
 // (compatibility_v2, tensor_64x32) take the warpgroup-MMA kernel of q4_matmul_wgmma.cu instead when
 // k % 256 == 0 and the weight view is 16-byte aligned (launch_matrix below); same tiles, K split and
-// numerics, so the dispatch geometry and the V2 == 64x32 contract hold on either kernel.
+// numerics, so the dispatch geometry and the V2 == 64x32 contract hold on either kernel. On Hopper
+// the mat-vec for m <= 2 and k % 256 == 0 runs q4_matvec_rows.cu (bulk copies per weight row,
+// the same split numerics, its own fixed summation order and grid; the recorded geometry is this
+// file's).
 //
 // DATA PATH (every route): raw GGUF blocks and F32 activations stream into a shared-memory ring by
 // cp.async (16/8/4-byte copies, the widest the weight view's alignment and row length allow; byte
@@ -26,11 +29,12 @@
 //     8) rounded to bf16, the activations rounded to bf16, products accumulated in F32 by the tensor
 //     cores over the whole K range. The same rounding as a bf16 GEMM over dequantised weights; tested
 //     within 2^-6 * sum|w x| per element and 1e-2 relative Frobenius error.
-// ORDER: an output element's sum runs over K blocks in increasing order within its K split; the
-// splits (grid.z, one cluster) are added in increasing split order by the CTA that stores the
-// element. The split and this order depend on (m, n, k) only (csrc/ops/q4_matmul.cpp), never on a
-// route's token tile, and an MMA's result depends only on its operand values, so V2 and 64x32 --
-// same numerics, different tiles -- give bit-identical outputs (the calibration's contract).
+// ORDER (except the Hopper mat-vec of one or two tokens, whose order q4_matvec_rows.cu states): an
+// output element's sum runs over K blocks in increasing order within its K split; the splits
+// (grid.z, one cluster) are added in increasing split order by the CTA that stores the element. The
+// split and this order depend on (m, n, k) only (csrc/ops/q4_matmul.cpp), never on a route's token
+// tile, and an MMA's result depends only on its operand values, so V2 and 64x32 -- same numerics,
+// different tiles -- give bit-identical outputs (the calibration's contract).
 //
 // GEOMETRY (KernelDef below; tile_x/tile_y as the front door reads them; SB and the ring depth are
 // in the Tile aliases further down):
@@ -56,6 +60,7 @@
 #include "kernels.h"
 #include "q4_matmul_wgmma.h"
 #include "q4_matvec_block.cuh"
+#include "q4_matvec_rows.h"
 #include "q4_nibbles.cuh"
 #include "q4_split_store.cuh"
 #include "routemm/error.h"
@@ -127,10 +132,6 @@ struct Q4Args {
   int32_t x_grain;           // bytes per activation copy: 16 or 4
   int32_t rows_on_x;         // 1: grid.x walks row tiles (mat-vec); 0: grid.x walks token tiles
 };
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 // Copies `grain` bytes global -> shared (grain and both addresses are multiples of `grain`).
 __device__ __forceinline__ void copy_grain(uint8_t* dst, const uint8_t* src, int grain) {
@@ -683,6 +684,14 @@ void launch_mat_vec(const KernelLaunch& launch, void* stream) {
   const auto k = static_cast<uint64_t>(q.ne00);
   const Problem p = problem_of(launch, 0, 1, 2, static_cast<uint64_t>(q.ne1),
                                static_cast<uint64_t>(q.ne01), k, k / 32 * 18);
+  int device = 0;
+  if (cudaGetDevice(&device) == cudaSuccess && q4_matvec_rows_eligible(device, p.m, p.k)) {
+    check_launch_shape<MatVecStream>(launch, p, true);  // the recorded geometry is still checked
+    launch_q4_matvec_rows(
+        launch.label, static_cast<cudaStream_t>(stream),
+        {.weight = p.weight, .input = p.input, .output = p.output, .m = p.m, .n = p.n, .k = p.k});
+    return;
+  }
   if (p.m <= 4) {  // hi / lo columns: two MMAs per block
     launch_q4<MatVecStream, q4_matvec_kernel<MatVecStream, true, true>,
               q4_matvec_kernel<MatVecStream, false, true>>(launch, stream, p, true);

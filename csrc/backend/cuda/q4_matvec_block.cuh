@@ -2,8 +2,10 @@
 // layouts. matvec_split_columns_block (the library mat-vec for m <= 4): B column 2j holds token j's
 // hi parts and column 2j + 1 its lo parts, so one pair of mma.sync m16n8k16 (low / high nibbles)
 // covers four tokens. matvec_split_block (the library mat-vec for m > 4, and the TMA experiment
-// under bench/lab): 8 tokens of hi parts and 8 of lo, four MMAs. Both sum the block in F32 from
-// zero, then one FMA with the block's scale, so the library and the lab compute the same bits.
+// under bench/lab): 8 tokens of hi parts and 8 of lo, four MMAs. Both compute, per token and row,
+// the same bits: the hi parts' MMA pair (low nibbles, then high nibbles) from zero, the lo parts'
+// pair likewise, hi + lo, then one FMA with the block's scale. So a token's block sums do not depend
+// on how many tokens share the launch, and the library and the lab compute the same bits.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -59,21 +61,24 @@ __device__ __forceinline__ void matvec_split_columns_block(const uint8_t* top,
 
 // Block b of a stage whose row runs start 16-byte aligned: `top` / `bottom` point at the runs of
 // rows g and g + 8 (lane g = lane / 4, t = lane % 4), `bh` / `bl` are the lane's hi and lo B quads
-// (split_activation_pairs). acc[0..1]: row g, tokens 2t, 2t + 1; acc[2..3]: row g + 8.
+// (split_activation_pairs). acc[0..1]: row g, tokens 2t, 2t + 1; acc[2..3]: row g + 8. The hi and
+// lo parts run as two independent chains of two MMAs (the latency of two MMAs per block, as in
+// matvec_split_columns_block, instead of one chain of four), added before the scale FMA.
 __device__ __forceinline__ void matvec_split_block(const uint8_t* top, const uint8_t* bottom, int b,
                                                    int t, uint4 bh, uint4 bl, float (&acc)[4]) {
   uint32_t a_lo[4], a_hi[4];
   float d_top, d_bottom;
   matvec_block_weights(top, bottom, b, t, a_lo, a_hi, d_top, d_bottom);
-  float block_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  mma_bf16_16816(block_sum, a_lo, bh.x, bh.y);
-  mma_bf16_16816(block_sum, a_lo, bl.x, bl.y);
-  mma_bf16_16816(block_sum, a_hi, bh.z, bh.w);
-  mma_bf16_16816(block_sum, a_hi, bl.z, bl.w);
-  acc[0] = fmaf(d_top, block_sum[0], acc[0]);
-  acc[1] = fmaf(d_top, block_sum[1], acc[1]);
-  acc[2] = fmaf(d_bottom, block_sum[2], acc[2]);
-  acc[3] = fmaf(d_bottom, block_sum[3], acc[3]);
+  float hi_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float lo_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  mma_bf16_16816(hi_sum, a_lo, bh.x, bh.y);
+  mma_bf16_16816(lo_sum, a_lo, bl.x, bl.y);
+  mma_bf16_16816(hi_sum, a_hi, bh.z, bh.w);
+  mma_bf16_16816(lo_sum, a_hi, bl.z, bl.w);
+  acc[0] = fmaf(d_top, hi_sum[0] + lo_sum[0], acc[0]);
+  acc[1] = fmaf(d_top, hi_sum[1] + lo_sum[1], acc[1]);
+  acc[2] = fmaf(d_bottom, hi_sum[2] + lo_sum[2], acc[2]);
+  acc[3] = fmaf(d_bottom, hi_sum[3] + lo_sum[3], acc[3]);
 }
 
 }  // namespace routemm::cuda

@@ -7,6 +7,11 @@
 
 namespace routemm::cuda {
 
+// The shared-window address of a pointer into this CTA's shared memory.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
 // D += A * B for one m16n8k16 tile: bf16 operands, F32 accumulate.
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                                uint32_t b1) {
