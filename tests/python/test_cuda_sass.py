@@ -135,12 +135,12 @@ def test_no_kernel_spills_beyond_the_known_ones():
 def test_hopper_q4_mat_vec_uses_bulk_copies_and_warp_mma():
     """The Hopper Q4_0 mat-vec for one or two tokens (q4_matvec_rows.cu): bulk copies into an
     mbarrier ring (UBLKCP, SYNCS), the split numerics on warp-level MMA (HMMA) and no local memory.
-    Four instantiations: 8 or 4 consumer warps for one and for two tokens."""
+    Three instantiations: 8 or 4 consumer warps for one token, 8 for two."""
     arches = _functions_by_arch()
     if "sm_90a" not in arches:
         pytest.skip("the build carries no sm_90a code")
     kernels = {name: sass for name, sass in arches["sm_90a"].items() if "q4_matvec_rows_kernel" in name}
-    assert len(kernels) == 4, sorted(kernels)
+    assert len(kernels) == 3, sorted(kernels)
     for name, sass in kernels.items():
         for instruction in ("UBLKCP", "SYNCS", "HMMA"):
             assert instruction in sass, (name, instruction)

@@ -91,18 +91,18 @@ void launch_q4_matvec_rows(const std::string& label, cudaStream_t stream,
   if (a.n <= 0) return;
   const int sms = static_cast<int>(multiprocessors(label));
   const int grid = std::min(a.row_groups, kRowsCtasPerSm * sms);
-  // Fewer row groups than multiprocessors (one CTA per SM or less): 8 consumer warps shorten each
-  // stage's arithmetic; else 4. Lab runs 5 and 6 (ncu, us, 4 warps against 8): 2048 x 4096 6.5 /
-  // 6.1 and 512 x 2048 5.4 / 4.9 (whole-K token quads, 3 stages); 4096 x 14336 15.1 / 15.7 (the
-  // same) and 15.7 with 4 warps and 3 stages against 16.9 with 8 and 5. Same-ring runs of the
-  // per-warp token slices are the lab's next run.
+  // One token: 8 consumer warps when there are fewer row groups than multiprocessors (one CTA per SM
+  // or less: more warps shorten each stage's arithmetic), else 4. Lab runs 5 and 6 (ncu, us, 4
+  // warps against 8): 2048 x 4096 6.5 / 6.1 and 512 x 2048 5.4 / 4.9 (whole-K token quads, 3
+  // stages); 4096 x 14336 15.1 / 15.7 (the same). Two tokens: always 8, whose warps split each
+  // stage's two token slices more ways (run 7, events, us, 4 warps against 8: 4096 x 14336 18.2 /
+  // 17.6, 4096 x 2048 4.70 / 4.56, 2048 x 4096 5.44 / 4.99, 512 x 2048 3.77 / 3.70).
   const bool eight = a.row_groups < sms;
   if (p.m == 1) {
     eight ? launch_rows<RowsConfig<8, 3, 64, 1>>(label, stream, a, grid)
           : launch_rows<RowsConfig<4, 3, 64, 1>>(label, stream, a, grid);
   } else {
-    eight ? launch_rows<RowsConfig<8, 3, 64, 2>>(label, stream, a, grid)
-          : launch_rows<RowsConfig<4, 3, 64, 2>>(label, stream, a, grid);
+    launch_rows<RowsConfig<8, 3, 64, 2>>(label, stream, a, grid);
   }
 }
 
