@@ -248,7 +248,7 @@ def _c_prefix_items(node, root, refs, name):
 
     def run(v, p):
         if isinstance(v, list):
-            for i, (item, sub) in enumerate(zip(v, subs)):
+            for i, (item, sub) in enumerate(zip(v, subs, strict=False)):  # a shorter array is fine
                 problem = sub(item, f"{p}[{i}]")
                 if problem is not None:
                     return problem
