@@ -8,10 +8,10 @@ rounds, one submission each, summarised as p25/median/p75, and chosen only when 
 material, stable and not contradicted by the GPU clock. Timing results are shared through a
 process-wide cache keyed without weight identity; a cache hit still re-proves the current bytes.
 
-This module holds the pieces both instantiations (dense_q4_plan, dense_matmul_id_plan) use: the
-selection rule and its constants, distributions, the proof kernels, deadlines, submission
-accounting, fingerprints, the process cache, the Python-side store of frozen plans (dispatch-time
-resolution is one dict lookup), progress reporting and versioned plan files.
+This module holds the calibration engine both instantiations (dense_q4_plan, dense_matmul_id_plan)
+use: the selection rule and its constants, distributions, the proof kernels, deadlines, submission
+accounting, fingerprints, the process cache, progress reporting and versioned plan files. The plan
+records, freezing, the frozen-plan store and reloading are in _route_plan.
 """
 
 from __future__ import annotations
@@ -358,24 +358,6 @@ class ProcessCache:
 
 
 PROCESS_CACHE = ProcessCache()
-
-
-# ---- Frozen plans (Python-side store; the registry holds id, document and protection) ----------
-
-_FROZEN: dict[tuple[int, str], Any] = {}
-_FROZEN_LOCK = threading.Lock()
-
-
-def install_frozen_plan(registry, kind: str, plan, protected_names: Iterable[str], document: str) -> None:
-    """Freeze `plan` into `registry` (one-shot per kind; the same id again is a no-op)."""
-    with _FROZEN_LOCK:
-        registry.freeze_plan(kind, plan.plan_id, sorted(set(protected_names)), document)
-        _FROZEN.setdefault((registry.authority_id, kind), plan)
-
-
-def frozen_plan(registry, kind: str):
-    """The plan frozen into `registry` for `kind`, or None."""
-    return _FROZEN.get((registry.authority_id, kind))
 
 
 # ---- Progress -----------------------------------------------------------------------------------
