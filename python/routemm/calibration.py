@@ -436,14 +436,18 @@ def write_plan_file(path, kind: str, validators: dict, plan: dict, receipt: dict
     return path
 
 
-def read_plan_file(path, kind: str, current: dict) -> tuple[dict, dict]:
-    """(plan, receipt) documents of a saved plan; PlanFileMismatch names the first validator that
-    differs from `current`."""
+def read_plan_file(path, kind: str, current: dict) -> tuple[dict, Optional[dict]]:
+    """(plan, receipt or None) documents of a saved plan; PlanFileMismatch names the first
+    validator that differs from `current`, and is also what any unreadable or malformed file raises."""
+    from . import _schemas
+
     path = Path(path)
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        doc = _schemas.parse(path.read_bytes(), f"route plan file {path}")
+    except OSError as e:
         raise PlanFileMismatch(f"route plan file {path} cannot be read: {e}") from None
+    except InvalidArgumentError as e:
+        raise PlanFileMismatch(str(e)) from None
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FILE_FORMAT:
         raise PlanFileMismatch(f"route plan file {path} is not a routemm route plan")
     if doc.get("format_version") != PLAN_FILE_VERSION:
@@ -453,14 +457,20 @@ def read_plan_file(path, kind: str, current: dict) -> tuple[dict, dict]:
         )
     if doc.get("kind") != kind:
         raise PlanFileMismatch(f"route plan file {path} holds a {doc.get('kind')!r} plan, not {kind!r}")
-    saved = doc.get("validators") or {}
+    saved = doc.get("validators")
+    if not isinstance(saved, dict):
+        raise PlanFileMismatch(f"route plan file {path} has no validators")
     for name in sorted(set(saved) | set(current)):
         if saved.get(name) != current.get(name):
             raise PlanFileMismatch(
                 f"route plan file {path} was made for a different setup: {name} was "
                 f"{saved.get(name)!r}, now {current.get(name)!r}; recalibrate"
             )
-    return doc["plan"], doc["receipt"]
+    # Both are always written; the receipt is null when a plan was saved without one.
+    plan, receipt = doc.get("plan"), doc.get("receipt", "missing")
+    if not isinstance(plan, dict) or not (receipt is None or isinstance(receipt, dict)):
+        raise PlanFileMismatch(f"route plan file {path} lacks its plan or holds a malformed receipt")
+    return plan, receipt
 
 
 def plan_cache_path(kind: str, key: Any) -> Optional[Path]:
