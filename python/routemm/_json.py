@@ -1,8 +1,11 @@
 """JSON for frozen dataclasses: closed documents with a checked schema_version.
 
 A record class is a frozen dataclass that derives from `JsonRecord` and names its schema file.
-`to_json()` writes sorted keys and refuses NaN/Inf; `from_json()` rejects unknown or missing fields
-and a schema_version other than the class's, as the receipts' contract requires.
+`to_json()` writes sorted keys and refuses NaN/Inf. `from_json()`/`from_dict()` accept exactly what
+the shipped schema accepts (checked by `_schemas.check`, the one definition of a record's JSON):
+unknown or missing fields, another schema_version, out-of-range numbers, unknown enum strings and
+unmatched patterns are refused, and so are NaN, Infinity and malformed or deeply nested text. Every
+refusal is an InvalidArgumentError.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import types
 import typing
 from typing import Any, ClassVar
 
-from . import _core
+from . import _core, _schemas
 from ._errors import InvalidArgumentError
 
 _DTYPES = {d.type_name: d for d in _core.DType.__members__.values()}
@@ -41,11 +44,12 @@ class JsonRecord:
 
     @classmethod
     def from_dict(cls, data: Any):
+        _schemas.check(data, cls.SCHEMA, _schemas.record_definition(cls.SCHEMA, cls.__name__), cls.__name__)
         return _decode(cls, data, cls.__name__)
 
     @classmethod
     def from_json(cls, text: str | bytes):
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(_schemas.parse(text, cls.__name__))
 
 
 def _encode(value: Any) -> Any:
@@ -100,6 +104,8 @@ def _decode(tp: Any, data: Any, where: str) -> Any:
             raise InvalidArgumentError(f"{where} must be a boolean")
         return data
     if tp is int:
+        if isinstance(data, float) and data.is_integer():  # JSON Schema's integers include 1.0
+            return int(data)
         if isinstance(data, bool) or not isinstance(data, int):
             raise InvalidArgumentError(f"{where} must be an integer")
         return data

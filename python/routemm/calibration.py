@@ -8,10 +8,10 @@ rounds, one submission each, summarised as p25/median/p75, and chosen only when 
 material, stable and not contradicted by the GPU clock. Timing results are shared through a
 process-wide cache keyed without weight identity; a cache hit still re-proves the current bytes.
 
-This module holds the pieces both instantiations (dense_q4_plan, dense_matmul_id_plan) use: the
-selection rule and its constants, distributions, the proof kernels, deadlines, submission
-accounting, fingerprints, the process cache, the Python-side store of frozen plans (dispatch-time
-resolution is one dict lookup), progress reporting and versioned plan files.
+This module holds the calibration engine both instantiations (dense_q4_plan, dense_matmul_id_plan)
+use: the selection rule and its constants, distributions, the proof kernels, deadlines, submission
+accounting, fingerprints, the process cache, progress reporting and versioned plan files. The plan
+records, freezing, the frozen-plan store and reloading are in _route_plan.
 """
 
 from __future__ import annotations
@@ -360,24 +360,6 @@ class ProcessCache:
 PROCESS_CACHE = ProcessCache()
 
 
-# ---- Frozen plans (Python-side store; the registry holds id, document and protection) ----------
-
-_FROZEN: dict[tuple[int, str], Any] = {}
-_FROZEN_LOCK = threading.Lock()
-
-
-def install_frozen_plan(registry, kind: str, plan, protected_names: Iterable[str], document: str) -> None:
-    """Freeze `plan` into `registry` (one-shot per kind; the same id again is a no-op)."""
-    with _FROZEN_LOCK:
-        registry.freeze_plan(kind, plan.plan_id, sorted(set(protected_names)), document)
-        _FROZEN.setdefault((registry.authority_id, kind), plan)
-
-
-def frozen_plan(registry, kind: str):
-    """The plan frozen into `registry` for `kind`, or None."""
-    return _FROZEN.get((registry.authority_id, kind))
-
-
 # ---- Progress -----------------------------------------------------------------------------------
 
 
@@ -454,14 +436,18 @@ def write_plan_file(path, kind: str, validators: dict, plan: dict, receipt: dict
     return path
 
 
-def read_plan_file(path, kind: str, current: dict) -> tuple[dict, dict]:
-    """(plan, receipt) documents of a saved plan; PlanFileMismatch names the first validator that
-    differs from `current`."""
+def read_plan_file(path, kind: str, current: dict) -> tuple[dict, Optional[dict]]:
+    """(plan, receipt or None) documents of a saved plan; PlanFileMismatch names the first
+    validator that differs from `current`, and is also what any unreadable or malformed file raises."""
+    from . import _schemas
+
     path = Path(path)
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        doc = _schemas.parse(path.read_bytes(), f"route plan file {path}")
+    except OSError as e:
         raise PlanFileMismatch(f"route plan file {path} cannot be read: {e}") from None
+    except InvalidArgumentError as e:
+        raise PlanFileMismatch(str(e)) from None
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FILE_FORMAT:
         raise PlanFileMismatch(f"route plan file {path} is not a routemm route plan")
     if doc.get("format_version") != PLAN_FILE_VERSION:
@@ -471,14 +457,20 @@ def read_plan_file(path, kind: str, current: dict) -> tuple[dict, dict]:
         )
     if doc.get("kind") != kind:
         raise PlanFileMismatch(f"route plan file {path} holds a {doc.get('kind')!r} plan, not {kind!r}")
-    saved = doc.get("validators") or {}
+    saved = doc.get("validators")
+    if not isinstance(saved, dict):
+        raise PlanFileMismatch(f"route plan file {path} has no validators")
     for name in sorted(set(saved) | set(current)):
         if saved.get(name) != current.get(name):
             raise PlanFileMismatch(
                 f"route plan file {path} was made for a different setup: {name} was "
                 f"{saved.get(name)!r}, now {current.get(name)!r}; recalibrate"
             )
-    return doc["plan"], doc["receipt"]
+    # Both are always written; the receipt is null when a plan was saved without one.
+    plan, receipt = doc.get("plan"), doc.get("receipt", "missing")
+    if not isinstance(plan, dict) or not (receipt is None or isinstance(receipt, dict)):
+        raise PlanFileMismatch(f"route plan file {path} lacks its plan or holds a malformed receipt")
+    return plan, receipt
 
 
 def plan_cache_path(kind: str, key: Any) -> Optional[Path]:

@@ -24,12 +24,12 @@ import enum
 import functools
 import math
 import struct
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from . import _core
+from . import _route_plan as rp
 from . import calibration as cal
 from ._core_api import DType
 from ._errors import Error, InvalidArgumentError
@@ -154,12 +154,8 @@ class DenseMatmulIdCalibrationLimits:
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseMatmulIdTimingDistribution(JsonRecord):
+class DenseMatmulIdTimingDistribution(rp.TimingDistribution, JsonRecord):
     SCHEMA = "dense_matmul_id_calibration_receipt.schema.json"
-    p25_us: float
-    median_us: float
-    p75_us: float
-    samples: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,54 +207,22 @@ class DenseMatmulIdPlanDecision(JsonRecord):
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseMatmulIdRoutePlan(JsonRecord):
+class DenseMatmulIdRoutePlan(rp.ActivationIdentity, rp.RoutePlanMethods, JsonRecord):
     SCHEMA = "dense_matmul_id_route_plan.schema.json"
-    plan_id: str
-    build_fingerprint: str
     theorem_sha256: str
-    device_name: str
-    device_registry_id: int
-    registry_authority_id: int
-    activation_epoch: int
     decisions: tuple[DenseMatmulIdPlanDecision, ...]
     schema_version: int = SCHEMA_VERSION
-
-    @functools.cached_property
-    def _lookup(self) -> dict:
-        return {d.shape.key: DenseMatmulIdRoute(d.route) for d in self.decisions}
 
     @functools.cached_property
     def _bases(self) -> frozenset:
         return frozenset(d.shape.base_key for d in self.decisions)
 
-    def decision_count(self) -> int:
-        return len(self.decisions)
-
-    def save(self, path, receipt=None) -> Path:
-        receipt = receipt or _RECEIPTS.get(self.plan_id)
-        device = _DEVICES.get((self.device_name, self.device_registry_id))
-        if device is None:
-            raise InvalidArgumentError("dense_matmul_id route plan was not made by this process; cannot save it")
-        return cal.write_plan_file(
-            path,
-            PLAN_KIND,
-            cal.plan_validators(device, self.build_fingerprint),
-            self.to_dict(),
-            receipt.to_dict() if receipt is not None else None,
-        )
-
 
 @dataclasses.dataclass(frozen=True)
-class DenseMatmulIdCalibrationReceipt(JsonRecord):
+class DenseMatmulIdCalibrationReceipt(rp.ActivationIdentity, JsonRecord):
     SCHEMA = "dense_matmul_id_calibration_receipt.schema.json"
     routemm_version: str
-    build_fingerprint: str
     theorem_sha256: str
-    plan_id: str
-    activation_epoch: int
-    device_name: str
-    device_registry_id: int
-    registry_authority_id: int
     declared_shapes: int
     calibrated_decisions: int
     process_cache_hits: int
@@ -284,23 +248,15 @@ class DenseMatmulIdAutoReceipt(JsonRecord):
     schema_version: int = SCHEMA_VERSION
 
 
-_RECEIPTS: dict = {}
-_DEVICES: dict = {}
-
-
 @dataclasses.dataclass(frozen=True)
 class _Authority:
-    """What the primary activation that made a plan bound it to (kept per plan id, in process)."""
+    """What the primary activation that made a plan bound it to (kept on the plan's origin)."""
 
     epoch: int
     digest: str
     shape_keys: frozenset
     build_fingerprint: str
     identities: dict  # pipeline label -> identity dict
-
-
-_AUTHORITIES: dict = {}
-_WORKER_INSTALLS: set = set()  # (worker registry authority id, plan id)
 
 
 def _fail(msg):
@@ -361,24 +317,29 @@ def _dtypes_of(plan) -> set:
     }
 
 
-def freeze_dense_matmul_id_plan(registry, device, plan: DenseMatmulIdRoutePlan, *, _check_fingerprint=True) -> None:
-    if (registry.authority_id, plan.plan_id) in _WORKER_INSTALLS and registry.frozen_plan_id(PLAN_KIND) == plan.plan_id:
-        return  # already installed on this worker by freeze_dense_matmul_id_plan_for_cases
-    if plan.registry_authority_id != registry.authority_id:
-        _fail("dense_matmul_id route plan belongs to a different registry activation authority")
-    if plan.device_registry_id != device.registry_id or plan.device_name != device.name:
-        _fail("dense_matmul_id route plan belongs to a different device")
+def _check_theorem(plan) -> None:
     if plan.theorem_sha256 != THEOREM_SHA256:
         _fail("dense_matmul_id route plan was made under a different value-independence theorem")
-    existing = registry.frozen_plan_id(PLAN_KIND)
-    if existing is not None:
-        if existing == plan.plan_id:
-            return
-        _fail(f"dense_matmul_id route plan is already frozen as {existing}")
-    if _check_fingerprint and _prepare(registry, _dtypes_of(plan))[0] != plan.build_fingerprint:
-        _fail("dense_matmul_id route plan build/pipeline identity mismatch")
-    _DEVICES[(device.name, device.registry_id)] = device
-    cal.install_frozen_plan(registry, PLAN_KIND, plan, _protected_names(), plan.to_json())
+
+
+KIND = rp.PlanKind(
+    name=PLAN_KIND,
+    label="dense_matmul_id",
+    plan_type=DenseMatmulIdRoutePlan,
+    receipt_type=DenseMatmulIdCalibrationReceipt,
+    route_type=DenseMatmulIdRoute,
+    protected_names=_protected_names,
+    build_fingerprint=lambda registry, plan: _prepare(registry, _dtypes_of(plan))[0],
+    check_plan=_check_theorem,
+    plannable_routes=tuple(DenseMatmulIdRoute),
+)
+DenseMatmulIdRoutePlan.KIND = KIND
+
+
+def freeze_dense_matmul_id_plan(registry, device, plan: DenseMatmulIdRoutePlan, *, _check_fingerprint=True) -> None:
+    if rp.installed_for_worker(registry, KIND, plan):
+        return  # already installed on this worker by freeze_dense_matmul_id_plan_for_cases
+    rp.freeze(KIND, registry, device, plan, check_fingerprint=_check_fingerprint)
 
 
 def _key_text(keys, limit: int = 3) -> str:
@@ -434,7 +395,7 @@ def freeze_dense_matmul_id_plan_for_cases(
     epoch = plan.activation_epoch
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= 0:
         _fail(f"dense_matmul_id worker plan epoch mismatch: plan epoch {epoch!r} is not a valid activation epoch")
-    authority = _AUTHORITIES.get(plan.plan_id)
+    authority = plan.origin.authority if plan.origin is not None else None
     if authority is not None and authority.epoch != epoch:
         _fail(
             f"dense_matmul_id worker plan epoch mismatch: plan says epoch {epoch}, its activation "
@@ -489,9 +450,9 @@ def freeze_dense_matmul_id_plan_for_cases(
         _fail(f"dense_matmul_id worker plan build/pipeline identity mismatch{detail}")
     if existing == plan.plan_id:
         return
-    _DEVICES[(device.name, device.registry_id)] = device
-    cal.install_frozen_plan(worker_registry, PLAN_KIND, plan, _protected_names(), plan.to_json())
-    _WORKER_INSTALLS.add((worker_registry.authority_id, plan.plan_id))
+    if plan.origin is None:
+        rp.set_origin(plan, rp.Origin(device))
+    rp.install(worker_registry, KIND, plan, worker=True)
 
 
 _core.KernelRegistry.freeze_dense_matmul_id_plan = lambda self, device, plan: freeze_dense_matmul_id_plan(
@@ -500,7 +461,7 @@ _core.KernelRegistry.freeze_dense_matmul_id_plan = lambda self, device, plan: fr
 _core.KernelRegistry.freeze_dense_matmul_id_plan_for_cases = lambda self, device, plan, cases, **kw: (
     freeze_dense_matmul_id_plan_for_cases(self, device, plan, cases, **kw)
 )
-_core.KernelRegistry.dense_matmul_id_plan = lambda self: cal.frozen_plan(self, PLAN_KIND)
+_core.KernelRegistry.dense_matmul_id_plan = lambda self: rp.frozen_plan(self, PLAN_KIND)
 
 
 # ---- Dispatch -----------------------------------------------------------------------------------
@@ -510,7 +471,7 @@ def resolve_dense_matmul_id_auto_route(
     registry, device, weight_dtype, params: DenseMatmulIdParams
 ) -> tuple[DenseMatmulIdRoute, DenseMatmulIdDecisionSource, int]:
     """(route, source, epoch) from the frozen plan; read-only, no GPU work."""
-    plan = cal.frozen_plan(registry, PLAN_KIND)
+    plan = rp.frozen_plan(registry, PLAN_KIND)
     if plan is None:
         _fail("dense_matmul_id_auto requires a frozen activation plan")
     if plan.device_registry_id != device.registry_id or plan.device_name != device.name:
@@ -804,13 +765,7 @@ class _Calibrator:
 
 
 def _validate(registry, device, epoch, limits, cases):
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= 0:
-        _fail(f"dense_matmul_id activation epoch must be nonzero (got {epoch!r})")
-    frozen = registry.frozen_plan_id(PLAN_KIND)
-    if frozen is not None:
-        _fail(f"dense_matmul_id route plan is already frozen as {frozen}; calibration is one-shot")
-    if limits.max_elapsed_ms <= 0 or limits.max_cases <= 0 or limits.max_submissions <= 0:
-        _fail("dense_matmul_id calibration limits must be nonzero")
+    rp.check_activation(KIND, registry, epoch, (limits.max_elapsed_ms, limits.max_cases, limits.max_submissions))
     return _collect_cases(cases, limits.max_cases)
 
 
@@ -868,7 +823,14 @@ def _plan(build_fp, registry, device, epoch, routes, digest):
     decisions = tuple(DenseMatmulIdPlanDecision(s, r) for s, r in sorted(routes, key=lambda t: t[0].key))
     pid = _plan_id(build_fp, device.registry_id, registry.authority_id, epoch, digest, decisions)
     return DenseMatmulIdRoutePlan(
-        pid, build_fp, THEOREM_SHA256, device.name, device.registry_id, registry.authority_id, epoch, decisions
+        plan_id=pid,
+        build_fingerprint=build_fp,
+        device_name=device.name,
+        device_registry_id=device.registry_id,
+        registry_authority_id=registry.authority_id,
+        activation_epoch=epoch,
+        theorem_sha256=THEOREM_SHA256,
+        decisions=decisions,
     )
 
 
@@ -923,14 +885,14 @@ def _run(registry, device, epoch, limits, cases, *, progress, timer, clock, pinn
     overrun = max(0.0, elapsed - limits.max_elapsed_ms)
     plan, final = (fallback, late) if overrun > 0 else (primary, decisions)
     receipt = DenseMatmulIdCalibrationReceipt(
-        _core.version(),
-        prep[0],
-        THEOREM_SHA256,
         plan.plan_id,
-        epoch,
+        prep[0],
         device.name,
         device.registry_id,
         registry.authority_id,
+        epoch,
+        _core.version(),
+        THEOREM_SHA256,
         len(final),
         fresh,
         sum(d.process_cache_hit for d in final),
@@ -944,15 +906,15 @@ def _run(registry, device, epoch, limits, cases, *, progress, timer, clock, pinn
         overrun,
         tuple(final),
     )
-    freeze_dense_matmul_id_plan(registry, device, plan, _check_fingerprint=False)
-    _RECEIPTS[plan.plan_id] = receipt
-    _AUTHORITIES[plan.plan_id] = _Authority(
+    authority = _Authority(
         epoch,
         digest,
         frozenset(e["shape"].key for e in entries),
         prep[0],
         {label: ident.to_dict() for label, ident in prep[2].items()},
     )
+    rp.set_origin(plan, rp.Origin(device, receipt, authority))
+    freeze_dense_matmul_id_plan(registry, device, plan, _check_fingerprint=False)
     return plan, receipt
 
 
@@ -970,27 +932,21 @@ def calibrate_dense_matmul_id_routes(
     """Prove, time and freeze expert-ID routes for every declared exact shape; returns (plan, receipt).
     With ROUTEMM_PLAN_CACHE_DIR set, a matching saved plan is reloaded and fresh plans are saved."""
     cases = list(cases)
-    path = None
-    if cal.os.environ.get(cal.PLAN_CACHE_DIR_KNOB, "").strip() and cases:
+
+    def cache_key():
         entries = _validate(registry, device, activation_epoch, limits or DenseMatmulIdCalibrationLimits(), cases)
         build_fp = _prepare(registry, {e["shape"].weight_dtype for e in entries})[0]
-        path = cal.plan_cache_path(
-            PLAN_KIND,
-            {"validators": cal.plan_validators(device, build_fp), "shapes": [e["shape"].to_dict() for e in entries]},
-        )
-        if path.exists():
-            try:
-                return load_dense_matmul_id_plan(
-                    path, registry, device, cases, activation_epoch=activation_epoch, limits=limits, progress=progress
-                )
-            except cal.PlanFileMismatch as e:
-                cal.LOGGER.warning("ignoring saved dense_matmul_id plan: %s", e)
-    plan, receipt = _run(
-        registry, device, activation_epoch, limits, cases, progress=progress, timer=_timer, clock=_clock
+        return {"validators": cal.plan_validators(device, build_fp), "shapes": [e["shape"].to_dict() for e in entries]}
+
+    return rp.calibrate_with_plan_cache(
+        KIND,
+        device,
+        cache_key if cases else None,
+        lambda path: load_dense_matmul_id_plan(
+            path, registry, device, cases, activation_epoch=activation_epoch, limits=limits, progress=progress
+        ),
+        lambda: _run(registry, device, activation_epoch, limits, cases, progress=progress, timer=_timer, clock=_clock),
     )
-    if path is not None:
-        plan.save(path, receipt)
-    return plan, receipt
 
 
 def load_dense_matmul_id_plan(
@@ -1000,13 +956,12 @@ def load_dense_matmul_id_plan(
     cases = list(cases)
     entries = _validate(registry, device, activation_epoch or 1, limits or DenseMatmulIdCalibrationLimits(), cases)
     build_fp = _prepare(registry, {e["shape"].weight_dtype for e in entries})[0]
-    plan_doc, receipt_doc = cal.read_plan_file(path, PLAN_KIND, cal.plan_validators(device, build_fp))
-    saved = DenseMatmulIdRoutePlan.from_dict(plan_doc)
+    saved, receipt = rp.read_saved_plan(KIND, path, cal.plan_validators(device, build_fp))
     if {e["shape"].key for e in entries} != set(saved._lookup):
         raise cal.PlanFileMismatch(f"route plan file {path} was made for different shapes than the cases declare")
     pinned = {}
-    if receipt_doc is not None:
-        for d in DenseMatmulIdCalibrationReceipt.from_dict(receipt_doc).decisions:
+    if receipt is not None:
+        for d in receipt.decisions:
             pinned[d.shape.key] = {
                 "route": d.selected_route,
                 "status": d.status,

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import math
 import struct
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from . import _core
+from . import _route_plan as rp
 from . import calibration as cal
 from ._core_api import DType, EncodedKernelDispatch, PipelineIdentity
 from ._errors import CommandBufferError, Error, InvalidArgumentError
@@ -147,16 +146,8 @@ class DenseQ4DispatchDecision(JsonRecord):
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseQ4TimingDistribution(JsonRecord):
+class DenseQ4TimingDistribution(rp.TimingDistribution, JsonRecord):
     SCHEMA = "dense_q4_calibration_receipt.schema.json"
-    p25_us: float
-    median_us: float
-    p75_us: float
-    samples: int
-
-    @classmethod
-    def of(cls, samples) -> "DenseQ4TimingDistribution":
-        return cls(*cal.distribution(samples))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,54 +189,27 @@ class DenseQ4PlanDecision(JsonRecord):
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseQ4RoutePlan(JsonRecord):
+class DenseQ4RoutePlan(rp.ActivationIdentity, rp.RoutePlanMethods, JsonRecord):
     """An immutable, pointer-free plan: exact shape -> route, bound to one registry authority,
     one device and one build. Decisions are sorted by shape."""
 
     SCHEMA = "dense_q4_route_plan.schema.json"
-    plan_id: str
-    build_fingerprint: str
-    device_name: str
-    device_registry_id: int
-    registry_authority_id: int
-    activation_epoch: int
     decisions: tuple[DenseQ4PlanDecision, ...]
     schema_version: int = DENSE_Q4_ROUTE_SCHEMA_VERSION
 
-    @functools.cached_property
-    def _lookup(self) -> dict:
-        return {d.shape.key: DenseQ4Route(d.route) for d in self.decisions}
-
     def route_for(self, shape: DenseQ4Shape) -> Optional[DenseQ4Route]:
         return self._lookup.get(shape.key)
-
-    def decision_count(self) -> int:
-        return len(self.decisions)
 
     @property
     def routes(self) -> dict:
         """{(m, n, k, batch, layout): route}."""
         return dict(self._lookup)
 
-    def save(self, path, receipt: Optional["DenseQ4CalibrationBatchReceipt"] = None) -> Path:
-        """Write this plan (and the receipt it came with) as a versioned plan file."""
-        receipt = receipt or _RECEIPTS.get(self.plan_id)
-        validators = cal.plan_validators(_device_of_plan(self), self.build_fingerprint)
-        return cal.write_plan_file(
-            path, PLAN_KIND, validators, self.to_dict(), receipt.to_dict() if receipt is not None else None
-        )
-
 
 @dataclasses.dataclass(frozen=True)
-class DenseQ4CalibrationBatchReceipt(JsonRecord):
+class DenseQ4CalibrationBatchReceipt(rp.ActivationIdentity, JsonRecord):
     SCHEMA = "dense_q4_calibration_receipt.schema.json"
     mlx_native_version: str
-    build_fingerprint: str
-    plan_id: str
-    activation_epoch: int
-    device_name: str
-    device_registry_id: int
-    registry_authority_id: int
     declared_shapes: int
     calibrated_decisions: int
     process_cache_hits: int
@@ -276,18 +240,6 @@ class DenseQ4DispatchTrace(JsonRecord):
     encoded: EncodedKernelDispatch
     pipeline: PipelineIdentity
     schema_version: int = DENSE_Q4_ROUTE_SCHEMA_VERSION
-
-
-# Receipts of plans made in this process, so plan.save() can persist the timings with the plan.
-_RECEIPTS: dict[str, DenseQ4CalibrationBatchReceipt] = {}
-_DEVICES: dict[tuple[str, int], object] = {}
-
-
-def _device_of_plan(plan: DenseQ4RoutePlan):
-    try:
-        return _DEVICES[(plan.device_name, plan.device_registry_id)]
-    except KeyError:
-        raise InvalidArgumentError("dense Q4 route plan was not made by this process; cannot save it") from None
 
 
 def _fail(message: str):
@@ -366,37 +318,35 @@ def _protected_names() -> list[str]:
     return [DenseQ4Route.COMPATIBILITY_V2.pipeline_name, DenseQ4Route.TENSOR_64X32.pipeline_name, *cal.PROOF_PIPELINES]
 
 
-def _validate_authority_and_device(registry, device, plan: DenseQ4RoutePlan) -> None:
-    if plan.registry_authority_id != registry.authority_id:
-        _fail("dense Q4 route plan belongs to a different registry activation authority")
-    if plan.device_registry_id != device.registry_id or plan.device_name != device.name:
-        _fail("dense Q4 route plan belongs to a different device")
-
-
-def _install(registry, device, plan: DenseQ4RoutePlan, *, check_fingerprint: bool) -> None:
-    if not isinstance(plan, DenseQ4RoutePlan):
-        _fail(f"freeze_dense_q4_plan needs a DenseQ4RoutePlan, got {type(plan).__name__}")
-    _validate_authority_and_device(registry, device, plan)
-    existing = registry.frozen_plan_id(PLAN_KIND)
-    if existing is not None:
-        if existing == plan.plan_id:
-            return
-        _fail(f"dense Q4 route plan is already frozen as {existing}")
-    if check_fingerprint and current_build_fingerprint(registry, device) != plan.build_fingerprint:
-        _fail("dense Q4 route plan build/pipeline identity mismatch")
-    _DEVICES[(device.name, device.registry_id)] = device
-    cal.install_frozen_plan(registry, PLAN_KIND, plan, _protected_names(), plan.to_json())
+KIND = rp.PlanKind(
+    name=PLAN_KIND,
+    label="dense Q4",
+    plan_type=DenseQ4RoutePlan,
+    receipt_type=DenseQ4CalibrationBatchReceipt,
+    route_type=DenseQ4Route,
+    protected_names=_protected_names,
+    build_fingerprint=lambda registry, plan: _prepare(registry).build_fingerprint,
+    plannable_routes=(DenseQ4Route.COMPATIBILITY_V2, DenseQ4Route.TENSOR_64X32),
+    recompute_plan_id=lambda plan: _plan_id(
+        plan.build_fingerprint,
+        plan.device_registry_id,
+        plan.registry_authority_id,
+        plan.activation_epoch,
+        plan.decisions,
+    ),
+)
+DenseQ4RoutePlan.KIND = KIND
 
 
 def freeze_dense_q4_plan(registry, device, plan: DenseQ4RoutePlan) -> None:
     """Freeze `plan` into `registry`: same authority and device, one-shot (the same plan id again
     is a no-op), and the build/pipeline fingerprint recomputed now must equal the plan's. The
     pipelines the plan depends on can no longer be re-registered afterwards."""
-    _install(registry, device, plan, check_fingerprint=True)
+    rp.freeze(KIND, registry, device, plan)
 
 
 def dense_q4_plan(registry) -> Optional[DenseQ4RoutePlan]:
-    return cal.frozen_plan(registry, PLAN_KIND)
+    return rp.frozen_plan(registry, PLAN_KIND)
 
 
 _core.KernelRegistry.freeze_dense_q4_plan = lambda self, device, plan: freeze_dense_q4_plan(self, device, plan)
@@ -424,7 +374,7 @@ def select_route(
         return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_SIMDGROUP, S.INELIGIBLE_COMPATIBILITY_FALLBACK)
     if not routing.allow_dense_large_tile_mm:
         return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_TENSOR_V1, S.INELIGIBLE_COMPATIBILITY_FALLBACK)
-    plan = cal.frozen_plan(registry, PLAN_KIND)
+    plan = rp.frozen_plan(registry, PLAN_KIND)
     if plan is None:
         return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_V2, S.NO_PLAN_COMPATIBILITY_FALLBACK)
     if (
@@ -501,7 +451,7 @@ def trace_dense_q4_auto(
     pipeline = registry.pipeline_identity(encoded.pipeline_label)
     if pipeline.pipeline_label != encoded.pipeline_label or pipeline.kernel_name != decision.route.pipeline_name:
         _fail("dense Q4 auto route encoded an unexpected pipeline")
-    plan = cal.frozen_plan(registry, PLAN_KIND)
+    plan = rp.frozen_plan(registry, PLAN_KIND)
     if decision.route is DenseQ4Route.TENSOR_64X32 and (
         plan is None or plan.route_for(shape) is not DenseQ4Route.TENSOR_64X32
     ):
@@ -532,13 +482,7 @@ class _ShapeOutcome:
 
 
 def _validate_cases(epoch, registry, limits, cases, device):
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= 0 or epoch > 2**64 - 1:
-        _fail(f"dense Q4 activation epoch must be nonzero (got {epoch!r})")
-    frozen = registry.frozen_plan_id(PLAN_KIND)
-    if frozen is not None:
-        _fail(f"dense Q4 route plan is already frozen as {frozen}; calibration is one-shot")
-    if limits.max_elapsed_ms <= 0 or limits.max_shapes <= 0:
-        _fail("dense Q4 calibration limits must be nonzero")
+    rp.check_activation(KIND, registry, epoch, (limits.max_elapsed_ms, limits.max_shapes))
     cases = list(cases)
     if not cases:
         _fail("dense Q4 calibration requires at least one case")
@@ -806,28 +750,17 @@ class _TraceError(Exception):
     pass
 
 
-def _pinned_from_receipt(receipt: Optional[dict], plan: DenseQ4RoutePlan) -> dict:
+def _pinned_from_receipt(receipt: Optional[DenseQ4CalibrationBatchReceipt], plan: DenseQ4RoutePlan) -> dict:
     """shape key -> outcome, from a saved receipt (timings kept) or, without one, the plan's routes."""
     pinned = {}
-    if receipt is not None:
-        # Only the fields a reload needs, read straight from the document (decoding the whole
-        # receipt into records took longer than a reload's proof of a small profile).
-        fields = [f.name for f in dataclasses.fields(DenseQ4TimingDistribution)]
-        try:
-            for d in receipt["decisions"]:
-                s = d["shape"]
-                shape = DenseQ4Shape(
-                    int(s["m"]), int(s["n"]), int(s["k"]), int(s["batch"]), DenseQ4InputLayout(s["input_layout"])
-                )
-                pinned[shape.key] = {
-                    "route": DenseQ4Route(d["selected_route"]),
-                    "status": DenseQ4SelectionStatus(d["status"]),
-                    "diagnostic": d["diagnostic"],
-                    "wall": {DenseQ4Route(t["route"]).value: tuple(t["wall"][f] for f in fields) for t in d["timings"]},
-                    "gpu": {DenseQ4Route(t["route"]).value: tuple(t["gpu"][f] for f in fields) for t in d["timings"]},
-                }
-        except (KeyError, TypeError, ValueError) as e:
-            raise cal.PlanFileMismatch(f"route plan file holds a malformed calibration receipt: {e!r}") from None
+    for d in receipt.decisions if receipt is not None else ():
+        pinned[d.shape.key] = {
+            "route": d.selected_route,
+            "status": d.status,
+            "diagnostic": d.diagnostic,
+            "wall": {t.route.value: dataclasses.astuple(t.wall) for t in d.timings},
+            "gpu": {t.route.value: dataclasses.astuple(t.gpu) for t in d.timings},
+        }
     for d in plan.decisions:
         entry = pinned.setdefault(
             d.shape.key,
@@ -928,8 +861,6 @@ def _run(registry, device, activation_epoch, limits, cases, *, progress, timer, 
         else d
         for d in decisions
     ]
-    for plan in (primary, compat):
-        _validate_authority_and_device(registry, device, plan)
     elapsed = deadline.elapsed_ms()
     overrun = max(0.0, elapsed - limits.max_elapsed_ms)
     plan, final = (compat, compat_decisions) if overrun > 0 else (primary, decisions)
@@ -961,8 +892,8 @@ def _run(registry, device, activation_epoch, limits, cases, *, progress, timer, 
         deadline_overrun_ms=overrun,
         decisions=tuple(final),
     )
-    _install(registry, device, plan, check_fingerprint=False)
-    _RECEIPTS[plan.plan_id] = receipt
+    rp.set_origin(plan, rp.Origin(device, receipt))
+    rp.freeze(KIND, registry, device, plan, check_fingerprint=False)
     return plan, receipt
 
 
@@ -991,31 +922,30 @@ def calibrate_dense_q4_routes(
     and `_clock` are test hooks (timing values, a forced candidate mismatch, the deadline clock).
     """
     cases = list(cases)
-    path = None
-    if cal.os.environ.get(cal.PLAN_CACHE_DIR_KNOB, "").strip() and cases:
+
+    def cache_key():
         _validate_cases(activation_epoch, registry, limits or DenseQ4CalibrationLimits(), cases, device)
-        path = cal.plan_cache_path(PLAN_KIND, _cache_key(device, _prepare(registry).build_fingerprint, cases))
-        if path is not None and path.exists():
-            try:
-                return load_dense_q4_plan(
-                    path, registry, device, cases, activation_epoch=activation_epoch, limits=limits, progress=progress
-                )
-            except cal.PlanFileMismatch as e:
-                cal.LOGGER.warning("ignoring saved dense Q4 plan: %s", e)
-    plan, receipt = _run(
-        registry,
+        return _cache_key(device, _prepare(registry).build_fingerprint, cases)
+
+    return rp.calibrate_with_plan_cache(
+        KIND,
         device,
-        activation_epoch,
-        limits,
-        cases,
-        progress=progress,
-        timer=_timer,
-        fault=_candidate_fault,
-        clock=_clock,
+        cache_key if cases else None,
+        lambda path: load_dense_q4_plan(
+            path, registry, device, cases, activation_epoch=activation_epoch, limits=limits, progress=progress
+        ),
+        lambda: _run(
+            registry,
+            device,
+            activation_epoch,
+            limits,
+            cases,
+            progress=progress,
+            timer=_timer,
+            fault=_candidate_fault,
+            clock=_clock,
+        ),
     )
-    if path is not None:
-        plan.save(path, receipt)
-    return plan, receipt
 
 
 def load_dense_q4_plan(
@@ -1032,8 +962,7 @@ def load_dense_q4_plan(
     shapes must equal the saved ones, the current-weight proof is re-run (timing is skipped), and a
     plan with the saved decisions is frozen into `registry` (new authority, so a new plan id)."""
     prep = _prepare(registry)
-    plan_doc, receipt_doc = cal.read_plan_file(path, PLAN_KIND, cal.plan_validators(device, prep.build_fingerprint))
-    saved = DenseQ4RoutePlan.from_dict(plan_doc)
+    saved, saved_receipt = rp.read_saved_plan(KIND, path, cal.plan_validators(device, prep.build_fingerprint))
     declared = {(c.shape.n, c.shape.k, 1, "contiguous") for c in cases}
     shapes = {
         (int(m),) + key for c in cases for key in [(c.shape.n, c.shape.k, 1, "contiguous")] for m in c.reachable_m
@@ -1051,7 +980,7 @@ def load_dense_q4_plan(
         timer=None,
         fault=None,
         clock=None,
-        pinned=_pinned_from_receipt(receipt_doc, saved),
+        pinned=_pinned_from_receipt(saved_receipt, saved),
     )
 
 

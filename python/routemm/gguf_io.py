@@ -5,7 +5,18 @@ innermost first, GGML type, offset), then the tensor data section aligned to `ge
 (default 32). Supported tensor types: Q4_0 (a U8 buffer of the raw blocks, shaped
 [*outer, inner / 32 * 18]), F32, F16 and BF16 (buffers of that dtype, row-major shape). On the CPU
 backend the buffer is a read-only view of a memory map of the file (zero copy; the map lives as
-long as the buffer); other backends get a copy of the bytes.
+long as the buffer); other backends, and `copy=True`, get a copy of the bytes.
+
+The zero-copy map reads the file itself for as long as the buffer lives: if the file is truncated
+or replaced in place meanwhile, touching the missing pages raises SIGBUS and ends the process
+(an operating-system property of memory maps, not something a library can catch). Callers that
+cannot guarantee the file stays as it is pass `copy=True`, which reads the tensor with ordinary
+file reads into a buffer of its own.
+
+A malformed file is an InvalidArgumentError naming the problem: a bad magic or version, truncation,
+names that are not UTF-8, a `general.alignment` that is not a positive integer, more dimensions
+than GGML has, dimensions or extents beyond the file, metadata arrays nested deeper than
+MAX_ARRAY_NESTING. The header is parsed with ordinary reads (no map).
 
 This reader is self-contained (no `gguf` package needed at run time); the tests check it against
 files written by gguf.GGUFWriter.
@@ -13,6 +24,7 @@ files written by gguf.GGUFWriter.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from typing import Optional
@@ -25,6 +37,8 @@ from ._errors import InvalidArgumentError
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
+GGML_MAX_DIMS = 4
+MAX_ARRAY_NESTING = 8  # metadata arrays of arrays deeper than this are refused
 
 # GGML tensor type ids (ggml.h) this loader understands: id -> (name, routemm dtype, values per
 # block, bytes per block).
@@ -37,69 +51,86 @@ _TENSOR_TYPES = {
 
 # GGUF metadata value types: id -> struct format of a scalar (strings and arrays are special).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_INTEGERS = {0, 1, 2, 3, 4, 5, 10, 11}
 _STRING, _ARRAY = 8, 9
 
 
 class _Cursor:
-    def __init__(self, data: memoryview, path: str):
-        self.data, self.pos, self.path = data, 0, path
+    """Sequential reads of a file of known size; every read past the end is a truncation error."""
 
-    def take(self, n: int) -> memoryview:
-        if self.pos + n > len(self.data):
-            raise InvalidArgumentError(f"gguf_tensor: {self.path} is truncated")
-        out = self.data[self.pos : self.pos + n]
+    def __init__(self, f, size: int, path: str):
+        self.f, self.size, self.pos, self.path = f, size, 0, path
+
+    def fail(self, message: str):
+        raise InvalidArgumentError(f"gguf_tensor: {self.path} {message}")
+
+    def take(self, n: int) -> bytes:
+        if n > self.size - self.pos:
+            self.fail("is truncated")
+        data = self.f.read(n)
+        if len(data) != n:
+            self.fail("is truncated")
         self.pos += n
-        return out
+        return data
 
     def unpack(self, fmt: str):
         return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
-        return bytes(self.take(self.unpack("<Q"))).decode("utf-8")
+        raw = self.take(self.unpack("<Q"))
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(f"has a string that is not UTF-8 at byte {self.pos - len(raw)}")
 
-    def value(self, type_id: int):
+    def value(self, type_id: int, depth: int = 0):
         if type_id in _SCALARS:
             return self.unpack(_SCALARS[type_id])
         if type_id == _STRING:
             return self.string()
         if type_id == _ARRAY:
+            if depth >= MAX_ARRAY_NESTING:
+                self.fail(f"nests metadata arrays deeper than {MAX_ARRAY_NESTING}")
             item_type, count = self.unpack("<I"), self.unpack("<Q")
-            return [self.value(item_type) for _ in range(count)]
-        raise InvalidArgumentError(f"gguf_tensor: {self.path} has unknown metadata type {type_id}")
+            return [self.value(item_type, depth + 1) for _ in range(count)]
+        self.fail(f"has unknown metadata type {type_id}")
 
 
-def _read_index(path: str):
+def _read_index(f, size: int, path: str):
     """(tensor infos by name, absolute offset of the data section)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        raw = np.memmap(f, dtype=np.uint8, mode="r", shape=(size,)) if size else np.zeros(0, np.uint8)
-    cur = _Cursor(memoryview(raw), path)
-    if bytes(cur.take(4)) != _MAGIC:
-        raise InvalidArgumentError(f"gguf_tensor: {path} is not a GGUF file")
+    cur = _Cursor(f, size, path)
+    if cur.take(4) != _MAGIC:
+        cur.fail("is not a GGUF file")
     version = cur.unpack("<I")
     if version not in (2, 3):
-        raise InvalidArgumentError(f"gguf_tensor: {path} has unsupported GGUF version {version}")
+        cur.fail(f"has unsupported GGUF version {version}")
     n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
     alignment = _DEFAULT_ALIGNMENT
     for _ in range(n_kv):
         key = cur.string()
-        value = cur.value(cur.unpack("<I"))
+        type_id = cur.unpack("<I")
+        value = cur.value(type_id)
         if key == "general.alignment":
-            alignment = int(value)
+            if type_id not in _INTEGERS or value <= 0:
+                cur.fail(f"has general.alignment {value!r}; it must be a positive integer")
+            alignment = value
     infos = {}
     for _ in range(n_tensors):
         name = cur.string()
-        dims = [cur.unpack("<Q") for _ in range(cur.unpack("<I"))]
+        n_dims = cur.unpack("<I")
+        if n_dims > GGML_MAX_DIMS:
+            cur.fail(f"gives tensor {name!r} {n_dims} dimensions; GGML has at most {GGML_MAX_DIMS}")
+        dims = [cur.unpack("<Q") for _ in range(n_dims)]
         infos[name] = (dims, cur.unpack("<I"), cur.unpack("<Q"))
     data_start = (cur.pos + alignment - 1) // alignment * alignment
-    return infos, data_start, size
+    return infos, data_start
 
 
-def gguf_tensor(path, name: str, device: Optional[_core.Device] = None) -> _core.Buffer:
-    """The tensor `name` of the GGUF file at `path` as a buffer on `device` (default: the best
-    available backend). Q4_0 -> U8 blocks [*outer, inner / 32 * 18]; F32/F16/BF16 -> that dtype."""
-    path = os.fspath(path)
-    infos, data_start, file_size = _read_index(path)
+I64_MAX = 2**63 - 1
+
+
+def _extent(path: str, name: str, infos: dict, data_start: int, file_size: int):
+    """(dtype, shape, absolute start, nbytes) of tensor `name`, checked against the file."""
     if name not in infos:
         raise InvalidArgumentError(f"gguf_tensor: {path} has no tensor {name!r}")
     dims, type_id, offset = infos[name]
@@ -108,6 +139,8 @@ def gguf_tensor(path, name: str, device: Optional[_core.Device] = None) -> _core
             f"gguf_tensor: tensor {name!r} has GGML type {type_id}; supported: q4_0, f32, f16, bf16"
         )
     type_name, dtype, block_values, block_bytes = _TENSOR_TYPES[type_id]
+    if any(d > I64_MAX for d in dims):
+        raise InvalidArgumentError(f"gguf_tensor: tensor {name!r} has a dimension beyond 2^63 - 1: {dims}")
     shape = [int(d) for d in reversed(dims)] or [1]
     if shape[-1] % block_values != 0:
         raise InvalidArgumentError(
@@ -115,21 +148,43 @@ def gguf_tensor(path, name: str, device: Optional[_core.Device] = None) -> _core
             f"multiple of {block_values}"
         )
     shape[-1] = shape[-1] // block_values * block_bytes // dtype.size
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.size
+    nbytes = math.prod(shape) * dtype.size  # Python integers: no overflow before the check below
     start = data_start + offset
     if start + nbytes > file_size:
         raise InvalidArgumentError(f"gguf_tensor: tensor {name!r} extends past the end of {path}")
+    return dtype, shape, start, nbytes
 
+
+def gguf_tensor(path, name: str, device: Optional[_core.Device] = None, *, copy: bool = False) -> _core.Buffer:
+    """The tensor `name` of the GGUF file at `path` as a buffer on `device` (default: the best
+    available backend). Q4_0 -> U8 blocks [*outer, inner / 32 * 18]; F32/F16/BF16 -> that dtype.
+
+    On a host-accessible device the buffer maps the file (zero copy, read-only) unless `copy` is
+    true; a mapped file must not be truncated while the buffer lives (see the module docstring).
+    With `copy=True` the tensor is read into a buffer of its own and the file may change later."""
+    path = os.fspath(path)
     if device is None:
         from .dense_matmul_id import _default_device
 
         device = _default_device()
-    if nbytes == 0:
-        return device.alloc(0, dtype, shape)
-    mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(nbytes,))
-    if device.host_accessible and mapped.ctypes.data % dtype.size == 0:
-        # Zero copy: the memory map is the buffer's owner and is closed with it.
-        return _core._buffer_from_pointer(device, mapped.ctypes.data, nbytes, dtype, shape, False, mapped)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            infos, data_start = _read_index(f, size, path)
+            dtype, shape, start, nbytes = _extent(path, name, infos, data_start, size)
+            if nbytes == 0:
+                return device.alloc(0, dtype, shape)
+            if not copy and device.host_accessible:
+                mapped = np.memmap(f, dtype=np.uint8, mode="r", offset=start, shape=(nbytes,))
+                if mapped.ctypes.data % dtype.size == 0:
+                    # Zero copy: the memory map is the buffer's owner and is closed with it.
+                    return _core._buffer_from_pointer(device, mapped.ctypes.data, nbytes, dtype, shape, False, mapped)
+            f.seek(start)
+            data = np.empty(nbytes, np.uint8)
+            if f.readinto(data) != nbytes:
+                raise InvalidArgumentError(f"gguf_tensor: {path} was truncated while it was read")
+    except OSError as e:
+        raise InvalidArgumentError(f"gguf_tensor: cannot read {path}: {e}") from None
     buffer = device.alloc(nbytes, dtype, shape)
-    buffer._write_bytes(np.array(mapped))
+    buffer._write_bytes(data)
     return buffer

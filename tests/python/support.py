@@ -262,3 +262,33 @@ def pack_kernel_params(m, n, k, top_k, n_experts, stride, slotted=False) -> byte
     row = k * 4
     token_stride, slot_stride = (row * top_k, row) if slotted else (row, 0)
     return struct.pack("<6I3Q", m, n, k, top_k, n_experts, 1 if slotted else 0, stride, token_stride, slot_stride)
+
+
+# ---- GGUF files built by hand (for malformed-file tests) ------------------------------------------
+
+
+def gguf_bytes(
+    kvs=(),
+    tensors=(("t", [8], 0, 0),),
+    data: bytes = bytes(range(32)),
+    *,
+    alignment: int = 32,
+    version: int = 3,
+    raw_tensor_names: bool = False,
+) -> bytes:
+    """A GGUF file: `kvs` are (key bytes or str, type id, encoded value bytes); `tensors` are
+    (name, dims innermost first, GGML type, offset); the data section starts at the next multiple
+    of `alignment` (which should match any general.alignment in `kvs`) after the header."""
+
+    def string(s) -> bytes:
+        raw = s if isinstance(s, bytes) else s.encode()
+        return struct.pack("<Q", len(raw)) + raw
+
+    out = b"GGUF" + struct.pack("<IQQ", version, len(tensors), len(kvs))
+    for key, type_id, value in kvs:
+        out += string(key) + struct.pack("<I", type_id) + value
+    for name, dims, type_id, offset in tensors:
+        out += string(name if raw_tensor_names else str(name)) + struct.pack("<I", len(dims))
+        out += b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", type_id, offset)
+    out += b"\0" * (-len(out) % max(alignment, 1))
+    return out + data

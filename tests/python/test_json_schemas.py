@@ -174,3 +174,91 @@ def test_schema_rejects_inconsistent_records():
             },
             ident,
         )
+
+
+# ---- from_json accepts exactly what the shipped schema accepts --------------------------------------
+
+
+def test_every_record_class_has_its_schema_part():
+    import routemm._json as records
+    import routemm.dense_matmul_id_plan  # noqa: F401
+    import routemm.dense_q4_plan  # noqa: F401
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    found = list(subclasses(records.JsonRecord))
+    assert len(found) >= 28
+    for cls in found:
+        schemas.record_definition(cls.SCHEMA, cls.__name__)  # raises LookupError when missing
+
+
+@pytest.mark.parametrize(
+    "cls,doc_patch,message",
+    [
+        (routemm.DenseMatmulIdParams, {"m": -(10**100)}, "m must be >= 0"),
+        (routemm.DenseMatmulIdParams, {"expert_stride_bytes": -1}, "expert_stride_bytes must be >= 0"),
+        (routemm.DenseMatmulIdParams, {"n": 2**32}, "n must be <= 4294967295"),
+        (routemm.PipelineIdentity, {"backend": "f32"}, "backend must be one of"),
+        (routemm.PipelineIdentity, {"content_sha256": "zz"}, "content_sha256 must match"),
+        (routemm.EncodedKernelDispatch, {"grid": [1, 2]}, "grid must have at least 3 items"),
+        (routemm.EncodedKernelDispatch, {"grid": [1, 2, 3, 4]}, r"grid\[3\] is not allowed"),
+        (routemm.EncodedKernelDispatch, {"pipeline_label": ""}, "pipeline_label must have at least 1"),
+    ],
+)
+def test_out_of_schema_values_refused(registry, cls, doc_patch, message):
+    rec = {c: r for r in _records(registry) for c in [type(r)]}[cls]
+    doc = {**rec.to_dict(), **doc_patch}
+    with pytest.raises(routemm.InvalidArgumentError, match=message):
+        cls.from_json(json.dumps(doc))
+    with pytest.raises(jsonschema.ValidationError):
+        schemas.validate(doc, cls.SCHEMA)
+
+
+def test_patterns_anchor_at_the_very_end(registry):
+    """`$` ends the string (ECMA-262), so a digest with a trailing newline is refused (Python's `re`,
+    which the jsonschema package uses, would let `$` match before that newline)."""
+    doc = {**_records(registry)[-1].to_dict(), "content_sha256": "0" * 64 + "\n"}
+    with pytest.raises(routemm.InvalidArgumentError, match="content_sha256 must match"):
+        routemm.PipelineIdentity.from_json(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ('{"m": 1', "invalid JSON text"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ('{"m": NaN}', "NaN is not JSON"),
+        ('{"m": -Infinity}', "-Infinity is not JSON"),
+        ('{"m": 1e999}', "does not fit a double"),
+        (b"\xff\xff\xff", "invalid JSON text"),
+        ('{"m": ' + "9" * 5000 + "}", "invalid JSON text"),
+        (None, "must be str or bytes"),
+    ],
+    ids=["unterminated", "deep", "nan", "infinity", "huge-float", "not-utf", "huge-int", "none"],
+)
+def test_malformed_json_text_is_a_routemm_error(text, message):
+    with pytest.raises(routemm.InvalidArgumentError, match=message):
+        routemm.DenseMatmulIdParams.from_json(text)
+
+
+def test_non_finite_numbers_refused_from_dict():
+    doc = routemm.DenseMatmulIdDispatchReceipt(DType.F16, Route.DIRECT, 1).to_dict()
+    assert routemm.DenseMatmulIdDispatchReceipt.from_dict(doc).dispatch_count == 1
+    import routemm.dense_q4_plan as dq
+
+    dist = dq.DenseQ4TimingDistribution(1.0, 2.0, 3.0, 5).to_dict()
+    for bad in (float("nan"), float("inf"), 10**400):
+        with pytest.raises(routemm.InvalidArgumentError, match="median_us"):
+            dq.DenseQ4TimingDistribution.from_dict({**dist, "median_us": bad})
+
+
+def test_integral_numbers_are_integers_as_in_json_schema(registry):
+    doc = {**routemm.DenseMatmulIdParams(9, 7, 35, 6, 8, 504).to_dict(), "m": 9.0}
+    schemas.validate(doc, routemm.DenseMatmulIdParams.SCHEMA)
+    back = routemm.DenseMatmulIdParams.from_json(json.dumps(doc))
+    assert back.m == 9 and type(back.m) is int
+    with pytest.raises(routemm.InvalidArgumentError, match="m must be of type integer"):
+        routemm.DenseMatmulIdParams.from_json(json.dumps({**doc, "m": 9.5}))

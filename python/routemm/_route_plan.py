@@ -1,0 +1,319 @@
+"""The plan machinery both frozen route plans share (dense_q4_plan, dense_matmul_id_plan).
+
+A plan kind (PlanKind) names its records and the few checks that differ; everything else lives
+here once: the records' common parts (timing distributions, the activation identity every plan and
+receipt carries, lookup and saving), activation preconditions, freezing into a registry, the
+frozen-plan store, and reloading a saved plan file.
+
+Lifetimes: what the library keeps about a plan is owned by the registry it is frozen into or by
+the plan object itself, never by a module-level table. A registry's frozen plans live in a
+weak-keyed store (gone with the registry); the device, receipt and activation facts a plan was
+made with travel on the plan object (`origin`; a copy of a plan finds it through the registries
+its id is frozen into), so dropping registries and plans frees them all.
+
+Reloading fails closed: a saved file is adopted only when its outer validators match this process,
+its plan and receipt documents conform to their schemas, every field the plan body repeats agrees
+with the validators and with the receipt, each decision names a route its kind can take, and the
+kind's own checks pass (the plan id recomputed where it can be). Any other file raises
+PlanFileMismatch, never another exception.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Optional
+
+from . import calibration as cal
+from ._errors import InvalidArgumentError
+
+U64_MAX = 2**64 - 1
+
+
+# ---- Records -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingDistribution:
+    """p25 / median / p75 of one route's timing samples, in microseconds (spec §6.4)."""
+
+    p25_us: float
+    median_us: float
+    p75_us: float
+    samples: int
+
+    @classmethod
+    def of(cls, samples):
+        return cls(*cal.distribution(samples))
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationIdentity:
+    """What binds a plan (and the receipt it came with) to one activation: its id, the build, the
+    device and the registry authority that froze it, and the activation epoch."""
+
+    plan_id: str
+    build_fingerprint: str
+    device_name: str
+    device_registry_id: int
+    registry_authority_id: int
+    activation_epoch: int
+
+    def identity(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(ActivationIdentity))
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """How a plan was made in this process: its device, the receipt of its calibration and, for
+    kinds that keep one, what its activation bound it to. Held by the plan object only."""
+
+    device: Any
+    receipt: Any = None
+    authority: Any = None
+
+
+class RoutePlanMethods:
+    """Lookup and saving for a plan record (a dataclass with `decisions` of (shape, route))."""
+
+    KIND: ClassVar["PlanKind"]
+
+    @functools.cached_property
+    def _lookup(self) -> dict:
+        route = self.KIND.route_type
+        return {d.shape.key: route(d.route) for d in self.decisions}
+
+    def decision_count(self) -> int:
+        return len(self.decisions)
+
+    @property
+    def origin(self) -> Optional["Origin"]:
+        """How this plan was made or frozen in this process: its own, or that of the plan with its
+        id frozen into a live registry (a copy made with dataclasses.replace or from JSON); None
+        for a plan this process never made or froze."""
+        return origin_of(self.KIND.name, self)
+
+    def save(self, path, receipt=None) -> Path:
+        """Write this plan (and the receipt it came with) as a versioned plan file."""
+        origin = self.origin
+        if origin is None:
+            raise InvalidArgumentError(f"{self.KIND.label} route plan was not made by this process; cannot save it")
+        receipt = receipt or origin.receipt
+        return cal.write_plan_file(
+            path,
+            self.KIND.name,
+            cal.plan_validators(origin.device, self.build_fingerprint),
+            self.to_dict(),
+            receipt.to_dict() if receipt is not None else None,
+        )
+
+
+def set_origin(plan, origin: Origin) -> None:
+    """Attach `origin` to a (frozen) plan object; it is not part of the record's value or JSON."""
+    object.__setattr__(plan, "_origin", origin)
+
+
+# ---- Plan kinds ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanKind:
+    """What differs between plan kinds, as the shared machinery needs it."""
+
+    name: str  # registry plan kind and plan-file kind, e.g. "dense_q4"
+    label: str  # how messages name it, e.g. "dense Q4"
+    plan_type: type
+    receipt_type: type
+    route_type: type
+    protected_names: Callable[[], list]
+    # build fingerprint of `registry` now, for the plan's weight dtypes
+    build_fingerprint: Callable[[Any, Any], str]
+    # extra checks of a plan before it is frozen or reloaded: raise InvalidArgumentError
+    check_plan: Callable[[Any], None] = lambda plan: None
+    # routes a saved decision may name
+    plannable_routes: tuple = ()
+    # the plan id recomputed from a plan's own fields, or None where it depends on more
+    recompute_plan_id: Callable[[Any], Optional[str]] = lambda plan: None
+    max_epoch: int = U64_MAX
+
+    def fail(self, message: str):
+        raise InvalidArgumentError(f"{self.label} {message}")
+
+
+# ---- The frozen-plan store -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _RegistryPlans:
+    frozen: dict = dataclasses.field(default_factory=dict)  # plan kind -> plan
+    installed_for_worker: set = dataclasses.field(default_factory=set)  # (plan kind, plan id)
+
+
+_STORE: "weakref.WeakKeyDictionary[Any, _RegistryPlans]" = weakref.WeakKeyDictionary()
+_STORE_LOCK = threading.Lock()
+
+
+def _plans_of(registry) -> _RegistryPlans:
+    with _STORE_LOCK:
+        entry = _STORE.get(registry)
+        if entry is None:
+            entry = _STORE[registry] = _RegistryPlans()
+        return entry
+
+
+def frozen_plan(registry, kind: str):
+    """The plan frozen into `registry` for `kind`, or None."""
+    entry = _STORE.get(registry)
+    return None if entry is None else entry.frozen.get(kind)
+
+
+def store_size() -> int:
+    """How many live registries hold a frozen plan (the store empties as registries are dropped)."""
+    return len(_STORE)
+
+
+def origin_of(kind: str, plan) -> Optional[Origin]:
+    own = plan.__dict__.get("_origin")
+    if own is not None:
+        return own
+    with _STORE_LOCK:
+        entries = list(_STORE.values())
+    for entry in entries:
+        frozen = entry.frozen.get(kind)
+        if frozen is not None and frozen.plan_id == plan.plan_id and "_origin" in frozen.__dict__:
+            return frozen.__dict__["_origin"]
+    return None
+
+
+def install(registry, kind: PlanKind, plan, *, worker: bool = False) -> None:
+    """Freeze `plan` into `registry` (one-shot per kind; the same id again is a no-op) and protect
+    the pipelines it depends on."""
+    entry = _plans_of(registry)
+    with _STORE_LOCK:
+        registry.freeze_plan(kind.name, plan.plan_id, sorted(set(kind.protected_names())), plan.to_json())
+        entry.frozen.setdefault(kind.name, plan)
+        if worker:
+            entry.installed_for_worker.add((kind.name, plan.plan_id))
+
+
+def installed_for_worker(registry, kind: PlanKind, plan) -> bool:
+    entry = _STORE.get(registry)
+    return (
+        entry is not None
+        and (kind.name, plan.plan_id) in entry.installed_for_worker
+        and registry.frozen_plan_id(kind.name) == plan.plan_id
+    )
+
+
+# ---- Activation preconditions and freezing -------------------------------------------------------
+
+
+def check_activation(kind: PlanKind, registry, epoch, limits: tuple) -> None:
+    """Refuse a bad epoch, a registry that already holds a plan of this kind, and zero limits."""
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 < epoch <= kind.max_epoch:
+        if epoch == 0 and not isinstance(epoch, bool):
+            kind.fail("activation epoch must be nonzero (got 0)")
+        kind.fail(f"activation epoch must be an integer within 1..={kind.max_epoch}, got {epoch!r}")
+    frozen = registry.frozen_plan_id(kind.name)
+    if frozen is not None:
+        kind.fail(f"route plan is already frozen as {frozen}; calibration is one-shot")
+    if any(limit <= 0 for limit in limits):
+        kind.fail("calibration limits must be nonzero")
+
+
+def check_device(kind: PlanKind, device, plan) -> None:
+    if plan.device_registry_id != device.registry_id or plan.device_name != device.name:
+        kind.fail("route plan belongs to a different device")
+
+
+def freeze(kind: PlanKind, registry, device, plan, *, check_fingerprint: bool = True) -> None:
+    """Freeze `plan` into `registry`: the plan's own registry authority and device, the kind's
+    checks, one-shot (the same plan id again is a no-op), and -- unless the caller just computed
+    it -- the build/pipeline fingerprint recomputed now must equal the plan's."""
+    if not isinstance(plan, kind.plan_type):
+        kind.fail(f"freeze needs a {kind.plan_type.__name__}, got {type(plan).__name__}")
+    if plan.registry_authority_id != registry.authority_id:
+        kind.fail("route plan belongs to a different registry activation authority")
+    check_device(kind, device, plan)
+    kind.check_plan(plan)
+    existing = registry.frozen_plan_id(kind.name)
+    if existing is not None:
+        if existing == plan.plan_id:
+            return
+        kind.fail(f"route plan is already frozen as {existing}")
+    if check_fingerprint and kind.build_fingerprint(registry, plan) != plan.build_fingerprint:
+        kind.fail("route plan build/pipeline identity mismatch")
+    if plan.origin is None:
+        set_origin(plan, Origin(device))
+    install(registry, kind, plan)
+
+
+# ---- Plan files ----------------------------------------------------------------------------------
+
+
+def calibrate_with_plan_cache(kind: PlanKind, device, cache_key: Optional[Callable[[], Any]], reload, run):
+    """The ROUTEMM_PLAN_CACHE_DIR protocol: with the knob set (and `cache_key` given), a saved plan
+    for `cache_key()` is reloaded through `reload(path)` (a mismatching file is logged and
+    ignored); otherwise `run()` calibrates and its plan is saved there. Returns (plan, receipt)."""
+    knob_set = bool(cal.os.environ.get(cal.PLAN_CACHE_DIR_KNOB, "").strip())
+    path = cal.plan_cache_path(kind.name, cache_key()) if knob_set and cache_key is not None else None
+    if path is not None and path.exists():
+        try:
+            return reload(path)
+        except cal.PlanFileMismatch as e:
+            cal.LOGGER.warning("ignoring saved %s plan: %s", kind.label, e)
+    plan, receipt = run()
+    if path is not None:
+        plan.save(path, receipt)
+    return plan, receipt
+
+
+def read_saved_plan(kind: PlanKind, path, validators: dict):
+    """(plan, receipt or None) of the plan file at `path`, adopted only when it is whole and
+    consistent (see the module docstring); otherwise PlanFileMismatch."""
+    plan_doc, receipt_doc = cal.read_plan_file(path, kind.name, validators)
+    what = "malformed plan"
+    try:
+        plan = kind.plan_type.from_dict(plan_doc)
+        what = "malformed calibration receipt"
+        receipt = None if receipt_doc is None else kind.receipt_type.from_dict(receipt_doc)
+        what = "plan altered after it was saved"
+        _check_saved(kind, plan, receipt, validators)
+    except InvalidArgumentError as e:
+        raise cal.PlanFileMismatch(f"route plan file {path} holds a {what}: {e}") from None
+    return plan, receipt
+
+
+def _check_saved(kind: PlanKind, plan, receipt, validators: dict) -> None:
+    repeated = {
+        "build_fingerprint": plan.build_fingerprint,
+        "device_name": plan.device_name,
+        "device_registry_id": plan.device_registry_id,
+    }
+    for name, value in repeated.items():
+        if validators.get(name) != value:
+            kind.fail(f"plan body says {name} {value!r}, its file's validators {validators.get(name)!r}")
+    for name, low in (("device_registry_id", 0), ("registry_authority_id", 0), ("activation_epoch", 1)):
+        if not low <= getattr(plan, name) <= U64_MAX:
+            kind.fail(f"plan {name} {getattr(plan, name)} is outside {low}..={U64_MAX}")
+    kind.check_plan(plan)
+    keys = [d.shape.key for d in plan.decisions]
+    if keys != sorted(set(keys)):
+        kind.fail("plan decisions are not sorted by shape, or repeat a shape")
+    for d in plan.decisions:
+        if kind.route_type(d.route) not in kind.plannable_routes:
+            kind.fail(f"plan decides {kind.route_type(d.route).value}, which no calibration chooses")
+    expected_id = kind.recompute_plan_id(plan)
+    if expected_id is not None and expected_id != plan.plan_id:
+        kind.fail("plan id does not match the plan's contents")
+    if receipt is None:
+        return
+    kind.check_plan(receipt)
+    if receipt.identity() != plan.identity():
+        kind.fail("receipt was made by another activation than the plan (plan id, build, device or authority)")
+    chosen = {d.shape.key: kind.route_type(d.selected_route) for d in receipt.decisions}
+    if chosen != plan._lookup:
+        kind.fail("receipt decisions differ from the plan's")

@@ -1,0 +1,367 @@
+"""Standing guards (hypothesis): mutated inputs to the file and record loaders are either accepted
+correctly or refused with a routemm.Error -- never another exception.
+
+* `from_json` of every record class, on mutations of a real document: accepted exactly when the
+  `jsonschema` package (draft 2020-12, with ECMA-262 pattern anchors) accepts it, and an accepted
+  record round-trips to an equal record.
+* gguf_tensor on byte mutations of a small file, mapped and copied.
+* Plan-file reloads on mutations of saved Q4 and expert-ID plan files: a reload either adopts the
+  saved routes or raises PlanFileMismatch.
+
+Failures found are kept as explicit regressions (@example, test_record_regressions). Budgets are
+small (about a minute in all on two cores); raise max_examples locally to search harder.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import re
+import struct
+
+import numpy as np
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+jsonschema = pytest.importorskip("jsonschema")
+import routemm  # noqa: E402
+import routemm._json as records  # noqa: E402
+import routemm._schemas as schemas  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from routemm import calibration as cal  # noqa: E402
+from routemm import dense_matmul_id_plan as dp  # noqa: E402
+from routemm import dense_q4_plan as dq  # noqa: E402
+from routemm import q4_0  # noqa: E402
+from support import gguf_bytes  # noqa: E402
+
+SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
+
+
+# ---- Sample documents of every record class ------------------------------------------------------
+
+
+def _record_classes() -> list[type]:
+    def walk(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from walk(sub)
+
+    return sorted(set(walk(records.JsonRecord)), key=lambda c: c.__name__)
+
+
+def _collect(record, out: dict) -> None:
+    out.setdefault(type(record), record)
+    for value in record.__dict__.values():
+        for item in value if isinstance(value, tuple) else (value,):
+            if isinstance(item, records.JsonRecord):
+                _collect(item, out)
+
+
+@functools.lru_cache(maxsize=None)
+def samples() -> dict:
+    """One real record of every class, from CPU calibrations and calls (class -> record)."""
+    device = routemm.Device("cpu")
+    rng = np.random.default_rng(11)
+    out: dict = {}
+    # Q4: a calibrated plan, its receipt and a dispatch trace.
+    n, k, m = 64, 64, 32
+    blocks = q4_0.quantize(rng.standard_normal((n, k)).astype(np.float32))
+    w = device.from_numpy(blocks.reshape(-1))
+    registry = routemm.KernelRegistry(device)
+    plan, receipt = routemm.calibrate_dense_q4_routes(
+        registry, device, 1, None, [routemm.DenseQ4CalibrationCase(w, routemm.DenseQ4BaseShape(n, k), (m,))]
+    )
+    x = device.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    y = device.alloc(m * n * 4, routemm.DType.F32, [m, n])
+    params = routemm.GgmlQuantizedMatmulParams(m, n, k)
+    enc = device.command_encoder()
+    trace = routemm.trace_dense_q4_auto(enc, registry, device, x, w, y, params, routemm.GgmlRoutingPolicy())
+    q4_receipt = routemm.quantized_matmul_ggml(enc, registry, x, w, y, params, routemm.GgmlRoutingPolicy())
+    enc.commit_and_wait()
+    # Expert-ID: a calibrated plan, its receipt and an automatic dispatch.
+    ew = device.from_numpy(rng.standard_normal((8, 7, 24)).astype(np.float32))
+    p = routemm.DenseMatmulIdParams(9, 7, 24, 2, 8, 7 * 24 * 4)
+    id_registry = routemm.KernelRegistry(device)
+    id_plan, id_receipt = routemm.calibrate_dense_matmul_id_routes(
+        id_registry, device, 1, None, [routemm.DenseMatmulIdCalibrationCase(ew, p)]
+    )
+    xi = device.from_numpy(rng.standard_normal((9, 24)).astype(np.float32))
+    ids = device.from_numpy(np.tile(np.arange(2, dtype=np.uint32), (9, 1)))
+    out_i = device.alloc(9 * 2 * 7 * 4, routemm.DType.F32, [18, 7])
+    enc = device.command_encoder()
+    auto = routemm.dense_matmul_id_auto(
+        enc, id_registry, device, ew, xi, ids, out_i, routemm.DenseMatmulIdScratch(device, 8, 9), p
+    )
+    enc.commit_and_wait()
+    grouped = routemm.dense_matmul_id_capability(
+        routemm.DType.BF16,
+        routemm.DenseMatmulIdParams(9, 7, 35, 6, 8, 504, route=routemm.DenseMatmulIdRoute.GROUPED_PREFILL),
+    )
+    extra = [
+        plan,
+        receipt,
+        trace,
+        q4_receipt,
+        params,
+        id_plan,
+        id_receipt,
+        auto,
+        p,
+        grouped,
+        routemm.dense_matmul_id_capability(routemm.DType.F32, p),
+        dq.DenseQ4BaseShape(n, k),
+        dq.select_route(registry, device, params),
+    ]
+    for record in extra:
+        _collect(record, out)
+    return out
+
+
+def test_samples_cover_every_record_class():
+    assert set(_record_classes()) <= set(samples())
+
+
+# ---- Reference: the jsonschema package ------------------------------------------------------------
+
+
+def _ecma_pattern(validator, pattern, instance, schema):
+    """`pattern` with ECMA-262 anchors ($ at the very end), as the built-in checker reads it."""
+    anchored = pattern[:-1] + r"\Z" if pattern.endswith("$") and not pattern.endswith("\\$") else pattern
+    if validator.is_type(instance, "string") and not re.search(anchored, instance):
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+_Reference = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"pattern": _ecma_pattern})
+
+
+@functools.lru_cache(maxsize=None)
+def reference(cls: type):
+    root = schemas.load(cls.SCHEMA)
+    part = schemas.record_definition(cls.SCHEMA, cls.__name__)
+    schema = root if part is None else {**root["$defs"][part], "$defs": root.get("$defs", {})}
+    return _Reference(schema)
+
+
+# ---- Mutations of JSON documents ---------------------------------------------------------------
+
+
+def _paths(doc, prefix=()):
+    yield prefix
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            yield from _paths(value, (*prefix, key))
+    elif isinstance(doc, list):
+        for i, value in enumerate(doc):
+            yield from _paths(value, (*prefix, i))
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_words() -> tuple:
+    """Every string the schemas name (enum values, consts, property names): near-valid values."""
+    words = set()
+
+    def walk(node):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                words.add(key)
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+        elif isinstance(node, str) and len(node) < 80:
+            words.add(node)
+
+    for name in schemas.names():
+        walk(schemas.load(name))
+    return tuple(sorted(words))
+
+
+def _values(current):
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.sampled_from([0, 1, -1, 3, 2**31, 2**32, 2**32 - 1, 2**63, 2**64 - 1, 2**64, -(10**30), 10**30]),
+        st.integers(-(2**70), 2**70),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.sampled_from(_schema_words()),
+        st.sampled_from(["", "0" * 64, "f" * 64, "zz", "0" * 64 + "\n", "F" * 64]),
+        st.text(max_size=8),
+    )
+    near = [scalars]
+    if isinstance(current, bool):
+        near.append(st.just(not current))
+    elif isinstance(current, int):
+        near.append(st.sampled_from([current + 1, current - 1, float(current), -current, str(current)]))
+    elif isinstance(current, float):
+        near.append(st.sampled_from([current * 2, -current, 0, int(current)]))
+    composite = st.one_of(st.lists(scalars, max_size=4), st.dictionaries(st.text(max_size=4), scalars, max_size=3))
+    return st.one_of(*near, composite)
+
+
+@st.composite
+def mutated(draw, doc):
+    doc = copy.deepcopy(doc)
+    for _ in range(draw(st.integers(1, 3))):
+        paths = list(_paths(doc))
+        path = draw(st.sampled_from(paths))
+        parent = doc
+        for key in path[:-1]:
+            parent = parent[key]
+        current = parent[path[-1]] if path else doc
+        op = draw(st.sampled_from(["replace", "replace", "delete", "add", "duplicate"]))
+        if not path:
+            if op == "replace":
+                doc = draw(_values(doc))
+            continue
+        if op == "replace":
+            parent[path[-1]] = draw(_values(current))
+        elif op == "delete":
+            del parent[path[-1]]
+        elif op == "add" and isinstance(current, dict):
+            current[draw(st.sampled_from(_schema_words()))] = draw(_values(None))
+        elif op == "add" and isinstance(current, list):
+            current.append(copy.deepcopy(current[0]) if current else draw(_values(None)))
+        elif op == "duplicate" and isinstance(current, list) and current:
+            current.insert(0, copy.deepcopy(current[-1]))
+    return doc
+
+
+def _check_record(cls, doc) -> None:
+    text = json.dumps(doc)
+    valid = reference(cls).is_valid(doc)
+    try:
+        record = cls.from_json(text)
+    except routemm.Error as e:
+        assert not valid, f"{cls.__name__} refused a schema-valid document: {e}"
+        return
+    assert valid, f"{cls.__name__} accepted a document its schema refuses: {text}"
+    assert cls.from_json(record.to_json()) == record
+    assert reference(cls).is_valid(record.to_dict())
+
+
+@pytest.mark.parametrize("cls", _record_classes(), ids=lambda c: c.__name__)
+def test_record_from_json_agrees_with_its_schema(cls):
+    doc = samples()[cls].to_dict()
+
+    @settings(max_examples=60, **SETTINGS)
+    @given(mutated(doc))
+    def check(document):
+        _check_record(cls, document)
+
+    check()
+
+
+@pytest.mark.parametrize(
+    "cls,patch",
+    [
+        (routemm.DenseMatmulIdParams, {"m": 9.0}),  # an integral number is an integer in JSON Schema
+        (routemm.PipelineIdentity, {"content_sha256": "0" * 64 + "\n"}),  # $ ends the string
+        (routemm.EncodedKernelDispatch, {"grid": [1, 1, 1, 1]}),  # prefixItems with items: false
+        (routemm.GgmlQuantizedMatmulReceipt, {"route": "mat_vec"}),  # if/then refines the route
+    ],
+    ids=["integral-float", "trailing-newline", "extra-item", "if-then"],
+)
+def test_record_regressions(cls, patch):
+    _check_record(cls, {**samples()[cls].to_dict(), **patch})
+
+
+# ---- GGUF byte mutations -----------------------------------------------------------------------
+
+
+_GGUF = gguf_bytes(
+    kvs=[
+        ("general.alignment", 4, struct.pack("<I", 32)),
+        ("general.name", 8, struct.pack("<Q", 4) + b"tiny"),
+        ("tokens", 9, struct.pack("<IQ", 8, 2) + struct.pack("<Q", 1) + b"a" + struct.pack("<Q", 1) + b"b"),
+    ],
+    tensors=[("t", [8], 0, 0), ("h", [4, 2], 1, 32), ("q", [32], 2, 64)],
+    data=bytes(range(96)),
+)
+
+
+@st.composite
+def gguf_mutation(draw):
+    blob = bytearray(_GGUF)
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["byte", "word", "truncate", "insert"]))
+        at = draw(st.integers(0, len(blob) - 1))
+        if op == "byte":
+            blob[at] = draw(st.integers(0, 255))
+        elif op == "word" and at + 8 <= len(blob):
+            word = draw(st.sampled_from([0, 1, 2**31, 2**32 - 1, 2**63, 2**64 - 1, 64, 5, 9]))
+            blob[at : at + 8] = struct.pack("<Q", word)
+        elif op == "truncate":
+            del blob[at:]
+        elif op == "insert":
+            blob[at:at] = draw(st.binary(min_size=1, max_size=16))
+        if not blob:
+            break
+    return bytes(blob)
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(gguf_mutation(), st.sampled_from(["t", "h", "q"]), st.booleans())
+@example(_GGUF[:20], "t", False)
+@example(_GGUF.replace(struct.pack("<I", 32), struct.pack("<I", 0), 1), "t", False)  # alignment 0
+def test_gguf_mutations_load_or_refuse(tmp_path_factory, blob, name, copy_):
+    path = tmp_path_factory.mktemp("gguf") / "m.gguf"
+    path.write_bytes(blob)
+    try:
+        buf = routemm.gguf_tensor(path, name, device=routemm.Device("cpu"), copy=copy_)
+    except routemm.Error:
+        return
+    assert buf.numpy().nbytes == buf.nbytes
+
+
+# ---- Plan-file mutations -----------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _saved_plans(root: str):
+    """(kind, saved file document, cases) for one Q4 and one expert-ID plan."""
+    from pathlib import Path
+
+    device = routemm.Device("cpu")
+    rng = np.random.default_rng(12)
+    blocks = q4_0.quantize(rng.standard_normal((64, 64)).astype(np.float32))
+    q4_cases = [
+        routemm.DenseQ4CalibrationCase(device.from_numpy(blocks.reshape(-1)), routemm.DenseQ4BaseShape(64, 64), (9, 33))
+    ]
+    plan, _ = routemm.calibrate_dense_q4_routes(routemm.KernelRegistry(device), device, 2, None, q4_cases)
+    q4_doc = json.loads(plan.save(Path(root) / "q4.json").read_text())
+    ew = device.from_numpy(rng.standard_normal((4, 5, 16)).astype(np.float32))
+    id_cases = [routemm.DenseMatmulIdCalibrationCase(ew, routemm.DenseMatmulIdParams(9, 5, 16, 2, 4, 320))]
+    plan, _ = routemm.calibrate_dense_matmul_id_routes(routemm.KernelRegistry(device), device, 2, None, id_cases)
+    id_doc = json.loads(plan.save(Path(root) / "id.json").read_text())
+    return {
+        "q4": (routemm.load_dense_q4_plan, q4_doc, q4_cases, device),
+        "expert_id": (routemm.load_dense_matmul_id_plan, id_doc, id_cases, device),
+    }
+
+
+@pytest.mark.parametrize("kind", ["q4", "expert_id"])
+def test_plan_file_mutations_reload_or_mismatch(tmp_path_factory, kind):
+    load, doc, cases, device = _saved_plans(str(tmp_path_factory.mktemp("plans")))[kind]
+    saved_routes = {json.dumps(d["shape"], sort_keys=True): d["route"] for d in doc["plan"]["decisions"]}
+    path = tmp_path_factory.mktemp("mutated") / "plan.json"
+
+    @settings(max_examples=60, **SETTINGS)
+    @given(mutated(doc))
+    def check(document):
+        path.write_text(json.dumps(document))
+        try:
+            plan, _ = load(path, routemm.KernelRegistry(device), device, cases)
+        except cal.PlanFileMismatch:
+            return
+        routes = {json.dumps(d.shape.to_dict(), sort_keys=True): d.route.value for d in plan.decisions}
+        assert routes.keys() == saved_routes.keys()
+        if kind == "q4":  # the Q4 plan id covers the routes; an expert-ID route is re-proved on reload
+            assert routes == saved_routes
+
+    check()
+
+
+def test_plan_module_records_are_sampled():
+    assert dq.DenseQ4RoutePlan in samples() and dp.DenseMatmulIdRoutePlan in samples()
