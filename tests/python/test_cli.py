@@ -99,7 +99,8 @@ def test_unavailable_cuda_is_one_line_saying_why():
     if not reason.startswith("not built") and no_driver:
         # A build with CUDA on a machine without an NVIDIA driver: the runtime's own words would be
         # "driver version is insufficient", which sends the user after a driver upgrade.
-        assert reason.startswith("no NVIDIA GPU or driver found")
+        assert reason.startswith("no NVIDIA GPU or driver found (")
+        assert "insufficient" not in result.stderr
 
 
 def test_a_core_error_inside_a_command_is_caught_in_process(monkeypatch, capsys):

@@ -220,7 +220,8 @@ std::string probe() {
       int driver = 0;
       const bool no_driver = cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0;
       (void)cudaGetLastError();
-      if (no_driver || e == cudaErrorNoDevice)
+      if (no_driver) return "no NVIDIA GPU or driver found (no NVIDIA driver is loaded)";
+      if (e == cudaErrorNoDevice)
         return "no NVIDIA GPU or driver found (" + std::string(cudaGetErrorString(e)) + ")";
       return "no CUDA device: " + std::string(cudaGetErrorString(e));
     }
