@@ -102,7 +102,7 @@ def _last_level_cache_bytes(device) -> int | None:
     return max(sizes, default=None)
 
 
-# ---- memory --------------------------------------------------------------------------------------
+# ---- parameters and memory -----------------------------------------------------------------------
 
 
 def _params(shape, m: int, itemsize: int, route: DenseMatmulIdRoute) -> DenseMatmulIdParams:
