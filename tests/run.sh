@@ -1,14 +1,59 @@
 #!/usr/bin/env bash
 # The whole test suite: pytest against the installed package, then the C++ core under ctest.
-# Extra CMake arguments for the ctest build go in ROUTEMM_CTEST_CMAKE_ARGS; its build folder in
-# ROUTEMM_CTEST_BUILD_DIR (default build/ctest).
-set -euo pipefail
+#
+# Arguments go to pytest (e.g. `bash tests/run.sh -k demo`). Extra CMake arguments for the ctest
+# build go in ROUTEMM_CTEST_CMAKE_ARGS; its build folder in ROUTEMM_CTEST_BUILD_DIR (default
+# build/ctest). Where nvidia-smi lists no GPU, the ctest build leaves the CUDA sources out
+# (ROUTEMM_CUDA=OFF) unless ROUTEMM_CTEST_CMAKE_ARGS names ROUTEMM_CUDA itself.
+#
+# When cmake, ninja or GoogleTest is missing, the C++ part is skipped with a message saying how to
+# install them. The exit status is non-zero when pytest or the C++ tests fail; a skipped C++ part
+# leaves it to pytest.
+set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${ROUTEMM_CTEST_BUILD_DIR:-$root/build/ctest}
+jobs=$(nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 2)
 
-python -m pytest "$root/tests/python" -q -p no:cacheprovider
+python -m pytest "$root/tests/python" -q -p no:cacheprovider "$@"
+status=$?
+
+skip_cpp() {
+  cat >&2 <<EOF
+run.sh: C++ tests NOT run: $1.
+  They need cmake, ninja and GoogleTest. Install them with
+    Debian/Ubuntu:  sudo apt-get install cmake ninja-build libgtest-dev
+    Fedora:         sudo dnf install cmake ninja-build gtest-devel
+    macOS:          brew install cmake ninja googletest
+  (cmake and ninja also come from pip: python -m pip install cmake ninja), then run this script again.
+EOF
+  exit "$status"
+}
+
+missing=()
+command -v cmake >/dev/null 2>&1 || missing+=(cmake)
+command -v ninja >/dev/null 2>&1 || missing+=(ninja)
+[ ${#missing[@]} -eq 0 ] || skip_cpp "${missing[*]} not found on PATH"
+
+cmake_args=()
+if [[ "${ROUTEMM_CTEST_CMAKE_ARGS:-}" != *ROUTEMM_CUDA* ]] && ! nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  echo "run.sh: no NVIDIA GPU found (nvidia-smi): the C++ tests are built without the CUDA sources (ROUTEMM_CUDA=OFF)"
+  cmake_args+=(-DROUTEMM_CUDA=OFF)
+fi
+
+configure_log=$(mktemp)
+trap 'rm -f "$configure_log"' EXIT
 # shellcheck disable=SC2086
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=${ROUTEMM_CTEST_BUILD_TYPE:-Release} \
-  -DROUTEMM_BUILD_TESTS=ON -DROUTEMM_BUILD_PYTHON=OFF ${ROUTEMM_CTEST_CMAKE_ARGS:-}
-cmake --build "$build" -j"$(nproc)"
-ctest --test-dir "$build" --output-on-failure -j"$(nproc)"
+if ! cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${ROUTEMM_CTEST_BUILD_TYPE:-Release}" \
+  -DROUTEMM_BUILD_TESTS=ON -DROUTEMM_BUILD_PYTHON=OFF ${cmake_args[@]+"${cmake_args[@]}"} \
+  ${ROUTEMM_CTEST_CMAKE_ARGS:-} >"$configure_log" 2>&1; then
+  if grep -q 'GTest' "$configure_log"; then
+    skip_cpp "CMake found no GoogleTest (find_package(GTest))"
+  fi
+  cat "$configure_log" >&2
+  echo "run.sh: configuring the C++ tests failed" >&2
+  exit 1
+fi
+cat "$configure_log"
+cmake --build "$build" -j"$jobs" || exit 1
+ctest --test-dir "$build" --output-on-failure -j"$jobs" || exit 1
+exit "$status"

@@ -208,15 +208,24 @@ class CudaBackend final : public Backend {
   std::vector<KernelDef> kernels_;
 };
 
+// Why no device can be opened, in the user's terms. Without an NVIDIA driver the runtime reports
+// cudaErrorInsufficientDriver ("driver version is insufficient"), which reads as if an older driver
+// were installed: a driver version of 0 means none is, and that is what the reason says.
 std::string probe() {
   try {
     int count = 0;
     const cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
+      int driver = 0;
+      const bool no_driver = cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0;
+      (void)cudaGetLastError();
+      if (no_driver) return "no NVIDIA GPU or driver found (no NVIDIA driver is loaded)";
+      if (e == cudaErrorNoDevice)
+        return "no NVIDIA GPU or driver found (" + std::string(cudaGetErrorString(e)) + ")";
       return "no CUDA device: " + std::string(cudaGetErrorString(e));
     }
-    if (count <= 0) return "no CUDA device: cudaGetDeviceCount returned 0";
+    if (count <= 0) return "no NVIDIA GPU or driver found (cudaGetDeviceCount returned 0)";
     return std::string();
   } catch (const std::exception& ex) {
     return std::string("no CUDA device: ") + ex.what();
