@@ -2,6 +2,8 @@
 #include "routemm/device.h"
 
 #include <algorithm>
+#include <cstddef>
+#include <cstdint>
 #include <mutex>
 
 #include "routemm/encoder.h"
@@ -117,6 +119,12 @@ std::string Device::name() const { return backend_->device_name(); }
 uint64_t Device::registry_id() const { return backend_->registry_id(); }
 
 Buffer Device::alloc(uint64_t nbytes, DType dtype, std::vector<uint64_t> shape) const {
+  // No address space holds more than PTRDIFF_MAX bytes at once; a larger request is a wrong size,
+  // not a lack of memory. Backends round the size up with checked arithmetic as well.
+  if (nbytes > static_cast<uint64_t>(PTRDIFF_MAX)) {
+    throw InvalidArgument("alloc of " + std::to_string(nbytes) +
+                          " bytes exceeds the largest possible allocation");
+  }
   auto storage = backend_->allocate(nbytes);
   return Buffer(std::move(storage), 0, nbytes, dtype, std::move(shape));
 }

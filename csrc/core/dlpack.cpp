@@ -1,9 +1,11 @@
 // DLPack import (zero-copy wrap of a producer's tensor) and export of a buffer's logical view.
 #include "routemm/dlpack.h"
 
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "routemm/checked.h"
 #include "routemm/error.h"
 
 namespace routemm {
@@ -64,28 +66,34 @@ Buffer wrap(const Device& device, const DLTensor& t, bool writable, std::functio
   }
   const DType dtype = dtype_from_dlpack(t.dtype);
   if (t.ndim < 0) throw InvalidArgument("from_dlpack: negative ndim");
+  if (t.ndim > 0 && t.shape == nullptr) throw InvalidArgument("from_dlpack: tensor has no shape");
   std::vector<uint64_t> shape;
   uint64_t elements = 1;
   for (int32_t i = 0; i < t.ndim; ++i) {
     if (t.shape[i] < 0) throw InvalidArgument("from_dlpack: negative extent");
     shape.push_back(static_cast<uint64_t>(t.shape[i]));
-    elements *= static_cast<uint64_t>(t.shape[i]);
+    elements = checked_mul(elements, static_cast<uint64_t>(t.shape[i]), "from_dlpack: shape");
   }
   if (t.strides != nullptr && elements > 1) {
-    int64_t expected = 1;
+    // Row-major strides of a tensor whose element count fits 64 bits fit too (the count is >= each
+    // partial product here, and a zero extent makes elements 0).
+    uint64_t expected = 1;
     for (int32_t i = t.ndim - 1; i >= 0; --i) {
-      if (t.shape[i] != 1 && t.strides[i] != expected) {
+      if (t.shape[i] != 1 && static_cast<uint64_t>(t.strides[i]) != expected) {
         throw InvalidArgument(
             "from_dlpack: tensor is not contiguous (row-major strides required); call "
             ".contiguous() first");
       }
-      expected *= t.shape[i];
+      expected *= static_cast<uint64_t>(t.shape[i]);
     }
   }
-  const uint64_t nbytes = elements * dtype_size(dtype);
-  char* data = static_cast<char*>(t.data) + t.byte_offset;
-  if (nbytes != 0 && data == nullptr)
+  const uint64_t nbytes = checked_mul(elements, dtype_size(dtype), "from_dlpack: byte size");
+  if (t.data == nullptr && (nbytes != 0 || t.byte_offset != 0))
     throw InvalidArgument("from_dlpack: tensor has no data pointer");
+  const auto base = reinterpret_cast<uintptr_t>(t.data);
+  checked_add(checked_add(base, t.byte_offset, "from_dlpack: byte offset"), nbytes,
+              "from_dlpack: data range");
+  char* data = static_cast<char*>(t.data) + t.byte_offset;
   if (reinterpret_cast<uintptr_t>(data) % dtype_size(dtype) != 0) {
     throw InvalidArgument("from_dlpack: data pointer is not aligned to " +
                           std::string(dtype_name(dtype)));
@@ -96,11 +104,40 @@ Buffer wrap(const Device& device, const DLTensor& t, bool writable, std::functio
                 shape.empty() ? std::vector<uint64_t>{1} : shape);
 }
 
+// What an exported tensor owns: the buffer's storage (kept alive), its shape, and the struct the
+// consumer holds (DLManagedTensor or DLManagedTensorVersioned).
+template <class Managed>
 struct ExportContext {
   std::shared_ptr<Storage> storage;
   std::vector<int64_t> shape;
-  DLManagedTensor tensor{};
+  Managed tensor{};
 };
+
+// Named (not lambdas) so that an import can recognise a tensor routemm exported itself.
+void delete_legacy_export(DLManagedTensor* self) {
+  delete static_cast<ExportContext<DLManagedTensor>*>(self->manager_ctx);
+}
+void delete_versioned_export(DLManagedTensorVersioned* self) {
+  delete static_cast<ExportContext<DLManagedTensorVersioned>*>(self->manager_ctx);
+}
+
+// Fills `ctx` for `buffer`'s logical view, compact row-major.
+template <class Managed>
+void describe(const Buffer& buffer, ExportContext<Managed>& ctx) {
+  ctx.storage = buffer.storage();
+  for (uint64_t d : buffer.shape()) ctx.shape.push_back(static_cast<int64_t>(d));
+  const Device device(buffer.backend());
+  DLTensor& t = ctx.tensor.dl_tensor;
+  // The data pointer names the first logical byte (byte_offset 0): some consumers ignore byte_offset.
+  t.data = buffer.data();
+  t.byte_offset = 0;
+  t.device = dlpack_device(device);
+  t.ndim = static_cast<int32_t>(ctx.shape.size());
+  t.dtype = dtype_to_dlpack(buffer.dtype());
+  t.shape = ctx.shape.data();
+  t.strides = nullptr;
+  ctx.tensor.manager_ctx = &ctx;
+}
 
 }  // namespace
 
@@ -110,7 +147,14 @@ DLDevice dlpack_device(const Device& device) {
 
 Buffer buffer_from_dlpack(const Device& device, DLManagedTensor* tensor) {
   if (tensor == nullptr) throw InvalidArgument("from_dlpack: null tensor");
-  return wrap(device, tensor->dl_tensor, true, [tensor] {
+  // A legacy capsule cannot say read-only. One that routemm exported keeps its storage's flag;
+  // any other producer's tensor is writable, as the legacy protocol implies.
+  bool writable = true;
+  if (tensor->deleter == &delete_legacy_export) {
+    writable =
+        static_cast<ExportContext<DLManagedTensor>*>(tensor->manager_ctx)->storage->writable();
+  }
+  return wrap(device, tensor->dl_tensor, writable, [tensor] {
     if (tensor->deleter != nullptr) tensor->deleter(tensor);
   });
 }
@@ -129,24 +173,20 @@ Buffer buffer_from_dlpack(const Device& device, DLManagedTensorVersioned* tensor
 
 DLManagedTensor* buffer_to_dlpack(const Buffer& buffer) {
   if (!buffer.valid()) throw InvalidArgument("to_dlpack: empty buffer");
-  auto* ctx = new ExportContext;
-  ctx->storage = buffer.storage();
-  for (uint64_t d : buffer.shape()) ctx->shape.push_back(static_cast<int64_t>(d));
-  const Device device(buffer.backend());
-  DLTensor& t = ctx->tensor.dl_tensor;
-  // The data pointer names the first logical byte (byte_offset 0): some consumers ignore byte_offset.
-  t.data = buffer.data();
-  t.byte_offset = 0;
-  t.device = dlpack_device(device);
-  t.ndim = static_cast<int32_t>(ctx->shape.size());
-  t.dtype = dtype_to_dlpack(buffer.dtype());
-  t.shape = ctx->shape.data();
-  t.strides = nullptr;
-  ctx->tensor.manager_ctx = ctx;
-  ctx->tensor.deleter = [](DLManagedTensor* self) {
-    delete static_cast<ExportContext*>(self->manager_ctx);
-  };
-  return &ctx->tensor;
+  auto ctx = std::make_unique<ExportContext<DLManagedTensor>>();
+  describe(buffer, *ctx);
+  ctx->tensor.deleter = &delete_legacy_export;
+  return &ctx.release()->tensor;
+}
+
+DLManagedTensorVersioned* buffer_to_dlpack_versioned(const Buffer& buffer) {
+  if (!buffer.valid()) throw InvalidArgument("to_dlpack: empty buffer");
+  auto ctx = std::make_unique<ExportContext<DLManagedTensorVersioned>>();
+  describe(buffer, *ctx);
+  ctx->tensor.version = {kRoutemmDLPackMajorVersion, kRoutemmDLPackMinorVersion};
+  ctx->tensor.flags = buffer.writable() ? 0 : kRoutemmDLFlagReadOnly;
+  ctx->tensor.deleter = &delete_versioned_export;
+  return &ctx.release()->tensor;
 }
 
 }  // namespace routemm

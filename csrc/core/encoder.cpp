@@ -49,6 +49,23 @@ KernelArg KernelArg::raw(const void* data, size_t size) {
   return arg;
 }
 
+CommandEncoder::Use::Use(const CommandEncoder& encoder, const char* call)
+    : owner_(encoder.owner_.thread) {
+  const std::thread::id me = std::this_thread::get_id();
+  std::thread::id holder{};
+  if (owner_.compare_exchange_strong(holder, me, std::memory_order_acquire)) {
+    outermost_ = true;
+  } else if (holder != me) {
+    throw Error(std::string("CommandEncoder.") + call +
+                ": the encoder is in use by another thread (an encoder belongs to one thread at a "
+                "time; give each thread its own)");
+  }
+}
+
+CommandEncoder::Use::~Use() {
+  if (outermost_) owner_.store(std::thread::id{}, std::memory_order_release);
+}
+
 CommandEncoder::CommandEncoder(std::shared_ptr<Backend> backend)
     : backend_(std::move(backend)), queue_(backend_->create_queue()) {
   ++g_encoders;
@@ -62,6 +79,7 @@ uint64_t CommandEncoder::device_registry_id() const { return backend_->registry_
 
 void CommandEncoder::set_pending_buffer_ranges(std::vector<ByteRange> reads,
                                                std::vector<ByteRange> writes) {
+  const Use use(*this, "set_pending_buffer_ranges");
   if (!capturing_) return;
   pending_reads_ = std::move(reads);
   pending_writes_ = std::move(writes);
@@ -71,8 +89,11 @@ void CommandEncoder::dispatch(const Pipeline& pipeline,
                               std::span<const std::pair<uint32_t, KernelArg>> args, Dim3 grid,
                               Dim3 threads, DispatchKind kind,
                               std::vector<std::pair<uint64_t, uint64_t>> threadgroup_memory) {
+  const Use use(*this, "dispatch");
   // Check everything before any state changes, so a rejected dispatch leaves no trace.
   const std::string& label = pipeline.label();
+  if (pipeline.def().check_args == nullptr)
+    throw InvalidArgument("kernel '" + label + "' has no argument contract");
   if (receipt_ && receipt_->dispatches.size() >= receipt_->capacity) {
     throw InvalidArgument("dispatch receipt capacity " + std::to_string(receipt_->capacity) +
                           " exceeded by '" + label + "'");
@@ -131,6 +152,7 @@ void CommandEncoder::dispatch(const Pipeline& pipeline,
       bound.kind = BoundArg::Kind::Buffer;
       bound.data = static_cast<char*>(buffer.storage()->data()) + arg.offset;
       bound.size = allocation - arg.offset;
+      bound.writable = buffer.writable();
       command.keep_alive.push_back(buffer.storage());
       if (capturing_) {
         binding.address = buffer.address();
@@ -140,6 +162,7 @@ void CommandEncoder::dispatch(const Pipeline& pipeline,
     command.launch.args[slot] = bound;
     if (capturing_) bindings.push_back(std::move(binding));
   }
+  pipeline.def().check_args(command.launch);
 
   ++g_dispatches;
   if (!recording) {
@@ -167,6 +190,7 @@ void CommandEncoder::dispatch(const Pipeline& pipeline,
 }
 
 void CommandEncoder::memory_barrier() {
+  const Use use(*this, "memory_barrier");
   if (capturing_) {
     CapturedNode node;
     node.kind = CapturedNode::Kind::Barrier;
@@ -181,18 +205,36 @@ void CommandEncoder::memory_barrier() {
 }
 
 void CommandEncoder::commit_and_wait() {
+  const Use use(*this, "commit_and_wait");
   ++g_commits;
   pending_dispatches_ = 0;
   queue_->commit_and_wait();
 }
 
 GpuInterval CommandEncoder::commit_wait_with_gpu_time() {
+  const Use use(*this, "commit_wait_with_gpu_time");
   ++g_commits;
   pending_dispatches_ = 0;
   return queue_->commit_wait_with_gpu_time();
 }
 
+uint64_t CommandEncoder::pending_dispatches() const {
+  const Use use(*this, "pending_dispatches");
+  return pending_dispatches_;
+}
+
+bool CommandEncoder::is_capturing() const {
+  const Use use(*this, "is_capturing");
+  return capturing_;
+}
+
+bool CommandEncoder::has_open_receipt() const {
+  const Use use(*this, "has_open_receipt");
+  return receipt_.has_value();
+}
+
 void CommandEncoder::start_capture() {
+  const Use use(*this, "start_capture");
   if (receipt_) throw InvalidArgument("cannot start capture while a dispatch receipt is open");
   if (capturing_) throw InvalidArgument("capture is already active");
   capturing_ = true;
@@ -202,6 +244,7 @@ void CommandEncoder::start_capture() {
 }
 
 std::optional<std::vector<CapturedNode>> CommandEncoder::take_capture() {
+  const Use use(*this, "take_capture");
   if (!capturing_) return std::nullopt;
   capturing_ = false;
   pending_reads_.clear();
@@ -210,6 +253,7 @@ std::optional<std::vector<CapturedNode>> CommandEncoder::take_capture() {
 }
 
 void CommandEncoder::start_encoded_dispatch_receipt(size_t capacity) {
+  const Use use(*this, "start_encoded_dispatch_receipt");
   if (capturing_) throw InvalidArgument("dispatch receipt cannot coexist with graph capture");
   if (receipt_) throw InvalidArgument("a dispatch receipt is already open");
   if (capacity == 0) throw InvalidArgument("dispatch receipt capacity must be nonzero");
@@ -217,11 +261,13 @@ void CommandEncoder::start_encoded_dispatch_receipt(size_t capacity) {
 }
 
 size_t CommandEncoder::receipt_slots_left() const {
+  const Use use(*this, "receipt_slots_left");
   if (!receipt_) return SIZE_MAX;
   return receipt_->capacity - receipt_->dispatches.size();
 }
 
 std::vector<EncodedKernelDispatch> CommandEncoder::take_encoded_dispatch_receipt() {
+  const Use use(*this, "take_encoded_dispatch_receipt");
   if (!receipt_) throw InvalidArgument("no dispatch receipt is open");
   auto dispatches = std::move(receipt_->dispatches);
   receipt_.reset();

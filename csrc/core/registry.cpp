@@ -2,6 +2,9 @@
 #include "routemm/registry.h"
 
 #include <atomic>
+#include <charconv>
+#include <climits>
+#include <cstdint>
 
 #include "routemm/error.h"
 
@@ -19,6 +22,49 @@ std::string pipeline_label(std::string_view name,
     label.append("|").append(std::to_string(index)).append(":i").append(std::to_string(value));
   }
   return label;
+}
+
+namespace {
+
+// A decimal integer in `text` that must be the whole of it: an optional '-' (when `allow_minus`)
+// then digits, within [min, max]. No '+', spaces or other characters.
+std::optional<int64_t> parse_decimal(std::string_view text, bool allow_minus, int64_t min,
+                                     int64_t max) {
+  if (text.empty() || (text.front() == '-' && !allow_minus)) return std::nullopt;
+  int64_t value = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+  if (ec != std::errc() || ptr != end || value < min || value > max) return std::nullopt;
+  return value;
+}
+
+}  // namespace
+
+std::pair<std::string_view, std::vector<std::pair<uint32_t, int32_t>>> parse_pipeline_label(
+    std::string_view label) {
+  const auto malformed = [&] {
+    return InvalidArgument(
+        "malformed pipeline label '" + std::string(label) +
+        "' (expected name|<index>:i<value>... with a u32 index and an i32 value)");
+  };
+  const size_t bar = label.find('|');
+  const std::string_view name = label.substr(0, bar);
+  std::vector<std::pair<uint32_t, int32_t>> constants;
+  for (size_t pos = bar; pos != std::string_view::npos;) {
+    const size_t next = label.find('|', pos + 1);
+    const std::string_view part =
+        label.substr(pos + 1, next == std::string_view::npos ? next : next - pos - 1);
+    const size_t colon = part.find(":i");
+    if (colon == std::string_view::npos) throw malformed();
+    const auto index = parse_decimal(part.substr(0, colon), false, 0, UINT32_MAX);
+    const auto value = parse_decimal(part.substr(colon + 2), true, INT32_MIN, INT32_MAX);
+    if (!index || !value) throw malformed();
+    constants.emplace_back(static_cast<uint32_t>(*index), static_cast<int32_t>(*value));
+    pos = next;
+  }
+  // One spelling per identity: leading zeros or "-0" would name the same pipeline twice.
+  if (pipeline_label(name, constants) != label) throw malformed();
+  return {name, std::move(constants)};
 }
 
 KernelRegistry::KernelRegistry(const Device& device)
@@ -63,32 +109,7 @@ PipelinePtr KernelRegistry::get_pipeline(
 }
 
 PipelineIdentity KernelRegistry::pipeline_identity(std::string_view label) {
-  // Parse `name|<index>:i<value>|...` back into a name and constants.
-  const size_t bar = label.find('|');
-  const std::string_view name = label.substr(0, bar);
-  std::vector<std::pair<uint32_t, int32_t>> constants;
-  size_t pos = bar;
-  while (pos != std::string_view::npos) {
-    const size_t next = label.find('|', pos + 1);
-    const std::string_view part =
-        label.substr(pos + 1, next == std::string_view::npos ? next : next - pos - 1);
-    const size_t colon = part.find(":i");
-    if (colon == std::string_view::npos || colon == 0 || colon + 2 >= part.size()) {
-      throw InvalidArgument("malformed pipeline label '" + std::string(label) + "'");
-    }
-    try {
-      size_t used_index = 0, used_value = 0;
-      const std::string index_text(part.substr(0, colon)), value_text(part.substr(colon + 2));
-      const unsigned long index = std::stoul(index_text, &used_index);
-      const long value = std::stol(value_text, &used_value);
-      if (used_index != index_text.size() || used_value != value_text.size())
-        throw std::invalid_argument("");
-      constants.emplace_back(static_cast<uint32_t>(index), static_cast<int32_t>(value));
-    } catch (const std::logic_error&) {
-      throw InvalidArgument("malformed pipeline label '" + std::string(label) + "'");
-    }
-    pos = next;
-  }
+  const auto [name, constants] = parse_pipeline_label(label);
   return get_pipeline(name, constants)->identity();
 }
 
@@ -123,6 +144,8 @@ void KernelRegistry::register_kernel(KernelDef def) {
                           "' is protected by a frozen route plan and cannot be re-registered");
   }
   if (def.fn == nullptr) throw InvalidArgument("kernel '" + def.name + "' has no entry point");
+  if (def.check_args == nullptr)
+    throw InvalidArgument("kernel '" + def.name + "' has no argument contract");
   for (auto it = pipelines_.begin(); it != pipelines_.end();) {
     it = it->second->kernel_name() == def.name ? pipelines_.erase(it) : std::next(it);
   }

@@ -254,6 +254,8 @@ DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegi
     fail("encoder, registry and buffers must belong to one device (encoder/device mismatch)");
   }
 
+  // Held across the route's dispatches: no other thread can enter the encoder between them.
+  const CommandEncoder::Use use(encoder, "dense_matmul_id");
   const bool grouped = is_grouped(cap.route);
   const uint32_t dispatches = grouped ? 2 : 1;
   if (encoder.receipt_slots_left() < dispatches) {

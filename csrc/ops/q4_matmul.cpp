@@ -115,6 +115,7 @@ GgmlQuantizedMatmulReceipt encode(CommandEncoder& encoder, KernelRegistry& regis
   if (registry.device().backend() != encoder.backend() || weight.backend() != encoder.backend()) {
     fail("encoder, registry and buffers must belong to one device (encoder/device mismatch)");
   }
+  const CommandEncoder::Use use(encoder, "quantized_matmul_ggml");
   if (encoder.receipt_slots_left() < 1) {
     fail("open dispatch receipt has no room for the one dispatch this call encodes");
   }

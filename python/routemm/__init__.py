@@ -18,7 +18,7 @@ from ._core_api import (
     dtype_of,
     numpy_dtype,
 )
-from ._errors import CommandBufferError, Error, InvalidArgumentError, KernelNotFoundError
+from ._errors import CommandBufferError, Error, InvalidArgumentError, KernelNotFoundError, OutOfMemoryError
 from ._interop import from_dlpack
 from .dense_matmul_id import (
     DenseMatmulIdCapability,
@@ -99,6 +99,7 @@ __all__ = [
     "InvalidArgumentError",
     "KernelNotFoundError",
     "KernelRegistry",
+    "OutOfMemoryError",
     "Pipeline",
     "PipelineIdentity",
     "available_backends",

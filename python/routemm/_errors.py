@@ -9,6 +9,11 @@ class InvalidArgumentError(Error, ValueError):
     """Bad caller input: the message names the operation and the offending value."""
 
 
+class OutOfMemoryError(Error, MemoryError):
+    """An allocation of a possible size failed: the device has no memory for it now (an impossible
+    size is an InvalidArgumentError instead)."""
+
+
 class KernelNotFoundError(Error, LookupError):
     """A pipeline is not registered on this device (or its lookup was made to fail on purpose)."""
 

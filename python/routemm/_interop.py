@@ -37,8 +37,10 @@ def _device_for_dlpack(device_type: int, device_id: int) -> _core.Device:
 def from_dlpack(obj, device: Optional[_core.Device] = None) -> _core.Buffer:
     """Wrap `obj` (a DLPack or __cuda_array_interface__ producer, or a Buffer) without copying.
 
-    The tensor must be C-contiguous and writable where a kernel writes it; its dtype must be one of
-    routemm's. `device` defaults to the device the tensor lives on.
+    The tensor must be C-contiguous; its dtype must be one of routemm's. `device` defaults to the
+    device the tensor lives on. Read-only survives: the producer is asked for a DLPack 1.0 capsule,
+    whose read-only flag makes a read-only buffer (refused as any op's output); a legacy capsule
+    that routemm itself exported keeps the writability of the buffer it came from.
     """
     if isinstance(obj, _core.Buffer):
         return obj
@@ -46,19 +48,27 @@ def from_dlpack(obj, device: Optional[_core.Device] = None) -> _core.Buffer:
         device_type, device_id = (int(v) for v in obj.__dlpack_device__())
         if device is None:
             device = _device_for_dlpack(device_type, device_id)
-        if isinstance(obj, np.ndarray) and not obj.flags.writeable:
-            raise InvalidArgumentError("from_dlpack: read-only NumPy arrays cannot be shared; pass a copy")
-        if device_type == _DL_CUDA:
-            capsule = obj.__dlpack__(stream=1)
-        else:
-            capsule = obj.__dlpack__()
-        return _core._buffer_from_dlpack_capsule(device, capsule)
+        return _core._buffer_from_dlpack_capsule(device, _dlpack_capsule(obj, device_type))
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
         return _from_cuda_array_interface(obj, cai, device)
     raise InvalidArgumentError(
         f"from_dlpack: {type(obj).__name__} implements neither __dlpack__ nor __cuda_array_interface__"
     )
+
+
+def _dlpack_capsule(obj, device_type: int):
+    """The producer's capsule: versioned (DLPack 1.0, it can say read-only) where the producer
+    takes `max_version`, else legacy."""
+    kwargs = {"stream": 1} if device_type == _DL_CUDA else {}
+    try:
+        return obj.__dlpack__(max_version=(1, 0), **kwargs)
+    except TypeError:
+        pass  # a producer older than DLPack 1.0: no max_version keyword
+    if isinstance(obj, np.ndarray) and not obj.flags.writeable:
+        # A legacy capsule cannot carry read-only; NumPy refuses to export one for this array.
+        raise InvalidArgumentError("from_dlpack: read-only NumPy arrays cannot be shared; pass a copy")
+    return obj.__dlpack__(**kwargs)
 
 
 def _from_cuda_array_interface(obj, cai: dict, device) -> _core.Buffer:
@@ -82,12 +92,18 @@ def _from_cuda_array_interface(obj, cai: dict, device) -> _core.Buffer:
 
 
 def _buffer_dlpack(self: _core.Buffer, *, stream=None, max_version=None, dl_device=None, copy=None):
-    """DLPack export of this buffer's logical view (legacy capsule; zero-copy)."""
+    """DLPack export of this buffer's logical view, zero-copy.
+
+    A consumer that passes `max_version` with major version 1 or more gets a DLPack 1.0 versioned
+    capsule, flagged read-only when this buffer is not writable; otherwise a legacy capsule, which
+    cannot carry that flag (routemm's own `from_dlpack` still recognises its read-only buffers).
+    """
     if copy:
         raise BufferError("routemm buffers export without copying")
     if dl_device is not None and tuple(dl_device) != tuple(_core._dlpack_device(self.device)):
         raise BufferError("routemm buffers export only on their own device")
-    return _core._buffer_to_dlpack_capsule(self)
+    versioned = max_version is not None and int(max_version[0]) >= 1
+    return _core._buffer_to_dlpack_capsule(self, versioned)
 
 
 def _buffer_dlpack_device(self: _core.Buffer):

@@ -1,6 +1,10 @@
 // CommandEncoder, capture nodes, dispatch receipts and counters.
 #include <pybind11/stl.h>
 
+#include <exception>
+#include <optional>
+#include <type_traits>
+
 #include "bindings.h"
 #include "routemm/encoder.h"
 #include "routemm/error.h"
@@ -60,6 +64,32 @@ py::dict node_dict(const CapturedNode& node) {
   return out;
 }
 
+// Runs `work` (which must not touch Python) with the GIL released, then takes the GIL back in
+// ordinary code rather than in a destructor. At interpreter exit CPython ends a daemon thread that
+// asks for the GIL by unwinding its stack; an unwind through a destructor (implicitly noexcept)
+// would call std::terminate and abort the whole process, while through ordinary frames it ends
+// just that thread. An exception from `work` is rethrown once the GIL is held again.
+template <class Work>
+auto without_gil(Work&& work) -> decltype(work()) {
+  using Result = decltype(work());
+  std::exception_ptr error;
+  std::optional<std::conditional_t<std::is_void_v<Result>, bool, Result>> result;
+  PyThreadState* state = PyEval_SaveThread();
+  try {
+    if constexpr (std::is_void_v<Result>) {
+      work();
+      result = true;
+    } else {
+      result = work();
+    }
+  } catch (...) {
+    error = std::current_exception();
+  }
+  PyEval_RestoreThread(state);
+  if (error) std::rethrow_exception(error);
+  if constexpr (!std::is_void_v<Result>) return std::move(*result);
+}
+
 std::vector<ByteRange> to_ranges(const std::vector<std::pair<uint64_t, uint64_t>>& pairs) {
   std::vector<ByteRange> out;
   for (const auto& [start, end] : pairs) out.push_back({start, end});
@@ -82,20 +112,23 @@ void init_encoder(py::module_& m) {
   });
   m.def("reset_encoder_counters", &reset_encoder_counters);
 
-  py::class_<CommandEncoder>(m, "CommandEncoder")
+  py::class_<CommandEncoder>(m, "CommandEncoder",
+                             "Records dispatches and barriers for one device queue, then commits "
+                             "them. Belongs to one thread at a time: a call that enters it while "
+                             "another thread is inside it raises routemm.Error and changes nothing "
+                             "(give each thread its own encoder).")
       .def_property_readonly("device_registry_id", &CommandEncoder::device_registry_id)
       .def_property_readonly("pending_dispatches", &CommandEncoder::pending_dispatches)
       .def("memory_barrier", &CommandEncoder::memory_barrier)
-      .def("commit_and_wait", &CommandEncoder::commit_and_wait,
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "commit_and_wait", [](CommandEncoder& e) { without_gil([&] { e.commit_and_wait(); }); },
+          "Run everything encoded so far and wait for it (the GIL is released meanwhile). An "
+          "encoder belongs to one thread at a time: a call from another thread while this runs "
+          "raises routemm.Error.")
       .def(
           "commit_wait_with_gpu_time",
           [](CommandEncoder& e) {
-            GpuInterval t;
-            {
-              py::gil_scoped_release release;
-              t = e.commit_wait_with_gpu_time();
-            }
+            const GpuInterval t = without_gil([&] { return e.commit_wait_with_gpu_time(); });
             return py::make_tuple(t.start_s, t.end_s);
           },
           "Commit, wait, and return (gpu_start_s, gpu_end_s).")

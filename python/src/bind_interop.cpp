@@ -2,6 +2,8 @@
 // (__cuda_array_interface__, NumPy). Which protocol to use is decided in routemm/_interop.py.
 #include <pybind11/stl.h>
 
+#include <type_traits>
+
 #include "bindings.h"
 #include "routemm/dlpack.h"
 #include "routemm/error.h"
@@ -12,10 +14,12 @@ namespace {
 constexpr const char* kLegacy = "dltensor";
 constexpr const char* kVersioned = "dltensor_versioned";
 
+// Only an unconsumed capsule still owns its tensor (a consumer renames the capsule it takes).
+template <class Managed>
 void capsule_destructor(PyObject* capsule) {
-  // Only an unconsumed capsule still owns its tensor.
-  if (PyCapsule_IsValid(capsule, kLegacy)) {
-    auto* tensor = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, kLegacy));
+  const char* name = std::is_same_v<Managed, DLManagedTensor> ? kLegacy : kVersioned;
+  if (PyCapsule_IsValid(capsule, name)) {
+    auto* tensor = static_cast<Managed*>(PyCapsule_GetPointer(capsule, name));
     if (tensor != nullptr && tensor->deleter != nullptr) tensor->deleter(tensor);
   }
 }
@@ -72,10 +76,17 @@ void init_interop(py::module_& m) {
     const DLDevice d = dlpack_device(device);
     return py::make_tuple(d.device_type, d.device_id);
   });
-  m.def("_buffer_to_dlpack_capsule", [](const Buffer& buffer) {
-    DLManagedTensor* tensor = buffer_to_dlpack(buffer);
-    return py::capsule(tensor, kLegacy, &capsule_destructor);
-  });
+  m.def(
+      "_buffer_to_dlpack_capsule",
+      [](const Buffer& buffer, bool versioned) {
+        if (versioned) {
+          DLManagedTensorVersioned* tensor = buffer_to_dlpack_versioned(buffer);
+          return py::capsule(tensor, kVersioned, &capsule_destructor<DLManagedTensorVersioned>);
+        }
+        DLManagedTensor* tensor = buffer_to_dlpack(buffer);
+        return py::capsule(tensor, kLegacy, &capsule_destructor<DLManagedTensor>);
+      },
+      py::arg("buffer"), py::arg("versioned"));
   m.def("_wait_for_external_stream", [](const Device& device, uint64_t stream) {
     device.backend()->wait_for_external_stream(stream);
   });

@@ -30,6 +30,8 @@ PYBIND11_MODULE(_core, m) {
       if (p) std::rethrow_exception(p);
     } catch (const routemm::InvalidArgument& e) {
       raise_as("InvalidArgumentError", e.what());
+    } catch (const routemm::OutOfMemory& e) {
+      raise_as("OutOfMemoryError", e.what());
     } catch (const routemm::KernelNotFound& e) {
       raise_as("KernelNotFoundError", e.what());
     } catch (const routemm::CommandBufferError& e) {

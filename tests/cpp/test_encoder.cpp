@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "backend/common/calibration_params.h"
 #include "routemm/encoder.h"
 #include "routemm/error.h"
 #include "routemm/registry.h"
@@ -15,6 +16,7 @@ struct Fixture {
   Device device{std::string("cpu")};
   KernelRegistry registry{device};
   PipelinePtr map = registry.get_pipeline("dense_matmul_id_map_distinct");
+  PipelinePtr poison = registry.get_pipeline("routemm_calibration_poison_f32");
 };
 
 }  // namespace
@@ -38,22 +40,23 @@ TEST(Encoder, CaptureRecordsBindingsAndPendingRangesWithoutExecuting) {
   Fixture f;
   CommandEncoder encoder = f.device.command_encoder();
   Buffer a = f.device.alloc(64, DType::U32, {16});
-  const uint32_t value = 7;
+  Buffer b = f.device.alloc(64, DType::U32, {16});
+  const kernels::CalibrationKernelParams params{2, 2, 0, 0};
   encoder.start_capture();
   encoder.set_pending_buffer_ranges({{1, 2}}, {{3, 4}});
-  const std::pair<uint32_t, KernelArg> args[] = {{0, KernelArg::pod(value)},
-                                                 {1, KernelArg::at(a, 8)}};
+  const std::pair<uint32_t, KernelArg> args[] = {
+      {2, KernelArg::pod(params)}, {0, KernelArg::at(a, 8)}, {1, KernelArg::of(b)}};
   const uint64_t dispatches = dispatch_count();
-  encoder.dispatch(*f.map, args, Dim3{1, 1, 1}, Dim3{4, 1, 1});
+  encoder.dispatch(*f.poison, args, Dim3{2, 1, 1}, Dim3{2, 1, 1}, DispatchKind::Threads);
   EXPECT_EQ(dispatch_count(), dispatches + 1);
-  encoder.dispatch(*f.map, args, Dim3{2, 1, 1}, Dim3{4, 1, 1});
+  encoder.dispatch(*f.poison, args, Dim3{2, 1, 1}, Dim3{2, 1, 1}, DispatchKind::Threads);
   auto nodes = encoder.take_capture().value();
   ASSERT_EQ(nodes.size(), 2u);
-  EXPECT_EQ(nodes[0].dispatch.pipeline_label, "dense_matmul_id_map_distinct");
+  EXPECT_EQ(nodes[0].dispatch.pipeline_label, "routemm_calibration_poison_f32");
   EXPECT_EQ(nodes[0].reads, (std::vector<ByteRange>{{1, 2}}));
   EXPECT_EQ(nodes[0].writes, (std::vector<ByteRange>{{3, 4}}));
   EXPECT_TRUE(nodes[1].reads.empty());  // pending ranges apply to one dispatch only
-  ASSERT_EQ(nodes[0].bindings.size(), 2u);
+  ASSERT_EQ(nodes[0].bindings.size(), 3u);
   EXPECT_TRUE(nodes[0].bindings[0].is_bytes);
   EXPECT_EQ(nodes[0].bindings[1].address, a.address());
   EXPECT_EQ(nodes[0].bindings[1].offset, 8u);

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "backend/common/calibration_params.h"
+#include "backend/common/kernel_contracts.h"
 #include "backend/metal/kernels.h"
 #include "routemm/backend.h"
 #include "routemm/device.h"
@@ -203,6 +204,7 @@ class TableBackend final : public Backend {
       KernelDef def;
       def.name = std::string(spec.name);
       def.fn = spec.fn;
+      def.check_args = kernels::kernel_arg_contract(spec.name);
       def.max_threads_per_threadgroup = 1024;
       def.threads_per_group = spec.threads_per_group;
       def.tile_x = spec.tile_x;

@@ -5,6 +5,7 @@ under each policy (explicit and from the environment), receipts, geometry and JS
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -449,15 +450,42 @@ def test_policy_is_frozen():
 
 
 def test_rejected_launch_names_its_pipeline(device, registry, rng):
-    """A kernel that rejects its launch (here: the mat-vec's code under the 64x32 name, given the
-    matrix routes' arguments) fails the submission with a CommandBufferError naming that pipeline,
-    whether the backend launches at encode (CUDA) or at commit (CPU)."""
-    registry.register_kernel_from(Route.TENSOR_64X32.pipeline_name, "kernel_mul_mv_q4_0_f32")
+    """A kernel that rejects its launch (here: a raw dispatch of the 64x32 route whose arguments
+    satisfy the argument contract but whose grid is not the route's tiles) fails the submission
+    with a CommandBufferError naming that pipeline, whether the backend launches at encode (CUDA)
+    or at commit (CPU)."""
     case = Q4Case(device, rng, 9, 16, 64)
     encoder = device.command_encoder()
+    encoder.start_capture()
+    routemm.encode_q4_route(
+        encoder, registry, case.input.view, case.weight.view, case.output.view, case.params(), Route.TENSOR_64X32
+    )
+    (node,) = encoder.take_capture()
+    params = next(b["bytes"] for b in node.bindings if b["slot"] == 0)
+    pipeline = registry.get_pipeline(Route.TENSOR_64X32.pipeline_name, [(700, 1), (701, 1), (702, 1)])
+    grid = (node.dispatch.grid[0] + 1, *node.dispatch.grid[1:])
+    args = [(0, params), (1, case.weight.view), (2, case.input.view), (3, case.output.view)]
     with pytest.raises(routemm.CommandBufferError) as info:
-        routemm.encode_q4_route(
-            encoder, registry, case.input.view, case.weight.view, case.output.view, case.params(), Route.TENSOR_64X32
+        encoder.dispatch(
+            pipeline,
+            args,
+            grid,
+            node.dispatch.threads_per_threadgroup,
+            threadgroup_memory=node.dispatch.threadgroup_memory,
         )
         encoder.commit_and_wait()
     assert info.value.pipeline_label == Route.TENSOR_64X32.pipeline_label
+
+
+def test_argument_contract_travels_with_the_code(device, registry, rng):
+    """The mat-vec's code under the 64x32 name keeps the mat-vec's argument contract: given the
+    matrix routes' arguments, the dispatch is refused before anything is encoded, naming the
+    pipeline."""
+    registry.register_kernel_from(Route.TENSOR_64X32.pipeline_name, "kernel_mul_mv_q4_0_f32")
+    case = Q4Case(device, rng, 9, 16, 64)
+    encoder = device.command_encoder()
+    with pytest.raises(routemm.InvalidArgumentError, match=re.escape(Route.TENSOR_64X32.pipeline_label)):
+        routemm.encode_q4_route(
+            encoder, registry, case.input.view, case.weight.view, case.output.view, case.params(), Route.TENSOR_64X32
+        )
+    assert encoder.pending_dispatches == 0

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "backend/common/dense_matmul_id_params.h"
+#include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "kernels.h"
 #include "routemm/error.h"
@@ -532,6 +533,7 @@ KernelDef make_def(std::string_view name, KernelFn fn) {
   KernelDef def;
   def.name = std::string(name);
   def.fn = fn;
+  def.check_args = kernels::kernel_arg_contract(name);
   def.max_threads_per_threadgroup = 1024;
   def.origin = "builtin_cpu";
   def.content_sha256 = ROUTEMM_CPU_DENSE_MATMUL_ID_SHA256;

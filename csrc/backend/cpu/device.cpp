@@ -6,6 +6,7 @@
 
 #include "kernels.h"
 #include "routemm/backend.h"
+#include "routemm/checked.h"
 #include "routemm/error.h"
 #include "thread_pool.h"
 
@@ -69,10 +70,10 @@ class CpuBackend final : public Backend {
   int32_t dlpack_device_type() const override { return 1; }
 
   std::shared_ptr<Storage> allocate(size_t nbytes) override {
-    const size_t rounded = ((nbytes + kAlignment - 1) / kAlignment) * kAlignment;
+    const uint64_t rounded = checked_round_up(nbytes, kAlignment, "cpu backend allocation");
     void* data = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
     if (data == nullptr)
-      throw Error("cpu backend: cannot allocate " + std::to_string(nbytes) + " bytes");
+      throw OutOfMemory("cpu backend: cannot allocate " + std::to_string(nbytes) + " bytes");
     return std::make_shared<Storage>(shared_from_this(), data, nbytes, true);
   }
   void deallocate(void* data, size_t) noexcept override { std::free(data); }

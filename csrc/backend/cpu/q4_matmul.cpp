@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "backend/common/q4_0_block.h"
 #include "kernels.h"
@@ -460,6 +461,7 @@ KernelDef make_def(std::string_view name, KernelFn fn, uint32_t threads, uint32_
   KernelDef def;
   def.name = std::string(name);
   def.fn = fn;
+  def.check_args = kernels::kernel_arg_contract(name);
   def.max_threads_per_threadgroup = 1024;
   def.threads_per_group = threads;
   def.tile_x = tile_x;

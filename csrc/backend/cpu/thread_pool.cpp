@@ -24,12 +24,15 @@ ThreadPool::~ThreadPool() {
 }
 
 ThreadPool& ThreadPool::instance() {
-  static ThreadPool pool([] {
+  // Never destroyed: at process exit a thread that is still inside a kernel (e.g. a daemon thread
+  // of an embedding interpreter) may still be using the pool while static destructors run, and
+  // joining workers then could deadlock. The OS reclaims the threads with the process.
+  static ThreadPool* const pool = new ThreadPool([] {
     const int64_t configured = env::cpu_threads();
     if (configured > 0) return static_cast<size_t>(configured);
     return std::max<size_t>(1, std::thread::hardware_concurrency());
   }());
-  return pool;
+  return *pool;
 }
 
 void ThreadPool::run_chunks() {

@@ -1,5 +1,6 @@
 // A fixed pool of worker threads for CPU kernels: parallel_for over an index range, the calling
-// thread taking part. One pool per process, sized by ROUTEMM_CPU_THREADS (default: hardware threads).
+// thread taking part. One pool per process, sized by ROUTEMM_CPU_THREADS (default: hardware threads),
+// alive until the process ends (never destroyed at exit).
 #pragma once
 
 #include <condition_variable>

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "backend/common/calibration_params.h"
+#include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "kernels.h"
 #include "routemm/error.h"
@@ -110,6 +111,7 @@ KernelDef def(std::string_view name, KernelFn fn) {
   KernelDef d;
   d.name = std::string(name);
   d.fn = fn;
+  d.check_args = kernels::kernel_arg_contract(name);
   d.max_threads_per_threadgroup = 1024;
   d.threads_per_group = 256;
   d.origin = "cuda_fatbin";

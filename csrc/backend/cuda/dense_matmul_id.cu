@@ -41,6 +41,7 @@
 #include <string>
 
 #include "backend/common/dense_matmul_id_params.h"
+#include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "grouped_work_list.cuh"
 #include "hopper_support.h"
@@ -926,6 +927,7 @@ KernelDef def(std::string_view name, KernelFn fn, uint32_t threads, uint32_t til
   KernelDef d;
   d.name = std::string(name);
   d.fn = fn;
+  d.check_args = kernels::kernel_arg_contract(name);
   d.max_threads_per_threadgroup = max_threads;
   d.threads_per_group = threads;
   d.tile_x = tile_x;

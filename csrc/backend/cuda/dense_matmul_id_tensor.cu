@@ -40,6 +40,7 @@
 #include <utility>
 
 #include "backend/common/dense_matmul_id_params.h"
+#include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "dense_matmul_id_wgmma.h"
 #include "grouped_work_list.cuh"
@@ -521,6 +522,7 @@ KernelDef tensor_def(std::string_view name, KernelFn fn, uint32_t persistent_gro
   KernelDef def;
   def.name = std::string(name);
   def.fn = fn;
+  def.check_args = kernels::kernel_arg_contract(name);
   def.max_threads_per_threadgroup = 1024;
   def.threads_per_group = kThreads;
   // A persistent kernel: the tile fields bound the work items (64-row tiles, the smaller of the two

@@ -178,8 +178,10 @@ class CudaBackend final : public Backend {
     const cudaError_t e = cudaMalloc(&data, nbytes == 0 ? 1 : nbytes);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();  // an allocation failure is not sticky; clear it
-      throw Error("cuda backend: cannot allocate " + std::to_string(nbytes) + " bytes (" +
-                  cuda_error_text(e) + ")");
+      const std::string message = "cuda backend: cannot allocate " + std::to_string(nbytes) +
+                                  " bytes (" + cuda_error_text(e) + ")";
+      if (e == cudaErrorMemoryAllocation) throw OutOfMemory(message);
+      throw Error(message);
     }
     return std::make_shared<Storage>(shared_from_this(), data, nbytes, true);
   }

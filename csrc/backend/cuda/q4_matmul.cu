@@ -54,6 +54,7 @@
 #include <cstring>
 #include <string>
 
+#include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "backend/common/q4_0_block.h"
 #include "hopper_support.h"
@@ -735,6 +736,7 @@ KernelDef q4_def(std::string_view name, KernelFn fn, bool rows_on_x, uint32_t k_
   KernelDef def;
   def.name = std::string(name);
   def.fn = fn;
+  def.check_args = kernels::kernel_arg_contract(name);
   def.max_threads_per_threadgroup = 1024;
   def.threads_per_group = T::kThreads;
   def.tile_x = rows_on_x ? T::kRows : T::kTokens;

@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/common/kernel_contracts.h"
 #include "kernels.h"
 #include "routemm/backend.h"
 #include "routemm/error.h"
@@ -168,7 +169,7 @@ class MetalBackend final : public Backend {
     id<MTLBuffer> buffer = [device_ newBufferWithLength:(nbytes == 0 ? 1 : nbytes)
                                                 options:MTLResourceStorageModeShared];
     if (buffer == nil)
-      throw Error("metal backend: cannot allocate " + std::to_string(nbytes) + " bytes");
+      throw OutOfMemory("metal backend: cannot allocate " + std::to_string(nbytes) + " bytes");
     void* data = buffer.contents;
     {
       std::lock_guard lock(mutex_);
@@ -291,6 +292,7 @@ class MetalBackend final : public Backend {
       KernelDef def;
       def.name = std::string(spec.name);
       def.fn = spec.fn;
+      def.check_args = kernels::kernel_arg_contract(spec.name);
       def.max_threads_per_threadgroup = state.maxTotalThreadsPerThreadgroup;
       def.threads_per_group = spec.threads_per_group;
       def.tile_x = spec.tile_x;

@@ -56,8 +56,9 @@ class Storage {
 struct BoundArg {
   enum class Kind : uint8_t { Empty, Buffer, Bytes };
   Kind kind = Kind::Empty;
-  void* data = nullptr;  // Buffer: device address of the bound byte; Bytes: host copy of the data
-  size_t size = 0;       // Buffer: bytes from `data` to the end of the allocation; Bytes: length
+  void* data = nullptr;   // Buffer: device address of the bound byte; Bytes: host copy of the data
+  size_t size = 0;        // Buffer: bytes from `data` to the end of the allocation; Bytes: length
+  bool writable = false;  // Buffer: the storage may be written (false for read-only mappings)
 };
 
 inline constexpr size_t kMaxKernelSlots = 16;
@@ -77,11 +78,21 @@ struct KernelLaunch {
 // CPU thread pool); kernels must report failures by throwing routemm::Error.
 using KernelFn = void (*)(const KernelLaunch& launch, void* queue_native);
 
+// A kernel's argument contract (backend/common/kernel_contracts.h): validates a launch's bindings
+// against what the kernel will touch (slot kinds, the byte extents its params imply from each
+// bound byte, alignment for each slot's element type, written slots writable), throwing
+// InvalidArgument naming the pipeline. CommandEncoder::dispatch runs it before anything is encoded
+// or recorded, so even a raw dispatch that no op front door validated cannot reach memory outside
+// its bindings. It never reads device memory.
+using KernelArgCheck = void (*)(const KernelLaunch& launch);
+
 // A kernel a backend supplies under a pipeline name. The launch fields describe this backend's
 // geometry for the pipeline; each op documents what they mean for its pipelines.
 struct KernelDef {
   std::string name;
   KernelFn fn = nullptr;
+  // Required: a kernel without a contract cannot be registered or dispatched.
+  KernelArgCheck check_args = nullptr;
   uint64_t max_threads_per_threadgroup = 1024;
   uint32_t threads_per_group = 1;  // threads per threadgroup / block
   uint32_t tile_x = 1;             // op-specific tile extents used to size the grid

@@ -60,6 +60,11 @@ struct DLPackVersion {
   uint32_t minor;
 };
 
+// The versioned ABI routemm exports (and the major version it imports).
+constexpr uint32_t kRoutemmDLPackMajorVersion = 1;
+constexpr uint32_t kRoutemmDLPackMinorVersion = 0;
+
+// The consumer must not write through the tensor.
 constexpr uint64_t kRoutemmDLFlagReadOnly = 1ull << 0;
 
 struct DLManagedTensorVersioned {
@@ -80,11 +85,17 @@ DLDevice dlpack_device(const Device& device);
 // Wraps a producer's tensor without copying. The tensor must be compact row-major (or strides that
 // describe it), of a dtype routemm has, on `device`. On success the Buffer owns `tensor` (its
 // deleter runs when the last view is gone); on failure ownership stays with the caller.
+// Read-only provenance: a versioned tensor flagged read-only gives a read-only Buffer; a legacy
+// tensor that routemm exported keeps the writability of the buffer it came from; any other legacy
+// tensor is writable (the legacy ABI has no flag).
 Buffer buffer_from_dlpack(const Device& device, DLManagedTensor* tensor);
 Buffer buffer_from_dlpack(const Device& device, DLManagedTensorVersioned* tensor);
 
 // A DLManagedTensor describing `buffer` (its logical view, compact row-major). The caller (the
-// consumer) must call its deleter once.
+// consumer) must call its deleter once. The legacy struct cannot carry read-only: consumers that
+// can honour it should take the versioned export.
 DLManagedTensor* buffer_to_dlpack(const Buffer& buffer);
+// The same as a DLPack 1.0 versioned tensor, flagged read-only when `buffer` is not writable.
+DLManagedTensorVersioned* buffer_to_dlpack_versioned(const Buffer& buffer);
 
 }  // namespace routemm

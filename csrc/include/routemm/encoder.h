@@ -4,6 +4,13 @@
 // CapturedNodes with declared read/write byte ranges and nothing executes), and an optional
 // dispatch receipt that records every dispatch while it still executes normally. A receipt cannot
 // be opened while capturing, nor capture started while a receipt is open.
+//
+// Threads: an encoder belongs to one thread at a time. It may move between threads, but a call
+// that enters it while another thread is inside it (e.g. a dispatch while another thread's
+// commit_and_wait runs) is refused with routemm::Error and changes nothing; it never races.
+// Encoders are cheap: give each thread its own. An op that makes several calls holds a
+// CommandEncoder::Use across them, so another thread cannot slip in between and leave it half
+// encoded.
 #pragma once
 
 #include <array>
@@ -13,6 +20,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -86,6 +94,20 @@ void reset_encoder_counters();
 
 class CommandEncoder {
  public:
+  // A thread's hold on the encoder for a scope (see "Threads" above): refused with routemm::Error
+  // naming `call` while another thread holds it; nested holds by the same thread are free.
+  class [[nodiscard]] Use {
+   public:
+    Use(const CommandEncoder& encoder, const char* call);
+    ~Use();
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
+
+   private:
+    std::atomic<std::thread::id>& owner_;
+    bool outermost_ = false;
+  };
+
   explicit CommandEncoder(std::shared_ptr<Backend> backend);
   ~CommandEncoder();
   CommandEncoder(CommandEncoder&&) noexcept;
@@ -97,7 +119,8 @@ class CommandEncoder {
   // Ranges attached to the next captured dispatch, then cleared. Ignored outside capture mode.
   void set_pending_buffer_ranges(std::vector<ByteRange> reads, std::vector<ByteRange> writes);
 
-  // Encode one dispatch. Arguments must live on this encoder's backend.
+  // Encode one dispatch. Arguments must live on this encoder's backend, and satisfy the kernel's
+  // argument contract (KernelDef::check_args), checked before anything is encoded.
   void dispatch(const Pipeline& pipeline, std::span<const std::pair<uint32_t, KernelArg>> args,
                 Dim3 grid, Dim3 threads, DispatchKind kind = DispatchKind::ThreadGroups,
                 std::vector<std::pair<uint64_t, uint64_t>> threadgroup_memory = {});
@@ -110,16 +133,16 @@ class CommandEncoder {
   // Same, returning the GPU start/end of the submission in seconds.
   GpuInterval commit_wait_with_gpu_time();
   // Dispatches encoded since the last commit.
-  uint64_t pending_dispatches() const { return pending_dispatches_; }
+  uint64_t pending_dispatches() const;
 
   void start_capture();
-  bool is_capturing() const { return capturing_; }
+  bool is_capturing() const;
   // The recorded nodes, ending capture; nullopt when not capturing.
   std::optional<std::vector<CapturedNode>> take_capture();
 
   // Opens a receipt that records up to `capacity` dispatches (capacity > 0).
   void start_encoded_dispatch_receipt(size_t capacity);
-  bool has_open_receipt() const { return receipt_.has_value(); }
+  bool has_open_receipt() const;
   // Dispatches the open receipt can still record (SIZE_MAX when none is open). Op front doors check
   // this before encoding so an over-full receipt fails before anything is encoded.
   size_t receipt_slots_left() const;
@@ -127,8 +150,18 @@ class CommandEncoder {
   std::vector<EncodedKernelDispatch> take_encoded_dispatch_receipt();
 
  private:
+  // The thread holding the encoder (no thread: free). Every call holds it for its duration. Moving
+  // an encoder gives the new one a free owner: an encoder in use is not being moved by another.
+  struct Owner {
+    Owner() = default;
+    Owner(Owner&&) noexcept {}
+    Owner& operator=(Owner&&) noexcept { return *this; }
+    std::atomic<std::thread::id> thread{};
+  };
+
   std::shared_ptr<Backend> backend_;
   std::unique_ptr<Queue> queue_;
+  mutable Owner owner_;
   bool capturing_ = false;
   std::vector<CapturedNode> captured_;
   std::vector<ByteRange> pending_reads_, pending_writes_;

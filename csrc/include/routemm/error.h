@@ -18,6 +18,12 @@ class InvalidArgument : public Error {
   using Error::Error;
 };
 
+// An honest allocation failure: the size is possible, the device has no memory for it now.
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
 // A pipeline that is not registered (or whose lookup was made to fail on purpose).
 class KernelNotFound : public Error {
  public:

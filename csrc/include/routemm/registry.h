@@ -59,6 +59,11 @@ using PipelinePtr = std::shared_ptr<const Pipeline>;
 
 std::string pipeline_label(std::string_view name,
                            std::span<const std::pair<uint32_t, int32_t>> int_constants);
+// The inverse of pipeline_label, strictly: `label` must be exactly what pipeline_label writes for
+// some name and constants (decimal u32 indices, decimal i32 values, no signs but a value's '-', no
+// spaces or leading zeros); anything else is InvalidArgument. The name views `label`.
+std::pair<std::string_view, std::vector<std::pair<uint32_t, int32_t>>> parse_pipeline_label(
+    std::string_view label);
 
 class KernelRegistry {
  public:

@@ -1,0 +1,279 @@
+// Argument contracts of every pipeline, shared by all backends (host code only; not included by
+// shaders). A pipeline's slots, params struct and the extents its params imply are part of the
+// kernel ABI, the same on every backend, so each contract is written once here and every backend
+// attaches it to its KernelDef (KernelDef::check_args) through kernel_arg_contract(name).
+//
+// CommandEncoder::dispatch runs the contract before anything is encoded, so a raw dispatch (which
+// no op front door validated) cannot make a kernel touch memory outside what is bound: every
+// buffer slot must hold the bytes the params imply from its bound byte, start aligned for the
+// slot's element type, and be writable when the kernel writes it; params must be exactly the
+// kernel's struct and self-consistent. Violations are InvalidArgument naming the pipeline.
+// Contracts see only the launch (bindings and geometry), never device memory: values that the
+// kernels read from buffers (expert ids, routed rows) are checked by the kernels themselves.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "backend/common/calibration_params.h"
+#include "backend/common/dense_matmul_id_params.h"
+#include "backend/common/q4_0_block.h"
+#include "routemm/backend.h"
+#include "routemm/checked.h"
+#include "routemm/error.h"
+#include "routemm/ops/dense_matmul_id.h"
+#include "routemm/ops/q4_matmul.h"
+
+namespace routemm::kernels {
+
+enum class Access : uint8_t { Read, Write };
+
+[[noreturn]] inline void contract_violation(const KernelLaunch& launch, const std::string& why) {
+  throw InvalidArgument(launch.label + ": " + why);
+}
+
+// Slots at or past `count` must be unbound: a kernel never reads them, so a binding there is a
+// caller's mistake about the kernel's ABI.
+inline void contract_slot_count(const KernelLaunch& launch, size_t count) {
+  for (size_t slot = count; slot < launch.args.size(); ++slot) {
+    if (launch.args[slot].kind != BoundArg::Kind::Empty) {
+      contract_violation(launch, "argument slot " + std::to_string(slot) +
+                                     " is bound but the kernel takes " + std::to_string(count));
+    }
+  }
+}
+
+// The kernel-argument struct T passed as inline bytes at `slot` (exactly sizeof(T) of them).
+template <class T>
+T contract_params(const KernelLaunch& launch, size_t slot) {
+  const BoundArg& arg = launch.args.at(slot);
+  if (arg.kind != BoundArg::Kind::Bytes || arg.size != sizeof(T)) {
+    contract_violation(launch, "argument slot " + std::to_string(slot) + " must hold the " +
+                                   std::to_string(sizeof(T)) + "-byte kernel params");
+  }
+  T params;
+  std::memcpy(&params, arg.data, sizeof(T));
+  return params;
+}
+
+// The buffer bound at `slot`: at least `need` bytes from its bound byte, that byte aligned to
+// `align`, and writable when the kernel writes it.
+inline void contract_buffer(const KernelLaunch& launch, size_t slot, const char* what,
+                            uint64_t need, uint64_t align, Access access) {
+  const BoundArg& arg = launch.args.at(slot);
+  const std::string where = "argument slot " + std::to_string(slot) + " (" + what + ")";
+  if (arg.kind != BoundArg::Kind::Buffer) contract_violation(launch, where + " must be a buffer");
+  if (arg.size < need) {
+    contract_violation(launch, where + " holds " + std::to_string(arg.size) +
+                                   " bytes from its bound offset, the params need " +
+                                   std::to_string(need));
+  }
+  if (reinterpret_cast<uintptr_t>(arg.data) % align != 0) {
+    contract_violation(launch, where + " is bound at an address not aligned to " +
+                                   std::to_string(align) + " bytes");
+  }
+  if (access == Access::Write && !arg.writable)
+    contract_violation(launch, where + " is written by the kernel but is read-only");
+}
+
+// ---- Route-calibration proof kernels (calibration_params.h) ------------------------------------
+
+inline CalibrationKernelParams calibration_params(const KernelLaunch& launch, size_t slot) {
+  const auto p = contract_params<CalibrationKernelParams>(launch, slot);
+  if (p.logical_elements > p.guarded_elements)
+    contract_violation(launch, "logical elements exceed guarded elements");
+  return p;
+}
+
+inline void check_calibration_poison_args(const KernelLaunch& launch) {
+  contract_slot_count(launch, 3);
+  const auto p = calibration_params(launch, 2);
+  const uint64_t bytes = checked_mul(p.guarded_elements, 4, launch.label + " guarded bytes");
+  contract_buffer(launch, 0, "control output", bytes, 4, Access::Write);
+  contract_buffer(launch, 1, "candidate output", bytes, 4, Access::Write);
+}
+
+inline void check_calibration_compare_args(const KernelLaunch& launch) {
+  contract_slot_count(launch, 4);
+  const auto p = calibration_params(launch, 3);
+  const uint64_t bytes = checked_mul(p.guarded_elements, 4, launch.label + " guarded bytes");
+  contract_buffer(launch, 0, "control output", bytes, 4, Access::Read);
+  contract_buffer(launch, 1, "candidate output", bytes, 4, Access::Read);
+  contract_buffer(launch, 2, "statuses", (uint64_t{p.status_index} + 1) * 4, 4, Access::Write);
+}
+
+// ---- Expert-ID matmul (dense_matmul_id_params.h) ----------------------------------------------
+
+inline DenseMatmulIdKernelParams dense_matmul_id_params(const KernelLaunch& launch) {
+  const auto p = contract_params<DenseMatmulIdKernelParams>(launch, 0);
+  if (p.m == 0 || p.n == 0 || p.k == 0 || p.top_k == 0 || p.n_experts == 0)
+    contract_violation(launch, "params have a zero extent");
+  if (p.input_layout != kInputSharedPerToken && p.input_layout != kInputSlotted)
+    contract_violation(launch, "params have an unknown input layout");
+  if (uint64_t{p.m} * p.top_k > UINT32_MAX)
+    contract_violation(launch, "flattened routed rows exceed the u32 kernel ABI");
+  if (p.input_token_stride_bytes % 4 != 0 || p.input_slot_stride_bytes % 4 != 0)
+    contract_violation(launch, "input strides are not multiples of 4 bytes");
+  return p;
+}
+
+// Bytes from the weight view's start to the end of the last expert matrix.
+inline uint64_t dense_matmul_id_weight_bytes(const DenseMatmulIdKernelParams& p, uint64_t elem,
+                                             std::string_view what) {
+  const uint64_t matrix = checked_product({p.n, p.k, elem}, what);
+  return checked_add(checked_mul(p.n_experts - 1, p.expert_stride_bytes, what), matrix, what);
+}
+
+// Bytes from the input view's start to the end of the last row read.
+inline uint64_t dense_matmul_id_input_bytes(const DenseMatmulIdKernelParams& p,
+                                            std::string_view what) {
+  const uint64_t last =
+      checked_add(checked_mul(p.m - 1, p.input_token_stride_bytes, what),
+                  checked_mul(p.top_k - 1, p.input_slot_stride_bytes, what), what);
+  return checked_add(last, checked_mul(p.k, 4, what), what);
+}
+
+// Weights, input and output of the compute routes (direct, grouped, tensor) at the given slots.
+inline void dense_matmul_id_operands(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p,
+                                     uint64_t weight_elem, size_t weight_slot, size_t input_slot,
+                                     size_t output_slot) {
+  const std::string what = launch.label + " extents";
+  if (p.expert_stride_bytes % weight_elem != 0)
+    contract_violation(launch, "expert stride is not a multiple of the weight element size");
+  contract_buffer(launch, weight_slot, "weights",
+                  dense_matmul_id_weight_bytes(p, weight_elem, what), weight_elem, Access::Read);
+  contract_buffer(launch, input_slot, "input", dense_matmul_id_input_bytes(p, what), 4,
+                  Access::Read);
+  contract_buffer(launch, output_slot, "output", checked_product({p.m, p.top_k, p.n, 4}, what), 4,
+                  Access::Write);
+}
+
+// Slots: 0 params, 1 weights, 2 input, 3 expert ids, 4 output.
+template <uint64_t WeightElem>
+void check_dense_matmul_id_direct_args(const KernelLaunch& launch) {
+  contract_slot_count(launch, 5);
+  const auto p = dense_matmul_id_params(launch);
+  dense_matmul_id_operands(launch, p, WeightElem, 1, 2, 4);
+  contract_buffer(launch, 3, "expert ids", checked_product({p.m, p.top_k, 4}, launch.label), 4,
+                  Access::Read);
+}
+
+// Slots: 0 params, 1 expert ids, 2 expert counts, 3 routed rows, 4 output.
+inline void check_dense_matmul_id_map_args(const KernelLaunch& launch) {
+  contract_slot_count(launch, 5);
+  const auto p = dense_matmul_id_params(launch);
+  const std::string what = launch.label + " extents";
+  contract_buffer(launch, 1, "expert ids", checked_product({p.m, p.top_k, 4}, what), 4,
+                  Access::Read);
+  contract_buffer(launch, 2, "expert counts", checked_mul(p.n_experts, 4, what), 4, Access::Write);
+  contract_buffer(launch, 3, "routed rows", checked_product({p.n_experts, p.m, 4}, what), 4,
+                  Access::Write);
+  contract_buffer(launch, 4, "output", checked_product({p.m, p.top_k, p.n, 4}, what), 4,
+                  Access::Write);
+}
+
+// Grouped and tensor routes. Slots: 0 params, 1 weights, 2 input, 3 expert counts, 4 routed
+// rows, 5 output.
+template <uint64_t WeightElem>
+void check_dense_matmul_id_grouped_args(const KernelLaunch& launch) {
+  contract_slot_count(launch, 6);
+  const auto p = dense_matmul_id_params(launch);
+  const std::string what = launch.label + " extents";
+  dense_matmul_id_operands(launch, p, WeightElem, 1, 2, 5);
+  contract_buffer(launch, 3, "expert counts", checked_mul(p.n_experts, 4, what), 4, Access::Read);
+  contract_buffer(launch, 4, "routed rows", checked_product({p.n_experts, p.m, 4}, what), 4,
+                  Access::Read);
+}
+
+// ---- GGML Q4_0 projections (q4_0_block.h) -----------------------------------------------------
+
+// Weight [n, k] in Q4_0 rows (U8 bytes: every route reads a block's scale bytewise, so any offset
+// is valid), input [m, k] F32, output [m, n] F32.
+inline void q4_operands(const KernelLaunch& launch, int64_t m, int64_t n, int64_t k,
+                        size_t weight_slot, size_t input_slot, size_t output_slot) {
+  if (m <= 0 || n <= 0 || k <= 0 || k % kQ4_0BlockValues != 0)
+    contract_violation(launch, "params have a nonpositive extent or K not a multiple of 32");
+  const std::string what = launch.label + " extents";
+  const auto um = static_cast<uint64_t>(m), un = static_cast<uint64_t>(n),
+             uk = static_cast<uint64_t>(k);
+  const uint64_t row_bytes = uk / kQ4_0BlockValues * kQ4_0BlockBytes;
+  contract_buffer(launch, weight_slot, "weight", checked_mul(un, row_bytes, what), 1, Access::Read);
+  contract_buffer(launch, input_slot, "input", checked_product({um, uk, 4}, what), 4, Access::Read);
+  contract_buffer(launch, output_slot, "output", checked_product({um, un, 4}, what), 4,
+                  Access::Write);
+}
+
+// Slots: 0 weight, 1 input, 2 output, 3 params.
+inline void check_q4_matvec_args(const KernelLaunch& launch) {
+  contract_slot_count(launch, 4);
+  const auto p = contract_params<GgmlMatmulMvParams>(launch, 3);
+  if (p.ne00 != p.ne10 || p.ne01 != p.ne0 || p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 || p.r3 != 1)
+    contract_violation(launch, "inconsistent mat-vec params");
+  q4_operands(launch, p.ne1, p.ne0, p.ne00, 0, 1, 2);
+}
+
+// Slots: 0 params, 1 weight, 2 input, 3 output.
+inline void check_q4_matrix_args(const KernelLaunch& launch) {
+  contract_slot_count(launch, 4);
+  const auto p = contract_params<GgmlMatmulMmParams>(launch, 0);
+  if (p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 || p.r3 != 1 || p.nb10 != 4 || p.ne00 <= 0 ||
+      p.nb11 != uint64_t(p.ne00) * 4 ||
+      p.nb01 != uint64_t(p.ne00) / kQ4_0BlockValues * kQ4_0BlockBytes) {
+    contract_violation(launch,
+                       "inconsistent matrix params (only contiguous batch-1 inputs are supported)");
+  }
+  q4_operands(launch, p.ne1, p.ne0, p.ne00, 1, 2, 3);
+}
+
+// ---- Lookup by canonical pipeline name ---------------------------------------------------------
+
+// The contract of the pipeline named `name`: one of kDenseMatmulIdPipelineNames,
+// kDenseMatmulIdTensorPipelineNames, kQ4MatmulPipelineNames or the two calibration kernels.
+// Backends call this while building their kernel lists, so a kernel added without a contract
+// fails when its backend opens instead of going unchecked.
+inline KernelArgCheck kernel_arg_contract(std::string_view name) {
+  constexpr auto& ids = kDenseMatmulIdPipelineNames;
+  constexpr auto& tensor = kDenseMatmulIdTensorPipelineNames;
+  static_assert(
+      ids[0] == "dense_matmul_id_direct_f32_f32" && ids[1] == "dense_matmul_id_direct_f16_f32" &&
+      ids[2] == "dense_matmul_id_direct_bf16_f32" && ids[3] == kDenseMatmulIdMapPipeline &&
+      ids[4] == "dense_matmul_id_grouped_f32_f32" && ids[5] == "dense_matmul_id_grouped_f16_f32" &&
+      ids[6] == "dense_matmul_id_grouped_bf16_f32");
+  static_assert(tensor[0] == "dense_matmul_id_grouped_tf32_f32_f32" &&
+                tensor[1] == "dense_matmul_id_grouped_tf32_f16_f32" &&
+                tensor[2] == "dense_matmul_id_grouped_tf32_bf16_f32" &&
+                tensor[3] == "dense_matmul_id_grouped_lowp_f16_f32" &&
+                tensor[4] == "dense_matmul_id_grouped_lowp_bf16_f32");
+  static_assert(kQ4MatmulPipelineNames[0] == kQ4_0MatVecPipeline);
+  const std::pair<std::string_view, KernelArgCheck> table[] = {
+      {"routemm_calibration_poison_f32", &check_calibration_poison_args},
+      {"routemm_calibration_compare_f32", &check_calibration_compare_args},
+      {ids[0], &check_dense_matmul_id_direct_args<4>},
+      {ids[1], &check_dense_matmul_id_direct_args<2>},
+      {ids[2], &check_dense_matmul_id_direct_args<2>},
+      {ids[3], &check_dense_matmul_id_map_args},
+      {ids[4], &check_dense_matmul_id_grouped_args<4>},
+      {ids[5], &check_dense_matmul_id_grouped_args<2>},
+      {ids[6], &check_dense_matmul_id_grouped_args<2>},
+      {tensor[0], &check_dense_matmul_id_grouped_args<4>},
+      {tensor[1], &check_dense_matmul_id_grouped_args<2>},
+      {tensor[2], &check_dense_matmul_id_grouped_args<2>},
+      {tensor[3], &check_dense_matmul_id_grouped_args<2>},
+      {tensor[4], &check_dense_matmul_id_grouped_args<2>},
+      {kQ4MatmulPipelineNames[0], &check_q4_matvec_args},
+      {kQ4MatmulPipelineNames[1], &check_q4_matrix_args},
+      {kQ4MatmulPipelineNames[2], &check_q4_matrix_args},
+      {kQ4MatmulPipelineNames[3], &check_q4_matrix_args},
+      {kQ4MatmulPipelineNames[4], &check_q4_matrix_args},
+  };
+  for (const auto& [known, check] : table) {
+    if (known == name) return check;
+  }
+  throw Error("no argument contract for kernel '" + std::string(name) + "'");
+}
+
+}  // namespace routemm::kernels
