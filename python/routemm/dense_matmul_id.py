@@ -36,13 +36,15 @@ class DenseMatmulIdInputLayout(enum.Enum):
 
 
 class DenseMatmulIdMultiplicity(enum.Enum):
-    DISTINCT_PER_TOKEN = "distinct_per_token"  # caller promise: no ID repeats within a token
+    # Caller declaration: no ID repeats within a token (so top_k <= n_experts). The grouped routes
+    # need it (it sizes their scratch), yet their map routes every slot: a repeat still gets its row.
+    DISTINCT_PER_TOKEN = "distinct_per_token"
     MAY_REPEAT = "may_repeat"
 
 
 class DenseMatmulIdRoute(enum.Enum):
     DIRECT = "direct"  # one dispatch; IDs may repeat
-    GROUPED_PREFILL = "grouped_prefill"  # map + grouped dispatch; distinct IDs, caller scratch
+    GROUPED_PREFILL = "grouped_prefill"  # map + grouped dispatch; declared distinct IDs, caller scratch
     # Tensor-core variants of grouped_prefill (same map, scratch and receipts); explicit opt-in,
     # with a stated tolerance instead of bit identity. Only backends with tensor cores have them.
     GROUPED_TENSOR_TF32 = "grouped_tensor_tf32"  # operands rounded to tf32, F32 accumulation
