@@ -805,7 +805,7 @@ class _Calibrator:
 
 def _validate(registry, device, epoch, limits, cases):
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= 0:
-        _fail(f"dense_matmul_id activation epoch must be nonzero (got {epoch!r})")
+        _fail(f"dense_matmul_id activation epoch must be a positive integer (got {epoch!r})")
     frozen = registry.frozen_plan_id(PLAN_KIND)
     if frozen is not None:
         _fail(f"dense_matmul_id route plan is already frozen as {frozen}; calibration is one-shot")

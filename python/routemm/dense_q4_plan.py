@@ -533,7 +533,7 @@ class _ShapeOutcome:
 
 def _validate_cases(epoch, registry, limits, cases, device):
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch <= 0 or epoch > 2**64 - 1:
-        _fail(f"dense Q4 activation epoch must be nonzero (got {epoch!r})")
+        _fail(f"dense Q4 activation epoch must be an integer from 1 to 2**64 - 1 (got {epoch!r})")
     frozen = registry.frozen_plan_id(PLAN_KIND)
     if frozen is not None:
         _fail(f"dense Q4 route plan is already frozen as {frozen}; calibration is one-shot")
