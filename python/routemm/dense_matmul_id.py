@@ -377,7 +377,7 @@ def _matmul_id_tensors(framework, weights, x, ids, route, out):
         if framework == "cupy"
         else xp.where(valid, ids, xp.full_like(ids, -1)).to(i32).contiguous()
     )
-    distinct = True
+    distinct = False  # an explicit direct call declares MAY_REPEAT, true whatever the ids
     if route is not None:
         route = _pick_route(route, True, m)
     if route is None or route.is_grouped:

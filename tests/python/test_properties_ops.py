@@ -252,7 +252,20 @@ def matmul_id_cases(draw):
     any_id = st.one_of(st.integers(-2, n_experts + 1), st.integers(-(2**63), 2**63 - 1))
     ids = draw(st.lists(st.lists(any_id, min_size=top_k, max_size=top_k), min_size=m, max_size=m))
     route = draw(st.sampled_from([None, Route.DIRECT, Route.GROUPED_PREFILL]))
-    return dtype, n_experts, m, n, k, top_k, ids, draw(st.booleans()), route, draw(st.integers(0, 2**32 - 1))
+    framework = draw(st.sampled_from(FRAMEWORKS))
+    return dtype, n_experts, m, n, k, top_k, ids, draw(st.booleans()), route, draw(st.integers(0, 2**32 - 1)), framework
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+# NumPy arrays, and PyTorch CPU tensors (used in place through DLPack) where torch is installed.
+FRAMEWORKS = ("numpy", "torch") if _torch() is not None else ("numpy",)
 
 
 def _declarable_distinct(ids: np.ndarray, n_experts: int) -> bool:
@@ -264,19 +277,30 @@ def _declarable_distinct(ids: np.ndarray, n_experts: int) -> bool:
 
 @bounded(80)
 @given(matmul_id_cases())
-@example((DType.F32, 1, 2, 3, 8, 2, [[0, 5], [-1, 0]], False, None, 1))  # out-of-range ids are not experts
-@example((DType.F32, 1, 9, 3, 8, 2, [[0, 5], [-1, 0]] * 4 + [[0, 2**40]], True, None, 2))
+@example((DType.F32, 1, 2, 3, 8, 2, [[0, 5], [-1, 0]], False, None, 1, "numpy"))  # out-of-range ids are not experts
+@example((DType.F32, 1, 9, 3, 8, 2, [[0, 5], [-1, 0]] * 4 + [[0, 2**40]], True, None, 2, "numpy"))
+@example((DType.F32, 1, 2, 3, 8, 2, [[0, 5], [-1, 0]], False, Route.DIRECT, 3, FRAMEWORKS[-1]))
 def test_matmul_id_matches_reference(device, case):
-    dtype, n_experts, m, n, k, top_k, ids, slotted, route, seed = case
+    dtype, n_experts, m, n, k, top_k, ids, slotted, route, seed, framework = case
     rng = np.random.default_rng(seed)
     w = rng.uniform(-1, 1, (n_experts, n, k)).astype(NP_DTYPE[dtype])
     x = rng.uniform(-1, 1, (m, top_k, k) if slotted else (m, k)).astype(np.float32)
     ids = np.array(ids, np.int64)
+    if framework == "torch":  # CPU tensors run on the CPU backend, in place
+        torch = _torch()
+        args = (
+            torch.from_numpy(w.view(np.uint16)).view(torch.bfloat16) if dtype is DType.BF16 else torch.from_numpy(w),
+            torch.from_numpy(x),
+            torch.from_numpy(ids),
+        )
+        call = lambda: routemm.matmul_id(*args, route=route).numpy()  # noqa: E731
+    else:
+        call = lambda: routemm.matmul_id(w, x, ids, route=route, device=device)  # noqa: E731
     if route is Route.GROUPED_PREFILL and not _declarable_distinct(ids, n_experts):
         with pytest.raises(routemm.InvalidArgumentError):
-            routemm.matmul_id(w, x, ids, route=route, device=device)
+            call()
         return
-    out = routemm.matmul_id(w, x, ids, route=route, device=device)
+    out = call()
     valid = (ids >= 0) & (ids < n_experts)
     ref, mag = reference(w, x, np.where(valid, ids, 0xFFFFFFFF).astype(np.uint32), slotted)
     assert np.all(out[~valid.reshape(-1)].view(np.uint32) == 0)
