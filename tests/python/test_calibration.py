@@ -425,8 +425,9 @@ def test_preconditions(device, registry, rng):
     n, k = fresh_n(), 64
     w = weight(device, n, k, rng)
     calib = routemm.calibrate_dense_q4_routes
-    with pytest.raises(routemm.InvalidArgumentError, match="epoch must be nonzero"):
-        calib(registry, device, 0, None, [case(w, n, k, [9])])
+    for epoch in (0, -1, True, 2**64, 1.0):
+        with pytest.raises(routemm.InvalidArgumentError, match=r"epoch must be an integer from 1 to 2\*\*64 - 1"):
+            calib(registry, device, epoch, None, [case(w, n, k, [9])])
     with pytest.raises(routemm.InvalidArgumentError, match="at least one case"):
         calib(registry, device, 1, None, [])
     with pytest.raises(routemm.InvalidArgumentError, match="limits must be nonzero"):
