@@ -426,7 +426,9 @@ def test_preconditions(device, registry, rng):
     w = weight(device, n, k, rng)
     calib = routemm.calibrate_dense_q4_routes
     for epoch in (0, -1, True, 2**64, 1.0):
-        with pytest.raises(routemm.InvalidArgumentError, match=r"epoch must be an integer from 1 to 2\*\*64 - 1"):
+        with pytest.raises(
+            routemm.InvalidArgumentError, match=r"epoch must be (nonzero|an integer within 1\.\.=18446744073709551615)"
+        ):
             calib(registry, device, epoch, None, [case(w, n, k, [9])])
     with pytest.raises(routemm.InvalidArgumentError, match="at least one case"):
         calib(registry, device, 1, None, [])

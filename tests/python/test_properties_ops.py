@@ -391,9 +391,6 @@ def test_quantized_matmul_one_element_short_is_refused(device, registry, c, shor
 
 # ---- raw dispatch ---------------------------------------------------------------------------------------
 
-# Pipelines whose kernels crash today on some raw argument (they trust the extents in their params);
-# their property is expected to fail until every kernel validates its own arguments.
-CRASHES_TODAY = {"routemm_calibration_poison_f32", "routemm_calibration_compare_f32"}
 RAW_DISPATCH_EXAMPLES = 60
 EXTREME_WORDS = (0, 1, 7, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 2**32, 2**62, 2**63, 2**64 - 1)
 
@@ -549,12 +546,7 @@ def _raw_dispatch_params():
         labels = sorted(binding_templates(device, routemm.KernelRegistry(device)))
         for label in labels:
             name = label.split("|")[0]
-            marks = (
-                [pytest.mark.xfail(reason="kernel trusts its raw arguments", strict=False)]
-                if name in CRASHES_TODAY
-                else []
-            )
-            params.append(pytest.param(backend, label, id=f"{backend}-{name}", marks=marks))
+            params.append(pytest.param(backend, label, id=f"{backend}-{name}"))
     return params
 
 
