@@ -194,7 +194,7 @@ def _quantized_route(route, distinct: bool, m: int) -> GgmlQuantizedMatmulIdRout
 
 def matmul_id_quantized(weights, x, ids, ggml_type, route, out, device, check_shapes, registry_for):
     """routemm.matmul_id for a uint8 block stack (see dense_matmul_id.matmul_id)."""
-    from .dense_matmul_id import ids_distinct_per_token
+    from .dense_matmul_id import _declarable_distinct, ids_distinct_per_token
 
     ggml_type = GgmlType(ggml_type)
     if ggml_type not in SUPPORTED_TYPES:
@@ -215,7 +215,7 @@ def matmul_id_quantized(weights, x, ids, ggml_type, route, out, device, check_sh
         raise InvalidArgumentError(f"matmul_id ids must be integers, got {ids.dtype}")
     ids64 = ids.astype(np.int64, copy=False)
     ids_u32 = np.where((ids64 >= 0) & (ids64 < n_experts), ids64, 0xFFFFFFFF).astype(np.uint32)
-    distinct = ids_distinct_per_token(ids64, n_experts)
+    distinct = _declarable_distinct(ids_distinct_per_token(ids64, n_experts), top_k, n_experts)
     route = _quantized_route(route, distinct, m)
     if route.is_grouped and not distinct:
         raise InvalidArgumentError("matmul_id grouped route needs ids distinct per token")
@@ -293,7 +293,7 @@ def _matmul_id_quantized_tensors(framework, weights, x, ids, ggml_type, route, o
     slots = xp.arange(top_k, device=ids.device) if framework == "torch" else xp.arange(top_k)
     keyed = xp.where(valid, ids, -1 - slots)
     s = xp.sort(keyed, axis=1) if framework == "cupy" else xp.sort(keyed, dim=1).values
-    distinct = top_k <= 1 or not bool((s[:, 1:] == s[:, :-1]).any())
+    distinct = top_k <= n_experts and (top_k <= 1 or not bool((s[:, 1:] == s[:, :-1]).any()))
     route = _quantized_route(route, distinct, m)
     if route.is_grouped and not distinct:
         raise InvalidArgumentError("matmul_id grouped route needs ids distinct per token")

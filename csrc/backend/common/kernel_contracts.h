@@ -27,6 +27,7 @@
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
 #include "routemm/ops/q4_matmul.h"
+#include "routemm/ops/quantized_matmul_id.h"
 
 namespace routemm::kernels {
 
@@ -152,6 +153,16 @@ inline void dense_matmul_id_operands(const KernelLaunch& launch, const DenseMatm
                   Access::Write);
 }
 
+// Bytes of the routed-rows list: the scratch's n_experts * m entries, and at least one entry per flat
+// row (m * top_k), which the map may route when ids repeat within a token. Through the op front
+// doors the two agree (the grouped routes need top_k <= n_experts); a raw dispatch with a larger
+// top_k must bind room for every flat row.
+inline uint64_t routed_rows_bytes(const DenseMatmulIdKernelParams& p, std::string_view what) {
+  const uint64_t scratch = checked_mul(p.n_experts, p.m, what);
+  const uint64_t flat = checked_mul(p.m, p.top_k, what);
+  return checked_mul(scratch > flat ? scratch : flat, 4, what);
+}
+
 // Slots: 0 params, 1 weights, 2 input, 3 expert ids, 4 output.
 template <uint64_t WeightElem>
 void check_dense_matmul_id_direct_args(const KernelLaunch& launch) {
@@ -170,8 +181,7 @@ inline void check_dense_matmul_id_map_args(const KernelLaunch& launch) {
   contract_buffer(launch, 1, "expert ids", checked_product({p.m, p.top_k, 4}, what), 4,
                   Access::Read);
   contract_buffer(launch, 2, "expert counts", checked_mul(p.n_experts, 4, what), 4, Access::Write);
-  contract_buffer(launch, 3, "routed rows", checked_product({p.n_experts, p.m, 4}, what), 4,
-                  Access::Write);
+  contract_buffer(launch, 3, "routed rows", routed_rows_bytes(p, what), 4, Access::Write);
   contract_buffer(launch, 4, "output", checked_product({p.m, p.top_k, p.n, 4}, what), 4,
                   Access::Write);
 }
@@ -185,22 +195,63 @@ void check_dense_matmul_id_grouped_args(const KernelLaunch& launch) {
   const std::string what = launch.label + " extents";
   dense_matmul_id_operands(launch, p, WeightElem, 1, 2, 5);
   contract_buffer(launch, 3, "expert counts", checked_mul(p.n_experts, 4, what), 4, Access::Read);
-  contract_buffer(launch, 4, "routed rows", checked_product({p.n_experts, p.m, 4}, what), 4,
+  contract_buffer(launch, 4, "routed rows", routed_rows_bytes(p, what), 4, Access::Read);
+}
+
+// ---- Quantised expert-ID matmul (GGML block stacks) ---------------------------------------------
+
+// Weights [n_experts] x [n, k / 32 * BlockBytes] at expert_stride_bytes (2-byte aligned: every
+// block starts with its f16 scale), input and output as the dense routes.
+template <uint64_t BlockBytes>
+void quantized_matmul_id_operands(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p,
+                                  size_t output_slot) {
+  const std::string what = launch.label + " extents";
+  if (p.k % 32 != 0) contract_violation(launch, "K is not a multiple of the 32-value block");
+  if (p.expert_stride_bytes % 2 != 0)
+    contract_violation(launch, "expert stride is not 2-byte aligned");
+  const uint64_t matrix = checked_mul(p.n, uint64_t{p.k} / 32 * BlockBytes, what);
+  const uint64_t weights =
+      checked_add(checked_mul(p.n_experts - 1, p.expert_stride_bytes, what), matrix, what);
+  contract_buffer(launch, 1, "weights", weights, 2, Access::Read);
+  contract_buffer(launch, 2, "input", dense_matmul_id_input_bytes(p, what), 4, Access::Read);
+  contract_buffer(launch, output_slot, "output", checked_product({p.m, p.top_k, p.n, 4}, what), 4,
+                  Access::Write);
+}
+
+// Slots: 0 params, 1 weights, 2 input, 3 expert ids, 4 output.
+template <uint64_t BlockBytes>
+void check_quantized_matmul_id_direct_args(const KernelLaunch& launch) {
+  contract_slot_count(launch, 5);
+  const auto p = dense_matmul_id_params(launch);
+  quantized_matmul_id_operands<BlockBytes>(launch, p, 4);
+  contract_buffer(launch, 3, "expert ids", checked_product({p.m, p.top_k, 4}, launch.label), 4,
                   Access::Read);
+}
+
+// Slots: 0 params, 1 weights, 2 input, 3 expert counts, 4 routed rows, 5 output.
+template <uint64_t BlockBytes>
+void check_quantized_matmul_id_grouped_args(const KernelLaunch& launch) {
+  contract_slot_count(launch, 6);
+  const auto p = dense_matmul_id_params(launch);
+  const std::string what = launch.label + " extents";
+  quantized_matmul_id_operands<BlockBytes>(launch, p, 5);
+  contract_buffer(launch, 3, "expert counts", checked_mul(p.n_experts, 4, what), 4, Access::Read);
+  contract_buffer(launch, 4, "routed rows", routed_rows_bytes(p, what), 4, Access::Read);
 }
 
 // ---- GGML Q4_0 projections (q4_0_block.h) -----------------------------------------------------
 
-// Weight [n, k] in Q4_0 rows (U8 bytes: every route reads a block's scale bytewise, so any offset
-// is valid), input [m, k] F32, output [m, n] F32.
-inline void q4_operands(const KernelLaunch& launch, int64_t m, int64_t n, int64_t k,
-                        size_t weight_slot, size_t input_slot, size_t output_slot) {
+// Weight [n, k] in GGML block rows of `block_bytes` per 32 values (U8 bytes: every route reads a
+// block's scale bytewise, so any offset is valid), input [m, k] F32, output [m, n] F32.
+inline void ggml_operands(const KernelLaunch& launch, int64_t m, int64_t n, int64_t k,
+                          uint64_t block_bytes, size_t weight_slot, size_t input_slot,
+                          size_t output_slot) {
   if (m <= 0 || n <= 0 || k <= 0 || k % kQ4_0BlockValues != 0)
     contract_violation(launch, "params have a nonpositive extent or K not a multiple of 32");
   const std::string what = launch.label + " extents";
   const auto um = static_cast<uint64_t>(m), un = static_cast<uint64_t>(n),
              uk = static_cast<uint64_t>(k);
-  const uint64_t row_bytes = uk / kQ4_0BlockValues * kQ4_0BlockBytes;
+  const uint64_t row_bytes = uk / kQ4_0BlockValues * block_bytes;
   contract_buffer(launch, weight_slot, "weight", checked_mul(un, row_bytes, what), 1, Access::Read);
   contract_buffer(launch, input_slot, "input", checked_product({um, uk, 4}, what), 4, Access::Read);
   contract_buffer(launch, output_slot, "output", checked_product({um, un, 4}, what), 4,
@@ -208,31 +259,34 @@ inline void q4_operands(const KernelLaunch& launch, int64_t m, int64_t n, int64_
 }
 
 // Slots: 0 weight, 1 input, 2 output, 3 params.
-inline void check_q4_matvec_args(const KernelLaunch& launch) {
+template <uint64_t BlockBytes>
+void check_ggml_matvec_args(const KernelLaunch& launch) {
   contract_slot_count(launch, 4);
   const auto p = contract_params<GgmlMatmulMvParams>(launch, 3);
   if (p.ne00 != p.ne10 || p.ne01 != p.ne0 || p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 || p.r3 != 1)
     contract_violation(launch, "inconsistent mat-vec params");
-  q4_operands(launch, p.ne1, p.ne0, p.ne00, 0, 1, 2);
+  ggml_operands(launch, p.ne1, p.ne0, p.ne00, BlockBytes, 0, 1, 2);
 }
 
 // Slots: 0 params, 1 weight, 2 input, 3 output.
-inline void check_q4_matrix_args(const KernelLaunch& launch) {
+template <uint64_t BlockBytes>
+void check_ggml_matrix_args(const KernelLaunch& launch) {
   contract_slot_count(launch, 4);
   const auto p = contract_params<GgmlMatmulMmParams>(launch, 0);
   if (p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 || p.r3 != 1 || p.nb10 != 4 || p.ne00 <= 0 ||
       p.nb11 != uint64_t(p.ne00) * 4 ||
-      p.nb01 != uint64_t(p.ne00) / kQ4_0BlockValues * kQ4_0BlockBytes) {
+      p.nb01 != uint64_t(p.ne00) / kQ4_0BlockValues * BlockBytes) {
     contract_violation(launch,
                        "inconsistent matrix params (only contiguous batch-1 inputs are supported)");
   }
-  q4_operands(launch, p.ne1, p.ne0, p.ne00, 1, 2, 3);
+  ggml_operands(launch, p.ne1, p.ne0, p.ne00, BlockBytes, 1, 2, 3);
 }
 
 // ---- Lookup by canonical pipeline name ---------------------------------------------------------
 
 // The contract of the pipeline named `name`: one of kDenseMatmulIdPipelineNames,
-// kDenseMatmulIdTensorPipelineNames, kQ4MatmulPipelineNames or the two calibration kernels.
+// kDenseMatmulIdTensorPipelineNames, kQ4MatmulPipelineNames, kQ8MatmulPipelineNames,
+// kGgmlQuantizedMatmulIdPipelineNames or the two calibration kernels.
 // Backends call this while building their kernel lists, so a kernel added without a contract
 // fails when its backend opens instead of going unchecked.
 inline KernelArgCheck kernel_arg_contract(std::string_view name) {
@@ -249,6 +303,13 @@ inline KernelArgCheck kernel_arg_contract(std::string_view name) {
                 tensor[3] == "dense_matmul_id_grouped_lowp_f16_f32" &&
                 tensor[4] == "dense_matmul_id_grouped_lowp_bf16_f32");
   static_assert(kQ4MatmulPipelineNames[0] == kQ4_0MatVecPipeline);
+  static_assert(kQ8MatmulPipelineNames[0] == "kernel_mul_mv_q8_0_f32");
+  constexpr auto& qid = kGgmlQuantizedMatmulIdPipelineNames;
+  static_assert(qid[0] == "quantized_matmul_id_direct_q4_0_f32" &&
+                qid[1] == "quantized_matmul_id_direct_q8_0_f32" &&
+                qid[2] == "quantized_matmul_id_grouped_q4_0_f32" &&
+                qid[3] == "quantized_matmul_id_grouped_q8_0_f32");
+  constexpr uint64_t q4 = kQ4_0BlockBytes, q8 = kQ8_0BlockBytes;
   const std::pair<std::string_view, KernelArgCheck> table[] = {
       {"routemm_calibration_poison_f32", &check_calibration_poison_args},
       {"routemm_calibration_compare_f32", &check_calibration_compare_args},
@@ -264,11 +325,17 @@ inline KernelArgCheck kernel_arg_contract(std::string_view name) {
       {tensor[2], &check_dense_matmul_id_grouped_args<2>},
       {tensor[3], &check_dense_matmul_id_grouped_args<2>},
       {tensor[4], &check_dense_matmul_id_grouped_args<2>},
-      {kQ4MatmulPipelineNames[0], &check_q4_matvec_args},
-      {kQ4MatmulPipelineNames[1], &check_q4_matrix_args},
-      {kQ4MatmulPipelineNames[2], &check_q4_matrix_args},
-      {kQ4MatmulPipelineNames[3], &check_q4_matrix_args},
-      {kQ4MatmulPipelineNames[4], &check_q4_matrix_args},
+      {kQ4MatmulPipelineNames[0], &check_ggml_matvec_args<q4>},
+      {kQ4MatmulPipelineNames[1], &check_ggml_matrix_args<q4>},
+      {kQ4MatmulPipelineNames[2], &check_ggml_matrix_args<q4>},
+      {kQ4MatmulPipelineNames[3], &check_ggml_matrix_args<q4>},
+      {kQ4MatmulPipelineNames[4], &check_ggml_matrix_args<q4>},
+      {kQ8MatmulPipelineNames[0], &check_ggml_matvec_args<q8>},
+      {kQ8MatmulPipelineNames[1], &check_ggml_matrix_args<q8>},
+      {qid[0], &check_quantized_matmul_id_direct_args<q4>},
+      {qid[1], &check_quantized_matmul_id_direct_args<q8>},
+      {qid[2], &check_quantized_matmul_id_grouped_args<q4>},
+      {qid[3], &check_quantized_matmul_id_grouped_args<q8>},
   };
   for (const auto& [known, check] : table) {
     if (known == name) return check;

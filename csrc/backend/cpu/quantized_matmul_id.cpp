@@ -143,7 +143,8 @@ constexpr size_t kItemRows = 64;
 
 struct GroupedItem {
   uint32_t expert;
-  uint32_t row0, rows;  // routed indices [row0, row0 + rows) of the expert's list
+  uint32_t row0,
+      rows;  // entries [row0, row0 + rows) of the routed list (inside the expert's segment)
   uint32_t col0;
 };
 
@@ -160,25 +161,33 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
   const size_t experts = p.n_experts;
   const auto* counts =
       static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(experts, 4), "expert counts"));
-  const auto* routed = static_cast<const uint32_t*>(
-      arg_data(launch, 4, checked_mul(checked_mul(experts, p.m), 4), "routed rows"));
 
-  // The scratch comes from the map kernel; check it anyway, since a stale or foreign buffer would
-  // otherwise index out of bounds.
+  // The map's list (dense_matmul_id's map kernel): expert e's flat rows are the segment
+  // routed[start(e), start(e) + counts[e]), start(e) the counts of the experts before it. The
+  // scratch comes from the map; check it anyway, since a stale or foreign buffer would otherwise
+  // index out of bounds: the segments together hold at most every flat row once.
+  size_t routed_total = 0;
+  for (size_t e = 0; e < experts; ++e) {
+    routed_total += counts[e];
+    if (routed_total > rows) launch_error(launch, "expert counts exceed the flat rows");
+  }
+  const auto* routed = static_cast<const uint32_t*>(
+      arg_data(launch, 4, checked_mul(routed_total, 4), "routed rows"));
+  for (size_t i = 0; i < routed_total; ++i) {
+    if (routed[i] >= rows) launch_error(launch, "routed row out of range");
+  }
   std::vector<GroupedItem> items;
+  size_t start = 0;
   for (size_t e = 0; e < experts; ++e) {
     const size_t count = counts[e];
-    if (count > p.m) launch_error(launch, "expert count exceeds m");
-    for (size_t i = 0; i < count; ++i) {
-      if (routed[e * p.m + i] >= rows) launch_error(launch, "routed row out of range");
-    }
     for (size_t row0 = 0; row0 < count; row0 += kItemRows) {
       const auto item_rows = static_cast<uint32_t>(std::min(kItemRows, count - row0));
       for (size_t col0 = 0; col0 < p.n; col0 += kMmOutputTile) {
-        items.push_back({static_cast<uint32_t>(e), static_cast<uint32_t>(row0), item_rows,
+        items.push_back({static_cast<uint32_t>(e), static_cast<uint32_t>(start + row0), item_rows,
                          static_cast<uint32_t>(col0)});
       }
     }
+    start += count;
   }
   if (items.empty()) return;
   // Largest items first, handed out one at a time: balances uneven expert counts.
@@ -187,7 +196,7 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
 
   const ggml::MmItem run = ggml::mm_item_for<Format>();
   const auto run_item = [&](const GroupedItem& item) {
-    const uint32_t* flats = routed + size_t{item.expert} * p.m + item.row0;
+    const uint32_t* flats = routed + item.row0;  // row0: the item's first entry of the list
     std::vector<float>& x = gathered_rows();
     x.resize(std::max(x.size(), size_t{item.rows} * p.k));
     float* out_rows[kItemRows];

@@ -8,7 +8,8 @@
 //   direct   grid [ceil(n / 16), m * top_k, 1]: one flat row per block; the block streams the
 //            16 weight rows of that row's expert (an invalid id writes zeros, reads no weight).
 //   grouped  grid [ceil(m / 8), ceil(n / 16), n_experts]: up to 8 routed rows of one expert per
-//            block, each weight value read once for the 8 rows.
+//            block and step, each weight value read once for the 8 rows (an expert holding more
+//            than m rows, when ids repeat within a token, loops over its segment).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -73,32 +74,39 @@ __global__ void __launch_bounds__(kThreads)
                    const unsigned char* __restrict__ input, const uint32_t* __restrict__ counts,
                    const uint32_t* __restrict__ routed, float* __restrict__ output) {
   const uint32_t expert = blockIdx.z;
-  const uint32_t count = min(counts[expert], p.m);
-  const uint32_t first = blockIdx.x * kGroupRows;
-  if (first >= count) return;  // uniform over the block
-  const uint32_t rows = min(kGroupRows, count - first);
+  // The map's list: expert e's flat rows are the segment routed[start, start + counts[e]), start
+  // the counts of the experts before it (a segment can hold more than m rows when ids repeat
+  // within a token). A stale or foreign scratch is clamped to the m * top_k flat rows.
+  const uint32_t total = p.m * p.top_k;
+  uint64_t start = 0;
+  for (uint32_t e = 0; e < expert; ++e) start += counts[e];
+  if (start >= total) return;  // uniform over the block
+  const auto count = static_cast<uint32_t>(min(uint64_t{counts[expert]}, total - start));
   const uint32_t lane = threadIdx.x & 7u;
   const uint32_t col = blockIdx.y * kColumns + threadIdx.x / 8;
   const uint32_t read_col = min(col, p.n - 1);
   const uint64_t row_bytes = uint64_t{p.k} / 32 * F::kBytes;
   const uint8_t* row = weights + uint64_t{expert} * p.expert_stride_bytes + read_col * row_bytes;
-  const uint32_t* list = routed + uint64_t{expert} * p.m + first;
-  const uint32_t total = p.m * p.top_k;
-  uint32_t flats[kGroupRows];
-  const float* x[kGroupRows];
-  for (uint32_t r = 0; r < kGroupRows; ++r) {
-    // Rows past the tile repeat its first row (same values, never stored); a routed index out of
-    // range (a stale or foreign scratch) is treated the same way instead of read.
-    const uint32_t flat = r < rows ? list[r] : list[0];
-    flats[r] = flat < total ? flat : total;
-    x[r] = input_row(p, input, flat < total ? flat : 0);
-  }
-  float acc[kGroupRows] = {};
-  ggml::lane_dot<F, kGroupRows>(row, p.k, x, lane, acc);
-  for (uint32_t r = 0; r < kGroupRows; ++r) {
-    const float sum = ggml::sum8(acc[r]);
-    if (lane == 0 && col < p.n && r < rows && flats[r] < total) {
-      output[uint64_t{flats[r]} * p.n + col] = sum;
+  // grid.x covers m rows per expert; an expert holding more (repeated ids) loops over the rest.
+  for (uint32_t first = blockIdx.x * kGroupRows; first < count; first += gridDim.x * kGroupRows) {
+    const uint32_t rows = min(kGroupRows, count - first);
+    const uint32_t* list = routed + start + first;
+    uint32_t flats[kGroupRows];
+    const float* x[kGroupRows];
+    for (uint32_t r = 0; r < kGroupRows; ++r) {
+      // Rows past the tile repeat its first row (same values, never stored); a routed index out
+      // of range (a stale or foreign scratch) is treated the same way instead of read.
+      const uint32_t flat = r < rows ? list[r] : list[0];
+      flats[r] = flat < total ? flat : total;
+      x[r] = input_row(p, input, flat < total ? flat : 0);
+    }
+    float acc[kGroupRows] = {};
+    ggml::lane_dot<F, kGroupRows>(row, p.k, x, lane, acc);
+    for (uint32_t r = 0; r < kGroupRows; ++r) {
+      const float sum = ggml::sum8(acc[r]);
+      if (lane == 0 && col < p.n && r < rows && flats[r] < total) {
+        output[uint64_t{flats[r]} * p.n + col] = sum;
+      }
     }
   }
 }
