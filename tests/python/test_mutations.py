@@ -99,7 +99,23 @@ def samples() -> dict:
         routemm.DType.BF16,
         routemm.DenseMatmulIdParams(9, 7, 35, 6, 8, 504, route=routemm.DenseMatmulIdRoute.GROUPED_PREFILL),
     )
+    # Quantised expert-ID: params, capability and a dispatch receipt (grouped, Q8_0).
+    qp = routemm.GgmlQuantizedMatmulIdParams(
+        9, 8, 64, 2, 4, routemm.GgmlType.Q8_0, 8 * 2 * 34, route=routemm.GgmlQuantizedMatmulIdRoute.GROUPED
+    )
+    qw = device.from_numpy(routemm.q8_0.quantize(rng.standard_normal((4, 8, 64)).astype(np.float32)).reshape(-1))
+    qx = device.from_numpy(rng.standard_normal((9, 64)).astype(np.float32))
+    qids = device.from_numpy(np.tile(np.array([1, 3], dtype=np.uint32), (9, 1)))
+    q_out = device.alloc(9 * 2 * 8 * 4, routemm.DType.F32, [18, 8])
+    enc = device.command_encoder()
+    q_receipt = routemm.quantized_matmul_id_ggml(
+        enc, registry, qx, qw, qids, q_out, routemm.DenseMatmulIdScratch(device, 4, 9), qp
+    )
+    enc.commit_and_wait()
     extra = [
+        qp,
+        routemm.quantized_matmul_id_ggml_capability(qp),
+        q_receipt,
         plan,
         receipt,
         trace,

@@ -112,6 +112,22 @@ def test_direct_repeated_ids_and_expert_down_form(device, registry, rng, ggml_ty
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.value)
+def test_grouped_routes_ids_repeated_within_a_token(device, registry, rng, ggml_type):
+    """dense_matmul_id's map routes every slot, repeated ids included (an expert's segment can then
+    hold more than m rows): the grouped route computes every row, bit-identical to direct, even when
+    a caller declared distinct ids and a token names one expert in several slots."""
+    m, top_k, n, k, n_experts = 19, 4, 40, 96, 6
+    weights, stride, deq = quantized_stack(rng, ggml_type, n_experts, n, k, pad=2)
+    ids = rng.integers(0, 2, (m, top_k)).astype(np.uint32)  # two experts: every token repeats
+    ids[3, 1], ids[5, 0] = n_experts, 0xFFFFFFFF
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    direct, _, _ = run(device, registry, ggml_type, Route.DIRECT, weights, stride, x, ids, n, n_experts, False)
+    grouped, _, _ = run(device, registry, ggml_type, Route.GROUPED, weights, stride, x, ids, n, n_experts, False)
+    check_against_reference(direct, deq, x, ids, False)
+    np.testing.assert_array_equal(grouped.view(np.uint32), direct.view(np.uint32))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.value)
 def test_cpu_routes_equal_the_dense_mat_vec_bit_for_bit(rng, ggml_type):
     """On the CPU oracle every quantised pipeline shares one contract: an expert row computed by
     the expert-ID op equals quantized_matmul_ggml on that expert's matrix, bit for bit."""

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "backend/common/dense_matmul_id_params.h"
+#include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "ggml_block_kernels.h"
 #include "kernels.h"
@@ -236,6 +237,7 @@ KernelDef make_def(std::string_view name, KernelFn fn, uint32_t threads, uint32_
   def.threadgroup_memory_bytes = shmem;
   def.origin = "builtin_cpu";
   def.content_sha256 = ROUTEMM_CPU_QUANTIZED_MATMUL_ID_SHA256;
+  def.check_args = kernels::kernel_arg_contract(name);
   return def;
 }
 

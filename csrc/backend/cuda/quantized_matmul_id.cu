@@ -17,6 +17,7 @@
 #include <string>
 
 #include "backend/common/dense_matmul_id_params.h"
+#include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "ggml_blocks.cuh"
 #include "kernels.h"
@@ -193,6 +194,7 @@ KernelDef def(std::string_view name, KernelFn fn, uint32_t tile_x, uint32_t tile
   d.threadgroup_memory_bytes = 0;
   d.origin = "cuda_fatbin";
   d.content_sha256 = ROUTEMM_CUDA_QUANTIZED_MATMUL_ID_SHA256;
+  d.check_args = kernels::kernel_arg_contract(name);
   return d;
 }
 
