@@ -21,6 +21,16 @@ std::string pipeline_label(std::string_view name,
   return label;
 }
 
+std::string pipeline_label(std::string_view name,
+                           std::span<const std::pair<uint32_t, bool>> bool_constants,
+                           std::span<const std::pair<uint32_t, int32_t>> int_constants) {
+  std::string label(name);
+  for (const auto& [index, value] : bool_constants) {
+    label.append("|").append(std::to_string(index)).append(value ? ":b1" : ":b0");
+  }
+  return label + pipeline_label("", int_constants);
+}
+
 KernelRegistry::KernelRegistry(const Device& device)
     : device_(device), authority_id_(g_next_authority.fetch_add(1)) {
   for (const KernelDef& def : device_.backend()->kernels()) kernels_.emplace(def.name, def);
@@ -28,6 +38,12 @@ KernelRegistry::KernelRegistry(const Device& device)
 
 PipelinePtr KernelRegistry::get_pipeline(
     std::string_view name, std::span<const std::pair<uint32_t, int32_t>> int_constants) {
+  return get_pipeline_with_constants(name, {}, int_constants);
+}
+
+PipelinePtr KernelRegistry::get_pipeline_with_constants(
+    std::string_view name, std::span<const std::pair<uint32_t, bool>> bool_constants,
+    std::span<const std::pair<uint32_t, int32_t>> int_constants) {
   std::lock_guard lock(mutex_);
   if (auto injected = injected_failures_.find(name); injected != injected_failures_.end()) {
     injected_failures_.erase(injected);
@@ -35,10 +51,10 @@ PipelinePtr KernelRegistry::get_pipeline(
                          "' (injected failure)");
   }
   // Without constants the label is the name: look it up without building a string (hot path).
-  if (int_constants.empty()) {
+  if (int_constants.empty() && bool_constants.empty()) {
     if (auto cached = pipelines_.find(name); cached != pipelines_.end()) return cached->second;
   }
-  std::string label = pipeline_label(name, int_constants);
+  std::string label = pipeline_label(name, bool_constants, int_constants);
   if (auto cached = pipelines_.find(label); cached != pipelines_.end()) return cached->second;
   auto def = kernels_.find(name);
   if (def == kernels_.end()) {
@@ -49,6 +65,7 @@ PipelinePtr KernelRegistry::get_pipeline(
   pipeline->label_ = label;
   pipeline->def_ = def->second;
   pipeline->constants_.assign(int_constants.begin(), int_constants.end());
+  pipeline->bool_constants_.assign(bool_constants.begin(), bool_constants.end());
   const std::string& entry =
       def->second.entry_point.empty() ? def->second.name : def->second.entry_point;
   pipeline->identity_ = PipelineIdentity{kPipelineIdentitySchemaVersion,
@@ -63,15 +80,28 @@ PipelinePtr KernelRegistry::get_pipeline(
 }
 
 PipelineIdentity KernelRegistry::pipeline_identity(std::string_view label) {
-  // Parse `name|<index>:i<value>|...` back into a name and constants.
+  // Parse `name|<index>:b<0|1>|...|<index>:i<value>|...` back into a name and constants.
   const size_t bar = label.find('|');
   const std::string_view name = label.substr(0, bar);
   std::vector<std::pair<uint32_t, int32_t>> constants;
+  std::vector<std::pair<uint32_t, bool>> bools;
   size_t pos = bar;
   while (pos != std::string_view::npos) {
     const size_t next = label.find('|', pos + 1);
     const std::string_view part =
         label.substr(pos + 1, next == std::string_view::npos ? next : next - pos - 1);
+    if (const size_t b = part.find(":b"); b != std::string_view::npos && constants.empty() &&
+                                          b != 0 && b + 3 == part.size() &&
+                                          (part[b + 2] == '0' || part[b + 2] == '1')) {
+      const std::string index_text(part.substr(0, b));
+      if (index_text.find_first_not_of("0123456789") != std::string::npos ||
+          index_text.size() > 9) {
+        throw InvalidArgument("malformed pipeline label '" + std::string(label) + "'");
+      }
+      bools.emplace_back(static_cast<uint32_t>(std::stoul(index_text)), part[b + 2] == '1');
+      pos = next;
+      continue;
+    }
     const size_t colon = part.find(":i");
     if (colon == std::string_view::npos || colon == 0 || colon + 2 >= part.size()) {
       throw InvalidArgument("malformed pipeline label '" + std::string(label) + "'");
@@ -89,7 +119,7 @@ PipelineIdentity KernelRegistry::pipeline_identity(std::string_view label) {
     }
     pos = next;
   }
-  return get_pipeline(name, constants)->identity();
+  return get_pipeline_with_constants(name, bools, constants)->identity();
 }
 
 bool KernelRegistry::has_kernel(std::string_view name) const {
@@ -127,6 +157,16 @@ void KernelRegistry::register_kernel(KernelDef def) {
     it = it->second->kernel_name() == def.name ? pipelines_.erase(it) : std::next(it);
   }
   kernels_.insert_or_assign(def.name, std::move(def));
+}
+
+void KernelRegistry::register_source(const std::string& name, const std::string& source) {
+  if (is_protected(name)) {
+    throw InvalidArgument("kernel '" + name +
+                          "' is protected by a frozen route plan and cannot be re-registered");
+  }
+  KernelDef def = device_.backend()->compile_kernel_source(name, source);
+  def.name = name;
+  register_kernel(std::move(def));
 }
 
 void KernelRegistry::freeze_plan(const std::string& plan_kind, const std::string& plan_id,
