@@ -8,12 +8,13 @@
 namespace routemm {
 
 Storage::Storage(std::shared_ptr<Backend> backend, void* data, size_t nbytes, bool writable,
-                 std::function<void()> release)
+                 std::function<void()> release, bool file_backed)
     : backend_(std::move(backend)),
       data_(data),
       nbytes_(nbytes),
       writable_(writable),
-      release_(std::move(release)) {}
+      release_(std::move(release)),
+      file_backed_(file_backed) {}
 
 Storage::~Storage() {
   if (release_) {

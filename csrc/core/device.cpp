@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <string>
 
 #include "routemm/encoder.h"
 #include "routemm/env.h"
@@ -130,5 +131,13 @@ Buffer Device::alloc(uint64_t nbytes, DType dtype, std::vector<uint64_t> shape) 
 }
 
 CommandEncoder Device::command_encoder() const { return CommandEncoder(backend_); }
+
+KernelDef Backend::compile_kernel_source(const std::string& name, const std::string& source) {
+  (void)source;
+  throw InvalidArgument("register_source: backend '" + std::string(this->name()) +
+                        "' compiles no kernel source at run time (its kernels are built in); "
+                        "cannot register '" +
+                        name + "'");
+}
 
 }  // namespace routemm

@@ -5,6 +5,7 @@
 #include <charconv>
 #include <climits>
 #include <cstdint>
+#include <optional>
 
 #include "routemm/error.h"
 
@@ -24,6 +25,16 @@ std::string pipeline_label(std::string_view name,
   return label;
 }
 
+std::string pipeline_label(std::string_view name,
+                           std::span<const std::pair<uint32_t, bool>> bool_constants,
+                           std::span<const std::pair<uint32_t, int32_t>> int_constants) {
+  std::string label(name);
+  for (const auto& [index, value] : bool_constants) {
+    label.append("|").append(std::to_string(index)).append(value ? ":b1" : ":b0");
+  }
+  return label + pipeline_label("", int_constants);
+}
+
 namespace {
 
 // A decimal integer in `text` that must be the whole of it: an optional '-' (when `allow_minus`)
@@ -40,31 +51,42 @@ std::optional<int64_t> parse_decimal(std::string_view text, bool allow_minus, in
 
 }  // namespace
 
-std::pair<std::string_view, std::vector<std::pair<uint32_t, int32_t>>> parse_pipeline_label(
-    std::string_view label) {
+ParsedPipelineLabel parse_pipeline_label(std::string_view label) {
   const auto malformed = [&] {
-    return InvalidArgument(
-        "malformed pipeline label '" + std::string(label) +
-        "' (expected name|<index>:i<value>... with a u32 index and an i32 value)");
+    return InvalidArgument("malformed pipeline label '" + std::string(label) +
+                           "' (expected name|<index>:b<0|1>...|<index>:i<value>... with u32 "
+                           "indices, boolean constants first, and i32 values)");
   };
   const size_t bar = label.find('|');
-  const std::string_view name = label.substr(0, bar);
-  std::vector<std::pair<uint32_t, int32_t>> constants;
+  ParsedPipelineLabel parsed{label.substr(0, bar), {}, {}};
   for (size_t pos = bar; pos != std::string_view::npos;) {
     const size_t next = label.find('|', pos + 1);
     const std::string_view part =
         label.substr(pos + 1, next == std::string_view::npos ? next : next - pos - 1);
-    const size_t colon = part.find(":i");
-    if (colon == std::string_view::npos) throw malformed();
+    const size_t colon = part.find(':');
+    if (colon == std::string_view::npos || colon + 1 >= part.size()) throw malformed();
     const auto index = parse_decimal(part.substr(0, colon), false, 0, UINT32_MAX);
-    const auto value = parse_decimal(part.substr(colon + 2), true, INT32_MIN, INT32_MAX);
-    if (!index || !value) throw malformed();
-    constants.emplace_back(static_cast<uint32_t>(*index), static_cast<int32_t>(*value));
+    const char kind = part[colon + 1];
+    const std::string_view value_text = part.substr(colon + 2);
+    if (!index) throw malformed();
+    if (kind == 'b' && (value_text == "0" || value_text == "1")) {
+      parsed.bool_constants.emplace_back(static_cast<uint32_t>(*index), value_text == "1");
+    } else if (kind == 'i') {
+      const auto value = parse_decimal(value_text, true, INT32_MIN, INT32_MAX);
+      if (!value) throw malformed();
+      parsed.int_constants.emplace_back(static_cast<uint32_t>(*index),
+                                        static_cast<int32_t>(*value));
+    } else {
+      throw malformed();
+    }
     pos = next;
   }
-  // One spelling per identity: leading zeros or "-0" would name the same pipeline twice.
-  if (pipeline_label(name, constants) != label) throw malformed();
-  return {name, std::move(constants)};
+  // One spelling per identity: leading zeros, "-0" or a boolean after an integer would name the
+  // same pipeline twice.
+  if (pipeline_label(parsed.name, parsed.bool_constants, parsed.int_constants) != label)
+    throw malformed();
+  return parsed;
+}
 }
 
 KernelRegistry::KernelRegistry(const Device& device)
@@ -74,6 +96,12 @@ KernelRegistry::KernelRegistry(const Device& device)
 
 PipelinePtr KernelRegistry::get_pipeline(
     std::string_view name, std::span<const std::pair<uint32_t, int32_t>> int_constants) {
+  return get_pipeline_with_constants(name, {}, int_constants);
+}
+
+PipelinePtr KernelRegistry::get_pipeline_with_constants(
+    std::string_view name, std::span<const std::pair<uint32_t, bool>> bool_constants,
+    std::span<const std::pair<uint32_t, int32_t>> int_constants) {
   std::lock_guard lock(mutex_);
   if (auto injected = injected_failures_.find(name); injected != injected_failures_.end()) {
     injected_failures_.erase(injected);
@@ -81,10 +109,10 @@ PipelinePtr KernelRegistry::get_pipeline(
                          "' (injected failure)");
   }
   // Without constants the label is the name: look it up without building a string (hot path).
-  if (int_constants.empty()) {
+  if (int_constants.empty() && bool_constants.empty()) {
     if (auto cached = pipelines_.find(name); cached != pipelines_.end()) return cached->second;
   }
-  std::string label = pipeline_label(name, int_constants);
+  std::string label = pipeline_label(name, bool_constants, int_constants);
   if (auto cached = pipelines_.find(label); cached != pipelines_.end()) return cached->second;
   auto def = kernels_.find(name);
   if (def == kernels_.end()) {
@@ -95,6 +123,7 @@ PipelinePtr KernelRegistry::get_pipeline(
   pipeline->label_ = label;
   pipeline->def_ = def->second;
   pipeline->constants_.assign(int_constants.begin(), int_constants.end());
+  pipeline->bool_constants_.assign(bool_constants.begin(), bool_constants.end());
   const std::string& entry =
       def->second.entry_point.empty() ? def->second.name : def->second.entry_point;
   pipeline->identity_ = PipelineIdentity{kPipelineIdentitySchemaVersion,
@@ -109,8 +138,9 @@ PipelinePtr KernelRegistry::get_pipeline(
 }
 
 PipelineIdentity KernelRegistry::pipeline_identity(std::string_view label) {
-  const auto [name, constants] = parse_pipeline_label(label);
-  return get_pipeline(name, constants)->identity();
+  const ParsedPipelineLabel parsed = parse_pipeline_label(label);
+  return get_pipeline_with_constants(parsed.name, parsed.bool_constants, parsed.int_constants)
+      ->identity();
 }
 
 bool KernelRegistry::has_kernel(std::string_view name) const {
@@ -150,6 +180,16 @@ void KernelRegistry::register_kernel(KernelDef def) {
     it = it->second->kernel_name() == def.name ? pipelines_.erase(it) : std::next(it);
   }
   kernels_.insert_or_assign(def.name, std::move(def));
+}
+
+void KernelRegistry::register_source(const std::string& name, const std::string& source) {
+  if (is_protected(name)) {
+    throw InvalidArgument("kernel '" + name +
+                          "' is protected by a frozen route plan and cannot be re-registered");
+  }
+  KernelDef def = device_.backend()->compile_kernel_source(name, source);
+  def.name = name;
+  register_kernel(std::move(def));
 }
 
 void KernelRegistry::freeze_plan(const std::string& plan_kind, const std::string& plan_id,

@@ -243,6 +243,61 @@ std::vector<std::string_view> dense_matmul_id_route_pipelines(DType weight_dtype
   return {names[0], names[1]};
 }
 
+namespace {
+
+struct Launch {
+  Dim3 grid;
+  Dim3 threads;
+  std::vector<std::pair<uint64_t, uint64_t>> shmem;
+};
+
+Launch direct_launch(const KernelDef& def, const DenseMatmulIdParams& p) {
+  return {Dim3{ceil_div(p.n, def.tile_x), uint64_t{p.m} * p.top_k, 1},
+          Dim3{def.threads_per_group, 1, 1},
+          {}};
+}
+
+// One threadgroup; one thread per expert unless the backend's map uses a fixed block.
+Launch map_launch(const KernelDef& def, const DenseMatmulIdParams& p) {
+  const uint64_t threads =
+      def.threads_per_group > 1 ? def.threads_per_group : uint64_t{p.n_experts};
+  return {Dim3{1, 1, 1}, Dim3{threads, 1, 1}, {}};
+}
+
+Launch grouped_launch(const KernelDef& def, const DenseMatmulIdParams& p) {
+  Launch l;
+  const Dim3 tiles{ceil_div(p.m, def.tile_x), ceil_div(p.n, def.tile_y), p.n_experts};
+  l.grid = def.persistent_groups == 0
+               ? tiles
+               : Dim3{std::min<uint64_t>(def.persistent_groups, tiles.x * tiles.y * tiles.z), 1, 1};
+  l.threads = Dim3{def.threads_per_group, 1, 1};
+  if (def.threadgroup_memory_bytes != 0) l.shmem.emplace_back(0, def.threadgroup_memory_bytes);
+  return l;
+}
+
+}  // namespace
+
+std::vector<EncodedKernelDispatch> dense_matmul_id_expected_dispatches(
+    const KernelRegistry& registry, DType weight_dtype, const DenseMatmulIdParams& params) {
+  const std::vector<std::string_view> names =
+      dense_matmul_id_route_pipelines(weight_dtype, params.route);
+  std::vector<EncodedKernelDispatch> out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::optional<KernelDef> def = registry.kernel_def(names[i]);
+    if (!def) {
+      throw KernelNotFound("dense_matmul_id expected dispatch: no pipeline '" +
+                           std::string(names[i]) + "' on " +
+                           std::string(registry.device().backend()->name()));
+    }
+    const Launch l = names.size() == 1 ? direct_launch(*def, params)
+                     : i == 0          ? map_launch(*def, params)
+                                       : grouped_launch(*def, params);
+    out.push_back(EncodedKernelDispatch{std::string(names[i]), DispatchKind::ThreadGroups,
+                                        l.grid.array(), l.threads.array(), l.shmem});
+  }
+  return out;
+}
+
 DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegistry& registry,
                                              const Buffer& weights, const Buffer& input,
                                              const Buffer& expert_ids, const Buffer& output,
@@ -284,7 +339,6 @@ DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegi
   }
   const std::array<std::string_view, 2> names = route_pipeline_names(weights.dtype(), cap.route);
   const KernelArg params_arg = KernelArg::pod(gpu);
-  const uint64_t total_rows = uint64_t{params.m} * params.top_k;
 
   if (!grouped) {
     const PipelinePtr pipeline = registry.get_pipeline(names[0]);
@@ -299,8 +353,8 @@ DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegi
                                                    {2, KernelArg::of(input)},
                                                    {3, KernelArg::of(expert_ids)},
                                                    {4, KernelArg::of(output)}};
-    encoder.dispatch(*pipeline, args, Dim3{ceil_div(params.n, def.tile_x), total_rows, 1},
-                     Dim3{def.threads_per_group, 1, 1});
+    const Launch l = direct_launch(def, params);
+    encoder.dispatch(*pipeline, args, l.grid, l.threads);
     return {weights.dtype(), cap.route, 1};
   }
 
@@ -332,10 +386,8 @@ DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegi
                                                      {2, KernelArg::of(counts)},
                                                      {3, KernelArg::of(routed)},
                                                      {4, KernelArg::of(output)}};
-  // One threadgroup; one thread per expert unless the backend's map uses a fixed block.
-  const uint64_t map_threads =
-      map->def().threads_per_group > 1 ? map->def().threads_per_group : uint64_t{params.n_experts};
-  encoder.dispatch(*map, map_args, Dim3{1, 1, 1}, Dim3{map_threads, 1, 1});
+  const Launch ml = map_launch(map->def(), params);
+  encoder.dispatch(*map, map_args, ml.grid, ml.threads);
   // The grouped dispatch reads what the map wrote (RAW edge).
   encoder.memory_barrier();
   if (encoder.is_capturing()) {
@@ -349,16 +401,9 @@ DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegi
                                                        {3, KernelArg::of(counts)},
                                                        {4, KernelArg::of(routed)},
                                                        {5, KernelArg::of(output)}};
-  std::vector<std::pair<uint64_t, uint64_t>> shmem;
-  if (gdef.threadgroup_memory_bytes != 0) shmem.emplace_back(0, gdef.threadgroup_memory_bytes);
-  const Dim3 tiles{ceil_div(params.m, gdef.tile_x), ceil_div(params.n, gdef.tile_y),
-                   params.n_experts};
-  const Dim3 grid =
-      gdef.persistent_groups == 0
-          ? tiles
-          : Dim3{std::min<uint64_t>(gdef.persistent_groups, tiles.x * tiles.y * tiles.z), 1, 1};
-  encoder.dispatch(*group, group_args, grid, Dim3{gdef.threads_per_group, 1, 1},
-                   DispatchKind::ThreadGroups, std::move(shmem));
+  Launch gl = grouped_launch(gdef, params);
+  encoder.dispatch(*group, group_args, gl.grid, gl.threads, DispatchKind::ThreadGroups,
+                   std::move(gl.shmem));
   return {weights.dtype(), cap.route, 2};
 }
 

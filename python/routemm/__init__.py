@@ -18,7 +18,14 @@ from ._core_api import (
     dtype_of,
     numpy_dtype,
 )
-from ._errors import CommandBufferError, Error, InvalidArgumentError, KernelNotFoundError, OutOfMemoryError
+from ._errors import (
+    CalibrationError,
+    CommandBufferError,
+    Error,
+    InvalidArgumentError,
+    KernelNotFoundError,
+    OutOfMemoryError,
+)
 from ._interop import from_dlpack
 from .dense_matmul_id import (
     DenseMatmulIdCapability,
@@ -45,6 +52,8 @@ from .quantized_matmul import (
     GgmlTensorMmPreference,
     GgmlType,
     encode_q4_route,
+    freeze_ggml_routing_policy,
+    ggml_routing_policy,
     q4_expected_dispatch,
     quantized_matmul_ggml,
     select_dense_q4_route,
@@ -103,6 +112,7 @@ def backend_status() -> list[tuple[str, bool, str]]:
 
 __all__ = [
     "Buffer",
+    "CalibrationError",
     "CapturedNode",
     "CommandBufferError",
     "CommandEncoder",
@@ -152,6 +162,8 @@ __all__ += [
     "Q4_MATMUL_PIPELINE_NAMES",
     "Q8_MATMUL_PIPELINE_NAMES",
     "encode_q4_route",
+    "freeze_ggml_routing_policy",
+    "ggml_routing_policy",
     "gguf_tensor",
     "q4_0",
     "q8_0",
@@ -176,15 +188,20 @@ from .dense_matmul_id_plan import (  # noqa: E402
     DenseMatmulIdCalibrationLimits,
     DenseMatmulIdCalibrationReceipt,
     DenseMatmulIdDecisionSource,
+    DenseMatmulIdDispatchTrace,
     DenseMatmulIdRoutePlan,
     DenseMatmulIdRoutingProfile,
     DenseMatmulIdSelectionStatus,
     DenseMatmulIdShape,
     calibrate_dense_matmul_id_routes,
     dense_matmul_id_auto,
+    dense_matmul_id_expected_dispatches,
     freeze_dense_matmul_id_plan,
     freeze_dense_matmul_id_plan_for_cases,
     load_dense_matmul_id_plan,
+    resolve_dense_matmul_id_auto_route,
+    trace_dense_matmul_id,
+    trace_dense_matmul_id_auto,
 )
 from .dense_q4_plan import (  # noqa: E402
     DENSE_Q4_ROUTE_SCHEMA_VERSION,
@@ -208,6 +225,18 @@ from .dense_q4_plan import (  # noqa: E402
     load_dense_q4_plan,
     trace_dense_q4_auto,
     validate_dense_q4_cartesian_acceptance,
+)
+from .ggml_routes import (  # noqa: E402
+    GgmlCapability,
+    GgmlCapabilityRequest,
+    GgmlExpertShape,
+    GgmlInvocation,
+    GgmlInvocationKind,
+    GgmlKernelRoute,
+    GgmlRejectionCode,
+    GgmlWorkload,
+    ggml_capability,
+    plan_dense_auto_route,
 )
 
 __all__ += [
@@ -249,4 +278,19 @@ __all__ += [
     "freeze_dense_matmul_id_plan",
     "load_dense_matmul_id_plan",
     "freeze_dense_matmul_id_plan_for_cases",
+    "DenseMatmulIdDispatchTrace",
+    "dense_matmul_id_expected_dispatches",
+    "resolve_dense_matmul_id_auto_route",
+    "trace_dense_matmul_id",
+    "trace_dense_matmul_id_auto",
+    "GgmlCapability",
+    "GgmlCapabilityRequest",
+    "GgmlExpertShape",
+    "GgmlInvocation",
+    "GgmlInvocationKind",
+    "GgmlKernelRoute",
+    "GgmlRejectionCode",
+    "GgmlWorkload",
+    "ggml_capability",
+    "plan_dense_auto_route",
 ]

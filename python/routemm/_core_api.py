@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import weakref
 from typing import Optional
 
 import ml_dtypes
@@ -213,3 +214,163 @@ def _pipeline_identity_of(self: _core.Pipeline) -> PipelineIdentity:
 
 _core.KernelRegistry.pipeline_identity = _pipeline_identity
 _core.Pipeline.identity = property(_pipeline_identity_of)
+
+
+# ---- Specialisation constants and optional pipelines --------------------------------------------
+
+
+def _check_constants(name: str, constants, kind: type, what: str) -> list:
+    out = []
+    for entry in constants:
+        try:
+            index, value = entry
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(
+                f"pipeline '{name}': {what} constant {entry!r} is not an (index, value) pair"
+            ) from None
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index <= 0xFFFFFFFF:
+            raise InvalidArgumentError(f"pipeline '{name}': {what} constant index {index!r} is not a u32")
+        if kind is bool:
+            if not isinstance(value, (bool, np.bool_)):
+                raise InvalidArgumentError(
+                    f"pipeline '{name}': bool constant {index} must be True or False, got {value!r}"
+                )
+        elif isinstance(value, (bool, np.bool_)):
+            raise InvalidArgumentError(
+                f"pipeline '{name}': int constant {index} is the bool {value!r}; pass booleans as bool_constants "
+                f"(labelled |{index}:b0 / |{index}:b1)"
+            )
+        out.append((int(index), kind(value)))
+    return out
+
+
+_native_get_pipeline = _core.KernelRegistry.get_pipeline
+
+
+def _get_pipeline(self: _core.KernelRegistry, name: str, int_constants=()):
+    """The pipeline `name` with integer specialisation constants [(index, value)], compiled and
+    cached on first use; label `name|<index>:i<value>|...`. A bool value is refused (booleans are
+    their own constants: get_pipeline_with_constants)."""
+    return _native_get_pipeline(self, name, _check_constants(name, int_constants, int, "int"))
+
+
+def _get_pipeline_with_constants(self: _core.KernelRegistry, name: str, bool_constants=(), int_constants=()):
+    """The pipeline `name` specialised with boolean and integer constants (spec §3.1); label
+    `name|<i>:b0|<j>:b1|...|<k>:i<value>|...`, booleans first, each list in the order given."""
+    bools = _check_constants(name, bool_constants, bool, "bool")
+    ints = _check_constants(name, int_constants, int, "int")
+    return self._get_pipeline_with_constants(name, bools, ints)
+
+
+def _get_pipeline_with_bool_constants(self: _core.KernelRegistry, name: str, bool_constants):
+    return _get_pipeline_with_constants(self, name, bool_constants, ())
+
+
+# registry -> {label: available}; gone with the registry.
+_OPTIONAL_PIPELINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _probe_optional_pipeline(self: _core.KernelRegistry, name: str, bool_constants=(), int_constants=()):
+    """The pipeline, or None where this registry's device does not have it (spec §3.1's optional
+    probe). The answer is cached per registry, i.e. per device: a kernel that is not registered
+    (KernelNotFoundError) is unavailable, not an error; any other failure propagates uncached."""
+    from ._errors import KernelNotFoundError
+
+    bools = _check_constants(name, bool_constants, bool, "bool")
+    ints = _check_constants(name, int_constants, int, "int")
+    cache = _OPTIONAL_PIPELINES.setdefault(self, {})
+    key = (name, tuple(bools), tuple(ints))
+    if cache.get(key) is False:
+        return None
+    try:
+        pipeline = self._get_pipeline_with_constants(name, bools, ints)
+    except KernelNotFoundError:
+        cache[key] = False
+        return None
+    cache[key] = True
+    return pipeline
+
+
+_core.KernelRegistry.get_pipeline = _get_pipeline
+_core.KernelRegistry.get_pipeline_with_constants = _get_pipeline_with_constants
+_core.KernelRegistry.get_pipeline_with_bool_constants = _get_pipeline_with_bool_constants
+_core.KernelRegistry.probe_optional_pipeline = _probe_optional_pipeline
+
+
+# ---- Buffer shape views and host slices ---------------------------------------------------------
+
+
+def _buffer_with_shape(self: _core.Buffer, shape) -> _core.Buffer:
+    """The same storage, offset, length and dtype with a new shape; the element count must not
+    change (spec §1.2)."""
+    shape = [int(d) for d in shape]
+    count = int(np.prod(shape, dtype=object)) if shape else 1
+    if any(d < 0 for d in shape) or count * self.dtype.size != self.nbytes:
+        raise InvalidArgumentError(
+            f"with_shape: shape {tuple(shape)} holds {count} {self.dtype.type_name} elements, the buffer "
+            f"{self.nbytes // self.dtype.size}"
+        )
+    return self.view(0, self.nbytes, self.dtype, shape)
+
+
+def _host_slice(self: _core.Buffer, dtype, writable: bool, op: str) -> np.ndarray:
+    dtype = self.dtype if dtype is None else dtype
+    np_dtype = numpy_dtype(dtype) if isinstance(dtype, DType) else np.dtype(dtype)
+    if not self.device.host_accessible:
+        raise InvalidArgumentError(
+            f"{op}: {self.device.backend} memory is not host-accessible; copy it with numpy() instead"
+        )
+    if writable and not self.writable:
+        what = "file-backed" if self.is_file_backed else "read-only"
+        raise InvalidArgumentError(f"{op}: Cannot mutate a read-only {what} buffer")
+    size = np_dtype.itemsize
+    if self.nbytes % size != 0:
+        raise InvalidArgumentError(f"{op}: {self.nbytes} logical bytes are not a whole number of {size}-byte elements")
+    start = self.address + self.byte_offset
+    if start % size != 0:
+        raise InvalidArgumentError(f"{op}: logical start 0x{start:x} is not aligned to {size} bytes")
+    return self._host_array(np_dtype, writable)
+
+
+def _buffer_as_slice(self: _core.Buffer, dtype=None) -> np.ndarray:
+    """A read-only NumPy view of exactly the logical bytes [byte_offset, byte_offset + nbytes),
+    without copying (spec §1.2 as_slice), as `dtype` (default: the buffer's). Host-accessible
+    backends only (CPU); refused with a message when the length is not a whole number of elements
+    or the start is misaligned for the element. The view keeps the memory alive; it must not be
+    read while a submission writes the buffer."""
+    return _host_slice(self, dtype, False, "as_slice")
+
+
+def _buffer_as_mut_slice(self: _core.Buffer, dtype=None) -> np.ndarray:
+    """as_slice, writable; refused for read-only (e.g. file-backed) buffers."""
+    return _host_slice(self, dtype, True, "as_mut_slice")
+
+
+_core.Buffer.with_shape = _buffer_with_shape
+_core.Buffer.as_slice = _buffer_as_slice
+_core.Buffer.as_mut_slice = _buffer_as_mut_slice
+
+
+# ---- Identity fields of spec §3.2 ---------------------------------------------------------------
+
+# origin values whose content hash covers source text compiled at run time; every other origin is
+# a precompiled machine image (a CUDA fatbin, a metallib, the CPU backend's compiled code).
+RUNTIME_SOURCE_ORIGINS = frozenset({"runtime_source"})
+
+
+def _identity_origin_kind(self: PipelineIdentity) -> str:
+    """Spec §3.2's origin: "runtime_source" or "precompiled"."""
+    return "runtime_source" if self.origin in RUNTIME_SOURCE_ORIGINS else "precompiled"
+
+
+def _identity_runtime_source_sha256(self: PipelineIdentity) -> Optional[str]:
+    return self.content_sha256 if self.origin_kind == "runtime_source" else None
+
+
+def _identity_precompiled_sha256(self: PipelineIdentity) -> Optional[str]:
+    return self.content_sha256 if self.origin_kind == "precompiled" else None
+
+
+PipelineIdentity.origin_kind = property(_identity_origin_kind)
+PipelineIdentity.runtime_source_sha256 = property(_identity_runtime_source_sha256)
+PipelineIdentity.precompiled_sha256 = property(_identity_precompiled_sha256)

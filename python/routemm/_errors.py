@@ -23,3 +23,8 @@ class CommandBufferError(Error):
     ("" when the failure belongs to no single launch)."""
 
     pipeline_label: str = ""
+
+
+class CalibrationError(Error):
+    """A route calibration could not measure what it needs (e.g. a GPU interval that is not a
+    finite, positive time); the message names the measurement."""

@@ -21,6 +21,7 @@ import enum
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 import sys
@@ -34,7 +35,7 @@ import numpy as np
 
 from . import _core
 from ._core_api import DispatchKind, PipelineIdentity
-from ._errors import InvalidArgumentError
+from ._errors import CalibrationError, InvalidArgumentError
 
 LOGGER = logging.getLogger("routemm.calibration")
 
@@ -118,7 +119,19 @@ def select_winner(control_wall, control_gpu, candidate_wall, candidate_gpu) -> V
 Timer = Callable[[str, int, tuple[float, float]], tuple[float, float]]
 
 
-def timed_submission(device, encode: Callable[[Any], None]) -> tuple[float, float]:
+def gpu_interval_us(start: float, end: float, what: str) -> float:
+    """The GPU interval (end - start) of one submission in microseconds. A time that is not finite
+    and positive is a CalibrationError naming `what`: it is never clamped into a number that a
+    winner rule or a receipt would then trust (spec §2.1)."""
+    us = (float(end) - float(start)) * 1e6
+    if not math.isfinite(us) or us <= 0:
+        raise CalibrationError(
+            f"calibration GPU interval of {what} is not a finite positive time (start {start!r} s, end {end!r} s)"
+        )
+    return us
+
+
+def timed_submission(device, encode: Callable[[Any], None], what: str = "a timing submission") -> tuple[float, float]:
     """One timing sample: wall clock from before the encoder exists to after the wait, and the
     backend's GPU interval of the submission, both in microseconds."""
     t0 = time.perf_counter()
@@ -126,7 +139,7 @@ def timed_submission(device, encode: Callable[[Any], None]) -> tuple[float, floa
     encode(encoder)
     start, end = encoder.commit_wait_with_gpu_time()
     wall = (time.perf_counter() - t0) * 1e6
-    return wall, max(0.0, (end - start) * 1e6)
+    return wall, gpu_interval_us(start, end, what)
 
 
 # ---- Deadline and submission accounting ---------------------------------------------------------

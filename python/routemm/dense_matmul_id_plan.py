@@ -13,8 +13,14 @@ The tensor routes have a documented tolerance instead: relative Frobenius error 
 (the outputs are read back); the compare kernel still checks that direct wrote every element
 finitely and that neither route touched the guard elements.
 
-Per fully calibrated shape with C candidates: 2 proof submissions (one per profile) and
-2 x 5 x (1 + C) timing submissions; one cleanup submission per activation that submitted anything.
+Proof and timing (spec §7.6): per routing profile, direct runs in a submission of its own and
+then each candidate in one of its own, into outputs the host poisoned with POISON_BITS (a quiet NaN
+no kernel produces) plus GUARD_ELEMENTS guard elements; the host then checks that direct overwrote
+every logical element finitely, that no guard changed, and compares each candidate with direct.
+Per fully calibrated shape with C candidates: 2 x (1 + C) proof submissions and 2 x 5 x (1 + C)
+timing submissions -- with grouped_prefill alone 24, with 36 route dispatches (direct 1, grouped 2
+each) -- and one cleanup submission per activation that submitted anything. A cache hit re-proves
+the cached winner: 4 submissions, 6 dispatches.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import numpy as np
 from . import _core
 from . import _route_plan as rp
 from . import calibration as cal
-from ._core_api import DType
+from ._core_api import DType, EncodedKernelDispatch, PipelineIdentity
 from ._errors import Error, InvalidArgumentError
 from ._json import JsonRecord
 from .dense_matmul_id import (
@@ -57,6 +63,8 @@ DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM = (
     "Tensor-core routes carry no such theorem and are re-proved against their tolerance on every activation."
 )
 THEOREM_SHA256 = cal.sha256_hex(DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM.encode())
+# Every output element and guard element is set to this before a proof submission (spec §7.6).
+POISON_BITS = 0x7FC000C7
 TENSOR_TOLERANCE = {DenseMatmulIdRoute.GROUPED_TENSOR_TF32: 2e-3, DenseMatmulIdRoute.GROUPED_TENSOR_LOWP: 1e-2}
 _ADVERSARIAL = np.array([1.0, -0.0, 0.0078125, -3.5, 1.0009766, -0.33333334, 6.1035156e-05, 2.75], np.float32)
 
@@ -195,6 +203,7 @@ class DenseMatmulIdCalibrationDecision(JsonRecord):
     theorem_authorized_weight_identities: int
     proof_submissions: int
     proof_dispatches: int
+    timing_dispatches: int
     timing_submissions: int
     calibration_submissions: int
 
@@ -229,6 +238,7 @@ class DenseMatmulIdCalibrationReceipt(rp.ActivationIdentity, JsonRecord):
     direct_decisions: int
     proof_submissions: int
     proof_dispatches: int
+    timing_dispatches: int
     timing_submissions: int
     cleanup_submissions: int
     calibration_submissions: int
@@ -279,8 +289,9 @@ def _route_pipelines(route: DenseMatmulIdRoute, dtype: DType) -> list[str]:
 # ---- Preparation / fingerprints / freeze --------------------------------------------------------
 
 
-def _prepare(registry, dtypes) -> tuple[str, str, dict, Optional[cal.ProofKernels], dict]:
-    """(build fp, pipeline-set fp, identities by name, proof kernels, errors by pipeline name)."""
+def _prepare(registry, dtypes) -> tuple[str, str, dict, None, dict]:
+    """(build fp, pipeline-set fp, identities by name, None, errors by pipeline name). The proof
+    runs on the host, so only the route pipelines enter the fingerprint."""
     names = set()
     for dt in dtypes:
         for route in DenseMatmulIdRoute:
@@ -293,21 +304,14 @@ def _prepare(registry, dtypes) -> tuple[str, str, dict, Optional[cal.ProofKernel
             identities[name] = registry.get_pipeline(name).identity
         except Error as e:
             errors[name] = str(e)
-    proof = None
-    try:
-        proof = cal.ProofKernels(registry)
-        for ident in proof.identities():
-            identities[ident.pipeline_label] = ident
-    except Error as e:
-        errors["proof"] = str(e)
     build_fp, pset = cal.build_fingerprint(
         "routemm.dense_matmul_id_plan:" + THEOREM_SHA256, SCHEMA_VERSION, identities.values()
     )
-    return build_fp, pset, identities, proof, errors
+    return build_fp, pset, identities, None, errors
 
 
 def _protected_names() -> list[str]:
-    return [*PIPELINE_NAMES, *TENSOR_PIPELINE_NAMES, *cal.PROOF_PIPELINES]
+    return [*PIPELINE_NAMES, *TENSOR_PIPELINE_NAMES]
 
 
 def _dtypes_of(plan) -> set:
@@ -468,12 +472,20 @@ _core.KernelRegistry.dense_matmul_id_plan = lambda self: rp.frozen_plan(self, PL
 
 
 def resolve_dense_matmul_id_auto_route(
-    registry, device, weight_dtype, params: DenseMatmulIdParams
+    registry, device, weight_dtype, params: DenseMatmulIdParams, *, activation_epoch: Optional[int] = None
 ) -> tuple[DenseMatmulIdRoute, DenseMatmulIdDecisionSource, int]:
-    """(route, source, epoch) from the frozen plan; read-only, no GPU work."""
+    """(route, source, epoch) from the frozen plan; read-only, no GPU work. With
+    `activation_epoch` (the epoch the caller activated with), a plan of another epoch is refused."""
     plan = rp.frozen_plan(registry, PLAN_KIND)
     if plan is None:
         _fail("dense_matmul_id_auto requires a frozen activation plan")
+    if activation_epoch is not None and (
+        isinstance(activation_epoch, bool) or activation_epoch != plan.activation_epoch
+    ):
+        _fail(
+            f"dense_matmul_id_auto activation epoch mismatch: caller epoch {activation_epoch!r}, "
+            f"frozen plan epoch {plan.activation_epoch}"
+        )
     if plan.device_registry_id != device.registry_id or plan.device_name != device.name:
         _fail("dense_matmul_id_auto plan belongs to a different device")
     if plan.theorem_sha256 != THEOREM_SHA256:
@@ -488,14 +500,150 @@ def resolve_dense_matmul_id_auto_route(
 
 
 def dense_matmul_id_auto(
-    encoder, registry, device, weights, input, expert_ids, output, scratch, params: DenseMatmulIdParams
+    encoder,
+    registry,
+    device,
+    weights,
+    input,
+    expert_ids,
+    output,
+    scratch,
+    params: DenseMatmulIdParams,
+    *,
+    activation_epoch: Optional[int] = None,
 ) -> DenseMatmulIdAutoReceipt:
     """dense_matmul_id with the route the frozen plan chose (params.route is ignored)."""
-    route, source, epoch = resolve_dense_matmul_id_auto_route(registry, device, weights.dtype, params)
+    route, source, epoch = resolve_dense_matmul_id_auto_route(
+        registry, device, weights.dtype, params, activation_epoch=activation_epoch
+    )
     primitive = dense_matmul_id(
         encoder, registry, weights, input, expert_ids, output, scratch, dataclasses.replace(params, route=route)
     )
     return DenseMatmulIdAutoReceipt(route, source, epoch, primitive)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmulIdDispatchTrace(JsonRecord):
+    """What one expert-ID call encoded, checked against the route's expected geometry (spec §7.4,
+    §7.6): at most 2 dispatches. `plan_id`, `activation_epoch` and `decision_source` are set for
+    an auto call and None for an explicit one; `theorem_sha256` names the value-independence
+    theorem the route choice rests on."""
+
+    SCHEMA = "dense_matmul_id_dispatch_trace.schema.json"
+    routemm_version: str
+    theorem_sha256: str
+    plan_id: Optional[str]
+    activation_epoch: Optional[int]
+    decision_source: Optional[DenseMatmulIdDecisionSource]
+    shape: DenseMatmulIdShape
+    route: DenseMatmulIdRoute
+    encoded: tuple[EncodedKernelDispatch, ...]
+    pipelines: tuple[PipelineIdentity, ...]
+    schema_version: int = SCHEMA_VERSION
+
+
+def dense_matmul_id_expected_dispatches(registry, weight_dtype, params: DenseMatmulIdParams) -> list:
+    """The dispatches a call of params.route encodes on `registry`'s backend, in order, with the
+    geometry the encoder derives from the registered kernels (spec §7.4's on CPU and Metal)."""
+    return [
+        EncodedKernelDispatch._from_core(d)
+        for d in _core._dense_matmul_id_expected_dispatches(registry, weight_dtype, params._native())
+    ]
+
+
+def _trace(encoder, registry, device, weights, params, run) -> tuple:
+    if encoder.device_registry_id != device.registry_id:
+        _fail("dense_matmul_id trace encoder/device mismatch")
+    encoder.start_encoded_dispatch_receipt(2)
+    try:
+        result = run()
+    finally:
+        encoded = tuple(encoder.take_encoded_dispatch_receipt())
+    route = result.route if isinstance(result, DenseMatmulIdAutoReceipt) else DenseMatmulIdRoute(params.route)
+    expected = tuple(
+        dense_matmul_id_expected_dispatches(registry, weights.dtype, dataclasses.replace(params, route=route))
+    )
+    if encoded != expected:
+        _fail(
+            f"dense_matmul_id {route.value} trace encoded {len(encoded)} dispatch(es) that differ from the "
+            f"expected geometry: {encoded} != {expected}"
+        )
+    pipelines = tuple(registry.pipeline_identity(d.pipeline_label) for d in encoded)
+    return result, route, encoded, pipelines
+
+
+def trace_dense_matmul_id(
+    encoder, registry, device, weights, input, expert_ids, output, scratch, params: DenseMatmulIdParams
+) -> DenseMatmulIdDispatchTrace:
+    """dense_matmul_id with its explicit route, recorded (at most 2 dispatches) and checked against
+    the expected geometry; fail-closed, and refused while the encoder captures."""
+    _, route, encoded, pipelines = _trace(
+        encoder,
+        registry,
+        device,
+        weights,
+        params,
+        lambda: dense_matmul_id(encoder, registry, weights, input, expert_ids, output, scratch, params),
+    )
+    return DenseMatmulIdDispatchTrace(
+        _core.version(),
+        THEOREM_SHA256,
+        None,
+        None,
+        None,
+        DenseMatmulIdShape.of(weights.dtype, params),
+        route,
+        encoded,
+        pipelines,
+    )
+
+
+def trace_dense_matmul_id_auto(
+    encoder,
+    registry,
+    device,
+    weights,
+    input,
+    expert_ids,
+    output,
+    scratch,
+    params: DenseMatmulIdParams,
+    *,
+    activation_epoch: Optional[int] = None,
+) -> DenseMatmulIdDispatchTrace:
+    """dense_matmul_id_auto, recorded and checked like trace_dense_matmul_id; the trace carries
+    the frozen plan's id, epoch and the decision source."""
+    receipt, route, encoded, pipelines = _trace(
+        encoder,
+        registry,
+        device,
+        weights,
+        params,
+        lambda: dense_matmul_id_auto(
+            encoder,
+            registry,
+            device,
+            weights,
+            input,
+            expert_ids,
+            output,
+            scratch,
+            params,
+            activation_epoch=activation_epoch,
+        ),
+    )
+    plan = rp.frozen_plan(registry, PLAN_KIND)
+    return DenseMatmulIdDispatchTrace(
+        _core.version(),
+        plan.theorem_sha256,
+        plan.plan_id,
+        receipt.activation_epoch,
+        receipt.decision_source,
+        DenseMatmulIdShape.of(weights.dtype, params),
+        route,
+        encoded,
+        pipelines,
+    )
 
 
 # ---- Calibration --------------------------------------------------------------------------------
@@ -580,58 +728,62 @@ class _Calibrator:
     def _buffers(self, shape, profile):
         return self.pool.input(_input_rows(shape), shape.k), self.device.from_numpy(_ids(shape, profile))
 
+    def _submit(self, shape, route, weight, inp, ids, out, scratch) -> int:
+        """One proof submission of `route` (counted immediately before its commit); returns the
+        route dispatches it encoded. Encoding errors propagate with nothing submitted."""
+        encoder = self.device.command_encoder()
+        self._encode(encoder, shape, route, weight, inp, ids, out, scratch)
+        self.subs.proof += 1
+        encoder.commit_and_wait()
+        return _route_dispatches(route)
+
     def _prove(self, shape, weight, candidates, profile):
-        """One proof submission: every candidate against direct. Returns proofs, dispatch count."""
+        """Every candidate against direct on one profile: direct in one submission, each candidate
+        in one of its own. Returns (proofs, route dispatches, buffers for timing)."""
         logical = shape.m * shape.top_k * shape.n
         guarded = logical + cal.GUARD_ELEMENTS
         inp, ids = self._buffers(shape, profile)
         control, *outs = self.pool.outputs(guarded, len(candidates))
-        statuses = self.pool.statuses(len(candidates))
         scratch = self.pool.scratch()
+        poison = np.full(guarded, POISON_BITS, np.uint32).view(np.uint8)
         view = lambda b: b.view(0, logical * 4, DType.F32, [shape.m * shape.top_k, shape.n])  # noqa: E731
-        encoder = self.device.command_encoder()
-        dispatches = 0
-        errors = {}
-        for j, route in enumerate(candidates):
-            self.proof.encode_poison(encoder, control, outs[j], logical, guarded)
-            encoder.memory_barrier()
-            try:
-                self._encode(encoder, shape, DenseMatmulIdRoute.DIRECT, weight, inp, ids, view(control), None)
-            except Error as e:
-                raise _Abort(f"dense_matmul_id direct proof failed: {e}") from None
-            try:
-                self._encode(encoder, shape, route, weight, inp, ids, view(outs[j]), scratch)
-                dispatches += 2
-            except Error as e:
-                errors[route] = str(e)
-            encoder.memory_barrier()
-            self.proof.encode_compare(encoder, control, outs[j], statuses, j, logical, guarded)
-            encoder.memory_barrier()
-            dispatches += 3
-        self.subs.proof += 1
-        encoder.commit_wait_with_gpu_time()
-        words = statuses.numpy().tolist()
-        reference = view(control).numpy().astype(np.float64) if any(r in TENSOR_TOLERANCE for r in candidates) else None
+        control._write_bytes(poison)
+        try:
+            dispatches = self._submit(shape, DenseMatmulIdRoute.DIRECT, weight, inp, ids, view(control), None)
+        except Error as e:
+            raise _Abort(f"dense_matmul_id direct proof failed on profile {profile.value}: {e}") from None
+        reference_bits = control.numpy().view(np.uint32)
+        control_bits = _proof_status(reference_bits, None, logical)
+        if control_bits:
+            raise _Abort(
+                f"dense_matmul_id direct proof failed on profile {profile.value}: {cal.status_text(control_bits)}"
+            )
+        reference = reference_bits[:logical].view(np.float32).astype(np.float64)
         proofs = []
-        for j, route in enumerate(candidates):
-            bits = words[j]
-            if bits & cal.STATUS_CONTROL_BITS:
-                raise _Abort(f"dense_matmul_id direct proof failed on profile {profile.value}: {cal.status_text(bits)}")
+        for route, out in zip(candidates, outs, strict=True):
+            out._write_bytes(poison)
             tol = TENSOR_TOLERANCE.get(route, 0.0)
-            err, diag = 0.0, None
-            if route in errors:
-                coherent, diag = False, f"{route.value} failed to encode: {errors[route]}"
-            elif tol == 0.0:
+            try:
+                dispatches += self._submit(shape, route, weight, inp, ids, view(out), scratch)
+            except Error as e:
+                diag = f"{route.value} failed to encode or run on profile {profile.value}: {e}"
+                proofs.append(DenseMatmulIdCandidateProof(route, profile, tol, 1e300, 0, False, diag))
+                continue
+            got_bits = out.numpy().view(np.uint32)
+            bits = _proof_status(reference_bits, got_bits, logical)
+            err = 0.0
+            if tol == 0.0:
                 coherent = not bits & cal.STATUS_CANDIDATE_BITS
                 if bits & cal.STATUS_MISMATCH:
                     err = float("nan")
             else:
-                got = view(outs[j]).numpy().astype(np.float64)
+                got = got_bits[:logical].view(np.float32).astype(np.float64)
                 num = float(np.sqrt(np.sum((got - reference) ** 2))) if np.all(np.isfinite(got)) else math.inf
                 den = float(np.sqrt(np.sum(reference**2)))
                 err = num / den if den > 0 else (0.0 if num == 0 else math.inf)
                 coherent = not bits & (cal.STATUS_CANDIDATE_BITS & ~cal.STATUS_MISMATCH) and err <= tol
-            if not coherent and diag is None:
+            diag = None
+            if not coherent:
                 diag = f"{route.value} proof failed on profile {profile.value}: {cal.status_text(bits)}" + (
                     f", relative Frobenius error {err:.3g} > {tol:g}" if tol and err > tol else ""
                 )
@@ -642,7 +794,9 @@ class _Calibrator:
             )
         return proofs, dispatches, (inp, ids, control, scratch)
 
-    def _time(self, shape, weight, routes, profile, bufs, rounds_done):
+    def _time(self, shape, weight, routes, profile, bufs, done):
+        """5 alternating rounds of every route, one submission each; `done` counts submissions and
+        route dispatches as they happen (so a budget stop still reports what ran)."""
         inp, ids, control, scratch = bufs
         logical = shape.m * shape.top_k * shape.n
         out = control.view(0, logical * 4, DType.F32, [shape.m * shape.top_k, shape.n])
@@ -654,9 +808,13 @@ class _Calibrator:
                 enc = self.device.command_encoder()
                 self._encode(enc, shape, route, weight, inp, ids, out, scratch)
                 self.subs.timing += 1
-                rounds_done[0] += 1
+                done["submissions"] += 1
+                done["dispatches"] += _route_dispatches(route)
                 s, e = enc.commit_wait_with_gpu_time()
-                measured = ((cal.time.perf_counter() - t0) * 1e6, max(0.0, (e - s) * 1e6))
+                measured = (
+                    (cal.time.perf_counter() - t0) * 1e6,
+                    cal.gpu_interval_us(s, e, f"a dense_matmul_id {route.value} timing submission"),
+                )
                 wall, gpu = self.timer(route.value, r, measured) if self.timer else measured
                 samples[route][0].append(wall)
                 samples[route][1].append(gpu)
@@ -672,15 +830,19 @@ class _Calibrator:
         S = DenseMatmulIdSelectionStatus
         D = DenseMatmulIdRoute.DIRECT
         profiles = tuple(DenseMatmulIdRoutingProfile)
-        candidates = []
+        candidates, unprepared = [], []
         for route in (DenseMatmulIdRoute.GROUPED_PREFILL, *TENSOR_TOLERANCE):
             try:
                 dense_matmul_id_capability(shape.weight_dtype, shape.params(route))
             except InvalidArgumentError:
                 continue
-            if all(n in self.identities for n in _route_pipelines(route, shape.weight_dtype)):
+            names = _route_pipelines(route, shape.weight_dtype)
+            failed = [f"{n}: {self.errors[n]}" for n in names if n in self.errors]
+            if failed:
+                unprepared.append(f"{route.value} pipeline preparation failed: {'; '.join(failed)}")
+            elif all(n in self.identities for n in names):
                 candidates.append(route)
-        work = {"proof_submissions": 0, "proof_dispatches": 0, "timing_submissions": 0}
+        work = {"proof_submissions": 0, "proof_dispatches": 0, "timing_submissions": 0, "timing_dispatches": 0}
 
         def decision(route, status, diag, proofs=(), timings=(), hit=False):
             return DenseMatmulIdCalibrationDecision(
@@ -695,21 +857,24 @@ class _Calibrator:
                 n_identities if route is not D else 0,
                 work["proof_submissions"],
                 work["proof_dispatches"],
+                work["timing_dispatches"],
                 work["timing_submissions"],
                 work["proof_submissions"] + work["timing_submissions"],
             )
 
         if not candidates:
+            if unprepared:  # a legal candidate whose pipelines could not be prepared
+                return decision(D, S.ERROR_FALLBACK, "; ".join(unprepared)), False
             return decision(D, S.DIRECT_ONLY, None), False
-        if self.proof is None:
-            return decision(D, S.ERROR_FALLBACK, f"proof pipelines unavailable: {self.errors.get('proof')}"), False
         key = (self.build_fp, self.device.name, self.device.registry_id, self.pset, shape.key)
         cached = self.pinned.get(shape.key) if self.pinned is not None else cal.PROCESS_CACHE.get(key)
         if cached is not None and cached["route"] is D:
             return decision(D, cached["status"], cached.get("diagnostic"), timings=cached["timings"], hit=True), False
         prove = [cached["route"]] if cached is not None else candidates
-        per_route = len(prove)
-        need = len(profiles) * (1 + (0 if cached else cal.CALIBRATION_SAMPLES * (1 + per_route)))
+        # Per profile: direct and each proved candidate in a proof submission of its own, then
+        # (unless cached) 5 timing rounds of direct and every candidate.
+        per_profile = 1 + len(prove)
+        need = len(profiles) * per_profile * (1 if cached else 1 + cal.CALIBRATION_SAMPLES)
         if self.subs.total + need > self.limits.max_submissions:
             return decision(
                 D,
@@ -720,15 +885,18 @@ class _Calibrator:
             return decision(D, S.BUDGET_FALLBACK, "calibration deadline reached before shape proof"), False
         proofs, bufs = [], {}
         for profile in profiles:
-            p, n, bufs[profile] = self._prove(shape, weight, prove, profile)
+            before = self.subs.proof
+            try:
+                p, n, bufs[profile] = self._prove(shape, weight, prove, profile)
+            finally:
+                work["proof_submissions"] += self.subs.proof - before
             proofs += p
-            work["proof_submissions"] += 1
             work["proof_dispatches"] += n
         coherent = [r for r in prove if all(p.coherent for p in proofs if p.route is r)]
         if not coherent:
             failed = [p for p in proofs if not p.coherent]
-            encode_failure = all("failed to encode" in (p.diagnostic or "") for p in failed)
-            status = S.ERROR_FALLBACK if encode_failure else S.INCOHERENT_GROUPED
+            run_failure = all("failed to encode or run" in (p.diagnostic or "") for p in failed)
+            status = S.ERROR_FALLBACK if run_failure else S.INCOHERENT_GROUPED
             return decision(D, status, "; ".join(p.diagnostic for p in failed), proofs), False
         if cached is not None:
             return decision(
@@ -736,7 +904,7 @@ class _Calibrator:
             ), False
         routes = (D, *coherent)
         timings, verdicts = [], {r: [] for r in coherent}
-        done = [0]
+        done = {"submissions": 0, "dispatches": 0}
         try:
             for profile in profiles:
                 dist = self._time(shape, weight, routes, profile, bufs[profile], done)
@@ -747,9 +915,11 @@ class _Calibrator:
                         (cal.select_winner(dist[D][0], dist[D][1], dist[r][0], dist[r][1]), dist[r][0].median_us)
                     )
         except cal.BudgetExceeded as b:
-            work["timing_submissions"] = done[0]
+            work["timing_submissions"], work["timing_dispatches"] = done["submissions"], done["dispatches"]
             return decision(D, S.BUDGET_FALLBACK, str(b), proofs, timings), False
-        work["timing_submissions"] = done[0]
+        except Error as e:
+            raise _Abort(f"dense_matmul_id timing calibration failed after current-weight proof: {e}") from None
+        work["timing_submissions"], work["timing_dispatches"] = done["submissions"], done["dispatches"]
         winners = [r for r in coherent if all(v is cal.Verdict.CANDIDATE_WINS for v, _ in verdicts[r])]
         if winners:
             route = min(winners, key=lambda r: sum(m for _, m in verdicts[r]))
@@ -762,6 +932,37 @@ class _Calibrator:
             return decision(D, S.BUDGET_FALLBACK, "calibration deadline reached during timing", proofs, timings), False
         cal.PROCESS_CACHE.setdefault(key, {"route": route, "status": status, "timings": tuple(timings)})
         return decision(route, status, None, proofs, timings), True
+
+
+def _route_dispatches(route: DenseMatmulIdRoute) -> int:
+    """Dispatches one call of `route` encodes: direct 1, every grouped route map + grouped."""
+    return 1 if route is DenseMatmulIdRoute.DIRECT else 2
+
+
+def _proof_status(control: np.ndarray, candidate: Optional[np.ndarray], logical: int) -> int:
+    """The proof status bits (calibration.STATUS_*) of poisoned outputs read back as U32 words:
+    in the logical range a word still holding POISON_BITS is unwritten, any other NaN/Inf is
+    non-finite, and control != candidate is a mismatch; a guard word that changed is a guard hit."""
+    exponent = np.uint32(0x7F800000)
+    poison = np.uint32(POISON_BITS)
+
+    def side(words, unwritten, non_finite, guard):
+        body, tail = words[:logical], words[logical:]
+        bits = unwritten if np.any(body == poison) else 0
+        if np.any(((body & exponent) == exponent) & (body != poison)):
+            bits |= non_finite
+        if np.any(tail != poison):
+            bits |= guard
+        return bits
+
+    bits = side(control, cal.STATUS_CONTROL_UNWRITTEN, cal.STATUS_CONTROL_NON_FINITE, cal.STATUS_CONTROL_GUARD)
+    if candidate is not None:
+        bits |= side(
+            candidate, cal.STATUS_CANDIDATE_UNWRITTEN, cal.STATUS_CANDIDATE_NON_FINITE, cal.STATUS_CANDIDATE_GUARD
+        )
+        if not np.array_equal(control[:logical], candidate[:logical]):
+            bits |= cal.STATUS_MISMATCH
+    return bits
 
 
 def _validate(registry, device, epoch, limits, cases):
@@ -899,6 +1100,7 @@ def _run(registry, device, epoch, limits, cases, *, progress, timer, clock, pinn
         sum(d.selected_route is DenseMatmulIdRoute.DIRECT for d in final),
         c.subs.proof,
         sum(d.proof_dispatches for d in final),
+        sum(d.timing_dispatches for d in final),
         c.subs.timing,
         c.subs.cleanup,
         c.subs.total,

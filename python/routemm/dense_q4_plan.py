@@ -33,9 +33,10 @@ from .quantized_matmul import (
     GgmlRoutingPolicy,
     GgmlTensorMmPreference,
     GgmlType,
+    effective_policy,
     encode_q4_route,
+    encode_unplanned,
     q4_expected_dispatch,
-    quantized_matmul_ggml,
 )
 
 DENSE_Q4_ROUTE_SCHEMA_VERSION = 4
@@ -45,6 +46,8 @@ I32_MAX = 2**31 - 1
 U32_MAX = 2**32 - 1
 BLOCK_VALUES, BLOCK_BYTES = 32, 18
 COMPATIBILITY_UNPLANNED = "compatibility-unplanned"
+# The pipeline identity schema this library writes (PipelineIdentity's schema_version).
+IDENTITY_SCHEMA_VERSION = PipelineIdentity.__dataclass_fields__["schema_version"].default
 
 
 class DenseQ4InputLayout(enum.Enum):
@@ -369,7 +372,7 @@ def select_route(
     shape = exact_shape(params, batch, contiguous_input)
     if shape is None:
         return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_V2, S.INELIGIBLE_COMPATIBILITY_FALLBACK)
-    routing = GgmlRoutingPolicy.from_environment() if routing is None else routing
+    routing = effective_policy(registry, routing, "dense Q4 route selection")
     if GgmlTensorMmPreference(routing.dense_tensor_mm) is not GgmlTensorMmPreference.AUTO_PROBE:
         return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_SIMDGROUP, S.INELIGIBLE_COMPATIBILITY_FALLBACK)
     if not routing.allow_dense_large_tile_mm:
@@ -399,11 +402,22 @@ def dense_q4_auto(
     params: GgmlQuantizedMatmulParams,
     routing: Optional[GgmlRoutingPolicy] = None,
 ) -> GgmlQuantizedMatmulReceipt:
-    """quantized_matmul_ggml that honours the registry's frozen plan; the receipt's `decision`
-    says why the route was taken. A failing candidate lookup silently falls back to V2."""
-    policy = GgmlRoutingPolicy.from_environment() if routing is None else routing
+    """quantized_matmul_ggml for an explicit device: the plan frozen into `registry` is honoured
+    only when it was made on `device`."""
+    policy = effective_policy(registry, routing, "dense_q4_auto")
+    params._native()  # validates m, n, k
     if params.m <= 8:
-        return quantized_matmul_ggml(encoder, registry, input, weight, output, params, policy)
+        return encode_unplanned(encoder, registry, input, weight, output, params, policy)
+    return dispatch_planned(encoder, registry, device, input, weight, output, params, policy)
+
+
+def dispatch_planned(
+    encoder, registry, device, input, weight, output, params: GgmlQuantizedMatmulParams, policy: GgmlRoutingPolicy
+) -> GgmlQuantizedMatmulReceipt:
+    """One m > 8 call through the frozen plan (select_route). The receipt's decision is the
+    selection's when the encoded route is the selected one; a call that could not take the
+    selected route (the candidate's pipeline failed to resolve at dispatch, or the backend lacks
+    the tensor pipelines) says ineligible_compatibility_fallback, never no_plan."""
     decision = select_route(registry, device, params, 1, True, policy)
     if decision.route is DenseQ4Route.TENSOR_64X32:
         try:
@@ -413,10 +427,13 @@ def dense_q4_auto(
             if "forced dense Q4" in str(e) or isinstance(e, InvalidArgumentError) and "buffer" in str(e):
                 raise
             cal.LOGGER.debug("dense Q4 candidate lookup failed at dispatch, using V2: %s", e)
-    receipt = quantized_matmul_ggml(encoder, registry, input, weight, output, params, policy)
-    if receipt.dense_route is decision.route:
-        receipt = dataclasses.replace(receipt, decision=decision.source)
-    return receipt
+    receipt = encode_unplanned(encoder, registry, input, weight, output, params, policy)
+    source = (
+        decision.source
+        if receipt.dense_route is decision.route
+        else DenseQ4DecisionSource.INELIGIBLE_COMPATIBILITY_FALLBACK
+    )
+    return dataclasses.replace(receipt, decision=source)
 
 
 def trace_dense_q4_auto(
@@ -639,7 +656,10 @@ class _Calibrator:
                     proof_gpu_us=1e-3,
                 )
             raise _HardFailure(f"required dense Q4 compatibility V2 proof failed: {e}") from None
-        proof_gpu_us = max((end - start) * 1e6, 1e-3)
+        try:
+            proof_gpu_us = cal.gpu_interval_us(start, end, f"the dense Q4 proof of {shape.key}")
+        except Error as e:
+            raise _HardFailure(str(e)) from None
         work = dict(
             proof_submissions=1,
             proof_route_dispatches=route_dispatches,
@@ -716,7 +736,10 @@ class _Calibrator:
                     self.subs.timing += 1
                     timing_subs += 1
                     s, e = enc.commit_wait_with_gpu_time()
-                    measured = ((cal.time.perf_counter() - t0) * 1e6, max(0.0, (e - s) * 1e6))
+                    measured = (
+                        (cal.time.perf_counter() - t0) * 1e6,
+                        cal.gpu_interval_us(s, e, f"a {route.value} timing submission"),
+                    )
                     wall, gpu = self.timer(route.value, r, measured) if self.timer else measured
                     samples[route][0].append(wall)
                     samples[route][1].append(gpu)
@@ -1004,13 +1027,34 @@ def _is_hex64(s) -> bool:
     return isinstance(s, str) and len(s) == 64 and set(s) <= _HEX64
 
 
+def _expected_dispatch_for(backend: str, registries: dict):
+    """q4_expected_dispatch as the receipts' backend encodes it: a registry of that backend opened
+    in this process (the geometry comes from its registered kernels; on the CPU backend it is
+    spec §6.2's reference geometry)."""
+    if backend not in registries:
+        try:
+            registries[backend] = _core.KernelRegistry(_core.Device(backend))
+        except Error as e:
+            raise InvalidArgumentError(
+                f"dense Q4 Cartesian acceptance failed: cannot derive {backend} geometry here: {e}"
+            ) from None
+    return registries[backend]
+
+
 def validate_dense_q4_cartesian_acceptance(
     cold: DenseQ4CalibrationBatchReceipt,
     reactivation: DenseQ4CalibrationBatchReceipt,
     requirements: DenseQ4CartesianAcceptanceRequirements,
+    *,
+    registry=None,
 ) -> None:
-    """Fail-closed publication gate over a cold and a cache-hit reactivation receipt (spec §6.5)."""
+    """Fail-closed publication gate over a cold and a cache-hit reactivation receipt (spec §6.5).
+
+    Each timing's encoded dispatch must equal its route's expected dispatch: derived from
+    `registry` when given, else from a registry of the backend the receipts' pipeline identities
+    name (which must be available in this process)."""
     prefix = "dense Q4 Cartesian acceptance failed: "
+    registries = {} if registry is None else {registry.device.backend: registry}
 
     def need(ok, message):
         if not ok:
@@ -1018,7 +1062,10 @@ def validate_dense_q4_cartesian_acceptance(
 
     r = requirements
     need(
-        r.expected_base_shapes > 0 and r.expected_weight_buffers_per_base > 0 and r.maximum_elapsed_ms > 0,
+        r.expected_base_shapes > 0
+        and r.expected_weight_buffers_per_base > 0
+        and r.minimum_candidate_decisions > 0
+        and r.maximum_elapsed_ms > 0,
         "requirement counts must be nonzero",
     )
     reach = list(r.reachable_m)
@@ -1114,18 +1161,28 @@ def validate_dense_q4_cartesian_acceptance(
                         and 0 < dist.p25_us <= dist.median_us <= dist.p75_us,
                         f"{label} timing distribution at M={s.m}",
                     )
-                # The geometry is the backend's own (q4_expected_dispatch with the registry); what
-                # acceptance can check without a registry is that it names the route's pipeline and
-                # that the reactivation encoded exactly what the cold calibration did.
+                p = t.pipeline
+                need(
+                    p.schema_version == IDENTITY_SCHEMA_VERSION,
+                    f"{label} pipeline identity schema_version {p.schema_version} at M={s.m}, "
+                    f"expected {IDENTITY_SCHEMA_VERSION}",
+                )
+                # Origin-hash rule (spec §3.2, routemm's identities): whatever the origin, the
+                # content hash is a 64-hex SHA-256 of the code the pipeline runs.
+                need(bool(p.origin) and _is_hex64(p.content_sha256), f"{label} pipeline origin/hash at M={s.m}")
                 need(t.encoded.pipeline_label == t.route.pipeline_label, f"{label} encoded pipeline at M={s.m}")
+                reg = _expected_dispatch_for(p.backend, registries)
+                need(
+                    t.encoded == q4_expected_dispatch(t.route, s.m, s.n, registry=reg, k=s.k),
+                    f"{label} {t.route.value} encoded geometry {t.encoded.grid} at M={s.m} is not the route's "
+                    "expected dispatch",
+                )
                 cold_geometry = geometries.setdefault((s.key, t.route), t.encoded)
                 need(t.encoded == cold_geometry, f"{label} geometry change at M={s.m}")
-                p = t.pipeline
                 need(
                     p.pipeline_label == t.route.pipeline_label
                     and p.kernel_name == t.route.pipeline_name
-                    and p.pipeline_label.split("|")[0] == p.kernel_name
-                    and bool(p.content_sha256),
+                    and p.pipeline_label.split("|")[0] == p.kernel_name,
                     f"{label} pipeline identity at M={s.m}",
                 )
             if s.m in r.required_compatibility_m:

@@ -52,6 +52,54 @@ _PYTHON_KNOBS = (
         "1",
         "0/false/off: Q4_0 matrix routes may not use the large-tile V2 kernel or the 64x32 candidate (read by GgmlRoutingPolicy.from_environment())",
     ),
+    Knob(
+        "ROUTEMM_DECODE_MVN",
+        "bool",
+        "1",
+        "0/false/off: GgmlRoutingPolicy.dense_decode_mvn (K-quant width-mN tiles; recorded only)",
+    ),
+    Knob(
+        "ROUTEMM_DECODE_MV_EXT",
+        "bool",
+        "0",
+        "1/true/on: GgmlRoutingPolicy.dense_decode_mv_ext (mul_mv_ext; recorded only)",
+    ),
+    Knob(
+        "ROUTEMM_Q6K_MV_NR2",
+        "bool",
+        "1",
+        "0/false/off: GgmlRoutingPolicy.dense_q6k_mv_nr2 (recorded only)",
+    ),
+    Knob(
+        "ROUTEMM_Q8_0_MV_NR2",
+        "bool",
+        "1",
+        "0/false/off: GgmlRoutingPolicy.dense_q8_0_mv_nr2 (recorded only)",
+    ),
+    Knob(
+        "ROUTEMM_MM_ID_ROUTING_THRESHOLD",
+        "int",
+        "8",
+        "GgmlRoutingPolicy.expert_mm_threshold: expert calls above this many tokens take the matrix route (recorded only)",
+    ),
+    Knob(
+        "ROUTEMM_Q6K_ID_MV_NR2",
+        "bool",
+        "1",
+        "0/false/off: GgmlRoutingPolicy.expert_q6k_mv_nr2 (recorded only)",
+    ),
+    Knob(
+        "ROUTEMM_Q8_0_ID_MV_NR2",
+        "bool",
+        "0",
+        "1/true/on: GgmlRoutingPolicy.expert_q8_0_mv_nr2 (recorded only)",
+    ),
+    Knob(
+        "ROUTEMM_DISABLE_TENSOR_MM_ID",
+        "bool",
+        "0",
+        "1: GgmlRoutingPolicy.expert_tensor_mm = force_simd (recorded only)",
+    ),
 )
 
 KNOBS: tuple[Knob, ...] = tuple(Knob(*row) for row in _core.env_knobs()) + _PYTHON_KNOBS

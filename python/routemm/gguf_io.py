@@ -178,7 +178,9 @@ def gguf_tensor(path, name: str, device: Optional[_core.Device] = None, *, copy:
                 mapped = np.memmap(f, dtype=np.uint8, mode="r", offset=start, shape=(nbytes,))
                 if mapped.ctypes.data % dtype.size == 0:
                     # Zero copy: the memory map is the buffer's owner and is closed with it.
-                    return _core._buffer_from_pointer(device, mapped.ctypes.data, nbytes, dtype, shape, False, mapped)
+                    return _core._buffer_from_pointer(
+                        device, mapped.ctypes.data, nbytes, dtype, shape, False, mapped, file_backed=True
+                    )
             f.seek(start)
             data = np.empty(nbytes, np.uint8)
             if f.readinto(data) != nbytes:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import hashlib
 import os
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 
@@ -88,40 +90,148 @@ class DenseQ4DecisionSource(enum.Enum):
 
 
 _FALSE_WORDS = ("0", "false", "off")
+_TRUE_WORDS = ("1", "true", "on")
+# The policy's registry plan kind: a registry carries at most one frozen policy (spec §3.3).
+POLICY_KIND = "ggml_routing_policy"
+# Default of expert_mm_threshold: expert calls with more tokens than this use the matrix route.
+MM_ID_ROUTING_THRESHOLD = 8
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    """A boolean knob: unset keeps `default`; a default-true knob is turned off by 0/false/off, a
+    default-false one on by 1/true/on (any case)."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value not in _FALSE_WORDS if default else value in _TRUE_WORDS
+
+
+def _env_count(name: str, default: int) -> int:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        count = int(value, 10)
+    except ValueError:
+        count = -1
+    if not 0 <= count <= 0xFFFFFFFF:
+        raise InvalidArgumentError(f"{name} must be an integer in [0, 4294967295], got {value!r}")
+    return count
 
 
 @dataclasses.dataclass(frozen=True)
 class GgmlRoutingPolicy(JsonRecord):
-    """The dense routing policy. Explicit policies never read the environment."""
+    """Which GGML kernel routes a call may take (spec §4.1). Explicit policies never read the
+    environment; `from_environment()` reads it now; a registry may carry one frozen policy
+    (`KernelRegistry.freeze_ggml_routing_policy`) that calls passing no policy use.
+
+    routemm has dense Q4_0 kernels only, so only `dense_tensor_mm` and
+    `allow_dense_large_tile_mm` change what runs today. The other fields (RECORDED_ONLY) name
+    routes of formats or kernels routemm does not have yet -- K-quant width-mN tiles, mul_mv_ext,
+    the nr2 mat-vecs, the quantised expert routes: they are accepted, validated, recorded in every
+    receipt and used by the structural planner (`plan_dense_auto_route`, `ggml_capability`), and
+    change no dispatch until those kernels exist."""
 
     SCHEMA = "ggml_routing_policy.schema.json"
+    RECORDED_ONLY: ClassVar[tuple[str, ...]] = (
+        "dense_decode_mvn",
+        "dense_decode_mv_ext",
+        "dense_q6k_mv_nr2",
+        "dense_q8_0_mv_nr2",
+        "expert_mm_threshold",
+        "expert_q6k_mv_nr2",
+        "expert_q8_0_mv_nr2",
+        "expert_tensor_mm",
+    )
     dense_tensor_mm: GgmlTensorMmPreference = GgmlTensorMmPreference.AUTO_PROBE
     allow_dense_large_tile_mm: bool = True
+    dense_decode_mvn: bool = True  # K-quants at M in [2, 8]: bit-identical multi-column tiles
+    dense_decode_mv_ext: bool = False  # opt-in mul_mv_ext at M in [2, 8] (not bit-identical)
+    dense_q6k_mv_nr2: bool = True
+    dense_q8_0_mv_nr2: bool = True
+    expert_mm_threshold: int = MM_ID_ROUTING_THRESHOLD  # expert matrix route when n_tokens > this
+    expert_q6k_mv_nr2: bool = True
+    expert_q8_0_mv_nr2: bool = False
+    expert_tensor_mm: GgmlTensorMmPreference = GgmlTensorMmPreference.AUTO_PROBE
 
     def __post_init__(self) -> None:
         # A policy is what receipts record: no truthy stand-ins ("no" would read as True).
-        try:
-            GgmlTensorMmPreference(self.dense_tensor_mm)
-        except (ValueError, TypeError):
-            choices = ", ".join(repr(p.value) for p in GgmlTensorMmPreference)
-            raise InvalidArgumentError(
-                f"GgmlRoutingPolicy dense_tensor_mm must be one of {choices}, got {self.dense_tensor_mm!r}"
-            ) from None
-        if not isinstance(self.allow_dense_large_tile_mm, (bool, np.bool_)):
-            raise InvalidArgumentError(
-                f"GgmlRoutingPolicy allow_dense_large_tile_mm must be a bool, got {self.allow_dense_large_tile_mm!r}"
-            )
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("tensor_mm"):
+                try:
+                    GgmlTensorMmPreference(value)
+                except (ValueError, TypeError):
+                    choices = ", ".join(repr(p.value) for p in GgmlTensorMmPreference)
+                    raise InvalidArgumentError(
+                        f"GgmlRoutingPolicy {f.name} must be one of {choices}, got {value!r}"
+                    ) from None
+            elif f.name == "expert_mm_threshold":
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= 0xFFFFFFFF:
+                    raise InvalidArgumentError(f"GgmlRoutingPolicy expert_mm_threshold must be a u32, got {value!r}")
+            elif not isinstance(value, (bool, np.bool_)):
+                raise InvalidArgumentError(f"GgmlRoutingPolicy {f.name} must be a bool, got {value!r}")
 
     @classmethod
     def from_environment(cls) -> "GgmlRoutingPolicy":
-        """The policy the environment asks for, read now: ROUTEMM_DISABLE_TENSOR_MM=1 forces the
-        simdgroup kernel; ROUTEMM_LARGE_TILE_MM=0/false/off (any case) forbids the large tile."""
+        """The policy the environment asks for, read now (the knobs are in routemm.env's table):
+        ROUTEMM_DISABLE_TENSOR_MM=1 forces the simdgroup kernel; ROUTEMM_LARGE_TILE_MM=0/false/off
+        forbids the large tile; the recorded-only fields have their own ROUTEMM_* knobs."""
         force_simd = os.environ.get("ROUTEMM_DISABLE_TENSOR_MM", "").strip() == "1"
-        no_large = os.environ.get("ROUTEMM_LARGE_TILE_MM", "").strip().lower() in _FALSE_WORDS
-        return cls(GgmlTensorMmPreference.FORCE_SIMD if force_simd else GgmlTensorMmPreference.AUTO_PROBE, not no_large)
+        force_simd_id = os.environ.get("ROUTEMM_DISABLE_TENSOR_MM_ID", "").strip() == "1"
+        simd, auto = GgmlTensorMmPreference.FORCE_SIMD, GgmlTensorMmPreference.AUTO_PROBE
+        return cls(
+            dense_tensor_mm=simd if force_simd else auto,
+            allow_dense_large_tile_mm=_env_flag("ROUTEMM_LARGE_TILE_MM", True),
+            dense_decode_mvn=_env_flag("ROUTEMM_DECODE_MVN", True),
+            dense_decode_mv_ext=_env_flag("ROUTEMM_DECODE_MV_EXT", False),
+            dense_q6k_mv_nr2=_env_flag("ROUTEMM_Q6K_MV_NR2", True),
+            dense_q8_0_mv_nr2=_env_flag("ROUTEMM_Q8_0_MV_NR2", True),
+            expert_mm_threshold=_env_count("ROUTEMM_MM_ID_ROUTING_THRESHOLD", MM_ID_ROUTING_THRESHOLD),
+            expert_q6k_mv_nr2=_env_flag("ROUTEMM_Q6K_ID_MV_NR2", True),
+            expert_q8_0_mv_nr2=_env_flag("ROUTEMM_Q8_0_ID_MV_NR2", False),
+            expert_tensor_mm=simd if force_simd_id else auto,
+        )
 
     def _native(self) -> tuple[str, bool]:
         return GgmlTensorMmPreference(self.dense_tensor_mm).value, bool(self.allow_dense_large_tile_mm)
+
+
+def freeze_ggml_routing_policy(registry, policy: GgmlRoutingPolicy) -> None:
+    """Bind `policy` to `registry` for good: calls on it that pass no policy use it (spec §3.3).
+    One-shot like a route plan: the same policy again is a no-op, a different one is refused."""
+    if not isinstance(policy, GgmlRoutingPolicy):
+        raise InvalidArgumentError(f"freeze_ggml_routing_policy needs a GgmlRoutingPolicy, got {policy!r}")
+    document = policy.to_json()
+    policy_id = hashlib.sha256(document.encode()).hexdigest()
+    existing = registry.frozen_plan_id(POLICY_KIND)
+    if existing is not None and existing != policy_id:
+        raise InvalidArgumentError(f"ggml routing policy is already frozen in this registry as {existing}")
+    registry.freeze_plan(POLICY_KIND, policy_id, [], document)
+
+
+def ggml_routing_policy(registry) -> Optional[GgmlRoutingPolicy]:
+    """The policy frozen into `registry`, or None (calls then read the environment)."""
+    document = registry.frozen_plan_document(POLICY_KIND)
+    return None if document is None else _policy_from_document(document)
+
+
+@functools.lru_cache(maxsize=64)
+def _policy_from_document(document: str) -> GgmlRoutingPolicy:
+    return GgmlRoutingPolicy.from_json(document)
+
+
+def effective_policy(registry, routing: Optional[GgmlRoutingPolicy], op: str) -> GgmlRoutingPolicy:
+    """The policy a call runs under: its own, else the registry's frozen one, else the environment."""
+    if routing is None:
+        routing = ggml_routing_policy(registry) or GgmlRoutingPolicy.from_environment()
+    if not isinstance(routing, GgmlRoutingPolicy):
+        raise InvalidArgumentError(f"{op} routing must be a GgmlRoutingPolicy, got {routing!r}")
+    return routing
+
+
+_core.KernelRegistry.freeze_ggml_routing_policy = freeze_ggml_routing_policy
+_core.KernelRegistry.ggml_routing_policy = ggml_routing_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,14 +326,30 @@ def quantized_matmul_ggml(
 ) -> GgmlQuantizedMatmulReceipt:
     """Encode out = input @ dequantize(weight).T into `encoder` (run with commit_and_wait()).
 
-    routing=None uses GgmlRoutingPolicy.from_environment(). Every validation happens before
-    anything is encoded; on error the encoder is untouched.
+    routing=None uses the policy frozen into `registry`, else GgmlRoutingPolicy.from_environment().
+    m > 8 consults the route plan frozen into `registry` (dense_q4_plan): a declared shape takes
+    the plan's route; the receipt's `decision` says why the route was taken. Every validation
+    happens before anything is encoded; on error the encoder is untouched.
     """
-    policy = GgmlRoutingPolicy.from_environment() if routing is None else routing
-    if not isinstance(policy, GgmlRoutingPolicy):
-        raise InvalidArgumentError(f"quantized_matmul_ggml routing must be a GgmlRoutingPolicy, got {policy!r}")
+    from . import dense_q4_plan, ggml_routes  # both build on this module
+
+    policy = effective_policy(registry, routing, "quantized_matmul_ggml")
+    params._native()  # validates m, n, k
+    # The dense auto planner decides mat-vec versus matrix (spec §4.2); routes it names that
+    # routemm has no kernel for (mul_mv_ext, K-quant tiles) are recorded in the policy only.
+    planned = ggml_routes.plan_dense_auto_route(GgmlType(params.ggml_type), int(params.m), int(params.k), policy)
+    if planned is ggml_routes.GgmlKernelRoute.DENSE_MM:
+        return dense_q4_plan.dispatch_planned(encoder, registry, registry.device, input, weight, output, params, policy)
+    return encode_unplanned(encoder, registry, input, weight, output, params, policy)
+
+
+def encode_unplanned(
+    encoder, registry, input, weight, output, params: GgmlQuantizedMatmulParams, policy: GgmlRoutingPolicy
+) -> GgmlQuantizedMatmulReceipt:
+    """The dispatcher without a route plan: the mat-vec pipeline for m <= 8, else the route the
+    policy and the backend's pipelines allow (spec §5.6), labelled as if no plan were frozen."""
     native = _core._quantized_matmul_ggml(encoder, registry, input, weight, output, params._native(), *policy._native())
-    return GgmlQuantizedMatmulReceipt._from_core(native)
+    return dataclasses.replace(GgmlQuantizedMatmulReceipt._from_core(native), policy=policy)
 
 
 def encode_q4_route(

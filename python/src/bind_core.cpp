@@ -77,6 +77,36 @@ void init_core(py::module_& m) {
       .def_property_readonly("address", &Buffer::address,
                              "Base address of the whole allocation (not including byte_offset).")
       .def_property_readonly("writable", &Buffer::writable)
+      .def_property_readonly(
+          "is_file_backed", [](const Buffer& b) { return b.valid() && b.storage()->file_backed(); },
+          "True when the buffer's memory is a mapping of a file (a GGUF tensor wrapped without "
+          "copying).")
+      .def(
+          "_host_array",
+          [](const Buffer& b, const py::dtype& dtype, bool writable) {
+            // A NumPy array over the buffer's logical bytes, sharing its memory; the array keeps
+            // the storage alive. The Python caller checks host access, length and alignment.
+            if (!b.backend()->host_accessible()) {
+              throw InvalidArgument("host slice: backend '" + std::string(b.backend()->name()) +
+                                    "' memory is not host-accessible");
+            }
+            const auto itemsize = static_cast<uint64_t>(dtype.itemsize());
+            if (itemsize == 0 || b.nbytes() % itemsize != 0 ||
+                reinterpret_cast<uintptr_t>(b.data()) % itemsize != 0) {
+              throw InvalidArgument("host slice: buffer bytes are not whole aligned elements");
+            }
+            auto* keep = new std::shared_ptr<Storage>(b.storage());
+            py::capsule owner(keep,
+                              [](void* p) { delete static_cast<std::shared_ptr<Storage>*>(p); });
+            py::array out(dtype, {static_cast<py::ssize_t>(b.nbytes() / itemsize)},
+                          {static_cast<py::ssize_t>(itemsize)}, b.data(), owner);
+            if (!writable) {
+              py::detail::array_proxy(out.ptr())->flags &=
+                  ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+            }
+            return out;
+          },
+          py::arg("dtype"), py::arg("writable"))
       .def_property_readonly("device", [](const Buffer& b) { return Device(b.backend()); })
       .def_property_readonly("logical_range", &Buffer::logical_range)
       .def("view", &Buffer::view, py::arg("byte_offset"), py::arg("nbytes"), py::arg("dtype"),

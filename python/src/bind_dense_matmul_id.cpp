@@ -96,6 +96,13 @@ void init_dense_matmul_id(py::module_& m) {
   m.def("_dense_matmul_id_capability", [](DType dtype, const DenseMatmulIdParams& p) {
     return capability_dict(dense_matmul_id_capability(dtype, p));
   });
+  m.def("_dense_matmul_id_expected_dispatches",
+        [](const KernelRegistry& registry, DType dtype, const DenseMatmulIdParams& p) {
+          py::list out;
+          for (const auto& d : dense_matmul_id_expected_dispatches(registry, dtype, p))
+            out.append(encoded_dispatch_dict(d));
+          return out;
+        });
   m.def(
       "_dense_matmul_id",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& weights,

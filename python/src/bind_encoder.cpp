@@ -98,6 +98,8 @@ std::vector<ByteRange> to_ranges(const std::vector<std::pair<uint64_t, uint64_t>
 
 }  // namespace
 
+py::dict encoded_dispatch_dict(const EncodedKernelDispatch& d) { return dispatch_dict(d); }
+
 void init_encoder(py::module_& m) {
   m.def("dispatch_count", &dispatch_count,
         "Dispatches encoded by this process since the last reset.");

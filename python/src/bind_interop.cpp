@@ -48,7 +48,7 @@ void init_interop(py::module_& m) {
   m.def(
       "_buffer_from_pointer",
       [](const Device& device, uint64_t pointer, uint64_t nbytes, DType dtype,
-         std::vector<uint64_t> shape, bool writable, py::object owner) {
+         std::vector<uint64_t> shape, bool writable, py::object owner, bool file_backed) {
         // The owner (the producer object) stays alive as long as the storage; released with the GIL.
         auto* held = new py::object(std::move(owner));
         auto release = [held] {
@@ -63,7 +63,7 @@ void init_interop(py::module_& m) {
                                   std::string(dtype_name(dtype)));
           }
           storage = std::make_shared<Storage>(device.backend(), reinterpret_cast<void*>(pointer),
-                                              nbytes, writable, release);
+                                              nbytes, writable, release, file_backed);
         } catch (...) {
           delete held;
           throw;
@@ -71,7 +71,7 @@ void init_interop(py::module_& m) {
         return Buffer(std::move(storage), 0, nbytes, dtype, std::move(shape));
       },
       py::arg("device"), py::arg("pointer"), py::arg("nbytes"), py::arg("dtype"), py::arg("shape"),
-      py::arg("writable"), py::arg("owner"));
+      py::arg("writable"), py::arg("owner"), py::arg("file_backed") = false);
   m.def("_dlpack_device", [](const Device& device) {
     const DLDevice d = dlpack_device(device);
     return py::make_tuple(d.device_type, d.device_id);

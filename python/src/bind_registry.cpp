@@ -29,6 +29,7 @@ void init_registry(py::module_& m) {
       .def_property_readonly("max_total_threads_per_threadgroup",
                              &Pipeline::max_total_threads_per_threadgroup)
       .def_property_readonly("int_constants", &Pipeline::int_constants)
+      .def_property_readonly("bool_constants", &Pipeline::bool_constants)
       .def("_identity", [](const Pipeline& p) { return identity_dict(p.identity()); });
 
   py::class_<KernelRegistry, std::shared_ptr<KernelRegistry>>(m, "KernelRegistry")
@@ -42,6 +43,18 @@ void init_registry(py::module_& m) {
             return std::const_pointer_cast<Pipeline>(r.get_pipeline(name, int_constants));
           },
           py::arg("name"), py::arg("int_constants") = std::vector<std::pair<uint32_t, int32_t>>{})
+      .def(
+          "_get_pipeline_with_constants",
+          [](KernelRegistry& r, const std::string& name,
+             const std::vector<std::pair<uint32_t, bool>>& bool_constants,
+             const std::vector<std::pair<uint32_t, int32_t>>& int_constants) {
+            return std::const_pointer_cast<Pipeline>(
+                r.get_pipeline_with_constants(name, bool_constants, int_constants));
+          },
+          py::arg("name"), py::arg("bool_constants"), py::arg("int_constants"))
+      .def("register_source", &KernelRegistry::register_source, py::arg("name"), py::arg("source"),
+           "Compile kernel `source` and register it under `name` (backends with a run-time "
+           "compiler); refused for protected names and by backends whose kernels are built in.")
       .def("_pipeline_identity",
            [](KernelRegistry& r, const std::string& label) {
              return identity_dict(r.pipeline_identity(label));

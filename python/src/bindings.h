@@ -5,9 +5,16 @@
 
 #include "routemm/dtype.h"
 
+namespace routemm {
+struct EncodedKernelDispatch;
+}
+
 namespace routemm::python {
 
 namespace py = pybind11;
+
+// EncodedKernelDispatch as the plain dict routemm.EncodedKernelDispatch is built from.
+py::dict encoded_dispatch_dict(const EncodedKernelDispatch& d);
 
 void init_core(py::module_& m);
 void init_encoder(py::module_& m);

@@ -603,7 +603,7 @@ def test_cartesian_acceptance(device, rng):
             dataclasses.replace(
                 cold, decisions=(dataclasses.replace(d0, timings=(moved,) + d0.timings[1:]),) + cold.decisions[1:]
             ),
-            "geometry change",
+            "is not the route's expected dispatch",
         )
     )
     for requirements, receipt, message in bad:

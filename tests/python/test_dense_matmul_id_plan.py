@@ -53,7 +53,11 @@ def test_winner_and_auto_dispatch(device, registry, rng):
     assert all(pr.tolerance == 0 for pr in d.proofs if pr.route is R.GROUPED_PREFILL)
     assert all(pr.rel_frobenius_error <= pr.tolerance for pr in d.proofs if pr.route is not R.GROUPED_PREFILL)
     n_routes = 1 + len(d.candidates)
-    assert d.proof_submissions == 2 and d.timing_submissions == 2 * 5 * n_routes
+    # Spec §7.6 accounting: per profile direct and each candidate in a proof submission of its own,
+    # then 5 timing rounds of every route; with grouped_prefill alone 24 submissions, 36 dispatches.
+    assert d.proof_submissions == 2 * n_routes and d.timing_submissions == 2 * 5 * n_routes
+    if n_routes == 2:
+        assert d.calibration_submissions == 24 and d.proof_dispatches + d.timing_dispatches == 36
     assert rec.calibration_submissions == d.calibration_submissions + 1 and rec.cleanup_submissions == 1
     validate(rec)
     validate(plan)
@@ -157,7 +161,8 @@ def test_direct_only_and_cache_hit(device, rng):
     _, warm = routemm.calibrate_dense_matmul_id_routes(routemm.KernelRegistry(device), device, 2, None, case)
     d = warm.decisions[0]
     assert d.process_cache_hit and d.selected_route is R.GROUPED_PREFILL
-    assert (d.proof_submissions, d.timing_submissions) == (2, 0)  # the cached winner is re-proved
+    # the cached winner is re-proved: 2 profiles x (direct + grouped), 2 x (1 + 2) dispatches
+    assert (d.proof_submissions, d.proof_dispatches, d.timing_submissions) == (4, 6, 0)
 
 
 def test_incoherent_grouped(device, registry, rng):
@@ -215,7 +220,7 @@ def test_plan_file_round_trip_and_refusal(device, rng, tmp_path):
     cal.PROCESS_CACHE.clear()
     reg = routemm.KernelRegistry(device)
     plan2, rec2 = routemm.load_dense_matmul_id_plan(path, reg, device, case)
-    assert plan2._lookup == plan._lookup and rec2.timing_submissions == 0 and rec2.proof_submissions == 2
+    assert plan2._lookup == plan._lookup and rec2.timing_submissions == 0 and rec2.proof_submissions == 4
     assert reg.frozen_plan_id("dense_matmul_id") == plan2.plan_id
     doc = json.loads(path.read_text())
     doc["validators"]["knobs"] = {"ROUTEMM_SOMETHING": "1"}

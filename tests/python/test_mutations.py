@@ -94,6 +94,9 @@ def samples() -> dict:
     auto = routemm.dense_matmul_id_auto(
         enc, id_registry, device, ew, xi, ids, out_i, routemm.DenseMatmulIdScratch(device, 8, 9), p
     )
+    id_trace = routemm.trace_dense_matmul_id_auto(
+        enc, id_registry, device, ew, xi, ids, out_i, routemm.DenseMatmulIdScratch(device, 8, 9), p
+    )
     enc.commit_and_wait()
     grouped = routemm.dense_matmul_id_capability(
         routemm.DType.BF16,
@@ -124,6 +127,7 @@ def samples() -> dict:
         id_plan,
         id_receipt,
         auto,
+        id_trace,
         p,
         grouped,
         routemm.dense_matmul_id_capability(routemm.DType.F32, p),

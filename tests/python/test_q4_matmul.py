@@ -432,8 +432,20 @@ def test_json_round_trips(device, registry, rng):
     with pytest.raises(routemm.InvalidArgumentError, match="schema_version"):
         routemm.GgmlQuantizedMatmulReceipt.from_dict({**text, "schema_version": 99})
     with pytest.raises(routemm.InvalidArgumentError, match="unknown field"):
-        Policy.from_dict({"dense_tensor_mm": "auto_probe", "allow_dense_large_tile_mm": True, "x": 0})
-    assert Policy().to_dict() == {"dense_tensor_mm": "auto_probe", "allow_dense_large_tile_mm": True}
+        Policy.from_dict({**Policy().to_dict(), "x": 0})
+    # Every field of spec §4.1, with its default.
+    assert Policy().to_dict() == {
+        "dense_tensor_mm": "auto_probe",
+        "allow_dense_large_tile_mm": True,
+        "dense_decode_mvn": True,
+        "dense_decode_mv_ext": False,
+        "dense_q6k_mv_nr2": True,
+        "dense_q8_0_mv_nr2": True,
+        "expert_mm_threshold": 8,
+        "expert_q6k_mv_nr2": True,
+        "expert_q8_0_mv_nr2": False,
+        "expert_tensor_mm": "auto_probe",
+    }
 
 
 def test_schema_rejects_inconsistent_receipt(device, registry, rng):

@@ -34,7 +34,7 @@ class Storage {
   // `release` (optional) frees externally owned memory (e.g. a DLPack producer's tensor); when
   // empty, the owning backend frees `data`.
   Storage(std::shared_ptr<Backend> backend, void* data, size_t nbytes, bool writable,
-          std::function<void()> release = {});
+          std::function<void()> release = {}, bool file_backed = false);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -43,6 +43,8 @@ class Storage {
   void* data() const { return data_; }
   size_t nbytes() const { return nbytes_; }
   bool writable() const { return writable_; }
+  // The memory is a mapping of a file (e.g. a GGUF tensor wrapped without copying).
+  bool file_backed() const { return file_backed_; }
 
  private:
   std::shared_ptr<Backend> backend_;
@@ -50,6 +52,7 @@ class Storage {
   size_t nbytes_;
   bool writable_;
   std::function<void()> release_;
+  bool file_backed_;
 };
 
 // An argument as a kernel sees it, by slot.
@@ -168,6 +171,10 @@ class Backend : public std::enable_shared_from_this<Backend> {
   virtual std::unique_ptr<Queue> create_queue() = 0;
   // Every kernel this backend supplies; registries start from this list.
   virtual const std::vector<KernelDef>& kernels() const = 0;
+  // Compiles kernel source text into a kernel registered as `name` (the function of that name in
+  // `source`). Only backends with a run-time compiler do; the default refuses with a message
+  // naming the backend, and so do the CPU and CUDA backends, whose kernels are built in.
+  virtual KernelDef compile_kernel_source(const std::string& name, const std::string& source);
 };
 
 // ---- Backend discovery -------------------------------------------------------------------------

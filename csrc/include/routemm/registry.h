@@ -1,9 +1,10 @@
 // KernelRegistry: pipelines by name and specialisation constants, with identities, a test hook for
 // lookup failures, and freeze protection for route plans.
 //
-// A registry belongs to one device. A pipeline's label is its name followed by `|<index>:i<value>`
-// for each integer constant in the order given (`kernel_mul_mm_q4_0_f32|700:i1|701:i1|702:i1`); the
-// label is the cache key, the receipt value and the plan key. "Frozen" means: once a route plan of
+// A registry belongs to one device. A pipeline's label is its name followed by `|<index>:b0` or
+// `|<index>:b1` for each boolean constant, then `|<index>:i<value>` for each integer constant, in
+// the order given (`kernel_mul_mm_q4_0_f32|700:i1|701:i1|702:i1`); the label is the cache key, the
+// receipt value and the plan key. Distinct constant sets are distinct pipelines. "Frozen" means: once a route plan of
 // some kind has been installed, that kind can never be installed again with a different plan id,
 // and the kernels the plan depends on can no longer be re-registered in this registry.
 #pragma once
@@ -44,6 +45,7 @@ class Pipeline {
   const std::string& kernel_name() const { return def_.name; }
   const KernelDef& def() const { return def_; }
   const std::vector<std::pair<uint32_t, int32_t>>& int_constants() const { return constants_; }
+  const std::vector<std::pair<uint32_t, bool>>& bool_constants() const { return bool_constants_; }
   uint64_t max_total_threads_per_threadgroup() const { return def_.max_threads_per_threadgroup; }
   const PipelineIdentity& identity() const { return identity_; }
 
@@ -52,6 +54,7 @@ class Pipeline {
   std::string label_;
   KernelDef def_;
   std::vector<std::pair<uint32_t, int32_t>> constants_;
+  std::vector<std::pair<uint32_t, bool>> bool_constants_;
   PipelineIdentity identity_;
 };
 
@@ -59,11 +62,19 @@ using PipelinePtr = std::shared_ptr<const Pipeline>;
 
 std::string pipeline_label(std::string_view name,
                            std::span<const std::pair<uint32_t, int32_t>> int_constants);
+std::string pipeline_label(std::string_view name,
+                           std::span<const std::pair<uint32_t, bool>> bool_constants,
+                           std::span<const std::pair<uint32_t, int32_t>> int_constants);
+// A label read back into its name and constants (the name views the label).
+struct ParsedPipelineLabel {
+  std::string_view name;
+  std::vector<std::pair<uint32_t, bool>> bool_constants;
+  std::vector<std::pair<uint32_t, int32_t>> int_constants;
+};
 // The inverse of pipeline_label, strictly: `label` must be exactly what pipeline_label writes for
-// some name and constants (decimal u32 indices, decimal i32 values, no signs but a value's '-', no
-// spaces or leading zeros); anything else is InvalidArgument. The name views `label`.
-std::pair<std::string_view, std::vector<std::pair<uint32_t, int32_t>>> parse_pipeline_label(
-    std::string_view label);
+// some name and constants (decimal u32 indices, booleans before integers, decimal i32 values, no
+// signs but a value's '-', no spaces or leading zeros); anything else is InvalidArgument.
+ParsedPipelineLabel parse_pipeline_label(std::string_view label);
 
 class KernelRegistry {
  public:
@@ -75,6 +86,10 @@ class KernelRegistry {
 
   PipelinePtr get_pipeline(std::string_view name,
                            std::span<const std::pair<uint32_t, int32_t>> int_constants = {});
+  // Boolean and integer specialisation constants; the label lists the booleans first.
+  PipelinePtr get_pipeline_with_constants(
+      std::string_view name, std::span<const std::pair<uint32_t, bool>> bool_constants,
+      std::span<const std::pair<uint32_t, int32_t>> int_constants);
   // Identity of a pipeline by label, resolving it if needed.
   PipelineIdentity pipeline_identity(std::string_view label);
   bool has_kernel(std::string_view name) const;
@@ -88,6 +103,10 @@ class KernelRegistry {
   // Replaces (or adds) the kernel registered under def.name and drops its cached pipelines.
   // Fails once a frozen plan protects that name.
   void register_kernel(KernelDef def);
+  // Compiles `source` with the backend's compiler and registers the result under `name`, like
+  // register_kernel. A protected name is refused first; a backend that compiles no source at run
+  // time (Backend::compile_kernel_source) refuses with a message naming it.
+  void register_source(const std::string& name, const std::string& source);
 
   // Installs a plan of `plan_kind` with `plan_id` (and its serialised form, kept verbatim for
   // dispatch-time lookups), protecting `protected_names` from re-registration. Re-freezing the

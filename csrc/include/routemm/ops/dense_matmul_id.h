@@ -143,6 +143,13 @@ DenseMatmulIdCapability validate_dense_matmul_id_call(const Buffer& weights, con
 std::vector<std::string_view> dense_matmul_id_route_pipelines(DType weight_dtype,
                                                               DenseMatmulIdRoute route);
 
+// The dispatches a call of `params.route` encodes on `registry`'s backend, in order, with the
+// geometry derived from the registered kernel definitions exactly as the encoder derives it (the
+// reference of spec §7.4 on CPU and Metal; CUDA's own tiles elsewhere). Resolves nothing; throws
+// KernelNotFound when a pipeline is not registered.
+std::vector<EncodedKernelDispatch> dense_matmul_id_expected_dispatches(
+    const KernelRegistry& registry, DType weight_dtype, const DenseMatmulIdParams& params);
+
 // Validates, resolves every pipeline, then encodes. Any failure happens before the encoder is
 // touched: no barrier, no pending ranges, no dispatch.
 DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegistry& registry,

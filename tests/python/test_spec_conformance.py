@@ -1,0 +1,495 @@
+"""docs/spec-conformance.md stays true: every row marked "same" is checked -- by a check here that
+runs it on the CPU backend, or by an existing test the row names -- and every check here belongs to
+a row (so the table cannot drift from the code)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import routemm
+from routemm import dense_q4_plan as dq
+from routemm import q4_0
+
+TABLE = Path(__file__).resolve().parents[2] / "docs" / "spec-conformance.md"
+V2 = routemm.DenseQ4Route.COMPATIBILITY_V2
+C64 = routemm.DenseQ4Route.TENSOR_64X32
+Policy = routemm.GgmlRoutingPolicy
+IdRoute = routemm.DenseMatmulIdRoute
+_N = itertools.count(700)
+_K = itertools.count(1024, 8)
+
+
+def rows() -> list[dict]:
+    """The table's rows: {id, section, checked_by, status}."""
+    out = []
+    for line in TABLE.read_text().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if len(cells) >= 6 and re.fullmatch(r"`[a-z0-9.\-]+`", cells[0]):
+            out.append({"id": cells[0].strip("`"), "section": cells[1], "checked_by": cells[-2], "status": cells[-1]})
+    return out
+
+
+CHECKS: dict = {}
+
+
+def check(row_id: str):
+    def register(fn):
+        CHECKS[row_id] = fn
+        return fn
+
+    return register
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+def cpu():
+    return routemm.Device("cpu")
+
+
+def q4_weight(device, n, k, rng):
+    return device.from_numpy(q4_0.quantize(rng.standard_normal((n, k)).astype(np.float32)).reshape(-1))
+
+
+def winner_timer(route, round_index, measured):
+    wall, gpu = (100, 90) if route == V2.value else (70, 60)
+    return wall - 2 + round_index, gpu - 2 + round_index
+
+
+def q4_call(device, n, k, m, rng):
+    w = q4_weight(device, n, k, rng)
+    x = device.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    y = device.alloc(m * n * 4, routemm.DType.F32, [m, n])
+    return w, x, y, routemm.GgmlQuantizedMatmulParams(m, n, k)
+
+
+def id_setup(device, rng, m=9, n=7, top_k=2, E=8):
+    k = next(_K)
+    w = device.from_numpy(rng.standard_normal((E, n, k)).astype(np.float32))
+    p = routemm.DenseMatmulIdParams(m, n, k, top_k, E, n * k * 4)
+    x = device.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    ids = device.from_numpy(np.tile(np.arange(top_k, dtype=np.uint32), (m, 1)))
+    out = device.alloc(m * top_k * n * 4, routemm.DType.F32, [m * top_k, n])
+    return w, p, x, ids, out, routemm.DenseMatmulIdScratch(device, E, m)
+
+
+def grouped_wins(route, round_index, measured):
+    wall, gpu = (100, 90) if route == "direct" else (70, 60)
+    return wall - 2 + round_index, gpu - 2 + round_index
+
+
+# ---- §1 buffers ----------------------------------------------------------------------------------
+
+
+@check("1.1-is-file-backed")
+def _(rng, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "t.gguf"
+    writer = gguf.GGUFWriter(str(path), "test")
+    writer.add_tensor("w", np.arange(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    mapped = routemm.gguf_tensor(path, "w", device=cpu())
+    assert mapped.is_file_backed and not mapped.writable
+    assert mapped.view(0, 16, routemm.DType.F32, [4]).is_file_backed  # views share the storage
+    assert not cpu().alloc(16, routemm.DType.F32, [4]).is_file_backed
+    assert not routemm.gguf_tensor(path, "w", device=cpu(), copy=True).is_file_backed
+    with pytest.raises(routemm.InvalidArgumentError, match="Cannot mutate a read-only file-backed buffer"):
+        mapped.as_mut_slice()
+
+
+@check("1.2-with-shape")
+def _(rng, tmp_path):
+    b = cpu().from_numpy(np.arange(12, dtype=np.float32))
+    s = b.with_shape([3, 4])
+    assert s.shape == (3, 4) and (s.address, s.byte_offset, s.nbytes, s.dtype) == (
+        b.address,
+        b.byte_offset,
+        b.nbytes,
+        b.dtype,
+    )
+    with pytest.raises(routemm.InvalidArgumentError, match="with_shape"):
+        b.with_shape([5, 3])
+
+
+@check("1.2-as-slice")
+def _(rng, tmp_path):
+    device = cpu()
+    parent = device.from_numpy(np.arange(16, dtype=np.float32))
+    view = parent.view(8, 16, routemm.DType.F32, [4])
+    s = view.as_slice()
+    assert s.tolist() == [2.0, 3.0, 4.0, 5.0] and not s.flags.writeable
+    m = view.as_mut_slice()
+    m[0] = 42.0  # zero-copy: the write is visible through the buffer
+    assert parent.numpy()[2] == 42.0
+    with pytest.raises(routemm.InvalidArgumentError, match="not aligned"):
+        parent.view(2, 8, routemm.DType.U8, [8]).as_slice(np.float32)
+    with pytest.raises(routemm.InvalidArgumentError, match="whole number"):
+        parent.view(0, 6, routemm.DType.U8, [6]).as_slice(np.float32)
+
+
+# ---- §3 registry ---------------------------------------------------------------------------------
+
+
+@check("3.1-bool-constants")
+def _(rng, tmp_path):
+    registry = routemm.KernelRegistry(cpu())
+    name = routemm.DENSE_MATMUL_ID_PIPELINE_NAMES[0]
+    b1 = registry.get_pipeline_with_bool_constants(name, [(5, True)])
+    b0 = registry.get_pipeline_with_constants(name, [(5, False)], [(700, 1)])
+    assert b1.label == f"{name}|5:b1" and b0.label == f"{name}|5:b0|700:i1"
+    assert registry.pipeline_identity(b0.label).pipeline_label == b0.label
+    with pytest.raises(routemm.InvalidArgumentError, match="bool"):
+        registry.get_pipeline(name, [(700, True)])  # never silently i1
+
+
+@check("3.1-optional-probe")
+def _(rng, tmp_path):
+    registry = routemm.KernelRegistry(cpu())
+    assert registry.probe_optional_pipeline("no_such_kernel_anywhere") is None
+    name = routemm.DENSE_MATMUL_ID_PIPELINE_NAMES[0]
+    assert registry.probe_optional_pipeline(name).label == name
+
+
+@check("3.1-register-source")
+def _(rng, tmp_path):
+    registry = routemm.KernelRegistry(cpu())
+    with pytest.raises(routemm.InvalidArgumentError, match="compiles no kernel source"):
+        registry.register_source("my_kernel", "kernel void my_kernel() {}")
+    assert not registry.has_kernel("my_kernel")
+
+
+@check("3.2-identity")
+def _(rng, tmp_path):
+    registry = routemm.KernelRegistry(cpu())
+    ident = registry.get_pipeline(routemm.DENSE_MATMUL_ID_PIPELINE_NAMES[0]).identity
+    assert ident.schema_version == 2 and ident.kernel_name == ident.pipeline_label.split("|")[0]
+    assert ident.origin_kind == "precompiled" and ident.runtime_source_sha256 is None
+    assert re.fullmatch(r"[0-9a-f]{64}", ident.precompiled_sha256)
+
+
+@check("3.3-registry-policy")
+def _(rng, tmp_path):
+    device = cpu()
+    registry = routemm.KernelRegistry(device)
+    assert registry.ggml_routing_policy() is None
+    policy = Policy(allow_dense_large_tile_mm=False, expert_mm_threshold=4)
+    registry.freeze_ggml_routing_policy(policy)
+    registry.freeze_ggml_routing_policy(policy)  # the same again: no-op
+    assert registry.ggml_routing_policy() == policy
+    with pytest.raises(routemm.InvalidArgumentError, match="already frozen"):
+        registry.freeze_ggml_routing_policy(Policy())
+    w, x, y, params = q4_call(device, 64, 64, 16, rng)
+    receipt = routemm.quantized_matmul_ggml(device.command_encoder(), registry, x, w, y, params)
+    assert receipt.policy == policy and receipt.route == "compatibility_tensor_v1"
+
+
+# ---- §4 routing policy and capability ------------------------------------------------------------
+
+
+@check("4.1-policy-fields")
+def _(rng, tmp_path):
+    fields = {f.name for f in dataclasses.fields(Policy)}
+    assert fields >= {
+        "dense_decode_mvn",
+        "dense_decode_mv_ext",
+        "dense_q6k_mv_nr2",
+        "dense_q8_0_mv_nr2",
+        "dense_tensor_mm",
+        "allow_dense_large_tile_mm",
+        "expert_mm_threshold",
+        "expert_q6k_mv_nr2",
+        "expert_q8_0_mv_nr2",
+        "expert_tensor_mm",
+    }
+    p = Policy(dense_decode_mv_ext=True, expert_q8_0_mv_nr2=True, expert_mm_threshold=3)
+    assert Policy.from_json(p.to_json()) == p
+
+
+@check("4.1-policy-environment")
+def _(rng, tmp_path):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ROUTEMM_DECODE_MV_EXT", "1")
+        mp.setenv("ROUTEMM_MM_ID_ROUTING_THRESHOLD", "16")
+        mp.setenv("ROUTEMM_DISABLE_TENSOR_MM_ID", "1")
+        mp.setenv("ROUTEMM_Q6K_MV_NR2", "off")
+        p = Policy.from_environment()
+        assert p.dense_decode_mv_ext and p.expert_mm_threshold == 16 and not p.dense_q6k_mv_nr2
+        assert p.expert_tensor_mm is routemm.GgmlTensorMmPreference.FORCE_SIMD
+        mp.setenv("ROUTEMM_MM_ID_ROUTING_THRESHOLD", "many")
+        with pytest.raises(routemm.InvalidArgumentError, match="ROUTEMM_MM_ID_ROUTING_THRESHOLD"):
+            Policy.from_environment()
+
+
+@check("4.2-plan-dense-auto-route")
+def _(rng, tmp_path):
+    R, T = routemm.GgmlKernelRoute, routemm.GgmlType
+    plan = routemm.plan_dense_auto_route
+    assert plan(T.Q4_0, 1, 64, Policy()) is R.DENSE_MV
+    assert plan(T.Q4_0, 9, 64, Policy()) is R.DENSE_MM
+    assert plan(T.Q6_K, 4, 256, Policy()) is R.DENSE_MVN
+    assert plan(T.Q6_K, 4, 256, Policy(dense_decode_mvn=False)) is R.DENSE_MV
+    assert plan(T.Q4_0, 2, 64, Policy(dense_decode_mv_ext=True)) is R.DENSE_MV_EXT
+    assert plan(T.Q4_K, 3, 256, Policy(dense_decode_mvn=False, dense_decode_mv_ext=True)) is R.DENSE_MV
+    assert plan(routemm.DType.BF16, 1, 64, Policy()) is R.NATIVE_SCALAR_MV
+    assert plan(routemm.DType.F16, 5, 64, Policy()) is R.NATIVE_SCALAR_MM
+
+
+@check("4.2-ggml-capability")
+def _(rng, tmp_path):
+    Inv, K, W = routemm.GgmlInvocation, routemm.GgmlInvocationKind, routemm.GgmlWorkload
+    cap = routemm.ggml_capability(
+        routemm.GgmlCapabilityRequest(Inv(K.DENSE_AUTO, 16, 64, 64), routemm.GgmlType.Q4_0, W.PROMPT)
+    )
+    assert cap.executable and cap.route is routemm.GgmlKernelRoute.DENSE_MM
+    assert (cap.block_values, cap.block_bytes, cap.minimum_weight_bytes) == (32, 18, 64 * 2 * 18)
+    bad = routemm.ggml_capability(
+        routemm.GgmlCapabilityRequest(Inv(K.DENSE_AUTO, 4, 64, 64), routemm.GgmlType.Q4_0, W.DECODE_SINGLE)
+    )
+    assert bad.rejection_code is routemm.GgmlRejectionCode.INVALID_OPERATION_CONTRACT
+    q6 = routemm.ggml_capability(
+        routemm.GgmlCapabilityRequest(Inv(K.DENSE_AUTO, 4, 64, 256), routemm.GgmlType.Q6_K, W.CONTINUOUS_WIDTH)
+    )
+    assert q6.route is routemm.GgmlKernelRoute.DENSE_MVN and not q6.executable and "no dense_mvn" in q6.diagnostic
+    e = routemm.GgmlExpertShape(n_tokens=16, n=64, k=64, top_k=8, n_experts=32, expert_stride_bytes=64 * 2 * 18)
+    ex = routemm.ggml_capability(
+        routemm.GgmlCapabilityRequest(Inv(K.EXPERT_POOLED, expert=e), routemm.GgmlType.Q4_0, W.PROMPT)
+    )
+    assert ex.route is routemm.GgmlKernelRoute.EXPERT_MM_ID
+    assert (ex.scratch.htpe_bytes, ex.scratch.hids_bytes) == (4 * 32, 4 * 32 * 16)
+
+
+# ---- §5 quantized_matmul_ggml --------------------------------------------------------------------
+
+
+@check("5.3-registry-policy-default")
+def _(rng, tmp_path):
+    device = cpu()
+    registry = routemm.KernelRegistry(device)
+    w, x, y, params = q4_call(device, 64, 64, 16, rng)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ROUTEMM_DISABLE_TENSOR_MM", "1")
+        receipt = routemm.quantized_matmul_ggml(device.command_encoder(), registry, x, w, y, params)
+        assert receipt.route == "compatibility_simdgroup"  # no registry policy: the environment
+        registry.freeze_ggml_routing_policy(Policy())
+        receipt = routemm.quantized_matmul_ggml(device.command_encoder(), registry, x, w, y, params)
+        assert receipt.route == "compatibility_v2"  # the registry's policy wins over the environment
+
+
+@check("5.5-k-quants-refused")
+def _(rng, tmp_path):
+    device = cpu()
+    registry = routemm.KernelRegistry(device)
+    w, x, y, _ = q4_call(device, 64, 256, 4, rng)
+    for t in (routemm.GgmlType.Q6_K, routemm.GgmlType.Q4_K, routemm.GgmlType.Q8_0):
+        params = routemm.GgmlQuantizedMatmulParams(4, 64, 256, t)
+        with pytest.raises(routemm.InvalidArgumentError, match=f"does not support {t.value}"):
+            routemm.quantized_matmul_ggml(device.command_encoder(), registry, x, w, y, params, Policy())
+
+
+# ---- §6 dense Q4 plan ----------------------------------------------------------------------------
+
+
+@check("6.2-dispatcher-consults-plan")
+def _(rng, tmp_path):
+    device = cpu()
+    registry = routemm.KernelRegistry(device)
+    n, k = next(_N), 64
+    w, x, y, params = q4_call(device, n, k, 9, rng)
+    case = routemm.DenseQ4CalibrationCase(w, routemm.DenseQ4BaseShape(n, k), (9,))
+    plan, _ = routemm.calibrate_dense_q4_routes(registry, device, 1, None, [case], _timer=winner_timer)
+    assert plan.route_for(dq.DenseQ4Shape(9, n, k)) is C64
+    S = routemm.DenseQ4DecisionSource
+    receipt = routemm.quantized_matmul_ggml(device.command_encoder(), registry, x, w, y, params, Policy())
+    assert (receipt.dense_route, receipt.decision) == (C64, S.FROZEN_PLAN)
+    x33 = device.from_numpy(rng.standard_normal((33, k)).astype(np.float32))
+    y33 = device.alloc(33 * n * 4, routemm.DType.F32, [33, n])
+    p33 = routemm.GgmlQuantizedMatmulParams(33, n, k)
+    undeclared = routemm.quantized_matmul_ggml(device.command_encoder(), registry, x33, w, y33, p33, Policy())
+    assert (undeclared.dense_route, undeclared.decision) == (V2, S.UNDECLARED_COMPATIBILITY_FALLBACK)
+    unplanned = routemm.quantized_matmul_ggml(
+        device.command_encoder(), routemm.KernelRegistry(device), x, w, y, params, Policy()
+    )
+    assert (unplanned.dense_route, unplanned.decision) == (V2, S.NO_PLAN_COMPATIBILITY_FALLBACK)
+
+
+@check("6.4-gpu-interval")
+def _(rng, tmp_path):
+    device = cpu()
+    n, k = next(_N), 64
+    w = q4_weight(device, n, k, rng)
+    case = routemm.DenseQ4CalibrationCase(w, routemm.DenseQ4BaseShape(n, k), (9,))
+    real = routemm.CommandEncoder.commit_wait_with_gpu_time
+    for bad in (lambda s, e: (s, s), lambda s, e: (s, math.nan), lambda s, e: (e, s)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(routemm.CommandEncoder, "commit_wait_with_gpu_time", lambda self, bad=bad: bad(*real(self)))
+            registry = routemm.KernelRegistry(device)
+            with pytest.raises(routemm.Error, match="GPU interval .* is not a finite positive time"):
+                routemm.calibrate_dense_q4_routes(registry, device, 1, None, [case])
+            assert registry.dense_q4_plan() is None
+    with pytest.raises(routemm.CalibrationError, match="not a finite positive"):
+        routemm.calibration.gpu_interval_us(2.0, 2.0, "a test submission")
+
+
+def _cartesian_receipts(device, rng):
+    k, ns = 64, (next(_N), next(_N))
+    cases = [
+        routemm.DenseQ4CalibrationCase(q4_weight(device, n, k, rng), routemm.DenseQ4BaseShape(n, k), (9, 16))
+        for n in ns
+        for _ in range(2)
+    ]
+    _, cold = routemm.calibrate_dense_q4_routes(
+        routemm.KernelRegistry(device), device, 1, None, cases, _timer=winner_timer
+    )
+    _, warm = routemm.calibrate_dense_q4_routes(routemm.KernelRegistry(device), device, 2, None, cases)
+    return cold, warm, dq.DenseQ4CartesianAcceptanceRequirements(2, 2, (9, 16), (), 1, 15_000)
+
+
+def _replace_timings(receipt, fn):
+    return dataclasses.replace(
+        receipt,
+        decisions=tuple(dataclasses.replace(d, timings=tuple(fn(t) for t in d.timings)) for d in receipt.decisions),
+    )
+
+
+@check("6.5-cartesian-acceptance")
+def _(rng, tmp_path):
+    device = cpu()
+    cold, warm, req = _cartesian_receipts(device, rng)
+    routemm.validate_dense_q4_cartesian_acceptance(cold, warm, req)
+    moved = lambda t: dataclasses.replace(t, encoded=dataclasses.replace(t.encoded, grid=(99, 99, 99)))  # noqa: E731
+    ident99 = lambda t: dataclasses.replace(t, pipeline=dataclasses.replace(t.pipeline, schema_version=99))  # noqa: E731
+    unhashed = lambda t: dataclasses.replace(t, pipeline=dataclasses.replace(t.pipeline, content_sha256="x"))  # noqa: E731
+    for fn, message in ((moved, "expected dispatch"), (ident99, "schema_version 99"), (unhashed, "origin/hash")):
+        with pytest.raises(routemm.InvalidArgumentError, match=message):
+            routemm.validate_dense_q4_cartesian_acceptance(_replace_timings(cold, fn), _replace_timings(warm, fn), req)
+    with pytest.raises(routemm.InvalidArgumentError, match="nonzero"):
+        routemm.validate_dense_q4_cartesian_acceptance(
+            cold, warm, dataclasses.replace(req, minimum_candidate_decisions=0)
+        )
+
+
+# ---- §7 expert-ID auto route ---------------------------------------------------------------------
+
+
+@check("7.6-accounting")
+def _(rng, tmp_path):
+    device = cpu()
+    w, p, *_ = id_setup(device, rng)
+    case = [routemm.DenseMatmulIdCalibrationCase(w, p)]
+    _, cold = routemm.calibrate_dense_matmul_id_routes(
+        routemm.KernelRegistry(device), device, 1, None, case, _timer=grouped_wins
+    )
+    d = cold.decisions[0]
+    assert d.candidates == (IdRoute.GROUPED_PREFILL,)
+    assert (d.proof_submissions, d.timing_submissions, d.calibration_submissions) == (4, 20, 24)
+    assert d.proof_dispatches + d.timing_dispatches == 36 and cold.calibration_submissions == 25
+    _, warm = routemm.calibrate_dense_matmul_id_routes(routemm.KernelRegistry(device), device, 2, None, case)
+    h = warm.decisions[0]
+    assert h.process_cache_hit and (h.proof_submissions, h.proof_dispatches, h.timing_submissions) == (4, 6, 0)
+    limits = routemm.DenseMatmulIdCalibrationLimits(max_submissions=23)
+    w2, p2, *_ = id_setup(device, rng)
+    _, tight = routemm.calibrate_dense_matmul_id_routes(
+        routemm.KernelRegistry(device), device, 1, limits, [routemm.DenseMatmulIdCalibrationCase(w2, p2)]
+    )
+    assert tight.decisions[0].status is routemm.DenseMatmulIdSelectionStatus.BUDGET_FALLBACK
+
+
+@check("7.6-poison")
+def _(rng, tmp_path):
+    from routemm import dense_matmul_id_plan as dp
+
+    assert dp.POISON_BITS == 0x7FC000C7
+    poison = np.full(8 + 16, dp.POISON_BITS, np.uint32)
+    written = poison.copy()
+    written[:8] = np.float32(1.0).view(np.uint32)
+    assert dp._proof_status(written, written, 8) == 0
+    assert dp._proof_status(poison, None, 8) & routemm.calibration.STATUS_CONTROL_UNWRITTEN
+
+
+@check("7.6-error-fallback")
+def _(rng, tmp_path):
+    device = cpu()
+    registry = routemm.KernelRegistry(device)
+    w, p, *_ = id_setup(device, rng)
+    registry.inject_next_pipeline_lookup_failure("dense_matmul_id_grouped_f32_f32")
+    _, rec = routemm.calibrate_dense_matmul_id_routes(
+        registry, device, 1, None, [routemm.DenseMatmulIdCalibrationCase(w, p)]
+    )
+    d = rec.decisions[0]
+    assert d.status is routemm.DenseMatmulIdSelectionStatus.ERROR_FALLBACK
+    assert "dense_matmul_id_grouped_f32_f32" in d.diagnostic and d.selected_route is IdRoute.DIRECT
+
+
+@check("7.6-epoch-check")
+def _(rng, tmp_path):
+    device = cpu()
+    registry = routemm.KernelRegistry(device)
+    w, p, x, ids, out, scratch = id_setup(device, rng)
+    routemm.calibrate_dense_matmul_id_routes(registry, device, 5, None, [routemm.DenseMatmulIdCalibrationCase(w, p)])
+    assert routemm.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, p, activation_epoch=5)[2] == 5
+    with pytest.raises(routemm.InvalidArgumentError, match="activation epoch mismatch"):
+        routemm.dense_matmul_id_auto(
+            device.command_encoder(), registry, device, w, x, ids, out, scratch, p, activation_epoch=6
+        )
+
+
+@check("7.6-traces")
+def _(rng, tmp_path):
+    device = cpu()
+    registry = routemm.KernelRegistry(device)
+    w, p, x, ids, out, scratch = id_setup(device, rng)
+    plan, _ = routemm.calibrate_dense_matmul_id_routes(
+        registry, device, 3, None, [routemm.DenseMatmulIdCalibrationCase(w, p)], _timer=grouped_wins
+    )
+    enc = device.command_encoder()
+    t = routemm.trace_dense_matmul_id_auto(enc, registry, device, w, x, ids, out, scratch, p, activation_epoch=3)
+    assert t.route is IdRoute.GROUPED_PREFILL and len(t.encoded) == 2 and t.plan_id == plan.plan_id
+    assert t.theorem_sha256 == plan.theorem_sha256 and t.activation_epoch == 3
+    direct = routemm.trace_dense_matmul_id(enc, registry, device, w, x, ids, out, None, p)
+    assert [d.pipeline_label for d in direct.encoded] == ["dense_matmul_id_direct_f32_f32"]
+    enc.commit_and_wait()
+    assert routemm.DenseMatmulIdDispatchTrace.from_json(t.to_json()) == t
+    # The §7.4 trace example's geometry on the reference (CPU) backend.
+    ex = routemm.DenseMatmulIdParams(9, 7, 35, 6, 8, 7 * 35 * 2, route=IdRoute.GROUPED_PREFILL)
+    got = routemm.dense_matmul_id_expected_dispatches(registry, routemm.DType.BF16, ex)
+    assert [(d.grid, d.threads_per_threadgroup) for d in got] == [((1, 1, 1), (8, 1, 1)), ((2, 1, 8), (256, 1, 1))]
+    assert got[1].threadgroup_memory == ((0, 4096),)
+
+
+# ---- the table ----------------------------------------------------------------------------------
+
+
+def test_table_rows_have_checks():
+    table = rows()
+    assert len(table) >= 40
+    ids = [r["id"] for r in table]
+    assert len(ids) == len(set(ids)), "row ids repeat"
+    checked = {r["id"] for r in table if r["checked_by"] == "check"}
+    assert checked == set(CHECKS), (
+        f"rows naming a check that does not exist: {sorted(checked - set(CHECKS))}; "
+        f"checks without a row: {sorted(set(CHECKS) - checked)}"
+    )
+    here = Path(__file__).resolve().parent
+    for r in table:
+        assert not r["status"].lower().startswith("missing"), r
+        if r["status"] == "same":
+            assert r["checked_by"] not in ("", "—"), f"row {r['id']} is marked same but names no check"
+        if r["status"] == "same" and r["checked_by"] != "check":
+            # a row checked elsewhere names an existing test
+            path, _, name = r["checked_by"].partition("::")
+            assert name and re.search(rf"^def {re.escape(name)}\(", (here / path).read_text(), re.M), r
+        assert re.match(r"(same|deliberately different \(|not applicable \(|planned \()", r["status"]), r
+
+
+@pytest.mark.parametrize("row_id", sorted(CHECKS))
+def test_same_row(row_id, tmp_path):
+    CHECKS[row_id](np.random.default_rng(abs(hash(row_id)) % 2**32), tmp_path)
