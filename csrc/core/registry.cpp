@@ -87,7 +87,6 @@ ParsedPipelineLabel parse_pipeline_label(std::string_view label) {
     throw malformed();
   return parsed;
 }
-}
 
 KernelRegistry::KernelRegistry(const Device& device)
     : device_(device), authority_id_(g_next_authority.fetch_add(1)) {
