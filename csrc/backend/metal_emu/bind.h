@@ -33,9 +33,10 @@ struct vector_size : std::integral_constant<int, 1> {};
 template <class U, int N>
 struct vector_size<metal::vec<U, N>> : std::integral_constant<int, N> {};
 
-// Position attributes: a scalar takes the first component, an N-vector the first N.
+// Position attributes: a scalar takes the first component, an N-vector the first N (read from
+// the model's own memory: not instrumented).
 template <class T>
-T bind_position(const Invocation& invocation, Position which) {
+ROUTEMM_MSL_UNCHECKED T bind_position(const Invocation& invocation, Position which) {
   using V = std::remove_cv_t<T>;
   const uint32_t* v = position(invocation, which);
   if constexpr (vector_size<V>::value == 1) {

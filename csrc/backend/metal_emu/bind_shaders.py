@@ -5,8 +5,8 @@ library file that registers every kernel.
 Kernel signatures are read from the source after the host compiler's preprocessor has expanded it
 (so argument macros are seen as the Metal compiler sees them): each parameter's [[buffer(i)]],
 [[threadgroup(i)]] or position attribute decides how the generated entry point binds it.
-[[function_constant(i)]] declarations become per-host-thread variables that the entry point's
-dispatch sets from the pipeline's specialisation constants. The shader text itself is compiled
+[[function_constant(i)]] declarations become variables of the file's namespace that the model
+sets from the pipeline's specialisation constants before each dispatch. The shader text itself is compiled
 unchanged except for two spellings the host compiler cannot take: the [[threadgroup(i)]]
 attribute (renamed, as `threadgroup` is an address-space keyword) and the function-constant
 declarations. Each file is wrapped in a namespace of its own, so kernels and helpers of different
@@ -146,7 +146,7 @@ def bind_file(source: Path, library: str, cxx: str, includes: list[str]) -> tupl
             "pass threadgroup memory as a [[threadgroup(i)]] parameter"
         )
     constants = CONSTANT_RE.findall(text)
-    body = CONSTANT_RE.sub(lambda m: f"thread_local {m.group(1)} {m.group(2)};", text)
+    body = CONSTANT_RE.sub(lambda m: f"{m.group(1)} {m.group(2)};", text)
     body = body.replace("[[threadgroup(", "[[threadgroup_binding(")
     hoisted = [line for line in text.splitlines() if re.match(r"\s*#\s*include\b", line)]
     digest = hashlib.sha256(source.read_bytes()).hexdigest()

@@ -2,6 +2,7 @@
 // barriers, and the memory checks behind the compiler's access hooks.
 #include "backend/metal_emu/runtime.h"
 
+#include <link.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -325,6 +326,39 @@ void threadgroup_access(Invocation& lane, uintptr_t address, size_t size, bool w
               "outside every buffer this dispatch binds");
 }
 
+// The loaded segments of the binary holding the model (and the shaders, linked with it): their
+// static data (constant tables, function constants) is the only other memory shaders may read.
+struct Segment {
+  uintptr_t begin = 0, end = 0;
+};
+const std::vector<Segment>& program_segments() {
+  static const std::vector<Segment> segments = [] {
+    struct Search {
+      uintptr_t anchor;
+      std::vector<Segment> found;
+    } search{reinterpret_cast<uintptr_t>(&program_segments), {}};
+    dl_iterate_phdr(
+        [](dl_phdr_info* info, size_t, void* data) {
+          auto& s = *static_cast<Search*>(data);
+          std::vector<Segment> segments;
+          bool mine = false;
+          for (int i = 0; i < info->dlpi_phnum; ++i) {
+            const auto& h = info->dlpi_phdr[i];
+            if (h.p_type != PT_LOAD) continue;
+            const Segment seg{info->dlpi_addr + h.p_vaddr, info->dlpi_addr + h.p_vaddr + h.p_memsz};
+            mine = mine || (s.anchor >= seg.begin && s.anchor < seg.end);
+            segments.push_back(seg);
+          }
+          if (!mine) return 0;
+          s.found = std::move(segments);
+          return 1;
+        },
+        &search);
+    return search.found;
+  }();
+  return segments;
+}
+
 inline void on_access(const void* p, size_t size, bool write) {
   Invocation* lane = tls_lane;
   if (lane == nullptr) return;
@@ -341,11 +375,11 @@ inline void on_access(const void* p, size_t size, bool write) {
       return;
     }
   }
-  // Not stack, threadgroup or bound memory: inside the reservation of one of the backend's
-  // allocations it is an error; anything else is the shader's own program data (its constants).
-  const DispatchState& d = *w.dispatch;
-  if (d.allocations != nullptr && d.allocations->find(address))
-    outside_bound_memory(*lane, address, size, write);
+  // Not stack, threadgroup or bound memory: the program's static data, or an error.
+  for (const Segment& seg : program_segments()) {
+    if (address >= seg.begin && address + size <= seg.end) return;
+  }
+  outside_bound_memory(*lane, address, size, write);
 }
 
 // ---- Scheduling -------------------------------------------------------------------------------
@@ -706,6 +740,17 @@ void run_dispatch(const ShaderKernel& kernel, const KernelLaunch& launch,
   const uint64_t n_groups = uint64_t{d.groups[0]} * d.groups[1] * d.groups[2];
   if (n_groups == 0) return;
 
+  // Function constants live in the shader's static data: one dispatch runs at a time.
+  static std::mutex dispatch_mutex;
+  std::lock_guard dispatch_lock(dispatch_mutex);
+  if (kernel.set_constants != nullptr) {
+    Worker& w = this_worker();
+    w.dispatch = &d;
+    Invocation probe;
+    probe.worker = &w;
+    kernel.set_constants(probe);
+  }
+
   // Threadgroups in linear order, chunks over the pool; the lowest failing group's error wins.
   std::mutex mutex;
   uint64_t failed_group = std::numeric_limits<uint64_t>::max();
@@ -713,25 +758,12 @@ void run_dispatch(const ShaderKernel& kernel, const KernelLaunch& launch,
   std::atomic<bool> stop{false};
   auto body = [&](size_t begin, size_t end) {
     Worker& w = this_worker();
-    bool constants_set = false;
     for (size_t i = begin; i < end && !stop.load(std::memory_order_relaxed); ++i) {
       const std::array<uint32_t, 3> group = {
           static_cast<uint32_t>(i % d.groups[0]),
           static_cast<uint32_t>((i / d.groups[0]) % d.groups[1]),
           static_cast<uint32_t>(i / (uint64_t{d.groups[0]} * d.groups[1]))};
-      std::string error;
-      if (!constants_set && kernel.set_constants != nullptr) {
-        Invocation probe;
-        probe.worker = &w;
-        w.dispatch = &d;
-        try {
-          kernel.set_constants(probe);
-        } catch (const Error& e) {
-          error = e.what();
-        }
-        constants_set = true;
-      }
-      if (error.empty()) error = run_group(w, d, group);
+      const std::string error = run_group(w, d, group);
       if (!error.empty()) {
         std::lock_guard lock(mutex);
         if (i < failed_group) {

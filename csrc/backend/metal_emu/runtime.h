@@ -20,8 +20,9 @@
 //
 // Memory checks, on every access the compiler instruments in shader code:
 //   * device and constant memory: an access must lie inside the extent of a bound buffer (from the
-//     bound address to the end of its allocation); inline constant bytes are read-only. An access
-//     just outside a bound buffer, or into an allocation the dispatch did not bind, is an error.
+//     bound address to the end of its allocation); inline constant bytes are read-only. Any other
+//     address (past a buffer, in an allocation the dispatch did not bind, anywhere else) is an
+//     error, except the program's own static data (the shaders' constant tables).
 //   * threadgroup memory: [[threadgroup(i)]] gets exactly the length encoded at index i (poisoned
 //     with 0xFF bytes, as its contents are undefined); an access past it is an error, and so is a
 //     race: two threads touching one byte between two threadgroup barriers, at least one writing
@@ -52,7 +53,7 @@ struct KernelParam {
 };
 
 using EntryFn = void (*)(const Invocation&);
-// Sets the file's function constants for the calling host thread (and checks each is given).
+// Sets the file's function constants (and checks each is given) before a dispatch.
 using ConstantsFn = void (*)(const Invocation&);
 
 struct ShaderKernel {
@@ -92,7 +93,7 @@ class AllocationLookup {
 };
 
 // Runs one launch of `kernel` to completion, threadgroups spread over the CPU backend's thread
-// pool. Throws routemm::Error naming the kernel, thread and address of the first violation (the
+// pool (one dispatch at a time per process: function constants are the shader's static data). Throws routemm::Error naming the kernel, thread and address of the first violation (the
 // one in the lowest threadgroup, whatever the scheduling).
 void run_dispatch(const ShaderKernel& kernel, const KernelLaunch& launch,
                   const AllocationLookup* allocations);
