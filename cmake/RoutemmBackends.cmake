@@ -43,4 +43,4 @@ elseif(NOT ROUTEMM_METAL MATCHES "^(AUTO|ON|OFF)$")
   message(FATAL_ERROR "ROUTEMM_METAL must be AUTO, ON or OFF (got '${ROUTEMM_METAL}')")
 endif()
 
-message(STATUS "routemm backends: cpu=ON cuda=${ROUTEMM_WITH_CUDA} metal=${ROUTEMM_WITH_METAL}")
+message(STATUS "routemm backends: cpu=ON cuda=${ROUTEMM_WITH_CUDA} metal=${ROUTEMM_WITH_METAL} metal_emu=${ROUTEMM_METAL_EMU}")

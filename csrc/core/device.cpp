@@ -23,6 +23,9 @@ void register_cuda_backend();
 namespace metal {
 void register_metal_backend();
 }
+namespace metal_emu {
+void register_metal_emu_backend();
+}
 
 namespace {
 
@@ -41,6 +44,7 @@ void register_builtin_backends() {
     cpu::register_cpu_backend();
     cuda::register_cuda_backend();
     metal::register_metal_backend();
+    metal_emu::register_metal_emu_backend();
   });
 }
 

@@ -22,7 +22,6 @@
 #include <vector>
 
 #include "backend/common/calibration_params.h"
-#include "backend/common/kernel_contracts.h"
 #include "backend/metal/kernels.h"
 #include "routemm/backend.h"
 #include "routemm/device.h"
@@ -45,11 +44,6 @@ struct RecordedLaunch {
 std::vector<RecordedLaunch>& recorded() {
   static std::vector<RecordedLaunch> launches;
   return launches;
-}
-
-// The Objective-C++ queue's entry point, replaced by a recorder.
-void encode_metal_launch(std::string_view function, const KernelLaunch& launch, void*) {
-  recorded().push_back({std::string(function), launch});
 }
 
 namespace {
@@ -177,9 +171,13 @@ TEST(MetalKernelTable, EveryPipelineIsAKernelInItsLibrary) {
 
 // ---- Front doors on a stand-in backend ---------------------------------------------------------------
 
-class TableQueue final : public Queue {
+// Records what the Objective-C++ queue would encode.
+class TableQueue final : public Queue, public MetalLaunchTarget {
  public:
   void submit(QueuedCommand command) override { commands_.push_back(std::move(command)); }
+  void encode(std::string_view function, const KernelLaunch& launch) override {
+    recorded().push_back({std::string(function), launch});
+  }
   void commit_and_wait() override { run(); }
   GpuInterval commit_wait_with_gpu_time() override {
     run();
@@ -189,31 +187,20 @@ class TableQueue final : public Queue {
  private:
   void run() {
     for (const auto& c : commands_) {
-      if (c.kind == QueuedCommand::Kind::Dispatch) c.fn(c.launch, this);
+      if (c.kind == QueuedCommand::Kind::Dispatch)
+        c.fn(c.launch, static_cast<MetalLaunchTarget*>(this));
     }
     commands_.clear();
   }
   std::vector<QueuedCommand> commands_;
 };
 
-// Host memory and the Metal KernelDefs, built as device.mm builds them.
+// Host memory and the Metal KernelDefs, built by the helper device.mm uses.
 class TableBackend final : public Backend {
  public:
   TableBackend() {
-    for (const auto& spec : metal_pipeline_specs()) {
-      KernelDef def;
-      def.name = std::string(spec.name);
-      def.fn = spec.fn;
-      def.check_args = kernels::kernel_arg_contract(spec.name);
-      def.max_threads_per_threadgroup = 1024;
-      def.threads_per_group = spec.threads_per_group;
-      def.tile_x = spec.tile_x;
-      def.tile_y = spec.tile_y;
-      def.threadgroup_memory_bytes = spec.threadgroup_memory_bytes;
-      def.entry_point = std::string(spec.name);
-      def.origin = "metallib";
-      kernels_.push_back(def);
-    }
+    for (const auto& spec : metal_pipeline_specs())
+      kernels_.push_back(metal_kernel_def(spec, 1024, "metallib", ""));
   }
   std::string_view name() const override { return "metal"; }
   std::string device_name() const override { return "metal kernel table"; }

@@ -43,9 +43,15 @@ def device(backend, request) -> routemm.Device:
     """The backend's device; a test marked needs_kernels(...) is skipped where one is missing."""
     dev = routemm.Device(backend)
     marker = request.node.get_closest_marker("needs_kernels")
-    if marker is not None:
+    needed = list(marker.args) if marker is not None else []
+    # A `route` parameter with a pipeline (Q4_0 matrix routes) needs that pipeline too.
+    callspec = getattr(request.node, "callspec", None)
+    route_pipeline = getattr(callspec.params.get("route") if callspec else None, "pipeline_name", None)
+    if isinstance(route_pipeline, str):
+        needed.append(route_pipeline)
+    if needed:
         probe = routemm.KernelRegistry(dev)
-        missing = [name for name in marker.args if not probe.has_kernel(name)]
+        missing = [name for name in needed if not probe.has_kernel(name)]
         if missing:
             pytest.skip(f"backend {dev.backend} has no {', '.join(missing)}")
     return dev

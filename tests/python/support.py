@@ -20,6 +20,11 @@ GUARD = 16  # bytes of poison before and after every view
 WEIGHT_DTYPES = (DType.F32, DType.F16, DType.BF16)
 NP_DTYPE = {DType.F32: np.dtype(np.float32), DType.F16: np.dtype(np.float16), DType.BF16: np.dtype(ml_dtypes.bfloat16)}
 INVALID_IDS = (0xFFFFFFFF, 0x80000000)  # plus n_experts and n_experts + 1 per call
+# The Q4_0 pipelines every Q4-capable backend has (mat-vec and the simdgroup matrix route). The
+# tensor-API routes may be missing (a Metal device or model without the tensor API): a test that
+# takes a `route` parameter is skipped for a route whose pipeline is missing (conftest.py), and a
+# test that needs them all says so with needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES).
+Q4_BASE_PIPELINES = ("kernel_mul_mv_q4_0_f32", "kernel_mul_mm_q4_0_f32")
 
 try:
     import jsonschema  # noqa: F401

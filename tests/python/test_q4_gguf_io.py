@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import routemm
 from routemm import DType, q4_0
+from support import Q4_BASE_PIPELINES
 
 # The Q4_0 pipelines exist on the CPU backend; other backends gain them later.
-pytestmark = pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)
+pytestmark = pytest.mark.needs_kernels(*Q4_BASE_PIPELINES)
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

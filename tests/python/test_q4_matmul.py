@@ -15,11 +15,11 @@ from routemm import DenseQ4Route as Route
 from routemm import GgmlRoutingPolicy as Policy
 from routemm import GgmlTensorMmPreference as Pref
 from routemm import q4_0
-from support import PAD_BYTE, POISON_U32, guarded, guarded_output, validate
+from support import PAD_BYTE, POISON_U32, Q4_BASE_PIPELINES, guarded, guarded_output, validate
 from tolerances import Q4_CUDA_BF16_FROBENIUS, Q4_CUDA_NUMERICS, accumulation_bound, q4_gpu_bound, q4_tolerance
 
 # Backends without the Q4_0 pipelines skip.
-pytestmark = pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)
+pytestmark = pytest.mark.needs_kernels(*Q4_BASE_PIPELINES)
 
 LABEL_SUFFIX = "|700:i1|701:i1|702:i1"
 ROUTES = list(Route)
@@ -241,6 +241,7 @@ def test_mat_vec_with_unaligned_views(device, registry, rng, which, m):
     assert np.array_equal(out.view(np.uint32), aligned.view(np.uint32))
 
 
+@pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)  # the tensor-API routes too
 @pytest.mark.parametrize(
     "m,n,k", [(9, 64, 32), (33, 70, 800), (200, 129, 64), (9, 70, 2048), (40, 136, 2560), (150, 136, 512)]
 )
@@ -302,12 +303,14 @@ def test_routing_policy(device, registry, rng, policy, route, decision):
     case.check(out, route.value)
 
 
+@pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)  # the tensor-API routes too
 def test_threshold_is_eight(device, registry, rng):
     for m, route in ((8, "mat_vec"), (9, "compatibility_v2")):
         _, receipt = Q4Case(device, rng, m, 8, 32).run(registry)
         assert receipt.route == route
 
 
+@pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)  # the tensor-API routes too
 @pytest.mark.parametrize(
     "env,expected",
     [
@@ -362,6 +365,7 @@ def test_expected_dispatch_spec_example():
         validate(d)
 
 
+@pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)  # the tensor-API routes too
 def test_encoded_geometry_spec_example(device, registry, rng):
     case = Q4Case(device, rng, 129, 769, 32)
     for route in ROUTES:
@@ -371,6 +375,7 @@ def test_encoded_geometry_spec_example(device, registry, rng):
             assert receipt.dispatch == routemm.q4_expected_dispatch(route, 129, 769)
 
 
+@pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)  # the tensor-API routes too
 @pytest.mark.parametrize("m,n,k", [(9, 4096, 14336), (512, 4096, 14336), (4096, 512, 2048), (33, 70, 800)])
 def test_registry_geometry_is_shape_derived(registry, m, n, k):
     """Every matrix route of one shape gets the same K split (grid.z), so V2 and 64x32 can agree."""
@@ -390,9 +395,9 @@ def test_mat_vec_geometry(device, registry, rng):
     _, receipt = Q4Case(device, rng, 3, 17, 64).run(registry)
     d = receipt.dispatch
     assert d.dispatch_kind is routemm.DispatchKind.THREAD_GROUPS
-    if device.backend == "cpu":
+    if device.backend in ("cpu", "metal", "metal_emu"):  # spec §5.5: [ceil(N/8), M, 1], [8, 8, 1]
         assert (d.grid, d.threads_per_threadgroup, d.threadgroup_memory) == ((3, 3, 1), (8, 8, 1), ())
-    else:  # 8 x (threads / 8) threads; x walks output rows, y tokens, z the K split
+    else:  # CUDA: 8 x (threads / 8) threads; x walks output rows, y tokens, z the K split
         assert d.threads_per_threadgroup[0] == 8 and d.grid[1] == 1 and d.grid[2] >= 1
 
 
@@ -414,6 +419,7 @@ def test_pipeline_names():
     assert routemm.GgmlType.Q4_0.value == "q4_0" and routemm.GgmlType.Q4_0.block_layout == (32, 18)
 
 
+@pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)  # the tensor-API routes too
 def test_registry_has_every_pipeline(registry):
     for name in routemm.Q4_MATMUL_PIPELINE_NAMES:
         assert registry.has_kernel(name)

@@ -9,9 +9,10 @@ import routemm
 from routemm import DenseQ4Route as Route
 from routemm import DType, GgmlType
 from routemm import GgmlQuantizedMatmulParams as Params
+from support import Q4_BASE_PIPELINES
 
 # The Q4_0 pipelines exist on the CPU backend; other backends gain them later.
-pytestmark = pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)
+pytestmark = pytest.mark.needs_kernels(*Q4_BASE_PIPELINES)
 
 I32_MAX = 2**31 - 1
 
@@ -171,6 +172,7 @@ def test_forced_route_requires_q4_0_and_m_above_8(device, registry):
     )
 
 
+@pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)  # the tensor-API routes too
 @pytest.mark.parametrize("m", [1, 9])
 def test_injected_lookup_failure_leaves_no_trace(device, registry, m):
     bufs = _buffers(device, m, 5, 64)

@@ -35,7 +35,6 @@
 #include <utility>
 #include <vector>
 
-#include "backend/common/kernel_contracts.h"
 #include "kernels.h"
 #include "routemm/backend.h"
 #include "routemm/error.h"
@@ -169,7 +168,7 @@ class MetalBackend final : public Backend {
     id<MTLBuffer> buffer = [device_ newBufferWithLength:(nbytes == 0 ? 1 : nbytes)
                                                 options:MTLResourceStorageModeShared];
     if (buffer == nil)
-      throw OutOfMemory("metal backend: cannot allocate " + std::to_string(nbytes) + " bytes");
+      throw Error("metal backend: cannot allocate " + std::to_string(nbytes) + " bytes");
     void* data = buffer.contents;
     {
       std::lock_guard lock(mutex_);
@@ -289,18 +288,9 @@ class MetalBackend final : public Backend {
                     "': " + why);
       }
       pipelines_.emplace(std::string(spec.name) + "#" + label, state);
-      KernelDef def;
-      def.name = std::string(spec.name);
-      def.fn = spec.fn;
-      def.check_args = kernels::kernel_arg_contract(spec.name);
-      def.max_threads_per_threadgroup = state.maxTotalThreadsPerThreadgroup;
-      def.threads_per_group = spec.threads_per_group;
-      def.tile_x = spec.tile_x;
-      def.tile_y = spec.tile_y;
-      def.threadgroup_memory_bytes = spec.threadgroup_memory_bytes;
-      def.entry_point = std::string(spec.name);
-      def.origin = "metallib";
-      def.content_sha256 = spec.library == MetalLibrary::Base ? base_.sha256 : tensor_.sha256;
+      KernelDef def =
+          metal_kernel_def(spec, state.maxTotalThreadsPerThreadgroup, "metallib",
+                           spec.library == MetalLibrary::Base ? base_.sha256 : tensor_.sha256);
       kernels_.push_back(std::move(def));
     }
     if (!tensor_failures.empty()) tensor_status_ = "unavailable: " + tensor_failures;
@@ -318,7 +308,7 @@ class MetalBackend final : public Backend {
   std::map<std::string, id<MTLComputePipelineState>> pipelines_;
 };
 
-class MetalQueue final : public Queue {
+class MetalQueue final : public Queue, public MetalLaunchTarget {
  public:
   explicit MetalQueue(std::shared_ptr<MetalBackend> backend) : backend_(std::move(backend)) {}
   ~MetalQueue() override {
@@ -337,7 +327,7 @@ class MetalQueue final : public Queue {
         encoder_ =
             [command_buffer_ computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
       }
-      command.fn(command.launch, this);
+      command.fn(command.launch, static_cast<MetalLaunchTarget*>(this));
       pending_.push_back(std::move(command));
     }
   }
@@ -345,7 +335,7 @@ class MetalQueue final : public Queue {
   void commit_and_wait() override { finish(); }
   GpuInterval commit_wait_with_gpu_time() override { return finish(); }
 
-  void encode(std::string_view function, const KernelLaunch& launch) {
+  void encode(std::string_view function, const KernelLaunch& launch) override {
     if (encoder_ == nil)
       throw Error("metal backend: '" + launch.label + "' encoded outside a submission");
     [encoder_
@@ -424,11 +414,6 @@ std::string probe() {
 }
 
 }  // namespace
-
-void encode_metal_launch(std::string_view function, const KernelLaunch& launch,
-                         void* queue_native) {
-  static_cast<MetalQueue*>(queue_native)->encode(function, launch);
-}
 
 void register_metal_backend() {
   register_backend(BackendEntry{"metal", 10, probe, []() -> std::shared_ptr<Backend> {

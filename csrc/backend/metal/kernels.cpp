@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <utility>
 
+#include "backend/common/kernel_contracts.h"
 #include "routemm/ops/dense_matmul_id.h"
 #include "routemm/ops/q4_matmul.h"
 
@@ -39,7 +40,7 @@ static_assert(kFunctions[3] == kDenseMatmulIdMapPipeline && kFunctions[7] == kQ4
 // A KernelFn knows only its launch; one instantiation per table row carries the function name.
 template <size_t I>
 void launch(const KernelLaunch& launch, void* queue_native) {
-  encode_metal_launch(kFunctions[I], launch, queue_native);
+  static_cast<MetalLaunchTarget*>(queue_native)->encode(kFunctions[I], launch);
 }
 
 constexpr MetalPipelineSpec spec(size_t i, KernelFn fn, MetalLibrary library, uint32_t threads,
@@ -78,5 +79,22 @@ const std::array<MetalPipelineSpec, kFunctions.size()> kSpecs = {
 }  // namespace
 
 std::span<const MetalPipelineSpec> metal_pipeline_specs() { return kSpecs; }
+
+KernelDef metal_kernel_def(const MetalPipelineSpec& spec, uint64_t max_threads_per_threadgroup,
+                           std::string origin, std::string content_sha256) {
+  KernelDef def;
+  def.name = std::string(spec.name);
+  def.fn = spec.fn;
+  def.check_args = kernels::kernel_arg_contract(spec.name);
+  def.max_threads_per_threadgroup = max_threads_per_threadgroup;
+  def.threads_per_group = spec.threads_per_group;
+  def.tile_x = spec.tile_x;
+  def.tile_y = spec.tile_y;
+  def.threadgroup_memory_bytes = spec.threadgroup_memory_bytes;
+  def.entry_point = std::string(spec.name);
+  def.origin = std::move(origin);
+  def.content_sha256 = std::move(content_sha256);
+  return def;
+}
 
 }  // namespace routemm::metal

@@ -1,5 +1,7 @@
 // The Metal backend's pipeline table, in plain C++ (no Metal types), so that it also compiles and
-// is checked on hosts without Metal (tests/metal/test_metal_kernel_table.cpp).
+// is checked on hosts without Metal (tests/metal/test_metal_kernel_table.cpp). It is the one
+// definition of the Metal pipelines: the Metal backend (device.mm) and the execution model that
+// runs the same shaders on the CPU (csrc/backend/metal_emu) both register their KernelDefs from it.
 //
 // Every pipeline is one MSL function of the same name in routemm.metallib (metal/*.metal) or, for
 // the tensor-API routes, in the optional routemm_tensor.metallib. The geometry fields are what the
@@ -9,6 +11,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <string_view>
 
 #include "routemm/backend.h"
@@ -27,14 +30,26 @@ struct MetalPipelineSpec {
   uint32_t tile_y = 1;
   uint64_t threadgroup_memory_bytes = 0;
   bool q4_constants = false;  // fetched with kQ4PipelineConstants (700, 701, 702)
-  KernelFn fn = nullptr;      // encodes a launch of `name` (see encode_metal_launch)
+  KernelFn fn = nullptr;      // hands a launch of `name` to the queue's MetalLaunchTarget
 };
 
 // Every pipeline this backend can supply, in a fixed order.
 std::span<const MetalPipelineSpec> metal_pipeline_specs();
 
-// Encodes one launch of the MSL function `function` on the Metal queue whose native handle is
-// `queue_native`. Defined by the Objective-C++ queue (device.mm); a launch carries everything else.
-void encode_metal_launch(std::string_view function, const KernelLaunch& launch, void* queue_native);
+// What a queue running Metal pipelines implements: a spec's KernelFn receives the queue's
+// MetalLaunchTarget* as its queue_native handle and calls encode() with the MSL function's name;
+// the launch carries everything else.
+class MetalLaunchTarget {
+ public:
+  virtual void encode(std::string_view function, const KernelLaunch& launch) = 0;
+
+ protected:
+  ~MetalLaunchTarget() = default;
+};
+
+// The KernelDef a backend registers for `spec`: the table's geometry, the device's thread limit
+// for the pipeline, and where its code comes from.
+KernelDef metal_kernel_def(const MetalPipelineSpec& spec, uint64_t max_threads_per_threadgroup,
+                           std::string origin, std::string content_sha256);
 
 }  // namespace routemm::metal
