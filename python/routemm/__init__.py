@@ -34,6 +34,14 @@ from .dense_matmul_id import (
     matmul_id,
 )
 from .gguf_io import gguf_tensor
+from .moe import (
+    MOE_PIPELINE_NAMES,
+    encode_moe_combine,
+    encode_moe_gate,
+    encode_moe_silu_mul,
+    moe_experts,
+    moe_gate,
+)
 from .quantized_matmul import (
     Q4_MATMUL_PIPELINE_NAMES,
     DenseQ4DecisionSource,
@@ -129,6 +137,14 @@ __all__ += [
     "q4_expected_dispatch",
     "quantized_matmul_ggml",
     "select_dense_q4_route",
+]
+__all__ += [
+    "MOE_PIPELINE_NAMES",
+    "encode_moe_combine",
+    "encode_moe_gate",
+    "encode_moe_silu_mul",
+    "moe_experts",
+    "moe_gate",
 ]
 
 from . import calibration  # noqa: E402
