@@ -106,6 +106,17 @@ struct Route {
   DenseQ4DecisionSource decision;
 };
 
+// The pipeline of a (validated) type and route: Q8_0 has the mat-vec and the simdgroup route only.
+std::string_view pipeline_name(GgmlType type, std::optional<DenseQ4Route> route) {
+  if (type == GgmlType::Q8_0) {
+    if (route && *route != DenseQ4Route::CompatibilitySimdgroup) {
+      fail("has no " + std::string(to_string(*route)) + " route for q8_0");
+    }
+    return route ? kQ8MatmulPipelineNames[1] : kQ8MatmulPipelineNames[0];
+  }
+  return route ? dense_q4_pipeline_name(*route) : kQ4_0MatVecPipeline;
+}
+
 // Resolves the pipeline, then encodes one dispatch with geometry from its KernelDef. Nothing is
 // encoded when the lookup fails.
 GgmlQuantizedMatmulReceipt encode(CommandEncoder& encoder, KernelRegistry& registry,
@@ -118,8 +129,7 @@ GgmlQuantizedMatmulReceipt encode(CommandEncoder& encoder, KernelRegistry& regis
   if (encoder.receipt_slots_left() < 1) {
     fail("open dispatch receipt has no room for the one dispatch this call encodes");
   }
-  const std::string_view name =
-      choice.route ? dense_q4_pipeline_name(*choice.route) : kQ4_0MatVecPipeline;
+  const std::string_view name = pipeline_name(p.ggml_type, choice.route);
   const PipelinePtr pipeline = registry.get_pipeline(name, kQ4PipelineConstants);
   const KernelDef& def = pipeline->def();
   if (def.tile_x == 0 || def.tile_y == 0 || def.threads_per_group == 0 ||
@@ -127,7 +137,8 @@ GgmlQuantizedMatmulReceipt encode(CommandEncoder& encoder, KernelRegistry& regis
     fail("pipeline '" + pipeline->label() + "' has an invalid launch shape");
   }
 
-  const uint64_t row_bytes = uint64_t{p.k} / kernels::kQ4_0BlockValues * kernels::kQ4_0BlockBytes;
+  const auto [qk, block_bytes] = ggml_block_layout(p.ggml_type);
+  const uint64_t row_bytes = uint64_t{p.k} / qk * block_bytes;
   const Geometry geo = geometry(def, !choice.route.has_value(), p.m, p.n, p.k);
   std::vector<std::pair<uint32_t, KernelArg>> args;
   if (!choice.route) {
@@ -327,8 +338,8 @@ void validate_quantized_matmul_ggml_call(const Buffer& input, const Buffer& weig
     fail("M=" + std::to_string(p.m) + ", N=" + std::to_string(p.n) + ", K=" + std::to_string(p.k) +
          " exceeds the signed kernel ABI (i32::MAX)");
   }
-  if (p.ggml_type != GgmlType::Q4_0) {
-    fail("does not support " + std::string(to_string(p.ggml_type)) + " (supported: q4_0)");
+  if (p.ggml_type != GgmlType::Q4_0 && p.ggml_type != GgmlType::Q8_0) {
+    fail("does not support " + std::string(to_string(p.ggml_type)) + " (supported: q4_0, q8_0)");
   }
   if (p.m == 0 || p.n == 0 || p.k == 0) {
     fail("M, K, and N must all be > 0 (got M=" + std::to_string(p.m) +
@@ -369,7 +380,11 @@ GgmlQuantizedMatmulReceipt quantized_matmul_ggml(CommandEncoder& encoder, Kernel
                                                  const GgmlRoutingPolicy& policy) {
   validate_quantized_matmul_ggml_call(input, weight, output, params);
   Route choice{std::nullopt, DenseQ4DecisionSource::MatVecThreshold};
-  if (params.m > kGgmlMmRoutingThreshold) {
+  if (params.m > kGgmlMmRoutingThreshold && params.ggml_type == GgmlType::Q8_0) {
+    // Q8_0 has one matrix route and no calibration: the simdgroup-compatible one.
+    choice = {DenseQ4Route::CompatibilitySimdgroup,
+              DenseQ4DecisionSource::IneligibleCompatibilityFallback};
+  } else if (params.m > kGgmlMmRoutingThreshold) {
     DenseQ4RouteSelection selected = select_dense_q4_route(params, policy);
     // Spec §5.6 step 1: the tensor routes need the tensor API; a backend without the V1 tensor
     // pipeline takes the simdgroup route.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging as _logging
 import os as _os
 
-from . import _core, env, q4_0
+from . import _core, env, q4_0, q8_0
 from ._core_api import (
     CapturedNode,
     DispatchKind,
@@ -44,6 +44,7 @@ from .moe import (
 )
 from .quantized_matmul import (
     Q4_MATMUL_PIPELINE_NAMES,
+    Q8_MATMUL_PIPELINE_NAMES,
     DenseQ4DecisionSource,
     DenseQ4Route,
     GgmlQuantizedMatmulParams,
@@ -55,6 +56,14 @@ from .quantized_matmul import (
     q4_expected_dispatch,
     quantized_matmul_ggml,
     select_dense_q4_route,
+)
+from .quantized_matmul_id import (
+    GgmlQuantizedMatmulIdCapability,
+    GgmlQuantizedMatmulIdDispatchReceipt,
+    GgmlQuantizedMatmulIdParams,
+    GgmlQuantizedMatmulIdRoute,
+    quantized_matmul_id_ggml,
+    quantized_matmul_id_ggml_capability,
 )
 
 Device = _core.Device
@@ -69,6 +78,7 @@ reset_encoder_counters = _core.reset_encoder_counters
 DENSE_MATMUL_ID_PIPELINE_NAMES = _core.DENSE_MATMUL_ID_PIPELINE_NAMES
 DENSE_MATMUL_ID_SCHEMA_VERSION = _core.DENSE_MATMUL_ID_SCHEMA_VERSION
 DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES = _core.DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES
+GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES = _core.GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES
 
 __version__ = _core.version()
 
@@ -131,12 +141,21 @@ __all__ += [
     "GgmlTensorMmPreference",
     "GgmlType",
     "Q4_MATMUL_PIPELINE_NAMES",
+    "Q8_MATMUL_PIPELINE_NAMES",
     "encode_q4_route",
     "gguf_tensor",
     "q4_0",
+    "q8_0",
     "q4_expected_dispatch",
     "quantized_matmul_ggml",
     "select_dense_q4_route",
+    "GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES",
+    "GgmlQuantizedMatmulIdCapability",
+    "GgmlQuantizedMatmulIdDispatchReceipt",
+    "GgmlQuantizedMatmulIdParams",
+    "GgmlQuantizedMatmulIdRoute",
+    "quantized_matmul_id_ggml",
+    "quantized_matmul_id_ggml_capability",
 ]
 __all__ += [
     "MOE_PIPELINE_NAMES",

@@ -201,13 +201,17 @@ def _framework(obj) -> str:
     return module if module in ("torch", "cupy") else "numpy"
 
 
-def matmul_id(weights, x, ids, *, route: Optional[DenseMatmulIdRoute] = None, out=None, device=None):
+def matmul_id(weights, x, ids, *, route=None, out=None, device=None, ggml_type=None):
     """Expert-ID matmul on arrays; returns the [m*top_k, n] float32 result.
 
-    weights: [n_experts, n, k] float32, float16 or bfloat16.
+    weights: [n_experts, n, k] float32, float16 or bfloat16; with ``ggml_type`` (GgmlType.Q4_0 or
+        GgmlType.Q8_0) a uint8 block stack [n_experts, n, k / 32 * block_bytes] as routemm.q4_0 /
+        routemm.q8_0 quantise it (and GGUF stores it), run by quantized_matmul_id_ggml.
     x: [m, k] float32 (one row per token) or [m, top_k, k] (one row per token and slot).
     ids: [m, top_k] integers; ids outside [0, n_experts) give zero rows.
-    route: None picks grouped_prefill when ids are distinct per token and m > 8, else direct.
+    route: None picks grouped_prefill (quantised: grouped) when ids are distinct per token and
+        m > 8, else direct; explicit routes are DenseMatmulIdRoute values, or
+        GgmlQuantizedMatmulIdRoute values with ggml_type.
     out: optional C-contiguous float32 array of [m*top_k, n] to write the result into.
     device: a routemm.Device for NumPy inputs (default: the best available backend).
 
@@ -216,6 +220,12 @@ def matmul_id(weights, x, ids, *, route: Optional[DenseMatmulIdRoute] = None, ou
     result is a tensor of the same framework and device; they must be C-contiguous.
     """
     framework = _framework(x)
+    if ggml_type is not None:
+        from .quantized_matmul_id import matmul_id_quantized
+
+        return matmul_id_quantized(
+            weights, x, ids, ggml_type, route, out, device or _default_device(), _check_shapes, _registry_for
+        )
     if framework != "numpy":
         return _matmul_id_tensors(framework, weights, x, ids, route, out)
     weights = np.asarray(weights)

@@ -3,26 +3,24 @@
 A row of values (a multiple of 32) becomes a row of 18-byte blocks: a little-endian float16
 scale d, then 16 bytes whose low nibble is value j and whose high nibble is value j + 16; each
 value is d * (nibble - 8). Both directions run in the C++ core (routemm/q4_0.h states the exact
-rounding contract).
+rounding contract). Arrays of any rank are quantised along their last axis:
+[E, n, k] float -> [E, n, k // 32 * 18] uint8.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import _core
-from ._errors import InvalidArgumentError
+from ._ggml_blocks import BlockFormat
 
 BLOCK_VALUES = 32
 BLOCK_BYTES = 18
+_FORMAT = BlockFormat("q4_0", BLOCK_VALUES, BLOCK_BYTES)
 
 
 def quantized_shape(shape) -> tuple[int, ...]:
     """Byte shape of a quantised array: (*shape[:-1], shape[-1] // 32 * 18)."""
-    shape = tuple(int(d) for d in shape)
-    if not shape or shape[-1] % BLOCK_VALUES != 0:
-        raise InvalidArgumentError(f"q4_0: the last dimension must be a multiple of {BLOCK_VALUES}, got shape {shape}")
-    return (*shape[:-1], shape[-1] // BLOCK_VALUES * BLOCK_BYTES)
+    return _FORMAT.quantized_shape(shape)
 
 
 def quantize(array) -> np.ndarray:
@@ -31,26 +29,10 @@ def quantize(array) -> np.ndarray:
     Returns uint8 of shape (*shape[:-1], shape[-1] // 32 * 18), byte-identical to
     `gguf.quants.quantize(array, GGMLQuantizationType.Q4_0)`.
     """
-    values = np.asarray(array, dtype=np.float32)
-    out_shape = quantized_shape(values.shape)
-    flat = np.ascontiguousarray(values).reshape(-1)
-    return _core._q4_0_quantize(flat).reshape(out_shape)
+    return _FORMAT.quantize(array)
 
 
 def dequantize(blocks, shape=None) -> np.ndarray:
     """Dequantise Q4_0 bytes to float32 (exact). `shape` is the element shape; by default it is
     (*blocks.shape[:-1], blocks.shape[-1] // 18 * 32)."""
-    data = np.asarray(blocks)
-    if data.dtype != np.uint8:
-        raise InvalidArgumentError(f"q4_0 dequantize: blocks must be uint8, got {data.dtype}")
-    if shape is None:
-        if data.ndim == 0 or data.shape[-1] % BLOCK_BYTES != 0:
-            raise InvalidArgumentError(
-                f"q4_0 dequantize: the last dimension must be a multiple of {BLOCK_BYTES} bytes, got shape {data.shape}"
-            )
-        shape = (*data.shape[:-1], data.shape[-1] // BLOCK_BYTES * BLOCK_VALUES)
-    shape = tuple(int(d) for d in shape)
-    expected = int(np.prod(quantized_shape(shape), dtype=np.int64))
-    if data.size != expected:
-        raise InvalidArgumentError(f"q4_0 dequantize: shape {shape} needs {expected} bytes, got {data.size}")
-    return _core._q4_0_dequantize(np.ascontiguousarray(data).reshape(-1)).reshape(shape)
+    return _FORMAT.dequantize(blocks, shape)

@@ -1,8 +1,9 @@
-"""GGML Q4_0 dense projections: out[m, n] = input[m, k] @ dequantize(weight[n, k]).T.
+"""GGML Q4_0 / Q8_0 dense projections: out[m, n] = input[m, k] @ dequantize(weight[n, k]).T.
 
-The weight is a U8 buffer of raw GGUF Q4_0 blocks (n rows of k / 32 blocks of 18 bytes), input
-and output are F32 row-major. m <= 8 takes the mat-vec pipeline; m > 8 takes one of four matrix
-routes (DenseQ4Route), chosen by the routing policy. Every call returns a receipt that says which
+The weight is a U8 buffer of raw GGUF blocks (n rows of k / 32 blocks of 18 bytes for Q4_0, 34
+for Q8_0), input and output are F32 row-major. m <= 8 takes the mat-vec pipeline; for Q4_0, m > 8
+takes one of four matrix routes (DenseQ4Route), chosen by the routing policy; Q8_0 has one matrix
+route, compatibility_simdgroup. Every call returns a receipt that says which
 route ran, why, under which policy, and the dispatch exactly as it was encoded.
 """
 
@@ -24,13 +25,15 @@ SCHEMA_VERSION: int = _core.GGML_QUANTIZED_MATMUL_SCHEMA_VERSION
 MM_ROUTING_THRESHOLD: int = _core.GGML_MM_ROUTING_THRESHOLD
 Q4_MATMUL_PIPELINE_NAMES: tuple[str, ...] = _core.Q4_MATMUL_PIPELINE_NAMES
 Q4_MAT_VEC_PIPELINE: str = Q4_MATMUL_PIPELINE_NAMES[0]
+# Q8_0: the mat-vec (m <= 8) and the one matrix route (compatibility_simdgroup's, m > 8).
+Q8_MATMUL_PIPELINE_NAMES: tuple[str, ...] = _core.Q8_MATMUL_PIPELINE_NAMES
 # The specialisation constants every Q4 pipeline is fetched with, as they appear in labels.
 Q4_PIPELINE_LABEL_SUFFIX = "|700:i1|701:i1|702:i1"
 MAT_VEC_ROUTE = "mat_vec"
 
 
 class GgmlType(enum.Enum):
-    """GGML block formats known by name; quantized_matmul_ggml supports Q4_0."""
+    """GGML block formats known by name; quantized_matmul_ggml supports Q4_0 and Q8_0."""
 
     Q4_0 = "q4_0"
     Q5_0 = "q5_0"

@@ -1,15 +1,17 @@
-// GGML Q4_0: the reference quantiser/dequantiser on flat NumPy arrays, and the dense projection
+// GGML Q4_0 and Q8_0: the reference quantisers/dequantisers on flat NumPy arrays, and the dense projection
 // front doors. Enums travel as their snake_case values; results as dicts that the Python
 // dataclasses are built from.
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <span>
 #include <string>
 
 #include "bindings.h"
 #include "routemm/error.h"
 #include "routemm/ops/q4_matmul.h"
 #include "routemm/q4_0.h"
+#include "routemm/q8_0.h"
 
 namespace routemm::python {
 namespace {
@@ -65,6 +67,49 @@ DenseQ4Route parse_route(const std::string& text) {
   return parse(text, kAllDenseQ4Routes, "dense Q4 route");
 }
 
+// _<format>_quantize / _<format>_dequantize on flat NumPy arrays, for one GGML block format.
+template <size_t (*QuantizedBytes)(size_t),
+          void (*Quantize)(std::span<const float>, std::span<uint8_t>),
+          void (*Dequantize)(std::span<const uint8_t>, std::span<float>)>
+void def_block_format(py::module_& m, const std::string& format, size_t block_values,
+                      size_t block_bytes) {
+  m.def(("_" + format + "_quantize").c_str(),
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> values) {
+          const size_t count = static_cast<size_t>(values.size());
+          py::array_t<uint8_t> out(static_cast<py::ssize_t>(QuantizedBytes(count)));
+          const float* src = values.data();
+          uint8_t* dst = out.mutable_data();
+          const size_t bytes = static_cast<size_t>(out.size());
+          {
+            py::gil_scoped_release release;
+            Quantize({src, count}, {dst, bytes});
+          }
+          return out;
+        },
+        py::arg("values"),
+        ("Flat float32 values (a multiple of 32) -> flat " + format + " bytes.").c_str());
+  m.def(("_" + format + "_dequantize").c_str(),
+        [format, block_values,
+         block_bytes](py::array_t<uint8_t, py::array::c_style | py::array::forcecast> blocks) {
+          const size_t bytes = static_cast<size_t>(blocks.size());
+          if (bytes % block_bytes != 0) {
+            throw InvalidArgument(format + " dequantize: " + std::to_string(bytes) +
+                                  " bytes are not a whole number of " +
+                                  std::to_string(block_bytes) + "-byte blocks");
+          }
+          const size_t count = bytes / block_bytes * block_values;
+          py::array_t<float> out(static_cast<py::ssize_t>(count));
+          const uint8_t* src = blocks.data();
+          float* dst = out.mutable_data();
+          {
+            py::gil_scoped_release release;
+            Dequantize({src, bytes}, {dst, count});
+          }
+          return out;
+        },
+        py::arg("blocks"), ("Flat " + format + " bytes -> flat float32 values (exact).").c_str());
+}
+
 }  // namespace
 
 void init_q4(py::module_& m) {
@@ -73,41 +118,14 @@ void init_q4(py::module_& m) {
   py::list names;
   for (auto name : kQ4MatmulPipelineNames) names.append(std::string(name));
   m.attr("Q4_MATMUL_PIPELINE_NAMES") = py::tuple(names);
+  py::list q8_names;
+  for (auto name : kQ8MatmulPipelineNames) q8_names.append(std::string(name));
+  m.attr("Q8_MATMUL_PIPELINE_NAMES") = py::tuple(q8_names);
 
-  m.def(
-      "_q4_0_quantize",
-      [](py::array_t<float, py::array::c_style | py::array::forcecast> values) {
-        const size_t count = static_cast<size_t>(values.size());
-        py::array_t<uint8_t> out(static_cast<py::ssize_t>(q4_0::quantized_bytes(count)));
-        const float* src = values.data();
-        uint8_t* dst = out.mutable_data();
-        const size_t bytes = static_cast<size_t>(out.size());
-        {
-          py::gil_scoped_release release;
-          q4_0::quantize({src, count}, {dst, bytes});
-        }
-        return out;
-      },
-      py::arg("values"), "Flat float32 values (a multiple of 32) -> flat Q4_0 bytes.");
-  m.def(
-      "_q4_0_dequantize",
-      [](py::array_t<uint8_t, py::array::c_style | py::array::forcecast> blocks) {
-        const size_t bytes = static_cast<size_t>(blocks.size());
-        if (bytes % q4_0::kBlockBytes != 0) {
-          throw InvalidArgument("q4_0 dequantize: " + std::to_string(bytes) +
-                                " bytes are not a whole number of 18-byte blocks");
-        }
-        const size_t count = bytes / q4_0::kBlockBytes * q4_0::kBlockValues;
-        py::array_t<float> out(static_cast<py::ssize_t>(count));
-        const uint8_t* src = blocks.data();
-        float* dst = out.mutable_data();
-        {
-          py::gil_scoped_release release;
-          q4_0::dequantize({src, bytes}, {dst, count});
-        }
-        return out;
-      },
-      py::arg("blocks"), "Flat Q4_0 bytes -> flat float32 values (exact).");
+  def_block_format<q4_0::quantized_bytes, q4_0::quantize, q4_0::dequantize>(
+      m, "q4_0", q4_0::kBlockValues, q4_0::kBlockBytes);
+  def_block_format<q8_0::quantized_bytes, q8_0::quantize, q8_0::dequantize>(
+      m, "q8_0", q8_0::kBlockValues, q8_0::kBlockBytes);
 
   py::class_<GgmlQuantizedMatmulParams>(m, "_GgmlQuantizedMatmulParams")
       .def(py::init([](uint32_t m_, uint32_t n, uint32_t k, const std::string& type) {

@@ -1,6 +1,6 @@
-// GGML Q4_0 block layout and the kernel-argument structs of the Q4_0 dense projections (spec §5.1,
-// §5.5, §5.6), shared by the host, CUDA and Metal. Fixed-width fields only; the layouts are part
-// of the kernel ABI and are checked below.
+// GGML Q4_0 and Q8_0 block layouts and the kernel-argument structs of the block-quantised dense
+// projections (spec §5.1, §5.5, §5.6), shared by the host, CUDA and Metal. Fixed-width fields
+// only; the layouts are part of the kernel ABI and are checked below.
 #pragma once
 
 #ifdef __METAL_VERSION__
@@ -11,6 +11,7 @@
 #define ROUTEMM_U64 ulong
 #define ROUTEMM_U16 ushort
 #define ROUTEMM_U8 uchar
+#define ROUTEMM_I8 char
 #define ROUTEMM_CONSTANT \
   constant  // MSL: program-scope constants live in the constant address space
 #else
@@ -24,6 +25,7 @@
 #define ROUTEMM_U64 uint64_t
 #define ROUTEMM_U16 uint16_t
 #define ROUTEMM_U8 uint8_t
+#define ROUTEMM_I8 int8_t
 #endif
 
 namespace routemm::kernels {
@@ -31,6 +33,9 @@ namespace routemm::kernels {
 // Values per Q4_0 block and bytes per block.
 ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kQ4_0BlockValues = 32;
 ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kQ4_0BlockBytes = 18;
+// Values per Q8_0 block and bytes per block.
+ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kQ8_0BlockValues = 32;
+ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kQ8_0BlockBytes = 34;
 
 // One GGUF-native Q4_0 block: a little-endian IEEE binary16 scale `d` (raw bits), then 16 bytes of
 // nibbles. Value j (j < 16) is the low nibble of qs[j], value j + 16 its high nibble; the value
@@ -38,6 +43,13 @@ ROUTEMM_CONSTANT constexpr ROUTEMM_U32 kQ4_0BlockBytes = 18;
 struct BlockQ4_0 {
   ROUTEMM_U16 d_bits;
   ROUTEMM_U8 qs[kQ4_0BlockValues / 2];
+};
+
+// One GGUF-native Q8_0 block: a little-endian binary16 scale `d` (raw bits), then 32 signed
+// bytes; value j is d * qs[j]. Blocks are only 2-byte aligned inside a row (34-byte stride).
+struct BlockQ8_0 {
+  ROUTEMM_U16 d_bits;
+  ROUTEMM_I8 qs[kQ8_0BlockValues];
 };
 
 // Mat-vec params of `kernel_mul_mv_q4_0_f32` (spec §5.5), 64 bytes: weight [ne01 = N, ne00 = K],
@@ -81,6 +93,9 @@ struct GgmlMatmulMmParams {
 static_assert(sizeof(BlockQ4_0) == kQ4_0BlockBytes);
 static_assert(offsetof(BlockQ4_0, qs) == 2);
 static_assert(alignof(BlockQ4_0) == 2);
+static_assert(sizeof(BlockQ8_0) == kQ8_0BlockBytes);
+static_assert(offsetof(BlockQ8_0, qs) == 2);
+static_assert(alignof(BlockQ8_0) == 2);
 
 static_assert(sizeof(GgmlMatmulMvParams) == 64);
 static_assert(offsetof(GgmlMatmulMvParams, ne1) == 48);
@@ -113,4 +128,5 @@ static_assert(offsetof(GgmlMatmulMmParams, pad1) == 84);
 #undef ROUTEMM_U64
 #undef ROUTEMM_U16
 #undef ROUTEMM_U8
+#undef ROUTEMM_I8
 #undef ROUTEMM_CONSTANT

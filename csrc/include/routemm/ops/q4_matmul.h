@@ -1,8 +1,9 @@
-// GGML Q4_0 dense projections (spec §4, §5, §6.2): out[M, N] = input[M, K] @ dequant(W[N, K])^T.
+// GGML Q4_0 / Q8_0 dense projections (spec §4, §5, §6.2): out[M, N] = input[M, K] @ dequant(W[N, K])^T.
 //
-// Input and output are F32, row-major; the weight is a U8 buffer holding the raw GGUF Q4_0 blocks
-// (N rows of K / 32 blocks of 18 bytes). M <= 8 takes the mat-vec pipeline; M > 8 takes one of four
-// matrix routes chosen by the routing policy (and, once calibration exists, a frozen route plan).
+// Input and output are F32, row-major; the weight is a U8 buffer holding the raw GGUF blocks (N
+// rows of K / 32 blocks of 18 bytes for Q4_0, 34 for Q8_0). M <= 8 takes the mat-vec pipeline;
+// for Q4_0, M > 8 takes one of four matrix routes chosen by the routing policy (and, once
+// calibration exists, a frozen route plan); Q8_0 has one matrix route (compatibility_simdgroup).
 // Every route has its own pipeline name; labels carry the int constants (700,1),(701,1),(702,1).
 // The front doors validate, resolve every pipeline, then encode: a failure leaves the encoder
 // untouched (no dispatch, no pending ranges, nothing in an open receipt).
@@ -25,9 +26,9 @@ inline constexpr uint32_t kGgmlQuantizedMatmulSchemaVersion = 1;
 // M at or below which the mat-vec pipeline is used (llama.cpp's ne11_mm_min).
 inline constexpr uint32_t kGgmlMmRoutingThreshold = 8;
 
-// GGML block formats this library knows by name. Only Q4_0 is supported by quantized_matmul_ggml;
-// the others exist so that callers can name them and get "does not support" rather than a parse
-// error. snake_case names ("q4_0") are the JSON values.
+// GGML block formats this library knows by name. Q4_0 and Q8_0 are supported by
+// quantized_matmul_ggml; the others exist so that callers can name them and get "does not support"
+// rather than a parse error. snake_case names ("q4_0") are the JSON values.
 enum class GgmlType : uint8_t {
   Q4_0,
   Q5_0,
@@ -82,6 +83,10 @@ inline constexpr std::string_view kQ4_0MatVecPipeline = "kernel_mul_mv_q4_0_f32"
 inline constexpr std::array<std::string_view, 5> kQ4MatmulPipelineNames = {
     "kernel_mul_mv_q4_0_f32", "kernel_mul_mm_q4_0_f32", "kernel_mul_mm_q4_0_tensor_f32",
     "kernel_mul_mm_q4_0_tensor_v2_f32", "kernel_mul_mm_q4_0_tensor_64x32_f32"};
+// The Q8_0 pipelines: the mat-vec (M <= 8) and the one matrix route (M > 8), which carries the
+// compatibility_simdgroup route's name, geometry and exact numerics for Q8_0 blocks.
+inline constexpr std::array<std::string_view, 2> kQ8MatmulPipelineNames = {
+    "kernel_mul_mv_q8_0_f32", "kernel_mul_mm_q8_0_f32"};
 // The specialisation constants every Q4 pipeline is fetched with: (700, batch=1), (701,1), (702,1).
 inline constexpr std::array<std::pair<uint32_t, int32_t>, 3> kQ4PipelineConstants = {
     std::pair<uint32_t, int32_t>{700, 1}, {701, 1}, {702, 1}};

@@ -1,0 +1,378 @@
+// CPU building blocks of the GGML block-quantised products (Q4_0 and Q8_0): the block formats,
+// the mat-vec and the panel micro-kernels, shared by the dense projection (q4_matmul.cpp) and the
+// expert-ID matmul (quantized_matmul_id.cpp) so that both follow one numerical contract:
+//
+//   1. Weights are dequantised exactly: w = d * (nibble - 8) (Q4_0) or d * q (Q8_0), with d the
+//      block's binary16 scale widened to binary32. An 11-bit significand times an integer of at
+//      most 8 bits fits binary32, so no rounding happens (NaN/inf scales propagate as IEEE says).
+//   2. Eight lane accumulators start at +0.0f. Lane l visits i = l, l + 8, l + 16, ... < K in
+//      increasing order and does acc[l] = fma(w[col, i], x[row, i], acc[l]): one correctly
+//      rounded binary32 fused multiply-add per step. K is a multiple of 32: no padding.
+//   3. The lanes are summed once, in the fixed tree ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))
+//      (simd::reduce_lanes).
+// Whatever the thread count, work split, tile or instruction set, every output gets these bits.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "backend/common/q4_0_block.h"
+#include "simd.h"
+
+#if ROUTEMM_CPU_HAVE_AVX2
+#include <immintrin.h>
+#endif
+
+namespace routemm::cpu::ggml {
+
+using simd::kLanes;
+
+constexpr size_t kQK = 32;                       // values per block (every format here)
+constexpr size_t kLanesPerBlock = kQK / kLanes;  // 4 lane vectors per block
+
+inline uint16_t block_scale_bits(const uint8_t* block) {
+  uint16_t bits;
+  std::memcpy(&bits, block, 2);  // blocks are only 2-byte aligned; GGUF is little endian
+  return bits;
+}
+
+// ---- Block formats ------------------------------------------------------------------------------
+//
+//   kBytes                         bytes per 32-value block
+//   dequant(block, out)            out[0..32) = the block's exact values (portable)
+//   dequant_avx2(block, v)         the same as four 8-lane vectors, v[s] = values 8s .. 8s+7
+
+struct Q4_0Format {
+  static constexpr size_t kBytes = kernels::kQ4_0BlockBytes;
+
+  static void dequant(const uint8_t* block, float* out) {
+    const float d = simd::widen(simd::Half{block_scale_bits(block)});
+    const uint8_t* qs = block + 2;
+    for (size_t j = 0; j < kQK / 2; ++j) {
+      out[j] = d * static_cast<float>(static_cast<int>(qs[j] & 0x0f) - 8);
+      out[j + kQK / 2] = d * static_cast<float>(static_cast<int>(qs[j] >> 4) - 8);
+    }
+  }
+
+#if ROUTEMM_CPU_HAVE_AVX2
+  // Values 0-15 are the low nibbles of bytes 0-15, values 16-31 their high nibbles. d * q - 8d is
+  // exactly d * (q - 8) (the exact value is representable), so the FMA's one rounding is exact.
+  ROUTEMM_CPU_AVX2 static void dequant_avx2(const uint8_t* block, __m256 v[kLanesPerBlock]) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(block)));
+    const __m256 minus_8d = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+    const __m256i first = _mm256_cvtepu8_epi32(bytes);                      // bytes 0..7
+    const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));  // bytes 8..15
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(first, low)), d, minus_8d);
+    v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(second, low)), d, minus_8d);
+    v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), d, minus_8d);
+    v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), d, minus_8d);
+  }
+#endif
+};
+
+struct Q8_0Format {
+  static constexpr size_t kBytes = kernels::kQ8_0BlockBytes;
+
+  static void dequant(const uint8_t* block, float* out) {
+    const float d = simd::widen(simd::Half{block_scale_bits(block)});
+    const uint8_t* qs = block + 2;
+    for (size_t j = 0; j < kQK; ++j) out[j] = d * static_cast<float>(static_cast<int8_t>(qs[j]));
+  }
+
+#if ROUTEMM_CPU_HAVE_AVX2
+  // Value j is the signed byte qs[j] times d (exact).
+  ROUTEMM_CPU_AVX2 static void dequant_avx2(const uint8_t* block, __m256 v[kLanesPerBlock]) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(block)));
+    for (size_t s = 0; s < kLanesPerBlock; ++s) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * s));
+      v[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d);
+    }
+  }
+#endif
+};
+
+// Pointers and extents of one [m, k] x [n, k]^T product. Weight rows are n rows of k / 32 blocks.
+struct Operands {
+  const uint8_t* weight;
+  const float* input;
+  float* output;
+  size_t m, n, k;
+  size_t row_bytes;  // bytes of one weight row
+
+  const uint8_t* weight_row(size_t col) const { return weight + col * row_bytes; }
+  const float* input_row(size_t row) const { return input + row * k; }
+};
+
+// ---- Micro-kernels ------------------------------------------------------------------------------
+//
+// Two implementations of the same primitives, selected once per launch: PortableIsa (plain loops,
+// any target) and Avx2Isa (x86-64 AVX2 + FMA + F16C). Both follow the contract exactly.
+//
+//   dequant_block(block, out)          out[0..32) = the block's exact values
+//   mv_columns<R, C>(ops, col, out)    out rows 0..R, columns col..col+C, over the full K,
+//                                      dequantising each block in registers
+//   mm_tile<R, C>(x, ldx, w, ldw, depth, acc, acc_stride)
+//                                      acc[r][c][lane] += positions [0, depth) (a multiple of 8)
+//                                      for R input rows x C panel columns
+
+// Register tile of the matrix routes: 12 eight-lane accumulators (12 of 16 AVX2 registers).
+constexpr size_t kTileRows = 4;
+constexpr size_t kTileCols = 3;
+
+template <class Format>
+struct PortableIsa {
+  static void dequant_block(const uint8_t* block, float* out) { Format::dequant(block, out); }
+
+  template <size_t R, size_t C>
+  static void mv_columns(const Operands& ops, size_t col, float* const* out_rows) {
+    float acc[R][C][kLanes] = {};
+    float w[kQK];
+    const size_t blocks = ops.k / kQK;
+    for (size_t b = 0; b < blocks; ++b) {
+      for (size_t c = 0; c < C; ++c) {
+        Format::dequant(ops.weight_row(col + c) + b * Format::kBytes, w);
+        for (size_t r = 0; r < R; ++r) {
+          const float* x = ops.input_row(r) + b * kQK;
+          for (size_t s = 0; s < kLanesPerBlock; ++s) {
+            for (size_t l = 0; l < kLanes; ++l) {
+              acc[r][c][l] = std::fma(w[s * kLanes + l], x[s * kLanes + l], acc[r][c][l]);
+            }
+          }
+        }
+      }
+    }
+    for (size_t r = 0; r < R; ++r) {
+      for (size_t c = 0; c < C; ++c) out_rows[r][col + c] = simd::reduce_lanes(acc[r][c]);
+    }
+  }
+
+  template <size_t R, size_t C>
+  static void mm_tile(const float* x, size_t ldx, const float* w, size_t ldw, size_t depth,
+                      float* acc, size_t acc_stride) {
+    for (size_t r = 0; r < R; ++r) {
+      for (size_t c = 0; c < C; ++c) {
+        float a[kLanes];
+        float* dst = acc + r * acc_stride + c * kLanes;
+        std::copy(dst, dst + kLanes, a);
+        for (size_t i = 0; i < depth; i += kLanes) {
+          for (size_t l = 0; l < kLanes; ++l) {
+            a[l] = std::fma(w[c * ldw + i + l], x[r * ldx + i + l], a[l]);
+          }
+        }
+        std::copy(a, a + kLanes, dst);
+      }
+    }
+  }
+};
+
+#if ROUTEMM_CPU_HAVE_AVX2
+template <class Format>
+struct Avx2Isa {
+  ROUTEMM_CPU_AVX2 static void dequant_block(const uint8_t* block, float* out) {
+    __m256 v[kLanesPerBlock];
+    Format::dequant_avx2(block, v);
+    for (size_t s = 0; s < kLanesPerBlock; ++s) _mm256_storeu_ps(out + s * kLanes, v[s]);
+  }
+
+  ROUTEMM_CPU_AVX2 static float reduce(__m256 v) {
+    alignas(32) float lanes[kLanes];
+    _mm256_store_ps(lanes, v);
+    return simd::reduce_lanes(lanes);
+  }
+
+  template <size_t R, size_t C>
+  ROUTEMM_CPU_AVX2 static void mv_columns(const Operands& ops, size_t col, float* const* out_rows) {
+    __m256 acc[R][C];
+#pragma GCC unroll 8
+    for (size_t r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (size_t c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    const uint8_t* rows[C];
+    for (size_t c = 0; c < C; ++c) rows[c] = ops.weight_row(col + c);
+    const size_t blocks = ops.k / kQK;
+    for (size_t b = 0; b < blocks; ++b) {
+#pragma GCC unroll 8
+      for (size_t c = 0; c < C; ++c) {
+        __m256 w[kLanesPerBlock];
+        Format::dequant_avx2(rows[c] + b * Format::kBytes, w);
+#pragma GCC unroll 8
+        for (size_t r = 0; r < R; ++r) {
+          const float* x = ops.input_row(r) + b * kQK;
+#pragma GCC unroll 4
+          for (size_t s = 0; s < kLanesPerBlock; ++s) {
+            acc[r][c] = _mm256_fmadd_ps(w[s], _mm256_loadu_ps(x + s * kLanes), acc[r][c]);
+          }
+        }
+      }
+    }
+    for (size_t r = 0; r < R; ++r) {
+      for (size_t c = 0; c < C; ++c) out_rows[r][col + c] = reduce(acc[r][c]);
+    }
+  }
+
+  template <size_t R, size_t C>
+  ROUTEMM_CPU_AVX2 static void mm_tile(const float* x, size_t ldx, const float* w, size_t ldw,
+                                       size_t depth, float* acc, size_t acc_stride) {
+    __m256 a[R][C];
+#pragma GCC unroll 4
+    for (size_t r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (size_t c = 0; c < C; ++c) a[r][c] = _mm256_loadu_ps(acc + r * acc_stride + c * kLanes);
+    for (size_t i = 0; i < depth; i += kLanes) {
+      __m256 wv[C];
+#pragma GCC unroll 4
+      for (size_t c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * ldw + i);
+#pragma GCC unroll 4
+      for (size_t r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + r * ldx + i);
+#pragma GCC unroll 4
+        for (size_t c = 0; c < C; ++c) a[r][c] = _mm256_fmadd_ps(wv[c], xv, a[r][c]);
+      }
+    }
+#pragma GCC unroll 4
+    for (size_t r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (size_t c = 0; c < C; ++c) _mm256_storeu_ps(acc + r * acc_stride + c * kLanes, a[r][c]);
+  }
+};
+#endif
+
+// ---- Mat-vec ------------------------------------------------------------------------------------
+
+// Output columns per work item: enough to amortise an item, small enough that a 4096-wide decode
+// step still spreads over every thread.
+constexpr size_t kMvChunk = 64;
+// Rows one mat-vec pass computes together (the mat-vec pipeline's M <= 8 regime).
+constexpr size_t kMaxMvRows = 8;
+
+// Columns computed together for R input rows: enough independent accumulator chains (R * C) to
+// hide FMA latency, few enough to stay in registers next to the dequantised block.
+template <size_t R>
+constexpr size_t mv_columns_for_rows() {
+  return R == 1 ? 4 : R == 2 ? 4 : R <= 4 ? 2 : 1;
+}
+
+// Columns [col0, col_end) of ops.m (<= 8) rows.
+template <class Isa, size_t R>
+void mv_range(const Operands& ops, size_t col0, size_t col_end) {
+  constexpr size_t C = mv_columns_for_rows<R>();
+  float* out_rows[R];
+  for (size_t r = 0; r < R; ++r) out_rows[r] = ops.output + r * ops.n;
+  size_t col = col0;
+  for (; col + C <= col_end; col += C) Isa::template mv_columns<R, C>(ops, col, out_rows);
+  for (; col < col_end; ++col) Isa::template mv_columns<R, 1>(ops, col, out_rows);
+}
+
+using MvRange = void (*)(const Operands&, size_t, size_t);
+
+template <class Isa>
+MvRange mv_range_for_rows(size_t rows) {
+  switch (rows) {
+    case 1: return mv_range<Isa, 1>;
+    case 2: return mv_range<Isa, 2>;
+    case 3: return mv_range<Isa, 3>;
+    case 4: return mv_range<Isa, 4>;
+    case 5: return mv_range<Isa, 5>;
+    case 6: return mv_range<Isa, 6>;
+    case 7: return mv_range<Isa, 7>;
+    default: return mv_range<Isa, 8>;
+  }
+}
+
+// The fastest mat-vec implementation of `Format` for `rows` (<= 8) input rows on this CPU.
+template <class Format>
+MvRange mv_range_for(size_t rows) {
+#if ROUTEMM_CPU_HAVE_AVX2
+  if (simd::has_avx2_fma()) return mv_range_for_rows<Avx2Isa<Format>>(rows);
+#endif
+  return mv_range_for_rows<PortableIsa<Format>>(rows);
+}
+
+// ---- Matrix tiles -------------------------------------------------------------------------------
+
+// Inner positions per panel: a 64-column panel is 64 KiB of f32, resident in L2 while the tile's
+// token rows go by, and each micro-kernel call runs 32 FMA steps per accumulator load.
+constexpr size_t kPanelDepth = 256;
+static_assert(kPanelDepth % kQK == 0);
+constexpr size_t kMmOutputTile = 64;  // outputs per matrix tile
+constexpr size_t kPanelCols = (kMmOutputTile + kTileCols - 1) / kTileCols * kTileCols;  // 66
+
+struct MmScratch {
+  std::vector<float> panel, acc;
+};
+inline MmScratch& mm_scratch() {
+  thread_local MmScratch scratch;
+  return scratch;
+}
+
+template <class Isa>
+void mm_tile_rows(size_t rows, const float* x, size_t ldx, const float* w, size_t ldw, size_t depth,
+                  float* acc, size_t acc_stride) {
+  switch (rows) {
+    case 1: Isa::template mm_tile<1, kTileCols>(x, ldx, w, ldw, depth, acc, acc_stride); break;
+    case 2: Isa::template mm_tile<2, kTileCols>(x, ldx, w, ldw, depth, acc, acc_stride); break;
+    case 3: Isa::template mm_tile<3, kTileCols>(x, ldx, w, ldw, depth, acc, acc_stride); break;
+    default: Isa::template mm_tile<4, kTileCols>(x, ldx, w, ldw, depth, acc, acc_stride); break;
+  }
+}
+
+// One matrix tile: input rows [row0, row0 + rows) x outputs [col0, col0 + cols <= 64), written
+// to out_rows[r][col0 + c]. Dequantises a 64 x kPanelDepth weight panel into thread-local
+// scratch and runs the register-blocked micro-kernel over it.
+template <class Isa, class Format>
+void mm_item(const Operands& ops, size_t row0, size_t rows, size_t col0, size_t cols,
+             float* const* out_rows) {
+  MmScratch& s = mm_scratch();
+  const size_t acc_stride = kPanelCols * kLanes;
+  s.panel.resize(kPanelCols * kPanelDepth);
+  s.acc.resize(std::max(s.acc.size(), rows * acc_stride));
+  float* panel = s.panel.data();
+  float* acc = s.acc.data();
+  std::fill(acc, acc + rows * acc_stride, 0.0f);
+  const size_t cols_pad = (cols + kTileCols - 1) / kTileCols * kTileCols;
+
+  for (size_t k0 = 0; k0 < ops.k; k0 += kPanelDepth) {
+    const size_t depth = std::min(kPanelDepth, ops.k - k0);
+    // Dequantise the panel; padded columns are zero weights whose results are never stored.
+    for (size_t c = 0; c < cols; ++c) {
+      const uint8_t* blocks = ops.weight_row(col0 + c) + k0 / kQK * Format::kBytes;
+      for (size_t b = 0; b < depth / kQK; ++b) {
+        Isa::dequant_block(blocks + b * Format::kBytes, panel + c * kPanelDepth + b * kQK);
+      }
+    }
+    for (size_t c = cols; c < cols_pad; ++c) {
+      std::fill(panel + c * kPanelDepth, panel + c * kPanelDepth + depth, 0.0f);
+    }
+    for (size_t c = 0; c < cols_pad; c += kTileCols) {
+      for (size_t r = 0; r < rows; r += kTileRows) {
+        mm_tile_rows<Isa>(std::min(kTileRows, rows - r), ops.input_row(row0 + r) + k0, ops.k,
+                          panel + c * kPanelDepth, kPanelDepth, depth,
+                          acc + r * acc_stride + c * kLanes, acc_stride);
+      }
+    }
+  }
+  for (size_t r = 0; r < rows; ++r) {
+    float* out = out_rows[r] + col0;
+    for (size_t c = 0; c < cols; ++c)
+      out[c] = simd::reduce_lanes(acc + r * acc_stride + c * kLanes);
+  }
+}
+
+using MmItem = void (*)(const Operands&, size_t, size_t, size_t, size_t, float* const*);
+
+// The fastest matrix-tile implementation of `Format` on this CPU.
+template <class Format>
+MmItem mm_item_for() {
+#if ROUTEMM_CPU_HAVE_AVX2
+  if (simd::has_avx2_fma()) return mm_item<Avx2Isa<Format>, Format>;
+#endif
+  return mm_item<PortableIsa<Format>, Format>;
+}
+
+}  // namespace routemm::cpu::ggml

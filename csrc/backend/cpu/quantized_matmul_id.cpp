@@ -1,0 +1,252 @@
+// CPU kernels of the quantised expert-ID matmul: quantized_matmul_id_direct_{q4_0,q8_0}_f32 and
+// quantized_matmul_id_grouped_{q4_0,q8_0}_f32 (the map is dense_matmul_id's).
+//
+// NUMERIC CONTRACT: ggml_block_kernels.h's, the same as quantized_matmul_ggml's CPU pipelines. The
+// direct kernel runs the mat-vec micro-kernel on each routed row's expert; the grouped kernel
+// gathers an expert's routed rows and runs the matrix tile over them. Neither changes the
+// per-element order, so direct == grouped == quantized_matmul_ggml on the expert's matrix, bit for
+// bit. An id >= n_experts yields an all-zero row and no weight address.
+#include "routemm/ops/quantized_matmul_id.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "backend/common/dense_matmul_id_params.h"
+#include "backend/common/launch_args.h"
+#include "ggml_block_kernels.h"
+#include "kernels.h"
+#include "routemm/error.h"
+#include "thread_pool.h"
+
+#ifndef ROUTEMM_CPU_QUANTIZED_MATMUL_ID_SHA256
+#define ROUTEMM_CPU_QUANTIZED_MATMUL_ID_SHA256 "unknown"
+#endif
+
+namespace routemm::cpu {
+namespace {
+
+using ggml::kMmOutputTile;
+using ggml::kMvChunk;
+using ggml::kQK;
+using ggml::Operands;
+using kernels::DenseMatmulIdKernelParams;
+
+[[noreturn]] void launch_error(const KernelLaunch& launch, const std::string& what) {
+  throw Error(launch.label + ": " + what);
+}
+
+// Overflow-checked size arithmetic: the front door validated the shapes; this keeps a corrupt raw
+// launch from turning into an out-of-bounds access.
+size_t checked_mul(size_t a, size_t b) {
+  size_t r;
+  if (__builtin_mul_overflow(a, b, &r)) throw Error("quantized_matmul_id cpu kernel: overflow");
+  return r;
+}
+size_t checked_add(size_t a, size_t b) {
+  size_t r;
+  if (__builtin_add_overflow(a, b, &r)) throw Error("quantized_matmul_id cpu kernel: overflow");
+  return r;
+}
+
+void* arg_data(const KernelLaunch& launch, size_t slot, size_t need, const char* what) {
+  return kernels::launch_arg(launch, slot, what, need).data;
+}
+
+// The launch's params, with the shape checks every kernel needs.
+DenseMatmulIdKernelParams read_params(const KernelLaunch& launch) {
+  const auto p = kernels::launch_params<DenseMatmulIdKernelParams>(launch, 0);
+  if (p.m == 0 || p.n == 0 || p.k == 0 || p.top_k == 0 || p.n_experts == 0 || p.k % kQK != 0) {
+    launch_error(launch, "params have a zero extent or K that is not a multiple of 32");
+  }
+  return p;
+}
+
+// Pointers shared by both kernels; rows are addressed by flat = token * top_k + slot.
+template <class Format>
+struct Job {
+  const uint8_t* weights;
+  const unsigned char* input;
+  float* output;
+  DenseMatmulIdKernelParams p;
+  size_t row_bytes;
+
+  static Job bind(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p, size_t out_slot) {
+    const size_t row_bytes = p.k / kQK * Format::kBytes;
+    const size_t matrix = checked_mul(p.n, row_bytes);
+    const size_t weight_bytes =
+        checked_add(checked_mul(p.n_experts - 1, p.expert_stride_bytes), matrix);
+    const size_t last_input = checked_add(checked_mul(p.m - 1, p.input_token_stride_bytes),
+                                          checked_mul(p.top_k - 1, p.input_slot_stride_bytes));
+    const size_t input_bytes = checked_add(last_input, checked_mul(p.k, sizeof(float)));
+    const size_t rows = checked_mul(p.m, p.top_k);
+    return Job{static_cast<const uint8_t*>(arg_data(launch, 1, weight_bytes, "weights")),
+               static_cast<const unsigned char*>(arg_data(launch, 2, input_bytes, "input")),
+               static_cast<float*>(
+                   arg_data(launch, out_slot, checked_mul(checked_mul(rows, p.n), 4), "output")),
+               p, row_bytes};
+  }
+
+  const float* input_row(size_t flat) const {
+    const size_t token = flat / p.top_k, slot = flat - token * p.top_k;
+    return reinterpret_cast<const float*>(input + token * p.input_token_stride_bytes +
+                                          slot * p.input_slot_stride_bytes);
+  }
+  float* output_row(size_t flat) const { return output + flat * p.n; }
+  // Operands of expert `id` (valid) for `rows` contiguous input rows at `x`.
+  Operands expert(uint32_t id, const float* x, size_t rows, float* out) const {
+    return Operands{
+        weights + size_t{id} * p.expert_stride_bytes, x, out, rows, p.n, p.k, row_bytes};
+  }
+};
+
+// ---- Direct -------------------------------------------------------------------------------------
+
+template <class Format>
+void direct_kernel(const KernelLaunch& launch, void* queue_native) {
+  const DenseMatmulIdKernelParams p = read_params(launch);
+  const Job<Format> job = Job<Format>::bind(launch, p, 4);
+  const size_t rows = size_t{p.m} * p.top_k;
+  const auto* ids =
+      static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(rows, 4), "expert ids"));
+  const size_t chunks = (size_t{p.n} + kMvChunk - 1) / kMvChunk;
+  const ggml::MvRange run = ggml::mv_range_for<Format>(1);
+  // item = flat row * chunks + column chunk.
+  const auto body = [&](size_t begin, size_t end) {
+    for (size_t item = begin; item < end; ++item) {
+      const size_t flat = item / chunks;
+      const size_t col0 = (item - flat * chunks) * kMvChunk;
+      const size_t col_end = std::min<size_t>(p.n, col0 + kMvChunk);
+      float* out = job.output_row(flat);
+      const uint32_t id = ids[flat];
+      if (id >= p.n_experts) {  // invalid id: zero row, no weight address formed
+        std::fill(out + col0, out + col_end, 0.0f);
+        continue;
+      }
+      run(job.expert(id, job.input_row(flat), 1, out), col0, col_end);
+    }
+  };
+  auto* pool = static_cast<ThreadPool*>(queue_native);
+  if (pool == nullptr) {
+    body(0, rows * chunks);
+  } else {
+    pool->parallel_for(rows * chunks, 1, body);
+  }
+}
+
+// ---- Grouped ------------------------------------------------------------------------------------
+
+// Routed rows per work item (one matrix tile covers them x 64 columns).
+constexpr size_t kItemRows = 64;
+
+struct GroupedItem {
+  uint32_t expert;
+  uint32_t row0, rows;  // routed indices [row0, row0 + rows) of the expert's list
+  uint32_t col0;
+};
+
+std::vector<float>& gathered_rows() {
+  thread_local std::vector<float> rows;
+  return rows;
+}
+
+template <class Format>
+void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
+  const DenseMatmulIdKernelParams p = read_params(launch);
+  const Job<Format> job = Job<Format>::bind(launch, p, 5);
+  const size_t rows = size_t{p.m} * p.top_k;
+  const size_t experts = p.n_experts;
+  const auto* counts =
+      static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(experts, 4), "expert counts"));
+  const auto* routed = static_cast<const uint32_t*>(
+      arg_data(launch, 4, checked_mul(checked_mul(experts, p.m), 4), "routed rows"));
+
+  // The scratch comes from the map kernel; check it anyway, since a stale or foreign buffer would
+  // otherwise index out of bounds.
+  std::vector<GroupedItem> items;
+  for (size_t e = 0; e < experts; ++e) {
+    const size_t count = counts[e];
+    if (count > p.m) launch_error(launch, "expert count exceeds m");
+    for (size_t i = 0; i < count; ++i) {
+      if (routed[e * p.m + i] >= rows) launch_error(launch, "routed row out of range");
+    }
+    for (size_t row0 = 0; row0 < count; row0 += kItemRows) {
+      const auto item_rows = static_cast<uint32_t>(std::min(kItemRows, count - row0));
+      for (size_t col0 = 0; col0 < p.n; col0 += kMmOutputTile) {
+        items.push_back({static_cast<uint32_t>(e), static_cast<uint32_t>(row0), item_rows,
+                         static_cast<uint32_t>(col0)});
+      }
+    }
+  }
+  if (items.empty()) return;
+  // Largest items first, handed out one at a time: balances uneven expert counts.
+  std::stable_sort(items.begin(), items.end(),
+                   [](const GroupedItem& a, const GroupedItem& b) { return a.rows > b.rows; });
+
+  const ggml::MmItem run = ggml::mm_item_for<Format>();
+  const auto run_item = [&](const GroupedItem& item) {
+    const uint32_t* flats = routed + size_t{item.expert} * p.m + item.row0;
+    std::vector<float>& x = gathered_rows();
+    x.resize(std::max(x.size(), size_t{item.rows} * p.k));
+    float* out_rows[kItemRows];
+    for (size_t r = 0; r < item.rows; ++r) {
+      std::memcpy(x.data() + r * p.k, job.input_row(flats[r]), size_t{p.k} * sizeof(float));
+      out_rows[r] = job.output_row(flats[r]);
+    }
+    const Operands ops = job.expert(item.expert, x.data(), item.rows, nullptr);
+    run(ops, 0, item.rows, item.col0, std::min<size_t>(kMmOutputTile, p.n - item.col0), out_rows);
+  };
+
+  auto* pool = static_cast<ThreadPool*>(queue_native);
+  if (pool == nullptr || pool->size() == 1) {
+    for (const GroupedItem& item : items) run_item(item);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  pool->parallel_for(pool->size(), 1, [&](size_t, size_t) {
+    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      run_item(items[i]);
+    }
+  });
+}
+
+// ---- Registration -------------------------------------------------------------------------------
+
+KernelDef make_def(std::string_view name, KernelFn fn, uint32_t threads, uint32_t tile_x,
+                   uint32_t tile_y, uint64_t shmem) {
+  KernelDef def;
+  def.name = std::string(name);
+  def.fn = fn;
+  def.max_threads_per_threadgroup = 1024;
+  def.threads_per_group = threads;
+  def.tile_x = tile_x;
+  def.tile_y = tile_y;
+  def.threadgroup_memory_bytes = shmem;
+  def.origin = "builtin_cpu";
+  def.content_sha256 = ROUTEMM_CPU_QUANTIZED_MATMUL_ID_SHA256;
+  return def;
+}
+
+}  // namespace
+
+void add_quantized_matmul_id_kernels(std::vector<KernelDef>& out) {
+  // The geometry of dense_matmul_id's pipelines (the front door sizes grids from it; the CPU
+  // kernels split the work their own way): direct 64 threads, 8 columns x 1 flat row per group;
+  // grouped 256 threads, 8 routed rows x 8 columns x 1 expert, 4096 bytes.
+  using ggml::Q4_0Format;
+  using ggml::Q8_0Format;
+  constexpr auto names = kGgmlQuantizedMatmulIdPipelineNames;
+  static_assert(names[0] == "quantized_matmul_id_direct_q4_0_f32" &&
+                names[1] == "quantized_matmul_id_direct_q8_0_f32" &&
+                names[2] == "quantized_matmul_id_grouped_q4_0_f32" &&
+                names[3] == "quantized_matmul_id_grouped_q8_0_f32");
+  out.push_back(make_def(names[0], direct_kernel<Q4_0Format>, 64, 8, 1, 0));
+  out.push_back(make_def(names[1], direct_kernel<Q8_0Format>, 64, 8, 1, 0));
+  out.push_back(make_def(names[2], grouped_kernel<Q4_0Format>, 256, 8, 8, 4096));
+  out.push_back(make_def(names[3], grouped_kernel<Q8_0Format>, 256, 8, 8, 4096));
+}
+
+}  // namespace routemm::cpu

@@ -1,0 +1,63 @@
+// Device-side GGML block formats (Q4_0, Q8_0) for the exact quantised kernels: value j of a
+// 32-value block, dequantised exactly (an 11-bit scale significand times an integer of at most 8
+// bits fits binary32), read straight from the raw, 2-byte aligned GGUF bytes.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "backend/common/q4_0_block.h"
+
+namespace routemm::cuda::ggml {
+
+__device__ __forceinline__ float block_scale(const uint8_t* block) {
+  return __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t*>(block)));
+}
+
+struct Q4_0Blocks {
+  static constexpr uint32_t kBytes = kernels::kQ4_0BlockBytes;
+  // Value j: the low nibble of qs[j] (j < 16) or the high nibble of qs[j - 16], minus 8.
+  static __device__ __forceinline__ float value(const uint8_t* block, float d, uint32_t j) {
+    const uint8_t byte = block[2 + (j & 15u)];
+    const int q = j < 16 ? (byte & 0x0f) : (byte >> 4);
+    return d * static_cast<float>(q - 8);
+  }
+};
+
+struct Q8_0Blocks {
+  static constexpr uint32_t kBytes = kernels::kQ8_0BlockBytes;
+  static __device__ __forceinline__ float value(const uint8_t* block, float d, uint32_t j) {
+    return d * static_cast<float>(static_cast<int8_t>(block[2 + j]));
+  }
+};
+
+// The CPU oracle's lane contract on eight threads (lane = threadIdx % 8): lane l accumulates
+// positions i = l, l + 8, ... < k with one FMA each, in increasing order, for R input rows;
+// `sum8` then adds the eight lanes in the oracle's fixed tree ((a0+a4)+(a2+a6))+((a1+a5)+(a3+a7)),
+// so every output is bit-identical to the CPU backend's.
+template <class F, int R>
+__device__ __forceinline__ void lane_dot(const uint8_t* __restrict__ row, uint32_t k,
+                                         const float* const (&x)[R], uint32_t lane,
+                                         float (&acc)[R]) {
+  for (uint32_t b = 0; b < k / 32; ++b) {
+    const uint8_t* block = row + size_t{b} * F::kBytes;
+    const float d = block_scale(block);
+#pragma unroll
+    for (uint32_t s = 0; s < 4; ++s) {
+      const uint32_t j = s * 8 + lane;
+      const float w = F::value(block, d, j);
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[r] = __fmaf_rn(w, x[r][b * 32 + j], acc[r]);
+    }
+  }
+}
+
+// Sum over the eight lanes of an aligned group of eight threads; every lane gets the total.
+__device__ __forceinline__ float sum8(float v) {
+  v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 4));
+  v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
+  return __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
+}
+
+}  // namespace routemm::cuda::ggml

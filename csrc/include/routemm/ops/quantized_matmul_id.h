@@ -1,0 +1,106 @@
+// Expert-ID matmul over GGML block-quantised expert stacks (Q4_0, Q8_0): F32 activations,
+// per-token top-k expert IDs, F32 output.
+//
+//   out[flat, col] = sum_inner dequant(W[id[flat]])[col, inner] * x[row(flat), inner]
+//
+// with flat = token * top_k + slot and row(flat) = token (SharedPerToken) or flat (Slotted).
+// Expert e is n rows of k / 32 blocks (18 bytes for Q4_0, 34 for Q8_0), starting e *
+// expert_stride_bytes bytes from the weight view's start (the raw bytes of a GGUF `_exps` tensor
+// with stride n * k / 32 * block_bytes). IDs >= n_experts give an all-zero output row without
+// forming a weight address. The route is explicit:
+//   Direct   one dispatch; IDs may repeat. The decode route, and the flattened "expert-down"
+//            form (m = tokens * top_k, top_k = 1, Slotted input, repeated IDs).
+//   Grouped  dense_matmul_id's map (the same pipeline and DenseMatmulIdScratch) + a grouped
+//            dispatch that reads each expert's blocks once per row tile; IDs must be distinct per
+//            token (the caller's promise, as for dense_matmul_id's grouped_prefill: a repeated ID
+//            leaves the repeating slot's row unwritten), at most 1024 experts.
+// Both routes follow one numerical contract per backend (exact dequantisation, F32 accumulation in
+// a fixed order), so Direct and Grouped are bit-identical on one backend, and equal to
+// quantized_matmul_ggml's mat-vec on the same expert matrix.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+#include "routemm/buffer.h"
+#include "routemm/encoder.h"
+#include "routemm/ops/dense_matmul_id.h"
+#include "routemm/ops/q4_matmul.h"
+#include "routemm/registry.h"
+
+namespace routemm {
+
+inline constexpr uint32_t kGgmlQuantizedMatmulIdSchemaVersion = 1;
+
+// Every pipeline this op owns besides the shared map (kDenseMatmulIdMapPipeline): direct Q4_0,
+// direct Q8_0, grouped Q4_0, grouped Q8_0.
+inline constexpr std::array<std::string_view, 4> kGgmlQuantizedMatmulIdPipelineNames = {
+    "quantized_matmul_id_direct_q4_0_f32",
+    "quantized_matmul_id_direct_q8_0_f32",
+    "quantized_matmul_id_grouped_q4_0_f32",
+    "quantized_matmul_id_grouped_q8_0_f32",
+};
+
+enum class GgmlQuantizedMatmulIdRoute : uint8_t { Direct, Grouped };
+std::string_view to_string(GgmlQuantizedMatmulIdRoute value);
+
+struct GgmlQuantizedMatmulIdParams {
+  uint32_t m = 0;          // tokens (rows of ids)
+  uint32_t n = 0;          // output features per expert (weight rows)
+  uint32_t k = 0;          // input width (weight columns before quantisation), a multiple of 32
+  uint32_t top_k = 0;      // expert slots per token
+  uint32_t n_experts = 0;  // experts in the weight stack
+  GgmlType ggml_type = GgmlType::Q4_0;
+  uint64_t expert_stride_bytes = 0;  // byte distance from expert e to e + 1
+  DenseMatmulIdInputLayout input_layout = DenseMatmulIdInputLayout::SharedPerToken;
+  GgmlQuantizedMatmulIdRoute route = GgmlQuantizedMatmulIdRoute::Direct;
+  bool operator==(const GgmlQuantizedMatmulIdParams&) const = default;
+};
+
+struct GgmlQuantizedMatmulIdCapability {
+  uint32_t schema_version = kGgmlQuantizedMatmulIdSchemaVersion;
+  GgmlType ggml_type = GgmlType::Q4_0;
+  GgmlQuantizedMatmulIdRoute route = GgmlQuantizedMatmulIdRoute::Direct;
+  uint64_t required_weight_bytes = 0;  // (n_experts - 1) * stride + one expert matrix
+  uint64_t required_input_bytes = 0;
+  uint64_t required_ids_bytes = 0;
+  uint64_t required_output_bytes = 0;
+  std::optional<DenseMatmulIdScratchRequirement> scratch;  // Grouped only
+  bool operator==(const GgmlQuantizedMatmulIdCapability&) const = default;
+};
+
+struct GgmlQuantizedMatmulIdDispatchReceipt {
+  GgmlType ggml_type = GgmlType::Q4_0;
+  GgmlQuantizedMatmulIdRoute route = GgmlQuantizedMatmulIdRoute::Direct;
+  uint32_t dispatch_count = 0;  // 1 direct, 2 grouped
+};
+
+// Exact byte extents for one call, with checked arithmetic; no allocation, no compilation. In
+// order (messages prefixed "quantized_matmul_id_ggml "): nonzero dims; supported type (q4_0,
+// q8_0); K % 32; for Grouped, top_k <= n_experts and n_experts <= 1024; stride >= one matrix and
+// even (block scales are 2-byte aligned); weight extent; u32 flattened rows; input/ids/output.
+GgmlQuantizedMatmulIdCapability quantized_matmul_id_ggml_capability(
+    const GgmlQuantizedMatmulIdParams& params);
+
+// Capability plus every per-buffer check: dtypes (weights U8, input/output F32, ids U32), logical
+// extents, alignment (weights 2 bytes, the others their dtype), writable output, no overlap of the
+// output with any input, one device, and for Grouped the scratch's presence and capacity.
+GgmlQuantizedMatmulIdCapability validate_quantized_matmul_id_ggml_call(
+    const Buffer& weights, const Buffer& input, const Buffer& expert_ids, const Buffer& output,
+    const DenseMatmulIdScratch* scratch, const GgmlQuantizedMatmulIdParams& params);
+
+// The pipelines a route encodes, in order: {direct} or {map, grouped}.
+std::vector<std::string_view> quantized_matmul_id_ggml_route_pipelines(
+    GgmlType type, GgmlQuantizedMatmulIdRoute route);
+
+// Validates, resolves every pipeline, then encodes. Any failure happens before the encoder is
+// touched: no barrier, no pending ranges, no dispatch.
+GgmlQuantizedMatmulIdDispatchReceipt quantized_matmul_id_ggml(
+    CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input, const Buffer& weights,
+    const Buffer& expert_ids, const Buffer& output, const DenseMatmulIdScratch* scratch,
+    const GgmlQuantizedMatmulIdParams& params);
+
+}  // namespace routemm

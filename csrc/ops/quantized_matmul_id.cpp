@@ -1,0 +1,211 @@
+// Quantised expert-ID matmul front door: capability, call validation and encoding. Backends supply
+// the four kernels (plus dense_matmul_id's map); every contract lives here.
+#include "routemm/ops/quantized_matmul_id.h"
+
+#include <limits>
+#include <string>
+
+#include "ops/expert_id_encoding.h"
+#include "routemm/error.h"
+
+namespace routemm {
+namespace {
+
+constexpr std::string_view kOp = "quantized_matmul_id_ggml";
+
+[[noreturn]] void fail(const std::string& message) {
+  throw InvalidArgument(std::string(kOp) + " " + message);
+}
+
+uint64_t checked_product(std::string_view label, std::initializer_list<uint64_t> factors) {
+  uint64_t value = 1;
+  for (const uint64_t factor : factors) {
+    if (value != 0 && factor > std::numeric_limits<uint64_t>::max() / value) {
+      fail(std::string(label) + " byte extent overflow");
+    }
+    value *= factor;
+  }
+  return value;
+}
+
+void validate_buffer(std::string_view label, const Buffer& buffer, DType dtype, uint64_t required,
+                     uint64_t alignment) {
+  if (!buffer.valid()) fail(std::string(label) + " is an empty buffer");
+  if (buffer.dtype() != dtype) {
+    fail(std::string(label) + " must be " + std::string(dtype_name(dtype)) + ", got " +
+         std::string(dtype_name(buffer.dtype())));
+  }
+  if (buffer.nbytes() < required) {
+    fail(std::string(label) + " requires " + std::to_string(required) + " logical bytes, got " +
+         std::to_string(buffer.nbytes()));
+  }
+  if (buffer.byte_offset() % alignment != 0) {
+    fail(std::string(label) + " byte offset " + std::to_string(buffer.byte_offset()) +
+         " is not aligned to " + std::to_string(alignment) + " bytes");
+  }
+}
+
+ByteRange required_range(const Buffer& buffer, uint64_t required) {
+  const uint64_t start = buffer.address() + buffer.byte_offset();
+  if (start < buffer.address() || start + required < start) fail("logical buffer range overflow");
+  return {start, start + required};
+}
+
+bool overlaps(ByteRange a, ByteRange b) { return a.start < b.end && b.start < a.end; }
+
+bool is_supported(GgmlType type) { return type == GgmlType::Q4_0 || type == GgmlType::Q8_0; }
+
+// Block scales are binary16 read in place: every block must start on an even byte.
+constexpr uint64_t kBlockAlignment = 2;
+
+}  // namespace
+
+std::string_view to_string(GgmlQuantizedMatmulIdRoute value) {
+  return value == GgmlQuantizedMatmulIdRoute::Direct ? "direct" : "grouped";
+}
+
+GgmlQuantizedMatmulIdCapability quantized_matmul_id_ggml_capability(
+    const GgmlQuantizedMatmulIdParams& p) {
+  if (p.m == 0 || p.n == 0 || p.k == 0 || p.top_k == 0 || p.n_experts == 0) {
+    fail("M, N, K, top_k, and n_experts must be nonzero");
+  }
+  if (!is_supported(p.ggml_type)) {
+    fail("does not support " + std::string(to_string(p.ggml_type)) + " (supported: q4_0, q8_0)");
+  }
+  const auto [qk, block_bytes] = ggml_block_layout(p.ggml_type);
+  if (p.k % qk != 0) {
+    fail("K (" + std::to_string(p.k) + ") must be divisible by block QK (" + std::to_string(qk) +
+         ")");
+  }
+  const bool grouped = p.route == GgmlQuantizedMatmulIdRoute::Grouped;
+  if (grouped && p.top_k > p.n_experts) {
+    fail("distinct top_k " + std::to_string(p.top_k) + " exceeds n_experts " +
+         std::to_string(p.n_experts));
+  }
+  if (grouped && p.n_experts > kDenseMatmulIdGroupedMaxExperts) {
+    fail("grouped route supports at most " + std::to_string(kDenseMatmulIdGroupedMaxExperts) +
+         " experts");
+  }
+  const uint64_t matrix_bytes = checked_product("expert matrix", {p.n, p.k / qk, block_bytes});
+  if (p.expert_stride_bytes < matrix_bytes) {
+    fail("expert stride " + std::to_string(p.expert_stride_bytes) + " is smaller than one " +
+         std::to_string(matrix_bytes) + "-byte matrix");
+  }
+  if (p.expert_stride_bytes % kBlockAlignment != 0) {
+    fail("expert stride " + std::to_string(p.expert_stride_bytes) +
+         " is not aligned to the 2-byte block scale");
+  }
+  const uint64_t experts_before_last = p.n_experts - 1ull;
+  if (experts_before_last != 0 &&
+      p.expert_stride_bytes > std::numeric_limits<uint64_t>::max() / experts_before_last) {
+    fail("expert weight offset overflow");
+  }
+  const uint64_t last_offset = experts_before_last * p.expert_stride_bytes;
+  if (last_offset + matrix_bytes < last_offset) fail("weight extent overflow");
+
+  const uint64_t total_rows = uint64_t{p.m} * p.top_k;
+  if (total_rows > std::numeric_limits<uint32_t>::max()) {
+    fail("flattened routed rows exceed the u32 kernel ABI");
+  }
+  const uint64_t input_rows =
+      p.input_layout == DenseMatmulIdInputLayout::SharedPerToken ? uint64_t{p.m} : total_rows;
+
+  GgmlQuantizedMatmulIdCapability cap;
+  cap.ggml_type = p.ggml_type;
+  cap.route = p.route;
+  cap.required_weight_bytes = last_offset + matrix_bytes;
+  cap.required_input_bytes = checked_product("input", {input_rows, p.k, 4});
+  cap.required_ids_bytes = checked_product("expert IDs", {total_rows, 4});
+  cap.required_output_bytes = checked_product("output", {total_rows, p.n, 4});
+  if (grouped) {
+    cap.scratch = DenseMatmulIdScratchRequirement{
+        checked_product("scratch expert counts", {p.n_experts, 4}),
+        checked_product("scratch routed rows", {p.n_experts, p.m, 4})};
+  }
+  return cap;
+}
+
+GgmlQuantizedMatmulIdCapability validate_quantized_matmul_id_ggml_call(
+    const Buffer& weights, const Buffer& input, const Buffer& expert_ids, const Buffer& output,
+    const DenseMatmulIdScratch* scratch, const GgmlQuantizedMatmulIdParams& params) {
+  const GgmlQuantizedMatmulIdCapability cap = quantized_matmul_id_ggml_capability(params);
+  validate_buffer("weights", weights, DType::U8, cap.required_weight_bytes, kBlockAlignment);
+  validate_buffer("input", input, DType::F32, cap.required_input_bytes, 4);
+  validate_buffer("expert IDs", expert_ids, DType::U32, cap.required_ids_bytes, 4);
+  validate_buffer("output", output, DType::F32, cap.required_output_bytes, 4);
+  if (!output.writable()) fail("output is read-only");
+
+  const ByteRange out_range = required_range(output, cap.required_output_bytes);
+  const std::pair<std::string_view, ByteRange> reads[] = {
+      {"weights", required_range(weights, cap.required_weight_bytes)},
+      {"input", required_range(input, cap.required_input_bytes)},
+      {"expert IDs", required_range(expert_ids, cap.required_ids_bytes)},
+  };
+  for (const auto& [label, range] : reads) {
+    if (overlaps(out_range, range)) fail("output must not overlap " + std::string(label));
+  }
+
+  const auto& backend = weights.backend();
+  for (const Buffer* buffer : {&input, &expert_ids, &output}) {
+    if (buffer->backend() != backend) fail("buffers must all live on one device");
+  }
+  if (cap.scratch) {
+    if (scratch == nullptr) fail("grouped route requires caller-owned scratch");
+    if (scratch->max_experts() < params.n_experts || scratch->max_tokens() < params.m) {
+      fail("scratch capacity experts/tokens=" + std::to_string(scratch->max_experts()) + "/" +
+           std::to_string(scratch->max_tokens()) + " is smaller than " +
+           std::to_string(params.n_experts) + "/" + std::to_string(params.m));
+    }
+    validate_buffer("scratch expert counts", scratch->expert_counts(), DType::U32,
+                    cap.scratch->expert_counts_bytes, 4);
+    validate_buffer("scratch routed rows", scratch->routed_rows(), DType::U32,
+                    cap.scratch->routed_rows_bytes, 4);
+    if (scratch->expert_counts().backend() != backend) {
+      fail("scratch must live on the device of the other buffers");
+    }
+    // The map writes the scratch and the output in one dispatch: they must not share bytes.
+    for (const Buffer* buffer : {&scratch->expert_counts(), &scratch->routed_rows()}) {
+      if (overlaps(out_range, required_range(*buffer, buffer->nbytes()))) {
+        fail("output must not overlap the scratch");
+      }
+    }
+  }
+  return cap;
+}
+
+std::vector<std::string_view> quantized_matmul_id_ggml_route_pipelines(
+    GgmlType type, GgmlQuantizedMatmulIdRoute route) {
+  if (!is_supported(type)) {
+    fail("does not support " + std::string(to_string(type)) + " (supported: q4_0, q8_0)");
+  }
+  const size_t index = type == GgmlType::Q4_0 ? 0 : 1;
+  if (route == GgmlQuantizedMatmulIdRoute::Direct) {
+    return {kGgmlQuantizedMatmulIdPipelineNames[index]};
+  }
+  return {kDenseMatmulIdMapPipeline, kGgmlQuantizedMatmulIdPipelineNames[2 + index]};
+}
+
+GgmlQuantizedMatmulIdDispatchReceipt quantized_matmul_id_ggml(
+    CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input, const Buffer& weights,
+    const Buffer& expert_ids, const Buffer& output, const DenseMatmulIdScratch* scratch,
+    const GgmlQuantizedMatmulIdParams& params) {
+  const GgmlQuantizedMatmulIdCapability cap =
+      validate_quantized_matmul_id_ggml_call(weights, input, expert_ids, output, scratch, params);
+  const bool grouped = cap.route == GgmlQuantizedMatmulIdRoute::Grouped;
+  const uint32_t dispatches = grouped ? 2 : 1;
+  expert_id::check_encoder(kOp, to_string(cap.route), encoder, registry, weights, dispatches);
+  const kernels::DenseMatmulIdKernelParams gpu =
+      expert_id::kernel_params(kOp, params.m, params.n, params.k, params.top_k, params.n_experts,
+                               params.expert_stride_bytes, params.input_layout);
+  const std::vector<std::string_view> names =
+      quantized_matmul_id_ggml_route_pipelines(params.ggml_type, params.route);
+  const expert_id::Buffers buffers{weights, input, expert_ids, output};
+  if (grouped) {
+    expert_id::encode_grouped(kOp, encoder, registry, names[1], gpu, buffers, *scratch);
+  } else {
+    expert_id::encode_direct(encoder, registry, names[0], gpu, buffers);
+  }
+  return {params.ggml_type, cap.route, dispatches};
+}
+
+}  // namespace routemm

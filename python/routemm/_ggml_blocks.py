@@ -1,0 +1,51 @@
+"""Shared shape handling of the GGML block formats (q4_0, q8_0): N-dimensional arrays are
+quantised along their last axis, [..., k] float -> [..., k // 32 * block_bytes] uint8."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _core
+from ._errors import InvalidArgumentError
+
+
+class BlockFormat:
+    """One block format: its name, 32 values per block, its block bytes and the core's codec."""
+
+    def __init__(self, name: str, block_values: int, block_bytes: int):
+        self.name = name
+        self.block_values = block_values
+        self.block_bytes = block_bytes
+        self._quantize = getattr(_core, f"_{name}_quantize")
+        self._dequantize = getattr(_core, f"_{name}_dequantize")
+
+    def quantized_shape(self, shape) -> tuple[int, ...]:
+        shape = tuple(int(d) for d in shape)
+        if not shape or shape[-1] % self.block_values != 0:
+            raise InvalidArgumentError(
+                f"{self.name}: the last dimension must be a multiple of {self.block_values}, got shape {shape}"
+            )
+        return (*shape[:-1], shape[-1] // self.block_values * self.block_bytes)
+
+    def quantize(self, array) -> np.ndarray:
+        values = np.asarray(array, dtype=np.float32)
+        out_shape = self.quantized_shape(values.shape)
+        flat = np.ascontiguousarray(values).reshape(-1)
+        return self._quantize(flat).reshape(out_shape)
+
+    def dequantize(self, blocks, shape=None) -> np.ndarray:
+        data = np.asarray(blocks)
+        if data.dtype != np.uint8:
+            raise InvalidArgumentError(f"{self.name} dequantize: blocks must be uint8, got {data.dtype}")
+        if shape is None:
+            if data.ndim == 0 or data.shape[-1] % self.block_bytes != 0:
+                raise InvalidArgumentError(
+                    f"{self.name} dequantize: the last dimension must be a multiple of {self.block_bytes} bytes, "
+                    f"got shape {data.shape}"
+                )
+            shape = (*data.shape[:-1], data.shape[-1] // self.block_bytes * self.block_values)
+        shape = tuple(int(d) for d in shape)
+        expected = int(np.prod(self.quantized_shape(shape), dtype=np.int64))
+        if data.size != expected:
+            raise InvalidArgumentError(f"{self.name} dequantize: shape {shape} needs {expected} bytes, got {data.size}")
+        return self._dequantize(np.ascontiguousarray(data).reshape(-1)).reshape(shape)

@@ -1,0 +1,315 @@
+"""Expert-ID matmul over GGML block-quantised expert stacks (Q4_0, Q8_0).
+
+    out[t*top_k + s, :] = dequantize(W[ids[t, s]]) @ x[row]    (row = t, or t*top_k + s when slotted)
+
+The weights are the raw bytes of a GGUF expert tensor: expert e is n rows of k / 32 blocks (18
+bytes each for Q4_0, 34 for Q8_0) starting e * expert_stride_bytes bytes into the U8 weight
+buffer. Activations and output are F32, IDs U32; an ID >= n_experts gives an all-zero output row
+and reads no weight.
+
+Routes are explicit: ``direct`` (one dispatch, IDs may repeat: decode, and the flattened
+"expert-down" form with m = tokens * top_k, top_k = 1 and a slotted input) and ``grouped`` (the
+map dispatch and caller-owned DenseMatmulIdScratch of dense_matmul_id's grouped_prefill, then a
+grouped dispatch; IDs distinct per token). Both routes share one numerical contract on a backend:
+exact dequantisation and F32 accumulation in a fixed order, so they agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import numpy as np
+
+from . import _core
+from ._errors import InvalidArgumentError
+from ._json import JsonRecord
+from .dense_matmul_id import DenseMatmulIdInputLayout, DenseMatmulIdScratchRequirement
+from .quantized_matmul import GgmlType
+
+SCHEMA_VERSION: int = _core.GGML_QUANTIZED_MATMUL_ID_SCHEMA_VERSION
+PIPELINE_NAMES: tuple[str, ...] = _core.GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES
+SUPPORTED_TYPES: tuple[GgmlType, ...] = (GgmlType.Q4_0, GgmlType.Q8_0)
+
+
+class GgmlQuantizedMatmulIdRoute(enum.Enum):
+    DIRECT = "direct"  # one dispatch; IDs may repeat
+    GROUPED = "grouped"  # dense_matmul_id's map + a grouped dispatch; distinct IDs, caller scratch
+
+    @property
+    def is_grouped(self) -> bool:
+        return self is GgmlQuantizedMatmulIdRoute.GROUPED
+
+    def pipelines(self, ggml_type: GgmlType) -> tuple[str, ...]:
+        """The pipelines this route encodes for `ggml_type`, in dispatch order."""
+        return tuple(_core._quantized_matmul_id_ggml_route_pipelines(GgmlType(ggml_type).value, self.value))
+
+
+_U32_FIELDS = ("m", "n", "k", "top_k", "n_experts")
+
+
+@dataclasses.dataclass(frozen=True)
+class GgmlQuantizedMatmulIdParams(JsonRecord):
+    """Dimensions, block type, expert stride, input layout and the explicit route of one call.
+
+    m = tokens (rows of ids), n = output features per expert, k = input width (a multiple of 32),
+    expert_stride_bytes = bytes from one expert's first block to the next's (n * k / 32 *
+    block_bytes for a packed GGUF tensor).
+    """
+
+    SCHEMA = "ggml_quantized_matmul_id_params.schema.json"
+    m: int
+    n: int
+    k: int
+    top_k: int
+    n_experts: int
+    ggml_type: GgmlType
+    expert_stride_bytes: int
+    input_layout: DenseMatmulIdInputLayout = DenseMatmulIdInputLayout.SHARED_PER_TOKEN
+    route: GgmlQuantizedMatmulIdRoute = GgmlQuantizedMatmulIdRoute.DIRECT
+    schema_version: int = SCHEMA_VERSION
+
+    @functools.cached_property
+    def _native_params(self) -> _core._GgmlQuantizedMatmulIdParams:
+        """The native params, built once per (immutable) instance."""
+        for name in _U32_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= 0xFFFFFFFF:
+                raise InvalidArgumentError(f"quantized_matmul_id_ggml {name} must be a u32, got {value!r}")
+        stride = self.expert_stride_bytes
+        if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or not 0 <= stride < 2**64:
+            raise InvalidArgumentError(f"quantized_matmul_id_ggml expert_stride_bytes must be a u64, got {stride!r}")
+        try:
+            ggml_type = GgmlType(self.ggml_type)
+            layout = DenseMatmulIdInputLayout(self.input_layout)
+            route = GgmlQuantizedMatmulIdRoute(self.route)
+        except ValueError as error:
+            raise InvalidArgumentError(f"quantized_matmul_id_ggml {error}") from None
+        return _core._GgmlQuantizedMatmulIdParams(
+            int(self.m),
+            int(self.n),
+            int(self.k),
+            int(self.top_k),
+            int(self.n_experts),
+            ggml_type.value,
+            int(stride),
+            layout.value,
+            route.value,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class GgmlQuantizedMatmulIdCapability(JsonRecord):
+    """Exact byte extents of one call (and the grouped route's scratch requirement)."""
+
+    SCHEMA = "ggml_quantized_matmul_id_capability.schema.json"
+    ggml_type: GgmlType
+    route: GgmlQuantizedMatmulIdRoute
+    required_weight_bytes: int
+    required_input_bytes: int
+    required_ids_bytes: int
+    required_output_bytes: int
+    scratch: DenseMatmulIdScratchRequirement | None
+    schema_version: int = SCHEMA_VERSION
+
+
+@dataclasses.dataclass(frozen=True)
+class GgmlQuantizedMatmulIdDispatchReceipt(JsonRecord):
+    """What one call encoded: block type, route and number of dispatches (1 direct, 2 grouped)."""
+
+    SCHEMA = "ggml_quantized_matmul_id_dispatch_receipt.schema.json"
+    ggml_type: GgmlType
+    route: GgmlQuantizedMatmulIdRoute
+    dispatch_count: int
+    schema_version: int = SCHEMA_VERSION
+
+
+def quantized_matmul_id_ggml_capability(params: GgmlQuantizedMatmulIdParams) -> GgmlQuantizedMatmulIdCapability:
+    """Exact byte extents for `params`; raises InvalidArgumentError. Checked arithmetic, no
+    allocation and no pipeline compilation."""
+    return GgmlQuantizedMatmulIdCapability.from_dict(_core._quantized_matmul_id_ggml_capability(params._native_params))
+
+
+_RECEIPTS: dict[tuple[str, str, int], GgmlQuantizedMatmulIdDispatchReceipt] = {}
+
+
+def quantized_matmul_id_ggml(
+    encoder, registry, input, weights, ids, output, scratch, params: GgmlQuantizedMatmulIdParams
+) -> GgmlQuantizedMatmulIdDispatchReceipt:
+    """Encode one quantised expert-ID matmul into `encoder` (run it with commit_and_wait()).
+
+    input: F32 [m, k] (shared) or [m * top_k, k] (slotted); weights: U8 expert stack; ids: U32
+    [m, top_k]; output: F32 [m * top_k, n]; scratch: a DenseMatmulIdScratch for the grouped route,
+    None for direct. Every validation happens before anything is encoded; on error the encoder is
+    untouched.
+    """
+    if not isinstance(params, GgmlQuantizedMatmulIdParams):
+        raise InvalidArgumentError(
+            f"quantized_matmul_id_ggml params must be a GgmlQuantizedMatmulIdParams, got {type(params).__name__}"
+        )
+    native = _core._quantized_matmul_id_ggml(
+        encoder, registry, input, weights, ids, output, scratch, params._native_params
+    )
+    receipt = _RECEIPTS.get(native)
+    if receipt is None:
+        ggml_type, route, count = native
+        receipt = _RECEIPTS.setdefault(
+            native, GgmlQuantizedMatmulIdDispatchReceipt(GgmlType(ggml_type), GgmlQuantizedMatmulIdRoute(route), count)
+        )
+    return receipt
+
+
+# ---- High level (routemm.matmul_id(..., ggml_type=...)) -----------------------------------------
+
+# m above which the automatic choice prefers the grouped route when IDs are distinct per token.
+AUTO_GROUPED_MIN_TOKENS = 9
+
+
+def _element_width(w_shape, ggml_type: GgmlType) -> int:
+    """k of a [E, n, k / 32 * block_bytes] uint8 block stack."""
+    values, block_bytes = ggml_type.block_layout
+    if len(w_shape) != 3 or int(w_shape[2]) % block_bytes != 0:
+        raise InvalidArgumentError(
+            f"matmul_id {ggml_type.value} weights must be uint8 [n_experts, n, k / {values} * {block_bytes}], "
+            f"got shape {tuple(w_shape)}"
+        )
+    return int(w_shape[2]) // block_bytes * values
+
+
+def _quantized_route(route, distinct: bool, m: int) -> GgmlQuantizedMatmulIdRoute:
+    if route is None:
+        return (
+            GgmlQuantizedMatmulIdRoute.GROUPED
+            if distinct and m >= AUTO_GROUPED_MIN_TOKENS
+            else GgmlQuantizedMatmulIdRoute.DIRECT
+        )
+    try:
+        return GgmlQuantizedMatmulIdRoute(route if not isinstance(route, enum.Enum) else route.value)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"matmul_id with ggml_type takes route 'direct' or 'grouped' (GgmlQuantizedMatmulIdRoute), got {route!r}"
+        ) from None
+
+
+def matmul_id_quantized(weights, x, ids, ggml_type, route, out, device, check_shapes, registry_for):
+    """routemm.matmul_id for a uint8 block stack (see dense_matmul_id.matmul_id)."""
+    from .dense_matmul_id import ids_distinct_per_token
+
+    ggml_type = GgmlType(ggml_type)
+    if ggml_type not in SUPPORTED_TYPES:
+        raise InvalidArgumentError(f"matmul_id does not support {ggml_type.value} weights (supported: q4_0, q8_0)")
+    framework = type(x).__module__.split(".")[0]
+    if framework in ("torch", "cupy"):
+        return _matmul_id_quantized_tensors(
+            framework, weights, x, ids, ggml_type, route, out, check_shapes, registry_for
+        )
+    weights, x, ids = np.asarray(weights), np.asarray(x), np.asarray(ids)
+    if weights.dtype != np.uint8:
+        raise InvalidArgumentError(f"matmul_id {ggml_type.value} weights must be uint8 blocks, got {weights.dtype}")
+    k = _element_width(weights.shape, ggml_type)
+    m, top_k, n_experts, n, _, layout = check_shapes((*weights.shape[:2], k), x.shape, ids.shape)
+    if x.dtype != np.float32:
+        raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InvalidArgumentError(f"matmul_id ids must be integers, got {ids.dtype}")
+    ids64 = ids.astype(np.int64, copy=False)
+    ids_u32 = np.where((ids64 >= 0) & (ids64 < n_experts), ids64, 0xFFFFFFFF).astype(np.uint32)
+    distinct = ids_distinct_per_token(ids64, n_experts)
+    route = _quantized_route(route, distinct, m)
+    if route.is_grouped and not distinct:
+        raise InvalidArgumentError("matmul_id grouped route needs ids distinct per token")
+    if out is not None and not (
+        isinstance(out, np.ndarray)
+        and out.dtype == np.float32
+        and out.shape == (m * top_k, n)
+        and out.flags.c_contiguous
+        and out.flags.writeable
+    ):
+        raise InvalidArgumentError(
+            f"matmul_id out must be a writable C-contiguous float32 array of shape {(m * top_k, n)}"
+        )
+    params = _quantized_params(m, n, k, top_k, n_experts, ggml_type, weights.shape[1] * weights.shape[2], layout, route)
+    quantized_matmul_id_ggml_capability(params)  # fail before allocating anything
+    from ._core_api import DType
+
+    out_buf = device.alloc(m * top_k * n * 4, DType.F32, [m * top_k, n])
+    w_buf = device.from_numpy(np.ascontiguousarray(weights))
+    _run_quantized(
+        device,
+        registry_for(device),
+        params,
+        w_buf,
+        device.from_numpy(np.ascontiguousarray(x)),
+        device.from_numpy(ids_u32),
+        out_buf,
+    )
+    result = out_buf.numpy()
+    if out is not None:
+        out[...] = result
+        return out
+    return result
+
+
+def _quantized_params(m, n, k, top_k, n_experts, ggml_type, stride, layout, route) -> GgmlQuantizedMatmulIdParams:
+    return GgmlQuantizedMatmulIdParams(
+        m=m,
+        n=n,
+        k=k,
+        top_k=top_k,
+        n_experts=n_experts,
+        ggml_type=ggml_type,
+        expert_stride_bytes=int(stride),
+        input_layout=layout,
+        route=route,
+    )
+
+
+def _run_quantized(device, registry, params, w_buf, x_buf, id_buf, out_buf) -> None:
+    scratch = _core.DenseMatmulIdScratch(device, params.n_experts, params.m) if params.route.is_grouped else None
+    encoder = device.command_encoder()
+    quantized_matmul_id_ggml(encoder, registry, x_buf, w_buf, id_buf, out_buf, scratch, params)
+    encoder.commit_and_wait()
+
+
+def _matmul_id_quantized_tensors(framework, weights, x, ids, ggml_type, route, out, check_shapes, registry_for):
+    """The DLPack path: PyTorch / CuPy tensors used in place on their device."""
+    from ._core_api import DType
+    from ._interop import from_dlpack
+
+    if framework == "torch":
+        import torch as xp
+    else:
+        import cupy as xp
+    k = _element_width(weights.shape, ggml_type)
+    m, top_k, n_experts, n, _, layout = check_shapes((*weights.shape[:2], k), x.shape, ids.shape)
+    if weights.dtype != xp.uint8:
+        raise InvalidArgumentError(f"matmul_id {ggml_type.value} weights must be uint8 blocks, got {weights.dtype}")
+    if x.dtype != xp.float32:
+        raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
+    valid = (ids >= 0) & (ids < n_experts)
+    masked = xp.where(valid, ids, xp.full_like(ids, -1))
+    ids32 = masked.astype(xp.int32) if framework == "cupy" else masked.to(xp.int32).contiguous()
+    slots = xp.arange(top_k, device=ids.device) if framework == "torch" else xp.arange(top_k)
+    keyed = xp.where(valid, ids, -1 - slots)
+    s = xp.sort(keyed, axis=1) if framework == "cupy" else xp.sort(keyed, dim=1).values
+    distinct = top_k <= 1 or not bool((s[:, 1:] == s[:, :-1]).any())
+    route = _quantized_route(route, distinct, m)
+    if route.is_grouped and not distinct:
+        raise InvalidArgumentError("matmul_id grouped route needs ids distinct per token")
+    w_buf, x_buf = from_dlpack(weights), from_dlpack(x)
+    device = x_buf.device
+    id_i32 = from_dlpack(ids32)
+    id_buf = id_i32.view(0, id_i32.nbytes, DType.U32, [m, top_k])
+    if out is None:
+        out = (
+            xp.empty((m * top_k, n), dtype=xp.float32, device=x.device)
+            if framework == "torch"
+            else xp.empty((m * top_k, n), dtype=xp.float32)
+        )
+    out_buf = from_dlpack(out)
+    if tuple(out_buf.shape) != (m * top_k, n) or out_buf.dtype != DType.F32:
+        raise InvalidArgumentError(f"matmul_id out must be float32 of shape {(m * top_k, n)}")
+    params = _quantized_params(m, n, k, top_k, n_experts, ggml_type, weights.shape[1] * weights.shape[2], layout, route)
+    _run_quantized(device, registry_for(device), params, w_buf, x_buf, id_buf, out_buf)
+    return out

@@ -1,0 +1,115 @@
+// Quantised expert-ID matmul: params by field, enums by their snake_case values, results as dicts
+// (capability) or tuples (receipt) that the Python dataclasses are built from.
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "routemm/error.h"
+#include "routemm/ops/quantized_matmul_id.h"
+
+namespace routemm::python {
+namespace {
+
+template <class Enum, size_t N>
+Enum parse(const std::string& text, const std::array<Enum, N>& values, const char* what) {
+  for (Enum v : values) {
+    if (to_string(v) == text) return v;
+  }
+  throw InvalidArgument(std::string("quantized_matmul_id_ggml unknown ") + what + " '" + text +
+                        "'");
+}
+
+GgmlQuantizedMatmulIdParams make_params(uint32_t m, uint32_t n, uint32_t k, uint32_t top_k,
+                                        uint32_t n_experts, const std::string& ggml_type,
+                                        uint64_t expert_stride_bytes,
+                                        const std::string& input_layout, const std::string& route) {
+  GgmlQuantizedMatmulIdParams p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.top_k = top_k;
+  p.n_experts = n_experts;
+  p.ggml_type = parse(ggml_type, kAllGgmlTypes, "GGML type");
+  p.expert_stride_bytes = expert_stride_bytes;
+  p.input_layout =
+      parse(input_layout,
+            std::array{DenseMatmulIdInputLayout::SharedPerToken, DenseMatmulIdInputLayout::Slotted},
+            "input layout");
+  p.route = parse(
+      route, std::array{GgmlQuantizedMatmulIdRoute::Direct, GgmlQuantizedMatmulIdRoute::Grouped},
+      "route");
+  return p;
+}
+
+py::dict capability_dict(const GgmlQuantizedMatmulIdCapability& c) {
+  py::dict out;
+  out["schema_version"] = c.schema_version;
+  out["ggml_type"] = std::string(to_string(c.ggml_type));
+  out["route"] = std::string(to_string(c.route));
+  out["required_weight_bytes"] = c.required_weight_bytes;
+  out["required_input_bytes"] = c.required_input_bytes;
+  out["required_ids_bytes"] = c.required_ids_bytes;
+  out["required_output_bytes"] = c.required_output_bytes;
+  if (c.scratch) {
+    py::dict s;
+    s["expert_counts_bytes"] = c.scratch->expert_counts_bytes;
+    s["routed_rows_bytes"] = c.scratch->routed_rows_bytes;
+    out["scratch"] = s;
+  } else {
+    out["scratch"] = py::none();
+  }
+  return out;
+}
+
+}  // namespace
+
+void init_quantized_matmul_id(py::module_& m) {
+  py::class_<GgmlQuantizedMatmulIdParams>(m, "_GgmlQuantizedMatmulIdParams")
+      .def(py::init(&make_params), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("top_k"),
+           py::arg("n_experts"), py::arg("ggml_type"), py::arg("expert_stride_bytes"),
+           py::arg("input_layout"), py::arg("route"));
+
+  m.attr("GGML_QUANTIZED_MATMUL_ID_SCHEMA_VERSION") = kGgmlQuantizedMatmulIdSchemaVersion;
+  py::list names;
+  for (auto name : kGgmlQuantizedMatmulIdPipelineNames) names.append(std::string(name));
+  m.attr("GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES") = py::tuple(names);
+
+  m.def("_quantized_matmul_id_ggml_capability", [](const GgmlQuantizedMatmulIdParams& p) {
+    return capability_dict(quantized_matmul_id_ggml_capability(p));
+  });
+  m.def("_quantized_matmul_id_ggml_route_pipelines",
+        [](const std::string& type, const std::string& route) {
+          std::vector<std::string> out;
+          for (auto name : quantized_matmul_id_ggml_route_pipelines(
+                   parse(type, kAllGgmlTypes, "GGML type"),
+                   parse(route,
+                         std::array{GgmlQuantizedMatmulIdRoute::Direct,
+                                    GgmlQuantizedMatmulIdRoute::Grouped},
+                         "route"))) {
+            out.emplace_back(name);
+          }
+          return out;
+        });
+  m.def(
+      "_quantized_matmul_id_ggml",
+      [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,
+         const Buffer& weights, const Buffer& ids, const Buffer& output, const py::object& scratch,
+         const GgmlQuantizedMatmulIdParams& p) {
+        const DenseMatmulIdScratch* scratch_ptr = nullptr;
+        if (!scratch.is_none()) {
+          if (!py::isinstance<DenseMatmulIdScratch>(scratch)) {
+            throw py::type_error(
+                "quantized_matmul_id_ggml: scratch must be a DenseMatmulIdScratch or None, not " +
+                std::string(py::str(py::type::of(scratch).attr("__name__"))));
+          }
+          scratch_ptr = scratch.cast<const DenseMatmulIdScratch*>();
+        }
+        const auto r = quantized_matmul_id_ggml(encoder, registry, input, weights, ids, output,
+                                                scratch_ptr, p);
+        return py::make_tuple(std::string(to_string(r.ggml_type)), std::string(to_string(r.route)),
+                              r.dispatch_count);
+      },
+      py::arg("encoder"), py::arg("registry"), py::arg("input"), py::arg("weights"),
+      py::arg("expert_ids"), py::arg("output"), py::arg("scratch"), py::arg("params"));
+}
+
+}  // namespace routemm::python
