@@ -2,8 +2,8 @@
 
 GGUF (version 2 and 3, little endian): a header, key/value metadata, tensor infos (name, dims
 innermost first, GGML type, offset), then the tensor data section aligned to `general.alignment`
-(default 32). Supported tensor types: Q4_0 (a U8 buffer of the raw blocks, shaped
-[*outer, inner / 32 * 18]), F32, F16 and BF16 (buffers of that dtype, row-major shape). On the CPU
+(default 32). Supported tensor types: Q4_0 and Q8_0 (U8 buffers of the raw blocks, shaped
+[*outer, inner / 32 * 18] and [*outer, inner / 32 * 34]), F32, F16 and BF16 (buffers of that dtype, row-major shape). On the CPU
 backend the buffer is a read-only view of a memory map of the file (zero copy; the map lives as
 long as the buffer); other backends get a copy of the bytes.
 
@@ -32,6 +32,7 @@ _TENSOR_TYPES = {
     0: ("f32", DType.F32, 1, 4),
     1: ("f16", DType.F16, 1, 2),
     2: ("q4_0", DType.U8, 32, 18),
+    8: ("q8_0", DType.U8, 32, 34),
     30: ("bf16", DType.BF16, 1, 2),
 }
 
@@ -105,7 +106,7 @@ def gguf_tensor(path, name: str, device: Optional[_core.Device] = None) -> _core
     dims, type_id, offset = infos[name]
     if type_id not in _TENSOR_TYPES:
         raise InvalidArgumentError(
-            f"gguf_tensor: tensor {name!r} has GGML type {type_id}; supported: q4_0, f32, f16, bf16"
+            f"gguf_tensor: tensor {name!r} has GGML type {type_id}; supported: q4_0, q8_0, f32, f16, bf16"
         )
     type_name, dtype, block_values, block_bytes = _TENSOR_TYPES[type_id]
     shape = [int(d) for d in reversed(dims)] or [1]

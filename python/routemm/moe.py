@@ -40,6 +40,13 @@ from .dense_matmul_id import (
     dense_matmul_id,
     ids_distinct_per_token,
 )
+from .quantized_matmul import GgmlType
+from .quantized_matmul_id import SUPPORTED_TYPES as QUANTIZED_EXPERT_TYPES
+from .quantized_matmul_id import (
+    GgmlQuantizedMatmulIdParams,
+    GgmlQuantizedMatmulIdRoute,
+    quantized_matmul_id_ggml,
+)
 
 MOE_PIPELINE_NAMES: tuple[str, ...] = _core.MOE_PIPELINE_NAMES
 
@@ -168,11 +175,20 @@ class _ExpertShapes:
     stacked: bool  # gate_up is one [E, 2I, H] stack
 
 
-def _shape_of(w) -> tuple[int, ...]:
-    return tuple(int(d) for d in w.shape)
+def _shape_of(w, ggml_type: Optional[GgmlType] = None) -> tuple[int, ...]:
+    """The logical [E, n, k] shape of a weight stack (k in values, also for uint8 block stacks)."""
+    shape = tuple(int(d) for d in w.shape)
+    if ggml_type is None:
+        return shape
+    values, block_bytes = ggml_type.block_layout
+    if len(shape) != 3 or shape[2] % block_bytes != 0:
+        raise InvalidArgumentError(
+            f"moe_experts {ggml_type.value} weights must be uint8 [E, n, k / {values} * {block_bytes}], got shape {shape}"
+        )
+    return (*shape[:2], shape[2] // block_bytes * values)
 
 
-def _expert_shapes(hidden_shape, ids_shape, weights_shape, gate_up, down) -> _ExpertShapes:
+def _expert_shapes(hidden_shape, ids_shape, weights_shape, gate_up, down, ggml_type=None) -> _ExpertShapes:
     hidden_shape, ids_shape, weights_shape = (
         tuple(int(d) for d in s) for s in (hidden_shape, ids_shape, weights_shape)
     )
@@ -186,7 +202,7 @@ def _expert_shapes(hidden_shape, ids_shape, weights_shape, gate_up, down) -> _Ex
         raise InvalidArgumentError(
             f"moe_experts top_k_weights must have the shape of top_k_index {ids_shape}, got {weights_shape}"
         )
-    down_shape = _shape_of(down)
+    down_shape = _shape_of(down, ggml_type)
     if len(down_shape) != 3 or down_shape[1] != h:
         raise InvalidArgumentError(f"moe_experts down must be [E, {h}, I], got shape {down_shape}")
     n_experts, _, inter = down_shape
@@ -194,15 +210,15 @@ def _expert_shapes(hidden_shape, ids_shape, weights_shape, gate_up, down) -> _Ex
         if len(gate_up) != 2:
             raise InvalidArgumentError("moe_experts gate_up must be one [E, 2I, H] stack or a (gate, up) pair")
         for name, w in zip(("gate", "up"), gate_up, strict=True):
-            if _shape_of(w) != (n_experts, inter, h):
+            if _shape_of(w, ggml_type) != (n_experts, inter, h):
                 raise InvalidArgumentError(
-                    f"moe_experts {name} must be [{n_experts}, {inter}, {h}], got shape {_shape_of(w)}"
+                    f"moe_experts {name} must be [{n_experts}, {inter}, {h}], got shape {_shape_of(w, ggml_type)}"
                 )
         stacked = False
     else:
-        if _shape_of(gate_up) != (n_experts, 2 * inter, h):
+        if _shape_of(gate_up, ggml_type) != (n_experts, 2 * inter, h):
             raise InvalidArgumentError(
-                f"moe_experts gate_up must be [{n_experts}, {2 * inter}, {h}], got shape {_shape_of(gate_up)}"
+                f"moe_experts gate_up must be [{n_experts}, {2 * inter}, {h}], got shape {_shape_of(gate_up, ggml_type)}"
             )
         stacked = True
     if m == 0 or top_k == 0 or h == 0 or inter == 0 or n_experts == 0:
@@ -224,24 +240,34 @@ def _encode_experts(
     down_buf,
     alloc,
     out_buf,
+    ggml_type: Optional[GgmlType] = None,
 ) -> None:
-    """Encode the whole experts block; `alloc(shape)` returns a fresh F32 buffer for intermediates."""
+    """Encode the whole experts block; `alloc(shape)` returns a fresh F32 buffer for intermediates.
+
+    Float stacks go through dense_matmul_id, block-quantised ones (ggml_type) through
+    quantized_matmul_id_ggml; every matmul takes the same ids, route and scratch.
+    """
     rows = s.m * s.top_k
     mult = DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN if distinct else DenseMatmulIdMultiplicity.MAY_REPEAT
     scratch = DenseMatmulIdScratch(device, s.n_experts, s.m) if route.is_grouped else None
 
-    def params(w, n, k, layout):
-        stride = n * k * w.dtype.size
-        return DenseMatmulIdParams(s.m, n, k, s.top_k, s.n_experts, stride, layout, mult, route)
+    def matmul(w, x, out, n, k, layout):
+        if ggml_type is None:
+            stride = n * k * w.dtype.size
+            params = DenseMatmulIdParams(s.m, n, k, s.top_k, s.n_experts, stride, layout, mult, route)
+            dense_matmul_id(encoder, registry, w, x, ids_buf, out, scratch, params)
+            return
+        values, block_bytes = ggml_type.block_layout
+        qroute = GgmlQuantizedMatmulIdRoute.GROUPED if route.is_grouped else GgmlQuantizedMatmulIdRoute.DIRECT
+        stride = n * (k // values) * block_bytes
+        params = GgmlQuantizedMatmulIdParams(s.m, n, k, s.top_k, s.n_experts, ggml_type, stride, layout, qroute)
+        quantized_matmul_id_ggml(encoder, registry, x, w, ids_buf, out, scratch, params)
 
     shared, slotted = DenseMatmulIdInputLayout.SHARED_PER_TOKEN, DenseMatmulIdInputLayout.SLOTTED
     if s.stacked:
         (gate_up_w,) = gate_up_bufs
         gate_up = alloc([rows, 2 * s.intermediate])
-        dense_matmul_id(
-            encoder, registry, gate_up_w, x_buf, ids_buf, gate_up, scratch,
-            params(gate_up_w, 2 * s.intermediate, s.hidden, shared),
-        )  # fmt: skip
+        matmul(gate_up_w, x_buf, gate_up, 2 * s.intermediate, s.hidden, shared)
         # Gate row r is gate_up[r, :I], up row r is gate_up[r, I:]: two strided views of one buffer,
         # each ending where its last row ends.
         stride = 2 * s.intermediate
@@ -252,25 +278,14 @@ def _encode_experts(
         gate_w, up_w = gate_up_bufs
         gate, up = alloc([rows, s.intermediate]), alloc([rows, s.intermediate])
         for w, out in ((gate_w, gate), (up_w, up)):
-            dense_matmul_id(
-                encoder, registry, w, x_buf, ids_buf, out, scratch, params(w, s.intermediate, s.hidden, shared)
-            )
+            matmul(w, x_buf, out, s.intermediate, s.hidden, shared)
         stride = s.intermediate
     act = alloc([rows, s.intermediate])
     encoder.memory_barrier()
     _core._moe_silu_mul(encoder, registry, gate, up, act, rows, s.intermediate, stride, stride)
     encoder.memory_barrier()
     down_out = alloc([rows, s.hidden])
-    dense_matmul_id(
-        encoder,
-        registry,
-        down_buf,
-        act,
-        ids_buf,
-        down_out,
-        scratch,
-        params(down_buf, s.hidden, s.intermediate, slotted),
-    )
+    matmul(down_buf, act, down_out, s.hidden, s.intermediate, slotted)
     encoder.memory_barrier()
     _core._moe_combine(encoder, registry, down_out, weights_buf, ids_buf, out_buf, s.m, s.top_k, s.hidden, s.n_experts)
 
@@ -295,26 +310,26 @@ def moe_experts(
     and read no weight. top_k_weights: float32 [m, top_k].
     gate_up: one [E, 2I, H] stack (gate rows, then up rows, as transformers stores it) or a pair
     (gate [E, I, H], up [E, I, H]) as GGUF stores it; down: [E, H, I]. Float32, float16 or bfloat16
-    weights (NumPy arrays, routemm.Buffer views such as gguf_tensor's, or tensors).
+    weights (NumPy arrays, routemm.Buffer views such as gguf_tensor's, or tensors), or with
+    ggml_type=GgmlType.Q4_0 / Q8_0 uint8 block stacks [E, n, k / 32 * block_bytes] (routemm.q4_0 /
+    routemm.q8_0 quantise along the last axis; gguf_tensor loads them), whose matmuls run
+    quantized_matmul_id_ggml.
     route: the expert-ID matmul route of both matmuls; None picks grouped_prefill when ids are
     distinct per token and m > 8, else direct (with tensors, passing it avoids a device-to-host
     distinctness check).
     NumPy inputs run on `device` (default: the best backend) and the result is a NumPy array;
     PyTorch tensors are used in place on their device and the result is a tensor there.
     """
-    if ggml_type is not None:
-        raise InvalidArgumentError(
-            f"moe_experts ggml_type {ggml_type!r}: quantised expert stacks are not supported by this build"
-        )
+    ggml_type = _checked_ggml_type(ggml_type)
     framework = _framework(hidden)
     if framework == "torch":
-        return _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route)
+        return _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route, ggml_type)
     if framework == "cupy":
         raise InvalidArgumentError("moe_experts takes NumPy arrays, routemm buffers or PyTorch tensors")
     hidden = np.asarray(hidden)
     ids = np.asarray(top_k_index)
     weights = np.asarray(top_k_weights)
-    s = _expert_shapes(hidden.shape, ids.shape, weights.shape, gate_up, down)
+    s = _expert_shapes(hidden.shape, ids.shape, weights.shape, gate_up, down, ggml_type)
     if hidden.dtype != np.float32:
         raise InvalidArgumentError(f"moe_experts hidden must be float32, got {hidden.dtype}")
     if weights.dtype != np.float32:
@@ -329,7 +344,7 @@ def moe_experts(
     stacks = tuple(gate_up) if not s.stacked else (gate_up,)
     gate_up_bufs = tuple(_weight_buffer(device, w) for w in stacks)
     down_buf = _weight_buffer(device, down)
-    _check_weight_dtypes(gate_up_bufs + (down_buf,))
+    _check_weight_dtypes(gate_up_bufs + (down_buf,), ggml_type)
     out_buf = device.alloc(s.m * s.hidden * 4, DType.F32, [s.m, s.hidden])
 
     def alloc(shape):
@@ -339,7 +354,7 @@ def moe_experts(
     _encode_experts(
         encoder, _registry_for(device), device, s, route, distinct,
         device.from_numpy(np.ascontiguousarray(hidden)), device.from_numpy(ids_u32),
-        device.from_numpy(np.ascontiguousarray(weights)), gate_up_bufs, down_buf, alloc, out_buf,
+        device.from_numpy(np.ascontiguousarray(weights)), gate_up_bufs, down_buf, alloc, out_buf, ggml_type,
     )  # fmt: skip
     encoder.commit_and_wait()
     return out_buf.numpy()
@@ -363,20 +378,39 @@ def _weight_buffer(device, w):
     return device.from_numpy(np.ascontiguousarray(w))
 
 
-def _check_weight_dtypes(bufs) -> None:
+def _checked_ggml_type(ggml_type) -> Optional[GgmlType]:
+    if ggml_type is None:
+        return None
+    try:
+        ggml_type = GgmlType(ggml_type)
+    except ValueError:
+        ggml_type = None
+    if ggml_type not in QUANTIZED_EXPERT_TYPES:
+        names = ", ".join(t.value for t in QUANTIZED_EXPERT_TYPES)
+        raise InvalidArgumentError(f"moe_experts ggml_type must be None (float weights) or one of {names}")
+    return ggml_type
+
+
+def _check_weight_dtypes(bufs, ggml_type: Optional[GgmlType] = None) -> None:
     dtypes = {b.dtype for b in bufs}
+    if ggml_type is not None:
+        if dtypes != {DType.U8}:
+            raise InvalidArgumentError(
+                f"moe_experts {ggml_type.value} weights must be uint8 block stacks, got {sorted(d.name.lower() for d in dtypes)}"
+            )
+        return
     if len(dtypes) != 1 or not dtypes <= {DType.F32, DType.F16, DType.BF16}:
         raise InvalidArgumentError(
             f"moe_experts weights must share one of f32, f16, bf16, got {sorted(d.name.lower() for d in dtypes)}"
         )
 
 
-def _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route):
+def _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route, ggml_type):
     import torch
 
     from ._interop import from_dlpack
 
-    s = _expert_shapes(hidden.shape, top_k_index.shape, top_k_weights.shape, gate_up, down)
+    s = _expert_shapes(hidden.shape, top_k_index.shape, top_k_weights.shape, gate_up, down, ggml_type)
     if hidden.dtype != torch.float32 or top_k_weights.dtype != torch.float32:
         raise InvalidArgumentError(
             f"moe_experts hidden and top_k_weights must be float32, got {hidden.dtype} and {top_k_weights.dtype}"
@@ -408,7 +442,7 @@ def _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route)
     stacks = tuple(gate_up) if not s.stacked else (gate_up,)
     gate_up_bufs = tuple(buf(w) for w in stacks)
     down_buf = buf(down)
-    _check_weight_dtypes(gate_up_bufs + (down_buf,))
+    _check_weight_dtypes(gate_up_bufs + (down_buf,), ggml_type)
     out = torch.empty((s.m, s.hidden), dtype=torch.float32, device=dev)
 
     def alloc(shape):
@@ -417,7 +451,7 @@ def _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route)
     encoder = device.command_encoder()
     _encode_experts(
         encoder, _registry_for(device), device, s, route, distinct, x_buf, ids_buf, weights_buf,
-        gate_up_bufs, down_buf, alloc, from_dlpack(out),
+        gate_up_bufs, down_buf, alloc, from_dlpack(out), ggml_type,
     )  # fmt: skip
     encoder.commit_and_wait()
     return out

@@ -194,11 +194,48 @@ def test_experts_reject_bad_input(device, rng):
     repeats = np.zeros_like(ids)
     with pytest.raises(routemm.InvalidArgumentError, match="distinct per token"):
         call(x, repeats, w, gate_up, down, route=routemm.DenseMatmulIdRoute.GROUPED_PREFILL, device=device)
-    with pytest.raises(routemm.InvalidArgumentError, match="quantised"):
-        call(x, ids, w, gate_up, down, ggml_type=routemm.GgmlType.Q4_0, device=device)
+    with pytest.raises(routemm.InvalidArgumentError, match="must be uint8"):
+        call(x, ids, w, routemm.q4_0.quantize(gate_up), down, ggml_type=routemm.GgmlType.Q4_0, device=device)
+    with pytest.raises(routemm.InvalidArgumentError, match="ggml_type must be None"):
+        call(x, ids, w, gate_up, down, ggml_type="q5_k", device=device)
     # Repeated ids are fine on the direct route (each slot is its own product).
     out = call(x, repeats, w, gate_up, down, device=device)
     np.testing.assert_allclose(out, _reference(x, repeats, w, gate_up, down), atol=EXPERTS_ATOL, rtol=EXPERTS_RTOL)
+
+
+QUANT = {"q4_0": routemm.q4_0, "q8_0": routemm.q8_0}
+
+
+@pytest.mark.parametrize("ggml_type", sorted(QUANT))
+@pytest.mark.parametrize(("m", "route"), [(1, None), (20, "grouped_prefill"), (20, "direct")])
+def test_quantized_experts_match_float64_reference(device, rng, ggml_type, m, route):
+    """Q4_0/Q8_0 experts against the float64 reference on the dequantised weights (dequantisation
+    is exact in F32, so only F32 accumulation is left)."""
+    codec = QUANT[ggml_type]
+    x, ids, w, gate_up, down = _experts_case(rng, m, 4, 16, 64, 32)
+    q_gate_up, q_down = codec.quantize(gate_up), codec.quantize(down)
+    deq_gate_up = codec.dequantize(q_gate_up, gate_up.shape)
+    deq_down = codec.dequantize(q_down, down.shape)
+    route = None if route is None else routemm.DenseMatmulIdRoute(route)
+    gtype = routemm.GgmlType(ggml_type)
+    out = routemm.moe_experts(x, ids, w, q_gate_up, q_down, ggml_type=gtype, route=route, device=device)
+    ref = _reference(x, ids, w, deq_gate_up, deq_down)
+    np.testing.assert_allclose(out, ref, atol=EXPERTS_ATOL, rtol=EXPERTS_RTOL)
+    # The GGUF layout (separate gate and up block stacks) gives the same bits.
+    pair = (codec.quantize(gate_up[:, :32]), codec.quantize(gate_up[:, 32:]))
+    out_pair = routemm.moe_experts(x, ids, w, pair, q_down, ggml_type=gtype, route=route, device=device)
+    np.testing.assert_array_equal(out_pair.view(np.uint32), out.view(np.uint32))
+
+
+def test_quantized_experts_skip_sentinel_ids(device, rng):
+    x, ids, w, gate_up, down = _experts_case(rng, 6, 2, 8, 32, 32)
+    q_gate_up, q_down = routemm.q8_0.quantize(gate_up), routemm.q8_0.quantize(down)
+    ids = ids.copy()
+    ids[::2, 0] = 8
+    out = routemm.moe_experts(x, ids, w, q_gate_up, q_down, ggml_type=routemm.GgmlType.Q8_0, device=device)
+    deq = routemm.q8_0.dequantize
+    ref = _reference(x, ids, w, deq(q_gate_up, gate_up.shape), deq(q_down, down.shape))
+    np.testing.assert_allclose(out, ref, atol=EXPERTS_ATOL, rtol=EXPERTS_RTOL)
 
 
 def test_combine_skips_invalid_slots_in_slot_order(device, registry):
