@@ -33,7 +33,7 @@ from .dense_matmul_id import (
     dense_matmul_id_capability,
     matmul_id,
 )
-from .gguf_io import gguf_tensor
+from .gguf_io import gguf_metadata, gguf_tensor
 from .moe import (
     MOE_PIPELINE_NAMES,
     encode_moe_combine,
@@ -164,6 +164,8 @@ __all__ += [
     "encode_moe_silu_mul",
     "moe_experts",
     "moe_gate",
+    "MoeLayer",
+    "gguf_metadata",
 ]
 
 from . import calibration  # noqa: E402
@@ -208,6 +210,7 @@ from .dense_q4_plan import (  # noqa: E402
     trace_dense_q4_auto,
     validate_dense_q4_cartesian_acceptance,
 )
+from .moe_layer import MoeLayer  # noqa: E402
 
 __all__ += [
     "DENSE_Q4_ROUTE_SCHEMA_VERSION",

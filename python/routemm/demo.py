@@ -174,7 +174,11 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per route (median reported)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    parser.add_argument("--gguf", metavar="FILE", default=None, help="run one MoE layer of this GGUF model instead")
+    parser.add_argument("--layer", type=int, default=0, help="the layer --gguf runs (default 0)")
     args = parser.parse_args(argv)
+    if args.gguf is not None:
+        return _gguf_main(args, parser)
     if args.tokens < 1 or args.repeats < 1:
         parser.error("--tokens and --repeats must be positive")
     started = time.perf_counter()
@@ -185,4 +189,19 @@ def main(argv=None) -> int:
         print()
     else:
         _print_report(report)
+    return 0 if report["ok"] else 1
+
+
+def _gguf_main(args, parser) -> int:
+    """--gguf: one MoE layer of a GGUF file against its float64 reference (routemm.gguf_demo)."""
+    from . import gguf_demo
+
+    if args.tokens < 1 or args.layer < 0:
+        parser.error("--tokens must be positive and --layer non-negative")
+    report = gguf_demo.run(args.gguf, args.layer, args.tokens, args.backend, args.seed)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, sort_keys=True, allow_nan=False)
+        print()
+    else:
+        gguf_demo.print_report(report)
     return 0 if report["ok"] else 1

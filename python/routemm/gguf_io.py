@@ -70,7 +70,7 @@ class _Cursor:
 
 
 def _read_index(path: str):
-    """(tensor infos by name, absolute offset of the data section)."""
+    """(tensor infos by name, absolute offset of the data section, file size, metadata)."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         raw = np.memmap(f, dtype=np.uint8, mode="r", shape=(size,)) if size else np.zeros(0, np.uint8)
@@ -81,26 +81,41 @@ def _read_index(path: str):
     if version not in (2, 3):
         raise InvalidArgumentError(f"gguf_tensor: {path} has unsupported GGUF version {version}")
     n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
-    alignment = _DEFAULT_ALIGNMENT
+    metadata = {}
     for _ in range(n_kv):
         key = cur.string()
-        value = cur.value(cur.unpack("<I"))
-        if key == "general.alignment":
-            alignment = int(value)
+        metadata[key] = cur.value(cur.unpack("<I"))
+    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
     infos = {}
     for _ in range(n_tensors):
         name = cur.string()
         dims = [cur.unpack("<Q") for _ in range(cur.unpack("<I"))]
         infos[name] = (dims, cur.unpack("<I"), cur.unpack("<Q"))
     data_start = (cur.pos + alignment - 1) // alignment * alignment
-    return infos, data_start, size
+    return infos, data_start, size, metadata
+
+
+def gguf_metadata(path) -> dict:
+    """The key/value metadata of the GGUF file at `path` (arrays as lists)."""
+    path = os.fspath(path)
+    return _read_index(path)[3]
+
+
+def gguf_tensor_type(path, name: str) -> str:
+    """The GGML type name ("q4_0", "f32", ...; "ggml_type_<id>" for others) of tensor `name`."""
+    path = os.fspath(path)
+    infos = _read_index(path)[0]
+    if name not in infos:
+        raise InvalidArgumentError(f"gguf_tensor: {path} has no tensor {name!r}")
+    type_id = infos[name][1]
+    return _TENSOR_TYPES[type_id][0] if type_id in _TENSOR_TYPES else f"ggml_type_{type_id}"
 
 
 def gguf_tensor(path, name: str, device: Optional[_core.Device] = None) -> _core.Buffer:
     """The tensor `name` of the GGUF file at `path` as a buffer on `device` (default: the best
     available backend). Q4_0 -> U8 blocks [*outer, inner / 32 * 18]; F32/F16/BF16 -> that dtype."""
     path = os.fspath(path)
-    infos, data_start, file_size = _read_index(path)
+    infos, data_start, file_size, _ = _read_index(path)
     if name not in infos:
         raise InvalidArgumentError(f"gguf_tensor: {path} has no tensor {name!r}")
     dims, type_id, offset = infos[name]
