@@ -3,8 +3,9 @@ experts, on small random Qwen3-MoE and Mixtral models (CPU tensors; skipped with
 transformers).
 
 Tolerances: the float32 models run every expert product in float32 on both sides with different
-summation orders, so the logits agree to 1e-4 absolute + relative; the bfloat16 models round every
-layer's activations to bfloat16 (8 bits), so they agree to 5e-2.
+summation orders (measured: logits of magnitude ~0.6 differ by <= 1.5e-7), checked at 1e-5 absolute
++ relative; the eager bfloat16 models round the experts' activations to bfloat16 where routemm keeps
+float32 (measured: <= 3.9e-3), checked at 2e-2.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import routemm  # noqa: E402
 import routemm.integrations.transformers as routemm_transformers  # noqa: E402
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, batched_mm_experts_forward  # noqa: E402
 
-F32_TOL = 1e-4
-BF16_TOL = 5e-2
+F32_TOL = 1e-5
+BF16_TOL = 2e-2
 
 
 def _qwen3_moe(norm_topk_prob: bool):
