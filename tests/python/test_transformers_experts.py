@@ -74,10 +74,18 @@ def _registered():
     assert "routemm" in ALL_EXPERTS_FUNCTIONS
 
 
+def _torch_devices():
+    """CPU always; CUDA where both torch and routemm see a GPU (a missing one is a skip)."""
+    have_cuda = torch.cuda.is_available() and "cuda" in routemm.available_backends()
+    skip = pytest.mark.skip(reason="torch or routemm has no CUDA device here")
+    return ["cpu", pytest.param("cuda", marks=() if have_cuda else skip)]
+
+
+@pytest.mark.parametrize("torch_device", _torch_devices())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("tokens", [1, 24])
-def test_model_logits_match_eager_experts(name, dtype, tokens):
+def test_model_logits_match_eager_experts(name, dtype, tokens, torch_device):
     torch.manual_seed(0)
     config = CONFIGS[name]()
     # from_config records the implementation in the config it is given: one copy per model.
@@ -92,7 +100,10 @@ def test_model_logits_match_eager_experts(name, dtype, tokens):
     assert eager.config._experts_implementation == "eager"
     eager.load_state_dict(model.state_dict())
     eager.eval()
+    model.to(torch_device)
+    eager.to(torch_device)
     input_ids = torch.randint(0, config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(1))
+    input_ids = input_ids.to(torch_device)
     before = routemm.dispatch_count()
     with torch.no_grad():
         ours = model(input_ids).logits.float()
