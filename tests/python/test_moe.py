@@ -8,11 +8,10 @@ import pytest
 import routemm
 from routemm import DType
 from routemm._reference import moe_experts_reference, moe_gate_reference
+from tolerances import MOE_EXPERTS_TOLERANCE, MOE_GATE_TOLERANCE
 
-# Gate weights: F32 exp (a few ulps per backend) and an F32 sum over E terms.
-GATE_ATOL, GATE_RTOL = 1e-6, 1e-5
-# Experts: two chained F32 matmuls (K = H, then K = I) with |w| ~ 1/sqrt(K) and |x| <= ~4.
-EXPERTS_ATOL, EXPERTS_RTOL = 2e-5, 2e-5
+GATE_ATOL, GATE_RTOL = MOE_GATE_TOLERANCE
+EXPERTS_ATOL, EXPERTS_RTOL = MOE_EXPERTS_TOLERANCE
 NP_WEIGHT = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 
 

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import routemm
 from routemm import DType
+from tolerances import MOE_EXPERTS_TOLERANCE
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
 E, TOP_K, H, INTER, LAYERS = 8, 2, 64, 32, 2
-# Two chained F32 matmuls against float64 on the same (exactly dequantised) weights.
-LAYER_ATOL, LAYER_RTOL = 2e-5, 2e-5
+LAYER_ATOL, LAYER_RTOL = MOE_EXPERTS_TOLERANCE
 
 
 def _encode(w: np.ndarray, kind: str):
