@@ -40,7 +40,15 @@ from .dense_matmul_id import (
     dense_matmul_id_capability,
     matmul_id,
 )
-from .gguf_io import gguf_tensor
+from .gguf_io import gguf_metadata, gguf_tensor
+from .moe import (
+    MOE_PIPELINE_NAMES,
+    encode_moe_combine,
+    encode_moe_gate,
+    encode_moe_silu_mul,
+    moe_experts,
+    moe_gate,
+)
 from .quantized_matmul import (
     Q4_MATMUL_PIPELINE_NAMES,
     Q8_MATMUL_PIPELINE_NAMES,
@@ -178,6 +186,16 @@ __all__ += [
     "quantized_matmul_id_ggml",
     "quantized_matmul_id_ggml_capability",
 ]
+__all__ += [
+    "MOE_PIPELINE_NAMES",
+    "encode_moe_combine",
+    "encode_moe_gate",
+    "encode_moe_silu_mul",
+    "moe_experts",
+    "moe_gate",
+    "MoeLayer",
+    "gguf_metadata",
+]
 
 from . import calibration  # noqa: E402
 from .dense_matmul_id_plan import (  # noqa: E402
@@ -238,6 +256,7 @@ from .ggml_routes import (  # noqa: E402
     ggml_capability,
     plan_dense_auto_route,
 )
+from .moe_layer import MoeLayer  # noqa: E402
 
 __all__ += [
     "DENSE_Q4_ROUTE_SCHEMA_VERSION",

@@ -429,10 +429,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per route, median reported (default 5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights, activations and ids")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    parser.add_argument("--gguf", metavar="FILE", default=None, help="run one MoE layer of this GGUF model instead")
+    parser.add_argument("--layer", type=int, default=0, help="the layer --gguf runs (default 0)")
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Runs the demo for parsed `args`; 0 when every output matched the reference, 1 otherwise."""
+    if args.gguf is not None:
+        return _gguf_main(args, parser)
     if args.tokens < 1 or args.repeats < 1:
         parser.error("--tokens and --repeats must be positive")
     started = time.perf_counter()
@@ -443,4 +447,19 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print()
     else:
         print_report(report)
+    return 0 if report["ok"] else 1
+
+
+def _gguf_main(args, parser) -> int:
+    """--gguf: one MoE layer of a GGUF file against its float64 reference (routemm.gguf_demo)."""
+    from . import gguf_demo
+
+    if args.tokens < 1 or args.layer < 0:
+        parser.error("--tokens must be positive and --layer non-negative")
+    report = gguf_demo.run(args.gguf, args.layer, args.tokens, args.backend, args.seed)
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, sort_keys=True, allow_nan=False)
+        print()
+    else:
+        gguf_demo.print_report(report)
     return 0 if report["ok"] else 1

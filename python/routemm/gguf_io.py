@@ -2,8 +2,9 @@
 
 GGUF (version 2 and 3, little endian): a header, key/value metadata, tensor infos (name, dims
 innermost first, GGML type, offset), then the tensor data section aligned to `general.alignment`
-(default 32). Supported tensor types: Q4_0 (a U8 buffer of the raw blocks, shaped
-[*outer, inner / 32 * 18]), F32, F16 and BF16 (buffers of that dtype, row-major shape). On the CPU
+(default 32). Supported tensor types: Q4_0 and Q8_0 (U8 buffers of the raw blocks, shaped
+[*outer, inner / 32 * 18] and [*outer, inner / 32 * 34]), F32, F16 and BF16 (buffers of that
+dtype, row-major shape). On the CPU
 backend the buffer is a read-only view of a memory map of the file (zero copy; the map lives as
 long as the buffer); other backends, and `copy=True`, get a copy of the bytes.
 
@@ -46,6 +47,7 @@ _TENSOR_TYPES = {
     0: ("f32", DType.F32, 1, 4),
     1: ("f16", DType.F16, 1, 2),
     2: ("q4_0", DType.U8, 32, 18),
+    8: ("q8_0", DType.U8, 32, 34),
     30: ("bf16", DType.BF16, 1, 2),
 }
 
@@ -97,7 +99,7 @@ class _Cursor:
 
 
 def _read_index(f, size: int, path: str):
-    """(tensor infos by name, absolute offset of the data section)."""
+    """(tensor infos by name, absolute offset of the data section, metadata by key)."""
     cur = _Cursor(f, size, path)
     if cur.take(4) != _MAGIC:
         cur.fail("is not a GGUF file")
@@ -106,10 +108,12 @@ def _read_index(f, size: int, path: str):
         cur.fail(f"has unsupported GGUF version {version}")
     n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
     alignment = _DEFAULT_ALIGNMENT
+    metadata = {}
     for _ in range(n_kv):
         key = cur.string()
         type_id = cur.unpack("<I")
         value = cur.value(type_id)
+        metadata[key] = value
         if key == "general.alignment":
             if type_id not in _INTEGERS or value <= 0:
                 cur.fail(f"has general.alignment {value!r}; it must be a positive integer")
@@ -123,7 +127,31 @@ def _read_index(f, size: int, path: str):
         dims = [cur.unpack("<Q") for _ in range(n_dims)]
         infos[name] = (dims, cur.unpack("<I"), cur.unpack("<Q"))
     data_start = (cur.pos + alignment - 1) // alignment * alignment
-    return infos, data_start
+    return infos, data_start, metadata
+
+
+def _index_of(path) -> tuple:
+    """_read_index of the file at `path`, with a read failure an InvalidArgumentError."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            return _read_index(f, os.fstat(f.fileno()).st_size, path)
+    except OSError as e:
+        raise InvalidArgumentError(f"gguf_tensor: cannot read {path}: {e}") from None
+
+
+def gguf_metadata(path) -> dict:
+    """The key/value metadata of the GGUF file at `path` (arrays as lists)."""
+    return _index_of(path)[2]
+
+
+def gguf_tensor_type(path, name: str) -> str:
+    """The GGML type name ("q4_0", "f32", ...; "ggml_type_<id>" for others) of tensor `name`."""
+    infos = _index_of(path)[0]
+    if name not in infos:
+        raise InvalidArgumentError(f"gguf_tensor: {os.fspath(path)} has no tensor {name!r}")
+    type_id = infos[name][1]
+    return _TENSOR_TYPES[type_id][0] if type_id in _TENSOR_TYPES else f"ggml_type_{type_id}"
 
 
 I64_MAX = 2**63 - 1
@@ -136,7 +164,7 @@ def _extent(path: str, name: str, infos: dict, data_start: int, file_size: int):
     dims, type_id, offset = infos[name]
     if type_id not in _TENSOR_TYPES:
         raise InvalidArgumentError(
-            f"gguf_tensor: tensor {name!r} has GGML type {type_id}; supported: q4_0, f32, f16, bf16"
+            f"gguf_tensor: tensor {name!r} has GGML type {type_id}; supported: q4_0, q8_0, f32, f16, bf16"
         )
     type_name, dtype, block_values, block_bytes = _TENSOR_TYPES[type_id]
     if any(d > I64_MAX for d in dims):
@@ -157,7 +185,8 @@ def _extent(path: str, name: str, infos: dict, data_start: int, file_size: int):
 
 def gguf_tensor(path, name: str, device: Optional[_core.Device] = None, *, copy: bool = False) -> _core.Buffer:
     """The tensor `name` of the GGUF file at `path` as a buffer on `device` (default: the best
-    available backend). Q4_0 -> U8 blocks [*outer, inner / 32 * 18]; F32/F16/BF16 -> that dtype.
+    available backend). Q4_0 / Q8_0 -> U8 blocks [*outer, inner / 32 * 18 or 34]; F32/F16/BF16 ->
+    that dtype.
 
     On a host-accessible device the buffer maps the file (zero copy, read-only) unless `copy` is
     true; a mapped file must not be truncated while the buffer lives (see the module docstring).
@@ -170,7 +199,7 @@ def gguf_tensor(path, name: str, device: Optional[_core.Device] = None, *, copy:
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            infos, data_start = _read_index(f, size, path)
+            infos, data_start, _ = _read_index(f, size, path)
             dtype, shape, start, nbytes = _extent(path, name, infos, data_start, size)
             if nbytes == 0:
                 return device.alloc(0, dtype, shape)

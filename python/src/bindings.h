@@ -23,5 +23,6 @@ void init_dense_matmul_id(py::module_& m);
 void init_interop(py::module_& m);
 void init_q4(py::module_& m);
 void init_quantized_matmul_id(py::module_& m);
+void init_moe(py::module_& m);
 
 }  // namespace routemm::python

@@ -95,6 +95,7 @@ namespace metal {
 
 // ---- Math, reinterpretation, SIMD-group reductions -------------------------------------------------
 float fma(float a, float b, float c);
+float exp(float x);
 half fma(half a, half b, half c);
 template <class T>
 T min(T a, T b);

@@ -10,6 +10,7 @@
 
 #include "backend/common/calibration_params.h"
 #include "backend/common/dense_matmul_id_params.h"
+#include "backend/common/moe_params.h"
 #include "backend/common/q4_0_block.h"
 
 namespace k = routemm::kernels;
@@ -28,6 +29,15 @@ ROUTEMM_EXPECT_FIELD(DenseMatmulIdKernelParams, expert_stride_bytes, 24);
 ROUTEMM_EXPECT_FIELD(DenseMatmulIdKernelParams, input_token_stride_bytes, 32);
 ROUTEMM_EXPECT_FIELD(DenseMatmulIdKernelParams, input_slot_stride_bytes, 40);
 static_assert(k::kInputSharedPerToken == 0 && k::kInputSlotted == 1);
+
+static_assert(sizeof(k::MoeGateKernelParams) == 16);
+ROUTEMM_EXPECT_FIELD(MoeGateKernelParams, renormalize, 12);
+static_assert(sizeof(k::MoeSiluMulKernelParams) == 24);
+ROUTEMM_EXPECT_FIELD(MoeSiluMulKernelParams, width, 4);
+ROUTEMM_EXPECT_FIELD(MoeSiluMulKernelParams, gate_row_stride, 8);
+ROUTEMM_EXPECT_FIELD(MoeSiluMulKernelParams, up_row_stride, 16);
+static_assert(sizeof(k::MoeCombineKernelParams) == 16);
+ROUTEMM_EXPECT_FIELD(MoeCombineKernelParams, n_experts, 12);
 
 static_assert(sizeof(k::BlockQ4_0) == 18 && alignof(k::BlockQ4_0) == 2);
 ROUTEMM_EXPECT_FIELD(BlockQ4_0, qs, 2);

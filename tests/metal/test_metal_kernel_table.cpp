@@ -27,6 +27,7 @@
 #include "routemm/device.h"
 #include "routemm/encoder.h"
 #include "routemm/ops/dense_matmul_id.h"
+#include "routemm/ops/moe.h"
 #include "routemm/ops/q4_matmul.h"
 #include "routemm/registry.h"
 
@@ -142,6 +143,7 @@ std::vector<std::string> core_pipeline_names() {
   names.insert(names.end(), kQ4MatmulPipelineNames.begin(), kQ4MatmulPipelineNames.end());
   names.push_back("routemm_calibration_poison_f32");
   names.push_back("routemm_calibration_compare_f32");
+  names.insert(names.end(), kMoePipelineNames.begin(), kMoePipelineNames.end());
   return names;
 }
 
@@ -367,6 +369,39 @@ TEST(MetalKernelTable, CalibrationBindings) {
   encoder.dispatch(*compare, compare_args, Dim3{64, 1, 1}, Dim3{64, 1, 1}, DispatchKind::Threads);
   encoder.commit_and_wait();
   EXPECT_EQ(poison->def().threads_per_group, 256u);
+  expect_bindings_match_shaders();
+}
+
+TEST(MetalKernelTable, MoeGeometryAndBindings) {
+  // moe.metal: one thread per token row (gate) or per output element (silu_mul, combine), 64 per
+  // threadgroup, no threadgroup memory.
+  const Device device(std::make_shared<TableBackend>());
+  KernelRegistry registry(device);
+  const uint32_t m = 70, experts = 8, top_k = 2, width = 65;
+  const Buffer logits = zeros(device, uint64_t{m} * experts * 4, DType::F32);
+  const Buffer weights = zeros(device, uint64_t{m} * top_k * 4, DType::F32);
+  const Buffer ids = zeros(device, uint64_t{m} * top_k * 4, DType::U32);
+  const Buffer rows = zeros(device, uint64_t{m} * top_k * width * 4, DType::F32);
+  const Buffer act = zeros(device, uint64_t{m} * top_k * width * 4, DType::F32);
+  const Buffer out = zeros(device, uint64_t{m} * width * 4, DType::F32);
+  recorded().clear();
+  CommandEncoder encoder = device.command_encoder();
+  encoder.start_encoded_dispatch_receipt(3);
+  moe_gate(encoder, registry, logits, weights, ids, MoeGateParams{m, experts, top_k, true});
+  moe_silu_mul(encoder, registry, rows, rows, act,
+               MoeSiluMulParams{m * top_k, width, width, width});
+  moe_combine(encoder, registry, act, weights, ids, out,
+              MoeCombineParams{m, top_k, width, experts});
+  const auto receipt = encoder.take_encoded_dispatch_receipt();
+  encoder.commit_and_wait();
+  ASSERT_EQ(receipt.size(), 3u);
+  EXPECT_EQ(receipt[0].grid, (std::array<uint64_t, 3>{2, 1, 1}));
+  EXPECT_EQ(receipt[1].grid, (std::array<uint64_t, 3>{2, m * top_k, 1}));
+  EXPECT_EQ(receipt[2].grid, (std::array<uint64_t, 3>{2, m, 1}));
+  for (const auto& dispatch : receipt) {
+    EXPECT_EQ(dispatch.threads_per_threadgroup, (std::array<uint64_t, 3>{64, 1, 1}));
+    EXPECT_TRUE(dispatch.threadgroup_memory.empty());
+  }
   expect_bindings_match_shaders();
 }
 

@@ -38,7 +38,13 @@ if not SHADER_DIR.is_dir():  # an installed package without the source tree
 
 @pytest.mark.parametrize(
     "name",
-    [*routemm.DENSE_MATMUL_ID_PIPELINE_NAMES, *routemm.Q4_MATMUL_PIPELINE_NAMES, POISON_PIPELINE, COMPARE_PIPELINE],
+    [
+        *routemm.DENSE_MATMUL_ID_PIPELINE_NAMES,
+        *routemm.Q4_MATMUL_PIPELINE_NAMES,
+        *routemm.MOE_PIPELINE_NAMES,
+        POISON_PIPELINE,
+        COMPARE_PIPELINE,
+    ],
 )
 def test_every_pipeline_has_a_metal_kernel(name):
     kernels = _kernels()
@@ -51,6 +57,7 @@ def test_no_unregistered_metal_kernels():
     names = {
         *routemm.DENSE_MATMUL_ID_PIPELINE_NAMES,
         *routemm.Q4_MATMUL_PIPELINE_NAMES,
+        *routemm.MOE_PIPELINE_NAMES,
         POISON_PIPELINE,
         COMPARE_PIPELINE,
     }

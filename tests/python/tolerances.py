@@ -141,3 +141,14 @@ def q4_gpu_bound(route: str, k: int, magnitude: np.ndarray) -> np.ndarray:
     else:
         rel = 2.0**-7
     return rel * magnitude + (k + 8) * SUBNORMAL_HALF_ULP
+
+
+# ---- The MoE layer (moe_gate, moe_experts, MoeLayer) ----------------------------------------------
+#
+# Gate weights: one F32 exp per expert (the backend's, a few ulps) and an F32 sum over E terms, so
+# (abs, rel) = (1e-6, 1e-5) for the probabilities; ids compare exactly (random logits have no ties).
+# Experts and whole layers: two chained F32 matmul contracts (K = H, then K = I) against the float64
+# reference of the exactly widened / dequantised weights, with |w| ~ 1/sqrt(K) and |x| ~ N(0, 1):
+# (abs, rel) = (2e-5, 2e-5). Backends differ only in exp() inside SiLU, far below that.
+MOE_GATE_TOLERANCE = (1e-6, 1e-5)
+MOE_EXPERTS_TOLERANCE = (2e-5, 2e-5)

@@ -15,6 +15,8 @@ void add_dense_matmul_id_tensor_kernels(std::vector<KernelDef>& out);
 void add_q4_matmul_kernels(std::vector<KernelDef>& out);
 // Quantised expert-ID matmul (kGgmlQuantizedMatmulIdPipelineNames), quantized_matmul_id.cu.
 void add_quantized_matmul_id_kernels(std::vector<KernelDef>& out);
+// MoE layer kernels (kMoePipelineNames of csrc/ops/moe.cpp), moe.cu.
+void add_moe_kernels(std::vector<KernelDef>& out);
 // Route-calibration proof kernels (routemm_calibration_poison_f32 / _compare_f32), calibration.cu.
 void add_calibration_kernels(std::vector<KernelDef>& out);
 

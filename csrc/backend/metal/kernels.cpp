@@ -8,6 +8,7 @@
 
 #include "backend/common/kernel_contracts.h"
 #include "routemm/ops/dense_matmul_id.h"
+#include "routemm/ops/moe.h"
 #include "routemm/ops/q4_matmul.h"
 
 namespace routemm::metal {
@@ -17,8 +18,8 @@ constexpr std::string_view kCalibrationPoison = "routemm_calibration_poison_f32"
 constexpr std::string_view kCalibrationCompare = "routemm_calibration_compare_f32";
 
 // Function names in table order: the seven expert-ID pipelines, the five Q4_0 pipelines, the two
-// calibration proof kernels.
-constexpr std::array<std::string_view, 14> kFunctions = {
+// calibration proof kernels, the three MoE layer kernels.
+constexpr std::array<std::string_view, 17> kFunctions = {
     kDenseMatmulIdPipelineNames[0],
     kDenseMatmulIdPipelineNames[1],
     kDenseMatmulIdPipelineNames[2],
@@ -33,8 +34,12 @@ constexpr std::array<std::string_view, 14> kFunctions = {
     kQ4MatmulPipelineNames[4],
     kCalibrationPoison,
     kCalibrationCompare,
+    kMoePipelineNames[0],
+    kMoePipelineNames[1],
+    kMoePipelineNames[2],
 };
-static_assert(kDenseMatmulIdPipelineNames.size() == 7 && kQ4MatmulPipelineNames.size() == 5);
+static_assert(kDenseMatmulIdPipelineNames.size() == 7 && kQ4MatmulPipelineNames.size() == 5 &&
+              kMoePipelineNames.size() == 3);
 static_assert(kFunctions[3] == kDenseMatmulIdMapPipeline && kFunctions[7] == kQ4_0MatVecPipeline);
 
 // A KernelFn knows only its launch; one instantiation per table row carries the function name.
@@ -59,6 +64,7 @@ using enum MetalLibrary;
 //   matrix   128 threads; tile_x = tokens per group, tile_y = 64 outputs; 8192 bytes for the
 //            simdgroup and V1 routes, 4096 for V2 (128 tokens) and 64x32 (32 tokens).
 //   proof    Threads dispatches, at most 256 threads per group.
+//   moe      64 threads: one per token row (gate) or per output element (silu_mul, combine).
 const std::array<MetalPipelineSpec, kFunctions.size()> kSpecs = {
     spec(0, launch<0>, Base, 64, 8, 1, 0),
     spec(1, launch<1>, Base, 64, 8, 1, 0),
@@ -74,6 +80,9 @@ const std::array<MetalPipelineSpec, kFunctions.size()> kSpecs = {
     spec(11, launch<11>, Tensor, 128, 32, 64, 4096, true),
     spec(12, launch<12>, Base, 256, 1, 1, 0),
     spec(13, launch<13>, Base, 256, 1, 1, 0),
+    spec(14, launch<14>, Base, 64, 1, 1, 0),
+    spec(15, launch<15>, Base, 64, 1, 1, 0),
+    spec(16, launch<16>, Base, 64, 1, 1, 0),
 };
 
 }  // namespace

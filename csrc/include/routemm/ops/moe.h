@@ -1,0 +1,89 @@
+// The mixture-of-experts layer's own kernels, beside the expert-ID matmuls they connect:
+//
+//   moe_gate     router logits [m, E] -> top-k weights F32 [m, top_k] and expert ids [m, top_k]
+//   moe_silu_mul SiLU(gate) * up, row by row, where gate and up may be views of one buffer
+//   moe_combine  out[t, :] = sum over slots s = 0 .. top_k - 1, in that order, of
+//                weight[t, s] * rows[t * top_k + s, :]
+//
+// Each front door validates every buffer (dtype, logical extent, alignment, device, output
+// writability and overlap) and resolves its pipeline before it touches the encoder, then encodes
+// exactly one dispatch. Like the expert-ID matmul's direct route, none of them encodes a barrier:
+// a caller that chains them orders the steps with CommandEncoder::memory_barrier().
+//
+// NUMERIC CONTRACT (every backend):
+//   gate     Logits are read as F32; a NaN logit counts as -inf. Experts are ranked by logit,
+//            descending, ties to the lower expert index (softmax is monotonic, so this is the
+//            ranking of the probabilities without their rounding). With max the largest logit:
+//            finite max: p_e = exp(l_e - max) / sum_e' exp(l_e' - max), the sum taken over e' in
+//            increasing order in F32; max = +inf: the +inf experts share the mass equally, every
+//            other expert gets 0; no logit above -inf (every logit -inf or NaN): every p_e = 0, so
+//            the row's weights are 0 and its ids are the lowest top_k expert indexes.
+//            renormalize: weight_s = p_s / (p_0 + ... + p_{top_k-1}) (slots summed in order;
+//            left at 0 when that sum is 0); otherwise weight_s = p_s.
+//   silu_mul out = (g / (1 + exp(-g))) * u, in F32.
+//   combine  acc starts at +0.0f; for s = 0, 1, ..., top_k - 1: a slot whose id is >= n_experts
+//            (an invalid or expert-parallel sentinel id) is skipped, so it contributes exactly
+//            nothing whatever its weight and row hold; otherwise acc = fma(weight, row, acc). No
+//            atomics: the result does not depend on the grid or thread count.
+// exp() is the backend's F32 exponential (not bit-identical across backends), so gate and
+// silu_mul agree across backends within a few F32 ulps, combine bit for bit.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string_view>
+
+#include "routemm/buffer.h"
+#include "routemm/encoder.h"
+#include "routemm/registry.h"
+
+namespace routemm {
+
+// Every pipeline name these ops own, in registration order.
+inline constexpr std::array<std::string_view, 3> kMoePipelineNames = {
+    "moe_gate_softmax_topk_f32",
+    "moe_silu_mul_f32",
+    "moe_combine_f32",
+};
+inline constexpr std::string_view kMoeGatePipeline = kMoePipelineNames[0];
+inline constexpr std::string_view kMoeSiluMulPipeline = kMoePipelineNames[1];
+inline constexpr std::string_view kMoeCombinePipeline = kMoePipelineNames[2];
+
+struct MoeGateParams {
+  uint32_t m = 0;          // tokens (rows of logits)
+  uint32_t n_experts = 0;  // logits per row
+  uint32_t top_k = 0;      // 1 <= top_k <= n_experts
+  bool renormalize = false;
+};
+
+// logits: F32 [m, n_experts]; weights: F32 [m, top_k] (written); ids: U32 or I32 [m, top_k]
+// (written, values in [0, n_experts)).
+void moe_gate(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& logits,
+              const Buffer& weights, const Buffer& ids, const MoeGateParams& params);
+
+struct MoeSiluMulParams {
+  uint32_t rows = 0;
+  uint32_t width = 0;            // elements per output row
+  uint64_t gate_row_stride = 0;  // elements from one gate row to the next (>= width)
+  uint64_t up_row_stride = 0;    // elements from one up row to the next (>= width)
+};
+
+// gate, up: F32 views (they may share storage, e.g. the two halves of a [rows, 2 * width]
+// gate_up product); output: F32 [rows, width], contiguous, overlapping neither.
+void moe_silu_mul(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& gate,
+                  const Buffer& up, const Buffer& output, const MoeSiluMulParams& params);
+
+struct MoeCombineParams {
+  uint32_t m = 0;
+  uint32_t top_k = 0;
+  uint32_t hidden = 0;     // elements per row
+  uint32_t n_experts = 0;  // ids >= n_experts are skipped
+};
+
+// rows: F32 [m * top_k, hidden]; weights: F32 [m, top_k]; ids: U32 or I32 [m, top_k] (an I32 id
+// is read as its U32 bit pattern, so a negative one counts as invalid); output: F32 [m, hidden].
+void moe_combine(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& rows,
+                 const Buffer& weights, const Buffer& ids, const Buffer& output,
+                 const MoeCombineParams& params);
+
+}  // namespace routemm

@@ -1,0 +1,209 @@
+// MoE layer front doors: validation, geometry and encoding of moe_gate, moe_silu_mul and
+// moe_combine. Backends supply the three kernels (kMoePipelineNames); every contract lives here.
+#include "routemm/ops/moe.h"
+
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "backend/common/moe_params.h"
+#include "routemm/error.h"
+
+namespace routemm {
+namespace {
+
+// Checks shared by the three front doors; every message starts with the op's name.
+class Checks {
+ public:
+  explicit Checks(std::string_view op) : op_(op) {}
+
+  [[noreturn]] void fail(const std::string& message) const {
+    throw InvalidArgument(std::string(op_) + " " + message);
+  }
+
+  uint64_t product(std::string_view label, std::initializer_list<uint64_t> factors) const {
+    uint64_t value = 1;
+    for (const uint64_t factor : factors) {
+      if (value != 0 && factor > std::numeric_limits<uint64_t>::max() / value) {
+        fail(std::string(label) + " byte extent overflow");
+      }
+      value *= factor;
+    }
+    return value;
+  }
+
+  // A valid buffer of one of `dtypes` holding at least `required` logical bytes, aligned to its
+  // element; returns the byte range the kernel touches.
+  ByteRange buffer(std::string_view label, const Buffer& buffer,
+                   std::initializer_list<DType> dtypes, uint64_t required) const {
+    if (!buffer.valid()) fail(std::string(label) + " is an empty buffer");
+    bool accepted = false;
+    std::string names;
+    for (const DType dtype : dtypes) {
+      accepted = accepted || buffer.dtype() == dtype;
+      names += (names.empty() ? "" : " or ") + std::string(dtype_name(dtype));
+    }
+    if (!accepted) {
+      fail(std::string(label) + " must be " + names + ", got " +
+           std::string(dtype_name(buffer.dtype())));
+    }
+    if (buffer.nbytes() < required) {
+      fail(std::string(label) + " requires " + std::to_string(required) + " logical bytes, got " +
+           std::to_string(buffer.nbytes()));
+    }
+    if (buffer.byte_offset() % dtype_size(buffer.dtype()) != 0) {
+      fail(std::string(label) + " byte offset " + std::to_string(buffer.byte_offset()) +
+           " is not aligned to " + std::string(dtype_name(buffer.dtype())));
+    }
+    const uint64_t start = buffer.address() + buffer.byte_offset();
+    if (start < buffer.address() || start + required < start) fail("logical buffer range overflow");
+    return {start, start + required};
+  }
+
+  // The output is writable, overlaps no input, and every buffer lives on the encoder's device.
+  void placement(CommandEncoder& encoder, KernelRegistry& registry,
+                 std::initializer_list<std::pair<std::string_view, const Buffer*>> inputs,
+                 const Buffer& output, ByteRange output_range,
+                 std::initializer_list<ByteRange> input_ranges) const {
+    if (!output.writable()) fail("output is read-only");
+    auto range = input_ranges.begin();
+    for (const auto& [label, buffer] : inputs) {
+      const ByteRange in = *range++;
+      if (output_range.start < in.end && in.start < output_range.end) {
+        fail("output must not overlap " + std::string(label));
+      }
+      if (buffer->backend() != output.backend()) fail("buffers must all live on one device");
+    }
+    if (registry.device().backend() != encoder.backend() || output.backend() != encoder.backend()) {
+      fail("encoder, registry and buffers must belong to one device (encoder/device mismatch)");
+    }
+    if (encoder.receipt_slots_left() < 1) fail("open dispatch receipt has no room for a dispatch");
+  }
+
+ private:
+  std::string_view op_;
+};
+
+ByteRange logical_range(const Buffer& buffer) {
+  const auto [start, end] = buffer.logical_range();
+  return {start, end};
+}
+
+uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+
+// Threads per group from the pipeline (at least one).
+uint64_t group_threads(const Pipeline& pipeline) {
+  return pipeline.def().threads_per_group == 0 ? 1 : pipeline.def().threads_per_group;
+}
+
+}  // namespace
+
+void moe_gate(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& logits,
+              const Buffer& weights, const Buffer& ids, const MoeGateParams& p) {
+  const Checks check("moe_gate");
+  if (p.m == 0 || p.n_experts == 0) check.fail("m and n_experts must be nonzero");
+  if (p.top_k == 0 || p.top_k > p.n_experts) {
+    check.fail("top_k " + std::to_string(p.top_k) +
+               " must be in [1, n_experts = " + std::to_string(p.n_experts) + "]");
+  }
+  const ByteRange logits_range =
+      check.buffer("logits", logits, {DType::F32}, check.product("logits", {p.m, p.n_experts, 4}));
+  const uint64_t slot_bytes = check.product("top-k", {p.m, p.top_k, 4});
+  const ByteRange weights_range = check.buffer("weights", weights, {DType::F32}, slot_bytes);
+  const ByteRange ids_range = check.buffer("ids", ids, {DType::U32, DType::I32}, slot_bytes);
+  if (!ids.writable()) check.fail("ids is read-only");
+  if (ids_range.start < weights_range.end && weights_range.start < ids_range.end) {
+    check.fail("weights and ids must not overlap");
+  }
+  if (ids.backend() != weights.backend()) check.fail("buffers must all live on one device");
+  check.placement(encoder, registry, {{"logits", &logits}}, weights, weights_range, {logits_range});
+  check.placement(encoder, registry, {{"logits", &logits}}, ids, ids_range, {logits_range});
+
+  const PipelinePtr pipeline = registry.get_pipeline(kMoeGatePipeline);
+  const kernels::MoeGateKernelParams gpu{p.m, p.n_experts, p.top_k, p.renormalize ? 1u : 0u};
+  if (encoder.is_capturing()) {
+    encoder.set_pending_buffer_ranges({logical_range(logits)},
+                                      {logical_range(weights), logical_range(ids)});
+  }
+  const std::pair<uint32_t, KernelArg> args[] = {{0, KernelArg::pod(gpu)},
+                                                 {1, KernelArg::of(logits)},
+                                                 {2, KernelArg::of(weights)},
+                                                 {3, KernelArg::of(ids)}};
+  // One thread per token row.
+  const uint64_t threads = group_threads(*pipeline);
+  encoder.dispatch(*pipeline, args, Dim3{ceil_div(p.m, threads), 1, 1}, Dim3{threads, 1, 1});
+}
+
+void moe_silu_mul(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& gate,
+                  const Buffer& up, const Buffer& output, const MoeSiluMulParams& p) {
+  const Checks check("moe_silu_mul");
+  if (p.rows == 0 || p.width == 0) check.fail("rows and width must be nonzero");
+  if (p.gate_row_stride < p.width || p.up_row_stride < p.width) {
+    check.fail("row strides " + std::to_string(p.gate_row_stride) + "/" +
+               std::to_string(p.up_row_stride) + " must be at least the width " +
+               std::to_string(p.width));
+  }
+  // Elements up to the end of the last row read: (rows - 1) * stride + width.
+  const auto extent = [&](std::string_view label, uint64_t stride) {
+    const uint64_t before_last = check.product(label, {p.rows - 1ull, stride});
+    if (before_last + p.width < before_last) check.fail(std::string(label) + " extent overflow");
+    return check.product(label, {before_last + p.width, 4});
+  };
+  const ByteRange gate_range =
+      check.buffer("gate", gate, {DType::F32}, extent("gate", p.gate_row_stride));
+  const ByteRange up_range = check.buffer("up", up, {DType::F32}, extent("up", p.up_row_stride));
+  const ByteRange out_range =
+      check.buffer("output", output, {DType::F32}, check.product("output", {p.rows, p.width, 4}));
+  check.placement(encoder, registry, {{"gate", &gate}, {"up", &up}}, output, out_range,
+                  {gate_range, up_range});
+
+  const PipelinePtr pipeline = registry.get_pipeline(kMoeSiluMulPipeline);
+  const kernels::MoeSiluMulKernelParams gpu{p.rows, p.width, p.gate_row_stride, p.up_row_stride};
+  if (encoder.is_capturing()) {
+    encoder.set_pending_buffer_ranges({logical_range(gate), logical_range(up)},
+                                      {logical_range(output)});
+  }
+  const std::pair<uint32_t, KernelArg> args[] = {{0, KernelArg::pod(gpu)},
+                                                 {1, KernelArg::of(gate)},
+                                                 {2, KernelArg::of(up)},
+                                                 {3, KernelArg::of(output)}};
+  // Group (x, y) covers columns [x * threads, (x + 1) * threads) of row y.
+  const uint64_t threads = group_threads(*pipeline);
+  encoder.dispatch(*pipeline, args, Dim3{ceil_div(p.width, threads), p.rows, 1},
+                   Dim3{threads, 1, 1});
+}
+
+void moe_combine(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& rows,
+                 const Buffer& weights, const Buffer& ids, const Buffer& output,
+                 const MoeCombineParams& p) {
+  const Checks check("moe_combine");
+  if (p.m == 0 || p.top_k == 0 || p.hidden == 0 || p.n_experts == 0) {
+    check.fail("m, top_k, hidden and n_experts must be nonzero");
+  }
+  const ByteRange rows_range =
+      check.buffer("rows", rows, {DType::F32}, check.product("rows", {p.m, p.top_k, p.hidden, 4}));
+  const uint64_t slot_bytes = check.product("top-k", {p.m, p.top_k, 4});
+  const ByteRange weights_range = check.buffer("weights", weights, {DType::F32}, slot_bytes);
+  const ByteRange ids_range = check.buffer("ids", ids, {DType::U32, DType::I32}, slot_bytes);
+  const ByteRange out_range =
+      check.buffer("output", output, {DType::F32}, check.product("output", {p.m, p.hidden, 4}));
+  check.placement(encoder, registry, {{"rows", &rows}, {"weights", &weights}, {"ids", &ids}},
+                  output, out_range, {rows_range, weights_range, ids_range});
+
+  const PipelinePtr pipeline = registry.get_pipeline(kMoeCombinePipeline);
+  const kernels::MoeCombineKernelParams gpu{p.m, p.top_k, p.hidden, p.n_experts};
+  if (encoder.is_capturing()) {
+    encoder.set_pending_buffer_ranges(
+        {logical_range(rows), logical_range(weights), logical_range(ids)}, {logical_range(output)});
+  }
+  const std::pair<uint32_t, KernelArg> args[] = {{0, KernelArg::pod(gpu)},
+                                                 {1, KernelArg::of(rows)},
+                                                 {2, KernelArg::of(weights)},
+                                                 {3, KernelArg::of(ids)},
+                                                 {4, KernelArg::of(output)}};
+  // Group (x, y) covers columns [x * threads, (x + 1) * threads) of token y.
+  const uint64_t threads = group_threads(*pipeline);
+  encoder.dispatch(*pipeline, args, Dim3{ceil_div(p.hidden, threads), p.m, 1}, Dim3{threads, 1, 1});
+}
+
+}  // namespace routemm

@@ -1,0 +1,76 @@
+"""Hugging Face transformers: routemm as an experts implementation.
+
+    import routemm.integrations.transformers as rt
+    rt.register()
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="routemm")
+
+`register()` adds `experts_forward` to transformers' experts registry
+(`transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`) under the name "routemm"; every experts
+module built with `@use_experts_implementation` (Qwen3-MoE, Mixtral, ...) then runs its forward
+through `routemm.moe_experts` when the model's experts implementation is "routemm".
+
+Supported modules: gated SiLU experts stored as transformers stores them by default -- `gate_up_proj`
+[E, 2I, H] (gate rows, then up rows), `down_proj` [E, H, I], no bias, no post-expert norm -- in
+float32, float16 or bfloat16. Anything else raises routemm.InvalidArgumentError instead of computing
+something else. Activations are computed in float32 and the result is cast back to the hidden
+states' dtype. Under expert parallelism transformers passes sentinel ids (>= the local expert
+count) with zero weights; routemm skips them without reading a weight.
+"""
+
+from __future__ import annotations
+
+from .._errors import InvalidArgumentError
+from ..moe import moe_experts
+
+IMPLEMENTATION_NAME = "routemm"
+
+
+def _is_silu(act) -> bool:
+    import torch
+
+    try:
+        from transformers.activations import SiLUActivation
+    except ImportError:  # older transformers use torch.nn.SiLU only
+        SiLUActivation = torch.nn.SiLU
+    return isinstance(act, (torch.nn.SiLU, SiLUActivation))
+
+
+def _check_module(module) -> None:
+    unsupported = [
+        name
+        for name, bad in (
+            ("biases", getattr(module, "has_bias", False)),
+            ("ungated experts", not getattr(module, "has_gate", True)),
+            ("transposed expert weights", getattr(module, "is_transposed", False)),
+            ("interleaved gate/up rows", not getattr(module, "is_concatenated", True)),
+            ("a post-expert norm", getattr(module, "has_post_expert_norm", False)),
+            ("an activation other than SiLU", not _is_silu(getattr(module, "act_fn", None))),
+        )
+        if bad
+    ]
+    if unsupported:
+        raise InvalidArgumentError(
+            f"routemm experts implementation: {type(module).__name__} has {', '.join(unsupported)}, "
+            "which routemm.moe_experts does not compute"
+        )
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The experts forward of transformers' experts modules, computed by routemm.moe_experts.
+
+    hidden_states [tokens, H], top_k_index [tokens, top_k], top_k_weights [tokens, top_k] -> [tokens, H]
+    in the dtype of hidden_states.
+    """
+    import torch
+
+    _check_module(self)
+    with torch.no_grad():
+        out = moe_experts(hidden_states.float(), top_k_index, top_k_weights.float(), self.gate_up_proj, self.down_proj)
+    return out.to(hidden_states.dtype)
+
+
+def register(name: str = IMPLEMENTATION_NAME) -> None:
+    """Add routemm to transformers' experts implementations under `name` (default "routemm")."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(name, experts_forward)

@@ -1,0 +1,457 @@
+"""The MoE layer: router gate and experts block, built from the op front doors.
+
+    weights, ids = moe_gate(router_logits, top_k, renormalize=...)
+    out = moe_experts(hidden, ids, weights, gate_up, down)
+
+`moe_experts` computes, for every token t and slot s with a valid expert e = ids[t, s]:
+
+    h = SiLU(W_gate[e] @ x[t]) * (W_up[e] @ x[t])            (F32, [I])
+    out[t] = sum over s = 0 .. top_k - 1, in order, of weights[t, s] * (W_down[e] @ h)
+
+as one encoder submission: the gate/up expert-ID matmul (one [E, 2I, H] stack, or a gate and an
+up stack), SiLU(gate) * up, the down matmul on the slotted rows, and the ordered weighted combine
+(no atomics, so the result is deterministic). An id outside [0, E) -- an invalid id or an
+expert-parallel sentinel -- contributes zero and reads no weight. Both matmuls take the same ids,
+the same route and, on grouped_prefill, the same scratch.
+
+Numeric contracts of the gate and the two small kernels are in csrc/include/routemm/ops/moe.h.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import numpy as np
+
+from . import _core
+from ._core_api import DType
+from ._errors import InvalidArgumentError
+from .dense_matmul_id import (
+    DenseMatmulIdInputLayout,
+    DenseMatmulIdMultiplicity,
+    DenseMatmulIdParams,
+    DenseMatmulIdRoute,
+    DenseMatmulIdScratch,
+    _default_device,
+    _framework,
+    _pick_route,
+    _registry_for,
+    dense_matmul_id,
+    ids_distinct_per_token,
+)
+from .quantized_matmul import GgmlType
+from .quantized_matmul_id import SUPPORTED_TYPES as QUANTIZED_EXPERT_TYPES
+from .quantized_matmul_id import (
+    GgmlQuantizedMatmulIdParams,
+    GgmlQuantizedMatmulIdRoute,
+    quantized_matmul_id_ggml,
+)
+
+MOE_PIPELINE_NAMES: tuple[str, ...] = _core.MOE_PIPELINE_NAMES
+
+_INVALID_ID = 0xFFFFFFFF
+
+
+# ---- Explicit front doors (encode into a caller's encoder) --------------------------------------
+
+
+def encode_moe_gate(encoder, registry, logits, weights, ids, *, top_k: int, renormalize: bool) -> None:
+    """Encode the gate: logits F32 [m, E] -> weights F32 [m, top_k], ids U32/I32 [m, top_k].
+
+    One dispatch, no barrier (order it after the logits' producer with encoder.memory_barrier()).
+    """
+    m, n_experts = _matrix_shape("moe_gate logits", logits.shape)
+    _check_top_k(top_k, n_experts)
+    _core._moe_gate(encoder, registry, logits, weights, ids, m, n_experts, int(top_k), _check_bool(renormalize))
+
+
+def encode_moe_silu_mul(
+    encoder, registry, gate, up, output, *, rows: int, width: int, gate_row_stride: int, up_row_stride: int
+) -> None:
+    """Encode output[r, c] = SiLU(gate[r * gate_row_stride + c]) * up[r * up_row_stride + c] (F32)."""
+    _core._moe_silu_mul(encoder, registry, gate, up, output, rows, width, gate_row_stride, up_row_stride)
+
+
+def encode_moe_combine(encoder, registry, rows, weights, ids, output, *, n_experts: int) -> None:
+    """Encode output[t] = ordered sum over valid slots of weights[t, s] * rows[t * top_k + s].
+
+    rows F32 [m * top_k, hidden], weights F32 [m, top_k], ids U32/I32 [m, top_k] (ids >= n_experts
+    are skipped), output F32 [m, hidden].
+    """
+    m, top_k = _matrix_shape("moe_combine weights", weights.shape)
+    hidden = int(output.shape[-1])
+    _core._moe_combine(encoder, registry, rows, weights, ids, output, m, top_k, hidden, int(n_experts))
+
+
+def _matrix_shape(what: str, shape) -> tuple[int, int]:
+    shape = tuple(int(d) for d in shape)
+    if len(shape) != 2:
+        raise InvalidArgumentError(f"{what} must be 2-D, got shape {shape}")
+    return shape
+
+
+def _check_top_k(top_k, n_experts: int) -> int:
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
+        raise InvalidArgumentError(f"moe_gate top_k must be an integer, got {top_k!r}")
+    if not 1 <= top_k <= n_experts:
+        raise InvalidArgumentError(f"moe_gate top_k {top_k} must be in [1, n_experts = {n_experts}]")
+    return int(top_k)
+
+
+def _check_bool(value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidArgumentError(f"moe_gate renormalize must be a bool, got {value!r}")
+    return bool(value)
+
+
+# ---- moe_gate -----------------------------------------------------------------------------------
+
+
+def moe_gate(router_logits, top_k: int, *, renormalize: bool, device=None):
+    """Softmax over experts and top-k selection: returns (weights float32 [m, top_k], ids int32 [m, top_k]).
+
+    router_logits: float32 [m, n_experts]. Experts are ranked by logit, ties to the lower index;
+    a NaN logit ranks as -inf; a row with no logit above -inf gets weights 0 and ids 0..top_k-1.
+    renormalize: divide the top-k probabilities by their sum (Mixtral, Qwen3-MoE with
+    norm_topk_prob) instead of keeping the full-softmax probabilities.
+    NumPy input runs on `device` (default: the best backend) and returns NumPy arrays; a PyTorch
+    tensor is used in place on its own device and the results are tensors there (no host sync).
+    """
+    framework = _framework(router_logits)
+    if framework == "cupy":
+        raise InvalidArgumentError("moe_gate takes NumPy arrays or PyTorch tensors")
+    m, n_experts = _matrix_shape("moe_gate router_logits", router_logits.shape)
+    top_k = _check_top_k(top_k, n_experts)
+    renormalize = _check_bool(renormalize)
+    if framework == "torch":
+        import torch
+
+        from ._interop import from_dlpack
+
+        if router_logits.dtype != torch.float32:
+            raise InvalidArgumentError(f"moe_gate router_logits must be float32, got {router_logits.dtype}")
+        logits_buf = from_dlpack(router_logits.detach().contiguous())
+        weights = torch.empty((m, top_k), dtype=torch.float32, device=router_logits.device)
+        ids = torch.empty((m, top_k), dtype=torch.int32, device=router_logits.device)
+        device = logits_buf.device
+        _submit(
+            device,
+            lambda enc, reg: _core._moe_gate(
+                enc, reg, logits_buf, from_dlpack(weights), from_dlpack(ids), m, n_experts, top_k, renormalize
+            ),
+        )
+        return weights, ids
+    logits = np.asarray(router_logits)
+    if logits.dtype != np.float32:
+        raise InvalidArgumentError(f"moe_gate router_logits must be float32, got {logits.dtype}")
+    device = device or _default_device()
+    logits_buf = device.from_numpy(np.ascontiguousarray(logits))
+    weights_buf = device.alloc(m * top_k * 4, DType.F32, [m, top_k])
+    ids_buf = device.alloc(m * top_k * 4, DType.I32, [m, top_k])
+    _submit(
+        device,
+        lambda enc, reg: _core._moe_gate(enc, reg, logits_buf, weights_buf, ids_buf, m, n_experts, top_k, renormalize),
+    )
+    return weights_buf.numpy(), ids_buf.numpy()
+
+
+def _submit(device, encode) -> None:
+    encoder = device.command_encoder()
+    encode(encoder, _registry_for(device))
+    encoder.commit_and_wait()
+
+
+# ---- moe_experts --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertShapes:
+    m: int
+    top_k: int
+    n_experts: int
+    hidden: int
+    intermediate: int
+    stacked: bool  # gate_up is one [E, 2I, H] stack
+
+
+def _shape_of(w, ggml_type: Optional[GgmlType] = None) -> tuple[int, ...]:
+    """The logical [E, n, k] shape of a weight stack (k in values, also for uint8 block stacks)."""
+    shape = tuple(int(d) for d in w.shape)
+    if ggml_type is None:
+        return shape
+    values, block_bytes = ggml_type.block_layout
+    if len(shape) != 3 or shape[2] % block_bytes != 0:
+        raise InvalidArgumentError(
+            f"moe_experts {ggml_type.value} weights must be uint8 [E, n, k / {values} * {block_bytes}], got shape {shape}"
+        )
+    return (*shape[:2], shape[2] // block_bytes * values)
+
+
+def _expert_shapes(hidden_shape, ids_shape, weights_shape, gate_up, down, ggml_type=None) -> _ExpertShapes:
+    hidden_shape, ids_shape, weights_shape = (
+        tuple(int(d) for d in s) for s in (hidden_shape, ids_shape, weights_shape)
+    )
+    if len(hidden_shape) != 2:
+        raise InvalidArgumentError(f"moe_experts hidden must be [m, H], got shape {hidden_shape}")
+    m, h = hidden_shape
+    if len(ids_shape) != 2 or ids_shape[0] != m:
+        raise InvalidArgumentError(f"moe_experts top_k_index must be [{m}, top_k], got shape {ids_shape}")
+    top_k = ids_shape[1]
+    if weights_shape != ids_shape:
+        raise InvalidArgumentError(
+            f"moe_experts top_k_weights must have the shape of top_k_index {ids_shape}, got {weights_shape}"
+        )
+    down_shape = _shape_of(down, ggml_type)
+    if len(down_shape) != 3 or down_shape[1] != h:
+        raise InvalidArgumentError(f"moe_experts down must be [E, {h}, I], got shape {down_shape}")
+    n_experts, _, inter = down_shape
+    if isinstance(gate_up, (tuple, list)):
+        if len(gate_up) != 2:
+            raise InvalidArgumentError("moe_experts gate_up must be one [E, 2I, H] stack or a (gate, up) pair")
+        for name, w in zip(("gate", "up"), gate_up, strict=True):
+            if _shape_of(w, ggml_type) != (n_experts, inter, h):
+                raise InvalidArgumentError(
+                    f"moe_experts {name} must be [{n_experts}, {inter}, {h}], got shape {_shape_of(w, ggml_type)}"
+                )
+        stacked = False
+    else:
+        if _shape_of(gate_up, ggml_type) != (n_experts, 2 * inter, h):
+            raise InvalidArgumentError(
+                f"moe_experts gate_up must be [{n_experts}, {2 * inter}, {h}], got shape {_shape_of(gate_up, ggml_type)}"
+            )
+        stacked = True
+    if m == 0 or top_k == 0 or h == 0 or inter == 0 or n_experts == 0:
+        raise InvalidArgumentError(f"moe_experts extents must be nonzero, got m={m}, top_k={top_k}, H={h}, I={inter}")
+    return _ExpertShapes(m, top_k, n_experts, h, inter, stacked)
+
+
+def _encode_experts(
+    encoder,
+    registry,
+    device,
+    s: _ExpertShapes,
+    route: DenseMatmulIdRoute,
+    distinct: bool,
+    x_buf,
+    ids_buf,
+    weights_buf,
+    gate_up_bufs,
+    down_buf,
+    alloc,
+    out_buf,
+    ggml_type: Optional[GgmlType] = None,
+) -> None:
+    """Encode the whole experts block; `alloc(shape)` returns a fresh F32 buffer for intermediates.
+
+    Float stacks go through dense_matmul_id, block-quantised ones (ggml_type) through
+    quantized_matmul_id_ggml; every matmul takes the same ids, route and scratch.
+    """
+    rows = s.m * s.top_k
+    mult = DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN if distinct else DenseMatmulIdMultiplicity.MAY_REPEAT
+    scratch = DenseMatmulIdScratch(device, s.n_experts, s.m) if route.is_grouped else None
+
+    def matmul(w, x, out, n, k, layout):
+        if ggml_type is None:
+            stride = n * k * w.dtype.size
+            params = DenseMatmulIdParams(s.m, n, k, s.top_k, s.n_experts, stride, layout, mult, route)
+            dense_matmul_id(encoder, registry, w, x, ids_buf, out, scratch, params)
+            return
+        values, block_bytes = ggml_type.block_layout
+        qroute = GgmlQuantizedMatmulIdRoute.GROUPED if route.is_grouped else GgmlQuantizedMatmulIdRoute.DIRECT
+        stride = n * (k // values) * block_bytes
+        params = GgmlQuantizedMatmulIdParams(s.m, n, k, s.top_k, s.n_experts, ggml_type, stride, layout, qroute)
+        quantized_matmul_id_ggml(encoder, registry, x, w, ids_buf, out, scratch, params)
+
+    shared, slotted = DenseMatmulIdInputLayout.SHARED_PER_TOKEN, DenseMatmulIdInputLayout.SLOTTED
+    if s.stacked:
+        (gate_up_w,) = gate_up_bufs
+        gate_up = alloc([rows, 2 * s.intermediate])
+        matmul(gate_up_w, x_buf, gate_up, 2 * s.intermediate, s.hidden, shared)
+        # Gate row r is gate_up[r, :I], up row r is gate_up[r, I:]: two strided views of one buffer,
+        # each ending where its last row ends.
+        stride = 2 * s.intermediate
+        span = (rows - 1) * stride + s.intermediate
+        gate = gate_up.view(0, span * 4, DType.F32, [span])
+        up = gate_up.view(s.intermediate * 4, span * 4, DType.F32, [span])
+    else:
+        gate_w, up_w = gate_up_bufs
+        gate, up = alloc([rows, s.intermediate]), alloc([rows, s.intermediate])
+        for w, out in ((gate_w, gate), (up_w, up)):
+            matmul(w, x_buf, out, s.intermediate, s.hidden, shared)
+        stride = s.intermediate
+    act = alloc([rows, s.intermediate])
+    encoder.memory_barrier()
+    _core._moe_silu_mul(encoder, registry, gate, up, act, rows, s.intermediate, stride, stride)
+    encoder.memory_barrier()
+    down_out = alloc([rows, s.hidden])
+    matmul(down_buf, act, down_out, s.hidden, s.intermediate, slotted)
+    encoder.memory_barrier()
+    _core._moe_combine(encoder, registry, down_out, weights_buf, ids_buf, out_buf, s.m, s.top_k, s.hidden, s.n_experts)
+
+
+WeightStack = Union[np.ndarray, "_core.Buffer"]
+
+
+def moe_experts(
+    hidden,
+    top_k_index,
+    top_k_weights,
+    gate_up,
+    down,
+    *,
+    ggml_type=None,
+    route: Optional[DenseMatmulIdRoute] = None,
+    device=None,
+):
+    """The experts block of a MoE layer; returns float32 [m, H].
+
+    hidden: float32 [m, H]. top_k_index: integers [m, top_k]; ids outside [0, E) contribute zero
+    and read no weight. top_k_weights: float32 [m, top_k].
+    gate_up: one [E, 2I, H] stack (gate rows, then up rows, as transformers stores it) or a pair
+    (gate [E, I, H], up [E, I, H]) as GGUF stores it; down: [E, H, I]. Float32, float16 or bfloat16
+    weights (NumPy arrays, routemm.Buffer views such as gguf_tensor's, or tensors), or with
+    ggml_type=GgmlType.Q4_0 / Q8_0 uint8 block stacks [E, n, k / 32 * block_bytes] (routemm.q4_0 /
+    routemm.q8_0 quantise along the last axis; gguf_tensor loads them), whose matmuls run
+    quantized_matmul_id_ggml.
+    route: the expert-ID matmul route of both matmuls; None picks grouped_prefill when ids are
+    distinct per token and m > 8, else direct (with tensors, passing it avoids a device-to-host
+    distinctness check).
+    NumPy inputs run on `device` (default: the best backend) and the result is a NumPy array;
+    PyTorch tensors are used in place on their device and the result is a tensor there.
+    """
+    ggml_type = _checked_ggml_type(ggml_type)
+    framework = _framework(hidden)
+    if framework == "torch":
+        return _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route, ggml_type)
+    if framework == "cupy":
+        raise InvalidArgumentError("moe_experts takes NumPy arrays, routemm buffers or PyTorch tensors")
+    hidden = np.asarray(hidden)
+    ids = np.asarray(top_k_index)
+    weights = np.asarray(top_k_weights)
+    s = _expert_shapes(hidden.shape, ids.shape, weights.shape, gate_up, down, ggml_type)
+    if hidden.dtype != np.float32:
+        raise InvalidArgumentError(f"moe_experts hidden must be float32, got {hidden.dtype}")
+    if weights.dtype != np.float32:
+        raise InvalidArgumentError(f"moe_experts top_k_weights must be float32, got {weights.dtype}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise InvalidArgumentError(f"moe_experts top_k_index must be integers, got {ids.dtype}")
+    ids64 = ids.astype(np.int64, copy=False)
+    ids_u32 = np.where((ids64 >= 0) & (ids64 < s.n_experts), ids64, _INVALID_ID).astype(np.uint32)
+    distinct = ids_distinct_per_token(ids64, s.n_experts)
+    route = _checked_route(route, distinct, s.m)
+    device = device or _default_device()
+    stacks = tuple(gate_up) if not s.stacked else (gate_up,)
+    gate_up_bufs = tuple(_weight_buffer(device, w) for w in stacks)
+    down_buf = _weight_buffer(device, down)
+    _check_weight_dtypes(gate_up_bufs + (down_buf,), ggml_type)
+    out_buf = device.alloc(s.m * s.hidden * 4, DType.F32, [s.m, s.hidden])
+
+    def alloc(shape):
+        return device.alloc(int(np.prod(shape)) * 4, DType.F32, list(shape))
+
+    encoder = device.command_encoder()
+    _encode_experts(
+        encoder, _registry_for(device), device, s, route, distinct,
+        device.from_numpy(np.ascontiguousarray(hidden)), device.from_numpy(ids_u32),
+        device.from_numpy(np.ascontiguousarray(weights)), gate_up_bufs, down_buf, alloc, out_buf, ggml_type,
+    )  # fmt: skip
+    encoder.commit_and_wait()
+    return out_buf.numpy()
+
+
+def _checked_route(route, distinct: bool, m: int) -> DenseMatmulIdRoute:
+    route = _pick_route(route, distinct, m)
+    if route.is_grouped and not distinct:
+        raise InvalidArgumentError(f"moe_experts route {route.value} needs ids distinct per token")
+    return route
+
+
+def _weight_buffer(device, w):
+    if isinstance(w, _core.Buffer):
+        if w.device.backend != device.backend:
+            raise InvalidArgumentError(
+                f"moe_experts weight buffer lives on {w.device.backend}, the call runs on {device.backend}"
+            )
+        return w
+    w = np.asarray(w)
+    return device.from_numpy(np.ascontiguousarray(w))
+
+
+def _checked_ggml_type(ggml_type) -> Optional[GgmlType]:
+    if ggml_type is None:
+        return None
+    try:
+        ggml_type = GgmlType(ggml_type)
+    except ValueError:
+        ggml_type = None
+    if ggml_type not in QUANTIZED_EXPERT_TYPES:
+        names = ", ".join(t.value for t in QUANTIZED_EXPERT_TYPES)
+        raise InvalidArgumentError(f"moe_experts ggml_type must be None (float weights) or one of {names}")
+    return ggml_type
+
+
+def _check_weight_dtypes(bufs, ggml_type: Optional[GgmlType] = None) -> None:
+    dtypes = {b.dtype for b in bufs}
+    if ggml_type is not None:
+        if dtypes != {DType.U8}:
+            raise InvalidArgumentError(
+                f"moe_experts {ggml_type.value} weights must be uint8 block stacks, got {sorted(d.name.lower() for d in dtypes)}"
+            )
+        return
+    if len(dtypes) != 1 or not dtypes <= {DType.F32, DType.F16, DType.BF16}:
+        raise InvalidArgumentError(
+            f"moe_experts weights must share one of f32, f16, bf16, got {sorted(d.name.lower() for d in dtypes)}"
+        )
+
+
+def _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route, ggml_type):
+    import torch
+
+    from ._interop import from_dlpack
+
+    s = _expert_shapes(hidden.shape, top_k_index.shape, top_k_weights.shape, gate_up, down, ggml_type)
+    if hidden.dtype != torch.float32 or top_k_weights.dtype != torch.float32:
+        raise InvalidArgumentError(
+            f"moe_experts hidden and top_k_weights must be float32, got {hidden.dtype} and {top_k_weights.dtype}"
+        )
+    dev = hidden.device
+    valid = (top_k_index >= 0) & (top_k_index < s.n_experts)
+    # int32 bit patterns read as u32: every invalid id becomes -1, i.e. 0xFFFFFFFF.
+    ids32 = torch.where(valid, top_k_index, torch.full_like(top_k_index, -1)).to(torch.int32).contiguous()
+    distinct = True
+    if route is None or DenseMatmulIdRoute(route).is_grouped:
+        slots = torch.arange(s.top_k, device=dev)
+        keyed = torch.where(valid, top_k_index, -1 - slots)
+        sorted_ids = torch.sort(keyed, dim=1).values
+        distinct = s.top_k <= 1 or not bool((sorted_ids[:, 1:] == sorted_ids[:, :-1]).any())
+    route = _checked_route(route, distinct, s.m)
+
+    keep = []  # tensors that must outlive the submission
+
+    def buf(t):
+        t = t.detach().contiguous()
+        keep.append(t)
+        return from_dlpack(t)
+
+    x_buf = buf(hidden)
+    device = x_buf.device
+    id_i32 = buf(ids32)
+    ids_buf = id_i32.view(0, id_i32.nbytes, DType.U32, [s.m, s.top_k])
+    weights_buf = buf(top_k_weights)
+    stacks = tuple(gate_up) if not s.stacked else (gate_up,)
+    gate_up_bufs = tuple(buf(w) for w in stacks)
+    down_buf = buf(down)
+    _check_weight_dtypes(gate_up_bufs + (down_buf,), ggml_type)
+    out = torch.empty((s.m, s.hidden), dtype=torch.float32, device=dev)
+
+    def alloc(shape):
+        return buf(torch.empty(shape, dtype=torch.float32, device=dev))
+
+    encoder = device.command_encoder()
+    _encode_experts(
+        encoder, _registry_for(device), device, s, route, distinct, x_buf, ids_buf, weights_buf,
+        gate_up_bufs, down_buf, alloc, from_dlpack(out), ggml_type,
+    )  # fmt: skip
+    encoder.commit_and_wait()
+    return out
