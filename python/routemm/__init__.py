@@ -3,12 +3,11 @@
 Backends: cpu (always), cuda and metal (when built and present). See README.md for the API.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: it would bind `annotations` in the public namespace.
 import logging as _logging
 import os as _os
 
-from . import _core, env, q4_0
+from . import _core, env, q4_0, schemas
 from ._core_api import (
     CapturedNode,
     DispatchKind,
@@ -18,7 +17,7 @@ from ._core_api import (
     dtype_of,
     numpy_dtype,
 )
-from ._errors import CommandBufferError, Error, InvalidArgumentError, KernelNotFoundError
+from ._errors import CommandBufferError, Error, InvalidArgumentError, KernelNotFoundError, MissingDependencyError
 from ._interop import from_dlpack
 from .dense_matmul_id import (
     DenseMatmulIdCapability,
@@ -99,6 +98,7 @@ __all__ = [
     "InvalidArgumentError",
     "KernelNotFoundError",
     "KernelRegistry",
+    "MissingDependencyError",
     "Pipeline",
     "PipelineIdentity",
     "available_backends",
@@ -113,6 +113,7 @@ __all__ = [
     "matmul_id",
     "numpy_dtype",
     "reset_encoder_counters",
+    "schemas",
 ]
 __all__ += [
     "DenseQ4DecisionSource",
@@ -151,6 +152,7 @@ from .dense_matmul_id_plan import (  # noqa: E402
     load_dense_matmul_id_plan,
 )
 from .dense_q4_plan import (  # noqa: E402
+    DENSE_Q4_RECEIPT_SCHEMA_VERSION,
     DENSE_Q4_ROUTE_SCHEMA_VERSION,
     DenseQ4BaseShape,
     DenseQ4CalibrationBatchReceipt,
@@ -175,6 +177,7 @@ from .dense_q4_plan import (  # noqa: E402
 )
 
 __all__ += [
+    "DENSE_Q4_RECEIPT_SCHEMA_VERSION",
     "DENSE_Q4_ROUTE_SCHEMA_VERSION",
     "DenseQ4BaseShape",
     "DenseQ4CalibrationBatchReceipt",

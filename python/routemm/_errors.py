@@ -18,3 +18,7 @@ class CommandBufferError(Error):
     ("" when the failure belongs to no single launch)."""
 
     pipeline_label: str = ""
+
+
+class MissingDependencyError(Error, ImportError):
+    """An optional package a feature needs is not installed; the message says how to install it."""
