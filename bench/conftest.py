@@ -70,7 +70,7 @@ def _command_lines(doc: dict) -> list[str]:
     lines = ["Commands, by the revision of the records they measured:", ""]
     lines += [f"- {rev}: `{cmd}`" for rev, cmd in by_rev.items()]
     if untold:
-        lines.append(f"- {', '.join(untold)}: merged before records kept their command; see bench/results/logs")
+        lines.append(f"- {', '.join(untold)}: merged before records kept their command; see bench/lab/records/logs")
     return lines
 
 

@@ -3,7 +3,7 @@ m:route (route: mv = the default mat-vec path, simd, v1, v2, 64x32), default: 1:
 512:64x32 4096:v2. Each case runs twice (warm-up, then the launch to profile), e.g.
 
     ncu --clock-control none -k regex:q4_wgmma --launch-skip 1 --launch-count 1 \\
-        --section SpeedOfLight --section WarpStateStats python3 bench/q4_profile.py 9:64x32
+        --section SpeedOfLight --section WarpStateStats python3 bench/tools/q4_profile.py 9:64x32
 """
 
 import sys
