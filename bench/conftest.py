@@ -24,6 +24,21 @@ def pytest_addoption(parser):
     parser.addoption("--results", default=None, help="write the results JSON (and a .md table) here")
 
 
+@pytest.fixture(scope="module")
+def device():
+    """The CPU device the CPU suites (bench_dense_matmul_id.py, bench_q4_0_matmul.py) measure."""
+    import routemm
+
+    return routemm.Device("cpu")
+
+
+@pytest.fixture(scope="module")
+def registry(device):
+    import routemm
+
+    return routemm.KernelRegistry(device)
+
+
 @pytest.fixture(scope="session")
 def results():
     class Results:

@@ -5,11 +5,9 @@ bench/bench_cuda_dense_matmul_id.py (bf16 weights, router-like IDs, weight copie
     python3 bench/tools/tensor_timing.py qwen3-30b-a3b,mixtral-8x7b,deepseek-v3 512,4096
 """
 
-import json
 import math
 import os
 import sys
-import tempfile
 
 import routemm
 import torch
@@ -22,19 +20,7 @@ ROUTES = ("grouped_tensor_lowp", "grouped_tensor_tf32")
 
 def kernel_split(fn, n: int) -> tuple[float, dict]:
     """(seconds per call, {map, convert, tensor, other: seconds per call}) over n calls."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn(0)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(n):
-            fn(i + 1)
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        with open(f.name) as trace_file:
-            trace = json.load(trace_file)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    events = B.gpu_events(fn, n)
     split: dict = {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "kernel":
