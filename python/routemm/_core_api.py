@@ -50,7 +50,7 @@ def dtype_of(array_dtype) -> DType:
 def _unsupported_dtype_message(dtype: np.dtype) -> str:
     supported = ", ".join(str(d) for d in _NUMPY_TO_DTYPE)
     message = f"no routemm dtype for numpy dtype {dtype}; supported: {supported}"
-    if np.issubdtype(dtype, np.integer) or dtype == np.bool_:
+    if np.issubdtype(dtype, np.integer):
         return message + "; expert ids are uint32: convert with ids.astype(np.uint32)"
     if np.issubdtype(dtype, np.floating):
         return message + "; activations are float32: convert with x.astype(np.float32)"
@@ -89,7 +89,7 @@ def _buffer_copy_from_numpy(self: _core.Buffer, array) -> None:
 
 
 _native_alloc = _core.Device.alloc
-U64_MAX = 2**64 - 1
+_U64_MAX = 2**64 - 1
 
 
 def _device_alloc(self: _core.Device, nbytes: Optional[int] = None, dtype: Optional[DType] = None, shape=None):
@@ -101,6 +101,8 @@ def _device_alloc(self: _core.Device, nbytes: Optional[int] = None, dtype: Optio
     """
     if not isinstance(dtype, DType):
         raise InvalidArgumentError(f"alloc: dtype must be a routemm.DType, got {dtype!r}")
+    if shape is not None and not isinstance(shape, (list, tuple)):
+        raise InvalidArgumentError(f"alloc: shape must be a list or tuple of extents, got {shape!r}")
     if nbytes is None:
         if shape is None:
             raise InvalidArgumentError("alloc needs nbytes, or a shape to infer it from")
@@ -109,14 +111,14 @@ def _device_alloc(self: _core.Device, nbytes: Optional[int] = None, dtype: Optio
 
 
 def _shape_nbytes(where: str, shape, dtype: DType) -> int:
-    """Bytes of a C-contiguous `shape` of `dtype`, checked: extents are non-negative integers and the
-    total fits a u64."""
+    """Bytes of a C-contiguous `shape` (a list or tuple) of `dtype`, checked: extents are
+    non-negative integers and the total fits a u64."""
     nbytes = dtype.size
     for extent in shape:
         if isinstance(extent, bool) or not isinstance(extent, (int, np.integer)) or extent < 0:
             raise InvalidArgumentError(f"{where}: shape extents must be non-negative integers, got {list(shape)!r}")
         nbytes *= int(extent)
-    if nbytes > U64_MAX:
+    if nbytes > _U64_MAX:
         raise InvalidArgumentError(f"{where}: shape {list(shape)} of {dtype} is {nbytes} bytes, over 2^64 - 1")
     return nbytes
 

@@ -132,6 +132,7 @@ def test_alloc_infers_nbytes_from_shape(device):
         (dict(dtype=DType.F32), "needs nbytes, or a shape"),
         (dict(dtype=DType.F32, shape=[4, -1]), "non-negative integers"),
         (dict(dtype=DType.F32, shape=[2.5]), "non-negative integers"),
+        (dict(dtype=DType.F32, shape=8), "a list or tuple of extents"),
         (dict(dtype=DType.F32, shape=[2**32, 2**32]), "over 2\\^64 - 1"),
         (dict(shape=[4]), "dtype must be a routemm.DType"),
         (dict(nbytes=16, dtype=DType.F32, shape=[5]), "holds 5 elements"),  # the core checks the two agree
@@ -213,3 +214,19 @@ def test_matmul_id_wrong_x_blames_x(device, rng, x_shape, message):
 def test_matmul_id_receipt_travels_as_json(device, rng):
     _, receipt = routemm.matmul_id(*_case(rng), device=device, return_receipt=True)
     assert json.loads(receipt.to_json())["route"] == "grouped_prefill"
+
+
+def test_matmul_id_receipt_for_torch_tensors(rng):
+    torch = pytest.importorskip("torch")
+    w, x, ids = (torch.from_numpy(a) for a in _case(rng))
+    out, receipt = routemm.matmul_id(w, x, ids.to(torch.int32), return_receipt=True)
+    assert isinstance(out, torch.Tensor) and out.shape == (24, 8)
+    assert receipt.route is Route.GROUPED_PREFILL and receipt.dispatch_count == 2
+
+
+def test_from_dlpack_names_a_torch_dtype():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(routemm.InvalidArgumentError, match="from_dlpack: float64 has no routemm dtype"):
+        routemm.from_dlpack(torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(routemm.InvalidArgumentError, match=r"t\.contiguous\(\)"):
+        routemm.from_dlpack(torch.zeros((4, 6)).t())
