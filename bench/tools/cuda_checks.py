@@ -11,6 +11,7 @@ K splits (clusters; the 4352 cases have empty splits) and, on Hopper, the bf16 r
 import ml_dtypes
 import numpy as np
 import routemm
+from q4_profile import run_q4  # bench/tools/, the script's folder
 from routemm import q4_0
 
 EXPERT_ID_CASES = [  # (weight dtype, k, n, m, top_k, experts)
@@ -55,12 +56,7 @@ def q4_cases(dev, reg, rng) -> None:
         p = routemm.GgmlQuantizedMatmulParams(m, n, k)
         for route in [None] + (list(routemm.DenseQ4Route) if m > 8 else []):
             out = dev.from_numpy(np.zeros((m, n), np.float32))
-            enc = dev.command_encoder()
-            if route is None:
-                r = routemm.quantized_matmul_ggml(enc, reg, x, wbuf, out, p, routemm.GgmlRoutingPolicy())
-            else:
-                r = routemm.encode_q4_route(enc, reg, x, wbuf, out, p, route)
-            enc.commit_and_wait()
+            r = run_q4(dev, reg, x, wbuf, out, p, route)
             print("ok q4", m, n, k, offset, r.route, r.dispatch.grid)
 
 
