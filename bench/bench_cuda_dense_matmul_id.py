@@ -84,10 +84,9 @@ def time_torch(fn, n_calls, batches=5):
     return statistics.median(samples)
 
 
-def kernel_time(fn, n_calls, per_call_kernels=None):
-    """Device busy time per call (s) from CUPTI kernel records (torch.profiler), excluding host
-    launch gaps: with per_call_kernels, the median over calls of the summed kernel durations of
-    each call; otherwise total kernel + memcpy/memset time divided by n_calls. None if unavailable."""
+def gpu_events(fn, n_calls) -> list:
+    """The CUPTI trace events (torch.profiler, Chrome trace format) of fn(1) .. fn(n_calls), after
+    an untraced warm-up fn(0)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -100,8 +99,16 @@ def kernel_time(fn, n_calls, per_call_kernels=None):
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
-    evs = trace["traceEvents"] if isinstance(trace, dict) else trace
+        with open(f.name) as trace_file:
+            trace = json.load(trace_file)
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def kernel_time(fn, n_calls, per_call_kernels=None):
+    """Device busy time per call (s) from CUPTI kernel records (torch.profiler), excluding host
+    launch gaps: with per_call_kernels, the median over calls of the summed kernel durations of
+    each call; otherwise total kernel + memcpy/memset time divided by n_calls. None if unavailable."""
+    evs = gpu_events(fn, n_calls)
     gpu = sorted(
         (e for e in evs if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
         key=lambda e: e["ts"],
@@ -171,6 +178,21 @@ def run_shape(name, cfg, dtype_name, ms, device, registry, records, quick, only_
                 f"{avg_bytes / t / 1e12:6.3f} TB/s {flops / t / 1e12:7.2f} TFLOP/s {note}"
             )
 
+        def add_failure(route, note):
+            """A routemm result that failed its check: recorded without a time."""
+            records.append(
+                dict(
+                    op="dense_matmul_id",
+                    shape=name,
+                    m=m,
+                    weight_dtype=dtype_name,
+                    route=route,
+                    impl="routemm",
+                    time_us=float("nan"),
+                    note=note,
+                )
+            )
+
         # ---- routemm, both routes; correctness and bit identity on the first id set ----
         ref = None
         outs = {}
@@ -202,18 +224,7 @@ def run_shape(name, cfg, dtype_name, ms, device, registry, records, quick, only_
             tolerance = {"grouped_tensor_tf32": 2e-3, "grouped_tensor_lowp": 1e-2}.get(route, 1e-4)
             if not torch.isfinite(got).all() or err > tolerance:
                 log(f"!! {name} {dtype_name} m={m} {route}: relative error {err:.3e} (or non-finite)")
-                records.append(
-                    dict(
-                        op="dense_matmul_id",
-                        shape=name,
-                        m=m,
-                        weight_dtype=dtype_name,
-                        route=route,
-                        impl="routemm",
-                        time_us=float("nan"),
-                        note=f"WRONG rel err {float(err):.3e}",
-                    )
-                )
+                add_failure(route, f"WRONG rel err {float(err):.3e}")
                 continue
 
             # one timed call to size the batches
@@ -254,18 +265,7 @@ def run_shape(name, cfg, dtype_name, ms, device, registry, records, quick, only_
             same = torch.equal(outs["direct"].view(torch.int32), outs["grouped_prefill"].view(torch.int32))
             if not same:
                 log(f"!! {name} {dtype_name} m={m}: direct and grouped_prefill differ bitwise")
-                records.append(
-                    dict(
-                        op="dense_matmul_id",
-                        shape=name,
-                        m=m,
-                        weight_dtype=dtype_name,
-                        route="grouped_prefill",
-                        impl="routemm",
-                        time_us=float("nan"),
-                        note="NOT bit-identical to direct",
-                    )
-                )
+                add_failure("grouped_prefill", "NOT bit-identical to direct")
 
         # ---- peers ----
         def torch_loop(i):  # Hugging Face formulation (Mixtral/Qwen-MoE sparse block)

@@ -24,16 +24,6 @@ ROUNDS = {1: 30, 512: 3}
 ROUTES = {1: ["direct"], 512: ["direct", "grouped_prefill"]}
 
 
-@pytest.fixture(scope="module")
-def device():
-    return routemm.Device("cpu")
-
-
-@pytest.fixture(scope="module")
-def registry(device):
-    return routemm.KernelRegistry(device)
-
-
 @pytest.fixture(scope="module", params=sorted(DTYPES))
 def stack(request, device):
     rng = np.random.default_rng(0)

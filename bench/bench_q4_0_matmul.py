@@ -23,16 +23,6 @@ ROUNDS = {1: 10, 8: 6, 64: 3}
 
 
 @pytest.fixture(scope="module")
-def device():
-    return routemm.Device("cpu")
-
-
-@pytest.fixture(scope="module")
-def registry(device):
-    return routemm.KernelRegistry(device)
-
-
-@pytest.fixture(scope="module")
 def weight(device):
     rng = np.random.default_rng(0)
     blocks = q4_0.quantize(rng.standard_normal((N, K), dtype=np.float32) * 0.02)

@@ -24,6 +24,21 @@ def pytest_addoption(parser):
     parser.addoption("--results", default=None, help="write the results JSON (and a .md table) here")
 
 
+@pytest.fixture(scope="module")
+def device():
+    """The CPU device the CPU suites (bench_dense_matmul_id.py, bench_q4_0_matmul.py) measure."""
+    import routemm
+
+    return routemm.Device("cpu")
+
+
+@pytest.fixture(scope="module")
+def registry(device):
+    import routemm
+
+    return routemm.KernelRegistry(device)
+
+
 @pytest.fixture(scope="session")
 def results():
     class Results:
@@ -70,7 +85,7 @@ def _command_lines(doc: dict) -> list[str]:
     lines = ["Commands, by the revision of the records they measured:", ""]
     lines += [f"- {rev}: `{cmd}`" for rev, cmd in by_rev.items()]
     if untold:
-        lines.append(f"- {', '.join(untold)}: merged before records kept their command; see bench/results/logs")
+        lines.append(f"- {', '.join(untold)}: merged before records kept their command; see bench/lab/records/logs")
     return lines
 
 

@@ -34,7 +34,7 @@ def main(old_path: str, new_path: str) -> None:
             r.setdefault("git_rev", doc["git_rev"].split()[0])
             # A single run's header command is its records' command. A file merged before records
             # carried theirs has only the last merged run's in its header: those records stay
-            # without one (the device-run logs under bench/results/logs name them).
+            # without one (the device-run logs under bench/lab/records/logs name them).
             if "records by revision" not in doc["git_rev"]:
                 r.setdefault("command", doc["command"])
     replaced = {case_key(r): r for r in new["records"]}

@@ -2,7 +2,7 @@
 (bench_cuda_dense_matmul_id.kernel_time, as the bench does) after the GPU idled, and right after
 seconds of back-to-back calls, with the SM clock, power and throttle reasons nvidia-smi reports while
 the calls run. The bench times its routemm cases after batches sized to TARGET_S of device time;
-the per-kernel harness (device_tensor.sh) times a 10-call burst.
+the per-kernel harness (`bench/device.sh tensor`) times a 10-call burst.
 
     python3 bench/sustained_clock.py [SHAPE] [M] [SECONDS]    (default qwen3-30b-a3b 4096 3)
 """

@@ -3,7 +3,7 @@
 // at other configurations than the library's: consumer warps, ring depth, slab size, tokens, and
 // the data path alone (the token and the stages, or the stages only). Each shape also times its
 // plain read floor. Runs and readings:
-// bench/results/experiments/q4_0_matvec_mma_rows-h200-2026-12-04.md (runs 1-6 timed this file's
+// bench/lab/records/q4_0_matvec_mma_rows-h200-2026-12-04.md (runs 1-6 timed this file's
 // own copy of the kernel before it moved into the library).
 //
 //   nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -Icsrc/include -Icsrc \

@@ -1,4 +1,4 @@
-// EXPERIMENT (not in the library; bench/results/experiments/q4_0_matvec_rows-h200-2026-12-04.md): a
+// EXPERIMENT (not in the library; bench/lab/records/q4_0_matvec_rows-h200-2026-12-04.md): a
 // one-token Q4_0 mat-vec on Hopper (m == 1, k <= 15360), timed by bench/lab/q4_matvec_rows_lab.cu.
 // It was wired in as the library's m = 1 mat-vec at cdc9131..ebfda09 and lost to the tensor-core
 // mat-vec on every measured shape, so it lives here. A decode step's projection streams
@@ -6,7 +6,7 @@
 // the weight stream: whole rows, one bulk copy per stage, and F32 FMAs on the CUDA cores instead of
 // tensor-core MMAs (with one token, seven of an MMA's eight columns would be padding, and the
 // per-block MMA chain was what bounded the tensor-core kernel at m = 1; see
-// bench/results/experiments/q4_0_matvec-h200-2026-12-03.md and the 2026-12-04 notes beside it).
+// bench/lab/records/q4_0_matvec-h200-2026-12-03.md and the 2026-12-04 notes beside it).
 //
 // WORK SPLIT. A lane owns one block of K (32 values) and keeps the token's 32 activations of that
 // block in registers for the whole kernel. A warp spans 32 blocks (1024 values of K), so

@@ -1,5 +1,5 @@
 // EXPERIMENT (not part of the library): a TMA-fed Q4_0 mat-vec for Hopper, kept so the
-// measurements in bench/results/experiments/q4_0_matvec_tma-h200-2026-12-04.md can be reproduced
+// measurements in bench/lab/records/q4_0_matvec_tma-h200-2026-12-04.md can be reproduced
 // with bench/lab/q4_matvec_tma_lab.cu. It has the library mat-vec's split numerics, fragment order
 // and K-split reduction (q4_matmul.cu), so its outputs are bit-identical to that kernel's (checked on
 // the H200 through the Q4 test suite while it was wired in), but it ran 20-25% slower there, so the

@@ -12,7 +12,7 @@
 // >= 512 MB, so no call reads from L2.
 // Times: back-to-back launches (events around 40 calls; below about 8 MB that is the host's launch
 // rate, not the kernel). Kernel durations come from ncu: READ_FLOOR_MB=X runs size X alone, as
-// bench/lab/mma_rows_device.sh does for each size.
+// `bash bench/device.sh lab mma-rows` does for each size.
 #include <cuda_runtime.h>
 
 #include <cstdio>

@@ -15,6 +15,23 @@ std::string device_text(DLDevice d) {
   return "(" + std::to_string(d.device_type) + ", " + std::to_string(d.device_id) + ")";
 }
 
+// "float64", "int64", "bool8", ...: a DLPack type as the frameworks name it.
+std::string dlpack_type_text(DLDataType t) {
+  std::string kind;
+  switch (t.code) {
+    case kRoutemmDLInt: kind = "int"; break;
+    case kRoutemmDLUInt: kind = "uint"; break;
+    case kRoutemmDLFloat: kind = "float"; break;
+    case kRoutemmDLBfloat: kind = "bfloat"; break;
+    case kRoutemmDLComplex: kind = "complex"; break;
+    case kRoutemmDLBool: kind = "bool"; break;
+    default:
+      return "DLPack type code " + std::to_string(t.code) + " of " + std::to_string(t.bits) +
+             " bits";
+  }
+  return kind + std::to_string(t.bits);
+}
+
 DType dtype_from_dlpack(DLDataType t) {
   if (t.lanes != 1)
     throw InvalidArgument("from_dlpack: vector dtypes (lanes=" + std::to_string(t.lanes) +
@@ -37,8 +54,10 @@ DType dtype_from_dlpack(DLDataType t) {
       break;
     default: break;
   }
-  throw InvalidArgument("from_dlpack: no routemm dtype for DLPack code " + std::to_string(t.code) +
-                        " with " + std::to_string(t.bits) + " bits");
+  throw InvalidArgument("from_dlpack: " + dlpack_type_text(t) +
+                        " has no routemm dtype (supported: float32, float16, bfloat16, uint8, "
+                        "uint16, uint32, int32); convert first: activations are float32, expert "
+                        "ids uint32 or int32");
 }
 
 DLDataType dtype_to_dlpack(DType dtype) {
@@ -81,8 +100,8 @@ Buffer wrap(const Device& device, const DLTensor& t, bool writable, std::functio
     for (int32_t i = t.ndim - 1; i >= 0; --i) {
       if (t.shape[i] != 1 && static_cast<uint64_t>(t.strides[i]) != expected) {
         throw InvalidArgument(
-            "from_dlpack: tensor is not contiguous (row-major strides required); call "
-            ".contiguous() first");
+            "from_dlpack: tensor is not contiguous (row-major strides required); pass a "
+            "contiguous copy: np.ascontiguousarray(a) for NumPy, t.contiguous() for PyTorch");
       }
       expected *= static_cast<uint64_t>(t.shape[i]);
     }

@@ -3,12 +3,11 @@
 Backends: cpu (always), cuda and metal (when built and present). See README.md for the API.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: it would bind `annotations` in the public namespace.
 import logging as _logging
 import os as _os
 
-from . import _core, env, q4_0, q8_0
+from . import _core, env, q4_0, q8_0, schemas
 from ._core_api import (
     CapturedNode,
     DispatchKind,
@@ -24,6 +23,7 @@ from ._errors import (
     Error,
     InvalidArgumentError,
     KernelNotFoundError,
+    MissingDependencyError,
     OutOfMemoryError,
 )
 from ._interop import from_dlpack
@@ -143,6 +143,7 @@ __all__ = [
     "InvalidArgumentError",
     "KernelNotFoundError",
     "KernelRegistry",
+    "MissingDependencyError",
     "OutOfMemoryError",
     "Pipeline",
     "PipelineIdentity",
@@ -158,6 +159,7 @@ __all__ = [
     "matmul_id",
     "numpy_dtype",
     "reset_encoder_counters",
+    "schemas",
 ]
 __all__ += [
     "DenseQ4DecisionSource",
@@ -222,6 +224,7 @@ from .dense_matmul_id_plan import (  # noqa: E402
     trace_dense_matmul_id_auto,
 )
 from .dense_q4_plan import (  # noqa: E402
+    DENSE_Q4_RECEIPT_SCHEMA_VERSION,
     DENSE_Q4_ROUTE_SCHEMA_VERSION,
     DenseQ4BaseShape,
     DenseQ4CalibrationBatchReceipt,
@@ -259,6 +262,7 @@ from .ggml_routes import (  # noqa: E402
 from .moe_layer import MoeLayer  # noqa: E402
 
 __all__ += [
+    "DENSE_Q4_RECEIPT_SCHEMA_VERSION",
     "DENSE_Q4_ROUTE_SCHEMA_VERSION",
     "DenseQ4BaseShape",
     "DenseQ4CalibrationBatchReceipt",

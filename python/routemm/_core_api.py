@@ -42,10 +42,21 @@ def numpy_dtype(dtype: DType) -> np.dtype:
 
 
 def dtype_of(array_dtype) -> DType:
+    """The routemm dtype of NumPy dtype `array_dtype`; InvalidArgumentError names the supported ones."""
     try:
         return _NUMPY_TO_DTYPE[np.dtype(array_dtype)]
     except KeyError:
-        raise InvalidArgumentError(f"no routemm dtype for numpy dtype {np.dtype(array_dtype)}") from None
+        raise InvalidArgumentError(_unsupported_dtype_message(np.dtype(array_dtype))) from None
+
+
+def _unsupported_dtype_message(dtype: np.dtype) -> str:
+    supported = ", ".join(str(d) for d in _NUMPY_TO_DTYPE)
+    message = f"no routemm dtype for numpy dtype {dtype}; supported: {supported}"
+    if np.issubdtype(dtype, np.integer):
+        return message + "; expert ids are uint32: convert with ids.astype(np.uint32)"
+    if np.issubdtype(dtype, np.floating):
+        return message + "; activations are float32: convert with x.astype(np.float32)"
+    return message
 
 
 # ---- Device / Buffer ----------------------------------------------------------------------------
@@ -81,6 +92,42 @@ def _buffer_copy_from_numpy(self: _core.Buffer, array) -> None:
     self._write_bytes(data.reshape(-1).view(np.uint8))
 
 
+_native_alloc = _core.Device.alloc
+_U64_MAX = 2**64 - 1
+
+
+def _device_alloc(self: _core.Device, nbytes: Optional[int] = None, dtype: Optional[DType] = None, shape=None):
+    """Allocate device memory tagged with `dtype` and `shape` (contents undefined).
+
+    `alloc(nbytes, dtype, shape=None)`; without `nbytes` it is the shape's element count times the
+    dtype's size (`alloc(dtype=DType.F32, shape=[4, 8])` is 128 bytes). A shape that does not
+    cover exactly `nbytes` is refused by the core.
+    """
+    if not isinstance(dtype, DType):
+        raise InvalidArgumentError(f"alloc: dtype must be a routemm.DType, got {dtype!r}")
+    if shape is not None and not isinstance(shape, (list, tuple)):
+        raise InvalidArgumentError(f"alloc: shape must be a list or tuple of extents, got {shape!r}")
+    if nbytes is None:
+        if shape is None:
+            raise InvalidArgumentError("alloc needs nbytes, or a shape to infer it from")
+        nbytes = _shape_nbytes("alloc", shape, dtype)
+    return _native_alloc(self, nbytes, dtype, [] if shape is None else list(shape))
+
+
+def _shape_nbytes(where: str, shape, dtype: DType) -> int:
+    """Bytes of a C-contiguous `shape` (a list or tuple) of `dtype`, checked: extents are
+    non-negative integers and the total fits a u64."""
+    nbytes = dtype.size
+    for extent in shape:
+        if isinstance(extent, bool) or not isinstance(extent, (int, np.integer)) or extent < 0:
+            raise InvalidArgumentError(f"{where}: shape extents must be non-negative integers, got {list(shape)!r}")
+        nbytes *= int(extent)
+    if nbytes > _U64_MAX:
+        raise InvalidArgumentError(f"{where}: shape {list(shape)} of {dtype} is {nbytes} bytes, over 2^64 - 1")
+    return nbytes
+
+
+_core.Device.alloc = _device_alloc
 _core.Device.from_numpy = _device_from_numpy
 _core.Buffer.numpy = _buffer_numpy
 _core.Buffer.copy_from_numpy = _buffer_copy_from_numpy
@@ -212,6 +259,43 @@ def _pipeline_identity_of(self: _core.Pipeline) -> PipelineIdentity:
     return _identity_from_core(self._identity())
 
 
+_native_get_pipeline = _core.KernelRegistry.get_pipeline
+
+
+def _get_pipeline(self: _core.KernelRegistry, name: str, int_constants=()) -> _core.Pipeline:
+    """The pipeline of kernel `name` specialised with `int_constants`, a sequence of (index, value)
+    pairs such as [(700, 1)] (index a u32, value an i32); its label is `name|700:i1`."""
+    try:
+        return _native_get_pipeline(self, name, int_constants)
+    except TypeError:
+        problem = _pipeline_arguments_problem(name, int_constants)
+        if problem is None:
+            raise
+        raise InvalidArgumentError(f"get_pipeline: {problem}") from None
+
+
+def _pipeline_arguments_problem(name, int_constants) -> Optional[str]:
+    """Why get_pipeline's arguments cannot be converted, in words (None when they can)."""
+    if not isinstance(name, str):
+        return f"the kernel name must be a string, got {name!r}"
+    try:
+        pairs = list(int_constants)
+    except TypeError:
+        pairs = None
+    if pairs is None or not all(
+        isinstance(p, (tuple, list))
+        and len(p) == 2
+        and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in p)
+        for p in pairs
+    ):
+        return f"int_constants are (index, value) pairs of integers, e.g. [(700, 1)]; got {int_constants!r}"
+    for index, value in pairs:
+        if not 0 <= index <= 0xFFFFFFFF or not -(2**31) <= value < 2**31:
+            return f"int_constants pair ({index}, {value}) is out of range: the index is a u32, the value an i32"
+    return None
+
+
+_core.KernelRegistry.get_pipeline = _get_pipeline
 _core.KernelRegistry.pipeline_identity = _pipeline_identity
 _core.Pipeline.identity = property(_pipeline_identity_of)
 

@@ -28,3 +28,7 @@ class CommandBufferError(Error):
 class CalibrationError(Error):
     """A route calibration could not measure what it needs (e.g. a GPU interval that is not a
     finite, positive time); the message names the measurement."""
+
+
+class MissingDependencyError(Error, ImportError):
+    """An optional package a feature needs is not installed; the message says how to install it."""

@@ -82,7 +82,9 @@ def _from_cuda_array_interface(obj, cai: dict, device) -> _core.Buffer:
             expected.append(item)
             item *= d
         if tuple(strides) != tuple(reversed(expected)) and int(np.prod(shape)) > 1:
-            raise InvalidArgumentError("from_dlpack: tensor is not contiguous; call .contiguous() first")
+            raise InvalidArgumentError(
+                "from_dlpack: tensor is not contiguous; pass a contiguous copy (cupy.ascontiguousarray(a))"
+            )
     pointer, read_only = cai["data"]
     stream = cai.get("stream")
     if stream:

@@ -138,6 +138,9 @@ class PlanKind:
     # the plan id recomputed from a plan's own fields, or None where it depends on more
     recompute_plan_id: Callable[[Any], Optional[str]] = lambda plan: None
     max_epoch: int = U64_MAX
+    # a saved receipt document of an earlier schema version rewritten as the current one, so plan
+    # files saved by earlier releases still load (documents it does not recognise pass unchanged)
+    upgrade_receipt: Callable[[dict], dict] = lambda doc: doc
 
     def fail(self, message: str):
         raise InvalidArgumentError(f"{self.label} {message}")
@@ -279,7 +282,7 @@ def read_saved_plan(kind: PlanKind, path, validators: dict):
     try:
         plan = kind.plan_type.from_dict(plan_doc)
         what = "malformed calibration receipt"
-        receipt = None if receipt_doc is None else kind.receipt_type.from_dict(receipt_doc)
+        receipt = None if receipt_doc is None else kind.receipt_type.from_dict(kind.upgrade_receipt(receipt_doc))
         what = "plan altered after it was saved"
         _check_saved(kind, plan, receipt, validators)
     except InvalidArgumentError as e:

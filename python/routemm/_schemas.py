@@ -9,8 +9,9 @@ keyword is refused when it is first compiled, so the subset cannot silently drif
 
 Two readings are deliberate and the same as the draft's intent rather than a particular library's:
 `pattern` is matched with ECMA-262 anchors (`$` matches only at the very end, not before a final
-newline), and a JSON number (a float field) must be a finite double. `validate` runs the full
-`jsonschema` package instead (a test extra); the tests cross-check the two on mutated documents.
+newline), and a JSON number (a float field) must be a finite double. `validate` (public as
+`routemm.schemas.validate`) runs the full `jsonschema` package instead, an optional dependency (the
+`schemas` extra); the tests cross-check the two on mutated documents.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 from importlib import resources
 from typing import Any, Callable, Optional
 
-from ._errors import InvalidArgumentError
+from ._errors import InvalidArgumentError, MissingDependencyError
 
 
 @functools.lru_cache(maxsize=None)
@@ -38,24 +39,56 @@ def names() -> list[str]:
     )
 
 
-@functools.lru_cache(maxsize=None)
-def _validator(name: str):
-    import jsonschema
+JSONSCHEMA_HINT = 'pip install "routemm[schemas]" (or: pip install "jsonschema>=4.18")'
 
-    schema = load(name)
-    jsonschema.Draft202012Validator.check_schema(schema)
+
+def _jsonschema():
+    try:
+        import jsonschema
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"routemm.schemas.validate needs the jsonschema package, which is not installed: {JSONSCHEMA_HINT}. "
+            "Loading records with from_json/from_dict needs no extra package."
+        ) from e
+    return jsonschema
+
+
+@functools.lru_cache(maxsize=None)
+def _name_set() -> frozenset:
+    return frozenset(names())
+
+
+@functools.lru_cache(maxsize=None)
+def _validator(name: str, definition: Optional[str]):
+    jsonschema = _jsonschema()
+    root = load(name)
+    jsonschema.Draft202012Validator.check_schema(root)
+    # A record described by a `$defs` entry is checked against that entry, its references resolving
+    # in the same file.
+    schema = root if definition is None else {**root["$defs"][definition], "$defs": root["$defs"]}
     return jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
 
 
 def validate(record: Any, name: str | None = None) -> None:
-    """Validate a record (a JsonRecord or a plain dict) against its schema with the `jsonschema`
-    package; raises jsonschema.ValidationError on failure."""
-    import jsonschema
-
+    """Validate a record (a JsonRecord) or a parsed JSON document (then `name` is required) against
+    its shipped schema with the `jsonschema` package; raises jsonschema.ValidationError listing every
+    violation, MissingDependencyError without the package, InvalidArgumentError for an unknown
+    schema name or a document without one."""
+    jsonschema = _jsonschema()
+    is_record = hasattr(record, "to_dict") and hasattr(type(record), "SCHEMA")
     if name is None:
+        if not is_record:
+            raise InvalidArgumentError(
+                f"validate: a plain {type(record).__name__} needs the schema name (one of {', '.join(names())})"
+            )
         name = type(record).SCHEMA
-    doc = record.to_dict() if hasattr(record, "to_dict") else record
-    errors = sorted(_validator(name).iter_errors(doc), key=lambda e: list(e.path))
+    if name not in _name_set():
+        raise InvalidArgumentError(f"validate: no schema {name!r}; routemm ships {', '.join(names())}")
+    definition = None
+    if is_record and name == type(record).SCHEMA:
+        definition = record_definition(name, type(record).__name__)
+    doc = record.to_dict() if is_record else record
+    errors = sorted(_validator(name, definition).iter_errors(doc), key=lambda e: list(e.path))
     if errors:
         raise jsonschema.ValidationError(f"{name}: " + "; ".join(f"{list(e.path)}: {e.message}" for e in errors))
 

@@ -241,7 +241,17 @@ def _framework(obj) -> str:
     return module if module in ("torch", "cupy") else "numpy"
 
 
-def matmul_id(weights, x, ids, *, route=None, out=None, device=None, ggml_type=None):
+def matmul_id(
+    weights,
+    x,
+    ids,
+    *,
+    route=None,
+    out=None,
+    device=None,
+    ggml_type=None,
+    return_receipt: bool = False,
+):
     """Expert-ID matmul on arrays; returns the [m*top_k, n] float32 result.
 
     weights: [n_experts, n, k] float32, float16 or bfloat16; with ``ggml_type`` (GgmlType.Q4_0 or
@@ -255,20 +265,26 @@ def matmul_id(weights, x, ids, *, route=None, out=None, device=None, ggml_type=N
     out: optional C-contiguous float32 array of [m*top_k, n] to write the result into.
     device: a routemm.Device or a backend name ("cpu", ...) for NumPy inputs (default: the best
         available backend).
+    return_receipt: return (result, receipt) instead, the receipt (DenseMatmulIdDispatchReceipt,
+        or GgmlQuantizedMatmulIdDispatchReceipt with ggml_type) saying which route ran (the one
+        the automatic choice took when `route` is None).
 
     NumPy inputs are copied to the device and the result comes back as a NumPy array. PyTorch and
     CuPy tensors (CPU or CUDA) are used in place through DLPack, on the device they live on, and the
     result is a tensor of the same framework and device; they must be C-contiguous.
     """
+    _refuse_buffers(weights=weights, x=x, ids=ids, out=out)
     framework = _framework(x)
     if ggml_type is not None:
         from .quantized_matmul_id import matmul_id_quantized
 
-        return matmul_id_quantized(
+        result, receipt = matmul_id_quantized(
             weights, x, ids, ggml_type, route, out, _resolve_device(device), _check_shapes, _registry_for
         )
+        return (result, receipt) if return_receipt else result
     if framework != "numpy":
-        return _matmul_id_tensors(framework, weights, x, ids, route, out)
+        result, receipt = _matmul_id_tensors(framework, weights, x, ids, route, out)
+        return (result, receipt) if return_receipt else result
     weights = np.asarray(weights)
     x = np.asarray(x)
     ids = np.asarray(ids)
@@ -298,12 +314,24 @@ def matmul_id(weights, x, ids, *, route=None, out=None, device=None, ggml_type=N
     params = _params(m, n, k, top_k, n_experts, wdtype, layout, distinct, route)
     dense_matmul_id_capability(wdtype, params)  # fail before allocating anything
     out_buf = device.alloc(m * top_k * n * 4, DType.F32, [m * top_k, n])
-    _run(device, params, device.from_numpy(weights), device.from_numpy(x), device.from_numpy(ids_u32), out_buf)
+    receipt = _run(
+        device, params, device.from_numpy(weights), device.from_numpy(x), device.from_numpy(ids_u32), out_buf
+    )
     result = out_buf.numpy()
     if out is not None:
         out[...] = result
-        return out
-    return result
+        result = out
+    return (result, receipt) if return_receipt else result
+
+
+def _refuse_buffers(**arguments) -> None:
+    """matmul_id shapes arrays; routemm Buffers belong to the explicit path."""
+    for name, value in arguments.items():
+        if isinstance(value, _core.Buffer):
+            raise InvalidArgumentError(
+                f"matmul_id takes NumPy arrays or PyTorch / CuPy tensors, and {name} is a routemm.Buffer: "
+                "call dense_matmul_id with buffers, or pass buffer.numpy()"
+            )
 
 
 def _check_shapes(w_shape, x_shape, ids_shape):
@@ -314,12 +342,20 @@ def _check_shapes(w_shape, x_shape, ids_shape):
         raise InvalidArgumentError(f"matmul_id ids must be [m, top_k], got shape {tuple(ids_shape)}")
     m, top_k = (int(d) for d in ids_shape)
     x_shape = tuple(int(d) for d in x_shape)
-    if x_shape == (m, k):
-        layout = DenseMatmulIdInputLayout.SHARED_PER_TOKEN
-    elif x_shape == (m, top_k, k):
-        layout = DenseMatmulIdInputLayout.SLOTTED
-    else:
-        raise InvalidArgumentError(f"matmul_id x must be [{m}, {k}] or [{m}, {top_k}, {k}], got shape {x_shape}")
+    # x names the tokens and k (with the weights); ids must then have one row per token of x.
+    if len(x_shape) not in (2, 3) or x_shape[-1] != k:
+        raise InvalidArgumentError(
+            f"matmul_id x must be [m, {k}] or [m, top_k, {k}] (k = {k} from the weights), got shape {x_shape}"
+        )
+    if m != x_shape[0]:
+        raise InvalidArgumentError(
+            f"matmul_id ids must be [m, top_k] with m = {x_shape[0]} (the tokens of x), got shape {(m, top_k)}"
+        )
+    if len(x_shape) == 3 and x_shape[1] != top_k:
+        raise InvalidArgumentError(
+            f"matmul_id slotted x {x_shape} has {x_shape[1]} slots per token but ids {(m, top_k)} has {top_k}"
+        )
+    layout = DenseMatmulIdInputLayout.SLOTTED if len(x_shape) == 3 else DenseMatmulIdInputLayout.SHARED_PER_TOKEN
     return m, top_k, n_experts, n, k, layout
 
 
@@ -356,11 +392,12 @@ def _params(m, n, k, top_k, n_experts, wdtype, layout, distinct, route) -> Dense
     )
 
 
-def _run(device, params, w_buf, x_buf, id_buf, out_buf) -> None:
+def _run(device, params, w_buf, x_buf, id_buf, out_buf) -> DenseMatmulIdDispatchReceipt:
     scratch = DenseMatmulIdScratch(device, params.n_experts, params.m) if params.route.is_grouped else None
     encoder = device.command_encoder()
-    dense_matmul_id(encoder, _registry_for(device), w_buf, x_buf, id_buf, out_buf, scratch, params)
+    receipt = dense_matmul_id(encoder, _registry_for(device), w_buf, x_buf, id_buf, out_buf, scratch, params)
     encoder.commit_and_wait()
+    return receipt
 
 
 def _matmul_id_tensors(framework, weights, x, ids, route, out):
@@ -412,5 +449,4 @@ def _matmul_id_tensors(framework, weights, x, ids, route, out):
     if tuple(out_buf.shape) != (m * top_k, n) or out_buf.dtype != DType.F32:
         raise InvalidArgumentError(f"matmul_id out must be float32 of shape {(m * top_k, n)}")
     params = _params(m, n, k, top_k, n_experts, w_buf.dtype, layout, distinct, route)
-    _run(device, params, w_buf, x_buf, id_buf, out_buf)
-    return out
+    return out, _run(device, params, w_buf, x_buf, id_buf, out_buf)

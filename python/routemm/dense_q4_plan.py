@@ -39,7 +39,10 @@ from .quantized_matmul import (
     q4_expected_dispatch,
 )
 
-DENSE_Q4_ROUTE_SCHEMA_VERSION = 4
+DENSE_Q4_ROUTE_SCHEMA_VERSION = 4  # the plan's records (and the build fingerprint)
+# The calibration receipt and the dispatch trace. 5: the library version field is routemm_version
+# (it was mlx_native_version); plan files that hold a version-4 receipt still load.
+DENSE_Q4_RECEIPT_SCHEMA_VERSION = 5
 PLAN_KIND = "dense_q4"
 Q4_INT_CONSTANTS = [(700, 1), (701, 1), (702, 1)]
 I32_MAX = 2**31 - 1
@@ -212,7 +215,7 @@ class DenseQ4RoutePlan(rp.ActivationIdentity, rp.RoutePlanMethods, JsonRecord):
 @dataclasses.dataclass(frozen=True)
 class DenseQ4CalibrationBatchReceipt(rp.ActivationIdentity, JsonRecord):
     SCHEMA = "dense_q4_calibration_receipt.schema.json"
-    mlx_native_version: str
+    routemm_version: str
     declared_shapes: int
     calibrated_decisions: int
     process_cache_hits: int
@@ -229,20 +232,20 @@ class DenseQ4CalibrationBatchReceipt(rp.ActivationIdentity, JsonRecord):
     elapsed_ms: float
     deadline_overrun_ms: float
     decisions: tuple[DenseQ4CalibrationDecision, ...]
-    schema_version: int = DENSE_Q4_ROUTE_SCHEMA_VERSION
+    schema_version: int = DENSE_Q4_RECEIPT_SCHEMA_VERSION
 
 
 @dataclasses.dataclass(frozen=True)
 class DenseQ4DispatchTrace(JsonRecord):
     SCHEMA = "dense_q4_plan_dispatch_trace.schema.json"
-    mlx_native_version: str
+    routemm_version: str
     build_fingerprint: str
     plan_id: Optional[str]
     shape: DenseQ4Shape
     decision: DenseQ4DispatchDecision
     encoded: EncodedKernelDispatch
     pipeline: PipelineIdentity
-    schema_version: int = DENSE_Q4_ROUTE_SCHEMA_VERSION
+    schema_version: int = DENSE_Q4_RECEIPT_SCHEMA_VERSION
 
 
 def _fail(message: str):
@@ -321,6 +324,15 @@ def _protected_names() -> list[str]:
     return [DenseQ4Route.COMPATIBILITY_V2.pipeline_name, DenseQ4Route.TENSOR_64X32.pipeline_name, *cal.PROOF_PIPELINES]
 
 
+def _upgrade_receipt(doc: dict) -> dict:
+    """A version-4 receipt document (its library version named mlx_native_version) as version 5."""
+    if doc.get("schema_version") != 4 or "mlx_native_version" not in doc or "routemm_version" in doc:
+        return doc
+    upgraded = {name: value for name, value in doc.items() if name != "mlx_native_version"}
+    upgraded.update(routemm_version=doc["mlx_native_version"], schema_version=DENSE_Q4_RECEIPT_SCHEMA_VERSION)
+    return upgraded
+
+
 KIND = rp.PlanKind(
     name=PLAN_KIND,
     label="dense Q4",
@@ -330,6 +342,7 @@ KIND = rp.PlanKind(
     protected_names=_protected_names,
     build_fingerprint=lambda registry, plan: _prepare(registry).build_fingerprint,
     plannable_routes=(DenseQ4Route.COMPATIBILITY_V2, DenseQ4Route.TENSOR_64X32),
+    upgrade_receipt=_upgrade_receipt,
     recompute_plan_id=lambda plan: _plan_id(
         plan.build_fingerprint,
         plan.device_registry_id,
@@ -889,7 +902,7 @@ def _run(registry, device, activation_epoch, limits, cases, *, progress, timer, 
     plan, final = (compat, compat_decisions) if overrun > 0 else (primary, decisions)
     final = sorted(final, key=lambda d: d.shape.key)
     receipt = DenseQ4CalibrationBatchReceipt(
-        mlx_native_version=_core.version(),
+        routemm_version=_core.version(),
         build_fingerprint=prep.build_fingerprint,
         plan_id=plan.plan_id,
         activation_epoch=activation_epoch,
@@ -1084,8 +1097,8 @@ def validate_dense_q4_cartesian_acceptance(
     W = r.expected_weight_buffers_per_base
     geometries: dict = {}  # (shape key, route) -> the cold calibration's encoded dispatch
     for label, rec, is_cold in (("cold", cold, True), ("reactivation", reactivation, False)):
-        need(rec.schema_version == DENSE_Q4_ROUTE_SCHEMA_VERSION, f"{label} receipt schema version")
-        need(bool(rec.mlx_native_version), f"{label} receipt has no version")
+        need(rec.schema_version == DENSE_Q4_RECEIPT_SCHEMA_VERSION, f"{label} receipt schema version")
+        need(bool(rec.routemm_version), f"{label} receipt has no version")
         need(_is_hex64(rec.build_fingerprint) and _is_hex64(rec.plan_id), f"{label} fingerprint/plan id not 64-hex")
         need(
             bool(rec.device_name) and rec.activation_epoch != 0 and rec.registry_authority_id != 0,
@@ -1201,7 +1214,7 @@ def validate_dense_q4_cartesian_acceptance(
         need(compat == rec.compatibility_route_decisions, f"{label} compatibility count")
     need(
         cold.build_fingerprint == reactivation.build_fingerprint
-        and cold.mlx_native_version == reactivation.mlx_native_version
+        and cold.routemm_version == reactivation.routemm_version
         and cold.device_name == reactivation.device_name
         and cold.device_registry_id == reactivation.device_registry_id,
         "receipts come from different builds/devices",

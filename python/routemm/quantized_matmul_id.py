@@ -193,7 +193,7 @@ def _quantized_route(route, distinct: bool, m: int) -> GgmlQuantizedMatmulIdRout
 
 
 def matmul_id_quantized(weights, x, ids, ggml_type, route, out, device, check_shapes, registry_for):
-    """routemm.matmul_id for a uint8 block stack (see dense_matmul_id.matmul_id)."""
+    """routemm.matmul_id for a uint8 block stack (see dense_matmul_id.matmul_id): (result, receipt)."""
     from .dense_matmul_id import _declarable_distinct, ids_distinct_per_token
 
     ggml_type = GgmlType(ggml_type)
@@ -235,7 +235,7 @@ def matmul_id_quantized(weights, x, ids, ggml_type, route, out, device, check_sh
 
     out_buf = device.alloc(m * top_k * n * 4, DType.F32, [m * top_k, n])
     w_buf = device.from_numpy(np.ascontiguousarray(weights))
-    _run_quantized(
+    receipt = _run_quantized(
         device,
         registry_for(device),
         params,
@@ -247,8 +247,8 @@ def matmul_id_quantized(weights, x, ids, ggml_type, route, out, device, check_sh
     result = out_buf.numpy()
     if out is not None:
         out[...] = result
-        return out
-    return result
+        return out, receipt
+    return result, receipt
 
 
 def _quantized_params(m, n, k, top_k, n_experts, ggml_type, stride, layout, route) -> GgmlQuantizedMatmulIdParams:
@@ -265,11 +265,12 @@ def _quantized_params(m, n, k, top_k, n_experts, ggml_type, stride, layout, rout
     )
 
 
-def _run_quantized(device, registry, params, w_buf, x_buf, id_buf, out_buf) -> None:
+def _run_quantized(device, registry, params, w_buf, x_buf, id_buf, out_buf) -> GgmlQuantizedMatmulIdDispatchReceipt:
     scratch = _core.DenseMatmulIdScratch(device, params.n_experts, params.m) if params.route.is_grouped else None
     encoder = device.command_encoder()
-    quantized_matmul_id_ggml(encoder, registry, x_buf, w_buf, id_buf, out_buf, scratch, params)
+    receipt = quantized_matmul_id_ggml(encoder, registry, x_buf, w_buf, id_buf, out_buf, scratch, params)
     encoder.commit_and_wait()
+    return receipt
 
 
 def _matmul_id_quantized_tensors(framework, weights, x, ids, ggml_type, route, out, check_shapes, registry_for):
@@ -311,5 +312,5 @@ def _matmul_id_quantized_tensors(framework, weights, x, ids, ggml_type, route, o
     if tuple(out_buf.shape) != (m * top_k, n) or out_buf.dtype != DType.F32:
         raise InvalidArgumentError(f"matmul_id out must be float32 of shape {(m * top_k, n)}")
     params = _quantized_params(m, n, k, top_k, n_experts, ggml_type, weights.shape[1] * weights.shape[2], layout, route)
-    _run_quantized(device, registry_for(device), params, w_buf, x_buf, id_buf, out_buf)
-    return out
+    receipt = _run_quantized(device, registry_for(device), params, w_buf, x_buf, id_buf, out_buf)
+    return out, receipt

@@ -245,3 +245,22 @@ def test_plan_saves_while_its_registry_lives(saved, tmp_path):
     with pytest.raises(routemm.InvalidArgumentError, match="not made by this process"):
         again.save(tmp_path / "gone.json")
     assert copy.origin is None and saved.plan.origin is not None
+
+
+def test_q4_file_with_a_version_4_receipt_reloads(device, tmp_path):
+    """Receipts of schema version 4 named the library version mlx_native_version; files holding one
+    still load, as version 5 receipts with that value in routemm_version."""
+    if not routemm.KernelRegistry(device).has_kernel(C64.pipeline_name):
+        pytest.skip(f"backend {device.backend} has no {C64.pipeline_name}")
+    saved = Q4(device, tmp_path)
+    old = json.loads(json.dumps(saved.doc))
+    assert old["receipt"]["schema_version"] == routemm.DENSE_Q4_RECEIPT_SCHEMA_VERSION == 5
+    old["receipt"]["mlx_native_version"] = old["receipt"].pop("routemm_version")
+    old["receipt"]["schema_version"] = 4
+    plan, receipt = saved.reload(old, tmp_path)
+    assert plan._lookup == saved.plan._lookup
+    assert receipt.routemm_version == routemm.__version__ and receipt.schema_version == 5
+    # Only that exact earlier form is rewritten: a version-4 receipt without the old field is refused.
+    old["receipt"]["routemm_version"] = old["receipt"].pop("mlx_native_version")
+    with pytest.raises(cal.PlanFileMismatch, match="malformed calibration receipt"):
+        saved.reload(old, tmp_path)

@@ -843,7 +843,7 @@ void launch_direct(const KernelLaunch& launch, void* stream_ptr) {
   const auto tx = static_cast<uint32_t>(tiles_x);
   // Kernel choice by shape only (every kernel follows the numeric contract, so the results are the
   // same bits), from the H200 measurements in
-  // bench/results/experiments/dense_matmul_id-h200-direct-kernels-2026-12-03.md: up to
+  // bench/lab/records/dense_matmul_id-h200-direct-kernels-2026-12-03.md: up to
   // kGatherMaxRows rows, the gathered kernel for F32 weights from two tokens on, and for 2-byte
   // weights once there are at least 4 rows per expert on average (below that the per-row kernel's
   // L2 sharing is faster); otherwise the per-row kernel, tile-major unless there is one token.

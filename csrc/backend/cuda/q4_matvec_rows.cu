@@ -9,7 +9,7 @@
 // (a cp.async ring per warp, 16-byte copies, a K split across clusters) took 18.3 us at 4096 x
 // 14336 on the H200; this kernel moves the weights with one bulk copy per row and stage and keeps
 // the arithmetic (matvec_split_columns_block: the hi / lo split numerics, two mma.sync per block).
-// Measurements: bench/results/experiments/q4_0_matvec_mma_rows-h200-2026-12-04.md (the lab:
+// Measurements: bench/lab/records/q4_0_matvec_mma_rows-h200-2026-12-04.md (the lab:
 // bench/lab/q4_matvec_mma_rows_lab.cu). On the H200 (CUPTI, weights rotated out of L2), 4096 x
 // 14336: 14.2 / 16.9 us at m = 1 / 2 against 18.1 / 19.0 for q4_matvec_kernel; at m = 4 the
 // four-token configuration (kept for the lab) took 23.1 against 20.7 us, so three and four tokens

@@ -26,6 +26,8 @@ enum RoutemmDLDataTypeCode : uint8_t {
   kRoutemmDLUInt = 1,
   kRoutemmDLFloat = 2,
   kRoutemmDLBfloat = 4,
+  kRoutemmDLComplex = 5,
+  kRoutemmDLBool = 6,
 };
 
 struct DLDevice {

@@ -1,7 +1,7 @@
 """Top stall locations of an Nsight Compute source-page CSV (`ncu ... --page source --print-source sass
 --csv > FILE`): the SASS lines with the largest share of warp-stall samples.
 
-    python3 bench/ncu_top_stalls.py FILE [N]
+    python3 bench/tools/ncu_top_stalls.py FILE [N]
 """
 
 import csv

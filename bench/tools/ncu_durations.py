@@ -1,7 +1,7 @@
 """Median gpu__time_duration per kernel name from `ncu --csv --metrics gpu__time_duration.sum` output.
 
 ncu --clock-control none --csv --metrics gpu__time_duration.sum -c N ./lab > ncu.csv
-python3 bench/lab/ncu_durations.py ncu.csv
+python3 bench/tools/ncu_durations.py ncu.csv
 """
 
 import csv

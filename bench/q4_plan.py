@@ -2,7 +2,7 @@
 llama.cpp perf shape (n=4096, k=14336) and Qwen3-30B-A3B's q_proj (n=4096, k=2048), then prints
 every decision (route, status, median wall/GPU time of V2 and 64x32) and writes the receipt JSON.
 
-    python3 bench/device_q4_plan.py [receipt.json]
+    python3 bench/q4_plan.py [receipt.json]
 """
 
 import json

@@ -3,7 +3,7 @@ Compute; each case runs twice (warm-up, then the launch to profile with --launch
 
     ncu --clock-control none -k regex:grouped_lowp --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-        python3 bench/lowp_profile.py mixtral-8x7b:4096
+        python3 bench/tools/lowp_profile.py mixtral-8x7b:4096
 
 Arguments: shape:m pairs (shapes of bench/bench_cuda_dense_matmul_id.py)."""
 

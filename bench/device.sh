@@ -1,0 +1,452 @@
+#!/usr/bin/env bash
+# Runs on a CUDA machine, from the repo root: builds the working tree for sm_90a and measures or
+# checks one area. Outputs land in $OUT (default /tmp/routemm-out), at most 8 files per command.
+#
+#   bash bench/device.sh COMMAND [ARGS]     # bash bench/device.sh help: the commands and their knobs
+#
+# Knobs are environment variables; every command takes SKIP_BUILD=1 (use the installed build) and
+# GIT_REV (the revision results record; pass it from the submitting checkout, whose git metadata the
+# device copy may not carry). docs/development.md describes each command.
+set -u
+cd "$(dirname "$0")/.."
+
+usage() {
+  cat <<'EOF'
+usage: bash bench/device.sh COMMAND [ARGS]
+
+  suite            build; the Python suite on cpu and cuda; compute-sanitizer memcheck and racecheck
+                   of bench/tools/cuda_checks.py; the expert-ID benchmark, then the Q4_0 benchmark
+                   -> nvidia-smi.txt build.log pytest.log sanitizer.log bench.log and the results
+                   JSON/Markdown. Knobs: SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1 (expert-ID),
+                   Q4_BENCH=0, BENCH_ARGS, Q4_BENCH_ARGS, ROUTEMM_BENCH_Q4_SHAPES / _MS / _PEERS.
+  session          everything in priority order, so a call cut short still returns the most
+                   important: suite (no benchmarks), the Q4_0 plan with real timings and the
+                   calibration acceptance profile (CAL_WEIGHTS, default "1 4") -> calibration.tar.gz,
+                   logs.tar.gz; the Q4_0 benchmark until BENCH_UNTIL_S (default 480 s); then
+                   `profile q4` when DIAG=1 (default) and time is left -> diag.tar.gz.
+  quick            build, the CUDA half of TESTS (default: the expert-ID numerics and Q4 matmul
+                   tests), then each line of QUICK_BENCH as a command -> quick-<n>.log (QUICK_TAIL
+                   lines shown, default 30).
+  demo             the demo at its default and full Qwen3-30B-A3B sizes, and the expert-ID map
+                   dispatch timed alone (bench/tools/map_timing.py).
+  q4-matvec        the Q4_0 mat-vec (m <= 8): build with its ptxas report, its tests, the benchmark
+                   at SHAPES (default 4096x14336,q_proj) and MS (default 1,2,4,8) -> q4-mv.json.
+                   Knobs: SKIP_TESTS=1, SANITIZE=1, HOST_COST=1, LAB=1 (`lab mma-rows` after),
+                   PEERS, Q4_BENCH_ARGS.
+  tensor           the tensor-core expert-ID routes: build with its ptxas report, their tests, K/N
+                   tails (bench/tools/tensor_tails.py), per-kernel timing beside torch._grouped_mm
+                   at SHAPES x MS (bench/tools/tensor_timing.py; BENCH_T seconds). Knobs:
+                   SKIP_TESTS=1, SANITIZE=1.
+  profile WHAT     Nsight Compute (after a build, unless SKIP_BUILD=1):
+                     tensor    the Hopper tensor kernel's sections and top stall lines per CASES
+                               (shape:m, default qwen3-30b-a3b:4096 deepseek-v3:4096), then
+                               bench/host_cost.py (HOST_COST=0 skips it)
+                     l2-split  DRAM bytes and L2 sectors by source unit for the same kernel
+                     q4        stall and shared-memory metrics of bench/tools/q4_profile.py's
+                               launches, and the instruction mix of each Q4 kernel's SASS
+  peer             llama.cpp's ggml CUDA backend timed on the same shapes (bench/peer/; carry
+                   .dev/llama). Knobs: LLAMA_SRC, PEER_BUILD, BUILD_ONLY=1, PEER_ARGS, BACKEND_OPS=0.
+  lab mma-rows     bench/lab/q4_matvec_mma_rows_lab.cu and bench/lab/read_floor_lab.cu with Nsight
+                   Compute kernel durations (LAB_NCU_SHAPES, default "0 1 2 3 4").
+  help             this text.
+EOF
+}
+
+# ---- suite ----------------------------------------------------------------------------------------
+
+suite_build() {
+  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv \
+    >> "$OUT/nvidia-smi.txt" 2>&1
+  [ "${SKIP_BUILD:-0}" = 1 ] && return 0
+  stamp build
+  {
+    build_sm90a /tmp/build-full.log
+    echo "pip exit: $?"
+    grep -E "ptxas|spill|error|warning|Successfully|registers" /tmp/build-full.log \
+      | grep -v "^ptxas info    : Compile time"
+    local so
+    so=$(installed_module)
+    echo "module: $so"
+    (cd /tmp && python3 -c "import routemm; print(routemm.backend_status()); print(routemm.Device('cuda'))")
+    if command -v cuobjdump >/dev/null; then
+      cuobjdump -sass "$so" > /tmp/sass.txt 2>&1
+      python3 bench/tools/sass_summary.py /tmp/sass.txt loads
+    fi
+  } > "$OUT/build.log" 2>&1
+  tail -40 "$OUT/build.log"
+}
+
+suite_tests() {
+  stamp pytest
+  ROUTEMM_TEST_BACKENDS=cpu,cuda timeout 200 python3 -m pytest tests/python -q -p no:cacheprovider \
+    --continue-on-collection-errors --maxfail=40 > "$OUT/pytest.log" 2>&1
+  echo "pytest exit: $?" >> "$OUT/pytest.log"
+  tail -25 "$OUT/pytest.log"
+  [ "${SKIP_SANITIZER:-0}" = 1 ] && return 0
+  stamp compute-sanitizer
+  if command -v compute-sanitizer >/dev/null; then
+    timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 python3 bench/tools/cuda_checks.py \
+      > "$OUT/sanitizer.log" 2>&1
+    echo "memcheck exit: $?" >> "$OUT/sanitizer.log"
+    timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 bench/tools/cuda_checks.py \
+      >> "$OUT/sanitizer.log" 2>&1
+    echo "racecheck exit: $?" >> "$OUT/sanitizer.log"
+  else
+    echo "compute-sanitizer not found" > "$OUT/sanitizer.log"
+  fi
+  tail -8 "$OUT/sanitizer.log"
+}
+
+# q4_bench SECONDS_LEFT LOG: the Q4_0 benchmark into $OUT/q4_0_matmul-h200.json/.md, its log
+# appended to LOG; SIGINT on timeout lets pytest write the results it has. Narrowed by
+# ROUTEMM_BENCH_Q4_SHAPES / _MS / _PEERS (see the bench's docstring) or Q4_BENCH_ARGS (pytest flags,
+# word-split); it skips itself without Q4 pipelines.
+q4_bench() {
+  local left=$1 log=$2
+  stamp "q4 bench"
+  if [ "$left" -gt 30 ]; then
+    timeout -s INT -k 15 "$left" python3 -m pytest bench/bench_cuda_q4_0_matmul.py -q -s -p no:cacheprovider \
+      --results "$OUT/q4_0_matmul-h200.json" ${Q4_BENCH_ARGS:-} >> "$log" 2>&1
+    echo "q4 bench exit: $? (${left} s allowed)" >> "$log"
+  else
+    echo "q4 bench: not run, ${left} s left" >> "$log"
+  fi
+}
+
+cmd_suite() {
+  export GIT_REV=${GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  suite_build
+  [ "${SKIP_TESTS:-0}" = 1 ] || suite_tests
+  if [ "${SKIP_BENCH:-0}" != 1 ]; then
+    stamp bench
+    # The recorded command names the bench flags too, so a record says how to measure it again.
+    export BENCH_COMMAND="GIT_REV=$GIT_REV${BENCH_ARGS:+ BENCH_ARGS=\"$BENCH_ARGS\"} bash bench/device.sh suite"
+    timeout $(( 500 - $(elapsed) )) python3 bench/bench_cuda_dense_matmul_id.py \
+      "$OUT/dense_matmul_id-h200.json" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+    echo "bench exit: $?" >> "$OUT/bench.log"
+    tail -90 "$OUT/bench.log"
+  fi
+  if [ "${Q4_BENCH:-1}" != 0 ]; then
+    q4_bench $(( 590 - $(elapsed) )) "$OUT/bench.log"
+    tail -60 "$OUT/bench.log"
+  fi
+  stamp done
+}
+
+# ---- session --------------------------------------------------------------------------------------
+
+cmd_session() {
+  export GIT_REV=${GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  export PYTHONUNBUFFERED=1
+  local final=$OUT repo
+  repo=$(pwd)
+  mkdir -p /tmp/logs /tmp/calibration
+  OUT=/tmp/logs SKIP_BENCH=1 Q4_BENCH=0 bash bench/device.sh suite > /tmp/logs/run.log 2>&1
+  grep -E "passed|failed|FAILED" /tmp/logs/pytest.log | tail -4
+  grep -E "exit" /tmp/logs/sanitizer.log 2>/dev/null
+  stamp "suite done"
+
+  (cd /tmp && timeout 120 python3 "$repo/bench/q4_plan.py" /tmp/calibration/q4_plan_receipt-h200.json \
+    > /tmp/logs/q4_plan-h200.txt 2>&1)
+  head -3 /tmp/logs/q4_plan-h200.txt
+  local w
+  for w in ${CAL_WEIGHTS:-1 4}; do
+    (cd /tmp && timeout 150 python3 "$repo/bench/calibration_acceptance.py" /tmp/calibration "$w" 2>&1 \
+      | tee "/tmp/calibration/acceptance-${w}w.txt" | head -1)
+  done
+  tar -C /tmp -czf "$final/calibration.tar.gz" calibration
+  tar -C /tmp -czf "$final/logs.tar.gz" logs
+  stamp "calibration done"
+
+  export BENCH_COMMAND="GIT_REV=$GIT_REV bash bench/device.sh session"
+  : > "$final/bench.log"
+  q4_bench $(( ${BENCH_UNTIL_S:-480} - $(elapsed) )) "$final/bench.log"
+  grep -E "routemm |torch_" "$final/bench.log" | cut -c1-150 | head -90
+  stamp "bench done"
+
+  if [ "${DIAG:-1}" = 1 ] && [ "$(elapsed)" -lt 500 ]; then
+    mkdir -p /tmp/diag
+    OUT=/tmp/diag SKIP_BUILD=1 timeout $(( 570 - $(elapsed) )) bash bench/device.sh profile q4 \
+      > /tmp/diag/summary.txt 2>&1
+    tar -C /tmp -czf "$final/diag.tar.gz" diag
+    grep -E "q4_matvec|q4_kernel|gpu__time|inst_executed|cycles_active|cluster_max" /tmp/diag/q4-ncu.txt \
+      | cut -c1-140 | head -40
+  fi
+  stamp done
+}
+
+# ---- quick ----------------------------------------------------------------------------------------
+
+cmd_quick() {
+  build_or_fail
+  stamp tests
+  ROUTEMM_TEST_BACKENDS=cuda timeout 240 python3 -m pytest \
+    ${TESTS:-tests/python/test_dense_matmul_id_numerics.py tests/python/test_q4_matmul.py} \
+    -q -p no:cacheprovider -x > "$OUT/pytest.log" 2>&1
+  echo "pytest exit: $?" >> "$OUT/pytest.log"
+  tail -4 "$OUT/pytest.log"
+  local n=0 cmd
+  while IFS= read -r cmd; do
+    [ -z "$cmd" ] && continue
+    n=$((n + 1))
+    stamp "quick $n: $cmd"
+    (eval "$cmd") > "$OUT/quick-$n.log" 2>&1
+    echo "exit: $?" >> "$OUT/quick-$n.log"
+    tail -"${QUICK_TAIL:-30}" "$OUT/quick-$n.log"
+  done <<< "${QUICK_BENCH:-}"
+  stamp done
+}
+
+# ---- demo -----------------------------------------------------------------------------------------
+
+cmd_demo() {
+  build_or_fail
+  local repo
+  repo=$(pwd)
+  (
+    cd /tmp || exit 1
+    python3 -m routemm demo | tee "$OUT/demo.txt"
+    python3 -m routemm demo --model qwen3-30b-a3b --tokens 512 --json > "$OUT/demo-qwen3-30b-a3b.json"
+    python3 -c "import json; r = json.load(open('$OUT/demo-qwen3-30b-a3b.json')); print('full qwen3 ok:', r['ok'], [(x['m'], x['route'], round(x['time_us'], 1)) for x in r['runs']])"
+    python3 "$repo/bench/tools/map_timing.py" | tee "$OUT/map.txt"
+  )
+}
+
+# ---- q4-matvec ------------------------------------------------------------------------------------
+
+cmd_q4_matvec() {
+  [ "${SKIP_BUILD:-0}" = 1 ] || build_and_report "q4_matvec"
+  if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    cuda_pytest 240 "$OUT/pytest.txt" tests/python/test_q4_matmul.py tests/python/test_cuda_sass.py \
+      tests/python/test_calibration.py
+  fi
+  if [ "${SANITIZE:-0}" = 1 ]; then
+    stamp memcheck
+    ROUTEMM_TEST_BACKENDS=cuda timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
+      tests/python/test_q4_matmul.py -q -x -p no:cacheprovider -k "(mat_vec or one_token) and not long_stream" \
+      > "$OUT/memcheck.txt" 2>&1
+    echo "memcheck exit $?" | tee -a "$OUT/memcheck.txt"; tail -3 "$OUT/memcheck.txt"
+    stamp racecheck
+    ROUTEMM_TEST_BACKENDS=cuda timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest \
+      tests/python/test_q4_matmul.py -q -x -p no:cacheprovider -k "few_token or one_token or unaligned_views or wide_range" \
+      > "$OUT/racecheck.txt" 2>&1
+    echo "racecheck exit $?" | tee -a "$OUT/racecheck.txt"; tail -3 "$OUT/racecheck.txt"
+  fi
+  stamp bench
+  local shapes=${SHAPES:-4096x14336,q_proj} ms=${MS:-1,2,4,8}
+  ROUTEMM_BENCH_Q4_SHAPES=$shapes ROUTEMM_BENCH_Q4_MS=$ms ROUTEMM_BENCH_Q4_PEERS=${PEERS:-0} \
+    BENCH_COMMAND="ROUTEMM_BENCH_Q4_SHAPES=$shapes ROUTEMM_BENCH_Q4_MS=$ms python3 -m pytest bench/bench_cuda_q4_0_matmul.py -k default" \
+    timeout 200 python3 -m pytest bench/bench_cuda_q4_0_matmul.py -q -s -p no:cacheprovider ${Q4_BENCH_ARGS:-} \
+    --results "$OUT/q4-mv.json" 2>&1 | grep -E "us|!!|Error|error" | grep -v -i warn | tail -40
+  if [ "${HOST_COST:-0}" = 1 ]; then
+    stamp host_cost
+    BENCH_COMMAND="python3 bench/host_cost.py \$OUT/host_cost-h200.json" timeout 120 \
+      python3 bench/host_cost.py "$OUT/host_cost-h200.json" 2>&1 | tail -20
+  fi
+  if [ "${LAB:-0}" = 1 ]; then
+    stamp lab
+    LAB_NCU_SHAPES="${LAB_NCU_SHAPES:-0 2 3}" timeout 150 bash bench/device.sh lab mma-rows
+  fi
+  stamp done
+}
+
+# ---- tensor ---------------------------------------------------------------------------------------
+
+cmd_tensor() {
+  [ "${SKIP_BUILD:-0}" = 1 ] || build_and_report "grouped_(tensor|wgmma)_kernel"
+  if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    cuda_pytest 120 "$OUT/pytest.txt" tests/python/test_dense_matmul_id_tensor.py \
+      tests/python/test_dense_matmul_id_numerics.py tests/python/test_dense_matmul_id_capture_receipts.py -k "not q4"
+    stamp tails
+    timeout 60 python3 bench/tools/tensor_tails.py 2>&1 | tail -40 | tee -a "$OUT/tails.txt" | grep -E "BAD|bad|Error"
+  fi
+  stamp bench
+  timeout "${BENCH_T:-120}" python3 bench/tools/tensor_timing.py "${SHAPES:-qwen3-30b-a3b,mixtral-8x7b,deepseek-v3}" \
+    "${MS:-512,4096}" 2>&1 | grep -v -i warn | tee -a "$OUT/bench.txt"
+  if [ "${SANITIZE:-0}" = 1 ]; then
+    stamp sanitize
+    timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 python3 bench/tools/tensor_tails.py short \
+      > "$OUT/memcheck.txt" 2>&1
+    echo "memcheck exit $?" | tee -a "$OUT/memcheck.txt"; tail -4 "$OUT/memcheck.txt"
+    timeout 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 bench/tools/tensor_tails.py short \
+      > "$OUT/racecheck.txt" 2>&1
+    echo "racecheck exit $?" | tee -a "$OUT/racecheck.txt"; tail -4 "$OUT/racecheck.txt"
+  fi
+  stamp done
+}
+
+# ---- profile --------------------------------------------------------------------------------------
+
+# ncu_tensor ARGS...: Nsight Compute of the second launch of the Hopper tensor kernel.
+ncu_tensor() {
+  timeout 150 ncu --clock-control none -k regex:grouped_wgmma --launch-skip 1 --launch-count 1 "$@"
+}
+
+profile_tensor() {
+  local case tag
+  for case in ${CASES:-qwen3-30b-a3b:4096 deepseek-v3:4096}; do
+    tag=${case/:/-}
+    ncu_tensor --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section SchedulerStats --section Occupancy python3 bench/tools/lowp_profile.py "$case" > "$OUT/ncu-$tag.txt" 2>&1
+    echo "ncu $case exit $?"
+    grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|L2 Cache Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|L1/TEX Hit|L2 Hit" \
+      "$OUT/ncu-$tag.txt" | head -14
+    ncu_tensor --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
+      python3 bench/tools/lowp_profile.py "$case" > /tmp/src.csv 2>/dev/null
+    python3 bench/tools/ncu_top_stalls.py /tmp/src.csv 14 > "$OUT/ncu-src-$tag.txt" 2>&1
+    head -14 "$OUT/ncu-src-$tag.txt"
+  done
+  [ "${HOST_COST:-1}" = 1 ] && timeout 120 python3 bench/host_cost.py "$OUT/host_cost-h200.json" 2>&1 | tail -8
+}
+
+profile_l2_split() {
+  local case m=dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_op_read.sum
+  m=$m,lts__t_sectors_op_read_lookup_hit.sum,lts__t_sectors_srcunit_tex_op_read.sum
+  m=$m,lts__t_sectors_srcunit_tex_op_read_lookup_hit.sum,gpu__time_duration.sum
+  for case in ${CASES:-deepseek-v3:4096 qwen3-30b-a3b:4096}; do
+    echo "== $case"
+    ncu_tensor --metrics "$m" python3 bench/tools/lowp_profile.py "$case" 2>&1 \
+      | grep -E "dram__|lts__|gpu__time" | tee -a "$OUT/l2-split.txt"
+  done
+}
+
+profile_q4() {
+  local reason metrics=smsp__inst_executed.sum,smsp__cycles_active.avg,sm__warps_active.avg.pct_of_peak_sustained_active
+  for reason in barrier long_scoreboard short_scoreboard mio_throttle math_pipe_throttle wait lg_throttle \
+    not_selected selected dispatch_stall no_instruction; do
+    metrics="$metrics,smsp__average_warps_issue_stalled_${reason}_per_issue_active.ratio"
+  done
+  metrics="$metrics,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"
+  metrics="$metrics,dram__bytes_read.sum,gpu__time_duration.sum,sm__cycles_active.avg,sm__cycles_active.max"
+  metrics="$metrics,launch__cluster_max_active,launch__occupancy_limit_shared_mem,launch__registers_per_thread"
+  timeout 150 ncu --clock-control none -k regex:q4_ --metrics "$metrics" python3 bench/tools/q4_profile.py \
+    > "$OUT/q4-ncu.txt" 2>&1
+  echo "ncu exit: $?" >> "$OUT/q4-ncu.txt"
+  cuobjdump -sass "$(installed_module)" > /tmp/all.sass 2>&1
+  python3 bench/tools/sass_summary.py /tmp/all.sass mix q4_ "$OUT/q4-sass-summary.txt"
+  grep -E "q4_|inst_executed|stalled|bank_conflicts|duration|dram__bytes" "$OUT/q4-ncu.txt" | head -120
+  head -c 6000 "$OUT/q4-sass-summary.txt"
+}
+
+cmd_profile() {
+  local what=${1:-}
+  case "$what" in
+    tensor | l2-split | q4) ;;
+    *) echo "profile needs one of: tensor, l2-split, q4" >&2; return 2 ;;
+  esac
+  build_or_fail
+  case "$what" in
+    tensor) profile_tensor ;;
+    l2-split) profile_l2_split ;;
+    q4) profile_q4 ;;
+  esac
+}
+
+# ---- peer -----------------------------------------------------------------------------------------
+
+# Builds ggml's CUDA backend (sm_90a, 16 jobs, flash attention off) from the unpacked llama.cpp tree
+# in the ignored folder .dev/llama (carry it), together with bench/peer/ggml_mul_mat_peer.cpp and the
+# tree's own test-backend-ops, then times
+#   - ggml_mul_mat_peer: MUL_MAT q4_0 4096 x 14336 and q_proj 4096 x 2048 (m = 1, 2, 3, 4, 5, 8) and
+#     MUL_MAT_ID Qwen3-30B-A3B bf16 / q4_0 (m = 1, 8, 32), each L2-resident and rotated
+#     -> llama_peer.json, llama_peer.log;
+#   - test-backend-ops perf for the same MUL_MAT q4_0 and MUL_MAT_ID cases (llama.cpp's own numbers,
+#     one weight reused, so L2-resident) -> llama_peer_backend_ops.txt;
+# and prints a compact table; the build log is llama_peer_build.log. For m <= 8 ggml-cuda takes its
+# mmvq mat-vec kernels (activations quantised to q8_1 first); for q4_0 at larger m its mmq kernels.
+# PEER_BUILD (default /tmp/ggml-peer-cuda) is kept on a warm machine, so a second run skips the build.
+cmd_peer() {
+  local src=${LLAMA_SRC:-.dev/llama} build=${PEER_BUILD:-/tmp/ggml-peer-cuda} cublas_root=""
+  [ -f "$src/ggml/CMakeLists.txt" ] || { echo "no ggml tree at $src (carry .dev/llama)"; exit 2; }
+  head -1 "$src/VERSION" 2>/dev/null
+  # cuBLAS: the toolkit's when it has one, else the nvidia-cublas wheel beside PyTorch.
+  if ! ls /usr/local/cuda/lib64/libcublas.so* /usr/local/cuda/targets/*/lib/libcublas.so* >/dev/null 2>&1; then
+    cublas_root=$(python3 bench/tools/cublas_root.py)
+    echo "cuBLAS from ${cublas_root:-nowhere}"
+  fi
+  if [ -n "$cublas_root" ]; then
+    export LD_LIBRARY_PATH="$cublas_root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+  if [ ! -x "$build/bin/ggml_mul_mat_peer" ]; then
+    stamp "build ggml-cuda (sm_90a)"
+    JOBS=16 EXTRA_CMAKE_ARGS="${cublas_root:+-DPEER_CUBLAS_ROOT=$cublas_root}" \
+      timeout 420 bench/peer/build_ggml_peer.sh "$src" "$build" cuda > "$OUT/llama_peer_build.log" 2>&1
+    echo "build exit $?"
+    grep -E "error|GGML_CUDA_NO_VMM|cuBLAS from" "$OUT/llama_peer_build.log" | head -8
+    [ -x "$build/bin/ggml_mul_mat_peer" ] || { tail -20 "$OUT/llama_peer_build.log"; exit 1; }
+  fi
+  [ "${BUILD_ONLY:-0}" = 1 ] && { stamp built; return 0; }
+
+  stamp ggml_mul_mat_peer
+  timeout 200 "$build/bin/ggml_mul_mat_peer" --backend cuda --json "$OUT/llama_peer.json" ${PEER_ARGS:-} \
+    > "$OUT/llama_peer.log" 2>&1
+  echo "harness exit $?"
+  grep -v "^peer " "$OUT/llama_peer.log" | head -5
+  if [ "${BACKEND_OPS:-1}" = 1 ] && [ -x "$build/bin/test-backend-ops" ]; then
+    stamp "test-backend-ops perf"
+    {
+      timeout 60 "$build/bin/test-backend-ops" perf -b CUDA0 -o MUL_MAT \
+        -p 'type_a=q4_0,type_b=f32,m=4096,n=[0-9],k=14336,'
+      timeout 60 "$build/bin/test-backend-ops" perf -b CUDA0 -o MUL_MAT_ID \
+        -p 'type_a=(q4_0|f16),type_b=f32,n_mats=128,n_used=8,b=0,m=768,n=(1|8|32),k=2048,'
+    } > "$OUT/llama_peer_backend_ops.txt" 2>&1
+    sed 's/\x1b\[[0-9;]*m//g; s/  */ /g' "$OUT/llama_peer_backend_ops.txt" | grep -E "MUL_MAT|FAIL|rror" | head -24
+  fi
+  stamp table
+  python3 bench/tools/peer_table.py "$OUT/llama_peer.json"
+  stamp done
+}
+
+# ---- lab ------------------------------------------------------------------------------------------
+
+# bench/lab/q4_matvec_mma_rows_lab.cu: build, run every shape (checks, back-to-back times, the
+# shape's plain read floor), ncu kernel durations per shape, and the stall ratios of the first two
+# variants at 4096 x 14336; then bench/lab/read_floor_lab.cu (one kernel reading 4-512 MB once: back
+# to back, and ncu durations per size) -> lab.txt, ncu_durations.txt, ncu_stalls.txt, read_floor.txt.
+lab_mma_rows() {
+  local i skip mb
+  nvcc -std=c++20 -arch=sm_90a -O3 --expt-relaxed-constexpr -Icsrc/include -Icsrc -Icsrc/backend/cuda \
+    -lineinfo -o /tmp/mma_rows bench/lab/q4_matvec_mma_rows_lab.cu || exit 1
+  /tmp/mma_rows > "$OUT/lab.txt" 2>&1
+  grep -E "n=|us per|FAIL|passed|launch failure" "$OUT/lab.txt" | grep -v " 0 rows over"
+  for i in ${LAB_NCU_SHAPES:-0 1 2 3 4}; do
+    echo "== shape $i"
+    LAB_SHAPE=$i ncu --clock-control none --csv --metrics gpu__time_duration.sum \
+      -k regex:'q4_matvec_rows_kernel|lab_read' /tmp/mma_rows > "/tmp/ncu$i.csv" 2>&1
+    python3 bench/tools/ncu_durations.py "/tmp/ncu$i.csv" \
+      | sed 's/void routemm::cuda::q4_matvec_rows_kernel//; s/void lab_read_kernel/read floor/'
+  done 2>&1 | tee "$OUT/ncu_durations.txt"
+  for skip in 0 45; do
+    LAB_SHAPE=0 ncu --clock-control none -k regex:q4_matvec_rows_kernel --launch-skip $skip --launch-count 1 \
+      --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \
+      /tmp/mma_rows 2>&1 | grep -vE " 0$|\(!\)" | grep -E "rows_kernel|stalled|inst_executed|issue_active|hmma|bank" \
+      | awk '$NF+0 >= 0.05 || /kernel|inst|issue|hmma|bank/'
+  done 2>&1 | tee "$OUT/ncu_stalls.txt"
+  nvcc -std=c++20 -arch=sm_90a -O3 -Icsrc/backend/cuda -o /tmp/read_floor bench/lab/read_floor_lab.cu \
+    && /tmp/read_floor 2>&1 | tee "$OUT/read_floor.txt"
+  for mb in 4 8 16 25.2 33 64 128 256 512; do
+    READ_FLOOR_MB=$mb ncu --clock-control none --csv --metrics gpu__time_duration.sum -k regex:read_kernel \
+      /tmp/read_floor > /tmp/ncu_rf.csv 2>&1
+    echo "$mb MB: $(python3 bench/tools/ncu_durations.py /tmp/ncu_rf.csv | sed 's/void lab_read_kernel//' | tr '\n' ' ')"
+  done 2>&1 | tee -a "$OUT/read_floor.txt"
+}
+
+cmd_lab() {
+  case "${1:-}" in
+    mma-rows) lab_mma_rows ;;
+    *) echo "lab needs one of: mma-rows" >&2; return 2 ;;
+  esac
+}
+
+# ---- dispatch -------------------------------------------------------------------------------------
+
+command=${1:-help}
+[ $# -gt 0 ] && shift
+case "$command" in
+  help | -h | --help) usage; exit 0 ;;
+  suite | session | quick | demo | q4-matvec | tensor | profile | peer | lab) ;;
+  *) echo "unknown command '$command'" >&2; usage >&2; exit 2 ;;
+esac
+source bench/device_common.sh
+"cmd_${command//-/_}" "$@"

@@ -1,0 +1,112 @@
+"""bench/ keeps its layout: the suites and results at its top, device runs behind one entry point
+(bench/device.sh), the labs and their records under bench/lab/; every script parses and names only
+files that exist."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench"
+DEVICE_COMMANDS = ("suite", "session", "quick", "demo", "q4-matvec", "tensor", "profile", "peer", "lab")
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def _device(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(BENCH / "device.sh"), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": "/usr/bin:/bin", **env},
+    )
+
+
+@pytest.mark.parametrize("script", sorted(p.relative_to(REPO).as_posix() for p in BENCH.rglob("*.sh")))
+def test_every_bench_script_parses(script):
+    result = subprocess.run(["bash", "-n", str(REPO / script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_device_scripts_are_one_entry_point_and_its_helper():
+    assert sorted(p.name for p in BENCH.glob("device*")) == ["device.sh", "device_common.sh"]
+    assert not list(REPO.glob("bench/**/*.diff")) and not list(REPO.glob("bench/**/*.patch"))
+
+
+def test_device_help_lists_every_command():
+    result = _device("help")
+    assert result.returncode == 0
+    listed = re.findall(r"^  ([a-z0-9-]+)", result.stdout, re.M)
+    assert set(DEVICE_COMMANDS) | {"help"} == set(listed)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("bogus",), "unknown command 'bogus'"),
+        (("profile",), "profile needs one of"),
+        (("lab", "x"), "lab needs one of"),
+    ],
+)
+def test_device_refuses_what_it_does_not_know(tmp_path, args, message):
+    result = _device(*args, OUT=str(tmp_path))
+    assert result.returncode == 2 and message in result.stderr
+
+
+def test_device_peer_without_a_ggml_tree_says_what_to_carry(tmp_path):
+    result = _device("peer", OUT=str(tmp_path), LLAMA_SRC=str(tmp_path / "none"))
+    assert result.returncode == 2 and "carry .dev/llama" in result.stdout
+
+
+def test_files_the_device_runs_name_exist():
+    text = (BENCH / "device.sh").read_text()
+    named = set(re.findall(r"\b(bench/[\w./-]+\.(?:py|sh|cu))\b", text)) | set(
+        re.findall(r"\b(tests/python/[\w.]+\.py)\b", text)
+    )
+    assert len(named) > 15
+    missing = sorted(name for name in named if not (REPO / name).exists())
+    assert not missing, missing
+
+
+def test_results_hold_results_and_the_labs_their_records():
+    results = {p.name for p in (BENCH / "results").iterdir()}
+    assert not {"experiments", "logs"} & results
+    assert (BENCH / "lab" / "records" / "logs").is_dir() and list((BENCH / "lab" / "records").glob("*.md"))
+
+
+@pytest.mark.parametrize("tool", sorted(p.name for p in (BENCH / "tools").glob("*.py")))
+def test_bench_tools_compile(tool):
+    subprocess.run([sys.executable, "-m", "py_compile", str(BENCH / "tools" / tool)], check=True)
+
+
+def test_sass_summary_reads_a_listing(tmp_path):
+    listing = tmp_path / "sass.txt"
+    listing.write_text(
+        "\n\tFunction : q4_matvec_kernel\n"
+        "        /*0000*/                   LDG.E.128 R4, [R2.64] ;\n"
+        "        /*0010*/               @P0 FFMA R1, R2, R3, R4 ;\n"
+        "        /*0020*/                   FFMA R1, R2, R3, R4 ;\n"
+        "\n\tFunction : other_kernel\n"
+        "        /*0000*/                   EXIT ;\n"
+    )
+    mix = subprocess.run(
+        [sys.executable, str(BENCH / "tools" / "sass_summary.py"), str(listing), "mix", "q4_"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "q4_matvec_kernel" in mix and "3 instructions" in mix and "('FFMA', 2)" in mix and "other" not in mix
+    loads = subprocess.run(
+        [sys.executable, str(BENCH / "tools" / "sass_summary.py"), str(listing), "loads"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "'LDG.E.128': 1" in loads and "'FFMA': 2" in loads and loads.count("SASS") == 2
