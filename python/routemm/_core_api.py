@@ -259,43 +259,6 @@ def _pipeline_identity_of(self: _core.Pipeline) -> PipelineIdentity:
     return _identity_from_core(self._identity())
 
 
-_native_get_pipeline = _core.KernelRegistry.get_pipeline
-
-
-def _get_pipeline(self: _core.KernelRegistry, name: str, int_constants=()) -> _core.Pipeline:
-    """The pipeline of kernel `name` specialised with `int_constants`, a sequence of (index, value)
-    pairs such as [(700, 1)] (index a u32, value an i32); its label is `name|700:i1`."""
-    try:
-        return _native_get_pipeline(self, name, int_constants)
-    except TypeError:
-        problem = _pipeline_arguments_problem(name, int_constants)
-        if problem is None:
-            raise
-        raise InvalidArgumentError(f"get_pipeline: {problem}") from None
-
-
-def _pipeline_arguments_problem(name, int_constants) -> Optional[str]:
-    """Why get_pipeline's arguments cannot be converted, in words (None when they can)."""
-    if not isinstance(name, str):
-        return f"the kernel name must be a string, got {name!r}"
-    try:
-        pairs = list(int_constants)
-    except TypeError:
-        pairs = None
-    if pairs is None or not all(
-        isinstance(p, (tuple, list))
-        and len(p) == 2
-        and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in p)
-        for p in pairs
-    ):
-        return f"int_constants are (index, value) pairs of integers, e.g. [(700, 1)]; got {int_constants!r}"
-    for index, value in pairs:
-        if not 0 <= index <= 0xFFFFFFFF or not -(2**31) <= value < 2**31:
-            return f"int_constants pair ({index}, {value}) is out of range: the index is a u32, the value an i32"
-    return None
-
-
-_core.KernelRegistry.get_pipeline = _get_pipeline
 _core.KernelRegistry.pipeline_identity = _pipeline_identity
 _core.Pipeline.identity = property(_pipeline_identity_of)
 
@@ -304,16 +267,24 @@ _core.Pipeline.identity = property(_pipeline_identity_of)
 
 
 def _check_constants(name: str, constants, kind: type, what: str) -> list:
+    """`constants` as a list of (u32 index, value) pairs of `kind` (int: an i32; bool), or an
+    InvalidArgumentError that says what the pairs must be."""
+    pairs = f"{what} constants are (index, value) pairs, e.g. [(700, 1)]"
+    ranges = "the index is a u32, the value an i32" if kind is int else "the index is a u32"
+    try:
+        entries = list(constants)
+    except TypeError:
+        raise InvalidArgumentError(f"pipeline '{name}': {pairs}; got {constants!r}") from None
     out = []
-    for entry in constants:
+    for entry in entries:
         try:
             index, value = entry
         except (TypeError, ValueError):
-            raise InvalidArgumentError(
-                f"pipeline '{name}': {what} constant {entry!r} is not an (index, value) pair"
-            ) from None
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index <= 0xFFFFFFFF:
-            raise InvalidArgumentError(f"pipeline '{name}': {what} constant index {index!r} is not a u32")
+            raise InvalidArgumentError(f"pipeline '{name}': {entry!r} is not a pair; {pairs}") from None
+        if isinstance(index, (bool, np.bool_)) or not isinstance(index, (int, np.integer)):
+            raise InvalidArgumentError(f"pipeline '{name}': index {index!r} is not an integer; {pairs}")
+        if not 0 <= index <= 0xFFFFFFFF:
+            raise InvalidArgumentError(f"pipeline '{name}': {what} constant index {index} is out of range ({ranges})")
         if kind is bool:
             if not isinstance(value, (bool, np.bool_)):
                 raise InvalidArgumentError(
@@ -324,6 +295,10 @@ def _check_constants(name: str, constants, kind: type, what: str) -> list:
                 f"pipeline '{name}': int constant {index} is the bool {value!r}; pass booleans as bool_constants "
                 f"(labelled |{index}:b0 / |{index}:b1)"
             )
+        elif not isinstance(value, (int, np.integer)):
+            raise InvalidArgumentError(f"pipeline '{name}': value {value!r} is not an integer; {pairs}")
+        elif not -(2**31) <= value < 2**31:
+            raise InvalidArgumentError(f"pipeline '{name}': int constant {index} = {value} is out of range ({ranges})")
         out.append((int(index), kind(value)))
     return out
 

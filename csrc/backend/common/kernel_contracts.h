@@ -21,11 +21,13 @@
 
 #include "backend/common/calibration_params.h"
 #include "backend/common/dense_matmul_id_params.h"
+#include "backend/common/moe_params.h"
 #include "backend/common/q4_0_block.h"
 #include "routemm/backend.h"
 #include "routemm/checked.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
+#include "routemm/ops/moe.h"
 #include "routemm/ops/q4_matmul.h"
 #include "routemm/ops/quantized_matmul_id.h"
 
@@ -282,11 +284,57 @@ void check_ggml_matrix_args(const KernelLaunch& launch) {
   ggml_operands(launch, p.ne1, p.ne0, p.ne00, BlockBytes, 1, 2, 3);
 }
 
+// ---- MoE layer (moe_params.h) -------------------------------------------------------------------
+
+// Slots: 0 params, 1 logits [m, n_experts] F32, 2 weights [m, top_k] F32, 3 ids [m, top_k] U32.
+inline void check_moe_gate_args(const KernelLaunch& launch) {
+  contract_slot_count(launch, 4);
+  const auto p = contract_params<MoeGateKernelParams>(launch, 0);
+  if (p.m == 0 || p.n_experts == 0 || p.top_k == 0 || p.top_k > p.n_experts || p.renormalize > 1)
+    contract_violation(launch, "params have a zero extent, top_k above n_experts or a bad flag");
+  const std::string what = launch.label + " extents";
+  contract_buffer(launch, 1, "logits", checked_product({p.m, p.n_experts, 4}, what), 4,
+                  Access::Read);
+  contract_buffer(launch, 2, "weights", checked_product({p.m, p.top_k, 4}, what), 4, Access::Write);
+  contract_buffer(launch, 3, "ids", checked_product({p.m, p.top_k, 4}, what), 4, Access::Write);
+}
+
+// Slots: 0 params, 1 gate rows, 2 up rows (F32, row strides in elements), 3 output [rows, width].
+inline void check_moe_silu_mul_args(const KernelLaunch& launch) {
+  contract_slot_count(launch, 4);
+  const auto p = contract_params<MoeSiluMulKernelParams>(launch, 0);
+  if (p.rows == 0 || p.width == 0 || p.gate_row_stride < p.width || p.up_row_stride < p.width)
+    contract_violation(launch, "params have a zero extent or a row stride below the width");
+  const std::string what = launch.label + " extents";
+  const auto rows_bytes = [&](uint64_t stride) {
+    return checked_mul(checked_add(checked_mul(p.rows - 1, stride, what), p.width, what), 4, what);
+  };
+  contract_buffer(launch, 1, "gate", rows_bytes(p.gate_row_stride), 4, Access::Read);
+  contract_buffer(launch, 2, "up", rows_bytes(p.up_row_stride), 4, Access::Read);
+  contract_buffer(launch, 3, "output", checked_product({p.rows, p.width, 4}, what), 4,
+                  Access::Write);
+}
+
+// Slots: 0 params, 1 slot rows [m * top_k, hidden] F32, 2 weights [m, top_k] F32, 3 ids [m, top_k]
+// U32, 4 output [m, hidden] F32.
+inline void check_moe_combine_args(const KernelLaunch& launch) {
+  contract_slot_count(launch, 5);
+  const auto p = contract_params<MoeCombineKernelParams>(launch, 0);
+  if (p.m == 0 || p.top_k == 0 || p.hidden == 0 || p.n_experts == 0)
+    contract_violation(launch, "params have a zero extent");
+  const std::string what = launch.label + " extents";
+  contract_buffer(launch, 1, "rows", checked_product({p.m, p.top_k, p.hidden, 4}, what), 4,
+                  Access::Read);
+  contract_buffer(launch, 2, "weights", checked_product({p.m, p.top_k, 4}, what), 4, Access::Read);
+  contract_buffer(launch, 3, "ids", checked_product({p.m, p.top_k, 4}, what), 4, Access::Read);
+  contract_buffer(launch, 4, "output", checked_product({p.m, p.hidden, 4}, what), 4, Access::Write);
+}
+
 // ---- Lookup by canonical pipeline name ---------------------------------------------------------
 
 // The contract of the pipeline named `name`: one of kDenseMatmulIdPipelineNames,
 // kDenseMatmulIdTensorPipelineNames, kQ4MatmulPipelineNames, kQ8MatmulPipelineNames,
-// kGgmlQuantizedMatmulIdPipelineNames or the two calibration kernels.
+// kGgmlQuantizedMatmulIdPipelineNames, kMoePipelineNames or the two calibration kernels.
 // Backends call this while building their kernel lists, so a kernel added without a contract
 // fails when its backend opens instead of going unchecked.
 inline KernelArgCheck kernel_arg_contract(std::string_view name) {
@@ -336,6 +384,9 @@ inline KernelArgCheck kernel_arg_contract(std::string_view name) {
       {qid[1], &check_quantized_matmul_id_direct_args<q8>},
       {qid[2], &check_quantized_matmul_id_grouped_args<q4>},
       {qid[3], &check_quantized_matmul_id_grouped_args<q8>},
+      {kMoeGatePipeline, &check_moe_gate_args},
+      {kMoeSiluMulPipeline, &check_moe_silu_mul_args},
+      {kMoeCombinePipeline, &check_moe_combine_args},
   };
   for (const auto& [known, check] : table) {
     if (known == name) return check;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "backend/common/moe_gate_row.h"
 #include "backend/common/moe_params.h"
@@ -120,6 +121,7 @@ KernelDef make_def(std::string_view name, KernelFn fn) {
   def.threads_per_group = 64;  // sizes the grid the front door encodes; the CPU kernels ignore it
   def.origin = "builtin_cpu";
   def.content_sha256 = ROUTEMM_CPU_MOE_SHA256;
+  def.check_args = kernels::kernel_arg_contract(name);
   return def;
 }
 

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "backend/common/moe_gate_row.h"
 #include "backend/common/moe_params.h"
@@ -126,6 +127,7 @@ KernelDef def(std::string_view name, KernelFn fn) {
   d.threads_per_group = kThreads;
   d.origin = "cuda_fatbin";
   d.content_sha256 = ROUTEMM_CUDA_MOE_SHA256;
+  d.check_args = kernels::kernel_arg_contract(name);
   return d;
 }
 
