@@ -162,32 +162,27 @@ kernel void dense_matmul_id_direct_bf16_f32(ROUTEMM_DIRECT_ARGS) {
 
 // Routes every flat row with a valid id, repeated ids included: expert e's rows form the segment
 // routed_rows[start(e), start(e) + count(e)) of one list ordered by expert, in flat-row order,
-// where start(e) is the sum of the counts of the experts before e. The list holds at most
-// m * top_k rows (within the scratch's n_experts * m entries, since grouped needs top_k <=
-// n_experts). Thread e counts its rows, the threadgroup shares the counts, then thread e writes its
-// segment. Thread 0 also zero-fills every output row whose id is >= n_experts, which the grouped
-// kernel never visits (Direct's full-overwrite behaviour).
-constant constexpr uint kMapMaxExperts = 1024;
-
+// where start(e) is the number of flat rows whose id is below e (the counts of the experts before
+// e). The list holds at most m * top_k rows (within the scratch's n_experts * m entries, since
+// grouped needs top_k <= n_experts). Thread e counts its rows and its start in one pass over the
+// ids (no threadgroup memory, no barrier), then writes its segment. Thread 0 also zero-fills every
+// output row whose id is >= n_experts, which the grouped kernel never visits (Direct's
+// full-overwrite behaviour).
 kernel void dense_matmul_id_map_distinct(constant DenseMatmulIdKernelParams &p [[buffer(0)]],
                                          device const uint *ids [[buffer(1)]],
                                          device uint *expert_counts [[buffer(2)]],
                                          device uint *routed_rows [[buffer(3)]],
                                          device float *out [[buffer(4)]],
                                          uint e [[thread_position_in_threadgroup]]) {
-  threadgroup uint counts[kMapMaxExperts];
   const uint total = p.m * p.top_k;
-  const bool owner = e < p.n_experts && e < kMapMaxExperts;
-  uint count = 0;
-  if (owner) {
-    for (uint flat = 0; flat < total; ++flat) count += ids[flat] == e ? 1u : 0u;
-    counts[e] = count;
+  if (e < p.n_experts) {
+    uint count = 0, next = 0;
+    for (uint flat = 0; flat < total; ++flat) {
+      const uint id = ids[flat];
+      count += id == e ? 1u : 0u;
+      next += id < e ? 1u : 0u;
+    }
     expert_counts[e] = count;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (owner) {
-    uint next = 0;
-    for (uint before = 0; before < e; ++before) next += counts[before];
     for (uint flat = 0; flat < total && count != 0; ++flat) {
       if (ids[flat] == e) {
         routed_rows[next++] = flat;

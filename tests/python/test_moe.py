@@ -203,8 +203,10 @@ def test_experts_reject_bad_input(device, rng):
 
 
 QUANT = {"q4_0": routemm.q4_0, "q8_0": routemm.q8_0}
+NEEDS_QUANTIZED_ID = pytest.mark.needs_kernels(*routemm.GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES)
 
 
+@NEEDS_QUANTIZED_ID
 @pytest.mark.parametrize("ggml_type", sorted(QUANT))
 @pytest.mark.parametrize(("m", "route"), [(1, None), (20, "grouped_prefill"), (20, "direct")])
 def test_quantized_experts_match_float64_reference(device, rng, ggml_type, m, route):
@@ -226,6 +228,7 @@ def test_quantized_experts_match_float64_reference(device, rng, ggml_type, m, ro
     np.testing.assert_array_equal(out_pair.view(np.uint32), out.view(np.uint32))
 
 
+@NEEDS_QUANTIZED_ID
 def test_quantized_experts_skip_sentinel_ids(device, rng):
     x, ids, w, gate_up, down = _experts_case(rng, 6, 2, 8, 32, 32)
     q_gate_up, q_down = routemm.q8_0.quantize(gate_up), routemm.q8_0.quantize(down)
