@@ -13,7 +13,7 @@
 //   direct : 0 params, 1 weights, 2 input, 3 ids, 4 output; grid [ceil(n/8), m*top_k, 1],
 //            64 threads (2 simdgroups x 4 output columns), no threadgroup memory.
 //   map    : 0 params, 1 ids, 2 expert_counts, 3 routed_rows, 4 output; one threadgroup of
-//            n_experts threads.
+//            n_experts threads (at most 1024, the grouped route's limit).
 //   grouped: 0 params, 1 weights, 2 input, 3 expert_counts, 4 routed_rows, 5 output; grid
 //            [ceil(m/8), ceil(n/8), n_experts], 256 threads (8 simdgroups), threadgroup memory
 //            index 0 of 4096 bytes (8 columns x 128 inner positions of F32).
@@ -86,45 +86,59 @@ void direct_impl(constant DenseMatmulIdKernelParams& p, device const uchar* weig
   }
 }
 
+// Where expert `expert`'s segment of the map's routed list starts: the counts of the experts
+// before it, clamped to the m * top_k flat rows (so stale counts cannot index past the list).
+inline uint routed_start(constant DenseMatmulIdKernelParams& p, device const uint* expert_counts, uint expert) {
+  const ulong capacity = ulong(p.m) * p.top_k;
+  ulong start = 0;
+  for (uint e = 0; e < expert; ++e) start += expert_counts[e];
+  return uint(min(start, capacity));
+}
+
 template <typename W>
 void grouped_impl(constant DenseMatmulIdKernelParams& p, device const uchar* weights, device const uchar* input,
                   device const uint* expert_counts, device const uint* routed_rows, device float* out,
-                  threadgroup float* tile, uint3 group, uint tid, uint simdgroup, uint lane) {
+                  threadgroup float* tile, uint3 group, uint3 groups, uint tid, uint simdgroup, uint lane) {
   const uint expert = group.z;
-  const uint count = expert_counts[expert];
-  const uint first_routed = group.x * kGroupedRows;
   const uint first_col = group.y * kGroupedColumns;
-  if (first_routed >= count || first_col >= p.n) return;  // uniform across the threadgroup
-
-  const uint routed = first_routed + simdgroup;
-  const bool active = routed < count;
-  const uint flat = active ? routed_rows[ulong(expert) * p.m + routed] : 0;
-  device const float* x = input_row(input, p, flat);
+  if (first_col >= p.n) return;  // uniform across the threadgroup
+  const uint start = routed_start(p, expert_counts, expert);
+  const uint count = uint(min(ulong(expert_counts[expert]), ulong(p.m) * p.top_k - start));
+  device const uint* segment = routed_rows + start;
   device const W* w = expert_matrix<W>(weights, p, expert);
 
-  float sums[kGroupedColumns] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  for (uint k0 = 0; k0 < p.k; k0 += kGroupedDepth) {
-    // Stage 8 columns x 128 inner positions, widened, zero outside [n, k).
-    for (uint t = tid; t < kGroupedColumns * kGroupedDepth; t += kGroupedThreads) {
-      const uint c = t / kGroupedDepth;
-      const uint inner = k0 + (t - c * kGroupedDepth);
-      const uint col = first_col + c;
-      tile[t] = (col < p.n && inner < p.k) ? widen(w[ulong(col) * p.k + inner]) : 0.0f;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (active) {
-      for (uint i = lane; i < kGroupedDepth; i += kSimdWidth) {
-        const uint inner = k0 + i;
-        const float a = inner < p.k ? x[inner] : 0.0f;
-        for (uint c = 0; c < kGroupedColumns; ++c) sums[c] = fma(tile[c * kGroupedDepth + i], a, sums[c]);
+  // The grid has ceil(m / 8) row tiles per expert; an expert named more than m times (an id
+  // repeated within tokens) takes its further tiles in strides of the grid.
+  for (uint first_routed = group.x * kGroupedRows; first_routed < count; first_routed += groups.x * kGroupedRows) {
+    const uint routed = first_routed + simdgroup;
+    const bool active = routed < count;
+    const uint flat = active ? segment[routed] : 0;
+    device const float* x = input_row(input, p, flat);
+
+    float sums[kGroupedColumns] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (uint k0 = 0; k0 < p.k; k0 += kGroupedDepth) {
+      // Stage 8 columns x 128 inner positions, widened, zero outside [n, k).
+      for (uint t = tid; t < kGroupedColumns * kGroupedDepth; t += kGroupedThreads) {
+        const uint c = t / kGroupedDepth;
+        const uint inner = k0 + (t - c * kGroupedDepth);
+        const uint col = first_col + c;
+        tile[t] = (col < p.n && inner < p.k) ? widen(w[ulong(col) * p.k + inner]) : 0.0f;
       }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (active) {
+        for (uint i = lane; i < kGroupedDepth; i += kSimdWidth) {
+          const uint inner = k0 + i;
+          const float a = inner < p.k ? x[inner] : 0.0f;
+          for (uint c = 0; c < kGroupedColumns; ++c) sums[c] = fma(tile[c * kGroupedDepth + i], a, sums[c]);
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-  for (uint c = 0; c < kGroupedColumns; ++c) {
-    const float total = simd_sum(sums[c]);
-    const uint col = first_col + c;
-    if (active && lane == 0 && col < p.n) out[ulong(flat) * p.n + col] = total;
+    for (uint c = 0; c < kGroupedColumns; ++c) {
+      const float total = simd_sum(sums[c]);
+      const uint col = first_col + c;
+      if (active && lane == 0 && col < p.n) out[ulong(flat) * p.n + col] = total;
+    }
   }
 }
 
@@ -146,32 +160,42 @@ kernel void dense_matmul_id_direct_bf16_f32(ROUTEMM_DIRECT_ARGS) {
   direct_impl<bf16_bits>(p, weights, input, ids, out, group, simdgroup, lane);
 }
 
-// Thread e scans tokens in order and, within a token, slots in order; the first slot holding e
-// appends that flat row to routed_rows[e * m + count] (so at most one entry per token: grouped
-// needs distinct ids). Thread 0 also zero-fills every output row whose id is >= n_experts, which
-// the grouped kernel never visits (Direct's full-overwrite behaviour).
+// Routes every flat row with a valid id, repeated ids included: expert e's rows form the segment
+// routed_rows[start(e), start(e) + count(e)) of one list ordered by expert, in flat-row order,
+// where start(e) is the sum of the counts of the experts before e. The list holds at most
+// m * top_k rows (within the scratch's n_experts * m entries, since grouped needs top_k <=
+// n_experts). Thread e counts its rows, the threadgroup shares the counts, then thread e writes its
+// segment. Thread 0 also zero-fills every output row whose id is >= n_experts, which the grouped
+// kernel never visits (Direct's full-overwrite behaviour).
+constant constexpr uint kMapMaxExperts = 1024;
+
 kernel void dense_matmul_id_map_distinct(constant DenseMatmulIdKernelParams &p [[buffer(0)]],
                                          device const uint *ids [[buffer(1)]],
                                          device uint *expert_counts [[buffer(2)]],
                                          device uint *routed_rows [[buffer(3)]],
                                          device float *out [[buffer(4)]],
                                          uint e [[thread_position_in_threadgroup]]) {
-  if (e < p.n_experts) {
-    uint count = 0;
-    for (uint token = 0; token < p.m; ++token) {
-      for (uint slot = 0; slot < p.top_k; ++slot) {
-        const uint flat = token * p.top_k + slot;
-        if (ids[flat] == e) {
-          routed_rows[ulong(e) * p.m + count] = flat;
-          ++count;
-          break;
-        }
-      }
-    }
+  threadgroup uint counts[kMapMaxExperts];
+  const uint total = p.m * p.top_k;
+  const bool owner = e < p.n_experts && e < kMapMaxExperts;
+  uint count = 0;
+  if (owner) {
+    for (uint flat = 0; flat < total; ++flat) count += ids[flat] == e ? 1u : 0u;
+    counts[e] = count;
     expert_counts[e] = count;
   }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (owner) {
+    uint next = 0;
+    for (uint before = 0; before < e; ++before) next += counts[before];
+    for (uint flat = 0; flat < total && count != 0; ++flat) {
+      if (ids[flat] == e) {
+        routed_rows[next++] = flat;
+        --count;
+      }
+    }
+  }
   if (e == 0) {
-    const uint total = p.m * p.top_k;
     for (uint flat = 0; flat < total; ++flat) {
       if (ids[flat] >= p.n_experts) {
         for (uint col = 0; col < p.n; ++col) out[ulong(flat) * p.n + col] = 0.0f;
@@ -185,15 +209,15 @@ kernel void dense_matmul_id_map_distinct(constant DenseMatmulIdKernelParams &p [
       device const uchar *input [[buffer(2)]], device const uint *expert_counts [[buffer(3)]], \
       device const uint *routed_rows [[buffer(4)]], device float *out [[buffer(5)]],          \
       threadgroup float *tile [[threadgroup(0)]], uint3 group [[threadgroup_position_in_grid]], \
-      uint tid [[thread_index_in_threadgroup]], uint simdgroup [[simdgroup_index_in_threadgroup]], \
+      uint3 groups [[threadgroups_per_grid]], uint tid [[thread_index_in_threadgroup]], uint simdgroup [[simdgroup_index_in_threadgroup]], \
       uint lane [[thread_index_in_simdgroup]]
 
 kernel void dense_matmul_id_grouped_f32_f32(ROUTEMM_GROUPED_ARGS) {
-  grouped_impl<float>(p, weights, input, expert_counts, routed_rows, out, tile, group, tid, simdgroup, lane);
+  grouped_impl<float>(p, weights, input, expert_counts, routed_rows, out, tile, group, groups, tid, simdgroup, lane);
 }
 kernel void dense_matmul_id_grouped_f16_f32(ROUTEMM_GROUPED_ARGS) {
-  grouped_impl<half>(p, weights, input, expert_counts, routed_rows, out, tile, group, tid, simdgroup, lane);
+  grouped_impl<half>(p, weights, input, expert_counts, routed_rows, out, tile, group, groups, tid, simdgroup, lane);
 }
 kernel void dense_matmul_id_grouped_bf16_f32(ROUTEMM_GROUPED_ARGS) {
-  grouped_impl<bf16_bits>(p, weights, input, expert_counts, routed_rows, out, tile, group, tid, simdgroup, lane);
+  grouped_impl<bf16_bits>(p, weights, input, expert_counts, routed_rows, out, tile, group, groups, tid, simdgroup, lane);
 }

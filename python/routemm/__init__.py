@@ -66,8 +66,24 @@ __version__ = _core.version()
 
 logger = _logging.getLogger("routemm")
 logger.addHandler(_logging.NullHandler())
+
+
+def _apply_log_level(value: str) -> None:
+    """ROUTEMM_LOG_LEVEL: a level name (any case) or number. Anything else is a warning and is
+    ignored: a misspelt knob must not stop the library from importing."""
+    level = value.strip().upper()
+    try:
+        logger.setLevel(int(level) if level.isdigit() else level)
+    except (ValueError, TypeError):
+        import warnings as _warnings
+
+        _warnings.warn(
+            f"routemm: ignoring ROUTEMM_LOG_LEVEL={value!r} (not a logging level)", RuntimeWarning, stacklevel=2
+        )
+
+
 if _os.environ.get("ROUTEMM_LOG_LEVEL"):
-    logger.setLevel(_os.environ["ROUTEMM_LOG_LEVEL"].upper())
+    _apply_log_level(_os.environ["ROUTEMM_LOG_LEVEL"])
 
 
 def backend_status() -> list[tuple[str, bool, str]]:

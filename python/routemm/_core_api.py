@@ -16,6 +16,7 @@ import numpy as np
 from . import _core
 from ._errors import InvalidArgumentError
 from ._json import JsonRecord
+from ._record_checks import SchemaVersioned
 
 DType = _core.DType
 # str(DType.BF16) == "bf16", the name every message uses (set here: pybind11's enum __str__ wins
@@ -58,6 +59,8 @@ def _device_from_numpy(self: _core.Device, array, dtype: Optional[DType] = None)
     array = np.asarray(array)
     if dtype is None:
         dtype = dtype_of(array.dtype)
+    elif not isinstance(dtype, DType):
+        raise InvalidArgumentError(f"from_numpy: dtype must be a routemm.DType, got {dtype!r}")
     elif array.dtype.itemsize != dtype.size:
         raise InvalidArgumentError(f"from_numpy: {array.dtype} elements cannot be read as {dtype.type_name}")
     data = np.ascontiguousarray(array)
@@ -91,7 +94,7 @@ class DispatchKind(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class EncodedKernelDispatch(JsonRecord):
+class EncodedKernelDispatch(JsonRecord, SchemaVersioned):
     """One dispatch as it was encoded: pipeline label, dispatch call and geometry."""
 
     SCHEMA = "encoded_kernel_dispatch.schema.json"
@@ -178,7 +181,7 @@ _core.CommandEncoder.dispatch = _encoder_dispatch
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelineIdentity(JsonRecord):
+class PipelineIdentity(JsonRecord, SchemaVersioned):
     """Who a pipeline is: label, kernel, backend, where its code came from and a hash of it."""
 
     SCHEMA = "pipeline_identity.schema.json"

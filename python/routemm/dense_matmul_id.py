@@ -20,6 +20,7 @@ from . import _core
 from ._core_api import DType, dtype_of
 from ._errors import InvalidArgumentError
 from ._json import JsonRecord, dtype_from_name
+from ._record_checks import SchemaVersioned
 
 SCHEMA_VERSION: int = _core.DENSE_MATMUL_ID_SCHEMA_VERSION
 PIPELINE_NAMES: tuple[str, ...] = _core.DENSE_MATMUL_ID_PIPELINE_NAMES
@@ -36,13 +37,15 @@ class DenseMatmulIdInputLayout(enum.Enum):
 
 
 class DenseMatmulIdMultiplicity(enum.Enum):
-    DISTINCT_PER_TOKEN = "distinct_per_token"  # caller promise: no ID repeats within a token
+    # Caller declaration: no ID repeats within a token (so top_k <= n_experts). The grouped routes
+    # need it (it sizes their scratch), yet their map routes every slot: a repeat still gets its row.
+    DISTINCT_PER_TOKEN = "distinct_per_token"
     MAY_REPEAT = "may_repeat"
 
 
 class DenseMatmulIdRoute(enum.Enum):
     DIRECT = "direct"  # one dispatch; IDs may repeat
-    GROUPED_PREFILL = "grouped_prefill"  # map + grouped dispatch; distinct IDs, caller scratch
+    GROUPED_PREFILL = "grouped_prefill"  # map + grouped dispatch; declared distinct IDs, caller scratch
     # Tensor-core variants of grouped_prefill (same map, scratch and receipts); explicit opt-in,
     # with a stated tolerance instead of bit identity. Only backends with tensor cores have them.
     GROUPED_TENSOR_TF32 = "grouped_tensor_tf32"  # operands rounded to tf32, F32 accumulation
@@ -54,7 +57,7 @@ class DenseMatmulIdRoute(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseMatmulIdParams(JsonRecord):
+class DenseMatmulIdParams(JsonRecord, SchemaVersioned):
     """Dimensions, the expert stride and the explicit route of one expert-ID product."""
 
     SCHEMA = "dense_matmul_id_params.schema.json"
@@ -77,10 +80,10 @@ class DenseMatmulIdParams(JsonRecord):
     def _native(self) -> _core._DenseMatmulIdParams:
         for name in ("m", "n", "k", "top_k", "n_experts"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or not 0 <= value <= 0xFFFFFFFF:
+            if not _is_int(value) or not 0 <= value <= 0xFFFFFFFF:
                 raise InvalidArgumentError(f"dense_matmul_id {name} must be a u32, got {value!r}")
         stride = self.expert_stride_bytes
-        if not isinstance(stride, (int, np.integer)) or not 0 <= stride <= 0xFFFFFFFFFFFFFFFF:
+        if not _is_int(stride) or not 0 <= stride <= 0xFFFFFFFFFFFFFFFF:
             raise InvalidArgumentError(f"dense_matmul_id expert_stride_bytes must be a u64, got {stride!r}")
         return _core._DenseMatmulIdParams(
             int(self.m),
@@ -89,10 +92,24 @@ class DenseMatmulIdParams(JsonRecord):
             int(self.top_k),
             int(self.n_experts),
             int(stride),
-            DenseMatmulIdInputLayout(self.input_layout).value,
-            DenseMatmulIdMultiplicity(self.id_multiplicity).value,
-            DenseMatmulIdRoute(self.route).value,
+            _enum_value(DenseMatmulIdInputLayout, self.input_layout, "input_layout"),
+            _enum_value(DenseMatmulIdMultiplicity, self.id_multiplicity, "id_multiplicity"),
+            _enum_value(DenseMatmulIdRoute, self.route, "route"),
         )
+
+
+def _is_int(value) -> bool:
+    """An integer that is not a bool (True would otherwise pass as 1)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _enum_value(kind: type[enum.Enum], value, name: str) -> str:
+    """The string value of `value` as a member of `kind` (a member or its value)."""
+    try:
+        return kind(value).value
+    except (ValueError, TypeError):
+        choices = ", ".join(repr(m.value) for m in kind)
+        raise InvalidArgumentError(f"dense_matmul_id {name} must be one of {choices}, got {value!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +120,7 @@ class DenseMatmulIdScratchRequirement(JsonRecord):
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseMatmulIdCapability(JsonRecord):
+class DenseMatmulIdCapability(JsonRecord, SchemaVersioned):
     """Exact byte extents of one call (and the grouped route's scratch requirement)."""
 
     SCHEMA = "dense_matmul_id_capability.schema.json"
@@ -118,7 +135,7 @@ class DenseMatmulIdCapability(JsonRecord):
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseMatmulIdDispatchReceipt(JsonRecord):
+class DenseMatmulIdDispatchReceipt(JsonRecord, SchemaVersioned):
     """What one call encoded: weight dtype, route and number of dispatches (1 direct, 2 grouped)."""
 
     SCHEMA = "dense_matmul_id_dispatch_receipt.schema.json"
@@ -139,7 +156,13 @@ def dense_matmul_id_capability(weight_dtype: DType, params: DenseMatmulIdParams)
     """
     if not isinstance(weight_dtype, DType):
         raise InvalidArgumentError(f"dense_matmul_id weight dtype must be a routemm.DType, got {weight_dtype!r}")
-    return _capability_from_native(_core._dense_matmul_id_capability(weight_dtype, params._native_params))
+    return _capability_from_native(_core._dense_matmul_id_capability(weight_dtype, _checked_params(params)))
+
+
+def _checked_params(params) -> _core._DenseMatmulIdParams:
+    if not isinstance(params, DenseMatmulIdParams):
+        raise InvalidArgumentError(f"dense_matmul_id params must be a DenseMatmulIdParams, got {type(params).__name__}")
+    return params._native_params
 
 
 def dense_matmul_id(
@@ -151,7 +174,7 @@ def dense_matmul_id(
     `scratch` is a DenseMatmulIdScratch for grouped_prefill and may be None for direct.
     """
     native = _core._dense_matmul_id(
-        encoder, registry, weights, input, expert_ids, output, scratch, params._native_params
+        encoder, registry, weights, input, expert_ids, output, scratch, _checked_params(params)
     )
     # Receipts are immutable and few distinct ones exist: one cached instance per native result
     # keeps the per-call hot path free of enum and dataclass construction.
@@ -173,6 +196,23 @@ _DISPATCH_RECEIPTS: dict[tuple[str, str, int], DenseMatmulIdDispatchReceipt] = {
 @functools.lru_cache(maxsize=None)
 def _default_device() -> _core.Device:
     return _core.Device()
+
+
+@functools.lru_cache(maxsize=None)
+def _named_device(backend: str) -> _core.Device:
+    return _core.Device(backend)
+
+
+def _resolve_device(device) -> _core.Device:
+    """`device` as given to matmul_id: None (the best available backend), a routemm.Device, or a
+    backend name such as "cpu"."""
+    if device is None:
+        return _default_device()
+    if isinstance(device, _core.Device):
+        return device
+    if isinstance(device, str):
+        return _named_device(device)
+    raise InvalidArgumentError(f"matmul_id device must be a routemm.Device or a backend name, got {device!r}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -206,10 +246,12 @@ def matmul_id(weights, x, ids, *, route: Optional[DenseMatmulIdRoute] = None, ou
 
     weights: [n_experts, n, k] float32, float16 or bfloat16.
     x: [m, k] float32 (one row per token) or [m, top_k, k] (one row per token and slot).
-    ids: [m, top_k] integers; ids outside [0, n_experts) give zero rows.
-    route: None picks grouped_prefill when ids are distinct per token and m > 8, else direct.
+    ids: [m, top_k] integers; ids outside [0, n_experts) give zero rows and never count as experts.
+    route: None picks grouped_prefill when the valid ids are distinct per token, top_k <= n_experts
+        and m > 8, else direct.
     out: optional C-contiguous float32 array of [m*top_k, n] to write the result into.
-    device: a routemm.Device for NumPy inputs (default: the best available backend).
+    device: a routemm.Device or a backend name ("cpu", ...) for NumPy inputs (default: the best
+        available backend).
 
     NumPy inputs are copied to the device and the result comes back as a NumPy array. PyTorch and
     CuPy tensors (CPU or CUDA) are used in place through DLPack, on the device they live on, and the
@@ -229,7 +271,7 @@ def matmul_id(weights, x, ids, *, route: Optional[DenseMatmulIdRoute] = None, ou
     # Anything outside [0, n_experts) is an invalid id: map it to 0xFFFFFFFF (a zero row).
     ids64 = ids.astype(np.int64, copy=False)
     ids_u32 = np.where((ids64 >= 0) & (ids64 < n_experts), ids64, 0xFFFFFFFF).astype(np.uint32)
-    distinct = ids_distinct_per_token(ids64, n_experts)
+    distinct = _declarable_distinct(ids_distinct_per_token(ids64, n_experts), top_k, n_experts)
     route = _pick_route(route, distinct, m)
     if out is not None:
         if not (
@@ -242,7 +284,7 @@ def matmul_id(weights, x, ids, *, route: Optional[DenseMatmulIdRoute] = None, ou
             raise InvalidArgumentError(
                 f"matmul_id out must be a writable C-contiguous float32 array of shape {(m * top_k, n)}"
             )
-    device = device or _default_device()
+    device = _resolve_device(device)
     wdtype = dtype_of(weights.dtype)
     params = _params(m, n, k, top_k, n_experts, wdtype, layout, distinct, route)
     dense_matmul_id_capability(wdtype, params)  # fail before allocating anything
@@ -272,6 +314,13 @@ def _check_shapes(w_shape, x_shape, ids_shape):
     return m, top_k, n_experts, n, k, layout
 
 
+def _declarable_distinct(distinct: bool, top_k: int, n_experts: int) -> bool:
+    """Whether a call may declare DISTINCT_PER_TOKEN: its valid ids are distinct per token and
+    top_k <= n_experts (the capability's rule). With more slots than experts the valid ids can
+    still be distinct (the rest out of range); such a call is declared MAY_REPEAT instead."""
+    return distinct and top_k <= n_experts
+
+
 def _pick_route(route, distinct: bool, m: int) -> DenseMatmulIdRoute:
     if route is None:
         return (
@@ -279,7 +328,7 @@ def _pick_route(route, distinct: bool, m: int) -> DenseMatmulIdRoute:
             if distinct and m >= AUTO_GROUPED_MIN_TOKENS
             else DenseMatmulIdRoute.DIRECT
         )
-    return DenseMatmulIdRoute(route)
+    return DenseMatmulIdRoute(_enum_value(DenseMatmulIdRoute, route, "route"))
 
 
 def _params(m, n, k, top_k, n_experts, wdtype, layout, distinct, route) -> DenseMatmulIdParams:
@@ -328,15 +377,17 @@ def _matmul_id_tensors(framework, weights, x, ids, route, out):
         if framework == "cupy"
         else xp.where(valid, ids, xp.full_like(ids, -1)).to(i32).contiguous()
     )
-    distinct = True
-    if route is None or DenseMatmulIdRoute(route).is_grouped:
+    distinct = False  # an explicit direct call declares MAY_REPEAT, true whatever the ids
+    if route is not None:
+        route = _pick_route(route, True, m)
+    if route is None or route.is_grouped:
         # Invalid ids never count as repeats: give each slot its own negative sentinel.
         slots = xp.arange(top_k, device=ids.device) if framework == "torch" else xp.arange(top_k)
         keyed = xp.where(valid, ids, -1 - slots)
         s = xp.sort(keyed, axis=1) if framework == "cupy" else xp.sort(keyed, dim=1).values
-        distinct = top_k <= 1 or not bool((s[:, 1:] == s[:, :-1]).any())
+        distinct = _declarable_distinct(top_k <= 1 or not bool((s[:, 1:] == s[:, :-1]).any()), top_k, n_experts)
         if route is not None and not distinct:
-            raise InvalidArgumentError("matmul_id grouped_prefill needs ids distinct per token")
+            raise InvalidArgumentError(f"matmul_id {route.value} needs ids distinct per token and top_k <= n_experts")
     route = _pick_route(route, distinct, m)
     w_buf, x_buf = from_dlpack(weights), from_dlpack(x)
     device = x_buf.device

@@ -8,6 +8,7 @@ rounding contract).
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from . import _core
@@ -25,13 +26,22 @@ def quantized_shape(shape) -> tuple[int, ...]:
     return (*shape[:-1], shape[-1] // BLOCK_VALUES * BLOCK_BYTES)
 
 
+def _real_float32(array) -> np.ndarray:
+    """`array` as float32, refusing what has no real value to quantise: complex numbers (their
+    imaginary part would be dropped silently), bools, strings, objects and date-times."""
+    data = np.asarray(array)
+    if data.dtype.kind in "cbOUSVMm" and data.dtype != np.dtype(ml_dtypes.bfloat16):
+        raise InvalidArgumentError(f"q4_0 quantize: values must be real numbers, got {data.dtype}")
+    return data.astype(np.float32, copy=False)
+
+
 def quantize(array) -> np.ndarray:
     """Quantise a float array whose last dimension is a multiple of 32 (cast to float32).
 
     Returns uint8 of shape (*shape[:-1], shape[-1] // 32 * 18), byte-identical to
     `gguf.quants.quantize(array, GGMLQuantizationType.Q4_0)`.
     """
-    values = np.asarray(array, dtype=np.float32)
+    values = _real_float32(array)
     out_shape = quantized_shape(values.shape)
     flat = np.ascontiguousarray(values).reshape(-1)
     return _core._q4_0_quantize(flat).reshape(out_shape)

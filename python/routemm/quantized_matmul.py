@@ -19,6 +19,7 @@ from . import _core
 from ._core_api import EncodedKernelDispatch
 from ._errors import InvalidArgumentError
 from ._json import JsonRecord
+from ._record_checks import SchemaVersioned
 
 SCHEMA_VERSION: int = _core.GGML_QUANTIZED_MATMUL_SCHEMA_VERSION
 MM_ROUTING_THRESHOLD: int = _core.GGML_MM_ROUTING_THRESHOLD
@@ -94,6 +95,20 @@ class GgmlRoutingPolicy(JsonRecord):
     dense_tensor_mm: GgmlTensorMmPreference = GgmlTensorMmPreference.AUTO_PROBE
     allow_dense_large_tile_mm: bool = True
 
+    def __post_init__(self) -> None:
+        # A policy is what receipts record: no truthy stand-ins ("no" would read as True).
+        try:
+            GgmlTensorMmPreference(self.dense_tensor_mm)
+        except (ValueError, TypeError):
+            choices = ", ".join(repr(p.value) for p in GgmlTensorMmPreference)
+            raise InvalidArgumentError(
+                f"GgmlRoutingPolicy dense_tensor_mm must be one of {choices}, got {self.dense_tensor_mm!r}"
+            ) from None
+        if not isinstance(self.allow_dense_large_tile_mm, (bool, np.bool_)):
+            raise InvalidArgumentError(
+                f"GgmlRoutingPolicy allow_dense_large_tile_mm must be a bool, got {self.allow_dense_large_tile_mm!r}"
+            )
+
     @classmethod
     def from_environment(cls) -> "GgmlRoutingPolicy":
         """The policy the environment asks for, read now: ROUTEMM_DISABLE_TENSOR_MM=1 forces the
@@ -107,7 +122,7 @@ class GgmlRoutingPolicy(JsonRecord):
 
 
 @dataclasses.dataclass(frozen=True)
-class GgmlQuantizedMatmulParams(JsonRecord):
+class GgmlQuantizedMatmulParams(JsonRecord, SchemaVersioned):
     """m = input rows (tokens), n = output features (weight rows), k = input width."""
 
     SCHEMA = "ggml_quantized_matmul_params.schema.json"
@@ -126,7 +141,7 @@ class GgmlQuantizedMatmulParams(JsonRecord):
 
 
 @dataclasses.dataclass(frozen=True)
-class GgmlQuantizedMatmulReceipt(JsonRecord):
+class GgmlQuantizedMatmulReceipt(JsonRecord, SchemaVersioned):
     """What one call encoded. route is a DenseQ4Route value or "mat_vec"."""
 
     SCHEMA = "ggml_quantized_matmul_receipt.schema.json"

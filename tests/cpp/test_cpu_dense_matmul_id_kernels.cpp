@@ -376,27 +376,63 @@ TEST(CpuDenseMatmulIdKernels, WideningIsExactForEveryHalfAndBfloatPattern) {
   }
 }
 
-TEST(CpuDenseMatmulIdKernels, MapListsRowsInTokenOrderAndZeroesInvalidRows) {
+TEST(CpuDenseMatmulIdKernels, MapListsEveryRowByExpertAndZeroesInvalidRows) {
   ThreadPool pool(2);
   Data d;
-  // 4 tokens x 3 slots, 4 experts; token 2 repeats expert 1 (only its first slot counts).
+  // 4 tokens x 3 slots, 4 experts; token 2 names expert 1 twice, and both slots are routed.
   d.ids = {1, 0, 7, 3, 1, 0xFFFFFFFFu, 1, 1, 2, 0, 3, 4};
   d.params = {4, 5, 3, 3, 4, 0, 5 * 3 * 4, 3 * 4, 0};
   d.weights.assign(4 * 5 * 3 * 4, 0);
   d.input.assign(4 * 3, 1.0f);
   Scratch s;
   const std::vector<float> out = run_grouped(d, WeightType::F32, pool, &s);
-  EXPECT_EQ(s.counts, (std::vector<uint32_t>{2, 3, 1, 2}));
-  EXPECT_EQ(std::vector<uint32_t>(s.routed.begin(), s.routed.begin() + 2),
-            (std::vector<uint32_t>{1, 9}));
-  EXPECT_EQ(std::vector<uint32_t>(s.routed.begin() + 4, s.routed.begin() + 7),
-            (std::vector<uint32_t>{0, 4, 6}));
-  EXPECT_EQ(s.routed[8], 8u);
-  EXPECT_EQ(std::vector<uint32_t>(s.routed.begin() + 12, s.routed.begin() + 14),
-            (std::vector<uint32_t>{3, 10}));
+  EXPECT_EQ(s.counts, (std::vector<uint32_t>{2, 4, 1, 2}));
+  // One list, expert after expert, each segment in flat-row order.
+  EXPECT_EQ(std::vector<uint32_t>(s.routed.begin(), s.routed.begin() + 9),
+            (std::vector<uint32_t>{1, 9, 0, 4, 6, 7, 8, 3, 10}));
   for (size_t flat : {2u, 5u, 11u}) {
     for (size_t col = 0; col < 5; ++col) EXPECT_EQ(bits(out[flat * 5 + col]), 0u) << flat;
   }
+}
+
+TEST(CpuDenseMatmulIdKernels, GroupedRoutesRepeatedIdsBitIdenticalToDirect) {
+  // Ids that repeat within a token (expert 2 named by every slot of every third token, so it holds
+  // more rows than there are tokens): every slot's row is written, and equals the direct route's
+  // bit for bit, in both input layouts.
+  ThreadPool pool(3);
+  for (const bool slotted : {false, true}) {
+    for (const WeightType t : {WeightType::F32, WeightType::F16, WeightType::BF16}) {
+      const Problem pr{70, 19, 35, 4, 5, slotted, 0, t, false};
+      Data d = make_data(pr, 11);
+      for (size_t token = 0; token < pr.m; token += 3) {
+        for (size_t slot = 0; slot < pr.top_k; ++slot) d.ids[token * pr.top_k + slot] = 2;
+      }
+      const std::vector<float> grouped = run_grouped(d, t, pool);
+      for (const float v : grouped) ASSERT_NE(bits(v), bits(kPoison)) << "a row was not written";
+      expect_bit_equal(run_direct(d, t, pool), grouped, "repeated ids: grouped vs direct");
+      expect_matches_reference(pr, d, grouped);
+    }
+  }
+}
+
+TEST(CpuDenseMatmulIdKernels, GroupedRejectsCountsBeyondTheFlatRows) {
+  // A stale or foreign scratch whose counts add up to more than m * top_k rows is refused before
+  // anything is read from the routed list or written to the output.
+  ThreadPool pool(1);
+  const Problem pr{2, 3, 4, 2, 2, false, 0, WeightType::F32, false};
+  const Data d = make_data(pr, 5);
+  std::vector<float> out(2 * 2 * 3, kPoison);
+  std::vector<uint32_t> counts = {4, 1}, routed(4, 0);
+  KernelLaunch launch;
+  launch.label = "dense_matmul_id_grouped_f32_f32";
+  launch.args[0] = bytes_arg(d.params);
+  launch.args[1] = buffer_arg(d.weights.data(), d.weights.size());
+  launch.args[2] = buffer_arg(d.input.data(), d.input.size() * 4);
+  launch.args[3] = buffer_arg(counts.data(), counts.size() * 4);
+  launch.args[4] = buffer_arg(routed.data(), routed.size() * 4);
+  launch.args[5] = buffer_arg(out.data(), out.size() * 4);
+  EXPECT_THROW(def("dense_matmul_id_grouped_f32_f32").fn(launch, &pool), Error);
+  for (const float v : out) EXPECT_EQ(bits(v), bits(kPoison));
 }
 
 TEST(CpuDenseMatmulIdKernels, UnboundOrShortArgumentsThrow) {

@@ -64,3 +64,24 @@ def rng(request):
     import numpy as np
 
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+# Property-based tests (hypothesis): the "ci" profile keeps them to a few minutes on two cores;
+# `pytest --hypothesis-profile=deep` runs fifty times the examples. Tests state their own example
+# counts relative to this profile's scale. Fixtures here (device, registry) are safe to share
+# between the examples of one test.
+try:
+    from hypothesis import HealthCheck
+    from hypothesis import settings as _hypothesis_settings
+
+    _hypothesis_settings.register_profile(
+        "ci",
+        deadline=None,
+        database=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    _hypothesis_settings.register_profile("deep", parent=_hypothesis_settings.get_profile("ci"), max_examples=5000)
+    _hypothesis_settings.load_profile("ci")
+except ImportError:  # hypothesis is a test extra; the property tests skip without it
+    pass

@@ -427,6 +427,9 @@ def test_preconditions(device, registry, rng):
     calib = routemm.calibrate_dense_q4_routes
     with pytest.raises(routemm.InvalidArgumentError, match="epoch must be nonzero"):
         calib(registry, device, 0, None, [case(w, n, k, [9])])
+    for epoch in (-1, True, 2**64, 1.0):
+        with pytest.raises(routemm.InvalidArgumentError, match="epoch must be an integer within 1..="):
+            calib(registry, device, epoch, None, [case(w, n, k, [9])])
     with pytest.raises(routemm.InvalidArgumentError, match="at least one case"):
         calib(registry, device, 1, None, [])
     with pytest.raises(routemm.InvalidArgumentError, match="limits must be nonzero"):

@@ -33,9 +33,9 @@ class Rejected(Exception):
 def model(dtype_name: str, m, n, k, top_k, n_experts, stride, layout, mult, route):
     """Returns the capability as a dict, or raises Rejected(message)."""
     for name, value in (("m", m), ("n", n), ("k", k), ("top_k", top_k), ("n_experts", n_experts)):
-        if not 0 <= value <= U32:
+        if isinstance(value, bool) or not 0 <= value <= U32:
             raise Rejected(f"{P}{name} must be a u32, got {value!r}")
-    if not 0 <= stride <= U64:
+    if isinstance(stride, bool) or not 0 <= stride <= U64:
         raise Rejected(f"{P}expert_stride_bytes must be a u64, got {stride!r}")
     # 1. nonzero
     if 0 in (m, n, k, top_k, n_experts):
@@ -96,7 +96,11 @@ def model(dtype_name: str, m, n, k, top_k, n_experts, stride, layout, mult, rout
 
 EDGE_U32 = [0, 1, 2, 6, 7, 8, 9, 35, 1023, 1024, 1025, 2**16, 2**31 - 1, 2**31, U32 - 1, U32]
 dims = st.one_of(
-    st.integers(0, 40), st.sampled_from(EDGE_U32), st.integers(0, U32), st.sampled_from([U32 + 1, 2**40, -1])
+    st.integers(0, 40),
+    st.sampled_from(EDGE_U32),
+    st.integers(0, U32),
+    st.sampled_from([U32 + 1, 2**40, -1]),
+    st.booleans(),  # not integers here, however Python counts them
 )
 DTYPES = list(DType.__members__.values())
 
@@ -112,7 +116,7 @@ def cases(draw):
             st.integers(0, 5000),
             st.builds(lambda d: matrix + d, st.integers(-3, 16)),  # around one matrix, aligned or not
             st.builds(lambda d: matrix + d * size, st.integers(0, 8)),  # valid padded strides
-            st.sampled_from([U64, U64 - 1, U64 - 3, 2**63, 2**32, U64 + 1, -1]),
+            st.sampled_from([U64, U64 - 1, U64 - 3, 2**63, 2**32, U64 + 1, -1, True]),
             st.integers(0, U64),
         )
     )
@@ -128,6 +132,7 @@ def cases(draw):
 @example((DType.F32, U32, U32, U32, U32, U32, U64, Layout.SLOTTED, Mult.MAY_REPEAT, Route.GROUPED_PREFILL))
 @example((DType.U16, 1, 1, 1, 1, 1, 2, Layout.SLOTTED, Mult.MAY_REPEAT, Route.GROUPED_PREFILL))
 @example((DType.F16, 9, 7, 35, 6, 1025, 490, Layout.SLOTTED, Mult.DISTINCT_PER_TOKEN, Route.GROUPED_PREFILL))
+@example((DType.F32, True, 1, 1, 1, 1, 4, Layout.SLOTTED, Mult.MAY_REPEAT, Route.DIRECT))  # True is no token count
 def test_capability_matches_independent_model(case):
     dtype, m, n, k, top_k, n_experts, stride, layout, mult, route = case
     try:

@@ -240,3 +240,48 @@ def test_env_knob_table():
     assert "ROUTEMM_BACKEND" in names and "ROUTEMM_TEST_BACKENDS" in names
     assert len(names) == len(set(names))
     assert "ROUTEMM_BACKEND" in routemm.env.table_markdown()
+
+
+@pytest.mark.parametrize("level,want", [("bogus", None), ("debug", "10"), ("15", "15"), ("-3", None)])
+def test_log_level_knob_never_breaks_import(level, want):
+    """ROUTEMM_LOG_LEVEL: a level name or number sets the 'routemm' logger; anything else warns
+    and is ignored, and the package still imports."""
+    code = "import logging, routemm\nprint(logging.getLogger('routemm').level)\n"
+    r = _python(code, ROUTEMM_LOG_LEVEL=level)
+    assert r.returncode == 0, r.stderr
+    if want is None:
+        assert r.stdout.split() == ["0"]
+        assert "ignoring ROUTEMM_LOG_LEVEL" in r.stderr and repr(level) in r.stderr
+    else:
+        assert r.stdout.split() == [want]
+        assert "ignoring" not in r.stderr
+
+
+@pytest.mark.parametrize("dtype", ["bf16", DType.BF16.type_name.upper(), 2, np.float32])
+def test_from_numpy_dtype_must_be_a_routemm_dtype(device, dtype):
+    with pytest.raises(routemm.InvalidArgumentError, match="from_numpy: dtype must be a routemm.DType"):
+        device.from_numpy(np.zeros(4, np.uint16), dtype=dtype)
+
+
+def test_records_are_built_at_their_own_schema_version():
+    """A record constructed directly (not only through from_json) refuses a schema_version other
+    than the one its class writes."""
+    dispatch = routemm.EncodedKernelDispatch("p", routemm.DispatchKind.THREADS, (1, 1, 1), (1, 1, 1), ())
+    params = routemm.DenseMatmulIdParams(1, 1, 1, 1, 1, 4)
+    records = [
+        (routemm.EncodedKernelDispatch, dict(dispatch.__dict__)),
+        (routemm.DenseMatmulIdParams, dict(params.__dict__)),
+        (routemm.GgmlQuantizedMatmulParams, dict(m=1, n=32, k=32)),
+        (
+            routemm.DenseMatmulIdDispatchReceipt,
+            dict(weight_dtype=DType.F32, route=routemm.DenseMatmulIdRoute.DIRECT, dispatch_count=1),
+        ),
+    ]
+    for cls, fields in records:
+        fields = {name: value for name, value in fields.items() if not name.startswith("_")}
+        fields.pop("schema_version", None)
+        current = cls(**fields).schema_version
+        for bad in (99, current + 1, True, str(current)):
+            with pytest.raises(routemm.InvalidArgumentError, match=f"{cls.__name__}: schema_version"):
+                cls(**fields, schema_version=bad)
+        assert cls(**fields, schema_version=current).schema_version == current

@@ -186,26 +186,29 @@ def test_grouped_many_tiles(device, registry, rng, dtype, pad):
         assert np.all(result.out[~invalid_rows(ids, E)] != 0), "a valid row was left unwritten or zeroed"
 
 
-def _expected_lists(ids: np.ndarray, n_experts: int, m: int) -> tuple[np.ndarray, list[list[int]]]:
-    """The spec's scan: for each expert, in token order, the flat row of each token's first slot
-    holding it (ids >= n_experts skipped; grouped ids are distinct per token)."""
-    lists: list[list[int]] = [[] for _ in range(n_experts)]
-    for t in range(m):
-        seen = set()
-        for s, e in enumerate(ids[t]):
-            if e < n_experts and e not in seen:
-                seen.add(int(e))
-                lists[int(e)].append(t * ids.shape[1] + s)
+def _expected_lists(ids: np.ndarray, n_experts: int, m: int):
+    """The map's list: for every expert, every flat row naming it, in flat-row order (ids >=
+    n_experts skipped, repeated ids within a token each routed)."""
+    flat = ids.reshape(-1).astype(np.int64)
+    lists = [np.flatnonzero(flat == e).tolist() for e in range(n_experts)]
     return np.array([len(v) for v in lists], np.uint32), lists
+
+
+def _routed_segments(case: Case, n_experts: int) -> tuple[np.ndarray, list[list[int]]]:
+    """Counts and per-expert segments of the map's list (one list, expert after expert)."""
+    counts = case.scratch.expert_counts.numpy().reshape(-1).view(np.uint32)
+    routed = case.scratch.routed_rows.numpy().reshape(-1).view(np.uint32)
+    starts = np.concatenate([[0], np.cumsum(counts.astype(np.int64))])
+    return counts, [routed[starts[e] : starts[e + 1]].tolist() for e in range(n_experts)]
 
 
 @pytest.mark.parametrize("top_k", [6, 12])
 @pytest.mark.parametrize("m", [1, 255, 256, 700, 2100])
 def test_grouped_map_lists_in_token_order(device, registry, rng, m, top_k):
     """The grouped route's map writes, for every expert, its count and its routed flat rows in
-    token order (invalid ids skipped), over one to nine tiles of 256 tokens, with experts that no
-    token picks and a token with no valid slot; top_k = 12 is wider than the ids a thread keeps in
-    registers."""
+    flat-row order, the experts' segments one after another (invalid ids skipped), over one to many
+    tiles, with experts that no token picks and a token with no valid slot; top_k = 12 is wider than
+    the ids a thread keeps in registers."""
     n_experts, n, k = 37, 5, 16
     ids = sprinkle_invalid(rng, distinct_ids(rng, m, top_k, n_experts - 3), n_experts)
     ids[m // 2, :] = 0xFFFFFFFF
@@ -213,12 +216,31 @@ def test_grouped_map_lists_in_token_order(device, registry, rng, m, top_k):
     case = Case(device, registry, DType.F32, w, _inputs(rng, m, top_k, k, False), ids, slotted=False, pad=0)
     case.scratch.expert_counts.copy_from_numpy(np.full(n_experts, 0xDEADBEEF, np.uint32))
     _check(case, case.run(Route.GROUPED_PREFILL), context=f"map m={m}")
-    counts = case.scratch.expert_counts.numpy().reshape(-1).view(np.uint32)
-    routed = case.scratch.routed_rows.numpy().reshape(-1).view(np.uint32).reshape(n_experts, m)
+    counts, lists = _routed_segments(case, n_experts)
     want_counts, want_lists = _expected_lists(ids, n_experts, m)
     assert np.array_equal(counts, want_counts)
-    for e in range(n_experts):
-        assert routed[e, : counts[e]].tolist() == want_lists[e], f"expert {e}"
+    assert lists == want_lists
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)
+@pytest.mark.parametrize("slotted", [False, True], ids=["shared", "slotted"])
+@pytest.mark.parametrize("m", [1, 9, 300])
+def test_grouped_routes_ids_repeated_within_a_token(device, registry, rng, dtype, slotted, m):
+    """Ids that repeat within a token although the call declares them distinct: grouped_prefill
+    writes every slot's row (none is left stale), matches the reference and is bit-identical to
+    direct. One expert is named by every slot of every third token, so it holds more rows than
+    there are tokens (more than its row tiles of the grid cover)."""
+    n_experts, top_k, n, k = E, 4, 7, 35
+    ids = sprinkle_invalid(rng, distinct_ids(rng, m, top_k, n_experts), n_experts)
+    ids[::3, :] = 5
+    ids[:, 2] = ids[:, 1]
+    w = random_weights(rng, dtype, (n_experts, n, k))
+    case = Case(device, registry, dtype, w, _inputs(rng, m, top_k, k, slotted), ids, slotted=slotted)
+    _check_routes(case, f"{dtype} repeated")
+    counts, lists = _routed_segments(case, n_experts)
+    want_counts, want_lists = _expected_lists(ids, n_experts, m)
+    assert np.array_equal(counts, want_counts) and lists == want_lists
+    assert counts[5] > m
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=str)

@@ -95,3 +95,26 @@ def test_tensor_routes_within_tolerance(backend, device, registry, rng, route, d
     assert np.all(out[0] == 0.0), "invalid id must give a zero row"
     error = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert error <= TENSOR_ROUTE_FROBENIUS[route], f"relative Frobenius error {error:.3e}"
+
+
+@pytest.mark.parametrize("route", TENSOR_ROUTES, ids=lambda r: r.value)
+@pytest.mark.parametrize("dtype", [DType.F16, DType.BF16], ids=str)
+@pytest.mark.parametrize("layout", list(Layout), ids=lambda v: v.value)
+def test_tensor_routes_route_ids_repeated_within_a_token(device, registry, rng, route, dtype, layout):
+    """Ids repeated within tokens although declared distinct: the shared map routes every slot, so
+    no row is left unwritten. Expert 3 fills every slot of every other token: 600 rows, more than
+    the 300 tokens and than one 128-row tile."""
+    m, n, k, top_k, experts = 300, 136, 96, 4, 8
+    if not registry.has_kernel(_pipeline(route, dtype)):
+        pytest.skip(f"backend {device.backend} has no {_pipeline(route, dtype)}")
+    params = routemm.DenseMatmulIdParams(m, n, k, top_k, experts, n * k * dtype.size, layout, route=route)
+    w, x, ids = _case(rng, m, n, k, top_k, experts, dtype, layout)
+    ids[::2, :] = 3
+    ids[1::4, 1] = ids[1::4, 0]
+    ids[1, 2] = 0xFFFFFFFF
+    _, _, out = _run(device, registry, w, x, ids, params)
+    assert not np.any(out.view(np.uint32) == POISON_U32), "an output element was never written"
+    ref = _reference(w, x, ids, layout)
+    assert np.all(out[1 * top_k + 2].view(np.uint32) == 0), "invalid id must give a zero row"
+    error = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert error <= TENSOR_ROUTE_FROBENIUS[route], f"relative Frobenius error {error:.3e}"

@@ -440,3 +440,28 @@ def test_injected_direct_lookup_failure(device, registry, rng):
     with untouched_encoder(device, "capture") as enc:
         with pytest.raises(routemm.KernelNotFoundError, match="dense_matmul_id_direct_f32_f32"):
             call.invoke(enc)
+
+
+@pytest.mark.parametrize("field", ["m", "n", "k", "top_k", "n_experts", "expert_stride_bytes"])
+@pytest.mark.parametrize("value", [True, False, np.bool_(True), 2.0, "4"])
+def test_params_must_be_integers_not_bools(field, value):
+    """True is not a token count (the Q4 params refuse bools too)."""
+    fields = dict(m=1, n=1, k=1, top_k=1, n_experts=1, expert_stride_bytes=4)
+    fields[field] = value
+    with pytest.raises(routemm.InvalidArgumentError, match=f"dense_matmul_id {field} must be a u"):
+        routemm.dense_matmul_id_capability(DType.F32, routemm.DenseMatmulIdParams(**fields))
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("input_layout", "rows"), ("id_multiplicity", 1), ("route", "fast"), ("route", None)],
+)
+def test_params_enums_must_be_members(field, value):
+    params = routemm.DenseMatmulIdParams(1, 1, 1, 1, 1, 4, **{field: value})
+    with pytest.raises(routemm.InvalidArgumentError, match=f"dense_matmul_id {field} must be one of"):
+        routemm.dense_matmul_id_capability(DType.F32, params)
+
+
+def test_params_must_be_the_params_record():
+    with pytest.raises(routemm.InvalidArgumentError, match="params must be a DenseMatmulIdParams"):
+        routemm.dense_matmul_id_capability(DType.F32, {"m": 1})

@@ -150,3 +150,52 @@ def test_reference_helper_agrees_with_package_oracle(rng):
         ids[0, 0] = 0xFFFFFFFF
         ours, _ = reference(w, x, ids, slotted)
         np.testing.assert_allclose(dense_matmul_id_reference(w, x, ids), ours, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("m", [2, 9])
+def test_out_of_range_ids_do_not_count_as_experts(device, rng, m):
+    """One expert and ids [[0, 5], [-1, 0], ...]: the out-of-range ids give zero rows and do not
+    count as distinct experts (top_k 2 > n_experts 1 is no reason to refuse the call)."""
+    n, k = 3, 8
+    w = random_weights(rng, DType.F32, (1, n, k))
+    x = rng.uniform(-1, 1, (m, k)).astype(np.float32)
+    ids = np.array([[0, 5], [-1, 0]] * (m // 2) + [[7, 0]] * (m % 2), np.int64)
+    out = routemm.matmul_id(w, x, ids, device=device)
+    ref, mag = reference(w, x, np.where((ids >= 0) & (ids < 1), ids, 0xFFFFFFFF).astype(np.uint32), False)
+    assert_close(out, ref, mag, dtype=DType.F32, k=k)
+    flat = ids.reshape(-1)
+    assert np.all(out[flat != 0].view(np.uint32) == 0)
+    assert np.all(out[flat == 0] != 0)
+
+
+def test_device_may_be_a_backend_name(device, rng):
+    w = random_weights(rng, DType.F32, (E, 5, 16))
+    x = rng.uniform(-1, 1, (3, 16)).astype(np.float32)
+    ids = distinct_ids(rng, 3, 2, E)
+    by_name = routemm.matmul_id(w, x, ids, device=device.backend)
+    assert np.array_equal(by_name.view(np.uint32), routemm.matmul_id(w, x, ids, device=device).view(np.uint32))
+    for bad in (3, object(), b"cpu"):
+        with pytest.raises(routemm.InvalidArgumentError, match="matmul_id device must be"):
+            routemm.matmul_id(w, x, ids, device=bad)
+    with pytest.raises(routemm.InvalidArgumentError, match="route must be one of"):
+        routemm.matmul_id(w, x, ids, device=device, route="fastest")
+
+
+@pytest.mark.parametrize("route", [None, Route.DIRECT, Route.GROUPED_PREFILL])
+def test_torch_tensors_out_of_range_ids_do_not_count_as_experts(rng, route):
+    """The same rule for PyTorch tensors (used in place through DLPack): with one expert and
+    ids [[0, 5], [-1, 0], ...] the out-of-range ids give zero rows; grouped_prefill, which must be
+    declared distinct, cannot be (top_k 2 > n_experts 1) and is refused."""
+    torch = pytest.importorskip("torch")
+    m, n, k = 10, 3, 8
+    w = random_weights(rng, DType.F32, (1, n, k))
+    x = rng.uniform(-1, 1, (m, k)).astype(np.float32)
+    ids = np.array([[0, 5], [-1, 0]] * (m // 2), np.int64)
+    if route is Route.GROUPED_PREFILL:
+        with pytest.raises(routemm.InvalidArgumentError, match="top_k <= n_experts"):
+            routemm.matmul_id(torch.from_numpy(w), torch.from_numpy(x), torch.from_numpy(ids), route=route)
+        return
+    out = routemm.matmul_id(torch.from_numpy(w), torch.from_numpy(x), torch.from_numpy(ids), route=route).numpy()
+    want = routemm.matmul_id(w, x, ids, route=route, device=routemm.Device("cpu"))
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+    assert np.all(out[ids.reshape(-1) != 0].view(np.uint32) == 0)

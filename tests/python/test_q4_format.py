@@ -4,6 +4,7 @@ exact, and the round trip is stable."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 import routemm
@@ -121,3 +122,31 @@ def test_shape_errors():
         q4_0.dequantize(np.zeros(18, np.uint8), (64,))
     with pytest.raises(routemm.InvalidArgumentError, match="uint8"):
         q4_0.dequantize(np.zeros(18, np.int8))
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.ones(32, np.complex64),
+        np.full(32, 1 + 2j),
+        np.ones(32, bool),
+        np.array(["1"] * 32),
+        np.array([1.0] * 32, dtype=object),
+    ],
+    ids=["complex64", "complex128", "bool", "str", "object"],
+)
+def test_quantize_refuses_values_that_are_not_real_numbers(values):
+    """A complex array would lose its imaginary part silently; the others have no real value."""
+    with pytest.raises(routemm.InvalidArgumentError, match="values must be real numbers"):
+        q4_0.quantize(values)
+
+
+def test_quantize_accepts_real_dtypes(rng):
+    row = rng.uniform(-1, 1, 32)
+    want = q4_0.quantize(row.astype(np.float32))
+    for dtype in (np.float64, np.float16, ml_dtypes.bfloat16):
+        assert np.array_equal(
+            q4_0.quantize(row.astype(np.float32).astype(dtype).astype(np.float32)), q4_0.quantize(row.astype(dtype))
+        )
+    assert np.array_equal(q4_0.quantize(row), want)
+    assert q4_0.quantize(np.arange(32, dtype=np.int16)).shape == (18,)

@@ -210,3 +210,22 @@ def test_params_must_be_u32():
         Params(-1, 2, 32)._native()
     with pytest.raises(routemm.InvalidArgumentError, match="u32"):
         Params(2**32, 2, 32)._native()
+
+
+@pytest.mark.parametrize("value", ["no", "yes", "", 0, 1, None])
+def test_routing_policy_bool_must_be_a_bool(value):
+    """'no' is truthy: a policy built from it would allow the large tile it was meant to forbid."""
+    with pytest.raises(routemm.InvalidArgumentError, match="allow_dense_large_tile_mm must be a bool"):
+        routemm.GgmlRoutingPolicy(allow_dense_large_tile_mm=value)
+
+
+@pytest.mark.parametrize("value", ["simd", None, 1])
+def test_routing_policy_preference_must_be_a_member(value):
+    with pytest.raises(routemm.InvalidArgumentError, match="dense_tensor_mm must be one of"):
+        routemm.GgmlRoutingPolicy(dense_tensor_mm=value)
+
+
+def test_routing_policy_accepts_members_values_and_numpy_bools():
+    policy = routemm.GgmlRoutingPolicy("force_simd", np.bool_(False))
+    assert policy._native() == ("force_simd", False)
+    assert routemm.GgmlRoutingPolicy(routemm.GgmlTensorMmPreference.AUTO_PROBE, True)._native() == ("auto_probe", True)

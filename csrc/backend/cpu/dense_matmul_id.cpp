@@ -355,9 +355,11 @@ void direct_kernel(const KernelLaunch& launch, void* queue_native) {
 
 // ---- Map ----------------------------------------------------------------------------------------
 
-// Single pass equivalent to the spec's one-thread-per-expert scan: visiting tokens in order and
-// slots in order, a flat row is appended to its expert's list unless an earlier slot of the same
-// token already named that expert. Rows with invalid ids are zero-filled here (the grouped kernel
+// Routes every flat row with a valid id, repeated ids included: expert e's rows form the segment
+// routed[start(e), start(e) + counts[e]) of one list ordered by expert (start(e) = the counts of
+// the experts before e), each segment in flat-row order. The list holds at most m * top_k rows,
+// which fits the scratch's n_experts * m entries whenever top_k <= n_experts (the capability's
+// rule for the grouped route). Rows with invalid ids are zero-filled here (the grouped kernel
 // never sees them).
 void map_distinct_kernel(const KernelLaunch& launch, void* /*queue_native*/) {
   const DenseMatmulIdKernelParams p = read_params(launch);
@@ -367,26 +369,32 @@ void map_distinct_kernel(const KernelLaunch& launch, void* /*queue_native*/) {
       static_cast<const uint32_t*>(arg_data(launch, 1, checked_mul(rows, 4), "expert ids"));
   auto* counts =
       static_cast<uint32_t*>(arg_data(launch, 2, checked_mul(experts, 4), "expert counts"));
-  auto* routed = static_cast<uint32_t*>(
-      arg_data(launch, 3, checked_mul(checked_mul(experts, p.m), 4), "routed rows"));
   auto* output =
       static_cast<float*>(arg_data(launch, 4, checked_mul(checked_mul(rows, p.n), 4), "output"));
 
-  std::fill(counts, counts + experts, 0u);
-  for (size_t token = 0; token < p.m; ++token) {
-    const uint32_t* token_ids = ids + token * p.top_k;
-    for (size_t slot = 0; slot < p.top_k; ++slot) {
-      const size_t flat = token * p.top_k + slot;
-      const uint32_t id = token_ids[slot];
-      if (id >= experts) {
-        std::fill(output + flat * p.n, output + (flat + 1) * p.n, 0.0f);
-        continue;
-      }
-      bool seen = false;
-      for (size_t earlier = 0; earlier < slot && !seen; ++earlier) seen = token_ids[earlier] == id;
-      if (seen) continue;
-      routed[size_t{id} * p.m + counts[id]] = static_cast<uint32_t>(flat);
-      ++counts[id];
+  // Count first, so that a routed-rows binding too small for the list fails before any write.
+  std::vector<uint32_t> next(experts, 0u);  // counts, then each segment's next free entry
+  size_t routed_total = 0;
+  for (size_t flat = 0; flat < rows; ++flat) {
+    if (ids[flat] < experts) {
+      ++next[ids[flat]];
+      ++routed_total;
+    }
+  }
+  auto* routed =
+      static_cast<uint32_t*>(arg_data(launch, 3, checked_mul(routed_total, 4), "routed rows"));
+  uint32_t start = 0;
+  for (size_t e = 0; e < experts; ++e) {
+    counts[e] = next[e];
+    next[e] = start;
+    start += counts[e];
+  }
+  for (size_t flat = 0; flat < rows; ++flat) {
+    const uint32_t id = ids[flat];
+    if (id < experts) {
+      routed[next[id]++] = static_cast<uint32_t>(flat);
+    } else {
+      std::fill(output + flat * p.n, output + (flat + 1) * p.n, 0.0f);
     }
   }
 }
@@ -402,14 +410,13 @@ static_assert(kBlockCols % kTileCols == 0 && kInnerBlock % kLanes == 0);
 
 struct GroupedItem {
   uint32_t expert;
-  uint32_t row0, rows;  // routed indices [row0, row0 + rows) of the expert's list
+  uint32_t row0, rows;  // entries [row0, row0 + rows) of the routed list, all of this expert
   uint32_t col0;
 };
 
 struct GroupedJob {
   Operands ops;
-  const uint32_t* routed;  // expert e's rows at routed + e * m
-  size_t m;
+  const uint32_t* routed;  // the map's list: each expert's flat rows, expert after expert
 };
 
 // Per-thread packing buffers, reused across items and launches.
@@ -428,7 +435,7 @@ void grouped_item(const GroupedJob& job, const GroupedItem& item) {
   const size_t rows = item.rows, rows_pad = round_up(rows, kTileRows);
   const size_t cols = std::min(kBlockCols, ops.n - item.col0);
   const size_t cols_pad = round_up(cols, kTileCols);
-  const uint32_t* flats = job.routed + size_t{item.expert} * job.m + item.row0;
+  const uint32_t* flats = job.routed + item.row0;
 
   GroupedScratch& s = grouped_scratch();
   s.x.resize(std::max(s.x.size(), rows_pad * kp));
@@ -479,35 +486,41 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
   const void* input = arg_data(launch, 2, input_bytes(p), "input");
   const auto* counts =
       static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(experts, 4), "expert counts"));
-  const auto* routed = static_cast<const uint32_t*>(
-      arg_data(launch, 4, checked_mul(checked_mul(experts, p.m), 4), "routed rows"));
   void* output = arg_data(launch, 5, checked_mul(checked_mul(rows, p.n), 4), "output");
 
   // The scratch comes from the map kernel; check it anyway, since a stale or foreign buffer
-  // would otherwise index out of bounds.
+  // would otherwise index out of bounds: the segments together hold at most every flat row once.
+  size_t routed_total = 0;
+  for (size_t e = 0; e < experts; ++e) {
+    routed_total += counts[e];
+    if (routed_total > rows) {
+      throw Error(std::string(launch.label) + ": expert counts exceed the flat rows");
+    }
+  }
+  const auto* routed = static_cast<const uint32_t*>(
+      arg_data(launch, 4, checked_mul(routed_total, 4), "routed rows"));
+  for (size_t i = 0; i < routed_total; ++i) {
+    if (routed[i] >= rows) throw Error(std::string(launch.label) + ": routed row out of range");
+  }
   std::vector<GroupedItem> items;
+  size_t start = 0;
   for (size_t e = 0; e < experts; ++e) {
     const size_t count = counts[e];
-    if (count > p.m) throw Error(std::string(launch.label) + ": expert count exceeds m");
-    for (size_t i = 0; i < count; ++i) {
-      if (routed[e * p.m + i] >= rows) {
-        throw Error(std::string(launch.label) + ": routed row out of range");
-      }
-    }
     for (size_t row0 = 0; row0 < count; row0 += kBlockRows) {
       const auto block_rows = static_cast<uint32_t>(std::min(kBlockRows, count - row0));
       for (size_t col0 = 0; col0 < p.n; col0 += kBlockCols) {
-        items.push_back({static_cast<uint32_t>(e), static_cast<uint32_t>(row0), block_rows,
+        items.push_back({static_cast<uint32_t>(e), static_cast<uint32_t>(start + row0), block_rows,
                          static_cast<uint32_t>(col0)});
       }
     }
+    start += count;
   }
   if (items.empty()) return;
   // Largest items first, handed out one at a time: balances uneven expert counts.
   std::stable_sort(items.begin(), items.end(),
                    [](const GroupedItem& a, const GroupedItem& b) { return a.rows > b.rows; });
 
-  const GroupedJob job{make_operands(p, weights, input, output), routed, p.m};
+  const GroupedJob job{make_operands(p, weights, input, output), routed};
   void (*run)(const GroupedJob&, const GroupedItem&) = grouped_item<PortableIsa, WT>;
 #if ROUTEMM_CPU_HAVE_AVX2
   if (simd::has_avx2_fma()) run = grouped_item<Avx2Isa, WT>;

@@ -21,7 +21,7 @@
 //            computes that tile for every row routed there and the others exit (see
 //            direct_gathered_kernel); the grid and the tile are the same either way.
 //   map    : grid [1, 1, 1], threads [1024] (the spec's geometry, which receipts show). The launch
-//            runs two kernels with one 256-thread CTA per tile of 256 tokens (see
+//            runs one 256-thread CTA per tile of 256 flat rows, in one kernel or three (see
 //            map_count_kernel).
 //   grouped: grid [ceil(m / 32), ceil(n / 64), n_experts], 256 threads. Tile (x, y, e) is routed
 //            rows [32x, 32x + 32) of expert e times columns [64y, 64y + 64): 32 thread tiles of 8
@@ -458,120 +458,135 @@ __global__ void __launch_bounds__(kDirectThreads, gather_min_blocks<T>())
 
 // ---- map_distinct --------------------------------------------------------------------------------
 
-// The map runs as two launches over tiles of kMapTileTokens tokens, one CTA per tile and one thread
-// per token. Both build the tile's per-expert token bitmap in shared memory: bit (t - t0) of expert
-// e's bitmap is set for every token t whose first slot holding e is valid.
-//   - map_count_kernel writes each expert's entry count in the tile to a workspace
-//     (tile_counts[tile][expert]) and zeroes the output rows of malformed ids.
-//   - map_scatter_kernel rebuilds the same bitmap, adds the counts of the earlier tiles (base[e])
-//     and writes every entry at base[e] + (entries of e in earlier words of the tile) + (bits below
-//     it in its word); the last tile's CTA writes counts[]. With a single tile it runs alone (no
-//     earlier tiles to count) and zeroes the malformed ids' rows itself (`zero_out`).
-// Entries land in token order for every expert (as the spec's scan writes them), deterministically.
-// The work is proportional to m * top_k, plus n_experts * tiles^2 / 2 count reads for the bases
-// (tiles = m / kMapTileTokens: 16 at m = 4096).
-constexpr uint32_t kMapTileTokens = 256;  // = threads per CTA
-constexpr uint32_t kMapTileWords = kMapTileTokens / 32;
-
-// Calls fn(slot, id, first) for every slot of one token (`token_ids`: its top_k ids); `first` is
-// true when the id is valid (< n_experts) and no earlier slot of the token holds it. Up to
-// kMapRegisterSlots ids are loaded together into registers (one memory latency per token instead
-// of one per slot); wider tokens read them slot by slot.
-constexpr uint32_t kMapRegisterSlots = 8;
-
-template <class Fn>
-__device__ __forceinline__ void for_each_slot(const uint32_t* __restrict__ token_ids,
-                                              uint32_t top_k, uint32_t n_experts, Fn&& fn) {
-  if (top_k <= kMapRegisterSlots) {
-    uint32_t v[kMapRegisterSlots];
-#pragma unroll
-    for (uint32_t s = 0; s < kMapRegisterSlots; ++s) v[s] = s < top_k ? __ldg(token_ids + s) : 0u;
-#pragma unroll
-    for (uint32_t slot = 0; slot < kMapRegisterSlots; ++slot) {
-      if (slot < top_k) {
-        bool first = v[slot] < n_experts;
-#pragma unroll
-        for (uint32_t s = 0; s < slot; ++s) first = first && v[s] != v[slot];
-        fn(slot, v[slot], first);
-      }
-    }
-    return;
-  }
-  for (uint32_t slot = 0; slot < top_k; ++slot) {
-    const uint32_t id = __ldg(token_ids + slot);
-    bool first = id < n_experts;
-    for (uint32_t s = 0; s < slot && first; ++s) first = __ldg(token_ids + s) != id;
-    fn(slot, id, first);
-  }
-}
+// The map routes every flat row with a valid id, repeated ids included, into one list ordered by
+// expert: expert e's rows are routed[start(e), start(e) + counts[e]) in flat-row order, start(e)
+// being the counts of the experts before e (the segments the grouped work list reads, see
+// grouped_work_list.cuh). The list holds at most m * top_k rows, within the scratch's
+// n_experts * m entries since the grouped route needs top_k <= n_experts.
+//
+// It runs over tiles of kMapTileRows flat rows, one CTA per tile and one thread per flat row. Each
+// CTA builds its tile's per-expert row bitmap in shared memory: bit (f - f0) of expert e's bitmap
+// is set for every flat row f of the tile whose id is e.
+//   - map_count_kernel writes each expert's row count in the tile to a workspace
+//     (tile_base[tile][expert]) and zeroes the output rows of malformed ids;
+//   - map_offsets_kernel (one CTA, a thread per expert) turns those counts into each tile's first
+//     list position per expert (the expert's segment start plus its rows in the earlier tiles)
+//     and writes counts[];
+//   - map_scatter_kernel rebuilds the bitmap and writes every row at its tile's position plus the
+//     expert's rows below it in the tile.
+// With a single tile (m * top_k <= 256: decode batches) the scatter kernel runs alone: it takes the
+// segment starts from its own bitmap and zeroes the malformed ids' rows itself (`zero_out`).
+// Entries land in flat-row order, deterministically; the work is proportional to m * top_k plus
+// 2 * n_experts * tiles workspace reads.
+constexpr uint32_t kMapTileRows = 256;  // = threads per CTA
+constexpr uint32_t kMapTileWords = kMapTileRows / 32;
 
 // Builds the bitmap of the CTA's tile (bits[e * kMapTileWords + w]); ends with a CTA barrier. With
-// `zero_invalid`, also zeroes the output rows of ids >= n_experts.
-__device__ __forceinline__ void map_tile_bitmap(const DenseMatmulIdKernelParams& p,
-                                                const uint32_t* __restrict__ ids, float* out,
-                                                bool zero_invalid, uint32_t* bits) {
-  const uint32_t E = p.n_experts, top_k = p.top_k, tid = threadIdx.x;
-  for (uint32_t i = tid; i < E * kMapTileWords; i += kMapTileTokens) bits[i] = 0;
+// `zero_invalid`, also zeroes the output rows of ids >= n_experts. Returns this thread's id (or
+// UINT32_MAX past the last flat row).
+__device__ __forceinline__ uint32_t map_tile_bitmap(const DenseMatmulIdKernelParams& p,
+                                                    const uint32_t* __restrict__ ids, float* out,
+                                                    bool zero_invalid, uint32_t* bits) {
+  const uint32_t E = p.n_experts, tid = threadIdx.x;
+  for (uint32_t i = tid; i < E * kMapTileWords; i += kMapTileRows) bits[i] = 0;
   __syncthreads();
-  const uint32_t t = blockIdx.x * kMapTileTokens + tid;
-  if (t < p.m) {
-    for_each_slot(ids + uint64_t{t} * top_k, top_k, E, [&](uint32_t slot, uint32_t id, bool first) {
-      if (id >= E) {  // malformed id: its output row is all zeros, as in direct
-        if (zero_invalid) {
-          float* row = out + (uint64_t{t} * top_k + slot) * p.n;
-          for (uint32_t col = 0; col < p.n; ++col) row[col] = 0.f;
-        }
-      } else if (first) {
-        atomicOr(&bits[id * kMapTileWords + tid / 32], 1u << (tid % 32));
+  const uint64_t flat = uint64_t{blockIdx.x} * kMapTileRows + tid;
+  uint32_t id = UINT32_MAX;
+  if (flat < uint64_t{p.m} * p.top_k) {
+    id = __ldg(ids + flat);
+    if (id >= E) {  // malformed id: its output row is all zeros, as in direct
+      if (zero_invalid) {
+        float* row = out + flat * p.n;
+        for (uint32_t col = 0; col < p.n; ++col) row[col] = 0.f;
       }
-    });
-  }
-  __syncthreads();
-}
-
-__global__ void __launch_bounds__(kMapTileTokens)
-    map_count_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __restrict__ ids,
-                     float* __restrict__ out, uint32_t* __restrict__ tile_counts) {
-  __shared__ uint32_t bits[kMapMaxThreads * kMapTileWords];  // [expert][word]
-  map_tile_bitmap(p, ids, out, true, bits);
-  for (uint32_t e = threadIdx.x; e < p.n_experts; e += kMapTileTokens) {
-    uint32_t count = 0;
-#pragma unroll
-    for (uint32_t w = 0; w < kMapTileWords; ++w) count += __popc(bits[e * kMapTileWords + w]);
-    tile_counts[uint64_t{blockIdx.x} * p.n_experts + e] = count;
-  }
-}
-
-__global__ void __launch_bounds__(kMapTileTokens)
-    map_scatter_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __restrict__ ids,
-                       const uint32_t* __restrict__ tile_counts, uint32_t* __restrict__ counts,
-                       uint32_t* __restrict__ routed, float* __restrict__ zero_out) {
-  __shared__ uint32_t bits[kMapMaxThreads * kMapTileWords];  // [expert][word]
-  __shared__ uint32_t base[kMapMaxThreads];                  // entries in the earlier tiles
-  const uint32_t E = p.n_experts, top_k = p.top_k, tid = threadIdx.x, tile = blockIdx.x;
-  map_tile_bitmap(p, ids, zero_out, zero_out != nullptr, bits);
-  for (uint32_t e = tid; e < E; e += kMapTileTokens) {
-    uint32_t run = 0;
-#pragma unroll 8
-    for (uint32_t j = 0; j < tile; ++j) run += tile_counts[uint64_t{j} * E + e];  // loads in flight
-    base[e] = run;
-    if (tile + 1 == gridDim.x) {
-#pragma unroll
-      for (uint32_t w = 0; w < kMapTileWords; ++w) run += __popc(bits[e * kMapTileWords + w]);
-      counts[e] = run;
+    } else {
+      atomicOr(&bits[id * kMapTileWords + tid / 32], 1u << (tid % 32));
     }
   }
   __syncthreads();
-  const uint32_t t = tile * kMapTileTokens + tid;
-  if (t >= p.m) return;
+  return id;
+}
+
+__device__ __forceinline__ uint32_t map_tile_count(const uint32_t* bits, uint32_t e) {
+  uint32_t count = 0;
+#pragma unroll
+  for (uint32_t w = 0; w < kMapTileWords; ++w) count += __popc(bits[e * kMapTileWords + w]);
+  return count;
+}
+
+__global__ void __launch_bounds__(kMapTileRows)
+    map_count_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __restrict__ ids,
+                     float* __restrict__ out, uint32_t* __restrict__ tile_base) {
+  __shared__ uint32_t bits[kMapMaxThreads * kMapTileWords];  // [expert][word]
+  map_tile_bitmap(p, ids, out, true, bits);
+  for (uint32_t e = threadIdx.x; e < p.n_experts; e += kMapTileRows) {
+    tile_base[uint64_t{blockIdx.x} * p.n_experts + e] = map_tile_count(bits, e);
+  }
+}
+
+// One CTA of kMapMaxThreads threads, thread e for expert e: tile_base[tile][e] becomes start(e)
+// plus e's rows in tiles before `tile`; counts[e] = e's rows in all tiles.
+__global__ void __launch_bounds__(kMapMaxThreads)
+    map_offsets_kernel(const DenseMatmulIdKernelParams p, uint32_t tiles,
+                       uint32_t* __restrict__ tile_base, uint32_t* __restrict__ counts) {
+  const uint32_t E = p.n_experts, e = threadIdx.x;
+  uint32_t rows = 0;
+  if (e < E) {
+    for (uint32_t tile = 0; tile < tiles; ++tile) {
+      uint32_t* const slot = tile_base + uint64_t{tile} * E + e;
+      const uint32_t here = *slot;
+      *slot = rows;
+      rows += here;
+    }
+    counts[e] = rows;
+  }
+  uint32_t all = 0;
+  const uint32_t start = block_exclusive_scan<kMapMaxThreads>(rows, all);
+  if (e < E) {
+    for (uint32_t tile = 0; tile < tiles; ++tile) tile_base[uint64_t{tile} * E + e] += start;
+  }
+}
+
+__global__ void __launch_bounds__(kMapTileRows)
+    map_scatter_kernel(const DenseMatmulIdKernelParams p, const uint32_t* __restrict__ ids,
+                       const uint32_t* __restrict__ tile_base, uint32_t* __restrict__ counts,
+                       uint32_t* __restrict__ routed, float* __restrict__ zero_out) {
+  __shared__ uint32_t bits[kMapMaxThreads * kMapTileWords];  // [expert][word]
+  __shared__ uint32_t base[kMapMaxThreads];                  // the tile's first position per expert
+  constexpr uint32_t kPerThread = kMapMaxThreads / kMapTileRows;
+  const uint32_t E = p.n_experts, tid = threadIdx.x, tile = blockIdx.x;
+  const uint32_t id = map_tile_bitmap(p, ids, zero_out, zero_out != nullptr, bits);
+  if (tile_base != nullptr) {
+    for (uint32_t e = tid; e < E; e += kMapTileRows) base[e] = tile_base[uint64_t{tile} * E + e];
+    __syncthreads();
+  } else {  // the only tile: the segment starts are this bitmap's exclusive prefix over experts
+    uint32_t local[kPerThread];
+    uint32_t sum = 0;
+#pragma unroll
+    for (uint32_t j = 0; j < kPerThread; ++j) {
+      const uint32_t e = tid * kPerThread + j;
+      local[j] = e < E ? map_tile_count(bits, e) : 0u;
+      sum += local[j];
+    }
+    uint32_t all = 0;
+    uint32_t run = block_exclusive_scan<kMapTileRows>(sum, all);
+#pragma unroll
+    for (uint32_t j = 0; j < kPerThread; ++j) {
+      const uint32_t e = tid * kPerThread + j;
+      if (e < E) {
+        base[e] = run;
+        counts[e] = local[j];
+      }
+      run += local[j];
+    }
+    __syncthreads();
+  }
+  if (id >= E) return;
   const uint32_t w = tid / 32, below = (1u << (tid % 32)) - 1u;
-  for_each_slot(ids + uint64_t{t} * top_k, top_k, E, [&](uint32_t slot, uint32_t id, bool first) {
-    if (!first) return;
-    const uint32_t* const id_bits = bits + id * kMapTileWords;
-    uint32_t pos = base[id] + __popc(id_bits[w] & below);
-    for (uint32_t v = 0; v < w; ++v) pos += __popc(id_bits[v]);
-    routed[uint64_t{id} * p.m + pos] = t * top_k + slot;
-  });
+  const uint32_t* const id_bits = bits + id * kMapTileWords;
+  uint32_t pos = base[id] + __popc(id_bits[w] & below);
+  for (uint32_t v = 0; v < w; ++v) pos += __popc(id_bits[v]);
+  routed[pos] = tile * kMapTileRows + tid;
 }
 
 // ---- grouped -------------------------------------------------------------------------------------
@@ -689,8 +704,7 @@ __device__ __forceinline__ void load_item_rows(const DenseMatmulIdKernelParams& 
                                                const uint32_t* __restrict__ routed,
                                                const WorkItem& b, uint32_t* flat_rows) {
   const uint32_t tid = threadIdx.x;
-  if (tid < kGroupRows)
-    flat_rows[tid] = tid < b.rows ? __ldg(routed + uint64_t{b.expert} * p.m + b.row0 + tid) : 0u;
+  if (tid < kGroupRows) flat_rows[tid] = tid < b.rows ? __ldg(routed + uint64_t{b.row0} + tid) : 0u;
   __syncthreads();
 }
 
@@ -764,16 +778,17 @@ __global__ void __launch_bounds__(kGroupThreads, kOuterMinBlocks)
     grouped_outer_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
                          const char* __restrict__ x, const uint32_t* __restrict__ counts,
                          const uint32_t* __restrict__ routed, float* __restrict__ out) {
-  extern __shared__ __align__(16) uint8_t outer_smem[];  // buffers, then the expert prefix
+  extern __shared__ __align__(16) uint8_t outer_smem[];  // buffers, then the work list
   __shared__ uint32_t flat_rows[kGroupRows];
-  uint32_t* const prefix = reinterpret_cast<uint32_t*>(outer_smem + kOuterDynamicShmem);
+  uint32_t* const list = reinterpret_cast<uint32_t*>(outer_smem + kOuterDynamicShmem);
   const uint32_t slices = (p.k + kSlice - 1) / kSlice;
   const uint32_t col_tiles = (p.n + kGroupCols - 1) / kGroupCols;
-  build_item_prefix<kGroupThreads>(counts, p.m, p.n_experts, kGroupRows, col_tiles, prefix);
-  const uint32_t total = prefix[p.n_experts];
+  build_work_list<kGroupThreads>(counts, routed_capacity(p.m, p.top_k), p.n_experts, kGroupRows,
+                                 col_tiles, list);
+  const uint32_t total = list[p.n_experts];
 
   for (uint32_t item = blockIdx.x; item < total; item += gridDim.x) {
-    const WorkItem b = decode_item(item, prefix, counts, p.m, p.n_experts, kGroupRows, kGroupCols);
+    const WorkItem b = decode_item(item, list, p.n_experts, kGroupRows, kGroupCols);
     load_item_rows(p, routed, b, flat_rows);
     grouped_outer_item<T, VEC>(p, w, x, out, b, flat_rows, outer_smem, slices);
     __syncthreads();  // flat_rows and the buffers are rewritten by the next item
@@ -867,23 +882,26 @@ void launch_map(const KernelLaunch& launch, void* stream_ptr) {
   }
   if (p.m == 0) throw Error(launch.label + ": map needs at least one token");  // validated before
   // The receipt keeps the spec's geometry (one 1024-thread group); the launch runs one CTA per
-  // tile of tokens, twice (see map_count_kernel), with the per-tile counts in a stream workspace.
-  // One tile (m <= 256: decode batches) has no earlier tiles to count: the scatter kernel alone,
-  // which then also zeroes the rows of malformed ids.
-  const uint32_t tiles = (p.m + kMapTileTokens - 1) / kMapTileTokens;
+  // tile of flat rows, with the per-tile positions in a stream workspace (see map_count_kernel).
+  // One tile (m * top_k <= 256: decode batches) has no earlier tiles to count: the scatter kernel
+  // alone, which then also zeroes the rows of malformed ids.
+  const uint64_t tiles64 = (uint64_t{p.m} * p.top_k + kMapTileRows - 1) / kMapTileRows;
+  check_grid(launch, tiles64);
+  const auto tiles = static_cast<uint32_t>(tiles64);
   if (tiles == 1) {
-    map_scatter_kernel<<<1, kMapTileTokens, 0, stream>>>(p, ids, nullptr, counts, routed, out);
+    map_scatter_kernel<<<1, kMapTileRows, 0, stream>>>(p, ids, nullptr, counts, routed, out);
     return;
   }
   const StreamWorkspace workspace(launch.label, uint64_t{tiles} * p.n_experts * sizeof(uint32_t),
                                   stream);
-  auto* const tile_counts = static_cast<uint32_t*>(workspace.data());
-  map_count_kernel<<<tiles, kMapTileTokens, 0, stream>>>(p, ids, out, tile_counts);
+  auto* const tile_base = static_cast<uint32_t*>(workspace.data());
+  map_count_kernel<<<tiles, kMapTileRows, 0, stream>>>(p, ids, out, tile_base);
+  map_offsets_kernel<<<1, kMapMaxThreads, 0, stream>>>(p, tiles, tile_base, counts);
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     throw Error(launch.label + ": launch failed: " + cudaGetErrorString(e));
   }
-  map_scatter_kernel<<<tiles, kMapTileTokens, 0, stream>>>(p, ids, tile_counts, counts, routed,
-                                                           nullptr);
+  map_scatter_kernel<<<tiles, kMapTileRows, 0, stream>>>(p, ids, tile_base, counts, routed,
+                                                         nullptr);
 }
 
 template <typename T>
@@ -904,12 +922,13 @@ void launch_grouped(const KernelLaunch& launch, void* stream_ptr) {
   }
   // The front door's grid is the spec's geometry, one block per (row tile, column tile, expert);
   // most of those hold no routed rows (row tiles cover m, an expert holds about m * top_k /
-  // n_experts). So the kernel runs persistent over the work list of the tiles that hold rows,
+  // n_experts), and an expert named more than m times (ids repeated within tokens) holds more
+  // rows than its row tiles cover. So the kernel runs persistent over the work list of the tiles that hold rows,
   // resident blocks only: two per multiprocessor, fewer when the grid is smaller.
   const uint64_t resident = 2ull * multiprocessors(launch.label);
   const auto blocks = static_cast<unsigned>(std::min<uint64_t>(tx * ty * tz, resident));
-  const size_t smem = kOuterDynamicShmem + (size_t{p.n_experts} + 1) * 4;
-  constexpr size_t kSmemCap = kOuterDynamicShmem + (size_t{kMaxWorkListExperts} + 1) * 4;
+  const size_t smem = kOuterDynamicShmem + work_list_bytes(p.n_experts);
+  constexpr size_t kSmemCap = kOuterDynamicShmem + work_list_bytes(kMaxWorkListExperts);
   const size_t elem = sizeof(typename Chunk<T>::elem);
   if (vector_ok(p, w, x, elem)) {
     constexpr auto kernel = &grouped_outer_kernel<T, true>;
@@ -943,7 +962,7 @@ KernelDef def(std::string_view name, KernelFn fn, uint32_t threads, uint32_t til
 void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
   const auto& names = kDenseMatmulIdPipelineNames;
   // Shared memory of a grouped block, reported so receipts show what a block uses (the launch adds
-  // 4 bytes per expert for the work list's prefix).
+  // 8 bytes per expert for the work list).
   constexpr uint64_t kGroupShmem = kOuterDynamicShmem + kGroupRows * 4;
   // Static shared memory of the gathered direct kernel (member list, count, staged activations).
   constexpr uint64_t kDirectShmem =

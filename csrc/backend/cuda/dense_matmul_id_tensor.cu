@@ -84,7 +84,7 @@ constexpr uint32_t pipe_bytes() {
 }
 template <uint32_t BM, uint32_t BN>
 constexpr uint64_t smem_bytes(uint32_t experts) {
-  return uint64_t{pipe_bytes<BM, BN>()} + kMaxTileRows * 4 + (uint64_t{experts} + 1) * 4;
+  return uint64_t{pipe_bytes<BM, BN>()} + kMaxTileRows * 4 + work_list_bytes(experts);
 }
 
 enum class Mode { Tf32, LowpF16, LowpBf16 };
@@ -189,15 +189,15 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>())
 
   extern __shared__ __align__(128) unsigned char smem[];
   uint32_t* row_flat = reinterpret_cast<uint32_t*>(smem + pipe_bytes<BM, BN>());
-  uint32_t* prefix = row_flat + kMaxTileRows;
+  uint32_t* list = row_flat + kMaxTileRows;
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const uint32_t n_experts = p.n_experts, m = p.m, n = p.n, k = p.k;
   const uint32_t col_tiles = (n + BN - 1) / BN;
 
-  build_item_prefix<kThreads>(counts, m, n_experts, BM, col_tiles, prefix);
-  const uint32_t total = prefix[n_experts];
+  build_work_list<kThreads>(counts, routed_capacity(m, p.top_k), n_experts, BM, col_tiles, list);
+  const uint32_t total = list[n_experts];
 
   const uint32_t warp_row = (warp >> 2) * (BM / 2), warp_col = (warp & 3) * (BN / 4);
   const uint32_t group = lane >> 2, quad = lane & 3;
@@ -206,9 +206,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>())
   const uint32_t b_lrow = (lane & 7) + (lane >> 4) * 8, b_lchunk = (lane >> 3) & 1;
 
   for (uint32_t item = blockIdx.x; item < total; item += gridDim.x) {
-    const WorkItem w = decode_item(item, prefix, counts, m, n_experts, BM, BN);
-    const uint32_t expert = w.expert, col0 = w.col0, row0 = w.row0, rows = w.rows;
-    const uint32_t* expert_routed = routed + static_cast<uint64_t>(expert) * m + row0;
+    const WorkItem w = decode_item(item, list, n_experts, BM, BN);
+    const uint32_t expert = w.expert, col0 = w.col0, rows = w.rows;
+    const uint32_t* expert_routed = routed + w.row0;
 
     cp_async_wait<0>();
     __syncthreads();  // the previous item is done with the stages and row_flat
@@ -530,7 +530,7 @@ KernelDef tensor_def(std::string_view name, KernelFn fn, uint32_t persistent_gro
   def.persistent_groups = persistent_groups;
   def.tile_x = 64;
   def.tile_y = kTileCols;
-  // The 128-row variant's stages plus the row indices; the expert prefix adds 4 bytes per expert.
+  // The 128-row variant's stages plus the row indices; the work list adds 8 bytes per expert.
   // (The launch sizes its dynamic shared memory itself.)
   def.threadgroup_memory_bytes = uint64_t{pipe_bytes<128, kTileCols>()} + kMaxTileRows * 4;
   def.origin = "cuda_fatbin";

@@ -115,7 +115,7 @@ struct WgTile {
 template <uint32_t BN>
 constexpr uint64_t smem_bytes(uint32_t experts) {
   return 1024 + uint64_t{WgTile<BN>::kPipeBytes} + 16 * WgTile<BN>::kStages +
-         (uint64_t{experts} + 1) * 4;
+         work_list_bytes(experts);
 }
 
 // Device helpers of the kernel, compiled where its body is (the sm_90a image).
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t pipe = (raw_base + 1023u) & ~1023u;  // slot s: A at pipe + s * kSlotBytes, then B
   const uint32_t full_bar = pipe + T::kPipeBytes;     // kStages x 8 bytes
   const uint32_t empty_bar = full_bar + 8 * T::kStages;
-  uint32_t* const prefix =
+  uint32_t* const list =
       reinterpret_cast<uint32_t*>(smem_raw + (pipe - raw_base) + T::kPipeBytes + 16 * T::kStages);
 
   const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -260,8 +260,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     sm90::fence_mbar_init();
   }
-  build_item_prefix<kThreads>(counts, m, n_experts, kTileRows, col_tiles, prefix);  // + barrier
-  const uint32_t total = prefix[n_experts];
+  build_work_list<kThreads>(counts, routed_capacity(m, p.top_k), n_experts, kTileRows, col_tiles,
+                            list);  // + barrier
+  const uint32_t total = list[n_experts];
 
   if (warp < 4) {  // ---- producer warpgroup ----
     sm90::setmaxnreg_dec<56>();
@@ -274,9 +275,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid == 0) sm90::prefetch_tensor_map(&weights_map);
     uint32_t stage = 0;
     for (uint32_t item = blockIdx.x; item < total; item += gridDim.x) {
-      const WorkItem w =
-          decode_item(item, prefix, counts, m, n_experts, kTileRows, BN, balanced_rows<Op>());
-      const uint32_t* const item_routed = routed + static_cast<uint64_t>(w.expert) * m + w.row0;
+      const WorkItem w = decode_item(item, list, n_experts, kTileRows, BN, balanced_rows<Op>());
+      const uint32_t* const item_routed = routed + w.row0;
       const char* src[kRowsPer];
 #pragma unroll
       for (uint32_t i = 0; i < kRowsPer; ++i) {
@@ -369,9 +369,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t stage = 0;
 
   for (uint32_t item = blockIdx.x; item < total; item += gridDim.x) {
-    const WorkItem w =
-        decode_item(item, prefix, counts, m, n_experts, kTileRows, BN, balanced_rows<Op>());
-    const uint32_t* const item_routed = routed + static_cast<uint64_t>(w.expert) * m + w.row0;
+    const WorkItem w = decode_item(item, list, n_experts, kTileRows, BN, balanced_rows<Op>());
+    const uint32_t* const item_routed = routed + w.row0;
     const uint32_t my_rows = w.rows > wg * 64 ? min(64u, w.rows - wg * 64) : 0u;
     if (my_rows == 0) {  // no rows here: prepare its share of the weights (tf32), pass slots back
       for (uint32_t kt = 0; kt < slices; ++kt, ++stage) {

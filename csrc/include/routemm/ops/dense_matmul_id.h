@@ -5,9 +5,11 @@
 //
 // with flat = token * top_k + slot and row(flat) = token (SharedPerToken) or flat (Slotted). IDs
 // >= n_experts give an all-zero output row without forming a weight address. The route is always
-// explicit: Direct (one dispatch, IDs may repeat) or GroupedPrefill (map + grouped dispatch, IDs
-// distinct per token, caller-owned scratch). Scalar routes accumulate in F32 in a fixed order, so
-// Direct and GroupedPrefill are bit-identical on one backend.
+// explicit: Direct (one dispatch) or GroupedPrefill (map + grouped dispatch, caller-owned
+// scratch). GroupedPrefill is declared for DistinctPerToken ids (top_k <= n_experts, which sizes
+// its scratch), but its map routes every slot, so an id that repeats within a token anyway still
+// gets its row computed. Scalar routes accumulate in F32 in a fixed order, so Direct and
+// GroupedPrefill are bit-identical on one backend, for any ids.
 //
 // Beyond those, two tensor-core routes share GroupedPrefill's map, scratch and receipt contract but
 // round their operands, so they carry a stated tolerance instead of bit identity and are taken only
@@ -59,7 +61,7 @@ enum class DenseMatmulIdRoute : uint8_t {
   GroupedTensorLowp
 };
 
-// Routes that run the map dispatch and need caller-owned scratch and distinct IDs.
+// Routes that run the map dispatch and need caller-owned scratch (declared DistinctPerToken).
 constexpr bool is_grouped(DenseMatmulIdRoute route) { return route != DenseMatmulIdRoute::Direct; }
 
 std::string_view to_string(DenseMatmulIdInputLayout value);
@@ -104,7 +106,11 @@ struct DenseMatmulIdDispatchReceipt {
 };
 
 // Caller-owned scratch for GroupedPrefill: U32 expert_counts[max_experts] and
-// routed_rows[max_experts, max_tokens]. The buffers must outlive every submission using them;
+// routed_rows[max_experts, max_tokens]. The map writes each expert's row count and one list of
+// flat rows ordered by expert (expert e's segment starts after the counts of the experts before
+// it, rows in flat order); it holds at most m * top_k <= n_experts * m entries, so the
+// [max_experts, max_tokens] shape is a capacity, not a per-expert layout. The buffers must outlive
+// every submission using them;
 // reuse across encoders only after the previous submission completed (same-encoder reuse is
 // ordered by the grouped route's leading barrier).
 class DenseMatmulIdScratch {
