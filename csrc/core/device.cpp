@@ -131,4 +131,8 @@ Buffer Device::alloc(uint64_t nbytes, DType dtype, std::vector<uint64_t> shape) 
 
 CommandEncoder Device::command_encoder() const { return CommandEncoder(backend_); }
 
+CommandEncoder Device::command_encoder(EncoderOptions options) const {
+  return CommandEncoder(backend_, std::move(options));
+}
+
 }  // namespace routemm

@@ -52,6 +52,9 @@ from .quantized_matmul import (
 Device = _core.Device
 Buffer = _core.Buffer
 CommandEncoder = _core.CommandEncoder
+CapturedGraph = _core.CapturedGraph
+GraphExec = _core.GraphExec
+GraphSession = _core.GraphSession
 KernelRegistry = _core.KernelRegistry
 Pipeline = _core.Pipeline
 available_backends = _core.available_backends
@@ -93,6 +96,7 @@ def backend_status() -> list[tuple[str, bool, str]]:
 
 __all__ = [
     "Buffer",
+    "CapturedGraph",
     "CapturedNode",
     "CommandBufferError",
     "CommandEncoder",
@@ -112,6 +116,8 @@ __all__ = [
     "DispatchKind",
     "EncodedKernelDispatch",
     "Error",
+    "GraphExec",
+    "GraphSession",
     "InvalidArgumentError",
     "KernelNotFoundError",
     "KernelRegistry",
