@@ -325,6 +325,13 @@ void CommandEncoder::encode_graph(std::shared_ptr<const GraphExec> graph,
   if (graph == nullptr) throw InvalidArgument("encode_graph: no graph");
   if (capturing_) throw InvalidArgument("encode_graph: an instantiated graph cannot be captured");
   if (receipt_) throw InvalidArgument("encode_graph: an instantiated graph cannot enter a receipt");
+  for (const auto& storage : keep_alive) {
+    if (storage->backend() != backend_) {
+      throw InvalidArgument("encode_graph: the graph binds memory of backend '" +
+                            std::string(storage->backend()->name()) + "', encoder on '" +
+                            std::string(backend_->name()) + "'");
+    }
+  }
   QueuedCommand command;
   command.kind = QueuedCommand::Kind::Graph;
   command.graph = std::move(graph);
@@ -344,12 +351,13 @@ void CommandEncoder::encode_captured(const CapturedNode& node) {
     throw InvalidArgument("encode_captured: node '" + node.dispatch.pipeline_label +
                           "' carries no command (only nodes taken from a capture replay)");
   }
-  if (node.command->keep_alive.empty() ? false
-                                       : node.command->keep_alive.front()->backend() != backend_) {
-    throw InvalidArgument("encode_captured: node '" + node.dispatch.pipeline_label +
-                          "' was captured on backend '" +
-                          std::string(node.command->keep_alive.front()->backend()->name()) +
-                          "', encoder on '" + std::string(backend_->name()) + "'");
+  for (const auto& storage : node.command->keep_alive) {
+    if (storage->backend() != backend_) {
+      throw InvalidArgument("encode_captured: node '" + node.dispatch.pipeline_label +
+                            "' was captured on backend '" +
+                            std::string(storage->backend()->name()) + "', encoder on '" +
+                            std::string(backend_->name()) + "'");
+    }
   }
   if (receipt_ && receipt_->dispatches.size() >= receipt_->capacity) {
     throw InvalidArgument("dispatch receipt capacity " + std::to_string(receipt_->capacity) +

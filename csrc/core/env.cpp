@@ -65,7 +65,7 @@ std::map<std::string, std::string> non_default() {
   std::map<std::string, std::string> out;
   if (const auto value = backend()) out["ROUTEMM_BACKEND"] = *value;
   if (cpu_threads() != 0) out["ROUTEMM_CPU_THREADS"] = std::to_string(cpu_threads());
-  if (encoder_auto_barrier()) out["ROUTEMM_ENCODER_AUTO_BARRIER"] = "1";
+  if (encoder_auto_barrier()) out.emplace("ROUTEMM_ENCODER_AUTO_BARRIER", std::string(1, '1'));
   return out;
 }
 

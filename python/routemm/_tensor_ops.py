@@ -62,8 +62,10 @@ class Framework:
         raise NotImplementedError
 
     def ids_u32(self, ids, n_experts: int):
-        """`ids` as int32 bit patterns read as u32: anything outside [0, n_experts) becomes -1
-        (0xFFFFFFFF, a zero row). Computed on the ids' device; nothing is read on the host."""
+        """`ids` as int32 bit patterns read as u32, every id outside [0, n_experts) staying outside
+        it (a zero row): int32 ids as they are (a negative one reads as a u32 of 2**31 or more,
+        and n_experts < 2**31), wider ones clamped to [-1, n_experts] first so that no value wraps
+        into range. Computed on the ids' device; nothing is read on the host."""
         raise NotImplementedError
 
 
@@ -115,8 +117,9 @@ class _Torch(Framework):
         torch = self.torch
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise InvalidArgumentError(f"matmul_id ids must be integers, got {ids.dtype}")
-        valid = (ids >= 0) & (ids < n_experts)
-        return torch.where(valid, ids, torch.full_like(ids, -1)).to(torch.int32).contiguous()
+        if ids.dtype == torch.int32 and ids.is_contiguous():
+            return ids  # negative ids read as u32 are >= 2**31 > n_experts: already invalid
+        return torch.clamp(ids, -1, n_experts).to(torch.int32).contiguous()
 
 
 class _CuPy(Framework):
@@ -156,8 +159,9 @@ class _CuPy(Framework):
         cupy = self.cupy
         if not self.np.issubdtype(ids.dtype, self.np.integer):
             raise InvalidArgumentError(f"matmul_id ids must be integers, got {ids.dtype}")
-        valid = (ids >= 0) & (ids < n_experts)
-        return cupy.ascontiguousarray(cupy.where(valid, ids, -1).astype(cupy.int32))
+        if ids.dtype == self.np.int32 and ids.flags.c_contiguous:
+            return ids
+        return cupy.ascontiguousarray(cupy.clip(ids, -1, n_experts).astype(cupy.int32))
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,7 +181,6 @@ class Call:
         self.place = places.pop()
         self.device = _device(*self.place)
         self.registry = _registry(self.device)
-        self.keep = []
 
     def buffer(self, t, name: str, *, dtype: Optional[DType] = None, shape=None, writable: bool = False):
         if not self.fw.contiguous(t):
@@ -208,13 +211,7 @@ def matmul_id(fw: Framework, weights, x, ids, route=None, out=None):
     is computed, bit-identical to direct), so the call declares DISTINCT_PER_TOKEN for them as the
     capacity bound it is (top_k <= n_experts) without reading the ids.
     """
-    from .dense_matmul_id import (
-        AUTO_GROUPED_MIN_TOKENS,
-        DenseMatmulIdRoute,
-        _check_shapes,
-        _params,
-        dense_matmul_id,
-    )
+    from .dense_matmul_id import AUTO_GROUPED_MIN_TOKENS, DenseMatmulIdRoute, _check_shapes, dense_matmul_id
 
     m, top_k, n_experts, n, k, layout = _check_shapes(weights.shape, x.shape, ids.shape)
     call = Call(fw, "matmul_id", (weights, x, ids) + (() if out is None else (out,)))
@@ -231,7 +228,7 @@ def matmul_id(fw: Framework, weights, x, ids, route=None, out=None):
                 f"(got top_k {top_k}, n_experts {n_experts})"
             )
     w_buf = call.buffer(weights, "weights")
-    params = _params(m, n, k, top_k, n_experts, w_buf.dtype, layout, route.is_grouped, route)
+    params = _cached_params(m, n, k, top_k, n_experts, w_buf.dtype, layout, route)
     x_buf = call.buffer(x, "x")
     ids32 = fw.ids_u32(ids, n_experts)
     id_buf = call.buffer(ids32, "ids", dtype=DType.U32, shape=[m, top_k])
@@ -252,6 +249,14 @@ def matmul_id(fw: Framework, weights, x, ids, route=None, out=None):
         )
     call.run(lambda e: dense_matmul_id(e, call.registry, w_buf, x_buf, id_buf, out_buf, scratch, params), x)
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_params(m, n, k, top_k, n_experts, wdtype, layout, route):
+    """The params of one shape (frozen, so shared by every call of that shape)."""
+    from .dense_matmul_id import _params
+
+    return _params(m, n, k, top_k, n_experts, wdtype, layout, route.is_grouped, route)
 
 
 def q4_matmul(fw: Framework, x, weight, n: int, k: int, out=None):

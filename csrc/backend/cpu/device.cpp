@@ -41,8 +41,10 @@ struct Submission {
   void execute() noexcept {
     const double start = seconds_now();
     for (const auto& command : commands) {
-      if (command.kind != QueuedCommand::Kind::Dispatch) continue;
+      if (command.kind == QueuedCommand::Kind::Barrier) continue;
       try {
+        if (command.kind == QueuedCommand::Kind::Graph)
+          throw Error("cpu backend: graph commands are not supported (no graph objects)");
         command.fn(command.launch, &ThreadPool::instance());
       } catch (const CommandBufferError&) {
         error = std::current_exception();

@@ -130,15 +130,19 @@ class CudaQueue final : public Queue {
       ensure_events();
       record(start_, "before the submission");
     }
-    for (auto& command : commands) launch(command);
+    collect_labels(commands, unwaited_labels_);
+    if (owns_stream_) {
+      // Kept before launching: a launch that fails part-way leaves earlier launches in flight,
+      // and their storages must outlive them.
+      const size_t first = committed_.size();
+      for (auto& command : commands) committed_.push_back(std::move(command));
+      for (size_t i = first; i < committed_.size(); ++i) launch(committed_[i]);
+    } else {
+      for (const auto& command : commands) launch(command);
+    }
     if (timed) {
       record(end_, "after the submission");
       timed_pending_ = true;
-    }
-    if (owns_stream_) {
-      for (auto& command : commands) committed_.push_back(std::move(command));
-    } else {
-      collect_labels(commands, unwaited_labels_);
     }
   }
 
@@ -152,7 +156,6 @@ class CudaQueue final : public Queue {
     if (e == cudaSuccess && timed) e = cudaEventElapsedTime(&ms, start_, end_);
     std::string labels = std::move(unwaited_labels_);
     unwaited_labels_.clear();
-    collect_labels(committed_, labels);
     committed_.clear();
     if (e != cudaSuccess) {
       throw CommandBufferError("cuda backend: command buffer failed: " + cuda_error_text(e) +
@@ -215,7 +218,7 @@ class CudaQueue final : public Queue {
   bool timed_pending_ = false;
   std::vector<QueuedCommand> pending_;    // submitted, not yet committed
   std::vector<QueuedCommand> committed_;  // launched on an owned stream, kept until wait()
-  std::string unwaited_labels_;           // launched on a caller's stream since the last wait()
+  std::string unwaited_labels_;           // pipelines committed since the last wait()
 };
 
 // Captures `dispatches` into one CUDA graph whose edges are exactly their `after` lists: each
