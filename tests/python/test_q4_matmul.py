@@ -467,6 +467,7 @@ def test_policy_is_frozen():
         Policy().allow_dense_large_tile_mm = False  # type: ignore[misc]
 
 
+@pytest.mark.needs_kernels(*routemm.Q4_MATMUL_PIPELINE_NAMES)  # the 64x32 tensor-API route
 def test_rejected_launch_names_its_pipeline(device, registry, rng):
     """A kernel that rejects its launch (here: a raw dispatch of the 64x32 route whose arguments
     satisfy the argument contract but whose grid is not the route's tiles) fails the submission
