@@ -46,6 +46,15 @@ usage: bash bench/device.sh COMMAND [ARGS]
                                launches, and the instruction mix of each Q4 kernel's SASS
   peer             llama.cpp's ggml CUDA backend timed on the same shapes (bench/peer/; carry
                    .dev/llama). Knobs: LLAMA_SRC, PEER_BUILD, BUILD_ONLY=1, PEER_ARGS, BACKEND_OPS=0.
+  engine           the engine-loop work: build; the encoder / graph / torch-op tests on cpu and cuda
+                   (tests/python/test_engine.py, test_torch_ops.py, test_encoder.py, test_matmul_id.py)
+                   and the C++ encoder lifecycle tests; compute-sanitizer memcheck of the torch-op
+                   and engine tests; bench/engine_decode.py host-cost (one eager
+                   torch.ops.routemm.matmul_id call beside a bare launch) and decode-graph (LAYERS
+                   Qwen3-30B-A3B layers, default 48: eager, one CUDA graph, torch._grouped_mm)
+                   -> build.log pytest.log sanitizer.log bench.log engine_host_cost-h200.json
+                   engine_decode_graph-h200.json. Knobs: SKIP_TESTS=1, SKIP_SANITIZER=1,
+                   SKIP_BENCH=1, LAYERS.
   lab mma-rows     bench/lab/q4_matvec_mma_rows_lab.cu and bench/lab/read_floor_lab.cu with Nsight
                    Compute kernel durations (LAB_NCU_SHAPES, default "0 1 2 3 4").
   help             this text.
@@ -439,13 +448,58 @@ cmd_lab() {
   esac
 }
 
+# ---- engine ---------------------------------------------------------------------------------------
+
+cmd_engine() {
+  export GIT_REV=${GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  build_or_fail
+  grep -E " error|Error" "$OUT/build.log" 2>/dev/null | head -5
+
+  if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    stamp pytest
+    ROUTEMM_TEST_BACKENDS=cpu,cuda timeout 400 python3 -m pytest -q -p no:cacheprovider \
+      tests/python/test_engine.py tests/python/test_torch_ops.py tests/python/test_encoder.py \
+      tests/python/test_matmul_id.py > "$OUT/pytest.log" 2>&1
+    echo "pytest exit: $?" >> "$OUT/pytest.log"
+    tail -15 "$OUT/pytest.log"
+    stamp ctest
+    cmake -S . -B /tmp/ctest -G Ninja -DROUTEMM_BUILD_TESTS=ON -DROUTEMM_BUILD_PYTHON=OFF \
+      -DROUTEMM_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a > /tmp/ctest-config.log 2>&1 &&
+      cmake --build /tmp/ctest -j16 > /tmp/ctest-build.log 2>&1 &&
+      ctest --test-dir /tmp/ctest -R "Encoder|Capture|AutoBarrier|CapturedGraph" >> "$OUT/pytest.log" 2>&1
+    echo "ctest exit: $?" >> "$OUT/pytest.log"
+    tail -4 "$OUT/pytest.log"
+  fi
+
+  if [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer >/dev/null; then
+    stamp compute-sanitizer
+    ROUTEMM_TEST_BACKENDS=cuda timeout 400 compute-sanitizer --tool memcheck --error-exitcode 3 \
+      python3 -m pytest -q -p no:cacheprovider tests/python/test_torch_ops.py tests/python/test_engine.py \
+      > "$OUT/sanitizer.log" 2>&1
+    echo "sanitizer exit: $?" >> "$OUT/sanitizer.log"
+    tail -6 "$OUT/sanitizer.log"
+  fi
+
+  if [ "${SKIP_BENCH:-0}" != 1 ]; then
+    stamp bench
+    {
+      python3 bench/engine_decode.py host-cost "$OUT/engine_host_cost-h200.json"
+      python3 bench/engine_decode.py decode-graph "$OUT/engine_decode_graph-h200.json" \
+        --layers "${LAYERS:-48}"
+    } > "$OUT/bench.log" 2>&1
+    echo "bench exit: $?" >> "$OUT/bench.log"
+    cat "$OUT/bench.log"
+  fi
+  stamp done
+}
+
 # ---- dispatch -------------------------------------------------------------------------------------
 
 command=${1:-help}
 [ $# -gt 0 ] && shift
 case "$command" in
   help | -h | --help) usage; exit 0 ;;
-  suite | session | quick | demo | q4-matvec | tensor | profile | peer | lab) ;;
+  suite | session | quick | demo | q4-matvec | tensor | profile | peer | engine | lab) ;;
   *) echo "unknown command '$command'" >&2; usage >&2; exit 2 ;;
 esac
 source bench/device_common.sh

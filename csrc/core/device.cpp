@@ -136,6 +136,10 @@ Buffer Device::alloc(uint64_t nbytes, DType dtype, std::vector<uint64_t> shape) 
 
 CommandEncoder Device::command_encoder() const { return CommandEncoder(backend_); }
 
+CommandEncoder Device::command_encoder(EncoderOptions options) const {
+  return CommandEncoder(backend_, std::move(options));
+}
+
 KernelDef Backend::compile_kernel_source(const std::string& name, const std::string& source) {
   (void)source;
   throw InvalidArgument("register_source: backend '" + std::string(this->name()) +

@@ -5,26 +5,90 @@
 #include <cstring>
 #include <string>
 
+#include "routemm/env.h"
 #include "routemm/error.h"
 #include "routemm/registry.h"
 
 namespace routemm {
 namespace {
 
-std::atomic<uint64_t> g_encoders{0}, g_dispatches{0}, g_barriers{0}, g_commits{0};
+std::atomic<uint64_t> g_encoders{0}, g_command_buffers{0}, g_dispatches{0}, g_barriers{0},
+    g_commits{0}, g_waits{0}, g_streams{0}, g_allocations{0}, g_host_waits{0};
+
+constexpr size_t kMaxCommitLabel = 256;
+
+void check_label(std::string_view label) {
+  bool printable = !label.empty() && label.size() <= kMaxCommitLabel;
+  for (const char c : label) printable = printable && c >= 0x20 && c < 0x7f;
+  if (!printable) {
+    throw InvalidArgument("commit label must be 1 to " + std::to_string(kMaxCommitLabel) +
+                          " printable ASCII characters");
+  }
+}
+
+bool overlaps(const ByteRange& a, const ByteRange& b) { return a.start < b.end && b.start < a.end; }
+
+bool any_overlap(std::span<const ByteRange> a, std::span<const ByteRange> b) {
+  for (const auto& x : a) {
+    for (const auto& y : b) {
+      if (overlaps(x, y)) return true;
+    }
+  }
+  return false;
+}
+
+std::vector<ByteRange> logical_ranges(std::span<const Buffer> buffers, const char* what) {
+  std::vector<ByteRange> out;
+  out.reserve(buffers.size());
+  for (const Buffer& b : buffers) {
+    if (!b.valid())
+      throw InvalidArgument(std::string("dispatch_tracked: an empty buffer among ") + what);
+    const auto [start, end] = b.logical_range();
+    out.push_back({start, end});
+  }
+  return out;
+}
 
 }  // namespace
 
+void note_stream_created() { ++g_streams; }
+void note_device_allocation() { ++g_allocations; }
+void note_host_wait() { ++g_host_waits; }
+
 EncoderCounters encoder_counters() {
-  return {g_encoders.load(), g_dispatches.load(), g_barriers.load(), g_commits.load()};
+  return {g_encoders.load(), g_command_buffers.load(), g_dispatches.load(),
+          g_barriers.load(), g_commits.load(),         g_waits.load(),
+          g_streams.load(),  g_allocations.load(),     g_host_waits.load()};
 }
 uint64_t dispatch_count() { return g_dispatches.load(); }
 void reset_encoder_counters() {
-  g_encoders = 0;
-  g_dispatches = 0;
-  g_barriers = 0;
-  g_commits = 0;
+  for (auto* c : {&g_encoders, &g_command_buffers, &g_dispatches, &g_barriers, &g_commits, &g_waits,
+                  &g_streams, &g_allocations, &g_host_waits})
+    c->store(0);
 }
+
+std::string_view to_string(OpKind kind) {
+  switch (kind) {
+    case OpKind::Other: return "other";
+    case OpKind::RmsNorm: return "rms_norm";
+    case OpKind::ElemMul: return "elem_mul";
+    case OpKind::ElemAdd: return "elem_add";
+    case OpKind::Sdpa: return "sdpa";
+    case OpKind::Softmax: return "softmax";
+  }
+  return "other";
+}
+
+OpKind op_kind_from_string(std::string_view name) {
+  for (const OpKind kind : {OpKind::Other, OpKind::RmsNorm, OpKind::ElemMul, OpKind::ElemAdd,
+                            OpKind::Sdpa, OpKind::Softmax}) {
+    if (to_string(kind) == name) return kind;
+  }
+  throw InvalidArgument("unknown op kind '" + std::string(name) +
+                        "' (other, rms_norm, elem_mul, elem_add, sdpa, softmax)");
+}
+
+bool is_reorderable(OpKind kind) { return kind != OpKind::Sdpa && kind != OpKind::Softmax; }
 
 KernelArg KernelArg::of(const Buffer& buffer) {
   KernelArg arg;
@@ -66,9 +130,12 @@ CommandEncoder::Use::~Use() {
   if (outermost_) owner_.store(std::thread::id{}, std::memory_order_release);
 }
 
-CommandEncoder::CommandEncoder(std::shared_ptr<Backend> backend)
-    : backend_(std::move(backend)), queue_(backend_->create_queue()) {
+CommandEncoder::CommandEncoder(std::shared_ptr<Backend> backend, EncoderOptions options)
+    : backend_(std::move(backend)),
+      queue_(backend_->create_queue(QueueOptions{options.stream})),
+      auto_barrier_(options.auto_barrier.value_or(env::encoder_auto_barrier())) {
   ++g_encoders;
+  ++g_command_buffers;
 }
 
 CommandEncoder::~CommandEncoder() = default;
@@ -90,6 +157,20 @@ void CommandEncoder::dispatch(const Pipeline& pipeline,
                               Dim3 threads, DispatchKind kind,
                               std::vector<std::pair<uint64_t, uint64_t>> threadgroup_memory) {
   const Use use(*this, "dispatch");
+  Prepared prepared = prepare(pipeline, args, grid, threads, kind, std::move(threadgroup_memory));
+  // With the tracker on, a dispatch without ranges is ordered after everything tracked, and
+  // everything after it is ordered after it.
+  const bool track = auto_barrier_ && !capturing_;
+  if (track && (tracked_unknown_ || !tracked_reads_.empty() || !tracked_writes_.empty()))
+    barrier_unlocked();
+  submit_dispatch(std::move(prepared.command), std::move(prepared.node), prepared.recording);
+  if (track) tracked_unknown_ = true;
+}
+
+CommandEncoder::Prepared CommandEncoder::prepare(
+    const Pipeline& pipeline, std::span<const std::pair<uint32_t, KernelArg>> args, Dim3 grid,
+    Dim3 threads, DispatchKind kind,
+    std::vector<std::pair<uint64_t, uint64_t>> threadgroup_memory) {
   // Check everything before any state changes, so a rejected dispatch leaves no trace.
   const std::string& label = pipeline.label();
   if (pipeline.def().check_args == nullptr)
@@ -164,33 +245,147 @@ void CommandEncoder::dispatch(const Pipeline& pipeline,
   }
   pipeline.def().check_args(command.launch);
 
-  ++g_dispatches;
-  if (!recording) {
-    queue_->submit(std::move(command));
-    ++pending_dispatches_;
-    return;
-  }
-  EncodedKernelDispatch encoded{label, kind, grid.array(), threads.array(),
-                                command.launch.threadgroup_memory};
-  if (capturing_) {
-    CapturedNode node;
+  CapturedNode node;
+  if (recording) {
     node.kind = CapturedNode::Kind::Dispatch;
-    node.dispatch = std::move(encoded);
+    node.dispatch = EncodedKernelDispatch{label, kind, grid.array(), threads.array(),
+                                          command.launch.threadgroup_memory};
     node.bindings = std::move(bindings);
-    node.reads = std::move(pending_reads_);
-    node.writes = std::move(pending_writes_);
-    pending_reads_.clear();
-    pending_writes_.clear();
+  }
+  return Prepared{std::move(command), std::move(node), recording};
+}
+
+void CommandEncoder::submit_dispatch(QueuedCommand command, CapturedNode node, bool recording) {
+  ++g_dispatches;
+  const OpKind op_kind = std::exchange(pending_op_kind_, OpKind::Other);
+  if (capturing_) {
+    node.op_kind = op_kind;
+    node.reads = std::exchange(pending_reads_, {});
+    node.writes = std::exchange(pending_writes_, {});
+    node.command = std::make_shared<const QueuedCommand>(std::move(command));
     captured_.push_back(std::move(node));
     return;
   }
-  if (receipt_) receipt_->dispatches.push_back(encoded);
+  if (recording && receipt_) receipt_->dispatches.push_back(std::move(node.dispatch));
   queue_->submit(std::move(command));
   ++pending_dispatches_;
 }
 
+void CommandEncoder::dispatch_tracked(const Pipeline& pipeline,
+                                      std::span<const std::pair<uint32_t, KernelArg>> args,
+                                      Dim3 grid, Dim3 threads, DispatchKind kind,
+                                      std::vector<std::pair<uint64_t, uint64_t>> threadgroup_memory,
+                                      std::span<const Buffer> reads,
+                                      std::span<const Buffer> writes) {
+  const Use use(*this, "dispatch_tracked");
+  std::vector<ByteRange> read_ranges = logical_ranges(reads, "reads");
+  std::vector<ByteRange> write_ranges = logical_ranges(writes, "writes");
+  Prepared prepared = prepare(pipeline, args, grid, threads, kind, std::move(threadgroup_memory));
+  if (capturing_) {
+    pending_reads_ = std::move(read_ranges);
+    pending_writes_ = std::move(write_ranges);
+  } else if (auto_barrier_) {
+    const bool conflict = tracked_unknown_ || any_overlap(read_ranges, tracked_writes_) ||
+                          any_overlap(write_ranges, tracked_writes_) ||
+                          any_overlap(write_ranges, tracked_reads_);
+    if (conflict) barrier_unlocked();
+    tracked_unknown_ = write_ranges.empty();
+    tracked_reads_.insert(tracked_reads_.end(), read_ranges.begin(), read_ranges.end());
+    tracked_writes_.insert(tracked_writes_.end(), write_ranges.begin(), write_ranges.end());
+  }
+  submit_dispatch(std::move(prepared.command), std::move(prepared.node), prepared.recording);
+}
+
+bool CommandEncoder::auto_barrier() const {
+  const Use use(*this, "auto_barrier");
+  return auto_barrier_;
+}
+
+void CommandEncoder::set_auto_barrier(bool on) {
+  const Use use(*this, "set_auto_barrier");
+  auto_barrier_ = on;
+  tracked_reads_.clear();
+  tracked_writes_.clear();
+  tracked_unknown_ = false;
+}
+
+void CommandEncoder::force_barrier_and_reset_tracker() {
+  const Use use(*this, "force_barrier_and_reset_tracker");
+  barrier_unlocked();
+}
+
+void CommandEncoder::set_op_kind(OpKind kind) {
+  const Use use(*this, "set_op_kind");
+  pending_op_kind_ = kind;
+}
+
+void CommandEncoder::encode_graph(std::shared_ptr<const GraphExec> graph,
+                                  std::vector<std::shared_ptr<Storage>> keep_alive) {
+  const Use use(*this, "encode_graph");
+  if (graph == nullptr) throw InvalidArgument("encode_graph: no graph");
+  if (capturing_) throw InvalidArgument("encode_graph: an instantiated graph cannot be captured");
+  if (receipt_) throw InvalidArgument("encode_graph: an instantiated graph cannot enter a receipt");
+  for (const auto& storage : keep_alive) {
+    if (storage->backend() != backend_) {
+      throw InvalidArgument("encode_graph: the graph binds memory of backend '" +
+                            std::string(storage->backend()->name()) + "', encoder on '" +
+                            std::string(backend_->name()) + "'");
+    }
+  }
+  QueuedCommand command;
+  command.kind = QueuedCommand::Kind::Graph;
+  command.graph = std::move(graph);
+  command.keep_alive = std::move(keep_alive);
+  g_dispatches += command.graph->node_count();
+  queue_->submit(std::move(command));
+  pending_dispatches_ += 1;
+}
+
+void CommandEncoder::encode_captured(const CapturedNode& node) {
+  const Use use(*this, "encode_captured");
+  if (node.kind == CapturedNode::Kind::Barrier) {
+    barrier_unlocked();
+    return;
+  }
+  if (node.command == nullptr) {
+    throw InvalidArgument("encode_captured: node '" + node.dispatch.pipeline_label +
+                          "' carries no command (only nodes taken from a capture replay)");
+  }
+  for (const auto& storage : node.command->keep_alive) {
+    if (storage->backend() != backend_) {
+      throw InvalidArgument("encode_captured: node '" + node.dispatch.pipeline_label +
+                            "' was captured on backend '" +
+                            std::string(storage->backend()->name()) + "', encoder on '" +
+                            std::string(backend_->name()) + "'");
+    }
+  }
+  if (receipt_ && receipt_->dispatches.size() >= receipt_->capacity) {
+    throw InvalidArgument("dispatch receipt capacity " + std::to_string(receipt_->capacity) +
+                          " exceeded by '" + node.dispatch.pipeline_label + "'");
+  }
+  CapturedNode copy;
+  const bool recording = capturing_ || receipt_.has_value();
+  if (recording) {
+    copy = node;
+    copy.command.reset();
+    if (capturing_) {
+      pending_reads_ = node.reads;
+      pending_writes_ = node.writes;
+      pending_op_kind_ = node.op_kind;
+    }
+  }
+  submit_dispatch(*node.command, std::move(copy), recording);
+}
+
 void CommandEncoder::memory_barrier() {
   const Use use(*this, "memory_barrier");
+  barrier_unlocked();
+}
+
+void CommandEncoder::barrier_unlocked() {
+  tracked_reads_.clear();
+  tracked_writes_.clear();
+  tracked_unknown_ = false;
   if (capturing_) {
     CapturedNode node;
     node.kind = CapturedNode::Kind::Barrier;
@@ -204,18 +399,53 @@ void CommandEncoder::memory_barrier() {
   queue_->submit(std::move(command));
 }
 
+void CommandEncoder::commit_unlocked(std::string_view label, bool timed) {
+  queue_->commit(std::string(label), timed);
+  ++g_commits;
+  ++g_command_buffers;
+  pending_dispatches_ = 0;
+  tracked_reads_.clear();
+  tracked_writes_.clear();
+  tracked_unknown_ = false;
+}
+
+void CommandEncoder::commit() {
+  const Use use(*this, "commit");
+  commit_unlocked({}, false);
+}
+
+void CommandEncoder::commit_labeled(std::string_view label) {
+  const Use use(*this, "commit_labeled");
+  check_label(label);
+  commit_unlocked(label, false);
+}
+
+void CommandEncoder::wait_until_completed() {
+  const Use use(*this, "wait_until_completed");
+  ++g_waits;
+  queue_->wait();
+}
+
 void CommandEncoder::commit_and_wait() {
   const Use use(*this, "commit_and_wait");
-  ++g_commits;
-  pending_dispatches_ = 0;
-  queue_->commit_and_wait();
+  commit_unlocked({}, false);
+  ++g_waits;
+  queue_->wait();
+}
+
+void CommandEncoder::commit_and_wait_labeled(std::string_view label) {
+  const Use use(*this, "commit_and_wait_labeled");
+  check_label(label);
+  commit_unlocked(label, false);
+  ++g_waits;
+  queue_->wait();
 }
 
 GpuInterval CommandEncoder::commit_wait_with_gpu_time() {
   const Use use(*this, "commit_wait_with_gpu_time");
-  ++g_commits;
-  pending_dispatches_ = 0;
-  return queue_->commit_wait_with_gpu_time();
+  commit_unlocked({}, true);
+  ++g_waits;
+  return queue_->wait();
 }
 
 uint64_t CommandEncoder::pending_dispatches() const {

@@ -13,6 +13,9 @@ constexpr Knob kKnobs[] = {
     {"ROUTEMM_BACKEND", "str", "", "backend Device() opens when none is named: cpu, cuda or metal"},
     {"ROUTEMM_CPU_THREADS", "int", "0",
      "worker threads of the CPU backend; 0 uses every hardware thread"},
+    {"ROUTEMM_ENCODER_AUTO_BARRIER", "bool", "0",
+     "1: command encoders start with the automatic-barrier tracker on (a barrier before each "
+     "dispatch_tracked whose ranges conflict with those since the last barrier)"},
 };
 
 std::optional<std::string> read(const char* name) {
@@ -43,6 +46,16 @@ int64_t cpu_threads() {
   return value;
 }
 
+bool encoder_auto_barrier() {
+  static const bool value = [] {
+    const auto text = read("ROUTEMM_ENCODER_AUTO_BARRIER");
+    if (!text || *text == "0") return false;
+    if (*text == "1") return true;
+    throw InvalidArgument("ROUTEMM_ENCODER_AUTO_BARRIER must be 0 or 1, got '" + *text + "'");
+  }();
+  return value;
+}
+
 const Knob* knobs(size_t* count) {
   *count = sizeof(kKnobs) / sizeof(kKnobs[0]);
   return kKnobs;
@@ -52,6 +65,7 @@ std::map<std::string, std::string> non_default() {
   std::map<std::string, std::string> out;
   if (const auto value = backend()) out["ROUTEMM_BACKEND"] = *value;
   if (cpu_threads() != 0) out["ROUTEMM_CPU_THREADS"] = std::to_string(cpu_threads());
+  if (encoder_auto_barrier()) out.emplace("ROUTEMM_ENCODER_AUTO_BARRIER", std::string(1, '1'));
   return out;
 }
 

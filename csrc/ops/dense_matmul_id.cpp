@@ -6,6 +6,7 @@
 #include <array>
 #include <limits>
 #include <string>
+#include <tuple>
 
 #include "backend/common/dense_matmul_id_params.h"
 #include "routemm/error.h"
@@ -97,6 +98,36 @@ DenseMatmulIdScratch::DenseMatmulIdScratch(const Device& device, uint32_t max_ex
       checked_product("scratch routed rows", {max_experts, max_tokens, 4});
   expert_counts_ = device.alloc(counts_bytes, DType::U32, {max_experts});
   routed_rows_ = device.alloc(routed_bytes, DType::U32, {max_experts, max_tokens});
+}
+
+DenseMatmulIdScratch::DenseMatmulIdScratch(Buffer expert_counts, Buffer routed_rows,
+                                           uint32_t max_experts, uint32_t max_tokens)
+    : expert_counts_(std::move(expert_counts)),
+      routed_rows_(std::move(routed_rows)),
+      max_experts_(max_experts),
+      max_tokens_(max_tokens) {
+  if (max_experts == 0 || max_tokens == 0) fail("scratch capacities must be nonzero");
+  const uint64_t counts_bytes = checked_product("scratch expert counts", {max_experts, 4});
+  const uint64_t routed_bytes =
+      checked_product("scratch routed rows", {max_experts, max_tokens, 4});
+  for (const auto& [buffer, bytes, what] :
+       {std::tuple{&expert_counts_, counts_bytes, "expert_counts"},
+        std::tuple{&routed_rows_, routed_bytes, "routed_rows"}}) {
+    if (!buffer->valid()) fail(std::string("scratch ") + what + " is an empty buffer");
+    if (buffer->dtype() != DType::U32)
+      fail(std::string("scratch ") + what + " must be u32, got " +
+           std::string(dtype_name(buffer->dtype())));
+    if (buffer->nbytes() < bytes) {
+      fail(std::string("scratch ") + what + " holds " + std::to_string(buffer->nbytes()) +
+           " bytes, capacity needs " + std::to_string(bytes));
+    }
+    if (!buffer->writable()) fail(std::string("scratch ") + what + " is read-only");
+  }
+  if (expert_counts_.backend() != routed_rows_.backend())
+    fail("scratch expert_counts and routed_rows live on different backends");
+  const auto [a0, a1] = expert_counts_.logical_range();
+  const auto [b0, b1] = routed_rows_.logical_range();
+  if (a0 < b1 && b0 < a1) fail("scratch expert_counts and routed_rows must not overlap");
 }
 
 DenseMatmulIdCapability dense_matmul_id_capability(DType weight_dtype,

@@ -78,6 +78,9 @@ from .quantized_matmul_id import (
 Device = _core.Device
 Buffer = _core.Buffer
 CommandEncoder = _core.CommandEncoder
+CapturedGraph = _core.CapturedGraph
+GraphExec = _core.GraphExec
+GraphSession = _core.GraphSession
 KernelRegistry = _core.KernelRegistry
 Pipeline = _core.Pipeline
 available_backends = _core.available_backends
@@ -121,6 +124,7 @@ def backend_status() -> list[tuple[str, bool, str]]:
 __all__ = [
     "Buffer",
     "CalibrationError",
+    "CapturedGraph",
     "CapturedNode",
     "CommandBufferError",
     "CommandEncoder",
@@ -140,6 +144,8 @@ __all__ = [
     "DispatchKind",
     "EncodedKernelDispatch",
     "Error",
+    "GraphExec",
+    "GraphSession",
     "InvalidArgumentError",
     "KernelNotFoundError",
     "KernelRegistry",

@@ -173,17 +173,14 @@ class CapturedNode:
     bindings: tuple[dict, ...] = ()
     reads: tuple[tuple[int, int], ...] = ()
     writes: tuple[tuple[int, int], ...] = ()
+    op_kind: str = "other"  # other, rms_norm, elem_mul, elem_add, sdpa, softmax
 
     @property
     def is_barrier(self) -> bool:
         return self.kind == "barrier"
 
 
-def _take_capture(self: _core.CommandEncoder) -> Optional[list[CapturedNode]]:
-    """End capture and return the recorded nodes (None when not capturing)."""
-    nodes = self._take_capture()
-    if nodes is None:
-        return None
+def _nodes_from_core(nodes: list) -> list[CapturedNode]:
     out = []
     for n in nodes:
         if n["kind"] == "barrier":
@@ -196,9 +193,16 @@ def _take_capture(self: _core.CommandEncoder) -> Optional[list[CapturedNode]]:
                     tuple(n["bindings"]),
                     tuple(tuple(r) for r in n["reads"]),
                     tuple(tuple(r) for r in n["writes"]),
+                    n["op_kind"],
                 )
             )
     return out
+
+
+def _take_capture(self: _core.CommandEncoder) -> Optional[list[CapturedNode]]:
+    """End capture and return the recorded nodes (None when not capturing)."""
+    nodes = self._take_capture()
+    return None if nodes is None else _nodes_from_core(nodes)
 
 
 def _take_encoded_dispatch_receipt(self: _core.CommandEncoder) -> list[EncodedKernelDispatch]:
@@ -220,9 +224,76 @@ def _encoder_dispatch(
     )
 
 
+def _encoder_dispatch_tracked(
+    self,
+    pipeline,
+    args,
+    grid,
+    threads,
+    *,
+    reads=(),
+    writes=(),
+    dispatch_kind=DispatchKind.THREAD_GROUPS,
+    threadgroup_memory=(),
+):
+    """Encode one raw dispatch with the buffers it reads and writes (their logical ranges).
+
+    While capturing they become the node's ranges; otherwise, with `auto_barrier` on, a barrier
+    goes first when they conflict with the ranges tracked since the last barrier.
+    """
+    self._dispatch_tracked(
+        pipeline,
+        list(args),
+        tuple(grid),
+        tuple(threads),
+        DispatchKind(dispatch_kind) is DispatchKind.THREADS,
+        list(threadgroup_memory),
+        list(reads),
+        list(writes),
+    )
+
+
 _core.CommandEncoder.take_capture = _take_capture
 _core.CommandEncoder.take_encoded_dispatch_receipt = _take_encoded_dispatch_receipt
 _core.CommandEncoder.dispatch = _encoder_dispatch
+_core.CommandEncoder.dispatch_tracked = _encoder_dispatch_tracked
+_core.CapturedGraph.nodes = property(lambda self: _nodes_from_core(self._nodes), doc="The graph's nodes, in order.")
+
+
+def stream_handle(stream) -> Optional[int]:
+    """The CUDA stream handle (cudaStream_t as an integer) of `stream`: an int, a
+    torch.cuda.Stream (its `cuda_stream`), a CuPy stream (its `ptr`), or None for none."""
+    if stream is None:
+        return None
+    if isinstance(stream, bool):
+        raise InvalidArgumentError(f"stream must be a CUDA stream or its integer handle, got {stream!r}")
+    handle = stream
+    if not isinstance(handle, (int, np.integer)):
+        handle = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream, torch.cuda.ExternalStream
+        if handle is None:
+            handle = getattr(stream, "ptr", None)  # cupy.cuda.Stream, cupy.cuda.ExternalStream
+    if isinstance(handle, (int, np.integer)) and not isinstance(handle, bool) and 0 <= int(handle) < 2**64:
+        return int(handle)
+    raise InvalidArgumentError(
+        f"stream must be an integer handle, a torch.cuda.Stream or a CuPy stream, got {type(stream).__name__}"
+    )
+
+
+def _device_command_encoder(self: _core.Device, stream=None, *, auto_barrier: Optional[bool] = None):
+    """A command encoder on this device.
+
+    stream: a caller's CUDA stream (integer cudaStream_t handle, torch.cuda.Stream or CuPy stream):
+        the encoder enqueues there, creates no stream, and only wait_until_completed() waits on
+        the host. None: the encoder's own queue. Backends without streams refuse one.
+    auto_barrier: start with the automatic-barrier tracker on or off (default:
+        ROUTEMM_ENCODER_AUTO_BARRIER).
+    """
+    if auto_barrier is not None and not isinstance(auto_barrier, bool):
+        raise InvalidArgumentError(f"auto_barrier must be a bool or None, got {auto_barrier!r}")
+    return self._command_encoder(stream_handle(stream), auto_barrier)
+
+
+_core.Device.command_encoder = _device_command_encoder
 
 
 # ---- Pipeline identities ------------------------------------------------------------------------

@@ -271,7 +271,10 @@ def matmul_id(
 
     NumPy inputs are copied to the device and the result comes back as a NumPy array. PyTorch and
     CuPy tensors (CPU or CUDA) are used in place through DLPack, on the device they live on, and the
-    result is a tensor of the same framework and device; they must be C-contiguous.
+    result is a tensor of the same framework and device; they must be C-contiguous. On tensors
+    the call is enqueued on the framework's current stream and returns without waiting (CPU
+    tensors: once the result is written), and route None picks by the shapes only (grouped_prefill
+    from m > 8 when top_k <= n_experts): device ids are never read on the host.
     """
     _refuse_buffers(weights=weights, x=x, ids=ids, out=out)
     framework = _framework(x)
@@ -401,52 +404,8 @@ def _run(device, params, w_buf, x_buf, id_buf, out_buf) -> DenseMatmulIdDispatch
 
 
 def _matmul_id_tensors(framework, weights, x, ids, route, out):
-    """matmul_id for PyTorch / CuPy tensors: zero-copy through DLPack on the tensors' device."""
-    from ._interop import from_dlpack
+    """matmul_id for PyTorch / CuPy tensors: in place, on the framework's current stream, route by
+    shape only (see _tensor_ops.matmul_id)."""
+    from . import _tensor_ops
 
-    if framework == "torch":
-        import torch as xp
-
-        f32, i32 = xp.float32, xp.int32
-    else:
-        import cupy as xp
-
-        f32, i32 = xp.float32, xp.int32
-    m, top_k, n_experts, n, k, layout = _check_shapes(weights.shape, x.shape, ids.shape)
-    if x.dtype != f32:
-        raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
-    # IDs travel as int32 bit patterns read as u32: anything outside [0, n_experts) becomes -1,
-    # i.e. 0xFFFFFFFF, which gives a zero row.
-    valid = (ids >= 0) & (ids < n_experts)
-    ids32 = (
-        xp.where(valid, ids, xp.full_like(ids, -1)).astype(i32)
-        if framework == "cupy"
-        else xp.where(valid, ids, xp.full_like(ids, -1)).to(i32).contiguous()
-    )
-    distinct = False  # an explicit direct call declares MAY_REPEAT, true whatever the ids
-    if route is not None:
-        route = _pick_route(route, True, m)
-    if route is None or route.is_grouped:
-        # Invalid ids never count as repeats: give each slot its own negative sentinel.
-        slots = xp.arange(top_k, device=ids.device) if framework == "torch" else xp.arange(top_k)
-        keyed = xp.where(valid, ids, -1 - slots)
-        s = xp.sort(keyed, axis=1) if framework == "cupy" else xp.sort(keyed, dim=1).values
-        distinct = _declarable_distinct(top_k <= 1 or not bool((s[:, 1:] == s[:, :-1]).any()), top_k, n_experts)
-        if route is not None and not distinct:
-            raise InvalidArgumentError(f"matmul_id {route.value} needs ids distinct per token and top_k <= n_experts")
-    route = _pick_route(route, distinct, m)
-    w_buf, x_buf = from_dlpack(weights), from_dlpack(x)
-    device = x_buf.device
-    id_i32 = from_dlpack(ids32)
-    id_buf = id_i32.view(0, id_i32.nbytes, DType.U32, [m, top_k])
-    if out is None:
-        out = (
-            xp.empty((m * top_k, n), dtype=f32, device=x.device)
-            if framework == "torch"
-            else xp.empty((m * top_k, n), dtype=f32)
-        )
-    out_buf = from_dlpack(out)
-    if tuple(out_buf.shape) != (m * top_k, n) or out_buf.dtype != DType.F32:
-        raise InvalidArgumentError(f"matmul_id out must be float32 of shape {(m * top_k, n)}")
-    params = _params(m, n, k, top_k, n_experts, w_buf.dtype, layout, distinct, route)
-    return out, _run(device, params, w_buf, x_buf, id_buf, out_buf)
+    return _tensor_ops.matmul_id(_tensor_ops.framework(framework), weights, x, ids, route, out, with_receipt=True)

@@ -60,7 +60,12 @@ void init_core(py::module_& m) {
       .def("alloc", &Device::alloc, py::arg("nbytes"), py::arg("dtype"),
            py::arg("shape") = std::vector<uint64_t>{},
            "Allocate `nbytes` of device memory tagged with dtype and shape (contents undefined).")
-      .def("command_encoder", &Device::command_encoder)
+      .def(
+          "_command_encoder",
+          [](const Device& d, std::optional<uint64_t> stream, std::optional<bool> auto_barrier) {
+            return d.command_encoder(EncoderOptions{stream, auto_barrier});
+          },
+          py::arg("stream") = py::none(), py::arg("auto_barrier") = py::none())
       .def("__eq__", [](const Device& a, const Device& b) { return a == b; })
       .def("__hash__", [](const Device& d) { return std::hash<const void*>()(d.backend().get()); })
       .def("__repr__", [](const Device& d) {

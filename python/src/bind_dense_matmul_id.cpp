@@ -79,6 +79,15 @@ void init_dense_matmul_id(py::module_& m) {
       "completed.")
       .def(py::init<const Device&, uint32_t, uint32_t>(), py::arg("device"), py::arg("max_experts"),
            py::arg("max_tokens"))
+      .def_static(
+          "from_buffers",
+          [](Buffer expert_counts, Buffer routed_rows, uint32_t max_experts, uint32_t max_tokens) {
+            return std::make_shared<DenseMatmulIdScratch>(
+                std::move(expert_counts), std::move(routed_rows), max_experts, max_tokens);
+          },
+          py::arg("expert_counts"), py::arg("routed_rows"), py::arg("max_experts"),
+          py::arg("max_tokens"),
+          "Scratch in the caller's U32 buffers (e.g. from a framework's allocator).")
       .def_property_readonly("max_experts", &DenseMatmulIdScratch::max_experts)
       .def_property_readonly("max_tokens", &DenseMatmulIdScratch::max_tokens)
       .def_property_readonly("expert_counts", &DenseMatmulIdScratch::expert_counts)

@@ -6,8 +6,10 @@
 #include <type_traits>
 
 #include "bindings.h"
+#include "routemm/device.h"
 #include "routemm/encoder.h"
 #include "routemm/error.h"
+#include "routemm/graph.h"
 #include "routemm/registry.h"
 
 namespace routemm::python {
@@ -61,7 +63,40 @@ py::dict node_dict(const CapturedNode& node) {
   out["bindings"] = bindings;
   out["reads"] = ranges_list(node.reads);
   out["writes"] = ranges_list(node.writes);
+  out["op_kind"] = std::string(to_string(node.op_kind));
   return out;
+}
+
+py::list nodes_list(const std::vector<CapturedNode>& nodes) {
+  py::list out;
+  for (const auto& node : nodes) out.append(node_dict(node));
+  return out;
+}
+
+// An instantiated backend graph with the storages its dispatches bind.
+struct InstantiatedGraph {
+  std::shared_ptr<const GraphExec> exec;
+  std::vector<std::shared_ptr<Storage>> keep_alive;
+};
+
+// (slot, Buffer) | (slot, (Buffer, offset)) | (slot, bytes), as CommandEncoder._dispatch takes them.
+std::vector<std::pair<uint32_t, KernelArg>> kernel_args(const py::list& args) {
+  std::vector<std::pair<uint32_t, KernelArg>> bound;
+  for (const auto& item : args) {
+    const auto pair = item.cast<py::tuple>();
+    const auto slot = pair[0].cast<uint32_t>();
+    const py::object value = pair[1];
+    if (py::isinstance<Buffer>(value)) {
+      bound.emplace_back(slot, KernelArg::of(value.cast<Buffer>()));
+    } else if (py::isinstance<py::bytes>(value)) {
+      const std::string data = value.cast<std::string>();
+      bound.emplace_back(slot, KernelArg::raw(data.data(), data.size()));
+    } else {
+      const auto at = value.cast<py::tuple>();
+      bound.emplace_back(slot, KernelArg::at(at[0].cast<Buffer>(), at[1].cast<uint64_t>()));
+    }
+  }
+  return bound;
 }
 
 // Runs `work` (which must not touch Python) with the GIL released, then takes the GIL back in
@@ -107,9 +142,14 @@ void init_encoder(py::module_& m) {
     const auto c = encoder_counters();
     py::dict out;
     out["encoders_created"] = c.encoders_created;
+    out["command_buffers"] = c.command_buffers;
     out["dispatches"] = c.dispatches;
     out["barriers"] = c.barriers;
     out["commits"] = c.commits;
+    out["waits"] = c.waits;
+    out["streams_created"] = c.streams_created;
+    out["device_allocations"] = c.device_allocations;
+    out["host_waits"] = c.host_waits;
     return out;
   });
   m.def("reset_encoder_counters", &reset_encoder_counters);
@@ -160,31 +200,112 @@ void init_encoder(py::module_& m) {
             e.set_pending_buffer_ranges(to_ranges(reads), to_ranges(writes));
           },
           py::arg("reads"), py::arg("writes"))
-      .def("_dispatch", [](CommandEncoder& e, const Pipeline& pipeline, const py::list& args,
-                           std::array<uint64_t, 3> grid, std::array<uint64_t, 3> threads,
-                           bool threads_kind,
-                           std::vector<std::pair<uint64_t, uint64_t>> threadgroup_memory) {
-        // args: (slot, Buffer) | (slot, (Buffer, offset)) | (slot, bytes)
-        std::vector<std::pair<uint32_t, KernelArg>> bound;
-        for (const auto& item : args) {
-          const auto pair = item.cast<py::tuple>();
-          const auto slot = pair[0].cast<uint32_t>();
-          const py::object value = pair[1];
-          if (py::isinstance<Buffer>(value)) {
-            bound.emplace_back(slot, KernelArg::of(value.cast<Buffer>()));
-          } else if (py::isinstance<py::bytes>(value)) {
-            const std::string data = value.cast<std::string>();
-            bound.emplace_back(slot, KernelArg::raw(data.data(), data.size()));
-          } else {
-            const auto at = value.cast<py::tuple>();
-            bound.emplace_back(slot, KernelArg::at(at[0].cast<Buffer>(), at[1].cast<uint64_t>()));
-          }
-        }
-        e.dispatch(pipeline, bound, Dim3{grid[0], grid[1], grid[2]},
-                   Dim3{threads[0], threads[1], threads[2]},
-                   threads_kind ? DispatchKind::Threads : DispatchKind::ThreadGroups,
-                   std::move(threadgroup_memory));
-      });
+      .def("_dispatch",
+           [](CommandEncoder& e, const Pipeline& pipeline, const py::list& args,
+              std::array<uint64_t, 3> grid, std::array<uint64_t, 3> threads, bool threads_kind,
+              std::vector<std::pair<uint64_t, uint64_t>> threadgroup_memory) {
+             const auto bound = kernel_args(args);
+             e.dispatch(pipeline, bound, Dim3{grid[0], grid[1], grid[2]},
+                        Dim3{threads[0], threads[1], threads[2]},
+                        threads_kind ? DispatchKind::Threads : DispatchKind::ThreadGroups,
+                        std::move(threadgroup_memory));
+           })
+      .def("_dispatch_tracked",
+           [](CommandEncoder& e, const Pipeline& pipeline, const py::list& args,
+              std::array<uint64_t, 3> grid, std::array<uint64_t, 3> threads, bool threads_kind,
+              std::vector<std::pair<uint64_t, uint64_t>> threadgroup_memory,
+              const std::vector<Buffer>& reads, const std::vector<Buffer>& writes) {
+             const auto bound = kernel_args(args);
+             e.dispatch_tracked(pipeline, bound, Dim3{grid[0], grid[1], grid[2]},
+                                Dim3{threads[0], threads[1], threads[2]},
+                                threads_kind ? DispatchKind::Threads : DispatchKind::ThreadGroups,
+                                std::move(threadgroup_memory), reads, writes);
+           })
+      .def(
+          "set_op_kind",
+          [](CommandEncoder& e, const std::string& kind) {
+            e.set_op_kind(op_kind_from_string(kind));
+          },
+          py::arg("kind"),
+          "Tag the next dispatch with an op kind (other, rms_norm, elem_mul, elem_add, sdpa, "
+          "softmax); sdpa and softmax dispatches are never reordered.")
+      .def_property("auto_barrier", &CommandEncoder::auto_barrier,
+                    &CommandEncoder::set_auto_barrier,
+                    "The automatic-barrier tracker for dispatch_tracked (default: "
+                    "ROUTEMM_ENCODER_AUTO_BARRIER).")
+      .def("force_barrier_and_reset_tracker", &CommandEncoder::force_barrier_and_reset_tracker)
+      .def("commit", &CommandEncoder::commit,
+           "Start everything encoded so far and return without waiting.")
+      .def(
+          "commit_labeled",
+          [](CommandEncoder& e, const std::string& label) { e.commit_labeled(label); },
+          py::arg("label"),
+          "commit() with a label for the backend's profiler (NVTX range on CUDA, command-buffer "
+          "label on Metal).")
+      .def(
+          "wait_until_completed",
+          [](CommandEncoder& e) { without_gil([&] { e.wait_until_completed(); }); },
+          "Wait for every committed submission (the GIL is released meanwhile); raises the first "
+          "failure among them.")
+      .def(
+          "commit_and_wait_labeled",
+          [](CommandEncoder& e, const std::string& label) {
+            without_gil([&] { e.commit_and_wait_labeled(label); });
+          },
+          py::arg("label"))
+      .def(
+          "take_graph",
+          [](CommandEncoder& e) -> std::optional<CapturedGraph> {
+            auto nodes = e.take_capture();
+            if (!nodes) return std::nullopt;
+            return CapturedGraph(std::move(*nodes));
+          },
+          "End capture and return the recorded nodes as a CapturedGraph (None when not "
+          "capturing).")
+      .def(
+          "encode_graph",
+          [](CommandEncoder& e, const InstantiatedGraph& g) {
+            e.encode_graph(g.exec, g.keep_alive);
+          },
+          py::arg("graph"), "Record an instantiated graph as one command of this submission.");
+
+  py::class_<InstantiatedGraph>(m, "GraphExec",
+                                "A backend graph (a CUDA graph) instantiated from a CapturedGraph.")
+      .def_property_readonly("node_count",
+                             [](const InstantiatedGraph& g) { return g.exec->node_count(); })
+      .def_property_readonly("edge_count",
+                             [](const InstantiatedGraph& g) { return g.exec->edge_count(); });
+
+  py::class_<CapturedGraph>(
+      m, "CapturedGraph",
+      "A capture to replay: in order, with barriers derived from the recorded "
+      "byte ranges, reordered, or instantiated as a backend graph.")
+      .def_property_readonly("_nodes", [](const CapturedGraph& g) { return nodes_list(g.nodes()); })
+      .def_property_readonly("dispatch_count", &CapturedGraph::dispatch_count)
+      .def("encode_sequential", &CapturedGraph::encode_sequential, py::arg("encoder"))
+      .def("encode_with_barriers", &CapturedGraph::encode_with_barriers, py::arg("encoder"))
+      .def("reordered", &CapturedGraph::reordered)
+      .def("barriers_before", &CapturedGraph::barriers_before)
+      .def("dependencies", &CapturedGraph::dependencies)
+      .def(
+          "instantiate",
+          [](const CapturedGraph& g, const Device& device) -> std::optional<InstantiatedGraph> {
+            auto exec = g.instantiate(*device.backend());
+            if (exec == nullptr) return std::nullopt;
+            return InstantiatedGraph{std::move(exec), g.keep_alive()};
+          },
+          py::arg("device"),
+          "A backend graph of this capture (None where the backend has no graph object).");
+
+  py::class_<GraphSession>(m, "GraphSession",
+                           "Capture on an encoder, then replay in order (finish) or reordered with "
+                           "derived barriers (finish_with_reorder), committing and waiting.")
+      .def(py::init<CommandEncoder&>(), py::arg("encoder"), py::keep_alive<1, 2>())
+      .def_property_readonly("encoder", &GraphSession::encoder,
+                             py::return_value_policy::reference_internal)
+      .def("finish", [](GraphSession& s) { without_gil([&] { s.finish(); }); })
+      .def("finish_with_reorder",
+           [](GraphSession& s) { without_gil([&] { s.finish_with_reorder(); }); });
 }
 
 }  // namespace routemm::python

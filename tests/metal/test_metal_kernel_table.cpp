@@ -180,20 +180,16 @@ class TableQueue final : public Queue, public MetalLaunchTarget {
   void encode(std::string_view function, const KernelLaunch& launch) override {
     recorded().push_back({std::string(function), launch});
   }
-  void commit_and_wait() override { run(); }
-  GpuInterval commit_wait_with_gpu_time() override {
-    run();
-    return {0.0, 1e-6};
-  }
-
- private:
-  void run() {
+  void commit(const std::string&, bool) override {
     for (const auto& c : commands_) {
       if (c.kind == QueuedCommand::Kind::Dispatch)
         c.fn(c.launch, static_cast<MetalLaunchTarget*>(this));
     }
     commands_.clear();
   }
+  GpuInterval wait() override { return {0.0, 1e-6}; }
+
+ private:
   std::vector<QueuedCommand> commands_;
 };
 
@@ -216,7 +212,9 @@ class TableBackend final : public Backend {
   void deallocate(void* data, size_t) noexcept override { std::free(data); }
   void copy_from_host(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
   void copy_to_host(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
-  std::unique_ptr<Queue> create_queue() override { return std::make_unique<TableQueue>(); }
+  std::unique_ptr<Queue> create_queue(const QueueOptions&) override {
+    return std::make_unique<TableQueue>();
+  }
   const std::vector<KernelDef>& kernels() const override { return kernels_; }
 
  private:

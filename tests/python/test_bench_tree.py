@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
-DEVICE_COMMANDS = ("suite", "session", "quick", "demo", "q4-matvec", "tensor", "profile", "peer", "lab")
+DEVICE_COMMANDS = ("suite", "session", "quick", "demo", "q4-matvec", "tensor", "profile", "peer", "engine", "lab")
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 

@@ -189,5 +189,5 @@ def test_counters_and_reset(device):
     device.command_encoder()
     assert routemm.encoder_counters()["encoders_created"] == before + 1
     routemm.reset_encoder_counters()
-    assert routemm.encoder_counters() == {"encoders_created": 0, "dispatches": 0, "barriers": 0, "commits": 0}
+    assert set(routemm.encoder_counters().values()) == {0}
     assert routemm.dispatch_count() == 0

@@ -1,8 +1,14 @@
-// The CPU backend: host memory, an in-order queue executed at commit on the thread pool.
+// The CPU backend: host memory, and queues whose submissions run asynchronously, in commit order,
+// on one process-wide submission thread that drives the kernel thread pool.
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <functional>
+#include <mutex>
 #include <new>
+#include <thread>
 
 #include "kernels.h"
 #include "routemm/backend.h"
@@ -16,40 +22,136 @@ namespace {
 // 64-byte alignment keeps vector loads of whole buffers aligned.
 constexpr size_t kAlignment = 64;
 
-class CpuQueue final : public Queue {
+double seconds_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// One committed submission: its commands (owned here until the queue's wait() drops them on the
+// waiting thread, so no storage is released on the submission thread) and its outcome.
+struct Submission {
+  std::vector<QueuedCommand> commands;
+  std::mutex mutex;
+  std::condition_variable done_cv;
+  bool done = false;
+  std::exception_ptr error;
+  GpuInterval interval;
+
+  // Commands run one after another, each internally parallel: every barrier is implied. The
+  // first failure ends the submission.
+  void execute() noexcept {
+    const double start = seconds_now();
+    for (const auto& command : commands) {
+      if (command.kind == QueuedCommand::Kind::Barrier) continue;
+      try {
+        if (command.kind == QueuedCommand::Kind::Graph)
+          throw Error("cpu backend: graph commands are not supported (no graph objects)");
+        command.fn(command.launch, &ThreadPool::instance());
+      } catch (const CommandBufferError&) {
+        error = std::current_exception();
+      } catch (const Error& e) {
+        error = std::make_exception_ptr(CommandBufferError(e.what(), command.launch.label));
+      } catch (...) {
+        error = std::current_exception();
+      }
+      if (error) break;
+    }
+    interval = {start, seconds_now()};
+  }
+
+  // Publishes the outcome. The waiting queue holds a reference until it has seen `done`, so the
+  // submission thread lets go of its own before calling this: the commands (and the storages they
+  // keep, some of which release Python objects) are always destroyed by the queue's thread.
+  void finish() {
+    const std::lock_guard lock(mutex);
+    done = true;
+    done_cv.notify_all();
+  }
+
+  void wait() {
+    std::unique_lock lock(mutex);
+    done_cv.wait(lock, [&] { return done; });
+  }
+};
+
+// Runs submissions one at a time in the order they were posted (the CPU's single in-order
+// device queue). Never destroyed, like the thread pool: a submission may still run at exit.
+class SubmissionThread {
  public:
-  void submit(QueuedCommand command) override { commands_.push_back(std::move(command)); }
+  static SubmissionThread& instance() {
+    static SubmissionThread* const thread = new SubmissionThread();
+    return *thread;
+  }
 
-  void commit_and_wait() override { run(); }
-
-  GpuInterval commit_wait_with_gpu_time() override {
-    const auto start = std::chrono::steady_clock::now();
-    run();
-    const auto end = std::chrono::steady_clock::now();
-    const auto seconds = [](auto t) {
-      return std::chrono::duration<double>(t.time_since_epoch()).count();
-    };
-    return {seconds(start), seconds(end)};
+  void post(std::shared_ptr<Submission> submission) {
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back(std::move(submission));
+    }
+    wake_.notify_one();
   }
 
  private:
-  void run() {
-    // Commands run one after another, each internally parallel: every barrier is implied.
-    auto commands = std::move(commands_);
-    commands_.clear();
-    for (const auto& command : commands) {
-      if (command.kind != QueuedCommand::Kind::Dispatch) continue;
-      try {
-        command.fn(command.launch, &ThreadPool::instance());
-      } catch (const CommandBufferError&) {
-        throw;
-      } catch (const Error& e) {
-        throw CommandBufferError(e.what(), command.launch.label);
+  SubmissionThread() {
+    std::thread([this] { loop(); }).detach();
+  }
+
+  void loop() {
+    for (;;) {
+      std::shared_ptr<Submission> next;
+      {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, [&] { return !queue_.empty(); });
+        next = std::move(queue_.front());
+        queue_.pop_front();
       }
+      next->execute();
+      Submission* const finished = next.get();
+      next.reset();
+      finished->finish();
     }
   }
 
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::shared_ptr<Submission>> queue_;
+};
+
+class CpuQueue final : public Queue {
+ public:
+  ~CpuQueue() override {
+    for (const auto& s : in_flight_) s->wait();
+  }
+
+  void submit(QueuedCommand command) override { commands_.push_back(std::move(command)); }
+
+  void commit(const std::string&, bool timed) override {
+    auto submission = std::make_shared<Submission>();
+    submission->commands = std::move(commands_);
+    commands_.clear();
+    timed_.push_back(timed);
+    in_flight_.push_back(submission);
+    SubmissionThread::instance().post(std::move(submission));
+  }
+
+  GpuInterval wait() override {
+    if (!in_flight_.empty()) note_host_wait();
+    std::exception_ptr first;
+    GpuInterval interval;
+    for (size_t i = 0; i < in_flight_.size(); ++i) {
+      in_flight_[i]->wait();
+      if (!first) first = in_flight_[i]->error;
+      if (timed_[i]) interval = in_flight_[i]->interval;
+    }
+    in_flight_.clear();  // the commands and the storages they hold go here, on this thread
+    timed_.clear();
+    if (first) std::rethrow_exception(first);
+    return interval;
+  }
+
+ private:
   std::vector<QueuedCommand> commands_;
+  std::vector<std::shared_ptr<Submission>> in_flight_;
+  std::vector<bool> timed_;
 };
 
 class CpuBackend final : public Backend {
@@ -73,6 +175,7 @@ class CpuBackend final : public Backend {
 
   std::shared_ptr<Storage> allocate(size_t nbytes) override {
     const uint64_t rounded = checked_round_up(nbytes, kAlignment, "cpu backend allocation");
+    note_device_allocation();
     void* data = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
     if (data == nullptr)
       throw OutOfMemory("cpu backend: cannot allocate " + std::to_string(nbytes) + " bytes");
@@ -86,7 +189,14 @@ class CpuBackend final : public Backend {
     if (nbytes) std::memcpy(dst, src, nbytes);
   }
 
-  std::unique_ptr<Queue> create_queue() override { return std::make_unique<CpuQueue>(); }
+  std::unique_ptr<Queue> create_queue(const QueueOptions& options) override {
+    if (options.stream) {
+      throw InvalidArgument(
+          "cpu backend: command_encoder(stream=...) needs a backend with streams "
+          "(cuda); the cpu backend has none");
+    }
+    return std::make_unique<CpuQueue>();
+  }
   const std::vector<KernelDef>& kernels() const override { return kernels_; }
 
  private:

@@ -4,12 +4,14 @@
 // Thin by design: the op front doors in the core validate arguments, pick routes, compute
 // geometry and record receipts. This file only turns a KernelLaunch into Metal calls.
 //
-// Queue model (spec §2.1, §2.2): one command buffer and one concurrent compute encoder per queue,
-// both created on the first dispatch. A barrier is memoryBarrierWithScope:Buffers, and a no-op
-// while nothing has been encoded. commit_and_wait() ends the encoder, commits, waits, and reports
-// any status other than Completed as CommandBufferError; GPU times are the command buffer's
+// Queue model (spec §2.1, §2.2): one command buffer and one concurrent compute encoder per
+// submission, both created on the first dispatch. A barrier is memoryBarrierWithScope:Buffers, and
+// a no-op while nothing has been encoded. commit() ends the encoder, labels the command buffer and
+// commits it without waiting; wait() waits for every committed command buffer and reports any
+// status other than Completed as CommandBufferError; GPU times are the command buffer's
 // GPUStartTime / GPUEndTime. An empty commit still commits an (empty) command buffer, so that a
-// counted submission is a real one. Storages of submitted commands stay alive until the commit.
+// counted submission is a real one. Dropping a queue ends its encoder and never commits; storages
+// of committed commands stay alive until the wait.
 //
 // Library lookup: ROUTEMM_METALLIB_PATH (the path of routemm.metallib) when set, else
 // routemm.metallib beside the binary holding this code (the Python extension, or a test
@@ -165,6 +167,7 @@ class MetalBackend final : public Backend {
   int32_t dlpack_device_type() const override { return 8; }
 
   std::shared_ptr<Storage> allocate(size_t nbytes) override {
+    note_device_allocation();
     id<MTLBuffer> buffer = [device_ newBufferWithLength:(nbytes == 0 ? 1 : nbytes)
                                                 options:MTLResourceStorageModeShared];
     if (buffer == nil)
@@ -188,7 +191,7 @@ class MetalBackend final : public Backend {
     if (nbytes) std::memcpy(dst, src, nbytes);
   }
 
-  std::unique_ptr<Queue> create_queue() override;
+  std::unique_ptr<Queue> create_queue(const QueueOptions& options) override;
   const std::vector<KernelDef>& kernels() const override { return kernels_; }
 
   id<MTLCommandQueue> command_queue() const { return queue_; }
@@ -312,8 +315,10 @@ class MetalQueue final : public Queue, public MetalLaunchTarget {
  public:
   explicit MetalQueue(std::shared_ptr<MetalBackend> backend) : backend_(std::move(backend)) {}
   ~MetalQueue() override {
-    // Dropping a queue ends its encoder and never commits (spec §2.1).
+    // Dropping a queue ends its encoder and never commits (spec §2.1); committed work finishes
+    // before its storages go.
     if (encoder_ != nil) [encoder_ endEncoding];
+    for (const auto& f : in_flight_) [f.buffer waitUntilCompleted];
   }
 
   void submit(QueuedCommand command) override {
@@ -322,6 +327,8 @@ class MetalQueue final : public Queue, public MetalLaunchTarget {
         if (encoder_ != nil) [encoder_ memoryBarrierWithScope:MTLBarrierScopeBuffers];
         return;
       }
+      if (command.kind != QueuedCommand::Kind::Dispatch)
+        throw Error("metal backend: graph commands are not supported");
       if (command_buffer_ == nil) command_buffer_ = [backend_->command_queue() commandBuffer];
       if (encoder_ == nil) {
         encoder_ =
@@ -332,8 +339,48 @@ class MetalQueue final : public Queue, public MetalLaunchTarget {
     }
   }
 
-  void commit_and_wait() override { finish(); }
-  GpuInterval commit_wait_with_gpu_time() override { return finish(); }
+  void commit(const std::string& label, bool timed) override {
+    @autoreleasepool {
+      id<MTLCommandBuffer> buffer =
+          command_buffer_ != nil ? command_buffer_ : [backend_->command_queue() commandBuffer];
+      if (!label.empty()) buffer.label = [NSString stringWithUTF8String:label.c_str()];
+      if (encoder_ != nil) {
+        if (!label.empty()) encoder_.label = buffer.label;
+        [encoder_ endEncoding];
+      }
+      encoder_ = nil;
+      command_buffer_ = nil;
+      [buffer commit];
+      in_flight_.push_back(InFlight{buffer, std::move(pending_), timed});
+      pending_.clear();
+    }
+  }
+
+  GpuInterval wait() override {
+    @autoreleasepool {
+      GpuInterval interval;
+      std::string failure;
+      for (const auto& f : in_flight_) {
+        [f.buffer waitUntilCompleted];
+        if (f.buffer.status != MTLCommandBufferStatusCompleted && failure.empty()) {
+          std::string labels;
+          for (const auto& c : f.commands) {
+            if (labels.find(c.launch.label) == std::string::npos)
+              labels += (labels.empty() ? "" : ", ") + c.launch.label;
+          }
+          failure = "metal backend: GPU command buffer completed with error status " +
+                    std::to_string(static_cast<long>(f.buffer.status)) + ": " +
+                    error_text(f.buffer.error) +
+                    (labels.empty() ? std::string() : " (pipelines: " + labels + ")");
+        }
+        if (f.timed) interval = {f.buffer.GPUStartTime, f.buffer.GPUEndTime};
+      }
+      if (!in_flight_.empty()) note_host_wait();
+      in_flight_.clear();
+      if (!failure.empty()) throw CommandBufferError(failure);
+      return interval;
+    }
+  }
 
   void encode(std::string_view function, const KernelLaunch& launch) override {
     if (encoder_ == nil)
@@ -362,38 +409,24 @@ class MetalQueue final : public Queue, public MetalLaunchTarget {
   }
 
  private:
-  GpuInterval finish() {
-    @autoreleasepool {
-      id<MTLCommandBuffer> buffer =
-          command_buffer_ != nil ? command_buffer_ : [backend_->command_queue() commandBuffer];
-      if (encoder_ != nil) [encoder_ endEncoding];
-      encoder_ = nil;
-      command_buffer_ = nil;
-      [buffer commit];
-      [buffer waitUntilCompleted];
-      std::string labels;
-      for (const auto& c : pending_) {
-        if (labels.find(c.launch.label) == std::string::npos)
-          labels += (labels.empty() ? "" : ", ") + c.launch.label;
-      }
-      pending_.clear();
-      if (buffer.status != MTLCommandBufferStatusCompleted) {
-        throw CommandBufferError("metal backend: GPU command buffer completed with error status " +
-                                 std::to_string(static_cast<long>(buffer.status)) + ": " +
-                                 error_text(buffer.error) +
-                                 (labels.empty() ? std::string() : " (pipelines: " + labels + ")"));
-      }
-      return {buffer.GPUStartTime, buffer.GPUEndTime};
-    }
-  }
+  struct InFlight {
+    id<MTLCommandBuffer> buffer;
+    std::vector<QueuedCommand> commands;
+    bool timed = false;
+  };
 
   std::shared_ptr<MetalBackend> backend_;
   id<MTLCommandBuffer> command_buffer_ = nil;
   id<MTLComputeCommandEncoder> encoder_ = nil;
   std::vector<QueuedCommand> pending_;
+  std::vector<InFlight> in_flight_;
 };
 
-std::unique_ptr<Queue> MetalBackend::create_queue() {
+std::unique_ptr<Queue> MetalBackend::create_queue(const QueueOptions& options) {
+  if (options.stream) {
+    throw InvalidArgument(
+        "metal backend: command_encoder(stream=...) needs a backend with streams (cuda)");
+  }
   return std::make_unique<MetalQueue>(std::static_pointer_cast<MetalBackend>(shared_from_this()));
 }
 

@@ -10,9 +10,11 @@
 
 #include <chrono>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "backend/metal/kernels.h"
 #include "backend/metal_emu/backend.h"
@@ -83,15 +85,29 @@ class EmuQueue final : public Queue, public metal::MetalLaunchTarget {
   explicit EmuQueue(std::shared_ptr<EmuBackend> backend) : backend_(std::move(backend)) {}
 
   void submit(QueuedCommand command) override { commands_.push_back(std::move(command)); }
-  void commit_and_wait() override { run(); }
-  GpuInterval commit_wait_with_gpu_time() override {
+  // The model executes a submission on the committing thread; its failure is reported by the
+  // next wait(), as a device queue would.
+  void commit(const std::string&, bool timed) override {
     const auto start = std::chrono::steady_clock::now();
-    run();
+    try {
+      run();
+    } catch (...) {
+      if (!error_) error_ = std::current_exception();
+    }
     const auto end = std::chrono::steady_clock::now();
     const auto seconds = [](auto t) {
       return std::chrono::duration<double>(t.time_since_epoch()).count();
     };
-    return {seconds(start), seconds(end)};
+    if (timed) interval_ = {seconds(start), seconds(end)};
+    committed_ = true;
+  }
+  GpuInterval wait() override {
+    if (committed_) note_host_wait();
+    committed_ = false;
+    const GpuInterval interval = interval_;
+    interval_ = {};
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+    return interval;
   }
 
   void encode(std::string_view function, const KernelLaunch& launch) override;
@@ -114,6 +130,9 @@ class EmuQueue final : public Queue, public metal::MetalLaunchTarget {
 
   std::shared_ptr<EmuBackend> backend_;
   std::vector<QueuedCommand> commands_;
+  std::exception_ptr error_;
+  GpuInterval interval_;
+  bool committed_ = false;
 };
 
 class EmuBackend final : public Backend {
@@ -153,6 +172,7 @@ class EmuBackend final : public Backend {
   int32_t dlpack_device_type() const override { return 8; }  // it stands in for a Metal device
 
   std::shared_ptr<Storage> allocate(size_t nbytes) override {
+    note_device_allocation();
     return std::make_shared<Storage>(shared_from_this(), allocations_.allocate(nbytes), nbytes,
                                      true);
   }
@@ -164,7 +184,11 @@ class EmuBackend final : public Backend {
     if (nbytes) std::memcpy(dst, src, nbytes);
   }
 
-  std::unique_ptr<Queue> create_queue() override {
+  std::unique_ptr<Queue> create_queue(const QueueOptions& options) override {
+    if (options.stream) {
+      throw InvalidArgument(
+          "metal_emu backend: command_encoder(stream=...) needs a backend with streams (cuda)");
+    }
     return std::make_unique<EmuQueue>(std::static_pointer_cast<EmuBackend>(shared_from_this()));
   }
   const std::vector<KernelDef>& kernels() const override { return kernels_; }

@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -118,14 +119,18 @@ struct KernelDef {
   std::string content_sha256;  // hash over what was compiled (source text or machine image)
 };
 
-// A recorded command for a queue: one kernel launch, or a memory barrier between launches.
+class GraphExec;
+
+// A recorded command for a queue: one kernel launch, a memory barrier between launches, or the
+// launch of an instantiated graph (Backend::instantiate_graph).
 struct QueuedCommand {
-  enum class Kind : uint8_t { Dispatch, Barrier };
+  enum class Kind : uint8_t { Dispatch, Barrier, Graph };
   Kind kind = Kind::Dispatch;
   KernelFn fn = nullptr;
   KernelLaunch launch;
   std::vector<std::vector<uint8_t>> inline_bytes;    // owns Bytes arguments
   std::vector<std::shared_ptr<Storage>> keep_alive;  // storages referenced by the launch
+  std::shared_ptr<const GraphExec> graph;            // Graph only
 };
 
 // GPU start/end timestamps of one submission, in seconds on the backend's own clock.
@@ -134,14 +139,46 @@ struct GpuInterval {
   double end_s = 0;
 };
 
-// An ordered stream of work. Commands may start when submitted (CUDA) or at commit (CPU); either
-// way they complete in submission order relative to barriers, and commit blocks until all are done.
+// Where a queue puts its work. `stream` names a caller's CUDA stream (a cudaStream_t as an integer;
+// 0 and 1 the legacy default stream, 2 the per-thread default stream): the queue then enqueues
+// there, creates no stream and never waits on the host unless asked to. Unset: the queue's own.
+// Backends without streams refuse a stream.
+struct QueueOptions {
+  std::optional<uint64_t> stream;
+};
+
+// An ordered stream of work, in submissions (command buffers).
+//
+// submit() only records: nothing runs before commit(), so a queue dropped with uncommitted work
+// never runs it. commit() starts everything submitted since the previous commit as one submission
+// and returns without waiting; submissions complete in commit order and the queue is ready for the
+// next one at once. wait() blocks until every committed submission has completed and reports the
+// first failure among them as CommandBufferError; it returns the GPU interval of the last
+// submission committed with `timed` (zeros when none was). A queue destroyed with committed work
+// in flight waits for it first (its storages must outlive the work) and drops any error.
 class Queue {
  public:
   virtual ~Queue() = default;
   virtual void submit(QueuedCommand command) = 0;
-  virtual void commit_and_wait() = 0;
-  virtual GpuInterval commit_wait_with_gpu_time() = 0;
+  // `label` (may be empty) names the submission in the backend's profiler: an NVTX range on CUDA,
+  // the command buffer's label on Metal.
+  virtual void commit(const std::string& label, bool timed) = 0;
+  virtual GpuInterval wait() = 0;
+};
+
+// A graph of dispatches instantiated by a backend (a CUDA graph): launched as one command.
+class GraphExec {
+ public:
+  virtual ~GraphExec() = default;
+  virtual size_t node_count() const = 0;
+  virtual size_t edge_count() const = 0;
+};
+
+// One dispatch of a graph to instantiate, with the dispatches (by index, all earlier) it must run
+// after. Dispatches with no path between them may run concurrently.
+struct GraphDispatch {
+  const QueuedCommand* command = nullptr;
+  std::vector<size_t> after;
 };
 
 class Backend : public std::enable_shared_from_this<Backend> {
@@ -168,7 +205,15 @@ class Backend : public std::enable_shared_from_this<Backend> {
   virtual void copy_from_host(void* device_dst, const void* host_src, size_t nbytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* device_src, size_t nbytes) = 0;
 
-  virtual std::unique_ptr<Queue> create_queue() = 0;
+  virtual std::unique_ptr<Queue> create_queue(const QueueOptions& options) = 0;
+  // A graph of the given dispatches whose only orderings are their `after` edges, launched as one
+  // command (QueuedCommand::Kind::Graph) on this backend's queues; nullptr where the backend has no
+  // graph object (callers then replay the dispatches through a queue with barriers).
+  virtual std::shared_ptr<const GraphExec> instantiate_graph(
+      const std::vector<GraphDispatch>& dispatches) {
+    (void)dispatches;
+    return nullptr;
+  }
   // Every kernel this backend supplies; registries start from this list.
   virtual const std::vector<KernelDef>& kernels() const = 0;
   // Compiles kernel source text into a kernel registered as `name` (the function of that name in
@@ -176,6 +221,16 @@ class Backend : public std::enable_shared_from_this<Backend> {
   // naming the backend, and so do the CPU and CUDA backends, whose kernels are built in.
   virtual KernelDef compile_kernel_source(const std::string& name, const std::string& source);
 };
+
+// ---- Activity counters --------------------------------------------------------------------------
+
+// Backends report their costly actions here (process-wide, read through encoder_counters()), so a
+// test or bench can show that a call path creates no stream, allocates no device memory and never
+// blocks the host: a stream created by a queue, a device allocation (cudaMalloc, aligned_alloc), a
+// host wait for device work (a queue's wait, a stream synchronisation, a blocking copy).
+void note_stream_created();
+void note_device_allocation();
+void note_host_wait();
 
 // ---- Backend discovery -------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@
 namespace routemm {
 
 class CommandEncoder;
+struct EncoderOptions;
 
 struct BackendStatus {
   std::string name;
@@ -36,6 +37,8 @@ class Device {
   uint64_t registry_id() const;
 
   Buffer alloc(uint64_t nbytes, DType dtype, std::vector<uint64_t> shape) const;
+  // An encoder on this device's queue, or on a caller's stream (EncoderOptions::stream).
+  CommandEncoder command_encoder(EncoderOptions options) const;
   CommandEncoder command_encoder() const;
 
   bool operator==(const Device& other) const { return backend_ == other.backend_; }

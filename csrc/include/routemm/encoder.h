@@ -1,5 +1,17 @@
 // CommandEncoder: records dispatches and barriers for one backend queue, then commits them.
 //
+// Lifecycle (spec §2.1): dispatches are recorded into the current submission (command buffer);
+// nothing runs before a commit, so dropping an encoder never runs its uncommitted work. commit()
+// starts the submission and returns at once (the CPU backend runs it on its submission thread, CUDA
+// launches it on the encoder's stream, Metal commits the command buffer); the encoder then records
+// into a new submission. wait_until_completed() blocks until every committed submission is done
+// and raises the first failure among them (CommandBufferError). commit_and_wait() is both.
+// Dropping an encoder with committed work in flight waits for that work (its buffers must outlive
+// it) and drops any error: call wait_until_completed() to see them.
+//
+// Streams: an encoder made with EncoderOptions::stream enqueues on the caller's CUDA stream; it
+// creates no stream, and only wait_until_completed() waits on the host.
+//
 // Modes: normal (dispatches go to the queue), capture (dispatches and barriers are recorded as
 // CapturedNodes with declared read/write byte ranges and nothing executes), and an optional
 // dispatch receipt that records every dispatch while it still executes normally. A receipt cannot
@@ -20,6 +32,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -72,6 +85,13 @@ struct CapturedBinding {
   std::vector<uint8_t> bytes;
 };
 
+// What a dispatch does, for graph reordering (spec §2.4): Sdpa and Softmax dispatches are never
+// moved, every other kind may be.
+enum class OpKind : uint8_t { Other, RmsNorm, ElemMul, ElemAdd, Sdpa, Softmax };
+std::string_view to_string(OpKind kind);
+OpKind op_kind_from_string(std::string_view name);  // InvalidArgument for an unknown name
+bool is_reorderable(OpKind kind);
+
 struct CapturedNode {
   enum class Kind : uint8_t { Dispatch, Barrier };
   Kind kind = Kind::Barrier;
@@ -79,14 +99,31 @@ struct CapturedNode {
   std::vector<CapturedBinding> bindings;
   std::vector<ByteRange> reads;
   std::vector<ByteRange> writes;
+  OpKind op_kind = OpKind::Other;
+  // Dispatch only: the resolved command, kept (with the storages it binds) so the capture can be
+  // replayed (graph.h).
+  std::shared_ptr<const QueuedCommand> command;
 };
 
-// Process-wide counters, for tests that prove "nothing was encoded".
+// Process-wide counters, for tests that prove "nothing was encoded" and benches that prove a call
+// path free of streams, allocations and host waits (spec §2.1 plus the backends' activity).
 struct EncoderCounters {
   uint64_t encoders_created = 0;
+  uint64_t command_buffers = 0;  // submissions opened: one per encoder and one after each commit
   uint64_t dispatches = 0;
   uint64_t barriers = 0;
   uint64_t commits = 0;
+  uint64_t waits = 0;               // wait_until_completed() calls, commit_and_wait*() included
+  uint64_t streams_created = 0;     // note_stream_created()
+  uint64_t device_allocations = 0;  // note_device_allocation()
+  uint64_t host_waits = 0;          // note_host_wait()
+};
+
+struct EncoderOptions {
+  // A caller's CUDA stream (QueueOptions::stream); unset: the encoder's own queue.
+  std::optional<uint64_t> stream;
+  // The automatic-barrier tracker (spec §2.5); unset: ROUTEMM_ENCODER_AUTO_BARRIER.
+  std::optional<bool> auto_barrier;
 };
 EncoderCounters encoder_counters();
 uint64_t dispatch_count();
@@ -108,7 +145,7 @@ class CommandEncoder {
     bool outermost_ = false;
   };
 
-  explicit CommandEncoder(std::shared_ptr<Backend> backend);
+  explicit CommandEncoder(std::shared_ptr<Backend> backend, EncoderOptions options = {});
   ~CommandEncoder();
   CommandEncoder(CommandEncoder&&) noexcept;
   CommandEncoder& operator=(CommandEncoder&&) noexcept;
@@ -118,18 +155,49 @@ class CommandEncoder {
 
   // Ranges attached to the next captured dispatch, then cleared. Ignored outside capture mode.
   void set_pending_buffer_ranges(std::vector<ByteRange> reads, std::vector<ByteRange> writes);
+  // Tags the next dispatch (captured nodes carry it), then resets to Other.
+  void set_op_kind(OpKind kind);
 
   // Encode one dispatch. Arguments must live on this encoder's backend, and satisfy the kernel's
   // argument contract (KernelDef::check_args), checked before anything is encoded.
   void dispatch(const Pipeline& pipeline, std::span<const std::pair<uint32_t, KernelArg>> args,
                 Dim3 grid, Dim3 threads, DispatchKind kind = DispatchKind::ThreadGroups,
                 std::vector<std::pair<uint64_t, uint64_t>> threadgroup_memory = {});
+  // dispatch() with the buffers the kernel reads and writes (spec §2.3), as their logical ranges:
+  // in capture mode they become the node's ranges; otherwise, with the automatic-barrier tracker
+  // on, a barrier goes before the dispatch when its ranges conflict with those tracked since the
+  // last barrier (a read of a tracked write, or a write of anything tracked), and the tracker
+  // restarts from this dispatch.
+  void dispatch_tracked(const Pipeline& pipeline,
+                        std::span<const std::pair<uint32_t, KernelArg>> args, Dim3 grid,
+                        Dim3 threads, DispatchKind kind,
+                        std::vector<std::pair<uint64_t, uint64_t>> threadgroup_memory,
+                        std::span<const Buffer> reads, std::span<const Buffer> writes);
   // Orders every later dispatch after every earlier one. A no-op before the first dispatch of a
   // submission; always recorded in capture mode.
   void memory_barrier();
+  // The automatic-barrier tracker (spec §2.5). While it is on, a dispatch without tracked ranges
+  // is ordered after everything before it and before everything after it.
+  bool auto_barrier() const;
+  void set_auto_barrier(bool on);
+  // A barrier (as memory_barrier) and an empty tracker.
+  void force_barrier_and_reset_tracker();
+  // Records one instantiated graph (CapturedGraph::instantiate) as a single command of the current
+  // submission; `keep_alive` are the storages its dispatches bind.
+  void encode_graph(std::shared_ptr<const GraphExec> graph,
+                    std::vector<std::shared_ptr<Storage>> keep_alive);
+  // Records a captured dispatch again (graph replay): as a node when capturing, else submitted.
+  void encode_captured(const CapturedNode& node);
 
-  // Runs everything encoded so far and blocks until it completes.
+  // Starts everything encoded so far and returns without waiting. `label` (commit_labeled) names
+  // the submission in the backend's profiler: 1 to 256 printable ASCII characters.
+  void commit();
+  void commit_labeled(std::string_view label);
+  // Blocks until every committed submission completed; the first failure among them is raised.
+  void wait_until_completed();
+  // commit() then wait_until_completed().
   void commit_and_wait();
+  void commit_and_wait_labeled(std::string_view label);
   // Same, returning the GPU start/end of the submission in seconds.
   GpuInterval commit_wait_with_gpu_time();
   // Dispatches encoded since the last commit.
@@ -159,9 +227,28 @@ class CommandEncoder {
     std::atomic<std::thread::id> thread{};
   };
 
+  // A dispatch checked and resolved, not yet encoded: everything that can refuse it has run.
+  struct Prepared {
+    QueuedCommand command;
+    CapturedNode node;  // filled when recording (capture or receipt)
+    bool recording = false;
+  };
+  Prepared prepare(const Pipeline& pipeline, std::span<const std::pair<uint32_t, KernelArg>> args,
+                   Dim3 grid, Dim3 threads, DispatchKind kind,
+                   std::vector<std::pair<uint64_t, uint64_t>> threadgroup_memory);
+  void submit_dispatch(QueuedCommand command, CapturedNode node, bool recording);
+  void barrier_unlocked();
+  void commit_unlocked(std::string_view label, bool timed);
+
   std::shared_ptr<Backend> backend_;
   std::unique_ptr<Queue> queue_;
   mutable Owner owner_;
+  OpKind pending_op_kind_ = OpKind::Other;
+  bool auto_barrier_ = false;
+  // Ranges read and written since the last barrier (tracker on); `tracked_unknown_`: a dispatch
+  // without ranges was encoded since, so the next one conflicts.
+  std::vector<ByteRange> tracked_reads_, tracked_writes_;
+  bool tracked_unknown_ = false;
   bool capturing_ = false;
   std::vector<CapturedNode> captured_;
   std::vector<ByteRange> pending_reads_, pending_writes_;

@@ -21,6 +21,9 @@ std::optional<std::string> backend();
 // ROUTEMM_CPU_THREADS: worker threads of the CPU backend (0 or unset: hardware threads).
 int64_t cpu_threads();
 
+// ROUTEMM_ENCODER_AUTO_BARRIER: encoders start with the automatic-barrier tracker on (spec §2.5).
+bool encoder_auto_barrier();
+
 // Every knob the core reads.
 const Knob* knobs(size_t* count);
 // Knobs set to a non-default value, as read at first use: name -> value.

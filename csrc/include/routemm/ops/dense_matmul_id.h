@@ -116,6 +116,10 @@ struct DenseMatmulIdDispatchReceipt {
 class DenseMatmulIdScratch {
  public:
   DenseMatmulIdScratch(const Device& device, uint32_t max_experts, uint32_t max_tokens);
+  // Scratch in the caller's buffers (e.g. a framework's allocator, so that a captured CUDA graph
+  // owns no routemm allocation): U32, writable, disjoint, at least the capacity's bytes each.
+  DenseMatmulIdScratch(Buffer expert_counts, Buffer routed_rows, uint32_t max_experts,
+                       uint32_t max_tokens);
   uint32_t max_experts() const { return max_experts_; }
   uint32_t max_tokens() const { return max_tokens_; }
   const Buffer& expert_counts() const { return expert_counts_; }

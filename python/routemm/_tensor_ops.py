@@ -1,0 +1,303 @@
+"""The op front doors on PyTorch / CuPy tensors, in place, on the framework's current stream.
+
+Shared by `routemm.matmul_id` (tensors in, tensor out) and the `torch.ops.routemm.*` custom ops
+(routemm.torch). The call path is what an engine's decode loop needs: tensors are wrapped by
+pointer (no DLPack stream handshake), temporaries and grouped scratch come from the framework's
+allocator (so a CUDA graph captured around the call owns them), work is enqueued on the
+framework's current stream with no stream created and no host wait, and the route depends on the
+shapes only (device data is never read on the host). CPU tensors run on the CPU backend and the
+call returns when the result is written, as framework CPU ops do.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+from . import _core
+from ._core_api import DType
+from ._errors import InvalidArgumentError
+
+_DL_CPU, _DL_CUDA = 1, 2
+
+
+@functools.lru_cache(maxsize=None)
+def _device(device_type: int, index: int) -> _core.Device:
+    from ._interop import _device_for_dlpack
+
+    return _device_for_dlpack(device_type, index)
+
+
+@functools.lru_cache(maxsize=None)
+def _registry(device: _core.Device) -> _core.KernelRegistry:
+    return _core.KernelRegistry(device)
+
+
+class Framework:
+    """What the call path needs from one tensor framework."""
+
+    name = ""
+
+    def dtype(self, t) -> DType:
+        raise NotImplementedError
+
+    def place(self, t) -> tuple[int, int]:
+        """(DLPack device type, device index) of `t`."""
+        raise NotImplementedError
+
+    def stream(self, t) -> int:
+        """The current stream handle of `t`'s CUDA device."""
+        raise NotImplementedError
+
+    def empty(self, shape, dtype_name: str, like):
+        raise NotImplementedError
+
+    def nbytes(self, t) -> int:
+        raise NotImplementedError
+
+    def pointer(self, t) -> int:
+        raise NotImplementedError
+
+    def contiguous(self, t) -> bool:
+        raise NotImplementedError
+
+    def ids_u32(self, ids, n_experts: int):
+        """`ids` as int32 bit patterns read as u32, every id outside [0, n_experts) staying outside
+        it (a zero row): int32 ids as they are (a negative one reads as a u32 of 2**31 or more,
+        and n_experts < 2**31), wider ones clamped to [-1, n_experts] first so that no value wraps
+        into range. Computed on the ids' device; nothing is read on the host."""
+        raise NotImplementedError
+
+
+class _Torch(Framework):
+    name = "torch"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self.dtypes = {
+            torch.float32: DType.F32,
+            torch.float16: DType.F16,
+            torch.bfloat16: DType.BF16,
+            torch.uint8: DType.U8,
+            torch.int32: DType.I32,
+        }
+        self.by_name = {"f32": torch.float32, "i32": torch.int32}
+
+    def dtype(self, t):
+        try:
+            return self.dtypes[t.dtype]
+        except KeyError:
+            raise InvalidArgumentError(f"no routemm dtype for torch dtype {t.dtype}") from None
+
+    def place(self, t):
+        if t.device.type == "cpu":
+            return _DL_CPU, 0
+        if t.device.type == "cuda":
+            return _DL_CUDA, t.device.index or 0
+        raise InvalidArgumentError(f"routemm has no backend for torch device {t.device}")
+
+    def stream(self, t):
+        return self.torch.cuda.current_stream(t.device).cuda_stream
+
+    def empty(self, shape, dtype_name, like):
+        return self.torch.empty(shape, dtype=self.by_name[dtype_name], device=like.device)
+
+    def nbytes(self, t):
+        return t.numel() * t.element_size()
+
+    def pointer(self, t):
+        return t.data_ptr()
+
+    def contiguous(self, t):
+        return t.is_contiguous()
+
+    def ids_u32(self, ids, n_experts):
+        torch = self.torch
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise InvalidArgumentError(f"matmul_id ids must be integers, got {ids.dtype}")
+        if ids.dtype == torch.int32 and ids.is_contiguous():
+            return ids  # negative ids read as u32 are >= 2**31 > n_experts: already invalid
+        return torch.clamp(ids, -1, n_experts).to(torch.int32).contiguous()
+
+
+class _CuPy(Framework):
+    name = "cupy"
+
+    def __init__(self):
+        import cupy
+        import numpy as np
+
+        self.cupy = cupy
+        self.np = np
+
+    def dtype(self, t):
+        from ._core_api import dtype_of
+
+        return dtype_of(t.dtype)
+
+    def place(self, t):
+        return _DL_CUDA, int(t.device.id)
+
+    def stream(self, t):
+        return self.cupy.cuda.get_current_stream().ptr
+
+    def empty(self, shape, dtype_name, like):
+        return self.cupy.empty(shape, dtype={"f32": self.np.float32, "i32": self.np.int32}[dtype_name])
+
+    def nbytes(self, t):
+        return int(t.nbytes)
+
+    def pointer(self, t):
+        return int(t.data.ptr)
+
+    def contiguous(self, t):
+        return bool(t.flags.c_contiguous)
+
+    def ids_u32(self, ids, n_experts):
+        cupy = self.cupy
+        if not self.np.issubdtype(ids.dtype, self.np.integer):
+            raise InvalidArgumentError(f"matmul_id ids must be integers, got {ids.dtype}")
+        if ids.dtype == self.np.int32 and ids.flags.c_contiguous:
+            return ids
+        return cupy.ascontiguousarray(cupy.clip(ids, -1, n_experts).astype(cupy.int32))
+
+
+@functools.lru_cache(maxsize=None)
+def framework(name: str) -> Framework:
+    return _Torch() if name == "torch" else _CuPy()
+
+
+class Call:
+    """One call's device, encoder and tensor wrapping."""
+
+    def __init__(self, fw: Framework, op: str, tensors):
+        places = {fw.place(t) for t in tensors}
+        if len(places) != 1:
+            raise InvalidArgumentError(f"{op}: tensors live on different devices")
+        self.fw = fw
+        self.op = op
+        self.place = places.pop()
+        self.device = _device(*self.place)
+        self.registry = _registry(self.device)
+
+    def buffer(self, t, name: str, *, dtype: Optional[DType] = None, shape=None, writable: bool = False):
+        if not self.fw.contiguous(t):
+            raise InvalidArgumentError(f"{self.op}: {name} must be contiguous")
+        dtype = dtype or self.fw.dtype(t)
+        shape = list(shape if shape is not None else t.shape) or [1]
+        return _core._buffer_from_pointer(self.device, self.fw.pointer(t), self.fw.nbytes(t), dtype, shape, writable, t)
+
+    def run(self, encode, like):
+        """Encode with `encode(encoder)` and start it: for CUDA on the current stream of `like`'s
+        device, returning at once (no host wait); for CPU to completion. Returns what `encode`
+        returns (the op's receipt)."""
+        if self.place[0] == _DL_CUDA:
+            encoder = self.device._command_encoder(self.fw.stream(like), None)
+            result = encode(encoder)
+            encoder.commit()
+        else:
+            encoder = self.device._command_encoder(None, None)
+            result = encode(encoder)
+            encoder.commit_and_wait()
+        return result
+
+
+def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_receipt: bool = False):
+    """The expert-ID product on framework tensors (see routemm.matmul_id); returns `out` or a new
+    [m * top_k, n] float32 tensor (with `with_receipt`, the pair of it and the dispatch receipt).
+
+    route None picks by shape only: grouped_prefill from AUTO_GROUPED_MIN_TOKENS tokens on when
+    top_k <= n_experts, else direct. The grouped kernels route repeated ids correctly (each slot
+    is computed, bit-identical to direct), so the call declares DISTINCT_PER_TOKEN for them as the
+    capacity bound it is (top_k <= n_experts) without reading the ids.
+    """
+    from .dense_matmul_id import (
+        AUTO_GROUPED_MIN_TOKENS,
+        DenseMatmulIdRoute,
+        _check_shapes,
+        _pick_route,
+        dense_matmul_id,
+    )
+
+    m, top_k, n_experts, n, k, layout = _check_shapes(weights.shape, x.shape, ids.shape)
+    call = Call(fw, "matmul_id", (weights, x, ids) + (() if out is None else (out,)))
+    if fw.dtype(x) != DType.F32:
+        raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
+    if route is None:
+        grouped = m >= AUTO_GROUPED_MIN_TOKENS and top_k <= n_experts
+        route = DenseMatmulIdRoute.GROUPED_PREFILL if grouped else DenseMatmulIdRoute.DIRECT
+    else:
+        route = _pick_route(route, True, m)
+        if route.is_grouped and top_k > n_experts:
+            raise InvalidArgumentError(
+                f"matmul_id {route.value} declares its ids distinct per token, which needs top_k <= n_experts "
+                f"(got top_k {top_k}, n_experts {n_experts})"
+            )
+    w_buf = call.buffer(weights, "weights")
+    params = _cached_params(m, n, k, top_k, n_experts, w_buf.dtype, layout, route)
+    x_buf = call.buffer(x, "x")
+    ids32 = fw.ids_u32(ids, n_experts)
+    id_buf = call.buffer(ids32, "ids", dtype=DType.U32, shape=[m, top_k])
+    if out is None:
+        out = fw.empty((m * top_k, n), "f32", x)
+    elif tuple(out.shape) != (m * top_k, n) or fw.dtype(out) != DType.F32:
+        raise InvalidArgumentError(f"matmul_id out must be float32 of shape {(m * top_k, n)}")
+    out_buf = call.buffer(out, "out", writable=True)
+    scratch = None
+    if route.is_grouped:
+        counts = fw.empty((n_experts,), "i32", x)
+        rows = fw.empty((n_experts * m,), "i32", x)
+        scratch = _core.DenseMatmulIdScratch.from_buffers(
+            call.buffer(counts, "scratch", dtype=DType.U32, writable=True),
+            call.buffer(rows, "scratch", dtype=DType.U32, shape=[n_experts, m], writable=True),
+            n_experts,
+            m,
+        )
+    receipt = call.run(lambda e: dense_matmul_id(e, call.registry, w_buf, x_buf, id_buf, out_buf, scratch, params), x)
+    return (out, receipt) if with_receipt else out
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_params(m, n, k, top_k, n_experts, wdtype, layout, route):
+    """The params of one shape (frozen, so shared by every call of that shape)."""
+    from .dense_matmul_id import _params
+
+    return _params(m, n, k, top_k, n_experts, wdtype, layout, route.is_grouped, route)
+
+
+def q4_matmul(fw: Framework, x, weight, n: int, k: int, out=None):
+    """out[m, n] = x[m, k] @ dequantize(weight).T for raw GGUF Q4_0 blocks `weight` (uint8, n rows
+    of k / 32 blocks of 18 bytes), routed by GgmlRoutingPolicy's defaults; returns `out` or a new
+    float32 tensor."""
+    from .quantized_matmul import GgmlQuantizedMatmulParams, quantized_matmul_ggml
+
+    if len(x.shape) != 2:
+        raise InvalidArgumentError(f"q4_matmul x must be [m, k], got shape {tuple(x.shape)}")
+    m = int(x.shape[0])
+    if int(x.shape[1]) != k:
+        raise InvalidArgumentError(f"q4_matmul x must be [m, {k}], got shape {tuple(x.shape)}")
+    call = Call(fw, "q4_matmul", (x, weight) + (() if out is None else (out,)))
+    if fw.dtype(x) != DType.F32:
+        raise InvalidArgumentError(f"q4_matmul x must be float32, got {x.dtype}")
+    if fw.dtype(weight) != DType.U8:
+        raise InvalidArgumentError(f"q4_matmul weight must be uint8 Q4_0 blocks, got {weight.dtype}")
+    params = GgmlQuantizedMatmulParams(m=m, n=n, k=k)
+    x_buf = call.buffer(x, "x")
+    w_buf = call.buffer(weight, "weight")
+    if out is None:
+        out = fw.empty((m, n), "f32", x)
+    elif tuple(out.shape) != (m, n) or fw.dtype(out) != DType.F32:
+        raise InvalidArgumentError(f"q4_matmul out must be float32 of shape {(m, n)}")
+    out_buf = call.buffer(out, "out", writable=True)
+    policy = _default_policy()
+    call.run(lambda e: quantized_matmul_ggml(e, call.registry, x_buf, w_buf, out_buf, params, policy), x)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _default_policy():
+    from .quantized_matmul import GgmlRoutingPolicy
+
+    return GgmlRoutingPolicy.from_environment()

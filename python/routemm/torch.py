@@ -1,0 +1,93 @@
+"""PyTorch custom ops over routemm's front doors (importing this module registers them).
+
+    import routemm.torch  # registers torch.ops.routemm.*
+    y = torch.ops.routemm.matmul_id(w, x, ids)          # [m * top_k, n] float32
+    y = torch.ops.routemm.q4_matmul(x, blocks, n, k)    # [m, n] float32
+
+Each op has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through it and
+fake tensors propagate shapes. CUDA tensors run on torch.cuda.current_stream() with no host sync,
+no stream created and temporaries from PyTorch's caching allocator, so a call can be captured in
+torch.cuda.graph; CPU tensors run on the CPU backend. The route depends on shapes only.
+
+Registration place: every op is declared in OPS below with its schema, real and fake
+implementations; ops of other modules (e.g. the quantised MoE ops) register through `define_op`.
+"""
+
+from typing import Callable, Optional
+
+import torch
+
+from . import _tensor_ops
+from ._errors import InvalidArgumentError
+
+NAMESPACE = "routemm"
+
+_TORCH = _tensor_ops.framework("torch")
+
+# name -> the torch.library custom op object, for every op this package registered.
+OPS: dict[str, object] = {}
+
+
+def define_op(name: str, impl: Callable, fake: Callable, *, mutates_args=()) -> object:
+    """Register `routemm::<name>` with its real and fake implementations (once per process)."""
+    if name in OPS:
+        return OPS[name]
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates_args)(impl)
+    op.register_fake(fake)
+    OPS[name] = op
+    return op
+
+
+# ---- matmul_id ----------------------------------------------------------------------------------
+
+
+def _matmul_id_shape(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> tuple[int, int]:
+    from .dense_matmul_id import _check_shapes
+
+    m, top_k, _, n, _, _ = _check_shapes(weights.shape, x.shape, ids.shape)
+    if x.dtype != torch.float32:
+        raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
+    return m * top_k, n
+
+
+def _matmul_id(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """out[t*top_k + s] = weights[ids[t, s]] @ x[t] (or x[t, s] for [m, top_k, k] input); ids
+    outside [0, n_experts) give zero rows."""
+    return _tensor_ops.matmul_id(_TORCH, weights, x, ids)
+
+
+def _matmul_id_fake(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    rows, n = _matmul_id_shape(weights, x, ids)
+    return x.new_empty((rows, n), dtype=torch.float32)
+
+
+# ---- q4_matmul ----------------------------------------------------------------------------------
+
+
+def _q4_shape(x: torch.Tensor, weight: torch.Tensor, n: int, k: int) -> int:
+    if x.dim() != 2 or x.shape[1] != k:
+        raise InvalidArgumentError(f"q4_matmul x must be [m, {k}], got shape {tuple(x.shape)}")
+    if weight.dtype != torch.uint8:
+        raise InvalidArgumentError(f"q4_matmul weight must be uint8 Q4_0 blocks, got {weight.dtype}")
+    return int(x.shape[0])
+
+
+def _q4_matmul(x: torch.Tensor, weight: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """out[m, n] = x @ dequantize(weight).T for raw GGUF Q4_0 blocks (n rows of k / 32 blocks of
+    18 bytes, as uint8)."""
+    _q4_shape(x, weight, n, k)
+    return _tensor_ops.q4_matmul(_TORCH, x, weight, n, k)
+
+
+def _q4_matmul_fake(x: torch.Tensor, weight: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    m = _q4_shape(x, weight, n, k)
+    return x.new_empty((m, n), dtype=torch.float32)
+
+
+matmul_id = define_op("matmul_id", _matmul_id, _matmul_id_fake)
+q4_matmul = define_op("q4_matmul", _q4_matmul, _q4_matmul_fake)
+
+
+def op(name: str) -> Optional[object]:
+    """The registered op `routemm::<name>`, or None."""
+    return OPS.get(name)
