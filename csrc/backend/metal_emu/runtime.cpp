@@ -167,8 +167,10 @@ struct Worker {
 };
 
 thread_local Worker* tls_worker = nullptr;
-// The running shader thread on this host thread; null outside shader code.
-thread_local Invocation* tls_lane __attribute__((tls_model("initial-exec"))) = nullptr;
+// The running shader thread on this host thread; null outside shader code. The default (dynamic)
+// TLS model: an initial-exec variable would mark the whole extension STATIC_TLS, and a module loaded
+// after others have used up the static TLS surplus (PyTorch's, say) then fails to load.
+thread_local Invocation* tls_lane = nullptr;
 
 Worker& this_worker() {
   static thread_local std::unique_ptr<Worker> worker;
