@@ -37,6 +37,11 @@ namespace {
 constexpr size_t kStackBytes = 64 * 1024;  // per thread; shader frames are small
 constexpr size_t kPageBytes = 4096;        // guard page below every stack
 constexpr uint32_t kMaxThreads = 1024;     // Apple GPUs' threads per threadgroup
+// What one dispatch may ask of the model: a GPU runs billions of empty threads in milliseconds,
+// the model runs each as a fiber, so a larger launch is refused (an Error at commit) instead of
+// running for hours.
+constexpr uint64_t kMaxModelGroups = uint64_t{1} << 24;
+constexpr uint64_t kMaxModelThreads = uint64_t{1} << 28;
 constexpr uint64_t kMaxThreadgroupMemory = 32 * 1024;
 constexpr size_t kThreadgroupGap = 256;  // unowned bytes between [[threadgroup(i)]] blocks
 constexpr uint8_t kThreadgroupPoison = 0xFF;
@@ -741,6 +746,11 @@ void run_dispatch(const ShaderKernel& kernel, const KernelLaunch& launch,
   }
   const uint64_t n_groups = uint64_t{d.groups[0]} * d.groups[1] * d.groups[2];
   if (n_groups == 0) return;
+  if (n_groups > kMaxModelGroups || n_groups * threads > kMaxModelThreads)
+    throw Error(prefix + "a launch of " + std::to_string(n_groups) + " threadgroups of " +
+                std::to_string(threads) + " threads is more than the CPU model runs (at most " +
+                std::to_string(kMaxModelGroups) + " threadgroups and " +
+                std::to_string(kMaxModelThreads) + " threads)");
 
   // Function constants live in the shader's static data: one dispatch runs at a time.
   static std::mutex dispatch_mutex;
