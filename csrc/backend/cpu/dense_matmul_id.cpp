@@ -28,6 +28,7 @@
 #include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "kernels.h"
+#include "routemm/checked.h"
 #include "routemm/error.h"
 #include "simd.h"
 #include "thread_pool.h"
@@ -56,17 +57,13 @@ size_t round_up(size_t value, size_t multiple) {
 
 // ---- Arguments ----------------------------------------------------------------------------------
 
-// Overflow-checked size arithmetic; the front door validated the shapes, this only keeps a
-// corrupt launch from turning into an out-of-bounds access.
+// Overflow-checked size arithmetic (routemm/checked.h): the front door and the argument contract
+// validated the shapes; this keeps a corrupt launch from turning into an out-of-bounds access.
 size_t checked_mul(size_t a, size_t b) {
-  size_t r;
-  if (__builtin_mul_overflow(a, b, &r)) throw Error("dense_matmul_id cpu kernel: size overflow");
-  return r;
+  return routemm::checked_mul(a, b, "dense_matmul_id cpu kernel size");
 }
 size_t checked_add(size_t a, size_t b) {
-  size_t r;
-  if (__builtin_add_overflow(a, b, &r)) throw Error("dense_matmul_id cpu kernel: size overflow");
-  return r;
+  return routemm::checked_add(a, b, "dense_matmul_id cpu kernel size");
 }
 
 // The host pointer of a bound argument holding at least `need` bytes.

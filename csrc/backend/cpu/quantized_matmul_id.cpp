@@ -19,6 +19,7 @@
 #include "backend/common/launch_args.h"
 #include "ggml_block_kernels.h"
 #include "kernels.h"
+#include "routemm/checked.h"
 #include "routemm/error.h"
 #include "thread_pool.h"
 
@@ -39,17 +40,13 @@ using kernels::DenseMatmulIdKernelParams;
   throw Error(launch.label + ": " + what);
 }
 
-// Overflow-checked size arithmetic: the front door validated the shapes; this keeps a corrupt raw
-// launch from turning into an out-of-bounds access.
+// Overflow-checked size arithmetic (routemm/checked.h): the front door and the argument contract
+// validated the shapes; this keeps a corrupt launch from turning into an out-of-bounds access.
 size_t checked_mul(size_t a, size_t b) {
-  size_t r;
-  if (__builtin_mul_overflow(a, b, &r)) throw Error("quantized_matmul_id cpu kernel: overflow");
-  return r;
+  return routemm::checked_mul(a, b, "quantized_matmul_id cpu kernel size");
 }
 size_t checked_add(size_t a, size_t b) {
-  size_t r;
-  if (__builtin_add_overflow(a, b, &r)) throw Error("quantized_matmul_id cpu kernel: overflow");
-  return r;
+  return routemm::checked_add(a, b, "quantized_matmul_id cpu kernel size");
 }
 
 void* arg_data(const KernelLaunch& launch, size_t slot, size_t need, const char* what) {
