@@ -145,13 +145,22 @@ def gguf_metadata(path) -> dict:
     return _index_of(path)[2]
 
 
-def gguf_tensor_type(path, name: str) -> str:
-    """The GGML type name ("q4_0", "f32", ...; "ggml_type_<id>" for others) of tensor `name`."""
-    infos = _index_of(path)[0]
+def _type_name(path, infos: dict, name: str) -> str:
     if name not in infos:
         raise InvalidArgumentError(f"gguf_tensor: {os.fspath(path)} has no tensor {name!r}")
     type_id = infos[name][1]
     return _TENSOR_TYPES[type_id][0] if type_id in _TENSOR_TYPES else f"ggml_type_{type_id}"
+
+
+def gguf_tensor_type(path, name: str) -> str:
+    """The GGML type name ("q4_0", "f32", ...; "ggml_type_<id>" for others) of tensor `name`."""
+    return _type_name(path, _index_of(path)[0], name)
+
+
+def _gguf_header(path, names) -> tuple[dict, dict]:
+    """(metadata, {name: type name}) of the GGUF file at `path`, from one read of its header."""
+    infos, _, metadata = _index_of(path)
+    return metadata, {name: _type_name(path, infos, name) for name in names}
 
 
 I64_MAX = 2**63 - 1
@@ -191,6 +200,11 @@ def gguf_tensor(path, name: str, device: Optional[_core.Device] = None, *, copy:
     On a host-accessible device the buffer maps the file (zero copy, read-only) unless `copy` is
     true; a mapped file must not be truncated while the buffer lives (see the module docstring).
     With `copy=True` the tensor is read into a buffer of its own and the file may change later."""
+    return _gguf_tensors(path, [name], device, copy=copy)[name]
+
+
+def _gguf_tensors(path, names, device: Optional[_core.Device] = None, *, copy: bool = False) -> dict:
+    """{name: gguf_tensor(path, name, device, copy=copy)} for `names`, reading the header once."""
     path = os.fspath(path)
     if device is None:
         from .dense_matmul_id import _default_device
@@ -199,23 +213,28 @@ def gguf_tensor(path, name: str, device: Optional[_core.Device] = None, *, copy:
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            infos, data_start, _ = _read_index(f, size, path)
-            dtype, shape, start, nbytes = _extent(path, name, infos, data_start, size)
-            if nbytes == 0:
-                return device.alloc(0, dtype, shape)
-            if not copy and device.host_accessible:
-                mapped = np.memmap(f, dtype=np.uint8, mode="r", offset=start, shape=(nbytes,))
-                if mapped.ctypes.data % dtype.size == 0:
-                    # Zero copy: the memory map is the buffer's owner and is closed with it.
-                    return _core._buffer_from_pointer(
-                        device, mapped.ctypes.data, nbytes, dtype, shape, False, mapped, file_backed=True
-                    )
-            f.seek(start)
-            data = np.empty(nbytes, np.uint8)
-            if f.readinto(data) != nbytes:
-                raise InvalidArgumentError(f"gguf_tensor: {path} was truncated while it was read")
+            infos, data_start, _ = _read_index(f, size, path)  # once for every name
+            return {name: _load(f, size, path, name, infos, data_start, device, copy) for name in names}
     except OSError as e:
         raise InvalidArgumentError(f"gguf_tensor: cannot read {path}: {e}") from None
+
+
+def _load(f, size: int, path: str, name: str, infos: dict, data_start: int, device, copy: bool) -> _core.Buffer:
+    """Tensor `name` of the open file `f`, mapped (zero copy) or read into a buffer of its own."""
+    dtype, shape, start, nbytes = _extent(path, name, infos, data_start, size)
+    if nbytes == 0:
+        return device.alloc(0, dtype, shape)
+    if not copy and device.host_accessible:
+        mapped = np.memmap(f, dtype=np.uint8, mode="r", offset=start, shape=(nbytes,))
+        if mapped.ctypes.data % dtype.size == 0:
+            # Zero copy: the memory map is the buffer's owner and is closed with it.
+            return _core._buffer_from_pointer(
+                device, mapped.ctypes.data, nbytes, dtype, shape, False, mapped, file_backed=True
+            )
+    f.seek(start)
+    data = np.empty(nbytes, np.uint8)
+    if f.readinto(data) != nbytes:
+        raise InvalidArgumentError(f"gguf_tensor: {path} was truncated while it was read")
     buffer = device.alloc(nbytes, dtype, shape)
     buffer._write_bytes(data)
     return buffer

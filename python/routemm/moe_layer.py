@@ -35,7 +35,7 @@ from .dense_matmul_id import (
     _registry_for,
     dense_matmul_id,
 )
-from .gguf_io import gguf_metadata, gguf_tensor, gguf_tensor_type
+from .gguf_io import _gguf_header, _gguf_tensors
 from .moe import _encode_experts, _ExpertShapes
 from .quantized_matmul import GgmlType
 
@@ -96,7 +96,7 @@ class MoeLayer:
         """Layer `layer` of the GGUF file at `path`; expert count and experts per token come from
         the file's metadata."""
         path = os.fspath(path)
-        meta = gguf_metadata(path)
+        meta, _ = _gguf_header(path, ())
         arch = meta.get("general.architecture")
         if not isinstance(arch, str):
             raise InvalidArgumentError(f"MoeLayer.from_gguf: {path} has no general.architecture")
@@ -119,7 +119,8 @@ class MoeLayer:
         if n_blocks is not None and layer >= n_blocks:
             raise InvalidArgumentError(f"{where}: layer {layer} is out of range (block_count {n_blocks})")
         names = {part: f"blk.{layer}.ffn_{part}.weight" for part in ("gate_inp", "gate_exps", "up_exps", "down_exps")}
-        types = {part: gguf_tensor_type(path, name) for part, name in names.items()}
+        _, by_name = _gguf_header(path, names.values())
+        types = {part: by_name[name] for part, name in names.items()}
         expert_types = {types["gate_exps"], types["up_exps"], types["down_exps"]}
         if len(expert_types) != 1:
             raise InvalidArgumentError(f"{where}: layer {layer} mixes expert types {sorted(expert_types)}")
@@ -127,7 +128,8 @@ class MoeLayer:
         if expert_type not in _FLOAT_TYPES and expert_type not in _QUANTIZED_TYPES:
             raise InvalidArgumentError(f"{where}: layer {layer} experts are {expert_type}, not f32/f16/bf16/q4_0/q8_0")
         device = device or _default_device()
-        bufs = {part: gguf_tensor(path, name, device=device) for part, name in names.items()}
+        loaded = _gguf_tensors(path, names.values(), device)  # one header read for the four
+        bufs = {part: loaded[name] for part, name in names.items()}
         layer_obj = cls(
             bufs["gate_inp"],
             bufs["gate_exps"],
