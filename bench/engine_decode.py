@@ -122,7 +122,10 @@ def host_cost(args) -> dict:
     small = lambda: x.add_(0.0)  # noqa: E731
     call()
     sync()
+    front = lambda: routemm.matmul_id(w, x, ids)  # noqa: E731  (the same call without torch.ops)
+    front()
     routemm_us = _per_call_us(call, args.calls, args.batches, sync)
+    front_us = _per_call_us(front, args.calls, args.batches, sync)
     torch_us = _per_call_us(small, args.calls, args.batches, sync)
     # Counted pass: syncs raise, allocations and streams are counted.
     routemm.reset_encoder_counters()
@@ -161,6 +164,14 @@ def host_cost(args) -> dict:
             max_us=round(max(routemm_us), 3),
             protocol="host time per call, back to back on the current stream",
             **counted,
+        ),
+        _record(
+            shape,
+            "routemm_matmul_id_eager",
+            statistics.median(front_us),
+            "direct",
+            min_us=round(min(front_us), 3),
+            protocol="host time per call of routemm.matmul_id on the same tensors, back to back",
         ),
         _record(shape, "torch_add_inplace_floor", statistics.median(torch_us), "n/a"),
     ]
@@ -201,7 +212,12 @@ def _grouped_mm_step(layers, x, ids):
     e = layers[0].gate.shape[0]
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat)
-    offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+    # A scatter-add count, not torch.bincount: bincount reads the ids' maximum on the host to size
+    # its output, a sync that CUDA graph capture refuses.
+    counts = torch.zeros(e, dtype=torch.int32, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32)
+    )
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
     token = order // ids.shape[1]
     xs = x[token].to(torch.bfloat16)
     for layer in layers:

@@ -49,6 +49,14 @@ class Framework:
         """The current stream handle of `t`'s CUDA device."""
         raise NotImplementedError
 
+    def device_key(self, t):
+        """A cheap hashable name of `t`'s device (the per-call device check compares these)."""
+        raise NotImplementedError
+
+    def stream_of_key(self, key) -> Optional[int]:
+        """The current stream handle of the device `key` names, or None for a host device."""
+        raise NotImplementedError
+
     def empty(self, shape, dtype_name: str, like):
         raise NotImplementedError
 
@@ -101,6 +109,21 @@ class _Torch(Framework):
     def stream(self, t):
         return self.torch.cuda.current_stream(t.device).cuda_stream
 
+    def device_key(self, t):
+        return t.device
+
+    def stream_of_key(self, key):
+        if key.type != "cuda":
+            return None
+        # The raw handle without building a torch.cuda.Stream object (several microseconds).
+        return self._raw_stream(key.index or 0)
+
+    def _raw_stream(self, index: int) -> int:
+        raw = getattr(self.torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is None:
+            return self.torch.cuda.current_stream(index).cuda_stream
+        return raw(index)
+
     def empty(self, shape, dtype_name, like):
         return self.torch.empty(shape, dtype=self.by_name[dtype_name], device=like.device)
 
@@ -142,6 +165,13 @@ class _CuPy(Framework):
 
     def stream(self, t):
         return self.cupy.cuda.get_current_stream().ptr
+
+    def device_key(self, t):
+        return int(t.device.id)
+
+    def stream_of_key(self, key):
+        with self.cupy.cuda.Device(key):
+            return self.cupy.cuda.get_current_stream().ptr
 
     def empty(self, shape, dtype_name, like):
         return self.cupy.empty(shape, dtype={"f32": self.np.float32, "i32": self.np.int32}[dtype_name])
@@ -204,6 +234,57 @@ class Call:
         return result
 
 
+class _MatmulIdPlan:
+    """What one call shape of matmul_id needs on the hot path, computed once per shape (weights,
+    activations and ids shapes and dtypes, device, route): validated shapes, the frozen params,
+    the byte sizes the enqueue path is given, and the device and registry to run on."""
+
+    __slots__ = (
+        "device",
+        "registry",
+        "params",
+        "native",
+        "wdtype",
+        "rows",
+        "n",
+        "n_experts",
+        "m",
+        "w_nbytes",
+        "x_nbytes",
+        "grouped",
+    )
+
+    def __init__(self, fw: "Framework", weights, x, ids, route):
+        from .dense_matmul_id import AUTO_GROUPED_MIN_TOKENS, DenseMatmulIdRoute, _check_shapes, _pick_route
+
+        m, top_k, n_experts, n, k, layout = _check_shapes(weights.shape, x.shape, ids.shape)
+        places = {fw.place(t) for t in (weights, x, ids)}
+        if len(places) != 1:
+            raise InvalidArgumentError("matmul_id: tensors live on different devices")
+        place = places.pop()
+        if fw.dtype(x) != DType.F32:
+            raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
+        if route is None:
+            grouped = m >= AUTO_GROUPED_MIN_TOKENS and top_k <= n_experts
+            route = DenseMatmulIdRoute.GROUPED_PREFILL if grouped else DenseMatmulIdRoute.DIRECT
+        else:
+            route = _pick_route(route, True, m)
+            if route.is_grouped and top_k > n_experts:
+                raise InvalidArgumentError(
+                    f"matmul_id {route.value} declares its ids distinct per token, which needs top_k <= "
+                    f"n_experts (got top_k {top_k}, n_experts {n_experts})"
+                )
+        self.wdtype = fw.dtype(weights)
+        self.device = _device(*place)
+        self.registry = _registry(self.device)
+        self.params = _cached_params(m, n, k, top_k, n_experts, self.wdtype, layout, route)
+        self.native = self.params._native_params
+        self.rows, self.n, self.n_experts, self.m = m * top_k, n, n_experts, m
+        self.w_nbytes = n_experts * n * k * self.wdtype.size
+        self.x_nbytes = (m * top_k if len(x.shape) == 3 else m) * k * 4
+        self.grouped = route.is_grouped
+
+
 def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_receipt: bool = False):
     """The expert-ID product on framework tensors (see routemm.matmul_id); returns `out` or a new
     [m * top_k, n] float32 tensor (with `with_receipt`, the pair of it and the dispatch receipt).
@@ -212,51 +293,68 @@ def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_rece
     top_k <= n_experts, else direct. The grouped kernels route repeated ids correctly (each slot
     is computed, bit-identical to direct), so the call declares DISTINCT_PER_TOKEN for them as the
     capacity bound it is (top_k <= n_experts) without reading the ids.
-    """
-    from .dense_matmul_id import (
-        AUTO_GROUPED_MIN_TOKENS,
-        DenseMatmulIdRoute,
-        _check_shapes,
-        _pick_route,
-        dense_matmul_id,
-    )
 
-    m, top_k, n_experts, n, k, layout = _check_shapes(weights.shape, x.shape, ids.shape)
-    call = Call(fw, "matmul_id", (weights, x, ids) + (() if out is None else (out,)))
-    if fw.dtype(x) != DType.F32:
-        raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
-    if route is None:
-        grouped = m >= AUTO_GROUPED_MIN_TOKENS and top_k <= n_experts
-        route = DenseMatmulIdRoute.GROUPED_PREFILL if grouped else DenseMatmulIdRoute.DIRECT
-    else:
-        route = _pick_route(route, True, m)
-        if route.is_grouped and top_k > n_experts:
-            raise InvalidArgumentError(
-                f"matmul_id {route.value} declares its ids distinct per token, which needs top_k <= n_experts "
-                f"(got top_k {top_k}, n_experts {n_experts})"
-            )
-    w_buf = call.buffer(weights, "weights")
-    params = _cached_params(m, n, k, top_k, n_experts, w_buf.dtype, layout, route)
-    x_buf = call.buffer(x, "x")
-    ids32 = fw.ids_u32(ids, n_experts)
-    id_buf = call.buffer(ids32, "ids", dtype=DType.U32, shape=[m, top_k])
+    The hot path: one dictionary lookup for the shape's plan, the per-call checks that cannot be
+    cached (contiguity, one device), the output and scratch from the framework's allocator, and one
+    call into the extension that wraps, encodes and starts the work (_core._enqueue_dense_matmul_id).
+    """
+    key = (
+        fw.name,
+        fw.device_key(x),
+        tuple(weights.shape),
+        weights.dtype,
+        tuple(x.shape),
+        x.dtype,
+        tuple(ids.shape),
+        route,
+    )
+    plan = _MATMUL_ID_PLANS.get(key)
+    if plan is None:
+        plan = _MATMUL_ID_PLANS.setdefault(key, _MatmulIdPlan(fw, weights, x, ids, route))
+    device_key = key[1]
+    if fw.device_key(weights) != device_key or fw.device_key(ids) != device_key:
+        raise InvalidArgumentError("matmul_id: tensors live on different devices")
+    if not (fw.contiguous(weights) and fw.contiguous(x)):
+        raise InvalidArgumentError("matmul_id: weights and x must be contiguous")
+    ids32 = fw.ids_u32(ids, plan.n_experts)
     if out is None:
-        out = fw.empty((m * top_k, n), "f32", x)
-    elif tuple(out.shape) != (m * top_k, n) or fw.dtype(out) != DType.F32:
-        raise InvalidArgumentError(f"matmul_id out must be float32 of shape {(m * top_k, n)}")
-    out_buf = call.buffer(out, "out", writable=True)
-    scratch = None
-    if route.is_grouped:
-        counts = fw.empty((n_experts,), "i32", x)
-        rows = fw.empty((n_experts * m,), "i32", x)
-        scratch = _core.DenseMatmulIdScratch.from_buffers(
-            call.buffer(counts, "scratch", dtype=DType.U32, writable=True),
-            call.buffer(rows, "scratch", dtype=DType.U32, shape=[n_experts, m], writable=True),
-            n_experts,
-            m,
+        out = fw.empty((plan.rows, plan.n), "f32", x)
+    elif (
+        tuple(out.shape) != (plan.rows, plan.n)
+        or fw.dtype(out) != DType.F32
+        or not fw.contiguous(out)
+        or fw.device_key(out) != device_key
+    ):
+        raise InvalidArgumentError(
+            f"matmul_id out must be a contiguous float32 tensor of shape {(plan.rows, plan.n)} on the inputs' device"
         )
-    receipt = call.run(lambda e: dense_matmul_id(e, call.registry, w_buf, x_buf, id_buf, out_buf, scratch, params), x)
-    return (out, receipt) if with_receipt else out
+    counts = rows = None
+    if plan.grouped:
+        counts = fw.empty((plan.n_experts,), "i32", x)
+        rows = fw.empty((plan.n_experts * plan.m,), "i32", x)
+    native = _core._enqueue_dense_matmul_id(
+        plan.device,
+        plan.registry,
+        plan.native,
+        plan.wdtype,
+        fw.pointer(weights),
+        plan.w_nbytes,
+        fw.pointer(x),
+        plan.x_nbytes,
+        fw.pointer(ids32),
+        fw.pointer(out),
+        0 if counts is None else fw.pointer(counts),
+        0 if rows is None else fw.pointer(rows),
+        fw.stream_of_key(device_key),
+    )
+    if with_receipt:
+        from .dense_matmul_id import _receipt_of
+
+        return out, _receipt_of(native)
+    return out
+
+
+_MATMUL_ID_PLANS: dict = {}
 
 
 @functools.lru_cache(maxsize=1024)

@@ -176,8 +176,14 @@ def dense_matmul_id(
     native = _core._dense_matmul_id(
         encoder, registry, weights, input, expert_ids, output, scratch, _checked_params(params)
     )
-    # Receipts are immutable and few distinct ones exist: one cached instance per native result
-    # keeps the per-call hot path free of enum and dataclass construction.
+    return _receipt_of(native)
+
+
+def _receipt_of(native: tuple[str, str, int]) -> DenseMatmulIdDispatchReceipt:
+    """The receipt of a native result tuple (weight dtype name, route value, dispatch count).
+
+    Receipts are immutable and few distinct ones exist: one cached instance per native result keeps
+    the per-call hot path free of enum and dataclass construction."""
     receipt = _DISPATCH_RECEIPTS.get(native)
     if receipt is None:
         dtype_name, route, count = native

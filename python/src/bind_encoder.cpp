@@ -99,32 +99,6 @@ std::vector<std::pair<uint32_t, KernelArg>> kernel_args(const py::list& args) {
   return bound;
 }
 
-// Runs `work` (which must not touch Python) with the GIL released, then takes the GIL back in
-// ordinary code rather than in a destructor. At interpreter exit CPython ends a daemon thread that
-// asks for the GIL by unwinding its stack; an unwind through a destructor (implicitly noexcept)
-// would call std::terminate and abort the whole process, while through ordinary frames it ends
-// just that thread. An exception from `work` is rethrown once the GIL is held again.
-template <class Work>
-auto without_gil(Work&& work) -> decltype(work()) {
-  using Result = decltype(work());
-  std::exception_ptr error;
-  std::optional<std::conditional_t<std::is_void_v<Result>, bool, Result>> result;
-  PyThreadState* state = PyEval_SaveThread();
-  try {
-    if constexpr (std::is_void_v<Result>) {
-      work();
-      result = true;
-    } else {
-      result = work();
-    }
-  } catch (...) {
-    error = std::current_exception();
-  }
-  PyEval_RestoreThread(state);
-  if (error) std::rethrow_exception(error);
-  if constexpr (!std::is_void_v<Result>) return std::move(*result);
-}
-
 std::vector<ByteRange> to_ranges(const std::vector<std::pair<uint64_t, uint64_t>>& pairs) {
   std::vector<ByteRange> out;
   for (const auto& [start, end] : pairs) out.push_back({start, end});

@@ -45,6 +45,7 @@ PYBIND11_MODULE(_core, m) {
   routemm::python::init_registry(m);
   routemm::python::init_dense_matmul_id(m);
   routemm::python::init_interop(m);
+  routemm::python::init_enqueue(m);
   routemm::python::init_q4(m);
   routemm::python::init_quantized_matmul_id(m);
   routemm::python::init_moe(m);
