@@ -109,6 +109,22 @@ def _per_call_us(fn, calls: int, batches: int, sync) -> list[float]:
     return times
 
 
+def _python_op_floor():
+    """torch.ops.routemm_bench.empty_result: registered as routemm's ops are (torch.library.Library
+    per dispatch key), with a kernel that only allocates the result, so its time is the floor of
+    a Python-implemented torch op."""
+    lib = torch.library.Library("routemm_bench", "DEF")
+    lib.define("empty_result(Tensor w, Tensor x, Tensor ids) -> Tensor")
+
+    def kernel(w, x, ids):
+        return x.new_empty((ids.shape[0] * ids.shape[1], w.shape[1]))
+
+    for key in ("CPU", "CUDA"):
+        lib.impl("empty_result", kernel, key)
+    _python_op_floor.library = lib  # keeps the registration alive
+    return torch.ops.routemm_bench.empty_result
+
+
 def host_cost(args) -> dict:
     shape = SMOKE if args.smoke else QWEN3
     cuda = not args.smoke
@@ -120,6 +136,8 @@ def host_cost(args) -> dict:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     call = lambda: torch.ops.routemm.matmul_id(w, x, ids)  # noqa: E731
     small = lambda: x.add_(0.0)  # noqa: E731
+    floor_op = _python_op_floor()
+    empty_op = lambda: floor_op(w, x, ids)  # noqa: E731
     call()
     sync()
     front = lambda: routemm.matmul_id(w, x, ids)  # noqa: E731  (the same call without torch.ops)
@@ -127,6 +145,7 @@ def host_cost(args) -> dict:
     routemm_us = _per_call_us(call, args.calls, args.batches, sync)
     front_us = _per_call_us(front, args.calls, args.batches, sync)
     torch_us = _per_call_us(small, args.calls, args.batches, sync)
+    op_floor_us = _per_call_us(empty_op, args.calls, args.batches, sync)
     # Counted pass: syncs raise, allocations and streams are counted.
     routemm.reset_encoder_counters()
     segments = torch.cuda.memory_stats().get("segment.all.allocated", 0) if cuda else 0
@@ -174,6 +193,14 @@ def host_cost(args) -> dict:
             protocol="host time per call of routemm.matmul_id on the same tensors, back to back",
         ),
         _record(shape, "torch_add_inplace_floor", statistics.median(torch_us), "n/a"),
+        _record(
+            shape,
+            "torch_python_op_floor",
+            statistics.median(op_floor_us),
+            "n/a",
+            protocol="a torch.library op registered like routemm's whose Python kernel only returns "
+            "a new [m * top_k, n] tensor: the host cost of any Python-implemented torch op",
+        ),
     ]
     doc = _document(records, torch.cuda.get_device_name() if cuda else "cpu")
     doc.update(floor)

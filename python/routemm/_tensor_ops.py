@@ -38,6 +38,10 @@ class Framework:
 
     name = ""
 
+    def __init__(self):
+        # matmul_id's per-shape plans of this framework's calls (see _MatmulIdPlan).
+        self.matmul_id_plans: dict = {}
+
     def dtype(self, t) -> DType:
         raise NotImplementedError
 
@@ -83,7 +87,9 @@ class _Torch(Framework):
     def __init__(self):
         import torch
 
+        super().__init__()
         self.torch = torch
+        self._cuda_index: dict = {}  # torch.device -> CUDA device index, or -1 for a host device
         self.dtypes = {
             torch.float32: DType.F32,
             torch.float16: DType.F16,
@@ -113,10 +119,13 @@ class _Torch(Framework):
         return t.device
 
     def stream_of_key(self, key):
-        if key.type != "cuda":
-            return None
+        # torch.device.type builds a new string per read (about 0.6 us), so the answer is kept
+        # per device.
+        index = self._cuda_index.get(key)
+        if index is None:
+            index = self._cuda_index.setdefault(key, (key.index or 0) if key.type == "cuda" else -1)
         # The raw handle without building a torch.cuda.Stream object (several microseconds).
-        return self._raw_stream(key.index or 0)
+        return None if index < 0 else self._raw_stream(index)
 
     def _raw_stream(self, index: int) -> int:
         raw = getattr(self.torch._C, "_cuda_getCurrentRawStream", None)
@@ -125,7 +134,10 @@ class _Torch(Framework):
         return raw(index)
 
     def empty(self, shape, dtype_name, like):
-        return self.torch.empty(shape, dtype=self.by_name[dtype_name], device=like.device)
+        dtype = self.by_name[dtype_name]
+        if like.dtype is dtype:
+            return like.new_empty(shape)  # half the host cost of torch.empty(..., device=)
+        return self.torch.empty(shape, dtype=dtype, device=like.device)
 
     def nbytes(self, t):
         return t.numel() * t.element_size()
@@ -138,10 +150,10 @@ class _Torch(Framework):
 
     def ids_u32(self, ids, n_experts):
         torch = self.torch
+        if ids.dtype is torch.int32 and ids.is_contiguous():
+            return ids  # negative ids read as u32 are >= 2**31 > n_experts: already invalid
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise InvalidArgumentError(f"matmul_id ids must be integers, got {ids.dtype}")
-        if ids.dtype == torch.int32 and ids.is_contiguous():
-            return ids  # negative ids read as u32 are >= 2**31 > n_experts: already invalid
         return torch.clamp(ids, -1, n_experts).to(torch.int32).contiguous()
 
 
@@ -152,6 +164,7 @@ class _CuPy(Framework):
         import cupy
         import numpy as np
 
+        super().__init__()
         self.cupy = cupy
         self.np = np
 
@@ -298,20 +311,13 @@ def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_rece
     cached (contiguity, one device), the output and scratch from the framework's allocator, and one
     call into the extension that wraps, encodes and starts the work (_core._enqueue_dense_matmul_id).
     """
-    key = (
-        fw.name,
-        fw.device_key(x),
-        tuple(weights.shape),
-        weights.dtype,
-        tuple(x.shape),
-        x.dtype,
-        tuple(ids.shape),
-        route,
-    )
-    plan = _MATMUL_ID_PLANS.get(key)
+    # Shapes as the framework gives them (torch.Size is a tuple), so building the key copies nothing.
+    device_key = fw.device_key(x)
+    key = (device_key, weights.shape, weights.dtype, x.shape, x.dtype, ids.shape, route)
+    plans = fw.matmul_id_plans
+    plan = plans.get(key)
     if plan is None:
-        plan = _MATMUL_ID_PLANS.setdefault(key, _MatmulIdPlan(fw, weights, x, ids, route))
-    device_key = key[1]
+        plan = plans.setdefault(key, _MatmulIdPlan(fw, weights, x, ids, route))
     if fw.device_key(weights) != device_key or fw.device_key(ids) != device_key:
         raise InvalidArgumentError("matmul_id: tensors live on different devices")
     if not (fw.contiguous(weights) and fw.contiguous(x)):
@@ -352,9 +358,6 @@ def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_rece
 
         return out, _receipt_of(native)
     return out
-
-
-_MATMUL_ID_PLANS: dict = {}
 
 
 @functools.lru_cache(maxsize=1024)
