@@ -46,8 +46,9 @@ def log(*a):
     sys.stdout.flush()
 
 
-def router_ids(gen, m, E, top_k):
-    scores = torch.rand((m, E), generator=gen, device="cuda")
+def router_ids(gen, m, E, top_k, device="cuda"):
+    """Router-like expert ids int32 [m, top_k]: the top-k of random scores, distinct per token."""
+    scores = torch.rand((m, E), generator=gen, device=device)
     return torch.topk(scores, top_k, dim=1).indices.to(torch.int32)
 
 

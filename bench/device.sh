@@ -55,6 +55,16 @@ usage: bash bench/device.sh COMMAND [ARGS]
                    -> build.log pytest.log sanitizer.log bench.log engine_host_cost-h200.json
                    engine_decode_graph-h200.json. Knobs: SKIP_TESTS=1, SKIP_SANITIZER=1,
                    SKIP_BENCH=1, LAYERS.
+  qid              the quantised expert-ID matmul and the MoE block: build; the CUDA tests of the
+                   quantised expert-ID op, the routing-map reuse and the MoE layer; then
+                   bench/tools/qid_timing.py (Q4_0/Q8_0 on Qwen3-30B-A3B and Qwen3.6-35B-A3B at MS,
+                   beside torch._grouped_mm and the copy floor; the Qwen3-30B-A3B block beside
+                   transformers) -> pytest.txt qid.jsonl quantized_matmul_id-h200.json/.md
+                   moe_block-h200.json/.md; then the llama.cpp peer's MUL_MAT_ID q4_0 at the same
+                   shapes and MS (as `peer`; carry .dev/llama) -> llama_peer.json llama_peer.log.
+                   Knobs: SKIP_TESTS=1, MS (default 1,8,32,512,4096), QID_ARGS (more tool flags),
+                   PEER=0 (no peer), LLAMA_SRC, PEER_BUILD. The peer's first build takes minutes: on
+                   a cold machine run `BUILD_ONLY=1 bash bench/device.sh peer` in a call of its own.
   lab mma-rows     bench/lab/q4_matvec_mma_rows_lab.cu and bench/lab/read_floor_lab.cu with Nsight
                    Compute kernel durations (LAB_NCU_SHAPES, default "0 1 2 3 4").
   help             this text.
@@ -407,6 +417,33 @@ cmd_peer() {
   stamp done
 }
 
+# ---- qid ------------------------------------------------------------------------------------------
+
+cmd_qid() {
+  export GIT_REV=${GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  local ms=${MS:-1,8,32,512,4096}
+  build_or_fail
+  if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    cuda_pytest 240 "$OUT/pytest.txt" tests/python/test_quantized_matmul_id.py \
+      tests/python/test_quantized_matmul_id_validation.py tests/python/test_expert_id_map_reuse.py \
+      tests/python/test_moe.py tests/python/test_moe_gguf.py tests/python/test_transformers_experts.py
+  fi
+  stamp qid_timing
+  # JSON lines to qid.jsonl, progress to the terminal; the tool keeps itself under 150 s.
+  BENCH_COMMAND="GIT_REV=$GIT_REV MS=$ms${QID_ARGS:+ QID_ARGS=\"$QID_ARGS\"} bash bench/device.sh qid" \
+    timeout 180 python3 bench/tools/qid_timing.py --out "$OUT" --ms "$ms" ${QID_ARGS:-} > "$OUT/qid.jsonl"
+  echo "qid_timing exit: $?"
+  cat "$OUT/quantized_matmul_id-h200.md" "$OUT/moe_block-h200.md" 2>/dev/null | grep -E "^\| |^Ceil"
+  if [ "${PEER:-1}" = 1 ]; then
+    # The peer's build log stays in /tmp, so that this command's files stay within eight.
+    (OUT=/tmp/qid-peer; mkdir -p "$OUT"
+      PEER_ARGS="--only mul_mat_id --moe-types q4_0 --moe-shapes qwen3_30b_a3b,qwen3.6_35b_a3b --moe-ms $ms" \
+        BACKEND_OPS=0 cmd_peer)
+    cp /tmp/qid-peer/llama_peer.json /tmp/qid-peer/llama_peer.log "$OUT/" 2>/dev/null
+  fi
+  stamp done
+}
+
 # ---- lab ------------------------------------------------------------------------------------------
 
 # bench/lab/q4_matvec_mma_rows_lab.cu: build, run every shape (checks, back-to-back times, the
@@ -499,7 +536,7 @@ command=${1:-help}
 [ $# -gt 0 ] && shift
 case "$command" in
   help | -h | --help) usage; exit 0 ;;
-  suite | session | quick | demo | q4-matvec | tensor | profile | peer | engine | lab) ;;
+  suite | session | quick | demo | q4-matvec | tensor | profile | peer | qid | engine | lab) ;;
   *) echo "unknown command '$command'" >&2; usage >&2; exit 2 ;;
 esac
 source bench/device_common.sh

@@ -7,7 +7,8 @@
 //               shapes 4096 x 14336 and the Qwen3 q_proj 4096 x 2048, m in {1, 2, 3, 4, 5, 8}.
 //   MUL_MAT_ID  Qwen3-30B-A3B experts: 128 experts of [768, 2048], top-8, bf16 and q4_0 stacks,
 //               activations [2048, 1, m] broadcast to the 8 slots, m in {1, 8, 32}; ids are random
-//               and distinct per token.
+//               and distinct per token. --moe-shapes adds Qwen3.6-35B-A3B (256 experts of
+//               [512, 2048], top-8), --moe-types narrows the stack types, --moe-ms the token counts.
 //   Each case in two modes:
 //     l2       one weight (one expert stack and one ids tensor) reused by every node, as
 //              test-backend-ops perf does: the weight stays in L2 when it fits;
@@ -29,8 +30,10 @@
 // case fails its error check.
 //
 // Usage: ggml_mul_mat_peer [--backend cuda|cpu] [--json PATH] [--only mul_mat|mul_mat_id]
-//   [--small] [--ms 1,2,8] [--moe-ms 1,8,32] [--nodes 32] [--reps 4] [--batches 5] [--warmup 2]
+//   [--small] [--ms 1,2,8] [--moe-ms 1,8,32] [--moe-shapes qwen3_30b_a3b,qwen3.6_35b_a3b]
+//   [--moe-types bf16,q4_0] [--nodes 32] [--reps 4] [--batches 5] [--warmup 2]
 //   [--rotate-mb 256] [--max-mb 16384] [--threads T] [--tol 0.03]
+// --small replaces every shape with a small one of the same kind (a quick check on a CPU).
 
 #include <algorithm>
 #include <chrono>
@@ -65,6 +68,8 @@ struct Options {
   bool small = false;
   std::vector<int> ms = {1, 2, 3, 4, 5, 8};
   std::vector<int> moe_ms = {1, 8, 32};
+  std::vector<std::string> moe_shapes = {"qwen3_30b_a3b"};
+  std::vector<ggml_type> moe_types = {GGML_TYPE_BF16, GGML_TYPE_Q4_0};
   int nodes = 32;
   int reps = 4;
   int batches = 5;
@@ -113,6 +118,29 @@ std::vector<int> parse_list(const char* s) {
   }
   return v;
 }
+
+std::vector<std::string> parse_names(const char* s) {
+  std::vector<std::string> v;
+  std::string item;
+  for (const char* p = s;; ++p) {
+    if (*p == ',' || *p == '\0') {
+      if (!item.empty()) v.push_back(item);
+      item.clear();
+      if (*p == '\0') break;
+    } else {
+      item += *p;
+    }
+  }
+  return v;
+}
+
+// The MUL_MAT_ID expert shapes --moe-shapes may name: experts of [n, k], top_k of them per token.
+struct MoeShape {
+  const char* name;
+  int64_t n, k, experts, top_k;
+};
+constexpr MoeShape kMoeShapes[] = {{"qwen3_30b_a3b", 768, 2048, 128, 8},
+                                   {"qwen3.6_35b_a3b", 512, 2048, 256, 8}};
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -289,10 +317,15 @@ std::vector<Case> build_cases(const Options& opt) {
     int64_t n, k;
   };
   std::vector<Shape> dense = {{"4096x14336", 4096, 14336}, {"q_proj", 4096, 2048}};
-  int64_t moe_n = 768, moe_k = 2048, moe_e = 128, moe_top = 8;
+  std::vector<MoeShape> moe;
+  for (const std::string& name : opt.moe_shapes) {
+    for (const MoeShape& shape : kMoeShapes) {
+      if (name == shape.name) moe.push_back(shape);
+    }
+  }
   if (opt.small) {
     dense = {{"small", 256, 1024}};
-    moe_n = 64, moe_k = 256, moe_e = 16, moe_top = 4;
+    moe = {{"small_moe", 64, 256, 16, 4}};
   }
   for (bool rotated : {false, true}) {
     if (opt.only.empty() || opt.only == "mul_mat") {
@@ -306,13 +339,15 @@ std::vector<Case> build_cases(const Options& opt) {
       }
     }
     if (opt.only.empty() || opt.only == "mul_mat_id") {
-      for (ggml_type t : {GGML_TYPE_BF16, GGML_TYPE_Q4_0}) {
-        for (int m : opt.moe_ms) {
-          Case c;
-          c.moe = true, c.type = t, c.n = moe_n, c.k = moe_k, c.m = m;
-          c.experts = moe_e, c.top_k = moe_top, c.rotated = rotated;
-          c.shape_name = opt.small ? "small_moe" : "qwen3_30b_a3b";
-          cases.push_back(c);
+      for (const MoeShape& shape : moe) {
+        for (ggml_type t : opt.moe_types) {
+          for (int m : opt.moe_ms) {
+            Case c;
+            c.moe = true, c.type = t, c.n = shape.n, c.k = shape.k, c.m = m;
+            c.experts = shape.experts, c.top_k = shape.top_k, c.rotated = rotated;
+            c.shape_name = shape.name;
+            cases.push_back(c);
+          }
         }
       }
     }
@@ -378,7 +413,27 @@ int main(int argc, char** argv) {
       opt.ms = parse_list(val());
     else if (a == "--moe-ms")
       opt.moe_ms = parse_list(val());
-    else if (a == "--nodes")
+    else if (a == "--moe-shapes") {
+      opt.moe_shapes = parse_names(val());
+      for (const std::string& name : opt.moe_shapes) {
+        const bool known = std::any_of(std::begin(kMoeShapes), std::end(kMoeShapes),
+                                       [&](const MoeShape& shape) { return name == shape.name; });
+        if (!known) {
+          std::fprintf(stderr, "unknown --moe-shapes entry %s (qwen3_30b_a3b, qwen3.6_35b_a3b)\n",
+                       name.c_str());
+          return 2;
+        }
+      }
+    } else if (a == "--moe-types") {
+      opt.moe_types.clear();
+      for (const std::string& name : parse_names(val())) {
+        if (name != "bf16" && name != "q4_0") {
+          std::fprintf(stderr, "unknown --moe-types entry %s (bf16, q4_0)\n", name.c_str());
+          return 2;
+        }
+        opt.moe_types.push_back(name == "bf16" ? GGML_TYPE_BF16 : GGML_TYPE_Q4_0);
+      }
+    } else if (a == "--nodes")
       opt.nodes = std::atoi(val());
     else if (a == "--reps")
       opt.reps = std::atoi(val());

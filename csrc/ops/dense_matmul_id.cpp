@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "backend/common/dense_matmul_id_params.h"
+#include "ops/expert_id_encoding.h"
 #include "routemm/error.h"
 
 namespace routemm {
@@ -88,6 +89,9 @@ std::string_view to_string(DenseMatmulIdRoute value) {
   }
   return "?";
 }
+std::string_view to_string(DenseMatmulIdMapUse value) {
+  return value == DenseMatmulIdMapUse::Build ? "build" : "reuse";
+}
 
 DenseMatmulIdScratch::DenseMatmulIdScratch(const Device& device, uint32_t max_experts,
                                            uint32_t max_tokens)
@@ -128,6 +132,16 @@ DenseMatmulIdScratch::DenseMatmulIdScratch(Buffer expert_counts, Buffer routed_r
   const auto [a0, a1] = expert_counts_.logical_range();
   const auto [b0, b1] = routed_rows_.logical_range();
   if (a0 < b1 && b0 < a1) fail("scratch expert_counts and routed_rows must not overlap");
+}
+
+std::optional<DenseMatmulIdScratch::MapKey> DenseMatmulIdScratch::map_key() const {
+  const std::lock_guard<std::mutex> lock(map_record_->mutex);
+  return map_record_->key;
+}
+
+void DenseMatmulIdScratch::record_map(const MapKey& key) const {
+  const std::lock_guard<std::mutex> lock(map_record_->mutex);
+  map_record_->key = key;
 }
 
 DenseMatmulIdCapability dense_matmul_id_capability(DType weight_dtype,
@@ -333,109 +347,43 @@ DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegi
                                              const Buffer& weights, const Buffer& input,
                                              const Buffer& expert_ids, const Buffer& output,
                                              const DenseMatmulIdScratch* scratch,
-                                             const DenseMatmulIdParams& params) {
+                                             const DenseMatmulIdParams& params,
+                                             DenseMatmulIdMapUse map) {
   const DenseMatmulIdCapability cap =
       validate_dense_matmul_id_call(weights, input, expert_ids, output, scratch, params);
-  if (registry.device().backend() != encoder.backend() || weights.backend() != encoder.backend()) {
-    fail("encoder, registry and buffers must belong to one device (encoder/device mismatch)");
-  }
+  constexpr std::string_view kOp = "dense_matmul_id";
+  const bool grouped = is_grouped(cap.route);
+  const kernels::DenseMatmulIdKernelParams gpu =
+      expert_id::kernel_params(kOp, params.m, params.n, params.k, params.top_k, params.n_experts,
+                               params.expert_stride_bytes, params.input_layout);
+  expert_id::check_map_use(kOp, map, grouped, scratch, expert_ids, gpu);
 
   // Held across the route's dispatches: no other thread can enter the encoder between them.
   const CommandEncoder::Use use(encoder, "dense_matmul_id");
-  const bool grouped = is_grouped(cap.route);
-  const uint32_t dispatches = grouped ? 2 : 1;
-  if (encoder.receipt_slots_left() < dispatches) {
-    fail("open dispatch receipt has room for " + std::to_string(encoder.receipt_slots_left()) +
-         " dispatches, the " + std::string(to_string(cap.route)) + " route needs " +
-         std::to_string(dispatches));
-  }
-
-  const uint64_t row_bytes = uint64_t{params.k} * 4;
-  kernels::DenseMatmulIdKernelParams gpu{};
-  gpu.m = params.m;
-  gpu.n = params.n;
-  gpu.k = params.k;
-  gpu.top_k = params.top_k;
-  gpu.n_experts = params.n_experts;
-  gpu.expert_stride_bytes = params.expert_stride_bytes;
-  if (params.input_layout == DenseMatmulIdInputLayout::SharedPerToken) {
-    gpu.input_layout = kernels::kInputSharedPerToken;
-    gpu.input_token_stride_bytes = row_bytes;
-    gpu.input_slot_stride_bytes = 0;
-  } else {
-    gpu.input_layout = kernels::kInputSlotted;
-    gpu.input_token_stride_bytes =
-        checked_mul("slotted input token stride", row_bytes, params.top_k);
-    gpu.input_slot_stride_bytes = row_bytes;
-  }
+  const uint32_t dispatches = expert_id::dispatch_count(grouped, map);
+  expert_id::check_encoder(kOp, to_string(cap.route), encoder, registry, weights, dispatches);
   const std::array<std::string_view, 2> names = route_pipeline_names(weights.dtype(), cap.route);
-  const KernelArg params_arg = KernelArg::pod(gpu);
-
-  if (!grouped) {
-    const PipelinePtr pipeline = registry.get_pipeline(names[0]);
-    const KernelDef& def = pipeline->def();
-    if (encoder.is_capturing()) {
-      encoder.set_pending_buffer_ranges(
-          {logical_range(weights), logical_range(input), logical_range(expert_ids)},
-          {logical_range(output)});
-    }
-    const std::pair<uint32_t, KernelArg> args[] = {{0, params_arg},
-                                                   {1, KernelArg::of(weights)},
-                                                   {2, KernelArg::of(input)},
-                                                   {3, KernelArg::of(expert_ids)},
-                                                   {4, KernelArg::of(output)}};
-    const Launch l = direct_launch(def, params);
-    encoder.dispatch(*pipeline, args, l.grid, l.threads);
-    return {weights.dtype(), cap.route, 1};
+  if (grouped) {
+    expert_id::encode_grouped(kOp, encoder, registry, names[1], gpu,
+                              {weights, input, expert_ids, output}, *scratch, map);
+    return {weights.dtype(), cap.route, dispatches};
   }
 
-  // Resolve and check both pipelines before touching the encoder: a failed lookup must leave no
-  // barrier, pending ranges or map dispatch behind.
-  const PipelinePtr map = registry.get_pipeline(names[0]);
-  const PipelinePtr group = registry.get_pipeline(names[1]);
-  if (params.n_experts > map->max_total_threads_per_threadgroup()) {
-    fail("n_experts " + std::to_string(params.n_experts) + " exceeds map threadgroup limit " +
-         std::to_string(map->max_total_threads_per_threadgroup()));
-  }
-  const KernelDef& gdef = group->def();
-  if (gdef.threads_per_group > group->max_total_threads_per_threadgroup()) {
-    fail("grouped threads " + std::to_string(gdef.threads_per_group) + " exceed pipeline limit " +
-         std::to_string(group->max_total_threads_per_threadgroup()));
-  }
-  const Buffer& counts = scratch->expert_counts();
-  const Buffer& routed = scratch->routed_rows();
-
-  // A previous grouped call may still read the scratch this call overwrites (WAR edge).
-  encoder.memory_barrier();
+  const PipelinePtr pipeline = registry.get_pipeline(names[0]);
   if (encoder.is_capturing()) {
     encoder.set_pending_buffer_ranges(
-        {logical_range(expert_ids)},
-        {logical_range(counts), logical_range(routed), logical_range(output)});
+        {logical_range(weights), logical_range(input), logical_range(expert_ids)},
+        {logical_range(output)});
   }
-  const std::pair<uint32_t, KernelArg> map_args[] = {{0, params_arg},
-                                                     {1, KernelArg::of(expert_ids)},
-                                                     {2, KernelArg::of(counts)},
-                                                     {3, KernelArg::of(routed)},
-                                                     {4, KernelArg::of(output)}};
-  const Launch ml = map_launch(map->def(), params);
-  encoder.dispatch(*map, map_args, ml.grid, ml.threads);
-  // The grouped dispatch reads what the map wrote (RAW edge).
-  encoder.memory_barrier();
-  if (encoder.is_capturing()) {
-    encoder.set_pending_buffer_ranges({logical_range(weights), logical_range(input),
-                                       logical_range(counts), logical_range(routed)},
-                                      {logical_range(output)});
-  }
-  const std::pair<uint32_t, KernelArg> group_args[] = {{0, params_arg},
-                                                       {1, KernelArg::of(weights)},
-                                                       {2, KernelArg::of(input)},
-                                                       {3, KernelArg::of(counts)},
-                                                       {4, KernelArg::of(routed)},
-                                                       {5, KernelArg::of(output)}};
-  Launch gl = grouped_launch(gdef, params);
-  encoder.dispatch(*group, group_args, gl.grid, gl.threads, DispatchKind::ThreadGroups,
-                   std::move(gl.shmem));
-  return {weights.dtype(), cap.route, 2};
+  const std::pair<uint32_t, KernelArg> args[] = {{0, KernelArg::pod(gpu)},
+                                                 {1, KernelArg::of(weights)},
+                                                 {2, KernelArg::of(input)},
+                                                 {3, KernelArg::of(expert_ids)},
+                                                 {4, KernelArg::of(output)}};
+  // No threadgroup memory in the dispatch: a direct kernel's own is static (receipts show none).
+  const Launch l = direct_launch(pipeline->def(), params);
+  encoder.dispatch(*pipeline, args, l.grid, l.threads);
+  return {weights.dtype(), cap.route, 1};
 }
 
 }  // namespace routemm

@@ -18,7 +18,40 @@ ByteRange logical_range(const Buffer& buffer) {
 
 uint64_t ceil_div(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
 
+DenseMatmulIdScratch::MapKey map_key(const Buffer& expert_ids,
+                                     const kernels::DenseMatmulIdKernelParams& gpu) {
+  const auto [start, end] = expert_ids.logical_range();
+  return {start, end, gpu.m, gpu.top_k, gpu.n_experts};
+}
+
 }  // namespace
+
+uint32_t dispatch_count(bool grouped, DenseMatmulIdMapUse map) {
+  return grouped && map == DenseMatmulIdMapUse::Build ? 2 : 1;
+}
+
+void check_map_use(std::string_view op, DenseMatmulIdMapUse map, bool grouped,
+                   const DenseMatmulIdScratch* scratch, const Buffer& expert_ids,
+                   const kernels::DenseMatmulIdKernelParams& gpu) {
+  if (map == DenseMatmulIdMapUse::Build) return;
+  if (!grouped) {
+    throw InvalidArgument(std::string(op) + " map reuse needs a grouped route (direct has no map)");
+  }
+  // The front doors validate the scratch before this check; a grouped call always has one.
+  const std::optional<DenseMatmulIdScratch::MapKey> built = scratch->map_key();
+  if (!built) throw InvalidArgument(std::string(op) + " map reuse: the scratch holds no map");
+  const DenseMatmulIdScratch::MapKey wanted = map_key(expert_ids, gpu);
+  if (*built != wanted) {
+    throw InvalidArgument(
+        std::string(op) + " map reuse: the scratch's map was built from other ids (m/top_k/E " +
+        std::to_string(built->m) + "/" + std::to_string(built->top_k) + "/" +
+        std::to_string(built->n_experts) + ", this call " + std::to_string(wanted.m) + "/" +
+        std::to_string(wanted.top_k) + "/" + std::to_string(wanted.n_experts) +
+        (built->ids_start == wanted.ids_start && built->ids_end == wanted.ids_end
+             ? ")"
+             : ", another ids view)"));
+  }
+}
 
 kernels::DenseMatmulIdKernelParams kernel_params(std::string_view op, uint32_t m, uint32_t n,
                                                  uint32_t k, uint32_t top_k, uint32_t n_experts,
@@ -85,12 +118,14 @@ void encode_direct(CommandEncoder& encoder, KernelRegistry& registry,
 
 void encode_grouped(std::string_view op, CommandEncoder& encoder, KernelRegistry& registry,
                     std::string_view grouped_name, const kernels::DenseMatmulIdKernelParams& gpu,
-                    const Buffers& b, const DenseMatmulIdScratch& scratch) {
-  // Resolve and check both pipelines before touching the encoder: a failed lookup must leave no
+                    const Buffers& b, const DenseMatmulIdScratch& scratch,
+                    DenseMatmulIdMapUse map_use) {
+  // Resolve and check every pipeline before touching the encoder: a failed lookup must leave no
   // barrier, pending ranges or map dispatch behind.
-  const PipelinePtr map = registry.get_pipeline(kDenseMatmulIdMapPipeline);
+  const bool build = map_use == DenseMatmulIdMapUse::Build;
+  const PipelinePtr map = build ? registry.get_pipeline(kDenseMatmulIdMapPipeline) : nullptr;
   const PipelinePtr group = registry.get_pipeline(grouped_name);
-  if (gpu.n_experts > map->max_total_threads_per_threadgroup()) {
+  if (build && gpu.n_experts > map->max_total_threads_per_threadgroup()) {
     throw InvalidArgument(std::string(op) + " n_experts " + std::to_string(gpu.n_experts) +
                           " exceeds map threadgroup limit " +
                           std::to_string(map->max_total_threads_per_threadgroup()));
@@ -105,24 +140,28 @@ void encode_grouped(std::string_view op, CommandEncoder& encoder, KernelRegistry
   const Buffer& routed = scratch.routed_rows();
   const KernelArg params_arg = KernelArg::pod(gpu);
 
-  // A previous grouped call may still read the scratch this call overwrites (WAR edge).
-  encoder.memory_barrier();
-  if (encoder.is_capturing()) {
-    encoder.set_pending_buffer_ranges(
-        {logical_range(b.expert_ids)},
-        {logical_range(counts), logical_range(routed), logical_range(b.output)});
+  if (build) {
+    // A previous grouped call may still read the scratch this call overwrites (WAR edge).
+    encoder.memory_barrier();
+    if (encoder.is_capturing()) {
+      encoder.set_pending_buffer_ranges(
+          {logical_range(b.expert_ids)},
+          {logical_range(counts), logical_range(routed), logical_range(b.output)});
+    }
+    const std::pair<uint32_t, KernelArg> map_args[] = {{0, params_arg},
+                                                       {1, KernelArg::of(b.expert_ids)},
+                                                       {2, KernelArg::of(counts)},
+                                                       {3, KernelArg::of(routed)},
+                                                       {4, KernelArg::of(b.output)}};
+    // One threadgroup; one thread per expert unless the backend's map uses a fixed block.
+    const uint64_t map_threads =
+        map->def().threads_per_group > 1 ? map->def().threads_per_group : uint64_t{gpu.n_experts};
+    encoder.dispatch(*map, map_args, Dim3{1, 1, 1}, Dim3{map_threads, 1, 1});
+    scratch.record_map(map_key(b.expert_ids, gpu));
+    // The grouped dispatch (and every later one, a reusing call's included) reads what the map
+    // wrote (RAW edge).
+    encoder.memory_barrier();
   }
-  const std::pair<uint32_t, KernelArg> map_args[] = {{0, params_arg},
-                                                     {1, KernelArg::of(b.expert_ids)},
-                                                     {2, KernelArg::of(counts)},
-                                                     {3, KernelArg::of(routed)},
-                                                     {4, KernelArg::of(b.output)}};
-  // One threadgroup; one thread per expert unless the backend's map uses a fixed block.
-  const uint64_t map_threads =
-      map->def().threads_per_group > 1 ? map->def().threads_per_group : uint64_t{gpu.n_experts};
-  encoder.dispatch(*map, map_args, Dim3{1, 1, 1}, Dim3{map_threads, 1, 1});
-  // The grouped dispatch reads what the map wrote (RAW edge).
-  encoder.memory_barrier();
   if (encoder.is_capturing()) {
     encoder.set_pending_buffer_ranges({logical_range(b.weights), logical_range(b.input),
                                        logical_range(counts), logical_range(routed)},

@@ -3,7 +3,8 @@
 // the same map pipeline and caller-owned scratch, and the same dispatch sequence
 //   direct:  one dispatch, grid [ceil(n / tile_x), m * top_k, 1];
 //   grouped: barrier (scratch WAR), map, barrier (map -> grouped RAW), grouped dispatch, grid
-//            [ceil(m / tile_x), ceil(n / tile_y), n_experts] (or the pipeline's persistent grid).
+//            [ceil(m / tile_x), ceil(n / tile_y), n_experts] (or the pipeline's persistent grid);
+//            with DenseMatmulIdMapUse::Reuse the grouped dispatch alone, reading the scratch's map.
 // Callers validate first; these helpers resolve every pipeline before touching the encoder, so a
 // failed lookup or launch-shape check leaves no barrier, pending range or dispatch behind.
 #pragma once
@@ -39,14 +40,26 @@ struct Buffers {
 void check_encoder(std::string_view op, std::string_view route, const CommandEncoder& encoder,
                    const KernelRegistry& registry, const Buffer& weights, uint32_t dispatches);
 
+// The dispatches a call encodes: 1 direct, 2 grouped, 1 grouped reusing a map.
+uint32_t dispatch_count(bool grouped, DenseMatmulIdMapUse map);
+
+// Checks `map` against the call: Reuse needs a grouped route and a scratch whose recorded map was
+// built from the same ids view with the same m, top_k and n_experts. Throws InvalidArgument
+// prefixed with `op`.
+void check_map_use(std::string_view op, DenseMatmulIdMapUse map, bool grouped,
+                   const DenseMatmulIdScratch* scratch, const Buffer& expert_ids,
+                   const kernels::DenseMatmulIdKernelParams& gpu);
+
 // Encodes the direct route: one dispatch of `pipeline_name`.
 void encode_direct(CommandEncoder& encoder, KernelRegistry& registry,
                    std::string_view pipeline_name, const kernels::DenseMatmulIdKernelParams& gpu,
                    const Buffers& buffers);
 
-// Encodes the grouped route: the shared map, then `grouped_name`, with the barriers above.
+// Encodes the grouped route: the shared map (recorded in the scratch), then `grouped_name`, with
+// the barriers above; with Reuse (checked by check_map_use first) `grouped_name` alone.
 void encode_grouped(std::string_view op, CommandEncoder& encoder, KernelRegistry& registry,
                     std::string_view grouped_name, const kernels::DenseMatmulIdKernelParams& gpu,
-                    const Buffers& buffers, const DenseMatmulIdScratch& scratch);
+                    const Buffers& buffers, const DenseMatmulIdScratch& scratch,
+                    DenseMatmulIdMapUse map);
 
 }  // namespace routemm::expert_id

@@ -188,20 +188,24 @@ std::vector<std::string_view> quantized_matmul_id_ggml_route_pipelines(
 GgmlQuantizedMatmulIdDispatchReceipt quantized_matmul_id_ggml(
     CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input, const Buffer& weights,
     const Buffer& expert_ids, const Buffer& output, const DenseMatmulIdScratch* scratch,
-    const GgmlQuantizedMatmulIdParams& params) {
+    const GgmlQuantizedMatmulIdParams& params, DenseMatmulIdMapUse map) {
   const GgmlQuantizedMatmulIdCapability cap =
       validate_quantized_matmul_id_ggml_call(weights, input, expert_ids, output, scratch, params);
   const bool grouped = cap.route == GgmlQuantizedMatmulIdRoute::Grouped;
-  const uint32_t dispatches = grouped ? 2 : 1;
-  expert_id::check_encoder(kOp, to_string(cap.route), encoder, registry, weights, dispatches);
   const kernels::DenseMatmulIdKernelParams gpu =
       expert_id::kernel_params(kOp, params.m, params.n, params.k, params.top_k, params.n_experts,
                                params.expert_stride_bytes, params.input_layout);
+  expert_id::check_map_use(kOp, map, grouped, scratch, expert_ids, gpu);
+
+  // Held across the route's dispatches: no other thread can enter the encoder between them.
+  const CommandEncoder::Use use(encoder, "quantized_matmul_id_ggml");
+  const uint32_t dispatches = expert_id::dispatch_count(grouped, map);
+  expert_id::check_encoder(kOp, to_string(cap.route), encoder, registry, weights, dispatches);
   const std::vector<std::string_view> names =
       quantized_matmul_id_ggml_route_pipelines(params.ggml_type, params.route);
   const expert_id::Buffers buffers{weights, input, expert_ids, output};
   if (grouped) {
-    expert_id::encode_grouped(kOp, encoder, registry, names[1], gpu, buffers, *scratch);
+    expert_id::encode_grouped(kOp, encoder, registry, names[1], gpu, buffers, *scratch, map);
   } else {
     expert_id::encode_direct(encoder, registry, names[0], gpu, buffers);
   }

@@ -136,7 +136,8 @@ class DenseMatmulIdCapability(JsonRecord, SchemaVersioned):
 
 @dataclasses.dataclass(frozen=True)
 class DenseMatmulIdDispatchReceipt(JsonRecord, SchemaVersioned):
-    """What one call encoded: weight dtype, route and number of dispatches (1 direct, 2 grouped)."""
+    """What one call encoded: weight dtype, route and number of dispatches (1 direct, 2 grouped, 1
+    grouped with a reused routing map)."""
 
     SCHEMA = "dense_matmul_id_dispatch_receipt.schema.json"
     weight_dtype: DType
@@ -166,16 +167,34 @@ def _checked_params(params) -> _core._DenseMatmulIdParams:
 
 
 def dense_matmul_id(
-    encoder, registry, weights, input, expert_ids, output, scratch, params: DenseMatmulIdParams
+    encoder,
+    registry,
+    weights,
+    input,
+    expert_ids,
+    output,
+    scratch,
+    params: DenseMatmulIdParams,
+    *,
+    reuse_map: bool = False,
 ) -> DenseMatmulIdDispatchReceipt:
     """Encode one expert-ID matmul into `encoder` (run it with encoder.commit_and_wait()).
 
     Every validation happens before anything is encoded; on error the encoder is untouched.
     `scratch` is a DenseMatmulIdScratch for grouped_prefill and may be None for direct.
+    reuse_map (grouped routes): a routing map (the scratch's expert counts and routed rows)
+    depends only on the ids and on m, top_k and n_experts, so grouped calls over the same ids --
+    of any n, k and input layout, dense or quantised -- can share one: the first call builds it,
+    the later ones pass reuse_map=True and encode their grouped dispatch alone (receipt
+    dispatch_count 1). A reusing call must name the same ids buffer view with the same m, top_k
+    and n_experts as the last building call into its scratch (checked), and the ids and scratch
+    must stay unchanged in between. The map is also what zeroes the output rows of invalid ids, so
+    a reusing call leaves those rows of its output unwritten.
     """
     native = _core._dense_matmul_id(
-        encoder, registry, weights, input, expert_ids, output, scratch, _checked_params(params)
-    )
+        encoder, registry, weights, input, expert_ids, output, scratch, _checked_params(params),
+        _checked_reuse_map("dense_matmul_id", reuse_map),
+    )  # fmt: skip
     return _receipt_of(native)
 
 
@@ -194,6 +213,13 @@ def _receipt_of(native: tuple[str, str, int]) -> DenseMatmulIdDispatchReceipt:
 
 
 _DISPATCH_RECEIPTS: dict[tuple[str, str, int], DenseMatmulIdDispatchReceipt] = {}
+
+
+def _checked_reuse_map(op: str, reuse_map) -> bool:
+    """The reuse_map flag of the expert-ID front doors (see dense_matmul_id), checked to be a bool."""
+    if type(reuse_map) is not bool:
+        raise InvalidArgumentError(f"{op} reuse_map must be a bool, got {reuse_map!r}")
+    return reuse_map
 
 
 # ---- High level ---------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ as one encoder submission: the gate/up expert-ID matmul (one [E, 2I, H] stack, o
 up stack), SiLU(gate) * up, the down matmul on the slotted rows, and the ordered weighted combine
 (no atomics, so the result is deterministic). An id outside [0, E) -- an invalid id or an
 expert-parallel sentinel -- contributes zero and reads no weight. Both matmuls take the same ids,
-the same route and, on grouped_prefill, the same scratch.
+the same route and, on grouped_prefill, the same scratch, and one routing map serves them all: the
+first matmul builds it, the others reuse it (reuse_map), so a block encodes one map dispatch.
 
 Numeric contracts of the gate and the two small kernels are in csrc/include/routemm/ops/moe.h.
 """
@@ -245,23 +246,29 @@ def _encode_experts(
     """Encode the whole experts block; `alloc(shape)` returns a fresh F32 buffer for intermediates.
 
     Float stacks go through dense_matmul_id, block-quantised ones (ggml_type) through
-    quantized_matmul_id_ggml; every matmul takes the same ids, route and scratch.
+    quantized_matmul_id_ggml; every matmul takes the same ids, route and scratch. On a grouped
+    route the first matmul builds the routing map and the others reuse it. A reusing matmul leaves
+    the rows of invalid ids unwritten: those rows of the intermediates hold unspecified values,
+    which nothing reads (the down matmul reads routed rows only, the combine skips invalid slots).
     """
     rows = s.m * s.top_k
     mult = DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN if distinct else DenseMatmulIdMultiplicity.MAY_REPEAT
     scratch = DenseMatmulIdScratch(device, s.n_experts, s.m) if route.is_grouped else None
+    map_built = [False]  # whether an earlier matmul of this block encoded the routing map
 
     def matmul(w, x, out, n, k, layout):
+        reuse_map = map_built[0]
+        map_built[0] = route.is_grouped
         if ggml_type is None:
             stride = n * k * w.dtype.size
             params = DenseMatmulIdParams(s.m, n, k, s.top_k, s.n_experts, stride, layout, mult, route)
-            dense_matmul_id(encoder, registry, w, x, ids_buf, out, scratch, params)
+            dense_matmul_id(encoder, registry, w, x, ids_buf, out, scratch, params, reuse_map=reuse_map)
             return
         values, block_bytes = ggml_type.block_layout
         qroute = GgmlQuantizedMatmulIdRoute.GROUPED if route.is_grouped else GgmlQuantizedMatmulIdRoute.DIRECT
         stride = n * (k // values) * block_bytes
         params = GgmlQuantizedMatmulIdParams(s.m, n, k, s.top_k, s.n_experts, ggml_type, stride, layout, qroute)
-        quantized_matmul_id_ggml(encoder, registry, x, w, ids_buf, out, scratch, params)
+        quantized_matmul_id_ggml(encoder, registry, x, w, ids_buf, out, scratch, params, reuse_map=reuse_map)
 
     shared, slotted = DenseMatmulIdInputLayout.SHARED_PER_TOKEN, DenseMatmulIdInputLayout.SLOTTED
     if s.stacked:

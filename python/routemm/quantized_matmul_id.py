@@ -25,7 +25,7 @@ import numpy as np
 from . import _core
 from ._errors import InvalidArgumentError
 from ._json import JsonRecord
-from .dense_matmul_id import DenseMatmulIdInputLayout, DenseMatmulIdScratchRequirement
+from .dense_matmul_id import DenseMatmulIdInputLayout, DenseMatmulIdScratchRequirement, _checked_reuse_map
 from .quantized_matmul import GgmlType
 
 SCHEMA_VERSION: int = _core.GGML_QUANTIZED_MATMUL_ID_SCHEMA_VERSION
@@ -116,7 +116,8 @@ class GgmlQuantizedMatmulIdCapability(JsonRecord):
 
 @dataclasses.dataclass(frozen=True)
 class GgmlQuantizedMatmulIdDispatchReceipt(JsonRecord):
-    """What one call encoded: block type, route and number of dispatches (1 direct, 2 grouped)."""
+    """What one call encoded: block type, route and number of dispatches (1 direct, 2 grouped, 1
+    grouped with a reused routing map)."""
 
     SCHEMA = "ggml_quantized_matmul_id_dispatch_receipt.schema.json"
     ggml_type: GgmlType
@@ -135,22 +136,34 @@ _RECEIPTS: dict[tuple[str, str, int], GgmlQuantizedMatmulIdDispatchReceipt] = {}
 
 
 def quantized_matmul_id_ggml(
-    encoder, registry, input, weights, ids, output, scratch, params: GgmlQuantizedMatmulIdParams
+    encoder,
+    registry,
+    input,
+    weights,
+    ids,
+    output,
+    scratch,
+    params: GgmlQuantizedMatmulIdParams,
+    *,
+    reuse_map: bool = False,
 ) -> GgmlQuantizedMatmulIdDispatchReceipt:
     """Encode one quantised expert-ID matmul into `encoder` (run it with commit_and_wait()).
 
     input: F32 [m, k] (shared) or [m * top_k, k] (slotted); weights: U8 expert stack; ids: U32
     [m, top_k]; output: F32 [m * top_k, n]; scratch: a DenseMatmulIdScratch for the grouped route,
-    None for direct. Every validation happens before anything is encoded; on error the encoder is
-    untouched.
+    None for direct. reuse_map (grouped route): read the routing map that the last building call
+    into `scratch` (this op's or dense_matmul_id's) encoded instead of building one, as
+    dense_matmul_id's reuse_map. Every validation happens before anything is encoded; on error
+    the encoder is untouched.
     """
     if not isinstance(params, GgmlQuantizedMatmulIdParams):
         raise InvalidArgumentError(
             f"quantized_matmul_id_ggml params must be a GgmlQuantizedMatmulIdParams, got {type(params).__name__}"
         )
     native = _core._quantized_matmul_id_ggml(
-        encoder, registry, input, weights, ids, output, scratch, params._native_params
-    )
+        encoder, registry, input, weights, ids, output, scratch, params._native_params,
+        _checked_reuse_map("quantized_matmul_id_ggml", reuse_map),
+    )  # fmt: skip
     receipt = _RECEIPTS.get(native)
     if receipt is None:
         ggml_type, route, count = native

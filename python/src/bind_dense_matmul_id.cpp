@@ -116,7 +116,7 @@ void init_dense_matmul_id(py::module_& m) {
       "_dense_matmul_id",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& weights,
          const Buffer& input, const Buffer& ids, const Buffer& output, const py::object& scratch,
-         const DenseMatmulIdParams& p) {
+         const DenseMatmulIdParams& p, bool reuse_map) {
         // `scratch` is taken as an object and None checked here: pybind11's caster for a class
         // pointer tries (and fails) a foreign-module attribute lookup on None before accepting
         // it, and a None that fails the no-convert pass makes the dispatcher load every argument
@@ -133,11 +133,13 @@ void init_dense_matmul_id(py::module_& m) {
         // (weight dtype name, route value, dispatch count): a hashable tuple, so the Python front
         // door can return one cached receipt per distinct result (its per-call hot path).
         const auto r =
-            dense_matmul_id(encoder, registry, weights, input, ids, output, scratch_ptr, p);
+            dense_matmul_id(encoder, registry, weights, input, ids, output, scratch_ptr, p,
+                            reuse_map ? DenseMatmulIdMapUse::Reuse : DenseMatmulIdMapUse::Build);
         return py::make_tuple(dtype_name(r.weight_dtype), to_string(r.route), r.dispatch_count);
       },
       py::arg("encoder"), py::arg("registry"), py::arg("weights"), py::arg("input"),
-      py::arg("expert_ids"), py::arg("output"), py::arg("scratch"), py::arg("params"));
+      py::arg("expert_ids"), py::arg("output"), py::arg("scratch"), py::arg("params"),
+      py::arg("reuse_map") = false);
 }
 
 }  // namespace routemm::python

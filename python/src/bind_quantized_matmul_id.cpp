@@ -93,7 +93,7 @@ void init_quantized_matmul_id(py::module_& m) {
       "_quantized_matmul_id_ggml",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,
          const Buffer& weights, const Buffer& ids, const Buffer& output, const py::object& scratch,
-         const GgmlQuantizedMatmulIdParams& p) {
+         const GgmlQuantizedMatmulIdParams& p, bool reuse_map) {
         const DenseMatmulIdScratch* scratch_ptr = nullptr;
         if (!scratch.is_none()) {
           if (!py::isinstance<DenseMatmulIdScratch>(scratch)) {
@@ -103,13 +103,15 @@ void init_quantized_matmul_id(py::module_& m) {
           }
           scratch_ptr = scratch.cast<const DenseMatmulIdScratch*>();
         }
-        const auto r = quantized_matmul_id_ggml(encoder, registry, input, weights, ids, output,
-                                                scratch_ptr, p);
+        const auto r = quantized_matmul_id_ggml(
+            encoder, registry, input, weights, ids, output, scratch_ptr, p,
+            reuse_map ? DenseMatmulIdMapUse::Reuse : DenseMatmulIdMapUse::Build);
         return py::make_tuple(std::string(to_string(r.ggml_type)), std::string(to_string(r.route)),
                               r.dispatch_count);
       },
       py::arg("encoder"), py::arg("registry"), py::arg("input"), py::arg("weights"),
-      py::arg("expert_ids"), py::arg("output"), py::arg("scratch"), py::arg("params"));
+      py::arg("expert_ids"), py::arg("output"), py::arg("scratch"), py::arg("params"),
+      py::arg("reuse_map") = false);
 }
 
 }  // namespace routemm::python

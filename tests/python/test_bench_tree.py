@@ -4,6 +4,7 @@ files that exist."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -14,7 +15,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
-DEVICE_COMMANDS = ("suite", "session", "quick", "demo", "q4-matvec", "tensor", "profile", "peer", "engine", "lab")
+DEVICE_COMMANDS = (
+    "suite", "session", "quick", "demo", "q4-matvec", "tensor", "profile", "peer", "qid", "engine", "lab",
+)  # fmt: skip
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
@@ -110,3 +113,32 @@ def test_sass_summary_reads_a_listing(tmp_path):
         check=True,
     ).stdout
     assert "'LDG.E.128': 1" in loads and "'FFMA': 2" in loads and loads.count("SASS") == 2
+
+
+def test_qid_timing_smoke_runs_on_cpu(tmp_path):
+    """bench/tools/qid_timing.py --smoke: every mode on the CPU backend with small shapes, records in
+    the results format, each routemm record checked against float64 (a failed check exits 1)."""
+    pytest.importorskip("torch")
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "tools" / "qid_timing.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    for name, op in (("quantized_matmul_id-cpu-smoke", "quantized_matmul_id"), ("moe_block-cpu-smoke", "moe_block")):
+        doc = json.loads((tmp_path / f"{name}.json").read_text())
+        assert {"device", "git_rev", "command", "ceilings", "records"} <= set(doc)
+        records = doc["records"]
+        assert records and all(r["op"] == op and r["time_us"] > 0 for r in records)
+        assert all(r in lines for r in records)  # the JSON lines are the records
+        assert (tmp_path / f"{name}.md").read_text().count(f"| {op} |") == len(records)
+        routemm_records = [r for r in records if r["impl"] == "routemm"]
+        assert routemm_records and all("rel err" in r["note"] for r in routemm_records)
+    matmul = json.loads((tmp_path / "quantized_matmul_id-cpu-smoke.json").read_text())["records"]
+    assert {(r["weight_dtype"], r["route"]) for r in matmul if r["impl"] == "routemm"} == {
+        (t, route) for t in ("q4_0", "q8_0") for route in ("direct", "grouped")
+    }
+    assert {r["impl"] for r in matmul} >= {"routemm", "copy_floor"}

@@ -240,6 +240,47 @@ def test_quantized_experts_skip_sentinel_ids(device, rng):
     np.testing.assert_allclose(out, ref, atol=EXPERTS_ATOL, rtol=EXPERTS_RTOL)
 
 
+@pytest.mark.parametrize("ggml_type", [None, "q4_0"])
+@pytest.mark.parametrize("layout", ["stacked", "pair"])
+def test_experts_build_one_routing_map_per_block(device, rng, monkeypatch, ggml_type, layout):
+    """A grouped block encodes one map dispatch for its two or three matmuls (they share the ids),
+    and gives the direct route's bits, sentinel slots included."""
+    if ggml_type is not None and not routemm.KernelRegistry(device).has_kernel(
+        routemm.GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES[2]
+    ):
+        pytest.skip(f"backend {device.backend} has no quantised grouped expert-ID kernels")
+    x, ids, w, gate_up, down = _experts_case(rng, 24, 4, 16, 64, 32)
+    ids = ids.copy()
+    ids[::5, 2] = 16  # expert-parallel sentinels
+    if ggml_type is not None:
+        gate_up, down = routemm.q4_0.quantize(gate_up), routemm.q4_0.quantize(down)
+    if layout == "pair":
+        half = gate_up.shape[1] // 2
+        gate_up = (np.ascontiguousarray(gate_up[:, :half]), np.ascontiguousarray(gate_up[:, half:]))
+    encoded = []
+    original = routemm.moe._encode_experts
+
+    def recording(encoder, *args, **kwargs):
+        encoder.start_encoded_dispatch_receipt(16)
+        original(encoder, *args, **kwargs)
+        encoded.append([d.pipeline_label for d in encoder.take_encoded_dispatch_receipt()])
+
+    monkeypatch.setattr(routemm.moe, "_encode_experts", recording)
+    runs = {}
+    for route in (routemm.DenseMatmulIdRoute.GROUPED_PREFILL, routemm.DenseMatmulIdRoute.DIRECT):
+        runs[route] = routemm.moe_experts(x, ids, w, gate_up, down, ggml_type=ggml_type, route=route, device=device)
+    grouped, direct = encoded
+    matmuls = 3 if layout == "pair" else 2
+    map_name = routemm.DENSE_MATMUL_ID_PIPELINE_NAMES[3]
+    assert grouped.count(map_name) == 1 and grouped[0] == map_name
+    assert len(grouped) == 1 + matmuls + 2  # the map, the matmuls, SiLU-mul and the combine
+    assert map_name not in direct and len(direct) == matmuls + 2
+    np.testing.assert_array_equal(
+        runs[routemm.DenseMatmulIdRoute.GROUPED_PREFILL].view(np.uint32),
+        runs[routemm.DenseMatmulIdRoute.DIRECT].view(np.uint32),
+    )
+
+
 def test_combine_skips_invalid_slots_in_slot_order(device, registry):
     m, top_k, hidden = 2, 3, 4
     rows = np.arange(m * top_k * hidden, dtype=np.float32).reshape(m * top_k, hidden)

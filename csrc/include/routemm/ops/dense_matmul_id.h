@@ -21,6 +21,8 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string_view>
 #include <vector>
@@ -64,9 +66,25 @@ enum class DenseMatmulIdRoute : uint8_t {
 // Routes that run the map dispatch and need caller-owned scratch (declared DistinctPerToken).
 constexpr bool is_grouped(DenseMatmulIdRoute route) { return route != DenseMatmulIdRoute::Direct; }
 
+// Whether a grouped call builds its routing map (the expert counts and routed rows in the scratch)
+// or reuses one. The map depends only on the ids and on m, top_k and n_experts, so grouped calls
+// over the same ids -- a MoE block's gate/up and down projections, of any n, k and input layout --
+// can share one:
+//   Build  the route's map dispatch (after the scratch barrier), then the grouped dispatch.
+//   Reuse  the grouped dispatch alone, reading the map that the last Build call into this scratch
+//          encoded. That call must have named the same ids view with the same m, top_k and
+//          n_experts (checked: InvalidArgument otherwise); the caller leaves the ids and the
+//          scratch unchanged in between. The building call's barrier after its map orders the map
+//          before every later dispatch, so the Reuse call adds none: like the direct route, it is
+//          ordered after its input's producer by the caller. The map is what zeroes the output
+//          rows of invalid ids, so a Reuse call leaves those rows of its output unwritten.
+// Only grouped routes take Reuse; its receipt counts one dispatch.
+enum class DenseMatmulIdMapUse : uint8_t { Build, Reuse };
+
 std::string_view to_string(DenseMatmulIdInputLayout value);
 std::string_view to_string(DenseMatmulIdMultiplicity value);
 std::string_view to_string(DenseMatmulIdRoute value);
+std::string_view to_string(DenseMatmulIdMapUse value);
 
 struct DenseMatmulIdParams {
   uint32_t m = 0;                    // tokens
@@ -102,7 +120,7 @@ struct DenseMatmulIdCapability {
 struct DenseMatmulIdDispatchReceipt {
   DType weight_dtype = DType::F32;
   DenseMatmulIdRoute route = DenseMatmulIdRoute::Direct;
-  uint32_t dispatch_count = 0;
+  uint32_t dispatch_count = 0;  // 1 direct, 2 grouped (1 when it reused a routing map)
 };
 
 // Caller-owned scratch for GroupedPrefill: U32 expert_counts[max_experts] and
@@ -125,11 +143,32 @@ class DenseMatmulIdScratch {
   const Buffer& expert_counts() const { return expert_counts_; }
   const Buffer& routed_rows() const { return routed_rows_; }
 
+  // What the last routing map encoded into this scratch was built from: the ids' logical byte
+  // range and the call's m, top_k and n_experts. The expert-ID front doors record it when they
+  // encode a map and check a DenseMatmulIdMapUse::Reuse call against it. Copies of a scratch share
+  // their buffers and so this record.
+  struct MapKey {
+    uint64_t ids_start = 0;
+    uint64_t ids_end = 0;
+    uint32_t m = 0;
+    uint32_t top_k = 0;
+    uint32_t n_experts = 0;
+    bool operator==(const MapKey&) const = default;
+  };
+  std::optional<MapKey> map_key() const;
+  void record_map(const MapKey& key) const;
+
  private:
+  struct MapRecord {
+    std::mutex mutex;
+    std::optional<MapKey> key;
+  };
+
   Buffer expert_counts_;
   Buffer routed_rows_;
   uint32_t max_experts_;
   uint32_t max_tokens_;
+  std::shared_ptr<MapRecord> map_record_ = std::make_shared<MapRecord>();
 };
 
 // Exact byte extents for one call, with checked arithmetic; no allocation, no compilation.
@@ -155,11 +194,13 @@ std::vector<EncodedKernelDispatch> dense_matmul_id_expected_dispatches(
     const KernelRegistry& registry, DType weight_dtype, const DenseMatmulIdParams& params);
 
 // Validates, resolves every pipeline, then encodes. Any failure happens before the encoder is
-// touched: no barrier, no pending ranges, no dispatch.
+// touched: no barrier, no pending ranges, no dispatch. `map` (grouped routes only) says whether
+// the call builds its routing map or reuses the scratch's (DenseMatmulIdMapUse).
 DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegistry& registry,
                                              const Buffer& weights, const Buffer& input,
                                              const Buffer& expert_ids, const Buffer& output,
                                              const DenseMatmulIdScratch* scratch,
-                                             const DenseMatmulIdParams& params);
+                                             const DenseMatmulIdParams& params,
+                                             DenseMatmulIdMapUse map = DenseMatmulIdMapUse::Build);
 
 }  // namespace routemm

@@ -75,7 +75,7 @@ struct GgmlQuantizedMatmulIdCapability {
 struct GgmlQuantizedMatmulIdDispatchReceipt {
   GgmlType ggml_type = GgmlType::Q4_0;
   GgmlQuantizedMatmulIdRoute route = GgmlQuantizedMatmulIdRoute::Direct;
-  uint32_t dispatch_count = 0;  // 1 direct, 2 grouped
+  uint32_t dispatch_count = 0;  // 1 direct, 2 grouped (1 when it reused a routing map)
 };
 
 // Exact byte extents for one call, with checked arithmetic; no allocation, no compilation. In
@@ -97,10 +97,13 @@ std::vector<std::string_view> quantized_matmul_id_ggml_route_pipelines(
     GgmlType type, GgmlQuantizedMatmulIdRoute route);
 
 // Validates, resolves every pipeline, then encodes. Any failure happens before the encoder is
-// touched: no barrier, no pending ranges, no dispatch.
+// touched: no barrier, no pending ranges, no dispatch. `map` (Grouped only) says whether the call
+// builds its routing map or reuses the scratch's (DenseMatmulIdMapUse; dense_matmul_id and this op
+// share the map, so either may build it for the other).
 GgmlQuantizedMatmulIdDispatchReceipt quantized_matmul_id_ggml(
     CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input, const Buffer& weights,
     const Buffer& expert_ids, const Buffer& output, const DenseMatmulIdScratch* scratch,
-    const GgmlQuantizedMatmulIdParams& params);
+    const GgmlQuantizedMatmulIdParams& params,
+    DenseMatmulIdMapUse map = DenseMatmulIdMapUse::Build);
 
 }  // namespace routemm
