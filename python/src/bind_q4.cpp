@@ -4,8 +4,11 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <span>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "bindings.h"
 #include "routemm/error.h"
@@ -149,6 +152,35 @@ void init_q4(py::module_& m) {
     const DenseQ4RouteSelection s = select_dense_q4_route(p, make_policy(pref, allow_large));
     return py::make_tuple(std::string(to_string(s.route)), std::string(to_string(s.decision)));
   });
+  m.def(
+      "_select_dense_q4_planned_route",
+      [](const KernelRegistry& registry, const Device& device, const GgmlQuantizedMatmulParams& p,
+         const std::string& pref, bool allow_large) {
+        const DenseQ4RouteSelection s =
+            select_dense_q4_route(registry, device, p, make_policy(pref, allow_large));
+        return py::make_tuple(std::string(to_string(s.route)), std::string(to_string(s.decision)));
+      },
+      py::arg("registry"), py::arg("device"), py::arg("params"), py::arg("dense_tensor_mm"),
+      py::arg("allow_dense_large_tile_mm"));
+  m.def(
+      "_freeze_dense_q4_plan_routes",
+      [](KernelRegistry& registry, const std::string& plan_id, const std::string& device_name,
+         uint64_t device_registry_id, uint64_t registry_authority_id,
+         const std::vector<std::tuple<uint32_t, uint32_t, uint32_t, std::string>>& decisions,
+         const std::vector<std::string>& protected_names, std::string plan_document) {
+        DenseQ4PlanRoutes plan{plan_id, device_name, device_registry_id, registry_authority_id, {}};
+        for (const auto& [m_, n, k, route] : decisions) {
+          if (!plan.routes.emplace(DenseQ4Shape{m_, n, k}, parse_route(route)).second) {
+            throw InvalidArgument("dense Q4 route plan repeats the shape (" + std::to_string(m_) +
+                                  ", " + std::to_string(n) + ", " + std::to_string(k) + ")");
+          }
+        }
+        freeze_dense_q4_plan_routes(registry, std::move(plan), protected_names,
+                                    std::move(plan_document));
+      },
+      py::arg("registry"), py::arg("plan_id"), py::arg("device_name"),
+      py::arg("device_registry_id"), py::arg("registry_authority_id"), py::arg("decisions"),
+      py::arg("protected_names"), py::arg("plan_document"));
   m.def("_q4_expected_dispatch", [](const std::string& route, uint32_t m_, uint32_t n) {
     return dispatch_dict(q4_expected_dispatch(parse_route(route), m_, n));
   });
@@ -161,13 +193,15 @@ void init_q4(py::module_& m) {
       "_quantized_matmul_ggml",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,
          const Buffer& weight, const Buffer& output, const GgmlQuantizedMatmulParams& p,
-         const std::string& dense_tensor_mm, bool allow_large_tile) {
-        return receipt_dict(quantized_matmul_ggml(encoder, registry, input, weight, output, p,
-                                                  make_policy(dense_tensor_mm, allow_large_tile)));
+         const std::string& dense_tensor_mm, bool allow_large_tile,
+         const std::optional<Device>& device) {
+        return receipt_dict(dense_q4_auto(encoder, registry, device ? *device : registry.device(),
+                                          input, weight, output, p,
+                                          make_policy(dense_tensor_mm, allow_large_tile)));
       },
       py::arg("encoder"), py::arg("registry"), py::arg("input"), py::arg("weight"),
       py::arg("output"), py::arg("params"), py::arg("dense_tensor_mm"),
-      py::arg("allow_dense_large_tile_mm"));
+      py::arg("allow_dense_large_tile_mm"), py::arg("device") = std::nullopt);
   m.def(
       "_encode_q4_route",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,

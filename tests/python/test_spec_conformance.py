@@ -436,10 +436,23 @@ def _(rng, tmp_path):
     w, p, x, ids, out, scratch = id_setup(device, rng)
     routemm.calibrate_dense_matmul_id_routes(registry, device, 5, None, [routemm.DenseMatmulIdCalibrationCase(w, p)])
     assert routemm.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, p, activation_epoch=5)[2] == 5
-    with pytest.raises(routemm.InvalidArgumentError, match="activation epoch mismatch"):
-        routemm.dense_matmul_id_auto(
-            device.command_encoder(), registry, device, w, x, ids, out, scratch, p, activation_epoch=6
-        )
+    enc = device.command_encoder()
+    before = routemm.dispatch_count()
+    for wrong in (6, True, None):
+        with pytest.raises(routemm.InvalidArgumentError, match="activation epoch mismatch"):
+            routemm.dense_matmul_id_auto(enc, registry, device, w, x, ids, out, scratch, p, activation_epoch=wrong)
+        with pytest.raises(routemm.InvalidArgumentError, match="activation epoch mismatch"):
+            routemm.trace_dense_matmul_id_auto(
+                enc, registry, device, w, x, ids, out, scratch, p, activation_epoch=wrong
+            )
+    # The caller's epoch is required wherever the plan decides a route: leaving it out is an error.
+    with pytest.raises(TypeError, match="activation_epoch"):
+        routemm.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, p)
+    with pytest.raises(TypeError, match="activation_epoch"):
+        routemm.dense_matmul_id_auto(enc, registry, device, w, x, ids, out, scratch, p)
+    with pytest.raises(TypeError, match="activation_epoch"):
+        routemm.trace_dense_matmul_id_auto(enc, registry, device, w, x, ids, out, scratch, p)
+    assert routemm.dispatch_count() == before  # refused before anything was encoded
 
 
 @check("7.6-traces")
