@@ -21,10 +21,7 @@ namespace {
 
 template <class Enum, size_t N>
 Enum parse(const std::string& text, const std::array<Enum, N>& values, const char* what) {
-  for (Enum v : values) {
-    if (to_string(v) == text) return v;
-  }
-  throw InvalidArgument(std::string("quantized_matmul_ggml unknown ") + what + " '" + text + "'");
+  return parse_enum("quantized_matmul_ggml", text, values, what);
 }
 
 GgmlRoutingPolicy make_policy(const std::string& dense_tensor_mm, bool allow_large_tile) {

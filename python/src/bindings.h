@@ -3,11 +3,18 @@
 
 #include <pybind11/pybind11.h>
 
+#include <array>
+#include <cstddef>
+#include <string>
+#include <string_view>
+
 #include "routemm/dtype.h"
+#include "routemm/error.h"
 
 namespace routemm {
 struct EncodedKernelDispatch;
-}
+class DenseMatmulIdScratch;
+}  // namespace routemm
 
 namespace routemm::python {
 
@@ -15,6 +22,47 @@ namespace py = pybind11;
 
 // EncodedKernelDispatch as the plain dict routemm.EncodedKernelDispatch is built from.
 py::dict encoded_dispatch_dict(const EncodedKernelDispatch& d);
+
+// The enum value among `values` whose snake_case name (to_string) is `text`; anything else is
+// InvalidArgument "<op> unknown <what> '<text>'".
+template <class Enum, size_t N>
+Enum parse_enum(std::string_view op, const std::string& text, const std::array<Enum, N>& values,
+                const char* what) {
+  for (Enum v : values) {
+    if (to_string(v) == text) return v;
+  }
+  throw InvalidArgument(std::string(op) + " unknown " + what + " '" + text + "'");
+}
+
+// The byte extents an expert-ID capability (dense or quantised) reports, with its schema version,
+// route and scratch requirement, as the dict its Python dataclass is built from; the caller adds
+// the weight format.
+template <class Capability>
+py::dict expert_id_capability_dict(const Capability& c) {
+  py::dict out;
+  out["schema_version"] = c.schema_version;
+  out["route"] = std::string(to_string(c.route));
+  out["required_weight_bytes"] = c.required_weight_bytes;
+  out["required_input_bytes"] = c.required_input_bytes;
+  out["required_ids_bytes"] = c.required_ids_bytes;
+  out["required_output_bytes"] = c.required_output_bytes;
+  if (c.scratch) {
+    py::dict s;
+    s["expert_counts_bytes"] = c.scratch->expert_counts_bytes;
+    s["routed_rows_bytes"] = c.scratch->routed_rows_bytes;
+    out["scratch"] = s;
+  } else {
+    out["scratch"] = py::none();
+  }
+  return out;
+}
+
+// The expert-ID scratch an op was given: None -> nullptr, a DenseMatmulIdScratch -> it, anything
+// else a TypeError naming `op`. Taken as an object and checked here: pybind11's caster for a class
+// pointer tries (and fails) a foreign-module attribute lookup on None before accepting it, and a
+// None that fails the no-convert pass makes the dispatcher load every argument twice; this keeps
+// the per-call path to one pass.
+const DenseMatmulIdScratch* optional_scratch(const py::object& scratch, std::string_view op);
 
 void init_core(py::module_& m);
 void init_encoder(py::module_& m);
