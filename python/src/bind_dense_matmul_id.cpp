@@ -18,13 +18,7 @@ DenseMatmulIdParams make_params(uint32_t m, uint32_t n, uint32_t k, uint32_t top
                                 uint32_t n_experts, uint64_t expert_stride_bytes,
                                 const std::string& input_layout, const std::string& id_multiplicity,
                                 const std::string& route) {
-  DenseMatmulIdParams p;
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  p.top_k = top_k;
-  p.n_experts = n_experts;
-  p.expert_stride_bytes = expert_stride_bytes;
+  auto p = expert_id_params<DenseMatmulIdParams>(m, n, k, top_k, n_experts, expert_stride_bytes);
   p.input_layout =
       parse(input_layout,
             std::array{DenseMatmulIdInputLayout::SharedPerToken, DenseMatmulIdInputLayout::Slotted},

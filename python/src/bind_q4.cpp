@@ -34,20 +34,6 @@ GgmlRoutingPolicy make_policy(const std::string& dense_tensor_mm, bool allow_lar
   return policy;
 }
 
-py::dict dispatch_dict(const EncodedKernelDispatch& d) {
-  py::dict out;
-  out["pipeline_label"] = d.pipeline_label;
-  out["dispatch_kind"] = d.dispatch_kind == DispatchKind::Threads ? "threads" : "thread_groups";
-  out["grid"] = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]);
-  out["threads_per_threadgroup"] = py::make_tuple(
-      d.threads_per_threadgroup[0], d.threads_per_threadgroup[1], d.threads_per_threadgroup[2]);
-  py::list memory;
-  for (const auto& [index, bytes] : d.threadgroup_memory)
-    memory.append(py::make_tuple(index, bytes));
-  out["threadgroup_memory"] = py::tuple(memory);
-  return out;
-}
-
 py::dict receipt_dict(const GgmlQuantizedMatmulReceipt& r) {
   py::dict out;
   out["ggml_type"] = std::string(to_string(r.ggml_type));
@@ -59,7 +45,7 @@ py::dict receipt_dict(const GgmlQuantizedMatmulReceipt& r) {
   out["policy"] = policy;
   out["pipeline_label"] = r.pipeline_label;
   out["dispatch_count"] = r.dispatch_count;
-  out["dispatch"] = dispatch_dict(r.dispatch);
+  out["dispatch"] = encoded_dispatch_dict(r.dispatch);
   return out;
 }
 
@@ -179,13 +165,13 @@ void init_q4(py::module_& m) {
       py::arg("device_registry_id"), py::arg("registry_authority_id"), py::arg("decisions"),
       py::arg("protected_names"), py::arg("plan_document"));
   m.def("_q4_expected_dispatch", [](const std::string& route, uint32_t m_, uint32_t n) {
-    return dispatch_dict(q4_expected_dispatch(parse_route(route), m_, n));
+    return encoded_dispatch_dict(q4_expected_dispatch(parse_route(route), m_, n));
   });
-  m.def("_q4_registry_expected_dispatch",
-        [](const KernelRegistry& registry, const std::string& route, uint32_t m_, uint32_t n,
-           uint32_t k) {
-          return dispatch_dict(q4_expected_dispatch(registry, parse_route(route), m_, n, k));
-        });
+  m.def(
+      "_q4_registry_expected_dispatch", [](const KernelRegistry& registry, const std::string& route,
+                                           uint32_t m_, uint32_t n, uint32_t k) {
+        return encoded_dispatch_dict(q4_expected_dispatch(registry, parse_route(route), m_, n, k));
+      });
   m.def(
       "_quantized_matmul_ggml",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,

@@ -18,14 +18,9 @@ GgmlQuantizedMatmulIdParams make_params(uint32_t m, uint32_t n, uint32_t k, uint
                                         uint32_t n_experts, const std::string& ggml_type,
                                         uint64_t expert_stride_bytes,
                                         const std::string& input_layout, const std::string& route) {
-  GgmlQuantizedMatmulIdParams p;
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  p.top_k = top_k;
-  p.n_experts = n_experts;
+  auto p =
+      expert_id_params<GgmlQuantizedMatmulIdParams>(m, n, k, top_k, n_experts, expert_stride_bytes);
   p.ggml_type = parse(ggml_type, kAllGgmlTypes, "GGML type");
-  p.expert_stride_bytes = expert_stride_bytes;
   p.input_layout =
       parse(input_layout,
             std::array{DenseMatmulIdInputLayout::SharedPerToken, DenseMatmulIdInputLayout::Slotted},

@@ -5,6 +5,7 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -32,6 +33,21 @@ Enum parse_enum(std::string_view op, const std::string& text, const std::array<E
     if (to_string(v) == text) return v;
   }
   throw InvalidArgument(std::string(op) + " unknown " + what + " '" + text + "'");
+}
+
+// Params of an expert-ID op (dense or quantised) with the shape fields both ops share set; the
+// caller sets the rest.
+template <class Params>
+Params expert_id_params(uint32_t m, uint32_t n, uint32_t k, uint32_t top_k, uint32_t n_experts,
+                        uint64_t expert_stride_bytes) {
+  Params p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.top_k = top_k;
+  p.n_experts = n_experts;
+  p.expert_stride_bytes = expert_stride_bytes;
+  return p;
 }
 
 // The byte extents an expert-ID capability (dense or quantised) reports, with its schema version,
