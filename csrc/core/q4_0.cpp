@@ -8,17 +8,10 @@
 #include <cstring>
 #include <string>
 
+#include "ggml_block_codec.h"
 #include "routemm/error.h"
 
 namespace routemm::q4_0 {
-
-size_t quantized_bytes(size_t values) {
-  if (values % kBlockValues != 0) {
-    throw InvalidArgument("q4_0: " + std::to_string(values) + " values are not a multiple of " +
-                          std::to_string(kBlockValues));
-  }
-  return values / kBlockValues * kBlockBytes;
-}
 
 uint16_t float_to_half_bits(float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);
@@ -62,7 +55,19 @@ float half_bits_to_float(uint16_t h) {
 
 namespace {
 
-void quantize_block(const float* x, uint8_t* out) {
+struct Q4_0Codec {
+  static constexpr std::string_view kName = "q4_0";
+  static constexpr size_t kBlockValues = q4_0::kBlockValues, kBlockBytes = q4_0::kBlockBytes;
+  static void quantize_block(const float* x, uint8_t* out);
+  static void dequantize_block(const uint8_t* block, float d, float* out) {
+    for (size_t j = 0; j < kBlockValues / 2; ++j) {
+      out[j] = d * static_cast<float>((block[2 + j] & 0x0f) - 8);
+      out[j + kBlockValues / 2] = d * static_cast<float>((block[2 + j] >> 4) - 8);
+    }
+  }
+};
+
+void Q4_0Codec::quantize_block(const float* x, uint8_t* out) {
   // Starting from x[0] (not from +0) matters for an all-zero block of -0.0: the reference then
   // picks -0.0 as its max and stores d = +0.0.
   float amax = std::fabs(x[0]), max = x[0];
@@ -95,37 +100,14 @@ void quantize_block(const float* x, uint8_t* out) {
 
 }  // namespace
 
+size_t quantized_bytes(size_t values) { return ggml_codec::quantized_bytes<Q4_0Codec>(values); }
+
 void quantize(std::span<const float> src, std::span<uint8_t> dst) {
-  static_assert(std::endian::native == std::endian::little, "Q4_0 scales are little endian");
-  if (dst.size() != quantized_bytes(src.size())) {
-    throw InvalidArgument("q4_0 quantize: " + std::to_string(src.size()) + " values need " +
-                          std::to_string(quantized_bytes(src.size())) + " bytes, got " +
-                          std::to_string(dst.size()));
-  }
-  const size_t blocks = src.size() / kBlockValues;
-  for (size_t b = 0; b < blocks; ++b) {
-    quantize_block(src.data() + b * kBlockValues, dst.data() + b * kBlockBytes);
-  }
+  ggml_codec::quantize<Q4_0Codec>(src, dst);
 }
 
 void dequantize(std::span<const uint8_t> src, std::span<float> dst) {
-  if (src.size() % kBlockBytes != 0 || dst.size() != src.size() / kBlockBytes * kBlockValues) {
-    throw InvalidArgument("q4_0 dequantize: " + std::to_string(src.size()) +
-                          " bytes are not whole blocks for " + std::to_string(dst.size()) +
-                          " values");
-  }
-  const size_t blocks = src.size() / kBlockBytes;
-  for (size_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = src.data() + b * kBlockBytes;
-    uint16_t d_bits;
-    std::memcpy(&d_bits, block, 2);
-    const float d = half_bits_to_float(d_bits);
-    float* out = dst.data() + b * kBlockValues;
-    for (size_t j = 0; j < kBlockValues / 2; ++j) {
-      out[j] = d * static_cast<float>((block[2 + j] & 0x0f) - 8);
-      out[j + kBlockValues / 2] = d * static_cast<float>((block[2 + j] >> 4) - 8);
-    }
-  }
+  ggml_codec::dequantize<Q4_0Codec>(src, dst);
 }
 
 }  // namespace routemm::q4_0

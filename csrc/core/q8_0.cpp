@@ -7,18 +7,11 @@
 #include <cstring>
 #include <string>
 
+#include "ggml_block_codec.h"
 #include "routemm/error.h"
 #include "routemm/q4_0.h"
 
 namespace routemm::q8_0 {
-
-size_t quantized_bytes(size_t values) {
-  if (values % kBlockValues != 0) {
-    throw InvalidArgument("q8_0: " + std::to_string(values) + " values are not a multiple of " +
-                          std::to_string(kBlockValues));
-  }
-  return values / kBlockValues * kBlockBytes;
-}
 
 namespace {
 
@@ -31,7 +24,18 @@ uint8_t quant_byte(float scaled) {
   return static_cast<uint8_t>(static_cast<uint32_t>(static_cast<int32_t>(rounded)) & 0xffu);
 }
 
-void quantize_block(const float* x, uint8_t* out) {
+struct Q8_0Codec {
+  static constexpr std::string_view kName = "q8_0";
+  static constexpr size_t kBlockValues = q8_0::kBlockValues, kBlockBytes = q8_0::kBlockBytes;
+  static void quantize_block(const float* x, uint8_t* out);
+  static void dequantize_block(const uint8_t* block, float d, float* out) {
+    for (size_t j = 0; j < kBlockValues; ++j) {
+      out[j] = d * static_cast<float>(static_cast<int8_t>(block[2 + j]));
+    }
+  }
+};
+
+void Q8_0Codec::quantize_block(const float* x, uint8_t* out) {
   float amax = 0.0f;
   for (size_t j = 0; j < kBlockValues; ++j) amax = std::fmax(amax, std::fabs(x[j]));
   const float d = amax / 127.0f;
@@ -43,36 +47,14 @@ void quantize_block(const float* x, uint8_t* out) {
 
 }  // namespace
 
+size_t quantized_bytes(size_t values) { return ggml_codec::quantized_bytes<Q8_0Codec>(values); }
+
 void quantize(std::span<const float> src, std::span<uint8_t> dst) {
-  static_assert(std::endian::native == std::endian::little, "Q8_0 scales are little endian");
-  if (dst.size() != quantized_bytes(src.size())) {
-    throw InvalidArgument("q8_0 quantize: " + std::to_string(src.size()) + " values need " +
-                          std::to_string(quantized_bytes(src.size())) + " bytes, got " +
-                          std::to_string(dst.size()));
-  }
-  const size_t blocks = src.size() / kBlockValues;
-  for (size_t b = 0; b < blocks; ++b) {
-    quantize_block(src.data() + b * kBlockValues, dst.data() + b * kBlockBytes);
-  }
+  ggml_codec::quantize<Q8_0Codec>(src, dst);
 }
 
 void dequantize(std::span<const uint8_t> src, std::span<float> dst) {
-  if (src.size() % kBlockBytes != 0 || dst.size() != src.size() / kBlockBytes * kBlockValues) {
-    throw InvalidArgument("q8_0 dequantize: " + std::to_string(src.size()) +
-                          " bytes are not whole blocks for " + std::to_string(dst.size()) +
-                          " values");
-  }
-  const size_t blocks = src.size() / kBlockBytes;
-  for (size_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = src.data() + b * kBlockBytes;
-    uint16_t d_bits;
-    std::memcpy(&d_bits, block, 2);
-    const float d = q4_0::half_bits_to_float(d_bits);
-    float* out = dst.data() + b * kBlockValues;
-    for (size_t j = 0; j < kBlockValues; ++j) {
-      out[j] = d * static_cast<float>(static_cast<int8_t>(block[2 + j]));
-    }
-  }
+  ggml_codec::dequantize<Q8_0Codec>(src, dst);
 }
 
 }  // namespace routemm::q8_0

@@ -193,14 +193,15 @@ void KernelRegistry::register_source(const std::string& name, const std::string&
 
 void KernelRegistry::freeze_plan(const std::string& plan_kind, const std::string& plan_id,
                                  const std::vector<std::string>& protected_names,
-                                 std::string plan_document) {
+                                 std::string plan_document, std::any dispatch_table) {
   std::lock_guard lock(mutex_);
   if (plan_id.empty()) throw InvalidArgument(plan_kind + " route plan needs a non-empty id");
   if (auto frozen = frozen_plans_.find(plan_kind); frozen != frozen_plans_.end()) {
     if (frozen->second.id == plan_id) return;
     throw InvalidArgument(plan_kind + " route plan is already frozen as " + frozen->second.id);
   }
-  frozen_plans_.emplace(plan_kind, FrozenPlan{plan_id, std::move(plan_document)});
+  frozen_plans_.emplace(plan_kind,
+                        FrozenPlan{plan_id, std::move(plan_document), std::move(dispatch_table)});
   protected_.insert(protected_names.begin(), protected_names.end());
 }
 
@@ -217,6 +218,13 @@ std::optional<std::string> KernelRegistry::frozen_plan_document(
   if (auto frozen = frozen_plans_.find(plan_kind); frozen != frozen_plans_.end())
     return frozen->second.document;
   return std::nullopt;
+}
+
+std::any KernelRegistry::frozen_plan_table(const std::string& plan_kind) const {
+  std::lock_guard lock(mutex_);
+  if (auto frozen = frozen_plans_.find(plan_kind); frozen != frozen_plans_.end())
+    return frozen->second.table;
+  return {};
 }
 
 bool KernelRegistry::is_protected(std::string_view name) const {

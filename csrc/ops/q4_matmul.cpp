@@ -3,9 +3,11 @@
 #include "routemm/ops/q4_matmul.h"
 
 #include <algorithm>
+#include <any>
 #include <cctype>
 #include <cstdlib>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -295,6 +297,43 @@ DenseQ4RouteSelection select_dense_q4_route(const GgmlQuantizedMatmulParams& p,
   return {DenseQ4Route::CompatibilityV2, NoPlanCompatibilityFallback};
 }
 
+void freeze_dense_q4_plan_routes(KernelRegistry& registry, DenseQ4PlanRoutes plan,
+                                 const std::vector<std::string>& protected_names,
+                                 std::string plan_document) {
+  if (plan.registry_authority_id != registry.authority_id()) {
+    throw InvalidArgument(
+        "dense Q4 route plan belongs to a different registry activation authority");
+  }
+  const Device& device = registry.device();
+  if (plan.device_registry_id != device.registry_id() || plan.device_name != device.name()) {
+    throw InvalidArgument("dense Q4 route plan belongs to a different device");
+  }
+  const std::string id = plan.plan_id;
+  registry.freeze_plan(std::string(kDenseQ4PlanKind), id, protected_names, std::move(plan_document),
+                       std::make_shared<const DenseQ4PlanRoutes>(std::move(plan)));
+}
+
+DenseQ4RouteSelection select_dense_q4_route(const KernelRegistry& registry, const Device& device,
+                                            const GgmlQuantizedMatmulParams& p,
+                                            const GgmlRoutingPolicy& policy) {
+  using enum DenseQ4DecisionSource;
+  const DenseQ4RouteSelection unplanned = select_dense_q4_route(p, policy);
+  if (unplanned.decision != NoPlanCompatibilityFallback) return unplanned;
+  const std::any table = registry.frozen_plan_table(std::string(kDenseQ4PlanKind));
+  const auto* plan = std::any_cast<std::shared_ptr<const DenseQ4PlanRoutes>>(&table);
+  if (plan == nullptr || *plan == nullptr) return unplanned;
+  const DenseQ4PlanRoutes& frozen = **plan;
+  if (frozen.registry_authority_id != registry.authority_id() ||
+      frozen.device_registry_id != device.registry_id() || frozen.device_name != device.name()) {
+    return {DenseQ4Route::CompatibilityV2, IneligibleCompatibilityFallback};
+  }
+  const auto it = frozen.routes.find(DenseQ4Shape{p.m, p.n, p.k});
+  if (it == frozen.routes.end()) {
+    return {DenseQ4Route::CompatibilityV2, UndeclaredCompatibilityFallback};
+  }
+  return {it->second, FrozenPlan};
+}
+
 EncodedKernelDispatch q4_expected_dispatch(DenseQ4Route route, uint32_t m, uint32_t n) {
   uint64_t token_tile = 32, shmem = 4096;
   switch (route) {
@@ -379,20 +418,35 @@ GgmlQuantizedMatmulReceipt quantized_matmul_ggml(CommandEncoder& encoder, Kernel
                                                  const Buffer& output,
                                                  const GgmlQuantizedMatmulParams& params,
                                                  const GgmlRoutingPolicy& policy) {
+  return dense_q4_auto(encoder, registry, registry.device(), input, weight, output, params, policy);
+}
+
+GgmlQuantizedMatmulReceipt dense_q4_auto(CommandEncoder& encoder, KernelRegistry& registry,
+                                         const Device& device, const Buffer& input,
+                                         const Buffer& weight, const Buffer& output,
+                                         const GgmlQuantizedMatmulParams& params,
+                                         const GgmlRoutingPolicy& policy) {
+  using enum DenseQ4DecisionSource;
   validate_quantized_matmul_ggml_call(input, weight, output, params);
-  Route choice{std::nullopt, DenseQ4DecisionSource::MatVecThreshold};
+  Route choice{std::nullopt, MatVecThreshold};
   if (params.m > kGgmlMmRoutingThreshold && params.ggml_type == GgmlType::Q8_0) {
     // Q8_0 has one matrix route and no calibration: the simdgroup-compatible one.
-    choice = {DenseQ4Route::CompatibilitySimdgroup,
-              DenseQ4DecisionSource::IneligibleCompatibilityFallback};
+    choice = {DenseQ4Route::CompatibilitySimdgroup, IneligibleCompatibilityFallback};
   } else if (params.m > kGgmlMmRoutingThreshold) {
-    DenseQ4RouteSelection selected = select_dense_q4_route(params, policy);
+    DenseQ4RouteSelection selected = select_dense_q4_route(registry, device, params, policy);
+    // Spec §5.6: a plan's candidate whose pipeline does not resolve at dispatch falls back to V2.
+    if (selected.route == DenseQ4Route::Tensor64x32) {
+      try {
+        registry.get_pipeline(dense_q4_pipeline_name(selected.route), kQ4PipelineConstants);
+      } catch (const Error&) {
+        selected = {DenseQ4Route::CompatibilityV2, IneligibleCompatibilityFallback};
+      }
+    }
     // Spec §5.6 step 1: the tensor routes need the tensor API; a backend without the V1 tensor
     // pipeline takes the simdgroup route.
     if (selected.route != DenseQ4Route::CompatibilitySimdgroup &&
         !registry.has_kernel(dense_q4_pipeline_name(DenseQ4Route::CompatibilityTensorV1))) {
-      selected = {DenseQ4Route::CompatibilitySimdgroup,
-                  DenseQ4DecisionSource::IneligibleCompatibilityFallback};
+      selected = {DenseQ4Route::CompatibilitySimdgroup, IneligibleCompatibilityFallback};
     }
     choice = {selected.route, selected.decision};
   }

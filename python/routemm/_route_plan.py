@@ -141,6 +141,9 @@ class PlanKind:
     # a saved receipt document of an earlier schema version rewritten as the current one, so plan
     # files saved by earlier releases still load (documents it does not recognise pass unchanged)
     upgrade_receipt: Callable[[dict], dict] = lambda doc: doc
+    # freezes (registry, plan, protected names) into the native registry; None: the plan's id and
+    # document only. A kind whose native dispatcher reads the plan passes its decisions as well.
+    freeze_native: Optional[Callable[[Any, Any, list], None]] = None
 
     def fail(self, message: str):
         raise InvalidArgumentError(f"{self.label} {message}")
@@ -196,7 +199,11 @@ def install(registry, kind: PlanKind, plan, *, worker: bool = False) -> None:
     the pipelines it depends on."""
     entry = _plans_of(registry)
     with _STORE_LOCK:
-        registry.freeze_plan(kind.name, plan.plan_id, sorted(set(kind.protected_names())), plan.to_json())
+        protected = sorted(set(kind.protected_names()))
+        if kind.freeze_native is None:
+            registry.freeze_plan(kind.name, plan.plan_id, protected, plan.to_json())
+        else:
+            kind.freeze_native(registry, plan, protected)
         entry.frozen.setdefault(kind.name, plan)
         if worker:
             entry.installed_for_worker.add((kind.name, plan.plan_id))

@@ -472,15 +472,18 @@ _core.KernelRegistry.dense_matmul_id_plan = lambda self: rp.frozen_plan(self, PL
 
 
 def resolve_dense_matmul_id_auto_route(
-    registry, device, weight_dtype, params: DenseMatmulIdParams, *, activation_epoch: Optional[int] = None
+    registry, device, weight_dtype, params: DenseMatmulIdParams, *, activation_epoch: int
 ) -> tuple[DenseMatmulIdRoute, DenseMatmulIdDecisionSource, int]:
-    """(route, source, epoch) from the frozen plan; read-only, no GPU work. With
-    `activation_epoch` (the epoch the caller activated with), a plan of another epoch is refused."""
+    """(route, source, epoch) from the frozen plan; read-only, no GPU work. `activation_epoch` is
+    the epoch the caller activated with: a plan of another epoch is refused (spec §7.6), so a
+    caller holding a registry of an earlier activation cannot dispatch by its plan."""
     plan = rp.frozen_plan(registry, PLAN_KIND)
     if plan is None:
         _fail("dense_matmul_id_auto requires a frozen activation plan")
-    if activation_epoch is not None and (
-        isinstance(activation_epoch, bool) or activation_epoch != plan.activation_epoch
+    if (
+        isinstance(activation_epoch, bool)
+        or not isinstance(activation_epoch, (int, np.integer))
+        or activation_epoch != plan.activation_epoch
     ):
         _fail(
             f"dense_matmul_id_auto activation epoch mismatch: caller epoch {activation_epoch!r}, "
@@ -510,9 +513,10 @@ def dense_matmul_id_auto(
     scratch,
     params: DenseMatmulIdParams,
     *,
-    activation_epoch: Optional[int] = None,
+    activation_epoch: int,
 ) -> DenseMatmulIdAutoReceipt:
-    """dense_matmul_id with the route the frozen plan chose (params.route is ignored)."""
+    """dense_matmul_id with the route the frozen plan chose (params.route is ignored); the plan must
+    belong to the caller's `activation_epoch` (resolve_dense_matmul_id_auto_route)."""
     route, source, epoch = resolve_dense_matmul_id_auto_route(
         registry, device, weights.dtype, params, activation_epoch=activation_epoch
     )
@@ -609,10 +613,10 @@ def trace_dense_matmul_id_auto(
     scratch,
     params: DenseMatmulIdParams,
     *,
-    activation_epoch: Optional[int] = None,
+    activation_epoch: int,
 ) -> DenseMatmulIdDispatchTrace:
-    """dense_matmul_id_auto, recorded and checked like trace_dense_matmul_id; the trace carries
-    the frozen plan's id, epoch and the decision source."""
+    """dense_matmul_id_auto (for the caller's `activation_epoch`), recorded and checked like
+    trace_dense_matmul_id; the trace carries the frozen plan's id, epoch and the decision source."""
     receipt, route, encoded, pipelines = _trace(
         encoder,
         registry,

@@ -5,8 +5,8 @@ declares every native Q4_0 weight buffer with every row count M that can reach i
 (DenseQ4CalibrationCase); calibrate_dense_q4_routes proves the candidate bit-identical to the V2
 compatibility route on every exact (shape, current weight) pair, times both routes on one
 representative weight per base shape, and freezes an immutable plan into the registry. Dispatch
-then resolves routes with one dict lookup (select_route / dense_q4_auto). Undeclared or late
-shapes keep the compatibility route.
+then resolves routes with one lookup in the native dispatcher (quantized_matmul_ggml, dense_q4_auto;
+select_route says what it will choose). Undeclared or late shapes keep the compatibility route.
 """
 
 from __future__ import annotations
@@ -31,11 +31,10 @@ from .quantized_matmul import (
     GgmlQuantizedMatmulParams,
     GgmlQuantizedMatmulReceipt,
     GgmlRoutingPolicy,
-    GgmlTensorMmPreference,
     GgmlType,
     effective_policy,
+    encode_ggml,
     encode_q4_route,
-    encode_unplanned,
     q4_expected_dispatch,
 )
 
@@ -333,6 +332,26 @@ def _upgrade_receipt(doc: dict) -> dict:
     return upgraded
 
 
+def _freeze_native(registry, plan: DenseQ4RoutePlan, protected_names: list) -> None:
+    """Freeze the plan together with its decisions, which the native dispatcher reads."""
+    decisions = []
+    for d in plan.decisions:
+        shape = d.shape
+        if shape.batch != 1 or DenseQ4InputLayout(shape.input_layout) is not DenseQ4InputLayout.CONTIGUOUS:
+            _fail(f"dense Q4 route plan decides a shape no call can take: {shape}")
+        decisions.append((shape.m, shape.n, shape.k, DenseQ4Route(d.route).value))
+    _core._freeze_dense_q4_plan_routes(
+        registry,
+        plan.plan_id,
+        plan.device_name,
+        plan.device_registry_id,
+        plan.registry_authority_id,
+        decisions,
+        protected_names,
+        plan.to_json(),
+    )
+
+
 KIND = rp.PlanKind(
     name=PLAN_KIND,
     label="dense Q4",
@@ -343,6 +362,7 @@ KIND = rp.PlanKind(
     build_fingerprint=lambda registry, plan: _prepare(registry).build_fingerprint,
     plannable_routes=(DenseQ4Route.COMPATIBILITY_V2, DenseQ4Route.TENSOR_64X32),
     upgrade_receipt=_upgrade_receipt,
+    freeze_native=_freeze_native,
     recompute_plan_id=lambda plan: _plan_id(
         plan.build_fingerprint,
         plan.device_registry_id,
@@ -380,29 +400,14 @@ def select_route(
     contiguous_input: bool = True,
     routing: Optional[GgmlRoutingPolicy] = None,
 ) -> DenseQ4DispatchDecision:
-    """Spec §6.2: the planned route of one call; no GPU work, one dict lookup."""
-    S = DenseQ4DecisionSource
-    shape = exact_shape(params, batch, contiguous_input)
-    if shape is None:
-        return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_V2, S.INELIGIBLE_COMPATIBILITY_FALLBACK)
+    """Spec §6.2: the planned route of one call, as the dispatcher selects it; no GPU work."""
+    if exact_shape(params, batch, contiguous_input) is None:
+        return DenseQ4DispatchDecision(
+            DenseQ4Route.COMPATIBILITY_V2, DenseQ4DecisionSource.INELIGIBLE_COMPATIBILITY_FALLBACK
+        )
     routing = effective_policy(registry, routing, "dense Q4 route selection")
-    if GgmlTensorMmPreference(routing.dense_tensor_mm) is not GgmlTensorMmPreference.AUTO_PROBE:
-        return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_SIMDGROUP, S.INELIGIBLE_COMPATIBILITY_FALLBACK)
-    if not routing.allow_dense_large_tile_mm:
-        return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_TENSOR_V1, S.INELIGIBLE_COMPATIBILITY_FALLBACK)
-    plan = rp.frozen_plan(registry, PLAN_KIND)
-    if plan is None:
-        return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_V2, S.NO_PLAN_COMPATIBILITY_FALLBACK)
-    if (
-        plan.registry_authority_id != registry.authority_id
-        or plan.device_registry_id != device.registry_id
-        or plan.device_name != device.name
-    ):
-        return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_V2, S.INELIGIBLE_COMPATIBILITY_FALLBACK)
-    route = plan._lookup.get(shape.key)
-    if route is None:
-        return DenseQ4DispatchDecision(DenseQ4Route.COMPATIBILITY_V2, S.UNDECLARED_COMPATIBILITY_FALLBACK)
-    return DenseQ4DispatchDecision(route, S.FROZEN_PLAN)
+    route, source = _core._select_dense_q4_planned_route(registry, device, params._native(), *routing._native())
+    return DenseQ4DispatchDecision(DenseQ4Route(route), DenseQ4DecisionSource(source))
 
 
 def dense_q4_auto(
@@ -416,37 +421,12 @@ def dense_q4_auto(
     routing: Optional[GgmlRoutingPolicy] = None,
 ) -> GgmlQuantizedMatmulReceipt:
     """quantized_matmul_ggml for an explicit device: the plan frozen into `registry` is honoured
-    only when it was made on `device`."""
+    only when it was made on `device`. A call that cannot take the selected route (the
+    candidate's pipeline fails to resolve at dispatch, or the backend lacks the tensor pipelines)
+    says ineligible_compatibility_fallback, never no_plan."""
     policy = effective_policy(registry, routing, "dense_q4_auto")
     params._native()  # validates m, n, k
-    if params.m <= 8:
-        return encode_unplanned(encoder, registry, input, weight, output, params, policy)
-    return dispatch_planned(encoder, registry, device, input, weight, output, params, policy)
-
-
-def dispatch_planned(
-    encoder, registry, device, input, weight, output, params: GgmlQuantizedMatmulParams, policy: GgmlRoutingPolicy
-) -> GgmlQuantizedMatmulReceipt:
-    """One m > 8 call through the frozen plan (select_route). The receipt's decision is the
-    selection's when the encoded route is the selected one; a call that could not take the
-    selected route (the candidate's pipeline failed to resolve at dispatch, or the backend lacks
-    the tensor pipelines) says ineligible_compatibility_fallback, never no_plan."""
-    decision = select_route(registry, device, params, 1, True, policy)
-    if decision.route is DenseQ4Route.TENSOR_64X32:
-        try:
-            receipt = encode_q4_route(encoder, registry, input, weight, output, params, DenseQ4Route.TENSOR_64X32)
-            return dataclasses.replace(receipt, decision=decision.source, policy=policy)
-        except Error as e:
-            if "forced dense Q4" in str(e) or isinstance(e, InvalidArgumentError) and "buffer" in str(e):
-                raise
-            cal.LOGGER.debug("dense Q4 candidate lookup failed at dispatch, using V2: %s", e)
-    receipt = encode_unplanned(encoder, registry, input, weight, output, params, policy)
-    source = (
-        decision.source
-        if receipt.dense_route is decision.route
-        else DenseQ4DecisionSource.INELIGIBLE_COMPATIBILITY_FALLBACK
-    )
-    return dataclasses.replace(receipt, decision=source)
+    return encode_ggml(encoder, registry, input, weight, output, params, policy, device=device)
 
 
 def trace_dense_q4_auto(

@@ -331,24 +331,20 @@ def quantized_matmul_ggml(
     the plan's route; the receipt's `decision` says why the route was taken. Every validation
     happens before anything is encoded; on error the encoder is untouched.
     """
-    from . import dense_q4_plan, ggml_routes  # both build on this module
-
     policy = effective_policy(registry, routing, "quantized_matmul_ggml")
     params._native()  # validates m, n, k
-    # The dense auto planner decides mat-vec versus matrix (spec §4.2); routes it names that
-    # routemm has no kernel for (mul_mv_ext, K-quant tiles) are recorded in the policy only.
-    planned = ggml_routes.plan_dense_auto_route(GgmlType(params.ggml_type), int(params.m), int(params.k), policy)
-    if planned is ggml_routes.GgmlKernelRoute.DENSE_MM:
-        return dense_q4_plan.dispatch_planned(encoder, registry, registry.device, input, weight, output, params, policy)
-    return encode_unplanned(encoder, registry, input, weight, output, params, policy)
+    return encode_ggml(encoder, registry, input, weight, output, params, policy)
 
 
-def encode_unplanned(
-    encoder, registry, input, weight, output, params: GgmlQuantizedMatmulParams, policy: GgmlRoutingPolicy
+def encode_ggml(
+    encoder, registry, input, weight, output, params: GgmlQuantizedMatmulParams, policy: GgmlRoutingPolicy, device=None
 ) -> GgmlQuantizedMatmulReceipt:
-    """The dispatcher without a route plan: the mat-vec pipeline for m <= 8, else the route the
-    policy and the backend's pipelines allow (spec §5.6), labelled as if no plan were frozen."""
-    native = _core._quantized_matmul_ggml(encoder, registry, input, weight, output, params._native(), *policy._native())
+    """The native dispatcher: the mat-vec pipeline for m <= 8, else the route the policy, the route
+    plan frozen into `registry` (honoured only when made on `device`, by default the registry's)
+    and the backend's pipelines give (spec §5.6, §6.2); the receipt's decision says why."""
+    native = _core._quantized_matmul_ggml(
+        encoder, registry, input, weight, output, params._native(), *policy._native(), device=device
+    )
     return dataclasses.replace(GgmlQuantizedMatmulReceipt._from_core(native), policy=policy)
 
 

@@ -11,23 +11,14 @@ namespace {
 
 template <class Enum, size_t N>
 Enum parse(const std::string& text, const std::array<Enum, N>& values, const char* what) {
-  for (Enum v : values) {
-    if (to_string(v) == text) return v;
-  }
-  throw InvalidArgument(std::string("dense_matmul_id unknown ") + what + " '" + text + "'");
+  return parse_enum("dense_matmul_id", text, values, what);
 }
 
 DenseMatmulIdParams make_params(uint32_t m, uint32_t n, uint32_t k, uint32_t top_k,
                                 uint32_t n_experts, uint64_t expert_stride_bytes,
                                 const std::string& input_layout, const std::string& id_multiplicity,
                                 const std::string& route) {
-  DenseMatmulIdParams p;
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  p.top_k = top_k;
-  p.n_experts = n_experts;
-  p.expert_stride_bytes = expert_stride_bytes;
+  auto p = expert_id_params<DenseMatmulIdParams>(m, n, k, top_k, n_experts, expert_stride_bytes);
   p.input_layout =
       parse(input_layout,
             std::array{DenseMatmulIdInputLayout::SharedPerToken, DenseMatmulIdInputLayout::Slotted},
@@ -45,26 +36,22 @@ DenseMatmulIdParams make_params(uint32_t m, uint32_t n, uint32_t k, uint32_t top
 }
 
 py::dict capability_dict(const DenseMatmulIdCapability& c) {
-  py::dict out;
-  out["schema_version"] = c.schema_version;
+  py::dict out = expert_id_capability_dict(c);
   out["weight_dtype"] = std::string(dtype_name(c.weight_dtype));
-  out["route"] = std::string(to_string(c.route));
-  out["required_weight_bytes"] = c.required_weight_bytes;
-  out["required_input_bytes"] = c.required_input_bytes;
-  out["required_ids_bytes"] = c.required_ids_bytes;
-  out["required_output_bytes"] = c.required_output_bytes;
-  if (c.scratch) {
-    py::dict s;
-    s["expert_counts_bytes"] = c.scratch->expert_counts_bytes;
-    s["routed_rows_bytes"] = c.scratch->routed_rows_bytes;
-    out["scratch"] = s;
-  } else {
-    out["scratch"] = py::none();
-  }
   return out;
 }
 
 }  // namespace
+
+const DenseMatmulIdScratch* optional_scratch(const py::object& scratch, std::string_view op) {
+  if (scratch.is_none()) return nullptr;
+  if (!py::isinstance<DenseMatmulIdScratch>(scratch)) {
+    throw py::type_error(std::string(op) +
+                         ": scratch must be a DenseMatmulIdScratch or None, not " +
+                         std::string(py::str(py::type::of(scratch).attr("__name__"))));
+  }
+  return scratch.cast<const DenseMatmulIdScratch*>();
+}
 
 void init_dense_matmul_id(py::module_& m) {
   py::class_<DenseMatmulIdParams>(m, "_DenseMatmulIdParams")
@@ -117,19 +104,7 @@ void init_dense_matmul_id(py::module_& m) {
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& weights,
          const Buffer& input, const Buffer& ids, const Buffer& output, const py::object& scratch,
          const DenseMatmulIdParams& p, bool reuse_map) {
-        // `scratch` is taken as an object and None checked here: pybind11's caster for a class
-        // pointer tries (and fails) a foreign-module attribute lookup on None before accepting
-        // it, and a None that fails the no-convert pass makes the dispatcher load every argument
-        // twice. This keeps the direct route's per-call path to one pass.
-        const DenseMatmulIdScratch* scratch_ptr = nullptr;
-        if (!scratch.is_none()) {
-          if (!py::isinstance<DenseMatmulIdScratch>(scratch)) {
-            throw py::type_error(
-                "dense_matmul_id: scratch must be a DenseMatmulIdScratch or None, not " +
-                std::string(py::str(py::type::of(scratch).attr("__name__"))));
-          }
-          scratch_ptr = scratch.cast<const DenseMatmulIdScratch*>();
-        }
+        const DenseMatmulIdScratch* scratch_ptr = optional_scratch(scratch, "dense_matmul_id");
         // (weight dtype name, route value, dispatch count): a hashable tuple, so the Python front
         // door can return one cached receipt per distinct result (its per-call hot path).
         const auto r =

@@ -4,8 +4,11 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <span>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "bindings.h"
 #include "routemm/error.h"
@@ -18,10 +21,7 @@ namespace {
 
 template <class Enum, size_t N>
 Enum parse(const std::string& text, const std::array<Enum, N>& values, const char* what) {
-  for (Enum v : values) {
-    if (to_string(v) == text) return v;
-  }
-  throw InvalidArgument(std::string("quantized_matmul_ggml unknown ") + what + " '" + text + "'");
+  return parse_enum("quantized_matmul_ggml", text, values, what);
 }
 
 GgmlRoutingPolicy make_policy(const std::string& dense_tensor_mm, bool allow_large_tile) {
@@ -32,20 +32,6 @@ GgmlRoutingPolicy make_policy(const std::string& dense_tensor_mm, bool allow_lar
             "tensor MM preference");
   policy.allow_dense_large_tile_mm = allow_large_tile;
   return policy;
-}
-
-py::dict dispatch_dict(const EncodedKernelDispatch& d) {
-  py::dict out;
-  out["pipeline_label"] = d.pipeline_label;
-  out["dispatch_kind"] = d.dispatch_kind == DispatchKind::Threads ? "threads" : "thread_groups";
-  out["grid"] = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]);
-  out["threads_per_threadgroup"] = py::make_tuple(
-      d.threads_per_threadgroup[0], d.threads_per_threadgroup[1], d.threads_per_threadgroup[2]);
-  py::list memory;
-  for (const auto& [index, bytes] : d.threadgroup_memory)
-    memory.append(py::make_tuple(index, bytes));
-  out["threadgroup_memory"] = py::tuple(memory);
-  return out;
 }
 
 py::dict receipt_dict(const GgmlQuantizedMatmulReceipt& r) {
@@ -59,7 +45,7 @@ py::dict receipt_dict(const GgmlQuantizedMatmulReceipt& r) {
   out["policy"] = policy;
   out["pipeline_label"] = r.pipeline_label;
   out["dispatch_count"] = r.dispatch_count;
-  out["dispatch"] = dispatch_dict(r.dispatch);
+  out["dispatch"] = encoded_dispatch_dict(r.dispatch);
   return out;
 }
 
@@ -149,25 +135,56 @@ void init_q4(py::module_& m) {
     const DenseQ4RouteSelection s = select_dense_q4_route(p, make_policy(pref, allow_large));
     return py::make_tuple(std::string(to_string(s.route)), std::string(to_string(s.decision)));
   });
+  m.def(
+      "_select_dense_q4_planned_route",
+      [](const KernelRegistry& registry, const Device& device, const GgmlQuantizedMatmulParams& p,
+         const std::string& pref, bool allow_large) {
+        const DenseQ4RouteSelection s =
+            select_dense_q4_route(registry, device, p, make_policy(pref, allow_large));
+        return py::make_tuple(std::string(to_string(s.route)), std::string(to_string(s.decision)));
+      },
+      py::arg("registry"), py::arg("device"), py::arg("params"), py::arg("dense_tensor_mm"),
+      py::arg("allow_dense_large_tile_mm"));
+  m.def(
+      "_freeze_dense_q4_plan_routes",
+      [](KernelRegistry& registry, const std::string& plan_id, const std::string& device_name,
+         uint64_t device_registry_id, uint64_t registry_authority_id,
+         const std::vector<std::tuple<uint32_t, uint32_t, uint32_t, std::string>>& decisions,
+         const std::vector<std::string>& protected_names, std::string plan_document) {
+        DenseQ4PlanRoutes plan{plan_id, device_name, device_registry_id, registry_authority_id, {}};
+        for (const auto& [m_, n, k, route] : decisions) {
+          if (!plan.routes.emplace(DenseQ4Shape{m_, n, k}, parse_route(route)).second) {
+            throw InvalidArgument("dense Q4 route plan repeats the shape (" + std::to_string(m_) +
+                                  ", " + std::to_string(n) + ", " + std::to_string(k) + ")");
+          }
+        }
+        freeze_dense_q4_plan_routes(registry, std::move(plan), protected_names,
+                                    std::move(plan_document));
+      },
+      py::arg("registry"), py::arg("plan_id"), py::arg("device_name"),
+      py::arg("device_registry_id"), py::arg("registry_authority_id"), py::arg("decisions"),
+      py::arg("protected_names"), py::arg("plan_document"));
   m.def("_q4_expected_dispatch", [](const std::string& route, uint32_t m_, uint32_t n) {
-    return dispatch_dict(q4_expected_dispatch(parse_route(route), m_, n));
+    return encoded_dispatch_dict(q4_expected_dispatch(parse_route(route), m_, n));
   });
-  m.def("_q4_registry_expected_dispatch",
-        [](const KernelRegistry& registry, const std::string& route, uint32_t m_, uint32_t n,
-           uint32_t k) {
-          return dispatch_dict(q4_expected_dispatch(registry, parse_route(route), m_, n, k));
-        });
+  m.def(
+      "_q4_registry_expected_dispatch", [](const KernelRegistry& registry, const std::string& route,
+                                           uint32_t m_, uint32_t n, uint32_t k) {
+        return encoded_dispatch_dict(q4_expected_dispatch(registry, parse_route(route), m_, n, k));
+      });
   m.def(
       "_quantized_matmul_ggml",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,
          const Buffer& weight, const Buffer& output, const GgmlQuantizedMatmulParams& p,
-         const std::string& dense_tensor_mm, bool allow_large_tile) {
-        return receipt_dict(quantized_matmul_ggml(encoder, registry, input, weight, output, p,
-                                                  make_policy(dense_tensor_mm, allow_large_tile)));
+         const std::string& dense_tensor_mm, bool allow_large_tile,
+         const std::optional<Device>& device) {
+        return receipt_dict(dense_q4_auto(encoder, registry, device ? *device : registry.device(),
+                                          input, weight, output, p,
+                                          make_policy(dense_tensor_mm, allow_large_tile)));
       },
       py::arg("encoder"), py::arg("registry"), py::arg("input"), py::arg("weight"),
       py::arg("output"), py::arg("params"), py::arg("dense_tensor_mm"),
-      py::arg("allow_dense_large_tile_mm"));
+      py::arg("allow_dense_large_tile_mm"), py::arg("device") = std::nullopt);
   m.def(
       "_encode_q4_route",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,

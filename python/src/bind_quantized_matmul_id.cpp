@@ -11,25 +11,16 @@ namespace {
 
 template <class Enum, size_t N>
 Enum parse(const std::string& text, const std::array<Enum, N>& values, const char* what) {
-  for (Enum v : values) {
-    if (to_string(v) == text) return v;
-  }
-  throw InvalidArgument(std::string("quantized_matmul_id_ggml unknown ") + what + " '" + text +
-                        "'");
+  return parse_enum("quantized_matmul_id_ggml", text, values, what);
 }
 
 GgmlQuantizedMatmulIdParams make_params(uint32_t m, uint32_t n, uint32_t k, uint32_t top_k,
                                         uint32_t n_experts, const std::string& ggml_type,
                                         uint64_t expert_stride_bytes,
                                         const std::string& input_layout, const std::string& route) {
-  GgmlQuantizedMatmulIdParams p;
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  p.top_k = top_k;
-  p.n_experts = n_experts;
+  auto p =
+      expert_id_params<GgmlQuantizedMatmulIdParams>(m, n, k, top_k, n_experts, expert_stride_bytes);
   p.ggml_type = parse(ggml_type, kAllGgmlTypes, "GGML type");
-  p.expert_stride_bytes = expert_stride_bytes;
   p.input_layout =
       parse(input_layout,
             std::array{DenseMatmulIdInputLayout::SharedPerToken, DenseMatmulIdInputLayout::Slotted},
@@ -41,22 +32,8 @@ GgmlQuantizedMatmulIdParams make_params(uint32_t m, uint32_t n, uint32_t k, uint
 }
 
 py::dict capability_dict(const GgmlQuantizedMatmulIdCapability& c) {
-  py::dict out;
-  out["schema_version"] = c.schema_version;
+  py::dict out = expert_id_capability_dict(c);
   out["ggml_type"] = std::string(to_string(c.ggml_type));
-  out["route"] = std::string(to_string(c.route));
-  out["required_weight_bytes"] = c.required_weight_bytes;
-  out["required_input_bytes"] = c.required_input_bytes;
-  out["required_ids_bytes"] = c.required_ids_bytes;
-  out["required_output_bytes"] = c.required_output_bytes;
-  if (c.scratch) {
-    py::dict s;
-    s["expert_counts_bytes"] = c.scratch->expert_counts_bytes;
-    s["routed_rows_bytes"] = c.scratch->routed_rows_bytes;
-    out["scratch"] = s;
-  } else {
-    out["scratch"] = py::none();
-  }
   return out;
 }
 
@@ -94,15 +71,8 @@ void init_quantized_matmul_id(py::module_& m) {
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,
          const Buffer& weights, const Buffer& ids, const Buffer& output, const py::object& scratch,
          const GgmlQuantizedMatmulIdParams& p, bool reuse_map) {
-        const DenseMatmulIdScratch* scratch_ptr = nullptr;
-        if (!scratch.is_none()) {
-          if (!py::isinstance<DenseMatmulIdScratch>(scratch)) {
-            throw py::type_error(
-                "quantized_matmul_id_ggml: scratch must be a DenseMatmulIdScratch or None, not " +
-                std::string(py::str(py::type::of(scratch).attr("__name__"))));
-          }
-          scratch_ptr = scratch.cast<const DenseMatmulIdScratch*>();
-        }
+        const DenseMatmulIdScratch* scratch_ptr =
+            optional_scratch(scratch, "quantized_matmul_id_ggml");
         const auto r = quantized_matmul_id_ggml(
             encoder, registry, input, weights, ids, output, scratch_ptr, p,
             reuse_map ? DenseMatmulIdMapUse::Reuse : DenseMatmulIdMapUse::Build);

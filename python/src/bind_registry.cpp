@@ -82,8 +82,14 @@ void init_registry(py::module_& m) {
           py::arg("name"), py::arg("source"),
           "Register the backend kernel `source` under `name`; refused for names a frozen plan "
           "protects.")
-      .def("freeze_plan", &KernelRegistry::freeze_plan, py::arg("plan_kind"), py::arg("plan_id"),
-           py::arg("protected_names"), py::arg("plan_document") = std::string())
+      .def(
+          "freeze_plan",
+          [](KernelRegistry& r, const std::string& kind, const std::string& id,
+             const std::vector<std::string>& protected_names, std::string document) {
+            r.freeze_plan(kind, id, protected_names, std::move(document));
+          },
+          py::arg("plan_kind"), py::arg("plan_id"), py::arg("protected_names"),
+          py::arg("plan_document") = std::string())
       .def("frozen_plan_id", &KernelRegistry::frozen_plan_id, py::arg("plan_kind"))
       .def("frozen_plan_document", &KernelRegistry::frozen_plan_document, py::arg("plan_kind"))
       .def("is_protected", &KernelRegistry::is_protected, py::arg("name"));

@@ -193,6 +193,53 @@ TEST(Q4Matmul, RoutingWithoutPlan) {
             (std::array<uint64_t, 3>{5, 13, 1}));
 }
 
+// Spec §6.2 steps 4-6 in the C++ dispatcher: a frozen plan's exact shape takes the plan's route and
+// says frozen_plan; other shapes say why they did not (undeclared, ineligible); a candidate whose
+// pipeline fails to resolve at dispatch runs V2 and says ineligible, never frozen_plan.
+TEST(Q4Matmul, DispatcherConsultsTheFrozenPlan) {
+  Fixture f(9, 70, 64);
+  using enum DenseQ4DecisionSource;
+  GgmlQuantizedMatmulReceipt receipt;
+  f.run(std::nullopt, &receipt);
+  EXPECT_EQ(receipt.decision, NoPlanCompatibilityFallback);
+
+  const Device& device = f.registry.device();
+  DenseQ4PlanRoutes plan{"plan-a",
+                         device.name(),
+                         device.registry_id(),
+                         f.registry.authority_id(),
+                         {{DenseQ4Shape{9, 70, 64}, DenseQ4Route::Tensor64x32}}};
+  DenseQ4PlanRoutes foreign = plan;
+  foreign.registry_authority_id += 1;
+  EXPECT_THROW(freeze_dense_q4_plan_routes(f.registry, foreign, {}), InvalidArgument);
+  foreign = plan;
+  foreign.device_name += " (another)";
+  EXPECT_THROW(freeze_dense_q4_plan_routes(f.registry, foreign, {}), InvalidArgument);
+  EXPECT_FALSE(f.registry.frozen_plan_id(std::string(kDenseQ4PlanKind)).has_value());
+  freeze_dense_q4_plan_routes(f.registry, plan, {"kernel_mul_mm_q4_0_tensor_64x32_f32"});
+  EXPECT_TRUE(f.registry.is_protected("kernel_mul_mm_q4_0_tensor_64x32_f32"));
+
+  const std::vector<float> planned = f.run(std::nullopt, &receipt);
+  EXPECT_EQ(receipt.route, DenseQ4Route::Tensor64x32);
+  EXPECT_EQ(receipt.decision, FrozenPlan);
+  EXPECT_EQ(receipt.dispatch, q4_expected_dispatch(DenseQ4Route::Tensor64x32, 9, 70));
+
+  f.registry.inject_next_pipeline_lookup_failure("kernel_mul_mm_q4_0_tensor_64x32_f32");
+  const std::vector<float> fallback = f.run(std::nullopt, &receipt);
+  EXPECT_EQ(receipt.route, DenseQ4Route::CompatibilityV2);
+  EXPECT_EQ(receipt.decision, IneligibleCompatibilityFallback);
+  for (size_t i = 0; i < planned.size(); ++i) ASSERT_EQ(bits(planned[i]), bits(fallback[i])) << i;
+
+  GgmlQuantizedMatmulParams undeclared = f.params();
+  undeclared.m = 10;
+  EXPECT_EQ(select_dense_q4_route(f.registry, device, undeclared, {}).decision,
+            UndeclaredCompatibilityFallback);
+  EXPECT_EQ(select_dense_q4_route(f.registry, device, f.params(),
+                                  {GgmlTensorMmPreference::AutoProbe, false})
+                .decision,
+            IneligibleCompatibilityFallback);
+}
+
 TEST(Q4Matmul, FailuresEncodeNothing) {
   Fixture f(9, 5, 64);
   const auto expect_failure = [&](const GgmlQuantizedMatmulParams& p, const Buffer& out,

@@ -67,7 +67,7 @@ def test_winner_and_auto_dispatch(device, registry, rng):
     out = device.alloc(p.m * p.top_k * p.n * 4, routemm.DType.F32, [p.m * p.top_k, p.n])
     enc = device.command_encoder()
     r = routemm.dense_matmul_id_auto(
-        enc, registry, device, w, x, ids, out, routemm.DenseMatmulIdScratch(device, 8, p.m), p
+        enc, registry, device, w, x, ids, out, routemm.DenseMatmulIdScratch(device, 8, p.m), p, activation_epoch=4
     )
     enc.commit_and_wait()
     assert (r.route, r.decision_source, r.activation_epoch, r.primitive.dispatch_count) == (
@@ -81,15 +81,15 @@ def test_winner_and_auto_dispatch(device, registry, rng):
     assert (out.numpy().view(np.uint32) == ref.view(np.uint32)).all()
     # Same base, undeclared m: direct. Another base: refused.
     p2 = type(p)(**{**p.__dict__, "m": 12})
-    assert dp.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, p2)[:2] == (
+    assert dp.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, p2, activation_epoch=4)[:2] == (
         R.DIRECT,
         routemm.DenseMatmulIdDecisionSource.UNDECLARED_DIRECT,
     )
     p3 = type(p)(**{**p.__dict__, "top_k": 3})
     with pytest.raises(routemm.InvalidArgumentError, match="not admitted"):
-        dp.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, p3)
+        dp.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, p3, activation_epoch=4)
     with pytest.raises(routemm.InvalidArgumentError, match="frozen activation plan"):
-        dp.resolve_dense_matmul_id_auto_route(routemm.KernelRegistry(device), device, w.dtype, p)
+        dp.resolve_dense_matmul_id_auto_route(routemm.KernelRegistry(device), device, w.dtype, p, activation_epoch=4)
     # Protected after the freeze; one-shot.
     with pytest.raises(routemm.InvalidArgumentError, match="protected"):
         registry.register_kernel_from("dense_matmul_id_grouped_f32_f32", "dense_matmul_id_grouped_f32_f32")
@@ -245,7 +245,7 @@ def _assert_nothing_frozen(worker, device, w, p):
     assert worker.frozen_plan_id("dense_matmul_id") is None and worker.dense_matmul_id_plan() is None
     assert not worker.is_protected("dense_matmul_id_grouped_f32_f32")
     with pytest.raises(routemm.InvalidArgumentError, match="frozen activation plan"):
-        dp.resolve_dense_matmul_id_auto_route(worker, device, w.dtype, p)
+        dp.resolve_dense_matmul_id_auto_route(worker, device, w.dtype, p, activation_epoch=6)
 
 
 def test_worker_install_resolves_like_primary(device, registry, rng):
@@ -257,9 +257,9 @@ def test_worker_install_resolves_like_primary(device, registry, rng):
     p12 = type(p)(**{**p.__dict__, "m": 12})
     for q in (p, cases[1].params, p12):
         assert dp.resolve_dense_matmul_id_auto_route(
-            worker, device, w.dtype, q
-        ) == dp.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, q)
-    assert dp.resolve_dense_matmul_id_auto_route(worker, device, w.dtype, p)[:2] == (
+            worker, device, w.dtype, q, activation_epoch=6
+        ) == dp.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, q, activation_epoch=6)
+    assert dp.resolve_dense_matmul_id_auto_route(worker, device, w.dtype, p, activation_epoch=6)[:2] == (
         R.GROUPED_PREFILL,
         routemm.DenseMatmulIdDecisionSource.FROZEN_PLAN,
     )
@@ -269,7 +269,7 @@ def test_worker_install_resolves_like_primary(device, registry, rng):
     out = device.alloc(p.m * p.top_k * p.n * 4, routemm.DType.F32, [p.m * p.top_k, p.n])
     enc = device.command_encoder()
     r = routemm.dense_matmul_id_auto(
-        enc, worker, device, w, x, ids, out, routemm.DenseMatmulIdScratch(device, 8, p.m), p
+        enc, worker, device, w, x, ids, out, routemm.DenseMatmulIdScratch(device, 8, p.m), p, activation_epoch=6
     )
     enc.commit_and_wait()
     assert (r.route, r.decision_source, r.activation_epoch) == (

@@ -92,10 +92,10 @@ def samples() -> dict:
     out_i = device.alloc(9 * 2 * 7 * 4, routemm.DType.F32, [18, 7])
     enc = device.command_encoder()
     auto = routemm.dense_matmul_id_auto(
-        enc, id_registry, device, ew, xi, ids, out_i, routemm.DenseMatmulIdScratch(device, 8, 9), p
+        enc, id_registry, device, ew, xi, ids, out_i, routemm.DenseMatmulIdScratch(device, 8, 9), p, activation_epoch=1
     )
     id_trace = routemm.trace_dense_matmul_id_auto(
-        enc, id_registry, device, ew, xi, ids, out_i, routemm.DenseMatmulIdScratch(device, 8, 9), p
+        enc, id_registry, device, ew, xi, ids, out_i, routemm.DenseMatmulIdScratch(device, 8, 9), p, activation_epoch=1
     )
     enc.commit_and_wait()
     grouped = routemm.dense_matmul_id_capability(

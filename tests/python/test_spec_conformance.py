@@ -241,6 +241,20 @@ def _(rng, tmp_path):
     assert plan(T.Q4_K, 3, 256, Policy(dense_decode_mvn=False, dense_decode_mv_ext=True)) is R.DENSE_MV
     assert plan(routemm.DType.BF16, 1, 64, Policy()) is R.NATIVE_SCALAR_MV
     assert plan(routemm.DType.F16, 5, 64, Policy()) is R.NATIVE_SCALAR_MM
+    # The dispatcher splits where the planner does.
+    device = cpu()
+    registry = routemm.KernelRegistry(device)
+    for t in (T.Q4_0, T.Q8_0):
+        for m in (1, 7, 8, 9, 16):
+            w, x, y, _ = q4_call(device, 64, 64, m, rng)
+            if t is T.Q8_0:
+                w = device.from_numpy(
+                    routemm.q8_0.quantize(rng.standard_normal((64, 64)).astype(np.float32)).reshape(-1)
+                )
+            r = routemm.quantized_matmul_ggml(
+                device.command_encoder(), registry, x, w, y, routemm.GgmlQuantizedMatmulParams(m, 64, 64, t), Policy()
+            )
+            assert (plan(t, m, 64, Policy()) is R.DENSE_MM) == (r.dense_route is not None), (t, m)
 
 
 @check("4.2-ggml-capability")
@@ -436,10 +450,23 @@ def _(rng, tmp_path):
     w, p, x, ids, out, scratch = id_setup(device, rng)
     routemm.calibrate_dense_matmul_id_routes(registry, device, 5, None, [routemm.DenseMatmulIdCalibrationCase(w, p)])
     assert routemm.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, p, activation_epoch=5)[2] == 5
-    with pytest.raises(routemm.InvalidArgumentError, match="activation epoch mismatch"):
-        routemm.dense_matmul_id_auto(
-            device.command_encoder(), registry, device, w, x, ids, out, scratch, p, activation_epoch=6
-        )
+    enc = device.command_encoder()
+    before = routemm.dispatch_count()
+    for wrong in (6, True, None):
+        with pytest.raises(routemm.InvalidArgumentError, match="activation epoch mismatch"):
+            routemm.dense_matmul_id_auto(enc, registry, device, w, x, ids, out, scratch, p, activation_epoch=wrong)
+        with pytest.raises(routemm.InvalidArgumentError, match="activation epoch mismatch"):
+            routemm.trace_dense_matmul_id_auto(
+                enc, registry, device, w, x, ids, out, scratch, p, activation_epoch=wrong
+            )
+    # The caller's epoch is required wherever the plan decides a route: leaving it out is an error.
+    with pytest.raises(TypeError, match="activation_epoch"):
+        routemm.resolve_dense_matmul_id_auto_route(registry, device, w.dtype, p)
+    with pytest.raises(TypeError, match="activation_epoch"):
+        routemm.dense_matmul_id_auto(enc, registry, device, w, x, ids, out, scratch, p)
+    with pytest.raises(TypeError, match="activation_epoch"):
+        routemm.trace_dense_matmul_id_auto(enc, registry, device, w, x, ids, out, scratch, p)
+    assert routemm.dispatch_count() == before  # refused before anything was encoded
 
 
 @check("7.6-traces")

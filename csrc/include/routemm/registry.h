@@ -9,6 +9,7 @@
 // and the kernels the plan depends on can no longer be re-registered in this registry.
 #pragma once
 
+#include <any>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -108,13 +109,18 @@ class KernelRegistry {
   // time (Backend::compile_kernel_source) refuses with a message naming it.
   void register_source(const std::string& name, const std::string& source);
 
-  // Installs a plan of `plan_kind` with `plan_id` (and its serialised form, kept verbatim for
-  // dispatch-time lookups), protecting `protected_names` from re-registration. Re-freezing the
-  // same id is a no-op; a different id is an error.
+  // Installs a plan of `plan_kind` with `plan_id` (and its serialised form, kept verbatim),
+  // protecting `protected_names` from re-registration. `dispatch_table` is the plan's decoded form
+  // for the C++ dispatchers (an op's own type, e.g. a shared_ptr to DenseQ4PlanRoutes), kept
+  // unchanged for the registry's life. Re-freezing the same id is a no-op (the first table stays);
+  // a different id is an error.
   void freeze_plan(const std::string& plan_kind, const std::string& plan_id,
-                   const std::vector<std::string>& protected_names, std::string plan_document = {});
+                   const std::vector<std::string>& protected_names, std::string plan_document = {},
+                   std::any dispatch_table = {});
   std::optional<std::string> frozen_plan_id(const std::string& plan_kind) const;
   std::optional<std::string> frozen_plan_document(const std::string& plan_kind) const;
+  // The dispatch table frozen with the plan of `plan_kind` (empty when none was given).
+  std::any frozen_plan_table(const std::string& plan_kind) const;
   bool is_protected(std::string_view name) const;
 
  private:
@@ -127,6 +133,7 @@ class KernelRegistry {
   struct FrozenPlan {
     std::string id;
     std::string document;
+    std::any table;
   };
   std::map<std::string, FrozenPlan> frozen_plans_;
   std::set<std::string, std::less<>> protected_;

@@ -2,8 +2,8 @@
 //
 // Input and output are F32, row-major; the weight is a U8 buffer holding the raw GGUF blocks (N
 // rows of K / 32 blocks of 18 bytes for Q4_0, 34 for Q8_0). M <= 8 takes the mat-vec pipeline;
-// for Q4_0, M > 8 takes one of four matrix routes chosen by the routing policy (and, once
-// calibration exists, a frozen route plan); Q8_0 has one matrix route (compatibility_simdgroup).
+// for Q4_0, M > 8 takes one of four matrix routes chosen by the routing policy and the route plan
+// frozen into the registry; Q8_0 has one matrix route (compatibility_simdgroup).
 // Every route has its own pipeline name; labels carry the int constants (700,1),(701,1),(702,1).
 // The front doors validate, resolve every pipeline, then encode: a failure leaves the encoder
 // untouched (no dispatch, no pending ranges, nothing in an open receipt).
@@ -11,12 +11,15 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
+#include <vector>
 
 #include "routemm/buffer.h"
+#include "routemm/device.h"
 #include "routemm/encoder.h"
 #include "routemm/registry.h"
 
@@ -122,6 +125,43 @@ struct DenseQ4RouteSelection {
 DenseQ4RouteSelection select_dense_q4_route(const GgmlQuantizedMatmulParams& params,
                                             const GgmlRoutingPolicy& policy);
 
+// The registry plan kind a dense Q4 route plan is frozen under.
+inline constexpr std::string_view kDenseQ4PlanKind = "dense_q4";
+
+// An exact plan key (spec §6.1 DenseQ4Shape; plans hold batch-1, contiguous-input shapes only).
+struct DenseQ4Shape {
+  uint32_t m = 0, n = 0, k = 0;
+  auto operator<=>(const DenseQ4Shape&) const = default;
+};
+
+// What the dispatcher reads of a frozen dense Q4 route plan (spec §6.1 DenseQ4RoutePlan): the
+// activation it is bound to and its exact-shape decisions. Plans are made, proved and
+// fingerprinted by the calibration (routemm.calibrate_dense_q4_routes); this is their
+// dispatch-time form, owned by the registry once frozen.
+struct DenseQ4PlanRoutes {
+  std::string plan_id;
+  std::string device_name;
+  uint64_t device_registry_id = 0;
+  uint64_t registry_authority_id = 0;
+  std::map<DenseQ4Shape, DenseQ4Route> routes;
+};
+
+// Freezes `plan` into `registry` under kDenseQ4PlanKind with KernelRegistry::freeze_plan's rules
+// (one-shot; the same plan id again is a no-op; `protected_names` can no longer be re-registered;
+// `plan_document` is the plan's serialised form). Refuses a plan bound to another registry
+// authority ("different registry activation authority") or to another device than the registry's.
+void freeze_dense_q4_plan_routes(KernelRegistry& registry, DenseQ4PlanRoutes plan,
+                                 const std::vector<std::string>& protected_names,
+                                 std::string plan_document = {});
+
+// Spec §6.2 in full (no GPU work): steps 1-3 as above; then the plan frozen into `registry`:
+// none -> V2 / no_plan_compatibility_fallback; bound to another registry authority or to another
+// device than `device` -> V2 / ineligible; the exact shape declared -> its route / frozen_plan;
+// else V2 / undeclared_compatibility_fallback.
+DenseQ4RouteSelection select_dense_q4_route(const KernelRegistry& registry, const Device& device,
+                                            const GgmlQuantizedMatmulParams& params,
+                                            const GgmlRoutingPolicy& policy);
+
 // The geometry a route's dispatch must have (spec §6.2 expected_dispatch): token tile 32 and 8192
 // bytes of threadgroup memory for simdgroup/V1, 128 and 4096 for V2, 32 and 4096 for 64x32; grid
 // [ceil(m / tile), ceil(n / 64), 1], threads [128, 1, 1], ThreadGroups.
@@ -153,12 +193,24 @@ void validate_quantized_matmul_ggml_call(const Buffer& input, const Buffer& weig
                                          const Buffer& output,
                                          const GgmlQuantizedMatmulParams& params);
 
-// Validates, selects the route with `policy`, resolves the pipeline, then encodes one dispatch.
+// Validates, selects the route (M > 8, Q4_0: select_dense_q4_route with the registry's frozen
+// plan for the registry's device), resolves the pipeline, then encodes one dispatch. The receipt's
+// decision is the selection's when the selected route is the one encoded; a call that cannot take
+// it says ineligible_compatibility_fallback: the plan's 64x32 pipeline failing to resolve falls
+// back to V2 (spec §5.6), a backend without the tensor pipelines runs the simdgroup route.
 GgmlQuantizedMatmulReceipt quantized_matmul_ggml(CommandEncoder& encoder, KernelRegistry& registry,
                                                  const Buffer& input, const Buffer& weight,
                                                  const Buffer& output,
                                                  const GgmlQuantizedMatmulParams& params,
                                                  const GgmlRoutingPolicy& policy);
+
+// quantized_matmul_ggml for an explicit device: the frozen plan is honoured only when it was made
+// on `device` (spec §6.2 step 5).
+GgmlQuantizedMatmulReceipt dense_q4_auto(CommandEncoder& encoder, KernelRegistry& registry,
+                                         const Device& device, const Buffer& input,
+                                         const Buffer& weight, const Buffer& output,
+                                         const GgmlQuantizedMatmulParams& params,
+                                         const GgmlRoutingPolicy& policy);
 
 // Calibration entry: encodes exactly `route` (one dispatch, geometry == the registry's
 // q4_expected_dispatch).
