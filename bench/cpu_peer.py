@@ -254,6 +254,12 @@ def main() -> None:
     text = conftest._markdown(doc)
     text += "\n## routemm beside ggml (minimum of {} calls, {} threads each)\n\n".format(args.runs, args.threads)
     text += f"Read bandwidth ({args.threads} threads, 512 MB): {gbps:.1f} GB/s.\n\n" if gbps else ""
+    text += (
+        "Method: routemm: minimum wall time of the calls (encode, commit, wait), weights cycled over copies or "
+        "fresh ids per call. ggml: ggml_mul_mat_peer in rotated mode, minimum over batches of one graph "
+        "compute per node (per-node time; it includes ggml's activation quantisation), plain and "
+        "repacked (GGML_CPU_REPACK=ON) Q4_0 layouts, the faster one taken.\n\n"
+    )
     text += ("" if not args.note else args.note + "\n\n") + "\n".join(_comparison(records)) + "\n"
     with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
         f.write(text)
