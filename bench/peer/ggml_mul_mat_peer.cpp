@@ -33,7 +33,13 @@
 //   [--small] [--ms 1,2,8] [--moe-ms 1,8,32] [--moe-shapes qwen3_30b_a3b,qwen3.6_35b_a3b]
 //   [--moe-types bf16,q4_0] [--nodes 32] [--reps 4] [--batches 5] [--warmup 2]
 //   [--rotate-mb 256] [--max-mb 16384] [--threads T] [--tol 0.03]
+//   [--shapes 4096x14336,q_proj] [--modes l2,rotated] [--stat median|min] [--read-bandwidth-mb 0]
 // --small replaces every shape with a small one of the same kind (a quick check on a CPU).
+//
+// --moe-types picks the expert stack types (bf16, f16, f32, q4_0, q8_0); --shapes and --modes filter
+// the cases; --stat min reports the fastest batch instead of the median one. --read-bandwidth-mb S
+// first prints `bandwidth read_gbps=...`: the best of 10 passes of --threads threads summing an
+// S-MB buffer (each thread its own contiguous part), the machine's read bandwidth beside the cases.
 
 #include <algorithm>
 #include <chrono>
@@ -78,7 +84,40 @@ struct Options {
   double max_mb = 16384.0;
   int threads = 0;
   double tol = 0.03;
+  std::string shapes;  // comma-separated shape names, "" = all
+  std::string modes;   // comma-separated l2/rotated, "" = both
+  bool min_stat = false;
+  double read_bandwidth_mb = 0;
 };
+
+bool listed(const std::string& list, const std::string& item) {
+  if (list.empty()) return true;
+  return ("," + list + ",").find("," + item + ",") != std::string::npos;
+}
+
+ggml_type parse_type(const std::string& name) {
+  for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
+    const char* type_name = ggml_type_name((ggml_type)t);
+    if (type_name != nullptr && name == type_name) return (ggml_type)t;
+  }
+  std::fprintf(stderr, "unknown ggml type %s\n", name.c_str());
+  std::exit(2);
+}
+
+std::vector<ggml_type> parse_types(const char* s) {
+  std::vector<ggml_type> v;
+  std::string item;
+  for (const char* p = s;; ++p) {
+    if (*p == ',' || *p == '\0') {
+      if (!item.empty()) v.push_back(parse_type(item));
+      item.clear();
+      if (*p == '\0') break;
+    } else {
+      item += *p;
+    }
+  }
+  return v;
+}
 
 struct Case {
   bool moe = false;
@@ -161,7 +200,11 @@ const std::vector<uint8_t>& host_weight(ggml_type type, int64_t rows, int64_t k,
   for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
     const int64_t nr = std::min(chunk, rows - r0);
     for (int64_t i = 0; i < nr * k; ++i) f[i] = rng.uniform();
-    ggml_quantize_chunk(type, f.data(), bytes.data() + r0 * row_bytes, 0, nr, k, nullptr);
+    if (type == GGML_TYPE_F32) {  // stored as is (ggml_quantize_chunk has no F32 path)
+      std::memcpy(bytes.data() + r0 * row_bytes, f.data(), (size_t)(nr * k) * sizeof(float));
+    } else {
+      ggml_quantize_chunk(type, f.data(), bytes.data() + r0 * row_bytes, 0, nr, k, nullptr);
+    }
   }
   return cache.emplace(key, std::move(bytes)).first->second;
 }
@@ -188,7 +231,11 @@ int64_t distinct_experts(const std::vector<int32_t>& ids) {
 // Float64 reference of row `row` of a weight (or expert) at `w`, dotted with token vector x.
 double ref_dot(const ggml_type_traits* tr, const uint8_t* w_row, int64_t k, const float* x,
                std::vector<float>& scratch) {
-  tr->to_float(w_row, scratch.data(), k);
+  if (tr->to_float != nullptr) {
+    tr->to_float(w_row, scratch.data(), k);
+  } else {  // F32 rows have no conversion
+    std::memcpy(scratch.data(), w_row, (size_t)k * sizeof(float));
+  }
   double acc = 0;
   for (int64_t i = 0; i < k; ++i) acc += (double)scratch[i] * (double)x[i];
   return acc;
@@ -269,7 +316,7 @@ bool run_case(ggml_backend_t backend, const Options& opt, const Case& c, Result&
     per_op.push_back((now_s() - t0) / ((double)opt.reps * nodes));
   }
   std::sort(per_op.begin(), per_op.end());
-  const double sec = per_op[per_op.size() / 2];
+  const double sec = opt.min_stat ? per_op.front() : per_op[per_op.size() / 2];
 
   // Check node 0 against float64 over a row subset sized to ~64M multiply-adds.
   std::vector<float> oh((size_t)ggml_nelements(out[0]));
@@ -310,6 +357,36 @@ bool run_case(ggml_backend_t backend, const Options& opt, const Case& c, Result&
   return true;
 }
 
+// Best of 10 passes of `threads` threads each summing its contiguous part of an `mb`-MB buffer
+// (eight independent 64-bit accumulators per thread, which compilers vectorise), in GB/s.
+double read_bandwidth_gbps(double mb, int threads) {
+  const size_t words = (size_t)(mb * 1e6) / sizeof(uint64_t) / 8 * 8;
+  std::vector<uint64_t> buffer(words);
+  for (size_t i = 0; i < words; ++i) buffer[i] = i;
+  std::vector<uint64_t> sink(threads);
+  double best = 1e30;
+  for (int pass = 0; pass < 10; ++pass) {
+    const double t0 = now_s();
+    std::vector<std::thread> workers;
+    for (int t = 0; t < threads; ++t) {
+      workers.emplace_back([&, t] {
+        const size_t begin = words * t / threads / 8 * 8, end = words * (t + 1) / threads / 8 * 8;
+        uint64_t acc[8] = {};
+        for (size_t i = begin; i < end; i += 8) {
+          for (int l = 0; l < 8; ++l) acc[l] += buffer[i + l];
+        }
+        sink[t] = acc[0] ^ acc[1] ^ acc[2] ^ acc[3] ^ acc[4] ^ acc[5] ^ acc[6] ^ acc[7];
+      });
+    }
+    for (std::thread& w : workers) w.join();
+    best = std::min(best, now_s() - t0);
+  }
+  volatile uint64_t keep = 0;
+  for (uint64_t v : sink) keep = keep ^ v;
+  (void)keep;
+  return (double)words * sizeof(uint64_t) / best / 1e9;
+}
+
 std::vector<Case> build_cases(const Options& opt) {
   std::vector<Case> cases;
   struct Shape {
@@ -328,8 +405,10 @@ std::vector<Case> build_cases(const Options& opt) {
     moe = {{"small_moe", 64, 256, 16, 4}};
   }
   for (bool rotated : {false, true}) {
+    if (!listed(opt.modes, rotated ? "rotated" : "l2")) continue;
     if (opt.only.empty() || opt.only == "mul_mat") {
       for (const Shape& s : dense) {
+        if (!listed(opt.shapes, s.name)) continue;
         for (int m : opt.ms) {
           Case c;
           c.type = GGML_TYPE_Q4_0, c.n = s.n, c.k = s.k, c.m = m, c.rotated = rotated;
@@ -424,15 +503,6 @@ int main(int argc, char** argv) {
           return 2;
         }
       }
-    } else if (a == "--moe-types") {
-      opt.moe_types.clear();
-      for (const std::string& name : parse_names(val())) {
-        if (name != "bf16" && name != "q4_0") {
-          std::fprintf(stderr, "unknown --moe-types entry %s (bf16, q4_0)\n", name.c_str());
-          return 2;
-        }
-        opt.moe_types.push_back(name == "bf16" ? GGML_TYPE_BF16 : GGML_TYPE_Q4_0);
-      }
     } else if (a == "--nodes")
       opt.nodes = std::atoi(val());
     else if (a == "--reps")
@@ -449,6 +519,16 @@ int main(int argc, char** argv) {
       opt.threads = std::atoi(val());
     else if (a == "--tol")
       opt.tol = std::atof(val());
+    else if (a == "--moe-types")
+      opt.moe_types = parse_types(val());
+    else if (a == "--shapes")
+      opt.shapes = val();
+    else if (a == "--modes")
+      opt.modes = val();
+    else if (a == "--stat")
+      opt.min_stat = std::string(val()) == "min";
+    else if (a == "--read-bandwidth-mb")
+      opt.read_bandwidth_mb = std::atof(val());
     else {
       std::fprintf(stderr, "unknown argument %s (see the header of ggml_mul_mat_peer.cpp)\n",
                    a.c_str());
@@ -479,6 +559,14 @@ int main(int argc, char** argv) {
   const std::string peer = peer_label(backend);
   std::printf("# peer: %s on %s\n", peer.c_str(), device.c_str());
   std::fflush(stdout);
+
+  if (opt.read_bandwidth_mb > 0) {
+    const int t =
+        opt.threads > 0 ? opt.threads : (int)std::max(1u, std::thread::hardware_concurrency());
+    std::printf("bandwidth read_gbps=%.2f threads=%d mb=%.0f\n",
+                read_bandwidth_gbps(opt.read_bandwidth_mb, t), t, opt.read_bandwidth_mb);
+    std::fflush(stdout);
+  }
 
   std::vector<Result> results;
   bool all_ok = true;

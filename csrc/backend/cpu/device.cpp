@@ -10,6 +10,7 @@
 #include <new>
 #include <thread>
 
+#include "isa.h"
 #include "kernels.h"
 #include "routemm/backend.h"
 #include "routemm/checked.h"
@@ -168,7 +169,8 @@ class CpuBackend final : public Backend {
   std::string device_name() const override { return "cpu"; }
   uint64_t registry_id() const override { return 0; }
   std::map<std::string, std::string> properties() const override {
-    return {{"threads", std::to_string(ThreadPool::instance().size())}};
+    return {{"threads", std::to_string(ThreadPool::instance().size())},
+            {"isa", std::string(cpu_isa_name(cpu_isa()))}};
   }
   bool host_accessible() const override { return true; }
   int32_t dlpack_device_type() const override { return 1; }

@@ -23,7 +23,7 @@
 #include "backend/common/q4_0_block.h"
 #include "simd.h"
 
-#if ROUTEMM_CPU_HAVE_AVX2
+#if ROUTEMM_CPU_HAVE_AVX2 || ROUTEMM_CPU_HAVE_AVX512
 #include <immintrin.h>
 #endif
 
@@ -45,6 +45,7 @@ inline uint16_t block_scale_bits(const uint8_t* block) {
 //   kBytes                         bytes per 32-value block
 //   dequant(block, out)            out[0..32) = the block's exact values (portable)
 //   dequant_avx2(block, v)         the same as four 8-lane vectors, v[s] = values 8s .. 8s+7
+//   dequant_avx512(block, v)       the same, for the AVX-512 kernels
 
 struct Q4_0Format {
   static constexpr size_t kBytes = kernels::kQ4_0BlockBytes;
@@ -59,19 +60,37 @@ struct Q4_0Format {
   }
 
 #if ROUTEMM_CPU_HAVE_AVX2
-  // Values 0-15 are the low nibbles of bytes 0-15, values 16-31 their high nibbles. d * q - 8d is
-  // exactly d * (q - 8) (the exact value is representable), so the FMA's one rounding is exact.
+  // Values 0-15 are the low nibbles of bytes 0-15, values 16-31 their high nibbles. Each is the
+  // product d * (q - 8) of the portable path (so an infinite scale gives the same infinities).
   ROUTEMM_CPU_AVX2 static void dequant_avx2(const uint8_t* block, __m256 v[kLanesPerBlock]) {
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(block)));
-    const __m256 minus_8d = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
     const __m256i first = _mm256_cvtepu8_epi32(bytes);                      // bytes 0..7
     const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));  // bytes 8..15
     const __m256i low = _mm256_set1_epi32(0x0f);
-    v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(first, low)), d, minus_8d);
-    v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(second, low)), d, minus_8d);
-    v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), d, minus_8d);
-    v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), d, minus_8d);
+    const __m256i q[kLanesPerBlock] = {_mm256_and_si256(first, low), _mm256_and_si256(second, low),
+                                       _mm256_srli_epi32(first, 4), _mm256_srli_epi32(second, 4)};
+    for (size_t s = 0; s < kLanesPerBlock; ++s) {
+      v[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[s], _mm256_set1_epi32(8))), d);
+    }
+  }
+#endif
+
+#if ROUTEMM_CPU_HAVE_AVX512
+  // The same four vectors, looked up in the block's 16-entry table d * (j - 8), j = 0..15, held
+  // in two registers (exact products; vpermt2ps reads only the low four index bits, so the low
+  // nibble needs no mask). Fewer instructions than converting and scaling each value.
+  ROUTEMM_CPU_AVX512 static void dequant_avx512(const uint8_t* block, __m256 v[kLanesPerBlock]) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(block)));
+    const __m256 low = _mm256_mul_ps(d, _mm256_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1));
+    const __m256 high = _mm256_mul_ps(d, _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+    const __m256i first = _mm256_cvtepu8_epi32(bytes);                      // bytes 0..7
+    const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));  // bytes 8..15
+    v[0] = _mm256_permutex2var_ps(low, first, high);
+    v[1] = _mm256_permutex2var_ps(low, second, high);
+    v[2] = _mm256_permutex2var_ps(low, _mm256_srli_epi32(first, 4), high);
+    v[3] = _mm256_permutex2var_ps(low, _mm256_srli_epi32(second, 4), high);
   }
 #endif
 };
@@ -95,6 +114,12 @@ struct Q8_0Format {
     }
   }
 #endif
+
+#if ROUTEMM_CPU_HAVE_AVX512
+  ROUTEMM_CPU_AVX512 static void dequant_avx512(const uint8_t* block, __m256 v[kLanesPerBlock]) {
+    dequant_avx2(block, v);
+  }
+#endif
 };
 
 // Pointers and extents of one [m, k] x [n, k]^T product. Weight rows are n rows of k / 32 blocks.
@@ -111,8 +136,11 @@ struct Operands {
 
 // ---- Micro-kernels ------------------------------------------------------------------------------
 //
-// Two implementations of the same primitives, selected once per launch: PortableIsa (plain loops,
-// any target) and Avx2Isa (x86-64 AVX2 + FMA + F16C). Both follow the contract exactly.
+// Three implementations of the same primitives, selected once per launch (isa.h): PortableIsa
+// (plain loops, any target), Avx2Isa (x86-64 AVX2 + FMA + F16C, 16 vector registers) and Avx512Isa
+// (AVX-512 F/BW/VL/DQ: 32 registers, so larger register tiles, and table-lookup dequantisation).
+// Every one follows the contract exactly; they differ in tile sizes, never in the order of any
+// output's operations.
 //
 //   dequant_block(block, out)          out[0..32) = the block's exact values
 //   mv_columns<R, C>(ops, col, out)    out rows 0..R, columns col..col+C, over the full K,
@@ -120,13 +148,22 @@ struct Operands {
 //   mm_tile<R, C>(x, ldx, w, ldw, depth, acc, acc_stride)
 //                                      acc[r][c][lane] += positions [0, depth) (a multiple of 8)
 //                                      for R input rows x C panel columns
-
-// Register tile of the matrix routes: 12 eight-lane accumulators (12 of 16 AVX2 registers).
-constexpr size_t kTileRows = 4;
-constexpr size_t kTileCols = 3;
+//   mv_columns_for_rows<R>()           C for an R-row mat-vec pass: enough independent
+//                                      accumulator chains (R * C) to hide FMA latency, few
+//                                      enough to stay in registers next to the dequantised block
+//   kTileRows, kTileCols               the matrix routes' register tile (kTileRows x kTileCols
+//                                      eight-lane accumulators)
 
 template <class Format>
 struct PortableIsa {
+  static constexpr size_t kTileRows = 4;
+  static constexpr size_t kTileCols = 3;
+
+  template <size_t R>
+  static constexpr size_t mv_columns_for_rows() {
+    return R <= 2 ? 4 : R <= 4 ? 2 : 1;
+  }
+
   static void dequant_block(const uint8_t* block, float* out) { Format::dequant(block, out); }
 
   template <size_t R, size_t C>
@@ -174,10 +211,23 @@ struct PortableIsa {
 #if ROUTEMM_CPU_HAVE_AVX2
 template <class Format>
 struct Avx2Isa {
+  // 12 of the 16 registers hold accumulators.
+  static constexpr size_t kTileRows = 4;
+  static constexpr size_t kTileCols = 3;
+
+  template <size_t R>
+  static constexpr size_t mv_columns_for_rows() {
+    return R <= 2 ? 4 : R <= 4 ? 2 : 1;
+  }
+
   ROUTEMM_CPU_AVX2 static void dequant_block(const uint8_t* block, float* out) {
     __m256 v[kLanesPerBlock];
     Format::dequant_avx2(block, v);
-    for (size_t s = 0; s < kLanesPerBlock; ++s) _mm256_storeu_ps(out + s * kLanes, v[s]);
+    // Stored straight from the registers (see Avx512Isa::keep_in_register).
+    for (size_t s = 0; s < kLanesPerBlock; ++s) {
+      asm("" : "+x"(v[s]));
+      _mm256_storeu_ps(out + s * kLanes, v[s]);
+    }
   }
 
   ROUTEMM_CPU_AVX2 static float reduce(__m256 v) {
@@ -243,6 +293,116 @@ struct Avx2Isa {
 };
 #endif
 
+#if ROUTEMM_CPU_HAVE_AVX512
+// The AVX2 algorithm with the AVX-512 register file: eight-lane (ymm) accumulators still, since
+// a lane's steps are serial, but 32 registers, so larger register tiles; blocks are dequantised
+// by table lookups (vpermt2ps) instead of conversions and multiplies.
+template <class Format>
+struct Avx512Isa {
+  // 24 of the 32 registers hold accumulators.
+  static constexpr size_t kTileRows = 4;
+  static constexpr size_t kTileCols = 6;
+
+  // One row: eight columns, each dequantised and consumed in turn. More rows: the columns of a
+  // block are dequantised first and every activation load serves all of them.
+  template <size_t R>
+  static constexpr size_t mv_columns_for_rows() {
+    return R == 1 ? 8 : R <= 3 ? 4 : R == 4 ? 3 : 2;
+  }
+
+  // Pins a vector to a register where the compiler would otherwise pick a worse form: folding
+  // an activation load into each FMA that uses it (one load per FMA would make the loads, not
+  // the FMAs, the limit), or copying a block's values through the stack.
+  ROUTEMM_CPU_AVX512 static void keep_in_register(__m256& v) { asm("" : "+v"(v)); }
+
+  ROUTEMM_CPU_AVX512 static void dequant_block(const uint8_t* block, float* out) {
+    __m256 v[kLanesPerBlock];
+    Format::dequant_avx512(block, v);
+    // Stored straight from the registers (GCC otherwise copies them through the stack as two
+    // 64-byte loads of four 32-byte stores, a store-forwarding stall per block).
+    for (size_t s = 0; s < kLanesPerBlock; ++s) {
+      keep_in_register(v[s]);
+      _mm256_storeu_ps(out + s * kLanes, v[s]);
+    }
+  }
+
+  ROUTEMM_CPU_AVX512 static float reduce(__m256 v) {
+    alignas(32) float lanes[kLanes];
+    _mm256_store_ps(lanes, v);
+    return simd::reduce_lanes(lanes);
+  }
+
+  template <size_t R, size_t C>
+  ROUTEMM_CPU_AVX512 static void mv_columns(const Operands& ops, size_t col,
+                                            float* const* out_rows) {
+    __m256 acc[R][C];
+#pragma GCC unroll 8
+    for (size_t r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (size_t c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    const uint8_t* rows[C];
+    for (size_t c = 0; c < C; ++c) rows[c] = ops.weight_row(col + c);
+    const size_t blocks = ops.k / kQK;
+    for (size_t b = 0; b < blocks; ++b) {
+      if constexpr (R == 1) {
+        const float* x = ops.input_row(0) + b * kQK;
+#pragma GCC unroll 8
+        for (size_t c = 0; c < C; ++c) {
+          __m256 w[kLanesPerBlock];
+          Format::dequant_avx512(rows[c] + b * Format::kBytes, w);
+#pragma GCC unroll 4
+          for (size_t s = 0; s < kLanesPerBlock; ++s) {
+            acc[0][c] = _mm256_fmadd_ps(w[s], _mm256_loadu_ps(x + s * kLanes), acc[0][c]);
+          }
+        }
+      } else {
+        __m256 w[C][kLanesPerBlock];
+#pragma GCC unroll 8
+        for (size_t c = 0; c < C; ++c) Format::dequant_avx512(rows[c] + b * Format::kBytes, w[c]);
+#pragma GCC unroll 4
+        for (size_t s = 0; s < kLanesPerBlock; ++s) {
+#pragma GCC unroll 8
+          for (size_t r = 0; r < R; ++r) {
+            __m256 xv = _mm256_loadu_ps(ops.input_row(r) + b * kQK + s * kLanes);
+            keep_in_register(xv);
+#pragma GCC unroll 8
+            for (size_t c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(w[c][s], xv, acc[r][c]);
+          }
+        }
+      }
+    }
+    for (size_t r = 0; r < R; ++r) {
+      for (size_t c = 0; c < C; ++c) out_rows[r][col + c] = reduce(acc[r][c]);
+    }
+  }
+
+  template <size_t R, size_t C>
+  ROUTEMM_CPU_AVX512 static void mm_tile(const float* x, size_t ldx, const float* w, size_t ldw,
+                                         size_t depth, float* acc, size_t acc_stride) {
+    __m256 a[R][C];
+#pragma GCC unroll 8
+    for (size_t r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (size_t c = 0; c < C; ++c) a[r][c] = _mm256_loadu_ps(acc + r * acc_stride + c * kLanes);
+    for (size_t i = 0; i < depth; i += kLanes) {
+      __m256 wv[C];
+#pragma GCC unroll 8
+      for (size_t c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * ldw + i);
+#pragma GCC unroll 8
+      for (size_t r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + r * ldx + i);
+#pragma GCC unroll 8
+        for (size_t c = 0; c < C; ++c) a[r][c] = _mm256_fmadd_ps(wv[c], xv, a[r][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (size_t r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (size_t c = 0; c < C; ++c) _mm256_storeu_ps(acc + r * acc_stride + c * kLanes, a[r][c]);
+  }
+};
+#endif
+
 // ---- Mat-vec ------------------------------------------------------------------------------------
 
 // Output columns per work item: enough to amortise an item, small enough that a 4096-wide decode
@@ -251,17 +411,10 @@ constexpr size_t kMvChunk = 64;
 // Rows one mat-vec pass computes together (the mat-vec pipeline's M <= 8 regime).
 constexpr size_t kMaxMvRows = 8;
 
-// Columns computed together for R input rows: enough independent accumulator chains (R * C) to
-// hide FMA latency, few enough to stay in registers next to the dequantised block.
-template <size_t R>
-constexpr size_t mv_columns_for_rows() {
-  return R == 1 ? 4 : R == 2 ? 4 : R <= 4 ? 2 : 1;
-}
-
 // Columns [col0, col_end) of ops.m (<= 8) rows.
 template <class Isa, size_t R>
 void mv_range(const Operands& ops, size_t col0, size_t col_end) {
-  constexpr size_t C = mv_columns_for_rows<R>();
+  constexpr size_t C = Isa::template mv_columns_for_rows<R>();
   float* out_rows[R];
   for (size_t r = 0; r < R; ++r) out_rows[r] = ops.output + r * ops.n;
   size_t col = col0;
@@ -285,9 +438,13 @@ MvRange mv_range_for_rows(size_t rows) {
   }
 }
 
-// The fastest mat-vec implementation of `Format` for `rows` (<= 8) input rows on this CPU.
+// The mat-vec implementation of `Format` for `rows` (<= 8) input rows that this process runs
+// (the fastest the CPU has, capped by ROUTEMM_CPU_ISA).
 template <class Format>
 MvRange mv_range_for(size_t rows) {
+#if ROUTEMM_CPU_HAVE_AVX512
+  if (simd::has_avx512()) return mv_range_for_rows<Avx512Isa<Format>>(rows);
+#endif
 #if ROUTEMM_CPU_HAVE_AVX2
   if (simd::has_avx2_fma()) return mv_range_for_rows<Avx2Isa<Format>>(rows);
 #endif
@@ -296,12 +453,42 @@ MvRange mv_range_for(size_t rows) {
 
 // ---- Matrix tiles -------------------------------------------------------------------------------
 
-// Inner positions per panel: a 64-column panel is 64 KiB of f32, resident in L2 while the tile's
-// token rows go by, and each micro-kernel call runs 32 FMA steps per accumulator load.
+// Inner positions per panel: each micro-kernel call runs 32 FMA steps per accumulator load, and a
+// register tile's weight columns (6 KiB) and a token tile's activation panel stay near the core.
 constexpr size_t kPanelDepth = 256;
 static_assert(kPanelDepth % kQK == 0);
 constexpr size_t kMmOutputTile = 64;  // outputs per matrix tile
-constexpr size_t kPanelCols = (kMmOutputTile + kTileCols - 1) / kTileCols * kTileCols;  // 66
+// Panel columns: the output tile rounded up to whole register tiles of every implementation.
+constexpr size_t kPanelCols = 66;
+static_assert(kPanelCols >= kMmOutputTile && kPanelCols % 3 == 0 && kPanelCols % 6 == 0);
+// Floats between consecutive rows of a packed activation panel: 64 bytes more than the panel, so
+// the rows of a panel do not all fall into the same L1 sets (an unpacked row stride of K floats
+// is often a multiple of 4 KiB, and then they do).
+constexpr size_t kPackedRowStride = kPanelDepth + 16;
+
+// Activation rows packed for the matrix tiles, once per call (or per gathered group): panel p
+// (positions [p * kPanelDepth, min(k, (p + 1) * kPanelDepth))) of row r is contiguous at
+// panel_row(p, r), so a tile's rows of one panel are one dense block.
+struct PackedRows {
+  float* data;
+  size_t rows;  // rows in the packing
+
+  static size_t panels(size_t k) { return (k + kPanelDepth - 1) / kPanelDepth; }
+  // Floats a packing of `rows` rows of width k needs (the caller checks the product for
+  // overflow against its own, already validated, activation extent: it is at most
+  // rows * k * (1 + 16 / kPanelDepth) + rows * kPackedRowStride).
+  static size_t floats(size_t rows, size_t k) { return panels(k) * rows * kPackedRowStride; }
+
+  float* panel_row(size_t panel, size_t row) const {
+    return data + (panel * rows + row) * kPackedRowStride;
+  }
+  // Copies row `row` (k floats at src) into the packing.
+  void pack(size_t row, const float* src, size_t k) const {
+    for (size_t p = 0, k0 = 0; k0 < k; ++p, k0 += kPanelDepth) {
+      std::memcpy(panel_row(p, row), src + k0, std::min(kPanelDepth, k - k0) * sizeof(float));
+    }
+  }
+};
 
 struct MmScratch {
   std::vector<float> panel, acc;
@@ -311,23 +498,27 @@ inline MmScratch& mm_scratch() {
   return scratch;
 }
 
-template <class Isa>
+template <class Isa, size_t R = Isa::kTileRows>
 void mm_tile_rows(size_t rows, const float* x, size_t ldx, const float* w, size_t ldw, size_t depth,
                   float* acc, size_t acc_stride) {
-  switch (rows) {
-    case 1: Isa::template mm_tile<1, kTileCols>(x, ldx, w, ldw, depth, acc, acc_stride); break;
-    case 2: Isa::template mm_tile<2, kTileCols>(x, ldx, w, ldw, depth, acc, acc_stride); break;
-    case 3: Isa::template mm_tile<3, kTileCols>(x, ldx, w, ldw, depth, acc, acc_stride); break;
-    default: Isa::template mm_tile<4, kTileCols>(x, ldx, w, ldw, depth, acc, acc_stride); break;
+  if constexpr (R > 1) {
+    if (rows < R) {
+      mm_tile_rows<Isa, R - 1>(rows, x, ldx, w, ldw, depth, acc, acc_stride);
+      return;
+    }
   }
+  Isa::template mm_tile<R, Isa::kTileCols>(x, ldx, w, ldw, depth, acc, acc_stride);
 }
 
-// One matrix tile: input rows [row0, row0 + rows) x outputs [col0, col0 + cols <= 64), written
-// to out_rows[r][col0 + c]. Dequantises a 64 x kPanelDepth weight panel into thread-local
-// scratch and runs the register-blocked micro-kernel over it.
+// One matrix tile: packed rows [row0, row0 + rows) of x x outputs [col0, col0 + cols <= 64) of
+// the weights in ops, written to out_rows[r][col0 + c]. Dequantises a 64 x kPanelDepth weight
+// panel into thread-local scratch once for all the rows and runs the register-blocked
+// micro-kernel over it, weight columns outside, rows inside.
 template <class Isa, class Format>
-void mm_item(const Operands& ops, size_t row0, size_t rows, size_t col0, size_t cols,
-             float* const* out_rows) {
+void mm_item(const Operands& ops, const PackedRows& x, size_t row0, size_t rows, size_t col0,
+             size_t cols, float* const* out_rows) {
+  constexpr size_t kTileRows = Isa::kTileRows, kTileCols = Isa::kTileCols;
+  static_assert(kPanelCols % kTileCols == 0);
   MmScratch& s = mm_scratch();
   const size_t acc_stride = kPanelCols * kLanes;
   s.panel.resize(kPanelCols * kPanelDepth);
@@ -337,7 +528,7 @@ void mm_item(const Operands& ops, size_t row0, size_t rows, size_t col0, size_t 
   std::fill(acc, acc + rows * acc_stride, 0.0f);
   const size_t cols_pad = (cols + kTileCols - 1) / kTileCols * kTileCols;
 
-  for (size_t k0 = 0; k0 < ops.k; k0 += kPanelDepth) {
+  for (size_t p = 0, k0 = 0; k0 < ops.k; ++p, k0 += kPanelDepth) {
     const size_t depth = std::min(kPanelDepth, ops.k - k0);
     // Dequantise the panel; padded columns are zero weights whose results are never stored.
     for (size_t c = 0; c < cols; ++c) {
@@ -349,10 +540,21 @@ void mm_item(const Operands& ops, size_t row0, size_t rows, size_t col0, size_t 
     for (size_t c = cols; c < cols_pad; ++c) {
       std::fill(panel + c * kPanelDepth, panel + c * kPanelDepth + depth, 0.0f);
     }
+    // Ask for the next panel's weight bytes now: one short segment of every weight row, which
+    // the hardware prefetchers do not predict, arrives while this panel's FMAs run.
+    if (k0 + kPanelDepth < ops.k) {
+      const size_t next_bytes =
+          std::min(kPanelDepth, ops.k - k0 - kPanelDepth) / kQK * Format::kBytes;
+      for (size_t c = 0; c < cols; ++c) {
+        const uint8_t* next = ops.weight_row(col0 + c) + (k0 + kPanelDepth) / kQK * Format::kBytes;
+        for (size_t off = 0; off < next_bytes; off += 64) __builtin_prefetch(next + off);
+      }
+    }
+    const float* x_panel = x.panel_row(p, row0);
     for (size_t c = 0; c < cols_pad; c += kTileCols) {
       for (size_t r = 0; r < rows; r += kTileRows) {
-        mm_tile_rows<Isa>(std::min(kTileRows, rows - r), ops.input_row(row0 + r) + k0, ops.k,
-                          panel + c * kPanelDepth, kPanelDepth, depth,
+        mm_tile_rows<Isa>(std::min(kTileRows, rows - r), x_panel + r * kPackedRowStride,
+                          kPackedRowStride, panel + c * kPanelDepth, kPanelDepth, depth,
                           acc + r * acc_stride + c * kLanes, acc_stride);
       }
     }
@@ -364,11 +566,15 @@ void mm_item(const Operands& ops, size_t row0, size_t rows, size_t col0, size_t 
   }
 }
 
-using MmItem = void (*)(const Operands&, size_t, size_t, size_t, size_t, float* const*);
+using MmItem = void (*)(const Operands&, const PackedRows&, size_t, size_t, size_t, size_t,
+                        float* const*);
 
-// The fastest matrix-tile implementation of `Format` on this CPU.
+// The matrix-tile implementation of `Format` that this process runs.
 template <class Format>
 MmItem mm_item_for() {
+#if ROUTEMM_CPU_HAVE_AVX512
+  if (simd::has_avx512()) return mm_item<Avx512Isa<Format>, Format>;
+#endif
 #if ROUTEMM_CPU_HAVE_AVX2
   if (simd::has_avx2_fma()) return mm_item<Avx2Isa<Format>, Format>;
 #endif

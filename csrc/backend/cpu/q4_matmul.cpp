@@ -8,13 +8,15 @@
 // F32 lane accumulators over K in increasing order with one FMA per step, and a fixed lane
 // reduction tree. Routes differ only in how the work is split: the mat-vec kernels stream the
 // blocks and dequantise them in registers (nothing is written to a temporary matrix); the matrix
-// kernels cut the output into [token tile x 64] threadgroup tiles (32 or 128 tokens, from the
-// launch grid), dequantise a 64 x kPanelDepth weight panel into thread-local scratch and run a
-// 4 x 3 register-blocked micro-kernel over it. Neither changes the per-element order. Only NaN
-// payloads are not pinned.
+// kernels check the launch grid of [token tile x 64] threadgroup tiles (32 or 128 tokens), pack
+// the activations once per call and work in items of 64 rows x 64 outputs, each dequantising a
+// 64 x kPanelDepth weight panel into thread-local scratch once and running a register-blocked
+// micro-kernel (4 x 3 AVX2, 4 x 6 AVX-512) over it. None of this changes the per-element order,
+// nor does the instruction-set clone that runs (isa.h). Only NaN payloads are not pinned.
 #include "routemm/ops/q4_matmul.h"
 
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -125,8 +127,13 @@ void mv_kernel(const KernelLaunch& launch, void* queue_native) {
 
 // ---- Matrix routes ------------------------------------------------------------------------------
 
-// Every matrix route: TokenTile is the route's threadgroup token tile (32 or 128). The work split
-// follows the launch grid, one item per threadgroup; the per-element order does not depend on it.
+// Rows of one matrix work item: every weight panel is dequantised once per item, so wider items
+// dequantise less often; 64 rows of packed activations stay in L2 beside the panel.
+constexpr size_t kMmItemRows = 64;
+
+// Every matrix route: TokenTile is the route's threadgroup token tile (32 or 128), which the launch
+// grid must match. The CPU splits the work its own way (items of kMmItemRows rows x 64 outputs,
+// after packing the activations once); the per-element order does not depend on the split.
 template <class Format, size_t TokenTile>
 void mm_kernel(const KernelLaunch& launch, void* queue_native) {
   const auto p = kernels::launch_params<GgmlMatmulMmParams>(launch, 0);
@@ -146,24 +153,34 @@ void mm_kernel(const KernelLaunch& launch, void* queue_native) {
                              " x 64 tile");
   }
 
-  const ggml::MmItem run = ggml::mm_item_for<Format>();
-  const auto body = [&](size_t begin, size_t end) {
-    float* out_rows[TokenTile];
-    for (size_t item = begin; item < end; ++item) {
-      const size_t tx = item % token_tiles, ty = item / token_tiles;
-      const size_t row0 = tx * TokenTile, col0 = ty * kMmOutputTile;
-      const size_t rows = std::min(TokenTile, ops.m - row0);
-      for (size_t r = 0; r < rows; ++r) out_rows[r] = ops.output + (row0 + r) * ops.n;
-      run(ops, row0, rows, col0, std::min(kMmOutputTile, ops.n - col0), out_rows);
+  auto* pool = static_cast<ThreadPool*>(queue_native);
+  const auto parallel = [&](size_t n, const std::function<void(size_t, size_t)>& body) {
+    if (pool == nullptr) {
+      body(0, n);
+    } else {
+      pool->parallel_for(n, 1, body);
     }
   };
-  auto* pool = static_cast<ThreadPool*>(queue_native);
-  const size_t items = token_tiles * output_tiles;
-  if (pool == nullptr) {
-    body(0, items);
-  } else {
-    pool->parallel_for(items, 1, body);
-  }
+  // Pack the activations once for every item.
+  checked_mul(checked_mul(ggml::PackedRows::panels(ops.k), ops.m), ggml::kPackedRowStride);
+  std::vector<float> packed(ggml::PackedRows::floats(ops.m, ops.k));
+  const ggml::PackedRows x{packed.data(), ops.m};
+  parallel(ops.m, [&](size_t begin, size_t end) {
+    for (size_t r = begin; r < end; ++r) x.pack(r, ops.input_row(r), ops.k);
+  });
+
+  const ggml::MmItem run = ggml::mm_item_for<Format>();
+  const size_t row_items = (ops.m + kMmItemRows - 1) / kMmItemRows;
+  parallel(row_items * output_tiles, [&](size_t begin, size_t end) {
+    float* out_rows[kMmItemRows];
+    for (size_t item = begin; item < end; ++item) {
+      const size_t ri = item % row_items, ci = item / row_items;
+      const size_t row0 = ri * kMmItemRows, col0 = ci * kMmOutputTile;
+      const size_t rows = std::min(kMmItemRows, ops.m - row0);
+      for (size_t r = 0; r < rows; ++r) out_rows[r] = ops.output + (row0 + r) * ops.n;
+      run(ops, x, row0, rows, col0, std::min(kMmOutputTile, ops.n - col0), out_rows);
+    }
+  });
 }
 
 // ---- Registration -------------------------------------------------------------------------------

@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -195,15 +194,18 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
   const ggml::MmItem run = ggml::mm_item_for<Format>();
   const auto run_item = [&](const GroupedItem& item) {
     const uint32_t* flats = routed + item.row0;  // row0: the item's first entry of the list
-    std::vector<float>& x = gathered_rows();
-    x.resize(std::max(x.size(), size_t{item.rows} * p.k));
+    // Gather the item's rows straight into the matrix tile's packed layout.
+    std::vector<float>& gathered = gathered_rows();
+    gathered.resize(std::max(gathered.size(), ggml::PackedRows::floats(item.rows, p.k)));
+    const ggml::PackedRows x{gathered.data(), item.rows};
     float* out_rows[kItemRows];
     for (size_t r = 0; r < item.rows; ++r) {
-      std::memcpy(x.data() + r * p.k, job.input_row(flats[r]), size_t{p.k} * sizeof(float));
+      x.pack(r, job.input_row(flats[r]), p.k);
       out_rows[r] = job.output_row(flats[r]);
     }
-    const Operands ops = job.expert(item.expert, x.data(), item.rows, nullptr);
-    run(ops, 0, item.rows, item.col0, std::min<size_t>(kMmOutputTile, p.n - item.col0), out_rows);
+    const Operands ops = job.expert(item.expert, nullptr, item.rows, nullptr);
+    run(ops, x, 0, item.rows, item.col0, std::min<size_t>(kMmOutputTile, p.n - item.col0),
+        out_rows);
   };
 
   auto* pool = static_cast<ThreadPool*>(queue_native);

@@ -1,5 +1,5 @@
 // Small portable helpers for the CPU kernels: exact fp16/bf16 -> f32 widening, the fixed lane
-// reduction of the expert-ID matmul contract, and the x86 AVX2 dispatch switch.
+// reduction of the expert-ID matmul contract, and the x86 AVX2 / AVX-512 dispatch switches.
 //
 // Everything here is plain scalar C++ that the compiler can vectorise; nothing depends on the
 // instruction set, so every build produces the same bits.
@@ -8,6 +8,8 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+
+#include "isa.h"
 
 // Forces inlining of small helpers into the hot loops.
 #if defined(__GNUC__) || defined(__clang__)
@@ -75,12 +77,20 @@ ROUTEMM_CPU_INLINE void widen_block(const WT* src, float* dst, size_t count) {
   for (size_t i = 0; i < count; ++i) dst[i] = widen(src[i]);
 }
 
-// True when the CPU (and OS) support the ROUTEMM_CPU_AVX2 kernels.
+// True when the ROUTEMM_CPU_AVX2 kernels may run: the CPU (and OS) support them and ROUTEMM_CPU_ISA
+// does not cap the kernels below them (isa.h).
 inline bool has_avx2_fma() {
 #if ROUTEMM_CPU_HAVE_AVX2
-  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                                __builtin_cpu_supports("f16c");
-  return supported;
+  return cpu_isa_allows(CpuIsa::avx2);
+#else
+  return false;
+#endif
+}
+
+// True when the ROUTEMM_CPU_AVX512 kernels (isa.h) may run.
+inline bool has_avx512() {
+#if ROUTEMM_CPU_HAVE_AVX512
+  return cpu_isa_allows(CpuIsa::avx512);
 #else
   return false;
 #endif

@@ -20,6 +20,9 @@ struct Knob {
 std::optional<std::string> backend();
 // ROUTEMM_CPU_THREADS: worker threads of the CPU backend (0 or unset: hardware threads).
 int64_t cpu_threads();
+// ROUTEMM_CPU_ISA: highest instruction-set clone the CPU kernels may use ("portable", "avx2",
+// "avx512"; unset: the best the CPU supports). Any other value throws InvalidArgument.
+std::optional<std::string> cpu_isa();
 
 // ROUTEMM_ENCODER_AUTO_BARRIER: encoders start with the automatic-barrier tracker on (spec §2.5).
 bool encoder_auto_barrier();

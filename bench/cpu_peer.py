@@ -1,0 +1,270 @@
+"""routemm's CPU backend beside ggml's CPU backend (llama.cpp), in one run, with the machine's read
+bandwidth measured beside them.
+
+Cases: Q4_0 4096 x 14336 (N x K) at m = 1, 8, 64, 512 (quantized_matmul_ggml, its default route)
+and the Qwen3-30B-A3B expert projection (128 experts of 768 x 2048, top-8) with bf16 and f32 weights
+at m = 1, 64, 512 (dense_matmul_id, both routes). Both sides run on the same number of threads
+(ROUTEMM_CPU_THREADS for routemm, ggml_backend_cpu_set_n_threads for ggml) and report the minimum of
+--runs timed calls. Weights are cycled through copies (Q4_0: >= 128 MB in all; expert ids: fresh
+random ids every call), so no call finds its weights in the last-level cache.
+
+ggml comes from bench/peer/build_ggml_peer.sh SRC BUILD cpu (its ggml_mul_mat_peer binary; pass one
+--peer per build, e.g. the plain Q4_0 layout and a GGML_CPU_REPACK=ON build, and the best of them is
+ggml's time). ggml's own read-bandwidth probe (--read-bandwidth-mb) gives the bandwidth ceiling.
+
+    python bench/cpu_peer.py --peer plain=.dev/peer-cpu/bin/ggml_mul_mat_peer \\
+        --peer repack=.dev/peer-cpu-repack/bin/ggml_mul_mat_peer --out bench/results/cpu_peer-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+N, K = 4096, 14336
+Q4_MS = (1, 8, 64, 512)
+E, TOP_K, EN, EK = 128, 8, 768, 2048
+MOE_MS = (1, 64, 512)
+MOE_TYPES = ("bf16", "f32")
+
+
+def _min_time(run, runs: int, setup=None) -> float:
+    """Minimum wall time of `runs` calls of run(*setup()) after one warm-up call."""
+    best = float("inf")
+    for i in range(runs + 1):
+        args = setup() if setup else ()
+        t0 = time.perf_counter()
+        run(*args)
+        elapsed = time.perf_counter() - t0
+        if i:
+            best = min(best, elapsed)
+    return best
+
+
+def _routemm_q4(routemm, device, registry, runs: int) -> list[dict]:
+    from routemm import q4_0
+
+    rng = np.random.default_rng(0)
+    blocks = q4_0.quantize(rng.standard_normal((N, K), dtype=np.float32) * 0.02)
+    copies = [device.from_numpy(blocks) for _ in range(4)]  # 4 x 33 MB: more than the L3
+    records = []
+    for m in Q4_MS:
+        x = device.from_numpy(rng.standard_normal((m, K), dtype=np.float32))
+        out = device.alloc(m * N * 4, routemm.DType.F32, [m, N])
+        params = routemm.GgmlQuantizedMatmulParams(m, N, K)
+        turn = iter(range(10**9))
+        receipt = {}
+
+        def run(weight, x=x, out=out, params=params):
+            encoder = device.command_encoder()
+            receipt["r"] = routemm.quantized_matmul_ggml(encoder, registry, x, weight, out, params)
+            encoder.commit_and_wait()
+
+        seconds = _min_time(run, runs, lambda turn=turn: (copies[next(turn) % len(copies)],))
+        weight_bytes = blocks.nbytes
+        records.append(
+            dict(
+                op="q4_0_matmul",
+                shape=f"{N}x{K}",
+                m=m,
+                weight_dtype="q4_0",
+                route=receipt["r"].route,
+                impl="routemm",
+                time_us=seconds * 1e6,
+                bytes=weight_bytes,
+                flops=2 * m * N * K,
+                TBps=weight_bytes / seconds / 1e12,
+                TFLOPs=2 * m * N * K / seconds / 1e12,
+            )
+        )
+        print(f"routemm q4_0 m={m}: {seconds * 1e6:.0f} us ({receipt['r'].route})", flush=True)
+    return records
+
+
+def _routemm_expert_id(routemm, device, registry, runs: int) -> list[dict]:
+    import ml_dtypes
+
+    dtypes = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
+    records = []
+    for name in MOE_TYPES:
+        rng = np.random.default_rng(1)
+        weights = (rng.standard_normal((E, EN, EK), dtype=np.float32) * 0.02).astype(dtypes[name])
+        w_buf = device.from_numpy(weights)
+        stride = EN * EK * weights.itemsize
+        del weights
+        for m in MOE_MS:
+            x = device.from_numpy(rng.standard_normal((m, EK), dtype=np.float32))
+            out = device.alloc(m * TOP_K * EN * 4, routemm.DType.F32, [m * TOP_K, EN])
+            id_sets = [np.argsort(rng.random((m, E)), axis=1)[:, :TOP_K].astype(np.uint32) for _ in range(runs + 1)]
+            touched = np.mean([len(np.unique(ids)) for ids in id_sets]) * stride
+            for route in ("direct", "grouped_prefill"):
+                params = routemm.DenseMatmulIdParams(
+                    m, EN, EK, TOP_K, E, stride, route=routemm.DenseMatmulIdRoute(route)
+                )
+                scratch = routemm.DenseMatmulIdScratch(device, E, m) if route == "grouped_prefill" else None
+                bufs = iter([device.from_numpy(ids) for ids in id_sets])
+
+                def run(ids, params=params, scratch=scratch, x=x, out=out, w_buf=w_buf):
+                    encoder = device.command_encoder()
+                    routemm.dense_matmul_id(encoder, registry, w_buf, x, ids, out, scratch, params)
+                    encoder.commit_and_wait()
+
+                seconds = _min_time(run, runs, lambda bufs=bufs: (next(bufs),))
+                flops = 2 * m * TOP_K * EN * EK
+                records.append(
+                    dict(
+                        op="dense_matmul_id",
+                        shape="qwen3-30b-a3b",
+                        m=m,
+                        weight_dtype=name,
+                        route=route,
+                        impl="routemm",
+                        time_us=seconds * 1e6,
+                        bytes=float(touched),
+                        flops=flops,
+                        TBps=touched / seconds / 1e12,
+                        TFLOPs=flops / seconds / 1e12,
+                    )
+                )
+                print(f"routemm {name} expert-id m={m} {route}: {seconds * 1e6:.0f} us", flush=True)
+        del w_buf
+    return records
+
+
+def _ggml(label: str, binary: str, threads: int, runs: int, bandwidth: bool) -> tuple[list[dict], float | None]:
+    """ggml's records (rotated weights, minimum of `runs` batches of one compute per node) and,
+    when asked, its read-bandwidth probe in GB/s."""
+    common = [binary, "--backend", "cpu", "--threads", str(threads), "--modes", "rotated", "--stat", "min"]
+    common += ["--batches", str(runs), "--reps", "1", "--warmup", "1", "--nodes", "2", "--rotate-mb", "128"]
+    runs_args = [
+        ["--only", "mul_mat", "--shapes", f"{N}x{K}", "--ms", ",".join(map(str, Q4_MS))],
+        ["--only", "mul_mat_id", "--moe-types", ",".join(MOE_TYPES), "--moe-ms", ",".join(map(str, MOE_MS))],
+    ]
+    records, gbps = [], None
+    for i, extra in enumerate(runs_args):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "peer.json")
+            probe = ["--read-bandwidth-mb", "512"] if bandwidth and i == 0 else []
+            done = subprocess.run(common + extra + probe + ["--json", path], capture_output=True, text=True)
+            print(done.stdout, end="", flush=True)
+            if done.returncode != 0:
+                raise SystemExit(f"{binary} failed ({done.returncode}): {done.stderr[-2000:]}")
+            for line in done.stdout.splitlines():
+                if line.startswith("bandwidth read_gbps="):
+                    gbps = float(line.split()[1].split("=")[1])
+            with open(path) as f:
+                peer = json.load(f)
+        for r in peer:
+            moe = r["op"] == "MUL_MAT_ID"
+            flops = 2 * r["m"] * r["n"] * r["k"] * (r["top_k"] if moe else 1)
+            seconds = r["us"] * 1e-6
+            records.append(
+                dict(
+                    op="dense_matmul_id" if moe else "q4_0_matmul",
+                    shape="qwen3-30b-a3b" if moe else f"{r['n']}x{r['k']}",
+                    m=r["m"],
+                    weight_dtype=r["type"],
+                    route=f"ggml_{label}",
+                    impl="ggml_cpu",
+                    time_us=r["us"],
+                    TBps=r["tbps"],
+                    bytes=r["tbps"] * 1e12 * seconds,
+                    flops=flops,
+                    TFLOPs=flops / seconds / 1e12,
+                    note=f"{r['peer']}; rel_err {r['rel_err']:.1e}",
+                )
+            )
+    return records, gbps
+
+
+def _comparison(records: list[dict]) -> list[str]:
+    """Side-by-side table: routemm's best route and ggml's best layout per case."""
+    best: dict[tuple, dict[str, dict]] = {}
+    for r in records:
+        if r["op"] not in ("q4_0_matmul", "dense_matmul_id"):
+            continue
+        key = (r["op"], r["weight_dtype"], r["m"])
+        side = best.setdefault(key, {})
+        if r["impl"] not in side or r["time_us"] < side[r["impl"]]["time_us"]:
+            side[r["impl"]] = r
+    lines = [
+        "| case | m | routemm (us) | route | ggml (us) | layout | routemm speed / ggml speed |",
+        "|---|---:|---:|---|---:|---|---:|",
+    ]
+    for (op, dtype, m), side in sorted(best.items(), key=lambda kv: (kv[0][0] != "q4_0_matmul", kv[0][1], kv[0][2])):
+        ours, peer = side.get("routemm"), side.get("ggml_cpu")
+        case = f"Q4_0 {N}x{K}" if op == "q4_0_matmul" else f"expert-ID Qwen3 {dtype}"
+        ratio = f"{peer['time_us'] / ours['time_us']:.2f}x" if ours and peer else ""
+        lines.append(
+            f"| {case} | {m} | {ours['time_us']:.0f} | {ours['route']} | "
+            f"{peer['time_us']:.0f} | {peer['route'].removeprefix('ggml_')} | {ratio} |"
+            if ours and peer
+            else f"| {case} | {m} | | | | | |"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peer", action="append", default=[], help="LABEL=PATH of a ggml_mul_mat_peer binary")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--out", default="bench/results/cpu_peer-cpu.json")
+    parser.add_argument("--note", default="", help="a line for the report (e.g. that the machine was shared)")
+    args = parser.parse_args()
+    if not args.peer:
+        parser.error("at least one --peer LABEL=PATH is needed")
+
+    os.environ["ROUTEMM_CPU_THREADS"] = str(args.threads)  # read once, at the first kernel
+    import routemm
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import conftest  # the results format: device name, git revision, Markdown table
+
+    records, gbps = [], None
+    for i, spec in enumerate(args.peer):
+        label, _, path = spec.partition("=")
+        peer_records, probe = _ggml(label, path, args.threads, args.runs, bandwidth=i == 0)
+        records += peer_records
+        gbps = gbps if probe is None else probe
+    device = routemm.Device("cpu")
+    registry = routemm.KernelRegistry(device)
+    records += _routemm_q4(routemm, device, registry, args.runs)
+    records += _routemm_expert_id(routemm, device, registry, args.runs)
+
+    doc = {
+        "device": f"cpu: {conftest._cpu_name()} ({os.cpu_count()} threads; {args.threads} used by each side; "
+        f"routemm clone {device.properties['isa']})",
+        "git_rev": conftest._git_rev(),
+        "command": "python bench/cpu_peer.py " + " ".join(sys.argv[1:]),
+        "ceilings": {"read_TBps": (gbps or 0.0) / 1e3},
+        "records": records,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True, allow_nan=False)
+        f.write("\n")
+    text = conftest._markdown(doc)
+    text += "\n## routemm beside ggml (minimum of {} calls, {} threads each)\n\n".format(args.runs, args.threads)
+    text += f"Read bandwidth ({args.threads} threads, 512 MB): {gbps:.1f} GB/s.\n\n" if gbps else ""
+    text += (
+        "Method: routemm: minimum wall time of the calls (encode, commit, wait), weights cycled over copies or "
+        "fresh ids per call. ggml: ggml_mul_mat_peer in rotated mode, minimum over batches of one graph "
+        "compute per node (per-node time; it includes ggml's activation quantisation), plain and "
+        "repacked (GGML_CPU_REPACK=ON) Q4_0 layouts, the faster one taken.\n\n"
+    )
+    text += ("" if not args.note else args.note + "\n\n") + "\n".join(_comparison(records)) + "\n"
+    with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+        f.write(text)
+    print("\n".join(_comparison(records)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+// Instruction-set selection of the CPU kernels (see isa.h).
+#include "isa.h"
+
+#include "routemm/env.h"
+
+namespace routemm::cpu {
+namespace {
+
+CpuIsa supported_isa() {
+#if ROUTEMM_CPU_HAVE_AVX512
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return CpuIsa::avx512;
+  }
+#endif
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(ROUTEMM_CPU_PORTABLE_ONLY)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c")) {
+    return CpuIsa::avx2;
+  }
+#endif
+  return CpuIsa::portable;
+}
+
+}  // namespace
+
+std::string_view cpu_isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::avx512: return "avx512";
+    case CpuIsa::avx2: return "avx2";
+    case CpuIsa::portable: break;
+  }
+  return "portable";
+}
+
+CpuIsa cpu_isa() {
+  static const CpuIsa selected = [] {
+    const CpuIsa best = supported_isa();
+    const std::optional<std::string> cap = env::cpu_isa();
+    if (!cap) return best;
+    CpuIsa limit = CpuIsa::avx512;
+    if (*cap == "portable") limit = CpuIsa::portable;
+    if (*cap == "avx2") limit = CpuIsa::avx2;
+    return best < limit ? best : limit;
+  }();
+  return selected;
+}
+
+}  // namespace routemm::cpu

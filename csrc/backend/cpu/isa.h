@@ -1,0 +1,34 @@
+// Which instruction-set clone of the CPU kernels runs: the best the CPU (and OS) supports, capped by
+// ROUTEMM_CPU_ISA. Every clone follows its kernel's numerical contract exactly (only operations
+// with exactly specified results: fma, add, mul, exact conversions, permutes), so the choice changes
+// the speed and never a bit of any output; the cap exists to test that and to compare the clones.
+#pragma once
+
+#include <string_view>
+
+// x86-64 AVX-512 (F, BW, VL, DQ) kernels next to the AVX2 ones, under the same condition.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(ROUTEMM_CPU_PORTABLE_ONLY)
+#define ROUTEMM_CPU_HAVE_AVX512 1
+#define ROUTEMM_CPU_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#else
+#define ROUTEMM_CPU_HAVE_AVX512 0
+#endif
+
+namespace routemm::cpu {
+
+// Ordered: a higher value may use everything a lower one does.
+enum class CpuIsa { portable = 0, avx2 = 1, avx512 = 2 };
+
+// "portable", "avx2", "avx512".
+std::string_view cpu_isa_name(CpuIsa isa);
+
+// The clone the kernels use in this process: the best one the CPU supports, capped by
+// ROUTEMM_CPU_ISA (read once). A cap above what the CPU supports selects the best supported one.
+CpuIsa cpu_isa();
+
+// True when the kernels may use `isa`'s clone (cpu_isa() >= isa).
+inline bool cpu_isa_allows(CpuIsa isa) { return cpu_isa() >= isa; }
+
+}  // namespace routemm::cpu

@@ -1,0 +1,160 @@
+"""The CPU kernels' instruction-set clones (portable, AVX2, AVX-512) give the same bits.
+
+ROUTEMM_CPU_ISA caps the clone a process runs (it is read once, so each clone runs in its own
+child process). Every child computes the same block-quantised products -- the Q4_0 / Q8_0 mat-vec
+(m <= 8, column tails) and matrix routes (row and column tails, K not a multiple of the panel
+depth), the quantised expert-ID direct and grouped routes, weights with an infinite and a zero
+block scale -- and the parent compares their outputs bit for bit (NaN positions must agree; NaN
+payloads are not pinned by the contract). A clone the CPU lacks is a skip, never a pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import routemm
+
+pytestmark = pytest.mark.skipif("cpu" not in routemm.available_backends(), reason="no cpu backend")
+
+ISAS = ("portable", "avx2", "avx512")
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import routemm
+    from routemm import DenseMatmulIdInputLayout as Layout
+    from routemm import DType, GgmlType, q4_0, q8_0
+    from routemm import GgmlQuantizedMatmulIdRoute as Route
+
+    device = routemm.Device("cpu")
+    registry = routemm.KernelRegistry(device)
+    rng = np.random.default_rng(20240601)
+    formats = {GgmlType.Q4_0: q4_0, GgmlType.Q8_0: q8_0}
+    outputs = {}
+
+    def blocks_with_special_scales(fmt, n, k):
+        # Weight row 0, block 1: an infinite scale over quants of value +1 (every weight +inf);
+        # with positive activations there the output is +inf, not NaN. Row n - 1, block 0: a zero
+        # scale.
+        blocks = fmt.quantize(rng.uniform(-1, 1, (n, k)).astype(np.float32))
+        raw = blocks.reshape(n, k // 32, -1)
+        raw[0, 1, :2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
+        raw[0, 1, 2:] = 0x99 if fmt is q4_0 else 1
+        raw[n - 1, 0, :2] = 0
+        return blocks
+
+    def activations(m, k):
+        x = rng.uniform(-1, 1, (m, k)).astype(np.float32)
+        x[:, 32:64] = np.abs(x[:, 32:64]) + 0.5
+        return x
+
+    def dense(ggml_type, m, n, k):
+        blocks = blocks_with_special_scales(formats[ggml_type], n, k)
+        x = activations(m, k)
+        out = device.alloc(m * n * 4, DType.F32, [m, n])
+        encoder = device.command_encoder()
+        routemm.quantized_matmul_ggml(
+            encoder, registry, device.from_numpy(x), device.from_numpy(blocks), out,
+            routemm.GgmlQuantizedMatmulParams(m, n, k, ggml_type),
+        )
+        encoder.commit_and_wait()
+        return out.numpy().reshape(m, n)
+
+    def expert_id(ggml_type, route, m, n, k, top_k, n_experts):
+        fmt = formats[ggml_type]
+        stack = np.stack([blocks_with_special_scales(fmt, n, k) for _ in range(n_experts)])
+        stride = stack[0].nbytes
+        x = activations(m, k)
+        ids = np.stack([rng.permutation(n_experts)[:top_k] for _ in range(m)]).astype(np.uint32)
+        out = device.alloc(m * top_k * n * 4, DType.F32, [m * top_k, n])
+        params = routemm.GgmlQuantizedMatmulIdParams(
+            m, n, k, top_k, n_experts, ggml_type, stride, Layout.SHARED_PER_TOKEN, route
+        )
+        scratch = routemm.DenseMatmulIdScratch(device, n_experts, m) if route is Route.GROUPED else None
+        encoder = device.command_encoder()
+        routemm.quantized_matmul_id_ggml(
+            encoder, registry, device.from_numpy(x), device.from_numpy(stack.reshape(-1)),
+            device.from_numpy(ids), out, scratch, params,
+        )
+        encoder.commit_and_wait()
+        return out.numpy().reshape(m * top_k, n)
+
+    for ggml_type in formats:
+        for m in (1, 2, 3, 5, 8, 9, 33, 70):
+            for n, k in ((13, 96), (70, 608)):
+                outputs[f"{ggml_type.value}/dense/m{m}/n{n}/k{k}"] = dense(ggml_type, m, n, k)
+        for route in (Route.DIRECT, Route.GROUPED):
+            for m in (1, 5, 40):
+                outputs[f"{ggml_type.value}/{route.value}/m{m}"] = expert_id(ggml_type, route, m, 70, 608, 3, 6)
+    np.savez(sys.argv[1], **outputs)
+    print(json.dumps({"isa": device.properties["isa"]}))
+    """
+)
+
+
+def _run_clone(isa: str, path) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "ROUTEMM_BACKEND"}
+    env["ROUTEMM_CPU_ISA"] = isa
+    env["ROUTEMM_CPU_THREADS"] = "2"
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])["isa"]
+
+
+def _assert_same_bits(name: str, a: np.ndarray, b: np.ndarray) -> None:
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    np.testing.assert_array_equal(nan_a, nan_b, err_msg=f"{name}: NaN positions differ")
+    np.testing.assert_array_equal(
+        np.where(nan_a, 0, a).view(np.uint32), np.where(nan_b, 0, b).view(np.uint32), err_msg=name
+    )
+
+
+def test_cpu_isa_clones_are_bit_identical(tmp_path):
+    ran: dict[str, dict[str, np.ndarray]] = {}
+    for isa in ISAS:
+        path = tmp_path / f"{isa}.npz"
+        if _run_clone(isa, path) != isa:
+            continue  # the CPU lacks this clone (its cap selected a lower one)
+        with np.load(path) as data:
+            ran[isa] = {name: data[name] for name in data.files}
+    if len(ran) < 2:
+        pytest.skip(f"this CPU runs only the {', '.join(ran)} clone")
+    base_isa, base = next(iter(ran.items()))
+    # The infinite scale reaches the outputs as the IEEE products d * (q - 8) give it: +inf in
+    # weight row 0's column, finite elsewhere.
+    for name in ("q4_0/dense/m1/n70/k608", "q4_0/dense/m33/n70/k608", "q8_0/dense/m5/n13/k96"):
+        assert np.all(np.isposinf(base[name][:, 0])) and np.all(np.isfinite(base[name][:, 1:])), name
+    for isa, outputs in ran.items():
+        assert outputs.keys() == base.keys()
+        for name, value in outputs.items():
+            _assert_same_bits(f"{isa} vs {base_isa}: {name}", value, base[name])
+
+
+def test_cpu_isa_knob_caps_the_clone_and_is_recorded():
+    env = {k: v for k, v in os.environ.items() if k != "ROUTEMM_BACKEND"}
+    env["ROUTEMM_CPU_ISA"] = "portable"
+    code = (
+        "import routemm; print(routemm.Device('cpu').properties['isa'], routemm.env.non_default()['ROUTEMM_CPU_ISA'])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["portable", "portable"]
+    assert routemm.Device("cpu").properties["isa"] in ISAS
+    assert "ROUTEMM_CPU_ISA" in routemm.env.table_markdown()
+
+
+def test_cpu_isa_knob_rejects_unknown_values():
+    env = {k: v for k, v in os.environ.items() if k != "ROUTEMM_BACKEND"}
+    env["ROUTEMM_CPU_ISA"] = "avx1024"
+    code = "import routemm; routemm.Device('cpu').properties"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "ROUTEMM_CPU_ISA must be portable, avx2 or avx512, got 'avx1024'" in done.stderr
