@@ -7,8 +7,10 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "backend/common/dense_matmul_id_params.h"
+#include "ops/expert_id_encoding.h"
 #include "routemm/error.h"
 
 namespace routemm {
@@ -288,11 +290,10 @@ Launch direct_launch(const KernelDef& def, const DenseMatmulIdParams& p) {
           {}};
 }
 
-// One threadgroup; one thread per expert unless the backend's map uses a fixed block.
+// expert_id::map_launch's threads and threadgroup memory, in one threadgroup.
 Launch map_launch(const KernelDef& def, const DenseMatmulIdParams& p) {
-  const uint64_t threads =
-      def.threads_per_group > 1 ? def.threads_per_group : uint64_t{p.n_experts};
-  return {Dim3{1, 1, 1}, Dim3{threads, 1, 1}, {}};
+  expert_id::MapLaunch ml = expert_id::map_launch(def, p.n_experts);
+  return {Dim3{1, 1, 1}, ml.threads, std::move(ml.shmem)};
 }
 
 Launch grouped_launch(const KernelDef& def, const DenseMatmulIdParams& p) {
@@ -417,8 +418,9 @@ DenseMatmulIdDispatchReceipt dense_matmul_id(CommandEncoder& encoder, KernelRegi
                                                      {2, KernelArg::of(counts)},
                                                      {3, KernelArg::of(routed)},
                                                      {4, KernelArg::of(output)}};
-  const Launch ml = map_launch(map->def(), params);
-  encoder.dispatch(*map, map_args, ml.grid, ml.threads);
+  Launch ml = map_launch(map->def(), params);
+  encoder.dispatch(*map, map_args, ml.grid, ml.threads, DispatchKind::ThreadGroups,
+                   std::move(ml.shmem));
   // The grouped dispatch reads what the map wrote (RAW edge).
   encoder.memory_barrier();
   if (encoder.is_capturing()) {

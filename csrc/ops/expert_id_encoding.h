@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "backend/common/dense_matmul_id_params.h"
 #include "routemm/buffer.h"
@@ -38,6 +40,15 @@ struct Buffers {
 // `dispatches`; throws InvalidArgument prefixed with `op`.
 void check_encoder(std::string_view op, std::string_view route, const CommandEncoder& encoder,
                    const KernelRegistry& registry, const Buffer& weights, uint32_t dispatches);
+
+// The map's launch: one threadgroup of one thread per expert, unless the backend's map uses a
+// fixed block (threads_per_group > 1), with the threadgroup memory its KernelDef declares (index
+// 0). Both front doors encode and predict the map with it.
+struct MapLaunch {
+  Dim3 threads;
+  std::vector<std::pair<uint64_t, uint64_t>> shmem;
+};
+MapLaunch map_launch(const KernelDef& map, uint32_t n_experts);
 
 // Encodes the direct route: one dispatch of `pipeline_name`.
 void encode_direct(CommandEncoder& encoder, KernelRegistry& registry,
