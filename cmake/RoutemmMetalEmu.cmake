@@ -19,7 +19,8 @@ function(routemm_metal_emu_shaders target)
   set(out "${CMAKE_CURRENT_BINARY_DIR}/${target}")
   set(csrc "${ROUTEMM_METAL_EMU_DIR}/../..")
   get_filename_component(csrc "${csrc}" ABSOLUTE)
-  set(includes "${ROUTEMM_METAL_EMU_DIR}/include" "${csrc}" "${csrc}/include")
+  get_filename_component(shader_dir "${csrc}/../metal" ABSOLUTE)
+  set(includes "${ROUTEMM_METAL_EMU_DIR}/include" "${csrc}" "${csrc}/include" "${shader_dir}")
   set(outputs "${out}/library_${ARG_LIBRARY}.cpp")
   foreach(shader IN LISTS ARG_SHADERS)
     get_filename_component(name "${shader}" NAME)
@@ -29,7 +30,7 @@ function(routemm_metal_emu_shaders target)
   foreach(dir IN LISTS includes)
     list(APPEND include_args --include "${dir}")
   endforeach()
-  file(GLOB common_headers CONFIGURE_DEPENDS "${csrc}/backend/common/*.h")
+  file(GLOB common_headers CONFIGURE_DEPENDS "${csrc}/backend/common/*.h" "${shader_dir}/*.h")
   add_custom_command(OUTPUT ${outputs}
     COMMAND Python3::Interpreter "${ROUTEMM_METAL_EMU_DIR}/bind_shaders.py"
             --cxx "${CMAKE_CXX_COMPILER}" ${include_args} --out "${out}" --library "${ARG_LIBRARY}"

@@ -12,8 +12,8 @@
 // csrc/backend/metal/kernels.cpp:
 //   direct : 0 params, 1 weights, 2 input, 3 ids, 4 output; grid [ceil(n/8), m*top_k, 1],
 //            64 threads (2 simdgroups x 4 output columns), no threadgroup memory.
-//   map    : 0 params, 1 ids, 2 expert_counts, 3 routed_rows, 4 output; one threadgroup of
-//            n_experts threads (at most 1024, the grouped route's limit).
+//   map    : 0 params, 1 ids, 2 expert_counts, 3 routed_rows, 4 output; one threadgroup of 128
+//            threads, threadgroup memory index 0 of 16400 bytes (4 x 1024 cursors, 4 totals).
 //   grouped: 0 params, 1 weights, 2 input, 3 expert_counts, 4 routed_rows, 5 output; grid
 //            [ceil(m/8), ceil(n/8), n_experts], 256 threads (8 simdgroups), threadgroup memory
 //            index 0 of 4096 bytes (8 columns x 128 inner positions of F32).
@@ -33,6 +33,10 @@ constant constexpr uint kGroupedRows = 8;     // routed rows per threadgroup (on
 constant constexpr uint kGroupedColumns = 8;  // output columns per threadgroup
 constant constexpr uint kGroupedDepth = 128;  // inner positions staged per step
 constant constexpr uint kGroupedThreads = 256;
+constant constexpr uint kMapThreads = 128;  // the map's fixed threadgroup (4 simdgroups)
+constant constexpr uint kMapSimdgroups = kMapThreads / kSimdWidth;
+constant constexpr uint kMapMaxExperts = 1024;  // the grouped route's expert limit
+constant constexpr uint kMapExpertsPerThread = kMapMaxExperts / kMapThreads;
 
 // BF16 weights are read as their raw 16 bits; widening is exact (the F32 with those high bits).
 struct bf16_bits {
@@ -162,40 +166,100 @@ kernel void dense_matmul_id_direct_bf16_f32(ROUTEMM_DIRECT_ARGS) {
 
 // Routes every flat row with a valid id, repeated ids included: expert e's rows form the segment
 // routed_rows[start(e), start(e) + count(e)) of one list ordered by expert, in flat-row order,
-// where start(e) is the number of flat rows whose id is below e (the counts of the experts before
-// e). The list holds at most m * top_k rows (within the scratch's n_experts * m entries, since
-// grouped needs top_k <= n_experts). Thread e counts its rows and its start in one pass over the
-// ids (no threadgroup memory, no barrier), then writes its segment. Thread 0 also zero-fills every
-// output row whose id is >= n_experts, which the grouped kernel never visits (Direct's
-// full-overwrite behaviour).
+// where start(e) is the number of flat rows whose id is below e. The list holds at most m * top_k
+// rows (within the scratch's n_experts * m entries, since grouped needs top_k <= n_experts).
+//
+// One threadgroup of 128 threads (4 simdgroups); simdgroup s owns the contiguous quarter s of the
+// flat rows. Threadgroup memory: cursor[s][e] for 4 x 1024 experts, then 4 simdgroup totals (all
+// atomic_uint, so that no access is a race). Every pass is parallel over rows or experts, with
+// no thread scanning every row for every expert:
+//   1. count: each thread counts its rows into cursor[s][id]; a row whose id is >= n_experts is
+//      zero-filled in the output by that thread (the grouped kernel never visits it: Direct's
+//      full-overwrite behaviour);
+//   2. place: thread t owns experts [8 t, 8 t + 8): count(e) = the sum over s, start(e) comes from
+//      an exclusive scan over the threads (simd_prefix_exclusive_sum, then the simdgroup totals),
+//      and cursor[s][e] becomes where simdgroup s's first row of expert e goes;
+//   3. scatter: each simdgroup walks its rows in order, 32 at a time: a row's rank among the lanes
+//      before it with the same id (32 shuffles) plus the cursor, which the lowest such lane
+//      advances by their number (one atomic add, its result broadcast by a shuffle).
 kernel void dense_matmul_id_map_distinct(constant DenseMatmulIdKernelParams &p [[buffer(0)]],
                                          device const uint *ids [[buffer(1)]],
                                          device uint *expert_counts [[buffer(2)]],
                                          device uint *routed_rows [[buffer(3)]],
                                          device float *out [[buffer(4)]],
-                                         uint e [[thread_position_in_threadgroup]]) {
+                                         threadgroup atomic_uint *cursor [[threadgroup(0)]],
+                                         uint tid [[thread_index_in_threadgroup]],
+                                         uint simdgroup [[simdgroup_index_in_threadgroup]],
+                                         uint lane [[thread_index_in_simdgroup]]) {
   const uint total = p.m * p.top_k;
-  if (e < p.n_experts) {
-    uint count = 0, next = 0;
-    for (uint flat = 0; flat < total; ++flat) {
-      const uint id = ids[flat];
-      count += id == e ? 1u : 0u;
-      next += id < e ? 1u : 0u;
-    }
-    expert_counts[e] = count;
-    for (uint flat = 0; flat < total && count != 0; ++flat) {
-      if (ids[flat] == e) {
-        routed_rows[next++] = flat;
-        --count;
-      }
+  const uint experts = min(p.n_experts, kMapMaxExperts);
+  const uint span = (total + kMapSimdgroups - 1) / kMapSimdgroups;
+  const uint begin = min(total, simdgroup * span);
+  const uint end = min(total, begin + span);
+  threadgroup atomic_uint* mine = cursor + simdgroup * kMapMaxExperts;
+  threadgroup atomic_uint* simdgroup_totals = cursor + kMapSimdgroups * kMapMaxExperts;
+
+  for (uint i = tid; i < kMapSimdgroups * experts; i += kMapThreads) {
+    atomic_store_explicit(&cursor[(i / experts) * kMapMaxExperts + i % experts], 0u, memory_order_relaxed);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // 1. count
+  for (uint flat = begin + lane; flat < end; flat += kSimdWidth) {
+    const uint id = ids[flat];
+    if (id < experts) {
+      atomic_fetch_add_explicit(&mine[id], 1u, memory_order_relaxed);
+    } else {
+      for (uint col = 0; col < p.n; ++col) out[ulong(flat) * p.n + col] = 0.0f;
     }
   }
-  if (e == 0) {
-    for (uint flat = 0; flat < total; ++flat) {
-      if (ids[flat] >= p.n_experts) {
-        for (uint col = 0; col < p.n; ++col) out[ulong(flat) * p.n + col] = 0.0f;
-      }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // 2. place
+  const uint first_expert = tid * kMapExpertsPerThread;
+  uint owned = 0;
+  for (uint e = first_expert; e < min(experts, first_expert + kMapExpertsPerThread); ++e) {
+    for (uint s = 0; s < kMapSimdgroups; ++s) {
+      owned += atomic_load_explicit(&cursor[s * kMapMaxExperts + e], memory_order_relaxed);
     }
+  }
+  const uint before_in_simdgroup = simd_prefix_exclusive_sum(owned);
+  if (lane == kSimdWidth - 1) {
+    atomic_store_explicit(&simdgroup_totals[simdgroup], before_in_simdgroup + owned, memory_order_relaxed);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  uint next = before_in_simdgroup;
+  for (uint s = 0; s < simdgroup; ++s) next += atomic_load_explicit(&simdgroup_totals[s], memory_order_relaxed);
+  for (uint e = first_expert; e < min(experts, first_expert + kMapExpertsPerThread); ++e) {
+    uint count = 0;
+    for (uint s = 0; s < kMapSimdgroups; ++s) {
+      threadgroup atomic_uint* c = &cursor[s * kMapMaxExperts + e];
+      const uint rows = atomic_load_explicit(c, memory_order_relaxed);
+      atomic_store_explicit(c, next, memory_order_relaxed);
+      next += rows;
+      count += rows;
+    }
+    expert_counts[e] = count;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // 3. scatter (every lane takes every batch of its simdgroup: the shuffles need all 32)
+  for (uint batch = begin; batch < end; batch += kSimdWidth) {
+    const uint flat = batch + lane;
+    const uint id = flat < end ? ids[flat] : 0xffffffffu;
+    const bool routed = id < experts;
+    uint rank = 0, same = 0, leader = lane;
+    for (ushort other = 0; other < kSimdWidth; ++other) {
+      const uint other_id = simd_shuffle(id, other);
+      const bool match = other_id == id;
+      same += match ? 1u : 0u;
+      rank += match && other < lane ? 1u : 0u;
+      leader = match && other < leader ? other : leader;
+    }
+    uint base = 0;
+    if (routed && leader == lane) base = atomic_fetch_add_explicit(&mine[id], same, memory_order_relaxed);
+    base = simd_shuffle(base, ushort(leader));
+    if (routed) routed_rows[base + rank] = flat;
   }
 }
 

@@ -7,6 +7,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "backend/common/dense_matmul_id_params.h"
 #include "ops/expert_id_encoding.h"
@@ -302,11 +303,10 @@ Launch direct_launch(const KernelDef& def, const DenseMatmulIdParams& p) {
           {}};
 }
 
-// One threadgroup; one thread per expert unless the backend's map uses a fixed block.
+// expert_id::map_launch's threads and threadgroup memory, in one threadgroup.
 Launch map_launch(const KernelDef& def, const DenseMatmulIdParams& p) {
-  const uint64_t threads =
-      def.threads_per_group > 1 ? def.threads_per_group : uint64_t{p.n_experts};
-  return {Dim3{1, 1, 1}, Dim3{threads, 1, 1}, {}};
+  expert_id::MapLaunch ml = expert_id::map_launch(def, p.n_experts);
+  return {Dim3{1, 1, 1}, ml.threads, std::move(ml.shmem)};
 }
 
 Launch grouped_launch(const KernelDef& def, const DenseMatmulIdParams& p) {

@@ -94,6 +94,14 @@ void check_encoder(std::string_view op, std::string_view route, const CommandEnc
   }
 }
 
+MapLaunch map_launch(const KernelDef& map, uint32_t n_experts) {
+  MapLaunch launch;
+  const uint64_t threads = map.threads_per_group > 1 ? map.threads_per_group : uint64_t{n_experts};
+  launch.threads = Dim3{threads, 1, 1};
+  if (map.threadgroup_memory_bytes != 0) launch.shmem.emplace_back(0, map.threadgroup_memory_bytes);
+  return launch;
+}
+
 void encode_direct(CommandEncoder& encoder, KernelRegistry& registry,
                    std::string_view pipeline_name, const kernels::DenseMatmulIdKernelParams& gpu,
                    const Buffers& b) {
@@ -153,10 +161,9 @@ void encode_grouped(std::string_view op, CommandEncoder& encoder, KernelRegistry
                                                        {2, KernelArg::of(counts)},
                                                        {3, KernelArg::of(routed)},
                                                        {4, KernelArg::of(b.output)}};
-    // One threadgroup; one thread per expert unless the backend's map uses a fixed block.
-    const uint64_t map_threads =
-        map->def().threads_per_group > 1 ? map->def().threads_per_group : uint64_t{gpu.n_experts};
-    encoder.dispatch(*map, map_args, Dim3{1, 1, 1}, Dim3{map_threads, 1, 1});
+    MapLaunch ml = map_launch(map->def(), gpu.n_experts);
+    encoder.dispatch(*map, map_args, Dim3{1, 1, 1}, ml.threads, DispatchKind::ThreadGroups,
+                     std::move(ml.shmem));
     scratch.record_map(map_key(b.expert_ids, gpu));
     // The grouped dispatch (and every later one, a reusing call's included) reads what the map
     // wrote (RAW edge).

@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "backend/common/dense_matmul_id_params.h"
 #include "routemm/buffer.h"
@@ -49,6 +51,15 @@ uint32_t dispatch_count(bool grouped, DenseMatmulIdMapUse map);
 void check_map_use(std::string_view op, DenseMatmulIdMapUse map, bool grouped,
                    const DenseMatmulIdScratch* scratch, const Buffer& expert_ids,
                    const kernels::DenseMatmulIdKernelParams& gpu);
+
+// The map's launch: one threadgroup of one thread per expert, unless the backend's map uses a
+// fixed block (threads_per_group > 1), with the threadgroup memory its KernelDef declares (index
+// 0). Both front doors encode and predict the map with it.
+struct MapLaunch {
+  Dim3 threads;
+  std::vector<std::pair<uint64_t, uint64_t>> shmem;
+};
+MapLaunch map_launch(const KernelDef& map, uint32_t n_experts);
 
 // Encodes the direct route: one dispatch of `pipeline_name`.
 void encode_direct(CommandEncoder& encoder, KernelRegistry& registry,

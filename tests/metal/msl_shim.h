@@ -75,6 +75,14 @@ vec<T, N> operator*(vec<T, N>, vec<T, N>);
 template <class T, int N>
 vec<T, N> operator*(vec<T, N>, T);
 
+// Packed vectors: the alignment of one element, indexable, convertible to the vector.
+template <class T, int N>
+struct packed_vec {
+  T& operator[](int i);
+  const T& operator[](int i) const;
+  operator vec<T, N>() const;
+};
+
 }  // namespace metal
 
 #define ROUTEMM_MSL_VECTORS(T)   \
@@ -90,6 +98,8 @@ ROUTEMM_MSL_VECTORS(ushort)
 ROUTEMM_MSL_VECTORS(long)
 ROUTEMM_MSL_VECTORS(ulong)
 #undef ROUTEMM_MSL_VECTORS
+typedef metal::packed_vec<float, 2> packed_float2;
+typedef metal::packed_vec<float, 4> packed_float4;
 
 namespace metal {
 
@@ -110,6 +120,8 @@ template <class T>
 T simd_max(T value);
 template <class T>
 T simd_shuffle(T value, ushort lane);
+template <class T>
+T simd_prefix_exclusive_sum(T value);
 template <class T>
 T simd_broadcast(T value, ushort lane);
 

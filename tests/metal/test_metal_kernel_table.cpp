@@ -29,6 +29,7 @@
 #include "routemm/ops/dense_matmul_id.h"
 #include "routemm/ops/moe.h"
 #include "routemm/ops/q4_matmul.h"
+#include "routemm/ops/quantized_matmul_id.h"
 #include "routemm/registry.h"
 
 #ifndef ROUTEMM_METAL_SHADER_DIR
@@ -144,6 +145,9 @@ std::vector<std::string> core_pipeline_names() {
   names.push_back("routemm_calibration_poison_f32");
   names.push_back("routemm_calibration_compare_f32");
   names.insert(names.end(), kMoePipelineNames.begin(), kMoePipelineNames.end());
+  names.insert(names.end(), kQ8MatmulPipelineNames.begin(), kQ8MatmulPipelineNames.end());
+  names.insert(names.end(), kGgmlQuantizedMatmulIdPipelineNames.begin(),
+               kGgmlQuantizedMatmulIdPipelineNames.end());
   return names;
 }
 
@@ -296,7 +300,10 @@ TEST(MetalKernelTable, ExpertIdGeometryAndBindings) {
     EXPECT_TRUE(receipt[0].threadgroup_memory.empty());
     EXPECT_EQ(receipt[1].pipeline_label, std::string(names[0]));
     EXPECT_EQ(receipt[1].grid, (std::array<uint64_t, 3>{1, 1, 1}));
-    EXPECT_EQ(receipt[1].threads_per_threadgroup, (std::array<uint64_t, 3>{8, 1, 1}));
+    // The map: one fixed threadgroup of 128 threads with its cursors in threadgroup memory.
+    EXPECT_EQ(receipt[1].threads_per_threadgroup, (std::array<uint64_t, 3>{128, 1, 1}));
+    EXPECT_EQ(receipt[1].threadgroup_memory,
+              (std::vector<std::pair<uint64_t, uint64_t>>{{0, 16400}}));
     EXPECT_EQ(receipt[2].pipeline_label, std::string(names[1]));
     EXPECT_EQ(receipt[2].grid, (std::array<uint64_t, 3>{2, 1, 8}));
     EXPECT_EQ(receipt[2].threads_per_threadgroup, (std::array<uint64_t, 3>{256, 1, 1}));
@@ -400,6 +407,68 @@ TEST(MetalKernelTable, MoeGeometryAndBindings) {
     EXPECT_EQ(dispatch.threads_per_threadgroup, (std::array<uint64_t, 3>{64, 1, 1}));
     EXPECT_TRUE(dispatch.threadgroup_memory.empty());
   }
+  expect_bindings_match_shaders();
+}
+
+TEST(MetalKernelTable, QuantizedGeometryAndBindings) {
+  // Q8_0 takes the Q4_0 geometry (mat-vec [ceil(N/8), M, 1] x [8, 8, 1]; matrix [ceil(M/32),
+  // ceil(N/64), 1] x 128, 8192 bytes); the quantised expert-ID direct route the dense direct
+  // geometry, its grouped route the matrix tile over routed rows after the shared map.
+  const Device device(std::make_shared<TableBackend>());
+  KernelRegistry registry(device);
+  const uint32_t n = 70, k = 64;
+  const Buffer q8_weight = zeros(device, uint64_t{n} * (k / 32) * 34, DType::U8);
+  recorded().clear();
+  CommandEncoder encoder = device.command_encoder();
+  for (uint32_t m : {3u, 33u}) {
+    const Buffer input = zeros(device, uint64_t{m} * k * 4, DType::F32);
+    const Buffer output = zeros(device, uint64_t{m} * n * 4, DType::F32);
+    const auto r = quantized_matmul_ggml(encoder, registry, input, q8_weight, output,
+                                         GgmlQuantizedMatmulParams{m, n, k, GgmlType::Q8_0},
+                                         GgmlRoutingPolicy{});
+    if (m <= kGgmlMmRoutingThreshold) {
+      EXPECT_EQ(r.dispatch.pipeline_label, "kernel_mul_mv_q8_0_f32|700:i1|701:i1|702:i1");
+      EXPECT_EQ(r.dispatch.grid, (std::array<uint64_t, 3>{9, m, 1}));
+      EXPECT_EQ(r.dispatch.threads_per_threadgroup, (std::array<uint64_t, 3>{8, 8, 1}));
+      EXPECT_TRUE(r.dispatch.threadgroup_memory.empty());
+    } else {
+      EXPECT_EQ(r.dispatch.pipeline_label, "kernel_mul_mm_q8_0_f32|700:i1|701:i1|702:i1");
+      EXPECT_EQ(r.dispatch.grid, (std::array<uint64_t, 3>{2, 2, 1}));
+      EXPECT_EQ(r.dispatch.threads_per_threadgroup, (std::array<uint64_t, 3>{128, 1, 1}));
+      EXPECT_EQ(r.dispatch.threadgroup_memory,
+                (std::vector<std::pair<uint64_t, uint64_t>>{{0, 8192}}));
+    }
+  }
+
+  GgmlQuantizedMatmulIdParams p;
+  p.m = 9;
+  p.n = 70;
+  p.k = k;
+  p.top_k = 2;
+  p.n_experts = 4;
+  p.ggml_type = GgmlType::Q4_0;
+  p.expert_stride_bytes = uint64_t{n} * (k / 32) * 18;
+  const Buffer weights = zeros(device, p.expert_stride_bytes * p.n_experts, DType::U8);
+  const Buffer input = zeros(device, uint64_t{p.m} * k * 4, DType::F32);
+  const Buffer ids = zeros(device, uint64_t{p.m} * p.top_k * 4, DType::U32);
+  const Buffer output = zeros(device, uint64_t{p.m} * p.top_k * n * 4, DType::F32);
+  const DenseMatmulIdScratch scratch(device, p.n_experts, p.m);
+  encoder.start_encoded_dispatch_receipt(3);
+  p.route = GgmlQuantizedMatmulIdRoute::Direct;
+  quantized_matmul_id_ggml(encoder, registry, input, weights, ids, output, nullptr, p);
+  p.route = GgmlQuantizedMatmulIdRoute::Grouped;
+  quantized_matmul_id_ggml(encoder, registry, input, weights, ids, output, &scratch, p);
+  const auto receipt = encoder.take_encoded_dispatch_receipt();
+  encoder.commit_and_wait();
+  ASSERT_EQ(receipt.size(), 3u);
+  EXPECT_EQ(receipt[0].pipeline_label, "quantized_matmul_id_direct_q4_0_f32");
+  EXPECT_EQ(receipt[0].grid, (std::array<uint64_t, 3>{9, 18, 1}));
+  EXPECT_EQ(receipt[0].threads_per_threadgroup, (std::array<uint64_t, 3>{64, 1, 1}));
+  EXPECT_EQ(receipt[1].pipeline_label, std::string(kDenseMatmulIdMapPipeline));
+  EXPECT_EQ(receipt[2].pipeline_label, "quantized_matmul_id_grouped_q4_0_f32");
+  EXPECT_EQ(receipt[2].grid, (std::array<uint64_t, 3>{1, 2, 4}));
+  EXPECT_EQ(receipt[2].threads_per_threadgroup, (std::array<uint64_t, 3>{128, 1, 1}));
+  EXPECT_EQ(receipt[2].threadgroup_memory, (std::vector<std::pair<uint64_t, uint64_t>>{{0, 8192}}));
   expect_bindings_match_shaders();
 }
 

@@ -16,6 +16,15 @@ import routemm
 from routemm.calibration import COMPARE_PIPELINE, POISON_PIPELINE
 
 SHADER_DIR = Path(__file__).resolve().parents[2] / "metal"
+PIPELINES = [
+    *routemm.DENSE_MATMUL_ID_PIPELINE_NAMES,
+    *routemm.Q4_MATMUL_PIPELINE_NAMES,
+    *routemm.Q8_MATMUL_PIPELINE_NAMES,
+    *routemm.GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES,
+    *routemm.MOE_PIPELINE_NAMES,
+    POISON_PIPELINE,
+    COMPARE_PIPELINE,
+]
 TENSOR_ONLY = {
     "kernel_mul_mm_q4_0_tensor_f32",
     "kernel_mul_mm_q4_0_tensor_v2_f32",
@@ -36,16 +45,7 @@ if not SHADER_DIR.is_dir():  # an installed package without the source tree
     pytest.skip("metal/ sources not present", allow_module_level=True)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        *routemm.DENSE_MATMUL_ID_PIPELINE_NAMES,
-        *routemm.Q4_MATMUL_PIPELINE_NAMES,
-        *routemm.MOE_PIPELINE_NAMES,
-        POISON_PIPELINE,
-        COMPARE_PIPELINE,
-    ],
-)
+@pytest.mark.parametrize("name", PIPELINES)
 def test_every_pipeline_has_a_metal_kernel(name):
     kernels = _kernels()
     assert name in kernels, f"no `kernel void {name}(` in metal/*.metal"
@@ -54,11 +54,4 @@ def test_every_pipeline_has_a_metal_kernel(name):
 
 
 def test_no_unregistered_metal_kernels():
-    names = {
-        *routemm.DENSE_MATMUL_ID_PIPELINE_NAMES,
-        *routemm.Q4_MATMUL_PIPELINE_NAMES,
-        *routemm.MOE_PIPELINE_NAMES,
-        POISON_PIPELINE,
-        COMPARE_PIPELINE,
-    }
-    assert set(_kernels()) <= names
+    assert set(_kernels()) <= set(PIPELINES)

@@ -1,6 +1,8 @@
 """quantized_matmul_id_ggml: Q4_0 / Q8_0 expert stacks against a float64 reference on the
-dequantised weights, direct == grouped bit for bit, invalid ids, padded strides, views and poison,
-the flattened expert-down form, receipts and schemas, and routemm.matmul_id(..., ggml_type=...).
+dequantised weights, direct == grouped bit for bit where the backend's grouped route keeps the
+direct order (CPU, CUDA; Metal's multiplies on simdgroup matrices and meets the accumulation bound),
+direct == the dense mat-vec bit for bit, invalid ids, padded strides, views and poison, the
+flattened expert-down form, receipts and schemas, and routemm.matmul_id(..., ggml_type=...).
 
 Runs on every backend that registers the op (ROUTEMM_TEST_BACKENDS selects them)."""
 
@@ -30,6 +32,11 @@ FORMATS = {GgmlType.Q4_0: q4_0, GgmlType.Q8_0: q8_0}
 TYPES = list(FORMATS)
 # Accumulation bound against the float64 reference: F32 FMA chains over K, plus the fixed lane tree.
 REL = 2.0**-20
+# Backends whose grouped route sums in the direct route's order (bit-identical). Metal's grouped
+# route runs on 8x8 simdgroup matrices, whose summation order the hardware does not specify.
+GROUPED_BIT_IDENTICAL = ("cpu", "cuda")
+# Backends whose direct route follows the dense mat-vec's lane contract (equal bit for bit).
+DIRECT_EQUALS_MAT_VEC = ("cpu", "metal", "metal_emu")
 
 
 def quantized_stack(rng, ggml_type, n_experts, n, k, pad=0):
@@ -74,6 +81,13 @@ def check_against_reference(got, deq, x, ids, slotted):
     assert np.all(got[invalid] == 0) and not np.any(np.signbit(got[invalid]))
 
 
+def check_grouped(device, grouped, direct, deq, x, ids, slotted):
+    """Grouped equals direct bit for bit where the backend promises it, else meets the bound."""
+    check_against_reference(grouped, deq, x, ids, slotted)
+    if device.backend in GROUPED_BIT_IDENTICAL:
+        np.testing.assert_array_equal(grouped.view(np.uint32), direct.view(np.uint32))
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.value)
 @pytest.mark.parametrize("slotted", [False, True], ids=["shared", "slotted"])
 @pytest.mark.parametrize(
@@ -90,7 +104,7 @@ def test_routes_match_reference_and_each_other(device, registry, rng, ggml_type,
         device, registry, ggml_type, Route.GROUPED, weights, stride, x, ids, n, n_experts, slotted
     )
     check_against_reference(direct, deq, x, ids, slotted)
-    np.testing.assert_array_equal(grouped.view(np.uint32), direct.view(np.uint32))
+    check_grouped(device, grouped, direct, deq, x, ids, slotted)
     assert receipt_d == routemm.GgmlQuantizedMatmulIdDispatchReceipt(ggml_type, Route.DIRECT, 1)
     assert receipt_g == routemm.GgmlQuantizedMatmulIdDispatchReceipt(ggml_type, Route.GROUPED, 2)
     for record in (receipt_d, receipt_g, params, routemm.quantized_matmul_id_ggml_capability(params)):
@@ -114,8 +128,9 @@ def test_direct_repeated_ids_and_expert_down_form(device, registry, rng, ggml_ty
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.value)
 def test_grouped_routes_ids_repeated_within_a_token(device, registry, rng, ggml_type):
     """dense_matmul_id's map routes every slot, repeated ids included (an expert's segment can then
-    hold more than m rows): the grouped route computes every row, bit-identical to direct, even when
-    a caller declared distinct ids and a token names one expert in several slots."""
+    hold more than m rows, past the grid's row tiles): the grouped route computes every row (bit-
+    identical to direct where promised), even when a caller declared distinct ids and a token names
+    one expert in several slots."""
     m, top_k, n, k, n_experts = 19, 4, 40, 96, 6
     weights, stride, deq = quantized_stack(rng, ggml_type, n_experts, n, k, pad=2)
     ids = rng.integers(0, 2, (m, top_k)).astype(np.uint32)  # two experts: every token repeats
@@ -124,16 +139,17 @@ def test_grouped_routes_ids_repeated_within_a_token(device, registry, rng, ggml_
     direct, _, _ = run(device, registry, ggml_type, Route.DIRECT, weights, stride, x, ids, n, n_experts, False)
     grouped, _, _ = run(device, registry, ggml_type, Route.GROUPED, weights, stride, x, ids, n, n_experts, False)
     check_against_reference(direct, deq, x, ids, False)
-    np.testing.assert_array_equal(grouped.view(np.uint32), direct.view(np.uint32))
+    check_grouped(device, grouped, direct, deq, x, ids, False)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.value)
-def test_cpu_routes_equal_the_dense_mat_vec_bit_for_bit(rng, ggml_type):
-    """On the CPU oracle every quantised pipeline shares one contract: an expert row computed by
-    the expert-ID op equals quantized_matmul_ggml on that expert's matrix, bit for bit."""
-    device = routemm.Device("cpu")
-    registry = routemm.KernelRegistry(device)
-    n_experts, n, k, m = 3, 40, 256, 4
+def test_direct_equals_the_dense_mat_vec_bit_for_bit(device, registry, rng, ggml_type):
+    """On the CPU oracle and Metal the direct route and the dense mat-vec share one lane contract:
+    an expert row computed by the expert-ID op equals quantized_matmul_ggml on that expert's
+    matrix, bit for bit (n = 42: a partial 4-row group)."""
+    if device.backend not in DIRECT_EQUALS_MAT_VEC:
+        pytest.skip(f"{device.backend}'s direct route does not promise the mat-vec's bits")
+    n_experts, n, k, m = 3, 42, 256, 4
     weights, stride, _ = quantized_stack(rng, ggml_type, n_experts, n, k)
     ids = np.array([[2], [0], [1], [2]], np.uint32)
     x = rng.standard_normal((m, k)).astype(np.float32)

@@ -10,6 +10,7 @@
 #include "routemm/ops/dense_matmul_id.h"
 #include "routemm/ops/moe.h"
 #include "routemm/ops/q4_matmul.h"
+#include "routemm/ops/quantized_matmul_id.h"
 
 namespace routemm::metal {
 namespace {
@@ -18,8 +19,9 @@ constexpr std::string_view kCalibrationPoison = "routemm_calibration_poison_f32"
 constexpr std::string_view kCalibrationCompare = "routemm_calibration_compare_f32";
 
 // Function names in table order: the seven expert-ID pipelines, the five Q4_0 pipelines, the two
-// calibration proof kernels, the three MoE layer kernels.
-constexpr std::array<std::string_view, 17> kFunctions = {
+// calibration proof kernels, the three MoE layer kernels, the two Q8_0 pipelines, the four
+// quantised expert-ID pipelines.
+constexpr std::array<std::string_view, 23> kFunctions = {
     kDenseMatmulIdPipelineNames[0],
     kDenseMatmulIdPipelineNames[1],
     kDenseMatmulIdPipelineNames[2],
@@ -37,9 +39,16 @@ constexpr std::array<std::string_view, 17> kFunctions = {
     kMoePipelineNames[0],
     kMoePipelineNames[1],
     kMoePipelineNames[2],
+    kQ8MatmulPipelineNames[0],
+    kQ8MatmulPipelineNames[1],
+    kGgmlQuantizedMatmulIdPipelineNames[0],
+    kGgmlQuantizedMatmulIdPipelineNames[1],
+    kGgmlQuantizedMatmulIdPipelineNames[2],
+    kGgmlQuantizedMatmulIdPipelineNames[3],
 };
 static_assert(kDenseMatmulIdPipelineNames.size() == 7 && kQ4MatmulPipelineNames.size() == 5 &&
-              kMoePipelineNames.size() == 3);
+              kMoePipelineNames.size() == 3 && kQ8MatmulPipelineNames.size() == 2 &&
+              kGgmlQuantizedMatmulIdPipelineNames.size() == 4);
 static_assert(kFunctions[3] == kDenseMatmulIdMapPipeline && kFunctions[7] == kQ4_0MatVecPipeline);
 
 // A KernelFn knows only its launch; one instantiation per table row carries the function name.
@@ -58,18 +67,22 @@ using enum MetalLibrary;
 
 // Geometry (spec §7.4, §5.5, §5.6, §6.4):
 //   direct   64 threads (2 simdgroups x 4 columns), tile_x = 8 columns per group, one flat row.
-//   map      threads_per_group 0: the front door launches one thread per expert.
+//   map      one threadgroup of 128 threads, 16400 bytes (4 x 1024 cursors and 4 totals).
 //   grouped  256 threads (8 simdgroups), 8 routed rows x 8 columns, 4096 bytes (8 x 128 F32).
 //   mat-vec  64 threads ([8, 8, 1]), 8 output rows x 1 token per group.
 //   matrix   128 threads; tile_x = tokens per group, tile_y = 64 outputs; 8192 bytes for the
 //            simdgroup and V1 routes, 4096 for V2 (128 tokens) and 64x32 (32 tokens).
 //   proof    Threads dispatches, at most 256 threads per group.
 //   moe      64 threads: one per token row (gate) or per output element (silu_mul, combine).
+//   q8_0     as the Q4_0 mat-vec and simdgroup matrix route (the same kernels, Q8_0 blocks).
+//   quantised expert-ID: direct as dense direct (8 columns x 1 flat row, 64 threads); grouped
+//            128 threads, 32 routed rows x 64 columns per group (the simdgroup matrix route's
+//            tile), 8192 bytes.
 const std::array<MetalPipelineSpec, kFunctions.size()> kSpecs = {
     spec(0, launch<0>, Base, 64, 8, 1, 0),
     spec(1, launch<1>, Base, 64, 8, 1, 0),
     spec(2, launch<2>, Base, 64, 8, 1, 0),
-    spec(3, launch<3>, Base, 0, 1, 1, 0),
+    spec(3, launch<3>, Base, 128, 1, 1, 16400),
     spec(4, launch<4>, Base, 256, 8, 8, 4096),
     spec(5, launch<5>, Base, 256, 8, 8, 4096),
     spec(6, launch<6>, Base, 256, 8, 8, 4096),
@@ -83,6 +96,12 @@ const std::array<MetalPipelineSpec, kFunctions.size()> kSpecs = {
     spec(14, launch<14>, Base, 64, 1, 1, 0),
     spec(15, launch<15>, Base, 64, 1, 1, 0),
     spec(16, launch<16>, Base, 64, 1, 1, 0),
+    spec(17, launch<17>, Base, 64, 8, 1, 0, true),
+    spec(18, launch<18>, Base, 128, 32, 64, 8192, true),
+    spec(19, launch<19>, Base, 64, 8, 1, 0),
+    spec(20, launch<20>, Base, 64, 8, 1, 0),
+    spec(21, launch<21>, Base, 128, 32, 64, 8192),
+    spec(22, launch<22>, Base, 128, 32, 64, 8192),
 };
 
 }  // namespace

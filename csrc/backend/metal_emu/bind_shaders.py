@@ -132,6 +132,18 @@ def identifier(path: Path) -> str:
     return re.sub(r"\W", "_", path.stem)
 
 
+def pin_local_includes(text: str, source: Path) -> str:
+    """`#include "x"` naming a file beside `source` becomes that file's absolute path: the
+    generated unit lives elsewhere, and a quoted include means the including file's folder first
+    (a seeded copy of a shader finds its seeded header, not the original)."""
+
+    def pin(m: re.Match) -> str:
+        local = source.parent / m.group(2)
+        return f"{m.group(1)}{c_string(str(local.resolve()))}" if local.is_file() else m.group(0)
+
+    return re.sub(r'^(\s*#\s*include\s*)"([^"]+)"', pin, text, flags=re.MULTILINE)
+
+
 def bind_file(source: Path, library: str, cxx: str, includes: list[str]) -> tuple[str, list[str]] | None:
     """The translation unit for `source` and its kernel names; None for a tensor-API file."""
     text = source.read_text()
@@ -145,6 +157,7 @@ def bind_file(source: Path, library: str, cxx: str, includes: list[str]) -> tupl
             f"{source}: threadgroup variables declared inside functions are not modelled; "
             "pass threadgroup memory as a [[threadgroup(i)]] parameter"
         )
+    text = pin_local_includes(text, source)
     constants = CONSTANT_RE.findall(text)
     body = CONSTANT_RE.sub(lambda m: f"{m.group(1)} {m.group(2)};", text)
     body = body.replace("[[threadgroup(", "[[threadgroup_binding(")

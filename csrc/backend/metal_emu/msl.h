@@ -155,6 +155,19 @@ bool operator==(const vec<T, N>& a, const vec<T, N>& b) {
   return true;
 }
 
+// Packed vectors: N elements with the alignment of one, indexable and convertible to vec.
+template <class T, int N>
+struct packed_vec {
+  T v[N];
+  T& operator[](int i) { return v[i]; }
+  const T& operator[](int i) const { return v[i]; }
+  operator vec<T, N>() const {  // NOLINT: implicit, as in MSL
+    vec<T, N> out;
+    for (int i = 0; i < N; ++i) out[i] = v[i];
+    return out;
+  }
+};
+
 }  // namespace metal
 
 #define ROUTEMM_MSL_VECTORS(T)   \
@@ -174,6 +187,8 @@ ROUTEMM_MSL_VECTORS(long)
 ROUTEMM_MSL_VECTORS(ulong)
 ROUTEMM_MSL_VECTORS(bool)
 #undef ROUTEMM_MSL_VECTORS
+typedef metal::packed_vec<float, 2> packed_float2;
+typedef metal::packed_vec<float, 4> packed_float4;
 
 namespace metal {
 

@@ -14,9 +14,11 @@
 //            dispatch that reads each expert's blocks once per row tile; IDs must be distinct per
 //            token (the caller's promise, as for dense_matmul_id's grouped_prefill: a repeated ID
 //            leaves the repeating slot's row unwritten), at most 1024 experts.
-// Both routes follow one numerical contract per backend (exact dequantisation, F32 accumulation in
-// a fixed order), so Direct and Grouped are bit-identical on one backend, and equal to
-// quantized_matmul_ggml's mat-vec on the same expert matrix.
+// Both routes dequantise exactly and accumulate in F32. Direct follows quantized_matmul_ggml's
+// mat-vec order and equals it bit for bit on the same expert matrix (CPU, Metal). On CPU and CUDA
+// Grouped sums in Direct's order, so the two routes are bit-identical there; Metal's Grouped
+// multiplies on 8x8 simdgroup matrices, whose summation order the hardware does not specify, so
+// it meets the F32 accumulation bound against the dequantised reference instead.
 #pragma once
 
 #include <array>

@@ -1,0 +1,185 @@
+// GGML block formats in MSL, shared by the quantised kernels of q4_matmul.metal and
+// quantized_matmul_id.metal (the Metal side of csrc/backend/common/q4_0_block.h's layouts).
+//
+// NUMERIC CONTRACT: dequantisation is exact. A Q4_0 value is float(d) * float(nibble - 8), a Q8_0
+// value float(d) * float(q) (an 11-bit significand times an integer of at most 8 bits fits
+// binary32), and every product is accumulated in F32 with fused multiply-adds; nothing is rounded
+// to half precision.
+//
+// The lane contract of the mat-vec kernels (kernel_mul_mv_{q4_0,q8_0}_f32 and the expert-ID direct
+// kernels, which are therefore equal bit for bit on one expert matrix): lane l of a simdgroup owns
+// half-block (l & 1) of blocks l / 2, l / 2 + 16, ... of every row it computes, FMAs that half
+// block's 16 products in the order half_block_dot states into its per-row sum, and the row's
+// result is one simd_sum. Activations are read as 16-byte vectors (packed_float4: inputs are only
+// 4-byte aligned); weights as 2-byte words (blocks are 18 or 34 bytes long, so only 2-byte
+// aligned inside a row).
+#pragma once
+
+#include <metal_stdlib>
+
+using namespace metal;
+
+namespace ggml_blocks {
+
+constant constexpr uint kBlockValues = 32;
+constant constexpr uint kSimdWidth = 32;
+
+// Format tags: the bytes of a block, one exactly dequantised value, and a lane's half-block dot.
+struct Q4_0 {};
+struct Q8_0 {};
+
+inline ulong block_bytes(Q4_0) { return 18; }
+inline ulong block_bytes(Q8_0) { return 34; }
+
+// The scale of a block: raw binary16 bits, little-endian, at the block's first two bytes.
+inline float block_scale(device const uchar* block) {
+  return float(as_type<half>(*reinterpret_cast<device const ushort*>(block)));
+}
+
+// Value j (0..31) of a block, exactly dequantised (d is block_scale(block)).
+inline float block_value(Q4_0, device const uchar* block, float d, uint j) {
+  const uint byte = block[2 + (j & 15u)];
+  const uint nibble = j < 16 ? (byte & 15u) : (byte >> 4);
+  return d * float(int(nibble) - 8);
+}
+inline float block_value(Q8_0, device const uchar* block, float d, uint j) {
+  return d * float(as_type<char>(block[2 + j]));
+}
+
+// The 16 products of half-block `half_index` of `block` with the block's 32 activations `x`,
+// FMA'd into `acc` in a fixed order.
+//   Q4_0: half h owns quant bytes [8h, 8h + 8), so values j and j + 16 for j in [8h, 8h + 8):
+//         the low nibbles (j ascending), then the high nibbles (j ascending).
+//   Q8_0: half h owns values [16h, 16h + 16), j ascending.
+inline float half_block_dot(Q4_0, device const uchar* block, uint half_index, device const float* x,
+                            float acc) {
+  const float d = block_scale(block);
+  device const ushort* q = reinterpret_cast<device const ushort*>(block + 2 + 8 * half_index);
+  device const packed_float4* lo = reinterpret_cast<device const packed_float4*>(x + 8 * half_index);
+  device const packed_float4* hi = reinterpret_cast<device const packed_float4*>(x + 16 + 8 * half_index);
+  const ushort words[4] = {q[0], q[1], q[2], q[3]};
+  for (uint v = 0; v < 2; ++v) {
+    const packed_float4 a = lo[v];
+    for (uint i = 0; i < 4; ++i) {
+      const uint byte = (words[2 * v + i / 2] >> (8 * (i & 1u))) & 0xffu;
+      acc = fma(d * float(int(byte & 15u) - 8), a[i], acc);
+    }
+  }
+  for (uint v = 0; v < 2; ++v) {
+    const packed_float4 a = hi[v];
+    for (uint i = 0; i < 4; ++i) {
+      const uint byte = (words[2 * v + i / 2] >> (8 * (i & 1u))) & 0xffu;
+      acc = fma(d * float(int(byte >> 4) - 8), a[i], acc);
+    }
+  }
+  return acc;
+}
+inline float half_block_dot(Q8_0, device const uchar* block, uint half_index, device const float* x,
+                            float acc) {
+  const float d = block_scale(block);
+  device const ushort* q = reinterpret_cast<device const ushort*>(block + 2 + 16 * half_index);
+  device const packed_float4* xs = reinterpret_cast<device const packed_float4*>(x + 16 * half_index);
+  for (uint v = 0; v < 4; ++v) {
+    const packed_float4 a = xs[v];
+    const ushort w0 = q[2 * v], w1 = q[2 * v + 1];
+    const ushort words[2] = {w0, w1};
+    for (uint i = 0; i < 4; ++i) {
+      const uint byte = (words[i / 2] >> (8 * (i & 1u))) & 0xffu;
+      acc = fma(d * float(as_type<char>(uchar(byte))), a[i], acc);
+    }
+  }
+  return acc;
+}
+
+// One lane's share of the dots of rows [0, rows) (rows <= Rows) starting at `first_row`, row r at
+// first_row + r * row_bytes, with the K activations `x`: sums[r] gets the lane's partial sum
+// (lane contract above); rows past `rows` stay at +0. The caller reduces each with simd_sum.
+template <typename F, uint Rows>
+inline void lane_row_dots(F format, device const uchar* first_row, ulong row_bytes, uint rows,
+                          device const float* x, uint k, uint lane, thread float* sums) {
+  for (uint r = 0; r < Rows; ++r) sums[r] = 0.0f;
+  const uint blocks = k / kBlockValues;
+  const uint half_index = lane & 1u;
+  for (uint b = lane >> 1; b < blocks; b += kSimdWidth / 2) {
+    device const float* xb = x + b * kBlockValues;
+    for (uint r = 0; r < Rows; ++r) {
+      if (r >= rows) break;
+      device const uchar* block = first_row + ulong(r) * row_bytes + ulong(b) * block_bytes(format);
+      sums[r] = half_block_dot(format, block, half_index, xb, sums[r]);
+    }
+  }
+}
+
+// ---- The simdgroup-matrix tile of the matrix routes ----------------------------------------------
+// 32 rows (tokens, or an expert's routed rows) x 64 outputs, 128 threads (4 simdgroups). Per K step
+// of 16 (half a block) the 64 x 16 weight panel (exactly dequantised F32, 4096 bytes) and the
+// 32 x 16 activation panel (2048 bytes) are staged in threadgroup memory; simdgroup s owns outputs
+// [16 s, 16 s + 16) for all 32 rows, as 4 x 2 accumulators of 8 x 8. The 8 x 8 tile is Apple's
+// matrix unit (simdgroup_multiply_accumulate); 32 x 64 keeps 8 accumulators per simdgroup in
+// registers and each staged weight value is used by 32 rows. At the end the accumulators go
+// through threadgroup memory (32 x 64 F32 = 8192 bytes, reusing the panels) so that callers write
+// edge tiles with bounds checks and scatter rows where they belong.
+constant constexpr uint kMmRows = 32;
+constant constexpr uint kMmOutputs = 64;
+constant constexpr uint kMmDepth = 16;
+constant constexpr uint kMmThreads = 128;
+
+// Accumulates rows x outputs [n0, n0 + 64) over K into `shmem`: on return (after a barrier) shmem
+// holds the tile as [32 rows][64 outputs] F32; outputs past n are zero. `x_row` is the activation
+// row this thread stages (row tid / 4 of the tile); `x_valid` false stages zeros (rows past the
+// tile's count). The weight matrix starts at `weight`, rows `row_bytes` apart.
+template <typename F>
+inline void mm_tile(F format, device const uchar* weight, ulong row_bytes, uint n, uint n0, uint k,
+                    device const float* x_row, bool x_valid, threadgroup float* shmem, uint tid,
+                    uint simdgroup) {
+  threadgroup float* ws = shmem;                          // [64 outputs][16 k]
+  threadgroup float* xs = shmem + kMmOutputs * kMmDepth;  // [32 rows][16 k]
+
+  simdgroup_float8x8 acc[8];
+  for (uint i = 0; i < 8; ++i) acc[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+
+  const uint w_out = tid >> 1;         // weights: thread t stages output t / 2,
+  const uint w_j0 = (tid & 1u) * 8;    //   values 8 (t & 1) .. + 8 of the half block
+  const uint x_tok = tid >> 2;         // activations: thread t stages row t / 4,
+  const uint x_j0 = (tid & 3u) * 4;    //   positions 4 (t & 3) .. + 4 (one 16-byte vector)
+  const bool w_valid = n0 + w_out < n;
+  device const uchar* w_row = weight + ulong(w_valid ? n0 + w_out : 0) * row_bytes;
+  for (uint k0 = 0; k0 < k; k0 += kMmDepth) {
+    if (w_valid) {
+      device const uchar* block = w_row + ulong(k0 / kBlockValues) * block_bytes(format);
+      const float d = block_scale(block);
+      const uint first = k0 % kBlockValues;  // 0 or 16: which half of the block
+      for (uint j = 0; j < 8; ++j) ws[w_out * kMmDepth + w_j0 + j] = block_value(format, block, d, first + w_j0 + j);
+    } else {
+      for (uint j = 0; j < 8; ++j) ws[w_out * kMmDepth + w_j0 + j] = 0.0f;
+    }
+    if (x_valid) {
+      const packed_float4 a = *reinterpret_cast<device const packed_float4*>(x_row + k0 + x_j0);
+      for (uint j = 0; j < 4; ++j) xs[x_tok * kMmDepth + x_j0 + j] = a[j];
+    } else {
+      for (uint j = 0; j < 4; ++j) xs[x_tok * kMmDepth + x_j0 + j] = 0.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint kk = 0; kk < kMmDepth; kk += 8) {
+      simdgroup_float8x8 a[4];
+      simdgroup_float8x8 b[2];
+      for (uint i = 0; i < 4; ++i) simdgroup_load(a[i], xs + i * 8 * kMmDepth + kk, kMmDepth);
+      for (uint j = 0; j < 2; ++j) {
+        // b[j][kk', col] = ws[(16 s + 8 j + col) * 16 + kk + kk']: the transposed panel.
+        simdgroup_load(b[j], ws + (simdgroup * 16 + j * 8) * kMmDepth + kk, kMmDepth, ulong2(0, 0), true);
+      }
+      for (uint i = 0; i < 4; ++i) {
+        for (uint j = 0; j < 2; ++j) simdgroup_multiply_accumulate(acc[i * 2 + j], a[i], b[j], acc[i * 2 + j]);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (uint i = 0; i < 4; ++i) {
+    for (uint j = 0; j < 2; ++j) {
+      simdgroup_store(acc[i * 2 + j], shmem + i * 8 * kMmOutputs + simdgroup * 16 + j * 8, kMmOutputs);
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+}  // namespace ggml_blocks
