@@ -275,10 +275,14 @@ def test_experts_build_one_routing_map_per_block(device, rng, monkeypatch, ggml_
     assert grouped.count(map_name) == 1 and grouped[0] == map_name
     assert len(grouped) == 1 + matmuls + 2  # the map, the matmuls, SiLU-mul and the combine
     assert map_name not in direct and len(direct) == matmuls + 2
-    np.testing.assert_array_equal(
-        runs[routemm.DenseMatmulIdRoute.GROUPED_PREFILL].view(np.uint32),
-        runs[routemm.DenseMatmulIdRoute.DIRECT].view(np.uint32),
-    )
+    grouped_out, direct_out = runs[routemm.DenseMatmulIdRoute.GROUPED_PREFILL], runs[routemm.DenseMatmulIdRoute.DIRECT]
+    if ggml_type is not None and device.backend in ("metal", "metal_emu"):
+        # Metal's quantised grouped route sums in simdgroup-matrix tiles (no promised order): the
+        # two routes agree within the experts' tolerance there, bit for bit everywhere else.
+        atol, rtol = MOE_EXPERTS_TOLERANCE
+        np.testing.assert_allclose(grouped_out, direct_out, atol=atol, rtol=rtol)
+    else:
+        np.testing.assert_array_equal(grouped_out.view(np.uint32), direct_out.view(np.uint32))
 
 
 def test_combine_skips_invalid_slots_in_slot_order(device, registry):
