@@ -145,3 +145,27 @@ def test_hopper_q4_mat_vec_uses_bulk_copies_and_warp_mma():
         for instruction in ("UBLKCP", "SYNCS", "HMMA"):
             assert instruction in sass, (name, instruction)
         assert not _local_memory(sass), (name, _local_memory(sass)[:5])
+
+
+def test_q8_0_kernels_stream_16_byte_copies_without_conversions():
+    """The Q8_0 dense kernels (q8_matmul.cu), one instantiation per token count (1, 2, 4, 8) and copy
+    path on every architecture: the weights stream into shared memory by 16-byte cp.async
+    (LDGSTS.E.BYPASS.128) and nothing touches local memory; the vector instantiations read the
+    activations 16 bytes at a time (LDG.E.128) and decode the int8 weights with byte permutes and
+    F32 adds, with no conversion instruction (I2F / I2FP) in the kernel."""
+    arches = _functions_by_arch()
+    checked = 0
+    for arch, functions in arches.items():
+        kernels = {name: sass for name, sass in functions.items() if "q8_kernel" in name}
+        if not kernels:
+            continue
+        assert len(kernels) == 8, (arch, sorted(kernels))
+        for name, sass in kernels.items():
+            checked += 1
+            assert "LDGSTS.E.BYPASS.128" in sass, (arch, name)
+            assert not _local_memory(sass), (arch, name, _local_memory(sass)[:5])
+            if re.search(r"ELb1EEEv", name):  # kVec = true
+                assert "LDG.E.128" in sass, (arch, name)
+                assert not re.search(r"\bI2FP?\b", sass), (arch, name)
+                assert "PRMT" in sass, (arch, name)
+    assert checked > 0, "the build carries CUDA code but no Q8_0 dense kernel"

@@ -11,17 +11,20 @@ import routemm
 from routemm import DenseQ4DecisionSource as Decision
 from routemm import DenseQ4Route as Route
 from routemm import GgmlType, q8_0
-from support import guarded, guarded_output, validate
+from support import PAD_BYTE, guarded, guarded_output, validate
+from tolerances import accumulation_bound
 
 pytestmark = pytest.mark.needs_kernels(*routemm.Q8_MATMUL_PIPELINE_NAMES)
 
 LABEL_SUFFIX = "|700:i1|701:i1|702:i1"
 
 
-def _run(device, registry, blocks, x, n):
+def _run(device, registry, blocks, x, n, weight_guard=16, input_guard=16):
+    """Runs one product; the guards (bytes of padding before each view) set the views' alignment."""
     m, k = x.shape
-    weight = guarded(device, blocks, routemm.DType.U8, blocks.shape)
-    inp = guarded(device, x, routemm.DType.F32, x.shape)
+    pad = np.full(weight_guard, PAD_BYTE, np.uint8)
+    weight = guarded(device, blocks, routemm.DType.U8, blocks.shape, guard=pad)
+    inp = guarded(device, x, routemm.DType.F32, x.shape, guard=np.full(input_guard, PAD_BYTE, np.uint8))
     out = guarded_output(device, m, n)
     encoder = device.command_encoder()
     receipt = routemm.quantized_matmul_ggml(
@@ -100,3 +103,56 @@ def test_q8_0_weight_size_is_checked_with_34_byte_blocks(device, registry):
         routemm.quantized_matmul_ggml(
             encoder, registry, inp, weight, out, routemm.GgmlQuantizedMatmulParams(1, 4, 64, GgmlType.Q8_0)
         )
+
+
+def _reference(blocks, x):
+    w = q8_0.dequantize(blocks).astype(np.float64)
+    x64 = x.astype(np.float64)
+    return x64 @ w.T, np.abs(x64) @ np.abs(w).T
+
+
+# K: one block, a tail of 1 to 7 blocks past a multiple of 8 (K % 256 != 0), halves of one and
+# several 16-block stages, a long row (the ring wraps many times); N: 1 and beyond a multiple of 8.
+@pytest.mark.parametrize("n,k", [(1, 32), (9, 288), (17, 544), (23, 2048), (8, 4096 + 96), (11, 14336)])
+def test_routes_bit_identical_and_within_the_accumulation_bound(device, registry, rng, n, k):
+    """Every backend's Q8_0 routes share one F32 FMA order whatever the token count, so the mat-vec
+    (m <= 8, one token at a time or together) and the matrix route give the same bits for a token,
+    and every result is within the rigorous F32 accumulation bound of the CPU contract (exact
+    weights, chains of at most K / 8 FMAs, a short reduction)."""
+    blocks = q8_0.quantize(rng.standard_normal((n, k)).astype(np.float32))
+    x = rng.standard_normal((13, k)).astype(np.float32)
+    ref, mag = _reference(blocks, x)
+    matrix, _ = _run(device, registry, blocks, x, n)
+    assert np.all(np.abs(matrix - ref) <= accumulation_bound(k, mag))
+    for rows in ((0, 1), (3, 5), (5, 13)):  # one, two and eight tokens through the mat-vec
+        vec, _ = _run(device, registry, blocks, x[rows[0] : rows[1]], n)
+        np.testing.assert_array_equal(vec.view(np.uint32), matrix[rows[0] : rows[1]].view(np.uint32))
+
+
+@pytest.mark.parametrize("weight_guard,input_guard", [(17, 16), (18, 16), (20, 16), (24, 16), (16, 20)])
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_unaligned_views_give_the_same_bits(device, registry, rng, weight_guard, input_guard, m):
+    """A weight view 1, 2, 4 or 8 bytes off 16-byte alignment (blocks are 34 bytes: any byte
+    offset is valid) or an input view 4 bytes off: narrower copies and loads, the same order,
+    the same bits as aligned views."""
+    n, k = 19, 2048 + 256
+    blocks = q8_0.quantize(rng.standard_normal((n, k)).astype(np.float32))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    aligned, _ = _run(device, registry, blocks, x, n)
+    shifted, _ = _run(device, registry, blocks, x, n, weight_guard=weight_guard, input_guard=input_guard)
+    np.testing.assert_array_equal(shifted.view(np.uint32), aligned.view(np.uint32))
+    ref, mag = _reference(blocks, x)
+    assert np.all(np.abs(shifted - ref) <= accumulation_bound(k, mag))
+
+
+def test_matrix_route_beyond_65535_row_tiles(device, registry, rng):
+    """n = 8 * 65536 + 9 rows: more row tiles of the matrix route than a CUDA grid's y extent
+    holds, so the kernel walks the rest; every output is written (the guarded output starts
+    poisoned) and correct."""
+    n, k, m = 8 * 65536 + 9, 32, 9
+    blocks = q8_0.quantize(rng.uniform(-1, 1, (n, k)).astype(np.float32))
+    x = rng.uniform(-1, 1, (m, k)).astype(np.float32)
+    got, receipt = _run(device, registry, blocks, x, n)
+    assert receipt.route == Route.COMPATIBILITY_SIMDGROUP.value
+    ref, mag = _reference(blocks, x)
+    assert np.all(np.abs(got - ref) <= accumulation_bound(k, mag))

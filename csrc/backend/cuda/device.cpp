@@ -327,6 +327,7 @@ class CudaBackend final : public Backend {
     add_dense_matmul_id_kernels(kernels_);
     add_dense_matmul_id_tensor_kernels(kernels_);
     add_q4_matmul_kernels(kernels_);
+    add_q8_matmul_kernels(kernels_);
     add_quantized_matmul_id_kernels(kernels_);
     add_moe_kernels(kernels_);
     add_calibration_kernels(kernels_);

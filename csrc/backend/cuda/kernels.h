@@ -13,6 +13,8 @@ void add_dense_matmul_id_kernels(std::vector<KernelDef>& out);
 void add_dense_matmul_id_tensor_kernels(std::vector<KernelDef>& out);
 // GGML Q4_0 dense projections (kQ4MatmulPipelineNames), q4_matmul.cu.
 void add_q4_matmul_kernels(std::vector<KernelDef>& out);
+// GGML Q8_0 dense projections (kQ8MatmulPipelineNames), q8_matmul.cu.
+void add_q8_matmul_kernels(std::vector<KernelDef>& out);
 // Quantised expert-ID matmul (kGgmlQuantizedMatmulIdPipelineNames), quantized_matmul_id.cu.
 void add_quantized_matmul_id_kernels(std::vector<KernelDef>& out);
 // MoE layer kernels (kMoePipelineNames of csrc/ops/moe.cpp), moe.cu.

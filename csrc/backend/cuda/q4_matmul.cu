@@ -57,6 +57,7 @@
 #include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "backend/common/q4_0_block.h"
+#include "ggml_copy.cuh"
 #include "hopper_support.h"
 #include "kernels.h"
 #include "q4_matmul_wgmma.h"
@@ -133,17 +134,6 @@ struct Q4Args {
   int32_t x_grain;           // bytes per activation copy: 16 or 4
   int32_t rows_on_x;         // 1: grid.x walks row tiles (mat-vec); 0: grid.x walks token tiles
 };
-
-// Copies `grain` bytes global -> shared (grain and both addresses are multiples of `grain`).
-__device__ __forceinline__ void copy_grain(uint8_t* dst, const uint8_t* src, int grain) {
-  switch (grain) {
-    case 16: cp_async_16(smem_addr(dst), src, true); break;
-    case 8: cp_async_8(smem_addr(dst), src); break;
-    case 4: cp_async_4(smem_addr(dst), src); break;
-    case 2: *reinterpret_cast<uint16_t*>(dst) = *reinterpret_cast<const uint16_t*>(src); break;
-    default: *dst = *src; break;
-  }
-}
 
 // Stores a CTA's T::kRows x T::kTokens output tile (q4_split_store.cuh: a K split is reduced in
 // increasing split order through the cluster's shared memory).
@@ -578,14 +568,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) q4_matvec_kernel(c
 // Largest copy size in {16, 8, 4, 2, 1} that divides the view's address, the row stride and every
 // stage's byte count, so each copy is naturally aligned on both sides.
 int weight_grain(const void* weight, uint64_t row_bytes, int sb, int k_blocks) {
-  const auto address = reinterpret_cast<uintptr_t>(weight);
-  const uint64_t tail = uint64_t(k_blocks % sb) * 18;
-  for (int grain : {16, 8, 4, 2}) {
-    if (address % grain == 0 && row_bytes % grain == 0 && (18 * sb) % grain == 0 &&
-        tail % grain == 0)
-      return grain;
-  }
-  return 1;
+  return copy_grain_for(weight, {row_bytes, uint64_t(18 * sb), uint64_t(k_blocks % sb) * 18});
 }
 
 struct Problem {
