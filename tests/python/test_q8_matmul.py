@@ -105,6 +105,10 @@ def test_q8_0_weight_size_is_checked_with_34_byte_blocks(device, registry):
         )
 
 
+# Backends whose Q8_0 mat-vec and matrix routes share one summation order (equal bits per token).
+ROUTES_BIT_IDENTICAL = ("cpu", "cuda")
+
+
 def _reference(blocks, x):
     w = q8_0.dequantize(blocks).astype(np.float64)
     x64 = x.astype(np.float64)
@@ -115,10 +119,11 @@ def _reference(blocks, x):
 # several 16-block stages, a long row (the ring wraps many times); N: 1 and beyond a multiple of 8.
 @pytest.mark.parametrize("n,k", [(1, 32), (9, 288), (17, 544), (23, 2048), (8, 4096 + 96), (11, 14336)])
 def test_routes_bit_identical_and_within_the_accumulation_bound(device, registry, rng, n, k):
-    """Every backend's Q8_0 routes share one F32 FMA order whatever the token count, so the mat-vec
-    (m <= 8, one token at a time or together) and the matrix route give the same bits for a token,
-    and every result is within the rigorous F32 accumulation bound of the CPU contract (exact
-    weights, chains of at most K / 8 FMAs, a short reduction)."""
+    """On the CPU and CUDA the Q8_0 routes share one F32 FMA order whatever the token count, so the
+    mat-vec (m <= 8, one token at a time or together) and the matrix route give the same bits for a
+    token; Metal's matrix route sums in simdgroup-matrix tiles (no promised order). Every result
+    is within the rigorous F32 accumulation bound of the CPU contract (exact weights, chains of at
+    most K / 8 FMAs, a short reduction)."""
     blocks = q8_0.quantize(rng.standard_normal((n, k)).astype(np.float32))
     x = rng.standard_normal((13, k)).astype(np.float32)
     ref, mag = _reference(blocks, x)
@@ -126,7 +131,9 @@ def test_routes_bit_identical_and_within_the_accumulation_bound(device, registry
     assert np.all(np.abs(matrix - ref) <= accumulation_bound(k, mag))
     for rows in ((0, 1), (3, 5), (5, 13)):  # one, two and eight tokens through the mat-vec
         vec, _ = _run(device, registry, blocks, x[rows[0] : rows[1]], n)
-        np.testing.assert_array_equal(vec.view(np.uint32), matrix[rows[0] : rows[1]].view(np.uint32))
+        assert np.all(np.abs(vec - ref[rows[0] : rows[1]]) <= accumulation_bound(k, mag[rows[0] : rows[1]]))
+        if device.backend in ROUTES_BIT_IDENTICAL:
+            np.testing.assert_array_equal(vec.view(np.uint32), matrix[rows[0] : rows[1]].view(np.uint32))
 
 
 @pytest.mark.parametrize("weight_guard,input_guard", [(17, 16), (18, 16), (20, 16), (24, 16), (16, 20)])
