@@ -13,6 +13,10 @@ constexpr Knob kKnobs[] = {
     {"ROUTEMM_BACKEND", "str", "", "backend Device() opens when none is named: cpu, cuda or metal"},
     {"ROUTEMM_CPU_THREADS", "int", "0",
      "worker threads of the CPU backend; 0 uses every hardware thread"},
+    {"ROUTEMM_CPU_ISA", "str", "",
+     "highest instruction set the CPU kernels may use: avx512, avx2 or portable (unset: the best "
+     "the CPU has); exact routes give the same bits under every value, and reduced-precision "
+     "routes whose instructions are excluded are not registered"},
     {"ROUTEMM_ENCODER_AUTO_BARRIER", "bool", "0",
      "1: command encoders start with the automatic-barrier tracker on (a barrier before each "
      "dispatch_tracked whose ranges conflict with those since the last barrier)"},
@@ -46,6 +50,18 @@ int64_t cpu_threads() {
   return value;
 }
 
+std::optional<std::string> cpu_isa() {
+  static const std::optional<std::string> value = [] {
+    const auto text = read("ROUTEMM_CPU_ISA");
+    if (text && *text != "avx512" && *text != "avx2" && *text != "portable") {
+      throw InvalidArgument("ROUTEMM_CPU_ISA must be avx512, avx2 or portable, got '" + *text +
+                            "'");
+    }
+    return text;
+  }();
+  return value;
+}
+
 bool encoder_auto_barrier() {
   static const bool value = [] {
     const auto text = read("ROUTEMM_ENCODER_AUTO_BARRIER");
@@ -65,6 +81,7 @@ std::map<std::string, std::string> non_default() {
   std::map<std::string, std::string> out;
   if (const auto value = backend()) out["ROUTEMM_BACKEND"] = *value;
   if (cpu_threads() != 0) out["ROUTEMM_CPU_THREADS"] = std::to_string(cpu_threads());
+  if (const auto value = cpu_isa()) out["ROUTEMM_CPU_ISA"] = *value;
   if (encoder_auto_barrier()) out.emplace("ROUTEMM_ENCODER_AUTO_BARRIER", std::string(1, '1'));
   return out;
 }

@@ -1,13 +1,18 @@
 // Small portable helpers for the CPU kernels: exact fp16/bf16 -> f32 widening, the fixed lane
-// reduction of the expert-ID matmul contract, and the x86 AVX2 dispatch switch.
+// reduction of the expert-ID matmul contract, and the run-time choice of x86 clone.
 //
-// Everything here is plain scalar C++ that the compiler can vectorise; nothing depends on the
-// instruction set, so every build produces the same bits.
+// The helpers are plain scalar C++ that the compiler can vectorise; nothing depends on the
+// instruction set, so every build produces the same bits. The run-time choice of clone lives here
+// too (Isa, active_isa()).
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+
+#include "routemm/env.h"
 
 // Forces inlining of small helpers into the hot loops.
 #if defined(__GNUC__) || defined(__clang__)
@@ -16,13 +21,22 @@
 #define ROUTEMM_CPU_INLINE inline
 #endif
 
-// x86-64 kernels compiled for AVX2 + FMA + F16C next to the portable ones; callers pick one at run
-// time with has_avx2_fma(). Both give identical bits: they only use operations with exactly
-// specified results (fma, add, exact conversions).
+// x86-64 kernels compiled for AVX2 + FMA + F16C (and AVX-512 F/BW/VL/DQ) next to the portable
+// ones; callers pick one at run time with has_avx2_fma() / has_avx512(). The exact kernels give
+// identical bits on every clone: they only use operations with exactly specified results (fma,
+// add, exact conversions). ROUTEMM_CPU_AVX512_BF16 / _VNNI add the dot-product instructions of the
+// reduced-precision routes.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
     !defined(ROUTEMM_CPU_PORTABLE_ONLY)
 #define ROUTEMM_CPU_HAVE_AVX2 1
 #define ROUTEMM_CPU_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define ROUTEMM_CPU_AVX512 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")))
+#define ROUTEMM_CPU_AVX512_BF16 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define ROUTEMM_CPU_AVX2_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define ROUTEMM_CPU_AVX512_VNNI \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #else
 #define ROUTEMM_CPU_HAVE_AVX2 0
 #endif
@@ -75,16 +89,83 @@ ROUTEMM_CPU_INLINE void widen_block(const WT* src, float* dst, size_t count) {
   for (size_t i = 0; i < count; ++i) dst[i] = widen(src[i]);
 }
 
-// True when the CPU (and OS) support the ROUTEMM_CPU_AVX2 kernels.
-inline bool has_avx2_fma() {
+// ---- Instruction-set levels ---------------------------------------------------------------------
+//
+// The kernels' clones, lowest first. The level in use is the lower of what the CPU (and OS)
+// support and the limit: ROUTEMM_CPU_ISA, or a test's IsaLimitForTesting. Kernels read it once per
+// launch, so a launch runs one clone throughout.
+enum class Isa : uint8_t { Portable = 0, Avx2 = 1, Avx512 = 2 };
+
+inline Isa detected_isa() {
 #if ROUTEMM_CPU_HAVE_AVX2
-  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                                __builtin_cpu_supports("f16c");
-  return supported;
+  static const Isa level = [] {
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+          __builtin_cpu_supports("f16c"))) {
+      return Isa::Portable;
+    }
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+      return Isa::Avx512;
+    }
+    return Isa::Avx2;
+  }();
+  return level;
+#else
+  return Isa::Portable;
+#endif
+}
+
+// -1: no test override; otherwise the Isa value a test pinned.
+inline std::atomic<int> isa_limit_override{-1};
+
+inline Isa isa_limit() {
+  const int forced = isa_limit_override.load(std::memory_order_relaxed);
+  if (forced >= 0) return static_cast<Isa>(forced);
+  static const Isa from_env = [] {
+    const auto text = env::cpu_isa();
+    if (!text) return Isa::Avx512;
+    return *text == "avx512" ? Isa::Avx512 : *text == "avx2" ? Isa::Avx2 : Isa::Portable;
+  }();
+  return from_env;
+}
+
+inline Isa active_isa() { return std::min(detected_isa(), isa_limit()); }
+
+// True when the ROUTEMM_CPU_AVX2 kernels may run.
+inline bool has_avx2_fma() { return active_isa() >= Isa::Avx2; }
+// True when the ROUTEMM_CPU_AVX512 kernels may run.
+inline bool has_avx512() { return active_isa() >= Isa::Avx512; }
+// AVX512_BF16 (VDPBF16PS) on top of the AVX-512 level.
+inline bool has_avx512_bf16() {
+#if ROUTEMM_CPU_HAVE_AVX2
+  static const bool supported = __builtin_cpu_supports("avx512bf16");
+  return supported && has_avx512();
 #else
   return false;
 #endif
 }
+// AVX512_VNNI (VPDPBUSD on 512-bit vectors) on top of the AVX-512 level.
+inline bool has_avx512_vnni() {
+#if ROUTEMM_CPU_HAVE_AVX2
+  static const bool supported = __builtin_cpu_supports("avx512vnni");
+  return supported && has_avx512();
+#else
+  return false;
+#endif
+}
+
+// Pins the limit for the lifetime of the object (tests comparing clones bit for bit); not for
+// concurrent use with launches on other threads.
+class IsaLimitForTesting {
+ public:
+  explicit IsaLimitForTesting(Isa limit) : previous_(isa_limit_override.exchange(int(limit))) {}
+  ~IsaLimitForTesting() { isa_limit_override.store(previous_); }
+  IsaLimitForTesting(const IsaLimitForTesting&) = delete;
+  IsaLimitForTesting& operator=(const IsaLimitForTesting&) = delete;
+
+ private:
+  int previous_;
+};
 
 // Lanes of the per-output accumulator (see the contract in dense_matmul_id.cpp).
 inline constexpr size_t kLanes = 8;

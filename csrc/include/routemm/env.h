@@ -20,6 +20,9 @@ struct Knob {
 std::optional<std::string> backend();
 // ROUTEMM_CPU_THREADS: worker threads of the CPU backend (0 or unset: hardware threads).
 int64_t cpu_threads();
+// ROUTEMM_CPU_ISA: the highest instruction set the CPU kernels may use: "avx512", "avx2" or
+// "portable"; nullopt (unset) lets them use the best the CPU has. Other values throw.
+std::optional<std::string> cpu_isa();
 
 // ROUTEMM_ENCODER_AUTO_BARRIER: encoders start with the automatic-barrier tracker on (spec §2.5).
 bool encoder_auto_barrier();
