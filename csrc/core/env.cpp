@@ -14,8 +14,9 @@ constexpr Knob kKnobs[] = {
     {"ROUTEMM_CPU_THREADS", "int", "0",
      "worker threads of the CPU backend; 0 uses every hardware thread"},
     {"ROUTEMM_CPU_ISA", "str", "",
-     "highest instruction set the CPU kernels may use: portable, avx2 or avx512 (unset: the best "
-     "the CPU supports); every choice gives the same bits"},
+     "highest instruction set the CPU kernels may use: avx512, avx2 or portable (unset: the best "
+     "the CPU has); exact routes give the same bits under every value, and reduced-precision "
+     "routes whose instructions are excluded are not registered"},
     {"ROUTEMM_ENCODER_AUTO_BARRIER", "bool", "0",
      "1: command encoders start with the automatic-barrier tracker on (a barrier before each "
      "dispatch_tracked whose ranges conflict with those since the last barrier)"},

@@ -87,6 +87,8 @@ std::string_view to_string(DenseMatmulIdRoute value) {
     case DenseMatmulIdRoute::GroupedPrefill: return "grouped_prefill";
     case DenseMatmulIdRoute::GroupedTensorTf32: return "grouped_tensor_tf32";
     case DenseMatmulIdRoute::GroupedTensorLowp: return "grouped_tensor_lowp";
+    case DenseMatmulIdRoute::DirectBf16Dot: return "direct_bf16_dot";
+    case DenseMatmulIdRoute::GroupedBf16Dot: return "grouped_bf16_dot";
   }
   return "?";
 }
@@ -155,6 +157,12 @@ DenseMatmulIdCapability dense_matmul_id_capability(DType weight_dtype,
          std::to_string(p.n_experts));
   }
   const uint64_t scalar = scalar_weight_size(weight_dtype);
+  if ((p.route == DenseMatmulIdRoute::DirectBf16Dot ||
+       p.route == DenseMatmulIdRoute::GroupedBf16Dot) &&
+      weight_dtype != DType::BF16) {
+    fail(std::string(to_string(p.route)) + " requires BF16 weights, got " +
+         std::string(dtype_name(weight_dtype)));
+  }
   const uint64_t matrix_bytes = checked_product("expert matrix", {p.n, p.k, scalar});
   if (p.expert_stride_bytes < matrix_bytes) {
     fail("expert stride " + std::to_string(p.expert_stride_bytes) + " is smaller than one " +
@@ -276,6 +284,16 @@ std::array<std::string_view, 2> route_pipeline_names(DType weight_dtype, DenseMa
     case DenseMatmulIdRoute::GroupedTensorLowp:
       if (index == 0) fail("grouped_tensor_lowp requires F16 or BF16 weights, got f32");
       return {kDenseMatmulIdMapPipeline, kDenseMatmulIdTensorPipelineNames[2 + index]};
+    case DenseMatmulIdRoute::DirectBf16Dot:
+    case DenseMatmulIdRoute::GroupedBf16Dot:
+      if (weight_dtype != DType::BF16) {
+        fail(std::string(to_string(route)) + " requires BF16 weights, got " +
+             std::string(dtype_name(weight_dtype)));
+      }
+      if (route == DenseMatmulIdRoute::DirectBf16Dot) {
+        return {kDenseMatmulIdBf16DotPipelineNames[0], {}};
+      }
+      return {kDenseMatmulIdMapPipeline, kDenseMatmulIdBf16DotPipelineNames[1]};
   }
   fail("unknown route");
 }

@@ -25,6 +25,9 @@ from ._record_checks import SchemaVersioned
 SCHEMA_VERSION: int = _core.DENSE_MATMUL_ID_SCHEMA_VERSION
 PIPELINE_NAMES: tuple[str, ...] = _core.DENSE_MATMUL_ID_PIPELINE_NAMES
 TENSOR_PIPELINE_NAMES: tuple[str, ...] = _core.DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES
+# The reduced-precision CPU routes' pipelines (direct_bf16_dot, grouped_bf16_dot): registered only
+# by a CPU backend whose processor has AVX512_BF16.
+BF16_DOT_PIPELINE_NAMES: tuple[str, ...] = _core.DENSE_MATMUL_ID_BF16_DOT_PIPELINE_NAMES
 DenseMatmulIdScratch = _core.DenseMatmulIdScratch
 
 # m above which `matmul_id` prefers grouped_prefill when IDs are distinct per token.
@@ -50,10 +53,15 @@ class DenseMatmulIdRoute(enum.Enum):
     # with a stated tolerance instead of bit identity. Only backends with tensor cores have them.
     GROUPED_TENSOR_TF32 = "grouped_tensor_tf32"  # operands rounded to tf32, F32 accumulation
     GROUPED_TENSOR_LOWP = "grouped_tensor_lowp"  # activations rounded to the f16/bf16 weight dtype
+    # Reduced-precision CPU routes for bf16 weights (explicit opt-in, stated tolerance): activations
+    # rounded to bf16, AVX512_BF16 dot products accumulated in F32. Shaped as direct / grouped_prefill
+    # and bit-identical to each other; only CPUs with AVX512_BF16 have them.
+    DIRECT_BF16_DOT = "direct_bf16_dot"
+    GROUPED_BF16_DOT = "grouped_bf16_dot"
 
     @property
     def is_grouped(self) -> bool:
-        return self is not DenseMatmulIdRoute.DIRECT
+        return self not in (DenseMatmulIdRoute.DIRECT, DenseMatmulIdRoute.DIRECT_BF16_DOT)
 
 
 @dataclasses.dataclass(frozen=True)

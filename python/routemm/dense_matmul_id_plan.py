@@ -41,6 +41,7 @@ from ._core_api import DType, EncodedKernelDispatch, PipelineIdentity
 from ._errors import Error, InvalidArgumentError
 from ._json import JsonRecord
 from .dense_matmul_id import (
+    BF16_DOT_PIPELINE_NAMES,
     PIPELINE_NAMES,
     SCHEMA_VERSION,
     TENSOR_PIPELINE_NAMES,
@@ -283,6 +284,10 @@ def _route_pipelines(route: DenseMatmulIdRoute, dtype: DType) -> list[str]:
         return [f"dense_matmul_id_direct_{dtype.type_name}_f32"]
     if route is DenseMatmulIdRoute.GROUPED_PREFILL:
         return ["dense_matmul_id_map_distinct", f"dense_matmul_id_grouped_{dtype.type_name}_f32"]
+    if route is DenseMatmulIdRoute.DIRECT_BF16_DOT:
+        return [f"dense_matmul_id_direct_bf16dot_{dtype.type_name}_f32"]
+    if route is DenseMatmulIdRoute.GROUPED_BF16_DOT:
+        return ["dense_matmul_id_map_distinct", f"dense_matmul_id_grouped_bf16dot_{dtype.type_name}_f32"]
     return ["dense_matmul_id_map_distinct", _tensor_pipeline(route, dtype)]
 
 
@@ -311,7 +316,7 @@ def _prepare(registry, dtypes) -> tuple[str, str, dict, None, dict]:
 
 
 def _protected_names() -> list[str]:
-    return [*PIPELINE_NAMES, *TENSOR_PIPELINE_NAMES]
+    return [*PIPELINE_NAMES, *TENSOR_PIPELINE_NAMES, *BF16_DOT_PIPELINE_NAMES]
 
 
 def _dtypes_of(plan) -> set:
@@ -939,8 +944,8 @@ class _Calibrator:
 
 
 def _route_dispatches(route: DenseMatmulIdRoute) -> int:
-    """Dispatches one call of `route` encodes: direct 1, every grouped route map + grouped."""
-    return 1 if route is DenseMatmulIdRoute.DIRECT else 2
+    """Dispatches one call of `route` encodes: the direct routes 1, every grouped route map + grouped."""
+    return 2 if route.is_grouped else 1
 
 
 def _proof_status(control: np.ndarray, candidate: Optional[np.ndarray], logical: int) -> int:

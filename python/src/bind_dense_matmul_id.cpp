@@ -27,11 +27,12 @@ DenseMatmulIdParams make_params(uint32_t m, uint32_t n, uint32_t k, uint32_t top
       id_multiplicity,
       std::array{DenseMatmulIdMultiplicity::DistinctPerToken, DenseMatmulIdMultiplicity::MayRepeat},
       "id multiplicity");
-  p.route = parse(
-      route,
-      std::array{DenseMatmulIdRoute::Direct, DenseMatmulIdRoute::GroupedPrefill,
-                 DenseMatmulIdRoute::GroupedTensorTf32, DenseMatmulIdRoute::GroupedTensorLowp},
-      "route");
+  p.route =
+      parse(route,
+            std::array{DenseMatmulIdRoute::Direct, DenseMatmulIdRoute::GroupedPrefill,
+                       DenseMatmulIdRoute::GroupedTensorTf32, DenseMatmulIdRoute::GroupedTensorLowp,
+                       DenseMatmulIdRoute::DirectBf16Dot, DenseMatmulIdRoute::GroupedBf16Dot},
+            "route");
   return p;
 }
 
@@ -88,6 +89,9 @@ void init_dense_matmul_id(py::module_& m) {
   py::list tensor_names;
   for (auto name : kDenseMatmulIdTensorPipelineNames) tensor_names.append(std::string(name));
   m.attr("DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES") = py::tuple(tensor_names);
+  py::list bf16_dot_names;
+  for (auto name : kDenseMatmulIdBf16DotPipelineNames) bf16_dot_names.append(std::string(name));
+  m.attr("DENSE_MATMUL_ID_BF16_DOT_PIPELINE_NAMES") = py::tuple(bf16_dot_names);
 
   m.def("_dense_matmul_id_capability", [](DType dtype, const DenseMatmulIdParams& p) {
     return capability_dict(dense_matmul_id_capability(dtype, p));

@@ -9,10 +9,12 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/common/dense_matmul_id_params.h"
 #include "backend/cpu/kernels.h"
+#include "backend/cpu/simd.h"
 #include "backend/cpu/thread_pool.h"
 #include "routemm/error.h"
 
@@ -20,6 +22,8 @@ namespace routemm {
 namespace {
 
 using cpu::ThreadPool;
+using Isa = cpu::CpuIsa;
+using IsaLimitForTesting = cpu::CpuIsaLimitForTesting;
 using kernels::DenseMatmulIdKernelParams;
 
 enum class WeightType { F32, F16, BF16 };
@@ -371,6 +375,155 @@ TEST(CpuDenseMatmulIdKernels, WideningIsExactForEveryHalfAndBfloatPattern) {
       } else {
         ASSERT_EQ(static_cast<double>(direct[v]), want) << std::hex << v;
         ASSERT_FALSE(std::signbit(direct[v]) && direct[v] == 0) << std::hex << v;
+      }
+    }
+  }
+}
+
+// The clones this CPU can run, lowest first (the portable one always).
+std::vector<Isa> runnable_isas() {
+  std::vector<Isa> out;
+  for (Isa isa : {Isa::portable, Isa::avx2, Isa::avx512}) {
+    if (isa <= cpu::supported_cpu_isa()) out.push_back(isa);
+  }
+  return out;
+}
+const char* isa_name(Isa isa) {
+  return isa == Isa::portable ? "portable" : isa == Isa::avx2 ? "avx2" : "avx512";
+}
+
+// Every clone (portable, AVX2, AVX-512) follows the one accumulation order, so each route gives
+// the same bits whichever ran: shapes with k tails (k % 8, k % 32), the 32-wide bf16 step, odd
+// column counts (the last column of a pair), and edge values.
+TEST(CpuDenseMatmulIdKernels, EveryInstructionSetCloneGivesTheSameBits) {
+  const std::vector<Isa> isas = runnable_isas();
+  if (isas.size() < 2) GTEST_SKIP() << "this CPU runs only the portable clone";
+  ThreadPool pool(2);
+  uint64_t seed = 500;
+  for (WeightType t : {WeightType::F32, WeightType::F16, WeightType::BF16}) {
+    for (const auto& [m, n, k] : {std::tuple{1u, 13u, 35u},
+                                  {3u, 17u, 64u},
+                                  {2u, 9u, 100u},
+                                  {20u, 50u, 517u},
+                                  {70u, 97u, 96u}}) {
+      for (bool edges : {false, true}) {
+        const Problem pr{m, n, k, 4, 6, m % 2 == 0, 0, t, edges};
+        SCOPED_TRACE(std::string(type_name(t)) + " m=" + std::to_string(m) +
+                     " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+                     " edges=" + std::to_string(edges));
+        const Data d = make_data(pr, seed++);
+        std::vector<float> direct0, grouped0;
+        for (Isa isa : isas) {
+          const IsaLimitForTesting limit(isa);
+          ASSERT_EQ(cpu::cpu_isa(), isa);
+          const std::vector<float> direct = run_direct(d, t, pool);
+          const std::vector<float> grouped = run_grouped(d, t, pool);
+          if (direct0.empty()) {
+            direct0 = direct;
+            grouped0 = grouped;
+            expect_bit_equal(direct, grouped, "grouped vs direct");
+            if (!edges) expect_matches_reference(pr, d, direct);
+            continue;
+          }
+          SCOPED_TRACE(std::string(isa_name(isa)) + " vs portable");
+          expect_bit_equal(direct, direct0, "direct");
+          expect_bit_equal(grouped, grouped0, "grouped");
+        }
+      }
+    }
+  }
+}
+
+// Every bf16 and f16 bit pattern through every clone's widening, at every position of a 32-wide
+// step (the AVX-512 bf16 path widens 32 values with word permutes): weight v sits at inner
+// position v % 32 of its column, every other weight is +0, and x is all ones, so the output is
+// exactly the widened v.
+TEST(CpuDenseMatmulIdKernels, EveryCloneWidensEveryPatternAtEveryPosition) {
+  ThreadPool pool(2);
+  for (Isa isa : runnable_isas()) {
+    const IsaLimitForTesting limit(isa);
+    for (WeightType t : {WeightType::F16, WeightType::BF16}) {
+      SCOPED_TRACE(std::string(isa_name(isa)) + " " + type_name(t));
+      Data d;
+      const uint32_t n = 65536, k = 40;  // one 32-wide step and one 8-wide block
+      d.params = {1, n, k, 1, 1, 0, uint64_t{n} * k * 2, k * 4, 0};
+      std::vector<uint16_t> w(size_t{n} * k, 0);
+      for (uint32_t v = 0; v < n; ++v) w[size_t{v} * k + v % k] = static_cast<uint16_t>(v);
+      d.weights.resize(w.size() * 2);
+      std::memcpy(d.weights.data(), w.data(), d.weights.size());
+      d.input.assign(k, 1.0f);
+      d.ids = {0};
+      const std::vector<float> direct = run_direct(d, t, pool);
+      expect_bit_equal(direct, run_grouped(d, t, pool), "grouped vs direct");
+      for (uint32_t v = 0; v < n; ++v) {
+        const double want = widen_reference16(t, static_cast<uint16_t>(v));
+        if (std::isnan(want)) {
+          ASSERT_TRUE(std::isnan(direct[v])) << std::hex << v;
+        } else {
+          ASSERT_EQ(static_cast<double>(direct[v]), want) << std::hex << v;
+        }
+      }
+    }
+  }
+}
+
+// The reduced-precision bf16-dot pipelines exist only where AVX512_BF16 may run, and their direct
+// and grouped kernels share one accumulation order (bit-identical), with the same zero rows for
+// invalid ids as the exact routes.
+TEST(CpuDenseMatmulIdKernels, Bf16DotPipelinesFollowTheProcessorAndAgreeBitForBit) {
+  {
+    const IsaLimitForTesting limit(Isa::avx2);
+    std::vector<KernelDef> none;
+    cpu::add_dense_matmul_id_bf16_dot_kernels(none);
+    EXPECT_TRUE(none.empty()) << "bf16-dot pipelines registered without AVX-512";
+  }
+  std::vector<KernelDef> lowp;
+  cpu::add_dense_matmul_id_bf16_dot_kernels(lowp);
+  if (!cpu::simd::has_avx512_bf16()) {
+    EXPECT_TRUE(lowp.empty());
+    GTEST_SKIP() << "this CPU has no AVX512_BF16";
+  }
+  ASSERT_EQ(lowp.size(), 2u);
+  ThreadPool pool(3);
+  for (const auto& [m, n, k] : {std::tuple{1u, 13u, 35u}, {5u, 70u, 64u}, {70u, 50u, 517u}}) {
+    SCOPED_TRACE("m=" + std::to_string(m) + " n=" + std::to_string(n) + " k=" + std::to_string(k));
+    const Problem pr{m, n, k, 4, 6, false, 2, WeightType::BF16, false};
+    const Data d = make_data(pr, 7 + m);
+    const size_t rows = size_t{m} * pr.top_k;
+    std::vector<float> direct(rows * n, kPoison), grouped(rows * n, kPoison);
+    KernelLaunch launch;
+    launch.label = lowp[0].name;
+    launch.args[0] = bytes_arg(d.params);
+    launch.args[1] = buffer_arg(d.weights.data(), d.weights.size());
+    launch.args[2] = buffer_arg(d.input.data(), d.input.size() * 4);
+    launch.args[3] = buffer_arg(d.ids.data(), d.ids.size() * 4);
+    launch.args[4] = buffer_arg(direct.data(), direct.size() * 4);
+    lowp[0].fn(launch, &pool);
+
+    Scratch s;
+    s.counts.assign(pr.n_experts, 0);
+    s.routed.assign(size_t{pr.n_experts} * m, 0);
+    KernelLaunch map;
+    map.label = "dense_matmul_id_map_distinct";
+    map.args[0] = bytes_arg(d.params);
+    map.args[1] = buffer_arg(d.ids.data(), d.ids.size() * 4);
+    map.args[2] = buffer_arg(s.counts.data(), s.counts.size() * 4);
+    map.args[3] = buffer_arg(s.routed.data(), s.routed.size() * 4);
+    map.args[4] = buffer_arg(grouped.data(), grouped.size() * 4);
+    def("dense_matmul_id_map_distinct").fn(map, &pool);
+    KernelLaunch group;
+    group.label = lowp[1].name;
+    group.args[0] = bytes_arg(d.params);
+    group.args[1] = buffer_arg(d.weights.data(), d.weights.size());
+    group.args[2] = buffer_arg(d.input.data(), d.input.size() * 4);
+    group.args[3] = buffer_arg(s.counts.data(), s.counts.size() * 4);
+    group.args[4] = buffer_arg(s.routed.data(), s.routed.size() * 4);
+    group.args[5] = buffer_arg(grouped.data(), grouped.size() * 4);
+    lowp[1].fn(group, &pool);
+    expect_bit_equal(direct, grouped, "bf16-dot grouped vs direct");
+    for (size_t flat = 0; flat < rows; ++flat) {
+      if (d.ids[flat] >= pr.n_experts) {
+        for (size_t c = 0; c < n; ++c) ASSERT_EQ(bits(direct[flat * n + c]), 0u) << flat;
       }
     }
   }

@@ -47,6 +47,9 @@ def model(dtype_name: str, m, n, k, top_k, n_experts, stride, layout, mult, rout
     if dtype_name not in SCALAR:
         raise Rejected(f"{P}weights must be F32, F16, or BF16, got {dtype_name}")
     size = SCALAR[dtype_name]
+    # 3b. the CPU bf16-dot routes take bf16 weights only
+    if route in ("direct_bf16_dot", "grouped_bf16_dot") and dtype_name != "bf16":
+        raise Rejected(f"{P}{route} requires BF16 weights, got {dtype_name}")
     # 4. one matrix, stride
     matrix = n * k * size
     if matrix > U64:
@@ -74,7 +77,7 @@ def model(dtype_name: str, m, n, k, top_k, n_experts, stride, layout, mult, rout
         raise Rejected(f"{P}output byte extent overflow")
     # 7. grouped
     scratch = None
-    if route != "direct":  # grouped_prefill and the tensor-core grouped routes
+    if route not in ("direct", "direct_bf16_dot"):  # grouped_prefill and the other grouped routes
         if mult != "distinct_per_token":
             raise Rejected(f"{P}grouped prefill requires distinct expert IDs per token")
         if n_experts > 1024:

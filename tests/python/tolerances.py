@@ -91,6 +91,19 @@ from routemm import DenseMatmulIdRoute as _Route  # noqa: E402
 
 TENSOR_ROUTE_FROBENIUS = {_Route.GROUPED_TENSOR_TF32: 2e-3, _Route.GROUPED_TENSOR_LOWP: 1e-2}
 
+# The CPU bf16-dot routes (direct_bf16_dot, grouped_bf16_dot; bf16 weights): activations rounded
+# to bf16 (2^-9 relative), exact bf16 products summed in F32 by VDPBF16PS (kp / 32 + 4 roundings
+# per lane), subnormal inputs and results flushed to zero. Per element, against the float64
+# product of the stored weights and the F32 activations:
+#   |err| <= 2^-8 * sum_i |w_i * x_i| + k * 2^-126,
+# and, for random data, relative Frobenius error within 1e-2 (as grouped_tensor_lowp).
+BF16_DOT_FROBENIUS = 1e-2
+
+
+def bf16_dot_bound(k: int, magnitude: np.ndarray) -> np.ndarray:
+    """Bound on |result - exact| of a bf16-dot route (magnitude = sum |w * x|, float64)."""
+    return 2.0**-8 * magnitude + k * 2.0**-126
+
 
 # ---- GGML Q4_0 dense projections (quantized_matmul_ggml) -----------------------------------------
 #

@@ -333,7 +333,7 @@ inline void check_moe_combine_args(const KernelLaunch& launch) {
 // ---- Lookup by canonical pipeline name ---------------------------------------------------------
 
 // The contract of the pipeline named `name`: one of kDenseMatmulIdPipelineNames,
-// kDenseMatmulIdTensorPipelineNames, kQ4MatmulPipelineNames, kQ8MatmulPipelineNames,
+// kDenseMatmulIdTensorPipelineNames, kDenseMatmulIdBf16DotPipelineNames, kQ4MatmulPipelineNames, kQ8MatmulPipelineNames,
 // kGgmlQuantizedMatmulIdPipelineNames, kMoePipelineNames or the two calibration kernels.
 // Backends call this while building their kernel lists, so a kernel added without a contract
 // fails when its backend opens instead of going unchecked.
@@ -350,6 +350,9 @@ inline KernelArgCheck kernel_arg_contract(std::string_view name) {
                 tensor[2] == "dense_matmul_id_grouped_tf32_bf16_f32" &&
                 tensor[3] == "dense_matmul_id_grouped_lowp_f16_f32" &&
                 tensor[4] == "dense_matmul_id_grouped_lowp_bf16_f32");
+  constexpr auto& bf16dot = kDenseMatmulIdBf16DotPipelineNames;
+  static_assert(bf16dot[0] == "dense_matmul_id_direct_bf16dot_bf16_f32" &&
+                bf16dot[1] == "dense_matmul_id_grouped_bf16dot_bf16_f32");
   static_assert(kQ4MatmulPipelineNames[0] == kQ4_0MatVecPipeline);
   static_assert(kQ8MatmulPipelineNames[0] == "kernel_mul_mv_q8_0_f32");
   constexpr auto& qid = kGgmlQuantizedMatmulIdPipelineNames;
@@ -373,6 +376,8 @@ inline KernelArgCheck kernel_arg_contract(std::string_view name) {
       {tensor[2], &check_dense_matmul_id_grouped_args<2>},
       {tensor[3], &check_dense_matmul_id_grouped_args<2>},
       {tensor[4], &check_dense_matmul_id_grouped_args<2>},
+      {bf16dot[0], &check_dense_matmul_id_direct_args<2>},
+      {bf16dot[1], &check_dense_matmul_id_grouped_args<2>},
       {kQ4MatmulPipelineNames[0], &check_ggml_matvec_args<q4>},
       {kQ4MatmulPipelineNames[1], &check_ggml_matrix_args<q4>},
       {kQ4MatmulPipelineNames[2], &check_ggml_matrix_args<q4>},

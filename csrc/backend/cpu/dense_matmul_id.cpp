@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "backend/common/dense_matmul_id_params.h"
@@ -35,6 +36,12 @@
 
 #if ROUTEMM_CPU_HAVE_AVX2
 #include <immintrin.h>
+#endif
+
+// GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic headers (their
+// "undefined vector" idiom, fixed in GCC 13); no value of this file is read uninitialised.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 12
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 
 #ifndef ROUTEMM_CPU_DENSE_MATMUL_ID_SHA256
@@ -291,6 +298,150 @@ struct Avx2Isa {
         _mm256_storeu_ps(acc + r * acc_stride + c * kLanes, a[r][c]);
   }
 };
+
+// AVX-512 clone. A 512-bit register holds two columns' eight-lane accumulators side by side
+// (column c in the low half, c + 1 in the high half), so every lane still runs the contract's
+// one FMA chain per (column, inner mod 8) and the bits equal the other clones'. Odd column
+// counts finish on the AVX2 primitives, which the AVX-512 target includes.
+struct Avx512Isa {
+  // Columns c and c + 1 at the same eight inner positions, widened exactly: [p0[0..8) | p1[0..8)].
+  ROUTEMM_CPU_AVX512 static __m512 load_pair8(const float* p0, const float* p1) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p0)), _mm256_loadu_ps(p1), 1);
+  }
+  ROUTEMM_CPU_AVX512 static __m256i load_pair8_bits(const void* p0, const void* p1) {
+    return _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(static_cast<const __m128i*>(p0))),
+        _mm_loadu_si128(static_cast<const __m128i*>(p1)), 1);
+  }
+  ROUTEMM_CPU_AVX512 static __m512 load_pair8(const Half* p0, const Half* p1) {
+    return _mm512_cvtph_ps(load_pair8_bits(p0, p1));
+  }
+  ROUTEMM_CPU_AVX512 static __m512 load_pair8(const BFloat16* p0, const BFloat16* p1) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(load_pair8_bits(p0, p1)), 16));
+  }
+
+  template <typename WT>
+  ROUTEMM_CPU_AVX512 static void widen_block(const WT* src, float* dst, size_t count) {
+    Avx2Isa::widen_block(src, dst, count);
+  }
+
+  // Both halves reduced with the contract's tree: out[0] from the low half, out[1] the high.
+  ROUTEMM_CPU_AVX512 static void reduce_pair(__m512 v, float* out0, float* out1) {
+    alignas(64) float lanes[2 * kLanes];
+    _mm512_store_ps(lanes, v);
+    *out0 = simd::reduce_lanes(lanes);
+    *out1 = simd::reduce_lanes(lanes + kLanes);
+  }
+
+  // Word indices of the bf16 fast path: output dword j of block b takes the weight from word
+  // 8b + j of the first column (j < 8) or of the second (j >= 8, source words 32..63), into the
+  // high half; the low half is zeroed by the mask, which makes the dword the exact f32 value.
+  ROUTEMM_CPU_AVX512 static __m512i bf16_pair_index(size_t b) {
+    alignas(64) uint16_t idx[32];
+    for (size_t j = 0; j < 16; ++j) {
+      idx[2 * j] = 0;
+      idx[2 * j + 1] = static_cast<uint16_t>(j < 8 ? 8 * b + j : 32 + 8 * b + (j - 8));
+    }
+    return _mm512_load_si512(idx);
+  }
+
+  // P column pairs (2P columns at w, w + k, ...) of one output row over the full inner dimension.
+  template <size_t P, typename WT>
+  ROUTEMM_CPU_AVX512 static void direct_pairs(const float* x, const WT* w, size_t k, float* out) {
+    __m512 acc[P];
+#pragma GCC unroll 8
+    for (size_t p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
+    size_t i = 0;
+    if constexpr (std::is_same_v<WT, BFloat16>) {
+      // 32 inner positions per step: two 64-byte loads and four masked word permutes per pair.
+      const __m512i idx[4] = {bf16_pair_index(0), bf16_pair_index(1), bf16_pair_index(2),
+                              bf16_pair_index(3)};
+      constexpr __mmask32 kHighWords = 0xAAAAAAAAu;
+      for (; i + 32 <= k; i += 32) {
+        __m512 xv[4];
+#pragma GCC unroll 4
+        for (size_t b = 0; b < 4; ++b)
+          xv[b] = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i + 8 * b));
+#pragma GCC unroll 8
+        for (size_t p = 0; p < P; ++p) {
+          const __m512i a = _mm512_loadu_si512(w + 2 * p * k + i);
+          const __m512i c = _mm512_loadu_si512(w + (2 * p + 1) * k + i);
+#pragma GCC unroll 4
+          for (size_t b = 0; b < 4; ++b) {
+            const __m512 wv =
+                _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi16(kHighWords, a, idx[b], c));
+            acc[p] = _mm512_fmadd_ps(wv, xv[b], acc[p]);
+          }
+        }
+      }
+    }
+    const size_t k_full = k & ~kLaneMask;
+    for (; i < k_full; i += kLanes) {
+      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i));
+#pragma GCC unroll 8
+      for (size_t p = 0; p < P; ++p) {
+        acc[p] =
+            _mm512_fmadd_ps(load_pair8(w + 2 * p * k + i, w + (2 * p + 1) * k + i), xv, acc[p]);
+      }
+    }
+    if (k_full < k) {  // zero-padded tail block (contract step 1)
+      const size_t rest = k - k_full;
+      alignas(32) float xt[kLanes] = {};
+      std::copy(x + k_full, x + k, xt);
+      const __m512 xv = _mm512_broadcast_f32x8(_mm256_load_ps(xt));
+      for (size_t p = 0; p < P; ++p) {
+        alignas(64) float wt[2 * kLanes] = {};
+        for (size_t l = 0; l < rest; ++l) {
+          wt[l] = simd::widen(w[2 * p * k + k_full + l]);
+          wt[kLanes + l] = simd::widen(w[(2 * p + 1) * k + k_full + l]);
+        }
+        acc[p] = _mm512_fmadd_ps(_mm512_load_ps(wt), xv, acc[p]);
+      }
+    }
+    for (size_t p = 0; p < P; ++p) reduce_pair(acc[p], out + 2 * p, out + 2 * p + 1);
+  }
+
+  template <typename WT>
+  ROUTEMM_CPU_AVX512 static void direct_block(const float* x, const WT* w, size_t k, size_t cols,
+                                              float* out) {
+    size_t c = 0;
+    for (; c + kDirectCols <= cols; c += kDirectCols) {
+      direct_pairs<kDirectCols / 2>(x, w + c * k, k, out + c);
+    }
+    for (; c + 2 <= cols; c += 2) direct_pairs<1>(x, w + c * k, k, out + c);
+    if (c < cols) Avx2Isa::direct_columns<1>(x, w + c * k, k, out + c);
+  }
+
+  // The grouped micro-kernel over column pairs: kTileRows rows x kTileCols columns, the last
+  // (odd) column of the tile on a 256-bit accumulator.
+  ROUTEMM_CPU_AVX512 static void grouped_tile(const float* x, const float* w, size_t ld, size_t i0,
+                                              size_t i1, float* acc, size_t acc_stride) {
+    static_assert(kTileCols == 3);
+    __m512 a[kTileRows];
+    __m256 b[kTileRows];
+#pragma GCC unroll 8
+    for (size_t r = 0; r < kTileRows; ++r) {
+      a[r] = _mm512_loadu_ps(acc + r * acc_stride);
+      b[r] = _mm256_loadu_ps(acc + r * acc_stride + 2 * kLanes);
+    }
+    for (size_t i = i0; i < i1; i += kLanes) {
+      const __m512 w01 = load_pair8(w + i, w + ld + i);
+      const __m256 w2 = _mm256_loadu_ps(w + 2 * ld + i);
+#pragma GCC unroll 8
+      for (size_t r = 0; r < kTileRows; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + r * ld + i);
+        a[r] = _mm512_fmadd_ps(w01, _mm512_broadcast_f32x8(xv), a[r]);
+        b[r] = _mm256_fmadd_ps(w2, xv, b[r]);
+      }
+    }
+#pragma GCC unroll 8
+    for (size_t r = 0; r < kTileRows; ++r) {
+      _mm512_storeu_ps(acc + r * acc_stride, a[r]);
+      _mm256_storeu_ps(acc + r * acc_stride + 2 * kLanes, b[r]);
+    }
+  }
+};
 #endif
 
 // ---- Direct -------------------------------------------------------------------------------------
@@ -324,8 +475,10 @@ void direct_items(const DirectJob& job, size_t begin, size_t end) {
   }
 }
 
+// Runs run_items(job, begin, end) over the direct launch's work items (row x column chunk).
 template <typename WT>
-void direct_kernel(const KernelLaunch& launch, void* queue_native) {
+void run_direct_launch(const KernelLaunch& launch, void* queue_native,
+                       void (*run_items)(const DirectJob&, size_t, size_t)) {
   const DenseMatmulIdKernelParams p = read_params(launch);
   const size_t rows = total_rows(p);
   const void* weights = arg_data(launch, 1, weight_bytes(p, sizeof(WT)), "weights");
@@ -336,18 +489,26 @@ void direct_kernel(const KernelLaunch& launch, void* queue_native) {
 
   const DirectJob job{make_operands(p, weights, input, output), ids, p.n_experts,
                       (size_t{p.n} + kDirectChunk - 1) / kDirectChunk};
-  void (*run)(const DirectJob&, size_t, size_t) = direct_items<PortableIsa, WT>;
-#if ROUTEMM_CPU_HAVE_AVX2
-  if (simd::has_avx2_fma()) run = direct_items<Avx2Isa, WT>;
-#endif
-
   auto* pool = static_cast<ThreadPool*>(queue_native);
   const size_t items = rows * job.chunks_per_row;
   if (pool == nullptr) {
-    run(job, 0, items);
+    run_items(job, 0, items);
     return;
   }
-  pool->parallel_for(items, 1, [&](size_t begin, size_t end) { run(job, begin, end); });
+  pool->parallel_for(items, 1, [&](size_t begin, size_t end) { run_items(job, begin, end); });
+}
+
+template <typename WT>
+void direct_kernel(const KernelLaunch& launch, void* queue_native) {
+  void (*run)(const DirectJob&, size_t, size_t) = direct_items<PortableIsa, WT>;
+#if ROUTEMM_CPU_HAVE_AVX2
+  if (simd::has_avx512()) {
+    run = direct_items<Avx512Isa, WT>;
+  } else if (simd::has_avx2_fma()) {
+    run = direct_items<Avx2Isa, WT>;
+  }
+#endif
+  run_direct_launch<WT>(launch, queue_native, run);
 }
 
 // ---- Map ----------------------------------------------------------------------------------------
@@ -474,8 +635,12 @@ void grouped_item(const GroupedJob& job, const GroupedItem& item) {
   }
 }
 
+// Reads and checks a grouped launch (the map's counts and routed rows, which a stale or foreign
+// scratch could make index out of bounds), lists its work items, largest first, and runs
+// run_item(job, item) over them on the pool. Shared by the exact and the bf16-dot grouped kernels.
 template <typename WT>
-void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
+void run_grouped_launch(const KernelLaunch& launch, void* queue_native,
+                        void (*run_item)(const GroupedJob&, const GroupedItem&)) {
   const DenseMatmulIdKernelParams p = read_params(launch);
   const size_t rows = total_rows(p);
   const size_t experts = p.n_experts;
@@ -485,8 +650,7 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
       static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(experts, 4), "expert counts"));
   void* output = arg_data(launch, 5, checked_mul(checked_mul(rows, p.n), 4), "output");
 
-  // The scratch comes from the map kernel; check it anyway, since a stale or foreign buffer
-  // would otherwise index out of bounds: the segments together hold at most every flat row once.
+  // The segments together hold at most every flat row once.
   size_t routed_total = 0;
   for (size_t e = 0; e < experts; ++e) {
     routed_total += counts[e];
@@ -518,24 +682,195 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
                    [](const GroupedItem& a, const GroupedItem& b) { return a.rows > b.rows; });
 
   const GroupedJob job{make_operands(p, weights, input, output), routed};
-  void (*run)(const GroupedJob&, const GroupedItem&) = grouped_item<PortableIsa, WT>;
-#if ROUTEMM_CPU_HAVE_AVX2
-  if (simd::has_avx2_fma()) run = grouped_item<Avx2Isa, WT>;
-#endif
-
   auto* pool = static_cast<ThreadPool*>(queue_native);
   if (pool == nullptr || pool->size() == 1) {
-    for (const GroupedItem& item : items) run(job, item);
+    for (const GroupedItem& item : items) run_item(job, item);
     return;
   }
   std::atomic<size_t> next{0};
   pool->parallel_for(pool->size(), 1, [&](size_t, size_t) {
     for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
          i = next.fetch_add(1, std::memory_order_relaxed)) {
-      run(job, items[i]);
+      run_item(job, items[i]);
     }
   });
 }
+
+template <typename WT>
+void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
+  void (*run)(const GroupedJob&, const GroupedItem&) = grouped_item<PortableIsa, WT>;
+#if ROUTEMM_CPU_HAVE_AVX2
+  if (simd::has_avx512()) {
+    run = grouped_item<Avx512Isa, WT>;
+  } else if (simd::has_avx2_fma()) {
+    run = grouped_item<Avx2Isa, WT>;
+  }
+#endif
+  run_grouped_launch<WT>(launch, queue_native, run);
+}
+
+// ---- bf16-dot routes (reduced precision) ---------------------------------------------------------
+//
+// NUMERIC CONTRACT of direct_bf16_dot and grouped_bf16_dot (BF16 weights only), shared by both, so
+// they are bit-identical to each other whatever the thread count or work split:
+//   1. Each activation row is rounded to bf16 (round to nearest even; a subnormal rounds to a
+//      signed zero) and zero-padded to kp = round_up(k, 32). Weights are used as stored; a padded
+//      position contributes a zero product.
+//   2. Sixteen F32 lanes start at +0.0f. Step s (32 inner positions 32s .. 32s + 31, in increasing
+//      s) adds to lane j the bf16 products of positions 32s + 2j and 32s + 2j + 1, with one
+//      VDPBF16PS (AVX512_BF16): products are exact, each addition rounds to nearest even, and
+//      subnormal inputs and results are flushed to zero.
+//   3. The lanes are summed once: the halves lane-wise (j + 8j' for j < 8), then the eight-lane
+//      tree of simd::reduce_lanes.
+// Error against the float64 product of the stored weights and the F32 activations:
+// |err| <= 2^-8 * sum_i |w_i * x_i| + k * 2^-126 (the activation rounding, 2^-9 relative, plus
+// F32 accumulation over at most kp / 32 + 4 roundings per lane, plus flushed subnormals); stated
+// in docs/numerics.md and checked by tests/python/test_dense_matmul_id_bf16_dot.py.
+#if ROUTEMM_CPU_HAVE_AVX2
+
+constexpr size_t kBf16Step = 32;  // inner positions per VDPBF16PS
+
+// Activation rows rounded to bf16, zero-padded to a whole step; per thread, reused.
+std::vector<uint16_t>& bf16_rows_scratch() {
+  thread_local std::vector<uint16_t> rows;
+  return rows;
+}
+
+// dst[0 .. round_up(k, 32)) = bf16(x[0 .. k)), then zeros (contract step 1).
+ROUTEMM_CPU_AVX512_BF16 void round_row_to_bf16(const float* x, size_t k, uint16_t* dst) {
+  for (size_t i = 0; i < k; i += kBf16Step) {
+    const size_t rest = std::min(kBf16Step, k - i);
+    const __mmask16 lo = rest >= 16 ? __mmask16(0xffff) : __mmask16((1u << rest) - 1);
+    const __mmask16 hi = rest <= 16   ? __mmask16(0)
+                         : rest >= 32 ? __mmask16(0xffff)
+                                      : __mmask16((1u << (rest - 16)) - 1);
+    const __m512 a = _mm512_maskz_loadu_ps(lo, x + i);
+    const __m512 b = _mm512_maskz_loadu_ps(hi, x + i + 16);
+    _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  }
+}
+
+ROUTEMM_CPU_AVX512_BF16 float reduce_bf16_lanes(__m512 v) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, v);
+  float half[kLanes];
+  for (size_t l = 0; l < kLanes; ++l) half[l] = lanes[l] + lanes[l + kLanes];
+  return simd::reduce_lanes(half);
+}
+
+// R activation rows (bf16, padded, at x[r] ) x C weight columns (bf16, k each, at w + c * k):
+// out[r * out_stride + c] for every pair, over the full inner dimension.
+template <size_t R, size_t C>
+ROUTEMM_CPU_AVX512_BF16 void bf16_dot_tile(const uint16_t* const* x, const BFloat16* w, size_t k,
+                                           float* out, size_t out_stride) {
+  __m512 acc[R][C];
+#pragma GCC unroll 16
+  for (size_t r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (size_t c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const size_t k_full = k / kBf16Step * kBf16Step;
+  for (size_t i = 0; i < k; i += kBf16Step) {
+    // The last step loads only the weights inside the row (zeros beyond it).
+    const __mmask32 mask =
+        i < k_full ? ~__mmask32(0) : __mmask32((uint64_t{1} << (k - k_full)) - 1);
+    __m512bh wv[C];
+#pragma GCC unroll 16
+    for (size_t c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + c * k + i);
+#pragma GCC unroll 16
+    for (size_t r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[r] + i);
+#pragma GCC unroll 16
+      for (size_t c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv[c], xv);
+    }
+  }
+  for (size_t r = 0; r < R; ++r)
+    for (size_t c = 0; c < C; ++c) out[r * out_stride + c] = reduce_bf16_lanes(acc[r][c]);
+}
+
+// Columns [0, cols) of `rows` (<= kBf16TileRows) activation rows against one expert's columns.
+constexpr size_t kBf16TileRows = 4;
+constexpr size_t kBf16TileCols = 4;
+
+template <size_t R>
+ROUTEMM_CPU_AVX512_BF16 void bf16_dot_rows(const uint16_t* const* x, const BFloat16* w, size_t k,
+                                           size_t cols, float* out, size_t out_stride) {
+  size_t c = 0;
+  for (; c + kBf16TileCols <= cols; c += kBf16TileCols) {
+    bf16_dot_tile<R, kBf16TileCols>(x, w + c * k, k, out + c, out_stride);
+  }
+  for (; c < cols; ++c) bf16_dot_tile<R, 1>(x, w + c * k, k, out + c, out_stride);
+}
+
+// The direct route: one activation row per work item, eight columns per tile so each activation
+// step is loaded once for eight dot products.
+ROUTEMM_CPU_AVX512_BF16 void bf16_dot_direct_items(const DirectJob& job, size_t begin, size_t end) {
+  const Operands& ops = job.ops;
+  const size_t kp = round_up(ops.k, kBf16Step);
+  std::vector<uint16_t>& xs = bf16_rows_scratch();
+  xs.resize(std::max(xs.size(), kp));
+  size_t rounded_flat = SIZE_MAX;
+  for (size_t item = begin; item < end; ++item) {
+    const size_t flat = item / job.chunks_per_row;
+    const size_t col0 = (item - flat * job.chunks_per_row) * kDirectChunk;
+    const size_t cols = std::min(ops.n - col0, kDirectChunk);
+    float* out = ops.output_row(flat) + col0;
+    const uint32_t id = job.ids[flat];
+    if (id >= job.n_experts) {  // invalid id: zero row, no weight address formed
+      std::fill(out, out + cols, 0.0f);
+      continue;
+    }
+    if (rounded_flat != flat) {  // consecutive items of one row share its rounding
+      round_row_to_bf16(ops.input_row(flat), ops.k, xs.data());
+      rounded_flat = flat;
+    }
+    const uint16_t* x[1] = {xs.data()};
+    const BFloat16* w = ops.expert<BFloat16>(id) + col0 * ops.k;
+    size_t c = 0;
+    for (; c + 8 <= cols; c += 8) bf16_dot_tile<1, 8>(x, w + c * ops.k, ops.k, out + c, 0);
+    bf16_dot_rows<1>(x, w + c * ops.k, ops.k, cols - c, out + c, 0);
+  }
+}
+
+// The grouped route: an item's routed rows are rounded once, then every kBf16TileRows x
+// kBf16TileCols tile reads its weight columns straight from the expert (bf16 needs no widening).
+ROUTEMM_CPU_AVX512_BF16 void bf16_dot_grouped_item(const GroupedJob& job, const GroupedItem& item) {
+  const Operands& ops = job.ops;
+  const size_t k = ops.k, kp = round_up(k, kBf16Step);
+  const size_t cols = std::min(kBlockCols, ops.n - item.col0);
+  const uint32_t* flats = job.routed + item.row0;
+  std::vector<uint16_t>& xs = bf16_rows_scratch();
+  xs.resize(std::max(xs.size(), size_t{item.rows} * kp));
+  for (size_t r = 0; r < item.rows; ++r) {
+    round_row_to_bf16(ops.input_row(flats[r]), k, xs.data() + r * kp);
+  }
+  const BFloat16* w = ops.expert<BFloat16>(item.expert) + size_t{item.col0} * k;
+  float tile[kBf16TileRows * kBlockCols];
+  for (size_t r = 0; r < item.rows; r += kBf16TileRows) {
+    const size_t rows = std::min(kBf16TileRows, item.rows - r);
+    const uint16_t* x[kBf16TileRows];
+    for (size_t i = 0; i < rows; ++i) x[i] = xs.data() + (r + i) * kp;
+    switch (rows) {
+      case 1: bf16_dot_rows<1>(x, w, k, cols, tile, kBlockCols); break;
+      case 2: bf16_dot_rows<2>(x, w, k, cols, tile, kBlockCols); break;
+      case 3: bf16_dot_rows<3>(x, w, k, cols, tile, kBlockCols); break;
+      default: bf16_dot_rows<4>(x, w, k, cols, tile, kBlockCols); break;
+    }
+    for (size_t i = 0; i < rows; ++i) {
+      std::copy(tile + i * kBlockCols, tile + i * kBlockCols + cols,
+                ops.output_row(flats[r + i]) + item.col0);
+    }
+  }
+}
+
+void bf16_dot_direct_kernel(const KernelLaunch& launch, void* queue_native) {
+  run_direct_launch<BFloat16>(launch, queue_native, bf16_dot_direct_items);
+}
+
+void bf16_dot_grouped_kernel(const KernelLaunch& launch, void* queue_native) {
+  run_grouped_launch<BFloat16>(launch, queue_native, bf16_dot_grouped_item);
+}
+
+#endif
 
 // ---- Registration -------------------------------------------------------------------------------
 
@@ -570,6 +905,17 @@ KernelDef grouped_def(std::string_view name, KernelFn fn) {
 }
 
 }  // namespace
+
+void add_dense_matmul_id_bf16_dot_kernels(std::vector<KernelDef>& out) {
+#if ROUTEMM_CPU_HAVE_AVX2
+  if (!simd::has_avx512_bf16()) return;  // no pipeline: a call fails before encoding
+  constexpr auto names = kDenseMatmulIdBf16DotPipelineNames;
+  out.push_back(direct_def(names[0], bf16_dot_direct_kernel));
+  out.push_back(grouped_def(names[1], bf16_dot_grouped_kernel));
+#else
+  (void)out;
+#endif
+}
 
 void add_dense_matmul_id_kernels(std::vector<KernelDef>& out) {
   // The order of kDenseMatmulIdPipelineNames is relied on below.

@@ -159,6 +159,7 @@ class CpuBackend final : public Backend {
  public:
   CpuBackend() {
     add_dense_matmul_id_kernels(kernels_);
+    add_dense_matmul_id_bf16_dot_kernels(kernels_);
     add_q4_matmul_kernels(kernels_);
     add_quantized_matmul_id_kernels(kernels_);
     add_moe_kernels(kernels_);

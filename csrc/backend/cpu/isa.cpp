@@ -1,12 +1,19 @@
 // Instruction-set selection of the CPU kernels (see isa.h).
 #include "isa.h"
 
+#include <atomic>
+
 #include "routemm/env.h"
 
 namespace routemm::cpu {
 namespace {
 
-CpuIsa supported_isa() {
+// -1: no test pin; otherwise the CpuIsa value a CpuIsaLimitForTesting holds.
+std::atomic<int> pinned_limit{-1};
+
+}  // namespace
+
+CpuIsa supported_cpu_isa() {
 #if ROUTEMM_CPU_HAVE_AVX512
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -25,8 +32,6 @@ CpuIsa supported_isa() {
   return CpuIsa::portable;
 }
 
-}  // namespace
-
 std::string_view cpu_isa_name(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::avx512: return "avx512";
@@ -37,8 +42,12 @@ std::string_view cpu_isa_name(CpuIsa isa) {
 }
 
 CpuIsa cpu_isa() {
+  if (const int pinned = pinned_limit.load(std::memory_order_relaxed); pinned >= 0) {
+    const CpuIsa best = supported_cpu_isa(), limit = static_cast<CpuIsa>(pinned);
+    return best < limit ? best : limit;
+  }
   static const CpuIsa selected = [] {
-    const CpuIsa best = supported_isa();
+    const CpuIsa best = supported_cpu_isa();
     const std::optional<std::string> cap = env::cpu_isa();
     if (!cap) return best;
     CpuIsa limit = CpuIsa::avx512;
@@ -48,5 +57,10 @@ CpuIsa cpu_isa() {
   }();
   return selected;
 }
+
+CpuIsaLimitForTesting::CpuIsaLimitForTesting(CpuIsa limit)
+    : previous_(pinned_limit.exchange(static_cast<int>(limit))) {}
+
+CpuIsaLimitForTesting::~CpuIsaLimitForTesting() { pinned_limit.store(previous_); }
 
 }  // namespace routemm::cpu

@@ -31,4 +31,20 @@ CpuIsa cpu_isa();
 // True when the kernels may use `isa`'s clone (cpu_isa() >= isa).
 inline bool cpu_isa_allows(CpuIsa isa) { return cpu_isa() >= isa; }
 
+// The best clone the CPU (and OS) supports, whatever the cap.
+CpuIsa supported_cpu_isa();
+
+// Pins the cap to `limit` for the object's lifetime, in place of ROUTEMM_CPU_ISA (C++ tests that
+// compare the clones bit for bit in one process); not for use while other threads launch kernels.
+class CpuIsaLimitForTesting {
+ public:
+  explicit CpuIsaLimitForTesting(CpuIsa limit);
+  ~CpuIsaLimitForTesting();
+  CpuIsaLimitForTesting(const CpuIsaLimitForTesting&) = delete;
+  CpuIsaLimitForTesting& operator=(const CpuIsaLimitForTesting&) = delete;
+
+ private:
+  int previous_;
+};
+
 }  // namespace routemm::cpu

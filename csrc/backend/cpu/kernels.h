@@ -9,6 +9,9 @@ namespace routemm::cpu {
 
 // Pipelines of csrc/ops/dense_matmul_id.cpp (kDenseMatmulIdPipelineNames).
 void add_dense_matmul_id_kernels(std::vector<KernelDef>& out);
+// The reduced-precision bf16-dot routes (kDenseMatmulIdBf16DotPipelineNames), dense_matmul_id.cpp;
+// adds nothing unless the processor (and ROUTEMM_CPU_ISA) allows AVX512_BF16.
+void add_dense_matmul_id_bf16_dot_kernels(std::vector<KernelDef>& out);
 // Pipelines of csrc/ops/q4_matmul.cpp (kQ4MatmulPipelineNames).
 void add_q4_matmul_kernels(std::vector<KernelDef>& out);
 // Pipelines of csrc/ops/quantized_matmul_id.cpp (kGgmlQuantizedMatmulIdPipelineNames).

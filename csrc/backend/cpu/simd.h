@@ -1,8 +1,8 @@
 // Small portable helpers for the CPU kernels: exact fp16/bf16 -> f32 widening, the fixed lane
 // reduction of the expert-ID matmul contract, and the x86 AVX2 / AVX-512 dispatch switches.
 //
-// Everything here is plain scalar C++ that the compiler can vectorise; nothing depends on the
-// instruction set, so every build produces the same bits.
+// The helpers are plain scalar C++ that the compiler can vectorise; nothing depends on the
+// instruction set, so every build produces the same bits. Which clone runs is isa.h's choice.
 #pragma once
 
 #include <bit>
@@ -18,13 +18,20 @@
 #define ROUTEMM_CPU_INLINE inline
 #endif
 
-// x86-64 kernels compiled for AVX2 + FMA + F16C next to the portable ones; callers pick one at run
-// time with has_avx2_fma(). Both give identical bits: they only use operations with exactly
-// specified results (fma, add, exact conversions).
+// x86-64 kernels compiled for AVX2 + FMA + F16C (and AVX-512 F/BW/VL/DQ) next to the portable
+// ones; callers pick one at run time with has_avx2_fma() / has_avx512(). The exact kernels give
+// identical bits on every clone: they only use operations with exactly specified results (fma,
+// add, exact conversions). ROUTEMM_CPU_AVX512_BF16 / _VNNI add the dot-product instructions of the
+// reduced-precision routes.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
     !defined(ROUTEMM_CPU_PORTABLE_ONLY)
 #define ROUTEMM_CPU_HAVE_AVX2 1
 #define ROUTEMM_CPU_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define ROUTEMM_CPU_AVX512_BF16 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define ROUTEMM_CPU_AVX2_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define ROUTEMM_CPU_AVX512_VNNI \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #else
 #define ROUTEMM_CPU_HAVE_AVX2 0
 #endif
@@ -91,6 +98,26 @@ inline bool has_avx2_fma() {
 inline bool has_avx512() {
 #if ROUTEMM_CPU_HAVE_AVX512
   return cpu_isa_allows(CpuIsa::avx512);
+#else
+  return false;
+#endif
+}
+
+// AVX512_BF16 (VDPBF16PS) on top of the AVX-512 clone: the reduced-precision bf16 routes.
+inline bool has_avx512_bf16() {
+#if ROUTEMM_CPU_HAVE_AVX512
+  static const bool supported = __builtin_cpu_supports("avx512bf16");
+  return supported && has_avx512();
+#else
+  return false;
+#endif
+}
+
+// AVX512_VNNI (VPDPBUSD on 512-bit vectors) on top of the AVX-512 clone.
+inline bool has_avx512_vnni() {
+#if ROUTEMM_CPU_HAVE_AVX512
+  static const bool supported = __builtin_cpu_supports("avx512vnni");
+  return supported && has_avx512();
 #else
   return false;
 #endif

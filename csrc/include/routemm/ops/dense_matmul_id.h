@@ -17,6 +17,12 @@
 // weights rounded to tf32, exact for f16/bf16 weights; F32 accumulation) and GroupedTensorLowp
 // (activations rounded to the weight dtype, f16/bf16 weights only; F32 accumulation). Backends
 // without tensor cores do not register their pipelines.
+//
+// Two reduced-precision CPU routes, likewise explicit: DirectBf16Dot (one dispatch, ids may
+// repeat, as Direct) and GroupedBf16Dot (GroupedPrefill's map, scratch and receipts), BF16 weights
+// only. Activations are rounded to bf16 (nearest even) and multiplied by the weights with bf16 dot
+// products accumulated in F32 (AVX512_BF16). Only a CPU backend whose processor has those
+// instructions registers their pipelines; everywhere else the call fails before encoding.
 #pragma once
 
 #include <array>
@@ -56,15 +62,26 @@ inline constexpr std::array<std::string_view, 5> kDenseMatmulIdTensorPipelineNam
 
 enum class DenseMatmulIdInputLayout : uint8_t { SharedPerToken, Slotted };
 enum class DenseMatmulIdMultiplicity : uint8_t { DistinctPerToken, MayRepeat };
+// Pipelines of the reduced-precision CPU routes (registered only by a CPU backend whose processor
+// has AVX512_BF16): direct, grouped.
+inline constexpr std::array<std::string_view, 2> kDenseMatmulIdBf16DotPipelineNames = {
+    "dense_matmul_id_direct_bf16dot_bf16_f32",
+    "dense_matmul_id_grouped_bf16dot_bf16_f32",
+};
+
 enum class DenseMatmulIdRoute : uint8_t {
   Direct,
   GroupedPrefill,
   GroupedTensorTf32,
-  GroupedTensorLowp
+  GroupedTensorLowp,
+  DirectBf16Dot,
+  GroupedBf16Dot
 };
 
 // Routes that run the map dispatch and need caller-owned scratch (declared DistinctPerToken).
-constexpr bool is_grouped(DenseMatmulIdRoute route) { return route != DenseMatmulIdRoute::Direct; }
+constexpr bool is_grouped(DenseMatmulIdRoute route) {
+  return route != DenseMatmulIdRoute::Direct && route != DenseMatmulIdRoute::DirectBf16Dot;
+}
 
 // Whether a grouped call builds its routing map (the expert counts and routed rows in the scratch)
 // or reuses one. The map depends only on the ids and on m, top_k and n_experts, so grouped calls
