@@ -166,40 +166,32 @@ class DenseQ4RouteTiming(JsonRecord):
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseQ4CalibrationDecision(JsonRecord):
-    """Why one exact shape takes its route, and what proving and timing it cost."""
+class DenseQ4CalibrationDecision(
+    rp.CalibrationDecision[DenseQ4Shape, DenseQ4Route, DenseQ4SelectionStatus, DenseQ4RouteTiming], JsonRecord
+):
+    """Why one exact shape takes its route, and what proving and timing it cost: besides the
+    common fields, how many weight buffers the proof covered and the proof's dispatches, scratch
+    bytes and GPU time."""
 
     SCHEMA = "dense_q4_calibration_receipt.schema.json"
-    shape: DenseQ4Shape
-    selected_route: DenseQ4Route
-    status: DenseQ4SelectionStatus
-    diagnostic: Optional[str]
-    timings: tuple[DenseQ4RouteTiming, ...]
-    process_cache_hit: bool
     authorized_weight_buffers: int
-    proof_submissions: int
     proof_route_dispatches: int
     proof_auxiliary_dispatches: int
     proof_scratch_bytes: int
     proof_gpu_us: float
-    timing_submissions: int
-    calibration_submissions: int
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseQ4PlanDecision(JsonRecord):
+class DenseQ4PlanDecision(rp.PlanDecision[DenseQ4Shape, DenseQ4Route], JsonRecord):
     SCHEMA = "dense_q4_route_plan.schema.json"
-    shape: DenseQ4Shape
-    route: DenseQ4Route
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseQ4RoutePlan(rp.ActivationIdentity, rp.RoutePlanMethods, JsonRecord):
+class DenseQ4RoutePlan(rp.RoutePlan[DenseQ4PlanDecision], JsonRecord):
     """An immutable, pointer-free plan: exact shape -> route, bound to one registry authority,
     one device and one build. Decisions are sorted by shape."""
 
     SCHEMA = "dense_q4_route_plan.schema.json"
-    decisions: tuple[DenseQ4PlanDecision, ...]
     schema_version: int = DENSE_Q4_ROUTE_SCHEMA_VERSION
 
     def route_for(self, shape: DenseQ4Shape) -> Optional[DenseQ4Route]:
@@ -212,25 +204,18 @@ class DenseQ4RoutePlan(rp.ActivationIdentity, rp.RoutePlanMethods, JsonRecord):
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseQ4CalibrationBatchReceipt(rp.ActivationIdentity, JsonRecord):
+class DenseQ4CalibrationBatchReceipt(rp.CalibrationReceipt[DenseQ4CalibrationDecision], JsonRecord):
+    """What one dense Q4 calibration did: besides the common fields, how many shapes kept the
+    compatibility route, the (shape, weight) pairs proved, and the proofs' dispatches, peak scratch
+    bytes and GPU time."""
+
     SCHEMA = "dense_q4_calibration_receipt.schema.json"
-    routemm_version: str
-    declared_shapes: int
-    calibrated_decisions: int
-    process_cache_hits: int
     compatibility_route_decisions: int
     authorized_shape_weight_pairs: int
-    proof_submissions: int
     proof_route_dispatches: int
     proof_auxiliary_dispatches: int
     peak_proof_scratch_bytes: int
     proof_gpu_us: float
-    timing_submissions: int
-    cleanup_submissions: int
-    calibration_submissions: int
-    elapsed_ms: float
-    deadline_overrun_ms: float
-    decisions: tuple[DenseQ4CalibrationDecision, ...]
     schema_version: int = DENSE_Q4_RECEIPT_SCHEMA_VERSION
 
 
@@ -572,13 +557,13 @@ class _Calibrator:
             )
             fields.update(work)
             d = DenseQ4CalibrationDecision(
-                shape,
-                V2,
-                status,
-                diag,
-                fields.pop("timings", ()),
-                False,
-                len(weights) if fields["proof_submissions"] else 0,
+                shape=shape,
+                selected_route=V2,
+                status=status,
+                diagnostic=diag,
+                timings=fields.pop("timings", ()),
+                process_cache_hit=False,
+                authorized_weight_buffers=len(weights) if fields["proof_submissions"] else 0,
                 **fields,
                 calibration_submissions=fields["proof_submissions"] + fields["timing_submissions"],
             )
@@ -688,13 +673,13 @@ class _Calibrator:
                 if route.value in outcome["wall"]
             )
             d = DenseQ4CalibrationDecision(
-                shape,
-                outcome["route"],
-                outcome["status"],
-                outcome.get("diagnostic"),
-                timings,
-                cache_hit,
-                len(weights),
+                shape=shape,
+                selected_route=outcome["route"],
+                status=outcome["status"],
+                diagnostic=outcome.get("diagnostic"),
+                timings=timings,
+                process_cache_hit=cache_hit,
+                authorized_weight_buffers=len(weights),
                 **work,
                 timing_submissions=timing_subs,
                 calibration_submissions=1 + timing_subs,
