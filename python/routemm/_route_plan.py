@@ -33,6 +33,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Generic, Optional, TypeVar
 
+from . import _core
 from . import calibration as cal
 from ._errors import InvalidArgumentError
 
@@ -124,6 +125,26 @@ class CalibrationReceipt(ActivationIdentity, Generic[CalibrationDecisionT]):
     elapsed_ms: float
     deadline_overrun_ms: float
     decisions: tuple[CalibrationDecisionT, ...]
+
+    @classmethod
+    def of_calibration(cls, plan, subs: cal.Submissions, elapsed_ms: float, overrun_ms: float, decisions, **own):
+        """The receipt of the calibration that made `plan` with `decisions`: the plan's activation
+        identity, this library's version, the cache hits among `decisions` and the submissions
+        `subs` counted; `own` gives declared_shapes, calibrated_decisions and the kind's own fields."""
+        identity = {f.name: getattr(plan, f.name) for f in dataclasses.fields(ActivationIdentity)}
+        return cls(
+            **identity,
+            routemm_version=_core.version(),
+            process_cache_hits=sum(d.process_cache_hit for d in decisions),
+            proof_submissions=subs.proof,
+            timing_submissions=subs.timing,
+            cleanup_submissions=subs.cleanup,
+            calibration_submissions=subs.total,
+            elapsed_ms=elapsed_ms,
+            deadline_overrun_ms=overrun_ms,
+            decisions=tuple(decisions),
+            **own,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

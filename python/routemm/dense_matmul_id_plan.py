@@ -1075,28 +1075,18 @@ def _run(registry, device, epoch, limits, cases, *, progress, timer, clock, pinn
     elapsed = deadline.elapsed_ms()
     overrun = max(0.0, elapsed - limits.max_elapsed_ms)
     plan, final = (fallback, late) if overrun > 0 else (primary, decisions)
-    receipt = DenseMatmulIdCalibrationReceipt(
-        plan_id=plan.plan_id,
-        build_fingerprint=prep[0],
-        device_name=device.name,
-        device_registry_id=device.registry_id,
-        registry_authority_id=registry.authority_id,
-        activation_epoch=epoch,
-        routemm_version=_core.version(),
-        theorem_sha256=THEOREM_SHA256,
+    receipt = DenseMatmulIdCalibrationReceipt.of_calibration(
+        plan,
+        c.subs,
+        elapsed,
+        overrun,
+        final,
         declared_shapes=len(final),
         calibrated_decisions=fresh,
-        process_cache_hits=sum(d.process_cache_hit for d in final),
+        theorem_sha256=THEOREM_SHA256,
         direct_decisions=sum(d.selected_route is DenseMatmulIdRoute.DIRECT for d in final),
-        proof_submissions=c.subs.proof,
         proof_dispatches=sum(d.proof_dispatches for d in final),
         timing_dispatches=sum(d.timing_dispatches for d in final),
-        timing_submissions=c.subs.timing,
-        cleanup_submissions=c.subs.cleanup,
-        calibration_submissions=c.subs.total,
-        elapsed_ms=elapsed,
-        deadline_overrun_ms=overrun,
-        decisions=tuple(final),
     )
     authority = _Authority(
         epoch,

@@ -866,32 +866,22 @@ def _run(registry, device, activation_epoch, limits, cases, *, progress, timer, 
     overrun = max(0.0, elapsed - limits.max_elapsed_ms)
     plan, final = (compat, compat_decisions) if overrun > 0 else (primary, decisions)
     final = sorted(final, key=lambda d: d.shape.key)
-    receipt = DenseQ4CalibrationBatchReceipt(
-        routemm_version=_core.version(),
-        build_fingerprint=prep.build_fingerprint,
-        plan_id=plan.plan_id,
-        activation_epoch=activation_epoch,
-        device_name=device.name,
-        device_registry_id=device.registry_id,
-        registry_authority_id=registry.authority_id,
+    receipt = DenseQ4CalibrationBatchReceipt.of_calibration(
+        plan,
+        c.subs,
+        elapsed,
+        overrun,
+        final,
         declared_shapes=declared,
         calibrated_decisions=fresh
         if overrun == 0
         else sum(1 for d in final if d.timing_submissions and d.status in _TIMED_STATUSES),
-        process_cache_hits=sum(d.process_cache_hit for d in final),
         compatibility_route_decisions=sum(d.selected_route is DenseQ4Route.COMPATIBILITY_V2 for d in final),
         authorized_shape_weight_pairs=sum(d.authorized_weight_buffers for d in final),
-        proof_submissions=c.subs.proof,
         proof_route_dispatches=sum(d.proof_route_dispatches for d in final),
         proof_auxiliary_dispatches=sum(d.proof_auxiliary_dispatches for d in final),
         peak_proof_scratch_bytes=max((d.proof_scratch_bytes for d in final), default=0),
         proof_gpu_us=sum(d.proof_gpu_us for d in final),
-        timing_submissions=c.subs.timing,
-        cleanup_submissions=c.subs.cleanup,
-        calibration_submissions=c.subs.total,
-        elapsed_ms=elapsed,
-        deadline_overrun_ms=overrun,
-        decisions=tuple(final),
     )
     rp.set_origin(plan, rp.Origin(device, receipt))
     rp.freeze(KIND, registry, device, plan, check_fingerprint=False)
