@@ -1,6 +1,8 @@
 """JSON for frozen dataclasses: closed documents with a checked schema_version.
 
-A record class is a frozen dataclass that derives from `JsonRecord` and names its schema file.
+A record class is a frozen dataclass that derives from `JsonRecord` and names its schema file. It may
+inherit fields from a generic dataclass, naming their types as type arguments (`Base[int, str]`);
+decoding reads each inherited field as the type its record class names.
 `to_json()` writes sorted keys and refuses NaN/Inf. `from_json()`/`from_dict()` accept exactly what
 the shipped schema accepts (checked by `_schemas.check`, the one definition of a record's JSON):
 unknown or missing fields, another schema_version, out-of-range numbers, unknown enum strings and
@@ -124,8 +126,39 @@ def _decode(tp: Any, data: Any, where: str) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _record_layout(cls: type) -> tuple[dict, dict]:
-    """(type hints, fields by name) of a record class; resolving hints is slow, so once per class."""
-    return typing.get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls)}
+    """(field types, fields by name) of a record class; resolving hints is slow, so once per class.
+    A field declared by a generic base record (`class R(Base[int, str])`) has the type the
+    subclass names for it."""
+    bindings = _type_bindings(cls)
+    types: dict = {}
+    for klass in reversed(cls.__mro__):  # bases first: a redeclared field takes its subclass's type
+        own = klass.__dict__.get("__annotations__", {})
+        if own:
+            hints = typing.get_type_hints(klass)
+            types.update({name: _substitute(hints[name], bindings.get(klass, {})) for name in own})
+    return types, {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _type_bindings(cls: type) -> dict:
+    """{generic base: {its type variable: the type `cls` gives it}} over all of cls's ancestors. A
+    class precedes its bases in the MRO, so its own bindings are known when its bases' are made."""
+    bindings: dict = {}
+    for klass in cls.__mro__:
+        for base in klass.__dict__.get("__orig_bases__", ()):
+            origin = typing.get_origin(base)
+            variables = getattr(origin, "__parameters__", ())
+            if variables:  # not Generic[...] itself, which only declares variables
+                values = [_substitute(a, bindings.get(klass, {})) for a in typing.get_args(base)]
+                bindings[origin] = dict(zip(variables, values, strict=True))
+    return bindings
+
+
+def _substitute(tp: Any, binding: dict) -> Any:
+    """`tp` with its type variables replaced as `binding` says (`tuple[T, ...]` -> `tuple[int, ...]`)."""
+    if isinstance(tp, typing.TypeVar):
+        return binding.get(tp, tp)
+    variables = getattr(tp, "__parameters__", ()) if typing.get_origin(tp) is not None else ()
+    return tp[tuple(binding.get(v, v) for v in variables)] if variables else tp
 
 
 def _decode_record(cls: type, data: Any, where: str) -> Any:

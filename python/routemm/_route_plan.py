@@ -2,8 +2,14 @@
 
 A plan kind (PlanKind) names its records and the few checks that differ; everything else lives
 here once: the records' common parts (timing distributions, the activation identity every plan and
-receipt carries, lookup and saving), activation preconditions, freezing into a registry, the
-frozen-plan store, and reloading a saved plan file.
+receipt carries, the fields every plan, plan decision, calibration decision and calibration receipt
+has, lookup and saving), activation preconditions, freezing into a registry, the frozen-plan store,
+and reloading a saved plan file.
+
+The common record parts are generic dataclasses: a kind's record derives from one with its own
+types named as type arguments (`CalibrationDecision[DenseQ4Shape, DenseQ4Route, ...]`), adds the
+fields only it has after the common ones, and mixes in JsonRecord, whose decoding reads the
+inherited fields' types from those arguments.
 
 Lifetimes: what the library keeps about a plan is owned by the registry it is frozen into or by
 the plan object itself, never by a module-level table. A registry's frozen plans live in a
@@ -25,8 +31,9 @@ import functools
 import threading
 import weakref
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Generic, Optional, TypeVar
 
+from . import _core
 from . import calibration as cal
 from ._errors import InvalidArgumentError
 
@@ -66,6 +73,80 @@ class ActivationIdentity:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(ActivationIdentity))
 
 
+# The types a plan kind names for the common record fields.
+ShapeT = TypeVar("ShapeT")  # an exact call shape record (with a `key`)
+RouteT = TypeVar("RouteT")  # the kind's route enum
+StatusT = TypeVar("StatusT")  # the kind's selection status enum
+TimingT = TypeVar("TimingT")  # one route's timing record
+PlanDecisionT = TypeVar("PlanDecisionT")
+CalibrationDecisionT = TypeVar("CalibrationDecisionT")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanDecision(Generic[ShapeT, RouteT]):
+    """One entry of a plan: an exact shape and the route it takes."""
+
+    shape: ShapeT
+    route: RouteT
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationDecision(Generic[ShapeT, RouteT, StatusT, TimingT]):
+    """Why one exact shape takes its route: the status and diagnostic of its selection, the routes'
+    timings, whether the process cache answered, and the submissions proving and timing it took
+    (calibration_submissions is their sum). A kind adds its own proof and dispatch counts."""
+
+    shape: ShapeT
+    selected_route: RouteT
+    status: StatusT
+    diagnostic: Optional[str]
+    timings: tuple[TimingT, ...]
+    process_cache_hit: bool
+    proof_submissions: int
+    timing_submissions: int
+    calibration_submissions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationReceipt(ActivationIdentity, Generic[CalibrationDecisionT]):
+    """What one calibration did: the activation it made its plan for, the library version, how
+    many shapes were declared, freshly calibrated or answered by the process cache, the
+    submissions of every stage (calibration_submissions is their sum), the elapsed time and how far
+    it ran past its deadline, and every shape's decision, sorted by shape."""
+
+    routemm_version: str
+    declared_shapes: int
+    calibrated_decisions: int
+    process_cache_hits: int
+    proof_submissions: int
+    timing_submissions: int
+    cleanup_submissions: int
+    calibration_submissions: int
+    elapsed_ms: float
+    deadline_overrun_ms: float
+    decisions: tuple[CalibrationDecisionT, ...]
+
+    @classmethod
+    def of_calibration(cls, plan, subs: cal.Submissions, elapsed_ms: float, overrun_ms: float, decisions, **own):
+        """The receipt of the calibration that made `plan` with `decisions`: the plan's activation
+        identity, this library's version, the cache hits among `decisions` and the submissions
+        `subs` counted; `own` gives declared_shapes, calibrated_decisions and the kind's own fields."""
+        identity = {f.name: getattr(plan, f.name) for f in dataclasses.fields(ActivationIdentity)}
+        return cls(
+            **identity,
+            routemm_version=_core.version(),
+            process_cache_hits=sum(d.process_cache_hit for d in decisions),
+            proof_submissions=subs.proof,
+            timing_submissions=subs.timing,
+            cleanup_submissions=subs.cleanup,
+            calibration_submissions=subs.total,
+            elapsed_ms=elapsed_ms,
+            deadline_overrun_ms=overrun_ms,
+            decisions=tuple(decisions),
+            **own,
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Origin:
     """How a plan was made in this process: its device, the receipt of its calibration and, for
@@ -76,10 +157,14 @@ class Origin:
     authority: Any = None
 
 
-class RoutePlanMethods:
-    """Lookup and saving for a plan record (a dataclass with `decisions` of (shape, route))."""
+@dataclasses.dataclass(frozen=True)
+class RoutePlan(ActivationIdentity, Generic[PlanDecisionT]):
+    """A frozen plan: its activation identity and its decisions (PlanDecision records, sorted by
+    shape), with lookup and saving. A kind's plan class sets KIND."""
 
     KIND: ClassVar["PlanKind"]
+
+    decisions: tuple[PlanDecisionT, ...]
 
     @functools.cached_property
     def _lookup(self) -> dict:

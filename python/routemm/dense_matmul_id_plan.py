@@ -191,36 +191,33 @@ class DenseMatmulIdCandidateProof(JsonRecord):
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseMatmulIdCalibrationDecision(JsonRecord):
+class DenseMatmulIdCalibrationDecision(
+    rp.CalibrationDecision[
+        DenseMatmulIdShape, DenseMatmulIdRoute, DenseMatmulIdSelectionStatus, DenseMatmulIdRouteTiming
+    ],
+    JsonRecord,
+):
+    """Why one exact shape takes its route: besides the common fields, the candidates it had and
+    their proofs, how many weight identities the value-independence theorem authorised, and the
+    proof and timing dispatches."""
+
     SCHEMA = "dense_matmul_id_calibration_receipt.schema.json"
-    shape: DenseMatmulIdShape
-    selected_route: DenseMatmulIdRoute
-    status: DenseMatmulIdSelectionStatus
-    diagnostic: Optional[str]
     candidates: tuple[DenseMatmulIdRoute, ...]
     proofs: tuple[DenseMatmulIdCandidateProof, ...]
-    timings: tuple[DenseMatmulIdRouteTiming, ...]
-    process_cache_hit: bool
     theorem_authorized_weight_identities: int
-    proof_submissions: int
     proof_dispatches: int
     timing_dispatches: int
-    timing_submissions: int
-    calibration_submissions: int
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseMatmulIdPlanDecision(JsonRecord):
+class DenseMatmulIdPlanDecision(rp.PlanDecision[DenseMatmulIdShape, DenseMatmulIdRoute], JsonRecord):
     SCHEMA = "dense_matmul_id_route_plan.schema.json"
-    shape: DenseMatmulIdShape
-    route: DenseMatmulIdRoute
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseMatmulIdRoutePlan(rp.ActivationIdentity, rp.RoutePlanMethods, JsonRecord):
+class DenseMatmulIdRoutePlan(rp.RoutePlan[DenseMatmulIdPlanDecision], JsonRecord):
     SCHEMA = "dense_matmul_id_route_plan.schema.json"
     theorem_sha256: str
-    decisions: tuple[DenseMatmulIdPlanDecision, ...]
     schema_version: int = SCHEMA_VERSION
 
     @functools.cached_property
@@ -229,23 +226,15 @@ class DenseMatmulIdRoutePlan(rp.ActivationIdentity, rp.RoutePlanMethods, JsonRec
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseMatmulIdCalibrationReceipt(rp.ActivationIdentity, JsonRecord):
+class DenseMatmulIdCalibrationReceipt(rp.CalibrationReceipt[DenseMatmulIdCalibrationDecision], JsonRecord):
+    """What one expert-ID calibration did: besides the common fields, the theorem it relied on,
+    how many shapes kept the direct route, and the proof and timing dispatches."""
+
     SCHEMA = "dense_matmul_id_calibration_receipt.schema.json"
-    routemm_version: str
     theorem_sha256: str
-    declared_shapes: int
-    calibrated_decisions: int
-    process_cache_hits: int
     direct_decisions: int
-    proof_submissions: int
     proof_dispatches: int
     timing_dispatches: int
-    timing_submissions: int
-    cleanup_submissions: int
-    calibration_submissions: int
-    elapsed_ms: float
-    deadline_overrun_ms: float
-    decisions: tuple[DenseMatmulIdCalibrationDecision, ...]
     schema_version: int = SCHEMA_VERSION
 
 
@@ -855,20 +844,17 @@ class _Calibrator:
 
         def decision(route, status, diag, proofs=(), timings=(), hit=False):
             return DenseMatmulIdCalibrationDecision(
-                shape,
-                route,
-                status,
-                diag,
-                tuple(candidates),
-                tuple(proofs),
-                tuple(timings),
-                hit,
-                n_identities if route is not D else 0,
-                work["proof_submissions"],
-                work["proof_dispatches"],
-                work["timing_dispatches"],
-                work["timing_submissions"],
-                work["proof_submissions"] + work["timing_submissions"],
+                shape=shape,
+                selected_route=route,
+                status=status,
+                diagnostic=diag,
+                candidates=tuple(candidates),
+                proofs=tuple(proofs),
+                timings=tuple(timings),
+                process_cache_hit=hit,
+                theorem_authorized_weight_identities=n_identities if route is not D else 0,
+                **work,
+                calibration_submissions=work["proof_submissions"] + work["timing_submissions"],
             )
 
         if not candidates:
@@ -1094,28 +1080,18 @@ def _run(registry, device, epoch, limits, cases, *, progress, timer, clock, pinn
     elapsed = deadline.elapsed_ms()
     overrun = max(0.0, elapsed - limits.max_elapsed_ms)
     plan, final = (fallback, late) if overrun > 0 else (primary, decisions)
-    receipt = DenseMatmulIdCalibrationReceipt(
-        plan.plan_id,
-        prep[0],
-        device.name,
-        device.registry_id,
-        registry.authority_id,
-        epoch,
-        _core.version(),
-        THEOREM_SHA256,
-        len(final),
-        fresh,
-        sum(d.process_cache_hit for d in final),
-        sum(d.selected_route is DenseMatmulIdRoute.DIRECT for d in final),
-        c.subs.proof,
-        sum(d.proof_dispatches for d in final),
-        sum(d.timing_dispatches for d in final),
-        c.subs.timing,
-        c.subs.cleanup,
-        c.subs.total,
+    receipt = DenseMatmulIdCalibrationReceipt.of_calibration(
+        plan,
+        c.subs,
         elapsed,
         overrun,
-        tuple(final),
+        final,
+        declared_shapes=len(final),
+        calibrated_decisions=fresh,
+        theorem_sha256=THEOREM_SHA256,
+        direct_decisions=sum(d.selected_route is DenseMatmulIdRoute.DIRECT for d in final),
+        proof_dispatches=sum(d.proof_dispatches for d in final),
+        timing_dispatches=sum(d.timing_dispatches for d in final),
     )
     authority = _Authority(
         epoch,

@@ -166,40 +166,32 @@ class DenseQ4RouteTiming(JsonRecord):
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseQ4CalibrationDecision(JsonRecord):
-    """Why one exact shape takes its route, and what proving and timing it cost."""
+class DenseQ4CalibrationDecision(
+    rp.CalibrationDecision[DenseQ4Shape, DenseQ4Route, DenseQ4SelectionStatus, DenseQ4RouteTiming], JsonRecord
+):
+    """Why one exact shape takes its route, and what proving and timing it cost: besides the
+    common fields, how many weight buffers the proof covered and the proof's dispatches, scratch
+    bytes and GPU time."""
 
     SCHEMA = "dense_q4_calibration_receipt.schema.json"
-    shape: DenseQ4Shape
-    selected_route: DenseQ4Route
-    status: DenseQ4SelectionStatus
-    diagnostic: Optional[str]
-    timings: tuple[DenseQ4RouteTiming, ...]
-    process_cache_hit: bool
     authorized_weight_buffers: int
-    proof_submissions: int
     proof_route_dispatches: int
     proof_auxiliary_dispatches: int
     proof_scratch_bytes: int
     proof_gpu_us: float
-    timing_submissions: int
-    calibration_submissions: int
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseQ4PlanDecision(JsonRecord):
+class DenseQ4PlanDecision(rp.PlanDecision[DenseQ4Shape, DenseQ4Route], JsonRecord):
     SCHEMA = "dense_q4_route_plan.schema.json"
-    shape: DenseQ4Shape
-    route: DenseQ4Route
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseQ4RoutePlan(rp.ActivationIdentity, rp.RoutePlanMethods, JsonRecord):
+class DenseQ4RoutePlan(rp.RoutePlan[DenseQ4PlanDecision], JsonRecord):
     """An immutable, pointer-free plan: exact shape -> route, bound to one registry authority,
     one device and one build. Decisions are sorted by shape."""
 
     SCHEMA = "dense_q4_route_plan.schema.json"
-    decisions: tuple[DenseQ4PlanDecision, ...]
     schema_version: int = DENSE_Q4_ROUTE_SCHEMA_VERSION
 
     def route_for(self, shape: DenseQ4Shape) -> Optional[DenseQ4Route]:
@@ -212,25 +204,18 @@ class DenseQ4RoutePlan(rp.ActivationIdentity, rp.RoutePlanMethods, JsonRecord):
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseQ4CalibrationBatchReceipt(rp.ActivationIdentity, JsonRecord):
+class DenseQ4CalibrationBatchReceipt(rp.CalibrationReceipt[DenseQ4CalibrationDecision], JsonRecord):
+    """What one dense Q4 calibration did: besides the common fields, how many shapes kept the
+    compatibility route, the (shape, weight) pairs proved, and the proofs' dispatches, peak scratch
+    bytes and GPU time."""
+
     SCHEMA = "dense_q4_calibration_receipt.schema.json"
-    routemm_version: str
-    declared_shapes: int
-    calibrated_decisions: int
-    process_cache_hits: int
     compatibility_route_decisions: int
     authorized_shape_weight_pairs: int
-    proof_submissions: int
     proof_route_dispatches: int
     proof_auxiliary_dispatches: int
     peak_proof_scratch_bytes: int
     proof_gpu_us: float
-    timing_submissions: int
-    cleanup_submissions: int
-    calibration_submissions: int
-    elapsed_ms: float
-    deadline_overrun_ms: float
-    decisions: tuple[DenseQ4CalibrationDecision, ...]
     schema_version: int = DENSE_Q4_RECEIPT_SCHEMA_VERSION
 
 
@@ -572,13 +557,13 @@ class _Calibrator:
             )
             fields.update(work)
             d = DenseQ4CalibrationDecision(
-                shape,
-                V2,
-                status,
-                diag,
-                fields.pop("timings", ()),
-                False,
-                len(weights) if fields["proof_submissions"] else 0,
+                shape=shape,
+                selected_route=V2,
+                status=status,
+                diagnostic=diag,
+                timings=fields.pop("timings", ()),
+                process_cache_hit=False,
+                authorized_weight_buffers=len(weights) if fields["proof_submissions"] else 0,
                 **fields,
                 calibration_submissions=fields["proof_submissions"] + fields["timing_submissions"],
             )
@@ -688,13 +673,13 @@ class _Calibrator:
                 if route.value in outcome["wall"]
             )
             d = DenseQ4CalibrationDecision(
-                shape,
-                outcome["route"],
-                outcome["status"],
-                outcome.get("diagnostic"),
-                timings,
-                cache_hit,
-                len(weights),
+                shape=shape,
+                selected_route=outcome["route"],
+                status=outcome["status"],
+                diagnostic=outcome.get("diagnostic"),
+                timings=timings,
+                process_cache_hit=cache_hit,
+                authorized_weight_buffers=len(weights),
                 **work,
                 timing_submissions=timing_subs,
                 calibration_submissions=1 + timing_subs,
@@ -881,32 +866,22 @@ def _run(registry, device, activation_epoch, limits, cases, *, progress, timer, 
     overrun = max(0.0, elapsed - limits.max_elapsed_ms)
     plan, final = (compat, compat_decisions) if overrun > 0 else (primary, decisions)
     final = sorted(final, key=lambda d: d.shape.key)
-    receipt = DenseQ4CalibrationBatchReceipt(
-        routemm_version=_core.version(),
-        build_fingerprint=prep.build_fingerprint,
-        plan_id=plan.plan_id,
-        activation_epoch=activation_epoch,
-        device_name=device.name,
-        device_registry_id=device.registry_id,
-        registry_authority_id=registry.authority_id,
+    receipt = DenseQ4CalibrationBatchReceipt.of_calibration(
+        plan,
+        c.subs,
+        elapsed,
+        overrun,
+        final,
         declared_shapes=declared,
         calibrated_decisions=fresh
         if overrun == 0
         else sum(1 for d in final if d.timing_submissions and d.status in _TIMED_STATUSES),
-        process_cache_hits=sum(d.process_cache_hit for d in final),
         compatibility_route_decisions=sum(d.selected_route is DenseQ4Route.COMPATIBILITY_V2 for d in final),
         authorized_shape_weight_pairs=sum(d.authorized_weight_buffers for d in final),
-        proof_submissions=c.subs.proof,
         proof_route_dispatches=sum(d.proof_route_dispatches for d in final),
         proof_auxiliary_dispatches=sum(d.proof_auxiliary_dispatches for d in final),
         peak_proof_scratch_bytes=max((d.proof_scratch_bytes for d in final), default=0),
         proof_gpu_us=sum(d.proof_gpu_us for d in final),
-        timing_submissions=c.subs.timing,
-        cleanup_submissions=c.subs.cleanup,
-        calibration_submissions=c.subs.total,
-        elapsed_ms=elapsed,
-        deadline_overrun_ms=overrun,
-        decisions=tuple(final),
     )
     rp.set_origin(plan, rp.Origin(device, receipt))
     rp.freeze(KIND, registry, device, plan, check_fingerprint=False)

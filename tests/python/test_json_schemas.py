@@ -3,7 +3,9 @@ JSON Schemas themselves."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from typing import Generic, Optional, TypeVar
 
 import pytest
 import routemm
@@ -262,3 +264,48 @@ def test_integral_numbers_are_integers_as_in_json_schema(registry):
     assert back.m == 9 and type(back.m) is int
     with pytest.raises(routemm.InvalidArgumentError, match="m must be of type integer"):
         routemm.DenseMatmulIdParams.from_json(json.dumps({**doc, "m": 9.5}))
+
+
+# ---- fields inherited from generic base records ----------------------------------------------------
+
+A = TypeVar("A")
+B = TypeVar("B")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pair(Generic[A, B]):
+    first: A
+    rest: tuple[B, ...]
+    maybe: Optional[A]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Halfway(_Pair[int, B]):
+    """Binds A, hands its own B on under the same name..."""
+
+    label: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Swapped(_Halfway[A]):
+    """...and this one binds it through a variable that means another field in _Pair."""
+
+    other: A
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf(_Swapped[Route]):
+    pass
+
+
+def test_inherited_generic_fields_decode_as_their_record_names_them():
+    from routemm import _json
+
+    doc = {"first": 3.0, "rest": ["direct", "grouped_prefill"], "maybe": None, "label": "x", "other": "direct"}
+    leaf = _json._decode_record(_Leaf, doc, "_Leaf")
+    assert leaf == _Leaf(3, (Route.DIRECT, Route.GROUPED_PREFILL), None, "x", Route.DIRECT)
+    assert type(leaf.first) is int
+    with pytest.raises(routemm.InvalidArgumentError, match=r"_Leaf.rest\[0\]: 'sideways' is not a valid"):
+        _json._decode_record(_Leaf, {**doc, "rest": ["sideways"]}, "_Leaf")
+    with pytest.raises(routemm.InvalidArgumentError, match="_Leaf.maybe must be an integer"):
+        _json._decode_record(_Leaf, {**doc, "maybe": "direct"}, "_Leaf")

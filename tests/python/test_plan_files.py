@@ -8,6 +8,7 @@ KeyError, OverflowError, struct.error or RecursionError.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import weakref
@@ -264,3 +265,30 @@ def test_q4_file_with_a_version_4_receipt_reloads(device, tmp_path):
     old["receipt"]["routemm_version"] = old["receipt"].pop("mlx_native_version")
     with pytest.raises(cal.PlanFileMismatch, match="malformed calibration receipt"):
         saved.reload(old, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "common,q4,expert_id",
+    [
+        (
+            rp.PlanDecision,
+            routemm.dense_q4_plan.DenseQ4PlanDecision,
+            routemm.dense_matmul_id_plan.DenseMatmulIdPlanDecision,
+        ),
+        (rp.RoutePlan, routemm.DenseQ4RoutePlan, routemm.DenseMatmulIdRoutePlan),
+        (rp.CalibrationDecision, routemm.DenseQ4CalibrationDecision, routemm.DenseMatmulIdCalibrationDecision),
+        (rp.CalibrationReceipt, routemm.DenseQ4CalibrationBatchReceipt, routemm.DenseMatmulIdCalibrationReceipt),
+    ],
+    ids=["plan-decision", "plan", "calibration-decision", "receipt"],
+)
+def test_both_plan_kinds_share_one_definition_of_their_common_fields(common, q4, expert_id):
+    """Every field both kinds' records have comes from one base record (schema_version excepted: each
+    kind writes its own), and each kind's own fields follow the common ones."""
+
+    def names(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+
+    assert issubclass(q4, common) and issubclass(expert_id, common)
+    assert (set(names(q4)) & set(names(expert_id))) - {"schema_version"} == set(names(common))
+    for cls in (q4, expert_id):
+        assert names(cls)[: len(names(common))] == names(common)
