@@ -142,6 +142,38 @@ def timed_submission(device, encode: Callable[[Any], None], what: str = "a timin
     return wall, gpu_interval_us(start, end, what)
 
 
+def alternating_timing(
+    device,
+    routes: tuple,
+    deadline: "Deadline",
+    encode: Callable[[Any, Any], None],
+    counted: Callable[[Any], None],
+    timer: Optional[Callable],
+    what: str,
+) -> dict:
+    """CALIBRATION_SAMPLES rounds of one timed submission per route, the route order reversed every
+    other round (so neither route always runs on a warmer machine): {route: (wall us, GPU us)}.
+
+    `encode(encoder, route)` encodes a route; `counted(route)` runs after it and before the commit
+    (submission accounting, so a budget stop still reports what ran); `timer(route_value, round,
+    measured)` is the test hook that may replace a measurement. The deadline is checked before
+    every submission (BudgetExceeded). `what` names the op in a bad-interval error."""
+    samples = {route: ([], []) for route in routes}
+    for r in range(CALIBRATION_SAMPLES):
+        for route in routes if r % 2 == 0 else tuple(reversed(routes)):
+            deadline.check("calibration deadline reached during timing")
+
+            def submission(encoder, route=route):
+                encode(encoder, route)
+                counted(route)
+
+            measured = timed_submission(device, submission, f"a {what}{route.value} timing submission")
+            wall, gpu = timer(route.value, r, measured) if timer else measured
+            samples[route][0].append(wall)
+            samples[route][1].append(gpu)
+    return samples
+
+
 # ---- Deadline and submission accounting ---------------------------------------------------------
 
 

@@ -798,24 +798,21 @@ class _Calibrator:
         inp, ids, control, scratch = bufs
         logical = shape.m * shape.top_k * shape.n
         out = control.view(0, logical * 4, DType.F32, [shape.m * shape.top_k, shape.n])
-        samples = {r: ([], []) for r in routes}
-        for r in range(cal.CALIBRATION_SAMPLES):
-            for route in routes if r % 2 == 0 else tuple(reversed(routes)):
-                self.deadline.check("calibration deadline reached during timing")
-                t0 = cal.time.perf_counter()
-                enc = self.device.command_encoder()
-                self._encode(enc, shape, route, weight, inp, ids, out, scratch)
-                self.subs.timing += 1
-                done["submissions"] += 1
-                done["dispatches"] += _route_dispatches(route)
-                s, e = enc.commit_wait_with_gpu_time()
-                measured = (
-                    (cal.time.perf_counter() - t0) * 1e6,
-                    cal.gpu_interval_us(s, e, f"a dense_matmul_id {route.value} timing submission"),
-                )
-                wall, gpu = self.timer(route.value, r, measured) if self.timer else measured
-                samples[route][0].append(wall)
-                samples[route][1].append(gpu)
+
+        def counted(route):
+            self.subs.timing += 1
+            done["submissions"] += 1
+            done["dispatches"] += _route_dispatches(route)
+
+        samples = cal.alternating_timing(
+            self.device,
+            routes,
+            self.deadline,
+            lambda enc, route: self._encode(enc, shape, route, weight, inp, ids, out, scratch),
+            counted,
+            self.timer,
+            "dense_matmul_id ",
+        )
         return {
             route: (
                 DenseMatmulIdTimingDistribution(*cal.distribution(w)),

@@ -701,26 +701,24 @@ class _Calibrator:
         cached = cal.PROCESS_CACHE.get(key)
         if cached is not None:
             return _ShapeOutcome(materialise(cached, True, 0), False, False)
-        samples = {V2: ([], []), C: ([], [])}
         timing_subs = 0
         rep = weights[0]
+
+        def counted(route):
+            nonlocal timing_subs
+            self.subs.timing += 1
+            timing_subs += 1
+
         try:
-            for r in range(cal.CALIBRATION_SAMPLES):
-                for route in (V2, C) if r % 2 == 0 else (C, V2):
-                    self.deadline.check("calibration deadline reached during timing")
-                    t0 = cal.time.perf_counter()
-                    enc = dev.command_encoder()
-                    encode_q4_route(enc, self.registry, inp, rep, control, shape.params(), route)
-                    self.subs.timing += 1
-                    timing_subs += 1
-                    s, e = enc.commit_wait_with_gpu_time()
-                    measured = (
-                        (cal.time.perf_counter() - t0) * 1e6,
-                        cal.gpu_interval_us(s, e, f"a {route.value} timing submission"),
-                    )
-                    wall, gpu = self.timer(route.value, r, measured) if self.timer else measured
-                    samples[route][0].append(wall)
-                    samples[route][1].append(gpu)
+            samples = cal.alternating_timing(
+                dev,
+                (V2, C),
+                self.deadline,
+                lambda enc, route: encode_q4_route(enc, self.registry, inp, rep, control, shape.params(), route),
+                counted,
+                self.timer,
+                "",
+            )
         except cal.BudgetExceeded as b:
             cal.PROCESS_CACHE.evict(key)
             return fallback(S.BUDGET_FALLBACK, str(b), proof_failed=False, timing_submissions=timing_subs, **work)
