@@ -91,16 +91,17 @@ inline float half_block_dot(Q8_0, device const uchar* block, uint half_index, de
   return acc;
 }
 
-// One lane's share of the dots of rows [0, rows) (rows <= Rows) starting at `first_row`, row r at
-// first_row + r * row_bytes, with the K activations `x`: sums[r] gets the lane's partial sum
-// (lane contract above); rows past `rows` stay at +0. The caller reduces each with simd_sum.
+// Worker w's share of the dots of rows [0, rows) (rows <= Rows) starting at `first_row`, row r at
+// first_row + r * row_bytes, with the K activations `x`, when `workers` threads (even) split each
+// row: worker w owns half-block (w & 1) of blocks w / 2, w / 2 + workers / 2, ..., FMA'd in that
+// order. sums[r] gets the worker's partial sum; rows past `rows` stay at +0.
 template <typename F, uint Rows>
-inline void lane_row_dots(F format, device const uchar* first_row, ulong row_bytes, uint rows,
-                          device const float* x, uint k, uint lane, thread float* sums) {
+inline void worker_row_dots(F format, device const uchar* first_row, ulong row_bytes, uint rows,
+                            device const float* x, uint k, uint worker, uint workers, thread float* sums) {
   for (uint r = 0; r < Rows; ++r) sums[r] = 0.0f;
   const uint blocks = k / kBlockValues;
-  const uint half_index = lane & 1u;
-  for (uint b = lane >> 1; b < blocks; b += kSimdWidth / 2) {
+  const uint half_index = worker & 1u;
+  for (uint b = worker >> 1; b < blocks; b += workers / 2) {
     device const float* xb = x + b * kBlockValues;
     for (uint r = 0; r < Rows; ++r) {
       if (r >= rows) break;
@@ -108,6 +109,13 @@ inline void lane_row_dots(F format, device const uchar* first_row, ulong row_byt
       sums[r] = half_block_dot(format, block, half_index, xb, sums[r]);
     }
   }
+}
+
+// The lane contract above: one simdgroup splits each row (the caller reduces with simd_sum).
+template <typename F, uint Rows>
+inline void lane_row_dots(F format, device const uchar* first_row, ulong row_bytes, uint rows,
+                          device const float* x, uint k, uint lane, thread float* sums) {
+  worker_row_dots<F, Rows>(format, first_row, row_bytes, rows, x, k, lane, kSimdWidth, sums);
 }
 
 // ---- The simdgroup-matrix tile of the matrix routes ----------------------------------------------

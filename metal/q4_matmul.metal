@@ -1,6 +1,6 @@
 // GGML Q4_0 and Q8_0 dense projection pipelines that need nothing beyond Metal 3 (spec §5.5, §5.6):
-// kernel_mul_mv_{q4_0,q8_0}_f32 (M <= 8) and kernel_mul_mm_{q4_0,q8_0}_f32 (the simdgroup-matrix
-// route; Q8_0's only matrix route). The tensor-API routes live in q4_matmul_tensor.metal, built
+// kernel_mul_mv_{q4_0,q8_0}_f32 and kernel_mul_mv_q8_0_f32_nr2 (M <= 8), and
+// kernel_mul_mm_{q4_0,q8_0}_f32 (the simdgroup-matrix route; Q8_0's only matrix route). The tensor-API routes live in q4_matmul_tensor.metal, built
 // into a separate, optional library.
 //
 // NUMERIC CONTRACT: ggml_blocks.h's (exact dequantisation, F32 FMA accumulation, nothing rounded to
@@ -15,6 +15,8 @@
 // Bindings and geometry (csrc/ops/q4_matmul.cpp with csrc/backend/metal/kernels.cpp):
 //   mat-vec: 0 weight, 1 input, 2 output, 3 GgmlMatmulMvParams; grid [ceil(N/8), M, batch],
 //            threads [8, 8, 1] (2 simdgroups x 4 output rows), no threadgroup memory.
+//   nr2 mat-vec: the mat-vec's bindings; grid [ceil(N/2), M, batch], threads [32, 4, 1]
+//            (2 output rows), threadgroup memory index 0 of 256 bytes.
 //   simdgroup mm: 0 GgmlMatmulMmParams, 1 weight, 2 input, 3 output; grid [ceil(M/32),
 //            ceil(N/64), batch], 128 threads (4 simdgroups), threadgroup memory index 0 of 8192
 //            bytes (ggml_blocks.h's mm_tile).
@@ -64,6 +66,49 @@ void mat_vec(F format, device const uchar* weight, device const float* input, de
   }
 }
 
+// Spec §5.5's Q8_0 default: 2 output rows of one token per threadgroup of 4 simdgroups. The 128
+// threads split each row's blocks (ggml_blocks.h's worker_row_dots with 128 workers: thread t owns
+// half-block t & 1 of blocks t / 2, t / 2 + 64, ...); each simdgroup reduces its lanes with
+// simd_sum, lane 0 stores the result in slot [row][simdgroup] of the [2][32] F32 threadgroup array
+// (256 bytes; simdgroup 0 zeroes slots 4..31), and after one barrier simdgroup r reduces row r's
+// 32 slots with simd_sum. Exact F32 like mat_vec above, but the partition and the reduction differ,
+// so the bits may differ from kernel_mul_mv_q8_0_f32's.
+constant constexpr uint kNr2Rows = 2;
+constant constexpr uint kNr2Simdgroups = 4;
+
+template <typename F>
+void mat_vec_nr2(F format, device const uchar* weight, device const float* input, device float* output,
+                 constant GgmlMatmulMvParams& p, threadgroup float* slots, uint3 group, uint simdgroup,
+                 uint lane) {
+  const long n = p.ne01;
+  const long k = p.ne00;
+  const long token = group.y;
+  const long batch = group.z;
+  // Uniform over the threadgroup, so no thread skips the barrier below alone.
+  if (token >= p.ne1 || batch >= routemm_q4_batch) return;
+  const long first_row = long(group.x) * kNr2Rows;
+  if (first_row >= n) return;
+
+  const ulong row_bytes = ulong(k / ggml_blocks::kBlockValues) * ggml_blocks::block_bytes(format);
+  device const uchar* w_batch = weight + ulong(batch / routemm_q4_r2) * row_bytes * ulong(n);
+  device const float* x = input + (batch * p.ne1 + token) * p.ne10;
+  const uint rows = uint(min(long(kNr2Rows), n - first_row));
+  float sums[kNr2Rows];
+  ggml_blocks::worker_row_dots<F, kNr2Rows>(format, w_batch + ulong(first_row) * row_bytes, row_bytes, rows, x,
+                                            uint(k), simdgroup * ggml_blocks::kSimdWidth + lane,
+                                            kNr2Simdgroups * ggml_blocks::kSimdWidth, sums);
+  for (uint r = 0; r < kNr2Rows; ++r) {
+    const float partial = simd_sum(sums[r]);
+    if (lane == 0) slots[r * ggml_blocks::kSimdWidth + simdgroup] = partial;
+    if (simdgroup == 0 && lane >= kNr2Simdgroups) slots[r * ggml_blocks::kSimdWidth + lane] = 0.0f;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (simdgroup >= kNr2Rows) return;
+  const float total = simd_sum(slots[simdgroup * ggml_blocks::kSimdWidth + lane]);
+  const long row = first_row + simdgroup;
+  if (lane == 0 && row < n) output[(batch * p.ne1 + token) * p.ne0 + row] = total;
+}
+
 // ggml_blocks.h's 32 x 64 tile over tokens [32 x, +32) and outputs [64 y, +64).
 template <typename F>
 void mat_mat(F format, constant GgmlMatmulMmParams& p, device const uchar* weight, device const uchar* input,
@@ -98,11 +143,21 @@ void mat_mat(F format, constant GgmlMatmulMmParams& p, device const uchar* weigh
       uint3 group [[threadgroup_position_in_grid]], uint simdgroup [[simdgroup_index_in_threadgroup]], \
       uint lane [[thread_index_in_simdgroup]]
 
+// The mat-vec's bindings plus threadgroup memory index 0 (the nr2 reduction slots).
+#define ROUTEMM_MV_NR2_ARGS                                                                 \
+  device const uchar *weight [[buffer(0)]], device const float *input [[buffer(1)]],        \
+      device float *output [[buffer(2)]], constant GgmlMatmulMvParams &p [[buffer(3)]],     \
+      threadgroup float *slots [[threadgroup(0)]], uint3 group [[threadgroup_position_in_grid]], \
+      uint simdgroup [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]
+
 kernel void kernel_mul_mv_q4_0_f32(ROUTEMM_MV_ARGS) {
   mat_vec(ggml_blocks::Q4_0(), weight, input, output, p, group, simdgroup, lane);
 }
 kernel void kernel_mul_mv_q8_0_f32(ROUTEMM_MV_ARGS) {
   mat_vec(ggml_blocks::Q8_0(), weight, input, output, p, group, simdgroup, lane);
+}
+kernel void kernel_mul_mv_q8_0_f32_nr2(ROUTEMM_MV_NR2_ARGS) {
+  mat_vec_nr2(ggml_blocks::Q8_0(), weight, input, output, p, slots, group, simdgroup, lane);
 }
 
 #define ROUTEMM_MM_ARGS                                                                          \

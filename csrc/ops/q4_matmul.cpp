@@ -93,8 +93,10 @@ Geometry geometry(const KernelDef& def, bool mat_vec, uint64_t m, uint64_t n, ui
   Geometry g;
   const uint64_t splits = k_splits(def, mat_vec, m, n, k);
   if (mat_vec) {
+    // The nr2 mat-vec's threadgroup is whole simdgroups ([32, 4, 1]); the others are [8, threads/8].
+    const uint64_t lanes_x = def.name == kQ8_0MatVecNr2Pipeline ? 32 : 8;
     g.grid = Dim3{ceil_div(n, def.tile_x), ceil_div(m, def.tile_y), splits};
-    g.threads = Dim3{8, std::max<uint64_t>(1, def.threads_per_group / 8), 1};
+    g.threads = Dim3{lanes_x, std::max<uint64_t>(1, def.threads_per_group / lanes_x), 1};
   } else {
     g.grid = Dim3{ceil_div(m, def.tile_x), ceil_div(n, def.tile_y), splits};
     g.threads = Dim3{def.threads_per_group, 1, 1};
@@ -106,15 +108,18 @@ Geometry geometry(const KernelDef& def, bool mat_vec, uint64_t m, uint64_t n, ui
 struct Route {
   std::optional<DenseQ4Route> route;  // nullopt: mat-vec
   DenseQ4DecisionSource decision;
+  bool q8_0_nr2 = false;  // the Q8_0 mat-vec runs kQ8_0MatVecNr2Pipeline
 };
 
-// The pipeline of a (validated) type and route: Q8_0 has the mat-vec and the simdgroup route only.
-std::string_view pipeline_name(GgmlType type, std::optional<DenseQ4Route> route) {
+// The pipeline of a (validated) type and route: Q8_0 has the two mat-vecs and the simdgroup route.
+std::string_view pipeline_name(GgmlType type, const Route& choice) {
+  const std::optional<DenseQ4Route> route = choice.route;
   if (type == GgmlType::Q8_0) {
     if (route && *route != DenseQ4Route::CompatibilitySimdgroup) {
       fail("has no " + std::string(to_string(*route)) + " route for q8_0");
     }
-    return route ? kQ8MatmulPipelineNames[1] : kQ8MatmulPipelineNames[0];
+    if (route) return kQ8MatmulPipelineNames[1];
+    return choice.q8_0_nr2 ? kQ8_0MatVecNr2Pipeline : kQ8MatmulPipelineNames[0];
   }
   return route ? dense_q4_pipeline_name(*route) : kQ4_0MatVecPipeline;
 }
@@ -132,7 +137,7 @@ GgmlQuantizedMatmulReceipt encode(CommandEncoder& encoder, KernelRegistry& regis
   if (encoder.receipt_slots_left() < 1) {
     fail("open dispatch receipt has no room for the one dispatch this call encodes");
   }
-  const std::string_view name = pipeline_name(p.ggml_type, choice.route);
+  const std::string_view name = pipeline_name(p.ggml_type, choice);
   const PipelinePtr pipeline = registry.get_pipeline(name, kQ4PipelineConstants);
   const KernelDef& def = pipeline->def();
   if (def.tile_x == 0 || def.tile_y == 0 || def.threads_per_group == 0 ||
@@ -250,6 +255,7 @@ GgmlRoutingPolicy ggml_routing_policy_from_environment() {
   if (env_is("ROUTEMM_LARGE_TILE_MM", {"0", "false", "off"})) {
     policy.allow_dense_large_tile_mm = false;
   }
+  if (env_is("ROUTEMM_Q8_0_MV_NR2", {"0", "false", "off"})) policy.dense_q8_0_mv_nr2 = false;
   return policy;
 }
 
@@ -429,7 +435,10 @@ GgmlQuantizedMatmulReceipt dense_q4_auto(CommandEncoder& encoder, KernelRegistry
   using enum DenseQ4DecisionSource;
   validate_quantized_matmul_ggml_call(input, weight, output, params);
   Route choice{std::nullopt, MatVecThreshold};
-  if (params.m > kGgmlMmRoutingThreshold && params.ggml_type == GgmlType::Q8_0) {
+  if (params.m <= kGgmlMmRoutingThreshold && params.ggml_type == GgmlType::Q8_0) {
+    // Spec §5.5: the nr2 mat-vec by default; a backend without it keeps the other mat-vec.
+    choice.q8_0_nr2 = policy.dense_q8_0_mv_nr2 && registry.has_kernel(kQ8_0MatVecNr2Pipeline);
+  } else if (params.m > kGgmlMmRoutingThreshold && params.ggml_type == GgmlType::Q8_0) {
     // Q8_0 has one matrix route and no calibration: the simdgroup-compatible one.
     choice = {DenseQ4Route::CompatibilitySimdgroup, IneligibleCompatibilityFallback};
   } else if (params.m > kGgmlMmRoutingThreshold) {

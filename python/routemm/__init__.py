@@ -51,6 +51,7 @@ from .moe import (
 )
 from .quantized_matmul import (
     Q4_MATMUL_PIPELINE_NAMES,
+    Q8_0_MAT_VEC_NR2_PIPELINE,
     Q8_MATMUL_PIPELINE_NAMES,
     DenseQ4DecisionSource,
     DenseQ4Route,
@@ -178,6 +179,7 @@ __all__ += [
     "GgmlTensorMmPreference",
     "GgmlType",
     "Q4_MATMUL_PIPELINE_NAMES",
+    "Q8_0_MAT_VEC_NR2_PIPELINE",
     "Q8_MATMUL_PIPELINE_NAMES",
     "encode_q4_route",
     "freeze_ggml_routing_policy",

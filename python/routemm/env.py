@@ -74,7 +74,7 @@ _PYTHON_KNOBS = (
         "ROUTEMM_Q8_0_MV_NR2",
         "bool",
         "1",
-        "0/false/off: GgmlRoutingPolicy.dense_q8_0_mv_nr2 (recorded only)",
+        "0/false/off: GgmlRoutingPolicy.dense_q8_0_mv_nr2 (Q8_0 mat-vec without the nr2 kernel)",
     ),
     Knob(
         "ROUTEMM_MM_ID_ROUTING_THRESHOLD",

@@ -30,6 +30,9 @@ Q4_MATMUL_PIPELINE_NAMES: tuple[str, ...] = _core.Q4_MATMUL_PIPELINE_NAMES
 Q4_MAT_VEC_PIPELINE: str = Q4_MATMUL_PIPELINE_NAMES[0]
 # Q8_0: the mat-vec (m <= 8) and the one matrix route (compatibility_simdgroup's, m > 8).
 Q8_MATMUL_PIPELINE_NAMES: tuple[str, ...] = _core.Q8_MATMUL_PIPELINE_NAMES
+# Q8_0's default mat-vec (GgmlRoutingPolicy.dense_q8_0_mv_nr2): threads [32, 4, 1], 2 rows per
+# threadgroup, 256 bytes of threadgroup memory. Backends without it run Q8_MATMUL_PIPELINE_NAMES[0].
+Q8_0_MAT_VEC_NR2_PIPELINE: str = _core.Q8_0_MAT_VEC_NR2_PIPELINE
 # The specialisation constants every Q4 pipeline is fetched with, as they appear in labels.
 Q4_PIPELINE_LABEL_SUFFIX = "|700:i1|701:i1|702:i1"
 MAT_VEC_ROUTE = "mat_vec"
@@ -125,19 +128,20 @@ class GgmlRoutingPolicy(JsonRecord):
     environment; `from_environment()` reads it now; a registry may carry one frozen policy
     (`KernelRegistry.freeze_ggml_routing_policy`) that calls passing no policy use.
 
-    routemm has dense Q4_0 kernels only, so only `dense_tensor_mm` and
-    `allow_dense_large_tile_mm` change what runs today. The other fields (RECORDED_ONLY) name
-    routes of formats or kernels routemm does not have yet -- K-quant width-mN tiles, mul_mv_ext,
-    the nr2 mat-vecs, the quantised expert routes: they are accepted, validated, recorded in every
-    receipt and used by the structural planner (`plan_dense_auto_route`, `ggml_capability`), and
-    change no dispatch until those kernels exist."""
+    `dense_tensor_mm` and `allow_dense_large_tile_mm` choose the dense Q4_0 matrix routes;
+    `dense_q8_0_mv_nr2` makes Q8_0 mat-vec calls (m <= 8) run `kernel_mul_mv_q8_0_f32_nr2` where
+    the backend has it (CPU, Metal), else `kernel_mul_mv_q8_0_f32` (the receipt's label says
+    which). The other fields (RECORDED_ONLY) name routes of formats or kernels routemm does not
+    have yet -- K-quant width-mN tiles, mul_mv_ext, the Q6_K nr2 mat-vecs, the quantised expert
+    routes: they are accepted, validated, recorded in every receipt and used by the structural
+    planner (`plan_dense_auto_route`, `ggml_capability`), and change no dispatch until those
+    kernels exist."""
 
     SCHEMA = "ggml_routing_policy.schema.json"
     RECORDED_ONLY: ClassVar[tuple[str, ...]] = (
         "dense_decode_mvn",
         "dense_decode_mv_ext",
         "dense_q6k_mv_nr2",
-        "dense_q8_0_mv_nr2",
         "expert_mm_threshold",
         "expert_q6k_mv_nr2",
         "expert_q8_0_mv_nr2",
@@ -193,8 +197,12 @@ class GgmlRoutingPolicy(JsonRecord):
             expert_tensor_mm=simd if force_simd_id else auto,
         )
 
-    def _native(self) -> tuple[str, bool]:
-        return GgmlTensorMmPreference(self.dense_tensor_mm).value, bool(self.allow_dense_large_tile_mm)
+    def _native(self) -> tuple[str, bool, bool]:
+        return (
+            GgmlTensorMmPreference(self.dense_tensor_mm).value,
+            bool(self.allow_dense_large_tile_mm),
+            bool(self.dense_q8_0_mv_nr2),
+        )
 
 
 def freeze_ggml_routing_policy(registry, policy: GgmlRoutingPolicy) -> None:
@@ -279,7 +287,9 @@ class GgmlQuantizedMatmulReceipt(JsonRecord, SchemaVersioned):
             route=d["route"],
             decision=DenseQ4DecisionSource(d["decision"]),
             policy=GgmlRoutingPolicy(
-                GgmlTensorMmPreference(d["policy"]["dense_tensor_mm"]), d["policy"]["allow_dense_large_tile_mm"]
+                GgmlTensorMmPreference(d["policy"]["dense_tensor_mm"]),
+                d["policy"]["allow_dense_large_tile_mm"],
+                dense_q8_0_mv_nr2=d["policy"]["dense_q8_0_mv_nr2"],
             ),
             pipeline_label=d["pipeline_label"],
             dispatch_count=d["dispatch_count"],
@@ -339,7 +349,8 @@ def quantized_matmul_ggml(
 def encode_ggml(
     encoder, registry, input, weight, output, params: GgmlQuantizedMatmulParams, policy: GgmlRoutingPolicy, device=None
 ) -> GgmlQuantizedMatmulReceipt:
-    """The native dispatcher: the mat-vec pipeline for m <= 8, else the route the policy, the route
+    """The native dispatcher: the mat-vec pipeline for m <= 8 (Q8_0: the nr2 one when the policy's
+    dense_q8_0_mv_nr2 is set and the backend has it), else the route the policy, the route
     plan frozen into `registry` (honoured only when made on `device`, by default the registry's)
     and the backend's pipelines give (spec §5.6, §6.2); the receipt's decision says why."""
     native = _core._quantized_matmul_ggml(

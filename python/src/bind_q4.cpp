@@ -24,13 +24,15 @@ Enum parse(const std::string& text, const std::array<Enum, N>& values, const cha
   return parse_enum("quantized_matmul_ggml", text, values, what);
 }
 
-GgmlRoutingPolicy make_policy(const std::string& dense_tensor_mm, bool allow_large_tile) {
+GgmlRoutingPolicy make_policy(const std::string& dense_tensor_mm, bool allow_large_tile,
+                              bool q8_0_mv_nr2) {
   GgmlRoutingPolicy policy;
   policy.dense_tensor_mm =
       parse(dense_tensor_mm,
             std::array{GgmlTensorMmPreference::AutoProbe, GgmlTensorMmPreference::ForceSimd},
             "tensor MM preference");
   policy.allow_dense_large_tile_mm = allow_large_tile;
+  policy.dense_q8_0_mv_nr2 = q8_0_mv_nr2;
   return policy;
 }
 
@@ -42,6 +44,7 @@ py::dict receipt_dict(const GgmlQuantizedMatmulReceipt& r) {
   py::dict policy;
   policy["dense_tensor_mm"] = std::string(to_string(r.policy.dense_tensor_mm));
   policy["allow_dense_large_tile_mm"] = r.policy.allow_dense_large_tile_mm;
+  policy["dense_q8_0_mv_nr2"] = r.policy.dense_q8_0_mv_nr2;
   out["policy"] = policy;
   out["pipeline_label"] = r.pipeline_label;
   out["dispatch_count"] = r.dispatch_count;
@@ -107,6 +110,7 @@ void init_q4(py::module_& m) {
   py::list q8_names;
   for (auto name : kQ8MatmulPipelineNames) q8_names.append(std::string(name));
   m.attr("Q8_MATMUL_PIPELINE_NAMES") = py::tuple(q8_names);
+  m.attr("Q8_0_MAT_VEC_NR2_PIPELINE") = std::string(kQ8_0MatVecNr2Pipeline);
 
   def_block_format<q4_0::quantized_bytes, q4_0::quantize, q4_0::dequantize>(
       m, "q4_0", q4_0::kBlockValues, q4_0::kBlockBytes);
@@ -131,20 +135,21 @@ void init_q4(py::module_& m) {
     return std::string(dense_q4_pipeline_name(parse_route(route)));
   });
   m.def("_select_dense_q4_route", [](const GgmlQuantizedMatmulParams& p, const std::string& pref,
-                                     bool allow_large) {
-    const DenseQ4RouteSelection s = select_dense_q4_route(p, make_policy(pref, allow_large));
+                                     bool allow_large, bool q8_0_mv_nr2) {
+    const DenseQ4RouteSelection s =
+        select_dense_q4_route(p, make_policy(pref, allow_large, q8_0_mv_nr2));
     return py::make_tuple(std::string(to_string(s.route)), std::string(to_string(s.decision)));
   });
   m.def(
       "_select_dense_q4_planned_route",
       [](const KernelRegistry& registry, const Device& device, const GgmlQuantizedMatmulParams& p,
-         const std::string& pref, bool allow_large) {
+         const std::string& pref, bool allow_large, bool q8_0_mv_nr2) {
         const DenseQ4RouteSelection s =
-            select_dense_q4_route(registry, device, p, make_policy(pref, allow_large));
+            select_dense_q4_route(registry, device, p, make_policy(pref, allow_large, q8_0_mv_nr2));
         return py::make_tuple(std::string(to_string(s.route)), std::string(to_string(s.decision)));
       },
       py::arg("registry"), py::arg("device"), py::arg("params"), py::arg("dense_tensor_mm"),
-      py::arg("allow_dense_large_tile_mm"));
+      py::arg("allow_dense_large_tile_mm"), py::arg("dense_q8_0_mv_nr2"));
   m.def(
       "_freeze_dense_q4_plan_routes",
       [](KernelRegistry& registry, const std::string& plan_id, const std::string& device_name,
@@ -176,15 +181,16 @@ void init_q4(py::module_& m) {
       "_quantized_matmul_ggml",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,
          const Buffer& weight, const Buffer& output, const GgmlQuantizedMatmulParams& p,
-         const std::string& dense_tensor_mm, bool allow_large_tile,
+         const std::string& dense_tensor_mm, bool allow_large_tile, bool q8_0_mv_nr2,
          const std::optional<Device>& device) {
-        return receipt_dict(dense_q4_auto(encoder, registry, device ? *device : registry.device(),
-                                          input, weight, output, p,
-                                          make_policy(dense_tensor_mm, allow_large_tile)));
+        return receipt_dict(
+            dense_q4_auto(encoder, registry, device ? *device : registry.device(), input, weight,
+                          output, p, make_policy(dense_tensor_mm, allow_large_tile, q8_0_mv_nr2)));
       },
       py::arg("encoder"), py::arg("registry"), py::arg("input"), py::arg("weight"),
       py::arg("output"), py::arg("params"), py::arg("dense_tensor_mm"),
-      py::arg("allow_dense_large_tile_mm"), py::arg("device") = std::nullopt);
+      py::arg("allow_dense_large_tile_mm"), py::arg("dense_q8_0_mv_nr2"),
+      py::arg("device") = std::nullopt);
   m.def(
       "_encode_q4_route",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,

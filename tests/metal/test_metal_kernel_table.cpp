@@ -148,6 +148,7 @@ std::vector<std::string> core_pipeline_names() {
   names.insert(names.end(), kQ8MatmulPipelineNames.begin(), kQ8MatmulPipelineNames.end());
   names.insert(names.end(), kGgmlQuantizedMatmulIdPipelineNames.begin(),
                kGgmlQuantizedMatmulIdPipelineNames.end());
+  names.emplace_back(kQ8_0MatVecNr2Pipeline);
   return names;
 }
 
@@ -411,8 +412,9 @@ TEST(MetalKernelTable, MoeGeometryAndBindings) {
 }
 
 TEST(MetalKernelTable, QuantizedGeometryAndBindings) {
-  // Q8_0 takes the Q4_0 geometry (mat-vec [ceil(N/8), M, 1] x [8, 8, 1]; matrix [ceil(M/32),
-  // ceil(N/64), 1] x 128, 8192 bytes); the quantised expert-ID direct route the dense direct
+  // Q8_0's default mat-vec is the nr2 one ([ceil(N/2), M, 1] x [32, 4, 1], 256 bytes); with
+  // dense_q8_0_mv_nr2 off it takes the Q4_0 geometry (mat-vec [ceil(N/8), M, 1] x [8, 8, 1]); its
+  // matrix route [ceil(M/32), ceil(N/64), 1] x 128, 8192 bytes. The quantised expert-ID direct route the dense direct
   // geometry, its grouped route the matrix tile over routed rows after the shared map.
   const Device device(std::make_shared<TableBackend>());
   KernelRegistry registry(device);
@@ -427,10 +429,20 @@ TEST(MetalKernelTable, QuantizedGeometryAndBindings) {
                                          GgmlQuantizedMatmulParams{m, n, k, GgmlType::Q8_0},
                                          GgmlRoutingPolicy{});
     if (m <= kGgmlMmRoutingThreshold) {
-      EXPECT_EQ(r.dispatch.pipeline_label, "kernel_mul_mv_q8_0_f32|700:i1|701:i1|702:i1");
-      EXPECT_EQ(r.dispatch.grid, (std::array<uint64_t, 3>{9, m, 1}));
-      EXPECT_EQ(r.dispatch.threads_per_threadgroup, (std::array<uint64_t, 3>{8, 8, 1}));
-      EXPECT_TRUE(r.dispatch.threadgroup_memory.empty());
+      EXPECT_EQ(r.dispatch.pipeline_label, "kernel_mul_mv_q8_0_f32_nr2|700:i1|701:i1|702:i1");
+      EXPECT_EQ(r.dispatch.grid, (std::array<uint64_t, 3>{35, m, 1}));
+      EXPECT_EQ(r.dispatch.threads_per_threadgroup, (std::array<uint64_t, 3>{32, 4, 1}));
+      EXPECT_EQ(r.dispatch.threadgroup_memory,
+                (std::vector<std::pair<uint64_t, uint64_t>>{{0, 256}}));
+      GgmlRoutingPolicy without_nr2;
+      without_nr2.dense_q8_0_mv_nr2 = false;
+      const auto old =
+          quantized_matmul_ggml(encoder, registry, input, q8_weight, output,
+                                GgmlQuantizedMatmulParams{m, n, k, GgmlType::Q8_0}, without_nr2);
+      EXPECT_EQ(old.dispatch.pipeline_label, "kernel_mul_mv_q8_0_f32|700:i1|701:i1|702:i1");
+      EXPECT_EQ(old.dispatch.grid, (std::array<uint64_t, 3>{9, m, 1}));
+      EXPECT_EQ(old.dispatch.threads_per_threadgroup, (std::array<uint64_t, 3>{8, 8, 1}));
+      EXPECT_TRUE(old.dispatch.threadgroup_memory.empty());
     } else {
       EXPECT_EQ(r.dispatch.pipeline_label, "kernel_mul_mm_q8_0_f32|700:i1|701:i1|702:i1");
       EXPECT_EQ(r.dispatch.grid, (std::array<uint64_t, 3>{2, 2, 1}));

@@ -1,7 +1,8 @@
-"""quantized_matmul_ggml with Q8_0 weights: the mat-vec (m <= 8) and the matrix route (m > 8)
-against a float64 reference over the dequantised weights (tails in M, N and K), receipts, routing,
-poisoned outputs and guarded views; on the CPU oracle both pipelines are bit-identical to each
-other and to the quantised expert-ID op."""
+"""quantized_matmul_ggml with Q8_0 weights: the mat-vecs (m <= 8: the nr2 one by default, the
+lane-contract one with dense_q8_0_mv_nr2 off) and the matrix route (m > 8) against a float64
+reference over the dequantised weights (tails in M, N and K), receipts, routing, geometry, poisoned
+outputs and guarded views; on the CPU oracle every pipeline is bit-identical to the others and to
+the quantised expert-ID op."""
 
 from __future__ import annotations
 
@@ -17,9 +18,19 @@ from tolerances import accumulation_bound
 pytestmark = pytest.mark.needs_kernels(*routemm.Q8_MATMUL_PIPELINE_NAMES)
 
 LABEL_SUFFIX = "|700:i1|701:i1|702:i1"
+NR2 = routemm.Q8_0_MAT_VEC_NR2_PIPELINE
+LANE_MAT_VEC = routemm.Q8_MATMUL_PIPELINE_NAMES[0]
+# Backends with the nr2 mat-vec; the others (CUDA: its own Q8_0 geometry) run LANE_MAT_VEC.
+NR2_BACKENDS = ("cpu", "metal", "metal_emu")
 
 
-def _run(device, registry, blocks, x, n, weight_guard=16, input_guard=16):
+def _mat_vec_pipeline(device, policy=None):
+    """The mat-vec pipeline a call on `device` must take under `policy` (None: the default)."""
+    nr2 = (policy or routemm.GgmlRoutingPolicy()).dense_q8_0_mv_nr2
+    return NR2 if nr2 and device.backend in NR2_BACKENDS else LANE_MAT_VEC
+
+
+def _run(device, registry, blocks, x, n, weight_guard=16, input_guard=16, policy=None):
     """Runs one product; the guards (bytes of padding before each view) set the views' alignment."""
     m, k = x.shape
     pad = np.full(weight_guard, PAD_BYTE, np.uint8)
@@ -28,7 +39,13 @@ def _run(device, registry, blocks, x, n, weight_guard=16, input_guard=16):
     out = guarded_output(device, m, n)
     encoder = device.command_encoder()
     receipt = routemm.quantized_matmul_ggml(
-        encoder, registry, inp.view, weight.view, out.view, routemm.GgmlQuantizedMatmulParams(m, n, k, GgmlType.Q8_0)
+        encoder,
+        registry,
+        inp.view,
+        weight.view,
+        out.view,
+        routemm.GgmlQuantizedMatmulParams(m, n, k, GgmlType.Q8_0),
+        policy,
     )
     encoder.commit_and_wait()
     weight.assert_unchanged("weight")
@@ -48,7 +65,7 @@ def test_q8_0_matches_reference(device, registry, rng, m, n, k):
     mag = np.abs(x.astype(np.float64)) @ np.abs(w).T
     assert np.all(np.abs(got - ref) <= 2.0**-20 * mag * k**0.5 + 1e-30)
     mat_vec = m <= routemm.quantized_matmul.MM_ROUTING_THRESHOLD
-    name = routemm.Q8_MATMUL_PIPELINE_NAMES[0 if mat_vec else 1]
+    name = _mat_vec_pipeline(device) if mat_vec else routemm.Q8_MATMUL_PIPELINE_NAMES[1]
     assert receipt.ggml_type is GgmlType.Q8_0
     assert receipt.pipeline_label == name + LABEL_SUFFIX == receipt.dispatch.pipeline_label
     assert receipt.route == ("mat_vec" if mat_vec else Route.COMPATIBILITY_SIMDGROUP.value)
@@ -67,6 +84,67 @@ def test_cpu_mat_vec_and_matrix_route_are_bit_identical(rng):
     for row in range(0, 20, 7):
         vec, _ = _run(device, registry, blocks, x[row : row + 1], n)
         np.testing.assert_array_equal(vec.view(np.uint32), matrix[row : row + 1].view(np.uint32))
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n", [1, 2, 7, 70, 129])
+def test_mat_vec_geometry_follows_the_policy(device, registry, rng, m, n):
+    """Spec §5.5: by default the nr2 mat-vec, grid [ceil(N/2), M, 1], threads [32, 4, 1], 256 bytes
+    of threadgroup memory at index 0; with dense_q8_0_mv_nr2 off the lane-contract mat-vec,
+    [ceil(N/8), M, 1] x [8, 8, 1], none. Receipt, label and encoded dispatch agree, and the receipt
+    records the policy the call ran under. Backends without the nr2 pipeline take the other."""
+    k = 64
+    blocks = q8_0.quantize(rng.standard_normal((n, k)).astype(np.float32))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    for policy in (routemm.GgmlRoutingPolicy(), routemm.GgmlRoutingPolicy(dense_q8_0_mv_nr2=False)):
+        _, receipt = _run(device, registry, blocks, x, n, policy=policy)
+        name = _mat_vec_pipeline(device, policy)
+        d = receipt.dispatch
+        assert receipt.pipeline_label == d.pipeline_label == name + LABEL_SUFFIX
+        assert receipt.route == "mat_vec" and receipt.decision is Decision.MAT_VEC_THRESHOLD
+        assert receipt.policy == policy
+        if name == NR2:
+            assert (d.grid, d.threads_per_threadgroup, d.threadgroup_memory) == (
+                ((n + 1) // 2, m, 1),
+                (32, 4, 1),
+                ((0, 256),),
+            )
+        elif device.backend in NR2_BACKENDS:
+            assert (d.grid, d.threads_per_threadgroup, d.threadgroup_memory) == (((n + 7) // 8, m, 1), (8, 8, 1), ())
+        validate(receipt)
+
+
+def test_environment_turns_the_nr2_mat_vec_off(device, registry, rng, monkeypatch):
+    """ROUTEMM_Q8_0_MV_NR2=off reaches the dispatcher through GgmlRoutingPolicy.from_environment()
+    (calls that pass no policy on a registry without a frozen one)."""
+    blocks = q8_0.quantize(rng.standard_normal((5, 32)).astype(np.float32))
+    x = rng.standard_normal((1, 32)).astype(np.float32)
+    monkeypatch.setenv("ROUTEMM_Q8_0_MV_NR2", "off")
+    _, receipt = _run(device, registry, blocks, x, 5)
+    assert receipt.pipeline_label == LANE_MAT_VEC + LABEL_SUFFIX and not receipt.policy.dense_q8_0_mv_nr2
+    monkeypatch.delenv("ROUTEMM_Q8_0_MV_NR2")
+    _, receipt = _run(device, registry, blocks, x, 5)
+    assert receipt.pipeline_label == _mat_vec_pipeline(device) + LABEL_SUFFIX
+
+
+# K: one block; blocks not a multiple of the 64 that the nr2 threadgroup's 128 threads cover per
+# step (a K tail) and several steps; N: odd (a half-empty last row pair) and even.
+@pytest.mark.parametrize("n,k", [(1, 32), (3, 96), (7, 2080), (10, 4096 + 32), (129, 1024)])
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_both_mat_vecs_within_the_accumulation_bound(device, registry, rng, n, k, m):
+    """Both Q8_0 mat-vecs meet the F32 accumulation bound against float64; on the CPU oracle they
+    compute every output with the same arithmetic (equal bits). Metal's nr2 kernel splits each row
+    over 128 threads and reduces in two simd_sum stages, so its bits may differ from the
+    lane-contract kernel's."""
+    blocks = q8_0.quantize(rng.standard_normal((n, k)).astype(np.float32))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    ref, mag = _reference(blocks, x)
+    nr2, _ = _run(device, registry, blocks, x, n)
+    lane, _ = _run(device, registry, blocks, x, n, policy=routemm.GgmlRoutingPolicy(dense_q8_0_mv_nr2=False))
+    assert np.all(np.abs(nr2 - ref) <= accumulation_bound(k, mag))
+    assert np.all(np.abs(lane - ref) <= accumulation_bound(k, mag))
+    if device.backend == "cpu":
+        np.testing.assert_array_equal(nr2.view(np.uint32), lane.view(np.uint32))
 
 
 def test_q8_0_has_only_the_simdgroup_matrix_route(device, registry, rng):

@@ -144,9 +144,10 @@ def test_grouped_routes_ids_repeated_within_a_token(device, registry, rng, ggml_
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.value)
 def test_direct_equals_the_dense_mat_vec_bit_for_bit(device, registry, rng, ggml_type):
-    """On the CPU oracle and Metal the direct route and the dense mat-vec share one lane contract:
-    an expert row computed by the expert-ID op equals quantized_matmul_ggml on that expert's
-    matrix, bit for bit (n = 42: a partial 4-row group)."""
+    """On the CPU oracle and Metal the direct route and the dense lane-contract mat-vec share one
+    lane contract: an expert row computed by the expert-ID op equals quantized_matmul_ggml on that
+    expert's matrix, bit for bit (n = 42: a partial 4-row group). For Q8_0 that mat-vec is the one
+    dense_q8_0_mv_nr2=False selects; on the CPU the default nr2 mat-vec gives the same bits too."""
     if device.backend not in DIRECT_EQUALS_MAT_VEC:
         pytest.skip(f"{device.backend}'s direct route does not promise the mat-vec's bits")
     n_experts, n, k, m = 3, 42, 256, 4
@@ -158,13 +159,17 @@ def test_direct_equals_the_dense_mat_vec_bit_for_bit(device, registry, rng, ggml
         e = int(ids[row, 0])
         xb = device.from_numpy(x[row : row + 1])
         wb = device.from_numpy(weights[e * stride : e * stride + stride].copy())
-        ob = device.alloc(n * 4, DType.F32, [1, n])
-        encoder = device.command_encoder()
-        routemm.quantized_matmul_ggml(
-            encoder, registry, xb, wb, ob, routemm.GgmlQuantizedMatmulParams(1, n, k, ggml_type)
-        )
-        encoder.commit_and_wait()
-        np.testing.assert_array_equal(ob.numpy().reshape(-1).view(np.uint32), got[row].view(np.uint32))
+        policies = [routemm.GgmlRoutingPolicy(dense_q8_0_mv_nr2=False)]
+        if device.backend == "cpu":
+            policies.append(routemm.GgmlRoutingPolicy())
+        for policy in policies:
+            ob = device.alloc(n * 4, DType.F32, [1, n])
+            encoder = device.command_encoder()
+            routemm.quantized_matmul_ggml(
+                encoder, registry, xb, wb, ob, routemm.GgmlQuantizedMatmulParams(1, n, k, ggml_type), policy
+            )
+            encoder.commit_and_wait()
+            np.testing.assert_array_equal(ob.numpy().reshape(-1).view(np.uint32), got[row].view(np.uint32))
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.value)

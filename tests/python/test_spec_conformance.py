@@ -298,6 +298,24 @@ def _(rng, tmp_path):
         assert receipt.route == "compatibility_v2"  # the registry's policy wins over the environment
 
 
+@check("5.5-q8-geometry")
+def _(rng, tmp_path):
+    device = cpu()
+    registry = routemm.KernelRegistry(device)
+    m, n, k = 3, 7, 64
+    w = device.from_numpy(routemm.q8_0.quantize(rng.standard_normal((n, k)).astype(np.float32)).reshape(-1))
+    x = device.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    y = device.alloc(m * n * 4, routemm.DType.F32, [m, n])
+    params = routemm.GgmlQuantizedMatmulParams(m, n, k, routemm.GgmlType.Q8_0)
+    nr2 = routemm.quantized_matmul_ggml(device.command_encoder(), registry, x, w, y, params, Policy())
+    d = nr2.dispatch
+    assert d.pipeline_label.split("|")[0] == "kernel_mul_mv_q8_0_f32_nr2"
+    assert (d.grid, d.threads_per_threadgroup, d.threadgroup_memory) == ((4, 3, 1), (32, 4, 1), ((0, 256),))
+    off = Policy(dense_q8_0_mv_nr2=False)
+    lane = routemm.quantized_matmul_ggml(device.command_encoder(), registry, x, w, y, params, off)
+    assert lane.dispatch.pipeline_label.split("|")[0] == "kernel_mul_mv_q8_0_f32"
+
+
 @check("5.5-k-quants-refused")
 def _(rng, tmp_path):
     device = cpu()

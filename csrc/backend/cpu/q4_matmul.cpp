@@ -1,7 +1,7 @@
 // CPU kernels of the GGML block-quantised dense projections (spec §5.5, §5.6): the Q4_0 mat-vec
 // pipeline kernel_mul_mv_q4_0_f32 and the four Q4_0 matrix routes kernel_mul_mm_q4_0_{f32,
-// tensor_f32, tensor_v2_f32, tensor_64x32_f32}, and the Q8_0 pipelines kernel_mul_mv_q8_0_f32 and
-// kernel_mul_mm_q8_0_f32.
+// tensor_f32, tensor_v2_f32, tensor_64x32_f32}, and the Q8_0 pipelines kernel_mul_mv_q8_0_f32,
+// kernel_mul_mv_q8_0_f32_nr2 and kernel_mul_mm_q8_0_f32.
 //
 // NUMERIC CONTRACT (every pipeline here; they are therefore bit-identical to each other, and in
 // particular V2 == 64x32): the one stated in ggml_block_kernels.h -- exact dequantisation, eight
@@ -85,7 +85,11 @@ Operands bind_operands(const KernelLaunch& launch, size_t m, size_t n, size_t k,
 
 // ---- Mat-vec ------------------------------------------------------------------------------------
 
-template <class Format>
+// GroupRows output rows of one token per threadgroup: 8 for kernel_mul_mv_{q4_0,q8_0}_f32
+// ([8, 8, 1] threads), kQ8_0MatVecNr2Rows for kernel_mul_mv_q8_0_f32_nr2 ([32, 4, 1] threads, 256
+// bytes of threadgroup memory). The CPU checks the launch against that geometry and computes every
+// output with the same arithmetic, so both Q8_0 mat-vecs give the same bits.
+template <class Format, size_t GroupRows>
 void mv_kernel(const KernelLaunch& launch, void* queue_native) {
   const auto p = kernels::launch_params<GgmlMatmulMvParams>(launch, 3);
   if (p.ne00 != p.ne10 || p.ne01 != p.ne0 || p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 || p.r3 != 1 ||
@@ -95,11 +99,21 @@ void mv_kernel(const KernelLaunch& launch, void* queue_native) {
   const Operands ops =
       bind_operands<Format>(launch, static_cast<size_t>(p.ne1), static_cast<size_t>(p.ne0),
                             static_cast<size_t>(p.ne00), 0, 1, 2);
-  // The geometry of spec §5.5: [ceil(N/8), M, 1] threadgroups. Rows beyond the grid would be
-  // skipped on a GPU; here a mismatch is a broken launch.
-  if (launch.grid.x != (ops.n + kMvThreadgroupOutputs - 1) / kMvThreadgroupOutputs ||
-      launch.grid.y != ops.m || launch.grid.z != 1) {
+  // The geometry of spec §5.5: [ceil(N / GroupRows), M, 1] threadgroups. Rows beyond the grid
+  // would be skipped on a GPU; here a mismatch is a broken launch.
+  if (launch.grid.x != (ops.n + GroupRows - 1) / GroupRows || launch.grid.y != ops.m ||
+      launch.grid.z != 1) {
     launch_error(launch, "launch grid does not match the mat-vec geometry");
+  }
+  if constexpr (GroupRows == kQ8_0MatVecNr2Rows) {
+    const bool shmem_ok = launch.threadgroup_memory.size() == 1 &&
+                          launch.threadgroup_memory[0].first == 0 &&
+                          launch.threadgroup_memory[0].second >= kQ8_0MatVecNr2ThreadgroupBytes;
+    if (launch.threads.x != 32 || launch.threads.y != kQ8_0MatVecNr2Threads / 32 ||
+        launch.threads.z != 1 || !shmem_ok) {
+      launch_error(launch,
+                   "nr2 mat-vec needs threads [32, 4, 1] and 256 bytes of threadgroup memory");
+    }
   }
 
   auto* pool = static_cast<ThreadPool*>(queue_native);
@@ -214,7 +228,8 @@ void add_q4_matmul_kernels(std::vector<KernelDef>& out) {
                 names[2] == "kernel_mul_mm_q4_0_tensor_f32" &&
                 names[3] == "kernel_mul_mm_q4_0_tensor_v2_f32" &&
                 names[4] == "kernel_mul_mm_q4_0_tensor_64x32_f32");
-  out.push_back(make_def(names[0], mv_kernel<Q4_0Format>, 64, kMvThreadgroupOutputs, 1, 0));
+  out.push_back(make_def(names[0], mv_kernel<Q4_0Format, kMvThreadgroupOutputs>, 64,
+                         kMvThreadgroupOutputs, 1, 0));
   out.push_back(make_def(names[1], mm_kernel<Q4_0Format, 32>, 128, 32, kMmOutputTile, 8192));
   out.push_back(make_def(names[2], mm_kernel<Q4_0Format, 32>, 128, 32, kMmOutputTile, 8192));
   out.push_back(make_def(names[3], mm_kernel<Q4_0Format, 128>, 128, 128, kMmOutputTile, 4096));
@@ -222,8 +237,13 @@ void add_q4_matmul_kernels(std::vector<KernelDef>& out) {
   // Q8_0: the mat-vec and the simdgroup-compatible matrix route, with the Q4_0 geometry.
   constexpr auto q8 = kQ8MatmulPipelineNames;
   static_assert(q8[0] == "kernel_mul_mv_q8_0_f32" && q8[1] == "kernel_mul_mm_q8_0_f32");
-  out.push_back(make_def(q8[0], mv_kernel<Q8_0Format>, 64, kMvThreadgroupOutputs, 1, 0));
+  out.push_back(make_def(q8[0], mv_kernel<Q8_0Format, kMvThreadgroupOutputs>, 64,
+                         kMvThreadgroupOutputs, 1, 0));
   out.push_back(make_def(q8[1], mm_kernel<Q8_0Format, 32>, 128, 32, kMmOutputTile, 8192));
+  // Spec §5.5's default Q8_0 mat-vec: 2 rows x 1 token per [32, 4, 1] threadgroup, 256 bytes.
+  out.push_back(make_def(kQ8_0MatVecNr2Pipeline, mv_kernel<Q8_0Format, kQ8_0MatVecNr2Rows>,
+                         kQ8_0MatVecNr2Threads, kQ8_0MatVecNr2Rows, 1,
+                         kQ8_0MatVecNr2ThreadgroupBytes));
 }
 
 }  // namespace routemm::cpu

@@ -20,8 +20,8 @@ constexpr std::string_view kCalibrationCompare = "routemm_calibration_compare_f3
 
 // Function names in table order: the seven expert-ID pipelines, the five Q4_0 pipelines, the two
 // calibration proof kernels, the three MoE layer kernels, the two Q8_0 pipelines, the four
-// quantised expert-ID pipelines.
-constexpr std::array<std::string_view, 23> kFunctions = {
+// quantised expert-ID pipelines, the Q8_0 nr2 mat-vec.
+constexpr std::array<std::string_view, 24> kFunctions = {
     kDenseMatmulIdPipelineNames[0],
     kDenseMatmulIdPipelineNames[1],
     kDenseMatmulIdPipelineNames[2],
@@ -45,6 +45,7 @@ constexpr std::array<std::string_view, 23> kFunctions = {
     kGgmlQuantizedMatmulIdPipelineNames[1],
     kGgmlQuantizedMatmulIdPipelineNames[2],
     kGgmlQuantizedMatmulIdPipelineNames[3],
+    kQ8_0MatVecNr2Pipeline,
 };
 static_assert(kDenseMatmulIdPipelineNames.size() == 7 && kQ4MatmulPipelineNames.size() == 5 &&
               kMoePipelineNames.size() == 3 && kQ8MatmulPipelineNames.size() == 2 &&
@@ -74,7 +75,8 @@ using enum MetalLibrary;
 //            simdgroup and V1 routes, 4096 for V2 (128 tokens) and 64x32 (32 tokens).
 //   proof    Threads dispatches, at most 256 threads per group.
 //   moe      64 threads: one per token row (gate) or per output element (silu_mul, combine).
-//   q8_0     as the Q4_0 mat-vec and simdgroup matrix route (the same kernels, Q8_0 blocks).
+//   q8_0     as the Q4_0 mat-vec and simdgroup matrix route (the same kernels, Q8_0 blocks); the
+//            nr2 mat-vec 128 threads ([32, 4, 1]), 2 output rows x 1 token per group, 256 bytes.
 //   quantised expert-ID: direct as dense direct (8 columns x 1 flat row, 64 threads); grouped
 //            128 threads, 32 routed rows x 64 columns per group (the simdgroup matrix route's
 //            tile), 8192 bytes.
@@ -102,6 +104,8 @@ const std::array<MetalPipelineSpec, kFunctions.size()> kSpecs = {
     spec(20, launch<20>, Base, 64, 8, 1, 0),
     spec(21, launch<21>, Base, 128, 32, 64, 8192),
     spec(22, launch<22>, Base, 128, 32, 64, 8192),
+    spec(23, launch<23>, Base, kQ8_0MatVecNr2Threads, kQ8_0MatVecNr2Rows, 1,
+         kQ8_0MatVecNr2ThreadgroupBytes, true),
 };
 
 }  // namespace

@@ -62,10 +62,13 @@ std::string_view to_string(GgmlTensorMmPreference value);
 struct GgmlRoutingPolicy {
   GgmlTensorMmPreference dense_tensor_mm = GgmlTensorMmPreference::AutoProbe;
   bool allow_dense_large_tile_mm = true;
+  // Q8_0 mat-vec calls take kQ8_0MatVecNr2Pipeline where the backend has it (spec §5.5).
+  bool dense_q8_0_mv_nr2 = true;
   bool operator==(const GgmlRoutingPolicy&) const = default;
 };
 // Reads, at call time: ROUTEMM_DISABLE_TENSOR_MM=1 -> ForceSimd; ROUTEMM_LARGE_TILE_MM=0/false/off
-// (any case) -> allow_dense_large_tile_mm = false. Anything else keeps the default.
+// (any case) -> allow_dense_large_tile_mm = false; ROUTEMM_Q8_0_MV_NR2=0/false/off (any case) ->
+// dense_q8_0_mv_nr2 = false. Anything else keeps the default.
 GgmlRoutingPolicy ggml_routing_policy_from_environment();
 
 // The four matrix routes for M > 8 (spec §6.1), each its own pipeline.
@@ -90,6 +93,14 @@ inline constexpr std::array<std::string_view, 5> kQ4MatmulPipelineNames = {
 // compatibility_simdgroup route's name, geometry and exact numerics for Q8_0 blocks.
 inline constexpr std::array<std::string_view, 2> kQ8MatmulPipelineNames = {
     "kernel_mul_mv_q8_0_f32", "kernel_mul_mm_q8_0_f32"};
+// The Q8_0 mat-vec of spec §5.5's default (GgmlRoutingPolicy::dense_q8_0_mv_nr2): threadgroups of
+// [32, 4, 1] threads (4 simdgroups) computing 2 output rows of one token, 256 bytes of threadgroup
+// memory; grid [ceil(N / 2), M, 1]. Optional: a backend without it (CUDA, which has its own Q8_0
+// geometry) runs kQ8MatmulPipelineNames[0] instead, and the receipt's label says so.
+inline constexpr std::string_view kQ8_0MatVecNr2Pipeline = "kernel_mul_mv_q8_0_f32_nr2";
+inline constexpr uint32_t kQ8_0MatVecNr2Rows = 2;
+inline constexpr uint32_t kQ8_0MatVecNr2Threads = 128;
+inline constexpr uint64_t kQ8_0MatVecNr2ThreadgroupBytes = 256;
 // The specialisation constants every Q4 pipeline is fetched with: (700, batch=1), (701,1), (702,1).
 inline constexpr std::array<std::pair<uint32_t, int32_t>, 3> kQ4PipelineConstants = {
     std::pair<uint32_t, int32_t>{700, 1}, {701, 1}, {702, 1}};
@@ -198,6 +209,8 @@ void validate_quantized_matmul_ggml_call(const Buffer& input, const Buffer& weig
 // decision is the selection's when the selected route is the one encoded; a call that cannot take
 // it says ineligible_compatibility_fallback: the plan's 64x32 pipeline failing to resolve falls
 // back to V2 (spec §5.6), a backend without the tensor pipelines runs the simdgroup route.
+// Q8_0 with M <= 8 runs kQ8_0MatVecNr2Pipeline when the policy's dense_q8_0_mv_nr2 is set and the
+// registry has it, else kQ8MatmulPipelineNames[0]; the receipt's pipeline label names which.
 GgmlQuantizedMatmulReceipt quantized_matmul_ggml(CommandEncoder& encoder, KernelRegistry& registry,
                                                  const Buffer& input, const Buffer& weight,
                                                  const Buffer& output,
