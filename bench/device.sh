@@ -56,10 +56,11 @@ usage: bash bench/device.sh COMMAND [ARGS]
                    engine_decode_graph-h200.json. Knobs: SKIP_TESTS=1, SKIP_SANITIZER=1,
                    SKIP_BENCH=1, LAYERS.
   qid              the quantised expert-ID matmul and the MoE block: build; the CUDA tests of the
-                   quantised expert-ID op, the routing-map reuse and the MoE layer; then
-                   bench/tools/qid_timing.py (Q4_0/Q8_0 on Qwen3-30B-A3B and Qwen3.6-35B-A3B at MS,
-                   beside torch._grouped_mm and the copy floor; the Qwen3-30B-A3B block beside
-                   transformers) -> pytest.txt qid.jsonl quantized_matmul_id-h200.json/.md
+                   quantised expert-ID op (its tensor-core route and machine code included), the
+                   routing-map reuse and the MoE layer; then bench/tools/qid_timing.py (Q4_0/Q8_0
+                   on Qwen3-30B-A3B and Qwen3.6-35B-A3B at MS, the automatic route and, for m > 8,
+                   grouped_tensor_lowp, beside torch._grouped_mm and the copy floor; the
+                   Qwen3-30B-A3B block beside transformers) -> pytest.txt qid.jsonl quantized_matmul_id-h200.json/.md
                    moe_block-h200.json/.md; then the llama.cpp peer's MUL_MAT_ID q4_0 at the same
                    shapes and MS (as `peer`; carry .dev/llama) -> llama_peer.json llama_peer.log.
                    Knobs: SKIP_TESTS=1, MS (default 1,8,32,512,4096), QID_ARGS (more tool flags),
@@ -425,7 +426,8 @@ cmd_qid() {
   build_or_fail
   if [ "${SKIP_TESTS:-0}" != 1 ]; then
     cuda_pytest 240 "$OUT/pytest.txt" tests/python/test_quantized_matmul_id.py \
-      tests/python/test_quantized_matmul_id_validation.py tests/python/test_expert_id_map_reuse.py \
+      tests/python/test_quantized_matmul_id_validation.py tests/python/test_quantized_matmul_id_tensor.py \
+      tests/python/test_cuda_sass.py tests/python/test_expert_id_map_reuse.py \
       tests/python/test_moe.py tests/python/test_moe_gguf.py tests/python/test_transformers_experts.py
   fi
   stamp qid_timing

@@ -23,8 +23,8 @@ Timing: on CUDA the summed kernel durations per call from the PyTorch profiler's
 (bench_cuda_dense_matmul_id.gpu_events; host launch gaps excluded), over CALLS calls after a
 warm-up; with --smoke the median wall time per call. Correctness: every routemm result is compared
 on CHECK_ROWS rows with a float64 reference built from the dequantised blocks (bit-exact
-dequantisation, checked against routemm.q4_0 / q8_0 first), and routemm.matmul_id(ggml_type=...)
-must give the explicit front door's bits; a failed check is recorded (time NaN, note WRONG) and the
+dequantisation, checked against routemm.q4_0 / q8_0 first) within TOLERANCE (TENSOR_TOLERANCE for
+grouped_tensor_lowp), and routemm.matmul_id(ggml_type=...) must give the automatic route's bits; a failed check is recorded (time NaN, note WRONG) and the
 tool exits 1.
 
 Output: one JSON line per record on stdout (progress on stderr), DIR/quantized_matmul_id-TAG.json
@@ -63,6 +63,7 @@ ID_SETS = 8
 CALLS = 10
 CHECK_ROWS = 8
 TOLERANCE = 1e-4  # max |got - ref| / max |ref|: exact dequantisation, F32 accumulation
+TENSOR_TOLERANCE = 1e-2  # the same for grouped_tensor_lowp (activations rounded to f16)
 BLOCK_TOLERANCE = 1e-3  # the block chains three F32 matmuls and the activation
 CEILINGS = {"copy_TBps": 4.17}  # H200 nominal; the measured copy rate goes beside it
 
@@ -219,46 +220,57 @@ def matmul_case(run: Run, records, name, shape, ggml_type, m, stacks, deq_stacks
     out = torch.empty((m * top_k, n), device=run.tdev)
     out_buf = run.buffer(out)
     grouped = m >= AUTO_GROUPED_MIN_TOKENS  # matmul_id's choice for ids distinct per token
-    route = routemm.GgmlQuantizedMatmulIdRoute.GROUPED if grouped else routemm.GgmlQuantizedMatmulIdRoute.DIRECT
-    params = routemm.GgmlQuantizedMatmulIdParams(m, n, k, top_k, experts, ggml_type, stride, route=route)
-    scratch = routemm.DenseMatmulIdScratch(run.device, experts, m) if route.is_grouped else None
+    auto = routemm.GgmlQuantizedMatmulIdRoute.GROUPED if grouped else routemm.GgmlQuantizedMatmulIdRoute.DIRECT
+    routes = [auto]
+    # The opt-in tensor-core route beside the grouped one, where the backend registers it.
+    lowp = routemm.GgmlQuantizedMatmulIdRoute.GROUPED_TENSOR_LOWP
+    if grouped and all(run.registry.has_kernel(name) for name in lowp.pipelines(ggml_type)):
+        routes.append(lowp)
+    scratch = routemm.DenseMatmulIdScratch(run.device, experts, m) if grouped else None
     touched = statistics.mean(int(torch.unique(i).numel()) for i in ids)
     weight_bytes = touched * stride
     flops = 2 * m * top_k * n * k
     base = dict(op="quantized_matmul_id", shape=name, m=m, weight_dtype=ggml_type.value, bytes=int(weight_bytes))
-
-    def call(j):
-        enc = run.device.command_encoder()
-        routemm.quantized_matmul_id_ggml(
-            enc, run.registry, x_buf, w_bufs[j % copies], id_bufs[j % ID_SETS], out_buf, scratch, params
-        )
-        enc.commit_and_wait()
-
-    # Correctness on the first id set: float64 rows from the dequantised blocks, and the high-level
-    # matmul_id (its automatic route) giving the explicit front door's bits.
-    call(0)
-    got = out.clone()
     flat_ids = ids[0].reshape(-1).long()
     rows = torch.arange(0, m * top_k, max(1, m * top_k // CHECK_ROWS), device=run.tdev)[:CHECK_ROWS]
     w_rows = dequantize(torch, stacks[0][flat_ids[rows]], ggml_type).double()
     want = torch.einsum("rnk,rk->rn", w_rows, x[rows // top_k].double())
-    err = float((got[rows].double() - want).abs().max() / want.abs().max())
-    high = routemm.matmul_id(stacks[0], x, ids[0], ggml_type=ggml_type)
-    same = bool(torch.equal(high.view(torch.int32), got.view(torch.int32)))
-    if not (err <= TOLERANCE and same and bool(torch.isfinite(got).all())):
-        run.failed = True
-        note = f"WRONG: rel err {err:.2e}, matmul_id {'same' if same else 'different'} bits"
-        emit(records, **base, route=route.value, impl="routemm", time_us=float("nan"), note=note)
-        log(f"!! {name} {ggml_type.value} m={m}: {note}")
-        return
-
-    seconds, split = run.timer(call)
     floor = weight_bytes / run.copy_Bps  # the touched bytes at the rate a copy moves bytes
-    emit(
-        records, **base, route=route.value, impl="routemm", time_us=seconds * 1e6, flops=flops,
-        TBps=weight_bytes / seconds / 1e12, TFLOPs=flops / seconds / 1e12,
-        note=f"{touched:.1f} experts touched{map_note(split)}; {seconds / floor:.2f}x the copy floor; rel err {err:.1e}",
-    )  # fmt: skip
+
+    for route in routes:
+        params = routemm.GgmlQuantizedMatmulIdParams(m, n, k, top_k, experts, ggml_type, stride, route=route)
+
+        def call(j, params=params):
+            enc = run.device.command_encoder()
+            routemm.quantized_matmul_id_ggml(
+                enc, run.registry, x_buf, w_bufs[j % copies], id_bufs[j % ID_SETS], out_buf, scratch, params
+            )
+            enc.commit_and_wait()
+
+        # Correctness on the first id set: float64 rows from the dequantised blocks, and for the
+        # automatic route the high-level matmul_id giving the explicit front door's bits.
+        call(0)
+        got = out.clone()
+        err = float((got[rows].double() - want).abs().max() / want.abs().max())
+        same = route is not auto or bool(
+            torch.equal(
+                routemm.matmul_id(stacks[0], x, ids[0], ggml_type=ggml_type).view(torch.int32), got.view(torch.int32)
+            )
+        )
+        tolerance = TOLERANCE if route is auto else TENSOR_TOLERANCE
+        if not (err <= tolerance and same and bool(torch.isfinite(got).all())):
+            run.failed = True
+            note = f"WRONG: rel err {err:.2e}, matmul_id {'same' if same else 'different'} bits"
+            emit(records, **base, route=route.value, impl="routemm", time_us=float("nan"), note=note)
+            log(f"!! {name} {ggml_type.value} m={m} {route.value}: {note}")
+            return
+
+        seconds, split = run.timer(call)
+        emit(
+            records, **base, route=route.value, impl="routemm", time_us=seconds * 1e6, flops=flops,
+            TBps=weight_bytes / seconds / 1e12, TFLOPs=flops / seconds / 1e12,
+            note=f"{touched:.1f} experts touched{map_note(split)}; {seconds / floor:.2f}x the copy floor; rel err {err:.1e}",
+        )  # fmt: skip
     emit(
         records, **base, route="copy", impl="copy_floor", time_us=floor * 1e6, TBps=weight_bytes / floor / 1e12,
         note=f"touched block bytes at the measured copy rate ({run.copy_Bps / 1e12:.3f} TB/s, read + write)",

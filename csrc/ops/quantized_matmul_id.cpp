@@ -61,7 +61,12 @@ constexpr uint64_t kBlockAlignment = 2;
 }  // namespace
 
 std::string_view to_string(GgmlQuantizedMatmulIdRoute value) {
-  return value == GgmlQuantizedMatmulIdRoute::Direct ? "direct" : "grouped";
+  switch (value) {
+    case GgmlQuantizedMatmulIdRoute::Direct: return "direct";
+    case GgmlQuantizedMatmulIdRoute::Grouped: return "grouped";
+    case GgmlQuantizedMatmulIdRoute::GroupedTensorLowp: return "grouped_tensor_lowp";
+  }
+  return "unknown";
 }
 
 GgmlQuantizedMatmulIdCapability quantized_matmul_id_ggml_capability(
@@ -77,7 +82,7 @@ GgmlQuantizedMatmulIdCapability quantized_matmul_id_ggml_capability(
     fail("K (" + std::to_string(p.k) + ") must be divisible by block QK (" + std::to_string(qk) +
          ")");
   }
-  const bool grouped = p.route == GgmlQuantizedMatmulIdRoute::Grouped;
+  const bool grouped = is_grouped(p.route);
   if (grouped && p.top_k > p.n_experts) {
     fail("distinct top_k " + std::to_string(p.top_k) + " exceeds n_experts " +
          std::to_string(p.n_experts));
@@ -179,10 +184,14 @@ std::vector<std::string_view> quantized_matmul_id_ggml_route_pipelines(
     fail("does not support " + std::string(to_string(type)) + " (supported: q4_0, q8_0)");
   }
   const size_t index = type == GgmlType::Q4_0 ? 0 : 1;
-  if (route == GgmlQuantizedMatmulIdRoute::Direct) {
-    return {kGgmlQuantizedMatmulIdPipelineNames[index]};
+  switch (route) {
+    case GgmlQuantizedMatmulIdRoute::Direct: return {kGgmlQuantizedMatmulIdPipelineNames[index]};
+    case GgmlQuantizedMatmulIdRoute::Grouped:
+      return {kDenseMatmulIdMapPipeline, kGgmlQuantizedMatmulIdPipelineNames[2 + index]};
+    case GgmlQuantizedMatmulIdRoute::GroupedTensorLowp:
+      return {kDenseMatmulIdMapPipeline, kGgmlQuantizedMatmulIdTensorPipelineNames[index]};
   }
-  return {kDenseMatmulIdMapPipeline, kGgmlQuantizedMatmulIdPipelineNames[2 + index]};
+  fail("unknown route");
 }
 
 GgmlQuantizedMatmulIdDispatchReceipt quantized_matmul_id_ggml(
@@ -191,7 +200,7 @@ GgmlQuantizedMatmulIdDispatchReceipt quantized_matmul_id_ggml(
     const GgmlQuantizedMatmulIdParams& params, DenseMatmulIdMapUse map) {
   const GgmlQuantizedMatmulIdCapability cap =
       validate_quantized_matmul_id_ggml_call(weights, input, expert_ids, output, scratch, params);
-  const bool grouped = cap.route == GgmlQuantizedMatmulIdRoute::Grouped;
+  const bool grouped = is_grouped(cap.route);
   const kernels::DenseMatmulIdKernelParams gpu =
       expert_id::kernel_params(kOp, params.m, params.n, params.k, params.top_k, params.n_experts,
                                params.expert_stride_bytes, params.input_layout);

@@ -12,6 +12,13 @@ Routes are explicit: ``direct`` (one dispatch, IDs may repeat: decode, and the f
 map dispatch and caller-owned DenseMatmulIdScratch of dense_matmul_id's grouped_prefill, then a
 grouped dispatch; IDs distinct per token). Both routes share one numerical contract on a backend:
 exact dequantisation and F32 accumulation in a fixed order, so they agree bit for bit.
+
+``grouped_tensor_lowp`` is the grouped route's map and scratch with the multiplication on tensor
+cores: block values enter as exact f16 integers, activations are rounded to f16, each block's
+partial sums are scaled by its F32 scale and summed in F32. It meets a stated tolerance (1e-2
+relative Frobenius error against a float64 reference, docs/numerics.md) instead of the exact
+routes' bits, is taken only when named, and only backends with tensor cores (CUDA) register its
+pipelines (TENSOR_PIPELINE_NAMES): elsewhere a call raises KernelNotFoundError before encoding.
 """
 
 from __future__ import annotations
@@ -30,16 +37,19 @@ from .quantized_matmul import GgmlType
 
 SCHEMA_VERSION: int = _core.GGML_QUANTIZED_MATMUL_ID_SCHEMA_VERSION
 PIPELINE_NAMES: tuple[str, ...] = _core.GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES
+TENSOR_PIPELINE_NAMES: tuple[str, ...] = _core.GGML_QUANTIZED_MATMUL_ID_TENSOR_PIPELINE_NAMES
 SUPPORTED_TYPES: tuple[GgmlType, ...] = (GgmlType.Q4_0, GgmlType.Q8_0)
 
 
 class GgmlQuantizedMatmulIdRoute(enum.Enum):
     DIRECT = "direct"  # one dispatch; IDs may repeat
     GROUPED = "grouped"  # dense_matmul_id's map + a grouped dispatch; distinct IDs, caller scratch
+    GROUPED_TENSOR_LOWP = "grouped_tensor_lowp"  # GROUPED on tensor cores: f16 activations, a tolerance
 
     @property
     def is_grouped(self) -> bool:
-        return self is GgmlQuantizedMatmulIdRoute.GROUPED
+        """Runs dense_matmul_id's map and needs caller-owned scratch."""
+        return self is not GgmlQuantizedMatmulIdRoute.DIRECT
 
     def pipelines(self, ggml_type: GgmlType) -> tuple[str, ...]:
         """The pipelines this route encodes for `ggml_type`, in dispatch order."""
@@ -116,8 +126,8 @@ class GgmlQuantizedMatmulIdCapability(JsonRecord):
 
 @dataclasses.dataclass(frozen=True)
 class GgmlQuantizedMatmulIdDispatchReceipt(JsonRecord):
-    """What one call encoded: block type, route and number of dispatches (1 direct, 2 grouped, 1
-    grouped with a reused routing map)."""
+    """What one call encoded: block type, route and number of dispatches (1 direct, 2 for the
+    grouped routes, 1 for a grouped route with a reused routing map)."""
 
     SCHEMA = "ggml_quantized_matmul_id_dispatch_receipt.schema.json"
     ggml_type: GgmlType
@@ -150,8 +160,8 @@ def quantized_matmul_id_ggml(
     """Encode one quantised expert-ID matmul into `encoder` (run it with commit_and_wait()).
 
     input: F32 [m, k] (shared) or [m * top_k, k] (slotted); weights: U8 expert stack; ids: U32
-    [m, top_k]; output: F32 [m * top_k, n]; scratch: a DenseMatmulIdScratch for the grouped route,
-    None for direct. reuse_map (grouped route): read the routing map that the last building call
+    [m, top_k]; output: F32 [m * top_k, n]; scratch: a DenseMatmulIdScratch for the grouped routes,
+    None for direct. reuse_map (grouped routes): read the routing map that the last building call
     into `scratch` (this op's or dense_matmul_id's) encoded instead of building one, as
     dense_matmul_id's reuse_map. Every validation happens before anything is encoded; on error
     the encoder is untouched.
@@ -201,7 +211,8 @@ def _quantized_route(route, distinct: bool, m: int) -> GgmlQuantizedMatmulIdRout
         return GgmlQuantizedMatmulIdRoute(route if not isinstance(route, enum.Enum) else route.value)
     except ValueError:
         raise InvalidArgumentError(
-            f"matmul_id with ggml_type takes route 'direct' or 'grouped' (GgmlQuantizedMatmulIdRoute), got {route!r}"
+            "matmul_id with ggml_type takes route 'direct', 'grouped' or 'grouped_tensor_lowp' "
+            f"(GgmlQuantizedMatmulIdRoute), got {route!r}"
         ) from None
 
 

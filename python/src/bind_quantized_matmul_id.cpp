@@ -9,6 +9,10 @@
 namespace routemm::python {
 namespace {
 
+constexpr std::array kRoutes{GgmlQuantizedMatmulIdRoute::Direct,
+                             GgmlQuantizedMatmulIdRoute::Grouped,
+                             GgmlQuantizedMatmulIdRoute::GroupedTensorLowp};
+
 template <class Enum, size_t N>
 Enum parse(const std::string& text, const std::array<Enum, N>& values, const char* what) {
   return parse_enum("quantized_matmul_id_ggml", text, values, what);
@@ -25,9 +29,7 @@ GgmlQuantizedMatmulIdParams make_params(uint32_t m, uint32_t n, uint32_t k, uint
       parse(input_layout,
             std::array{DenseMatmulIdInputLayout::SharedPerToken, DenseMatmulIdInputLayout::Slotted},
             "input layout");
-  p.route = parse(
-      route, std::array{GgmlQuantizedMatmulIdRoute::Direct, GgmlQuantizedMatmulIdRoute::Grouped},
-      "route");
+  p.route = parse(route, kRoutes, "route");
   return p;
 }
 
@@ -49,6 +51,10 @@ void init_quantized_matmul_id(py::module_& m) {
   py::list names;
   for (auto name : kGgmlQuantizedMatmulIdPipelineNames) names.append(std::string(name));
   m.attr("GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES") = py::tuple(names);
+  py::list tensor_names;
+  for (auto name : kGgmlQuantizedMatmulIdTensorPipelineNames)
+    tensor_names.append(std::string(name));
+  m.attr("GGML_QUANTIZED_MATMUL_ID_TENSOR_PIPELINE_NAMES") = py::tuple(tensor_names);
 
   m.def("_quantized_matmul_id_ggml_capability", [](const GgmlQuantizedMatmulIdParams& p) {
     return capability_dict(quantized_matmul_id_ggml_capability(p));
@@ -57,11 +63,7 @@ void init_quantized_matmul_id(py::module_& m) {
         [](const std::string& type, const std::string& route) {
           std::vector<std::string> out;
           for (auto name : quantized_matmul_id_ggml_route_pipelines(
-                   parse(type, kAllGgmlTypes, "GGML type"),
-                   parse(route,
-                         std::array{GgmlQuantizedMatmulIdRoute::Direct,
-                                    GgmlQuantizedMatmulIdRoute::Grouped},
-                         "route"))) {
+                   parse(type, kAllGgmlTypes, "GGML type"), parse(route, kRoutes, "route"))) {
             out.emplace_back(name);
           }
           return out;

@@ -1,6 +1,6 @@
 """The machine code of the CUDA tensor-core kernels, read back from the built extension: on sm_90a the
 expert-ID tensor routes and the bf16 Q4_0 routes run warpgroup MMA fed by TMA, the portable kernel
-runs warp-level MMA, and none touches local memory (no register spills); no other kernel spills
+(and the quantised expert-ID tensor route built on it) runs warp-level MMA, and none touches local memory (no register spills); no other kernel spills
 beyond a short, capped list. Needs cuobjdump and a build carrying CUDA code; skips otherwise (a
 CPU-only build, or a toolkit without cuobjdump)."""
 
@@ -96,6 +96,27 @@ def test_portable_tensor_kernel_uses_warp_mma_without_spills():
             assert not _local_memory(sass), (arch, name, _local_memory(sass)[:5])
     if checked == 0:
         pytest.skip("no portable tensor kernel in this build")
+
+
+def test_quantized_tensor_route_uses_warp_mma_without_spills():
+    """quantized_matmul_id's grouped_tensor_lowp: the shared warp-MMA kernel with the Q4_0 / Q8_0
+    weight tiles (GgmlTiles), one instantiation per format and activation-load path on every
+    architecture: HMMA.16816 with F32 accumulation, weights read 2 bytes at a time (LDG.E.U16:
+    GGUF blocks are 2-byte aligned), and no local memory."""
+    arches = _functions_by_arch()
+    checked = 0
+    for arch, functions in arches.items():
+        kernels = {name: sass for name, sass in functions.items() if "GgmlTiles" in name}
+        if not kernels:
+            continue
+        assert len(kernels) == 4, (arch, sorted(kernels))
+        for name, sass in kernels.items():
+            checked += 1
+            assert "HMMA.16816.F32" in sass, (arch, name)
+            assert "LDG.E.U16" in sass, (arch, name)
+            assert not _local_memory(sass), (arch, name, _local_memory(sass)[:5])
+    if checked == 0:
+        pytest.skip("no quantised tensor-route kernel in this build")
 
 
 # Kernels known to touch local memory, by a regular expression over the mangled name, with the most

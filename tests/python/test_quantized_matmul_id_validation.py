@@ -100,7 +100,7 @@ def test_call_rejections_encode_nothing(device, registry, route):
     ]
     parent = device.alloc(cap.required_weight_bytes + 1, DType.U8)
     cases.append((dict(weights=parent.view(1, cap.required_weight_bytes, DType.U8, [])), "weights byte offset 1"))
-    if route is Route.GROUPED:
+    if route.is_grouped:
         cases.append((dict(scratch=None), "grouped route requires caller-owned scratch"))
         cases.append((dict(scratch=routemm.DenseMatmulIdScratch(device, 7, 9)), "scratch capacity experts/tokens=7/9"))
     for overrides, message in cases:

@@ -87,9 +87,17 @@ def assert_close(
 
 # Tensor-core routes: relative Frobenius error ||out - ref|| / ||ref|| against the float64
 # reference of the exactly widened weights (operands are rounded, so per-element tables do not fit).
+# quantized_matmul_id_ggml's grouped_tensor_lowp has lowp's entry: its weights enter exactly (block
+# integers in f16, the scale applied in F32), so its only operand rounding is the activations' to
+# f16, as for f16 weights on the dense route.
 from routemm import DenseMatmulIdRoute as _Route  # noqa: E402
+from routemm import GgmlQuantizedMatmulIdRoute as _QRoute  # noqa: E402
 
-TENSOR_ROUTE_FROBENIUS = {_Route.GROUPED_TENSOR_TF32: 2e-3, _Route.GROUPED_TENSOR_LOWP: 1e-2}
+TENSOR_ROUTE_FROBENIUS = {
+    _Route.GROUPED_TENSOR_TF32: 2e-3,
+    _Route.GROUPED_TENSOR_LOWP: 1e-2,
+    _QRoute.GROUPED_TENSOR_LOWP: 1e-2,
+}
 
 # The CPU bf16-dot routes (direct_bf16_dot, grouped_bf16_dot; bf16 weights): activations rounded
 # to bf16 (2^-9 relative), exact bf16 products summed in F32 by VDPBF16PS (kp / 32 + 4 roundings

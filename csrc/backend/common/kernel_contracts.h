@@ -335,7 +335,7 @@ inline void check_moe_combine_args(const KernelLaunch& launch) {
 // The contract of the pipeline named `name`: one of kDenseMatmulIdPipelineNames,
 // kDenseMatmulIdTensorPipelineNames, kDenseMatmulIdBf16DotPipelineNames, kQ4MatmulPipelineNames,
 // kQ8MatmulPipelineNames, kQ8_0MatVecNr2Pipeline, kGgmlQuantizedMatmulIdPipelineNames,
-// kMoePipelineNames or the two calibration kernels.
+// kGgmlQuantizedMatmulIdTensorPipelineNames, kMoePipelineNames or the two calibration kernels.
 // Backends call this while building their kernel lists, so a kernel added without a contract
 // fails when its backend opens instead of going unchecked.
 inline KernelArgCheck kernel_arg_contract(std::string_view name) {
@@ -361,6 +361,9 @@ inline KernelArgCheck kernel_arg_contract(std::string_view name) {
                 qid[1] == "quantized_matmul_id_direct_q8_0_f32" &&
                 qid[2] == "quantized_matmul_id_grouped_q4_0_f32" &&
                 qid[3] == "quantized_matmul_id_grouped_q8_0_f32");
+  constexpr auto& qid_tensor = kGgmlQuantizedMatmulIdTensorPipelineNames;
+  static_assert(qid_tensor[0] == "quantized_matmul_id_grouped_lowp_q4_0_f32" &&
+                qid_tensor[1] == "quantized_matmul_id_grouped_lowp_q8_0_f32");
   constexpr uint64_t q4 = kQ4_0BlockBytes, q8 = kQ8_0BlockBytes;
   const std::pair<std::string_view, KernelArgCheck> table[] = {
       {"routemm_calibration_poison_f32", &check_calibration_poison_args},
@@ -391,6 +394,8 @@ inline KernelArgCheck kernel_arg_contract(std::string_view name) {
       {qid[1], &check_quantized_matmul_id_direct_args<q8>},
       {qid[2], &check_quantized_matmul_id_grouped_args<q4>},
       {qid[3], &check_quantized_matmul_id_grouped_args<q8>},
+      {qid_tensor[0], &check_quantized_matmul_id_grouped_args<q4>},
+      {qid_tensor[1], &check_quantized_matmul_id_grouped_args<q8>},
       {kMoeGatePipeline, &check_moe_gate_args},
       {kMoeSiluMulPipeline, &check_moe_silu_mul_args},
       {kMoeCombinePipeline, &check_moe_combine_args},

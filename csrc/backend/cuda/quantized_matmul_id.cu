@@ -1,9 +1,13 @@
 // CUDA kernels of the quantised expert-ID matmul (csrc/ops/quantized_matmul_id.cpp owns
-// validation and geometry): quantized_matmul_id_direct_{q4_0,q8_0}_f32 and
-// quantized_matmul_id_grouped_{q4_0,q8_0}_f32 (the map is dense_matmul_id's).
+// validation and geometry): quantized_matmul_id_direct_{q4_0,q8_0}_f32,
+// quantized_matmul_id_grouped_{q4_0,q8_0}_f32 (the map is dense_matmul_id's) and the tensor-core
+// route's quantized_matmul_id_grouped_lowp_{q4_0,q8_0}_f32 (same map; see GgmlTiles below).
 //
-// NUMERICS: the exact route of the CPU oracle (ggml_blocks.cuh's lane contract), so both kernels
-// are bit-identical to each other and to the CPU backend.
+// NUMERICS: direct and grouped are the exact route of the CPU oracle (ggml_blocks.cuh's lane
+// contract), so both kernels are bit-identical to each other and to the CPU backend. The tensor
+// route (grouped_tensor_lowp) is not: activations rounded to f16 (nearest even), weights exact,
+// F32 accumulation; tested within 1e-2 relative Frobenius error of a float64 reference on the
+// dequantised weights (docs/numerics.md).
 // GEOMETRY: 128 threads = 16 output columns x 8 lanes.
 //   direct   grid [ceil(n / 16), m * top_k, 1]: one flat row per block; the block streams the
 //            16 weight rows of that row's expert (an invalid id writes zeros, reads no weight).
@@ -16,6 +20,7 @@
 //   shared memory. Each lane's FMAs keep their order (blocks ascending), so staging changes no bit.
 //   Before staging every lane fetched its own 2 bytes per block value pair from global memory: the
 //   loads, not the bytes, bounded the kernel (Qwen3-30B-A3B Q4_0 m = 1: 18.6 us for 7 MB).
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -26,9 +31,11 @@
 #include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "ggml_blocks.cuh"
+#include "grouped_tensor_kernel.cuh"
 #include "kernels.h"
 #include "routemm/error.h"
 #include "routemm/ops/quantized_matmul_id.h"
+#include "smem_opt_in.h"
 
 #ifndef ROUTEMM_CUDA_QUANTIZED_MATMUL_ID_SHA256
 #define ROUTEMM_CUDA_QUANTIZED_MATMUL_ID_SHA256 "unknown"
@@ -268,6 +275,184 @@ void launch_grouped(const KernelLaunch& launch, void* stream) {
   check(launch, cudaGetLastError());
 }
 
+// ---- The tensor-core route (grouped_tensor_lowp) ------------------------------------------------
+//
+// grouped_tensor_kernel.cuh's persistent warp-MMA kernel (the dense expert-ID tensor routes' kernel,
+// same work list, activation staging, K ring and scatter) with GgmlTiles as its weight tiles: one
+// K stage is one 32-value block of each of the tile's 128 weight rows. Tiles are 64 routed rows x
+// 128 columns (the slice accumulator doubles the accumulators; 128-row tiles would not fit two CTAs
+// per multiprocessor without spilling).
+//
+// NUMERICS: a block's values enter the MMA as their exact integers in f16 (q - 8 for Q4_0, in
+// [-8, 7]; q for Q8_0, in [-128, 127]) and each block's partial sums, 32 products of an f16
+// activation and an integer summed in F32 by the tensor cores, join the output as
+// acc = fma(d, slice, acc) with the block's scale d widened to F32. So the weights are exact (no
+// d * q rounded to f16, which loses up to 2^-11 relative and overflows f16 for large d * q); the
+// activations' rounding to f16 is the only operand error, and |x| > 65504 becomes infinite as on
+// the dense f16 route. Sums run over K one block at a time in increasing order.
+
+using grouped_tensor::Mode;
+
+// Q4_0 / Q8_0 weight tiles (grouped_tensor_kernel.cuh's policy contract). Two threads per weight
+// row (r = tid / 2, half h = tid % 2); a block is read 2 bytes at a time (GGUF blocks are only
+// 2-byte aligned), one stage ahead, and decoded when stored:
+//   Q4_0  half h reads quant bytes 8h..8h+7: their low nibbles are K values 8h.., their high
+//         nibbles K values 16 + 8h.. (chunks h and 2 + h of the row).
+//   Q8_0  half h reads quant bytes 16h..16h+15, K values 16h.. (chunks 2h and 2h + 1).
+// Half 0 also stores the block's scale, as F32, in the stage's scale row. Rows past n store zeros.
+template <class F, uint32_t BN>
+struct GgmlTiles {
+  static_assert(BN == grouped_tensor::kThreads / 2, "two threads per weight row");
+  static constexpr bool kAsync = false;
+  static constexpr uint32_t kStageExtraBytes = BN * 4;  // the F32 scale row
+  static constexpr bool kSliceScales = true;
+  static constexpr bool kQ4 = F::kBytes == kernels::kQ4_0BlockBytes;
+  static constexpr uint32_t kQuantWords = kQ4 ? 2 : 4;  // 32-bit words of quant bytes per half
+  // Integers as f16 by their bits: 0x6400 | u is the f16 1024 + u for u < 1024, so subtracting
+  // 1024 + the format's offset (8 for a Q4_0 nibble, 128 for a Q8_0 byte with its sign bit
+  // flipped) leaves q exactly (every value involved is an integer below 2048).
+  static constexpr uint32_t kBias = kQ4 ? 0x64086408u : 0x64806480u;  // f16 1032 or 1152, twice
+
+  const uint8_t* row;  // this thread's weight row; nullptr past n
+  uint32_t r, h;
+  uint32_t quant[kQuantWords];
+  uint32_t scale_bits;
+
+  __device__ GgmlTiles(const char* expert_weights, uint32_t col0,
+                       const kernels::DenseMatmulIdKernelParams& p, uint32_t tid)
+      : r(tid >> 1), h(tid & 1) {
+    const uint32_t col = col0 + r;
+    row = col < p.n ? reinterpret_cast<const uint8_t*>(expert_weights) +
+                          uint64_t{col} * (p.k / 32) * F::kBytes
+                    : nullptr;
+  }
+
+  static __device__ __forceinline__ uint32_t fragment(uint32_t word) { return word; }
+
+  // Two bytes at an even address (a block starts on an even byte, checked by the front door; so
+  // does every 2-byte field in it): one 16-bit load, not two byte loads.
+  static __device__ __forceinline__ uint32_t load_pair(const uint8_t* p) {
+    return __ldg(reinterpret_cast<const unsigned short*>(p));
+  }
+
+  __device__ __forceinline__ void load(uint32_t k0) {
+    scale_bits = 0;
+#pragma unroll
+    for (uint32_t w = 0; w < kQuantWords; ++w) quant[w] = 0;
+    if (row == nullptr) return;
+    const uint8_t* block = row + uint64_t{k0 / 32} * F::kBytes;
+    scale_bits = load_pair(block);
+    const uint8_t* qs = block + 2 + h * kQuantWords * 4;
+#pragma unroll
+    for (uint32_t w = 0; w < kQuantWords; ++w) {
+      quant[w] = load_pair(qs + 4 * w) | (load_pair(qs + 4 * w + 2) << 16);
+    }
+  }
+
+  // Two f16 integers from the low halves of two biased 16-bit lanes (see kBias).
+  static __device__ __forceinline__ uint32_t unbias(uint32_t biased) {
+    __half2 v, bias;
+    const uint32_t b = kBias;
+    memcpy(&v, &biased, 4);
+    memcpy(&bias, &b, 4);
+    v = __hsub2(v, bias);
+    uint32_t out;
+    memcpy(&out, &v, 4);
+    return out;
+  }
+
+  __device__ __forceinline__ void store(uint32_t base) const {
+    const uint32_t valid = row != nullptr ? 0xFFFFFFFFu : 0u;
+    uint32_t lo[4], hi[4];  // Q4_0: low / high nibble chunks; Q8_0: the two chunks
+#pragma unroll
+    for (uint32_t w = 0; w < kQuantWords; ++w) {
+      if constexpr (kQ4) {
+        // Bytes (b0, b1) and (b2, b3) of the word into 16-bit lanes, then each nibble.
+        const uint32_t pairs[2] = {__byte_perm(quant[w], 0, 0x4140),
+                                   __byte_perm(quant[w], 0, 0x4342)};
+#pragma unroll
+        for (uint32_t j = 0; j < 2; ++j) {
+          lo[2 * w + j] = unbias((pairs[j] & 0x000F000Fu) | 0x64006400u) & valid;
+          hi[2 * w + j] = unbias(((pairs[j] >> 4) & 0x000F000Fu) | 0x64006400u) & valid;
+        }
+      } else {
+        const uint32_t flipped = quant[w] ^ 0x80808080u;
+        uint32_t (&dst)[4] = w < 2 ? lo : hi;
+        dst[(w & 1) * 2] = unbias(__byte_perm(flipped, 0x64646464u, 0x4140)) & valid;
+        dst[(w & 1) * 2 + 1] = unbias(__byte_perm(flipped, 0x64646464u, 0x4342)) & valid;
+      }
+    }
+    using grouped_tensor::swz;
+    const uint32_t lo_chunk = kQ4 ? h : 2 * h, hi_chunk = kQ4 ? 2 + h : 2 * h + 1;
+    sts128(base + swz(r, lo_chunk), lo[0], lo[1], lo[2], lo[3]);
+    sts128(base + swz(r, hi_chunk), hi[0], hi[1], hi[2], hi[3]);
+    if (h == 0) {
+      const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(scale_bits)));
+      asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(base + BN * grouped_tensor::kRowBytes + r * 4),
+                   "f"(d)
+                   : "memory");
+    }
+  }
+};
+
+constexpr uint32_t kLowpTileRows = 64;
+constexpr uint32_t kLowpTileCols = grouped_tensor::kTileCols;
+
+template <class F, bool kVec>
+void launch_lowp_instance(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p,
+                          void* const (&args)[5], cudaStream_t stream, bool out_vec2) {
+  using Tiles = GgmlTiles<F, kLowpTileCols>;
+  constexpr uint32_t kExtra = Tiles::kStageExtraBytes;
+  constexpr auto kernel =
+      &grouped_tensor::grouped_tensor_kernel<Tiles, Mode::LowpF16, kLowpTileRows, kLowpTileCols,
+                                             kVec>;
+  const uint64_t smem =
+      grouped_tensor::smem_bytes<kLowpTileRows, kLowpTileCols, kExtra>(p.n_experts);
+  opt_in_dynamic_smem<kernel>(
+      launch.label, smem,
+      grouped_tensor::smem_bytes<kLowpTileRows, kLowpTileCols, kExtra>(kMaxWorkListExperts));
+  kernel<<<static_cast<unsigned>(launch.grid.x), grouped_tensor::kThreads,
+           static_cast<size_t>(smem), stream>>>(
+      p, static_cast<const char*>(args[0]), static_cast<const char*>(args[1]),
+      static_cast<const uint32_t*>(args[2]), static_cast<const uint32_t*>(args[3]),
+      static_cast<float*>(args[4]), out_vec2);
+}
+
+template <class F>
+void launch_grouped_lowp(const KernelLaunch& launch, void* stream) {
+  const DenseMatmulIdKernelParams p = read_params(launch);
+  if (p.n_experts > kMaxWorkListExperts) {
+    throw Error(launch.label + ": n_experts " + std::to_string(p.n_experts) + " exceeds " +
+                std::to_string(kMaxWorkListExperts));
+  }
+  // The persistent grid the front door encoded (KernelDef::persistent_groups, capped by the tile
+  // count); CTAs beyond the work items find none and exit.
+  if (launch.grid.x == 0 || launch.grid.x > 0x7fffffffu || launch.grid.y != 1 ||
+      launch.grid.z != 1) {
+    throw Error(launch.label + ": expected a 1-D persistent grid");
+  }
+  const uint64_t rows = uint64_t{p.m} * p.top_k;
+  void* const args[5] = {
+      kernels::launch_arg(launch, 1, "weights", weight_extent<F>(p)).data,
+      kernels::launch_arg(launch, 2, "input", input_extent(p)).data,
+      kernels::launch_arg(launch, 3, "expert counts", uint64_t{p.n_experts} * 4).data,
+      kernels::launch_arg(launch, 4, "routed rows", uint64_t{p.n_experts} * p.m * 4).data,
+      kernels::launch_arg(launch, 5, "output", rows * p.n * 4).data,
+  };
+  // 16-byte activation loads need every input row 16-byte aligned (k is a multiple of 32).
+  const auto addr = [&](int i) { return reinterpret_cast<uintptr_t>(args[i]); };
+  const bool vec = addr(1) % 16 == 0 && p.input_token_stride_bytes % 16 == 0 &&
+                   p.input_slot_stride_bytes % 16 == 0;
+  const bool out_vec2 = p.n % 2 == 0 && addr(4) % 8 == 0;
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (vec) {
+    launch_lowp_instance<F, true>(launch, p, args, s, out_vec2);
+  } else {
+    launch_lowp_instance<F, false>(launch, p, args, s, out_vec2);
+  }
+  check(launch, cudaGetLastError());
+}
+
 KernelDef def(std::string_view name, KernelFn fn, uint32_t tile_x, uint32_t tile_y) {
   KernelDef d;
   d.name = std::string(name);
@@ -291,6 +476,22 @@ void add_quantized_matmul_id_kernels(std::vector<KernelDef>& out) {
   out.push_back(def(names[1], launch_direct<ggml::Q8_0Blocks>, kColumns, 1));
   out.push_back(def(names[2], launch_grouped<ggml::Q4_0Blocks>, kGroupRows, kColumns));
   out.push_back(def(names[3], launch_grouped<ggml::Q8_0Blocks>, kGroupRows, kColumns));
+
+  // The tensor route: a persistent grid of two CTAs per multiprocessor (the 64 x 128 tile's
+  // occupancy); the tile fields bound its work items, and the launch sizes its shared memory (the
+  // declared bytes leave out the work list, 8 bytes per expert).
+  const auto& lowp = kGgmlQuantizedMatmulIdTensorPipelineNames;
+  const KernelFn lowp_fns[2] = {launch_grouped_lowp<ggml::Q4_0Blocks>,
+                                launch_grouped_lowp<ggml::Q8_0Blocks>};
+  for (size_t i = 0; i < lowp.size(); ++i) {
+    KernelDef d = def(lowp[i], lowp_fns[i], kLowpTileRows, kLowpTileCols);
+    d.threads_per_group = grouped_tensor::kThreads;
+    d.persistent_groups = 2 * grouped_tensor::device0_multiprocessors();
+    d.threadgroup_memory_bytes =
+        uint64_t{grouped_tensor::pipe_bytes<kLowpTileRows, kLowpTileCols, kLowpTileCols * 4>()} +
+        grouped_tensor::kMaxTileRows * 4;
+    out.push_back(std::move(d));
+  }
 }
 
 }  // namespace routemm::cuda

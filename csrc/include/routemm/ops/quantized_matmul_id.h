@@ -14,7 +14,14 @@
 //            dispatch that reads each expert's blocks once per row tile; IDs must be distinct per
 //            token (the caller's promise, as for dense_matmul_id's grouped_prefill: a repeated ID
 //            leaves the repeating slot's row unwritten), at most 1024 experts.
-// Both routes dequantise exactly and accumulate in F32. Direct follows quantized_matmul_ggml's
+//   GroupedTensorLowp  Grouped's map, scratch and id contract, multiplied on tensor cores: the
+//            block values enter the MMA as exact f16 integers, activations are rounded to f16
+//            (nearest even), and each block's partial sums are scaled by its F32 scale and summed
+//            in F32. Not bit-identical to the other routes: a stated tolerance instead (1e-2
+//            relative Frobenius error against a float64 reference on the dequantised weights,
+//            docs/numerics.md). Taken only when asked for; only backends with tensor cores (CUDA)
+//            register its pipelines, elsewhere the call fails before encoding (KernelNotFound).
+// Direct and Grouped dequantise exactly and accumulate in F32. Direct follows quantized_matmul_ggml's
 // mat-vec order and equals it bit for bit on the same expert matrix (CPU, Metal). On CPU and CUDA
 // Grouped sums in Direct's order, so the two routes are bit-identical there; Metal's Grouped
 // multiplies on 8x8 simdgroup matrices, whose summation order the hardware does not specify, so
@@ -46,8 +53,19 @@ inline constexpr std::array<std::string_view, 4> kGgmlQuantizedMatmulIdPipelineN
     "quantized_matmul_id_grouped_q8_0_f32",
 };
 
-enum class GgmlQuantizedMatmulIdRoute : uint8_t { Direct, Grouped };
+// Pipelines of the tensor-core route (registered only by backends with tensor cores): Q4_0, Q8_0.
+inline constexpr std::array<std::string_view, 2> kGgmlQuantizedMatmulIdTensorPipelineNames = {
+    "quantized_matmul_id_grouped_lowp_q4_0_f32",
+    "quantized_matmul_id_grouped_lowp_q8_0_f32",
+};
+
+enum class GgmlQuantizedMatmulIdRoute : uint8_t { Direct, Grouped, GroupedTensorLowp };
 std::string_view to_string(GgmlQuantizedMatmulIdRoute value);
+
+// Routes that run dense_matmul_id's map and need caller-owned scratch.
+constexpr bool is_grouped(GgmlQuantizedMatmulIdRoute route) {
+  return route != GgmlQuantizedMatmulIdRoute::Direct;
+}
 
 struct GgmlQuantizedMatmulIdParams {
   uint32_t m = 0;          // tokens (rows of ids)
@@ -70,36 +88,37 @@ struct GgmlQuantizedMatmulIdCapability {
   uint64_t required_input_bytes = 0;
   uint64_t required_ids_bytes = 0;
   uint64_t required_output_bytes = 0;
-  std::optional<DenseMatmulIdScratchRequirement> scratch;  // Grouped only
+  std::optional<DenseMatmulIdScratchRequirement> scratch;  // grouped routes only
   bool operator==(const GgmlQuantizedMatmulIdCapability&) const = default;
 };
 
 struct GgmlQuantizedMatmulIdDispatchReceipt {
   GgmlType ggml_type = GgmlType::Q4_0;
   GgmlQuantizedMatmulIdRoute route = GgmlQuantizedMatmulIdRoute::Direct;
-  uint32_t dispatch_count = 0;  // 1 direct, 2 grouped (1 when it reused a routing map)
+  uint32_t dispatch_count = 0;  // 1 direct, 2 grouped routes (1 when they reused a routing map)
 };
 
 // Exact byte extents for one call, with checked arithmetic; no allocation, no compilation. In
 // order (messages prefixed "quantized_matmul_id_ggml "): nonzero dims; supported type (q4_0,
-// q8_0); K % 32; for Grouped, top_k <= n_experts and n_experts <= 1024; stride >= one matrix and
+// q8_0); K % 32; for the grouped routes, top_k <= n_experts and n_experts <= 1024; stride >= one matrix and
 // even (block scales are 2-byte aligned); weight extent; u32 flattened rows; input/ids/output.
 GgmlQuantizedMatmulIdCapability quantized_matmul_id_ggml_capability(
     const GgmlQuantizedMatmulIdParams& params);
 
 // Capability plus every per-buffer check: dtypes (weights U8, input/output F32, ids U32), logical
 // extents, alignment (weights 2 bytes, the others their dtype), writable output, no overlap of the
-// output with any input, one device, and for Grouped the scratch's presence and capacity.
+// output with any input, one device, and for the grouped routes the scratch's presence and
+// capacity.
 GgmlQuantizedMatmulIdCapability validate_quantized_matmul_id_ggml_call(
     const Buffer& weights, const Buffer& input, const Buffer& expert_ids, const Buffer& output,
     const DenseMatmulIdScratch* scratch, const GgmlQuantizedMatmulIdParams& params);
 
-// The pipelines a route encodes, in order: {direct} or {map, grouped}.
+// The pipelines a route encodes, in order: {direct} or {map, grouped} (or {map, grouped lowp}).
 std::vector<std::string_view> quantized_matmul_id_ggml_route_pipelines(
     GgmlType type, GgmlQuantizedMatmulIdRoute route);
 
 // Validates, resolves every pipeline, then encodes. Any failure happens before the encoder is
-// touched: no barrier, no pending ranges, no dispatch. `map` (Grouped only) says whether the call
+// touched: no barrier, no pending ranges, no dispatch. `map` (grouped routes only) says whether the call
 // builds its routing map or reuses the scratch's (DenseMatmulIdMapUse; dense_matmul_id and this op
 // share the map, so either may build it for the other).
 GgmlQuantizedMatmulIdDispatchReceipt quantized_matmul_id_ggml(
