@@ -12,7 +12,7 @@ torch.cuda.graph; CPU tensors run on the CPU backend. The route depends on shape
 Kernels: matmul_id and q4_matmul run C++ kernels (the extension routemm._torch_ops, built when
 the build's Python imports torch) when that extension was built against the running torch;
 otherwise, or with ROUTEMM_TORCH_KERNELS=python, their Python kernels (the same checks, messages
-and results, about 15 us more host time per call). KERNELS says which ("cpp" or "python") and
+and results; more host time per call, see bench/engine_decode.py host-cost). KERNELS says which ("cpp" or "python") and
 KERNELS_REASON why. Both run the core through one table of devices and registries.
 
 Registration place: every op is declared in OPS below with its schema, real and fake
