@@ -55,6 +55,13 @@ usage: bash bench/device.sh COMMAND [ARGS]
                    -> build.log pytest.log sanitizer.log bench.log engine_host_cost-h200.json
                    engine_decode_graph-h200.json. Knobs: SKIP_TESTS=1, SKIP_SANITIZER=1,
                    SKIP_BENCH=1, LAYERS.
+  host-cost        the torch ops' host cost with both kernel sets: build with torch visible and
+                   ROUTEMM_TORCH_OPS=ON (the C++ kernels, routemm._torch_ops, must build), check
+                   that routemm.torch loads them, then bench/engine_decode.py host-cost as is (the
+                   op on the C++ kernels beside the Python kernel behind an op of its own, a bare
+                   launch and a do-nothing Python op) and again with ROUTEMM_TORCH_KERNELS=python
+                   -> build.log bench.log engine_host_cost-h200.json
+                   engine_host_cost_python-h200.json. Knobs: SKIP_BUILD=1, CALLS, BATCHES.
   qid              the quantised expert-ID matmul and the MoE block: build; the CUDA tests of the
                    quantised expert-ID op (its tensor-core route and machine code included), the
                    routing-map reuse and the MoE layer; then bench/tools/qid_timing.py (Q4_0/Q8_0
@@ -532,13 +539,34 @@ cmd_engine() {
   stamp done
 }
 
+# ---- host-cost ------------------------------------------------------------------------------------
+
+cmd_host_cost() {
+  export GIT_REV=${GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  export ROUTEMM_TORCH_OPS=ON  # the build fails unless the C++ kernels build against this torch
+  build_or_fail
+  grep -E "routemm torch ops" "$OUT/build.log" | head -2
+  stamp bench
+  local args=(--calls "${CALLS:-200}" --batches "${BATCHES:-15}")
+  {
+    (cd /tmp && python3 -c "import routemm.torch as t; print('kernels:', t.KERNELS, '-', t.KERNELS_REASON)")
+    ROUTEMM_TORCH_KERNELS=cpp python3 bench/engine_decode.py host-cost "$OUT/engine_host_cost-h200.json" "${args[@]}"
+    echo "cpp kernels exit: $?"
+    ROUTEMM_TORCH_KERNELS=python python3 bench/engine_decode.py host-cost \
+      "$OUT/engine_host_cost_python-h200.json" "${args[@]}"
+    echo "python kernels exit: $?"
+  } > "$OUT/bench.log" 2>&1
+  cat "$OUT/bench.log"
+  stamp done
+}
+
 # ---- dispatch -------------------------------------------------------------------------------------
 
 command=${1:-help}
 [ $# -gt 0 ] && shift
 case "$command" in
   help | -h | --help) usage; exit 0 ;;
-  suite | session | quick | demo | q4-matvec | tensor | profile | peer | qid | engine | lab) ;;
+  suite | session | quick | demo | q4-matvec | tensor | profile | peer | qid | engine | host-cost | lab) ;;
   *) echo "unknown command '$command'" >&2; usage >&2; exit 2 ;;
 esac
 source bench/device_common.sh

@@ -1,13 +1,16 @@
 """routemm inside a decode loop: host cost of one eager torch op call, and a 48-layer decode step
 captured as one CUDA graph.
 
-    python3 bench/engine_decode.py host-cost OUT.json [--calls N] [--batches B] [--smoke]
+    python3 bench/engine_decode.py host-cost OUT.json [--calls N] [--batches B] [--smoke | --cpu-tiny]
     python3 bench/engine_decode.py decode-graph OUT.json [--layers L] [--replays R] [--smoke]
 
 host-cost: one eager `torch.ops.routemm.matmul_id` call on the current stream (Qwen3-30B-A3B expert
 projection: 128 experts, top_k 8, n 768, k 2048, bf16 weights, m = 1), timed on the host with
 perf_counter_ns, back to back into the stream and synchronised outside the timer; median per call.
-Beside it in the same run: a bare launch (bench/lab/launch_cost.cu, built with nvcc when present:
+The op runs the kernels routemm.torch loaded (the record's `kernels`: "cpp" for routemm._torch_ops,
+"python" otherwise, e.g. with ROUTEMM_TORCH_KERNELS=python); the Python kernel is also timed in the
+same run behind a torch op of its own (routemm_bench::matmul_id_python, registered as routemm's ops
+are), so both kernel sets are compared on one machine. Beside them: a bare launch (bench/lab/launch_cost.cu, built with nvcc when present:
 the same protocol, an empty kernel and one with the direct kernel's parameter footprint) and, as a
 second floor, one small PyTorch op on the same stream. During a separate counted pass it records the
 host syncs (torch.cuda.set_sync_debug_mode("error") raises on any), PyTorch's cudaMalloc segments,
@@ -24,6 +27,8 @@ offsets from a device-side count), eager and captured. The target: replay within
 its kernels' times.
 
 --smoke runs either on the CPU backend with tiny shapes (the suite runs it; no timing claims).
+--cpu-tiny runs host-cost on the CPU backend at m = 1, n 16, k 32, 4 experts, top_k 2: the host cost
+of the kernel sets where the work itself is negligible.
 Results follow DESIGN.md's format (device, git_rev, command, records).
 """
 
@@ -45,6 +50,7 @@ import torch
 
 QWEN3 = {"name": "qwen3-30b-a3b", "experts": 128, "top_k": 8, "hidden": 2048, "inter": 768, "layers": 48}
 SMOKE = {"name": "smoke", "experts": 8, "top_k": 2, "hidden": 64, "inter": 32, "layers": 2}
+TINY = {"name": "tiny", "experts": 4, "top_k": 2, "hidden": 32, "inter": 16, "layers": 1}
 
 
 def _git_rev() -> str:
@@ -121,13 +127,18 @@ def _python_op_floor():
 
     for key in ("CPU", "CUDA"):
         lib.impl("empty_result", kernel, key)
+    # The Python kernel of routemm::matmul_id behind an op of its own, so that it is timed in the
+    # same process as whichever kernels routemm::matmul_id runs.
+    lib.define("matmul_id_python(Tensor w, Tensor x, Tensor ids) -> Tensor")
+    for key in ("CPU", "CUDA"):
+        lib.impl("matmul_id_python", routemm.torch._matmul_id, key)
     _python_op_floor.library = lib  # keeps the registration alive
     return torch.ops.routemm_bench.empty_result
 
 
 def host_cost(args) -> dict:
-    shape = SMOKE if args.smoke else QWEN3
-    cuda = not args.smoke
+    shape = SMOKE if args.smoke else TINY if args.cpu_tiny else QWEN3
+    cuda = not (args.smoke or args.cpu_tiny)
     dev = "cuda" if cuda else "cpu"
     e, top_k, n, k = shape["experts"], shape["top_k"], shape["inter"], shape["hidden"]
     w = torch.randn(e, n, k, device=dev).to(torch.bfloat16)
@@ -138,7 +149,9 @@ def host_cost(args) -> dict:
     small = lambda: x.add_(0.0)  # noqa: E731
     floor_op = _python_op_floor()
     empty_op = lambda: floor_op(w, x, ids)  # noqa: E731
+    python_kernel = lambda: torch.ops.routemm_bench.matmul_id_python(w, x, ids)  # noqa: E731
     call()
+    assert torch.equal(python_kernel(), call())
     sync()
     front = lambda: routemm.matmul_id(w, x, ids)  # noqa: E731  (the same call without torch.ops)
     front()
@@ -146,6 +159,7 @@ def host_cost(args) -> dict:
     front_us = _per_call_us(front, args.calls, args.batches, sync)
     torch_us = _per_call_us(small, args.calls, args.batches, sync)
     op_floor_us = _per_call_us(empty_op, args.calls, args.batches, sync)
+    python_kernel_us = _per_call_us(python_kernel, args.calls, args.batches, sync)
     # Counted pass: syncs raise, allocations and streams are counted.
     routemm.reset_encoder_counters()
     segments = torch.cuda.memory_stats().get("segment.all.allocated", 0) if cuda else 0
@@ -182,7 +196,18 @@ def host_cost(args) -> dict:
             min_us=round(min(routemm_us), 3),
             max_us=round(max(routemm_us), 3),
             protocol="host time per call, back to back on the current stream",
+            kernels=routemm.torch.KERNELS,
             **counted,
+        ),
+        _record(
+            shape,
+            "routemm_torch_op_python_kernel",
+            statistics.median(python_kernel_us),
+            "direct",
+            min_us=round(min(python_kernel_us), 3),
+            max_us=round(max(python_kernel_us), 3),
+            protocol="host time per call of routemm::matmul_id's Python kernel behind a torch op of its own",
+            kernels="python",
         ),
         _record(
             shape,
@@ -341,6 +366,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--batches", type=int, default=15)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--cpu-tiny", action="store_true")
     p = sub.add_parser("decode-graph")
     p.add_argument("out")
     p.add_argument("--layers", type=int, default=0)

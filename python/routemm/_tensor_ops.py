@@ -21,22 +21,17 @@ from ._errors import InvalidArgumentError
 _DL_CPU, _DL_CUDA = 1, 2
 
 
-@functools.lru_cache(maxsize=None)
-def _device(device_type: int, index: int) -> _core.Device:
-    from ._interop import _device_for_dlpack
-
-    return _device_for_dlpack(device_type, index)
-
-
-@functools.lru_cache(maxsize=None)
-def _registry(device: _core.Device) -> _core.KernelRegistry:
-    return _core.KernelRegistry(device)
+def _target(device_type: int, index: int) -> tuple[_core.Device, _core.KernelRegistry]:
+    """The device and kernel registry of a DLPack device: one pair per process, kept by the core
+    and shared with the torch ops' C++ kernels (routemm._torch_ops)."""
+    return _core._tensor_op_target(device_type, index)
 
 
 class Framework:
     """What the call path needs from one tensor framework."""
 
     name = ""
+    f32 = u8 = None  # the framework's float32 and uint8 dtypes
 
     def __init__(self):
         # matmul_id's per-shape plans of this framework's calls (see _MatmulIdPlan).
@@ -98,6 +93,7 @@ class _Torch(Framework):
             torch.int32: DType.I32,
         }
         self.by_name = {"f32": torch.float32, "i32": torch.int32}
+        self.f32, self.u8 = torch.float32, torch.uint8
 
     def dtype(self, t):
         try:
@@ -167,6 +163,7 @@ class _CuPy(Framework):
         super().__init__()
         self.cupy = cupy
         self.np = np
+        self.f32, self.u8 = np.dtype(np.float32), np.dtype(np.uint8)
 
     def dtype(self, t):
         from ._core_api import dtype_of
@@ -212,90 +209,22 @@ def framework(name: str) -> Framework:
     return _Torch() if name == "torch" else _CuPy()
 
 
-class Call:
-    """One call's device, encoder and tensor wrapping."""
+def _plan(fw: Framework, weights, x, ids, route):
+    """matmul_id's plan of one call shape (the core's _TensorMatmulIdPlan): validated shapes, the
+    frozen params, the route and the device's shared registry. Checks in this order: one device,
+    float32 activations, the weight dtype, then the core's shape and route checks."""
+    places = {fw.place(t) for t in (weights, x, ids)}
+    if len(places) != 1:
+        raise InvalidArgumentError("matmul_id: tensors live on different devices")
+    if x.dtype != fw.f32:
+        raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
+    wdtype = fw.dtype(weights)
+    if route is not None:
+        from .dense_matmul_id import _pick_route
 
-    def __init__(self, fw: Framework, op: str, tensors):
-        places = {fw.place(t) for t in tensors}
-        if len(places) != 1:
-            raise InvalidArgumentError(f"{op}: tensors live on different devices")
-        self.fw = fw
-        self.op = op
-        self.place = places.pop()
-        self.device = _device(*self.place)
-        self.registry = _registry(self.device)
-
-    def buffer(self, t, name: str, *, dtype: Optional[DType] = None, shape=None, writable: bool = False):
-        if not self.fw.contiguous(t):
-            raise InvalidArgumentError(f"{self.op}: {name} must be contiguous")
-        dtype = dtype or self.fw.dtype(t)
-        shape = list(shape if shape is not None else t.shape) or [1]
-        return _core._buffer_from_pointer(self.device, self.fw.pointer(t), self.fw.nbytes(t), dtype, shape, writable, t)
-
-    def run(self, encode, like):
-        """Encode with `encode(encoder)` and start it: for CUDA on the current stream of `like`'s
-        device, returning at once (no host wait); for CPU to completion. Returns what `encode`
-        returns (the op's receipt)."""
-        if self.place[0] == _DL_CUDA:
-            encoder = self.device._command_encoder(self.fw.stream(like), None)
-            result = encode(encoder)
-            encoder.commit()
-        else:
-            encoder = self.device._command_encoder(None, None)
-            result = encode(encoder)
-            encoder.commit_and_wait()
-        return result
-
-
-class _MatmulIdPlan:
-    """What one call shape of matmul_id needs on the hot path, computed once per shape (weights,
-    activations and ids shapes and dtypes, device, route): validated shapes, the frozen params,
-    the byte sizes the enqueue path is given, and the device and registry to run on."""
-
-    __slots__ = (
-        "device",
-        "registry",
-        "params",
-        "native",
-        "wdtype",
-        "rows",
-        "n",
-        "n_experts",
-        "m",
-        "w_nbytes",
-        "x_nbytes",
-        "grouped",
-    )
-
-    def __init__(self, fw: "Framework", weights, x, ids, route):
-        from .dense_matmul_id import AUTO_GROUPED_MIN_TOKENS, DenseMatmulIdRoute, _check_shapes, _pick_route
-
-        m, top_k, n_experts, n, k, layout = _check_shapes(weights.shape, x.shape, ids.shape)
-        places = {fw.place(t) for t in (weights, x, ids)}
-        if len(places) != 1:
-            raise InvalidArgumentError("matmul_id: tensors live on different devices")
-        place = places.pop()
-        if fw.dtype(x) != DType.F32:
-            raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
-        if route is None:
-            grouped = m >= AUTO_GROUPED_MIN_TOKENS and top_k <= n_experts
-            route = DenseMatmulIdRoute.GROUPED_PREFILL if grouped else DenseMatmulIdRoute.DIRECT
-        else:
-            route = _pick_route(route, True, m)
-            if route.is_grouped and top_k > n_experts:
-                raise InvalidArgumentError(
-                    f"matmul_id {route.value} declares its ids distinct per token, which needs top_k <= "
-                    f"n_experts (got top_k {top_k}, n_experts {n_experts})"
-                )
-        self.wdtype = fw.dtype(weights)
-        self.device = _device(*place)
-        self.registry = _registry(self.device)
-        self.params = _cached_params(m, n, k, top_k, n_experts, self.wdtype, layout, route)
-        self.native = self.params._native_params
-        self.rows, self.n, self.n_experts, self.m = m * top_k, n, n_experts, m
-        self.w_nbytes = n_experts * n * k * self.wdtype.size
-        self.x_nbytes = (m * top_k if len(x.shape) == 3 else m) * k * 4
-        self.grouped = route.is_grouped
+        route = _pick_route(route, True, 0).value
+    shape = [int(d) for d in weights.shape], [int(d) for d in x.shape], [int(d) for d in ids.shape]
+    return _core._plan_tensor_matmul_id(*places.pop(), wdtype, *shape, route)
 
 
 def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_receipt: bool = False):
@@ -317,7 +246,7 @@ def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_rece
     plans = fw.matmul_id_plans
     plan = plans.get(key)
     if plan is None:
-        plan = plans.setdefault(key, _MatmulIdPlan(fw, weights, x, ids, route))
+        plan = plans.setdefault(key, _plan(fw, weights, x, ids, route))
     if fw.device_key(weights) != device_key or fw.device_key(ids) != device_key:
         raise InvalidArgumentError("matmul_id: tensors live on different devices")
     if not (fw.contiguous(weights) and fw.contiguous(x)):
@@ -339,14 +268,9 @@ def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_rece
         counts = fw.empty((plan.n_experts,), "i32", x)
         rows = fw.empty((plan.n_experts * plan.m,), "i32", x)
     native = _core._enqueue_dense_matmul_id(
-        plan.device,
-        plan.registry,
-        plan.native,
-        plan.wdtype,
+        plan,
         fw.pointer(weights),
-        plan.w_nbytes,
         fw.pointer(x),
-        plan.x_nbytes,
         fw.pointer(ids32),
         fw.pointer(out),
         0 if counts is None else fw.pointer(counts),
@@ -360,45 +284,43 @@ def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_rece
     return out
 
 
-@functools.lru_cache(maxsize=1024)
-def _cached_params(m, n, k, top_k, n_experts, wdtype, layout, route):
-    """The params of one shape (frozen, so shared by every call of that shape)."""
-    from .dense_matmul_id import _params
-
-    return _params(m, n, k, top_k, n_experts, wdtype, layout, route.is_grouped, route)
-
-
 def q4_matmul(fw: Framework, x, weight, n: int, k: int, out=None):
     """out[m, n] = x[m, k] @ dequantize(weight).T for raw GGUF Q4_0 blocks `weight` (uint8, n rows
-    of k / 32 blocks of 18 bytes), routed by GgmlRoutingPolicy's defaults; returns `out` or a new
-    float32 tensor."""
-    from .quantized_matmul import GgmlQuantizedMatmulParams, quantized_matmul_ggml
-
+    of k / 32 blocks of 18 bytes), routed by the GgmlRoutingPolicy the environment gives (read once);
+    returns `out` or a new float32 tensor. One call into the extension wraps, encodes and starts
+    the work (_core._enqueue_q4_matmul), as for matmul_id."""
     if len(x.shape) != 2:
         raise InvalidArgumentError(f"q4_matmul x must be [m, k], got shape {tuple(x.shape)}")
     m = int(x.shape[0])
     if int(x.shape[1]) != k:
         raise InvalidArgumentError(f"q4_matmul x must be [m, {k}], got shape {tuple(x.shape)}")
-    call = Call(fw, "q4_matmul", (x, weight) + (() if out is None else (out,)))
-    if fw.dtype(x) != DType.F32:
+    places = {fw.place(t) for t in (x, weight) + (() if out is None else (out,))}
+    if len(places) != 1:
+        raise InvalidArgumentError("q4_matmul: tensors live on different devices")
+    if x.dtype != fw.f32:
         raise InvalidArgumentError(f"q4_matmul x must be float32, got {x.dtype}")
-    if fw.dtype(weight) != DType.U8:
+    if weight.dtype != fw.u8:
         raise InvalidArgumentError(f"q4_matmul weight must be uint8 Q4_0 blocks, got {weight.dtype}")
-    params = GgmlQuantizedMatmulParams(m=m, n=n, k=k)
-    x_buf = call.buffer(x, "x")
-    w_buf = call.buffer(weight, "weight")
+    for name, t in (("x", x), ("weight", weight)):
+        if not fw.contiguous(t):
+            raise InvalidArgumentError(f"q4_matmul: {name} must be contiguous")
     if out is None:
         out = fw.empty((m, n), "f32", x)
     elif tuple(out.shape) != (m, n) or fw.dtype(out) != DType.F32:
         raise InvalidArgumentError(f"q4_matmul out must be float32 of shape {(m, n)}")
-    out_buf = call.buffer(out, "out", writable=True)
-    policy = _default_policy()
-    call.run(lambda e: quantized_matmul_ggml(e, call.registry, x_buf, w_buf, out_buf, params, policy), x)
+    elif not fw.contiguous(out):
+        raise InvalidArgumentError("q4_matmul: out must be contiguous")
+    place = places.pop()
+    _core._enqueue_q4_matmul(
+        *place,
+        m,
+        n,
+        k,
+        fw.pointer(x),
+        fw.nbytes(x),
+        fw.pointer(weight),
+        fw.nbytes(weight),
+        fw.pointer(out),
+        fw.stream_of_key(fw.device_key(x)),
+    )
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _default_policy():
-    from .quantized_matmul import GgmlRoutingPolicy
-
-    return GgmlRoutingPolicy.from_environment()

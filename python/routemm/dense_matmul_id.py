@@ -30,8 +30,9 @@ TENSOR_PIPELINE_NAMES: tuple[str, ...] = _core.DENSE_MATMUL_ID_TENSOR_PIPELINE_N
 BF16_DOT_PIPELINE_NAMES: tuple[str, ...] = _core.DENSE_MATMUL_ID_BF16_DOT_PIPELINE_NAMES
 DenseMatmulIdScratch = _core.DenseMatmulIdScratch
 
-# m above which `matmul_id` prefers grouped_prefill when IDs are distinct per token.
-AUTO_GROUPED_MIN_TOKENS = 9
+# From this many tokens on, `matmul_id` prefers grouped_prefill when IDs are distinct per token
+# (the core's shape-only rule of the tensor ops uses the same bound).
+AUTO_GROUPED_MIN_TOKENS = _core.DENSE_MATMUL_ID_AUTO_GROUPED_MIN_TOKENS
 
 
 class DenseMatmulIdInputLayout(enum.Enum):
@@ -378,27 +379,12 @@ def _refuse_buffers(**arguments) -> None:
 
 
 def _check_shapes(w_shape, x_shape, ids_shape):
-    if len(w_shape) != 3:
-        raise InvalidArgumentError(f"matmul_id weights must be [n_experts, n, k], got shape {tuple(w_shape)}")
-    n_experts, n, k = (int(d) for d in w_shape)
-    if len(ids_shape) != 2:
-        raise InvalidArgumentError(f"matmul_id ids must be [m, top_k], got shape {tuple(ids_shape)}")
-    m, top_k = (int(d) for d in ids_shape)
-    x_shape = tuple(int(d) for d in x_shape)
-    # x names the tokens and k (with the weights); ids must then have one row per token of x.
-    if len(x_shape) not in (2, 3) or x_shape[-1] != k:
-        raise InvalidArgumentError(
-            f"matmul_id x must be [m, {k}] or [m, top_k, {k}] (k = {k} from the weights), got shape {x_shape}"
-        )
-    if m != x_shape[0]:
-        raise InvalidArgumentError(
-            f"matmul_id ids must be [m, top_k] with m = {x_shape[0]} (the tokens of x), got shape {(m, top_k)}"
-        )
-    if len(x_shape) == 3 and x_shape[1] != top_k:
-        raise InvalidArgumentError(
-            f"matmul_id slotted x {x_shape} has {x_shape[1]} slots per token but ids {(m, top_k)} has {top_k}"
-        )
-    layout = DenseMatmulIdInputLayout.SLOTTED if len(x_shape) == 3 else DenseMatmulIdInputLayout.SHARED_PER_TOKEN
+    """(m, top_k, n_experts, n, k, layout) of a call's shapes; the checks and their messages are the
+    core's, shared with the tensor ops' kernels."""
+    m, top_k, n_experts, n, k, slotted = _core._matmul_id_shapes(
+        [int(d) for d in w_shape], [int(d) for d in x_shape], [int(d) for d in ids_shape]
+    )
+    layout = DenseMatmulIdInputLayout.SLOTTED if slotted else DenseMatmulIdInputLayout.SHARED_PER_TOKEN
     return m, top_k, n_experts, n, k, layout
 
 

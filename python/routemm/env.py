@@ -35,6 +35,12 @@ _PYTHON_KNOBS = (
         "routemm.metallib the Metal backend loads instead of the one installed beside the extension (macOS)",
     ),
     Knob(
+        "ROUTEMM_TORCH_KERNELS",
+        "str",
+        "auto",
+        "kernels of torch.ops.routemm.* (read when routemm.torch is imported): auto takes the C++ kernels where built for the running torch, python forces the Python kernels, cpp makes their absence an ImportError",
+    ),
+    Knob(
         "ROUTEMM_TEST_BACKENDS",
         "str",
         "",

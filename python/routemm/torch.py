@@ -9,10 +9,18 @@ fake tensors propagate shapes. CUDA tensors run on torch.cuda.current_stream() w
 no stream created and temporaries from PyTorch's caching allocator, so a call can be captured in
 torch.cuda.graph; CPU tensors run on the CPU backend. The route depends on shapes only.
 
+Kernels: matmul_id and q4_matmul run C++ kernels (the extension routemm._torch_ops, built when
+the build's Python imports torch) when that extension was built against the running torch;
+otherwise, or with ROUTEMM_TORCH_KERNELS=python, their Python kernels (the same checks, messages
+and results; more host time per call, see bench/engine_decode.py host-cost). KERNELS says which ("cpp" or "python") and
+KERNELS_REASON why. Both run the core through one table of devices and registries.
+
 Registration place: every op is declared in OPS below with its schema, real and fake
 implementations; ops of other modules (e.g. the quantised MoE ops) register through `define_op`.
 """
 
+import importlib
+import os
 from typing import Callable, Optional
 
 import torch
@@ -27,6 +35,46 @@ _TORCH = _tensor_ops.framework("torch")
 # name -> the registered op (torch.ops.routemm.<name>), for every op this package registered.
 OPS: dict[str, object] = {}
 
+KERNELS_KNOB = "ROUTEMM_TORCH_KERNELS"
+
+
+def _choose_kernels() -> tuple[str, str, frozenset]:
+    """("cpp" or "python", the reason, the ops the C++ kernels serve). Loading routemm._torch_ops
+    registers its kernels, so it is loaded only when it will be used."""
+    wanted = os.environ.get(KERNELS_KNOB, "").strip().lower() or "auto"
+    if wanted not in ("auto", "cpp", "python"):
+        raise InvalidArgumentError(f"{KERNELS_KNOB} must be auto, cpp or python, got {wanted!r}")
+    if wanted == "python":
+        return "python", f"{KERNELS_KNOB}=python", frozenset()
+    try:
+        from . import _torch_ops_build
+    except ImportError:
+        why = "routemm._torch_ops was not built (the build's Python could not import torch, or ROUTEMM_TORCH_OPS=OFF)"
+    else:
+        if _torch_ops_build.TORCH_VERSION != torch.__version__:
+            why = (
+                f"routemm._torch_ops was built against torch {_torch_ops_build.TORCH_VERSION}, "
+                f"this process runs torch {torch.__version__}: rebuild routemm with this torch"
+            )
+        else:
+            try:
+                extension = importlib.import_module("routemm._torch_ops")
+            except ImportError as error:
+                why = f"routemm._torch_ops failed to load: {error}"
+            else:
+                return (
+                    "cpp",
+                    f"routemm._torch_ops, built against torch {extension.TORCH_VERSION}",
+                    frozenset(extension.OPS),
+                )
+    if wanted == "cpp":
+        raise ImportError(f"{KERNELS_KNOB}=cpp, but {why}")
+    return "python", why, frozenset()
+
+
+# KERNELS: "cpp" (routemm._torch_ops) or "python"; KERNELS_REASON: why.
+KERNELS, KERNELS_REASON, _CPP_OPS = _choose_kernels()
+
 # The ops are defined through the low-level torch.library.Library API with the real implementation
 # registered per dispatch key (CPU, CUDA) and a fake for tracing: the call goes straight from the
 # dispatcher to the implementation (about 2 us on the host), where torch.library.custom_op's
@@ -36,12 +84,14 @@ _LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 
 def define_op(name: str, impl: Callable, fake: Callable, *, mutates_args=()) -> object:
     """Register `routemm::<name>` with its real and fake implementations (once per process); the
-    schema is inferred from `impl`'s type annotations."""
+    schema is inferred from `impl`'s type annotations. An op the C++ kernels serve keeps them as
+    its CPU and CUDA kernels, and `impl` is not registered."""
     if name in OPS:
         return OPS[name]
     _LIBRARY.define(name + torch.library.infer_schema(impl, mutates_args=mutates_args))
-    for key in ("CPU", "CUDA"):
-        _LIBRARY.impl(name, impl, key)
+    if name not in _CPP_OPS:
+        for key in ("CPU", "CUDA"):
+            _LIBRARY.impl(name, impl, key)
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
     OPS[name] = op = getattr(getattr(torch.ops, NAMESPACE), name)
     return op

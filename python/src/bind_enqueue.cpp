@@ -1,32 +1,194 @@
-// The one-call enqueue path of the tensor front doors (routemm/_tensor_ops.py, the torch ops): a
-// framework's tensors come in as raw pointers, and wrapping, encoding and starting the work happen
-// here in one Python-to-C++ crossing, so an eager call in an engine's decode loop costs about one
-// kernel launch on the host.
+// The tensor ops' call path (routemm/_tensor_ops.py, routemm.torch and its C++ kernels in
+// routemm._torch_ops): a framework's tensors come in as raw pointers, and wrapping, encoding and
+// starting the work happen here in one crossing, so an eager call in an engine's decode loop costs
+// about one kernel launch on the host. Two doors lead to the same functions: the pybind11 entries
+// (_enqueue_dense_matmul_id, _enqueue_q4_matmul, ...) for the Python kernels, and the C ABI table
+// of tensor_op_abi.h (the _tensor_op_abi capsule) for the C++ kernels.
+//
+// Shared state: one device and one kernel registry per framework device (tensor_op_target), so
+// both doors run on the same registry (its frozen plans and pools) whichever kernels a process uses.
 //
 // Contract with the caller: the pointers are contiguous tensors of the byte sizes given, on the
-// device `device`, alive until the work is done. On CUDA with a stream, the work is enqueued on that
+// target's device, alive until the work is done. On CUDA with a stream, the work is enqueued on that
 // stream and the call returns at once; the framework's stream-ordered allocator keeps the memory
 // until the stream passes it, so nothing here holds the tensors. On a host backend the call returns
 // when the result is written. Every validation of the op runs before anything is encoded, exactly as
 // through the encoder front door (this path calls the same op).
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "bindings.h"
 #include "routemm/buffer.h"
+#include "routemm/checked.h"
 #include "routemm/device.h"
+#include "routemm/dlpack.h"
 #include "routemm/encoder.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
+#include "routemm/ops/q4_matmul.h"
 #include "routemm/registry.h"
+#include "tensor_op_abi.h"
 
 namespace routemm::python {
 namespace {
+
+// Calls of at least this many tokens take grouped_prefill when no route is given (and top_k <=
+// n_experts); fewer take direct. The rule reads shapes only.
+constexpr uint64_t kAutoGroupedMinTokens = 9;
+
+// ---- the per-device table ----------------------------------------------------------------------
+
+struct TensorOpTarget {
+  Device device;
+  std::shared_ptr<KernelRegistry> registry;
+};
+
+std::string python_tuple(std::span<const int64_t> values) {
+  std::string out = "(";
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(values[i]);
+  }
+  return out + (values.size() == 1 ? ",)" : ")");
+}
+
+// The device and registry of DLPack device (type, index), made on first use and kept for the
+// process (never destroyed: a backend torn down during static destruction could outlive its driver).
+const TensorOpTarget& tensor_op_target(int32_t type, int32_t index) {
+  static std::mutex mutex;
+  static auto* table = new std::map<std::pair<int32_t, int32_t>, std::unique_ptr<TensorOpTarget>>;
+  std::lock_guard lock(mutex);
+  auto& slot = (*table)[{type, index}];
+  if (!slot) {
+    const char* name = type == ROUTEMM_TENSOR_OP_DEVICE_CPU    ? "cpu"
+                       : type == ROUTEMM_TENSOR_OP_DEVICE_CUDA ? "cuda"
+                                                               : nullptr;
+    if (name == nullptr) {
+      table->erase({type, index});
+      throw InvalidArgument("from_dlpack: DLPack device type " + std::to_string(type) +
+                            " has no routemm backend");
+    }
+    Device device{std::string(name)};
+    const DLDevice dl = dlpack_device(device);
+    if (dl.device_type != type || dl.device_id != index) {
+      table->erase({type, index});
+      const int64_t uses[] = {dl.device_type, dl.device_id};
+      throw InvalidArgument("from_dlpack: tensor is on " + std::string(name) + " device " +
+                            std::to_string(index) + ", routemm uses " + python_tuple(uses));
+    }
+    auto registry = std::make_shared<KernelRegistry>(device);
+    slot = std::make_unique<TensorOpTarget>(TensorOpTarget{std::move(device), std::move(registry)});
+  }
+  return *slot;
+}
+
+// ---- matmul_id ----------------------------------------------------------------------------------
+
+struct MatmulIdShape {
+  uint64_t m, top_k, n_experts, n, k;
+  bool slotted;
+};
+
+// The checks of matmul_id's shapes (weights [n_experts, n, k], x [m, k] or [m, top_k, k], ids
+// [m, top_k]), in this order, for every front door that takes framework tensors or arrays.
+MatmulIdShape matmul_id_shape(std::span<const int64_t> w, std::span<const int64_t> x,
+                              std::span<const int64_t> ids) {
+  if (w.size() != 3) {
+    throw InvalidArgument("matmul_id weights must be [n_experts, n, k], got shape " +
+                          python_tuple(w));
+  }
+  if (ids.size() != 2) {
+    throw InvalidArgument("matmul_id ids must be [m, top_k], got shape " + python_tuple(ids));
+  }
+  const int64_t n_experts = w[0], n = w[1], k = w[2], m = ids[0], top_k = ids[1];
+  const std::string kk = std::to_string(k);
+  if ((x.size() != 2 && x.size() != 3) || x.back() != k) {
+    throw InvalidArgument("matmul_id x must be [m, " + kk + "] or [m, top_k, " + kk +
+                          "] (k = " + kk + " from the weights), got shape " + python_tuple(x));
+  }
+  const int64_t ids_shape[] = {m, top_k};
+  if (m != x[0]) {
+    throw InvalidArgument("matmul_id ids must be [m, top_k] with m = " + std::to_string(x[0]) +
+                          " (the tokens of x), got shape " + python_tuple(ids_shape));
+  }
+  if (x.size() == 3 && x[1] != top_k) {
+    throw InvalidArgument("matmul_id slotted x " + python_tuple(x) + " has " +
+                          std::to_string(x[1]) + " slots per token but ids " +
+                          python_tuple(ids_shape) + " has " + std::to_string(top_k));
+  }
+  auto u = [](int64_t v) { return static_cast<uint64_t>(v); };
+  return {u(m), u(top_k), u(n_experts), u(n), u(k), x.size() == 3};
+}
+
+template <class Int>
+uint32_t u32_field(const char* op, const char* name, Int value) {
+  if (std::cmp_less(value, 0) || std::cmp_greater(value, 0xFFFFFFFFull)) {
+    throw InvalidArgument(std::string(op) + " " + name + " must be a u32, got " +
+                          std::to_string(value));
+  }
+  return static_cast<uint32_t>(value);
+}
+
+// One call shape of matmul_id on one device, made once: the frozen params, the byte sizes and what
+// a caller allocates.
+struct TensorMatmulIdPlan {
+  const TensorOpTarget* target = nullptr;
+  DenseMatmulIdParams params;
+  DType weight_dtype = DType::F32;
+  uint64_t weights_nbytes = 0;
+  uint64_t x_nbytes = 0;
+  RoutemmMatmulIdPlanInfo info{};
+};
+
+std::shared_ptr<const TensorMatmulIdPlan> plan_tensor_matmul_id(
+    const TensorOpTarget& target, DType weight_dtype, std::span<const int64_t> w,
+    std::span<const int64_t> x, std::span<const int64_t> ids,
+    std::optional<DenseMatmulIdRoute> route) {
+  const MatmulIdShape s = matmul_id_shape(w, x, ids);
+  if (!route) {
+    const bool grouped = s.m >= kAutoGroupedMinTokens && s.top_k <= s.n_experts;
+    route = grouped ? DenseMatmulIdRoute::GroupedPrefill : DenseMatmulIdRoute::Direct;
+  } else if (is_grouped(*route) && s.top_k > s.n_experts) {
+    throw InvalidArgument("matmul_id " + std::string(to_string(*route)) +
+                          " declares its ids distinct per token, which needs top_k <= n_experts "
+                          "(got top_k " +
+                          std::to_string(s.top_k) + ", n_experts " + std::to_string(s.n_experts) +
+                          ")");
+  }
+  const char* op = "dense_matmul_id";
+  auto p = expert_id_params<DenseMatmulIdParams>(
+      u32_field(op, "m", s.m), u32_field(op, "n", s.n), u32_field(op, "k", s.k),
+      u32_field(op, "top_k", s.top_k), u32_field(op, "n_experts", s.n_experts),
+      checked_product({s.n, s.k, dtype_size(weight_dtype)}, "matmul_id expert stride"));
+  p.input_layout =
+      s.slotted ? DenseMatmulIdInputLayout::Slotted : DenseMatmulIdInputLayout::SharedPerToken;
+  // The grouped kernels route repeated ids correctly, so the call declares DISTINCT_PER_TOKEN as
+  // the capacity bound it is (top_k <= n_experts) without reading the ids.
+  p.id_multiplicity = is_grouped(*route) ? DenseMatmulIdMultiplicity::DistinctPerToken
+                                         : DenseMatmulIdMultiplicity::MayRepeat;
+  p.route = *route;
+  auto plan = std::make_shared<TensorMatmulIdPlan>();
+  plan->target = &target;
+  plan->params = p;
+  plan->weight_dtype = weight_dtype;
+  plan->weights_nbytes =
+      checked_mul(s.n_experts, p.expert_stride_bytes, "matmul_id weights' byte size");
+  plan->x_nbytes =
+      checked_product({s.slotted ? s.m * s.top_k : s.m, s.k, 4}, "matmul_id x's byte size");
+  plan->info = {checked_mul(s.m, s.top_k, "matmul_id output rows"), s.n, s.m, s.n_experts,
+                is_grouped(*route) ? 1u : 0u};
+  return plan;
+}
 
 // A buffer over caller memory that releases nothing (see the file comment for why no owner is held):
 // its release is a no-op, since a Storage without one would hand the memory to the backend's
@@ -44,51 +206,231 @@ Buffer borrowed(const Device& device, uint64_t pointer, uint64_t nbytes, DType d
 }
 
 // Commits `encoder`: on a caller's stream without waiting; otherwise to completion, with the GIL
-// released while the host backend works.
+// released (where this thread holds it) while the host backend works.
 void start(CommandEncoder& encoder, bool on_stream) {
   if (on_stream) {
     encoder.commit();
-  } else {
+  } else if (PyGILState_Check()) {
     without_gil([&] { encoder.commit_and_wait(); });
+  } else {
+    encoder.commit_and_wait();
   }
 }
 
-py::tuple enqueue_dense_matmul_id(const Device& device, KernelRegistry& registry,
-                                  const DenseMatmulIdParams& p, DType weight_dtype,
-                                  uint64_t weights, uint64_t weights_nbytes, uint64_t input,
-                                  uint64_t input_nbytes, uint64_t ids, uint64_t output,
-                                  uint64_t expert_counts, uint64_t routed_rows,
-                                  std::optional<uint64_t> stream) {
-  const bool slotted = p.input_layout == DenseMatmulIdInputLayout::Slotted;
+DenseMatmulIdDispatchReceipt enqueue_matmul_id(const TensorMatmulIdPlan& plan,
+                                               const RoutemmMatmulIdPointers& ptr) {
+  const DenseMatmulIdParams& p = plan.params;
+  const Device& device = plan.target->device;
   const uint64_t m = p.m, top_k = p.top_k, n = p.n, k = p.k, e = p.n_experts;
-  const Buffer w = borrowed(device, weights, weights_nbytes, weight_dtype, {e, n, k}, false);
+  const bool slotted = p.input_layout == DenseMatmulIdInputLayout::Slotted;
+  const Buffer w =
+      borrowed(device, ptr.weights, plan.weights_nbytes, plan.weight_dtype, {e, n, k}, false);
   const Buffer x =
-      borrowed(device, input, input_nbytes, DType::F32,
+      borrowed(device, ptr.x, plan.x_nbytes, DType::F32,
                slotted ? std::vector<uint64_t>{m, top_k, k} : std::vector<uint64_t>{m, k}, false);
-  const Buffer id_buffer = borrowed(device, ids, m * top_k * 4, DType::U32, {m, top_k}, false);
-  const Buffer out = borrowed(device, output, m * top_k * n * 4, DType::F32, {m * top_k, n}, true);
+  const Buffer ids = borrowed(device, ptr.ids, m * top_k * 4, DType::U32, {m, top_k}, false);
+  const Buffer out = borrowed(device, ptr.out, m * top_k * n * 4, DType::F32, {m * top_k, n}, true);
   std::optional<DenseMatmulIdScratch> scratch;
-  if (expert_counts != 0 || routed_rows != 0) {
-    scratch.emplace(borrowed(device, expert_counts, e * 4, DType::U32, {e}, true),
-                    borrowed(device, routed_rows, e * m * 4, DType::U32, {e, m}, true), p.n_experts,
-                    p.m);
+  if (ptr.expert_counts != 0 || ptr.routed_rows != 0) {
+    scratch.emplace(borrowed(device, ptr.expert_counts, e * 4, DType::U32, {e}, true),
+                    borrowed(device, ptr.routed_rows, e * m * 4, DType::U32, {e, m}, true),
+                    p.n_experts, p.m);
   }
-  CommandEncoder encoder = device.command_encoder(EncoderOptions{stream, std::nullopt});
-  const auto r =
-      dense_matmul_id(encoder, registry, w, x, id_buffer, out, scratch ? &*scratch : nullptr, p);
-  start(encoder, stream.has_value());
-  return py::make_tuple(dtype_name(r.weight_dtype), to_string(r.route), r.dispatch_count);
+  const bool on_stream = ptr.has_stream != 0;
+  CommandEncoder encoder = device.command_encoder(
+      EncoderOptions{on_stream ? std::optional<uint64_t>(ptr.stream) : std::nullopt, std::nullopt});
+  const auto r = dense_matmul_id(encoder, *plan.target->registry, w, x, ids, out,
+                                 scratch ? &*scratch : nullptr, p);
+  start(encoder, on_stream);
+  return r;
 }
+
+// ---- q4_matmul ----------------------------------------------------------------------------------
+
+void enqueue_q4_matmul(const RoutemmQ4MatmulCall& call) {
+  const char* op = "quantized_matmul_ggml";
+  GgmlQuantizedMatmulParams p;
+  p.m = u32_field(op, "m", call.m);
+  p.n = u32_field(op, "n", call.n);
+  p.k = u32_field(op, "k", call.k);
+  p.ggml_type = GgmlType::Q4_0;
+  // The tensor ops' routing policy: the environment's, read once (as the knobs' table says of
+  // Python knobs: at first use).
+  static const GgmlRoutingPolicy policy = ggml_routing_policy_from_environment();
+  const TensorOpTarget& target = tensor_op_target(call.device_type, call.device_index);
+  const Device& device = target.device;
+  const uint64_t m = p.m, n = p.n, k = p.k;
+  const Buffer x = borrowed(device, call.x, call.x_nbytes, DType::F32, {m, k}, false);
+  const Buffer w =
+      borrowed(device, call.weight, call.weight_nbytes, DType::U8, {call.weight_nbytes}, false);
+  const Buffer out = borrowed(device, call.out, m * n * 4, DType::F32, {m, n}, true);
+  const bool on_stream = call.has_stream != 0;
+  CommandEncoder encoder = device.command_encoder(EncoderOptions{
+      on_stream ? std::optional<uint64_t>(call.stream) : std::nullopt, std::nullopt});
+  dense_q4_auto(encoder, *target.registry, device, x, w, out, p, policy);
+  start(encoder, on_stream);
+}
+
+// ---- the C ABI ----------------------------------------------------------------------------------
+
+void write_error(char* error, size_t size, const char* message) {
+  if (error == nullptr || size == 0) return;
+  const size_t n = std::min(size - 1, std::strlen(message));
+  std::memcpy(error, message, n);
+  error[n] = '\0';
+}
+
+template <class Work>
+int guarded(char* error, size_t size, Work&& work) noexcept {
+  try {
+    work();
+    return ROUTEMM_TENSOR_OP_OK;
+  } catch (const InvalidArgument& e) {
+    write_error(error, size, e.what());
+    return ROUTEMM_TENSOR_OP_INVALID_ARGUMENT;
+  } catch (const OutOfMemory& e) {
+    write_error(error, size, e.what());
+    return ROUTEMM_TENSOR_OP_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    write_error(error, size, e.what());
+    return ROUTEMM_TENSOR_OP_ERROR;
+  } catch (...) {
+    write_error(error, size, "routemm: unknown error");
+    return ROUTEMM_TENSOR_OP_ERROR;
+  }
+}
+
+extern "C" int abi_plan_matmul_id(const RoutemmMatmulIdShapes* shapes, const void** plan,
+                                  RoutemmMatmulIdPlanInfo* info, char* error, size_t error_size) {
+  return guarded(error, error_size, [&] {
+    if (shapes->weight_dtype >= std::size(kAllDTypes)) {
+      throw InvalidArgument("matmul_id: unknown weight dtype code " +
+                            std::to_string(shapes->weight_dtype));
+    }
+    const TensorOpTarget& target = tensor_op_target(shapes->device_type, shapes->device_index);
+    auto made = plan_tensor_matmul_id(
+        target, kAllDTypes[shapes->weight_dtype], {shapes->weights_shape, shapes->weights_rank},
+        {shapes->x_shape, shapes->x_rank}, {shapes->ids_shape, shapes->ids_rank}, std::nullopt);
+    *info = made->info;
+    // Kept for the process, as the ABI promises (the consumer caches it per call shape).
+    *plan = new std::shared_ptr<const TensorMatmulIdPlan>(std::move(made));
+  });
+}
+
+extern "C" int abi_enqueue_matmul_id(const void* plan, const RoutemmMatmulIdPointers* pointers,
+                                     char* error, size_t error_size) {
+  return guarded(error, error_size, [&] {
+    enqueue_matmul_id(**static_cast<const std::shared_ptr<const TensorMatmulIdPlan>*>(plan),
+                      *pointers);
+  });
+}
+
+extern "C" int abi_enqueue_q4_matmul(const RoutemmQ4MatmulCall* call, char* error,
+                                     size_t error_size) {
+  return guarded(error, error_size, [&] { enqueue_q4_matmul(*call); });
+}
+
+const RoutemmTensorOpAbi kTensorOpAbi = {
+    ROUTEMM_TENSOR_OP_ABI_VERSION, sizeof(RoutemmTensorOpAbi), &abi_plan_matmul_id,
+    &abi_enqueue_matmul_id,        &abi_enqueue_q4_matmul,
+};
 
 }  // namespace
 
 void init_enqueue(py::module_& m) {
-  m.def("_enqueue_dense_matmul_id", &enqueue_dense_matmul_id, py::arg("device"),
-        py::arg("registry"), py::arg("params"), py::arg("weight_dtype"), py::arg("weights"),
-        py::arg("weights_nbytes"), py::arg("input"), py::arg("input_nbytes"), py::arg("ids"),
-        py::arg("output"), py::arg("expert_counts"), py::arg("routed_rows"), py::arg("stream"),
-        "dense_matmul_id on caller memory given by pointers, encoded and started in one call "
-        "(returns the native receipt tuple of _dense_matmul_id).");
+  static_assert(std::size(kAllDTypes) == 7, "the ABI's dtype codes are routemm::DType values");
+  m.attr("DENSE_MATMUL_ID_AUTO_GROUPED_MIN_TOKENS") = kAutoGroupedMinTokens;
+  m.attr("TENSOR_OP_ABI_VERSION") = ROUTEMM_TENSOR_OP_ABI_VERSION;
+  m.attr("_tensor_op_abi") =
+      py::capsule(static_cast<const void*>(&kTensorOpAbi), ROUTEMM_TENSOR_OP_ABI_CAPSULE);
+
+  m.def(
+      "_tensor_op_target",
+      [](int32_t type, int32_t index) {
+        const TensorOpTarget& t = tensor_op_target(type, index);
+        return py::make_tuple(t.device, t.registry);
+      },
+      py::arg("device_type"), py::arg("device_index"),
+      "(Device, KernelRegistry) of a DLPack device: one pair per process, shared by the Python "
+      "and the C++ kernels of the tensor ops.");
+  m.def(
+      "_matmul_id_shapes",
+      [](const std::vector<int64_t>& w, const std::vector<int64_t>& x,
+         const std::vector<int64_t>& ids) {
+        const MatmulIdShape s = matmul_id_shape(w, x, ids);
+        return py::make_tuple(s.m, s.top_k, s.n_experts, s.n, s.k, s.slotted);
+      },
+      py::arg("weights_shape"), py::arg("x_shape"), py::arg("ids_shape"),
+      "matmul_id's shape checks: (m, top_k, n_experts, n, k, slotted).");
+
+  py::class_<TensorMatmulIdPlan, std::shared_ptr<TensorMatmulIdPlan>>(m, "_TensorMatmulIdPlan")
+      .def_property_readonly("rows", [](const TensorMatmulIdPlan& p) { return p.info.rows; })
+      .def_property_readonly("n", [](const TensorMatmulIdPlan& p) { return p.info.n; })
+      .def_property_readonly("m", [](const TensorMatmulIdPlan& p) { return p.info.m; })
+      .def_property_readonly("n_experts",
+                             [](const TensorMatmulIdPlan& p) { return p.info.n_experts; })
+      .def_property_readonly("grouped",
+                             [](const TensorMatmulIdPlan& p) { return p.info.grouped != 0; });
+  m.def(
+      "_plan_tensor_matmul_id",
+      [](int32_t type, int32_t index, DType weight_dtype, const std::vector<int64_t>& w,
+         const std::vector<int64_t>& x, const std::vector<int64_t>& ids,
+         const std::optional<std::string>& route) {
+        std::optional<DenseMatmulIdRoute> parsed;
+        if (route) {
+          parsed = parse_enum(
+              "matmul_id", *route,
+              std::array{DenseMatmulIdRoute::Direct, DenseMatmulIdRoute::GroupedPrefill,
+                         DenseMatmulIdRoute::GroupedTensorTf32,
+                         DenseMatmulIdRoute::GroupedTensorLowp, DenseMatmulIdRoute::DirectBf16Dot,
+                         DenseMatmulIdRoute::GroupedBf16Dot},
+              "route");
+        }
+        auto plan =
+            plan_tensor_matmul_id(tensor_op_target(type, index), weight_dtype, w, x, ids, parsed);
+        return std::const_pointer_cast<TensorMatmulIdPlan>(plan);
+      },
+      py::arg("device_type"), py::arg("device_index"), py::arg("weight_dtype"),
+      py::arg("weights_shape"), py::arg("x_shape"), py::arg("ids_shape"), py::arg("route"),
+      "The plan of one matmul_id call shape (route value or None: the shape-only rule).");
+  m.def(
+      "_enqueue_dense_matmul_id",
+      [](const TensorMatmulIdPlan& plan, uint64_t weights, uint64_t x, uint64_t ids,
+         uint64_t output, uint64_t expert_counts, uint64_t routed_rows,
+         std::optional<uint64_t> stream) {
+        const RoutemmMatmulIdPointers ptr{
+            weights,           x, ids, output, expert_counts, routed_rows, stream ? 1u : 0u,
+            stream.value_or(0)};
+        const auto r = enqueue_matmul_id(plan, ptr);
+        return py::make_tuple(dtype_name(r.weight_dtype), to_string(r.route), r.dispatch_count);
+      },
+      py::arg("plan"), py::arg("weights"), py::arg("input"), py::arg("ids"), py::arg("output"),
+      py::arg("expert_counts"), py::arg("routed_rows"), py::arg("stream"),
+      "One planned matmul_id call on caller memory given by pointers, encoded and started "
+      "(returns the native receipt tuple of _dense_matmul_id).");
+  m.def(
+      "_enqueue_q4_matmul",
+      [](int32_t type, int32_t index, int64_t m_, int64_t n, int64_t k, uint64_t x,
+         uint64_t x_nbytes, uint64_t weight, uint64_t weight_nbytes, uint64_t output,
+         std::optional<uint64_t> stream) {
+        const RoutemmQ4MatmulCall call{type,
+                                       index,
+                                       m_,
+                                       n,
+                                       k,
+                                       x,
+                                       x_nbytes,
+                                       weight,
+                                       weight_nbytes,
+                                       output,
+                                       stream ? 1u : 0u,
+                                       stream.value_or(0)};
+        enqueue_q4_matmul(call);
+      },
+      py::arg("device_type"), py::arg("device_index"), py::arg("m"), py::arg("n"), py::arg("k"),
+      py::arg("input"), py::arg("input_nbytes"), py::arg("weight"), py::arg("weight_nbytes"),
+      py::arg("output"), py::arg("stream"),
+      "One dense Q4_0 product on caller memory, encoded and started (the environment's policy).");
 }
 
 }  // namespace routemm::python

@@ -1,0 +1,97 @@
+// The C ABI through which a second extension module (routemm._torch_ops, the torch ops' C++
+// kernels) reaches routemm's core without linking it: routemm._core exports one RoutemmTensorOpAbi
+// table in a PyCapsule named ROUTEMM_TENSOR_OP_ABI_CAPSULE (the module attribute _tensor_op_abi).
+// Both modules include this header; only plain C types cross it, so the two shared objects stay
+// independent (each with its own C++ runtime state) and the core keeps the one copy of its state:
+// the per-device table of devices and kernel registries, frozen plans and pools.
+//
+// Contract of every entry: it never throws and never touches Python objects; it returns
+// ROUTEMM_TENSOR_OP_OK, or a failure status with a NUL-terminated message (truncated to
+// error_size) written into `error`. Nothing is encoded or started when an entry fails. An entry
+// called with the GIL held releases it while a host backend works.
+//
+// Versioning: `version` is ROUTEMM_TENSOR_OP_ABI_VERSION of the core that filled the table and
+// `size` its sizeof; a consumer refuses a table of another version. Entries are only appended,
+// with a version bump.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ROUTEMM_TENSOR_OP_ABI_VERSION 1
+#define ROUTEMM_TENSOR_OP_ABI_CAPSULE "routemm._core._tensor_op_abi"
+
+// DLPack device types of the devices the tensor ops run on.
+#define ROUTEMM_TENSOR_OP_DEVICE_CPU 1
+#define ROUTEMM_TENSOR_OP_DEVICE_CUDA 2
+
+// Failure statuses; the consumer raises the framework's matching error.
+#define ROUTEMM_TENSOR_OP_OK 0
+#define ROUTEMM_TENSOR_OP_INVALID_ARGUMENT 1  // routemm.InvalidArgumentError (a ValueError)
+#define ROUTEMM_TENSOR_OP_OUT_OF_MEMORY 2
+#define ROUTEMM_TENSOR_OP_ERROR 3  // any other routemm error
+
+// Which expert-ID call shape a plan is made for. Shapes are given as they come (any rank), so the
+// core's shape checks name them; the route is the automatic shape-only rule.
+typedef struct RoutemmMatmulIdShapes {
+  int32_t device_type;    // ROUTEMM_TENSOR_OP_DEVICE_*
+  int32_t device_index;   // the device's index (0 for the host)
+  uint32_t weight_dtype;  // a routemm::DType value (the framework maps its dtype first)
+  uint32_t weights_rank, x_rank, ids_rank;
+  const int64_t* weights_shape;
+  const int64_t* x_shape;
+  const int64_t* ids_shape;
+} RoutemmMatmulIdShapes;
+
+// What a consumer needs to allocate a planned call's output and grouped scratch.
+typedef struct RoutemmMatmulIdPlanInfo {
+  uint64_t rows;       // output rows, m * top_k (the output is [rows, n] float32)
+  uint64_t n;          // output features
+  uint64_t m;          // tokens
+  uint64_t n_experts;  // experts (ids outside [0, n_experts) give zero rows)
+  uint32_t grouped;  // 1: the route needs expert_counts [n_experts] and routed_rows [n_experts * m]
+} RoutemmMatmulIdPlanInfo;
+
+// The memory of one planned call: contiguous, on the plan's device, alive until the work is done
+// (on a stream: the framework's stream-ordered allocator keeps it). ids are int32 read as u32.
+typedef struct RoutemmMatmulIdPointers {
+  uint64_t weights, x, ids, out;
+  uint64_t expert_counts, routed_rows;  // 0 unless the plan is grouped
+  uint32_t has_stream;                  // 1: enqueue on `stream` and return at once
+  uint64_t stream;                      // a CUDA stream handle (cudaStream_t)
+} RoutemmMatmulIdPointers;
+
+// One dense GGML Q4_0 product out[m, n] = x[m, k] @ dequantize(weight).T. m, n and k come as the
+// framework has them and are checked as u32 by the core.
+typedef struct RoutemmQ4MatmulCall {
+  int32_t device_type;
+  int32_t device_index;
+  int64_t m, n, k;
+  uint64_t x, x_nbytes;            // float32 [m, k]
+  uint64_t weight, weight_nbytes;  // uint8 Q4_0 blocks
+  uint64_t out;                    // float32 [m, n]
+  uint32_t has_stream;
+  uint64_t stream;
+} RoutemmQ4MatmulCall;
+
+typedef struct RoutemmTensorOpAbi {
+  uint32_t version;
+  uint32_t size;
+  // Validates a call shape and makes its plan: the frozen params, the route (shape-only) and the
+  // device's shared registry. *plan stays valid until the process exits.
+  int (*plan_matmul_id)(const RoutemmMatmulIdShapes* shapes, const void** plan,
+                        RoutemmMatmulIdPlanInfo* info, char* error, size_t error_size);
+  // Encodes and starts one planned call: on a stream without waiting, else to completion.
+  int (*enqueue_matmul_id)(const void* plan, const RoutemmMatmulIdPointers* pointers, char* error,
+                           size_t error_size);
+  // Encodes and starts one Q4_0 product under the routing policy the environment gave at first use.
+  int (*enqueue_q4_matmul)(const RoutemmQ4MatmulCall* call, char* error, size_t error_size);
+} RoutemmTensorOpAbi;
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif

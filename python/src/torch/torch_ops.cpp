@@ -1,0 +1,307 @@
+// routemm._torch_ops: the C++ kernels of torch.ops.routemm.matmul_id and torch.ops.routemm.q4_matmul
+// for the CPU and CUDA dispatch keys. routemm.torch defines the ops (schemas, fake kernels) and
+// imports this module when it was built against the running torch; the kernels then run without
+// entering Python.
+//
+// The core is reached only through the C ABI table routemm._core exports (tensor_op_abi.h); this
+// module links torch, never routemm's core, so the core keeps one copy of its state. The checks
+// here are the framework's (devices, dtypes, contiguity) with the messages of the Python kernels
+// (routemm/torch.py, routemm/_tensor_ops.py), in the same order; shapes, routes and everything
+// the op validates are checked by the core. Invalid arguments raise ValueError (as
+// routemm.InvalidArgumentError is one). Temporaries come from at::empty (the framework's caching
+// allocator, so a captured CUDA graph owns them) and CUDA work goes to the current stream of the
+// tensors' device, found through c10's device-guard interface so that no CUDA header is needed
+// and one source serves CPU and CUDA builds of torch.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/empty.h>
+#include <Python.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+
+#include "tensor_op_abi.h"
+
+namespace {
+
+const RoutemmTensorOpAbi* g_abi = nullptr;
+
+constexpr size_t kErrorSize = 2048;
+
+[[noreturn]] void raise(int status, const char* message) {
+  if (status == ROUTEMM_TENSOR_OP_INVALID_ARGUMENT) TORCH_CHECK_VALUE(false, message);
+  if (status == ROUTEMM_TENSOR_OP_OUT_OF_MEMORY) TORCH_CHECK_WITH(OutOfMemoryError, false, message);
+  TORCH_CHECK(false, message);
+}
+
+// Runs one ABI entry; a failure raises its error.
+template <class Entry, class... Args>
+void call(Entry entry, Args... args) {
+  std::array<char, kErrorSize> error{};
+  const int status = entry(args..., error.data(), error.size());
+  if (status != ROUTEMM_TENSOR_OP_OK) raise(status, error.data());
+}
+
+std::string dtype_repr(c10::ScalarType type) {
+  return "torch." + std::string(c10::getDtypeNames(type).first);
+}
+
+std::string shape_repr(c10::IntArrayRef sizes) {
+  std::ostringstream out;
+  out << '(';
+  for (size_t i = 0; i < sizes.size(); ++i) out << (i ? ", " : "") << sizes[i];
+  out << (sizes.size() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+// routemm::DType values (tensor_op_abi.h): F32, F16, BF16, U8, U16, U32, I32.
+uint32_t routemm_dtype(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return 0;
+    case at::kHalf: return 1;
+    case at::kBFloat16: return 2;
+    case at::kByte: return 3;
+    case at::kInt: return 6;
+    default:
+      TORCH_CHECK_VALUE(false, "no routemm dtype for torch dtype ", dtype_repr(t.scalar_type()));
+  }
+}
+
+// (DLPack device type, index) of a CPU or CUDA tensor (the only keys these kernels serve).
+std::pair<int32_t, int32_t> place(const at::Tensor& t) {
+  const c10::Device d = t.device();
+  if (d.is_cpu()) return {ROUTEMM_TENSOR_OP_DEVICE_CPU, 0};
+  TORCH_CHECK_VALUE(d.is_cuda(), "routemm has no backend for torch device ", d);
+  return {ROUTEMM_TENSOR_OP_DEVICE_CUDA, d.has_index() ? d.index() : 0};
+}
+
+// The current stream of a CUDA device as a raw handle; the CUDA guard implementation is the one
+// torch's CUDA library registered, so no CUDA header is included here.
+void set_stream(const at::Tensor& like, uint32_t& has_stream, uint64_t& stream) {
+  if (!like.is_cuda()) return;
+  const c10::Device device = like.device();
+  const c10::Stream current = c10::impl::getDeviceGuardImpl(device.type())->getStream(device);
+  has_stream = 1;
+  stream = reinterpret_cast<uint64_t>(current.native_handle());
+}
+
+uint64_t address(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
+
+// ---- matmul_id ----------------------------------------------------------------------------------
+
+// A call shape: device, dtypes and sizes of weights [3 dims], x [2 or 3 dims] and ids [2 dims]
+// (x's rank is a field, a missing third dimension -1). Shapes of other ranks are not planned: the
+// core refuses them.
+using PlanKey = std::array<int64_t, 12>;
+
+struct PlanKeyHash {
+  size_t operator()(const PlanKey& key) const {
+    size_t h = 0;
+    for (int64_t v : key) h = h * 1000003u ^ std::hash<int64_t>{}(v);
+    return h;
+  }
+};
+
+struct Plan {
+  const void* handle;
+  RoutemmMatmulIdPlanInfo info;
+};
+
+std::mutex g_plans_mutex;
+std::unordered_map<PlanKey, Plan, PlanKeyHash>& plans() {
+  // Kept for the process, as the plans they name are.
+  static auto* map = new std::unordered_map<PlanKey, Plan, PlanKeyHash>;
+  return *map;
+}
+
+Plan make_plan(const at::Tensor& weights, const at::Tensor& x, const at::Tensor& ids) {
+  const auto where = place(weights);
+  TORCH_CHECK_VALUE(place(x) == where && place(ids) == where,
+                    "matmul_id: tensors live on different devices");
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "matmul_id activations must be float32, got ",
+                    dtype_repr(x.scalar_type()));
+  const RoutemmMatmulIdShapes shapes{where.first,
+                                     where.second,
+                                     routemm_dtype(weights),
+                                     static_cast<uint32_t>(weights.dim()),
+                                     static_cast<uint32_t>(x.dim()),
+                                     static_cast<uint32_t>(ids.dim()),
+                                     weights.sizes().data(),
+                                     x.sizes().data(),
+                                     ids.sizes().data()};
+  Plan plan{};
+  call(g_abi->plan_matmul_id, &shapes, &plan.handle, &plan.info);
+  return plan;
+}
+
+Plan plan_of(const at::Tensor& weights, const at::Tensor& x, const at::Tensor& ids) {
+  if (weights.dim() != 3 || (x.dim() != 2 && x.dim() != 3) || ids.dim() != 2) {
+    return make_plan(weights, x, ids);  // raises: the core refuses these ranks
+  }
+  const auto d = x.device();
+  const auto w = weights.sizes(), xs = x.sizes(), is = ids.sizes();
+  const PlanKey key{
+      static_cast<int64_t>(d.type()) * 65536 + d.index(),
+      static_cast<int64_t>(weights.scalar_type()) * 256 + static_cast<int64_t>(x.scalar_type()),
+      w[0],
+      w[1],
+      w[2],
+      x.dim(),
+      xs[0],
+      xs[1],
+      x.dim() == 3 ? xs[2] : -1,
+      is[0],
+      is[1],
+      0};
+  {
+    std::lock_guard lock(g_plans_mutex);
+    const auto found = plans().find(key);
+    if (found != plans().end()) return found->second;
+  }
+  const Plan plan = make_plan(weights, x, ids);
+  std::lock_guard lock(g_plans_mutex);
+  return plans().emplace(key, plan).first->second;
+}
+
+// ids as int32 read as u32, every id outside [0, n_experts) staying outside it: int32 contiguous
+// ids as they are (a negative one reads as 2**31 or more), other integer dtypes clamped to
+// [-1, n_experts] first so that no value wraps into range. Computed on the ids' device.
+at::Tensor ids_u32(const at::Tensor& ids, uint64_t n_experts) {
+  if (ids.scalar_type() == at::kInt && ids.is_contiguous()) return ids;
+  const auto type = ids.scalar_type();
+  TORCH_CHECK_VALUE(!at::isFloatingType(type) && !at::isComplexType(type) && type != at::kBool,
+                    "matmul_id ids must be integers, got ", dtype_repr(type));
+  return at::clamp(ids, -1, static_cast<int64_t>(n_experts)).to(at::kInt).contiguous();
+}
+
+at::Tensor matmul_id(const at::Tensor& weights, const at::Tensor& x, const at::Tensor& ids) {
+  const Plan plan = plan_of(weights, x, ids);
+  TORCH_CHECK_VALUE(weights.device() == x.device() && ids.device() == x.device(),
+                    "matmul_id: tensors live on different devices");
+  TORCH_CHECK_VALUE(weights.is_contiguous() && x.is_contiguous(),
+                    "matmul_id: weights and x must be contiguous");
+  const at::Tensor ids32 = ids_u32(ids, plan.info.n_experts);
+  const auto options = x.options();
+  at::Tensor out =
+      at::empty({static_cast<int64_t>(plan.info.rows), static_cast<int64_t>(plan.info.n)},
+                options.dtype(at::kFloat));
+  RoutemmMatmulIdPointers ptr{
+      address(weights), address(x), address(ids32), address(out), 0, 0, 0, 0};
+  at::Tensor counts, rows;
+  if (plan.info.grouped) {
+    counts = at::empty({static_cast<int64_t>(plan.info.n_experts)}, options.dtype(at::kInt));
+    rows = at::empty({static_cast<int64_t>(plan.info.n_experts * plan.info.m)},
+                     options.dtype(at::kInt));
+    ptr.expert_counts = address(counts);
+    ptr.routed_rows = address(rows);
+  }
+  set_stream(x, ptr.has_stream, ptr.stream);
+  call(g_abi->enqueue_matmul_id, plan.handle, &ptr);
+  return out;
+}
+
+// ---- q4_matmul ----------------------------------------------------------------------------------
+
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, c10::SymInt n_sym,
+                     c10::SymInt k_sym) {
+  const int64_t n = n_sym.expect_int(), k = k_sym.expect_int();
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k, "q4_matmul x must be [m, ", k, "], got shape ",
+                    shape_repr(x.sizes()));
+  TORCH_CHECK_VALUE(weight.scalar_type() == at::kByte,
+                    "q4_matmul weight must be uint8 Q4_0 blocks, got ",
+                    dtype_repr(weight.scalar_type()));
+  const auto where = place(x);
+  TORCH_CHECK_VALUE(place(weight) == where, "q4_matmul: tensors live on different devices");
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "q4_matmul x must be float32, got ",
+                    dtype_repr(x.scalar_type()));
+  TORCH_CHECK_VALUE(x.is_contiguous(), "q4_matmul: x must be contiguous");
+  TORCH_CHECK_VALUE(weight.is_contiguous(), "q4_matmul: weight must be contiguous");
+  const int64_t m = x.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  RoutemmQ4MatmulCall q{where.first,
+                        where.second,
+                        m,
+                        n,
+                        k,
+                        address(x),
+                        static_cast<uint64_t>(x.nbytes()),
+                        address(weight),
+                        static_cast<uint64_t>(weight.nbytes()),
+                        address(out),
+                        0,
+                        0};
+  set_stream(x, q.has_stream, q.stream);
+  call(g_abi->enqueue_q4_matmul, &q);
+  return out;
+}
+
+// ---- the module ---------------------------------------------------------------------------------
+
+PyObject* plan_cache_size(PyObject*, PyObject*) {
+  std::lock_guard lock(g_plans_mutex);
+  return PyLong_FromSize_t(plans().size());
+}
+
+PyMethodDef kMethods[] = {
+    {"plan_cache_size", plan_cache_size, METH_NOARGS,
+     "How many matmul_id call shapes the C++ kernels have planned in this process."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT,
+                       "_torch_ops",
+                       "The C++ kernels of torch.ops.routemm.matmul_id and q4_matmul (CPU, CUDA).",
+                       -1,
+                       kMethods,
+                       nullptr,
+                       nullptr,
+                       nullptr,
+                       nullptr};
+
+// Registers the kernels once the core's table is known to fit (so a failed import leaves no kernel
+// registered). The libraries live for the process, as TORCH_LIBRARY_IMPL's static ones do.
+void register_kernels() {
+  for (const auto key : {c10::DispatchKey::CPU, c10::DispatchKey::CUDA}) {
+    auto* lib = new torch::Library(torch::Library::IMPL, "routemm", key, __FILE__, __LINE__);
+    lib->impl("matmul_id", TORCH_FN(matmul_id));
+    lib->impl("q4_matmul", TORCH_FN(q4_matmul));
+  }
+}
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__torch_ops() {
+  void* table = PyCapsule_Import(ROUTEMM_TENSOR_OP_ABI_CAPSULE, 0);
+  if (table == nullptr) return nullptr;
+  const auto* abi = static_cast<const RoutemmTensorOpAbi*>(table);
+  if (abi->version != ROUTEMM_TENSOR_OP_ABI_VERSION || abi->size < sizeof(RoutemmTensorOpAbi)) {
+    PyErr_Format(PyExc_ImportError,
+                 "routemm._torch_ops needs the tensor-op ABI version %d, routemm._core has %u",
+                 ROUTEMM_TENSOR_OP_ABI_VERSION, abi->version);
+    return nullptr;
+  }
+  PyObject* module = PyModule_Create(&kModule);
+  if (module == nullptr) return nullptr;
+  if (PyModule_AddStringConstant(module, "TORCH_VERSION", ROUTEMM_BUILT_TORCH_VERSION) < 0 ||
+      PyModule_AddObject(module, "OPS", Py_BuildValue("(ss)", "matmul_id", "q4_matmul")) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  if (g_abi == nullptr) {
+    g_abi = abi;
+    try {
+      register_kernels();
+    } catch (const std::exception& e) {
+      PyErr_Format(PyExc_ImportError, "routemm._torch_ops could not register its kernels: %s",
+                   e.what());
+      Py_DECREF(module);
+      return nullptr;
+    }
+  }
+  return module;
+}

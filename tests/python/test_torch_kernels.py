@@ -1,0 +1,282 @@
+"""The torch ops' two kernel sets: the C++ kernels (routemm._torch_ops) and the Python kernels give
+the same bits, the same errors and messages, share the core's device table, and the choice between
+them (built torch version, ROUTEMM_TORCH_KERNELS) is honoured and explained."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import routemm
+
+torch = pytest.importorskip("torch")
+import routemm.torch as rt  # noqa: E402
+from routemm import _core, _tensor_ops, q4_0  # noqa: E402
+
+E, N, K = 8, 40, 64
+
+cpp_only = pytest.mark.skipif(rt.KERNELS != "cpp", reason=f"C++ kernels not loaded: {rt.KERNELS_REASON}")
+
+
+def _devices():
+    out = ["cpu"]
+    if "cuda" in routemm.available_backends() and torch.cuda.is_available():
+        out.append("cuda")
+    return out
+
+
+@pytest.fixture(params=_devices())
+def tdev(request):
+    return request.param
+
+
+def test_kernel_choice_is_stated():
+    assert rt.KERNELS in ("cpp", "python") and rt.KERNELS_REASON
+    # CI builds the C++ kernels and says so through the knob: their absence must fail loudly there.
+    if os.environ.get("ROUTEMM_TORCH_KERNELS", "").lower() == "cpp":
+        assert rt.KERNELS == "cpp"
+
+
+def _moe(tdev, m, top_k=2, dtype=torch.bfloat16, slotted=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(E, N, K, generator=g).to(dtype)
+    x = torch.randn(*((m, top_k, K) if slotted else (m, K)), generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(m)]).to(torch.int32)
+    return w.to(tdev), x.to(tdev), ids.to(tdev)
+
+
+def _reference(w, x, ids):
+    w64, x64 = w.double().cpu(), x.double().cpu()
+    rows = []
+    for t in range(ids.shape[0]):
+        for s, e in enumerate(ids[t].tolist()):
+            row = x64[t, s] if x64.dim() == 3 else x64[t]
+            rows.append(w64[e] @ row if 0 <= e < w.shape[0] else torch.zeros(w.shape[1], dtype=torch.float64))
+    return torch.stack(rows)
+
+
+def _python_kernel(w, x, ids):
+    """The Python kernel of routemm::matmul_id, called as the dispatcher would."""
+    return rt._matmul_id(w, x, ids)
+
+
+@cpp_only
+@pytest.mark.parametrize("m", [1, 16])  # direct, grouped_prefill
+@pytest.mark.parametrize("slotted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matmul_id_kernel_sets_agree(tdev, m, slotted, dtype):
+    w, x, ids = _moe(tdev, m, top_k=3, dtype=dtype, slotted=slotted)
+    cpp = torch.ops.routemm.matmul_id(w, x, ids)
+    py = _python_kernel(w, x, ids)
+    assert cpp.shape == (m * 3, N) and cpp.dtype == torch.float32 and cpp.device == x.device
+    assert torch.equal(cpp.view(torch.int32), py.view(torch.int32))
+    assert torch.allclose(cpp.double().cpu(), _reference(w, x, ids), rtol=1e-5, atol=1e-4)
+
+
+@cpp_only
+@pytest.mark.parametrize("m", [3, 12])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64, torch.int16])
+def test_invalid_and_wide_ids_agree(tdev, m, id_dtype):
+    w, x, ids = _moe(tdev, m)
+    ids = ids.to(id_dtype)
+    ids[0, 1] = E
+    ids[1, 0] = -3
+    if id_dtype == torch.int64:
+        ids[2, 1] = 2**32 + 1  # would wrap to expert 1 as int32
+    cpp = torch.ops.routemm.matmul_id(w, x, ids)
+    assert torch.equal(cpp, _python_kernel(w, x, ids))
+    expected = _reference(w, x, ids.clamp(-1, E))
+    assert torch.allclose(cpp.double().cpu(), expected, rtol=1e-5, atol=1e-4)
+    assert bool(torch.all(cpp[1] == 0)) and bool(torch.all(cpp[2] == 0))
+
+
+@cpp_only
+def test_non_contiguous_ids_are_converted(tdev):
+    w, x, ids = _moe(tdev, 4)
+    wide = torch.cat([ids, ids], dim=1)[:, ::2]  # int32, not contiguous
+    assert not wide.is_contiguous()
+    assert torch.equal(torch.ops.routemm.matmul_id(w, x, wide), _python_kernel(w, x, wide.contiguous()))
+
+
+def _q4_blocks(n, k, seed=1):
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(q4_0.quantize(rng.standard_normal((n, k)).astype(np.float32)))
+
+
+@cpp_only
+@pytest.mark.parametrize("m", [1, 9])
+def test_q4_matmul_kernel_sets_agree(tdev, m):
+    blocks = _q4_blocks(N, K).to(tdev)
+    x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(tdev)
+    cpp = torch.ops.routemm.q4_matmul(x, blocks, N, K)
+    py = rt._q4_matmul(x, blocks, N, K)
+    assert torch.equal(cpp.view(torch.int32), py.view(torch.int32))
+    w = torch.from_numpy(q4_0.dequantize(blocks.cpu().numpy())).double()
+    assert torch.allclose(cpp.double().cpu(), x.double().cpu() @ w.T, rtol=1e-4, atol=1e-3)
+
+
+def _bad_matmul_id_calls():
+    w, x, ids = _moe("cpu", 3)
+    return {
+        "weights rank": (w[0], x, ids),
+        "ids rank": (w, x, ids[:, 0]),
+        "x width": (w, x[:, :-1].contiguous(), ids),
+        "ids tokens": (w, x, ids[:2]),
+        "slots": (w, x.unsqueeze(1).expand(3, 3, K).contiguous(), ids),
+        "x dtype": (w, x.double(), ids),
+        "weight dtype": (w.to(torch.int64), x, ids),
+        "weight dtype the op refuses": (w.to(torch.uint8), x, ids),
+        "float ids": (w, x, ids.float()),
+        "bool ids": (w, x, ids.bool()),
+        "weights not contiguous": (w.transpose(1, 2).contiguous().transpose(1, 2), x, ids),
+        "x not contiguous": (w, torch.randn(K, 3).T, ids),
+    }
+
+
+@cpp_only
+@pytest.mark.parametrize("case", list(_bad_matmul_id_calls()))
+def test_matmul_id_errors_are_the_same(case):
+    args = _bad_matmul_id_calls()[case]
+    with pytest.raises(ValueError) as py_error:
+        _python_kernel(*args)
+    with pytest.raises(ValueError) as cpp_error:
+        torch.ops.routemm.matmul_id(*args)
+    assert str(cpp_error.value) == str(py_error.value)
+
+
+def _bad_q4_calls():
+    blocks = _q4_blocks(N, K)
+    x = torch.randn(2, K)
+    return {
+        "x width": (x[:, :-1].contiguous(), blocks, N, K),
+        "x rank": (x[0], blocks, N, K),
+        "weight dtype": (x, blocks.float(), N, K),
+        "x dtype": (x.double(), blocks, N, K),
+        "x not contiguous": (torch.randn(K, 2).T, blocks, N, K),
+        "weight not contiguous": (x, blocks.T.contiguous().T, N, K),
+        "weight too small": (x, blocks[:-1], N, K),
+        "k not a multiple of 32": (torch.randn(2, 40), blocks, N, 40),
+    }
+
+
+@cpp_only
+@pytest.mark.parametrize("case", list(_bad_q4_calls()))
+def test_q4_matmul_errors_are_the_same(case):
+    args = _bad_q4_calls()[case]
+    errors = []
+    for kernel in (rt._q4_matmul, torch.ops.routemm.q4_matmul):
+        with pytest.raises((ValueError, RuntimeError)) as error:
+            kernel(*args)
+        errors.append(error)
+    py_error, cpp_error = errors
+    if isinstance(py_error.value, ValueError):
+        assert isinstance(cpp_error.value, ValueError)
+    assert str(cpp_error.value) == str(py_error.value)
+
+
+@cpp_only
+def test_plans_are_cached_in_cpp_and_python_kernels_are_not_entered(monkeypatch):
+    from routemm import _torch_ops
+
+    w, x, ids = _moe("cpu", 5, top_k=3)
+    first = torch.ops.routemm.matmul_id(w, x, ids)
+    planned = _torch_ops.plan_cache_size()
+    python_plans = len(_tensor_ops.framework("torch").matmul_id_plans)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the C++ kernel entered a Python kernel")
+
+    monkeypatch.setattr(_tensor_ops, "matmul_id", forbidden)
+    monkeypatch.setattr(_tensor_ops, "q4_matmul", forbidden)
+    for _ in range(3):
+        assert torch.equal(torch.ops.routemm.matmul_id(w, x, ids), first)
+    torch.ops.routemm.q4_matmul(x, _q4_blocks(N, K), N, K)
+    assert _torch_ops.plan_cache_size() == planned
+    torch.ops.routemm.matmul_id(w, x[:4].contiguous(), ids[:4].contiguous())  # a new shape
+    assert _torch_ops.plan_cache_size() == planned + 1
+    assert len(_tensor_ops.framework("torch").matmul_id_plans) == python_plans
+
+
+def test_both_kernel_sets_share_the_core_device_table():
+    device, registry = _core._tensor_op_target(1, 0)
+    again_device, again_registry = _tensor_ops._target(1, 0)
+    assert again_registry.authority_id == registry.authority_id and again_device == device
+    with pytest.raises(routemm.InvalidArgumentError, match="DLPack device type 7 has no routemm backend"):
+        _core._tensor_op_target(7, 0)
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    full = dict(os.environ, **env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full, timeout=120
+    )
+
+
+_REPORT = """
+    import sys, torch, routemm.torch as rt
+    w = torch.randn(4, 16, 32)
+    x = torch.randn(1, 32)
+    ids = torch.tensor([[1, 3]], dtype=torch.int32)
+    y = torch.ops.routemm.matmul_id(w, x, ids)
+    assert torch.allclose(y, torch.stack([w[1] @ x[0], w[3] @ x[0]]), atol=1e-5)
+    print(rt.KERNELS)
+    print("routemm._torch_ops" in sys.modules)
+    print(rt.KERNELS_REASON)
+"""
+
+
+def test_environment_knob_forces_the_python_kernels():
+    result = _run(_REPORT, ROUTEMM_TORCH_KERNELS="python")
+    assert result.returncode == 0, result.stderr
+    kernels, loaded, reason = result.stdout.strip().splitlines()
+    assert (kernels, loaded) == ("python", "False") and "ROUTEMM_TORCH_KERNELS=python" in reason
+
+
+def test_unknown_knob_value_is_refused():
+    result = _run("import routemm.torch", ROUTEMM_TORCH_KERNELS="fast")
+    assert result.returncode != 0 and "ROUTEMM_TORCH_KERNELS must be auto, cpp or python" in result.stderr
+
+
+_MISMATCH = """
+    import sys, types
+    record = types.ModuleType("routemm._torch_ops_build")
+    record.TORCH_VERSION = "0.0.1"
+    sys.modules["routemm._torch_ops_build"] = record
+"""
+
+
+def test_torch_version_mismatch_falls_back_with_a_reason():
+    result = _run(_MISMATCH + _REPORT, ROUTEMM_TORCH_KERNELS="auto")
+    assert result.returncode == 0, result.stderr
+    kernels, loaded, reason = result.stdout.strip().splitlines()
+    assert (kernels, loaded) == ("python", "False")
+    assert "built against torch 0.0.1" in reason and torch.__version__ in reason
+
+
+def test_knob_cpp_refuses_a_mismatched_build():
+    result = _run(_MISMATCH + "    import routemm.torch\n", ROUTEMM_TORCH_KERNELS="cpp")
+    assert result.returncode != 0 and "ROUTEMM_TORCH_KERNELS=cpp, but" in result.stderr
+
+
+@cpp_only
+def test_fake_tensors_and_compile_run_with_the_cpp_kernels():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        y = torch.ops.routemm.matmul_id(
+            torch.empty(E, N, K), torch.empty(9, 3, K), torch.empty(9, 3, dtype=torch.int64)
+        )
+        assert y.shape == (27, N)
+    w, x, ids = _moe("cpu", 9, top_k=3)
+    blocks = _q4_blocks(N, K)
+
+    def step(w, x, ids, blocks):
+        return torch.ops.routemm.matmul_id(w, x, ids), torch.ops.routemm.q4_matmul(x, blocks, N, K)
+
+    compiled = torch.compile(step, fullgraph=True)(w, x, ids, blocks)
+    for a, b in zip(compiled, step(w, x, ids, blocks), strict=True):
+        assert torch.equal(a, b)
