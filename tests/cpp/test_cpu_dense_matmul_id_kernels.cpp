@@ -4,6 +4,7 @@
 // semantics, invalid ids and argument checks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -431,6 +432,61 @@ TEST(CpuDenseMatmulIdKernels, EveryInstructionSetCloneGivesTheSameBits) {
         }
       }
     }
+  }
+}
+
+// The grouped route computes an expert's routed rows in pairs, in tile groups whose sizes depend on
+// the row count and the clone; every count from 1 to 21 (odd counts leave a half-empty pair), a
+// column count that ends on a narrower tile and a k tail give the same bits in every clone, equal
+// to the direct route's.
+TEST(CpuDenseMatmulIdKernels, GroupedEveryRowCountPerExpertGivesTheSameBitsInEveryClone) {
+  ThreadPool pool(2);
+  constexpr uint32_t kExperts = 21;
+  uint64_t seed = 900;
+  for (WeightType t : {WeightType::F32, WeightType::F16, WeightType::BF16}) {
+    for (const auto& [n, k] : {std::tuple{50u, 37u}, {97u, 64u}}) {
+      // Expert e is named by e + 1 tokens (top_k = 1), in an interleaved order.
+      const uint32_t m = kExperts * (kExperts + 1) / 2;
+      const Problem pr{m, n, k, 1, kExperts, false, 0, t, false};
+      Data d = make_data(pr, seed++);
+      std::vector<uint32_t> ids;
+      for (uint32_t e = 0; e < kExperts; ++e) ids.insert(ids.end(), e + 1, e);
+      std::shuffle(ids.begin(), ids.end(), std::mt19937_64(seed));
+      d.ids = ids;
+      SCOPED_TRACE(std::string(type_name(t)) + " n=" + std::to_string(n) +
+                   " k=" + std::to_string(k));
+      std::vector<float> first;
+      for (Isa isa : runnable_isas()) {
+        const IsaLimitForTesting limit(isa);
+        SCOPED_TRACE(isa_name(isa));
+        const std::vector<float> direct = run_direct(d, t, pool);
+        expect_bit_equal(direct, run_grouped(d, t, pool), "grouped vs direct");
+        if (first.empty()) {
+          first = direct;
+          expect_matches_reference(pr, d, direct);
+        } else {
+          expect_bit_equal(direct, first, "clone vs portable");
+        }
+      }
+    }
+  }
+}
+
+// A thread keeps the activation rows it packed for one launch's item block while it computes the
+// block's other column ranges; a later launch over the same buffers, with new values in them, must
+// use the new values. One expert, so both launches' blocks start at the same routed entry.
+TEST(CpuDenseMatmulIdKernels, GroupedReadsEachLaunchsActivationsAfresh) {
+  for (size_t threads : {1u, 2u}) {
+    ThreadPool pool(threads);
+    const Problem pr{12, 100, 40, 1, 1, false, 0, WeightType::F32, false};
+    Data d = make_data(pr, 41);
+    Scratch s;
+    const std::vector<float> before = run_grouped(d, WeightType::F32, pool, &s);
+    expect_bit_equal(run_direct(d, WeightType::F32, pool), before, "first launch");
+    for (float& v : d.input) v = -2.0f * v + 1.0f;  // same buffer, new values
+    const std::vector<float> after = run_grouped(d, WeightType::F32, pool, &s);
+    expect_bit_equal(run_direct(d, WeightType::F32, pool), after, "second launch");
+    expect_matches_reference(pr, d, after);
   }
 }
 

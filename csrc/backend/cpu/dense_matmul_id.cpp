@@ -38,10 +38,12 @@
 #include <immintrin.h>
 #endif
 
-// GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsic headers (their
-// "undefined vector" idiom, fixed in GCC 13); no value of this file is read uninitialised.
+// GCC 12 reports -W(maybe-)uninitialized inside its own AVX-512 intrinsic headers (their
+// "undefined vector" idiom in the broadcasts, fixed in GCC 13); no value of this file is read
+// uninitialised.
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 12
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 #ifndef ROUTEMM_CPU_DENSE_MATMUL_ID_SHA256
@@ -136,28 +138,34 @@ Operands make_operands(const DenseMatmulIdKernelParams& p, const void* weights, 
 
 // ---- Micro-kernels ------------------------------------------------------------------------------
 //
-// Two implementations of the same three primitives, selected once per launch: PortableIsa (plain
-// loops, any target) and Avx2Isa (x86-64 intrinsics). Each follows the contract exactly, so the
-// choice never changes a bit.
+// Three implementations of the same two primitives, selected once per launch: PortableIsa (plain
+// loops, any target), Avx2Isa and Avx512Isa (x86-64 intrinsics). Each follows the contract
+// exactly, so the choice never changes a bit. Both read the weights where they are stored (column
+// c of an expert at w + c * k, widened on the fly) and compute every output over the full inner
+// dimension in registers.
 //
-//   widen_block(src, dst, count)      dst[i] = widen(src[i])
-//   direct_block(x, w, k, cols, out)  out[c] for c < cols: one output row over the full inner
-//                                     dimension, column c at w + c * k, weights widened on the fly
-//   grouped_tile(x, w, ld, i0, i1, acc, acc_stride)
-//                                     acc[r][c][lane] += inner range [i0, i1) (a multiple of 8
-//                                     wide) for kTileRows packed rows x kTileCols packed columns
+//   direct_block(x, w, k, cols, out)  out[c] for c < cols: one output row
+//   pair_rows(pairs, xp, steps, w, k, cols, out)
+//                                     out[r][c] for r < 2 * pairs (rows whose pointer is null
+//                                     are skipped), c < cols: up to kMaxPairs packed row pairs
+//                                     (layout at pack_row_pairs), each weight step loaded and
+//                                     widened once for all of them
 
-// Micro-kernel tile of the grouped route: 12 eight-lane accumulators (12 of 16 AVX2 registers).
-constexpr size_t kTileRows = 4;
-constexpr size_t kTileCols = 3;
 // Output columns the direct route computes together, sharing each activation load.
 constexpr size_t kDirectCols = 8;
+// Floats of one row pair's inner step in the packed layout: the first row's 8, then the second's.
+constexpr size_t kPairStep = 2 * kLanes;
+
+// w[8s .. 8s + 7] of one weight column of k values, widened, positions >= k as +0 (contract
+// step 1): the last, partial step of a column whose k is not a multiple of 8.
+template <typename WT>
+void widen_tail_step(const WT* column, size_t k, float* dst) {
+  const size_t full = k & ~kLaneMask;
+  for (size_t l = 0; l < kLanes; ++l) dst[l] = full + l < k ? simd::widen(column[full + l]) : 0.0f;
+}
 
 struct PortableIsa {
-  template <typename WT>
-  static void widen_block(const WT* src, float* dst, size_t count) {
-    simd::widen_block(src, dst, count);
-  }
+  static constexpr size_t kMaxPairs = 1;
 
   template <size_t C, typename WT>
   static void direct_columns(const float* x, const WT* w, size_t k, float* out) {
@@ -193,19 +201,27 @@ struct PortableIsa {
     for (; c < cols; ++c) direct_columns<1>(x, w + c * k, k, out + c);
   }
 
-  static void grouped_tile(const float* x, const float* w, size_t ld, size_t i0, size_t i1,
-                           float* acc, size_t acc_stride) {
-    for (size_t r = 0; r < kTileRows; ++r) {
-      for (size_t c = 0; c < kTileCols; ++c) {
-        float a[kLanes];
-        float* dst = acc + r * acc_stride + c * kLanes;
-        std::copy(dst, dst + kLanes, a);
-        for (size_t i = i0; i < i1; i += kLanes) {
-          for (size_t l = 0; l < kLanes; ++l) {
-            a[l] = std::fma(w[c * ld + i + l], x[r * ld + i + l], a[l]);
-          }
+  template <typename WT>
+  static void pair_rows(size_t /*pairs: always 1*/, const float* xp, size_t steps, const WT* w,
+                        size_t k, size_t cols, float* const* out) {
+    const size_t full = k / kLanes;
+    for (size_t c = 0; c < cols; ++c) {
+      const WT* column = w + c * k;
+      float acc[2][kLanes] = {};
+      float wt[kLanes];
+      for (size_t s = 0; s < steps; ++s) {
+        if (s < full) {
+          for (size_t l = 0; l < kLanes; ++l) wt[l] = simd::widen(column[s * kLanes + l]);
+        } else {
+          widen_tail_step(column, k, wt);
         }
-        std::copy(a, a + kLanes, dst);
+        for (size_t h = 0; h < 2; ++h) {
+          const float* x = xp + s * kPairStep + h * kLanes;
+          for (size_t l = 0; l < kLanes; ++l) acc[h][l] = std::fma(wt[l], x[l], acc[h][l]);
+        }
+      }
+      for (size_t h = 0; h < 2; ++h) {
+        if (out[h] != nullptr) out[h][c] = simd::reduce_lanes(acc[h]);
       }
     }
   }
@@ -224,17 +240,11 @@ struct Avx2Isa {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
 
-  template <typename WT>
-  ROUTEMM_CPU_AVX2 static void widen_block(const WT* src, float* dst, size_t count) {
-    size_t i = 0;
-    for (; i + kLanes <= count; i += kLanes) _mm256_storeu_ps(dst + i, load8(src + i));
-    for (; i < count; ++i) dst[i] = simd::widen(src[i]);
-  }
-
+  // The contract's lane tree, ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)), operand for operand.
   ROUTEMM_CPU_AVX2 static float reduce(__m256 v) {
-    alignas(32) float lanes[kLanes];
-    _mm256_store_ps(lanes, v);
-    return simd::reduce_lanes(lanes);
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1))));
   }
 
   template <size_t C, typename WT>
@@ -272,30 +282,52 @@ struct Avx2Isa {
     for (; c < cols; ++c) direct_columns<1>(x, w + c * k, k, out + c);
   }
 
-  ROUTEMM_CPU_AVX2 static void grouped_tile(const float* x, const float* w, size_t ld, size_t i0,
-                                            size_t i1, float* acc, size_t acc_stride) {
-    __m256 a[kTileRows][kTileCols];
+  // One packed row pair x C columns: 2C accumulators, each weight step loaded and widened once for
+  // both rows.
+  template <size_t C, typename WT>
+  ROUTEMM_CPU_AVX2 static void pair_tile(const float* xp, size_t steps, const WT* w, size_t k,
+                                         float* const* out, size_t col) {
+    __m256 acc[2][C];
 #pragma GCC unroll 16
-    for (size_t r = 0; r < kTileRows; ++r)
+    for (size_t c = 0; c < C; ++c) acc[0][c] = acc[1][c] = _mm256_setzero_ps();
+    const size_t full = k / kLanes;
+    for (size_t s = 0; s < full; ++s) {
+      const __m256 x0 = _mm256_loadu_ps(xp + s * kPairStep);
+      const __m256 x1 = _mm256_loadu_ps(xp + s * kPairStep + kLanes);
 #pragma GCC unroll 16
-      for (size_t c = 0; c < kTileCols; ++c)
-        a[r][c] = _mm256_loadu_ps(acc + r * acc_stride + c * kLanes);
-    for (size_t i = i0; i < i1; i += kLanes) {
-      __m256 wv[kTileCols];
-#pragma GCC unroll 16
-      for (size_t c = 0; c < kTileCols; ++c) wv[c] = _mm256_loadu_ps(w + c * ld + i);
-#pragma GCC unroll 16
-      for (size_t r = 0; r < kTileRows; ++r) {
-        const __m256 xv = _mm256_loadu_ps(x + r * ld + i);
-#pragma GCC unroll 16
-        for (size_t c = 0; c < kTileCols; ++c) a[r][c] = _mm256_fmadd_ps(wv[c], xv, a[r][c]);
+      for (size_t c = 0; c < C; ++c) {
+        const __m256 wv = load8(w + c * k + s * kLanes);
+        acc[0][c] = _mm256_fmadd_ps(wv, x0, acc[0][c]);
+        acc[1][c] = _mm256_fmadd_ps(wv, x1, acc[1][c]);
       }
     }
-#pragma GCC unroll 16
-    for (size_t r = 0; r < kTileRows; ++r)
-#pragma GCC unroll 16
-      for (size_t c = 0; c < kTileCols; ++c)
-        _mm256_storeu_ps(acc + r * acc_stride + c * kLanes, a[r][c]);
+    if (full < steps) {  // zero-padded tail step (contract step 1)
+      const __m256 x0 = _mm256_loadu_ps(xp + full * kPairStep);
+      const __m256 x1 = _mm256_loadu_ps(xp + full * kPairStep + kLanes);
+      for (size_t c = 0; c < C; ++c) {
+        alignas(32) float wt[kLanes];
+        widen_tail_step(w + c * k, k, wt);
+        const __m256 wv = _mm256_load_ps(wt);
+        acc[0][c] = _mm256_fmadd_ps(wv, x0, acc[0][c]);
+        acc[1][c] = _mm256_fmadd_ps(wv, x1, acc[1][c]);
+      }
+    }
+    for (size_t h = 0; h < 2; ++h) {
+      if (out[h] == nullptr) continue;
+      for (size_t c = 0; c < C; ++c) out[h][col + c] = reduce(acc[h][c]);
+    }
+  }
+
+  static constexpr size_t kMaxPairs = 1;
+  static constexpr size_t kPairCols = 6;  // 12 accumulators, 2 activations, 1 weight: 15 of 16
+
+  template <typename WT>
+  ROUTEMM_CPU_AVX2 static void pair_rows(size_t /*pairs: always 1*/, const float* xp, size_t steps,
+                                         const WT* w, size_t k, size_t cols, float* const* out) {
+    size_t c = 0;
+    for (; c + kPairCols <= cols; c += kPairCols)
+      pair_tile<kPairCols>(xp, steps, w + c * k, k, out, c);
+    for (; c < cols; ++c) pair_tile<1>(xp, steps, w + c * k, k, out, c);
   }
 };
 
@@ -319,11 +351,6 @@ struct Avx512Isa {
   ROUTEMM_CPU_AVX512 static __m512 load_pair8(const BFloat16* p0, const BFloat16* p1) {
     return _mm512_castsi512_ps(
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(load_pair8_bits(p0, p1)), 16));
-  }
-
-  template <typename WT>
-  ROUTEMM_CPU_AVX512 static void widen_block(const WT* src, float* dst, size_t count) {
-    Avx2Isa::widen_block(src, dst, count);
   }
 
   // Both halves reduced with the contract's tree: out[0] from the low half, out[1] the high.
@@ -413,32 +440,100 @@ struct Avx512Isa {
     if (c < cols) Avx2Isa::direct_columns<1>(x, w + c * k, k, out + c);
   }
 
-  // The grouped micro-kernel over column pairs: kTileRows rows x kTileCols columns, the last
-  // (odd) column of the tile on a 256-bit accumulator.
-  ROUTEMM_CPU_AVX512 static void grouped_tile(const float* x, const float* w, size_t ld, size_t i0,
-                                              size_t i1, float* acc, size_t acc_stride) {
-    static_assert(kTileCols == 3);
-    __m512 a[kTileRows];
-    __m256 b[kTileRows];
-#pragma GCC unroll 8
-    for (size_t r = 0; r < kTileRows; ++r) {
-      a[r] = _mm512_loadu_ps(acc + r * acc_stride);
-      b[r] = _mm256_loadu_ps(acc + r * acc_stride + 2 * kLanes);
-    }
-    for (size_t i = i0; i < i1; i += kLanes) {
-      const __m512 w01 = load_pair8(w + i, w + ld + i);
-      const __m256 w2 = _mm256_loadu_ps(w + 2 * ld + i);
-#pragma GCC unroll 8
-      for (size_t r = 0; r < kTileRows; ++r) {
-        const __m256 xv = _mm256_loadu_ps(x + r * ld + i);
-        a[r] = _mm512_fmadd_ps(w01, _mm512_broadcast_f32x8(xv), a[r]);
-        b[r] = _mm256_fmadd_ps(w2, xv, b[r]);
+  // ---- Grouped: row pairs. A register holds one column's accumulators of two routed rows (the
+  // pair's first row low, second high); the weight step is broadcast to both halves.
+
+  // w[0 .. 8) widened exactly into both 256-bit halves.
+  ROUTEMM_CPU_AVX512 static __m512 broadcast8(const float* p) {
+    return _mm512_broadcast_f32x8(_mm256_loadu_ps(p));
+  }
+  ROUTEMM_CPU_AVX512 static __m512 broadcast8(const Half* p) {
+    return _mm512_cvtph_ps(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  ROUTEMM_CPU_AVX512 static __m512 broadcast8(const BFloat16* p) {
+    // Every 128-bit block holds the 8 words; dword j of a block takes word j (blocks 0, 2) or
+    // j + 4 (blocks 1, 3) into its high half, the low half zeroed: the exact f32 value.
+    const __m512i spread =
+        _mm512_set_epi32(0x0f0e8080, 0x0d0c8080, 0x0b0a8080, 0x09088080, 0x07068080, 0x05048080,
+                         0x03028080, 0x01008080, 0x0f0e8080, 0x0d0c8080, 0x0b0a8080, 0x09088080,
+                         0x07068080, 0x05048080, 0x03028080, 0x01008080);
+    return _mm512_castsi512_ps(_mm512_shuffle_epi8(
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), spread));
+  }
+
+  // Both halves of v summed by the contract's tree, operand for operand: the low half's sum in
+  // lane 0, the high half's in lane 8.
+  ROUTEMM_CPU_AVX512 static __m512 reduce_halves(__m512 v) {
+    const __m512 s = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512 t = _mm512_add_ps(s, _mm512_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
+  }
+
+  // Q packed row pairs x C columns: Q * C accumulators; each weight step is loaded and widened
+  // once for the 2Q rows, each activation step once for the C columns.
+  template <size_t Q, size_t C, typename WT>
+  ROUTEMM_CPU_AVX512 static void pair_tile(const float* xp, size_t steps, const WT* w, size_t k,
+                                           float* const* out, size_t col) {
+    __m512 acc[Q][C];
+#pragma GCC unroll 16
+    for (size_t q = 0; q < Q; ++q)
+#pragma GCC unroll 16
+      for (size_t c = 0; c < C; ++c) acc[q][c] = _mm512_setzero_ps();
+    const size_t full = k / kLanes;
+    for (size_t s = 0; s < full; ++s) {
+      __m512 xv[Q];
+#pragma GCC unroll 16
+      for (size_t q = 0; q < Q; ++q) xv[q] = _mm512_loadu_ps(xp + (q * steps + s) * kPairStep);
+#pragma GCC unroll 16
+      for (size_t c = 0; c < C; ++c) {
+        const __m512 wv = broadcast8(w + c * k + s * kLanes);
+#pragma GCC unroll 16
+        for (size_t q = 0; q < Q; ++q) acc[q][c] = _mm512_fmadd_ps(wv, xv[q], acc[q][c]);
       }
     }
-#pragma GCC unroll 8
-    for (size_t r = 0; r < kTileRows; ++r) {
-      _mm512_storeu_ps(acc + r * acc_stride, a[r]);
-      _mm256_storeu_ps(acc + r * acc_stride + 2 * kLanes, b[r]);
+    if (full < steps) {  // zero-padded tail step (contract step 1)
+      for (size_t c = 0; c < C; ++c) {
+        alignas(32) float wt[kLanes];
+        widen_tail_step(w + c * k, k, wt);
+        const __m512 wv = broadcast8(wt);
+        for (size_t q = 0; q < Q; ++q) {
+          const __m512 xv = _mm512_loadu_ps(xp + (q * steps + full) * kPairStep);
+          acc[q][c] = _mm512_fmadd_ps(wv, xv, acc[q][c]);
+        }
+      }
+    }
+    for (size_t q = 0; q < Q; ++q) {
+      float* lo = out[2 * q];
+      float* hi = out[2 * q + 1];
+      for (size_t c = 0; c < C; ++c) {
+        const __m512 r = reduce_halves(acc[q][c]);
+        if (lo != nullptr) lo[col + c] = _mm512_cvtss_f32(r);
+        if (hi != nullptr) hi[col + c] = _mm_cvtss_f32(_mm512_extractf32x4_ps(r, 2));
+      }
+    }
+  }
+
+  template <size_t Q, size_t C, typename WT>
+  ROUTEMM_CPU_AVX512 static void pair_columns(const float* xp, size_t steps, const WT* w, size_t k,
+                                              size_t cols, float* const* out) {
+    size_t c = 0;
+    for (; c + C <= cols; c += C) pair_tile<Q, C>(xp, steps, w + c * k, k, out, c);
+    for (; c < cols; ++c) pair_tile<Q, 1>(xp, steps, w + c * k, k, out, c);
+  }
+
+  // Tiles of 24 accumulators (16 for a lone pair) of the 32 registers; the column counts divide
+  // kBlockCols.
+  static constexpr size_t kMaxPairs = 4;
+
+  template <typename WT>
+  ROUTEMM_CPU_AVX512 static void pair_rows(size_t pairs, const float* xp, size_t steps, const WT* w,
+                                           size_t k, size_t cols, float* const* out) {
+    switch (pairs) {
+      case 1: pair_columns<1, 16>(xp, steps, w, k, cols, out); break;
+      case 2: pair_columns<2, 12>(xp, steps, w, k, cols, out); break;
+      case 3: pair_columns<3, 8>(xp, steps, w, k, cols, out); break;
+      default: pair_columns<4, 6>(xp, steps, w, k, cols, out); break;
     }
   }
 };
@@ -559,12 +654,11 @@ void map_distinct_kernel(const KernelLaunch& launch, void* /*queue_native*/) {
 
 // ---- Grouped ------------------------------------------------------------------------------------
 
-// Work item extents: routed rows x columns of one expert. Columns are a multiple of kTileCols.
+// Work item extents: routed rows x columns of one expert. The columns are a multiple of every
+// clone's tile width, so only a matrix whose n is not ends on narrower tiles.
 constexpr size_t kBlockRows = 64;
 constexpr size_t kBlockCols = 48;
-// Inner positions per pass, so that a tile's weight slices stay in L1 while the rows go by.
-constexpr size_t kInnerBlock = 256;
-static_assert(kBlockCols % kTileCols == 0 && kInnerBlock % kLanes == 0);
+static_assert(kBlockRows % 2 == 0 && kBlockCols % 48 == 0);
 
 struct GroupedItem {
   uint32_t expert;
@@ -575,63 +669,82 @@ struct GroupedItem {
 struct GroupedJob {
   Operands ops;
   const uint32_t* routed;  // the map's list: each expert's flat rows, expert after expert
+  uint64_t launch;         // unique per launch: keys the per-thread packed rows
 };
 
-// Per-thread packing buffers, reused across items and launches.
+// Gives every grouped launch its own number, so a thread's packed rows are never taken for
+// another launch's.
+uint64_t next_grouped_launch() {
+  static std::atomic<uint64_t> counter{0};
+  return counter.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
+// Per-thread buffers, reused across items and launches. The packed rows belong to the item
+// block (launch, row0): the items of one block differ only in their columns, and a thread that
+// takes several of them packs the rows once.
 struct GroupedScratch {
-  std::vector<float> x, w, acc;
+  uint64_t launch = 0;
+  uint32_t row0 = 0;
+  std::vector<float> xp;
+  std::vector<float*> out;
 };
 GroupedScratch& grouped_scratch() {
   thread_local GroupedScratch scratch;
   return scratch;
 }
 
+// Packs routed rows flats[0 .. rows) two at a time: pair q's inner step s (positions 8s .. 8s+7)
+// is kPairStep floats at xp + (q * steps + s) * kPairStep, the pair's first row's 8 then its
+// second's. Positions >= k and the absent second row of an odd count are +0 (contract step 1).
+void pack_row_pairs(const Operands& ops, const uint32_t* flats, size_t rows, size_t steps,
+                    float* xp) {
+  const size_t k = ops.k, full = k / kLanes, rest = k - full * kLanes;
+  for (size_t r = 0; r < round_up(rows, 2); ++r) {
+    float* dst = xp + (r / 2) * steps * kPairStep + (r % 2) * kLanes;
+    if (r == rows) {
+      for (size_t s = 0; s < steps; ++s) std::fill_n(dst + s * kPairStep, kLanes, 0.0f);
+      continue;
+    }
+    const float* src = ops.input_row(flats[r]);
+    for (size_t s = 0; s < full; ++s) std::memcpy(dst + s * kPairStep, src + s * kLanes, 32);
+    if (rest != 0) {
+      float* tail = dst + full * kPairStep;
+      std::copy_n(src + full * kLanes, rest, tail);
+      std::fill(tail + rest, tail + kLanes, 0.0f);
+    }
+  }
+}
+
+// One item: its rows packed (or reused), then the row pairs in groups of at most Isa::kMaxPairs,
+// as even as possible (5 pairs run as 3 + 2, not 4 + 1, so every group fills its tile), each
+// group reading the item's weight columns once.
 template <typename Isa, typename WT>
 void grouped_item(const GroupedJob& job, const GroupedItem& item) {
   const Operands& ops = job.ops;
-  const size_t k = ops.k, kp = round_up(k, kLanes);
-  const size_t rows = item.rows, rows_pad = round_up(rows, kTileRows);
+  const size_t k = ops.k, steps = round_up(k, kLanes) / kLanes;
   const size_t cols = std::min(kBlockCols, ops.n - item.col0);
-  const size_t cols_pad = round_up(cols, kTileCols);
+  const size_t pairs = (size_t{item.rows} + 1) / 2;
   const uint32_t* flats = job.routed + item.row0;
 
   GroupedScratch& s = grouped_scratch();
-  s.x.resize(std::max(s.x.size(), rows_pad * kp));
-  s.w.resize(std::max(s.w.size(), cols_pad * kp));
-  s.acc.resize(std::max(s.acc.size(), rows_pad * cols_pad * kLanes));
-  float* x = s.x.data();
-  float* w = s.w.data();
-  float* acc = s.acc.data();
+  if (s.launch != job.launch || s.row0 != item.row0) {
+    s.xp.resize(std::max(s.xp.size(), pairs * steps * kPairStep));
+    pack_row_pairs(ops, flats, item.rows, steps, s.xp.data());
+    s.launch = job.launch;
+    s.row0 = item.row0;
+  }
+  s.out.resize(std::max(s.out.size(), 2 * pairs));
+  for (size_t r = 0; r < 2 * pairs; ++r) {
+    s.out[r] = r < item.rows ? ops.output_row(flats[r]) + item.col0 : nullptr;
+  }
 
-  // Gather the routed activation rows, zero-padded to kp and to a whole row tile.
-  for (size_t r = 0; r < rows; ++r) {
-    std::memcpy(x + r * kp, ops.input_row(flats[r]), k * sizeof(float));
-    std::fill(x + r * kp + k, x + (r + 1) * kp, 0.0f);
-  }
-  std::fill(x + rows * kp, x + rows_pad * kp, 0.0f);
-  // Widen this column block of the expert once; every routed row reuses it.
-  const WT* expert = ops.expert<WT>(item.expert) + size_t{item.col0} * k;
-  for (size_t c = 0; c < cols; ++c) {
-    Isa::widen_block(expert + c * k, w + c * kp, k);
-    std::fill(w + c * kp + k, w + (c + 1) * kp, 0.0f);
-  }
-  std::fill(w + cols * kp, w + cols_pad * kp, 0.0f);
-  std::fill(acc, acc + rows_pad * cols_pad * kLanes, 0.0f);
-
-  const size_t acc_stride = cols_pad * kLanes;
-  for (size_t i0 = 0; i0 < kp; i0 += kInnerBlock) {
-    const size_t i1 = std::min(kp, i0 + kInnerBlock);
-    for (size_t c = 0; c < cols_pad; c += kTileCols) {
-      for (size_t r = 0; r < rows_pad; r += kTileRows) {
-        Isa::grouped_tile(x + r * kp, w + c * kp, kp, i0, i1, acc + r * acc_stride + c * kLanes,
-                          acc_stride);
-      }
-    }
-  }
-  for (size_t r = 0; r < rows; ++r) {
-    float* out = ops.output_row(flats[r]) + item.col0;
-    for (size_t c = 0; c < cols; ++c)
-      out[c] = simd::reduce_lanes(acc + r * acc_stride + c * kLanes);
+  const WT* w = ops.expert<WT>(item.expert) + size_t{item.col0} * k;
+  const size_t groups = (pairs + Isa::kMaxPairs - 1) / Isa::kMaxPairs;
+  for (size_t g = 0, q = 0; g < groups; ++g) {
+    const size_t group = pairs / groups + (g < pairs % groups ? 1 : 0);
+    Isa::pair_rows(group, s.xp.data() + q * steps * kPairStep, steps, w, k, cols,
+                   s.out.data() + 2 * q);
+    q += group;
   }
 }
 
@@ -681,7 +794,7 @@ void run_grouped_launch(const KernelLaunch& launch, void* queue_native,
   std::stable_sort(items.begin(), items.end(),
                    [](const GroupedItem& a, const GroupedItem& b) { return a.rows > b.rows; });
 
-  const GroupedJob job{make_operands(p, weights, input, output), routed};
+  const GroupedJob job{make_operands(p, weights, input, output), routed, next_grouped_launch()};
   auto* pool = static_cast<ThreadPool*>(queue_native);
   if (pool == nullptr || pool->size() == 1) {
     for (const GroupedItem& item : items) run_item(job, item);
