@@ -1,10 +1,13 @@
-"""The plan machinery both frozen route plans share (dense_q4_plan, dense_matmul_id_plan).
+"""The plan machinery every frozen route plan shares (dense_q4_plan, dense_matmul_id_plan).
 
-A plan kind (PlanKind) names its records and the few checks that differ; everything else lives
-here once: the records' common parts (timing distributions, the activation identity every plan and
-receipt carries, the fields every plan, plan decision, calibration decision and calibration receipt
-has, lookup and saving), activation preconditions, freezing into a registry, the frozen-plan store,
-and reloading a saved plan file.
+A plan kind (a PlanKind subclass) names its records and overrides the hooks that differ (its
+pipelines, fingerprint, checks, run and declared shapes); everything else lives here once: the
+records' common parts (timing distributions, the activation identity every plan and receipt
+carries, the fields every plan, plan decision, calibration decision and calibration receipt has,
+lookup and saving, and `kind_record` for a kind's records that add only their schema), activation
+preconditions, freezing into a registry, the frozen-plan store, the calibrate and load entry points
+(the plan-cache protocol, reading a saved file and pinning its outcomes), and reloading a saved
+plan file.
 
 The common record parts are generic dataclasses: a kind's record derives from one with its own
 types named as type arguments (`CalibrationDecision[DenseQ4Shape, DenseQ4Route, ...]`), adds the
@@ -29,13 +32,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import types
+import typing
 import weakref
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Generic, Optional, TypeVar
+from typing import Any, ClassVar, Generic, Optional, TypeVar
 
 from . import _core
 from . import calibration as cal
 from ._errors import InvalidArgumentError
+from ._json import JsonRecord
 
 U64_MAX = 2**64 - 1
 
@@ -201,37 +207,90 @@ def set_origin(plan, origin: Origin) -> None:
     object.__setattr__(plan, "_origin", origin)
 
 
+def kind_record(module: str, name: str, base, schema: str, *, schema_version: Optional[int] = None) -> type:
+    """The record class `name` of `module` that adds nothing to `base` (a generic record with its
+    type arguments) but its schema file and, where given, its schema_version field: the per-kind
+    name under which a schema's `$defs` describe it and JSON decoding finds its field types."""
+
+    def body(ns):
+        ns.update(__module__=module, __qualname__=name, SCHEMA=schema)
+        ns["__doc__"] = f"{getattr(typing.get_origin(base) or base, '__doc__', '')}".strip() or None
+        if schema_version is not None:
+            ns["__annotations__"] = {"schema_version": int}
+            ns["schema_version"] = schema_version
+
+    return dataclasses.dataclass(frozen=True)(types.new_class(name, (base, JsonRecord), exec_body=body))
+
+
 # ---- Plan kinds ----------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
 class PlanKind:
-    """What differs between plan kinds, as the shared machinery needs it."""
+    """What differs between plan kinds, as the shared machinery needs it: a kind subclasses this,
+    overrides the hooks that differ (the defaults suit a kind whose plan carries no more than its
+    decisions) and is made once per module with its names and record types."""
 
-    name: str  # registry plan kind and plan-file kind, e.g. "dense_q4"
-    label: str  # how messages name it, e.g. "dense Q4"
-    plan_type: type
-    receipt_type: type
-    route_type: type
-    protected_names: Callable[[], list]
-    # build fingerprint of `registry` now, for the plan's weight dtypes
-    build_fingerprint: Callable[[Any, Any], str]
-    # extra checks of a plan before it is frozen or reloaded: raise InvalidArgumentError
-    check_plan: Callable[[Any], None] = lambda plan: None
-    # routes a saved decision may name
-    plannable_routes: tuple = ()
-    # the plan id recomputed from a plan's own fields, or None where it depends on more
-    recompute_plan_id: Callable[[Any], Optional[str]] = lambda plan: None
     max_epoch: int = U64_MAX
-    # a saved receipt document of an earlier schema version rewritten as the current one, so plan
-    # files saved by earlier releases still load (documents it does not recognise pass unchanged)
-    upgrade_receipt: Callable[[dict], dict] = lambda doc: doc
-    # freezes (registry, plan, protected names) into the native registry; None: the plan's id and
-    # document only. A kind whose native dispatcher reads the plan passes its decisions as well.
-    freeze_native: Optional[Callable[[Any, Any, list], None]] = None
+
+    def __init__(self, name: str, label: str, plan_type: type, receipt_type: type, route_type: type, routes=()):
+        self.name = name  # registry plan kind and plan-file kind, e.g. "dense_q4"
+        self.label = label  # how messages name it, e.g. "dense Q4"
+        self.plan_type, self.receipt_type, self.route_type = plan_type, receipt_type, route_type
+        self.plannable_routes = tuple(routes or route_type)  # routes a saved decision may name
+        plan_type.KIND = self
 
     def fail(self, message: str):
         raise InvalidArgumentError(f"{self.label} {message}")
+
+    # -- Freezing and reloading
+    def protected_names(self) -> list:
+        """The pipelines a frozen plan depends on (re-registering them is refused afterwards)."""
+        raise NotImplementedError
+
+    def build_fingerprint(self, registry, plan) -> str:
+        """The build fingerprint of `registry` now, for the plan's weight formats."""
+        raise NotImplementedError
+
+    def check_plan(self, plan) -> None:
+        """Extra checks of a plan (or its receipt) before it is frozen or reloaded: raise
+        InvalidArgumentError."""
+
+    def recompute_plan_id(self, plan) -> Optional[str]:
+        """The plan id recomputed from a plan's own fields, or None where it depends on more."""
+        return None
+
+    def upgrade_receipt(self, doc: dict) -> dict:
+        """A saved receipt document of an earlier schema version rewritten as the current one, so
+        plan files saved by earlier releases still load (documents it does not recognise pass
+        unchanged)."""
+        return doc
+
+    def freeze_native(self, registry, plan, protected: list) -> None:
+        """Freeze `plan` into the native registry; by default its id and document only. A kind
+        whose native dispatcher reads the plan passes its decisions as well."""
+        registry.freeze_plan(self.name, plan.plan_id, protected, plan.to_json())
+
+    # -- Calibration (calibrate and load below drive these)
+    def run(self, registry, device, epoch, limits, cases, *, progress, pinned=None, **test_hooks):
+        """Validate `cases`, prove and time (or, with `pinned`, only prove) every declared shape,
+        freeze the plan into `registry`; returns (plan, receipt)."""
+        raise NotImplementedError
+
+    def declared(self, registry, device, epoch, limits, cases) -> tuple:
+        """(build fingerprint now, the exact shape keys `cases` declare); refuses bad cases."""
+        raise NotImplementedError
+
+    def cache_key(self, registry, device, epoch, limits, cases) -> Any:
+        """What names the saved plan of `cases` under ROUTEMM_PLAN_CACHE_DIR."""
+        raise NotImplementedError
+
+    def explained_outcome(self, decision) -> dict:
+        """The pinned outcome of a saved receipt's decision (route, status and its evidence)."""
+        raise NotImplementedError
+
+    def unexplained_outcome(self, route) -> dict:
+        """The pinned outcome of a saved plan decision that no receipt explains."""
+        raise NotImplementedError
 
 
 # ---- The frozen-plan store -----------------------------------------------------------------------
@@ -285,10 +344,7 @@ def install(registry, kind: PlanKind, plan, *, worker: bool = False) -> None:
     entry = _plans_of(registry)
     with _STORE_LOCK:
         protected = sorted(set(kind.protected_names()))
-        if kind.freeze_native is None:
-            registry.freeze_plan(kind.name, plan.plan_id, protected, plan.to_json())
-        else:
-            kind.freeze_native(registry, plan, protected)
+        kind.freeze_native(registry, plan, protected)
         entry.frozen.setdefault(kind.name, plan)
         if worker:
             entry.installed_for_worker.add((kind.name, plan.plan_id))
@@ -349,21 +405,46 @@ def freeze(kind: PlanKind, registry, device, plan, *, check_fingerprint: bool = 
 # ---- Plan files ----------------------------------------------------------------------------------
 
 
-def calibrate_with_plan_cache(kind: PlanKind, device, cache_key: Optional[Callable[[], Any]], reload, run):
-    """The ROUTEMM_PLAN_CACHE_DIR protocol: with the knob set (and `cache_key` given), a saved plan
-    for `cache_key()` is reloaded through `reload(path)` (a mismatching file is logged and
-    ignored); otherwise `run()` calibrates and its plan is saved there. Returns (plan, receipt)."""
+def calibrate(kind: PlanKind, registry, device, activation_epoch, limits=None, cases=(), *, progress=None, **hooks):
+    """The calibrate entry point of every kind: prove, time and freeze the kind's routes for every
+    declared case; returns (plan, receipt). With ROUTEMM_PLAN_CACHE_DIR set, a saved plan for the
+    same cases, build and device is reloaded (proof re-run, timing skipped; a mismatching file is
+    logged and ignored) and a fresh plan is saved there. `progress(done, total, info)` is called
+    after each exact shape; `hooks` are the kind's test hooks (`_timer`, `_clock`, ...)."""
+    cases = list(cases)
     knob_set = bool(cal.os.environ.get(cal.PLAN_CACHE_DIR_KNOB, "").strip())
-    path = cal.plan_cache_path(kind.name, cache_key()) if knob_set and cache_key is not None else None
+    path = None
+    if knob_set and cases:
+        path = cal.plan_cache_path(kind.name, kind.cache_key(registry, device, activation_epoch, limits, cases))
     if path is not None and path.exists():
         try:
-            return reload(path)
+            return load(
+                kind, path, registry, device, cases, activation_epoch=activation_epoch, limits=limits, progress=progress
+            )
         except cal.PlanFileMismatch as e:
             cal.LOGGER.warning("ignoring saved %s plan: %s", kind.label, e)
-    plan, receipt = run()
+    plan, receipt = kind.run(registry, device, activation_epoch, limits, cases, progress=progress, **hooks)
     if path is not None:
         plan.save(path, receipt)
     return plan, receipt
+
+
+def load(kind: PlanKind, path, registry, device, cases, *, activation_epoch=None, limits=None, progress=None):
+    """The load entry point of every kind: reload a saved plan file. Every validator must match
+    (else PlanFileMismatch), the declared exact shapes must equal the saved ones, the current-weight
+    proof is re-run (timing is skipped: the saved receipt's outcomes are pinned), and a plan with
+    the saved decisions is frozen into `registry` (a new authority, so a new plan id). Without
+    `activation_epoch` the saved plan's epoch is reused."""
+    cases = list(cases)
+    build_fp, keys = kind.declared(registry, device, activation_epoch, limits, cases)
+    saved, receipt = read_saved_plan(kind, path, cal.plan_validators(device, build_fp))
+    if not keys or set(keys) != set(saved._lookup):
+        raise cal.PlanFileMismatch(f"route plan file {path} was made for different shapes than the cases declare")
+    pinned = {d.shape.key: kind.explained_outcome(d) for d in (receipt.decisions if receipt is not None else ())}
+    for d in saved.decisions:
+        pinned.setdefault(d.shape.key, kind.unexplained_outcome(d.route))["route"] = d.route  # the plan decides
+    epoch = saved.activation_epoch if activation_epoch is None else activation_epoch
+    return kind.run(registry, device, epoch, limits, cases, progress=progress, pinned=pinned)
 
 
 def read_saved_plan(kind: PlanKind, path, validators: dict):

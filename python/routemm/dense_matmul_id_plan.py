@@ -26,19 +26,19 @@ the cached winner: 4 submissions, 6 dispatches.
 from __future__ import annotations
 
 import dataclasses
-import enum
-import functools
 import math
 import struct
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from . import _core
+from . import _expert_id_plan as ex
 from . import _route_plan as rp
 from . import calibration as cal
 from ._core_api import DType, EncodedKernelDispatch, PipelineIdentity
 from ._errors import Error, InvalidArgumentError
+from ._expert_id_plan import DenseMatmulIdDecisionSource, DenseMatmulIdRoutingProfile, DenseMatmulIdSelectionStatus
 from ._json import JsonRecord
 from .dense_matmul_id import (
     BF16_DOT_PIPELINE_NAMES,
@@ -56,6 +56,7 @@ from .dense_matmul_id import (
 )
 
 PLAN_KIND = "dense_matmul_id"
+_PLAN, _RECEIPT = "dense_matmul_id_route_plan.schema.json", "dense_matmul_id_calibration_receipt.schema.json"
 DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM = (
     "dense_matmul_id value independence: for a fixed weight dtype, shape, expert stride, input layout and "
     "id multiplicity, direct and grouped_prefill evaluate every output element with the same widening, the "
@@ -70,29 +71,12 @@ TENSOR_TOLERANCE = {DenseMatmulIdRoute.GROUPED_TENSOR_TF32: 2e-3, DenseMatmulIdR
 _ADVERSARIAL = np.array([1.0, -0.0, 0.0078125, -3.5, 1.0009766, -0.33333334, 6.1035156e-05, 2.75], np.float32)
 
 
-class DenseMatmulIdRoutingProfile(enum.Enum):
-    BALANCED = "balanced"  # ids (token + slot) mod E
-    MAXIMALLY_SKEWED_DISTINCT = "maximally_skewed_distinct"  # ids = slot: every token on the same experts
-
-
-class DenseMatmulIdSelectionStatus(enum.Enum):
-    CALIBRATED_WINNER = "calibrated_winner"
-    DIRECT_FASTEST = "direct_fastest"
-    NO_STABLE_WINNER = "no_stable_winner"
-    DIRECT_ONLY = "direct_only"
-    INCOHERENT_GROUPED = "incoherent_grouped"
-    BUDGET_FALLBACK = "budget_fallback"
-    ERROR_FALLBACK = "error_fallback"
-
-
-class DenseMatmulIdDecisionSource(enum.Enum):
-    FROZEN_PLAN = "frozen_plan"
-    UNDECLARED_DIRECT = "undeclared_direct"
-
-
 @dataclasses.dataclass(frozen=True)
 class DenseMatmulIdShape(JsonRecord):
-    SCHEMA = "dense_matmul_id_route_plan.schema.json"
+    """An exact expert-ID call shape: the weight dtype and every params field but the route (the
+    plan's key). Its base (all but m) is what an undeclared m of a declared shape falls back on."""
+
+    SCHEMA = _PLAN
     weight_dtype: DType
     m: int
     n: int
@@ -162,90 +146,23 @@ class DenseMatmulIdCalibrationLimits:
     max_submissions: int = 6_145
 
 
-@dataclasses.dataclass(frozen=True)
-class DenseMatmulIdTimingDistribution(rp.TimingDistribution, JsonRecord):
-    SCHEMA = "dense_matmul_id_calibration_receipt.schema.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseMatmulIdRouteTiming(JsonRecord):
-    SCHEMA = "dense_matmul_id_calibration_receipt.schema.json"
-    profile: DenseMatmulIdRoutingProfile
-    route: DenseMatmulIdRoute
-    wall: DenseMatmulIdTimingDistribution
-    gpu: DenseMatmulIdTimingDistribution
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseMatmulIdCandidateProof(JsonRecord):
-    """One candidate on one profile: bit-exact (tolerance 0) or within its documented tolerance."""
-
-    SCHEMA = "dense_matmul_id_calibration_receipt.schema.json"
-    route: DenseMatmulIdRoute
-    profile: DenseMatmulIdRoutingProfile
-    tolerance: float
-    rel_frobenius_error: float
-    status_bits: int
-    coherent: bool
-    diagnostic: Optional[str]
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseMatmulIdCalibrationDecision(
-    rp.CalibrationDecision[
-        DenseMatmulIdShape, DenseMatmulIdRoute, DenseMatmulIdSelectionStatus, DenseMatmulIdRouteTiming
-    ],
-    JsonRecord,
-):
-    """Why one exact shape takes its route: besides the common fields, the candidates it had and
-    their proofs, how many weight identities the value-independence theorem authorised, and the
-    proof and timing dispatches."""
-
-    SCHEMA = "dense_matmul_id_calibration_receipt.schema.json"
-    candidates: tuple[DenseMatmulIdRoute, ...]
-    proofs: tuple[DenseMatmulIdCandidateProof, ...]
-    theorem_authorized_weight_identities: int
-    proof_dispatches: int
-    timing_dispatches: int
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseMatmulIdPlanDecision(rp.PlanDecision[DenseMatmulIdShape, DenseMatmulIdRoute], JsonRecord):
-    SCHEMA = "dense_matmul_id_route_plan.schema.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseMatmulIdRoutePlan(rp.RoutePlan[DenseMatmulIdPlanDecision], JsonRecord):
-    SCHEMA = "dense_matmul_id_route_plan.schema.json"
-    theorem_sha256: str
-    schema_version: int = SCHEMA_VERSION
-
-    @functools.cached_property
-    def _bases(self) -> frozenset:
-        return frozenset(d.shape.base_key for d in self.decisions)
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseMatmulIdCalibrationReceipt(rp.CalibrationReceipt[DenseMatmulIdCalibrationDecision], JsonRecord):
-    """What one expert-ID calibration did: besides the common fields, the theorem it relied on,
-    how many shapes kept the direct route, and the proof and timing dispatches."""
-
-    SCHEMA = "dense_matmul_id_calibration_receipt.schema.json"
-    theorem_sha256: str
-    direct_decisions: int
-    proof_dispatches: int
-    timing_dispatches: int
-    schema_version: int = SCHEMA_VERSION
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseMatmulIdAutoReceipt(JsonRecord):
-    SCHEMA = "dense_matmul_id_plan_auto_receipt.schema.json"
-    route: DenseMatmulIdRoute
-    decision_source: DenseMatmulIdDecisionSource
-    activation_epoch: int
-    primitive: DenseMatmulIdDispatchReceipt
-    schema_version: int = SCHEMA_VERSION
+_RECORDS = ex.ExpertIdRecords.declare(
+    __name__,
+    "DenseMatmulId",
+    DenseMatmulIdShape,
+    DenseMatmulIdRoute,
+    DenseMatmulIdDispatchReceipt,
+    SCHEMA_VERSION,
+    "dense_matmul_id_plan_auto_receipt.schema.json",
+)
+DenseMatmulIdTimingDistribution = _RECORDS.timing
+DenseMatmulIdRouteTiming = _RECORDS.route_timing
+DenseMatmulIdCandidateProof = _RECORDS.proof
+DenseMatmulIdCalibrationDecision = _RECORDS.decision
+DenseMatmulIdPlanDecision = _RECORDS.plan_decision
+DenseMatmulIdRoutePlan = _RECORDS.plan
+DenseMatmulIdCalibrationReceipt = _RECORDS.receipt
+DenseMatmulIdAutoReceipt = _RECORDS.auto_receipt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,10 +221,6 @@ def _prepare(registry, dtypes) -> tuple[str, str, dict, None, dict]:
     return build_fp, pset, identities, None, errors
 
 
-def _protected_names() -> list[str]:
-    return [*PIPELINE_NAMES, *TENSOR_PIPELINE_NAMES, *BF16_DOT_PIPELINE_NAMES]
-
-
 def _dtypes_of(plan) -> set:
     return {
         DType(d.shape.weight_dtype) if not isinstance(d.shape.weight_dtype, DType) else d.shape.weight_dtype
@@ -315,23 +228,44 @@ def _dtypes_of(plan) -> set:
     }
 
 
-def _check_theorem(plan) -> None:
-    if plan.theorem_sha256 != THEOREM_SHA256:
-        _fail("dense_matmul_id route plan was made under a different value-independence theorem")
+class _DenseMatmulIdKind(rp.PlanKind):
+    def protected_names(self) -> list[str]:
+        return [*PIPELINE_NAMES, *TENSOR_PIPELINE_NAMES, *BF16_DOT_PIPELINE_NAMES]
+
+    def build_fingerprint(self, registry, plan) -> str:
+        return _prepare(registry, _dtypes_of(plan))[0]
+
+    def check_plan(self, plan) -> None:
+        if plan.theorem_sha256 != THEOREM_SHA256:
+            _fail("dense_matmul_id route plan was made under a different value-independence theorem")
+
+    def run(self, registry, device, epoch, limits, cases, **options):
+        return _run(registry, device, epoch, limits, cases, **options)
+
+    def declared(self, registry, device, epoch, limits, cases) -> tuple:
+        entries = _validate(registry, device, epoch or 1, limits or DenseMatmulIdCalibrationLimits(), cases)
+        build_fp = _prepare(registry, {e["shape"].weight_dtype for e in entries})[0]
+        return build_fp, [e["shape"].key for e in entries]
+
+    def cache_key(self, registry, device, epoch, limits, cases) -> dict:
+        entries = _validate(registry, device, epoch, limits or DenseMatmulIdCalibrationLimits(), cases)
+        build_fp = _prepare(registry, {e["shape"].weight_dtype for e in entries})[0]
+        return {"validators": cal.plan_validators(device, build_fp), "shapes": [e["shape"].to_dict() for e in entries]}
+
+    def explained_outcome(self, d) -> dict:
+        return {"route": d.selected_route, "status": d.status, "diagnostic": d.diagnostic, "timings": d.timings}
+
+    def unexplained_outcome(self, route) -> dict:
+        direct = route is DenseMatmulIdRoute.DIRECT
+        status = (
+            DenseMatmulIdSelectionStatus.DIRECT_FASTEST if direct else DenseMatmulIdSelectionStatus.CALIBRATED_WINNER
+        )
+        return {"route": route, "status": status, "timings": ()}
 
 
-KIND = rp.PlanKind(
-    name=PLAN_KIND,
-    label="dense_matmul_id",
-    plan_type=DenseMatmulIdRoutePlan,
-    receipt_type=DenseMatmulIdCalibrationReceipt,
-    route_type=DenseMatmulIdRoute,
-    protected_names=_protected_names,
-    build_fingerprint=lambda registry, plan: _prepare(registry, _dtypes_of(plan))[0],
-    check_plan=_check_theorem,
-    plannable_routes=tuple(DenseMatmulIdRoute),
+KIND = _DenseMatmulIdKind(
+    PLAN_KIND, "dense_matmul_id", DenseMatmulIdRoutePlan, DenseMatmulIdCalibrationReceipt, DenseMatmulIdRoute
 )
-DenseMatmulIdRoutePlan.KIND = KIND
 
 
 def freeze_dense_matmul_id_plan(registry, device, plan: DenseMatmulIdRoutePlan, *, _check_fingerprint=True) -> None:
@@ -1027,7 +961,8 @@ def _plan(build_fp, registry, device, epoch, routes, digest):
     )
 
 
-def _run(registry, device, epoch, limits, cases, *, progress, timer, clock, pinned=None):
+def _run(registry, device, epoch, limits, cases, *, progress, pinned=None, _timer=None, _clock=None):
+    timer, clock = _timer, _clock
     limits = limits or DenseMatmulIdCalibrationLimits()
     cases = list(cases)
     entries = _validate(registry, device, epoch, limits, cases)
@@ -1102,66 +1037,18 @@ def _run(registry, device, epoch, limits, cases, *, progress, timer, clock, pinn
     return plan, receipt
 
 
-def calibrate_dense_matmul_id_routes(
-    registry,
-    device,
-    activation_epoch: int,
-    limits: Optional[DenseMatmulIdCalibrationLimits] = None,
-    cases: Sequence[DenseMatmulIdCalibrationCase] = (),
-    *,
-    progress: Optional[Callable[[int, int, dict], None]] = None,
-    _timer: Optional[cal.Timer] = None,
-    _clock: Optional[Callable[[], float]] = None,
-):
-    """Prove, time and freeze expert-ID routes for every declared exact shape; returns (plan, receipt).
-    With ROUTEMM_PLAN_CACHE_DIR set, a matching saved plan is reloaded and fresh plans are saved."""
-    cases = list(cases)
+def calibrate_dense_matmul_id_routes(registry, device, activation_epoch, limits=None, cases=(), **options):
+    """Prove, time and freeze expert-ID routes for every declared exact shape; returns
+    (DenseMatmulIdRoutePlan, DenseMatmulIdCalibrationReceipt), the plan frozen into `registry`.
 
-    def cache_key():
-        entries = _validate(registry, device, activation_epoch, limits or DenseMatmulIdCalibrationLimits(), cases)
-        build_fp = _prepare(registry, {e["shape"].weight_dtype for e in entries})[0]
-        return {"validators": cal.plan_validators(device, build_fp), "shapes": [e["shape"].to_dict() for e in entries]}
-
-    return rp.calibrate_with_plan_cache(
-        KIND,
-        device,
-        cache_key if cases else None,
-        lambda path: load_dense_matmul_id_plan(
-            path, registry, device, cases, activation_epoch=activation_epoch, limits=limits, progress=progress
-        ),
-        lambda: _run(registry, device, activation_epoch, limits, cases, progress=progress, timer=_timer, clock=_clock),
-    )
+    `limits` is a DenseMatmulIdCalibrationLimits, `cases` DenseMatmulIdCalibrationCase entries.
+    Options: `progress(done, total, info)`, called after each exact shape, and the test hooks
+    `_timer` and `_clock` (timing values, the deadline clock). With ROUTEMM_PLAN_CACHE_DIR set, a
+    matching saved plan is reloaded and fresh plans are saved."""
+    return rp.calibrate(KIND, registry, device, activation_epoch, limits, cases, **options)
 
 
-def load_dense_matmul_id_plan(
-    path, registry, device, cases, *, activation_epoch: Optional[int] = None, limits=None, progress=None
-):
-    """Reload a saved expert-ID plan (validators must match; candidates re-proved, timing skipped)."""
-    cases = list(cases)
-    entries = _validate(registry, device, activation_epoch or 1, limits or DenseMatmulIdCalibrationLimits(), cases)
-    build_fp = _prepare(registry, {e["shape"].weight_dtype for e in entries})[0]
-    saved, receipt = rp.read_saved_plan(KIND, path, cal.plan_validators(device, build_fp))
-    if {e["shape"].key for e in entries} != set(saved._lookup):
-        raise cal.PlanFileMismatch(f"route plan file {path} was made for different shapes than the cases declare")
-    pinned = {}
-    if receipt is not None:
-        for d in receipt.decisions:
-            pinned[d.shape.key] = {
-                "route": d.selected_route,
-                "status": d.status,
-                "diagnostic": d.diagnostic,
-                "timings": d.timings,
-            }
-    for d in saved.decisions:
-        pinned.setdefault(
-            d.shape.key,
-            {
-                "route": d.route,
-                "status": DenseMatmulIdSelectionStatus.CALIBRATED_WINNER
-                if d.route is not DenseMatmulIdRoute.DIRECT
-                else DenseMatmulIdSelectionStatus.DIRECT_FASTEST,
-                "timings": (),
-            },
-        )["route"] = d.route
-    epoch = saved.activation_epoch if activation_epoch is None else activation_epoch
-    return _run(registry, device, epoch, limits, cases, progress=progress, timer=None, clock=None, pinned=pinned)
+def load_dense_matmul_id_plan(path, registry, device, cases, **options):
+    """Reload a saved expert-ID plan (options: activation_epoch, limits, progress): validators must
+    match, candidates are re-proved, timing is skipped. Returns (plan, receipt)."""
+    return rp.load(KIND, path, registry, device, cases, **options)

@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import math
 import struct
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -50,6 +50,7 @@ BLOCK_VALUES, BLOCK_BYTES = 32, 18
 COMPATIBILITY_UNPLANNED = "compatibility-unplanned"
 # The pipeline identity schema this library writes (PipelineIdentity's schema_version).
 IDENTITY_SCHEMA_VERSION = PipelineIdentity.__dataclass_fields__["schema_version"].default
+_PLAN, _RECEIPT = "dense_q4_route_plan.schema.json", "dense_q4_calibration_receipt.schema.json"
 
 
 class DenseQ4InputLayout(enum.Enum):
@@ -58,7 +59,9 @@ class DenseQ4InputLayout(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class DenseQ4BaseShape(JsonRecord):
-    SCHEMA = "dense_q4_route_plan.schema.json"
+    """A Q4_0 weight's shape without the row count: what a calibration case declares."""
+
+    SCHEMA = _PLAN
     n: int
     k: int
     batch: int = 1
@@ -76,7 +79,7 @@ class DenseQ4BaseShape(JsonRecord):
 class DenseQ4Shape(JsonRecord):
     """An exact Q4_0 MM shape (ordered m first)."""
 
-    SCHEMA = "dense_q4_route_plan.schema.json"
+    SCHEMA = _PLAN
     m: int
     n: int
     k: int
@@ -150,14 +153,15 @@ class DenseQ4DispatchDecision(JsonRecord):
     source: DenseQ4DecisionSource
 
 
-@dataclasses.dataclass(frozen=True)
-class DenseQ4TimingDistribution(rp.TimingDistribution, JsonRecord):
-    SCHEMA = "dense_q4_calibration_receipt.schema.json"
+DenseQ4TimingDistribution = rp.kind_record(__name__, "DenseQ4TimingDistribution", rp.TimingDistribution, _RECEIPT)
 
 
 @dataclasses.dataclass(frozen=True)
 class DenseQ4RouteTiming(JsonRecord):
-    SCHEMA = "dense_q4_calibration_receipt.schema.json"
+    """One route's wall and GPU timing distributions, with the dispatch it encoded and the
+    pipeline that ran it."""
+
+    SCHEMA = _RECEIPT
     route: DenseQ4Route
     wall: DenseQ4TimingDistribution
     gpu: DenseQ4TimingDistribution
@@ -173,7 +177,7 @@ class DenseQ4CalibrationDecision(
     common fields, how many weight buffers the proof covered and the proof's dispatches, scratch
     bytes and GPU time."""
 
-    SCHEMA = "dense_q4_calibration_receipt.schema.json"
+    SCHEMA = _RECEIPT
     authorized_weight_buffers: int
     proof_route_dispatches: int
     proof_auxiliary_dispatches: int
@@ -181,9 +185,9 @@ class DenseQ4CalibrationDecision(
     proof_gpu_us: float
 
 
-@dataclasses.dataclass(frozen=True)
-class DenseQ4PlanDecision(rp.PlanDecision[DenseQ4Shape, DenseQ4Route], JsonRecord):
-    SCHEMA = "dense_q4_route_plan.schema.json"
+DenseQ4PlanDecision = rp.kind_record(
+    __name__, "DenseQ4PlanDecision", rp.PlanDecision[DenseQ4Shape, DenseQ4Route], _PLAN
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +195,7 @@ class DenseQ4RoutePlan(rp.RoutePlan[DenseQ4PlanDecision], JsonRecord):
     """An immutable, pointer-free plan: exact shape -> route, bound to one registry authority,
     one device and one build. Decisions are sorted by shape."""
 
-    SCHEMA = "dense_q4_route_plan.schema.json"
+    SCHEMA = _PLAN
     schema_version: int = DENSE_Q4_ROUTE_SCHEMA_VERSION
 
     def route_for(self, shape: DenseQ4Shape) -> Optional[DenseQ4Route]:
@@ -209,7 +213,7 @@ class DenseQ4CalibrationBatchReceipt(rp.CalibrationReceipt[DenseQ4CalibrationDec
     compatibility route, the (shape, weight) pairs proved, and the proofs' dispatches, peak scratch
     bytes and GPU time."""
 
-    SCHEMA = "dense_q4_calibration_receipt.schema.json"
+    SCHEMA = _RECEIPT
     compatibility_route_decisions: int
     authorized_shape_weight_pairs: int
     proof_route_dispatches: int
@@ -221,6 +225,8 @@ class DenseQ4CalibrationBatchReceipt(rp.CalibrationReceipt[DenseQ4CalibrationDec
 
 @dataclasses.dataclass(frozen=True)
 class DenseQ4DispatchTrace(JsonRecord):
+    """What one dense_q4_auto call encoded, with the plan (or its absence) that decided it."""
+
     SCHEMA = "dense_q4_plan_dispatch_trace.schema.json"
     routemm_version: str
     build_fingerprint: str
@@ -304,59 +310,71 @@ def _ALL_SHAPES(routes: dict):
 # ---- Freezing -----------------------------------------------------------------------------------
 
 
-def _protected_names() -> list[str]:
-    return [DenseQ4Route.COMPATIBILITY_V2.pipeline_name, DenseQ4Route.TENSOR_64X32.pipeline_name, *cal.PROOF_PIPELINES]
+_PLANNABLE_ROUTES = (DenseQ4Route.COMPATIBILITY_V2, DenseQ4Route.TENSOR_64X32)
 
 
-def _upgrade_receipt(doc: dict) -> dict:
-    """A version-4 receipt document (its library version named mlx_native_version) as version 5."""
-    if doc.get("schema_version") != 4 or "mlx_native_version" not in doc or "routemm_version" in doc:
-        return doc
-    upgraded = {name: value for name, value in doc.items() if name != "mlx_native_version"}
-    upgraded.update(routemm_version=doc["mlx_native_version"], schema_version=DENSE_Q4_RECEIPT_SCHEMA_VERSION)
-    return upgraded
+class _DenseQ4Kind(rp.PlanKind):
+    def protected_names(self) -> list[str]:
+        return [
+            DenseQ4Route.COMPATIBILITY_V2.pipeline_name,
+            DenseQ4Route.TENSOR_64X32.pipeline_name,
+            *cal.PROOF_PIPELINES,
+        ]
+
+    def build_fingerprint(self, registry, plan) -> str:
+        return _prepare(registry).build_fingerprint
+
+    def recompute_plan_id(self, plan) -> str:
+        identity = (plan.device_registry_id, plan.registry_authority_id, plan.activation_epoch)
+        return _plan_id(plan.build_fingerprint, *identity, plan.decisions)
+
+    def upgrade_receipt(self, doc: dict) -> dict:
+        """A version-4 receipt document (its library version named mlx_native_version) as version 5."""
+        if doc.get("schema_version") != 4 or "mlx_native_version" not in doc or "routemm_version" in doc:
+            return doc
+        upgraded = {name: value for name, value in doc.items() if name != "mlx_native_version"}
+        upgraded.update(routemm_version=doc["mlx_native_version"], schema_version=DENSE_Q4_RECEIPT_SCHEMA_VERSION)
+        return upgraded
+
+    def freeze_native(self, registry, plan: DenseQ4RoutePlan, protected: list) -> None:
+        """Freeze the plan together with its decisions, which the native dispatcher reads."""
+        decisions = []
+        for d in plan.decisions:
+            shape = d.shape
+            if shape.batch != 1 or DenseQ4InputLayout(shape.input_layout) is not DenseQ4InputLayout.CONTIGUOUS:
+                _fail(f"dense Q4 route plan decides a shape no call can take: {shape}")
+            decisions.append((shape.m, shape.n, shape.k, DenseQ4Route(d.route).value))
+        identity = (plan.device_name, plan.device_registry_id, plan.registry_authority_id)
+        _core._freeze_dense_q4_plan_routes(registry, plan.plan_id, *identity, decisions, protected, plan.to_json())
+
+    def run(self, registry, device, epoch, limits, cases, **options):
+        return _run(registry, device, epoch, limits, cases, **options)
+
+    def declared(self, registry, device, epoch, limits, cases) -> tuple:
+        # Cases are validated by the run; a file is read only for shapes its cases spell out.
+        keys = {(int(m), c.shape.n, c.shape.k, 1, "contiguous") for c in cases for m in c.reachable_m}
+        return _prepare(registry).build_fingerprint, keys
+
+    def cache_key(self, registry, device, epoch, limits, cases) -> dict:
+        _validate_cases(epoch, registry, limits or DenseQ4CalibrationLimits(), cases, device)
+        shapes = sorted({(c.shape.n, c.shape.k, int(m)) for c in cases for m in c.reachable_m})
+        validators = cal.plan_validators(device, _prepare(registry).build_fingerprint)
+        return {"kind": PLAN_KIND, "validators": validators, "shapes": shapes}
+
+    def explained_outcome(self, d) -> dict:
+        wall = {t.route.value: dataclasses.astuple(t.wall) for t in d.timings}
+        gpu = {t.route.value: dataclasses.astuple(t.gpu) for t in d.timings}
+        return {"route": d.selected_route, "status": d.status, "diagnostic": d.diagnostic, "wall": wall, "gpu": gpu}
+
+    def unexplained_outcome(self, route) -> dict:
+        compatibility = route is DenseQ4Route.COMPATIBILITY_V2
+        status = DenseQ4SelectionStatus.NO_STABLE_WINNER if compatibility else DenseQ4SelectionStatus.CALIBRATED_WINNER
+        return {"route": route, "status": status, "wall": {}, "gpu": {}}
 
 
-def _freeze_native(registry, plan: DenseQ4RoutePlan, protected_names: list) -> None:
-    """Freeze the plan together with its decisions, which the native dispatcher reads."""
-    decisions = []
-    for d in plan.decisions:
-        shape = d.shape
-        if shape.batch != 1 or DenseQ4InputLayout(shape.input_layout) is not DenseQ4InputLayout.CONTIGUOUS:
-            _fail(f"dense Q4 route plan decides a shape no call can take: {shape}")
-        decisions.append((shape.m, shape.n, shape.k, DenseQ4Route(d.route).value))
-    _core._freeze_dense_q4_plan_routes(
-        registry,
-        plan.plan_id,
-        plan.device_name,
-        plan.device_registry_id,
-        plan.registry_authority_id,
-        decisions,
-        protected_names,
-        plan.to_json(),
-    )
-
-
-KIND = rp.PlanKind(
-    name=PLAN_KIND,
-    label="dense Q4",
-    plan_type=DenseQ4RoutePlan,
-    receipt_type=DenseQ4CalibrationBatchReceipt,
-    route_type=DenseQ4Route,
-    protected_names=_protected_names,
-    build_fingerprint=lambda registry, plan: _prepare(registry).build_fingerprint,
-    plannable_routes=(DenseQ4Route.COMPATIBILITY_V2, DenseQ4Route.TENSOR_64X32),
-    upgrade_receipt=_upgrade_receipt,
-    freeze_native=_freeze_native,
-    recompute_plan_id=lambda plan: _plan_id(
-        plan.build_fingerprint,
-        plan.device_registry_id,
-        plan.registry_authority_id,
-        plan.activation_epoch,
-        plan.decisions,
-    ),
+KIND = _DenseQ4Kind(
+    PLAN_KIND, "dense Q4", DenseQ4RoutePlan, DenseQ4CalibrationBatchReceipt, DenseQ4Route, _PLANNABLE_ROUTES
 )
-DenseQ4RoutePlan.KIND = KIND
 
 
 def freeze_dense_q4_plan(registry, device, plan: DenseQ4RoutePlan) -> None:
@@ -749,34 +767,11 @@ class _TraceError(Exception):
     pass
 
 
-def _pinned_from_receipt(receipt: Optional[DenseQ4CalibrationBatchReceipt], plan: DenseQ4RoutePlan) -> dict:
-    """shape key -> outcome, from a saved receipt (timings kept) or, without one, the plan's routes."""
-    pinned = {}
-    for d in receipt.decisions if receipt is not None else ():
-        pinned[d.shape.key] = {
-            "route": d.selected_route,
-            "status": d.status,
-            "diagnostic": d.diagnostic,
-            "wall": {t.route.value: dataclasses.astuple(t.wall) for t in d.timings},
-            "gpu": {t.route.value: dataclasses.astuple(t.gpu) for t in d.timings},
-        }
-    for d in plan.decisions:
-        entry = pinned.setdefault(
-            d.shape.key,
-            {
-                "route": d.route,
-                "status": DenseQ4SelectionStatus.NO_STABLE_WINNER
-                if d.route is DenseQ4Route.COMPATIBILITY_V2
-                else DenseQ4SelectionStatus.CALIBRATED_WINNER,
-                "wall": {},
-                "gpu": {},
-            },
-        )
-        entry["route"] = d.route  # the plan decides; the receipt only explains
-    return pinned
-
-
-def _run(registry, device, activation_epoch, limits, cases, *, progress, timer, fault, clock, pinned=None):
+def _run(registry, device, activation_epoch, limits, cases, *, progress, pinned=None, **hooks):
+    """The run of KIND; hooks: _timer, _candidate_fault, _clock."""
+    timer, fault, clock = (hooks.pop(name, None) for name in ("_timer", "_candidate_fault", "_clock"))
+    if hooks:
+        raise TypeError(f"dense Q4 calibration got unexpected options {sorted(hooks)}")
     limits = limits or DenseQ4CalibrationLimits()
     bases, declared = _validate_cases(activation_epoch, registry, limits, cases, device)
     deadline = cal.Deadline(limits.max_elapsed_ms, clock or cal.time.perf_counter)
@@ -886,91 +881,24 @@ def _run(registry, device, activation_epoch, limits, cases, *, progress, timer, 
     return plan, receipt
 
 
-def _cache_key(device, build_fp, cases) -> dict:
-    shapes = sorted({(c.shape.n, c.shape.k, int(m)) for c in cases for m in c.reachable_m})
-    return {"kind": PLAN_KIND, "validators": cal.plan_validators(device, build_fp), "shapes": shapes}
+def calibrate_dense_q4_routes(registry, device, activation_epoch, limits=None, cases=(), **options):
+    """Prove, time and freeze dense Q4 routes for every declared exact shape (spec §6.4); returns
+    (DenseQ4RoutePlan, DenseQ4CalibrationBatchReceipt), the plan frozen into `registry`.
+
+    `limits` is a DenseQ4CalibrationLimits, `cases` DenseQ4CalibrationCase entries. Options:
+    `progress(done, total, info)`, called after each exact shape, and the test hooks `_timer`,
+    `_candidate_fault` and `_clock` (timing values, a forced candidate mismatch, the deadline clock).
+    With ROUTEMM_PLAN_CACHE_DIR set, a matching saved plan is reloaded (proof re-run, timing
+    skipped) and fresh plans are saved."""
+    return rp.calibrate(KIND, registry, device, activation_epoch, limits, cases, **options)
 
 
-def calibrate_dense_q4_routes(
-    registry,
-    device,
-    activation_epoch: int,
-    limits: Optional[DenseQ4CalibrationLimits] = None,
-    cases: Sequence[DenseQ4CalibrationCase] = (),
-    *,
-    progress: Optional[Callable[[int, int, dict], None]] = None,
-    _timer: Optional[cal.Timer] = None,
-    _candidate_fault: Optional[Callable[[int, DenseQ4Shape], bool]] = None,
-    _clock: Optional[Callable[[], float]] = None,
-) -> tuple[DenseQ4RoutePlan, DenseQ4CalibrationBatchReceipt]:
-    """Prove, time and freeze dense Q4 routes for every declared exact shape (spec §6.4).
-
-    Returns (plan, receipt); the plan is frozen into `registry`. With ROUTEMM_PLAN_CACHE_DIR set, a
-    matching saved plan is reloaded (proof re-run, timing skipped) and fresh plans are saved.
-    `progress(done, total, info)` is called after each exact shape. `_timer`, `_candidate_fault`
-    and `_clock` are test hooks (timing values, a forced candidate mismatch, the deadline clock).
-    """
-    cases = list(cases)
-
-    def cache_key():
-        _validate_cases(activation_epoch, registry, limits or DenseQ4CalibrationLimits(), cases, device)
-        return _cache_key(device, _prepare(registry).build_fingerprint, cases)
-
-    return rp.calibrate_with_plan_cache(
-        KIND,
-        device,
-        cache_key if cases else None,
-        lambda path: load_dense_q4_plan(
-            path, registry, device, cases, activation_epoch=activation_epoch, limits=limits, progress=progress
-        ),
-        lambda: _run(
-            registry,
-            device,
-            activation_epoch,
-            limits,
-            cases,
-            progress=progress,
-            timer=_timer,
-            fault=_candidate_fault,
-            clock=_clock,
-        ),
-    )
-
-
-def load_dense_q4_plan(
-    path,
-    registry,
-    device,
-    cases: Sequence[DenseQ4CalibrationCase],
-    *,
-    activation_epoch: Optional[int] = None,
-    limits: Optional[DenseQ4CalibrationLimits] = None,
-    progress=None,
-) -> tuple[DenseQ4RoutePlan, DenseQ4CalibrationBatchReceipt]:
-    """Reload a saved plan: every validator must match (else PlanFileMismatch), the declared
-    shapes must equal the saved ones, the current-weight proof is re-run (timing is skipped), and a
-    plan with the saved decisions is frozen into `registry` (new authority, so a new plan id)."""
-    prep = _prepare(registry)
-    saved, saved_receipt = rp.read_saved_plan(KIND, path, cal.plan_validators(device, prep.build_fingerprint))
-    declared = {(c.shape.n, c.shape.k, 1, "contiguous") for c in cases}
-    shapes = {
-        (int(m),) + key for c in cases for key in [(c.shape.n, c.shape.k, 1, "contiguous")] for m in c.reachable_m
-    }
-    if shapes != set(saved._lookup) or not declared:
-        raise cal.PlanFileMismatch(f"route plan file {path} was made for different shapes than the cases declare")
-    epoch = saved.activation_epoch if activation_epoch is None else activation_epoch
-    return _run(
-        registry,
-        device,
-        epoch,
-        limits,
-        cases,
-        progress=progress,
-        timer=None,
-        fault=None,
-        clock=None,
-        pinned=_pinned_from_receipt(saved_receipt, saved),
-    )
+def load_dense_q4_plan(path, registry, device, cases, **options):
+    """Reload a saved dense Q4 plan (options: activation_epoch, limits, progress): every validator
+    must match (else PlanFileMismatch), the declared shapes must equal the saved ones, the
+    current-weight proof is re-run (timing is skipped), and a plan with the saved decisions is
+    frozen into `registry` (new authority, so a new plan id). Returns (plan, receipt)."""
+    return rp.load(KIND, path, registry, device, cases, **options)
 
 
 # ---- Acceptance ---------------------------------------------------------------------------------
