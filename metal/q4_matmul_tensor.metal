@@ -10,8 +10,9 @@
 //
 // NUMERIC CONTRACT: as q4_matmul.metal, nothing is rounded below F32. Weights are dequantised
 // exactly into F32 panels of 64 outputs x 16 K positions (4096 bytes); activations are F32; the
-// matmul2d descriptor asks for full precision (relaxed_precision = false) and accumulates into an
-// F32 cooperative tensor across the K loop. V2 and 64x32 run the same template with the same K
+// matmul2d descriptor asks for full precision (relaxed_precision = false) and mode
+// multiply_accumulate, so each K step adds to the F32 cooperative tensor (zeroed first; mode
+// multiply would overwrite it). V2 and 64x32 run the same template with the same K
 // loop and panels; only the token extent of the descriptor differs. Whether the hardware's
 // per-element reduction order is the same for both extents is not assumed: the calibration proves
 // bit identity per weight before it may select the candidate.
@@ -92,19 +93,21 @@ void mm_device_activations(constant GgmlMatmulMmParams& p, device const uchar* w
   device_matrix y(output + ulong(batch) * ulong(m) * ulong(n), dextents<int32_t, 2>(n, m));
   group_matrix panel(shmem, dextents<int32_t, 2>(kOutputs, kDepth));
 
-  constexpr auto descriptor = matmul2d_descriptor(Tokens, kOutputs, kDepth, false, false, false);
+  constexpr auto descriptor = matmul2d_descriptor(Tokens, kOutputs, kDepth, false, false, false,
+                                                  matmul2d_descriptor::mode::multiply_accumulate);
   matmul2d<descriptor, execution_simdgroups<4>> op;
   using left_t = decltype(x.slice(0, 0));
   auto acc = op.template get_destination_cooperative_tensor<left_t, group_matrix, float>();
   for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
-    if (acc.get_mask(i)) acc[i] = 0.0f;
+    if (acc.is_valid_element(i)) acc[i] = 0.0f;
   }
 
   device const uchar* w_batch = weight + ulong(batch / routemm_q4t_r2) * p.nb02;
   for (int k0 = 0; k0 < k; k0 += kDepth) {
     stage_weights(shmem, w_batch, p.nb01, n, n0, k0, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    op.run(x.slice(k0, m0), panel, acc);
+    auto activations = x.slice(k0, m0);  // run() takes its operands as lvalues
+    op.run(activations, panel, acc);
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
   acc.store(y.slice(n0, m0));
@@ -135,11 +138,12 @@ kernel void kernel_mul_mm_q4_0_tensor_f32(ROUTEMM_Q4_TENSOR_ARGS) {
   group_matrix panel(shmem, dextents<int32_t, 2>(kOutputs, kDepth));
   group_matrix activations(xs, dextents<int32_t, 2>(kDepth, tokens));
 
-  constexpr auto descriptor = matmul2d_descriptor(tokens, kOutputs, kDepth, false, false, false);
+  constexpr auto descriptor = matmul2d_descriptor(tokens, kOutputs, kDepth, false, false, false,
+                                                  matmul2d_descriptor::mode::multiply_accumulate);
   matmul2d<descriptor, execution_simdgroups<4>> op;
   auto acc = op.template get_destination_cooperative_tensor<group_matrix, group_matrix, float>();
   for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
-    if (acc.get_mask(i)) acc[i] = 0.0f;
+    if (acc.is_valid_element(i)) acc[i] = 0.0f;
   }
 
   device const uchar* w_batch = weight + ulong(batch / routemm_q4t_r2) * p.nb02;

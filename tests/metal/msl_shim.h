@@ -190,11 +190,11 @@ template <int Simdgroups>
 struct execution_simdgroups {};
 
 // The destination of a tensor op held in registers, spread over the op's threads in an
-// implementation-defined layout; only masked elements are valid.
+// implementation-defined layout; only valid elements (is_valid_element) may be used.
 template <class Element>
 struct cooperative_tensor {
   uint16_t get_capacity() const;
-  bool get_mask(uint16_t index) const;
+  bool is_valid_element(uint16_t index) const;
   Element& operator[](uint16_t index);
   template <class Tensor>
   void store(const Tensor& destination) const;
@@ -228,8 +228,9 @@ template <matmul2d_descriptor Descriptor, class Scope>
 struct matmul2d {
   template <class Left, class Right, class Element>
   metal::cooperative_tensor<Element> get_destination_cooperative_tensor() const;
+  // Operands are lvalue references, as in MetalPerformancePrimitives (a temporary slice is refused).
   template <class Left, class Right, class Destination>
-  void run(const Left& left, const Right& right, Destination& destination) const;
+  void run(Left& left, Right& right, Destination& destination) const;
 };
 
 }  // namespace mpp::tensor_ops

@@ -1,7 +1,10 @@
 // Probe kernels for the execution model's own tests (test_metal_emu.cpp): small, one behaviour each.
 #include <metal_stdlib>
+#include <metal_tensor>
+#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
 
 using namespace metal;
+using namespace mpp::tensor_ops;
 
 // Slots: 0 out (4 floats per thread). Lane l contributes l + 1.
 kernel void probe_simd_functions(device float *out [[buffer(0)]],
@@ -51,4 +54,28 @@ kernel void probe_threadgroup_exchange(device float *out [[buffer(0)]],
   shared_values[tid] = float(t);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   out[t] = shared_values[size - 1 - tid];
+}
+
+// Slots: 0 left (3 rows x 5), 1 right (4 rows x 5, used transposed), 2 out (3 x 4). One
+// simdgroup runs a 4 x 4 tile with K from the left operand (dynamic): row 3 of the tile lies past
+// every operand's extent. Mode multiply overwrites the output, multiply_accumulate adds to it.
+template <matmul2d_descriptor::mode Mode>
+void probe_matmul2d(device float *left, device float *right, device float *out) {
+  tensor<device float, dextents<int32_t, 2>, tensor_inline> a(left, dextents<int32_t, 2>(5, 3));
+  tensor<device float, dextents<int32_t, 2>, tensor_inline> b(right, dextents<int32_t, 2>(5, 4));
+  tensor<device float, dextents<int32_t, 2>, tensor_inline> c(out, dextents<int32_t, 2>(4, 3));
+  constexpr auto descriptor =
+      matmul2d_descriptor(4, 4, static_cast<int>(dynamic_extent), false, true, false, Mode);
+  matmul2d<descriptor, execution_simdgroup> op;
+  op.run(a, b, c);
+}
+kernel void probe_matmul2d_multiply(device float *left [[buffer(0)]],
+                                    device float *right [[buffer(1)]],
+                                    device float *out [[buffer(2)]]) {
+  probe_matmul2d<matmul2d_descriptor::mode::multiply>(left, right, out);
+}
+kernel void probe_matmul2d_accumulate(device float *left [[buffer(0)]],
+                                      device float *right [[buffer(1)]],
+                                      device float *out [[buffer(2)]]) {
+  probe_matmul2d<matmul2d_descriptor::mode::multiply_accumulate>(left, right, out);
 }

@@ -2,6 +2,7 @@
 // the shader itself), and the model's simdgroup, dispatch and threadgroup semantics on probes.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -21,6 +22,10 @@ const ShaderLibrary& library_seeded_out_of_extent();
 const ShaderLibrary& library_seeded_race();
 const ShaderLibrary& library_seeded_barrier();
 const ShaderLibrary& library_seeded_divergence();
+const ShaderLibrary& library_seeded_tensor_view();
+const ShaderLibrary& library_seeded_tensor_scope();
+const ShaderLibrary& library_seeded_tensor_scope_size();
+const ShaderLibrary& library_seeded_tensor_race();
 const ShaderLibrary& library_probe();
 
 namespace {
@@ -134,7 +139,8 @@ TEST(MetalEmuChecks, WriteOutsideBufferExtent) {
   EXPECT_NE(message.find("extent 160 bytes"), std::string::npos) << message;
 }
 
-std::string run_q4_matrix(const ShaderLibrary& library, bool complete) {
+std::string run_q4_matrix(const ShaderLibrary& library, bool complete,
+                          DenseQ4Route route = DenseQ4Route::CompatibilitySimdgroup) {
   const Device device(make_metal_emu_backend(library, complete));
   KernelRegistry registry(device);
   const uint32_t m = 33, n = 70, k = 64;
@@ -144,8 +150,7 @@ std::string run_q4_matrix(const ShaderLibrary& library, bool complete) {
   const GgmlQuantizedMatmulParams params{m, n, k, GgmlType::Q4_0};
   return failure_of([&] {
     CommandEncoder encoder = device.command_encoder();
-    encode_q4_route(encoder, registry, input, weight, output, params,
-                    DenseQ4Route::CompatibilitySimdgroup);
+    encode_q4_route(encoder, registry, input, weight, output, params, route);
     encoder.commit_and_wait();
   });
 }
@@ -164,6 +169,65 @@ TEST(MetalEmuChecks, SimdgroupMatrixUnderDivergentControlFlow) {
       << message;
   EXPECT_NE(message.find("of threadgroup ("), std::string::npos) << message;
   EXPECT_NE(message.find("lanes 0,2,4"), std::string::npos) << message;
+}
+
+// The Metal 4 tensor-API routes (q4_matmul_tensor.metal: matmul2d over tensor views).
+constexpr DenseQ4Route kTensorRoutes[] = {DenseQ4Route::CompatibilityTensorV1,
+                                          DenseQ4Route::CompatibilityV2, DenseQ4Route::Tensor64x32};
+
+TEST(MetalEmuChecks, UnseededTensorKernelsRunClean) {
+  for (const DenseQ4Route route : kTensorRoutes)
+    EXPECT_EQ(run_q4_matrix(library_base(), true, route), "") << to_string(route);
+}
+
+TEST(MetalEmuChecks, TensorViewPastItsBuffer) {
+  for (const DenseQ4Route route : kTensorRoutes) {
+    const std::string message = run_q4_matrix(library_seeded_tensor_view(), false, route);
+    EXPECT_NE(message.find("tensor view out of extent"), std::string::npos) << message;
+    EXPECT_NE(message.find("kernel " + std::string(dense_q4_pipeline_name(route))),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("thread ("), std::string::npos) << message;
+    // The view of 34 rows x 70 outputs starts at the output, bound at slot 3 with 33 rows.
+    EXPECT_NE(message.find("makes a view of 9520 byte(s) at 0x"), std::string::npos) << message;
+    EXPECT_NE(message.find("offset 0 from [[buffer(3)]]"), std::string::npos) << message;
+    EXPECT_NE(message.find("ends 280 byte(s) past the buffer"), std::string::npos) << message;
+    EXPECT_NE(message.find("(tensor at q4_matmul_tensor.metal:"), std::string::npos) << message;
+  }
+}
+
+TEST(MetalEmuChecks, TensorOpNotEnteredByEveryThreadOfItsScope) {
+  for (const DenseQ4Route route : kTensorRoutes) {
+    const std::string message = run_q4_matrix(library_seeded_tensor_scope(), false, route);
+    EXPECT_NE(message.find("tensor op not entered by every thread of its execution scope"),
+              std::string::npos)
+        << message;
+    expect_names_thread_and_address(message, std::string(dense_q4_pipeline_name(route)));
+    EXPECT_NE(message.find("matmul2d::run at q4_matmul_tensor.metal:"), std::string::npos)
+        << message;
+    // Thread 64, the first to skip the op, waits at the barrier after it.
+    EXPECT_NE(message.find("(index 64, simdgroup 2 lane 0)"), std::string::npos) << message;
+    EXPECT_NE(message.find("which waits at threadgroup_barrier at q4_matmul_tensor.metal:"),
+              std::string::npos)
+        << message;
+  }
+}
+
+TEST(MetalEmuChecks, TensorOpScopeOfTheWrongSize) {
+  const std::string message =
+      run_q4_matrix(library_seeded_tensor_scope_size(), false, DenseQ4Route::CompatibilityV2);
+  EXPECT_NE(message.find("tensor op execution scope mismatch"), std::string::npos) << message;
+  EXPECT_NE(message.find("execution_simdgroups<2> (64 threads)"), std::string::npos) << message;
+  EXPECT_NE(message.find("has 128 threads"), std::string::npos) << message;
+}
+
+TEST(MetalEmuChecks, TensorOpReadsCountInRaces) {
+  for (const DenseQ4Route route : kTensorRoutes) {
+    const std::string message = run_q4_matrix(library_seeded_tensor_race(), false, route);
+    EXPECT_NE(message.find("threadgroup memory race"), std::string::npos) << message;
+    expect_names_thread_and_address(message, std::string(dense_q4_pipeline_name(route)));
+    EXPECT_NE(message.find("of [[threadgroup(0)]]"), std::string::npos) << message;
+  }
 }
 
 // ---- Model semantics on probe kernels -------------------------------------------------------------
@@ -248,6 +312,36 @@ TEST(MetalEmuModel, ThreadgroupMemoryAfterABarrier) {
   launch.threadgroup_memory = {{0, 192}};
   run_dispatch(probe("probe_threadgroup_exchange"), launch, nullptr);
   for (uint32_t t = 0; t < 96; ++t) EXPECT_EQ(out[t], float((t / 48) * 48 + 47 - t % 48)) << t;
+}
+
+// matmul2d (model_probe.metal): left 3 x 5, right 4 x 5 used transposed, a 4 x 4 tile whose last
+// row lies past the operands; each element an F32 fma chain over k = 0..4 (the model's order).
+TEST(MetalEmuModel, Matmul2dModesTransposesAndEdges) {
+  std::vector<float> left(15), right(20);
+  for (size_t i = 0; i < left.size(); ++i) left[i] = 0.25f * float(i) - 1.5f;
+  for (size_t i = 0; i < right.size(); ++i) right[i] = 0.5f - 0.125f * float(i);
+  const auto product = [&](int row, int column, float start) {
+    float acc = start;
+    for (int k = 0; k < 5; ++k) acc = std::fma(left[row * 5 + k], right[column * 5 + k], acc);
+    return acc;
+  };
+  for (const bool accumulate : {false, true}) {
+    std::vector<float> out(12);
+    for (size_t i = 0; i < out.size(); ++i) out[i] = float(i) + 0.5f;
+    const std::vector<float> before = out;
+    KernelLaunch launch =
+        launch_of("probe", Dim3{1, 1, 1}, Dim3{32, 1, 1}, DispatchKind::ThreadGroups);
+    bind(launch, 0, left.data(), left.size() * 4);
+    bind(launch, 1, right.data(), right.size() * 4);
+    bind(launch, 2, out.data(), out.size() * 4);
+    run_dispatch(probe(accumulate ? "probe_matmul2d_accumulate" : "probe_matmul2d_multiply"),
+                 launch, nullptr);
+    for (int r = 0; r < 3; ++r) {
+      for (int c = 0; c < 4; ++c)
+        EXPECT_EQ(out[r * 4 + c], product(r, c, accumulate ? before[r * 4 + c] : 0.0f))
+            << accumulate << " " << r << " " << c;
+    }
+  }
 }
 
 TEST(MetalEmuModel, UnboundAndUndersizedArgumentsAreRejected) {

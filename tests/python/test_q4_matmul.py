@@ -472,7 +472,9 @@ def test_rejected_launch_names_its_pipeline(device, registry, rng):
     """A kernel that rejects its launch (here: a raw dispatch of the 64x32 route whose arguments
     satisfy the argument contract but whose grid is not the route's tiles) fails the submission
     with a CommandBufferError naming that pipeline, whether the backend launches at encode (CUDA)
-    or at commit (CPU)."""
+    or at commit (CPU). Metal kernels have no error channel: there a tile past M writes nothing."""
+    if device.backend in ("metal", "metal_emu"):
+        pytest.skip("Metal kernels cannot reject a launch (a tile past M writes nothing)")
     case = Q4Case(device, rng, 9, 16, 64)
     encoder = device.command_encoder()
     encoder.start_capture()

@@ -12,8 +12,8 @@ attribute (renamed, as `threadgroup` is an address-space keyword) and the functi
 declarations. Each file is wrapped in a namespace of its own, so kernels and helpers of different
 files (or of two libraries binding copies of one file) never meet at link time.
 
-Files that use the Metal 4 tensor API (<metal_tensor>) are not modelled: the library records them
-as skipped and registers none of their kernels.
+Files that use the Metal 4 tensor API (<metal_tensor>, MetalPerformancePrimitives) bind like any
+other: the model implements the part of it the shaders use (msl_tensor.h).
 
 usage: bind_shaders.py --cxx C++ --include DIR [--include DIR ...] --out DIR --library NAME
                        shader.metal [shader.metal ...]
@@ -144,11 +144,9 @@ def pin_local_includes(text: str, source: Path) -> str:
     return re.sub(r'^(\s*#\s*include\s*)"([^"]+)"', pin, text, flags=re.MULTILINE)
 
 
-def bind_file(source: Path, library: str, cxx: str, includes: list[str]) -> tuple[str, list[str]] | None:
-    """The translation unit for `source` and its kernel names; None for a tensor-API file."""
+def bind_file(source: Path, library: str, cxx: str, includes: list[str]) -> tuple[str, list[str]]:
+    """The translation unit for `source` and its kernel names."""
     text = source.read_text()
-    if re.search(r"#\s*include\s*<metal_tensor>", text):
-        return None
     preprocessed = preprocess(cxx, includes, source)
     kernels = kernels_of(preprocessed)
     stem = f"{library}_{identifier(source)}"
@@ -240,19 +238,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("shaders", nargs="+", type=Path)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    registered, skipped = [], []
+    registered = []
     try:
         for shader in args.shaders:
-            bound = bind_file(shader.resolve(), args.library, args.cxx, args.include)
+            content, _ = bind_file(shader.resolve(), args.library, args.cxx, args.include)
+            registered.append(f"{args.library}_{identifier(shader)}")
             target = args.out / f"{shader.name}.cpp"
-            if bound is None:
-                skipped.append(shader.name)
-                content = (
-                    f"// {shader.name} uses the Metal 4 tensor API, which the execution model does not implement.\n"
-                )
-            else:
-                content, _ = bound
-                registered.append(f"{args.library}_{identifier(shader)}")
             if not target.exists() or target.read_text() != content:
                 target.write_text(content)
     except BindError as error:
@@ -263,7 +254,6 @@ def main(argv: list[str]) -> int:
         '#include "backend/metal_emu/runtime.h"',
         *[f"void routemm_emu_register_{stem}(::routemm::metal_emu::ShaderLibrary&);" for stem in registered],
         "namespace routemm::metal_emu {",
-        f"// Shader files not modelled (Metal 4 tensor API): {', '.join(skipped) or 'none'}.",
         f"const ShaderLibrary& library_{args.library}() {{",
         "  static const ShaderLibrary library = [] {",
         "    ShaderLibrary out;",

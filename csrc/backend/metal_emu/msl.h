@@ -24,12 +24,15 @@
 
 #ifndef ROUTEMM_MSL_SIGNATURES
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <source_location>
+#include <string>
 #include <type_traits>
 
 #include "backend/metal_emu/runtime_api.h"

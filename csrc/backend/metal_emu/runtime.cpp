@@ -114,6 +114,9 @@ struct Invocation {
   ExchangeRule rule = ExchangeRule::ActiveLanes;
   uint32_t source = 0;
   uint32_t mem_flags = 0;
+  // At a threadgroup-wide step: a barrier (orders threadgroup memory, a new race epoch) or the
+  // entry into a tensor op of threadgroup scope (orders nothing).
+  bool orders_memory = true;
   alignas(16) unsigned char value[kExchangeSlotBytes];
   Exchange result;
 };
@@ -290,6 +293,13 @@ void threadgroup_access(Invocation& lane, uintptr_t address, size_t size, bool w
 
 // ---- Device and constant memory ------------------------------------------------------------------
 
+std::string describe_range(const Range& r, uintptr_t address) {
+  const long long offset = static_cast<long long>(address) - static_cast<long long>(r.begin);
+  return "offset " + std::to_string(offset) + " from [[buffer(" + std::to_string(r.slot) + ")]] (" +
+         (r.read_only ? "inline bytes" : "bound at " + hex(r.begin)) + ", extent " +
+         std::to_string(r.size) + " bytes)";
+}
+
 [[noreturn]] void outside_bound_memory(Invocation& lane, uintptr_t address, size_t size,
                                        bool write) {
   const Worker& w = *lane.worker;
@@ -311,12 +321,7 @@ void threadgroup_access(Invocation& lane, uintptr_t address, size_t size, bool w
   }
   std::optional<AllocationInfo> allocation;
   if (d.allocations != nullptr) allocation = d.allocations->find(address);
-  auto describe = [&](const Range& r) {
-    const long long offset = static_cast<long long>(address) - static_cast<long long>(r.begin);
-    return "offset " + std::to_string(offset) + " from [[buffer(" + std::to_string(r.slot) +
-           ")]] (" + (r.read_only ? "inline bytes" : "bound at " + hex(r.begin)) + ", extent " +
-           std::to_string(r.size) + " bytes)";
-  };
+  auto describe = [&](const Range& r) { return describe_range(r, address); };
   if (nearest != nullptr && distance == 0)
     fail_access("buffer out of extent", address, size, write, describe(*nearest));
   if (allocation) {
@@ -508,12 +513,15 @@ bool resolve_threadgroup_barrier(Worker& w) {
   }
   for (const Invocation& l : w.lanes) {
     if (l.state == LaneState::AtThreadgroupBarrier && l.site == waiting->site) continue;
-    w.error = kernel_prefix(w) + "barrier not reached by every thread: " + where(waiting->site) +
-              " waits for " + thread_name(w, l) + ", which " + lane_activity(w, l) +
-              " (first waiting: " + thread_name(w, *waiting) + ")";
+    w.error = kernel_prefix(w) +
+              (waiting->orders_memory
+                   ? "barrier not reached by every thread: "
+                   : "tensor op not entered by every thread of its execution scope: ") +
+              where(waiting->site) + " waits for " + thread_name(w, l) + ", which " +
+              lane_activity(w, l) + " (first waiting: " + thread_name(w, *waiting) + ")";
     return false;
   }
-  ++w.epoch;
+  if (waiting->orders_memory) ++w.epoch;
   for (Invocation& l : w.lanes) l.state = LaneState::Runnable;
   return true;
 }
@@ -619,6 +627,7 @@ void barrier(BarrierScope scope, uint32_t mem_flags, const std::source_location&
   Invocation& lane = *tls_lane;
   if (scope == BarrierScope::Threadgroup) {
     lane.site = site_of("threadgroup_barrier", at);
+    lane.orders_memory = true;
     lane.state = LaneState::AtThreadgroupBarrier;
   } else {
     lane.site = site_of("simdgroup_barrier", at);
@@ -638,6 +647,58 @@ void simdgroup_uniform(const char* op, const std::source_location& at) {
 }
 
 uint32_t current_lane() { return tls_lane->lane; }
+
+uint32_t current_thread_index() { return tls_lane->tid; }
+
+void shader_error(const std::string& message) {
+  Invocation& lane = *tls_lane;
+  fail_lane(kernel_prefix(*lane.worker) + thread_name(*lane.worker, lane) + ": " + message);
+}
+
+void threadgroup_scope(const char* op, uint32_t simdgroups, const std::source_location& at) {
+  Invocation& lane = *tls_lane;
+  Worker& w = *lane.worker;
+  const Site site = site_of(op, at);
+  if (w.lanes.size() != size_t{simdgroups} * kSimdWidth)
+    fail_lane(kernel_prefix(w) + "tensor op execution scope mismatch: " + where(site) +
+              " runs on execution_simdgroups<" + std::to_string(simdgroups) + "> (" +
+              std::to_string(simdgroups * kSimdWidth) + " threads), but threadgroup " +
+              triple(w.group) + " has " + std::to_string(w.lanes.size()) +
+              " threads (Metal leaves this undefined)");
+  lane.site = site;
+  lane.orders_memory = false;
+  lane.state = LaneState::AtThreadgroupBarrier;
+  block(lane);
+}
+
+void check_tensor_view(const void* first, size_t bytes, const std::source_location& at) {
+  Invocation* lane = tls_lane;
+  if (lane == nullptr || bytes == 0) return;
+  Worker& w = *lane->worker;
+  const auto a = reinterpret_cast<uintptr_t>(first);
+  const std::string head = kernel_prefix(w) +
+                           "tensor view out of extent: " + thread_name(w, *lane) +
+                           " makes a view of " + std::to_string(bytes) + " byte(s) at " + hex(a) +
+                           " (" + where(site_of("tensor", at)) + "), ";
+  if (a - w.stack_lo < w.stack_span) return;  // thread-private memory
+  if (a - w.arena_lo < w.arena_span) {
+    const size_t offset = a - w.arena_lo;
+    for (const ThreadgroupBlock& b : w.dispatch->threadgroup) {
+      if (offset < b.offset || offset >= b.offset + b.bytes) continue;
+      if (offset + bytes <= b.offset + b.bytes) return;
+      fail_lane(head + "from " + threadgroup_place(w, a) + ", which holds " +
+                std::to_string(b.bytes) + " bytes");
+    }
+    fail_lane(head + "outside the encoded threadgroup memory");
+  }
+  for (const Range& r : w.dispatch->ranges) {
+    if (a - r.begin >= r.size) continue;
+    if (a + bytes <= r.begin + r.size) return;
+    fail_lane(head + "from " + describe_range(r, a) + ": it ends " +
+              std::to_string(a + bytes - (r.begin + r.size)) + " byte(s) past the buffer");
+  }
+  fail_lane(head + "outside every buffer this dispatch binds");
+}
 
 void check_atomic(const void* address, size_t size) {
   Invocation* lane = tls_lane;

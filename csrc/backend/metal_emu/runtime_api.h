@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <source_location>
+#include <string>
 
 namespace routemm::metal_emu {
 
@@ -33,8 +34,19 @@ void barrier(BarrierScope scope, uint32_t mem_flags, const std::source_location&
 // A step every lane of the simdgroup must execute together (simdgroup-matrix operations).
 void simdgroup_uniform(const char* op, const std::source_location& at);
 uint32_t current_lane();
+uint32_t current_thread_index();  // thread_index_in_threadgroup
 // Checks an atomic access (bounds, binding); atomics never count as races.
 void check_atomic(const void* address, size_t size);
+
+// ---- Tensor operations (msl_tensor.h) ----------------------------------------------------------
+// A tensor view of `bytes` from `first` must lie inside one bound buffer or one threadgroup block.
+void check_tensor_view(const void* first, size_t bytes, const std::source_location& at);
+// Entry into a tensor op whose execution scope is the whole threadgroup of `simdgroups`
+// simdgroups: every thread of the threadgroup enters the same call together (like a threadgroup
+// barrier, but ordering no memory); a threadgroup of another size is an error.
+void threadgroup_scope(const char* op, uint32_t simdgroups, const std::source_location& at);
+// Stops the calling thread with an error naming the kernel and thread, followed by `message`.
+[[noreturn]] void shader_error(const std::string& message);
 
 // ---- Binding (used by the generated entry points) --------------------------------------------------
 
