@@ -107,11 +107,11 @@ def bf16_dot_bound(k: int, magnitude: np.ndarray) -> np.ndarray:
 
 # The CPU int8-dot routes (GgmlRoutingPolicy.dense_int8_dot; Q4_0 / Q8_0 weights): each 32-value
 # activation block rounded to int8 with the binary32 scale d = max|x| / 127 (|x - d q| <= d (1/2 +
-# 2^-15)), exact integer block dot products, then per lane K / 32 F32 FMAs (each with the product
-# of the two scales, one more rounding) and the 3-level lane tree (contract in
+# 2^-15)), exact integer block dot products, then one chain of K / 32 F32 FMAs per output, each
+# with the product of the two scales (one more rounding; contract in
 # csrc/backend/cpu/ggml_int8_dot.h). Per element, against the float64 product of the exactly
 # dequantised weights and the F32 activations:
-#   |err| <= sum_i |w_i| d_i (1/2 + 2^-15) + gamma(K/32 + 4) sum_i |w_i| (|x_i| + d_i)
+#   |err| <= sum_i |w_i| d_i (1/2 + 2^-15) + gamma(K/32 + 1) sum_i |w_i| (|x_i| + d_i)
 #            + 2^-100 sum_i |w_i|    (blocks with max|x| < 2^-100 round to zero)
 # and, for random data, relative Frobenius error within 2e-2.
 INT8_DOT_FROBENIUS = 2e-2
@@ -133,7 +133,7 @@ def int8_dot_bound(weights: np.ndarray, x: np.ndarray) -> np.ndarray:
     w = np.abs(np.asarray(weights, np.float64))
     ax = np.abs(np.asarray(x, np.float64))
     d = int8_dot_scales(x)
-    steps = x.shape[-1] // 32 + 4
+    steps = x.shape[-1] // 32 + 1
     gamma = steps * 2.0**-24 / (1 - steps * 2.0**-24)
     rounding = (d * (0.5 + 2.0**-15)) @ w.T
     accumulation = gamma * ((ax + d) @ w.T)

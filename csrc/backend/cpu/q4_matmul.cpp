@@ -168,21 +168,30 @@ void parallel(void* queue_native, size_t n, const std::function<void(size_t, siz
   }
 }
 
-// The int8-dot mat-vec (ggml_int8_dot.h): the launch of the exact mat-vec; every activation row is
-// rounded once, then each item runs over its columns for its group of rows.
-template <class Format>
-void mv_int8_kernel(const KernelLaunch& launch, void* queue_native) {
-  const Operands ops = bind_mv_launch<Format, kMvThreadgroupOutputs>(launch);
+// Rounds every activation row of ops once (ggml_int8_dot.h), for `clone`.
+ggml::int8::QuantizedRows quantize_activations(const Operands& ops, void* queue_native,
+                                               const ggml::int8::Clone& clone) {
   ggml::int8::QuantizedRows x;
   x.resize(ops.m, ops.k);
   parallel(queue_native, ops.m, [&](size_t begin, size_t end) {
-    ggml::int8::quantize_rows(ops.input, ops.k, ggml::int8::Int8Codes<Format>::kCodeOffset, x,
-                              begin, end);
+    ggml::int8::quantize_rows(ops.input, ops.k, clone.offset, x, begin, end);
   });
+  return x;
+}
+
+// The int8-dot mat-vec: the launch of the exact mat-vec; every activation row is rounded once,
+// then each item runs its columns for its group of rows.
+template <class Format>
+void mv_int8_kernel(const KernelLaunch& launch, void* queue_native) {
+  const Operands ops = bind_mv_launch<Format, kMvThreadgroupOutputs>(launch);
+  const ggml::int8::Clone clone = ggml::int8::clone_for<Format>();
+  const ggml::int8::QuantizedRows x = quantize_activations(ops, queue_native, clone);
   for_each_mv_item(ops, queue_native,
-                   [&x](const Operands& group, size_t row0, size_t col0, size_t col_end) {
-                     ggml::int8::mv_range_for<Format>(group.m)(
-                         group, ggml::int8::QuantizedRowsView(x, row0), col0, col_end);
+                   [&](const Operands& group, size_t row0, size_t col0, size_t col_end) {
+                     float* out_rows[kMaxMvRows];
+                     for (size_t r = 0; r < group.m; ++r) out_rows[r] = group.output + r * ops.n;
+                     clone.mat_vec_item(ops, ggml::int8::QuantizedRowsView(x, row0), 0, group.m,
+                                        col0, col_end - col0, out_rows);
                    });
 }
 
@@ -259,17 +268,12 @@ void mm_kernel(const KernelLaunch& launch, void* queue_native) {
 template <class Format>
 void mm_int8_kernel(const KernelLaunch& launch, void* queue_native) {
   const Operands ops = bind_mm_launch<Format, 32>(launch);
-  ggml::int8::QuantizedRows x;
-  x.resize(ops.m, ops.k);
-  parallel(queue_native, ops.m, [&](size_t begin, size_t end) {
-    ggml::int8::quantize_rows(ops.input, ops.k, ggml::int8::Int8Codes<Format>::kCodeOffset, x,
-                              begin, end);
-  });
-  const ggml::int8::MmItem run = ggml::int8::mm_item_for<Format>();
+  const ggml::int8::Clone clone = ggml::int8::clone_for<Format>();
+  const ggml::int8::QuantizedRows x = quantize_activations(ops, queue_native, clone);
   const ggml::int8::QuantizedRowsView view(x, 0);
   for_each_mm_item(ops, queue_native,
                    [&](size_t row0, size_t rows, size_t col0, size_t cols, float* const* out) {
-                     run(ops, view, row0, rows, col0, cols, out);
+                     clone.item(ops, view, row0, rows, col0, cols, out);
                    });
 }
 
