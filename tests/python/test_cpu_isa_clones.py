@@ -50,6 +50,8 @@ _CHILD = textwrap.dedent(
         raw[0, 1, :2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
         raw[0, 1, 2:] = 0x99 if fmt is q4_0 else 1
         raw[n - 1, 0, :2] = 0
+        if fmt is q8_0:
+            raw[1, 0, 2:] = 0x80  # -128, which the quantiser never writes (the int8 clones' edge)
         return blocks
 
     def activations(m, k):

@@ -173,3 +173,22 @@ def test_backends_without_int8_dot_run_the_exact_routes(backend, device, registr
         got, receipt = _run(device, registry, GgmlType.Q4_0, blocks, x, 16, INT8)
         assert receipt.route != "int8_dot" and "int8dot" not in receipt.pipeline_label
         assert receipt.policy.dense_int8_dot
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("m", [1, 2, 9])
+def test_int8_dot_q8_0_takes_every_byte(device, registry, m):
+    """Q8_0 weight bytes over the whole int8 range, -128 included (which the gguf quantiser never
+    writes, but a file may hold): the products stay exact, so the bound holds."""
+    rng = np.random.default_rng([m, 128])
+    n, k = 19, 32 * 6
+    raw = np.empty((n, k // 32, 34), np.uint8)
+    raw[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    raw[:, :, 2:] = rng.integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
+    raw[0, 0, 2:] = 0x80  # a block of -128 only
+    blocks = raw.reshape(-1)
+    weights = q8_0.dequantize(blocks).reshape(n, k).astype(np.float64)
+    x = _activations(rng, m, k)
+    got, _ = _run(device, registry, GgmlType.Q8_0, blocks, x, n, INT8)
+    err = np.abs(got.astype(np.float64) - x.astype(np.float64) @ weights.T)
+    assert np.all(err <= int8_dot_bound(weights, x))

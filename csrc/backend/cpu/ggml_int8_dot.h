@@ -250,17 +250,17 @@ struct alignas(32) GroupBlock {
 };
 static_assert(sizeof(GroupBlock) == kQK * kGroupCols + 4 * kGroupCols);
 
-// The block of kGroupCols columns at blocks[c] (nullptr: a column past the matrix) in value order,
-// scales widened; what each clone stores per code is its own.
-template <class Format>
+// The widened scale of one column's block; zero for a column past the matrix (nullptr).
 inline float group_scale(const uint8_t* block) {
   return block == nullptr ? 0.0f : simd::widen(simd::Half{block_scale_bits(block)});
 }
 
-// Three clones of two primitives (selected once per launch, isa.h):
+// Three clones (selected once per launch, isa.h) of
 //   group_block(blocks, out)   rearranges one block of kGroupCols columns (GroupBlock)
 //   tile<R, G>(...)            R rows x G groups over a panel of group blocks: the integer P_b of
 //                              every output, then contract step 4 on eight outputs per vector
+//   stream_group<R>(...)       the mat-vec of R <= kStreamRows rows for one group of columns,
+//                              straight from the weight rows (vector clones only)
 // and kOffset, the code offset its dot product needs added back (QuantizedRows::bias).
 // Int8Portable: signed values, plain loops. Int8Avx2: vpmaddubsw + vpmaddwd (Q4_0 nibbles times q;
 // Q8_0 |v| times q with v's sign). Int8Vnni: AVX512_VNNI vpdpbusd on unsigned codes.
@@ -277,7 +277,7 @@ struct Int8Portable {
         out.codes[(j / 4) * kGroupCols * 4 + c * 4 + j % 4] =
             static_cast<uint8_t>(static_cast<int8_t>(v));
       }
-      out.scales[c] = group_scale<Format>(blocks[c]);
+      out.scales[c] = group_scale(blocks[c]);
     }
   }
 
