@@ -1,8 +1,10 @@
 """routemm's CPU backend beside ggml's CPU backend (llama.cpp), in one run, with the machine's read
 bandwidth measured beside them.
 
-Cases: Q4_0 4096 x 14336 (N x K) at m = 1, 8, 64, 512 (quantized_matmul_ggml, its default route)
-and the Qwen3-30B-A3B expert projection (128 experts of 768 x 2048, top-8) with bf16 and f32 weights
+Cases: Q4_0 4096 x 14336 (N x K) at m = 1, 8, 64, 512 (quantized_matmul_ggml: its default exact
+route and, with --routes naming int8_dot, the reduced-precision int8-dot route of
+GgmlRoutingPolicy.dense_int8_dot, the arithmetic ggml's CPU backend uses) and the Qwen3-30B-A3B
+expert projection (128 experts of 768 x 2048, top-8) with bf16 and f32 weights
 at m = 1, 64, 512 (dense_matmul_id, both routes). Both sides run on the same number of threads
 (ROUTEMM_CPU_THREADS for routemm, ggml_backend_cpu_set_n_threads for ggml) and report the minimum of
 --runs timed calls. Weights are cycled through copies (Q4_0: >= 128 MB in all; expert ids: fresh
@@ -13,7 +15,12 @@ ggml comes from bench/peer/build_ggml_peer.sh SRC BUILD cpu (its ggml_mul_mat_pe
 ggml's time). ggml's own read-bandwidth probe (--read-bandwidth-mb) gives the bandwidth ceiling.
 
     python bench/cpu_peer.py --peer plain=.dev/peer-cpu/bin/ggml_mul_mat_peer \\
-        --peer repack=.dev/peer-cpu-repack/bin/ggml_mul_mat_peer --out bench/results/cpu_peer-cpu.json
+        --peer repack=.dev/peer-cpu-repack/bin/ggml_mul_mat_peer --routes exact,int8_dot \\
+        --out bench/results/cpu_peer-cpu.json
+
+The side-by-side table compares ggml with routemm's exact routes and, separately, with its int8-dot
+route (rows marked "int8_dot"); the two routemm routes of one case run back to back, the int8-dot
+one first.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ Q4_MS = (1, 8, 64, 512)
 E, TOP_K, EN, EK = 128, 8, 768, 2048
 MOE_MS = (1, 64, 512)
 MOE_TYPES = ("bf16", "f32")
+Q4_ROUTES = ("exact", "int8_dot")  # --routes: the exact default route, the opt-in int8-dot one
+CASES = ("q4_0", "expert_id")  # --cases
 
 
 def _min_time(run, runs: int, setup=None) -> float:
@@ -48,43 +57,49 @@ def _min_time(run, runs: int, setup=None) -> float:
     return best
 
 
-def _routemm_q4(routemm, device, registry, runs: int) -> list[dict]:
+def _routemm_q4(routemm, device, registry, runs: int, routes: list[str]) -> list[dict]:
     from routemm import q4_0
 
     rng = np.random.default_rng(0)
     blocks = q4_0.quantize(rng.standard_normal((N, K), dtype=np.float32) * 0.02)
     copies = [device.from_numpy(blocks) for _ in range(4)]  # 4 x 33 MB: more than the L3
+    policies = {
+        "exact": routemm.GgmlRoutingPolicy(),
+        "int8_dot": routemm.GgmlRoutingPolicy(dense_int8_dot=True),
+    }
     records = []
     for m in Q4_MS:
         x = device.from_numpy(rng.standard_normal((m, K), dtype=np.float32))
         out = device.alloc(m * N * 4, routemm.DType.F32, [m, N])
         params = routemm.GgmlQuantizedMatmulParams(m, N, K)
-        turn = iter(range(10**9))
-        receipt = {}
+        for name in sorted(routes, key=lambda r: r != "int8_dot"):
+            turn = iter(range(10**9))
+            receipt = {}
 
-        def run(weight, x=x, out=out, params=params):
-            encoder = device.command_encoder()
-            receipt["r"] = routemm.quantized_matmul_ggml(encoder, registry, x, weight, out, params)
-            encoder.commit_and_wait()
+            def run(weight, x=x, out=out, params=params, policy=policies[name]):
+                encoder = device.command_encoder()
+                receipt["r"] = routemm.quantized_matmul_ggml(encoder, registry, x, weight, out, params, policy)
+                encoder.commit_and_wait()
 
-        seconds = _min_time(run, runs, lambda turn=turn: (copies[next(turn) % len(copies)],))
-        weight_bytes = blocks.nbytes
-        records.append(
-            dict(
-                op="q4_0_matmul",
-                shape=f"{N}x{K}",
-                m=m,
-                weight_dtype="q4_0",
-                route=receipt["r"].route,
-                impl="routemm",
-                time_us=seconds * 1e6,
-                bytes=weight_bytes,
-                flops=2 * m * N * K,
-                TBps=weight_bytes / seconds / 1e12,
-                TFLOPs=2 * m * N * K / seconds / 1e12,
+            seconds = _min_time(run, runs, lambda turn=turn: (copies[next(turn) % len(copies)],))
+            weight_bytes = blocks.nbytes
+            records.append(
+                dict(
+                    op="q4_0_matmul",
+                    shape=f"{N}x{K}",
+                    m=m,
+                    weight_dtype="q4_0",
+                    route=receipt["r"].route,
+                    precision=name,
+                    impl="routemm",
+                    time_us=seconds * 1e6,
+                    bytes=weight_bytes,
+                    flops=2 * m * N * K,
+                    TBps=weight_bytes / seconds / 1e12,
+                    TFLOPs=2 * m * N * K / seconds / 1e12,
+                )
             )
-        )
-        print(f"routemm q4_0 m={m}: {seconds * 1e6:.0f} us ({receipt['r'].route})", flush=True)
+            print(f"routemm q4_0 m={m}: {seconds * 1e6:.0f} us ({receipt['r'].route})", flush=True)
     return records
 
 
@@ -138,15 +153,25 @@ def _routemm_expert_id(routemm, device, registry, runs: int) -> list[dict]:
     return records
 
 
-def _ggml(label: str, binary: str, threads: int, runs: int, bandwidth: bool) -> tuple[list[dict], float | None]:
-    """ggml's records (rotated weights, minimum of `runs` batches of one compute per node) and,
-    when asked, its read-bandwidth probe in GB/s."""
+def _ggml(
+    label: str, binary: str, threads: int, runs: int, bandwidth: bool, cases: list[str]
+) -> tuple[list[dict], float | None]:
+    """ggml's records (rotated weights, minimum of `runs` batches of one compute per node) for
+    `cases` and, when asked, its read-bandwidth probe in GB/s."""
     common = [binary, "--backend", "cpu", "--threads", str(threads), "--modes", "rotated", "--stat", "min"]
     common += ["--batches", str(runs), "--reps", "1", "--warmup", "1", "--nodes", "2", "--rotate-mb", "128"]
-    runs_args = [
-        ["--only", "mul_mat", "--shapes", f"{N}x{K}", "--ms", ",".join(map(str, Q4_MS))],
-        ["--only", "mul_mat_id", "--moe-types", ",".join(MOE_TYPES), "--moe-ms", ",".join(map(str, MOE_MS))],
-    ]
+    runs_args = {
+        "q4_0": ["--only", "mul_mat", "--shapes", f"{N}x{K}", "--ms", ",".join(map(str, Q4_MS))],
+        "expert_id": [
+            "--only",
+            "mul_mat_id",
+            "--moe-types",
+            ",".join(MOE_TYPES),
+            "--moe-ms",
+            ",".join(map(str, MOE_MS)),
+        ],
+    }
+    runs_args = [runs_args[case] for case in CASES if case in cases]
     records, gbps = [], None
     for i, extra in enumerate(runs_args):
         with tempfile.TemporaryDirectory() as tmp:
@@ -185,21 +210,27 @@ def _ggml(label: str, binary: str, threads: int, runs: int, bandwidth: bool) -> 
 
 
 def _comparison(records: list[dict]) -> list[str]:
-    """Side-by-side table: routemm's best route and ggml's best layout per case."""
+    """Side-by-side table: per case, ggml's best layout beside routemm's best exact route and, in
+    rows of their own, beside its int8-dot route."""
     best: dict[tuple, dict[str, dict]] = {}
     for r in records:
         if r["op"] not in ("q4_0_matmul", "dense_matmul_id"):
             continue
         key = (r["op"], r["weight_dtype"], r["m"])
         side = best.setdefault(key, {})
-        if r["impl"] not in side or r["time_us"] < side[r["impl"]]["time_us"]:
-            side[r["impl"]] = r
+        impl = r["impl"] if r.get("precision", "exact") == "exact" else f"{r['impl']}/{r['precision']}"
+        if impl not in side or r["time_us"] < side[impl]["time_us"]:
+            side[impl] = r
     lines = [
         "| case | m | routemm (us) | route | ggml (us) | layout | routemm speed / ggml speed |",
         "|---|---:|---:|---|---:|---|---:|",
     ]
-    for (op, dtype, m), side in sorted(best.items(), key=lambda kv: (kv[0][0] != "q4_0_matmul", kv[0][1], kv[0][2])):
-        ours, peer = side.get("routemm"), side.get("ggml_cpu")
+    rows = []
+    for (op, dtype, m), side in best.items():
+        for ours_key in sorted(k for k in side if k.startswith("routemm")) or ["routemm"]:
+            rows.append(((op != "q4_0_matmul", ours_key != "routemm", dtype, m), (op, dtype, m, side, ours_key)))
+    for _, (op, dtype, m, side, ours_key) in sorted(rows, key=lambda row: row[0]):
+        ours, peer = side.get(ours_key), side.get("ggml_cpu")
         case = f"Q4_0 {N}x{K}" if op == "q4_0_matmul" else f"expert-ID Qwen3 {dtype}"
         ratio = f"{peer['time_us'] / ours['time_us']:.2f}x" if ours and peer else ""
         lines.append(
@@ -218,9 +249,19 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--out", default="bench/results/cpu_peer-cpu.json")
     parser.add_argument("--note", default="", help="a line for the report (e.g. that the machine was shared)")
+    parser.add_argument(
+        "--routes", default="exact", help=f"comma list of routemm's Q4_0 routes to time: {', '.join(Q4_ROUTES)}"
+    )
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of cases: {', '.join(CASES)}")
     args = parser.parse_args()
     if not args.peer:
         parser.error("at least one --peer LABEL=PATH is needed")
+    routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if not routes or any(r not in Q4_ROUTES for r in routes):
+        parser.error(f"--routes takes a comma list of {', '.join(Q4_ROUTES)}, got {args.routes!r}")
+    if not cases or any(c not in CASES for c in cases):
+        parser.error(f"--cases takes a comma list of {', '.join(CASES)}, got {args.cases!r}")
 
     os.environ["ROUTEMM_CPU_THREADS"] = str(args.threads)  # read once, at the first kernel
     import routemm
@@ -231,13 +272,15 @@ def main() -> None:
     records, gbps = [], None
     for i, spec in enumerate(args.peer):
         label, _, path = spec.partition("=")
-        peer_records, probe = _ggml(label, path, args.threads, args.runs, bandwidth=i == 0)
+        peer_records, probe = _ggml(label, path, args.threads, args.runs, bandwidth=i == 0, cases=cases)
         records += peer_records
         gbps = gbps if probe is None else probe
     device = routemm.Device("cpu")
     registry = routemm.KernelRegistry(device)
-    records += _routemm_q4(routemm, device, registry, args.runs)
-    records += _routemm_expert_id(routemm, device, registry, args.runs)
+    if "q4_0" in cases:
+        records += _routemm_q4(routemm, device, registry, args.runs, routes)
+    if "expert_id" in cases:
+        records += _routemm_expert_id(routemm, device, registry, args.runs)
 
     doc = {
         "device": f"cpu: {conftest._cpu_name()} ({os.cpu_count()} threads; {args.threads} used by each side; "

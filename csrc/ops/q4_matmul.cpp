@@ -109,11 +109,20 @@ struct Route {
   std::optional<DenseQ4Route> route;  // nullopt: mat-vec
   DenseQ4DecisionSource decision;
   bool q8_0_nr2 = false;  // the Q8_0 mat-vec runs kQ8_0MatVecNr2Pipeline
+  // The int8-dot pipeline of the type and regime runs; a matrix call keeps route =
+  // CompatibilitySimdgroup for its geometry (the int8-dot matrix pipelines have that route's).
+  bool int8_dot = false;
 };
+
+// The int8-dot pipeline of a (validated) type and regime.
+std::string_view int8_dot_pipeline(GgmlType type, bool mat_vec) {
+  return kGgmlInt8DotPipelineNames[(type == GgmlType::Q8_0 ? 2 : 0) + (mat_vec ? 0 : 1)];
+}
 
 // The pipeline of a (validated) type and route: Q8_0 has the two mat-vecs and the simdgroup route.
 std::string_view pipeline_name(GgmlType type, const Route& choice) {
   const std::optional<DenseQ4Route> route = choice.route;
+  if (choice.int8_dot) return int8_dot_pipeline(type, !route.has_value());
   if (type == GgmlType::Q8_0) {
     if (route && *route != DenseQ4Route::CompatibilitySimdgroup) {
       fail("has no " + std::string(to_string(*route)) + " route for q8_0");
@@ -198,9 +207,10 @@ GgmlQuantizedMatmulReceipt encode(CommandEncoder& encoder, KernelRegistry& regis
 
   GgmlQuantizedMatmulReceipt receipt;
   receipt.ggml_type = p.ggml_type;
-  receipt.route = choice.route;
+  receipt.route = choice.int8_dot ? std::nullopt : choice.route;
   receipt.decision = choice.decision;
   receipt.policy = policy;
+  receipt.int8_dot = choice.int8_dot;
   receipt.pipeline_label = pipeline->label();
   receipt.dispatch_count = 1;
   receipt.dispatch = std::move(dispatch);
@@ -256,6 +266,7 @@ GgmlRoutingPolicy ggml_routing_policy_from_environment() {
     policy.allow_dense_large_tile_mm = false;
   }
   if (env_is("ROUTEMM_Q8_0_MV_NR2", {"0", "false", "off"})) policy.dense_q8_0_mv_nr2 = false;
+  if (env_is("ROUTEMM_DENSE_INT8_DOT", {"1", "true", "on"})) policy.dense_int8_dot = true;
   return policy;
 }
 
@@ -284,6 +295,7 @@ std::string_view to_string(DenseQ4DecisionSource value) {
     case DenseQ4DecisionSource::IneligibleCompatibilityFallback:
       return "ineligible_compatibility_fallback";
     case DenseQ4DecisionSource::ForcedTest: return "forced_test";
+    case DenseQ4DecisionSource::PolicyInt8Dot: return "policy_int8_dot";
   }
   return "?";
 }
@@ -435,7 +447,12 @@ GgmlQuantizedMatmulReceipt dense_q4_auto(CommandEncoder& encoder, KernelRegistry
   using enum DenseQ4DecisionSource;
   validate_quantized_matmul_ggml_call(input, weight, output, params);
   Route choice{std::nullopt, MatVecThreshold};
-  if (params.m <= kGgmlMmRoutingThreshold && params.ggml_type == GgmlType::Q8_0) {
+  const bool mat_vec = params.m <= kGgmlMmRoutingThreshold;
+  if (policy.dense_int8_dot && registry.has_kernel(int8_dot_pipeline(params.ggml_type, mat_vec))) {
+    // The reduced-precision opt-in, where the backend has it (the CPU); no plan is consulted.
+    if (!mat_vec) choice = {DenseQ4Route::CompatibilitySimdgroup, PolicyInt8Dot};
+    choice.int8_dot = true;
+  } else if (mat_vec && params.ggml_type == GgmlType::Q8_0) {
     // Spec §5.5: the nr2 mat-vec by default; a backend without it keeps the other mat-vec.
     choice.q8_0_nr2 = policy.dense_q8_0_mv_nr2 && registry.has_kernel(kQ8_0MatVecNr2Pipeline);
   } else if (params.m > kGgmlMmRoutingThreshold && params.ggml_type == GgmlType::Q8_0) {

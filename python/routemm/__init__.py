@@ -50,6 +50,7 @@ from .moe import (
     moe_gate,
 )
 from .quantized_matmul import (
+    GGML_INT8_DOT_PIPELINE_NAMES,
     Q4_MATMUL_PIPELINE_NAMES,
     Q8_0_MAT_VEC_NR2_PIPELINE,
     Q8_MATMUL_PIPELINE_NAMES,
@@ -179,6 +180,7 @@ __all__ += [
     "GgmlRoutingPolicy",
     "GgmlTensorMmPreference",
     "GgmlType",
+    "GGML_INT8_DOT_PIPELINE_NAMES",
     "Q4_MATMUL_PIPELINE_NAMES",
     "Q8_0_MAT_VEC_NR2_PIPELINE",
     "Q8_MATMUL_PIPELINE_NAMES",

@@ -83,6 +83,12 @@ _PYTHON_KNOBS = (
         "0/false/off: GgmlRoutingPolicy.dense_q8_0_mv_nr2 (Q8_0 mat-vec without the nr2 kernel)",
     ),
     Knob(
+        "ROUTEMM_DENSE_INT8_DOT",
+        "bool",
+        "0",
+        "1/true/on: GgmlRoutingPolicy.dense_int8_dot (Q4_0/Q8_0 projections round activations to int8: reduced precision, CPU)",
+    ),
+    Knob(
         "ROUTEMM_MM_ID_ROUTING_THRESHOLD",
         "int",
         "8",

@@ -33,6 +33,10 @@ Q8_MATMUL_PIPELINE_NAMES: tuple[str, ...] = _core.Q8_MATMUL_PIPELINE_NAMES
 # Q8_0's default mat-vec (GgmlRoutingPolicy.dense_q8_0_mv_nr2): threads [32, 4, 1], 2 rows per
 # threadgroup, 256 bytes of threadgroup memory. Backends without it run Q8_MATMUL_PIPELINE_NAMES[0].
 Q8_0_MAT_VEC_NR2_PIPELINE: str = _core.Q8_0_MAT_VEC_NR2_PIPELINE
+# The reduced-precision int8-dot pipelines (GgmlRoutingPolicy.dense_int8_dot; the CPU has them):
+# Q4_0 mat-vec, Q4_0 matrix, Q8_0 mat-vec, Q8_0 matrix. Receipts of their calls say route "int8_dot".
+GGML_INT8_DOT_PIPELINE_NAMES: tuple[str, ...] = _core.GGML_INT8_DOT_PIPELINE_NAMES
+INT8_DOT_ROUTE: str = _core.GGML_INT8_DOT_ROUTE
 # The specialisation constants every Q4 pipeline is fetched with, as they appear in labels.
 Q4_PIPELINE_LABEL_SUFFIX = "|700:i1|701:i1|702:i1"
 MAT_VEC_ROUTE = "mat_vec"
@@ -82,7 +86,8 @@ class DenseQ4Route(enum.Enum):
 
 
 class DenseQ4DecisionSource(enum.Enum):
-    """Why a route was taken: spec §6.1's decision sources, plus MAT_VEC_THRESHOLD (m <= 8)."""
+    """Why a route was taken: spec §6.1's decision sources, plus MAT_VEC_THRESHOLD (m <= 8) and
+    POLICY_INT8_DOT (a matrix call the policy sent to an int8-dot pipeline)."""
 
     MAT_VEC_THRESHOLD = "mat_vec_threshold"
     FROZEN_PLAN = "frozen_plan"
@@ -90,6 +95,7 @@ class DenseQ4DecisionSource(enum.Enum):
     UNDECLARED_COMPATIBILITY_FALLBACK = "undeclared_compatibility_fallback"
     INELIGIBLE_COMPATIBILITY_FALLBACK = "ineligible_compatibility_fallback"
     FORCED_TEST = "forced_test"
+    POLICY_INT8_DOT = "policy_int8_dot"  # m > 8 under GgmlRoutingPolicy.dense_int8_dot
 
 
 _FALSE_WORDS = ("0", "false", "off")
@@ -131,7 +137,11 @@ class GgmlRoutingPolicy(JsonRecord):
     `dense_tensor_mm` and `allow_dense_large_tile_mm` choose the dense Q4_0 matrix routes;
     `dense_q8_0_mv_nr2` makes Q8_0 mat-vec calls (m <= 8) run `kernel_mul_mv_q8_0_f32_nr2` where
     the backend has it (CPU, Metal), else `kernel_mul_mv_q8_0_f32` (the receipt's label says
-    which). The other fields (RECORDED_ONLY) name routes of formats or kernels routemm does not
+    which). `dense_int8_dot` (off by default: reduced precision) makes every Q4_0 / Q8_0 call run
+    the int8-dot pipeline of its regime where the backend has it (the CPU): activations rounded to
+    int8 per 32-value block, integer dot products, F32 accumulation, within the bound of
+    docs/numerics.md; the receipt's route is then "int8_dot", elsewhere the exact routes run. The
+    other fields (RECORDED_ONLY) name routes of formats or kernels routemm does not
     have yet -- K-quant width-mN tiles, mul_mv_ext, the Q6_K nr2 mat-vecs, the quantised expert
     routes: they are accepted, validated, recorded in every receipt and used by the structural
     planner (`plan_dense_auto_route`, `ggml_capability`), and change no dispatch until those
@@ -153,6 +163,7 @@ class GgmlRoutingPolicy(JsonRecord):
     dense_decode_mv_ext: bool = False  # opt-in mul_mv_ext at M in [2, 8] (not bit-identical)
     dense_q6k_mv_nr2: bool = True
     dense_q8_0_mv_nr2: bool = True
+    dense_int8_dot: bool = False  # opt-in int8-dot routes (reduced precision; CPU)
     expert_mm_threshold: int = MM_ID_ROUTING_THRESHOLD  # expert matrix route when n_tokens > this
     expert_q6k_mv_nr2: bool = True
     expert_q8_0_mv_nr2: bool = False
@@ -191,17 +202,19 @@ class GgmlRoutingPolicy(JsonRecord):
             dense_decode_mv_ext=_env_flag("ROUTEMM_DECODE_MV_EXT", False),
             dense_q6k_mv_nr2=_env_flag("ROUTEMM_Q6K_MV_NR2", True),
             dense_q8_0_mv_nr2=_env_flag("ROUTEMM_Q8_0_MV_NR2", True),
+            dense_int8_dot=_env_flag("ROUTEMM_DENSE_INT8_DOT", False),
             expert_mm_threshold=_env_count("ROUTEMM_MM_ID_ROUTING_THRESHOLD", MM_ID_ROUTING_THRESHOLD),
             expert_q6k_mv_nr2=_env_flag("ROUTEMM_Q6K_ID_MV_NR2", True),
             expert_q8_0_mv_nr2=_env_flag("ROUTEMM_Q8_0_ID_MV_NR2", False),
             expert_tensor_mm=simd if force_simd_id else auto,
         )
 
-    def _native(self) -> tuple[str, bool, bool]:
+    def _native(self) -> tuple[str, bool, bool, bool]:
         return (
             GgmlTensorMmPreference(self.dense_tensor_mm).value,
             bool(self.allow_dense_large_tile_mm),
             bool(self.dense_q8_0_mv_nr2),
+            bool(self.dense_int8_dot),
         )
 
 
@@ -263,7 +276,8 @@ class GgmlQuantizedMatmulParams(JsonRecord, SchemaVersioned):
 
 @dataclasses.dataclass(frozen=True)
 class GgmlQuantizedMatmulReceipt(JsonRecord, SchemaVersioned):
-    """What one call encoded. route is a DenseQ4Route value or "mat_vec"."""
+    """What one call encoded. route is a DenseQ4Route value, "mat_vec" or "int8_dot" (an int8-dot
+    pipeline, mat-vec or matrix: the label says which)."""
 
     SCHEMA = "ggml_quantized_matmul_receipt.schema.json"
     ggml_type: GgmlType
@@ -277,8 +291,8 @@ class GgmlQuantizedMatmulReceipt(JsonRecord, SchemaVersioned):
 
     @property
     def dense_route(self) -> Optional[DenseQ4Route]:
-        """The matrix route, or None for the mat-vec pipeline."""
-        return None if self.route == MAT_VEC_ROUTE else DenseQ4Route(self.route)
+        """The matrix route, or None for the mat-vec and int8-dot pipelines."""
+        return None if self.route in (MAT_VEC_ROUTE, INT8_DOT_ROUTE) else DenseQ4Route(self.route)
 
     @classmethod
     def _from_core(cls, d: dict) -> "GgmlQuantizedMatmulReceipt":
@@ -290,6 +304,7 @@ class GgmlQuantizedMatmulReceipt(JsonRecord, SchemaVersioned):
                 GgmlTensorMmPreference(d["policy"]["dense_tensor_mm"]),
                 d["policy"]["allow_dense_large_tile_mm"],
                 dense_q8_0_mv_nr2=d["policy"]["dense_q8_0_mv_nr2"],
+                dense_int8_dot=d["policy"]["dense_int8_dot"],
             ),
             pipeline_label=d["pipeline_label"],
             dispatch_count=d["dispatch_count"],
@@ -349,8 +364,9 @@ def quantized_matmul_ggml(
 def encode_ggml(
     encoder, registry, input, weight, output, params: GgmlQuantizedMatmulParams, policy: GgmlRoutingPolicy, device=None
 ) -> GgmlQuantizedMatmulReceipt:
-    """The native dispatcher: the mat-vec pipeline for m <= 8 (Q8_0: the nr2 one when the policy's
-    dense_q8_0_mv_nr2 is set and the backend has it), else the route the policy, the route
+    """The native dispatcher: with the policy's dense_int8_dot and a backend that has it, the int8-dot
+    pipeline of the call's type and regime; otherwise the mat-vec pipeline for m <= 8 (Q8_0: the
+    nr2 one when the policy's dense_q8_0_mv_nr2 is set and the backend has it), else the route the policy, the route
     plan frozen into `registry` (honoured only when made on `device`, by default the registry's)
     and the backend's pipelines give (spec §5.6, §6.2); the receipt's decision says why."""
     native = _core._quantized_matmul_ggml(

@@ -25,7 +25,7 @@ Enum parse(const std::string& text, const std::array<Enum, N>& values, const cha
 }
 
 GgmlRoutingPolicy make_policy(const std::string& dense_tensor_mm, bool allow_large_tile,
-                              bool q8_0_mv_nr2) {
+                              bool q8_0_mv_nr2, bool int8_dot) {
   GgmlRoutingPolicy policy;
   policy.dense_tensor_mm =
       parse(dense_tensor_mm,
@@ -33,18 +33,22 @@ GgmlRoutingPolicy make_policy(const std::string& dense_tensor_mm, bool allow_lar
             "tensor MM preference");
   policy.allow_dense_large_tile_mm = allow_large_tile;
   policy.dense_q8_0_mv_nr2 = q8_0_mv_nr2;
+  policy.dense_int8_dot = int8_dot;
   return policy;
 }
 
 py::dict receipt_dict(const GgmlQuantizedMatmulReceipt& r) {
   py::dict out;
   out["ggml_type"] = std::string(to_string(r.ggml_type));
-  out["route"] = r.route ? std::string(to_string(*r.route)) : std::string("mat_vec");
+  out["route"] = r.int8_dot ? std::string(kGgmlInt8DotRoute)
+                 : r.route  ? std::string(to_string(*r.route))
+                            : std::string("mat_vec");
   out["decision"] = std::string(to_string(r.decision));
   py::dict policy;
   policy["dense_tensor_mm"] = std::string(to_string(r.policy.dense_tensor_mm));
   policy["allow_dense_large_tile_mm"] = r.policy.allow_dense_large_tile_mm;
   policy["dense_q8_0_mv_nr2"] = r.policy.dense_q8_0_mv_nr2;
+  policy["dense_int8_dot"] = r.policy.dense_int8_dot;
   out["policy"] = policy;
   out["pipeline_label"] = r.pipeline_label;
   out["dispatch_count"] = r.dispatch_count;
@@ -111,6 +115,10 @@ void init_q4(py::module_& m) {
   for (auto name : kQ8MatmulPipelineNames) q8_names.append(std::string(name));
   m.attr("Q8_MATMUL_PIPELINE_NAMES") = py::tuple(q8_names);
   m.attr("Q8_0_MAT_VEC_NR2_PIPELINE") = std::string(kQ8_0MatVecNr2Pipeline);
+  py::list int8_names;
+  for (auto name : kGgmlInt8DotPipelineNames) int8_names.append(std::string(name));
+  m.attr("GGML_INT8_DOT_PIPELINE_NAMES") = py::tuple(int8_names);
+  m.attr("GGML_INT8_DOT_ROUTE") = std::string(kGgmlInt8DotRoute);
 
   def_block_format<q4_0::quantized_bytes, q4_0::quantize, q4_0::dequantize>(
       m, "q4_0", q4_0::kBlockValues, q4_0::kBlockBytes);
@@ -134,22 +142,27 @@ void init_q4(py::module_& m) {
   m.def("_dense_q4_pipeline_name", [](const std::string& route) {
     return std::string(dense_q4_pipeline_name(parse_route(route)));
   });
-  m.def("_select_dense_q4_route", [](const GgmlQuantizedMatmulParams& p, const std::string& pref,
-                                     bool allow_large, bool q8_0_mv_nr2) {
-    const DenseQ4RouteSelection s =
-        select_dense_q4_route(p, make_policy(pref, allow_large, q8_0_mv_nr2));
-    return py::make_tuple(std::string(to_string(s.route)), std::string(to_string(s.decision)));
-  });
+  m.def(
+      "_select_dense_q4_route",
+      [](const GgmlQuantizedMatmulParams& p, const std::string& pref, bool allow_large,
+         bool q8_0_mv_nr2, bool int8_dot) {
+        const DenseQ4RouteSelection s =
+            select_dense_q4_route(p, make_policy(pref, allow_large, q8_0_mv_nr2, int8_dot));
+        return py::make_tuple(std::string(to_string(s.route)), std::string(to_string(s.decision)));
+      },
+      py::arg("params"), py::arg("dense_tensor_mm"), py::arg("allow_dense_large_tile_mm"),
+      py::arg("dense_q8_0_mv_nr2"), py::arg("dense_int8_dot") = false);
   m.def(
       "_select_dense_q4_planned_route",
       [](const KernelRegistry& registry, const Device& device, const GgmlQuantizedMatmulParams& p,
-         const std::string& pref, bool allow_large, bool q8_0_mv_nr2) {
-        const DenseQ4RouteSelection s =
-            select_dense_q4_route(registry, device, p, make_policy(pref, allow_large, q8_0_mv_nr2));
+         const std::string& pref, bool allow_large, bool q8_0_mv_nr2, bool int8_dot) {
+        const DenseQ4RouteSelection s = select_dense_q4_route(
+            registry, device, p, make_policy(pref, allow_large, q8_0_mv_nr2, int8_dot));
         return py::make_tuple(std::string(to_string(s.route)), std::string(to_string(s.decision)));
       },
       py::arg("registry"), py::arg("device"), py::arg("params"), py::arg("dense_tensor_mm"),
-      py::arg("allow_dense_large_tile_mm"), py::arg("dense_q8_0_mv_nr2"));
+      py::arg("allow_dense_large_tile_mm"), py::arg("dense_q8_0_mv_nr2"),
+      py::arg("dense_int8_dot") = false);
   m.def(
       "_freeze_dense_q4_plan_routes",
       [](KernelRegistry& registry, const std::string& plan_id, const std::string& device_name,
@@ -181,16 +194,16 @@ void init_q4(py::module_& m) {
       "_quantized_matmul_ggml",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,
          const Buffer& weight, const Buffer& output, const GgmlQuantizedMatmulParams& p,
-         const std::string& dense_tensor_mm, bool allow_large_tile, bool q8_0_mv_nr2,
+         const std::string& dense_tensor_mm, bool allow_large_tile, bool q8_0_mv_nr2, bool int8_dot,
          const std::optional<Device>& device) {
-        return receipt_dict(
-            dense_q4_auto(encoder, registry, device ? *device : registry.device(), input, weight,
-                          output, p, make_policy(dense_tensor_mm, allow_large_tile, q8_0_mv_nr2)));
+        return receipt_dict(dense_q4_auto(
+            encoder, registry, device ? *device : registry.device(), input, weight, output, p,
+            make_policy(dense_tensor_mm, allow_large_tile, q8_0_mv_nr2, int8_dot)));
       },
       py::arg("encoder"), py::arg("registry"), py::arg("input"), py::arg("weight"),
       py::arg("output"), py::arg("params"), py::arg("dense_tensor_mm"),
       py::arg("allow_dense_large_tile_mm"), py::arg("dense_q8_0_mv_nr2"),
-      py::arg("device") = std::nullopt);
+      py::arg("dense_int8_dot") = false, py::arg("device") = std::nullopt);
   m.def(
       "_encode_q4_route",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,

@@ -4,8 +4,11 @@ ROUTEMM_CPU_ISA caps the clone a process runs (it is read once, so each clone ru
 child process). Every child computes the same block-quantised products -- the Q4_0 / Q8_0 mat-vec
 (m <= 8, column tails) and matrix routes (row and column tails, K not a multiple of the panel
 depth), the quantised expert-ID direct and grouped routes, weights with an infinite and a zero
-block scale -- and the parent compares their outputs bit for bit (NaN positions must agree; NaN
-payloads are not pinned by the contract). A clone the CPU lacks is a skip, never a pass."""
+block scale -- and the reduced-precision int8-dot routes of the dense product (mat-vec and matrix;
+their clones are scalar, AVX2 vpmaddubsw and AVX512_VNNI vpdpbusd), and the parent compares their
+outputs bit for bit (NaN positions must agree; NaN payloads are not pinned by the contract). The
+best clone also runs on one thread: the results do not depend on the thread count either. A clone
+the CPU lacks is a skip, never a pass."""
 
 from __future__ import annotations
 
@@ -47,6 +50,8 @@ _CHILD = textwrap.dedent(
         raw[0, 1, :2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
         raw[0, 1, 2:] = 0x99 if fmt is q4_0 else 1
         raw[n - 1, 0, :2] = 0
+        if fmt is q8_0:
+            raw[1, 0, 2:] = 0x80  # -128, which the quantiser never writes (the int8 clones' edge)
         return blocks
 
     def activations(m, k):
@@ -54,14 +59,14 @@ _CHILD = textwrap.dedent(
         x[:, 32:64] = np.abs(x[:, 32:64]) + 0.5
         return x
 
-    def dense(ggml_type, m, n, k):
+    def dense(ggml_type, m, n, k, policy=None):
         blocks = blocks_with_special_scales(formats[ggml_type], n, k)
         x = activations(m, k)
         out = device.alloc(m * n * 4, DType.F32, [m, n])
         encoder = device.command_encoder()
         routemm.quantized_matmul_ggml(
             encoder, registry, device.from_numpy(x), device.from_numpy(blocks), out,
-            routemm.GgmlQuantizedMatmulParams(m, n, k, ggml_type),
+            routemm.GgmlQuantizedMatmulParams(m, n, k, ggml_type), policy,
         )
         encoder.commit_and_wait()
         return out.numpy().reshape(m, n)
@@ -89,6 +94,9 @@ _CHILD = textwrap.dedent(
         for m in (1, 2, 3, 5, 8, 9, 33, 70):
             for n, k in ((13, 96), (70, 608)):
                 outputs[f"{ggml_type.value}/dense/m{m}/n{n}/k{k}"] = dense(ggml_type, m, n, k)
+                outputs[f"{ggml_type.value}/int8_dot/m{m}/n{n}/k{k}"] = dense(
+                    ggml_type, m, n, k, routemm.GgmlRoutingPolicy(dense_int8_dot=True)
+                )
         for route in (Route.DIRECT, Route.GROUPED):
             for m in (1, 5, 40):
                 outputs[f"{ggml_type.value}/{route.value}/m{m}"] = expert_id(ggml_type, route, m, 70, 608, 3, 6)
@@ -98,10 +106,10 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _run_clone(isa: str, path) -> str:
+def _run_clone(isa: str, path, threads: int = 2) -> str:
     env = {k: v for k, v in os.environ.items() if k != "ROUTEMM_BACKEND"}
     env["ROUTEMM_CPU_ISA"] = isa
-    env["ROUTEMM_CPU_THREADS"] = "2"
+    env["ROUTEMM_CPU_THREADS"] = str(threads)
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, str(path)], env=env, capture_output=True, text=True, timeout=300
     )
@@ -127,10 +135,15 @@ def test_cpu_isa_clones_are_bit_identical(tmp_path):
             ran[isa] = {name: data[name] for name in data.files}
     if len(ran) < 2:
         pytest.skip(f"this CPU runs only the {', '.join(ran)} clone")
+    best = list(ran)[-1]
+    _run_clone(best, tmp_path / "one_thread.npz", threads=1)
+    with np.load(tmp_path / "one_thread.npz") as data:
+        ran[f"{best} on one thread"] = {name: data[name] for name in data.files}
     base_isa, base = next(iter(ran.items()))
     # The infinite scale reaches the outputs as the IEEE products d * (q - 8) give it: +inf in
     # weight row 0's column, finite elsewhere.
-    for name in ("q4_0/dense/m1/n70/k608", "q4_0/dense/m33/n70/k608", "q8_0/dense/m5/n13/k96"):
+    names = ("q4_0/dense/m1/n70/k608", "q4_0/dense/m33/n70/k608", "q8_0/dense/m5/n13/k96")
+    for name in names + tuple(name.replace("dense", "int8_dot") for name in names):
         assert np.all(np.isposinf(base[name][:, 0])) and np.all(np.isfinite(base[name][:, 1:])), name
     for isa, outputs in ran.items():
         assert outputs.keys() == base.keys()

@@ -447,6 +447,7 @@ def test_json_round_trips(device, registry, rng):
         "dense_decode_mv_ext": False,
         "dense_q6k_mv_nr2": True,
         "dense_q8_0_mv_nr2": True,
+        "dense_int8_dot": False,
         "expert_mm_threshold": 8,
         "expert_q6k_mv_nr2": True,
         "expert_q8_0_mv_nr2": False,

@@ -229,6 +229,6 @@ def test_routing_policy_preference_must_be_a_member(value):
 
 def test_routing_policy_accepts_members_values_and_numpy_bools():
     policy = routemm.GgmlRoutingPolicy("force_simd", np.bool_(False), dense_q8_0_mv_nr2=np.bool_(False))
-    assert policy._native() == ("force_simd", False, False)
+    assert policy._native() == ("force_simd", False, False, False)
     native = routemm.GgmlRoutingPolicy(routemm.GgmlTensorMmPreference.AUTO_PROBE, True)._native()
-    assert native == ("auto_probe", True, True)
+    assert native == ("auto_probe", True, True, False)

@@ -113,6 +113,41 @@ def bf16_dot_bound(k: int, magnitude: np.ndarray) -> np.ndarray:
     return 2.0**-8 * magnitude + k * 2.0**-126
 
 
+# The CPU int8-dot routes (GgmlRoutingPolicy.dense_int8_dot; Q4_0 / Q8_0 weights): each 32-value
+# activation block rounded to int8 with the binary32 scale d = max|x| / 127 (|x - d q| <= d (1/2 +
+# 2^-15)), exact integer block dot products, then one chain of K / 32 F32 FMAs per output, each
+# with the product of the two scales (one more rounding; contract in
+# csrc/backend/cpu/ggml_int8_dot.h). Per element, against the float64 product of the exactly
+# dequantised weights and the F32 activations:
+#   |err| <= sum_i |w_i| d_i (1/2 + 2^-15) + gamma(K/32 + 1) sum_i |w_i| (|x_i| + d_i)
+#            + 2^-100 sum_i |w_i|    (blocks with max|x| < 2^-100 round to zero)
+# and, for random data, relative Frobenius error within 2e-2.
+INT8_DOT_FROBENIUS = 2e-2
+
+
+def int8_dot_scales(x: np.ndarray) -> np.ndarray:
+    """Each activation's block scale d (float64 array shaped like x), as the int8-dot routes
+    compute it: max |x| of its 32-value block over 127, rounded to binary32; 0 below 2^-100."""
+    x = np.asarray(x, np.float32)
+    blocks = np.abs(x).reshape(*x.shape[:-1], -1, 32).max(axis=-1)
+    d = (blocks / np.float32(127)).astype(np.float32).astype(np.float64)
+    d[blocks < np.float32(2.0**-100)] = 0.0
+    return np.repeat(d, 32, axis=-1)
+
+
+def int8_dot_bound(weights: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Bound on |result - exact| of an int8-dot route, [m, n], for dequantised weights [n, k]
+    (float64) and F32 activations [m, k]."""
+    w = np.abs(np.asarray(weights, np.float64))
+    ax = np.abs(np.asarray(x, np.float64))
+    d = int8_dot_scales(x)
+    steps = x.shape[-1] // 32 + 1
+    gamma = steps * 2.0**-24 / (1 - steps * 2.0**-24)
+    rounding = (d * (0.5 + 2.0**-15)) @ w.T
+    accumulation = gamma * ((ax + d) @ w.T)
+    return rounding + accumulation + 2.0**-100 * w.sum(axis=1)[None, :]
+
+
 # ---- GGML Q4_0 dense projections (quantized_matmul_ggml) -----------------------------------------
 #
 # Reference: float64 over the *exactly* dequantised weights (d * (nibble - 8) is exact in F32 and

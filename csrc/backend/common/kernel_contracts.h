@@ -334,8 +334,9 @@ inline void check_moe_combine_args(const KernelLaunch& launch) {
 
 // The contract of the pipeline named `name`: one of kDenseMatmulIdPipelineNames,
 // kDenseMatmulIdTensorPipelineNames, kDenseMatmulIdBf16DotPipelineNames, kQ4MatmulPipelineNames,
-// kQ8MatmulPipelineNames, kQ8_0MatVecNr2Pipeline, kGgmlQuantizedMatmulIdPipelineNames,
-// kGgmlQuantizedMatmulIdTensorPipelineNames, kMoePipelineNames or the two calibration kernels.
+// kQ8MatmulPipelineNames, kQ8_0MatVecNr2Pipeline, kGgmlInt8DotPipelineNames,
+// kGgmlQuantizedMatmulIdPipelineNames, kGgmlQuantizedMatmulIdTensorPipelineNames,
+// kMoePipelineNames or the two calibration kernels.
 // Backends call this while building their kernel lists, so a kernel added without a contract
 // fails when its backend opens instead of going unchecked.
 inline KernelArgCheck kernel_arg_contract(std::string_view name) {
@@ -390,6 +391,10 @@ inline KernelArgCheck kernel_arg_contract(std::string_view name) {
       {kQ8MatmulPipelineNames[0], &check_ggml_matvec_args<q8>},
       {kQ8MatmulPipelineNames[1], &check_ggml_matrix_args<q8>},
       {kQ8_0MatVecNr2Pipeline, &check_ggml_matvec_args<q8>},
+      {kGgmlInt8DotPipelineNames[0], &check_ggml_matvec_args<q4>},
+      {kGgmlInt8DotPipelineNames[1], &check_ggml_matrix_args<q4>},
+      {kGgmlInt8DotPipelineNames[2], &check_ggml_matvec_args<q8>},
+      {kGgmlInt8DotPipelineNames[3], &check_ggml_matrix_args<q8>},
       {qid[0], &check_quantized_matmul_id_direct_args<q4>},
       {qid[1], &check_quantized_matmul_id_direct_args<q8>},
       {qid[2], &check_quantized_matmul_id_grouped_args<q4>},

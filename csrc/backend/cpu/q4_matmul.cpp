@@ -13,6 +13,12 @@
 // 64 x kPanelDepth weight panel into thread-local scratch once and running a register-blocked
 // micro-kernel (4 x 3 AVX2, 4 x 6 AVX-512) over it. None of this changes the per-element order,
 // nor does the instruction-set clone that runs (isa.h). Only NaN payloads are not pinned.
+//
+// The reduced-precision int8-dot pipelines (kGgmlInt8DotPipelineNames: Q4_0 and Q8_0, mat-vec and
+// matrix, with the exact pipelines' geometry) follow their own contract, stated in
+// ggml_int8_dot.h: activations rounded to int8 per block once per call, exact integer block dot
+// products, F32 scaling and accumulation in a fixed order, so they too agree bit for bit across
+// clones, work splits and thread counts.
 #include "routemm/ops/q4_matmul.h"
 
 #include <algorithm>
@@ -24,6 +30,7 @@
 #include "backend/common/launch_args.h"
 #include "backend/common/q4_0_block.h"
 #include "ggml_block_kernels.h"
+#include "ggml_int8_dot.h"
 #include "kernels.h"
 #include "routemm/error.h"
 #include "thread_pool.h"
@@ -90,7 +97,7 @@ Operands bind_operands(const KernelLaunch& launch, size_t m, size_t n, size_t k,
 // bytes of threadgroup memory). The CPU checks the launch against that geometry and computes every
 // output with the same arithmetic, so both Q8_0 mat-vecs give the same bits.
 template <class Format, size_t GroupRows>
-void mv_kernel(const KernelLaunch& launch, void* queue_native) {
+Operands bind_mv_launch(const KernelLaunch& launch) {
   const auto p = kernels::launch_params<GgmlMatmulMvParams>(launch, 3);
   if (p.ne00 != p.ne10 || p.ne01 != p.ne0 || p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 || p.r3 != 1 ||
       p.ne1 <= 0 || p.ne0 <= 0 || p.ne00 <= 0) {
@@ -115,20 +122,23 @@ void mv_kernel(const KernelLaunch& launch, void* queue_native) {
                    "nr2 mat-vec needs threads [32, 4, 1] and 256 bytes of threadgroup memory");
     }
   }
+  return ops;
+}
 
+// Runs run(group, item) for every kMvChunk-column item of every group of at most kMaxMvRows rows
+// (the pipeline's M <= 8 regime; larger raw launches still work, group by group).
+template <class Run>
+void for_each_mv_item(const Operands& ops, void* queue_native, const Run& run) {
   auto* pool = static_cast<ThreadPool*>(queue_native);
   const size_t items = (ops.n + kMvChunk - 1) / kMvChunk;
-  // Rows are processed in groups of at most eight (the pipeline's M <= 8 regime; larger raw
-  // launches still work, group by group).
   for (size_t row0 = 0; row0 < ops.m; row0 += kMaxMvRows) {
     Operands group = ops;
     group.m = std::min(kMaxMvRows, ops.m - row0);
     group.input = ops.input + row0 * ops.k;
     group.output = ops.output + row0 * ops.n;
-    const ggml::MvRange run = ggml::mv_range_for<Format>(group.m);
     const auto body = [&](size_t begin, size_t end) {
       for (size_t item = begin; item < end; ++item) {
-        run(group, item * kMvChunk, std::min(group.n, (item + 1) * kMvChunk));
+        run(group, row0, item * kMvChunk, std::min(group.n, (item + 1) * kMvChunk));
       }
     };
     if (pool == nullptr) {
@@ -137,6 +147,52 @@ void mv_kernel(const KernelLaunch& launch, void* queue_native) {
       pool->parallel_for(items, 1, body);
     }
   }
+}
+
+template <class Format, size_t GroupRows>
+void mv_kernel(const KernelLaunch& launch, void* queue_native) {
+  const Operands ops = bind_mv_launch<Format, GroupRows>(launch);
+  for_each_mv_item(ops, queue_native,
+                   [](const Operands& group, size_t, size_t col0, size_t col_end) {
+                     ggml::mv_range_for<Format>(group.m)(group, col0, col_end);
+                   });
+}
+
+// Runs body(begin, end) over [0, n) on the launch's pool (or inline without one).
+void parallel(void* queue_native, size_t n, const std::function<void(size_t, size_t)>& body) {
+  auto* pool = static_cast<ThreadPool*>(queue_native);
+  if (pool == nullptr) {
+    body(0, n);
+  } else {
+    pool->parallel_for(n, 1, body);
+  }
+}
+
+// Rounds every activation row of ops once (ggml_int8_dot.h), for `clone`.
+ggml::int8::QuantizedRows quantize_activations(const Operands& ops, void* queue_native,
+                                               const ggml::int8::Clone& clone) {
+  ggml::int8::QuantizedRows x;
+  x.resize(ops.m, ops.k);
+  parallel(queue_native, ops.m, [&](size_t begin, size_t end) {
+    ggml::int8::quantize_rows(ops.input, ops.k, clone.offset, x, begin, end);
+  });
+  return x;
+}
+
+// The int8-dot mat-vec: the launch of the exact mat-vec; every activation row is rounded once,
+// then each item runs its columns for its group of rows.
+template <class Format>
+void mv_int8_kernel(const KernelLaunch& launch, void* queue_native) {
+  const Operands ops = bind_mv_launch<Format, kMvThreadgroupOutputs>(launch);
+  const ggml::int8::Clone clone = ggml::int8::clone_for<Format>();
+  const ggml::int8::QuantizedRows x = quantize_activations(ops, queue_native, clone);
+  for_each_mv_item(ops, queue_native,
+                   [&](const Operands& group, size_t row0, size_t col0, size_t col_end) {
+                     float* out_rows[kMaxMvRows];
+                     for (size_t r = 0; r < group.m; ++r) out_rows[r] = group.output + r * ops.n;
+                     clone.mat_vec_item(ops, ggml::int8::QuantizedRowsView(x, row0), 0, group.m,
+                                        col0, col_end - col0, out_rows);
+                   });
 }
 
 // ---- Matrix routes ------------------------------------------------------------------------------
@@ -148,8 +204,10 @@ constexpr size_t kMmItemRows = 64;
 // Every matrix route: TokenTile is the route's threadgroup token tile (32 or 128), which the launch
 // grid must match. The CPU splits the work its own way (items of kMmItemRows rows x 64 outputs,
 // after packing the activations once); the per-element order does not depend on the split.
+// Checks a matrix launch (TokenTile: the route's threadgroup token tile, 32 or 128, which the
+// launch grid must match) and returns its operands.
 template <class Format, size_t TokenTile>
-void mm_kernel(const KernelLaunch& launch, void* queue_native) {
+Operands bind_mm_launch(const KernelLaunch& launch) {
   const auto p = kernels::launch_params<GgmlMatmulMmParams>(launch, 0);
   if (p.ne00 <= 0 || p.ne0 <= 0 || p.ne1 <= 0 || p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 ||
       p.r3 != 1 || p.nb10 != 4 || p.nb11 != uint64_t(p.ne00) * 4 ||
@@ -166,35 +224,57 @@ void mm_kernel(const KernelLaunch& launch, void* queue_native) {
     launch_error(launch, "launch grid does not match the route's " + std::to_string(TokenTile) +
                              " x 64 tile");
   }
+  return ops;
+}
 
-  auto* pool = static_cast<ThreadPool*>(queue_native);
-  const auto parallel = [&](size_t n, const std::function<void(size_t, size_t)>& body) {
-    if (pool == nullptr) {
-      body(0, n);
-    } else {
-      pool->parallel_for(n, 1, body);
-    }
-  };
-  // Pack the activations once for every item.
-  checked_mul(checked_mul(ggml::PackedRows::panels(ops.k), ops.m), ggml::kPackedRowStride);
-  std::vector<float> packed(ggml::PackedRows::floats(ops.m, ops.k));
-  const ggml::PackedRows x{packed.data(), ops.m};
-  parallel(ops.m, [&](size_t begin, size_t end) {
-    for (size_t r = begin; r < end; ++r) x.pack(r, ops.input_row(r), ops.k);
-  });
-
-  const ggml::MmItem run = ggml::mm_item_for<Format>();
+// Runs run(row0, rows, col0, cols, out_rows) over items of kMmItemRows rows x 64 outputs.
+template <class Run>
+void for_each_mm_item(const Operands& ops, void* queue_native, const Run& run) {
+  const size_t output_tiles = (ops.n + kMmOutputTile - 1) / kMmOutputTile;
   const size_t row_items = (ops.m + kMmItemRows - 1) / kMmItemRows;
-  parallel(row_items * output_tiles, [&](size_t begin, size_t end) {
+  parallel(queue_native, row_items * output_tiles, [&](size_t begin, size_t end) {
     float* out_rows[kMmItemRows];
     for (size_t item = begin; item < end; ++item) {
       const size_t ri = item % row_items, ci = item / row_items;
       const size_t row0 = ri * kMmItemRows, col0 = ci * kMmOutputTile;
       const size_t rows = std::min(kMmItemRows, ops.m - row0);
       for (size_t r = 0; r < rows; ++r) out_rows[r] = ops.output + (row0 + r) * ops.n;
-      run(ops, x, row0, rows, col0, std::min(kMmOutputTile, ops.n - col0), out_rows);
+      run(row0, rows, col0, std::min(kMmOutputTile, ops.n - col0), out_rows);
     }
   });
+}
+
+// Every matrix route. The CPU splits the work its own way (items of kMmItemRows rows x 64 outputs,
+// after packing the activations once); the per-element order does not depend on the split.
+template <class Format, size_t TokenTile>
+void mm_kernel(const KernelLaunch& launch, void* queue_native) {
+  const Operands ops = bind_mm_launch<Format, TokenTile>(launch);
+  // Pack the activations once for every item.
+  checked_mul(checked_mul(ggml::PackedRows::panels(ops.k), ops.m), ggml::kPackedRowStride);
+  std::vector<float> packed(ggml::PackedRows::floats(ops.m, ops.k));
+  const ggml::PackedRows x{packed.data(), ops.m};
+  parallel(queue_native, ops.m, [&](size_t begin, size_t end) {
+    for (size_t r = begin; r < end; ++r) x.pack(r, ops.input_row(r), ops.k);
+  });
+  const ggml::MmItem run = ggml::mm_item_for<Format>();
+  for_each_mm_item(ops, queue_native,
+                   [&](size_t row0, size_t rows, size_t col0, size_t cols, float* const* out) {
+                     run(ops, x, row0, rows, col0, cols, out);
+                   });
+}
+
+// The int8-dot matrix route: the simdgroup route's launch; every activation row is rounded once
+// per call and reused by every item.
+template <class Format>
+void mm_int8_kernel(const KernelLaunch& launch, void* queue_native) {
+  const Operands ops = bind_mm_launch<Format, 32>(launch);
+  const ggml::int8::Clone clone = ggml::int8::clone_for<Format>();
+  const ggml::int8::QuantizedRows x = quantize_activations(ops, queue_native, clone);
+  const ggml::int8::QuantizedRowsView view(x, 0);
+  for_each_mm_item(ops, queue_native,
+                   [&](size_t row0, size_t rows, size_t col0, size_t cols, float* const* out) {
+                     clone.item(ops, view, row0, rows, col0, cols, out);
+                   });
 }
 
 // ---- Registration -------------------------------------------------------------------------------
@@ -244,6 +324,16 @@ void add_q4_matmul_kernels(std::vector<KernelDef>& out) {
   out.push_back(make_def(kQ8_0MatVecNr2Pipeline, mv_kernel<Q8_0Format, kQ8_0MatVecNr2Rows>,
                          kQ8_0MatVecNr2Threads, kQ8_0MatVecNr2Rows, 1,
                          kQ8_0MatVecNr2ThreadgroupBytes));
+  // The int8-dot routes, with the exact mat-vec's and simdgroup route's geometry. Every CPU has
+  // them (the portable clone is exact integer arithmetic too).
+  constexpr auto i8 = kGgmlInt8DotPipelineNames;
+  static_assert(
+      i8[0] == "kernel_mul_mv_q4_0_int8dot_f32" && i8[1] == "kernel_mul_mm_q4_0_int8dot_f32" &&
+      i8[2] == "kernel_mul_mv_q8_0_int8dot_f32" && i8[3] == "kernel_mul_mm_q8_0_int8dot_f32");
+  out.push_back(make_def(i8[0], mv_int8_kernel<Q4_0Format>, 64, kMvThreadgroupOutputs, 1, 0));
+  out.push_back(make_def(i8[1], mm_int8_kernel<Q4_0Format>, 128, 32, kMmOutputTile, 8192));
+  out.push_back(make_def(i8[2], mv_int8_kernel<Q8_0Format>, 64, kMvThreadgroupOutputs, 1, 0));
+  out.push_back(make_def(i8[3], mm_int8_kernel<Q8_0Format>, 128, 32, kMmOutputTile, 8192));
 }
 
 }  // namespace routemm::cpu

@@ -21,14 +21,16 @@
 // x86-64 kernels compiled for AVX2 + FMA + F16C (and AVX-512 F/BW/VL/DQ) next to the portable
 // ones; callers pick one at run time with has_avx2_fma() / has_avx512(). The exact kernels give
 // identical bits on every clone: they only use operations with exactly specified results (fma,
-// add, exact conversions). ROUTEMM_CPU_AVX512_BF16 adds the dot-product instruction of the
-// reduced-precision bf16 routes.
+// add, exact conversions). ROUTEMM_CPU_AVX512_BF16 and ROUTEMM_CPU_AVX512_VNNI add the dot-product
+// instructions of the reduced-precision bf16 and int8 routes.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
     !defined(ROUTEMM_CPU_PORTABLE_ONLY)
 #define ROUTEMM_CPU_HAVE_AVX2 1
 #define ROUTEMM_CPU_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define ROUTEMM_CPU_AVX512_BF16 \
   __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define ROUTEMM_CPU_AVX512_VNNI \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #else
 #define ROUTEMM_CPU_HAVE_AVX2 0
 #endif
@@ -104,6 +106,16 @@ inline bool has_avx512() {
 inline bool has_avx512_bf16() {
 #if ROUTEMM_CPU_HAVE_AVX512
   static const bool supported = __builtin_cpu_supports("avx512bf16");
+  return supported && has_avx512();
+#else
+  return false;
+#endif
+}
+
+// AVX512_VNNI (VPDPBUSD) on top of the AVX-512 clone: the int8-dot routes' fastest clone.
+inline bool has_avx512_vnni() {
+#if ROUTEMM_CPU_HAVE_AVX512
+  static const bool supported = __builtin_cpu_supports("avx512vnni");
   return supported && has_avx512();
 #else
   return false;

@@ -64,11 +64,16 @@ struct GgmlRoutingPolicy {
   bool allow_dense_large_tile_mm = true;
   // Q8_0 mat-vec calls take kQ8_0MatVecNr2Pipeline where the backend has it (spec §5.5).
   bool dense_q8_0_mv_nr2 = true;
+  // Reduced precision, opt-in: every call (Q4_0 and Q8_0, mat-vec and matrix) takes the int8-dot
+  // pipeline of kGgmlInt8DotPipelineNames where the backend has it (the CPU); elsewhere the exact
+  // routes run as if it were off, and the receipt's label says which ran.
+  bool dense_int8_dot = false;
   bool operator==(const GgmlRoutingPolicy&) const = default;
 };
 // Reads, at call time: ROUTEMM_DISABLE_TENSOR_MM=1 -> ForceSimd; ROUTEMM_LARGE_TILE_MM=0/false/off
 // (any case) -> allow_dense_large_tile_mm = false; ROUTEMM_Q8_0_MV_NR2=0/false/off (any case) ->
-// dense_q8_0_mv_nr2 = false. Anything else keeps the default.
+// dense_q8_0_mv_nr2 = false; ROUTEMM_DENSE_INT8_DOT=1/true/on (any case) -> dense_int8_dot = true.
+// Anything else keeps the default.
 GgmlRoutingPolicy ggml_routing_policy_from_environment();
 
 // The four matrix routes for M > 8 (spec §6.1), each its own pipeline.
@@ -101,12 +106,24 @@ inline constexpr std::string_view kQ8_0MatVecNr2Pipeline = "kernel_mul_mv_q8_0_f
 inline constexpr uint32_t kQ8_0MatVecNr2Rows = 2;
 inline constexpr uint32_t kQ8_0MatVecNr2Threads = 128;
 inline constexpr uint64_t kQ8_0MatVecNr2ThreadgroupBytes = 256;
+// The reduced-precision int8-dot pipelines (GgmlRoutingPolicy::dense_int8_dot; CPU only): each
+// activation row rounded to int8 per 32-value block (binary32 scale max|x| / 127), exact integer
+// dot products with the weight blocks, F32 scaling and accumulation in a fixed order; within the
+// bound of docs/numerics.md. Q4_0 mat-vec, Q4_0 matrix, Q8_0 mat-vec, Q8_0 matrix: the mat-vecs
+// with the exact mat-vec's geometry ([ceil(N / 8), M, 1] x [8, 8, 1]), the matrix pipelines with
+// the simdgroup route's (32-token x 64-output tiles, 128 threads, 8192 bytes).
+inline constexpr std::array<std::string_view, 4> kGgmlInt8DotPipelineNames = {
+    "kernel_mul_mv_q4_0_int8dot_f32", "kernel_mul_mm_q4_0_int8dot_f32",
+    "kernel_mul_mv_q8_0_int8dot_f32", "kernel_mul_mm_q8_0_int8dot_f32"};
+// The receipt route string of an int8-dot call (mat-vec or matrix; the label tells which).
+inline constexpr std::string_view kGgmlInt8DotRoute = "int8_dot";
 // The specialisation constants every Q4 pipeline is fetched with: (700, batch=1), (701,1), (702,1).
 inline constexpr std::array<std::pair<uint32_t, int32_t>, 3> kQ4PipelineConstants = {
     std::pair<uint32_t, int32_t>{700, 1}, {701, 1}, {702, 1}};
 
-// Why a route was taken. The last five are spec §6.1's DenseQ4DecisionSource; MatVecThreshold
-// (M <= 8) is routemm's name for calls that never reach dense Q4 route selection.
+// Why a route was taken. The five after MatVecThreshold are spec §6.1's DenseQ4DecisionSource;
+// MatVecThreshold (M <= 8) is routemm's name for calls that never reach dense Q4 route selection,
+// PolicyInt8Dot for matrix calls the policy sent to an int8-dot pipeline.
 enum class DenseQ4DecisionSource : uint8_t {
   MatVecThreshold,
   FrozenPlan,
@@ -114,6 +131,7 @@ enum class DenseQ4DecisionSource : uint8_t {
   UndeclaredCompatibilityFallback,
   IneligibleCompatibilityFallback,
   ForcedTest,
+  PolicyInt8Dot,  // M > 8 under GgmlRoutingPolicy::dense_int8_dot: the int8-dot matrix pipeline
 };
 std::string_view to_string(DenseQ4DecisionSource value);
 
@@ -192,6 +210,7 @@ struct GgmlQuantizedMatmulReceipt {
   std::optional<DenseQ4Route> route;  // nullopt: the mat-vec pipeline
   DenseQ4DecisionSource decision = DenseQ4DecisionSource::MatVecThreshold;
   GgmlRoutingPolicy policy;
+  bool int8_dot = false;  // an int8-dot pipeline ran (route is then nullopt)
   std::string pipeline_label;
   uint32_t dispatch_count = 0;
   EncodedKernelDispatch dispatch;  // what was encoded
@@ -211,6 +230,8 @@ void validate_quantized_matmul_ggml_call(const Buffer& input, const Buffer& weig
 // back to V2 (spec §5.6), a backend without the tensor pipelines runs the simdgroup route.
 // Q8_0 with M <= 8 runs kQ8_0MatVecNr2Pipeline when the policy's dense_q8_0_mv_nr2 is set and the
 // registry has it, else kQ8MatmulPipelineNames[0]; the receipt's pipeline label names which.
+// With the policy's dense_int8_dot set and the registry holding the call's int8-dot pipeline, that
+// pipeline runs instead (decision mat_vec_threshold for M <= 8, policy_int8_dot above).
 GgmlQuantizedMatmulReceipt quantized_matmul_ggml(CommandEncoder& encoder, KernelRegistry& registry,
                                                  const Buffer& input, const Buffer& weight,
                                                  const Buffer& output,
