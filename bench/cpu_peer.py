@@ -5,7 +5,8 @@ Cases: Q4_0 4096 x 14336 (N x K) at m = 1, 8, 64, 512 (quantized_matmul_ggml: it
 route and, with --routes naming int8_dot, the reduced-precision int8-dot route of
 GgmlRoutingPolicy.dense_int8_dot, the arithmetic ggml's CPU backend uses) and the Qwen3-30B-A3B
 expert projection (128 experts of 768 x 2048, top-8) with bf16 and f32 weights
-at m = 1, 64, 512 (dense_matmul_id, both routes). Both sides run on the same number of threads
+at m = 1, 64, 512 (dense_matmul_id: direct and grouped_prefill and, with --routes naming bf16_dot,
+the reduced-precision direct_bf16_dot and grouped_bf16_dot for bf16 weights). Both sides run on the same number of threads
 (ROUTEMM_CPU_THREADS for routemm, ggml_backend_cpu_set_n_threads for ggml) and report the minimum of
 --runs timed calls. Weights are cycled through copies (Q4_0: >= 128 MB in all; expert ids: fresh
 random ids every call), so no call finds its weights in the last-level cache.
@@ -15,12 +16,12 @@ ggml comes from bench/peer/build_ggml_peer.sh SRC BUILD cpu (its ggml_mul_mat_pe
 ggml's time). ggml's own read-bandwidth probe (--read-bandwidth-mb) gives the bandwidth ceiling.
 
     python bench/cpu_peer.py --peer plain=.dev/peer-cpu/bin/ggml_mul_mat_peer \\
-        --peer repack=.dev/peer-cpu-repack/bin/ggml_mul_mat_peer --routes exact,int8_dot \\
+        --peer repack=.dev/peer-cpu-repack/bin/ggml_mul_mat_peer --routes exact,int8_dot,bf16_dot \\
         --out bench/results/cpu_peer-cpu.json
 
-The side-by-side table compares ggml with routemm's exact routes and, separately, with its int8-dot
-route (rows marked "int8_dot"); the two routemm routes of one case run back to back, the int8-dot
-one first.
+The side-by-side table compares ggml with routemm's best exact route and, in rows of their own, with
+its best reduced-precision route (rows marked "int8_dot" / "bf16_dot"); the routemm routes of one
+case run back to back.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ Q4_MS = (1, 8, 64, 512)
 E, TOP_K, EN, EK = 128, 8, 768, 2048
 MOE_MS = (1, 64, 512)
 MOE_TYPES = ("bf16", "f32")
-Q4_ROUTES = ("exact", "int8_dot")  # --routes: the exact default route, the opt-in int8-dot one
+# --routes: the exact routes (always timed), the opt-in int8-dot route of the Q4_0 product and the
+# opt-in bf16-dot expert-ID routes (bf16 weights; timed where the CPU has AVX512_BF16).
+ROUTES = ("exact", "int8_dot", "bf16_dot")
 CASES = ("q4_0", "expert_id")  # --cases
 
 
@@ -72,7 +75,7 @@ def _routemm_q4(routemm, device, registry, runs: int, routes: list[str]) -> list
         x = device.from_numpy(rng.standard_normal((m, K), dtype=np.float32))
         out = device.alloc(m * N * 4, routemm.DType.F32, [m, N])
         params = routemm.GgmlQuantizedMatmulParams(m, N, K)
-        for name in sorted(routes, key=lambda r: r != "int8_dot"):
+        for name in sorted((r for r in routes if r in policies), key=lambda r: r != "int8_dot"):
             turn = iter(range(10**9))
             receipt = {}
 
@@ -103,8 +106,13 @@ def _routemm_q4(routemm, device, registry, runs: int, routes: list[str]) -> list
     return records
 
 
-def _routemm_expert_id(routemm, device, registry, runs: int) -> list[dict]:
+def _routemm_expert_id(routemm, device, registry, runs: int, routes: list[str]) -> list[dict]:
     import ml_dtypes
+    from routemm.dense_matmul_id import BF16_DOT_PIPELINE_NAMES
+
+    bf16_dot = "bf16_dot" in routes and all(registry.has_kernel(n) for n in BF16_DOT_PIPELINE_NAMES)
+    if "bf16_dot" in routes and not bf16_dot:
+        print("bf16_dot routes not timed: this CPU backend has no AVX512_BF16 pipelines", flush=True)
 
     dtypes = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
     records = []
@@ -119,11 +127,12 @@ def _routemm_expert_id(routemm, device, registry, runs: int) -> list[dict]:
             out = device.alloc(m * TOP_K * EN * 4, routemm.DType.F32, [m * TOP_K, EN])
             id_sets = [np.argsort(rng.random((m, E)), axis=1)[:, :TOP_K].astype(np.uint32) for _ in range(runs + 1)]
             touched = np.mean([len(np.unique(ids)) for ids in id_sets]) * stride
-            for route in ("direct", "grouped_prefill"):
-                params = routemm.DenseMatmulIdParams(
-                    m, EN, EK, TOP_K, E, stride, route=routemm.DenseMatmulIdRoute(route)
-                )
-                scratch = routemm.DenseMatmulIdScratch(device, E, m) if route == "grouped_prefill" else None
+            exact = ("direct", "grouped_prefill")
+            reduced = ("direct_bf16_dot", "grouped_bf16_dot") if bf16_dot and name == "bf16" else ()
+            for route in exact + reduced:
+                route_enum = routemm.DenseMatmulIdRoute(route)
+                params = routemm.DenseMatmulIdParams(m, EN, EK, TOP_K, E, stride, route=route_enum)
+                scratch = routemm.DenseMatmulIdScratch(device, E, m) if route_enum.is_grouped else None
                 bufs = iter([device.from_numpy(ids) for ids in id_sets])
 
                 def run(ids, params=params, scratch=scratch, x=x, out=out, w_buf=w_buf):
@@ -140,6 +149,7 @@ def _routemm_expert_id(routemm, device, registry, runs: int) -> list[dict]:
                         m=m,
                         weight_dtype=name,
                         route=route,
+                        precision="exact" if route in exact else "bf16_dot",
                         impl="routemm",
                         time_us=seconds * 1e6,
                         bytes=float(touched),
@@ -211,7 +221,7 @@ def _ggml(
 
 def _comparison(records: list[dict]) -> list[str]:
     """Side-by-side table: per case, ggml's best layout beside routemm's best exact route and, in
-    rows of their own, beside its int8-dot route."""
+    rows of their own, beside its best reduced-precision route (int8-dot, bf16-dot)."""
     best: dict[tuple, dict[str, dict]] = {}
     for r in records:
         if r["op"] not in ("q4_0_matmul", "dense_matmul_id"):
@@ -250,7 +260,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/cpu_peer-cpu.json")
     parser.add_argument("--note", default="", help="a line for the report (e.g. that the machine was shared)")
     parser.add_argument(
-        "--routes", default="exact", help=f"comma list of routemm's Q4_0 routes to time: {', '.join(Q4_ROUTES)}"
+        "--routes", default="exact", help=f"comma list of routemm's route sets to time: {', '.join(ROUTES)}"
     )
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of cases: {', '.join(CASES)}")
     args = parser.parse_args()
@@ -258,8 +268,8 @@ def main() -> None:
         parser.error("at least one --peer LABEL=PATH is needed")
     routes = [r.strip() for r in args.routes.split(",") if r.strip()]
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    if not routes or any(r not in Q4_ROUTES for r in routes):
-        parser.error(f"--routes takes a comma list of {', '.join(Q4_ROUTES)}, got {args.routes!r}")
+    if not routes or any(r not in ROUTES for r in routes):
+        parser.error(f"--routes takes a comma list of {', '.join(ROUTES)}, got {args.routes!r}")
     if not cases or any(c not in CASES for c in cases):
         parser.error(f"--cases takes a comma list of {', '.join(CASES)}, got {args.cases!r}")
 
@@ -280,7 +290,7 @@ def main() -> None:
     if "q4_0" in cases:
         records += _routemm_q4(routemm, device, registry, args.runs, routes)
     if "expert_id" in cases:
-        records += _routemm_expert_id(routemm, device, registry, args.runs)
+        records += _routemm_expert_id(routemm, device, registry, args.runs, routes)
 
     doc = {
         "device": f"cpu: {conftest._cpu_name()} ({os.cpu_count()} threads; {args.threads} used by each side; "
