@@ -9,7 +9,9 @@ at m = 1, 64, 512 (dense_matmul_id: direct and grouped_prefill and, with --route
 the reduced-precision direct_bf16_dot and grouped_bf16_dot for bf16 weights). Both sides run on the same number of threads
 (ROUTEMM_CPU_THREADS for routemm, ggml_backend_cpu_set_n_threads for ggml) and report the minimum of
 --runs timed calls. Weights are cycled through copies (Q4_0: >= 128 MB in all; expert ids: fresh
-random ids every call), so no call finds its weights in the last-level cache.
+random ids every call), so no call finds its weights in the last-level cache. The quantized_expert_id
+case is the same expert projection with Q4_0 and Q8_0 expert stacks (quantized_matmul_id_ggml,
+direct and grouped, beside ggml's MUL_MAT_ID of the same types).
 
 ggml comes from bench/peer/build_ggml_peer.sh SRC BUILD cpu (its ggml_mul_mat_peer binary; pass one
 --peer per build, e.g. the plain Q4_0 layout and a GGML_CPU_REPACK=ON build, and the best of them is
@@ -44,7 +46,8 @@ MOE_TYPES = ("bf16", "f32")
 # --routes: the exact routes (always timed), the opt-in int8-dot route of the Q4_0 product and the
 # opt-in bf16-dot expert-ID routes (bf16 weights; timed where the CPU has AVX512_BF16).
 ROUTES = ("exact", "int8_dot", "bf16_dot")
-CASES = ("q4_0", "expert_id")  # --cases
+QMOE_TYPES = ("q4_0", "q8_0")
+CASES = ("q4_0", "expert_id", "quantized_expert_id")  # --cases
 
 
 def _min_time(run, runs: int, setup=None) -> float:
@@ -163,6 +166,58 @@ def _routemm_expert_id(routemm, device, registry, runs: int, routes: list[str]) 
     return records
 
 
+def _routemm_quantized_expert_id(routemm, device, registry, runs: int) -> list[dict]:
+    from routemm import q4_0, q8_0
+
+    codecs = {"q4_0": (q4_0, routemm.GgmlType.Q4_0), "q8_0": (q8_0, routemm.GgmlType.Q8_0)}
+    Route = routemm.GgmlQuantizedMatmulIdRoute
+    records = []
+    for name in QMOE_TYPES:
+        codec, ggml_type = codecs[name]
+        rng = np.random.default_rng(2)
+        # Quantised one expert at a time: no float32 copy of the whole stack.
+        blocks = np.stack([codec.quantize(rng.standard_normal((EN, EK), dtype=np.float32) * 0.02) for _ in range(E)])
+        w_buf = device.from_numpy(blocks)
+        stride = blocks[0].nbytes
+        del blocks
+        for m in MOE_MS:
+            x = device.from_numpy(rng.standard_normal((m, EK), dtype=np.float32))
+            out = device.alloc(m * TOP_K * EN * 4, routemm.DType.F32, [m * TOP_K, EN])
+            id_sets = [np.argsort(rng.random((m, E)), axis=1)[:, :TOP_K].astype(np.uint32) for _ in range(runs + 1)]
+            touched = np.mean([len(np.unique(ids)) for ids in id_sets]) * stride
+            for route in (Route.DIRECT, Route.GROUPED):
+                params = routemm.GgmlQuantizedMatmulIdParams(m, EN, EK, TOP_K, E, ggml_type, stride, route=route)
+                scratch = routemm.DenseMatmulIdScratch(device, E, m) if route.is_grouped else None
+                bufs = iter([device.from_numpy(ids) for ids in id_sets])
+
+                def run(ids, params=params, scratch=scratch, x=x, out=out, w_buf=w_buf):
+                    encoder = device.command_encoder()
+                    routemm.quantized_matmul_id_ggml(encoder, registry, x, w_buf, ids, out, scratch, params)
+                    encoder.commit_and_wait()
+
+                seconds = _min_time(run, runs, lambda bufs=bufs: (next(bufs),))
+                flops = 2 * m * TOP_K * EN * EK
+                records.append(
+                    dict(
+                        op="quantized_matmul_id",
+                        shape="qwen3-30b-a3b",
+                        m=m,
+                        weight_dtype=name,
+                        route=route.value,
+                        precision="exact",
+                        impl="routemm",
+                        time_us=seconds * 1e6,
+                        bytes=float(touched),
+                        flops=flops,
+                        TBps=touched / seconds / 1e12,
+                        TFLOPs=flops / seconds / 1e12,
+                    )
+                )
+                print(f"routemm {name} quantized expert-id m={m} {route.value}: {seconds * 1e6:.0f} us", flush=True)
+        del w_buf
+    return records
+
+
 def _ggml(
     label: str, binary: str, threads: int, runs: int, bandwidth: bool, cases: list[str]
 ) -> tuple[list[dict], float | None]:
@@ -177,6 +232,14 @@ def _ggml(
             "mul_mat_id",
             "--moe-types",
             ",".join(MOE_TYPES),
+            "--moe-ms",
+            ",".join(map(str, MOE_MS)),
+        ],
+        "quantized_expert_id": [
+            "--only",
+            "mul_mat_id",
+            "--moe-types",
+            ",".join(QMOE_TYPES),
             "--moe-ms",
             ",".join(map(str, MOE_MS)),
         ],
@@ -198,11 +261,12 @@ def _ggml(
                 peer = json.load(f)
         for r in peer:
             moe = r["op"] == "MUL_MAT_ID"
+            op = ("quantized_matmul_id" if r["type"] in QMOE_TYPES else "dense_matmul_id") if moe else "q4_0_matmul"
             flops = 2 * r["m"] * r["n"] * r["k"] * (r["top_k"] if moe else 1)
             seconds = r["us"] * 1e-6
             records.append(
                 dict(
-                    op="dense_matmul_id" if moe else "q4_0_matmul",
+                    op=op,
                     shape="qwen3-30b-a3b" if moe else f"{r['n']}x{r['k']}",
                     m=r["m"],
                     weight_dtype=r["type"],
@@ -224,7 +288,7 @@ def _comparison(records: list[dict]) -> list[str]:
     rows of their own, beside its best reduced-precision route (int8-dot, bf16-dot)."""
     best: dict[tuple, dict[str, dict]] = {}
     for r in records:
-        if r["op"] not in ("q4_0_matmul", "dense_matmul_id"):
+        if r["op"] not in ("q4_0_matmul", "dense_matmul_id", "quantized_matmul_id"):
             continue
         key = (r["op"], r["weight_dtype"], r["m"])
         side = best.setdefault(key, {})
@@ -238,7 +302,12 @@ def _comparison(records: list[dict]) -> list[str]:
     rows = []
     for (op, dtype, m), side in best.items():
         for ours_key in sorted(k for k in side if k.startswith("routemm")) or ["routemm"]:
-            rows.append(((op != "q4_0_matmul", ours_key != "routemm", dtype, m), (op, dtype, m, side, ours_key)))
+            rows.append(
+                (
+                    (op != "q4_0_matmul", op == "quantized_matmul_id", ours_key != "routemm", dtype, m),
+                    (op, dtype, m, side, ours_key),
+                )
+            )
     for _, (op, dtype, m, side, ours_key) in sorted(rows, key=lambda row: row[0]):
         ours, peer = side.get(ours_key), side.get("ggml_cpu")
         case = f"Q4_0 {N}x{K}" if op == "q4_0_matmul" else f"expert-ID Qwen3 {dtype}"
@@ -291,6 +360,8 @@ def main() -> None:
         records += _routemm_q4(routemm, device, registry, args.runs, routes)
     if "expert_id" in cases:
         records += _routemm_expert_id(routemm, device, registry, args.runs, routes)
+    if "quantized_expert_id" in cases:
+        records += _routemm_quantized_expert_id(routemm, device, registry, args.runs)
 
     doc = {
         "device": f"cpu: {conftest._cpu_name()} ({os.cpu_count()} threads; {args.threads} used by each side; "
