@@ -129,9 +129,15 @@ struct Operands {
   float* output;
   size_t m, n, k;
   size_t row_bytes;  // bytes of one weight row
+  // The mat-vec's output rows: output_rows[r] when set (rows gathered from anywhere, as the
+  // expert-ID grouped route's are), else output + r * n.
+  float* const* output_rows = nullptr;
 
   const uint8_t* weight_row(size_t col) const { return weight + col * row_bytes; }
   const float* input_row(size_t row) const { return input + row * k; }
+  float* output_row(size_t row) const {
+    return output_rows != nullptr ? output_rows[row] : output + row * n;
+  }
 };
 
 // ---- Micro-kernels ------------------------------------------------------------------------------
@@ -411,12 +417,12 @@ constexpr size_t kMvChunk = 64;
 // Rows one mat-vec pass computes together (the mat-vec pipeline's M <= 8 regime).
 constexpr size_t kMaxMvRows = 8;
 
-// Columns [col0, col_end) of ops.m (<= 8) rows.
+// Columns [col0, col_end) of ops.m (<= 8) rows, written to ops.output_row(r).
 template <class Isa, size_t R>
 void mv_range(const Operands& ops, size_t col0, size_t col_end) {
   constexpr size_t C = Isa::template mv_columns_for_rows<R>();
   float* out_rows[R];
-  for (size_t r = 0; r < R; ++r) out_rows[r] = ops.output + r * ops.n;
+  for (size_t r = 0; r < R; ++r) out_rows[r] = ops.output_row(r);
   size_t col = col0;
   for (; col + C <= col_end; col += C) Isa::template mv_columns<R, C>(ops, col, out_rows);
   for (; col < col_end; ++col) Isa::template mv_columns<R, 1>(ops, col, out_rows);
