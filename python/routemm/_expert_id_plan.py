@@ -653,15 +653,13 @@ class Calibrator:
         return decision(route, status, None, proofs, timings), True
 
 
-def run(op: ExpertIdOp, kind: rp.PlanKind, freeze, registry, device, epoch, limits, cases, *, progress, pinned=None,
+def run(op: ExpertIdOp, kind: "ExpertIdKind", freeze, registry, device, epoch, limits, cases, *, progress, pinned=None,
         _timer=None, _clock=None):  # fmt: skip
     """One calibration of `kind` (the calibrate / load entry points' run hook): validate `cases`,
     prove and time (or, with `pinned`, only prove) every declared shape, build the plan (all
     candidates disabled when the final deadline passed) and its receipt, and `freeze` it into
     `registry`; returns (plan, receipt)."""
-    limits_checked = (limits.max_elapsed_ms, limits.max_cases, limits.max_submissions)
-    rp.check_activation(kind, registry, epoch, limits_checked)
-    entries = collect_cases(op, list(cases), limits.max_cases)
+    entries = kind.validated(registry, epoch, limits, list(cases))
     deadline = cal.Deadline(limits.max_elapsed_ms, _clock or cal.time.perf_counter)
     prep = prepare(op, registry, formats_of(op, [e["shape"] for e in entries]))
     digest = authority_digest(op, device, epoch, entries)
@@ -760,3 +758,54 @@ def resolve_auto(op: ExpertIdOp, kind_name: str, registry, device, shape, activa
     if shape.base_key in plan._bases:
         return op.direct, DenseMatmulIdDecisionSource.UNDECLARED_DIRECT, plan.activation_epoch
     raise InvalidArgumentError(f"{auto} shape base was not admitted at activation: {shape.key}")
+
+
+class ExpertIdKind(rp.PlanKind):
+    """The plan kind of an expert-ID op: the PlanKind hooks written once over `op`. `limits_type`
+    is the kind's calibration limits record (its defaults stand in for None), `protected` the
+    pipelines a frozen plan protects, `freeze(registry, device, plan, _check_fingerprint=...)` the
+    kind's public freeze."""
+
+    def __init__(self, op: ExpertIdOp, name: str, limits_type: type, protected, freeze):
+        super().__init__(name, op.label, op.records.plan, op.records.receipt, op.route_type)
+        self.op, self.limits_type, self._protected, self._freeze = op, limits_type, tuple(protected), freeze
+
+    def protected_names(self) -> list[str]:
+        return list(self._protected)
+
+    def build_fingerprint(self, registry, plan) -> str:
+        return prepare(self.op, registry, formats_of(self.op, [d.shape for d in plan.decisions]))[0]
+
+    def check_plan(self, plan) -> None:
+        if plan.theorem_sha256 != self.op.theorem_sha256:
+            self.fail("route plan was made under a different value-independence theorem")
+
+    def validated(self, registry, epoch, limits, cases) -> list:
+        """The case entries (collect_cases) after the activation preconditions."""
+        limits = limits or self.limits_type()
+        rp.check_activation(self, registry, epoch, (limits.max_elapsed_ms, limits.max_cases, limits.max_submissions))
+        return collect_cases(self.op, cases, limits.max_cases)
+
+    def run(self, registry, device, epoch, limits, cases, **options):
+        return run(self.op, self, self._freeze, registry, device, epoch, limits or self.limits_type(), cases, **options)
+
+    def declared(self, registry, device, epoch, limits, cases) -> tuple:
+        entries = self.validated(registry, epoch or 1, limits, cases)
+        build_fp = prepare(self.op, registry, formats_of(self.op, [e["shape"] for e in entries]))[0]
+        return build_fp, [e["shape"].key for e in entries]
+
+    def cache_key(self, registry, device, epoch, limits, cases) -> dict:
+        entries = self.validated(registry, epoch, limits, cases)
+        build_fp = prepare(self.op, registry, formats_of(self.op, [e["shape"] for e in entries]))[0]
+        return {"validators": cal.plan_validators(device, build_fp), "shapes": [e["shape"].to_dict() for e in entries]}
+
+    def explained_outcome(self, d) -> dict:
+        return {"route": d.selected_route, "status": d.status, "diagnostic": d.diagnostic, "timings": d.timings}
+
+    def unexplained_outcome(self, route) -> dict:
+        status = (
+            DenseMatmulIdSelectionStatus.DIRECT_FASTEST
+            if route is self.op.direct
+            else DenseMatmulIdSelectionStatus.CALIBRATED_WINNER
+        )
+        return {"route": route, "status": status, "timings": ()}

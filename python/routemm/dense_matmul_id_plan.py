@@ -43,7 +43,7 @@ from ._errors import InvalidArgumentError
 from ._expert_id_plan import (  # the shared enums, re-exported here
     DenseMatmulIdDecisionSource,
     DenseMatmulIdRoutingProfile,  # noqa: F401
-    DenseMatmulIdSelectionStatus,
+    DenseMatmulIdSelectionStatus,  # noqa: F401
 )
 from ._json import JsonRecord
 from .dense_matmul_id import (
@@ -242,52 +242,12 @@ class _DenseMatmulIdOp(ex.ExpertIdOp):
 OP = _DenseMatmulIdOp()
 
 
-def _prepare(registry, dtypes) -> tuple:
-    return ex.prepare(OP, registry, dtypes)
-
-
-def _dtypes_of(plan) -> set:
-    return ex.formats_of(OP, [d.shape for d in plan.decisions])
-
-
-class _DenseMatmulIdKind(rp.PlanKind):
-    def protected_names(self) -> list[str]:
-        return [*PIPELINE_NAMES, *TENSOR_PIPELINE_NAMES, *BF16_DOT_PIPELINE_NAMES]
-
-    def build_fingerprint(self, registry, plan) -> str:
-        return _prepare(registry, _dtypes_of(plan))[0]
-
-    def check_plan(self, plan) -> None:
-        if plan.theorem_sha256 != THEOREM_SHA256:
-            _fail("dense_matmul_id route plan was made under a different value-independence theorem")
-
-    def run(self, registry, device, epoch, limits, cases, **options):
-        limits = limits or DenseMatmulIdCalibrationLimits()
-        return ex.run(OP, self, freeze_dense_matmul_id_plan, registry, device, epoch, limits, cases, **options)
-
-    def declared(self, registry, device, epoch, limits, cases) -> tuple:
-        entries = _validate(registry, device, epoch or 1, limits or DenseMatmulIdCalibrationLimits(), cases)
-        build_fp = _prepare(registry, {e["shape"].weight_dtype for e in entries})[0]
-        return build_fp, [e["shape"].key for e in entries]
-
-    def cache_key(self, registry, device, epoch, limits, cases) -> dict:
-        entries = _validate(registry, device, epoch, limits or DenseMatmulIdCalibrationLimits(), cases)
-        build_fp = _prepare(registry, {e["shape"].weight_dtype for e in entries})[0]
-        return {"validators": cal.plan_validators(device, build_fp), "shapes": [e["shape"].to_dict() for e in entries]}
-
-    def explained_outcome(self, d) -> dict:
-        return {"route": d.selected_route, "status": d.status, "diagnostic": d.diagnostic, "timings": d.timings}
-
-    def unexplained_outcome(self, route) -> dict:
-        direct = route is DenseMatmulIdRoute.DIRECT
-        status = (
-            DenseMatmulIdSelectionStatus.DIRECT_FASTEST if direct else DenseMatmulIdSelectionStatus.CALIBRATED_WINNER
-        )
-        return {"route": route, "status": status, "timings": ()}
-
-
-KIND = _DenseMatmulIdKind(
-    PLAN_KIND, "dense_matmul_id", DenseMatmulIdRoutePlan, DenseMatmulIdCalibrationReceipt, DenseMatmulIdRoute
+KIND = ex.ExpertIdKind(
+    OP,
+    PLAN_KIND,
+    DenseMatmulIdCalibrationLimits,
+    (*PIPELINE_NAMES, *TENSOR_PIPELINE_NAMES, *BF16_DOT_PIPELINE_NAMES),
+    lambda *args, **kw: freeze_dense_matmul_id_plan(*args, **kw),
 )
 
 
@@ -389,7 +349,9 @@ def freeze_dense_matmul_id_plan_for_cases(
         )
     if not reproduced:
         _fail("dense_matmul_id worker plan id mismatch: the plan's contents were altered after calibration")
-    build_fp, _, identities, _, errors = _prepare(worker_registry, _dtypes_of(plan))
+    build_fp, _, identities, _, errors = ex.prepare(
+        OP, worker_registry, ex.formats_of(OP, [d.shape for d in plan.decisions])
+    )
     if build_fp != plan.build_fingerprint:
         differing = []
         if authority is not None:
@@ -579,11 +541,6 @@ def trace_dense_matmul_id_auto(
         encoded,
         pipelines,
     )
-
-
-def _validate(registry, device, epoch, limits, cases):
-    rp.check_activation(KIND, registry, epoch, (limits.max_elapsed_ms, limits.max_cases, limits.max_submissions))
-    return _collect_cases(cases, limits.max_cases)
 
 
 def _collect_cases(cases, max_cases: Optional[int]):
