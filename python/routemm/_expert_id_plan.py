@@ -21,7 +21,7 @@ import enum
 import functools
 import math
 import struct
-from typing import Generic, Optional, TypeVar
+from typing import ClassVar, Generic, Optional, TypeVar
 
 import numpy as np
 
@@ -50,6 +50,45 @@ class DenseMatmulIdSelectionStatus(enum.Enum):
 class DenseMatmulIdDecisionSource(enum.Enum):
     FROZEN_PLAN = "frozen_plan"
     UNDECLARED_DIRECT = "undeclared_direct"
+
+
+def _key_part(value):
+    """A shape field as its plan key holds it: a DType by its type name, an enum by its value."""
+    if hasattr(value, "type_name"):
+        return value.type_name
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+class ExpertIdShape:
+    """What every expert-ID kind's exact-shape record (a frozen dataclass of the weight format, m,
+    then the other params fields but the route) gives the plan: its key (the fields in order, as
+    _key_part writes them), its base (the key without m: what an undeclared m of a declared shape
+    falls back on) and the params of a route. PARAMS names the op's params record."""
+
+    PARAMS: ClassVar[type]
+
+    @property
+    def key(self) -> tuple:
+        return tuple(_key_part(getattr(self, f.name)) for f in dataclasses.fields(self))
+
+    @property
+    def base_key(self) -> tuple:
+        return self.key[:1] + self.key[2:]
+
+    def params(self, route):
+        """The op's params for this shape and `route`."""
+        taken = {f.name for f in dataclasses.fields(self.PARAMS)}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in taken}
+        return self.PARAMS(**fields, route=route)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertIdCalibrationLimits:
+    """Bounds of one expert-ID calibration: its elapsed time, declared shapes and submissions."""
+
+    max_elapsed_ms: int = 15_000
+    max_cases: int = 256
+    max_submissions: int = 6_145
 
 
 ShapeT, RouteT, TimingT = TypeVar("ShapeT"), TypeVar("RouteT"), TypeVar("TimingT")

@@ -76,11 +76,12 @@ TENSOR_TOLERANCE = {DenseMatmulIdRoute.GROUPED_TENSOR_TF32: 2e-3, DenseMatmulIdR
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseMatmulIdShape(JsonRecord):
+class DenseMatmulIdShape(ex.ExpertIdShape, JsonRecord):
     """An exact expert-ID call shape: the weight dtype and every params field but the route (the
     plan's key). Its base (all but m) is what an undeclared m of a declared shape falls back on."""
 
     SCHEMA = _PLAN
+    PARAMS = DenseMatmulIdParams
     weight_dtype: DType
     m: int
     n: int
@@ -90,37 +91,6 @@ class DenseMatmulIdShape(JsonRecord):
     expert_stride_bytes: int
     input_layout: DenseMatmulIdInputLayout
     id_multiplicity: DenseMatmulIdMultiplicity
-
-    @property
-    def key(self) -> tuple:
-        return (
-            self.weight_dtype.type_name,
-            self.m,
-            self.n,
-            self.k,
-            self.top_k,
-            self.n_experts,
-            self.expert_stride_bytes,
-            self.input_layout.value,
-            self.id_multiplicity.value,
-        )
-
-    @property
-    def base_key(self) -> tuple:
-        return self.key[:1] + self.key[2:]
-
-    def params(self, route: DenseMatmulIdRoute) -> DenseMatmulIdParams:
-        return DenseMatmulIdParams(
-            self.m,
-            self.n,
-            self.k,
-            self.top_k,
-            self.n_experts,
-            self.expert_stride_bytes,
-            self.input_layout,
-            self.id_multiplicity,
-            route,
-        )
 
     @classmethod
     def of(cls, weight_dtype, p: DenseMatmulIdParams) -> "DenseMatmulIdShape":
@@ -144,10 +114,8 @@ class DenseMatmulIdCalibrationCase:
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseMatmulIdCalibrationLimits:
-    max_elapsed_ms: int = 15_000
-    max_cases: int = 256
-    max_submissions: int = 6_145
+class DenseMatmulIdCalibrationLimits(ex.ExpertIdCalibrationLimits):
+    """Bounds of one dense expert-ID calibration (elapsed time, declared shapes, submissions)."""
 
 
 _RECORDS = ex.ExpertIdRecords.declare(

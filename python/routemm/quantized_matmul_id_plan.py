@@ -70,11 +70,12 @@ _SUBNORMAL_HALF_ULP = 2.0**-150
 
 
 @dataclasses.dataclass(frozen=True)
-class GgmlQuantizedMatmulIdShape(JsonRecord):
-    """An exact quantised expert-ID call shape: every params field but the route (the plan's key).
-    Its base (all but m) is what an undeclared m of a declared shape falls back on."""
+class GgmlQuantizedMatmulIdShape(ex.ExpertIdShape, JsonRecord):
+    """An exact quantised expert-ID call shape: every params field but the route (the plan's key),
+    the block type first."""
 
     SCHEMA = _PLAN
+    PARAMS = GgmlQuantizedMatmulIdParams
     ggml_type: GgmlType
     m: int
     n: int
@@ -83,36 +84,6 @@ class GgmlQuantizedMatmulIdShape(JsonRecord):
     n_experts: int
     expert_stride_bytes: int
     input_layout: DenseMatmulIdInputLayout
-
-    @property
-    def key(self) -> tuple:
-        return (
-            GgmlType(self.ggml_type).value,
-            self.m,
-            self.n,
-            self.k,
-            self.top_k,
-            self.n_experts,
-            self.expert_stride_bytes,
-            DenseMatmulIdInputLayout(self.input_layout).value,
-        )
-
-    @property
-    def base_key(self) -> tuple:
-        return self.key[:1] + self.key[2:]
-
-    def params(self, route: GgmlQuantizedMatmulIdRoute) -> GgmlQuantizedMatmulIdParams:
-        return GgmlQuantizedMatmulIdParams(
-            self.m,
-            self.n,
-            self.k,
-            self.top_k,
-            self.n_experts,
-            GgmlType(self.ggml_type),
-            self.expert_stride_bytes,
-            DenseMatmulIdInputLayout(self.input_layout),
-            route,
-        )
 
     @classmethod
     def of(cls, p: GgmlQuantizedMatmulIdParams) -> "GgmlQuantizedMatmulIdShape":
@@ -135,10 +106,8 @@ class GgmlQuantizedMatmulIdCalibrationCase:
 
 
 @dataclasses.dataclass(frozen=True)
-class GgmlQuantizedMatmulIdCalibrationLimits:
-    max_elapsed_ms: int = 15_000
-    max_cases: int = 256
-    max_submissions: int = 6_145
+class GgmlQuantizedMatmulIdCalibrationLimits(ex.ExpertIdCalibrationLimits):
+    """Bounds of one quantised expert-ID calibration (elapsed time, declared shapes, submissions)."""
 
 
 _RECORDS = ex.ExpertIdRecords.declare(
@@ -150,13 +119,8 @@ _RECORDS = ex.ExpertIdRecords.declare(
     SCHEMA_VERSION,
     "ggml_quantized_matmul_id_plan_auto_receipt.schema.json",
 )
-GgmlQuantizedMatmulIdTimingDistribution = _RECORDS.timing
-GgmlQuantizedMatmulIdRouteTiming = _RECORDS.route_timing
-GgmlQuantizedMatmulIdCandidateProof = _RECORDS.proof
-GgmlQuantizedMatmulIdCalibrationDecision = _RECORDS.decision
-GgmlQuantizedMatmulIdPlanDecision = _RECORDS.plan_decision
-GgmlQuantizedMatmulIdRoutePlan = _RECORDS.plan
-GgmlQuantizedMatmulIdCalibrationReceipt = _RECORDS.receipt
+GgmlQuantizedMatmulIdRoutePlan, GgmlQuantizedMatmulIdCalibrationReceipt = _RECORDS.plan, _RECORDS.receipt
+GgmlQuantizedMatmulIdCalibrationDecision, GgmlQuantizedMatmulIdCandidateProof = _RECORDS.decision, _RECORDS.proof
 GgmlQuantizedMatmulIdAutoReceipt = _RECORDS.auto_receipt
 
 
