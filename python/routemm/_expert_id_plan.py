@@ -21,6 +21,7 @@ import enum
 import functools
 import math
 import struct
+import typing
 from typing import ClassVar, Generic, Optional, TypeVar
 
 import numpy as np
@@ -80,6 +81,27 @@ class ExpertIdShape:
         taken = {f.name for f in dataclasses.fields(self.PARAMS)}
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in taken}
         return self.PARAMS(**fields, route=route)
+
+    @classmethod
+    def from_params(cls, params, **given):
+        """The shape of a call with `params`, and `given` the fields its params lack (the weight
+        dtype of a dense call); enum fields are coerced to their enums."""
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for f in dataclasses.fields(cls):
+            value = given[f.name] if f.name in given else getattr(params, f.name)
+            kind = hints.get(f.name)
+            values[f.name] = kind(value) if isinstance(kind, type) and issubclass(kind, enum.Enum) else value
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertIdCalibrationCase:
+    """One declared exact shape: the expert stack buffer it runs on and the op's params (their
+    route is ignored)."""
+
+    weight: object  # routemm.Buffer of the expert stack
+    params: object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,13 +209,14 @@ class ExpertIdRecords:
     auto_receipt: type
 
     @classmethod
-    def declare(cls, module: str, prefix: str, shape, route, primitive, schema_version: int, auto_schema: str):
+    def declare(cls, module: str, prefix: str, shape, route, primitive, schema_version: int):
         """The records of the kind whose classes are named `prefix` + the record's role (as its
         schema files' `$defs` name them), in `module`; the plan in `{schema}_route_plan`, the
-        calibration evidence in `{schema}_calibration_receipt` (schema: the prefix's snake case,
-        e.g. dense_matmul_id), the auto receipt in `auto_schema`."""
+        calibration evidence in `{schema}_calibration_receipt`, the auto receipt in
+        `{schema}_plan_auto_receipt` (schema: the prefix's snake case, e.g. dense_matmul_id)."""
         snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in prefix).lstrip("_")
         plan_s, receipt_s = f"{snake}_route_plan.schema.json", f"{snake}_calibration_receipt.schema.json"
+        auto_schema = f"{snake}_plan_auto_receipt.schema.json"
 
         def record(role, base, schema, versioned=False):
             return rp.kind_record(
@@ -227,19 +250,22 @@ ELEMENTWISE_BOUND = "elementwise_bound"
 
 class ExpertIdOp:
     """What an expert-ID kind's calibration needs of its op: a kind subclasses this, sets the
-    attributes and overrides the hooks. `fmt` is a shape's weight format (a DType or a GgmlType)."""
+    attributes and overrides the hooks. `fmt` is a shape's weight format (a DType or a GgmlType).
+    Made with the kind's plan name, which names its authority digest's and build fingerprint's
+    domain tags."""
 
     label: str  # how messages name the op, e.g. "dense_matmul_id"
-    digest_tag: bytes  # the authority digest's domain tag
-    fingerprint_tag: str  # the build fingerprint's domain tag
     theorem_sha256: str
     schema_version: int
-    route_type: type
-    direct: enum.Enum
+    direct: enum.Enum  # the direct route (its enum is the kind's route type)
     candidates: tuple  # the routes proved against direct, in preference order
     known_pipelines: tuple  # pipelines every backend registers (the rest count only where registered)
     records: ExpertIdRecords
-    shape_type: type
+
+    def __init__(self, plan_kind: str):
+        self.digest_tag = f"routemm.{plan_kind}.authority".encode()
+        self.fingerprint_tag = f"routemm.{plan_kind}_plan"
+        self.route_type = type(self.direct)
 
     def checked_case(self, case):
         """The exact shape of a calibration case (its params' route ignored); refuses a weight

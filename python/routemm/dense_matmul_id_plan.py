@@ -94,23 +94,12 @@ class DenseMatmulIdShape(ex.ExpertIdShape, JsonRecord):
 
     @classmethod
     def of(cls, weight_dtype, p: DenseMatmulIdParams) -> "DenseMatmulIdShape":
-        return cls(
-            weight_dtype,
-            p.m,
-            p.n,
-            p.k,
-            p.top_k,
-            p.n_experts,
-            p.expert_stride_bytes,
-            DenseMatmulIdInputLayout(p.input_layout),
-            DenseMatmulIdMultiplicity(p.id_multiplicity),
-        )
+        return cls.from_params(p, weight_dtype=weight_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseMatmulIdCalibrationCase:
-    weight: object  # routemm.Buffer of the expert stack
-    params: DenseMatmulIdParams
+class DenseMatmulIdCalibrationCase(ex.ExpertIdCalibrationCase):
+    """A declared expert-ID shape: the F32 / F16 / BF16 expert stack and its DenseMatmulIdParams."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +114,6 @@ _RECORDS = ex.ExpertIdRecords.declare(
     DenseMatmulIdRoute,
     DenseMatmulIdDispatchReceipt,
     SCHEMA_VERSION,
-    "dense_matmul_id_plan_auto_receipt.schema.json",
 )
 DenseMatmulIdTimingDistribution = _RECORDS.timing
 DenseMatmulIdRouteTiming = _RECORDS.route_timing
@@ -163,16 +151,12 @@ def _route_pipelines(route: DenseMatmulIdRoute, dtype: DType) -> list[str]:
 
 class _DenseMatmulIdOp(ex.ExpertIdOp):
     label = "dense_matmul_id"
-    digest_tag = b"routemm.dense_matmul_id.authority"
-    fingerprint_tag = "routemm.dense_matmul_id_plan"
     theorem_sha256 = THEOREM_SHA256
     schema_version = SCHEMA_VERSION
-    route_type = DenseMatmulIdRoute
     direct = DenseMatmulIdRoute.DIRECT
     candidates = (DenseMatmulIdRoute.GROUPED_PREFILL, *TENSOR_TOLERANCE)
     known_pipelines = PIPELINE_NAMES
     records = _RECORDS
-    shape_type = DenseMatmulIdShape
 
     def checked_case(self, case) -> DenseMatmulIdShape:
         w = case.weight
@@ -207,7 +191,7 @@ class _DenseMatmulIdOp(ex.ExpertIdOp):
         return TENSOR_TOLERANCE.get(route, 0.0)
 
 
-OP = _DenseMatmulIdOp()
+OP = _DenseMatmulIdOp(PLAN_KIND)
 
 
 KIND = ex.ExpertIdKind(

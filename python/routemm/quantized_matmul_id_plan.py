@@ -71,43 +71,20 @@ _SUBNORMAL_HALF_ULP = 2.0**-150
 
 @dataclasses.dataclass(frozen=True)
 class GgmlQuantizedMatmulIdShape(ex.ExpertIdShape, JsonRecord):
-    """An exact quantised expert-ID call shape: every params field but the route (the plan's key),
-    the block type first."""
+    """An exact quantised expert-ID call shape: every params field but the route (the plan's key):
+    the block type, the routing (m tokens, top_k of n_experts), one expert's matrix (n x k at
+    expert_stride_bytes) and the input layout."""
 
     SCHEMA = _PLAN
     PARAMS = GgmlQuantizedMatmulIdParams
     ggml_type: GgmlType
     m: int
-    n: int
-    k: int
     top_k: int
     n_experts: int
+    n: int
+    k: int
     expert_stride_bytes: int
     input_layout: DenseMatmulIdInputLayout
-
-    @classmethod
-    def of(cls, p: GgmlQuantizedMatmulIdParams) -> "GgmlQuantizedMatmulIdShape":
-        return cls(
-            GgmlType(p.ggml_type),
-            p.m,
-            p.n,
-            p.k,
-            p.top_k,
-            p.n_experts,
-            p.expert_stride_bytes,
-            DenseMatmulIdInputLayout(p.input_layout),
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class GgmlQuantizedMatmulIdCalibrationCase:
-    weight: object  # routemm.Buffer (U8) of the Q4_0 / Q8_0 expert stack
-    params: GgmlQuantizedMatmulIdParams
-
-
-@dataclasses.dataclass(frozen=True)
-class GgmlQuantizedMatmulIdCalibrationLimits(ex.ExpertIdCalibrationLimits):
-    """Bounds of one quantised expert-ID calibration (elapsed time, declared shapes, submissions)."""
 
 
 _RECORDS = ex.ExpertIdRecords.declare(
@@ -117,7 +94,6 @@ _RECORDS = ex.ExpertIdRecords.declare(
     GgmlQuantizedMatmulIdRoute,
     GgmlQuantizedMatmulIdDispatchReceipt,
     SCHEMA_VERSION,
-    "ggml_quantized_matmul_id_plan_auto_receipt.schema.json",
 )
 GgmlQuantizedMatmulIdRoutePlan, GgmlQuantizedMatmulIdCalibrationReceipt = _RECORDS.plan, _RECORDS.receipt
 GgmlQuantizedMatmulIdCalibrationDecision, GgmlQuantizedMatmulIdCandidateProof = _RECORDS.decision, _RECORDS.proof
@@ -164,16 +140,12 @@ def _pairwise_bound(shape, weight, x: np.ndarray, ids: np.ndarray) -> np.ndarray
 
 class _QuantizedMatmulIdOp(ex.ExpertIdOp):
     label = "quantized_matmul_id_ggml"
-    digest_tag = b"routemm.quantized_matmul_id.authority"
-    fingerprint_tag = "routemm.quantized_matmul_id_plan"
     theorem_sha256 = THEOREM_SHA256
     schema_version = SCHEMA_VERSION
-    route_type = GgmlQuantizedMatmulIdRoute
     direct = GgmlQuantizedMatmulIdRoute.DIRECT
     candidates = (GgmlQuantizedMatmulIdRoute.GROUPED, GgmlQuantizedMatmulIdRoute.GROUPED_TENSOR_LOWP)
     known_pipelines = PIPELINE_NAMES
     records = _RECORDS
-    shape_type = GgmlQuantizedMatmulIdShape
 
     def checked_case(self, case) -> GgmlQuantizedMatmulIdShape:
         if not isinstance(case, GgmlQuantizedMatmulIdCalibrationCase):
@@ -194,7 +166,7 @@ class _QuantizedMatmulIdOp(ex.ExpertIdOp):
                 f"quantized_matmul_id_ggml calibration weight must be a U8 buffer of at least "
                 f"{cap.required_weight_bytes} bytes, got {w.dtype.type_name} of {w.nbytes} bytes"
             )
-        return GgmlQuantizedMatmulIdShape.of(direct)
+        return GgmlQuantizedMatmulIdShape.from_params(direct)
 
     def weight_format(self, shape) -> GgmlType:
         return GgmlType(shape.ggml_type)
@@ -223,7 +195,20 @@ class _QuantizedMatmulIdOp(ex.ExpertIdOp):
         return _pairwise_bound(shape, weight, x, ids)
 
 
-OP = _QuantizedMatmulIdOp()
+OP = _QuantizedMatmulIdOp(PLAN_KIND)
+
+
+# ---- Calibration, freezing and plan files ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GgmlQuantizedMatmulIdCalibrationCase(ex.ExpertIdCalibrationCase):
+    """A declared quantised shape: the U8 Q4_0 / Q8_0 expert stack and its GgmlQuantizedMatmulIdParams."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GgmlQuantizedMatmulIdCalibrationLimits(ex.ExpertIdCalibrationLimits):
+    """Bounds of one quantised expert-ID calibration (elapsed time, declared shapes, submissions)."""
 
 
 def freeze_quantized_matmul_id_plan(
@@ -263,6 +248,9 @@ def load_quantized_matmul_id_plan(path, registry, device, cases, **options):
     return rp.load(KIND, path, registry, device, cases, **options)
 
 
+# ---- Dispatch ---------------------------------------------------------------------------------------
+
+
 def resolve_quantized_matmul_id_auto_route(registry, device, params: GgmlQuantizedMatmulIdParams, *, activation_epoch):
     """(route, source, epoch) from the frozen plan; read-only, no device work. A plan of another
     epoch than the caller's `activation_epoch` is refused; an undeclared m of a declared shape's
@@ -271,7 +259,7 @@ def resolve_quantized_matmul_id_auto_route(registry, device, params: GgmlQuantiz
         raise InvalidArgumentError(
             f"quantized_matmul_id_ggml_auto params must be a GgmlQuantizedMatmulIdParams, got {type(params).__name__}"
         )
-    shape = GgmlQuantizedMatmulIdShape.of(params)
+    shape = GgmlQuantizedMatmulIdShape.from_params(params)
     return ex.resolve_auto(OP, PLAN_KIND, registry, device, shape, activation_epoch)
 
 

@@ -149,7 +149,7 @@ def test_proof_profiles_carry_out_of_range_ids(device, registry, rng):
     """The balanced profile routes the last slot of every odd token to an out-of-range id: direct
     writes a zero row for it, and the candidate is proved to write the same."""
     w, p = setup(device, rng, T.Q4_0, m=5, top_k=3, E=4, layout=routemm.DenseMatmulIdInputLayout.SLOTTED)
-    shape = qp.GgmlQuantizedMatmulIdShape.of(p)
+    shape = qp.GgmlQuantizedMatmulIdShape.from_params(p)
     ids = qp.OP.ids(shape, routemm.DenseMatmulIdRoutingProfile.BALANCED)
     assert ids[1, 2] == ids[3, 2] == p.n_experts and np.all(ids[0::2] < p.n_experts)
     x = device.from_numpy(ex.ProofPool.input_values(p.m * p.top_k, p.k))
