@@ -100,19 +100,13 @@ GgmlQuantizedMatmulIdCalibrationDecision, GgmlQuantizedMatmulIdCandidateProof = 
 GgmlQuantizedMatmulIdAutoReceipt = _RECORDS.auto_receipt
 
 
-def _dequantized_experts(shape, weight, experts) -> dict:
-    """{expert: F64 [n, k]} of the expert stack `weight` for the in-range `experts`, read back from
-    the device and dequantised exactly."""
-    fmt = _FORMATS[GgmlType(shape.ggml_type)]
+def _dequantized_expert(shape, raw: np.ndarray, expert: int) -> np.ndarray:
+    """Expert `expert` of the expert stack bytes `raw`, dequantised exactly (F64 [n, k])."""
     values, block_bytes = GgmlType(shape.ggml_type).block_layout
     row_bytes = shape.k // values * block_bytes
-    raw = np.ascontiguousarray(weight.numpy()).view(np.uint8).reshape(-1)
-    out = {}
-    for e in experts:
-        start = e * shape.expert_stride_bytes
-        blocks = raw[start : start + shape.n * row_bytes].reshape(shape.n, row_bytes)
-        out[e] = fmt.dequantize(blocks, (shape.n, shape.k)).astype(np.float64)
-    return out
+    start = expert * shape.expert_stride_bytes
+    blocks = raw[start : start + shape.n * row_bytes].reshape(shape.n, row_bytes)
+    return _FORMATS[GgmlType(shape.ggml_type)].dequantize(blocks, (shape.n, shape.k)).astype(np.float64)
 
 
 def _pairwise_bound(shape, weight, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -120,21 +114,21 @@ def _pairwise_bound(shape, weight, x: np.ndarray, ids: np.ndarray) -> np.ndarray
     products in orders the hardware may choose: each is within gamma(k + 2) * sum|w * x| plus the
     underflow term (k + 8) * 2^-150 of the exact value (any summation order, Higham §3.1, the two
     extra roundings covering a per-block scale), so their difference is within twice that. A row
-    of an out-of-range id is exactly zero on both: bound 0."""
+    of an out-of-range id is exactly zero on both: bound 0. The weights are read back once and
+    dequantised one routed expert at a time."""
     m, top_k = ids.shape
-    valid = ids.astype(np.int64) < shape.n_experts
-    weights = _dequantized_experts(shape, weight, sorted({int(e) for e in ids[valid]}))
     depth = shape.k + 2
     gamma = depth * _U / (1 - depth * _U)
     slotted = DenseMatmulIdInputLayout(shape.input_layout) is DenseMatmulIdInputLayout.SLOTTED
-    bound = np.zeros((m * top_k, shape.n), np.float64)
     ax = np.abs(x.astype(np.float64))
-    for t in range(m):
-        for s in range(top_k):
-            if valid[t, s]:
-                row = t * top_k + s
-                magnitude = np.abs(weights[int(ids[t, s])]) @ ax[row if slotted else t]
-                bound[row] = 2 * (gamma * magnitude + (shape.k + 8) * _SUBNORMAL_HALF_ULP)
+    rows_x = ax if slotted else np.repeat(ax, top_k, axis=0)  # the input row of every output row
+    flat = ids.reshape(-1).astype(np.int64)
+    raw = np.ascontiguousarray(weight.numpy()).view(np.uint8).reshape(-1)
+    bound = np.zeros((m * top_k, shape.n), np.float64)
+    for expert in np.unique(flat[flat < shape.n_experts]):
+        rows = np.nonzero(flat == expert)[0]
+        magnitude = rows_x[rows] @ np.abs(_dequantized_expert(shape, raw, int(expert))).T
+        bound[rows] = 2 * (gamma * magnitude + (shape.k + 8) * _SUBNORMAL_HALF_ULP)
     return bound
 
 
