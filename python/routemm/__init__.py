@@ -274,6 +274,21 @@ from .ggml_routes import (  # noqa: E402
     plan_dense_auto_route,
 )
 from .moe_layer import MoeLayer  # noqa: E402
+from .quantized_matmul_id_plan import (  # noqa: E402
+    QUANTIZED_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM,
+    GgmlQuantizedMatmulIdAutoReceipt,
+    GgmlQuantizedMatmulIdCalibrationCase,
+    GgmlQuantizedMatmulIdCalibrationDecision,
+    GgmlQuantizedMatmulIdCalibrationLimits,
+    GgmlQuantizedMatmulIdCalibrationReceipt,
+    GgmlQuantizedMatmulIdRoutePlan,
+    GgmlQuantizedMatmulIdShape,
+    calibrate_quantized_matmul_id_routes,
+    freeze_quantized_matmul_id_plan,
+    load_quantized_matmul_id_plan,
+    quantized_matmul_id_ggml_auto,
+    resolve_quantized_matmul_id_auto_route,
+)
 
 __all__ += [
     "DENSE_Q4_RECEIPT_SCHEMA_VERSION",
@@ -320,6 +335,19 @@ __all__ += [
     "resolve_dense_matmul_id_auto_route",
     "trace_dense_matmul_id",
     "trace_dense_matmul_id_auto",
+    "QUANTIZED_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM",
+    "GgmlQuantizedMatmulIdAutoReceipt",
+    "GgmlQuantizedMatmulIdCalibrationCase",
+    "GgmlQuantizedMatmulIdCalibrationDecision",
+    "GgmlQuantizedMatmulIdCalibrationLimits",
+    "GgmlQuantizedMatmulIdCalibrationReceipt",
+    "GgmlQuantizedMatmulIdRoutePlan",
+    "GgmlQuantizedMatmulIdShape",
+    "calibrate_quantized_matmul_id_routes",
+    "freeze_quantized_matmul_id_plan",
+    "load_quantized_matmul_id_plan",
+    "quantized_matmul_id_ggml_auto",
+    "resolve_quantized_matmul_id_auto_route",
     "GgmlCapability",
     "GgmlCapabilityRequest",
     "GgmlExpertShape",

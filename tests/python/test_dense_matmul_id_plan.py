@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 import routemm
+from routemm import _expert_id_plan as ex
 from routemm import calibration as cal
 from routemm import dense_matmul_id_plan as dp
 from support import validate
@@ -134,9 +135,9 @@ def test_proof_pool_inputs_are_prefixes(device):
         routemm.DenseMatmulIdInputLayout.SLOTTED,
         routemm.DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN,
     )
-    pool = dp._ProofPool(device, [shape])
+    pool = ex.ProofPool(device, [shape], 3)
     full = pool.input(18, 24).numpy()
-    assert np.array_equal(full.reshape(-1), np.resize(dp._ADVERSARIAL, 18 * 24))
+    assert np.array_equal(full.reshape(-1), np.resize(ex.ADVERSARIAL, 18 * 24))
     assert np.array_equal(pool.input(7, 24).numpy(), full[:7])
     with pytest.raises(ValueError, match="19 rows requested"):
         pool.input(19, 24)

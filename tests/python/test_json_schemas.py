@@ -22,6 +22,9 @@ EXPECTED_SCHEMAS = {
     "dense_matmul_id_dispatch_receipt.schema.json",
     "dense_matmul_id_params.schema.json",
     "encoded_kernel_dispatch.schema.json",
+    "ggml_quantized_matmul_id_calibration_receipt.schema.json",
+    "ggml_quantized_matmul_id_plan_auto_receipt.schema.json",
+    "ggml_quantized_matmul_id_route_plan.schema.json",
     "pipeline_identity.schema.json",
 }
 
@@ -185,6 +188,7 @@ def test_every_record_class_has_its_schema_part():
     import routemm._json as records
     import routemm.dense_matmul_id_plan  # noqa: F401
     import routemm.dense_q4_plan  # noqa: F401
+    import routemm.quantized_matmul_id_plan  # noqa: F401
 
     def subclasses(cls):
         for sub in cls.__subclasses__():

@@ -115,7 +115,20 @@ def samples() -> dict:
         enc, registry, qx, qw, qids, q_out, routemm.DenseMatmulIdScratch(device, 4, 9), qp
     )
     enc.commit_and_wait()
+    # Quantised expert-ID calibration (timed, so the receipt carries timings) and an auto call.
+    q_registry = routemm.KernelRegistry(device)
+    q_plan, q_cal = routemm.calibrate_quantized_matmul_id_routes(
+        q_registry, device, 1, None, [routemm.GgmlQuantizedMatmulIdCalibrationCase(qw, qp)]
+    )
+    enc = device.command_encoder()
+    q_auto = routemm.quantized_matmul_id_ggml_auto(
+        enc, q_registry, device, qx, qw, qids, q_out, routemm.DenseMatmulIdScratch(device, 4, 9), qp, activation_epoch=1
+    )
+    enc.commit_and_wait()
     extra = [
+        q_plan,
+        q_cal,
+        q_auto,
         qp,
         routemm.quantized_matmul_id_ggml_capability(qp),
         q_receipt,

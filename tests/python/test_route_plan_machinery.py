@@ -10,6 +10,7 @@ from routemm import _expert_id_plan as ex
 from routemm import _route_plan as rp
 from routemm import dense_matmul_id_plan as dp
 from routemm import dense_q4_plan as dq
+from routemm import quantized_matmul_id_plan as qp
 
 
 def test_kind_records_are_named_frozen_records_of_their_schema():
@@ -17,6 +18,13 @@ def test_kind_records_are_named_frozen_records_of_their_schema():
         (dp.DenseMatmulIdRoutePlan, dp.__name__, "dense_matmul_id_route_plan.schema.json"),
         (dp.DenseMatmulIdCalibrationDecision, dp.__name__, "dense_matmul_id_calibration_receipt.schema.json"),
         (dp.DenseMatmulIdAutoReceipt, dp.__name__, "dense_matmul_id_plan_auto_receipt.schema.json"),
+        (qp.GgmlQuantizedMatmulIdRoutePlan, qp.__name__, "ggml_quantized_matmul_id_route_plan.schema.json"),
+        (
+            qp.GgmlQuantizedMatmulIdCandidateProof,
+            qp.__name__,
+            "ggml_quantized_matmul_id_calibration_receipt.schema.json",
+        ),
+        (qp.GgmlQuantizedMatmulIdAutoReceipt, qp.__name__, "ggml_quantized_matmul_id_plan_auto_receipt.schema.json"),
         (dq.DenseQ4PlanDecision, dq.__name__, "dense_q4_route_plan.schema.json"),
         (dq.DenseQ4TimingDistribution, dq.__name__, "dense_q4_calibration_receipt.schema.json"),
     ):

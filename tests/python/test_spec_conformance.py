@@ -437,14 +437,15 @@ def _(rng, tmp_path):
 
 @check("7.6-poison")
 def _(rng, tmp_path):
+    from routemm import _expert_id_plan as ex
     from routemm import dense_matmul_id_plan as dp
 
     assert dp.POISON_BITS == 0x7FC000C7
     poison = np.full(8 + 16, dp.POISON_BITS, np.uint32)
     written = poison.copy()
     written[:8] = np.float32(1.0).view(np.uint32)
-    assert dp._proof_status(written, written, 8) == 0
-    assert dp._proof_status(poison, None, 8) & routemm.calibration.STATUS_CONTROL_UNWRITTEN
+    assert ex.proof_status(written, written, 8) == 0
+    assert ex.proof_status(poison, None, 8) & routemm.calibration.STATUS_CONTROL_UNWRITTEN
 
 
 @check("7.6-error-fallback")
