@@ -109,6 +109,47 @@ def _routemm_q4(routemm, device, registry, runs: int, routes: list[str]) -> list
     return records
 
 
+def _time_expert_routes(routemm, device, runs: int, rng, op: str, dtype: str, stride: int, routes_for, encode):
+    """Records of the expert-ID op `op` on one expert stack (`stride` bytes per expert) at every m
+    of MOE_MS: for each (route, precision, params) of routes_for(m), the minimum time of `runs`
+    calls of encode(encoder, x, ids, out, scratch, params), fresh random ids each call."""
+    records = []
+    for m in MOE_MS:
+        x = device.from_numpy(rng.standard_normal((m, EK), dtype=np.float32))
+        out = device.alloc(m * TOP_K * EN * 4, routemm.DType.F32, [m * TOP_K, EN])
+        id_sets = [np.argsort(rng.random((m, E)), axis=1)[:, :TOP_K].astype(np.uint32) for _ in range(runs + 1)]
+        touched = np.mean([len(np.unique(ids)) for ids in id_sets]) * stride
+        for route, precision, params in routes_for(m):
+            scratch = routemm.DenseMatmulIdScratch(device, E, m) if route.is_grouped else None
+            bufs = iter([device.from_numpy(ids) for ids in id_sets])
+
+            def run(ids, params=params, scratch=scratch, x=x, out=out):
+                encoder = device.command_encoder()
+                encode(encoder, x, ids, out, scratch, params)
+                encoder.commit_and_wait()
+
+            seconds = _min_time(run, runs, lambda bufs=bufs: (next(bufs),))
+            flops = 2 * m * TOP_K * EN * EK
+            records.append(
+                dict(
+                    op=op,
+                    shape="qwen3-30b-a3b",
+                    m=m,
+                    weight_dtype=dtype,
+                    route=route.value,
+                    precision=precision,
+                    impl="routemm",
+                    time_us=seconds * 1e6,
+                    bytes=float(touched),
+                    flops=flops,
+                    TBps=touched / seconds / 1e12,
+                    TFLOPs=flops / seconds / 1e12,
+                )
+            )
+            print(f"routemm {op} {dtype} m={m} {route.value}: {seconds * 1e6:.0f} us", flush=True)
+    return records
+
+
 def _routemm_expert_id(routemm, device, registry, runs: int, routes: list[str]) -> list[dict]:
     import ml_dtypes
     from routemm.dense_matmul_id import BF16_DOT_PIPELINE_NAMES
@@ -116,7 +157,7 @@ def _routemm_expert_id(routemm, device, registry, runs: int, routes: list[str]) 
     bf16_dot = "bf16_dot" in routes and all(registry.has_kernel(n) for n in BF16_DOT_PIPELINE_NAMES)
     if "bf16_dot" in routes and not bf16_dot:
         print("bf16_dot routes not timed: this CPU backend has no AVX512_BF16 pipelines", flush=True)
-
+    Route = routemm.DenseMatmulIdRoute
     dtypes = {"f32": np.float32, "bf16": ml_dtypes.bfloat16}
     records = []
     for name in MOE_TYPES:
@@ -125,43 +166,17 @@ def _routemm_expert_id(routemm, device, registry, runs: int, routes: list[str]) 
         w_buf = device.from_numpy(weights)
         stride = EN * EK * weights.itemsize
         del weights
-        for m in MOE_MS:
-            x = device.from_numpy(rng.standard_normal((m, EK), dtype=np.float32))
-            out = device.alloc(m * TOP_K * EN * 4, routemm.DType.F32, [m * TOP_K, EN])
-            id_sets = [np.argsort(rng.random((m, E)), axis=1)[:, :TOP_K].astype(np.uint32) for _ in range(runs + 1)]
-            touched = np.mean([len(np.unique(ids)) for ids in id_sets]) * stride
-            exact = ("direct", "grouped_prefill")
-            reduced = ("direct_bf16_dot", "grouped_bf16_dot") if bf16_dot and name == "bf16" else ()
-            for route in exact + reduced:
-                route_enum = routemm.DenseMatmulIdRoute(route)
-                params = routemm.DenseMatmulIdParams(m, EN, EK, TOP_K, E, stride, route=route_enum)
-                scratch = routemm.DenseMatmulIdScratch(device, E, m) if route_enum.is_grouped else None
-                bufs = iter([device.from_numpy(ids) for ids in id_sets])
+        routes_set = [(Route.DIRECT, "exact"), (Route.GROUPED_PREFILL, "exact")]
+        if bf16_dot and name == "bf16":
+            routes_set += [(Route.DIRECT_BF16_DOT, "bf16_dot"), (Route.GROUPED_BF16_DOT, "bf16_dot")]
 
-                def run(ids, params=params, scratch=scratch, x=x, out=out, w_buf=w_buf):
-                    encoder = device.command_encoder()
-                    routemm.dense_matmul_id(encoder, registry, w_buf, x, ids, out, scratch, params)
-                    encoder.commit_and_wait()
+        def routes_for(m, stride=stride, routes_set=routes_set):
+            return [(r, p, routemm.DenseMatmulIdParams(m, EN, EK, TOP_K, E, stride, route=r)) for r, p in routes_set]
 
-                seconds = _min_time(run, runs, lambda bufs=bufs: (next(bufs),))
-                flops = 2 * m * TOP_K * EN * EK
-                records.append(
-                    dict(
-                        op="dense_matmul_id",
-                        shape="qwen3-30b-a3b",
-                        m=m,
-                        weight_dtype=name,
-                        route=route,
-                        precision="exact" if route in exact else "bf16_dot",
-                        impl="routemm",
-                        time_us=seconds * 1e6,
-                        bytes=float(touched),
-                        flops=flops,
-                        TBps=touched / seconds / 1e12,
-                        TFLOPs=flops / seconds / 1e12,
-                    )
-                )
-                print(f"routemm {name} expert-id m={m} {route}: {seconds * 1e6:.0f} us", flush=True)
+        def encode(encoder, x, ids, out, scratch, params, w_buf=w_buf):
+            routemm.dense_matmul_id(encoder, registry, w_buf, x, ids, out, scratch, params)
+
+        records += _time_expert_routes(routemm, device, runs, rng, "dense_matmul_id", name, stride, routes_for, encode)
         del w_buf
     return records
 
@@ -180,40 +195,19 @@ def _routemm_quantized_expert_id(routemm, device, registry, runs: int) -> list[d
         w_buf = device.from_numpy(blocks)
         stride = blocks[0].nbytes
         del blocks
-        for m in MOE_MS:
-            x = device.from_numpy(rng.standard_normal((m, EK), dtype=np.float32))
-            out = device.alloc(m * TOP_K * EN * 4, routemm.DType.F32, [m * TOP_K, EN])
-            id_sets = [np.argsort(rng.random((m, E)), axis=1)[:, :TOP_K].astype(np.uint32) for _ in range(runs + 1)]
-            touched = np.mean([len(np.unique(ids)) for ids in id_sets]) * stride
-            for route in (Route.DIRECT, Route.GROUPED):
-                params = routemm.GgmlQuantizedMatmulIdParams(m, EN, EK, TOP_K, E, ggml_type, stride, route=route)
-                scratch = routemm.DenseMatmulIdScratch(device, E, m) if route.is_grouped else None
-                bufs = iter([device.from_numpy(ids) for ids in id_sets])
 
-                def run(ids, params=params, scratch=scratch, x=x, out=out, w_buf=w_buf):
-                    encoder = device.command_encoder()
-                    routemm.quantized_matmul_id_ggml(encoder, registry, x, w_buf, ids, out, scratch, params)
-                    encoder.commit_and_wait()
+        def routes_for(m, stride=stride, ggml_type=ggml_type):
+            return [
+                (r, "exact", routemm.GgmlQuantizedMatmulIdParams(m, EN, EK, TOP_K, E, ggml_type, stride, route=r))
+                for r in (Route.DIRECT, Route.GROUPED)
+            ]
 
-                seconds = _min_time(run, runs, lambda bufs=bufs: (next(bufs),))
-                flops = 2 * m * TOP_K * EN * EK
-                records.append(
-                    dict(
-                        op="quantized_matmul_id",
-                        shape="qwen3-30b-a3b",
-                        m=m,
-                        weight_dtype=name,
-                        route=route.value,
-                        precision="exact",
-                        impl="routemm",
-                        time_us=seconds * 1e6,
-                        bytes=float(touched),
-                        flops=flops,
-                        TBps=touched / seconds / 1e12,
-                        TFLOPs=flops / seconds / 1e12,
-                    )
-                )
-                print(f"routemm {name} quantized expert-id m={m} {route.value}: {seconds * 1e6:.0f} us", flush=True)
+        def encode(encoder, x, ids, out, scratch, params, w_buf=w_buf):
+            routemm.quantized_matmul_id_ggml(encoder, registry, x, w_buf, ids, out, scratch, params)
+
+        records += _time_expert_routes(
+            routemm, device, runs, rng, "quantized_matmul_id", name, stride, routes_for, encode
+        )
         del w_buf
     return records
 

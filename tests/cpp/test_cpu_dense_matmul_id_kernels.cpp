@@ -17,7 +17,9 @@
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/simd.h"
 #include "backend/cpu/thread_pool.h"
+#include "cpu_kernel_support.h"
 #include "routemm/error.h"
+#include "test_support.h"
 
 namespace routemm {
 namespace {
@@ -33,39 +35,10 @@ const char* type_name(WeightType t) {
 }
 size_t type_size(WeightType t) { return t == WeightType::F32 ? 4 : 2; }
 
-const std::vector<KernelDef>& defs() {
-  static const std::vector<KernelDef> list = [] {
-    std::vector<KernelDef> out;
-    cpu::add_dense_matmul_id_kernels(out);
-    return out;
-  }();
-  return list;
-}
-
-const KernelDef& def(const std::string& name) {
-  for (const KernelDef& d : defs()) {
-    if (d.name == name) return d;
-  }
-  throw std::runtime_error("no kernel " + name);
-}
-
-BoundArg buffer_arg(const void* data, size_t size) {
-  BoundArg arg;
-  arg.kind = BoundArg::Kind::Buffer;
-  arg.data = const_cast<void*>(data);
-  arg.size = size;
-  return arg;
-}
-
-BoundArg bytes_arg(const DenseMatmulIdKernelParams& params) {
-  BoundArg arg;
-  arg.kind = BoundArg::Kind::Bytes;
-  arg.data = const_cast<DenseMatmulIdKernelParams*>(&params);
-  arg.size = sizeof(params);
-  return arg;
-}
-
-uint32_t bits(float value) { return std::bit_cast<uint32_t>(value); }
+const KernelDef& def(const std::string& name) { return test::cpu_kernel_def(name); }
+using test::bits;
+using test::buffer_arg;
+using test::bytes_arg;
 
 // Independent reference widening of a 16-bit pattern (not the kernel's code path).
 double widen_reference16(WeightType t, uint16_t h) {
@@ -204,37 +177,15 @@ std::vector<float> run_direct(const Data& d, WeightType t, ThreadPool& pool) {
   return out;
 }
 
-struct Scratch {
-  std::vector<uint32_t> counts, routed;
-};
+using Scratch = test::GroupedScratch;
 
 std::vector<float> run_grouped(const Data& d, WeightType t, ThreadPool& pool,
                                Scratch* scratch = nullptr) {
   const size_t rows = size_t{d.params.m} * d.params.top_k;
   std::vector<float> out(rows * d.params.n, kPoison);
   Scratch local;
-  Scratch& s = scratch ? *scratch : local;
-  s.counts.assign(d.params.n_experts, 0xAAAAAAAAu);
-  s.routed.assign(size_t{d.params.n_experts} * d.params.m, 0xAAAAAAAAu);
-  KernelLaunch map;
-  map.label = "dense_matmul_id_map_distinct";
-  map.args[0] = bytes_arg(d.params);
-  map.args[1] = buffer_arg(d.ids.data(), d.ids.size() * 4);
-  map.args[2] = buffer_arg(s.counts.data(), s.counts.size() * 4);
-  map.args[3] = buffer_arg(s.routed.data(), s.routed.size() * 4);
-  map.args[4] = buffer_arg(out.data(), out.size() * 4);
-  def("dense_matmul_id_map_distinct").fn(map, &pool);
-
-  KernelLaunch grouped;
-  const std::string name = std::string("dense_matmul_id_grouped_") + type_name(t) + "_f32";
-  grouped.label = name;
-  grouped.args[0] = bytes_arg(d.params);
-  grouped.args[1] = buffer_arg(d.weights.data(), d.weights.size());
-  grouped.args[2] = buffer_arg(d.input.data(), d.input.size() * 4);
-  grouped.args[3] = buffer_arg(s.counts.data(), s.counts.size() * 4);
-  grouped.args[4] = buffer_arg(s.routed.data(), s.routed.size() * 4);
-  grouped.args[5] = buffer_arg(out.data(), out.size() * 4);
-  def(name).fn(grouped, &pool);
+  test::run_map_then_grouped(def(std::string("dense_matmul_id_grouped_") + type_name(t) + "_f32"),
+                             d, out, scratch ? *scratch : local, pool);
   return out;
 }
 
@@ -276,19 +227,13 @@ void expect_matches_reference(const Problem& pr, const Data& d, const std::vecto
   }
 }
 
-void expect_bit_equal(const std::vector<float>& a, const std::vector<float>& b, const char* what) {
-  ASSERT_EQ(a.size(), b.size());
-  size_t mismatches = 0, first = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (bits(a[i]) != bits(b[i]) && mismatches++ == 0) first = i;
-  }
-  EXPECT_EQ(mismatches, 0u) << what << ": first at " << first << " (" << a[first] << " vs "
-                            << b[first] << ")";
-}
+using test::expect_bit_equal;
 
 TEST(CpuDenseMatmulIdKernels, RegistersEveryPipelineWithSpecGeometry) {
-  ASSERT_EQ(defs().size(), 7u);
-  for (const KernelDef& d : defs()) {
+  std::vector<KernelDef> dense;
+  cpu::add_dense_matmul_id_kernels(dense);
+  ASSERT_EQ(dense.size(), 7u);
+  for (const KernelDef& d : dense) {
     EXPECT_NE(d.fn, nullptr) << d.name;
     EXPECT_EQ(d.origin, "builtin_cpu");
     EXPECT_EQ(d.max_threads_per_threadgroup, 1024u);
@@ -381,17 +326,8 @@ TEST(CpuDenseMatmulIdKernels, WideningIsExactForEveryHalfAndBfloatPattern) {
   }
 }
 
-// The clones this CPU can run, lowest first (the portable one always).
-std::vector<Isa> runnable_isas() {
-  std::vector<Isa> out;
-  for (Isa isa : {Isa::portable, Isa::avx2, Isa::avx512}) {
-    if (isa <= cpu::supported_cpu_isa()) out.push_back(isa);
-  }
-  return out;
-}
-const char* isa_name(Isa isa) {
-  return isa == Isa::portable ? "portable" : isa == Isa::avx2 ? "avx2" : "avx512";
-}
+using test::isa_name;
+using test::runnable_isas;
 
 // Every clone (portable, AVX2, AVX-512) follows the one accumulation order, so each route gives
 // the same bits whichever ran: shapes with k tails (k % 8, k % 32), the 32-wide bf16 step, odd
@@ -557,25 +493,7 @@ TEST(CpuDenseMatmulIdKernels, Bf16DotPipelinesFollowTheProcessorAndAgreeBitForBi
     lowp[0].fn(launch, &pool);
 
     Scratch s;
-    s.counts.assign(pr.n_experts, 0);
-    s.routed.assign(size_t{pr.n_experts} * m, 0);
-    KernelLaunch map;
-    map.label = "dense_matmul_id_map_distinct";
-    map.args[0] = bytes_arg(d.params);
-    map.args[1] = buffer_arg(d.ids.data(), d.ids.size() * 4);
-    map.args[2] = buffer_arg(s.counts.data(), s.counts.size() * 4);
-    map.args[3] = buffer_arg(s.routed.data(), s.routed.size() * 4);
-    map.args[4] = buffer_arg(grouped.data(), grouped.size() * 4);
-    def("dense_matmul_id_map_distinct").fn(map, &pool);
-    KernelLaunch group;
-    group.label = lowp[1].name;
-    group.args[0] = bytes_arg(d.params);
-    group.args[1] = buffer_arg(d.weights.data(), d.weights.size());
-    group.args[2] = buffer_arg(d.input.data(), d.input.size() * 4);
-    group.args[3] = buffer_arg(s.counts.data(), s.counts.size() * 4);
-    group.args[4] = buffer_arg(s.routed.data(), s.routed.size() * 4);
-    group.args[5] = buffer_arg(grouped.data(), grouped.size() * 4);
-    lowp[1].fn(group, &pool);
+    test::run_map_then_grouped(lowp[1], d, grouped, s, pool);
     expect_bit_equal(direct, grouped, "bf16-dot grouped vs direct");
     for (size_t flat = 0; flat < rows; ++flat) {
       if (d.ids[flat] >= pr.n_experts) {

@@ -18,6 +18,8 @@
 #include "backend/cpu/isa.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/thread_pool.h"
+#include "cpu_kernel_support.h"
+#include "test_support.h"
 
 namespace routemm {
 namespace {
@@ -31,40 +33,10 @@ enum class Format { Q4_0, Q8_0 };
 const char* format_name(Format f) { return f == Format::Q4_0 ? "q4_0" : "q8_0"; }
 size_t block_bytes(Format f) { return f == Format::Q4_0 ? 18 : 34; }
 
-const std::vector<KernelDef>& defs() {
-  static const std::vector<KernelDef> list = [] {
-    std::vector<KernelDef> out;
-    cpu::add_dense_matmul_id_kernels(out);
-    cpu::add_quantized_matmul_id_kernels(out);
-    return out;
-  }();
-  return list;
-}
-
-const KernelDef& def(const std::string& name) {
-  for (const KernelDef& d : defs()) {
-    if (d.name == name) return d;
-  }
-  throw std::runtime_error("no kernel " + name);
-}
-
-BoundArg buffer_arg(const void* data, size_t size) {
-  BoundArg arg;
-  arg.kind = BoundArg::Kind::Buffer;
-  arg.data = const_cast<void*>(data);
-  arg.size = size;
-  return arg;
-}
-
-BoundArg bytes_arg(const DenseMatmulIdKernelParams& params) {
-  BoundArg arg;
-  arg.kind = BoundArg::Kind::Bytes;
-  arg.data = const_cast<DenseMatmulIdKernelParams*>(&params);
-  arg.size = sizeof(params);
-  return arg;
-}
-
-uint32_t bits(float value) { return std::bit_cast<uint32_t>(value); }
+const KernelDef& def(const std::string& name) { return test::cpu_kernel_def(name); }
+using test::bits;
+using test::buffer_arg;
+using test::bytes_arg;
 
 // A binary16 scale's value (normal patterns only, as the tests build).
 double half_value(uint16_t h) {
@@ -127,45 +99,16 @@ std::vector<float> run_direct(const Data& d, Format f, ThreadPool& pool) {
   return out;
 }
 
-struct Scratch {
-  std::vector<uint32_t> counts, routed;
-};
+using Scratch = test::GroupedScratch;
 
 std::vector<float> run_grouped(const Data& d, Format f, ThreadPool& pool, Scratch& s) {
   std::vector<float> out(size_t{d.params.m} * d.params.n, kPoison);
-  s.counts.assign(d.params.n_experts, 0xAAAAAAAAu);
-  s.routed.assign(size_t{d.params.n_experts} * d.params.m, 0xAAAAAAAAu);
-  KernelLaunch map;
-  map.label = "dense_matmul_id_map_distinct";
-  map.args[0] = bytes_arg(d.params);
-  map.args[1] = buffer_arg(d.ids.data(), d.ids.size() * 4);
-  map.args[2] = buffer_arg(s.counts.data(), s.counts.size() * 4);
-  map.args[3] = buffer_arg(s.routed.data(), s.routed.size() * 4);
-  map.args[4] = buffer_arg(out.data(), out.size() * 4);
-  def("dense_matmul_id_map_distinct").fn(map, &pool);
-
-  KernelLaunch grouped;
-  const std::string name = std::string("quantized_matmul_id_grouped_") + format_name(f) + "_f32";
-  grouped.label = name;
-  grouped.args[0] = bytes_arg(d.params);
-  grouped.args[1] = buffer_arg(d.weights.data(), d.weights.size());
-  grouped.args[2] = buffer_arg(d.input.data(), d.input.size() * 4);
-  grouped.args[3] = buffer_arg(s.counts.data(), s.counts.size() * 4);
-  grouped.args[4] = buffer_arg(s.routed.data(), s.routed.size() * 4);
-  grouped.args[5] = buffer_arg(out.data(), out.size() * 4);
-  def(name).fn(grouped, &pool);
+  test::run_map_then_grouped(
+      def(std::string("quantized_matmul_id_grouped_") + format_name(f) + "_f32"), d, out, s, pool);
   return out;
 }
 
-void expect_bit_equal(const std::vector<float>& a, const std::vector<float>& b, const char* what) {
-  ASSERT_EQ(a.size(), b.size());
-  size_t mismatches = 0, first = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (bits(a[i]) != bits(b[i]) && mismatches++ == 0) first = i;
-  }
-  EXPECT_EQ(mismatches, 0u) << what << ": first at " << first << " (" << a[first] << " vs "
-                            << b[first] << ")";
-}
+using test::expect_bit_equal;
 
 // Every output within a float32 accumulation bound of a float64 reference (the bit checks pin the
 // exact order; this catches a wrong weight, row or column).
@@ -191,17 +134,8 @@ void expect_near_reference(const Data& d, Format f, const std::vector<float>& ou
   }
 }
 
-// The clones this CPU can run, lowest first (the portable one always).
-std::vector<Isa> runnable_isas() {
-  std::vector<Isa> out;
-  for (Isa isa : {Isa::portable, Isa::avx2, Isa::avx512}) {
-    if (isa <= cpu::supported_cpu_isa()) out.push_back(isa);
-  }
-  return out;
-}
-const char* isa_name(Isa isa) {
-  return isa == Isa::portable ? "portable" : isa == Isa::avx2 ? "avx2" : "avx512";
-}
+using test::isa_name;
+using test::runnable_isas;
 
 // Expert e is named by e + 1 rows (1 .. 21 routed rows: single mat-vec passes, split passes and
 // the matrix tile), in an interleaved order; column counts that end inside a register tile and

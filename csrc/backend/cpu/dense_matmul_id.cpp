@@ -672,13 +672,6 @@ struct GroupedJob {
   uint64_t launch;         // unique per launch: keys the per-thread packed rows
 };
 
-// Gives every grouped launch its own number, so a thread's packed rows are never taken for
-// another launch's.
-uint64_t next_grouped_launch() {
-  static std::atomic<uint64_t> counter{0};
-  return counter.fetch_add(1, std::memory_order_relaxed) + 1;
-}
-
 // Per-thread buffers, reused across items and launches. The packed rows belong to the item
 // block (launch, row0): the items of one block differ only in their columns, and a thread that
 // takes several of them packs the rows once.
@@ -794,7 +787,7 @@ void run_grouped_launch(const KernelLaunch& launch, void* queue_native,
   std::stable_sort(items.begin(), items.end(),
                    [](const GroupedItem& a, const GroupedItem& b) { return a.rows > b.rows; });
 
-  const GroupedJob job{make_operands(p, weights, input, output), routed, next_grouped_launch()};
+  const GroupedJob job{make_operands(p, weights, input, output), routed, next_launch_number()};
   auto* pool = static_cast<ThreadPool*>(queue_native);
   if (pool == nullptr || pool->size() == 1) {
     for (const GroupedItem& item : items) run_item(job, item);

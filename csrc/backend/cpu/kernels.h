@@ -1,6 +1,8 @@
 // CPU kernel families; each adds its KernelDefs to the CPU backend's list.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <vector>
 
 #include "routemm/backend.h"
@@ -20,5 +22,12 @@ void add_quantized_matmul_id_kernels(std::vector<KernelDef>& out);
 void add_moe_kernels(std::vector<KernelDef>& out);
 // Route-calibration proof kernels (routemm_calibration_poison_f32 / _compare_f32), calibration.cpp.
 void add_calibration_kernels(std::vector<KernelDef>& out);
+
+// A number of its own (from 1) for every launch that asks: the grouped expert-ID kernels key their
+// per-thread reused rows by it, so a thread never takes rows gathered for another launch as its own.
+inline uint64_t next_launch_number() {
+  static std::atomic<uint64_t> counter{0};
+  return counter.fetch_add(1, std::memory_order_relaxed) + 1;
+}
 
 }  // namespace routemm::cpu

@@ -156,11 +156,6 @@ struct GroupedItem {
   uint32_t col0;
 };
 
-uint64_t next_grouped_launch() {
-  static std::atomic<uint64_t> counter{0};
-  return counter.fetch_add(1, std::memory_order_relaxed) + 1;
-}
-
 // Per-thread gathered rows, reused across items and launches. They belong to the item block
 // (launch, row0): the items of one block differ only in their columns, and a thread that takes
 // several of them (the list keeps them adjacent) gathers the rows once.
@@ -215,7 +210,7 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
   std::stable_sort(items.begin(), items.end(),
                    [](const GroupedItem& a, const GroupedItem& b) { return a.rows > b.rows; });
 
-  const uint64_t launch_id = next_grouped_launch();
+  const uint64_t launch_id = next_launch_number();
   const ggml::MmItem run_tile = ggml::mm_item_for<Format>();
   const auto run_item = [&](const GroupedItem& item) {
     const uint32_t* flats = routed + item.row0;  // row0: the item's first entry of the list
