@@ -32,6 +32,7 @@ import numpy as np
 from . import _core
 from ._errors import InvalidArgumentError
 from ._json import JsonRecord
+from .dense_matmul_id import AUTO_GROUPED_MIN_TOKENS as _DENSE_AUTO_GROUPED_MIN_TOKENS
 from .dense_matmul_id import DenseMatmulIdInputLayout, DenseMatmulIdScratchRequirement, _checked_reuse_map
 from .quantized_matmul import GgmlType
 
@@ -185,8 +186,9 @@ def quantized_matmul_id_ggml(
 
 # ---- High level (routemm.matmul_id(..., ggml_type=...)) -----------------------------------------
 
-# m above which the automatic choice prefers the grouped route when IDs are distinct per token.
-AUTO_GROUPED_MIN_TOKENS = 9
+# The automatic choice takes the grouped route from this many tokens on when IDs are distinct per
+# token: the expert-ID threshold, one value for the dense and quantised ops (kept in the core).
+AUTO_GROUPED_MIN_TOKENS = _DENSE_AUTO_GROUPED_MIN_TOKENS
 
 
 def _element_width(w_shape, ggml_type: GgmlType) -> int:
