@@ -75,6 +75,12 @@ usage: bash bench/device.sh COMMAND [ARGS]
                    a cold machine run `BUILD_ONLY=1 bash bench/device.sh peer` in a call of its own.
   lab mma-rows     bench/lab/q4_matvec_mma_rows_lab.cu and bench/lab/read_floor_lab.cu with Nsight
                    Compute kernel durations (LAB_NCU_SHAPES, default "0 1 2 3 4").
+  batch CMD...      several commands in one call, in the order given: the first builds (unless
+                   SKIP_BUILD=1), the rest reuse its build. A CMD may carry knobs of its own after a
+                   colon ("qid:PEER=0 MS=1,8"). Each writes into a folder of its own, packed into
+                   $OUT/<cmd>.tar.gz as soon as it ends, so a call cut short still returns what
+                   finished; each runs under what is left of BATCH_UNTIL_S (default 570 s).
+                   Example: bash bench/device.sh batch host-cost tensor "qid:PEER=0"
   help             this text.
 EOF
 }
@@ -560,13 +566,43 @@ cmd_host_cost() {
   stamp done
 }
 
+# ---- batch --------------------------------------------------------------------------------------
+
+cmd_batch() {
+  local spec name knobs left n=0 final=$OUT
+  [ $# -gt 0 ] || { echo "batch needs at least one command" >&2; return 2; }
+  for spec in "$@"; do
+    name=${spec%%:*}
+    knobs=""
+    [ "$spec" != "$name" ] && knobs=${spec#*:}
+    left=$(( ${BATCH_UNTIL_S:-570} - $(elapsed) ))
+    if [ "$left" -lt 20 ]; then
+      stamp "batch: $name not run, ${left} s left"
+      continue
+    fi
+    mkdir -p "/tmp/batch/$name"
+    stamp "batch: $name${knobs:+ ($knobs)}, ${left} s left"
+    (
+      [ "$n" -gt 0 ] && export SKIP_BUILD=1
+      for kv in $knobs; do export "${kv?}"; done
+      OUT=/tmp/batch/$name timeout -s INT -k 10 "$left" bash bench/device.sh "$name"
+    ) > "/tmp/batch/$name/console.txt" 2>&1
+    echo "exit: $?" >> "/tmp/batch/$name/console.txt"
+    tail -n "${BATCH_TAIL:-30}" "/tmp/batch/$name/console.txt"
+    tar -C /tmp/batch -czf "$final/$name.tar.gz" "$name"
+    n=$((n + 1))
+  done
+  stamp done
+}
+
 # ---- dispatch -------------------------------------------------------------------------------------
 
 command=${1:-help}
 [ $# -gt 0 ] && shift
 case "$command" in
   help | -h | --help) usage; exit 0 ;;
-  suite | session | quick | demo | q4-matvec | tensor | profile | peer | qid | engine | host-cost | lab) ;;
+  suite | session | quick | demo | q4-matvec | tensor | profile | peer | qid | engine | host-cost | lab \
+    | batch) ;;
   *) echo "unknown command '$command'" >&2; usage >&2; exit 2 ;;
 esac
 source bench/device_common.sh
