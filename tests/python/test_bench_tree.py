@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -57,11 +58,21 @@ def test_device_help_lists_every_command():
         (("bogus",), "unknown command 'bogus'"),
         (("profile",), "profile needs one of"),
         (("lab", "x"), "lab needs one of"),
+        (("batch",), "batch needs at least one command"),
     ],
 )
 def test_device_refuses_what_it_does_not_know(tmp_path, args, message):
     result = _device(*args, OUT=str(tmp_path))
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_device_batch_packs_each_command_as_it_ends(tmp_path):
+    result = _device("batch", "help", "help:SKIP_BUILD=1 FOO=a,b", OUT=str(tmp_path))
+    assert result.returncode == 0
+    assert "batch: help (SKIP_BUILD=1 FOO=a,b)" in result.stdout
+    with tarfile.open(tmp_path / "help.tar.gz") as packed:
+        console = packed.extractfile("help/console.txt").read().decode()
+    assert "usage: bash bench/device.sh COMMAND" in console and "exit: 0" in console
 
 
 def test_device_peer_without_a_ggml_tree_says_what_to_carry(tmp_path):
