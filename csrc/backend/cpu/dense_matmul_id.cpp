@@ -297,9 +297,11 @@ struct Avx2Isa {
 
   // One packed row pair x C columns: 2C accumulators, each weight step loaded and widened once for
   // both rows.
+  // Columns `stride` apart (column c at w + c * stride * k, stored at out[h][col + c * stride]).
   template <size_t C, typename WT>
   ROUTEMM_CPU_AVX2 static void pair_tile(const float* xp, size_t steps, const WT* w, size_t k,
-                                         float* const* out, size_t col) {
+                                         float* const* out, size_t col, size_t stride = 1) {
+    const size_t wstep = stride * k;
     __m256 acc[2][C];
 #pragma GCC unroll 16
     for (size_t c = 0; c < C; ++c) acc[0][c] = acc[1][c] = _mm256_setzero_ps();
@@ -309,7 +311,7 @@ struct Avx2Isa {
       const __m256 x1 = _mm256_loadu_ps(xp + s * kPairStep + kLanes);
 #pragma GCC unroll 16
       for (size_t c = 0; c < C; ++c) {
-        const __m256 wv = load8(w + c * k + s * kLanes);
+        const __m256 wv = load8(w + c * wstep + s * kLanes);
         acc[0][c] = _mm256_fmadd_ps(wv, x0, acc[0][c]);
         acc[1][c] = _mm256_fmadd_ps(wv, x1, acc[1][c]);
       }
@@ -319,7 +321,7 @@ struct Avx2Isa {
       const __m256 x1 = _mm256_loadu_ps(xp + full * kPairStep + kLanes);
       for (size_t c = 0; c < C; ++c) {
         alignas(32) float wt[kLanes];
-        widen_tail_step(w + c * k, k, wt);
+        widen_tail_step(w + c * wstep, k, wt);
         const __m256 wv = _mm256_load_ps(wt);
         acc[0][c] = _mm256_fmadd_ps(wv, x0, acc[0][c]);
         acc[1][c] = _mm256_fmadd_ps(wv, x1, acc[1][c]);
@@ -327,7 +329,7 @@ struct Avx2Isa {
     }
     for (size_t h = 0; h < 2; ++h) {
       if (out[h] == nullptr) continue;
-      for (size_t c = 0; c < C; ++c) out[h][col + c] = reduce(acc[h][c]);
+      for (size_t c = 0; c < C; ++c) out[h][col + c * stride] = reduce(acc[h][c]);
     }
   }
 
@@ -337,10 +339,9 @@ struct Avx2Isa {
   template <typename WT>
   ROUTEMM_CPU_AVX2 static void pair_rows(size_t /*pairs: always 1*/, const float* xp, size_t steps,
                                          const WT* w, size_t k, size_t cols, float* const* out) {
-    size_t c = 0;
-    for (; c + kPairCols <= cols; c += kPairCols)
-      pair_tile<kPairCols>(xp, steps, w + c * k, k, out, c);
-    for (; c < cols; ++c) pair_tile<1>(xp, steps, w + c * k, k, out, c);
+    const size_t seg = cols / kPairCols;  // one column of each segment per tile (kDirectCols)
+    for (size_t j = 0; j < seg; ++j) pair_tile<kPairCols>(xp, steps, w + j * k, k, out, j, seg);
+    for (size_t c = seg * kPairCols; c < cols; ++c) pair_tile<1>(xp, steps, w + c * k, k, out, c);
   }
 };
 
@@ -491,9 +492,11 @@ struct Avx512Isa {
 
   // Q packed row pairs x C columns: Q * C accumulators; each weight step is loaded and widened
   // once for the 2Q rows, each activation step once for the C columns.
+  // Columns `stride` apart (column c at w + c * stride * k, stored at col + c * stride).
   template <size_t Q, size_t C, typename WT>
   ROUTEMM_CPU_AVX512 static void pair_tile(const float* xp, size_t steps, const WT* w, size_t k,
-                                           float* const* out, size_t col) {
+                                           float* const* out, size_t col, size_t stride = 1) {
+    const size_t wstep = stride * k;
     __m512 acc[Q][C];
 #pragma GCC unroll 16
     for (size_t q = 0; q < Q; ++q)
@@ -506,7 +509,7 @@ struct Avx512Isa {
       for (size_t q = 0; q < Q; ++q) xv[q] = _mm512_loadu_ps(xp + (q * steps + s) * kPairStep);
 #pragma GCC unroll 16
       for (size_t c = 0; c < C; ++c) {
-        const __m512 wv = broadcast8(w + c * k + s * kLanes);
+        const __m512 wv = broadcast8(w + c * wstep + s * kLanes);
 #pragma GCC unroll 16
         for (size_t q = 0; q < Q; ++q) acc[q][c] = _mm512_fmadd_ps(wv, xv[q], acc[q][c]);
       }
@@ -514,7 +517,7 @@ struct Avx512Isa {
     if (full < steps) {  // zero-padded tail step (contract step 1)
       for (size_t c = 0; c < C; ++c) {
         alignas(32) float wt[kLanes];
-        widen_tail_step(w + c * k, k, wt);
+        widen_tail_step(w + c * wstep, k, wt);
         const __m512 wv = broadcast8(wt);
         for (size_t q = 0; q < Q; ++q) {
           const __m512 xv = _mm512_loadu_ps(xp + (q * steps + full) * kPairStep);
@@ -527,8 +530,8 @@ struct Avx512Isa {
       float* hi = out[2 * q + 1];
       for (size_t c = 0; c < C; ++c) {
         const __m512 r = reduce_halves(acc[q][c]);
-        if (lo != nullptr) lo[col + c] = _mm512_cvtss_f32(r);
-        if (hi != nullptr) hi[col + c] = _mm_cvtss_f32(_mm512_extractf32x4_ps(r, 2));
+        if (lo != nullptr) lo[col + c * stride] = _mm512_cvtss_f32(r);
+        if (hi != nullptr) hi[col + c * stride] = _mm_cvtss_f32(_mm512_extractf32x4_ps(r, 2));
       }
     }
   }
@@ -536,9 +539,9 @@ struct Avx512Isa {
   template <size_t Q, size_t C, typename WT>
   ROUTEMM_CPU_AVX512 static void pair_columns(const float* xp, size_t steps, const WT* w, size_t k,
                                               size_t cols, float* const* out) {
-    size_t c = 0;
-    for (; c + C <= cols; c += C) pair_tile<Q, C>(xp, steps, w + c * k, k, out, c);
-    for (; c < cols; ++c) pair_tile<Q, 1>(xp, steps, w + c * k, k, out, c);
+    const size_t seg = cols / C;  // one column of each segment per tile (kDirectCols)
+    for (size_t j = 0; j < seg; ++j) pair_tile<Q, C>(xp, steps, w + j * k, k, out, j, seg);
+    for (size_t c = seg * C; c < cols; ++c) pair_tile<Q, 1>(xp, steps, w + c * k, k, out, c);
   }
 
   // Tiles of 24 accumulators (16 for a lone pair) of the 32 registers; the column counts divide
@@ -894,11 +897,13 @@ ROUTEMM_CPU_AVX512_BF16 float reduce_bf16_lanes(__m512 v) {
   return simd::reduce_lanes(half);
 }
 
-// R activation rows (bf16, padded, at x[r] ) x C weight columns (bf16, k each, at w + c * k):
-// out[r * out_stride + c] for every pair, over the full inner dimension.
+// R activation rows (bf16, padded, at x[r] ) x C weight columns (bf16, k each, col_stride
+// columns apart: column c at w + c * col_stride * k): out[r * out_stride + c * col_stride] for
+// every pair, over the full inner dimension.
 template <size_t R, size_t C>
 ROUTEMM_CPU_AVX512_BF16 void bf16_dot_tile(const uint16_t* const* x, const BFloat16* w, size_t k,
-                                           float* out, size_t out_stride) {
+                                           float* out, size_t out_stride, size_t col_stride = 1) {
+  const size_t wstep = col_stride * k;
   __m512 acc[R][C];
 #pragma GCC unroll 16
   for (size_t r = 0; r < R; ++r)
@@ -911,7 +916,9 @@ ROUTEMM_CPU_AVX512_BF16 void bf16_dot_tile(const uint16_t* const* x, const BFloa
         i < k_full ? ~__mmask32(0) : __mmask32((uint64_t{1} << (k - k_full)) - 1);
     __m512bh wv[C];
 #pragma GCC unroll 16
-    for (size_t c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + c * k + i);
+    for (size_t c = 0; c < C; ++c) {
+      wv[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + c * wstep + i);
+    }
 #pragma GCC unroll 16
     for (size_t r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[r] + i);
@@ -920,7 +927,9 @@ ROUTEMM_CPU_AVX512_BF16 void bf16_dot_tile(const uint16_t* const* x, const BFloa
     }
   }
   for (size_t r = 0; r < R; ++r)
-    for (size_t c = 0; c < C; ++c) out[r * out_stride + c] = reduce_bf16_lanes(acc[r][c]);
+    for (size_t c = 0; c < C; ++c) {
+      out[r * out_stride + c * col_stride] = reduce_bf16_lanes(acc[r][c]);
+    }
 }
 
 // Columns [0, cols) of `rows` (<= kBf16TileRows) activation rows against one expert's columns.
@@ -930,15 +939,20 @@ constexpr size_t kBf16TileCols = 4;
 template <size_t R>
 ROUTEMM_CPU_AVX512_BF16 void bf16_dot_rows(const uint16_t* const* x, const BFloat16* w, size_t k,
                                            size_t cols, float* out, size_t out_stride) {
-  size_t c = 0;
-  for (; c + kBf16TileCols <= cols; c += kBf16TileCols) {
-    bf16_dot_tile<R, kBf16TileCols>(x, w + c * k, k, out + c, out_stride);
+  // One column from each of kBf16TileCols equal segments per tile: long weight streams (see
+  // kDirectCols).
+  const size_t seg = cols / kBf16TileCols;
+  for (size_t j = 0; j < seg; ++j) {
+    bf16_dot_tile<R, kBf16TileCols>(x, w + j * k, k, out + j, out_stride, seg);
   }
-  for (; c < cols; ++c) bf16_dot_tile<R, 1>(x, w + c * k, k, out + c, out_stride);
+  for (size_t c = seg * kBf16TileCols; c < cols; ++c) {
+    bf16_dot_tile<R, 1>(x, w + c * k, k, out + c, out_stride);
+  }
 }
 
-// The direct route: one activation row per work item, eight columns per tile so each activation
-// step is loaded once for eight dot products.
+// The direct route: one activation row per work item, kDirectCols columns per tile (one from each
+// of the item's kDirectCols column segments, see kDirectCols) so each activation step is loaded
+// once for eight dot products.
 ROUTEMM_CPU_AVX512_BF16 void bf16_dot_direct_items(const DirectJob& job, size_t begin, size_t end) {
   const Operands& ops = job.ops;
   const size_t kp = round_up(ops.k, kBf16Step);
@@ -961,8 +975,11 @@ ROUTEMM_CPU_AVX512_BF16 void bf16_dot_direct_items(const DirectJob& job, size_t 
     }
     const uint16_t* x[1] = {xs.data()};
     const BFloat16* w = ops.expert<BFloat16>(id) + col0 * ops.k;
-    size_t c = 0;
-    for (; c + 8 <= cols; c += 8) bf16_dot_tile<1, 8>(x, w + c * ops.k, ops.k, out + c, 0);
+    const size_t seg = cols / kDirectCols;  // long weight streams, as the exact direct route
+    for (size_t j = 0; j < seg; ++j) {
+      bf16_dot_tile<1, kDirectCols>(x, w + j * ops.k, ops.k, out + j, 0, seg);
+    }
+    const size_t c = seg * kDirectCols;
     bf16_dot_rows<1>(x, w + c * ops.k, ops.k, cols - c, out + c, 0);
   }
 }
