@@ -173,13 +173,14 @@ struct PortableIsa {
   static void dequant_block(const uint8_t* block, float* out) { Format::dequant(block, out); }
 
   template <size_t R, size_t C>
-  static void mv_columns(const Operands& ops, size_t col, float* const* out_rows) {
+  static void mv_columns(const Operands& ops, size_t col, float* const* out_rows,
+                         size_t stride = 1) {
     float acc[R][C][kLanes] = {};
     float w[kQK];
     const size_t blocks = ops.k / kQK;
     for (size_t b = 0; b < blocks; ++b) {
       for (size_t c = 0; c < C; ++c) {
-        Format::dequant(ops.weight_row(col + c) + b * Format::kBytes, w);
+        Format::dequant(ops.weight_row(col + c * stride) + b * Format::kBytes, w);
         for (size_t r = 0; r < R; ++r) {
           const float* x = ops.input_row(r) + b * kQK;
           for (size_t s = 0; s < kLanesPerBlock; ++s) {
@@ -191,7 +192,7 @@ struct PortableIsa {
       }
     }
     for (size_t r = 0; r < R; ++r) {
-      for (size_t c = 0; c < C; ++c) out_rows[r][col + c] = simd::reduce_lanes(acc[r][c]);
+      for (size_t c = 0; c < C; ++c) out_rows[r][col + c * stride] = simd::reduce_lanes(acc[r][c]);
     }
   }
 
@@ -243,14 +244,15 @@ struct Avx2Isa {
   }
 
   template <size_t R, size_t C>
-  ROUTEMM_CPU_AVX2 static void mv_columns(const Operands& ops, size_t col, float* const* out_rows) {
+  ROUTEMM_CPU_AVX2 static void mv_columns(const Operands& ops, size_t col, float* const* out_rows,
+                                          size_t stride = 1) {
     __m256 acc[R][C];
 #pragma GCC unroll 8
     for (size_t r = 0; r < R; ++r)
 #pragma GCC unroll 8
       for (size_t c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
     const uint8_t* rows[C];
-    for (size_t c = 0; c < C; ++c) rows[c] = ops.weight_row(col + c);
+    for (size_t c = 0; c < C; ++c) rows[c] = ops.weight_row(col + c * stride);
     const size_t blocks = ops.k / kQK;
     for (size_t b = 0; b < blocks; ++b) {
 #pragma GCC unroll 8
@@ -268,7 +270,7 @@ struct Avx2Isa {
       }
     }
     for (size_t r = 0; r < R; ++r) {
-      for (size_t c = 0; c < C; ++c) out_rows[r][col + c] = reduce(acc[r][c]);
+      for (size_t c = 0; c < C; ++c) out_rows[r][col + c * stride] = reduce(acc[r][c]);
     }
   }
 
@@ -340,14 +342,14 @@ struct Avx512Isa {
 
   template <size_t R, size_t C>
   ROUTEMM_CPU_AVX512 static void mv_columns(const Operands& ops, size_t col,
-                                            float* const* out_rows) {
+                                            float* const* out_rows, size_t stride = 1) {
     __m256 acc[R][C];
 #pragma GCC unroll 8
     for (size_t r = 0; r < R; ++r)
 #pragma GCC unroll 8
       for (size_t c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
     const uint8_t* rows[C];
-    for (size_t c = 0; c < C; ++c) rows[c] = ops.weight_row(col + c);
+    for (size_t c = 0; c < C; ++c) rows[c] = ops.weight_row(col + c * stride);
     const size_t blocks = ops.k / kQK;
     for (size_t b = 0; b < blocks; ++b) {
       if constexpr (R == 1) {
@@ -378,7 +380,7 @@ struct Avx512Isa {
       }
     }
     for (size_t r = 0; r < R; ++r) {
-      for (size_t c = 0; c < C; ++c) out_rows[r][col + c] = reduce(acc[r][c]);
+      for (size_t c = 0; c < C; ++c) out_rows[r][col + c * stride] = reduce(acc[r][c]);
     }
   }
 
@@ -423,9 +425,14 @@ void mv_range(const Operands& ops, size_t col0, size_t col_end) {
   constexpr size_t C = Isa::template mv_columns_for_rows<R>();
   float* out_rows[R];
   for (size_t r = 0; r < R; ++r) out_rows[r] = ops.output_row(r);
-  size_t col = col0;
-  for (; col + C <= col_end; col += C) Isa::template mv_columns<R, C>(ops, col, out_rows);
-  for (; col < col_end; ++col) Isa::template mv_columns<R, 1>(ops, col, out_rows);
+  // Each pass takes column j of C equal segments of the range, so the C weight streams each walk
+  // their segment's rows back to back (long sequential reads) instead of C neighbouring rows that
+  // end together; every output's operations are the same either way.
+  const size_t seg = (col_end - col0) / C;
+  for (size_t j = 0; j < seg; ++j) Isa::template mv_columns<R, C>(ops, col0 + j, out_rows, seg);
+  for (size_t col = col0 + seg * C; col < col_end; ++col) {
+    Isa::template mv_columns<R, 1>(ops, col, out_rows);
+  }
 }
 
 using MvRange = void (*)(const Operands&, size_t, size_t);
