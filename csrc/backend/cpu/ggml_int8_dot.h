@@ -259,7 +259,7 @@ inline float group_scale(const uint8_t* block) {
 //   group_block(blocks, out)   rearranges one block of kGroupCols columns (GroupBlock)
 //   tile<R, G>(...)            R rows x G groups over a panel of group blocks: the integer P_b of
 //                              every output, then contract step 4 on eight outputs per vector
-//   stream_group<R>(...)       the mat-vec of R <= kStreamRows rows for one group of columns,
+//   stream_group<R>(...)       the mat-vec of R <= kStreamRows rows for one group of columns
 //                              straight from the weight rows (vector clones only)
 // and kOffset, the code offset its dot product needs added back (QuantizedRows::bias).
 // Int8Portable: signed values, plain loops. Int8Avx2: vpmaddubsw + vpmaddwd (Q4_0 nibbles times q;
@@ -401,10 +401,11 @@ struct Int8Avx2 {
   // lanes summed per column (sum_lanes8), so nothing is rearranged through memory.
   template <size_t R>
   ROUTEMM_CPU_AVX2 static void stream_group(const Operands& ops, const QuantizedRowsView& x,
-                                            size_t col, size_t cols, float* const* out_rows) {
+                                            size_t col, size_t cols, float* const* out_rows,
+                                            size_t stride) {
     const uint8_t* rows[kGroupCols];
     for (size_t c = 0; c < kGroupCols; ++c) {
-      rows[c] = c < cols ? ops.weight_row(col + c) : kZeroBlock;
+      rows[c] = c < cols ? ops.weight_row(col + c * stride) : kZeroBlock;
     }
     __m256 f[R];
     for (size_t r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
@@ -436,7 +437,7 @@ struct Int8Avx2 {
     for (size_t r = 0; r < R; ++r) {
       alignas(32) float out[kGroupCols];
       _mm256_store_ps(out, f[r]);
-      std::copy(out, out + cols, out_rows[r] + col);
+      for (size_t c = 0; c < cols; ++c) out_rows[r][col + c * stride] = out[c];
     }
   }
 
@@ -510,10 +511,10 @@ struct Int8Vnni {
   template <size_t R>
   ROUTEMM_CPU_AVX512_VNNI static void stream_group(const Operands& ops, const QuantizedRowsView& x,
                                                    size_t col, size_t cols,
-                                                   float* const* out_rows) {
+                                                   float* const* out_rows, size_t stride) {
     const uint8_t* rows[kGroupCols];
     for (size_t c = 0; c < kGroupCols; ++c) {
-      rows[c] = c < cols ? ops.weight_row(col + c) : kZeroBlock;
+      rows[c] = c < cols ? ops.weight_row(col + c * stride) : kZeroBlock;
     }
     __m256 f[R];
     for (size_t r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
@@ -542,7 +543,7 @@ struct Int8Vnni {
     for (size_t r = 0; r < R; ++r) {
       alignas(32) float out[kGroupCols];
       _mm256_store_ps(out, f[r]);
-      std::copy(out, out + cols, out_rows[r] + col);
+      for (size_t c = 0; c < cols; ++c) out_rows[r][col + c * stride] = out[c];
     }
   }
 
@@ -669,28 +670,35 @@ void item(const Operands& ops, const QuantizedRowsView& x, size_t row0, size_t r
     std::copy(acc + r * acc_stride, acc + r * acc_stride + cols, out_rows[r] + col0);
 }
 
-// Isa::stream_group<rows> (rows <= Isa::kStreamRows).
+// Isa::stream_group<rows> (rows <= Isa::kStreamRows) on `cols` (<= kGroupCols) columns `stride`
+// apart from `col`.
 template <class Isa, size_t R = Isa::kStreamRows>
 void stream_rows(size_t rows, const Operands& ops, const QuantizedRowsView& x, size_t col,
-                 size_t cols, float* const* out_rows) {
+                 size_t cols, float* const* out_rows, size_t stride) {
   if constexpr (R > 1) {
     if (rows < R) {
-      stream_rows<Isa, R - 1>(rows, ops, x, col, cols, out_rows);
+      stream_rows<Isa, R - 1>(rows, ops, x, col, cols, out_rows, stride);
       return;
     }
   }
-  if constexpr (R > 0) Isa::template stream_group<R>(ops, x, col, cols, out_rows);
+  if constexpr (R > 0) Isa::template stream_group<R>(ops, x, col, cols, out_rows, stride);
 }
 
 // The mat-vec's item (at most 8 rows): one column group at a time, so that the weights stream
-// through eight rows at once, as far along K as the group goes, rather than through 64.
+// through eight rows at once, as far along K as the group goes, rather than through 64. A group
+// takes one column from each of kGroupCols equal segments of the item (long weight streams, as
+// the exact mat-vec's passes), the columns left over in groups of neighbours.
 template <class Isa, class Format>
 void mat_vec_item(const Operands& ops, const QuantizedRowsView& x, size_t row0, size_t rows,
                   size_t col0, size_t cols, float* const* out_rows) {
   if (rows <= Isa::kStreamRows) {
     const QuantizedRowsView from_row0 = x.from(row0);
-    for (size_t c = 0; c < cols; c += kGroupCols) {
-      stream_rows<Isa>(rows, ops, from_row0, col0 + c, std::min(kGroupCols, cols - c), out_rows);
+    const size_t seg = cols / kGroupCols;
+    for (size_t j = 0; j < seg; ++j) {
+      stream_rows<Isa>(rows, ops, from_row0, col0 + j, kGroupCols, out_rows, seg);
+    }
+    for (size_t c = seg * kGroupCols; c < cols; c += kGroupCols) {
+      stream_rows<Isa>(rows, ops, from_row0, col0 + c, std::min(kGroupCols, cols - c), out_rows, 1);
     }
     return;
   }
