@@ -368,11 +368,11 @@ struct Avx512Isa {
   }
 
   // Both halves reduced with the contract's tree: out[0] from the low half, out[1] the high.
+  // Reduced in registers: a reduction through a stack array let GCC keep the accumulators'
+  // stack copies up to date inside the hot loop (one 64-byte store per accumulator and step).
   ROUTEMM_CPU_AVX512 static void reduce_pair(__m512 v, float* out0, float* out1) {
-    alignas(64) float lanes[2 * kLanes];
-    _mm512_store_ps(lanes, v);
-    *out0 = simd::reduce_lanes(lanes);
-    *out1 = simd::reduce_lanes(lanes + kLanes);
+    *out0 = Avx2Isa::reduce(_mm512_castps512_ps256(v));
+    *out1 = Avx2Isa::reduce(_mm512_extractf32x8_ps(v, 1));
   }
 
   // Word indices of the bf16 fast path: output dword j of block b takes the weight from word
@@ -889,12 +889,10 @@ ROUTEMM_CPU_AVX512_BF16 void round_row_to_bf16(const float* x, size_t k, uint16_
   }
 }
 
+// half[l] = lanes[l] + lanes[l + 8], then the contract's lane tree, all in registers (see
+// Avx512Isa::reduce_pair for why not through a stack array).
 ROUTEMM_CPU_AVX512_BF16 float reduce_bf16_lanes(__m512 v) {
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, v);
-  float half[kLanes];
-  for (size_t l = 0; l < kLanes; ++l) half[l] = lanes[l] + lanes[l + kLanes];
-  return simd::reduce_lanes(half);
+  return Avx2Isa::reduce(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
 
 // R activation rows (bf16, padded, at x[r] ) x C weight columns (bf16, k each, col_stride
