@@ -247,12 +247,8 @@ struct Avx2Isa {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
 
-  // The contract's lane tree, ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)), operand for operand.
-  ROUTEMM_CPU_AVX2 static float reduce(__m256 v) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1))));
-  }
+  // The contract's lane tree, in registers.
+  ROUTEMM_CPU_AVX2 static float reduce(__m256 v) { return simd::reduce_lanes(v); }
 
   // C columns `stride` columns apart (column c at w + c * stride * k, its output at
   // out[c * stride]) over the full inner dimension.
@@ -368,11 +364,10 @@ struct Avx512Isa {
   }
 
   // Both halves reduced with the contract's tree: out[0] from the low half, out[1] the high.
-  // Reduced in registers: a reduction through a stack array let GCC keep the accumulators'
-  // stack copies up to date inside the hot loop (one 64-byte store per accumulator and step).
+  // In registers (simd::reduce_lanes(__m256) says why).
   ROUTEMM_CPU_AVX512 static void reduce_pair(__m512 v, float* out0, float* out1) {
-    *out0 = Avx2Isa::reduce(_mm512_castps512_ps256(v));
-    *out1 = Avx2Isa::reduce(_mm512_extractf32x8_ps(v, 1));
+    *out0 = simd::reduce_lanes(_mm512_castps512_ps256(v));
+    *out1 = simd::reduce_lanes(_mm512_extractf32x8_ps(v, 1));
   }
 
   // Word indices of the bf16 fast path: output dword j of block b takes the weight from word
@@ -889,10 +884,9 @@ ROUTEMM_CPU_AVX512_BF16 void round_row_to_bf16(const float* x, size_t k, uint16_
   }
 }
 
-// half[l] = lanes[l] + lanes[l + 8], then the contract's lane tree, all in registers (see
-// Avx512Isa::reduce_pair for why not through a stack array).
+// half[l] = lanes[l] + lanes[l + 8], then the contract's lane tree, all in registers.
 ROUTEMM_CPU_AVX512_BF16 float reduce_bf16_lanes(__m512 v) {
-  return Avx2Isa::reduce(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+  return simd::reduce_lanes(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
 
 // R activation rows (bf16, padded, at x[r] ) x C weight columns (bf16, k each, col_stride

@@ -237,11 +237,7 @@ struct Avx2Isa {
     }
   }
 
-  ROUTEMM_CPU_AVX2 static float reduce(__m256 v) {
-    alignas(32) float lanes[kLanes];
-    _mm256_store_ps(lanes, v);
-    return simd::reduce_lanes(lanes);
-  }
+  ROUTEMM_CPU_AVX2 static float reduce(__m256 v) { return simd::reduce_lanes(v); }
 
   template <size_t R, size_t C>
   ROUTEMM_CPU_AVX2 static void mv_columns(const Operands& ops, size_t col, float* const* out_rows,
@@ -334,11 +330,7 @@ struct Avx512Isa {
     }
   }
 
-  ROUTEMM_CPU_AVX512 static float reduce(__m256 v) {
-    alignas(32) float lanes[kLanes];
-    _mm256_store_ps(lanes, v);
-    return simd::reduce_lanes(lanes);
-  }
+  ROUTEMM_CPU_AVX512 static float reduce(__m256 v) { return simd::reduce_lanes(v); }
 
   template <size_t R, size_t C>
   ROUTEMM_CPU_AVX512 static void mv_columns(const Operands& ops, size_t col,

@@ -11,6 +11,11 @@
 
 #include "isa.h"
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(ROUTEMM_CPU_PORTABLE_ONLY)
+#include <immintrin.h>
+#endif
+
 // Forces inlining of small helpers into the hot loops.
 #if defined(__GNUC__) || defined(__clang__)
 #define ROUTEMM_CPU_INLINE inline __attribute__((always_inline))
@@ -130,5 +135,16 @@ ROUTEMM_CPU_INLINE float reduce_lanes(const float* a) {
   const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
   return (s0 + s2) + (s1 + s3);
 }
+
+#if ROUTEMM_CPU_HAVE_AVX2
+// The same reduction of eight lanes held in a register, operand for operand, without a round
+// trip through memory: when a kernel reduced its accumulators through a stack array, GCC kept
+// that array current inside the loop producing them (one store per accumulator and step).
+ROUTEMM_CPU_AVX2 inline float reduce_lanes(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+#endif
 
 }  // namespace routemm::cpu::simd
