@@ -558,24 +558,11 @@ struct Avx512Isa {
 
 // ---- Direct -------------------------------------------------------------------------------------
 
-// Output columns per direct work item: long enough for kDirectCols long weight streams (a
-// segment of 32 columns each), halved (down to kDirectCols * 8) while a launch would give a
-// thread fewer than four items, so a decode step (a handful of rows) still spreads over every
-// thread of a large pool.
-constexpr size_t kDirectChunkMax = 256;
-constexpr size_t kDirectChunkMin = kDirectCols * 8;
-
-size_t direct_chunk(size_t rows, size_t n, size_t threads) {
-  size_t chunk = kDirectChunkMax;
-  while (chunk > kDirectChunkMin && rows * ((n + chunk - 1) / chunk) < 4 * threads) chunk /= 2;
-  return chunk;
-}
-
 struct DirectJob {
   Operands ops;
   const uint32_t* ids;
   uint32_t n_experts;
-  size_t chunk;           // output columns per work item (direct_chunk)
+  size_t chunk;           // output columns per work item (kernels::direct_item_columns)
   size_t chunks_per_row;
 };
 
@@ -610,7 +597,7 @@ void run_direct_launch(const KernelLaunch& launch, void* queue_native,
   void* output = arg_data(launch, 4, checked_mul(checked_mul(rows, p.n), 4), "output");
 
   auto* pool = static_cast<ThreadPool*>(queue_native);
-  const size_t chunk = direct_chunk(rows, p.n, pool == nullptr ? 1 : pool->size());
+  const size_t chunk = direct_item_columns(rows, p.n, pool == nullptr ? 1 : pool->size());
   const DirectJob job{make_operands(p, weights, input, output), ids, p.n_experts, chunk,
                       (size_t{p.n} + chunk - 1) / chunk};
   const size_t items = rows * job.chunks_per_row;

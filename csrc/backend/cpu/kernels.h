@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -28,6 +29,17 @@ void add_calibration_kernels(std::vector<KernelDef>& out);
 inline uint64_t next_launch_number() {
   static std::atomic<uint64_t> counter{0};
   return counter.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
+// Output columns per work item of the direct expert-ID kernels (one routed row per item): 256, so
+// that each of a column pass's eight weight streams walks 32 columns back to back (see
+// kDirectCols in dense_matmul_id.cpp), halved down to 64 while a launch of `rows` rows x `n`
+// columns would give each of `threads` threads fewer than four items, so that a decode step
+// still spreads over a large pool.
+inline size_t direct_item_columns(size_t rows, size_t n, size_t threads) {
+  size_t cols = 256;
+  while (cols > 64 && rows * ((n + cols - 1) / cols) < 4 * threads) cols /= 2;
+  return cols;
 }
 
 }  // namespace routemm::cpu

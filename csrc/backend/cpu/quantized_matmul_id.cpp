@@ -33,7 +33,6 @@ namespace {
 
 using ggml::kMaxMvRows;
 using ggml::kMmOutputTile;
-using ggml::kMvChunk;
 using ggml::kQK;
 using ggml::Operands;
 using kernels::DenseMatmulIdKernelParams;
@@ -111,14 +110,16 @@ void direct_kernel(const KernelLaunch& launch, void* queue_native) {
   const size_t rows = size_t{p.m} * p.top_k;
   const auto* ids =
       static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(rows, 4), "expert ids"));
-  const size_t chunks = (size_t{p.n} + kMvChunk - 1) / kMvChunk;
+  auto* pool = static_cast<ThreadPool*>(queue_native);
+  const size_t chunk = direct_item_columns(rows, p.n, pool == nullptr ? 1 : pool->size());
+  const size_t chunks = (size_t{p.n} + chunk - 1) / chunk;
   const ggml::MvRange run = ggml::mv_range_for<Format>(1);
   // item = flat row * chunks + column chunk.
   const auto body = [&](size_t begin, size_t end) {
     for (size_t item = begin; item < end; ++item) {
       const size_t flat = item / chunks;
-      const size_t col0 = (item - flat * chunks) * kMvChunk;
-      const size_t col_end = std::min<size_t>(p.n, col0 + kMvChunk);
+      const size_t col0 = (item - flat * chunks) * chunk;
+      const size_t col_end = std::min<size_t>(p.n, col0 + chunk);
       float* out = job.output_row(flat);
       const uint32_t id = ids[flat];
       if (id >= p.n_experts) {  // invalid id: zero row, no weight address formed
@@ -128,7 +129,6 @@ void direct_kernel(const KernelLaunch& launch, void* queue_native) {
       run(job.expert(id, job.input_row(flat), 1, out), col0, col_end);
     }
   };
-  auto* pool = static_cast<ThreadPool*>(queue_native);
   if (pool == nullptr) {
     body(0, rows * chunks);
   } else {
