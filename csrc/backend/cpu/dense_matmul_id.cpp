@@ -420,8 +420,8 @@ struct Avx512Isa {
       const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i));
 #pragma GCC unroll 8
       for (size_t p = 0; p < P; ++p) {
-        acc[p] =
-            _mm512_fmadd_ps(load_pair8(w + 2 * p * wstep + i, w + (2 * p + 1) * wstep + i), xv, acc[p]);
+        acc[p] = _mm512_fmadd_ps(load_pair8(w + 2 * p * wstep + i, w + (2 * p + 1) * wstep + i), xv,
+                                 acc[p]);
       }
     }
     if (k_full < k) {  // zero-padded tail block (contract step 1)
@@ -562,7 +562,7 @@ struct DirectJob {
   Operands ops;
   const uint32_t* ids;
   uint32_t n_experts;
-  size_t chunk;           // output columns per work item (kernels::direct_item_columns)
+  size_t chunk;  // output columns per work item (kernels::direct_item_columns)
   size_t chunks_per_row;
 };
 

@@ -333,8 +333,8 @@ struct Avx512Isa {
   ROUTEMM_CPU_AVX512 static float reduce(__m256 v) { return simd::reduce_lanes(v); }
 
   template <size_t R, size_t C>
-  ROUTEMM_CPU_AVX512 static void mv_columns(const Operands& ops, size_t col,
-                                            float* const* out_rows, size_t stride = 1) {
+  ROUTEMM_CPU_AVX512 static void mv_columns(const Operands& ops, size_t col, float* const* out_rows,
+                                            size_t stride = 1) {
     __m256 acc[R][C];
 #pragma GCC unroll 8
     for (size_t r = 0; r < R; ++r)

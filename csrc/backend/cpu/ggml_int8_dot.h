@@ -510,8 +510,8 @@ struct Int8Vnni {
   // lanes summed per column (sum_lanes8), so nothing is rearranged through memory.
   template <size_t R>
   ROUTEMM_CPU_AVX512_VNNI static void stream_group(const Operands& ops, const QuantizedRowsView& x,
-                                                   size_t col, size_t cols,
-                                                   float* const* out_rows, size_t stride) {
+                                                   size_t col, size_t cols, float* const* out_rows,
+                                                   size_t stride) {
     const uint8_t* rows[kGroupCols];
     for (size_t c = 0; c < kGroupCols; ++c) {
       rows[c] = c < cols ? ops.weight_row(col + c * stride) : kZeroBlock;
