@@ -91,3 +91,12 @@ try:
     _hypothesis_settings.load_profile("ci")
 except ImportError:  # hypothesis is a test extra; the property tests skip without it
     pass
+
+
+def pytest_generate_tests(metafunc):
+    # `tdev`: the torch device of a torch-facing test (torch_devices.py). Parametrised here rather
+    # than by a fixture so that torch is imported only for the tests that ask for it.
+    if "tdev" in metafunc.fixturenames:
+        from torch_devices import torch_devices
+
+        metafunc.parametrize("tdev", torch_devices())

@@ -22,18 +22,6 @@ E, N, K = 8, 40, 64
 cpp_only = pytest.mark.skipif(rt.KERNELS != "cpp", reason=f"C++ kernels not loaded: {rt.KERNELS_REASON}")
 
 
-def _devices():
-    out = ["cpu"]
-    if "cuda" in routemm.available_backends() and torch.cuda.is_available():
-        out.append("cuda")
-    return out
-
-
-@pytest.fixture(params=_devices())
-def tdev(request):
-    return request.param
-
-
 def test_kernel_choice_is_stated():
     assert rt.KERNELS in ("cpp", "python") and rt.KERNELS_REASON
     # CI builds the C++ kernels and says so through the knob: their absence must fail loudly there.

@@ -11,20 +11,9 @@ torch = pytest.importorskip("torch")
 import routemm.torch  # noqa: E402,F401  (registers torch.ops.routemm.*)
 from routemm import q4_0  # noqa: E402
 from tolerances import accumulation_bound, q4_gpu_bound  # noqa: E402
+from torch_devices import have_torch_cuda  # noqa: E402
 
 E, N, K = 8, 40, 64
-
-
-def _devices():
-    out = ["cpu"]
-    if "cuda" in routemm.available_backends() and torch.cuda.is_available():
-        out.append("cuda")
-    return out
-
-
-@pytest.fixture(params=_devices())
-def tdev(request):
-    return request.param
 
 
 def _moe(tdev, m, top_k=2, seed=0, dtype=torch.bfloat16, repeat=False):
@@ -130,7 +119,7 @@ def test_registration_place():
     assert routemm.torch.op("missing") is None
 
 
-@pytest.mark.skipif("cuda" not in _devices(), reason="needs a CUDA device and routemm's CUDA backend")
+@pytest.mark.skipif(not have_torch_cuda(), reason="needs a CUDA device and routemm's CUDA backend")
 def test_cuda_no_sync_no_alloc_no_stream_and_graph_capture():
     w, x, ids = _moe("cuda", 1, top_k=8)
     side = torch.cuda.Stream()

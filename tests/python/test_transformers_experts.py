@@ -21,6 +21,7 @@ pytest.importorskip("transformers.integrations.moe")
 
 import routemm  # noqa: E402
 import routemm.integrations.transformers as routemm_transformers  # noqa: E402
+from torch_devices import torch_devices  # noqa: E402
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, batched_mm_experts_forward  # noqa: E402
 
 F32_TOL = 1e-5
@@ -74,14 +75,7 @@ def _registered():
     assert "routemm" in ALL_EXPERTS_FUNCTIONS
 
 
-def _torch_devices():
-    """CPU always; CUDA where both torch and routemm see a GPU (a missing one is a skip)."""
-    have_cuda = torch.cuda.is_available() and "cuda" in routemm.available_backends()
-    skip = pytest.mark.skip(reason="torch or routemm has no CUDA device here")
-    return ["cpu", pytest.param("cuda", marks=() if have_cuda else skip)]
-
-
-@pytest.mark.parametrize("torch_device", _torch_devices())
+@pytest.mark.parametrize("torch_device", torch_devices())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("tokens", [1, 24])
