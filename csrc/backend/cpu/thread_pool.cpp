@@ -3,11 +3,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 #include "routemm/env.h"
 
@@ -58,37 +53,9 @@ void ThreadPool::run_chunks() {
   }
 }
 
-namespace {
-
-// How long a worker keeps polling for the next job before it sleeps on the condition variable. A
-// decode step issues its kernels back to back, a few microseconds apart; a worker that went to
-// sleep between them costs a futex wake-up (tens of microseconds on a virtual machine) on every
-// kernel. Polling for this long costs at most that much processor time per job.
-constexpr auto kSpinMicros = std::chrono::microseconds(50);
-
-void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#endif
-}
-
-}  // namespace
-
-void ThreadPool::spin_for_work(uint64_t seen) const {
-  const auto until = std::chrono::steady_clock::now() + kSpinMicros;
-  for (;;) {
-    for (int i = 0; i < 64; ++i) {
-      if (posted_.load(std::memory_order_acquire) != seen) return;
-      cpu_relax();
-    }
-    if (std::chrono::steady_clock::now() >= until) return;
-  }
-}
-
 void ThreadPool::worker_loop() {
   uint64_t seen = 0;
   for (;;) {
-    spin_for_work(seen);
     {
       std::unique_lock lock(mutex_);
       wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
@@ -124,7 +91,6 @@ void ThreadPool::parallel_for(size_t n, size_t grain,
     next_ = 0;
     error_ = nullptr;
     ++generation_;
-    posted_.store(generation_, std::memory_order_release);
   }
   wake_.notify_all();
   run_chunks();

@@ -3,7 +3,6 @@
 // alive until the process ends (never destroyed at exit).
 #pragma once
 
-#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <exception>
@@ -31,16 +30,12 @@ class ThreadPool {
 
  private:
   void worker_loop();
-  // Returns once a generation other than `seen` is posted or about kSpinMicros have passed.
-  void spin_for_work(uint64_t seen) const;
   void run_chunks();
 
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable wake_, done_;
   uint64_t generation_ = 0;
-  // generation_'s value for the workers' spin before they sleep (written under mutex_ with it).
-  std::atomic<uint64_t> posted_{0};
   bool stop_ = false;
   // Current job.
   const std::function<void(size_t, size_t)>* body_ = nullptr;
