@@ -84,6 +84,24 @@ def guarded(device, payload: np.ndarray, dtype: DType, shape=(), guard: np.ndarr
     return Guarded(parent, view, full.copy(), guard.size)
 
 
+def run_ggml_guarded(device, registry, ggml_type, blocks, x, n, policy=None, weight_guard=GUARD, input_guard=GUARD):
+    """One quantized_matmul_ggml call on guarded views (the guards, bytes of padding before each view,
+    set the views' alignment); checks that the weights, the input and the output's guards are
+    unchanged. Returns (a copy of the [m, n] output, the receipt)."""
+    m, k = x.shape
+    weight = guarded(device, blocks, DType.U8, blocks.shape, guard=np.full(weight_guard, PAD_BYTE, np.uint8))
+    inp = guarded(device, x, DType.F32, x.shape, guard=np.full(input_guard, PAD_BYTE, np.uint8))
+    out = guarded_output(device, m, n)
+    encoder = device.command_encoder()
+    params = routemm.GgmlQuantizedMatmulParams(m, n, k, ggml_type)
+    receipt = routemm.quantized_matmul_ggml(encoder, registry, inp.view, weight.view, out.view, params, policy)
+    encoder.commit_and_wait()
+    weight.assert_unchanged("weight")
+    inp.assert_unchanged("input")
+    out.assert_guards_intact("output")
+    return out.view.numpy().reshape(m, n).copy(), receipt
+
+
 def poison_words(count: int) -> np.ndarray:
     return np.full(count, POISON_U32, np.uint32)
 

@@ -12,7 +12,7 @@ import routemm
 from routemm import DenseQ4DecisionSource as Decision
 from routemm import DenseQ4Route as Route
 from routemm import GgmlType, q8_0
-from support import PAD_BYTE, guarded, guarded_output, validate
+from support import run_ggml_guarded, validate
 from tolerances import accumulation_bound
 
 pytestmark = pytest.mark.needs_kernels(*routemm.Q8_MATMUL_PIPELINE_NAMES)
@@ -31,27 +31,8 @@ def _mat_vec_pipeline(device, policy=None):
 
 
 def _run(device, registry, blocks, x, n, weight_guard=16, input_guard=16, policy=None):
-    """Runs one product; the guards (bytes of padding before each view) set the views' alignment."""
-    m, k = x.shape
-    pad = np.full(weight_guard, PAD_BYTE, np.uint8)
-    weight = guarded(device, blocks, routemm.DType.U8, blocks.shape, guard=pad)
-    inp = guarded(device, x, routemm.DType.F32, x.shape, guard=np.full(input_guard, PAD_BYTE, np.uint8))
-    out = guarded_output(device, m, n)
-    encoder = device.command_encoder()
-    receipt = routemm.quantized_matmul_ggml(
-        encoder,
-        registry,
-        inp.view,
-        weight.view,
-        out.view,
-        routemm.GgmlQuantizedMatmulParams(m, n, k, GgmlType.Q8_0),
-        policy,
-    )
-    encoder.commit_and_wait()
-    weight.assert_unchanged("weight")
-    inp.assert_unchanged("input")
-    out.assert_guards_intact("output")
-    return out.view.numpy().reshape(m, n), receipt
+    """Runs one Q8_0 product; the guards (bytes of padding before each view) set the views' alignment."""
+    return run_ggml_guarded(device, registry, GgmlType.Q8_0, blocks, x, n, policy, weight_guard, input_guard)
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 33, 130])

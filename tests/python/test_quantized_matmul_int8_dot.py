@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import routemm
 from routemm import GgmlType, q4_0, q8_0
-from support import PAD_BYTE, guarded, guarded_output, validate
+from support import run_ggml_guarded, validate
 from tolerances import INT8_DOT_FROBENIUS, int8_dot_bound
 
 FORMATS = {GgmlType.Q4_0: q4_0, GgmlType.Q8_0: q8_0}
@@ -23,28 +23,6 @@ needs_int8_dot = pytest.mark.needs_kernels(*routemm.GGML_INT8_DOT_PIPELINE_NAMES
 def _pipeline(ggml_type: GgmlType, m: int) -> str:
     names = routemm.GGML_INT8_DOT_PIPELINE_NAMES
     return names[(2 if ggml_type is GgmlType.Q8_0 else 0) + (0 if m <= 8 else 1)]
-
-
-def _run(device, registry, ggml_type, blocks, x, n, policy):
-    m, k = x.shape
-    weight = guarded(device, blocks, routemm.DType.U8, blocks.shape, guard=np.full(16, PAD_BYTE, np.uint8))
-    inp = guarded(device, x, routemm.DType.F32, x.shape)
-    out = guarded_output(device, m, n)
-    encoder = device.command_encoder()
-    receipt = routemm.quantized_matmul_ggml(
-        encoder,
-        registry,
-        inp.view,
-        weight.view,
-        out.view,
-        routemm.GgmlQuantizedMatmulParams(m, n, k, ggml_type),
-        policy,
-    )
-    encoder.commit_and_wait()
-    weight.assert_unchanged("weight")
-    inp.assert_unchanged("input")
-    out.assert_guards_intact("output")
-    return out.view.numpy().reshape(m, n).copy(), receipt
 
 
 def _activations(rng, m, k):
@@ -71,7 +49,7 @@ def test_int8_dot_routes_within_their_bound(device, registry, ggml_type, m, n, k
     blocks = fmt.quantize(rng.standard_normal((n, k)).astype(np.float32))
     weights = fmt.dequantize(blocks).reshape(n, k).astype(np.float64)
     x = _activations(rng, m, k)
-    got, receipt = _run(device, registry, ggml_type, blocks, x, n, INT8)
+    got, receipt = run_ggml_guarded(device, registry, ggml_type, blocks, x, n, INT8)
 
     assert receipt.route == "int8_dot" and receipt.dense_route is None
     assert receipt.pipeline_label == _pipeline(ggml_type, m) + LABEL_SUFFIX
@@ -105,7 +83,7 @@ def test_int8_dot_rounds_activations_per_block(device, registry, ggml_type, m):
     q = rng.integers(-127, 128, (m, k))
     q.reshape(m, -1, 32)[:, :, 0] = 127  # every block's max |q| is 127
     x = (q * 2.0**-6).astype(np.float32)
-    got, _ = _run(device, registry, ggml_type, blocks, x, n, INT8)
+    got, _ = run_ggml_guarded(device, registry, ggml_type, blocks, x, n, INT8)
     ref = x.astype(np.float64) @ weights.T
     steps = k // 32 + 1
     np.testing.assert_array_less(
@@ -125,7 +103,7 @@ def test_int8_dot_non_finite_activation_poisons_its_row_only(device, registry, m
     x[0, 40] = np.inf
     if m > 1:
         x[m - 1, 3] = np.nan
-    got, _ = _run(device, registry, GgmlType.Q4_0, blocks, x, n, INT8)
+    got, _ = run_ggml_guarded(device, registry, GgmlType.Q4_0, blocks, x, n, INT8)
     assert np.all(np.isnan(got[0])) and np.all(np.isnan(got[m - 1]))
     assert np.all(np.isfinite(got[1 : m - 1]))
 
@@ -140,10 +118,10 @@ def test_int8_dot_is_opt_in(device, registry, monkeypatch):
     rng = np.random.default_rng(2)
     blocks = q8_0.quantize(rng.standard_normal((8, 64)).astype(np.float32))
     x = rng.standard_normal((1, 64)).astype(np.float32)
-    _, receipt = _run(device, registry, GgmlType.Q8_0, blocks, x, 8, None)
+    _, receipt = run_ggml_guarded(device, registry, GgmlType.Q8_0, blocks, x, 8, None)
     assert receipt.route == "mat_vec" and "int8dot" not in receipt.pipeline_label
     monkeypatch.setenv("ROUTEMM_DENSE_INT8_DOT", "on")
-    _, receipt = _run(device, registry, GgmlType.Q8_0, blocks, x, 8, None)
+    _, receipt = run_ggml_guarded(device, registry, GgmlType.Q8_0, blocks, x, 8, None)
     assert receipt.route == "int8_dot" and receipt.policy.dense_int8_dot
     assert "ROUTEMM_DENSE_INT8_DOT" in routemm.env.table_markdown()
 
@@ -154,7 +132,7 @@ def test_int8_dot_receipt_round_trips_and_matches_the_schema(device, registry):
     blocks = q4_0.quantize(rng.standard_normal((70, 64)).astype(np.float32))
     for m in (3, 12):
         x = rng.standard_normal((m, 64)).astype(np.float32)
-        _, receipt = _run(device, registry, GgmlType.Q4_0, blocks, x, 70, INT8)
+        _, receipt = run_ggml_guarded(device, registry, GgmlType.Q4_0, blocks, x, 70, INT8)
         assert type(receipt).from_json(receipt.to_json()) == receipt
         validate(receipt)
 
@@ -170,7 +148,7 @@ def test_backends_without_int8_dot_run_the_exact_routes(backend, device, registr
     blocks = q4_0.quantize(rng.standard_normal((16, 64)).astype(np.float32))
     for m in (1, 12):
         x = rng.standard_normal((m, 64)).astype(np.float32)
-        got, receipt = _run(device, registry, GgmlType.Q4_0, blocks, x, 16, INT8)
+        got, receipt = run_ggml_guarded(device, registry, GgmlType.Q4_0, blocks, x, 16, INT8)
         assert receipt.route != "int8_dot" and "int8dot" not in receipt.pipeline_label
         assert receipt.policy.dense_int8_dot
 
@@ -189,6 +167,6 @@ def test_int8_dot_q8_0_takes_every_byte(device, registry, m):
     blocks = raw.reshape(-1)
     weights = q8_0.dequantize(blocks).reshape(n, k).astype(np.float64)
     x = _activations(rng, m, k)
-    got, _ = _run(device, registry, GgmlType.Q8_0, blocks, x, n, INT8)
+    got, _ = run_ggml_guarded(device, registry, GgmlType.Q8_0, blocks, x, n, INT8)
     err = np.abs(got.astype(np.float64) - x.astype(np.float64) @ weights.T)
     assert np.all(err <= int8_dot_bound(weights, x))
