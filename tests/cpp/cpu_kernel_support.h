@@ -108,4 +108,26 @@ inline void expect_bit_equal(const std::vector<float>& a, const std::vector<floa
                             << b[first] << ")";
 }
 
+// Every runnable clone, portable first, each under its IsaLimitForTesting: run_grouped() must give
+// run_direct()'s bits, the first clone's direct result must pass check_reference, and every
+// later clone must give the first one's bits.
+template <class Direct, class Grouped, class Reference>
+void expect_clones_agree(const Direct& run_direct, const Grouped& run_grouped,
+                         const Reference& check_reference) {
+  std::vector<float> first;
+  for (cpu::CpuIsa isa : runnable_isas()) {
+    const cpu::CpuIsaLimitForTesting limit(isa);
+    ASSERT_EQ(cpu::cpu_isa(), isa);  // the limit took effect
+    SCOPED_TRACE(isa_name(isa));
+    const std::vector<float> direct = run_direct();
+    expect_bit_equal(run_grouped(), direct, "grouped vs direct");
+    if (first.empty()) {
+      first = direct;
+      check_reference(direct);
+    } else {
+      expect_bit_equal(direct, first, "clone vs portable");
+    }
+  }
+}
+
 }  // namespace routemm::test

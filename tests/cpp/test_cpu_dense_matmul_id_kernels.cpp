@@ -326,6 +326,7 @@ TEST(CpuDenseMatmulIdKernels, WideningIsExactForEveryHalfAndBfloatPattern) {
   }
 }
 
+using test::expect_clones_agree;
 using test::isa_name;
 using test::runnable_isas;
 
@@ -391,19 +392,9 @@ TEST(CpuDenseMatmulIdKernels, GroupedEveryRowCountPerExpertGivesTheSameBitsInEve
       d.ids = ids;
       SCOPED_TRACE(std::string(type_name(t)) + " n=" + std::to_string(n) +
                    " k=" + std::to_string(k));
-      std::vector<float> first;
-      for (Isa isa : runnable_isas()) {
-        const IsaLimitForTesting limit(isa);
-        SCOPED_TRACE(isa_name(isa));
-        const std::vector<float> direct = run_direct(d, t, pool);
-        expect_bit_equal(direct, run_grouped(d, t, pool), "grouped vs direct");
-        if (first.empty()) {
-          first = direct;
-          expect_matches_reference(pr, d, direct);
-        } else {
-          expect_bit_equal(direct, first, "clone vs portable");
-        }
-      }
+      expect_clones_agree(
+          [&] { return run_direct(d, t, pool); }, [&] { return run_grouped(d, t, pool); },
+          [&](const std::vector<float>& direct) { expect_matches_reference(pr, d, direct); });
     }
   }
 }

@@ -134,6 +134,7 @@ void expect_near_reference(const Data& d, Format f, const std::vector<float>& ou
   }
 }
 
+using test::expect_clones_agree;
 using test::isa_name;
 using test::runnable_isas;
 
@@ -154,21 +155,13 @@ TEST(CpuQuantizedMatmulIdKernels, GroupedEveryRowCountPerExpertGivesDirectsBitsI
       std::shuffle(d.ids.begin(), d.ids.end(), std::mt19937_64(seed));
       SCOPED_TRACE(std::string(format_name(f)) + " n=" + std::to_string(n) +
                    " k=" + std::to_string(k));
-      std::vector<float> first;
-      for (Isa isa : runnable_isas()) {
-        const IsaLimitForTesting limit(isa);
-        ASSERT_EQ(cpu::cpu_isa(), isa);
-        SCOPED_TRACE(isa_name(isa));
-        Scratch s;
-        const std::vector<float> direct = run_direct(d, f, pool);
-        expect_bit_equal(run_grouped(d, f, pool, s), direct, "grouped vs direct");
-        if (first.empty()) {
-          first = direct;
-          expect_near_reference(d, f, direct);
-        } else {
-          expect_bit_equal(direct, first, "clone vs portable");
-        }
-      }
+      expect_clones_agree(
+          [&] { return run_direct(d, f, pool); },
+          [&] {
+            Scratch s;
+            return run_grouped(d, f, pool, s);
+          },
+          [&](const std::vector<float>& direct) { expect_near_reference(d, f, direct); });
     }
   }
 }
