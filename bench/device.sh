@@ -569,8 +569,9 @@ cmd_host_cost() {
 # ---- batch --------------------------------------------------------------------------------------
 
 cmd_batch() {
-  local spec name knobs left n=0 final=$OUT
+  local spec name knobs left n=0 final=$OUT root
   [ $# -gt 0 ] || { echo "batch needs at least one command" >&2; return 2; }
+  root=$(mktemp -d /tmp/batch.XXXXXX)  # each command's folder, packed from here
   for spec in "$@"; do
     name=${spec%%:*}
     knobs=""
@@ -580,16 +581,16 @@ cmd_batch() {
       stamp "batch: $name not run, ${left} s left"
       continue
     fi
-    mkdir -p "/tmp/batch/$name"
+    mkdir -p "$root/$name"
     stamp "batch: $name${knobs:+ ($knobs)}, ${left} s left"
     (
       [ "$n" -gt 0 ] && export SKIP_BUILD=1
       for kv in $knobs; do export "${kv?}"; done
-      OUT=/tmp/batch/$name timeout -s INT -k 10 "$left" bash bench/device.sh "$name"
-    ) > "/tmp/batch/$name/console.txt" 2>&1
-    echo "exit: $?" >> "/tmp/batch/$name/console.txt"
-    tail -n "${BATCH_TAIL:-30}" "/tmp/batch/$name/console.txt"
-    tar -C /tmp/batch -czf "$final/$name.tar.gz" "$name"
+      OUT=$root/$name timeout -s INT -k 10 "$left" bash bench/device.sh "$name"
+    ) > "$root/$name/console.txt" 2>&1
+    echo "exit: $?" >> "$root/$name/console.txt"
+    tail -n "${BATCH_TAIL:-30}" "$root/$name/console.txt"
+    tar -C "$root" -czf "$final/$name.tar.gz" "$name"
     n=$((n + 1))
   done
   stamp done
