@@ -73,6 +73,15 @@ usage: bash bench/device.sh COMMAND [ARGS]
                    Knobs: SKIP_TESTS=1, MS (default 1,8,32,512,4096), QID_ARGS (more tool flags),
                    PEER=0 (no peer), LLAMA_SRC, PEER_BUILD. The peer's first build takes minutes: on
                    a cold machine run `BUILD_ONLY=1 bash bench/device.sh peer` in a call of its own.
+  direct-path      the expert-ID direct kernel's two data paths (ROUTEMM_CUDA_DIRECT_PATH): build;
+                   tests/python/test_cuda_direct_data_path.py and the numerics tests on cuda;
+                   compute-sanitizer memcheck and racecheck of the direct numerics tests; then
+                   bench/bench_cuda_dense_matmul_id.py route direct at SHAPES (default
+                   qwen3-30b-a3b,deepseek-v3) x DTYPES (bf16,f32) x MS (1,8), loads and bulk
+                   alternated ROUNDS times (default 2), each beside bench/tools/qid_timing.py (Q4_0
+                   and Q8_0 Qwen3-30B-A3B, m = 1 and 8) -> pytest.log sanitizer.log
+                   direct-<path>-<round>.json/.md qid-<path>-<round>/, packed as direct_path.tar.gz. Knobs: SKIP_TESTS=1,
+                   SKIP_SANITIZER=1.
   lab mma-rows     bench/lab/q4_matvec_mma_rows_lab.cu and bench/lab/read_floor_lab.cu with Nsight
                    Compute kernel durations (LAB_NCU_SHAPES, default "0 1 2 3 4").
   batch CMD...      several commands in one call, in the order given: the first builds (unless
@@ -566,6 +575,55 @@ cmd_host_cost() {
   stamp done
 }
 
+# ---- direct-path ----------------------------------------------------------------------------------
+
+cmd_direct_path() {
+  export GIT_REV=${GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  local work
+  work=$(mktemp -d /tmp/direct.XXXXXX)
+  build_or_fail
+  if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    stamp pytest
+    ROUTEMM_TEST_BACKENDS=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider \
+      tests/python/test_cuda_direct_data_path.py tests/python/test_dense_matmul_id_numerics.py \
+      tests/python/test_quantized_matmul_id.py > "$work/pytest.log" 2>&1
+    echo "pytest exit: $?" >> "$work/pytest.log"
+    tail -6 "$work/pytest.log"
+  fi
+  if [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer >/dev/null; then
+    local tool
+    for tool in memcheck racecheck; do
+      stamp "compute-sanitizer $tool"
+      ROUTEMM_TEST_BACKENDS=cuda timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+        python3 -m pytest -q -p no:cacheprovider -x tests/python/test_dense_matmul_id_numerics.py \
+        tests/python/test_quantized_matmul_id.py \
+        -k "long_k or invalid_ids or small_tails or padded_strides or edge_value or shared_experts or direct" \
+        >> "$work/sanitizer.log" 2>&1
+      echo "$tool exit: $?" >> "$work/sanitizer.log"
+    done
+    grep -E "passed|failed|ERROR SUMMARY|RACECHECK SUMMARY|exit:" "$work/sanitizer.log" | tail -8
+  fi
+  local round path
+  for round in $(seq 1 "${ROUNDS:-2}"); do
+    for path in loads bulk; do
+      stamp "bench $path round $round"
+      ROUTEMM_CUDA_DIRECT_PATH=$path timeout 120 python3 bench/bench_cuda_dense_matmul_id.py \
+        "$work/direct-$path-$round.json" --shapes "${SHAPES:-qwen3-30b-a3b,deepseek-v3}" \
+        --dtypes "${DTYPES:-bf16,f32}" --ms "${MS:-1,8}" --routes direct --peers none \
+        > "$work/bench-$path-$round.log" 2>&1
+      echo "exit: $?" >> "$work/bench-$path-$round.log"
+      grep -E "\| routemm \|" "$work/direct-$path-$round.md" | cut -d'|' -f3-8 | head -12
+      mkdir -p "$work/qid-$path-$round"
+      ROUTEMM_CUDA_DIRECT_PATH=$path timeout 90 python3 bench/tools/qid_timing.py \
+        --out "$work/qid-$path-$round" --shapes qwen3-30b-a3b --ms 1,8 --modes matmul --budget-s 40 \
+        > "$work/qid-$path-$round/qid.jsonl" 2>&1
+      grep -E "direct \| routemm" "$work/qid-$path-$round"/quantized_matmul_id-*.md | cut -d'|' -f3-8
+    done
+  done
+  tar -C "$work" -czf "$OUT/direct_path.tar.gz" .
+  stamp done
+}
+
 # ---- batch --------------------------------------------------------------------------------------
 
 cmd_batch() {
@@ -603,7 +661,7 @@ command=${1:-help}
 case "$command" in
   help | -h | --help) usage; exit 0 ;;
   suite | session | quick | demo | q4-matvec | tensor | profile | peer | qid | engine | host-cost | lab \
-    | batch) ;;
+    | direct-path | batch) ;;
   *) echo "unknown command '$command'" >&2; usage >&2; exit 2 ;;
 esac
 source bench/device_common.sh

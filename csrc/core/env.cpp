@@ -17,6 +17,11 @@ constexpr Knob kKnobs[] = {
      "highest instruction set the CPU kernels may use: avx512, avx2 or portable (unset: the best "
      "the CPU has); exact routes give the same bits under every value, and reduced-precision "
      "routes whose instructions are excluded are not registered"},
+    {"ROUTEMM_CUDA_DIRECT_PATH", "str", "",
+     "data path of the CUDA expert-ID direct kernel for vector-aligned operands: bulk (the copy "
+     "engine stages weights and activations in shared memory; sm_90a devices only) or loads "
+     "(per-lane loads from global memory); unset: bulk where the device runs the sm_90a image. "
+     "Both give the same bits"},
     {"ROUTEMM_ENCODER_AUTO_BARRIER", "bool", "0",
      "1: command encoders start with the automatic-barrier tracker on (a barrier before each "
      "dispatch_tracked whose ranges conflict with those since the last barrier)"},
@@ -62,6 +67,17 @@ std::optional<std::string> cpu_isa() {
   return value;
 }
 
+std::optional<std::string> cuda_direct_path() {
+  static const std::optional<std::string> value = [] {
+    const auto text = read("ROUTEMM_CUDA_DIRECT_PATH");
+    if (text && *text != "bulk" && *text != "loads") {
+      throw InvalidArgument("ROUTEMM_CUDA_DIRECT_PATH must be bulk or loads, got '" + *text + "'");
+    }
+    return text;
+  }();
+  return value;
+}
+
 bool encoder_auto_barrier() {
   static const bool value = [] {
     const auto text = read("ROUTEMM_ENCODER_AUTO_BARRIER");
@@ -82,6 +98,7 @@ std::map<std::string, std::string> non_default() {
   if (const auto value = backend()) out["ROUTEMM_BACKEND"] = *value;
   if (cpu_threads() != 0) out["ROUTEMM_CPU_THREADS"] = std::to_string(cpu_threads());
   if (const auto value = cpu_isa()) out["ROUTEMM_CPU_ISA"] = *value;
+  if (const auto value = cuda_direct_path()) out["ROUTEMM_CUDA_DIRECT_PATH"] = *value;
   if (encoder_auto_barrier()) out.emplace("ROUTEMM_ENCODER_AUTO_BARRIER", std::string(1, '1'));
   return out;
 }

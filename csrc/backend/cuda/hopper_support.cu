@@ -5,6 +5,7 @@
 #include <string>
 
 #include "hopper_support.h"
+#include "routemm/env.h"
 #include "routemm/error.h"
 #include "smem_opt_in.h"
 
@@ -86,6 +87,13 @@ bool hopper_kernels_available(int device) {
   (void)device;
   return false;
 #endif
+}
+
+bool expert_direct_bulk_path() {
+  const auto path = env::cuda_direct_path();
+  if (path && *path == "loads") return false;
+  int device = 0;
+  return cudaGetDevice(&device) == cudaSuccess && hopper_kernels_available(device);
 }
 
 namespace {

@@ -32,10 +32,13 @@
 #include "backend/common/launch_args.h"
 #include "ggml_blocks.cuh"
 #include "grouped_tensor_kernel.cuh"
+#include "hopper_support.h"
 #include "kernels.h"
 #include "routemm/error.h"
 #include "routemm/ops/quantized_matmul_id.h"
 #include "smem_opt_in.h"
+#include "warp_mma.cuh"
+#include "wgmma.cuh"
 
 #ifndef ROUTEMM_CUDA_QUANTIZED_MATMUL_ID_SHA256
 #define ROUTEMM_CUDA_QUANTIZED_MATMUL_ID_SHA256 "unknown"
@@ -147,6 +150,103 @@ __global__ void __launch_bounds__(kThreads)
   if (lane == 0 && col < p.n) out[col] = sum;
 }
 
+// The direct kernel with its operands moved by the copy engine (sm_90a): the tile's weight rows and
+// the input row travel in stages of kBulkStageBlocks blocks, one 1-D bulk copy per row and one for
+// the activations, into a ring that fills as soon as the block starts, so no lane waits on a global
+// load inside the lane contract. Each lane runs ggml::lane_dot over the stages in block order, the
+// same FMAs in the same order as direct_kernel: the same bits.
+constexpr uint32_t kBulkStageBlocks = 32;  // blocks of each row (and of the input) per stage
+
+template <class F>
+struct BulkDirectLayout {
+  // Stage rows 16 bytes longer than their blocks, so the rows of one warp fall on different banks.
+  static constexpr uint32_t kRowPitch = kBulkStageBlocks * F::kBytes + 16;
+  static constexpr uint32_t kXOffset = kColumns * kRowPitch;  // the activations' stage row
+  static constexpr uint32_t kStageBytes = kXOffset + kBulkStageBlocks * 32 * 4;
+  static constexpr uint32_t kRing = 2;
+  static constexpr uint32_t kBarrierBytes = 128;
+  // Q4_0: 26.6 KiB (8 blocks per multiprocessor); Q8_0: 42.6 KiB (5). Both under the 48 KiB that
+  // needs no opt-in.
+  static constexpr uint32_t kSmem = kBarrierBytes + kRing * kStageBytes;
+  static_assert(kRowPitch % 16 == 0 && kStageBytes % 16 == 0 && kSmem <= 48 * 1024);
+};
+
+// Preconditions (bulk_direct_eligible): every weight row and the input rows 16-byte aligned, K a
+// multiple of 256 (so a stage's bytes per row are a multiple of 16), the sm_90a image running.
+template <class F>
+__global__ void __launch_bounds__(kThreads)
+    direct_bulk_kernel(const DenseMatmulIdKernelParams p, const uint8_t* __restrict__ weights,
+                       const unsigned char* __restrict__ input, const uint32_t* __restrict__ ids,
+                       float* __restrict__ output) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = BulkDirectLayout<F>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t flat = blockIdx.y;
+  const uint32_t lane = threadIdx.x & 7u;
+  const uint32_t column = threadIdx.x / 8;
+  const uint32_t col0 = blockIdx.x * kColumns;
+  const uint32_t col = col0 + column;
+  const uint32_t id = ids[flat];
+  float* out = output + uint64_t{flat} * p.n;
+  if (id >= p.n_experts) {  // invalid id: a zero row, no weight address formed
+    if (lane == 0 && col < p.n) out[col] = 0.0f;
+    return;  // uniform over the block: no barrier or shuffle follows
+  }
+  const uint64_t row_bytes = uint64_t{p.k} / 32 * F::kBytes;
+  const uint32_t rows = min(kColumns, p.n - col0);
+  const uint8_t* first_row = weights + uint64_t{id} * p.expert_stride_bytes + col0 * row_bytes;
+  const auto* xrow = reinterpret_cast<const uint8_t*>(input_row(p, input, flat));
+  const uint32_t bar0 = smem_addr(smem);
+  uint8_t* const ring = smem + L::kBarrierBytes;
+  if (threadIdx.x == 0) {
+    for (uint32_t s = 0; s < L::kRing; ++s) sm90::mbar_init(bar0 + 8 * s, 1);
+    sm90::fence_mbar_init();
+  }
+  __syncthreads();
+
+  const uint32_t blocks = p.k / 32;
+  const uint32_t stages = (blocks + kBulkStageBlocks - 1) / kBulkStageBlocks;
+  // Warp 0 fills stage s: thread 0 arms the barrier with the stage's bytes, threads 0..rows-1 copy
+  // their row's blocks, thread kColumns the input's values.
+  const auto issue = [&](uint32_t s) {
+    const uint32_t slot = s % L::kRing, b0 = s * kBulkStageBlocks;
+    const uint32_t nb = min(kBulkStageBlocks, blocks - b0);
+    uint8_t* const stage = ring + slot * L::kStageBytes;
+    const uint32_t bar = bar0 + 8 * slot;
+    if (threadIdx.x == 0) sm90::mbar_arrive_expect_tx(bar, nb * (rows * F::kBytes + 128));
+    __syncwarp();
+    if (threadIdx.x < rows) {
+      sm90::bulk_load(smem_addr(stage + threadIdx.x * L::kRowPitch),
+                      first_row + threadIdx.x * row_bytes + uint64_t{b0} * F::kBytes,
+                      nb * F::kBytes, bar);
+    } else if (threadIdx.x == kColumns) {
+      sm90::bulk_load(smem_addr(stage + L::kXOffset), xrow + uint64_t{b0} * 128, nb * 128, bar);
+    }
+  };
+  if (threadIdx.x < 32) {
+    for (uint32_t s = 0; s < min(L::kRing, stages); ++s) issue(s);
+  }
+  float acc[1] = {0.0f};
+  for (uint32_t s = 0; s < stages; ++s) {
+    const uint32_t slot = s % L::kRing;
+    sm90::mbar_wait(bar0 + 8 * slot, (s / L::kRing) & 1);
+    const uint8_t* const stage = ring + slot * L::kStageBytes;
+    if (column < rows) {
+      const float* const xs[1] = {reinterpret_cast<const float*>(stage + L::kXOffset)};
+      const uint32_t nb = min(kBulkStageBlocks, blocks - s * kBulkStageBlocks);
+      ggml::lane_dot<F, 1>(stage + column * L::kRowPitch, nb * 32, xs, lane, acc);
+    }
+    __syncthreads();  // every read of this slot is done before the copy engine refills it
+    if (threadIdx.x < 32 && s + L::kRing < stages) issue(s + L::kRing);
+  }
+  // Columns past n took no part in the dot (acc 0) but join the shuffles, and store nothing.
+  const float sum = ggml::sum8(acc[0]);
+  if (lane == 0 && col < p.n) out[col] = sum;
+#else
+  __trap();  // launched only where the sm_90a image exists (hopper_kernels_available)
+#endif
+}
+
 template <class F>
 __global__ void __launch_bounds__(kThreads)
     grouped_kernel(const DenseMatmulIdKernelParams p, const uint8_t* __restrict__ weights,
@@ -245,8 +345,18 @@ void launch_direct(const KernelLaunch& launch, void* stream) {
       static_cast<const uint32_t*>(kernels::launch_arg(launch, 3, "expert ids", rows * 4).data);
   auto* out = static_cast<float*>(kernels::launch_arg(launch, 4, "output", rows * p.n * 4).data);
   const dim3 grid(static_cast<unsigned>(launch.grid.x), static_cast<unsigned>(rows), 1);
-  direct_kernel<F><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      p, w, x, ids, out, rows_aligned16<F>(p, w));
+  const bool aligned = rows_aligned16<F>(p, w);
+  if (aligned && p.k % 256 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+      p.input_token_stride_bytes % 16 == 0 && p.input_slot_stride_bytes % 16 == 0 &&
+      expert_direct_bulk_path()) {
+    direct_bulk_kernel<F>
+        <<<grid, kThreads, BulkDirectLayout<F>::kSmem, static_cast<cudaStream_t>(stream)>>>(
+            p, w, x, ids, out);
+    check(launch, cudaGetLastError());
+    return;
+  }
+  direct_kernel<F>
+      <<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, w, x, ids, out, aligned);
   check(launch, cudaGetLastError());
 }
 
