@@ -5,6 +5,10 @@ mkdir -p "$OUT"
 device_start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - device_start )); }
 stamp() { echo "[$(elapsed) s] $*"; }
+# The card, as result files name it: h100, h200 or gpu (another card, or no nvidia-smi).
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE "h100|h200" |
+  head -1 | tr '[:upper:]' '[:lower:]')
+export CARD=${CARD:-gpu}
 
 # build_sm90a [LOG]: pip-installs the working tree with the CUDA backend for sm_90a, ptxas -v on, the
 # whole log in LOG (default $OUT/build.log); returns pip's status.

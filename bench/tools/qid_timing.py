@@ -29,7 +29,8 @@ tool exits 1.
 
 Output: one JSON line per record on stdout (progress on stderr), DIR/quantized_matmul_id-TAG.json
 and DIR/moe_block-TAG.json in the results format of DESIGN.md with a Markdown table beside each
-(TAG: h200, or cpu-smoke). Imports neither torch nor CUDA until it runs.
+(TAG: $CARD as bench/device_common.sh sets it, else gpu; cpu-smoke). Imports neither torch nor
+CUDA until it runs.
 """
 
 from __future__ import annotations
@@ -485,7 +486,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     run = Run(args)
-    tag = "cpu-smoke" if args.smoke else "h200"
+    tag = "cpu-smoke" if args.smoke else os.environ.get("CARD", "gpu")
     command = os.environ.get("BENCH_COMMAND", " ".join(["python3", "bench/tools/qid_timing.py", *sys.argv[1:]]))
     modes = set(args.modes.split(","))
     if "matmul" in modes:

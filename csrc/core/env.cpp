@@ -18,10 +18,10 @@ constexpr Knob kKnobs[] = {
      "the CPU has); exact routes give the same bits under every value, and reduced-precision "
      "routes whose instructions are excluded are not registered"},
     {"ROUTEMM_CUDA_DIRECT_PATH", "str", "",
-     "data path of the CUDA expert-ID direct kernel for vector-aligned operands: bulk (the copy "
-     "engine stages weights and activations in shared memory; sm_90a devices only) or loads "
-     "(per-lane loads from global memory); unset: bulk where the device runs the sm_90a image. "
-     "Both give the same bits"},
+     "data path of the CUDA quantised expert-ID direct kernel (Q4_0/Q8_0 stacks, K a multiple of "
+     "256, 16-byte aligned rows): bulk (the copy engine stages weights and activations in shared "
+     "memory; sm_90a devices only) or loads (the block's threads copy the weights through shared "
+     "memory); unset: bulk where the device runs the sm_90a image. Both give the same bits"},
     {"ROUTEMM_ENCODER_AUTO_BARRIER", "bool", "0",
      "1: command encoders start with the automatic-barrier tracker on (a barrier before each "
      "dispatch_tracked whose ranges conflict with those since the last barrier)"},

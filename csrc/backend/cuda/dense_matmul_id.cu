@@ -49,8 +49,6 @@
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
 #include "smem_opt_in.h"
-#include "warp_mma.cuh"
-#include "wgmma.cuh"
 
 #ifndef ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256
 #define ROUTEMM_CUDA_DENSE_MATMUL_ID_SHA256 "unknown"
@@ -458,145 +456,6 @@ __global__ void __launch_bounds__(kDirectThreads, gather_min_blocks<T>())
   }
 }
 
-// ---- direct, bulk-copy data path (sm_90a) -------------------------------------------------------
-
-// The per-row direct kernel with its weights moved by the copy engine instead of by the lanes: the
-// block's 8 weight columns and its activation row travel in stages of kBulkStagePositions inner
-// positions, one 1-D bulk copy per column and one for the activations, into a ring of
-// BulkDirectLayout<T>::kRing stages that fills as soon as the block starts. A lane's loads never
-// wait on DRAM (the register-load kernel keeps kDirectUnroll chunks per lane in flight, and the
-// gap between one batch's arrival and the next batch's issue leaves the memory system idle), and the
-// bytes in flight per multiprocessor are bounded by shared memory instead of registers. The
-// arithmetic is dot_row's, chunk for chunk and position for position, so the bits are the same.
-constexpr uint32_t kBulkStagePositions = 512;  // inner positions per column per stage (8 slices)
-
-template <typename T>
-struct BulkDirectLayout {
-  static constexpr uint32_t kElem = sizeof(typename Chunk<T>::elem);
-  // Stages in flight per block: 3 for 2-byte weights (30 KiB a block, 7 resident per
-  // multiprocessor, one wave for a Qwen3-30B-A3B token's 768 blocks), 2 for F32 (36 KiB, 6).
-  static constexpr uint32_t kRing = kElem == 4 ? 2 : 3;
-  static constexpr uint32_t kColBytes = kBulkStagePositions * kElem;  // one column's stage row
-  static constexpr uint32_t kXOffset = kDirectCols * kColBytes;       // the activations' stage row
-  static constexpr uint32_t kStageBytes = kXOffset + kBulkStagePositions * 4;
-  static constexpr uint32_t kBarrierBytes = 128;  // kRing mbarriers, padded to keep stages aligned
-  static constexpr uint32_t kSmem = kBarrierBytes + kRing * kStageBytes;
-  static_assert(kRing * 8 <= kBarrierBytes && kStageBytes % 128 == 0);
-};
-
-// Chunk c of a stage row (16-byte aligned shared memory).
-template <typename T>
-__device__ __forceinline__ Chunk<T> stage_chunk(const uint8_t* row, uint32_t c) {
-  Chunk<T> ch;
-  if constexpr (sizeof(typename Chunk<T>::elem) == 4) {
-    const auto* q = reinterpret_cast<const float4*>(row) + 2 * c;
-    ch.a = q[0];
-    ch.b = q[1];
-  } else {
-    ch.q = reinterpret_cast<const uint4*>(row)[c];
-  }
-  return ch;
-}
-
-// Same grid, block order and outputs as direct_kernel<T, true> (its preconditions: vector_ok);
-// launched only where the sm_90a image runs (hopper_kernels_available) with
-// BulkDirectLayout<T>::kSmem bytes of dynamic shared memory. Every exit before the stage loop is
-// block-uniform, and the loop runs in every warp (warps past n compute nothing), so the barriers
-// see the whole block.
-template <typename T>
-__global__ void __launch_bounds__(kDirectThreads)
-    direct_bulk_kernel(const DenseMatmulIdKernelParams p, const char* __restrict__ w,
-                       const char* __restrict__ x, const uint32_t* __restrict__ ids,
-                       float* __restrict__ out, uint32_t tiles_x, uint64_t rows, bool tile_major) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using L = BulkDirectLayout<T>;
-  extern __shared__ __align__(128) uint8_t smem[];
-  const uint64_t block = blockIdx.x;
-  const uint64_t tile64 = tile_major ? block / rows : block % tiles_x;
-  const uint64_t flat64 = tile_major ? block % rows : block / tiles_x;
-  if (tile64 >= tiles_x || flat64 >= rows) return;
-  const uint32_t tile = static_cast<uint32_t>(tile64);
-  const uint32_t flat = static_cast<uint32_t>(flat64);
-  const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint32_t part = lane & 7;
-  const uint32_t local = warp * 4 + (lane >> 3);  // this lane group's column within the tile
-  const uint32_t first_col = tile * kDirectCols;
-  const uint32_t col = first_col + local;
-  const uint32_t id = __ldg(ids + flat);
-  if (id >= p.n_experts) {  // an invalid id: a zero row, no weight address formed
-    if (part == 0 && col < p.n) out[uint64_t{flat} * p.n + col] = 0.f;
-    return;
-  }
-  const uint32_t cols = min(kDirectCols, p.n - first_col);  // columns of this tile inside n
-  const char* const wtile =
-      w + uint64_t{id} * p.expert_stride_bytes + uint64_t{first_col} * p.k * L::kElem;
-  const char* const xrow = reinterpret_cast<const char*>(input_row(p, x, flat));
-  const uint32_t bar0 = smem_addr(smem);
-  uint8_t* const ring = smem + L::kBarrierBytes;
-  if (threadIdx.x == 0) {
-    for (uint32_t s = 0; s < L::kRing; ++s) sm90::mbar_init(bar0 + 8 * s, 1);
-    sm90::fence_mbar_init();
-  }
-  __syncthreads();
-
-  const uint32_t stages = (p.k + kBulkStagePositions - 1) / kBulkStagePositions;
-  // Warp 0 fills stage s: lane 0 arms the barrier with the stage's bytes, lanes 0..cols-1 copy
-  // their column's run of positions, lane kDirectCols the activations'.
-  const auto issue = [&](uint32_t s) {
-    const uint32_t slot = s % L::kRing, first = s * kBulkStagePositions;
-    const uint32_t len = min(kBulkStagePositions, p.k - first);  // a multiple of 8 (vector_ok)
-    uint8_t* const stage = ring + slot * L::kStageBytes;
-    const uint32_t bar = bar0 + 8 * slot;
-    if (lane == 0) sm90::mbar_arrive_expect_tx(bar, len * (cols * L::kElem + 4));
-    __syncwarp();
-    if (lane < cols) {
-      sm90::bulk_load(smem_addr(stage + lane * L::kColBytes),
-                      wtile + (uint64_t{lane} * p.k + first) * L::kElem, len * L::kElem, bar);
-    } else if (lane == kDirectCols) {
-      sm90::bulk_load(smem_addr(stage + L::kXOffset), xrow + uint64_t{first} * 4, len * 4, bar);
-    }
-  };
-  if (warp == 0) {
-    for (uint32_t s = 0; s < min(L::kRing, stages); ++s) issue(s);
-  }
-
-  const uint32_t slices = (p.k + kSlice - 1) / kSlice;
-  const bool active = col < p.n;
-  float s_acc = 0.f;
-  for (uint32_t s = 0; s < stages; ++s) {
-    const uint32_t slot = s % L::kRing;
-    sm90::mbar_wait(bar0 + 8 * slot, (s / L::kRing) & 1);
-    const uint8_t* const stage = ring + slot * L::kStageBytes;
-    if (active) {
-      constexpr uint32_t kStageSlices = kBulkStagePositions / kSlice;
-#pragma unroll
-      for (uint32_t u = 0; u < kStageSlices; ++u) {
-        const uint32_t c = u * 8 + part;  // chunk within the stage
-        if (s * kStageSlices + u < slices) {
-          Chunk<T> wc;
-          Chunk<float> xc;
-          if (s * kBulkStagePositions + c * 8 < p.k) {
-            wc = stage_chunk<T>(stage + local * L::kColBytes, c);
-            xc = stage_chunk<float>(stage + L::kXOffset, c);
-          } else {
-            wc.zero();
-            xc.zero();
-          }
-#pragma unroll
-          for (int j = 0; j < 8; ++j) s_acc = fmaf(wc.get(j), xc.get(j), s_acc);
-        }
-      }
-    }
-    __syncthreads();  // every read of this slot is done before the copy engine refills it
-    if (warp == 0 && s + L::kRing < stages) issue(s + L::kRing);
-  }
-  s_acc = reduce8(s_acc);
-  if (part == 0 && active) out[uint64_t{flat} * p.n + col] = s_acc;
-#else
-  __trap();  // launched only where the sm_90a image exists (hopper_kernels_available)
-#endif
-}
-
 // ---- map_distinct --------------------------------------------------------------------------------
 
 // The map routes every flat row with a valid id, repeated ids included, into one list ordered by
@@ -1001,13 +860,6 @@ void launch_direct(const KernelLaunch& launch, void* stream_ptr) {
     return;
   }
   const bool tile_major = p.m > 1;
-  if (vec && expert_direct_bulk_path()) {
-    constexpr uint32_t smem = BulkDirectLayout<T>::kSmem;
-    static_assert(smem <= 48 * 1024, "no opt-in: the ring fits the default dynamic limit");
-    direct_bulk_kernel<T>
-        <<<grid, kDirectThreads, smem, stream>>>(p, w, x, ids, out, tx, rows, tile_major);
-    return;
-  }
   if (vec) {
     direct_kernel<T, true>
         <<<grid, kDirectThreads, 0, stream>>>(p, w, x, ids, out, tx, rows, tile_major);

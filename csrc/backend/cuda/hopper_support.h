@@ -23,9 +23,9 @@ uint32_t multiprocessors(const std::string& label);
 // image runs) and the driver can encode TMA descriptors. Answered once per device.
 bool hopper_kernels_available(int device);
 
-// Whether the expert-ID direct kernels (dense and quantised) take their bulk-copy data path for
-// operands that allow it: the current device runs the sm_90a image and ROUTEMM_CUDA_DIRECT_PATH does
-// not ask for the per-lane loads. Both paths give the same bits.
+// Whether the quantised expert-ID direct kernel takes its bulk-copy data path for operands that
+// allow it: the current device runs the sm_90a image and ROUTEMM_CUDA_DIRECT_PATH does not ask for
+// the load path. Both paths give the same bits.
 bool expert_direct_bulk_path();
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda), or

@@ -20,6 +20,11 @@
 //   shared memory. Each lane's FMAs keep their order (blocks ascending), so staging changes no bit.
 //   Before staging every lane fetched its own 2 bytes per block value pair from global memory: the
 //   loads, not the bytes, bounded the kernel (Qwen3-30B-A3B Q4_0 m = 1: 18.6 us for 7 MB).
+//   On sm_90a, where K is a multiple of 256 and the rows are 16-byte aligned, direct_bulk_kernel
+//   moves the stages with bulk copies instead, input values included, two stages in flight from
+//   the block's start (ROUTEMM_CUDA_DIRECT_PATH=loads keeps the copy loop). Measured on an H100
+//   in one run, Qwen3-30B-A3B m = 1 / 8: Q4_0 18.5 / 68.5 -> 7.7 / 36.8 us, Q8_0 16.9 / 79.6 ->
+//   9.7 / 44.7 us (bench/lab/records/logs/h100-checks-2026-12-05c.md).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 

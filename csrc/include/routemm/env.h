@@ -24,8 +24,8 @@ int64_t cpu_threads();
 // "avx512"; unset: the best the CPU supports). Any other value throws InvalidArgument.
 std::optional<std::string> cpu_isa();
 
-// ROUTEMM_CUDA_DIRECT_PATH: the CUDA expert-ID direct kernel's data path ("bulk" or "loads";
-// unset: bulk where the sm_90a image runs). Any other value throws InvalidArgument.
+// ROUTEMM_CUDA_DIRECT_PATH: the CUDA quantised expert-ID direct kernel's data path ("bulk" or
+// "loads"; unset: bulk where the sm_90a image runs). Any other value throws InvalidArgument.
 std::optional<std::string> cuda_direct_path();
 
 // ROUTEMM_ENCODER_AUTO_BARRIER: encoders start with the automatic-barrier tracker on (spec §2.5).
