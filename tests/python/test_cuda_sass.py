@@ -168,6 +168,27 @@ def test_hopper_q4_mat_vec_uses_bulk_copies_and_warp_mma():
         assert not _local_memory(sass), (name, _local_memory(sass)[:5])
 
 
+def test_hopper_quantized_direct_uses_bulk_copies():
+    """The quantised expert-ID direct kernel's bulk-copy data path (quantized_matmul_id.cu), one
+    instantiation per format (Q4_0, Q8_0): its stages arrive by bulk copies into an mbarrier ring
+    (UBLKCP, SYNCS), the lanes issue no global load of weights or activations inside it (the only
+    LDG is the expert id), and nothing touches local memory."""
+    arches = _functions_by_arch()
+    if "sm_90a" not in arches:
+        pytest.skip("the build carries no sm_90a code")
+    kernels = {
+        name: sass
+        for name, sass in arches["sm_90a"].items()
+        if "direct_bulk_kernel" in name and "quantized_matmul_id" in name
+    }
+    assert len(kernels) == 2, sorted(kernels)
+    for name, sass in kernels.items():
+        for instruction in ("UBLKCP", "SYNCS"):
+            assert instruction in sass, (name, instruction)
+        assert len(re.findall(r"\bLDG\b", sass)) <= 1, (name, re.findall(r".*\bLDG\b.*", sass))
+        assert not _local_memory(sass), (name, _local_memory(sass)[:5])
+
+
 def test_q8_0_kernels_stream_16_byte_copies_without_conversions():
     """The Q8_0 dense kernels (q8_matmul.cu), one instantiation per token count (1, 2, 4, 8) and copy
     path on every architecture: the weights stream into shared memory by 16-byte cp.async
