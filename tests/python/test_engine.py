@@ -128,6 +128,50 @@ def test_wait_releases_the_gil(backend, rng):
     assert sum(committed < t < done for t in ticks) >= 2, "another thread could not run during the wait"
 
 
+@pytest.mark.parametrize("backend", ["cpu"])
+def test_cpu_submissions_from_many_threads_keep_their_results(backend):
+    """The CPU queue runs a submission on the waiting thread when it is next in line (no hand-off),
+    else on the submission thread: under threads that commit and wait at once, commit several
+    times before one wait, or wait while others' work runs, every submission still runs exactly
+    once, whole, and gives the single-threaded bits."""
+    device = routemm.Device("cpu")
+    registry = routemm.KernelRegistry(device)
+    rng = np.random.default_rng(7)
+    problems = [_problem(device, rng, m) for m in (1, 3, 5, 2)]
+    expected = []
+    for params, bufs in problems:
+        out = _out(device, params.m)
+        encoder = device.command_encoder()
+        routemm.dense_matmul_id(encoder, registry, *bufs, out, None, params)
+        encoder.commit_and_wait()
+        expected.append(out.numpy().copy())
+    failures = []
+
+    def worker(index: int) -> None:
+        params, bufs = problems[index % len(problems)]
+        poison = np.full((params.m * 2, N), np.nan, np.float32)
+        for step in range(40):
+            encoders, outs = [], []
+            for _ in range(1 + step % 3):  # one to three submissions in flight before the waits
+                out = device.from_numpy(poison)
+                outs.append(out)
+                encoder = device.command_encoder()
+                routemm.dense_matmul_id(encoder, registry, *bufs, out, None, params)
+                encoder.commit()
+                encoders.append(encoder)
+            for encoder, out in zip(encoders, outs, strict=True):
+                encoder.wait_until_completed()
+                if not np.array_equal(out.numpy().view(np.uint32), expected[index % len(problems)].view(np.uint32)):
+                    failures.append((index, step))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures[:5]
+
+
 def test_stream_argument(device):
     if device.backend != "cuda":
         with pytest.raises(routemm.InvalidArgumentError, match="stream"):
