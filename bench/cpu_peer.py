@@ -8,7 +8,9 @@ expert projection (128 experts of 768 x 2048, top-8) with bf16 and f32 weights
 at m = 1, 64, 512 (dense_matmul_id: direct and grouped_prefill and, with --routes naming bf16_dot,
 the reduced-precision direct_bf16_dot and grouped_bf16_dot for bf16 weights). Both sides run on the same number of threads
 (ROUTEMM_CPU_THREADS for routemm, ggml_backend_cpu_set_n_threads for ggml) and report the minimum of
---runs timed calls. Weights are cycled through copies (Q4_0: >= 128 MB in all; expert ids: fresh
+--runs timed calls; with --rounds R both sides are timed R times in alternation and each side's
+minimum over the rounds is compared, so a drift of the machine's bandwidth during the run reaches
+both (one-token cases on a shared VM move by 20-40 % between runs). Weights are cycled through copies (Q4_0: >= 128 MB in all; expert ids: fresh
 random ids every call), so no call finds its weights in the last-level cache. The quantized_expert_id
 case is the same expert projection with Q4_0 and Q8_0 expert stacks (quantized_matmul_id_ggml,
 direct and grouped, beside ggml's MUL_MAT_ID of the same types).
@@ -19,7 +21,7 @@ ggml's time). ggml's own read-bandwidth probe (--read-bandwidth-mb) gives the ba
 
     python bench/cpu_peer.py --peer plain=.dev/peer-cpu/bin/ggml_mul_mat_peer \\
         --peer repack=.dev/peer-cpu-repack/bin/ggml_mul_mat_peer --routes exact,int8_dot,bf16_dot \\
-        --out bench/results/cpu_peer-cpu.json
+        --rounds 3 --out bench/results/cpu_peer-cpu.json
 
 The side-by-side table compares ggml with routemm's best exact route and, in rows of their own, with
 its best reduced-precision route (rows marked "int8_dot" / "bf16_dot"); the routemm routes of one
@@ -320,6 +322,7 @@ def main() -> None:
     parser.add_argument("--peer", action="append", default=[], help="LABEL=PATH of a ggml_mul_mat_peer binary")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1, help="times to repeat both sides, alternating")
     parser.add_argument("--out", default="bench/results/cpu_peer-cpu.json")
     parser.add_argument("--note", default="", help="a line for the report (e.g. that the machine was shared)")
     parser.add_argument(
@@ -333,6 +336,8 @@ def main() -> None:
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     if not routes or any(r not in ROUTES for r in routes):
         parser.error(f"--routes takes a comma list of {', '.join(ROUTES)}, got {args.routes!r}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if not cases or any(c not in CASES for c in cases):
         parser.error(f"--cases takes a comma list of {', '.join(CASES)}, got {args.cases!r}")
 
@@ -343,19 +348,25 @@ def main() -> None:
     import conftest  # the results format: device name, git revision, Markdown table
 
     records, gbps = [], None
-    for i, spec in enumerate(args.peer):
-        label, _, path = spec.partition("=")
-        peer_records, probe = _ggml(label, path, args.threads, args.runs, bandwidth=i == 0, cases=cases)
-        records += peer_records
-        gbps = gbps if probe is None else probe
     device = routemm.Device("cpu")
     registry = routemm.KernelRegistry(device)
-    if "q4_0" in cases:
-        records += _routemm_q4(routemm, device, registry, args.runs, routes)
-    if "expert_id" in cases:
-        records += _routemm_expert_id(routemm, device, registry, args.runs, routes)
-    if "quantized_expert_id" in cases:
-        records += _routemm_quantized_expert_id(routemm, device, registry, args.runs)
+    # Each round times every peer and then routemm; the comparison takes each side's minimum over
+    # the rounds, so a drift of the machine's bandwidth during the run reaches both sides.
+    for round_index in range(args.rounds):
+        found = []
+        for i, spec in enumerate(args.peer):
+            label, _, path = spec.partition("=")
+            probe_now = i == 0 and round_index == 0
+            peer_records, probe = _ggml(label, path, args.threads, args.runs, bandwidth=probe_now, cases=cases)
+            found += peer_records
+            gbps = gbps if probe is None else probe
+        if "q4_0" in cases:
+            found += _routemm_q4(routemm, device, registry, args.runs, routes)
+        if "expert_id" in cases:
+            found += _routemm_expert_id(routemm, device, registry, args.runs, routes)
+        if "quantized_expert_id" in cases:
+            found += _routemm_quantized_expert_id(routemm, device, registry, args.runs)
+        records += [dict(r, round=round_index + 1) for r in found]
 
     doc = {
         "device": f"cpu: {conftest._cpu_name()} ({os.cpu_count()} threads; {args.threads} used by each side; "
@@ -370,7 +381,9 @@ def main() -> None:
         json.dump(doc, f, indent=1, sort_keys=True, allow_nan=False)
         f.write("\n")
     text = conftest._markdown(doc)
-    text += "\n## routemm beside ggml (minimum of {} calls, {} threads each)\n\n".format(args.runs, args.threads)
+    text += "\n## routemm beside ggml (minimum of {} calls over {} round(s), {} threads each)\n\n".format(
+        args.runs, args.rounds, args.threads
+    )
     text += f"Read bandwidth ({args.threads} threads, 512 MB): {gbps:.1f} GB/s.\n\n" if gbps else ""
     text += (
         "Method: routemm: minimum wall time of the calls (encode, commit, wait), weights cycled over copies or "

@@ -36,6 +36,10 @@ _SCRIPT = """
         (GgmlType.Q8_0, 1, 40, 2304, 4, 8, Layout.SHARED_PER_TOKEN),
         (GgmlType.Q8_0, 2, 19, 256, 3, 4, Layout.SLOTTED),
         (GgmlType.Q4_0, 1, 16, 96, 2, 4, Layout.SHARED_PER_TOKEN),  # K % 256 != 0: the load path
+        # 1536 items (flat row x 16-column tile): more than a wave, so blocks take several items
+        # and the ring runs on from one item into the next, past items with invalid ids
+        (GgmlType.Q4_0, 64, 40, 2304, 8, 8, Layout.SLOTTED),
+        (GgmlType.Q8_0, 64, 40, 2304, 8, 8, Layout.SHARED_PER_TOKEN),
     ]
     for i, (ggml_type, m, n, k, top_k, experts, layout) in enumerate(cases):
         fmt = q4_0 if ggml_type is GgmlType.Q4_0 else q8_0
