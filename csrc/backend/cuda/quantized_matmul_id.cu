@@ -127,32 +127,52 @@ __device__ __forceinline__ const float* input_row(const DenseMatmulIdKernelParam
                                         uint64_t{slot} * p.input_slot_stride_bytes);
 }
 
+// What a direct block computes, as both direct kernels read their grid: flat row blockIdx.y times
+// the 16-column tile blockIdx.x, this thread lane `lane` of tile column `column`.
+template <class F>
+struct DirectTile {
+  uint32_t flat, lane, column, col, rows;
+  uint64_t row_bytes;
+  float* out;                // the flat row's output row
+  const uint8_t* first_row;  // the tile's first weight row; not formed for an invalid id
+  bool valid;
+
+  __device__ DirectTile(const DenseMatmulIdKernelParams& p, const uint8_t* weights,
+                        const uint32_t* ids, float* output)
+      : flat(blockIdx.y), lane(threadIdx.x & 7u), column(threadIdx.x / 8) {
+    const uint32_t col0 = blockIdx.x * kColumns;
+    const uint32_t id = ids[flat];
+    col = col0 + column;
+    rows = min(kColumns, p.n - col0);
+    row_bytes = uint64_t{p.k} / 32 * F::kBytes;
+    out = output + uint64_t{flat} * p.n;
+    valid = id < p.n_experts;
+    first_row = valid ? weights + uint64_t{id} * p.expert_stride_bytes + col0 * row_bytes : nullptr;
+    // An invalid id: a zero row. Uniform over the block, so the kernel may return at once.
+    if (!valid && lane == 0 && col < p.n) out[col] = 0.0f;
+  }
+
+  // The lanes' sum by the lane contract's tree, stored by lane 0. Every thread calls it (it
+  // shuffles); columns past n took no part in the dot (acc 0) and store nothing.
+  __device__ void store(const DenseMatmulIdKernelParams& p, float acc) const {
+    const float sum = ggml::sum8(acc);
+    if (lane == 0 && col < p.n) out[col] = sum;
+  }
+};
+
 template <class F>
 __global__ void __launch_bounds__(kThreads)
     direct_kernel(const DenseMatmulIdKernelParams p, const uint8_t* __restrict__ weights,
                   const unsigned char* __restrict__ input, const uint32_t* __restrict__ ids,
                   float* __restrict__ output, bool aligned) {
   __shared__ __align__(16) uint8_t stage[kColumns * stage_pitch<F>()];
-  const uint32_t flat = blockIdx.y;
-  const uint32_t lane = threadIdx.x & 7u;
-  const uint32_t column = threadIdx.x / 8;
-  const uint32_t col0 = blockIdx.x * kColumns;
-  const uint32_t col = col0 + column;
-  const uint32_t id = ids[flat];
-  float* out = output + uint64_t{flat} * p.n;
-  if (id >= p.n_experts) {  // invalid id: a zero row, no weight address formed
-    if (lane == 0 && col < p.n) out[col] = 0.0f;
-    return;  // uniform over the block: no barrier or shuffle follows
-  }
-  const uint64_t row_bytes = uint64_t{p.k} / 32 * F::kBytes;
-  const uint32_t rows = min(kColumns, p.n - col0);
-  const uint8_t* first_row = weights + uint64_t{id} * p.expert_stride_bytes + col0 * row_bytes;
-  const float* x[1] = {input_row(p, input, flat)};
+  const DirectTile<F> t(p, weights, ids, output);
+  if (!t.valid) return;  // uniform over the block: no barrier or shuffle follows
+  const float* x[1] = {input_row(p, input, t.flat)};
   float acc[1] = {0.0f};
-  staged_lane_dot<F, 1>(stage, first_row, row_bytes, rows, p.k, aligned, column, x, lane, acc);
-  // Columns past n took no part in the dot (acc 0) but join the shuffles, and store nothing.
-  const float sum = ggml::sum8(acc[0]);
-  if (lane == 0 && col < p.n) out[col] = sum;
+  staged_lane_dot<F, 1>(stage, t.first_row, t.row_bytes, t.rows, p.k, aligned, t.column, x, t.lane,
+                        acc);
+  t.store(p, acc[0]);
 }
 
 // The direct kernel with its operands moved by the copy engine (sm_90a): the tile's weight rows and
@@ -186,21 +206,9 @@ __global__ void __launch_bounds__(kThreads)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = BulkDirectLayout<F>;
   extern __shared__ __align__(128) uint8_t smem[];
-  const uint32_t flat = blockIdx.y;
-  const uint32_t lane = threadIdx.x & 7u;
-  const uint32_t column = threadIdx.x / 8;
-  const uint32_t col0 = blockIdx.x * kColumns;
-  const uint32_t col = col0 + column;
-  const uint32_t id = ids[flat];
-  float* out = output + uint64_t{flat} * p.n;
-  if (id >= p.n_experts) {  // invalid id: a zero row, no weight address formed
-    if (lane == 0 && col < p.n) out[col] = 0.0f;
-    return;  // uniform over the block: no barrier or shuffle follows
-  }
-  const uint64_t row_bytes = uint64_t{p.k} / 32 * F::kBytes;
-  const uint32_t rows = min(kColumns, p.n - col0);
-  const uint8_t* first_row = weights + uint64_t{id} * p.expert_stride_bytes + col0 * row_bytes;
-  const auto* xrow = reinterpret_cast<const uint8_t*>(input_row(p, input, flat));
+  const DirectTile<F> t(p, weights, ids, output);
+  if (!t.valid) return;  // uniform over the block: no barrier or shuffle follows
+  const auto* xrow = reinterpret_cast<const uint8_t*>(input_row(p, input, t.flat));
   const uint32_t bar0 = smem_addr(smem);
   uint8_t* const ring = smem + L::kBarrierBytes;
   if (threadIdx.x == 0) {
@@ -218,11 +226,11 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t nb = min(kBulkStageBlocks, blocks - b0);
     uint8_t* const stage = ring + slot * L::kStageBytes;
     const uint32_t bar = bar0 + 8 * slot;
-    if (threadIdx.x == 0) sm90::mbar_arrive_expect_tx(bar, nb * (rows * F::kBytes + 128));
+    if (threadIdx.x == 0) sm90::mbar_arrive_expect_tx(bar, nb * (t.rows * F::kBytes + 128));
     __syncwarp();
-    if (threadIdx.x < rows) {
+    if (threadIdx.x < t.rows) {
       sm90::bulk_load(smem_addr(stage + threadIdx.x * L::kRowPitch),
-                      first_row + threadIdx.x * row_bytes + uint64_t{b0} * F::kBytes,
+                      t.first_row + threadIdx.x * t.row_bytes + uint64_t{b0} * F::kBytes,
                       nb * F::kBytes, bar);
     } else if (threadIdx.x == kColumns) {
       sm90::bulk_load(smem_addr(stage + L::kXOffset), xrow + uint64_t{b0} * 128, nb * 128, bar);
@@ -236,17 +244,15 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t slot = s % L::kRing;
     sm90::mbar_wait(bar0 + 8 * slot, (s / L::kRing) & 1);
     const uint8_t* const stage = ring + slot * L::kStageBytes;
-    if (column < rows) {
+    if (t.column < t.rows) {
       const float* const xs[1] = {reinterpret_cast<const float*>(stage + L::kXOffset)};
       const uint32_t nb = min(kBulkStageBlocks, blocks - s * kBulkStageBlocks);
-      ggml::lane_dot<F, 1>(stage + column * L::kRowPitch, nb * 32, xs, lane, acc);
+      ggml::lane_dot<F, 1>(stage + t.column * L::kRowPitch, nb * 32, xs, t.lane, acc);
     }
     __syncthreads();  // every read of this slot is done before the copy engine refills it
     if (threadIdx.x < 32 && s + L::kRing < stages) issue(s + L::kRing);
   }
-  // Columns past n took no part in the dot (acc 0) but join the shuffles, and store nothing.
-  const float sum = ggml::sum8(acc[0]);
-  if (lane == 0 && col < p.n) out[col] = sum;
+  t.store(p, acc[0]);
 #else
   __trap();  // launched only where the sm_90a image exists (hopper_kernels_available)
 #endif
