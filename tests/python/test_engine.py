@@ -172,6 +172,42 @@ def test_cpu_submissions_from_many_threads_keep_their_results(backend):
     assert not failures, failures[:5]
 
 
+@pytest.mark.parametrize("backend", ["cpu"])
+def test_cpu_submissions_run_in_commit_order_across_encoders(backend):
+    """A submission committed after another, from another encoder, sees its writes: the CPU queue
+    runs submissions in commit order, and a waiter only ever takes the head of the line itself.
+    The first submission is left to run asynchronously (slow: m = 64); the second reads its output
+    as its own input and is waited on at once."""
+    device = routemm.Device("cpu")
+    registry = routemm.KernelRegistry(device)
+    rng = np.random.default_rng(11)
+    m, top_k, n1, k1, n2 = 64, 2, 256, 1024, 32
+    w1 = rng.standard_normal((E, n1, k1)).astype(np.float32)
+    w2 = rng.standard_normal((E, n2, n1)).astype(np.float32)
+    x = rng.standard_normal((m, k1)).astype(np.float32)
+    ids = distinct_ids(rng, m, top_k, E).astype(np.uint32)
+    first = routemm.DenseMatmulIdParams(m, n1, k1, top_k, E, n1 * k1 * 4, route=Route.DIRECT)
+    second = routemm.DenseMatmulIdParams(
+        m, n2, n1, top_k, E, n2 * n1 * 4, routemm.DenseMatmulIdInputLayout.SLOTTED, route=Route.DIRECT
+    )
+    ids_buf = device.from_numpy(ids)
+    for _ in range(5):
+        middle = device.from_numpy(np.full((m * top_k, n1), np.nan, np.float32))
+        out = device.from_numpy(np.full((m * top_k, n2), np.nan, np.float32))
+        producer, consumer = device.command_encoder(), device.command_encoder()
+        routemm.dense_matmul_id(
+            producer, registry, device.from_numpy(w1), device.from_numpy(x), ids_buf, middle, None, first
+        )
+        producer.commit()
+        routemm.dense_matmul_id(consumer, registry, device.from_numpy(w2), middle, ids_buf, out, None, second)
+        consumer.commit_and_wait()
+        producer.wait_until_completed()
+        got_middle = middle.numpy()
+        assert np.all(np.isfinite(got_middle))
+        expected = np.stack([w2[e] @ got_middle[f] for f, e in enumerate(ids.reshape(-1))])
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-3)
+
+
 def test_stream_argument(device):
     if device.backend != "cuda":
         with pytest.raises(routemm.InvalidArgumentError, match="stream"):
