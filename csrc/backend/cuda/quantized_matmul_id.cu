@@ -196,8 +196,9 @@ struct BulkDirectLayout {
   static_assert(kRowPitch % 16 == 0 && kStageBytes % 16 == 0 && kSmem <= 48 * 1024);
 };
 
-// Preconditions (bulk_direct_eligible): every weight row and the input rows 16-byte aligned, K a
-// multiple of 256 (so a stage's bytes per row are a multiple of 16), the sm_90a image running.
+// Preconditions (launch_direct checks them): every weight row and the input rows 16-byte
+// aligned, K a multiple of 256 (so a stage's bytes per row are a multiple of 16), the sm_90a image
+// running.
 template <class F>
 __global__ void __launch_bounds__(kThreads)
     direct_bulk_kernel(const DenseMatmulIdKernelParams p, const uint8_t* __restrict__ weights,
