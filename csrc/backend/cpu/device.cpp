@@ -154,9 +154,7 @@ class SubmissionThread {
 class CpuQueue final : public Queue {
  public:
   ~CpuQueue() override {
-    for (const auto& s : in_flight_) {
-      if (!SubmissionThread::instance().run_if_next(s.get())) s->wait();
-    }
+    for (const auto& s : in_flight_) complete(*s);
   }
 
   void submit(QueuedCommand command) override { commands_.push_back(std::move(command)); }
@@ -175,7 +173,7 @@ class CpuQueue final : public Queue {
     std::exception_ptr first;
     GpuInterval interval;
     for (size_t i = 0; i < in_flight_.size(); ++i) {
-      if (!SubmissionThread::instance().run_if_next(in_flight_[i].get())) in_flight_[i]->wait();
+      complete(*in_flight_[i]);
       if (!first) first = in_flight_[i]->error;
       if (timed_[i]) interval = in_flight_[i]->interval;
     }
@@ -186,6 +184,12 @@ class CpuQueue final : public Queue {
   }
 
  private:
+  // Returns once `s` has run: on this thread when it is next in line and nothing runs, else on the
+  // submission thread.
+  static void complete(Submission& s) {
+    if (!SubmissionThread::instance().run_if_next(&s)) s.wait();
+  }
+
   std::vector<QueuedCommand> commands_;
   std::vector<std::shared_ptr<Submission>> in_flight_;
   std::vector<bool> timed_;
