@@ -17,11 +17,15 @@ __device__ __forceinline__ float block_scale(const uint8_t* block) {
 
 struct Q4_0Blocks {
   static constexpr uint32_t kBytes = kernels::kQ4_0BlockBytes;
-  // Value j: the low nibble of qs[j] (j < 16) or the high nibble of qs[j - 16], minus 8.
+  // Value j: the low nibble of qs[j] (j < 16) or the high nibble of qs[j - 16], minus 8. The
+  // nibble q goes into the low mantissa bits of 2^23, making the float 2^23 + q; subtracting
+  // 2^23 + 8 (both integers below 2^24, so exactly) leaves q - 8. One logic operation and one add
+  // instead of an integer-to-float conversion, which issues at a quarter of the FMA rate and bound
+  // the direct kernel at m = 8 (one conversion per weight).
   static __device__ __forceinline__ float value(const uint8_t* block, float d, uint32_t j) {
-    const uint8_t byte = block[2 + (j & 15u)];
-    const int q = j < 16 ? (byte & 0x0f) : (byte >> 4);
-    return d * static_cast<float>(q - 8);
+    const uint32_t byte = block[2 + (j & 15u)];
+    const uint32_t q = j < 16 ? (byte & 0x0fu) : (byte >> 4);
+    return __fmul_rn(d, __fsub_rn(__uint_as_float(0x4B000000u | q), 8388616.0f));  // 2^23 + 8
   }
 };
 
