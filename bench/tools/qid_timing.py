@@ -6,8 +6,9 @@
 
 matmul mode: quantized_matmul_id_ggml on Q4_0 / Q8_0 expert stacks of the Qwen3-30B-A3B (E 128,
 top-8, n 768, k 2048) and Qwen3.6-35B-A3B (E 256, top-8, n 512, k 2048) projections at each m, on
-the route routemm.matmul_id picks (direct for m <= 8, grouped beyond: router ids are distinct per
-token). Beside it, in the same run and on the same ids:
+the route routemm.matmul_id picks (routemm.dense_matmul_id.auto_grouped: router ids are distinct
+per token; with --exact-both the other exact route as well). Beside it, in the same run and on the
+same ids:
   - torch._grouped_mm on the dequantised bf16 stack (sort by expert, gather, grouped GEMM, scatter:
     every kernel of the call counted), and
   - the copy floor: the touched experts' block bytes at the copy rate measured here (a
@@ -45,7 +46,7 @@ import time
 
 import numpy as np
 import routemm
-from routemm.quantized_matmul_id import AUTO_GROUPED_MIN_TOKENS
+from routemm.dense_matmul_id import auto_grouped
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -166,6 +167,7 @@ class Run:
 
         self.torch = torch
         self.smoke = args.smoke
+        self.exact_both = getattr(args, "exact_both", False)
         self.tdev = "cpu" if args.smoke else "cuda"
         self.device = routemm.Device(self.tdev)
         self.registry = routemm.KernelRegistry(self.device)
@@ -220,14 +222,20 @@ def matmul_case(run: Run, records, name, shape, ggml_type, m, stacks, deq_stacks
     x_buf, id_bufs = run.buffer(x), [run.buffer(i) for i in ids]
     out = torch.empty((m * top_k, n), device=run.tdev)
     out_buf = run.buffer(out)
-    grouped = m >= AUTO_GROUPED_MIN_TOKENS  # matmul_id's choice for ids distinct per token
+    # matmul_id's choice for ids distinct per token
+    grouped = auto_grouped(run.device, m, top_k, experts, quantized=True)
     auto = routemm.GgmlQuantizedMatmulIdRoute.GROUPED if grouped else routemm.GgmlQuantizedMatmulIdRoute.DIRECT
     routes = [auto]
+    if run.exact_both and m > 1:  # the other exact route beside the automatic one
+        routes.append(
+            routemm.GgmlQuantizedMatmulIdRoute.DIRECT if grouped else routemm.GgmlQuantizedMatmulIdRoute.GROUPED
+        )
     # The opt-in tensor-core route beside the grouped one, where the backend registers it.
     lowp = routemm.GgmlQuantizedMatmulIdRoute.GROUPED_TENSOR_LOWP
     if grouped and all(run.registry.has_kernel(name) for name in lowp.pipelines(ggml_type)):
         routes.append(lowp)
-    scratch = routemm.DenseMatmulIdScratch(run.device, experts, m) if grouped else None
+    needs_map = any(r is not routemm.GgmlQuantizedMatmulIdRoute.DIRECT for r in routes)
+    scratch = routemm.DenseMatmulIdScratch(run.device, experts, m) if needs_map else None
     touched = statistics.mean(int(torch.unique(i).numel()) for i in ids)
     weight_bytes = touched * stride
     flops = 2 * m * top_k * n * k
@@ -258,7 +266,7 @@ def matmul_case(run: Run, records, name, shape, ggml_type, m, stacks, deq_stacks
                 routemm.matmul_id(stacks[0], x, ids[0], ggml_type=ggml_type).view(torch.int32), got.view(torch.int32)
             )
         )
-        tolerance = TOLERANCE if route is auto else TENSOR_TOLERANCE
+        tolerance = TENSOR_TOLERANCE if route is lowp else TOLERANCE
         if not (err <= tolerance and same and bool(torch.isfinite(got).all())):
             run.failed = True
             note = f"WRONG: rel err {err:.2e}, matmul_id {'same' if same else 'different'} bits"
@@ -475,6 +483,9 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default="matmul,block")
     ap.add_argument("--budget-s", type=float, default=140.0, help="skip what is left after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="small shapes on the CPU backend (no CUDA needed)")
+    ap.add_argument(
+        "--exact-both", action="store_true", help="time both exact routes (direct and grouped) at every m > 1"
+    )
     args = ap.parse_args(argv)
     unknown = set(args.shapes.split(",")) - set(SHAPES)
     if unknown:

@@ -92,6 +92,16 @@ std::string_view to_string(DenseMatmulIdRoute value) {
   }
   return "?";
 }
+bool expert_id_auto_grouped(std::string_view backend, uint64_t m, uint64_t top_k,
+                            uint64_t n_experts, bool quantized) {
+  if (m < kExpertIdAutoGroupedMinTokens || top_k == 0 || top_k > n_experts) return false;
+  if (backend != "cuda") return true;
+  // m * top_k >= rows * n_experts, without forming the product (n_experts < 2^32, rows <= 256).
+  const uint64_t rows = quantized ? kCudaQuantizedGroupedRowsPerExpert : kCudaGroupedRowsPerExpert;
+  if (n_experts > UINT64_MAX / rows) return false;
+  const uint64_t routed_needed = rows * n_experts;
+  return m >= (routed_needed + top_k - 1) / top_k;
+}
 std::string_view to_string(DenseMatmulIdMapUse value) {
   return value == DenseMatmulIdMapUse::Build ? "build" : "reuse";
 }

@@ -301,8 +301,9 @@ def matmul_id(
     x: [m, k] float32 (one row per token) or [m, top_k, k] (one row per token and slot).
     ids: [m, top_k] integers; ids outside [0, n_experts) give zero rows and never count as experts.
     route: None picks grouped_prefill (quantised: grouped) when the valid ids are distinct per
-        token, top_k <= n_experts and m > 8, else direct; explicit routes are DenseMatmulIdRoute
-        values, or GgmlQuantizedMatmulIdRoute values with ggml_type.
+        token, top_k <= n_experts, m > 8 and, on CUDA, at least 8 rows are routed per expert on
+        average (256 with ggml_type), else direct (auto_grouped); explicit routes are
+        DenseMatmulIdRoute values, or GgmlQuantizedMatmulIdRoute values with ggml_type.
     out: optional C-contiguous float32 array of [m*top_k, n] to write the result into.
     device: a routemm.Device or a backend name ("cpu", ...) for NumPy inputs (default: the best
         available backend).
@@ -314,8 +315,9 @@ def matmul_id(
     CuPy tensors (CPU or CUDA) are used in place through DLPack, on the device they live on, and the
     result is a tensor of the same framework and device; they must be C-contiguous. On tensors
     the call is enqueued on the framework's current stream and returns without waiting (CPU
-    tensors: once the result is written), and route None picks by the shapes only (grouped_prefill
-    from m > 8 when top_k <= n_experts): device ids are never read on the host.
+    tensors: once the result is written), and route None picks by the shapes and the backend only
+    (auto_grouped, ids taken as distinct when top_k <= n_experts): device ids are never read on the
+    host.
     """
     _refuse_buffers(weights=weights, x=x, ids=ids, out=out)
     framework = _framework(x)
@@ -341,7 +343,8 @@ def matmul_id(
     ids64 = ids.astype(np.int64, copy=False)
     ids_u32 = np.where((ids64 >= 0) & (ids64 < n_experts), ids64, 0xFFFFFFFF).astype(np.uint32)
     distinct = _declarable_distinct(ids_distinct_per_token(ids64, n_experts), top_k, n_experts)
-    route = _pick_route(route, distinct, m)
+    device = _resolve_device(device)
+    route = _pick_route(route, distinct, m, device, top_k, n_experts)
     if out is not None:
         if not (
             isinstance(out, np.ndarray)
@@ -353,7 +356,6 @@ def matmul_id(
             raise InvalidArgumentError(
                 f"matmul_id out must be a writable C-contiguous float32 array of shape {(m * top_k, n)}"
             )
-    device = _resolve_device(device)
     wdtype = dtype_of(weights.dtype)
     params = _params(m, n, k, top_k, n_experts, wdtype, layout, distinct, route)
     dense_matmul_id_capability(wdtype, params)  # fail before allocating anything
@@ -395,13 +397,22 @@ def _declarable_distinct(distinct: bool, top_k: int, n_experts: int) -> bool:
     return distinct and top_k <= n_experts
 
 
-def _pick_route(route, distinct: bool, m: int) -> DenseMatmulIdRoute:
+def auto_grouped(device, m: int, top_k: int, n_experts: int, *, quantized: bool = False) -> bool:
+    """Whether the automatic expert-ID route (no route given) is the exact grouped one for these
+    shapes on `device` (a routemm.Device or a backend name), for ids that may be declared distinct
+    per token: from AUTO_GROUPED_MIN_TOKENS tokens on; on CUDA also only from 8 routed rows per
+    expert on average (256 for GGML block stacks), where grouping pays there. The core's rule
+    (routemm::expert_id_auto_grouped), the one the tensor and torch ops use."""
+    backend = device if isinstance(device, str) else device.backend
+    return _core._expert_id_auto_grouped(backend, int(m), int(top_k), int(n_experts), bool(quantized))
+
+
+def _pick_route(route, distinct: bool, m: int, device=None, top_k: int = 0, n_experts: int = 0) -> DenseMatmulIdRoute:
+    """The route to run: `route` parsed, or with None the automatic choice (auto_grouped) when the
+    ids are distinct per token, else direct."""
     if route is None:
-        return (
-            DenseMatmulIdRoute.GROUPED_PREFILL
-            if distinct and m >= AUTO_GROUPED_MIN_TOKENS
-            else DenseMatmulIdRoute.DIRECT
-        )
+        grouped = distinct and auto_grouped(device, m, top_k, n_experts)
+        return DenseMatmulIdRoute.GROUPED_PREFILL if grouped else DenseMatmulIdRoute.DIRECT
     return DenseMatmulIdRoute(_enum_value(DenseMatmulIdRoute, route, "route"))
 
 

@@ -38,6 +38,7 @@ from .dense_matmul_id import (
     _framework,
     _pick_route,
     _registry_for,
+    auto_grouped,
     dense_matmul_id,
     ids_distinct_per_token,
 )
@@ -322,8 +323,9 @@ def moe_experts(
     routemm.q8_0 quantise along the last axis; gguf_tensor loads them), whose matmuls run
     quantized_matmul_id_ggml.
     route: the expert-ID matmul route of both matmuls; None picks grouped_prefill when ids are
-    distinct per token and m > 8, else direct (with tensors, passing it avoids a device-to-host
-    distinctness check).
+    distinct per token and dense_matmul_id.auto_grouped says so for the shapes and backend (m > 8;
+    on CUDA also 8 routed rows per expert on average, 256 for block stacks), else direct (with
+    tensors, passing it avoids a device-to-host distinctness check).
     NumPy inputs run on `device` (default: the best backend) and the result is a NumPy array;
     PyTorch tensors are used in place on their device and the result is a tensor there.
     """
@@ -346,8 +348,8 @@ def moe_experts(
     ids64 = ids.astype(np.int64, copy=False)
     ids_u32 = np.where((ids64 >= 0) & (ids64 < s.n_experts), ids64, _INVALID_ID).astype(np.uint32)
     distinct = ids_distinct_per_token(ids64, s.n_experts)
-    route = _checked_route(route, distinct, s.m)
     device = device or _default_device()
+    route = _checked_route(route, distinct, s, device, ggml_type)
     stacks = tuple(gate_up) if not s.stacked else (gate_up,)
     gate_up_bufs = tuple(_weight_buffer(device, w) for w in stacks)
     down_buf = _weight_buffer(device, down)
@@ -367,8 +369,13 @@ def moe_experts(
     return out_buf.numpy()
 
 
-def _checked_route(route, distinct: bool, m: int) -> DenseMatmulIdRoute:
-    route = _pick_route(route, distinct, m)
+def _checked_route(route, distinct: bool, s, device, ggml_type) -> DenseMatmulIdRoute:
+    """`route` parsed, or the automatic choice for the shapes `s` on `device` (a Device or a
+    backend name); a grouped route needs ids distinct per token."""
+    if route is None:
+        grouped = distinct and auto_grouped(device, s.m, s.top_k, s.n_experts, quantized=ggml_type is not None)
+        route = DenseMatmulIdRoute.GROUPED_PREFILL if grouped else DenseMatmulIdRoute.DIRECT
+    route = _pick_route(route, distinct, s.m)
     if route.is_grouped and not distinct:
         raise InvalidArgumentError(f"moe_experts route {route.value} needs ids distinct per token")
     return route
@@ -432,7 +439,7 @@ def _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route,
         keyed = torch.where(valid, top_k_index, -1 - slots)
         sorted_ids = torch.sort(keyed, dim=1).values
         distinct = s.top_k <= 1 or not bool((sorted_ids[:, 1:] == sorted_ids[:, :-1]).any())
-    route = _checked_route(route, distinct, s.m)
+    route = _checked_route(route, distinct, s, "cuda" if dev.type == "cuda" else "cpu", ggml_type)
 
     keep = []  # tensors that must outlive the submission
 

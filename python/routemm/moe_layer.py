@@ -33,6 +33,7 @@ from .dense_matmul_id import (
     DenseMatmulIdRoute,
     _default_device,
     _registry_for,
+    auto_grouped,
     dense_matmul_id,
 )
 from .gguf_io import _gguf_header, _gguf_tensors
@@ -42,9 +43,6 @@ from .quantized_matmul import GgmlType
 # Whether an architecture's router renormalises its top-k weights, where the file does not say
 # (`<arch>.expert_weights_norm`): Qwen3-MoE and Mixtral (GGUF architecture "llama") do.
 RENORMALIZE_BY_ARCH = {"qwen3moe": True, "llama": True, "mixtral": True, "qwen2moe": False}
-
-# m above which the experts' matmuls take the grouped route (the gate's ids are distinct per token).
-GROUPED_MIN_TOKENS = 9
 
 _FLOAT_TYPES = {"f32", "f16", "bf16"}
 _QUANTIZED_TYPES = {"q4_0": GgmlType.Q4_0, "q8_0": GgmlType.Q8_0}
@@ -174,7 +172,8 @@ class MoeLayer:
         encoder.memory_barrier()
         _core._moe_gate(encoder, registry, logits, weights, ids, m, self.n_experts, self.top_k, self.renormalize)
         encoder.memory_barrier()
-        route = DenseMatmulIdRoute.GROUPED_PREFILL if m >= GROUPED_MIN_TOKENS else DenseMatmulIdRoute.DIRECT
+        grouped = auto_grouped(device, m, self.top_k, self.n_experts, quantized=self.ggml_type is not None)
+        route = DenseMatmulIdRoute.GROUPED_PREFILL if grouped else DenseMatmulIdRoute.DIRECT  # gate ids distinct
         shapes = _ExpertShapes(m, self.top_k, self.n_experts, self.hidden, self.intermediate, stacked=False)
 
         def alloc(shape):

@@ -33,7 +33,7 @@ from . import _core
 from ._errors import InvalidArgumentError
 from ._json import JsonRecord
 from .dense_matmul_id import AUTO_GROUPED_MIN_TOKENS as _DENSE_AUTO_GROUPED_MIN_TOKENS
-from .dense_matmul_id import DenseMatmulIdInputLayout, DenseMatmulIdScratchRequirement, _checked_reuse_map
+from .dense_matmul_id import DenseMatmulIdInputLayout, DenseMatmulIdScratchRequirement, _checked_reuse_map, auto_grouped
 from .quantized_matmul import GgmlType
 
 SCHEMA_VERSION: int = _core.GGML_QUANTIZED_MATMUL_ID_SCHEMA_VERSION
@@ -187,7 +187,8 @@ def quantized_matmul_id_ggml(
 # ---- High level (routemm.matmul_id(..., ggml_type=...)) -----------------------------------------
 
 # The automatic choice takes the grouped route from this many tokens on when IDs are distinct per
-# token: the expert-ID threshold, one value for the dense and quantised ops (kept in the core).
+# token (on CUDA only at 256 routed rows per expert and more: dense_matmul_id.auto_grouped), one
+# value for the dense and quantised ops (kept in the core).
 AUTO_GROUPED_MIN_TOKENS = _DENSE_AUTO_GROUPED_MIN_TOKENS
 
 
@@ -202,13 +203,12 @@ def _element_width(w_shape, ggml_type: GgmlType) -> int:
     return int(w_shape[2]) // block_bytes * values
 
 
-def _quantized_route(route, distinct: bool, m: int) -> GgmlQuantizedMatmulIdRoute:
+def _quantized_route(route, distinct: bool, m: int, device, top_k: int, n_experts: int) -> GgmlQuantizedMatmulIdRoute:
+    """`route` parsed, or with None the automatic choice (dense_matmul_id.auto_grouped for block
+    stacks) when the ids are distinct per token, else direct."""
     if route is None:
-        return (
-            GgmlQuantizedMatmulIdRoute.GROUPED
-            if distinct and m >= AUTO_GROUPED_MIN_TOKENS
-            else GgmlQuantizedMatmulIdRoute.DIRECT
-        )
+        grouped = distinct and auto_grouped(device, m, top_k, n_experts, quantized=True)
+        return GgmlQuantizedMatmulIdRoute.GROUPED if grouped else GgmlQuantizedMatmulIdRoute.DIRECT
     try:
         return GgmlQuantizedMatmulIdRoute(route if not isinstance(route, enum.Enum) else route.value)
     except ValueError:
@@ -242,7 +242,7 @@ def matmul_id_quantized(weights, x, ids, ggml_type, route, out, device, check_sh
     ids64 = ids.astype(np.int64, copy=False)
     ids_u32 = np.where((ids64 >= 0) & (ids64 < n_experts), ids64, 0xFFFFFFFF).astype(np.uint32)
     distinct = _declarable_distinct(ids_distinct_per_token(ids64, n_experts), top_k, n_experts)
-    route = _quantized_route(route, distinct, m)
+    route = _quantized_route(route, distinct, m, device, top_k, n_experts)
     if route.is_grouped and not distinct:
         raise InvalidArgumentError("matmul_id grouped route needs ids distinct per token")
     if out is not None and not (
@@ -321,11 +321,11 @@ def _matmul_id_quantized_tensors(framework, weights, x, ids, ggml_type, route, o
     keyed = xp.where(valid, ids, -1 - slots)
     s = xp.sort(keyed, axis=1) if framework == "cupy" else xp.sort(keyed, dim=1).values
     distinct = top_k <= n_experts and (top_k <= 1 or not bool((s[:, 1:] == s[:, :-1]).any()))
-    route = _quantized_route(route, distinct, m)
-    if route.is_grouped and not distinct:
-        raise InvalidArgumentError("matmul_id grouped route needs ids distinct per token")
     w_buf, x_buf = from_dlpack(weights), from_dlpack(x)
     device = x_buf.device
+    route = _quantized_route(route, distinct, m, device, top_k, n_experts)
+    if route.is_grouped and not distinct:
+        raise InvalidArgumentError("matmul_id grouped route needs ids distinct per token")
     id_i32 = from_dlpack(ids32)
     id_buf = id_i32.view(0, id_i32.nbytes, DType.U32, [m, top_k])
     if out is None:

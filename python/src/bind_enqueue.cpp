@@ -42,10 +42,6 @@
 namespace routemm::python {
 namespace {
 
-// Calls of at least this many tokens take grouped_prefill when no route is given (and top_k <=
-// n_experts); fewer take direct. The rule reads shapes only.
-constexpr uint64_t kAutoGroupedMinTokens = 9;
-
 // ---- the per-device table ----------------------------------------------------------------------
 
 struct TensorOpTarget {
@@ -156,7 +152,8 @@ std::shared_ptr<const TensorMatmulIdPlan> plan_tensor_matmul_id(
     std::optional<DenseMatmulIdRoute> route) {
   const MatmulIdShape s = matmul_id_shape(w, x, ids);
   if (!route) {
-    const bool grouped = s.m >= kAutoGroupedMinTokens && s.top_k <= s.n_experts;
+    const bool grouped = expert_id_auto_grouped(target.device.backend_name(), s.m, s.top_k,
+                                                s.n_experts, /*quantized=*/false);
     route = grouped ? DenseMatmulIdRoute::GroupedPrefill : DenseMatmulIdRoute::Direct;
   } else if (is_grouped(*route) && s.top_k > s.n_experts) {
     throw InvalidArgument("matmul_id " + std::string(to_string(*route)) +
@@ -339,7 +336,15 @@ const RoutemmTensorOpAbi kTensorOpAbi = {
 
 void init_enqueue(py::module_& m) {
   static_assert(std::size(kAllDTypes) == 7, "the ABI's dtype codes are routemm::DType values");
-  m.attr("DENSE_MATMUL_ID_AUTO_GROUPED_MIN_TOKENS") = kAutoGroupedMinTokens;
+  m.attr("DENSE_MATMUL_ID_AUTO_GROUPED_MIN_TOKENS") = kExpertIdAutoGroupedMinTokens;
+  m.def(
+      "_expert_id_auto_grouped",
+      [](const std::string& backend, uint64_t m, uint64_t top_k, uint64_t n_experts,
+         bool quantized) {
+        return expert_id_auto_grouped(backend, m, top_k, n_experts, quantized);
+      },
+      "The automatic expert-ID route (routemm::expert_id_auto_grouped): True for the exact grouped "
+      "route.");
   m.attr("TENSOR_OP_ABI_VERSION") = ROUTEMM_TENSOR_OP_ABI_VERSION;
   m.attr("_tensor_op_abi") =
       py::capsule(static_cast<const void*>(&kTensorOpAbi), ROUTEMM_TENSOR_OP_ABI_CAPSULE);

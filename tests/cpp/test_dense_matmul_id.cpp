@@ -239,3 +239,29 @@ TEST(DenseMatmulId, RoutesAreBitIdenticalAndMatchADoubleReference) {
     }
   }
 }
+
+TEST(DenseMatmulIdAutoRoute, TokenThresholdEverywhereRowsPerExpertOnCuda) {
+  // Below nine tokens: direct on every backend.
+  for (const char* backend : {"cpu", "metal", "cuda"}) {
+    EXPECT_FALSE(expert_id_auto_grouped(backend, 8, 2, 8, false)) << backend;
+    EXPECT_FALSE(expert_id_auto_grouped(backend, 8, 2, 8, true)) << backend;
+  }
+  // CPU and Metal: grouped from nine tokens, whatever the reuse.
+  EXPECT_TRUE(expert_id_auto_grouped("cpu", 9, 8, 128, false));
+  EXPECT_TRUE(expert_id_auto_grouped("metal", 9, 8, 128, true));
+  // CUDA, dense: grouped from 8 routed rows per expert (m * top_k >= 8 * n_experts).
+  EXPECT_FALSE(expert_id_auto_grouped("cuda", 127, 8, 128, false));  // 7.9 rows per expert
+  EXPECT_TRUE(expert_id_auto_grouped("cuda", 128, 8, 128, false));   // 8
+  EXPECT_FALSE(expert_id_auto_grouped("cuda", 31, 2, 8, false));
+  EXPECT_TRUE(expert_id_auto_grouped("cuda", 32, 2, 8, false));
+  EXPECT_FALSE(expert_id_auto_grouped("cuda", 9, 2, 1, false));  // top_k > n_experts
+  EXPECT_TRUE(expert_id_auto_grouped("cuda", 9, 1, 1, false));   // 9 rows per expert
+  // CUDA, GGML block stacks: from 256 rows per expert.
+  EXPECT_FALSE(expert_id_auto_grouped("cuda", 4095, 8, 128, true));
+  EXPECT_TRUE(expert_id_auto_grouped("cuda", 4096, 8, 128, true));
+  // No slots, more slots than experts, or a threshold past 64 bits: direct, never an overflow.
+  EXPECT_FALSE(expert_id_auto_grouped("cpu", 64, 0, 8, false));
+  EXPECT_FALSE(expert_id_auto_grouped("cpu", 64, 9, 8, false));
+  EXPECT_FALSE(expert_id_auto_grouped("cuda", UINT64_MAX, 1, UINT64_MAX, true));
+  EXPECT_TRUE(expert_id_auto_grouped("cuda", UINT64_MAX, 8, uint64_t{1} << 40, false));
+}

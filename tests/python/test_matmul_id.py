@@ -7,6 +7,7 @@ import pytest
 import routemm
 from routemm import DenseMatmulIdRoute as Route
 from routemm import DType
+from routemm.dense_matmul_id import AUTO_GROUPED_MIN_TOKENS, auto_grouped
 from support import NP_DTYPE, WEIGHT_DTYPES, distinct_ids, random_weights, reference
 from tolerances import assert_close
 
@@ -34,18 +35,20 @@ def test_matches_reference_and_routes_agree(device, rng, dtype, slotted):
 
 
 @pytest.mark.parametrize(
-    "m,repeat,expected_dispatches",
+    "m,repeat,grouped_if_the_rule_says",
     [
-        (9, False, 2),  # distinct and m > 8 -> grouped_prefill (map + grouped)
-        (33, False, 2),
-        (8, False, 1),  # m <= 8 -> direct
-        (1, False, 1),
-        (9, True, 1),  # repeated ids -> direct (grouped would be rejected)
-        (9, "invalid", 2),  # two *different* out-of-range ids in a token are still distinct ids
+        (9, False, True),  # distinct and m > 8 -> grouped_prefill (map + grouped) where auto_grouped
+        (33, False, True),  # 24.75 rows per expert: grouped on every backend
+        (8, False, False),  # m <= 8 -> direct
+        (1, False, False),
+        (9, True, False),  # repeated ids -> direct (grouped would be rejected)
+        (9, "invalid", True),  # two *different* out-of-range ids in a token are still distinct ids
     ],
 )
-def test_route_selection_rule(device, rng, m, repeat, expected_dispatches):
+def test_route_selection_rule(device, rng, m, repeat, grouped_if_the_rule_says):
     top_k, n, k = 6, 7, 35
+    grouped = grouped_if_the_rule_says and auto_grouped(device, m, top_k, E)
+    expected_dispatches = 2 if grouped else 1
     w = random_weights(rng, DType.F32, (E, n, k))
     x = rng.uniform(-1, 1, (m, k)).astype(np.float32)
     ids = distinct_ids(rng, m, top_k, E).astype(np.int64)
@@ -61,6 +64,36 @@ def test_route_selection_rule(device, rng, m, repeat, expected_dispatches):
     if repeat is True:
         with pytest.raises(routemm.InvalidArgumentError, match="distinct expert IDs"):
             routemm.matmul_id(w, x, ids, route=Route.GROUPED_PREFILL, device=device)
+
+
+def test_auto_grouped_rule_by_backend():
+    # Every backend: direct below AUTO_GROUPED_MIN_TOKENS tokens, and when top_k > n_experts.
+    for backend in ("cpu", "metal", "cuda"):
+        assert not auto_grouped(backend, AUTO_GROUPED_MIN_TOKENS - 1, 2, 8)
+        assert not auto_grouped(backend, 4096, 9, 8)
+    # CPU and Metal: grouped from there on.
+    assert auto_grouped("cpu", AUTO_GROUPED_MIN_TOKENS, 8, 128)
+    assert auto_grouped("metal", 64, 8, 128, quantized=True)
+    # CUDA: only from 8 rows per expert on average (256 for block stacks).
+    assert not auto_grouped("cuda", 127, 8, 128) and auto_grouped("cuda", 128, 8, 128)
+    assert not auto_grouped("cuda", 31, 2, 8) and auto_grouped("cuda", 32, 2, 8)
+    assert not auto_grouped("cuda", 4095, 8, 128, quantized=True) and auto_grouped("cuda", 4096, 8, 128, quantized=True)
+    # A Device and its backend name agree.
+    dev = routemm.Device("cpu")
+    assert auto_grouped(dev, 9, 8, 128) == auto_grouped("cpu", 9, 8, 128)
+
+
+def test_automatic_route_follows_the_rule_on_the_receipt(device, rng):
+    # Qwen3-like reuse (E 128, top-8): on CUDA direct up to 127 tokens, grouped from 128; on the
+    # other backends grouped from 9. The receipt names the route that ran.
+    experts, top_k, n, k = 128, 8, 3, 16
+    w = random_weights(rng, DType.F32, (experts, n, k))
+    for m in (9, 127, 128):
+        x = rng.uniform(-1, 1, (m, k)).astype(np.float32)
+        ids = distinct_ids(rng, m, top_k, experts)
+        _, receipt = routemm.matmul_id(w, x, ids, device=device, return_receipt=True)
+        want = Route.GROUPED_PREFILL if auto_grouped(device, m, top_k, experts) else Route.DIRECT
+        assert receipt.route == want, (device.backend, m, receipt.route)
 
 
 def test_invalid_ids_zero_rows(device, rng):

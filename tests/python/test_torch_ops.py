@@ -42,8 +42,9 @@ def test_matmul_id_matches_reference(tdev, m):
 
 
 def test_shape_only_route_is_bit_identical_for_repeated_ids(tdev):
-    """m >= 9 takes grouped_prefill from the shape alone; repeated ids must not matter."""
-    w, x, ids = _moe(tdev, 16, top_k=3, repeat=True)
+    """32 tokens x 3 slots over 8 experts (12 rows per expert) take grouped_prefill from the shape
+    alone on every backend (auto_grouped); repeated ids must not matter."""
+    w, x, ids = _moe(tdev, 32, top_k=3, repeat=True)
     grouped = torch.ops.routemm.matmul_id(w, x, ids)
     direct = routemm.matmul_id(w, x, ids, route=routemm.DenseMatmulIdRoute.DIRECT)
     assert torch.equal(grouped.view(torch.int32), direct.view(torch.int32))

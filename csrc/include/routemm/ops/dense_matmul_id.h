@@ -188,6 +188,23 @@ class DenseMatmulIdScratch {
   std::shared_ptr<MapRecord> map_record_ = std::make_shared<MapRecord>();
 };
 
+// The automatic route of an expert-ID call that names none (`matmul_id`, the MoE layer, the
+// tensor and torch ops), for ids that may be declared distinct per token: true for the exact
+// grouped route, false for direct. From kExpertIdAutoGroupedMinTokens tokens on, on every backend;
+// on CUDA also only once the rows routed per expert reach kCudaGroupedRowsPerExpert (dense
+// stacks) or kCudaQuantizedGroupedRowsPerExpert (GGML block stacks) on average
+// (m * top_k >= rows * n_experts), because CUDA's direct kernels share a weight tile among the
+// rows routed to it through L2 and its exact grouped kernels pay per tile: measured on an H100 and
+// an H200 (bench/lab/records/logs/h200-checks-2026-12-05d.md), direct was 1.5-3.6x faster at 1-4
+// rows per expert and grouped 1.5-4x faster from 8 on (dense), and the quantised direct route
+// stayed ahead up to 128 rows per expert. Depends on the shapes and the backend only, never on
+// the ids. `backend` is a Device::backend_name() ("cpu", "cuda", "metal").
+inline constexpr uint64_t kExpertIdAutoGroupedMinTokens = 9;
+inline constexpr uint64_t kCudaGroupedRowsPerExpert = 8;
+inline constexpr uint64_t kCudaQuantizedGroupedRowsPerExpert = 256;
+bool expert_id_auto_grouped(std::string_view backend, uint64_t m, uint64_t top_k,
+                            uint64_t n_experts, bool quantized);
+
 // Exact byte extents for one call, with checked arithmetic; no allocation, no compilation.
 DenseMatmulIdCapability dense_matmul_id_capability(DType weight_dtype,
                                                    const DenseMatmulIdParams& params);
