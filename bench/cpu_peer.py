@@ -11,7 +11,9 @@ the reduced-precision direct_bf16_dot and grouped_bf16_dot for bf16 weights). Bo
 --runs timed batches: ggml's per-node time of a graph, routemm's time per dispatch of BATCH
 dispatches in one submission (and, at m = 1, of a lone commit-and-wait as well); with --rounds R both sides are timed R times in alternation and each side's
 minimum over the rounds is compared, so a drift of the machine's bandwidth during the run reaches
-both (one-token cases on a shared VM move by 20-40 % between runs). Weights are cycled through copies (Q4_0: >= 128 MB in all; expert ids: fresh
+both (one-token cases on a shared VM move by 20-40 % between runs); the table also gives the median
+and range of the per-round ratios, each from two sides measured minutes apart at most, and --ms 1
+keeps only the one-token cases so a round lasts about a minute. Weights are cycled through copies (Q4_0: >= 128 MB in all; expert ids: fresh
 random ids every call), so no call finds its weights in the last-level cache. The quantized_expert_id
 case is the same expert projection with Q4_0 and Q8_0 expert stacks (quantized_matmul_id_ggml,
 direct and grouped, beside ggml's MUL_MAT_ID of the same types).
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,9 +45,9 @@ import time
 import numpy as np
 
 N, K = 4096, 14336
-Q4_MS = (1, 8, 64, 512)
+Q4_MS = Q4_MS_ALL = (1, 8, 64, 512)
 E, TOP_K, EN, EK = 128, 8, 768, 2048
-MOE_MS = (1, 64, 512)
+MOE_MS = MOE_MS_ALL = (1, 64, 512)
 MOE_TYPES = ("bf16", "f32")
 # --routes: the exact routes (always timed), the opt-in int8-dot route of the Q4_0 product and the
 # opt-in bf16-dot expert-ID routes (bf16 weights; timed where the CPU has AVX512_BF16).
@@ -266,7 +269,8 @@ def _ggml(
             ",".join(map(str, MOE_MS)),
         ],
     }
-    runs_args = [runs_args[case] for case in CASES if case in cases]
+    ms_of = {"q4_0": Q4_MS, "expert_id": MOE_MS, "quantized_expert_id": MOE_MS}
+    runs_args = [runs_args[case] for case in CASES if case in cases and ms_of[case]]
     records, gbps = [], None
     for i, extra in enumerate(runs_args):
         with tempfile.TemporaryDirectory() as tmp:
@@ -321,8 +325,8 @@ def _comparison(records: list[dict], protocol: str) -> list[str]:
         if impl not in side or r["time_us"] < side[impl]["time_us"]:
             side[impl] = r
     lines = [
-        "| case | m | routemm (us) | route | ggml (us) | layout | routemm speed / ggml speed |",
-        "|---|---:|---:|---|---:|---|---:|",
+        "| case | m | routemm (us) | route | ggml (us) | layout | routemm speed / ggml speed | per round: median (range) |",
+        "|---|---:|---:|---|---:|---|---:|---:|",
     ]
     rows = []
     for (op, dtype, m), side in best.items():
@@ -337,13 +341,38 @@ def _comparison(records: list[dict], protocol: str) -> list[str]:
         ours, peer = side.get(ours_key), side.get("ggml_cpu")
         case = f"Q4_0 {N}x{K}" if op == "q4_0_matmul" else f"expert-ID Qwen3 {dtype}"
         ratio = f"{peer['time_us'] / ours['time_us']:.2f}x" if ours and peer else ""
+        per_round = _per_round_ratios(records, protocol, op, dtype, m, ours) if ours and peer else []
+        paired = (
+            f"{statistics.median(per_round):.2f}x ({min(per_round):.2f}-{max(per_round):.2f})"
+            if len(per_round) > 1
+            else ""
+        )
         lines.append(
             f"| {case} | {m} | {ours['time_us']:.0f} | {ours['route']} | "
-            f"{peer['time_us']:.0f} | {peer['route'].removeprefix('ggml_')} | {ratio} |"
+            f"{peer['time_us']:.0f} | {peer['route'].removeprefix('ggml_')} | {ratio} | {paired} |"
             if ours and peer
-            else f"| {case} | {m} | | | | | |"
+            else f"| {case} | {m} | | | | | | |"
         )
     return lines
+
+
+def _per_round_ratios(records: list[dict], protocol: str, op: str, dtype: str, m: int, ours: dict) -> list[float]:
+    """Per round, ggml's best layout over routemm's time on `ours`'s route: the two sides measured
+    minutes apart at most, so a drift of the machine between rounds cancels out of each ratio."""
+    ratios = []
+    for rnd in sorted({r.get("round") for r in records if r.get("round") is not None}):
+        same = [
+            r for r in records if r.get("round") == rnd and r["op"] == op and r["weight_dtype"] == dtype and r["m"] == m
+        ]
+        peer = [r["time_us"] for r in same if r["impl"] == "ggml_cpu"]
+        mine = [
+            r["time_us"]
+            for r in same
+            if r["impl"] == ours["impl"] and r["route"] == ours["route"] and r.get("protocol") == protocol
+        ]
+        if peer and mine:
+            ratios.append(min(peer) / min(mine))
+    return ratios
 
 
 def main() -> None:
@@ -358,6 +387,7 @@ def main() -> None:
         "--routes", default="exact", help=f"comma list of routemm's route sets to time: {', '.join(ROUTES)}"
     )
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of cases: {', '.join(CASES)}")
+    parser.add_argument("--ms", default=None, help="comma list of token counts to keep (default: every m of each case)")
     args = parser.parse_args()
     if not args.peer:
         parser.error("at least one --peer LABEL=PATH is needed")
@@ -370,6 +400,13 @@ def main() -> None:
     if not cases or any(c not in CASES for c in cases):
         parser.error(f"--cases takes a comma list of {', '.join(CASES)}, got {args.cases!r}")
 
+    if args.ms:
+        keep = {int(v) for v in args.ms.split(",") if v.strip()}
+        global Q4_MS, MOE_MS
+        Q4_MS = tuple(m for m in Q4_MS if m in keep)
+        MOE_MS = tuple(m for m in MOE_MS if m in keep)
+        if not Q4_MS and not MOE_MS:
+            parser.error(f"--ms keeps none of the cases' token counts ({sorted(set(Q4_MS_ALL) | set(MOE_MS_ALL))})")
     os.environ["ROUTEMM_CPU_THREADS"] = str(args.threads)  # read once, at the first kernel
     import routemm
 
