@@ -208,9 +208,10 @@ at::Tensor matmul_id(const at::Tensor& weights, const at::Tensor& x, const at::T
 
 // ---- q4_matmul ----------------------------------------------------------------------------------
 
-at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, c10::SymInt n_sym,
-                     c10::SymInt k_sym) {
-  const int64_t n = n_sym.expect_int(), k = k_sym.expect_int();
+// n and k arrive as plain integers: the schema's SymInt arguments bind to int64_t (a symbolic value
+// is guarded to its hint by the dispatcher), so no c10::SymInt lives in this frame while a check
+// below throws.
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t n, int64_t k) {
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k, "q4_matmul x must be [m, ", k, "], got shape ",
                     shape_repr(x.sizes()));
   TORCH_CHECK_VALUE(weight.scalar_type() == at::kByte,
