@@ -47,7 +47,8 @@ usage: bash bench/device.sh COMMAND [ARGS]
   peer             llama.cpp's ggml CUDA backend timed on the same shapes (bench/peer/; carry
                    .dev/llama). Knobs: LLAMA_SRC, PEER_BUILD, BUILD_ONLY=1, PEER_ARGS, BACKEND_OPS=0.
   engine           the engine-loop work: build; the encoder / graph / torch-op tests on cpu and cuda
-                   (tests/python/test_engine.py, test_torch_ops.py, test_encoder.py, test_matmul_id.py)
+                   (tests/python/test_engine.py, test_torch_ops.py, test_torch_kernels.py,
+                   test_encoder.py, test_matmul_id.py)
                    and the C++ encoder lifecycle tests; compute-sanitizer memcheck of the torch-op
                    and engine tests; bench/engine_decode.py host-cost (one eager
                    torch.ops.routemm.matmul_id call beside a bare launch) and decode-graph (LAYERS
@@ -517,8 +518,8 @@ cmd_engine() {
   if [ "${SKIP_TESTS:-0}" != 1 ]; then
     stamp pytest
     ROUTEMM_TEST_BACKENDS=cpu,cuda timeout 400 python3 -m pytest -q -p no:cacheprovider \
-      tests/python/test_engine.py tests/python/test_torch_ops.py tests/python/test_encoder.py \
-      tests/python/test_matmul_id.py > "$OUT/pytest.log" 2>&1
+      tests/python/test_engine.py tests/python/test_torch_ops.py tests/python/test_torch_kernels.py \
+      tests/python/test_encoder.py tests/python/test_matmul_id.py > "$OUT/pytest.log" 2>&1
     echo "pytest exit: $?" >> "$OUT/pytest.log"
     tail -15 "$OUT/pytest.log"
     stamp ctest
