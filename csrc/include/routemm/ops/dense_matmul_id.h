@@ -195,10 +195,12 @@ class DenseMatmulIdScratch {
 // stacks) or kCudaQuantizedGroupedRowsPerExpert (GGML block stacks) on average
 // (m * top_k >= rows * n_experts), because CUDA's direct kernels share a weight tile among the
 // rows routed to it through L2 and its exact grouped kernels pay per tile: measured on an H100 and
-// an H200 (bench/lab/records/logs/h200-checks-2026-12-05d.md), direct was 1.5-3.6x faster at 1-4
-// rows per expert and grouped 1.5-4x faster from 8 on (dense), and the quantised direct route
-// stayed ahead up to 128 rows per expert. Depends on the shapes and the backend only, never on
-// the ids. `backend` is a Device::backend_name() ("cpu", "cuda", "metal").
+// an H200 (bench/lab/records/logs/h200-checks-2026-12-05d.md), for dense stacks direct was up to
+// 3.6x faster at 0.5-4 rows per expert and grouped 1.5-7.9x faster from 8 on; for block stacks
+// direct was ahead at every measured m (up to 32 rows per expert, by 1.04-4.6x) and, by its time
+// at m = 512, level with grouped at 256 (Qwen3-30B-A3B Q4_0, m = 4096). Depends on the shapes and
+// the backend only, never on the ids. `backend` is a Device::backend_name() ("cpu", "cuda",
+// "metal").
 inline constexpr uint64_t kExpertIdAutoGroupedMinTokens = 9;
 inline constexpr uint64_t kCudaGroupedRowsPerExpert = 8;
 inline constexpr uint64_t kCudaQuantizedGroupedRowsPerExpert = 256;
