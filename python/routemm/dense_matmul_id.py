@@ -407,11 +407,13 @@ def auto_grouped(device, m: int, top_k: int, n_experts: int, *, quantized: bool 
     return _core._expert_id_auto_grouped(backend, int(m), int(top_k), int(n_experts), bool(quantized))
 
 
-def _pick_route(route, distinct: bool, m: int, device=None, top_k: int = 0, n_experts: int = 0) -> DenseMatmulIdRoute:
+def _pick_route(
+    route, distinct: bool, m: int, device=None, top_k: int = 0, n_experts: int = 0, *, quantized: bool = False
+) -> DenseMatmulIdRoute:
     """The route to run: `route` parsed, or with None the automatic choice (auto_grouped) when the
     ids are distinct per token, else direct."""
     if route is None:
-        grouped = distinct and auto_grouped(device, m, top_k, n_experts)
+        grouped = distinct and auto_grouped(device, m, top_k, n_experts, quantized=quantized)
         return DenseMatmulIdRoute.GROUPED_PREFILL if grouped else DenseMatmulIdRoute.DIRECT
     return DenseMatmulIdRoute(_enum_value(DenseMatmulIdRoute, route, "route"))
 

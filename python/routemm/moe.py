@@ -38,7 +38,6 @@ from .dense_matmul_id import (
     _framework,
     _pick_route,
     _registry_for,
-    auto_grouped,
     dense_matmul_id,
     ids_distinct_per_token,
 )
@@ -370,12 +369,9 @@ def moe_experts(
 
 
 def _checked_route(route, distinct: bool, s, device, ggml_type) -> DenseMatmulIdRoute:
-    """`route` parsed, or the automatic choice for the shapes `s` on `device` (a Device or a
-    backend name); a grouped route needs ids distinct per token."""
-    if route is None:
-        grouped = distinct and auto_grouped(device, s.m, s.top_k, s.n_experts, quantized=ggml_type is not None)
-        route = DenseMatmulIdRoute.GROUPED_PREFILL if grouped else DenseMatmulIdRoute.DIRECT
-    route = _pick_route(route, distinct, s.m)
+    """`route` parsed, or the automatic choice for the shapes `s` on `device`; a grouped route
+    needs ids distinct per token."""
+    route = _pick_route(route, distinct, s.m, device, s.top_k, s.n_experts, quantized=ggml_type is not None)
     if route.is_grouped and not distinct:
         raise InvalidArgumentError(f"moe_experts route {route.value} needs ids distinct per token")
     return route
@@ -439,7 +435,6 @@ def _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route,
         keyed = torch.where(valid, top_k_index, -1 - slots)
         sorted_ids = torch.sort(keyed, dim=1).values
         distinct = s.top_k <= 1 or not bool((sorted_ids[:, 1:] == sorted_ids[:, :-1]).any())
-    route = _checked_route(route, distinct, s, "cuda" if dev.type == "cuda" else "cpu", ggml_type)
 
     keep = []  # tensors that must outlive the submission
 
@@ -450,6 +445,7 @@ def _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route,
 
     x_buf = buf(hidden)
     device = x_buf.device
+    route = _checked_route(route, distinct, s, device, ggml_type)
     id_i32 = buf(ids32)
     ids_buf = id_i32.view(0, id_i32.nbytes, DType.U32, [s.m, s.top_k])
     weights_buf = buf(top_k_weights)

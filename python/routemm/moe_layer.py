@@ -32,8 +32,8 @@ from .dense_matmul_id import (
     DenseMatmulIdParams,
     DenseMatmulIdRoute,
     _default_device,
+    _pick_route,
     _registry_for,
-    auto_grouped,
     dense_matmul_id,
 )
 from .gguf_io import _gguf_header, _gguf_tensors
@@ -172,8 +172,8 @@ class MoeLayer:
         encoder.memory_barrier()
         _core._moe_gate(encoder, registry, logits, weights, ids, m, self.n_experts, self.top_k, self.renormalize)
         encoder.memory_barrier()
-        grouped = auto_grouped(device, m, self.top_k, self.n_experts, quantized=self.ggml_type is not None)
-        route = DenseMatmulIdRoute.GROUPED_PREFILL if grouped else DenseMatmulIdRoute.DIRECT  # gate ids distinct
+        quantized = self.ggml_type is not None
+        route = _pick_route(None, True, m, device, self.top_k, self.n_experts, quantized=quantized)  # gate ids distinct
         shapes = _ExpertShapes(m, self.top_k, self.n_experts, self.hidden, self.intermediate, stacked=False)
 
         def alloc(shape):
