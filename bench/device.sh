@@ -18,6 +18,8 @@ usage: bash bench/device.sh COMMAND [ARGS]
                    of bench/tools/cuda_checks.py; the expert-ID benchmark, then the Q4_0 benchmark
                    -> nvidia-smi.txt build.log pytest.log sanitizer.log bench.log and the results
                    JSON/Markdown. Knobs: SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1 (expert-ID),
+                   TEST_BACKENDS (default cpu,cuda), TEST_FILES (default tests/python),
+                   PYTEST_TIMEOUT (default 200 s),
                    Q4_BENCH=0, BENCH_ARGS, Q4_BENCH_ARGS, ROUTEMM_BENCH_Q4_SHAPES / _MS / _PEERS.
   session          everything in priority order, so a call cut short still returns the most
                    important: suite (no benchmarks), the Q4_0 plan with real timings and the
@@ -120,8 +122,9 @@ suite_build() {
 
 suite_tests() {
   stamp pytest
-  ROUTEMM_TEST_BACKENDS=cpu,cuda timeout 200 python3 -m pytest tests/python -q -p no:cacheprovider \
-    --continue-on-collection-errors --maxfail=40 > "$OUT/pytest.log" 2>&1
+  ROUTEMM_TEST_BACKENDS=${TEST_BACKENDS:-cpu,cuda} timeout "${PYTEST_TIMEOUT:-200}" \
+    python3 -m pytest ${TEST_FILES:-tests/python} -q -p no:cacheprovider \
+    --continue-on-collection-errors --maxfail=40 --durations=12 > "$OUT/pytest.log" 2>&1
   echo "pytest exit: $?" >> "$OUT/pytest.log"
   tail -25 "$OUT/pytest.log"
   [ "${SKIP_SANITIZER:-0}" = 1 ] && return 0
