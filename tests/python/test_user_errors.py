@@ -162,14 +162,16 @@ def test_get_pipeline_constant_ranges(registry):
 # ---- matmul_id -----------------------------------------------------------------------------------
 
 
-def _case(rng, m=12, top_k=2, n=8, k=16, experts=4):
+# m = 16 routes 32 rows to 4 experts: grouped_prefill is the automatic route on every backend (CUDA
+# groups from 8 rows per expert; routemm.dense_matmul_id.auto_grouped).
+def _case(rng, m=16, top_k=2, n=8, k=16, experts=4):
     w = rng.standard_normal((experts, n, k)).astype(np.float32)
     x = rng.standard_normal((m, k)).astype(np.float32)
     return w, x, distinct_ids(rng, m, top_k, experts)
 
 
 @pytest.mark.parametrize(
-    "m,route,expected", [(12, None, Route.GROUPED_PREFILL), (3, None, Route.DIRECT), (12, Route.DIRECT, Route.DIRECT)]
+    "m,route,expected", [(16, None, Route.GROUPED_PREFILL), (3, None, Route.DIRECT), (16, Route.DIRECT, Route.DIRECT)]
 )
 def test_matmul_id_returns_the_receipt_of_the_route_taken(device, rng, m, route, expected):
     w, x, ids = _case(rng, m=m)
@@ -182,7 +184,7 @@ def test_matmul_id_returns_the_receipt_of_the_route_taken(device, rng, m, route,
 
 def test_matmul_id_return_receipt_with_out(device, rng):
     w, x, ids = _case(rng)
-    out = np.empty((24, 8), np.float32)
+    out = np.empty((32, 8), np.float32)
     result, receipt = routemm.matmul_id(w, x, ids, out=out, device=device, return_receipt=True)
     assert result is out and receipt.route is Route.GROUPED_PREFILL
 
@@ -220,7 +222,7 @@ def test_matmul_id_receipt_for_torch_tensors(rng):
     torch = pytest.importorskip("torch")
     w, x, ids = (torch.from_numpy(a) for a in _case(rng))
     out, receipt = routemm.matmul_id(w, x, ids.to(torch.int32), return_receipt=True)
-    assert isinstance(out, torch.Tensor) and out.shape == (24, 8)
+    assert isinstance(out, torch.Tensor) and out.shape == (32, 8)
     assert receipt.route is Route.GROUPED_PREFILL and receipt.dispatch_count == 2
 
 

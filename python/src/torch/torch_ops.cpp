@@ -12,6 +12,11 @@
 // allocator, so a captured CUDA graph owns them) and CUDA work goes to the current stream of the
 // tensors' device, found through c10's device-guard interface so that no CUDA header is needed
 // and one source serves CPU and CUDA builds of torch.
+//
+// Messages are built as one std::string before they reach a check (c10::str of a single string
+// returns it as is) and numbers are formatted with std::to_string: this module uses no iostreams.
+// An integer streamed by an ostringstream of this module crashed inside the num_put facet (SIGSEGV)
+// under torch 2.11 on the H100 machine, while the same code ran under torch 2.13.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/clamp.h>
 #include <ATen/ops/empty.h>
@@ -22,7 +27,6 @@
 #include <array>
 #include <cstdint>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <unordered_map>
 
@@ -53,11 +57,9 @@ std::string dtype_repr(c10::ScalarType type) {
 }
 
 std::string shape_repr(c10::IntArrayRef sizes) {
-  std::ostringstream out;
-  out << '(';
-  for (size_t i = 0; i < sizes.size(); ++i) out << (i ? ", " : "") << sizes[i];
-  out << (sizes.size() == 1 ? ",)" : ")");
-  return out.str();
+  std::string out = "(";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  return out + (sizes.size() == 1 ? ",)" : ")");
 }
 
 // routemm::DType values (tensor_op_abi.h): F32, F16, BF16, U8, U16, U32, I32.
@@ -69,7 +71,7 @@ uint32_t routemm_dtype(const at::Tensor& t) {
     case at::kByte: return 3;
     case at::kInt: return 6;
     default:
-      TORCH_CHECK_VALUE(false, "no routemm dtype for torch dtype ", dtype_repr(t.scalar_type()));
+      TORCH_CHECK_VALUE(false, "no routemm dtype for torch dtype " + dtype_repr(t.scalar_type()));
   }
 }
 
@@ -77,7 +79,7 @@ uint32_t routemm_dtype(const at::Tensor& t) {
 std::pair<int32_t, int32_t> place(const at::Tensor& t) {
   const c10::Device d = t.device();
   if (d.is_cpu()) return {ROUTEMM_TENSOR_OP_DEVICE_CPU, 0};
-  TORCH_CHECK_VALUE(d.is_cuda(), "routemm has no backend for torch device ", d);
+  TORCH_CHECK_VALUE(d.is_cuda(), "routemm has no backend for torch device " + d.str());
   return {ROUTEMM_TENSOR_OP_DEVICE_CUDA, d.has_index() ? d.index() : 0};
 }
 
@@ -124,8 +126,8 @@ Plan make_plan(const at::Tensor& weights, const at::Tensor& x, const at::Tensor&
   const auto where = place(weights);
   TORCH_CHECK_VALUE(place(x) == where && place(ids) == where,
                     "matmul_id: tensors live on different devices");
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "matmul_id activations must be float32, got ",
-                    dtype_repr(x.scalar_type()));
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat,
+                    "matmul_id activations must be float32, got " + dtype_repr(x.scalar_type()));
   const RoutemmMatmulIdShapes shapes{where.first,
                                      where.second,
                                      routemm_dtype(weights),
@@ -176,7 +178,7 @@ at::Tensor ids_u32(const at::Tensor& ids, uint64_t n_experts) {
   if (ids.scalar_type() == at::kInt && ids.is_contiguous()) return ids;
   const auto type = ids.scalar_type();
   TORCH_CHECK_VALUE(!at::isFloatingType(type) && !at::isComplexType(type) && type != at::kBool,
-                    "matmul_id ids must be integers, got ", dtype_repr(type));
+                    "matmul_id ids must be integers, got " + dtype_repr(type));
   return at::clamp(ids, -1, static_cast<int64_t>(n_experts)).to(at::kInt).contiguous();
 }
 
@@ -209,18 +211,17 @@ at::Tensor matmul_id(const at::Tensor& weights, const at::Tensor& x, const at::T
 // ---- q4_matmul ----------------------------------------------------------------------------------
 
 // n and k arrive as plain integers: the schema's SymInt arguments bind to int64_t (a symbolic value
-// is guarded to its hint by the dispatcher), so no c10::SymInt lives in this frame while a check
-// below throws.
+// is guarded to its hint by the dispatcher).
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t n, int64_t k) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k, "q4_matmul x must be [m, ", k, "], got shape ",
-                    shape_repr(x.sizes()));
-  TORCH_CHECK_VALUE(weight.scalar_type() == at::kByte,
-                    "q4_matmul weight must be uint8 Q4_0 blocks, got ",
-                    dtype_repr(weight.scalar_type()));
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == k, "q4_matmul x must be [m, " + std::to_string(k) +
+                                                        "], got shape " + shape_repr(x.sizes()));
+  TORCH_CHECK_VALUE(
+      weight.scalar_type() == at::kByte,
+      "q4_matmul weight must be uint8 Q4_0 blocks, got " + dtype_repr(weight.scalar_type()));
   const auto where = place(x);
   TORCH_CHECK_VALUE(place(weight) == where, "q4_matmul: tensors live on different devices");
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "q4_matmul x must be float32, got ",
-                    dtype_repr(x.scalar_type()));
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat,
+                    "q4_matmul x must be float32, got " + dtype_repr(x.scalar_type()));
   TORCH_CHECK_VALUE(x.is_contiguous(), "q4_matmul: x must be contiguous");
   TORCH_CHECK_VALUE(weight.is_contiguous(), "q4_matmul: weight must be contiguous");
   const int64_t m = x.size(0);
