@@ -17,6 +17,9 @@ constexpr Knob kKnobs[] = {
      "highest instruction set the CPU kernels may use: avx512, avx2 or portable (unset: the best "
      "the CPU has); exact routes give the same bits under every value, and reduced-precision "
      "routes whose instructions are excluded are not registered"},
+    {"ROUTEMM_CPU_HUGE_PAGES", "bool", "1",
+     "0: CPU backend buffers of 2 MiB or more are not asked for transparent huge pages (1: they "
+     "are mapped on 2 MiB boundaries with madvise(MADV_HUGEPAGE), Linux only)"},
     {"ROUTEMM_CUDA_DIRECT_PATH", "str", "",
      "data path of the CUDA quantised expert-ID direct kernel (Q4_0/Q8_0 stacks, K a multiple of "
      "256, 16-byte aligned rows): bulk (the copy engine stages weights and activations in shared "
@@ -67,6 +70,16 @@ std::optional<std::string> cpu_isa() {
   return value;
 }
 
+bool cpu_huge_pages() {
+  static const bool value = [] {
+    const auto text = read("ROUTEMM_CPU_HUGE_PAGES");
+    if (!text || *text == "1") return true;
+    if (*text == "0") return false;
+    throw InvalidArgument("ROUTEMM_CPU_HUGE_PAGES must be 0 or 1, got '" + *text + "'");
+  }();
+  return value;
+}
+
 std::optional<std::string> cuda_direct_path() {
   static const std::optional<std::string> value = [] {
     const auto text = read("ROUTEMM_CUDA_DIRECT_PATH");
@@ -98,6 +111,7 @@ std::map<std::string, std::string> non_default() {
   if (const auto value = backend()) out["ROUTEMM_BACKEND"] = *value;
   if (cpu_threads() != 0) out["ROUTEMM_CPU_THREADS"] = std::to_string(cpu_threads());
   if (const auto value = cpu_isa()) out["ROUTEMM_CPU_ISA"] = *value;
+  if (!cpu_huge_pages()) out.emplace("ROUTEMM_CPU_HUGE_PAGES", std::string(1, '0'));
   if (const auto value = cuda_direct_path()) out["ROUTEMM_CUDA_DIRECT_PATH"] = *value;
   if (encoder_auto_barrier()) out.emplace("ROUTEMM_ENCODER_AUTO_BARRIER", std::string(1, '1'));
   return out;

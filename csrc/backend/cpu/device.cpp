@@ -10,10 +10,15 @@
 #include <new>
 #include <thread>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "isa.h"
 #include "kernels.h"
 #include "routemm/backend.h"
 #include "routemm/checked.h"
+#include "routemm/env.h"
 #include "routemm/error.h"
 #include "thread_pool.h"
 
@@ -22,6 +27,76 @@ namespace {
 
 // 64-byte alignment keeps vector loads of whole buffers aligned.
 constexpr size_t kAlignment = 64;
+
+// Host memory of the backend's buffers. On Linux, buffers of 2 MiB or more are mapped on 2 MiB
+// boundaries and advised MADV_HUGEPAGE (unless ROUTEMM_CPU_HUGE_PAGES=0): where transparent huge
+// pages are given only on request (the "madvise" mode), a kernel streaming weights then takes a
+// TLB miss per 2 MiB instead of per 4 KiB. Measured on a 2-core Zen 4 VM (madvise mode): the
+// bf16-dot decode pattern over 25 MB of weights ran 2-8% faster from huge pages. The advice is
+// only advice; where the kernel declines it, the buffer is plain pages. Smaller buffers, and every
+// buffer elsewhere, come from aligned_alloc.
+class HostMemory {
+ public:
+  static constexpr size_t kHugePage = size_t{2} << 20;
+
+  static void* allocate(size_t nbytes) {
+    const uint64_t rounded = checked_round_up(nbytes, kAlignment, "cpu backend allocation");
+    void* data = mapped(nbytes)
+                     ? map_huge(nbytes)
+                     : std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
+    if (data == nullptr)
+      throw OutOfMemory("cpu backend: cannot allocate " + std::to_string(nbytes) + " bytes");
+    return data;
+  }
+
+  static void release(void* data, size_t nbytes) noexcept {
+#if defined(__linux__)
+    if (mapped(nbytes)) {
+      munmap(data, huge_span(nbytes));
+      return;
+    }
+#endif
+    std::free(data);
+  }
+
+ private:
+  // The same answer for a buffer's allocation and release (the knob is read once per process).
+  static bool mapped(size_t nbytes) {
+#if defined(__linux__)
+    return nbytes >= kHugePage && env::cpu_huge_pages();
+#else
+    (void)nbytes;
+    return false;
+#endif
+  }
+
+  static size_t huge_span(size_t nbytes) {
+    return static_cast<size_t>(checked_round_up(nbytes, kHugePage, "cpu backend allocation"));
+  }
+
+  // An anonymous mapping of huge_span(nbytes) bytes starting on a 2 MiB boundary: one more huge
+  // page is mapped, and the unaligned head and the tail past the span are unmapped again.
+  static void* map_huge(size_t nbytes) {
+#if defined(__linux__)
+    const size_t span = huge_span(nbytes);
+    const size_t padded =
+        static_cast<size_t>(checked_add(span, kHugePage, "cpu backend allocation"));
+    void* raw = mmap(nullptr, padded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return nullptr;
+    const auto base = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t start = (base + kHugePage - 1) & ~uintptr_t{kHugePage - 1};
+    if (start > base) munmap(raw, start - base);
+    if (base + padded > start + span) {
+      munmap(reinterpret_cast<void*>(start + span), base + padded - (start + span));
+    }
+    (void)madvise(reinterpret_cast<void*>(start), span, MADV_HUGEPAGE);
+    return reinterpret_cast<void*>(start);
+#else
+    (void)nbytes;
+    return nullptr;
+#endif
+  }
+};
 
 double seconds_now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -217,14 +292,13 @@ class CpuBackend final : public Backend {
   int32_t dlpack_device_type() const override { return 1; }
 
   std::shared_ptr<Storage> allocate(size_t nbytes) override {
-    const uint64_t rounded = checked_round_up(nbytes, kAlignment, "cpu backend allocation");
     note_device_allocation();
-    void* data = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
-    if (data == nullptr)
-      throw OutOfMemory("cpu backend: cannot allocate " + std::to_string(nbytes) + " bytes");
-    return std::make_shared<Storage>(shared_from_this(), data, nbytes, true);
+    return std::make_shared<Storage>(shared_from_this(), HostMemory::allocate(nbytes), nbytes,
+                                     true);
   }
-  void deallocate(void* data, size_t) noexcept override { std::free(data); }
+  void deallocate(void* data, size_t nbytes) noexcept override {
+    HostMemory::release(data, nbytes);
+  }
   void copy_from_host(void* dst, const void* src, size_t nbytes) override {
     if (nbytes) std::memcpy(dst, src, nbytes);
   }

@@ -23,6 +23,9 @@ int64_t cpu_threads();
 // ROUTEMM_CPU_ISA: highest instruction-set clone the CPU kernels may use ("portable", "avx2",
 // "avx512"; unset: the best the CPU supports). Any other value throws InvalidArgument.
 std::optional<std::string> cpu_isa();
+// ROUTEMM_CPU_HUGE_PAGES: CPU backend buffers of 2 MiB or more ask for transparent huge pages
+// ("1" or unset; "0" turns that off). Any other value throws InvalidArgument.
+bool cpu_huge_pages();
 
 // ROUTEMM_CUDA_DIRECT_PATH: the CUDA quantised expert-ID direct kernel's data path ("bulk" or
 // "loads"; unset: bulk where the sm_90a image runs). Any other value throws InvalidArgument.
