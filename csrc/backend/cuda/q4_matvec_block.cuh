@@ -25,10 +25,12 @@ __device__ __forceinline__ void matvec_block_weights(const uint8_t* top, const u
                                                      uint32_t (&a_hi)[4], float& d_top,
                                                      float& d_bottom) {
   // Blocks are 18 bytes, so the 4 nibble bytes 4t..4t+3 of odd blocks are 4-byte aligned and those
-  // of even blocks 2-byte aligned.
+  // of even blocks 2-byte aligned. The parity is tested as b & 1, not b % 2 == 1: b's sign is
+  // unknown to the compiler, so b % 2 costs a run-time test in every block even where the
+  // unrolled loop fixes the parity of b.
   const int nib = b * 18 + 2 + 4 * t;
   const auto nibble_bytes = [&](const uint8_t* row) -> uint32_t {
-    if (b % 2 == 1) return *reinterpret_cast<const uint32_t*>(row + nib);
+    if (b & 1) return *reinterpret_cast<const uint32_t*>(row + nib);
     return uint32_t{*reinterpret_cast<const uint16_t*>(row + nib)} |
            (uint32_t{*reinterpret_cast<const uint16_t*>(row + nib + 2)} << 16);
   };

@@ -35,7 +35,7 @@ __device__ __forceinline__ uint32_t nibbles_plus_128(uint32_t x) {
 template <uint32_t kSelect = 0x4140>
 __device__ __forceinline__ void nibble_pairs(uint32_t bytes, uint32_t& low, uint32_t& high) {
   static_assert(kSelect == 0x4140 || kSelect == 0x4342);
-  const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);
+  const __nv_bfloat162 bias = bf162_of(0x43084308u);  // bf16 136.0 twice, as bits: no conversion
   const uint32_t spread = __byte_perm(bytes, 0, kSelect);  // [b0, 0, b1, 0]
   low = bits_of(__hsub2(bf162_of(nibbles_plus_128(spread)), bias));
   high = bits_of(__hsub2(bf162_of(nibbles_plus_128(spread >> 4)), bias));
