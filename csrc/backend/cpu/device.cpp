@@ -32,7 +32,8 @@ constexpr size_t kAlignment = 64;
 // boundaries and advised MADV_HUGEPAGE (unless ROUTEMM_CPU_HUGE_PAGES=0): where transparent huge
 // pages are given only on request (the "madvise" mode), a kernel streaming weights then takes a
 // TLB miss per 2 MiB instead of per 4 KiB. Measured on a 2-core Zen 4 VM (madvise mode): the
-// bf16-dot decode pattern over 25 MB of weights ran 2-8% faster from huge pages. The advice is
+// bf16-dot decode pattern over 25 MB of weights ran 2-13% faster from huge pages, the m = 1 bf16
+// expert-ID routes 0-7% (docs/backends.md). The advice is
 // only advice; where the kernel declines it, the buffer is plain pages. Smaller buffers, and every
 // buffer elsewhere, come from aligned_alloc.
 class HostMemory {
