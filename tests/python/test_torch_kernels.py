@@ -5,9 +5,11 @@ them (built torch version, ROUTEMM_TORCH_KERNELS) is honoured and explained."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -276,3 +278,39 @@ def test_fake_tensors_and_compile_run_with_the_cpp_kernels():
     compiled = torch.compile(step, fullgraph=True)(w, x, ids, blocks)
     for a, b in zip(compiled, step(w, x, ids, blocks), strict=True):
         assert torch.equal(a, b)
+
+
+def _call_arguments(code: str, name: str) -> list[list[str]]:
+    """The top-level arguments of every call of `name` in C++ `code` (no strings with parentheses)."""
+    calls = []
+    for piece in code.split(name + "(")[1:]:
+        depth, args, current = 1, [], ""
+        for ch in piece:
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0 or (depth == 1 and ch == ","):
+                args.append(current.strip())
+                current = ""
+                if depth == 0:
+                    break
+            else:
+                current += ch
+        calls.append(args)
+    return calls
+
+
+def test_cpp_kernels_use_no_iostreams():
+    """An integer formatted by an ostringstream of routemm._torch_ops crashed the process under
+    torch 2.11 (the error cases above, on a CUDA machine). Its messages are single strings, which
+    c10::str passes through, and it streams nothing itself."""
+    source = (Path(__file__).resolve().parents[2] / "python" / "src" / "torch" / "torch_ops.cpp").read_text()
+    code = "\n".join(line.split("//")[0] for line in source.splitlines())
+    code = re.sub(r'"(?:\\.|[^"\\])*"', '""', code)  # literals may hold commas and brackets
+    for banned in ("<sstream>", "<iostream>", "<ostream>", "stringstream", "std::cout", "std::cerr"):
+        assert banned not in code, banned
+    checks = {"TORCH_CHECK_VALUE": 2, "TORCH_CHECK_WITH": 3, "TORCH_CHECK": 2}
+    seen = 0
+    for name, most in checks.items():  # "TORCH_CHECK(" is not a part of "TORCH_CHECK_VALUE("
+        for args in _call_arguments(code, name):
+            seen += 1
+            assert len(args) <= most, f"{name} with a message of several parts: {args}"
+    assert seen >= 10

@@ -33,9 +33,9 @@ constexpr size_t kAlignment = 64;
 // pages are given only on request (the "madvise" mode), a kernel streaming weights then takes a
 // TLB miss per 2 MiB instead of per 4 KiB. Measured on a 2-core Zen 4 VM (madvise mode): the
 // bf16-dot decode pattern over 25 MB of weights ran 2-13% faster from huge pages, the m = 1 bf16
-// expert-ID routes 0-7% (docs/backends.md). The advice is
-// only advice; where the kernel declines it, the buffer is plain pages. Smaller buffers, and every
-// buffer elsewhere, come from aligned_alloc.
+// expert-ID routes 0-7% (docs/backends.md). The advice is only advice; where the kernel declines
+// it, the buffer is plain pages. Smaller buffers, and every buffer elsewhere, come from
+// aligned_alloc.
 class HostMemory {
  public:
   static constexpr size_t kHugePage = size_t{2} << 20;
@@ -294,8 +294,13 @@ class CpuBackend final : public Backend {
 
   std::shared_ptr<Storage> allocate(size_t nbytes) override {
     note_device_allocation();
-    return std::make_shared<Storage>(shared_from_this(), HostMemory::allocate(nbytes), nbytes,
-                                     true);
+    void* data = HostMemory::allocate(nbytes);
+    try {
+      return std::make_shared<Storage>(shared_from_this(), data, nbytes, true);
+    } catch (...) {
+      HostMemory::release(data, nbytes);
+      throw;
+    }
   }
   void deallocate(void* data, size_t nbytes) noexcept override {
     HostMemory::release(data, nbytes);

@@ -16,7 +16,8 @@
 // Messages are built as one std::string before they reach a check (c10::str of a single string
 // returns it as is) and numbers are formatted with std::to_string: this module uses no iostreams.
 // An integer streamed by an ostringstream of this module crashed inside the num_put facet (SIGSEGV)
-// under torch 2.11 on the H100 machine, while the same code ran under torch 2.13.
+// under torch 2.11.0+cu130, while the same code ran under torch 2.13
+// (tests/python/test_torch_kernels.py keeps iostreams out of this file).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/clamp.h>
 #include <ATen/ops/empty.h>
