@@ -10,7 +10,7 @@ import pytest
 import routemm
 from routemm import DType, q4_0
 from support import Q4_BASE_PIPELINES
-from tolerances import q4_gpu_bound
+from tolerances import q4_cuda_default_bound
 
 # The Q4_0 pipelines exist on the CPU backend; other backends gain them later.
 pytestmark = pytest.mark.needs_kernels(*Q4_BASE_PIPELINES)
@@ -98,9 +98,7 @@ def test_loaded_weight_feeds_the_matmul(gguf_file, device, rng):
         encoder.commit_and_wait()
         exact = x.astype(np.float64) @ w.T
         if device.backend == "cuda":
-            # CUDA's default routes: the split-numerics mat-vec up to 8 tokens, bf16 matrix routes above.
-            route = "mat_vec" if m <= 8 else "compatibility_v2"
-            assert np.all(np.abs(out.numpy() - exact) <= q4_gpu_bound(route, 96, np.abs(x) @ np.abs(w).T))
+            assert np.all(np.abs(out.numpy() - exact) <= q4_cuda_default_bound(m, 96, np.abs(x) @ np.abs(w).T))
         else:
             np.testing.assert_allclose(out.numpy(), exact, atol=1e-4, rtol=1e-4)
 

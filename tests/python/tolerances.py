@@ -199,6 +199,12 @@ def q4_gpu_bound(route: str, k: int, magnitude: np.ndarray) -> np.ndarray:
     return rel * magnitude + (k + 8) * SUBNORMAL_HALF_ULP
 
 
+def q4_cuda_default_bound(m: int, k: int, magnitude: np.ndarray) -> np.ndarray:
+    """q4_gpu_bound of the route CUDA's default policy gives m tokens: the split-numerics mat-vec
+    up to 8 tokens, a bf16 matrix route above (compatibility_v2 and tensor_64x32 share a bound)."""
+    return q4_gpu_bound("mat_vec" if m <= 8 else "compatibility_v2", k, magnitude)
+
+
 # ---- The MoE layer (moe_gate, moe_experts, MoeLayer) ----------------------------------------------
 #
 # Gate weights: one F32 exp per expert (the backend's, a few ulps) and an F32 sum over E terms, so
