@@ -192,7 +192,9 @@ cmd_session() {
   local final=$OUT repo
   repo=$(pwd)
   mkdir -p /tmp/logs /tmp/calibration
-  OUT=/tmp/logs SKIP_BENCH=1 Q4_BENCH=0 bash bench/device.sh suite > /tmp/logs/run.log 2>&1
+  # The suite's tests get 200 s here (not its own 420), so the plan and benchmarks after it run.
+  OUT=/tmp/logs SKIP_BENCH=1 Q4_BENCH=0 PYTEST_TIMEOUT=${PYTEST_TIMEOUT:-200} bash bench/device.sh suite \
+    > /tmp/logs/run.log 2>&1
   grep -E "passed|failed|FAILED" /tmp/logs/pytest.log | tail -4
   grep -E "exit" /tmp/logs/sanitizer.log 2>/dev/null
   stamp "suite done"
