@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import struct
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -315,3 +318,11 @@ def gguf_bytes(
         out += b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", type_id, offset)
     out += b"\0" * (-len(out) % max(alignment, 1))
     return out + data
+
+
+def run_python(code: str, *, unset: tuple[str, ...] = (), timeout: float = 60, **env: str):
+    """`code` run by a fresh interpreter (knobs are read once per process), with this process's
+    environment less the variables in `unset`, plus `env`; the finished process, output as text."""
+    child_env = {k: v for k, v in os.environ.items() if k not in unset}
+    child_env.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=child_env, capture_output=True, text=True, timeout=timeout)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import ml_dtypes
 import numpy as np
 import pytest
 import routemm
 from routemm import DType
+from support import run_python
 
 SIZES = {
     DType.F32: (4, "f32"),
@@ -191,9 +188,7 @@ def test_unknown_backend_lists_known():
 
 
 def _python(code: str, **env_overrides):
-    env = {k: v for k, v in os.environ.items() if k != "ROUTEMM_BACKEND"}
-    env.update(env_overrides)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    return run_python(code, unset=("ROUTEMM_BACKEND",), **env_overrides)
 
 
 def test_default_device_is_best_available():

@@ -21,6 +21,7 @@ import textwrap
 import numpy as np
 import pytest
 import routemm
+from support import run_python
 
 pytestmark = pytest.mark.skipif("cpu" not in routemm.available_backends(), reason="no cpu backend")
 
@@ -152,12 +153,10 @@ def test_cpu_isa_clones_are_bit_identical(tmp_path):
 
 
 def test_cpu_isa_knob_caps_the_clone_and_is_recorded():
-    env = {k: v for k, v in os.environ.items() if k != "ROUTEMM_BACKEND"}
-    env["ROUTEMM_CPU_ISA"] = "portable"
     code = (
         "import routemm; print(routemm.Device('cpu').properties['isa'], routemm.env.non_default()['ROUTEMM_CPU_ISA'])"
     )
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    done = run_python(code, unset=("ROUTEMM_BACKEND",), ROUTEMM_CPU_ISA="portable")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["portable", "portable"]
     assert routemm.Device("cpu").properties["isa"] in ISAS
@@ -165,9 +164,7 @@ def test_cpu_isa_knob_caps_the_clone_and_is_recorded():
 
 
 def test_cpu_isa_knob_rejects_unknown_values():
-    env = {k: v for k, v in os.environ.items() if k != "ROUTEMM_BACKEND"}
-    env["ROUTEMM_CPU_ISA"] = "avx1024"
     code = "import routemm; routemm.Device('cpu').properties"
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    done = run_python(code, unset=("ROUTEMM_BACKEND",), ROUTEMM_CPU_ISA="avx1024")
     assert done.returncode != 0
     assert "ROUTEMM_CPU_ISA must be portable, avx2 or avx512, got 'avx1024'" in done.stderr

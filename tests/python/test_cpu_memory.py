@@ -4,22 +4,19 @@ aligned; every size round-trips its bytes, and freed mappings are returned."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import routemm
+from support import run_python
 
 HUGE = 2 << 20
 LINUX = sys.platform.startswith("linux")
 
 
 def _python(code: str, **env_overrides):
-    env = {k: v for k, v in os.environ.items() if k != "ROUTEMM_CPU_HUGE_PAGES"}
-    env.update(env_overrides)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    return run_python(code, unset=("ROUTEMM_CPU_HUGE_PAGES",), **env_overrides)
 
 
 @pytest.mark.parametrize("nbytes", [1, 4096, HUGE - 1, HUGE, HUGE + 1, 3 * HUGE + 17])
