@@ -86,6 +86,15 @@ usage: bash bench/device.sh COMMAND [ARGS]
                    Knobs: SKIP_TESTS=1, SKIP_SANITIZER=1.
   lab mma-rows     bench/lab/q4_matvec_mma_rows_lab.cu and bench/lab/read_floor_lab.cu with Nsight
                    Compute kernel durations (LAB_NCU_SHAPES, default "0 1 2 3 4").
+  ab PATCH CMD     a same-machine A/B of a change: PATCH is a diff that the tree already holds (make
+                   it with `git diff BASE -- csrc > .dev/change.diff` and carry .dev/change.diff);
+                   builds and runs the shell line CMD with the change, reverts it (patch -R),
+                   builds and runs CMD without, and so on for ROUNDS pairs (default 2, with first),
+                   rebuilding incrementally; the tree is left as it came. Each run's output goes to
+                   ab-<n>-<with|without>.log in $OUT, its last AB_TAIL lines (default 12) to the
+                   console. CMD may write files into $AB_OUT (a folder per run, packed into
+                   ab.tar.gz). Example:
+                   bash bench/device.sh ab .dev/change.diff "python3 bench/tools/qid_timing.py ..."
   batch CMD...      several commands in one call, in the order given: the first builds (unless
                    SKIP_BUILD=1), the rest reuse its build. A CMD may carry knobs of its own after a
                    colon ("qid:PEER=0 MS=1,8"). Each writes into a folder of its own, packed into
@@ -624,7 +633,31 @@ cmd_direct_path() {
   stamp done
 }
 
-# ---- batch --------------------------------------------------------------------------------------
+# ---- ab -------------------------------------------------------------------------------------------
+
+cmd_ab() {
+  local patch=${1:?ab needs PATCH CMD} line=${2:?ab needs PATCH CMD} rounds=${ROUNDS:-2} n=0 r label
+  patch -R -p1 --dry-run -s < "$patch" > /dev/null || { echo "ab: $patch is not applied to this tree" >&2; return 2; }
+  mkdir -p /tmp/ab
+  for r in $(seq 1 "$rounds"); do
+    for label in with without; do
+      n=$((n + 1))
+      [ "$label" = without ] && patch -R -p1 -s < "$patch"
+      stamp "ab $n: build ($label)"
+      build_sm90a "/tmp/ab/build-$n.log" || { tail -30 "/tmp/ab/build-$n.log"; [ "$label" = without ] && patch -p1 -s < "$patch"; return 1; }
+      stamp "ab $n: run ($label)"
+      mkdir -p "/tmp/ab/$n-$label"
+      AB_OUT=/tmp/ab/$n-$label bash -c "$line" > "$OUT/ab-$n-$label.log" 2>&1
+      echo "exit: $?" >> "$OUT/ab-$n-$label.log"
+      tail -n "${AB_TAIL:-12}" "$OUT/ab-$n-$label.log"
+      [ "$label" = without ] && patch -p1 -s < "$patch"
+    done
+  done
+  tar -C /tmp --exclude='build-*' -czf "$OUT/ab.tar.gz" ab
+  stamp done
+}
+
+# ---- batch ----------------------------------------------------------------------------------------
 
 cmd_batch() {
   local spec name knobs left n=0 final=$OUT root
@@ -661,7 +694,7 @@ command=${1:-help}
 case "$command" in
   help | -h | --help) usage; exit 0 ;;
   suite | session | quick | demo | q4-matvec | tensor | profile | peer | qid | engine | host-cost | lab \
-    | direct-path | batch) ;;
+    | direct-path | ab | batch) ;;
   *) echo "unknown command '$command'" >&2; usage >&2; exit 2 ;;
 esac
 source bench/device_common.sh
