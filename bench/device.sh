@@ -636,8 +636,9 @@ cmd_direct_path() {
 # ---- ab -------------------------------------------------------------------------------------------
 
 cmd_ab() {
-  local patch=${1:?ab needs PATCH CMD} line=${2:?ab needs PATCH CMD} rounds=${ROUNDS:-2} n=0 r label
-  patch -R -p1 --dry-run -s < "$patch" > /dev/null || { echo "ab: $patch is not applied to this tree" >&2; return 2; }
+  [ $# -eq 2 ] || { echo "ab needs PATCH CMD" >&2; return 2; }
+  local patch=$1 line=$2 rounds=${ROUNDS:-2} n=0 r label
+  patch -R -p1 --dry-run -s < "$patch" > /dev/null 2>&1 || { echo "ab: $patch is not applied to this tree" >&2; return 2; }
   mkdir -p /tmp/ab
   for r in $(seq 1 "$rounds"); do
     for label in with without; do

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 DEVICE_COMMANDS = (
     "suite", "session", "quick", "demo", "q4-matvec", "tensor", "profile", "peer", "qid", "engine", "host-cost", "lab",
-    "direct-path", "batch",
+    "direct-path", "ab", "batch",
 )  # fmt: skip
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
@@ -59,6 +59,7 @@ def test_device_help_lists_every_command():
         (("profile",), "profile needs one of"),
         (("lab", "x"), "lab needs one of"),
         (("batch",), "batch needs at least one command"),
+        (("ab", "only-a-patch"), "ab needs PATCH CMD"),
     ],
 )
 def test_device_refuses_what_it_does_not_know(tmp_path, args, message):
@@ -73,6 +74,13 @@ def test_device_batch_packs_each_command_as_it_ends(tmp_path):
     with tarfile.open(tmp_path / "help.tar.gz") as packed:
         console = packed.extractfile("help/console.txt").read().decode()
     assert "usage: bash bench/device.sh COMMAND" in console and "exit: 0" in console
+
+
+def test_device_ab_refuses_a_change_the_tree_does_not_hold(tmp_path):
+    diff = tmp_path / "change.diff"
+    diff.write_text("--- a/README.md\n+++ b/README.md\n@@ -1,1 +1,2 @@\n+a line README.md does not have\n # routemm\n")
+    result = _device("ab", str(diff), "true", OUT=str(tmp_path))
+    assert result.returncode == 2 and "is not applied to this tree" in result.stderr
 
 
 def test_device_peer_without_a_ggml_tree_says_what_to_carry(tmp_path):
