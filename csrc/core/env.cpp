@@ -36,6 +36,14 @@ std::optional<std::string> read(const char* name) {
   return std::string(value);
 }
 
+// A 0/1 knob: unset gives `fallback`; any other value throws InvalidArgument.
+bool read_flag(const char* name, bool fallback) {
+  const auto text = read(name);
+  if (!text) return fallback;
+  if (*text == "0" || *text == "1") return *text == "1";
+  throw InvalidArgument(std::string(name) + " must be 0 or 1, got '" + *text + "'");
+}
+
 }  // namespace
 
 std::optional<std::string> backend() {
@@ -71,12 +79,7 @@ std::optional<std::string> cpu_isa() {
 }
 
 bool cpu_huge_pages() {
-  static const bool value = [] {
-    const auto text = read("ROUTEMM_CPU_HUGE_PAGES");
-    if (!text || *text == "1") return true;
-    if (*text == "0") return false;
-    throw InvalidArgument("ROUTEMM_CPU_HUGE_PAGES must be 0 or 1, got '" + *text + "'");
-  }();
+  static const bool value = read_flag("ROUTEMM_CPU_HUGE_PAGES", true);
   return value;
 }
 
@@ -92,12 +95,7 @@ std::optional<std::string> cuda_direct_path() {
 }
 
 bool encoder_auto_barrier() {
-  static const bool value = [] {
-    const auto text = read("ROUTEMM_ENCODER_AUTO_BARRIER");
-    if (!text || *text == "0") return false;
-    if (*text == "1") return true;
-    throw InvalidArgument("ROUTEMM_ENCODER_AUTO_BARRIER must be 0 or 1, got '" + *text + "'");
-  }();
+  static const bool value = read_flag("ROUTEMM_ENCODER_AUTO_BARRIER", false);
   return value;
 }
 
