@@ -1,6 +1,7 @@
 // Environment knobs: read once, validated, recorded when not default.
 #include "routemm/env.h"
 
+#include <cerrno>
 #include <cstdlib>
 #include <mutex>
 
@@ -13,6 +14,11 @@ constexpr Knob kKnobs[] = {
     {"ROUTEMM_BACKEND", "str", "", "backend Device() opens when none is named: cpu, cuda or metal"},
     {"ROUTEMM_CPU_THREADS", "int", "0",
      "worker threads of the CPU backend; 0 uses every hardware thread"},
+    {"ROUTEMM_CPU_SPIN_US", "int", "200",
+     "microseconds the CPU backend's threads poll before they sleep: a worker for the next kernel, "
+     "the calling thread for the workers' last chunks (waking a sleeping thread costs tens of "
+     "microseconds); 0: they sleep at once. No polling when ROUTEMM_CPU_THREADS exceeds the "
+     "hardware threads"},
     {"ROUTEMM_CPU_ISA", "str", "",
      "highest instruction set the CPU kernels may use: avx512, avx2 or portable (unset: the best "
      "the CPU has); exact routes give the same bits under every value, and reduced-precision "
@@ -44,6 +50,23 @@ bool read_flag(const char* name, bool fallback) {
   throw InvalidArgument(std::string(name) + " must be 0 or 1, got '" + *text + "'");
 }
 
+// An integer knob in [lo, hi]: unset gives `fallback`; anything else throws InvalidArgument.
+int64_t read_int(const char* name, int64_t lo, int64_t hi, int64_t fallback) {
+  const auto text = read(name);
+  if (!text) return fallback;
+  // Digits with an optional minus sign only: strtoll alone would also take leading blanks and '+'.
+  const char first = text->front();
+  char* end = nullptr;
+  errno = 0;
+  const long long parsed = std::strtoll(text->c_str(), &end, 10);
+  if ((first != '-' && (first < '0' || first > '9')) || end == text->c_str() || *end != '\0' ||
+      errno == ERANGE || parsed < lo || parsed > hi) {
+    throw InvalidArgument(std::string(name) + " must be an integer in [" + std::to_string(lo) +
+                          ", " + std::to_string(hi) + "], got '" + *text + "'");
+  }
+  return static_cast<int64_t>(parsed);
+}
+
 }  // namespace
 
 std::optional<std::string> backend() {
@@ -52,17 +75,12 @@ std::optional<std::string> backend() {
 }
 
 int64_t cpu_threads() {
-  static const int64_t value = [] {
-    const auto text = read("ROUTEMM_CPU_THREADS");
-    if (!text) return int64_t{0};
-    char* end = nullptr;
-    const long long parsed = std::strtoll(text->c_str(), &end, 10);
-    if (end == text->c_str() || *end != '\0' || parsed < 0 || parsed > 4096) {
-      throw InvalidArgument("ROUTEMM_CPU_THREADS must be an integer in [0, 4096], got '" + *text +
-                            "'");
-    }
-    return static_cast<int64_t>(parsed);
-  }();
+  static const int64_t value = read_int("ROUTEMM_CPU_THREADS", 0, 4096, 0);
+  return value;
+}
+
+int64_t cpu_spin_us() {
+  static const int64_t value = read_int("ROUTEMM_CPU_SPIN_US", 0, kCpuSpinUsMax, kCpuSpinUsDefault);
   return value;
 }
 
@@ -108,6 +126,8 @@ std::map<std::string, std::string> non_default() {
   std::map<std::string, std::string> out;
   if (const auto value = backend()) out["ROUTEMM_BACKEND"] = *value;
   if (cpu_threads() != 0) out["ROUTEMM_CPU_THREADS"] = std::to_string(cpu_threads());
+  if (cpu_spin_us() != kCpuSpinUsDefault)
+    out["ROUTEMM_CPU_SPIN_US"] = std::to_string(cpu_spin_us());
   if (const auto value = cpu_isa()) out["ROUTEMM_CPU_ISA"] = *value;
   if (!cpu_huge_pages()) out.emplace("ROUTEMM_CPU_HUGE_PAGES", std::string(1, '0'));
   if (const auto value = cuda_direct_path()) out["ROUTEMM_CUDA_DIRECT_PATH"] = *value;

@@ -2,13 +2,44 @@
 #include "thread_pool.h"
 
 #include <algorithm>
-#include <atomic>
 
 #include "routemm/env.h"
 
-namespace routemm::cpu {
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
-ThreadPool::ThreadPool(size_t threads) {
+namespace routemm::cpu {
+namespace {
+
+// One polling step: a pause hint where the ISA has one (it lets the sibling hyperthread run and
+// saves power), else a yield.
+inline void relax() {
+#if defined(__x86_64__) || defined(_M_X64)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Polls done() for up to `spin`; true when it turned true.
+template <class Done>
+bool poll_for(std::chrono::microseconds spin, Done done) {
+  if (spin.count() <= 0) return done();
+  const auto until = std::chrono::steady_clock::now() + spin;
+  for (unsigned i = 0;; ++i) {
+    if (done()) return true;
+    // The clock every 64 steps: a pause is tens of cycles, a clock read about as many.
+    if (i % 64 == 63 && std::chrono::steady_clock::now() >= until) return done();
+    relax();
+  }
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(size_t threads, std::chrono::microseconds spin) : spin_(spin) {
   const size_t extra = threads > 1 ? threads - 1 : 0;
   workers_.reserve(extra);
   for (size_t i = 0; i < extra; ++i) workers_.emplace_back([this] { worker_loop(); });
@@ -27,11 +58,13 @@ ThreadPool& ThreadPool::instance() {
   // Never destroyed: at process exit a thread that is still inside a kernel (e.g. a daemon thread
   // of an embedding interpreter) may still be using the pool while static destructors run, and
   // joining workers then could deadlock. The OS reclaims the threads with the process.
-  static ThreadPool* const pool = new ThreadPool([] {
+  static ThreadPool* const pool = [] {
+    const size_t hardware = std::max<size_t>(1, std::thread::hardware_concurrency());
     const int64_t configured = env::cpu_threads();
-    if (configured > 0) return static_cast<size_t>(configured);
-    return std::max<size_t>(1, std::thread::hardware_concurrency());
-  }());
+    const size_t threads = configured > 0 ? static_cast<size_t>(configured) : hardware;
+    const std::chrono::microseconds spin{threads <= hardware ? env::cpu_spin_us() : 0};
+    return new ThreadPool(threads, spin);
+  }();
   return *pool;
 }
 
@@ -56,6 +89,7 @@ void ThreadPool::run_chunks() {
 void ThreadPool::worker_loop() {
   uint64_t seen = 0;
   for (;;) {
+    poll_for(spin_, [&] { return stop_.load() || generation_.load() != seen; });
     {
       std::unique_lock lock(mutex_);
       wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
@@ -94,6 +128,7 @@ void ThreadPool::parallel_for(size_t n, size_t grain,
   }
   wake_.notify_all();
   run_chunks();
+  poll_for(spin_, [&] { return active_.load() == 0; });  // then the locked check below decides
   std::exception_ptr error;
   {
     std::unique_lock lock(mutex_);

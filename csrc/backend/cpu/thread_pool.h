@@ -1,8 +1,18 @@
 // A fixed pool of worker threads for CPU kernels: parallel_for over an index range, the calling
 // thread taking part. One pool per process, sized by ROUTEMM_CPU_THREADS (default: hardware threads),
 // alive until the process ends (never destroyed at exit).
+//
+// Waiting: a worker that finished a job polls for the next one for `spin` before it sleeps on a
+// condition variable, and the caller polls for the workers' last chunks for as long before it
+// sleeps. Waking a sleeping thread costs a futex round trip, about 20 us on a 2-core VM, which a
+// kernel pays at its start (a worker joins late) and at its end (the caller wakes late); a decode
+// step runs kernels back to back, so most joins then find the threads polling. The instance's
+// spin is ROUTEMM_CPU_SPIN_US, and zero when the pool has more threads than the hardware, where
+// polling would take cores from threads with work.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <exception>
@@ -15,7 +25,7 @@ namespace routemm::cpu {
 
 class ThreadPool {
  public:
-  explicit ThreadPool(size_t threads);
+  explicit ThreadPool(size_t threads, std::chrono::microseconds spin = {});
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -32,14 +42,17 @@ class ThreadPool {
   void worker_loop();
   void run_chunks();
 
+  const std::chrono::microseconds spin_;
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable wake_, done_;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
-  // Current job.
+  // Written under mutex_; atomic so the polling loops may read them without it.
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
+  std::atomic<size_t> active_{0};
+  // Current job (under mutex_).
   const std::function<void(size_t, size_t)>* body_ = nullptr;
-  size_t n_ = 0, chunk_ = 0, next_ = 0, active_ = 0;
+  size_t n_ = 0, chunk_ = 0, next_ = 0;
   std::exception_ptr error_;
   std::mutex job_mutex_;  // one parallel_for at a time
 };

@@ -20,6 +20,10 @@ struct Knob {
 std::optional<std::string> backend();
 // ROUTEMM_CPU_THREADS: worker threads of the CPU backend (0 or unset: hardware threads).
 int64_t cpu_threads();
+// ROUTEMM_CPU_SPIN_US: microseconds the CPU pool's threads poll before sleeping (0..kCpuSpinUsMax,
+// default kCpuSpinUsDefault). Any other value throws InvalidArgument.
+inline constexpr int64_t kCpuSpinUsDefault = 200, kCpuSpinUsMax = 1000000;
+int64_t cpu_spin_us();
 // ROUTEMM_CPU_ISA: highest instruction-set clone the CPU kernels may use ("portable", "avx2",
 // "avx512"; unset: the best the CPU supports). Any other value throws InvalidArgument.
 std::optional<std::string> cpu_isa();
