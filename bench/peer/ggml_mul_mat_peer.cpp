@@ -34,7 +34,14 @@
 //   [--moe-types bf16,q4_0] [--nodes 32] [--reps 4] [--batches 5] [--warmup 2]
 //   [--rotate-mb 256] [--max-mb 16384] [--threads T] [--tol 0.03]
 //   [--shapes 4096x14336,q_proj] [--modes l2,rotated] [--stat median|min] [--read-bandwidth-mb 0]
+//   [--serve]
 // --small replaces every shape with a small one of the same kind (a quick check on a CPU).
+//
+// --serve: after each case's warm-up, the harness prints `serve op=... type=... shape=... m=...
+// mode=...` and reads commands from stdin: `go` times --batches batches and prints `us=<per-op us of
+// the --stat batch>`; `next` (or the end of input) goes on with the case's check and its result line.
+// A driver can then take turns with another program batch by batch (bench/cpu_peer_turns.py), so the
+// two see the same memory bandwidth where it drifts between runs.
 //
 // --moe-types picks the expert stack types (bf16, f16, f32, q4_0, q8_0); --shapes and --modes filter
 // the cases; --stat min reports the fastest batch instead of the median one. --read-bandwidth-mb S
@@ -87,6 +94,7 @@ struct Options {
   std::string shapes;  // comma-separated shape names, "" = all
   std::string modes;   // comma-separated l2/rotated, "" = both
   bool min_stat = false;
+  bool serve = false;
   double read_bandwidth_mb = 0;
 };
 
@@ -308,15 +316,40 @@ bool run_case(ggml_backend_t backend, const Options& opt, const Case& c, Result&
 
   for (int i = 0; i < opt.warmup; ++i) ggml_backend_graph_compute(backend, gf);
   ggml_backend_synchronize(backend);
-  std::vector<double> per_op;
-  for (int b = 0; b < opt.batches; ++b) {
-    const double t0 = now_s();
-    for (int r = 0; r < opt.reps; ++r) ggml_backend_graph_compute_async(backend, gf);
-    ggml_backend_synchronize(backend);
-    per_op.push_back((now_s() - t0) / ((double)opt.reps * nodes));
+  // Per-op seconds of opt.batches batches, the median or (--stat min) the fastest.
+  const auto time_batches = [&] {
+    std::vector<double> per_op;
+    for (int b = 0; b < opt.batches; ++b) {
+      const double t0 = now_s();
+      for (int r = 0; r < opt.reps; ++r) ggml_backend_graph_compute_async(backend, gf);
+      ggml_backend_synchronize(backend);
+      per_op.push_back((now_s() - t0) / ((double)opt.reps * nodes));
+    }
+    std::sort(per_op.begin(), per_op.end());
+    return opt.min_stat ? per_op.front() : per_op[per_op.size() / 2];
+  };
+  double sec = 0;
+  if (opt.serve) {  // see --serve in the header; the reported time is the best `go`
+    std::printf("serve op=%s type=%s shape=%s m=%lld mode=%s\n", c.moe ? "MUL_MAT_ID" : "MUL_MAT",
+                ggml_type_name(c.type), c.shape_name.c_str(), (long long)c.m,
+                c.rotated ? "rotated" : "l2");
+    std::fflush(stdout);
+    sec = 1e30;
+    char line[64];
+    while (std::fgets(line, sizeof line, stdin) != nullptr && std::strncmp(line, "next", 4) != 0) {
+      if (std::strncmp(line, "go", 2) != 0) {
+        std::fprintf(stderr, "unknown serve command %s", line);
+        continue;
+      }
+      const double t = time_batches();
+      sec = std::min(sec, t);
+      std::printf("us=%.3f\n", t * 1e6);
+      std::fflush(stdout);
+    }
+    if (sec == 1e30) sec = time_batches();
+  } else {
+    sec = time_batches();
   }
-  std::sort(per_op.begin(), per_op.end());
-  const double sec = opt.min_stat ? per_op.front() : per_op[per_op.size() / 2];
 
   // Check node 0 against float64 over a row subset sized to ~64M multiply-adds.
   std::vector<float> oh((size_t)ggml_nelements(out[0]));
@@ -527,6 +560,8 @@ int main(int argc, char** argv) {
       opt.modes = val();
     else if (a == "--stat")
       opt.min_stat = std::string(val()) == "min";
+    else if (a == "--serve")
+      opt.serve = true;
     else if (a == "--read-bandwidth-mb")
       opt.read_bandwidth_mb = std::atof(val());
     else {
