@@ -95,6 +95,10 @@ usage: bash bench/device.sh COMMAND [ARGS]
                    console. CMD may write files into $AB_OUT (a folder per run, packed into
                    ab.tar.gz). Example:
                    bash bench/device.sh ab .dev/change.diff "python3 bench/tools/qid_timing.py ..."
+                   Stacked changes: PATCH may list diffs as P1:P2:...:Pn in the order they were
+                   made (each a diff over the one before it). Each round then runs CMD with all of
+                   them ("with"), then reverts them last first, running CMD after each revert
+                   ("without-Pn", "without-Pn-...-P1", labels by file name without .diff).
   batch CMD...      several commands in one call, in the order given: the first builds (unless
                    SKIP_BUILD=1), the rest reuse its build. A CMD may carry knobs of its own after a
                    colon ("qid:PEER=0 MS=1,8"). Each writes into a folder of its own, packed into
@@ -637,22 +641,47 @@ cmd_direct_path() {
 
 cmd_ab() {
   [ $# -eq 2 ] || { echo "ab needs PATCH CMD" >&2; return 2; }
-  local patch=$1 line=$2 rounds=${ROUNDS:-2} n=0 r label
-  patch -R -p1 --dry-run -s < "$patch" > /dev/null 2>&1 || { echo "ab: $patch is not applied to this tree" >&2; return 2; }
+  local line=$2 rounds=${ROUNDS:-2} n=0 r i label="" patch
+  local -a patches states
+  IFS=: read -r -a patches <<< "$1"
+  # Every change must be reversible in turn, last first, from the tree as it is.
+  for ((i = ${#patches[@]} - 1; i >= 0; i--)); do
+    patch -R -p1 --dry-run -s < "${patches[i]}" > /dev/null 2>&1 || {
+      echo "ab: ${patches[i]} is not applied to this tree" >&2
+      for ((i = i + 1; i < ${#patches[@]}; i++)); do patch -p1 -s < "${patches[i]}"; done
+      return 2
+    }
+    [ "$i" -gt 0 ] && patch -R -p1 -s < "${patches[i]}"
+  done
+  for ((i = 1; i < ${#patches[@]}; i++)); do patch -p1 -s < "${patches[i]}"; done
+  # State s runs with patches[0 .. n-1-s] applied.
+  states=(with)
+  if [ ${#patches[@]} -eq 1 ]; then
+    states+=(without)
+  else
+    for ((i = ${#patches[@]} - 1; i >= 0; i--)); do
+      label="$label-$(basename "${patches[i]}" .diff)"
+      states+=("without$label")
+    done
+  fi
   mkdir -p /tmp/ab
   for r in $(seq 1 "$rounds"); do
-    for label in with without; do
+    for ((i = 0; i < ${#states[@]}; i++)); do
       n=$((n + 1))
-      [ "$label" = without ] && patch -R -p1 -s < "$patch"
-      stamp "ab $n: build ($label)"
-      build_sm90a "/tmp/ab/build-$n.log" || { tail -30 "/tmp/ab/build-$n.log"; [ "$label" = without ] && patch -p1 -s < "$patch"; return 1; }
-      stamp "ab $n: run ($label)"
-      mkdir -p "/tmp/ab/$n-$label"
-      AB_OUT=/tmp/ab/$n-$label bash -c "$line" > "$OUT/ab-$n-$label.log" 2>&1
-      echo "exit: $?" >> "$OUT/ab-$n-$label.log"
-      tail -n "${AB_TAIL:-12}" "$OUT/ab-$n-$label.log"
-      [ "$label" = without ] && patch -p1 -s < "$patch"
+      [ "$i" -gt 0 ] && patch -R -p1 -s < "${patches[${#patches[@]} - i]}"
+      stamp "ab $n: build (${states[i]})"
+      if ! build_sm90a "/tmp/ab/build-$n.log"; then
+        tail -30 "/tmp/ab/build-$n.log"
+        for ((; i > 0; i--)); do patch -p1 -s < "${patches[${#patches[@]} - i]}"; done
+        return 1
+      fi
+      stamp "ab $n: run (${states[i]})"
+      mkdir -p "/tmp/ab/$n-${states[i]}"
+      AB_OUT=/tmp/ab/$n-${states[i]} bash -c "$line" > "$OUT/ab-$n-${states[i]}.log" 2>&1
+      echo "exit: $?" >> "$OUT/ab-$n-${states[i]}.log"
+      tail -n "${AB_TAIL:-12}" "$OUT/ab-$n-${states[i]}.log"
     done
+    for ((i = ${#states[@]} - 1; i > 0; i--)); do patch -p1 -s < "${patches[${#patches[@]} - i]}"; done
   done
   tar -C /tmp --exclude='build-*' -czf "$OUT/ab.tar.gz" ab
   stamp done

@@ -83,6 +83,57 @@ def test_device_ab_refuses_a_change_the_tree_does_not_hold(tmp_path):
     assert result.returncode == 2 and "is not applied to this tree" in result.stderr
 
 
+def test_device_ab_runs_a_stack_of_changes_reverting_the_last_first(tmp_path):
+    """`ab P1:P2 CMD` in a scratch tree with a stand-in build (a python3 that only exits): each round
+    runs CMD on the tree as it is, without P2, then without P2 and P1; the tree ends as it came."""
+    tree = tmp_path / "tree"
+    (tree / "bench").mkdir(parents=True)
+    for name in ("device.sh", "device_common.sh"):
+        shutil.copy(BENCH / name, tree / "bench" / name)
+    (tree / "state.txt").write_text("c\n")
+    (tree / "p1.diff").write_text("--- a/state.txt\n+++ b/state.txt\n@@ -1 +1 @@\n-a\n+b\n")
+    (tree / "p2.diff").write_text("--- a/state.txt\n+++ b/state.txt\n@@ -1 +1 @@\n-b\n+c\n")
+    fake = tmp_path / "fake-bin"
+    fake.mkdir()
+    (fake / "python3").write_text("#!/bin/sh\nexit 0\n")
+    (fake / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    result = subprocess.run(
+        ["bash", "bench/device.sh", "ab", "p1.diff:p2.diff", "cat state.txt"],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(out), "ROUNDS": "2"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    labels = ["with", "without-p2", "without-p2-p1"] * 2
+    for n, (label, state) in enumerate(zip(labels, "cbacba", strict=True), 1):
+        assert (out / f"ab-{n}-{label}.log").read_text().split() == [state, "exit:", "0"]
+    assert (tree / "state.txt").read_text() == "c\n"
+    missing = subprocess.run(
+        ["bash", "bench/device.sh", "ab", "p2.diff:p1.diff", "true"],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(out)},
+    )
+    assert missing.returncode == 2 and "p1.diff is not applied to this tree" in missing.stderr
+    assert (tree / "state.txt").read_text() == "c\n"
+    # A refusal after reverting the later changes puts them back.
+    twice = subprocess.run(
+        ["bash", "bench/device.sh", "ab", "p1.diff:p2.diff:p2.diff", "true"],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(out)},
+    )
+    assert twice.returncode == 2 and "p2.diff is not applied to this tree" in twice.stderr
+    assert (tree / "state.txt").read_text() == "c\n"
+
+
 def test_device_peer_without_a_ggml_tree_says_what_to_carry(tmp_path):
     result = _device("peer", OUT=str(tmp_path), LLAMA_SRC=str(tmp_path / "none"))
     assert result.returncode == 2 and "carry .dev/llama" in result.stdout
