@@ -5,24 +5,15 @@
 
 #include "routemm/env.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#endif
-
 namespace routemm::cpu {
 namespace {
 
-// One polling step: a pause hint where the ISA has one (it lets the sibling hyperthread run and
-// saves power), else a yield.
-inline void relax() {
-#if defined(__x86_64__) || defined(_M_X64)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#else
-  std::this_thread::yield();
-#endif
-}
+// One polling step: a yield, so a runnable thread of another pool (a framework's own threads
+// beside ours) takes the core first, and an idle core returns at once. Measured against a pause
+// loop: the same gains alone; a loop alternating routemm kernels with torch's threaded matmuls lost
+// 0.7 and 2.6% to polling with yields, -8.3 to +4.4% with pauses
+// (bench/lab/records/logs/cpu-spin-2026-12-05.md).
+inline void relax() { std::this_thread::yield(); }
 
 // Polls done() for up to `spin`; true when it turned true.
 template <class Done>
@@ -31,8 +22,8 @@ bool poll_for(std::chrono::microseconds spin, Done done) {
   const auto until = std::chrono::steady_clock::now() + spin;
   for (unsigned i = 0;; ++i) {
     if (done()) return true;
-    // The clock every 64 steps: a pause is tens of cycles, a clock read about as many.
-    if (i % 64 == 63 && std::chrono::steady_clock::now() >= until) return done();
+    // The clock every 8 steps: a yield to an idle core costs about as much as a clock read.
+    if (i % 8 == 7 && std::chrono::steady_clock::now() >= until) return done();
     relax();
   }
 }

@@ -1,0 +1,82 @@
+"""The CPU pool's polling beside another framework's threads: two live processes (the default
+polling and ROUTEMM_CPU_SPIN_US=0) take turns timing a loop of a routemm Q4_0 mat-vec (2048 x
+2048, one token) followed by three torch CPU matmuls (64 x 1024 @ 1024 x 1024, torch's own
+threads), each alone as well; per iteration, the fastest of 5 x 50 iterations, medians of ROUNDS.
+
+    python bench/lab/cpu_spin_torch_mix.py [ROUNDS]
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def child():
+    import routemm
+    import torch
+    from routemm import q4_0
+
+    dev = routemm.Device("cpu")
+    reg = routemm.KernelRegistry(dev)
+    rng = np.random.default_rng(0)
+    n, k = 2048, 2048
+    w = dev.from_numpy(q4_0.quantize(rng.standard_normal((n, k), dtype=np.float32)))
+    x = dev.from_numpy(rng.standard_normal((1, k), dtype=np.float32))
+    out = dev.alloc(n * 4, routemm.DType.F32, [1, n])
+    p = routemm.GgmlQuantizedMatmulParams(1, n, k)
+    pol = routemm.GgmlRoutingPolicy()
+    a = torch.randn(64, 1024)
+    b = torch.randn(1024, 1024)
+    print("ready", torch.get_num_threads(), flush=True)
+    for _ in sys.stdin:
+        res = {}
+        for mode in ("routemm+torch", "torch only", "routemm only"):
+            best = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    if mode != "torch only":
+                        enc = dev.command_encoder()
+                        routemm.quantized_matmul_ggml(enc, reg, x, w, out, p, pol)
+                        enc.commit_and_wait()
+                    if mode != "routemm only":
+                        for _ in range(3):
+                            a @ b
+                best.append((time.perf_counter() - t0) / 50 * 1e6)
+            res[mode] = min(best)
+        print(json.dumps(res), flush=True)
+
+
+def main():
+    procs = {}
+    for label in ("poll", "sleep"):
+        env = dict(os.environ)
+        env.pop("ROUTEMM_CPU_SPIN_US", None)
+        if label == "sleep":
+            env["ROUTEMM_CPU_SPIN_US"] = "0"
+        procs[label] = subprocess.Popen(
+            [sys.executable, __file__, "--child"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+    for p in procs.values():
+        print(p.stdout.readline().strip())
+    res = {label: [] for label in procs}
+    for r in range(int(sys.argv[1]) if len(sys.argv) > 1 else 6):
+        for label in ("poll", "sleep") if r % 2 == 0 else ("sleep", "poll"):
+            procs[label].stdin.write("go\n")
+            procs[label].stdin.flush()
+            res[label].append(json.loads(procs[label].stdout.readline()))
+    for p in procs.values():
+        p.stdin.close()
+        p.wait()
+    for mode in res["poll"][0]:
+        s = statistics.median(r[mode] for r in res["sleep"])
+        q = statistics.median(r[mode] for r in res["poll"])
+        print(f"{mode:15s} sleep {s:7.1f} us  poll {q:7.1f} us  ({(s / q - 1) * 100:+.1f}% speed with polling)")
+
+
+child() if sys.argv[1:] == ["--child"] else main()
