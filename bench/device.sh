@@ -641,7 +641,7 @@ cmd_direct_path() {
 
 cmd_ab() {
   [ $# -eq 2 ] || { echo "ab needs PATCH CMD" >&2; return 2; }
-  local line=$2 rounds=${ROUNDS:-2} n=0 r i label="" patch
+  local line=$2 rounds=${ROUNDS:-2} n=0 r i label=""
   local -a patches states
   IFS=: read -r -a patches <<< "$1"
   # Every change must be reversible in turn, last first, from the tree as it is.

@@ -4,11 +4,12 @@
 //
 // Waiting: a worker that finished a job polls for the next one for `spin` before it sleeps on a
 // condition variable, and the caller polls for the workers' last chunks for as long before it
-// sleeps; a poll yields between its checks, so other runnable threads take the core first. Waking a sleeping thread costs a futex round trip, about 20 us on a 2-core VM, which a
-// kernel pays at its start (a worker joins late) and at its end (the caller wakes late); a decode
-// step runs kernels back to back, so most joins then find the threads polling. The instance's
-// spin is ROUTEMM_CPU_SPIN_US, and zero when the pool has more threads than the hardware, where
-// polling would take cores from threads with work.
+// sleeps; a poll yields between its checks, so other runnable threads take the core first. Waking
+// a sleeping thread costs a futex round trip, about 20 us on a 2-core VM, which a kernel pays at
+// its start (a worker joins late) and at its end (the caller wakes late); a decode step runs
+// kernels back to back, so most joins then find the threads polling. The instance's spin is
+// ROUTEMM_CPU_SPIN_US, and zero when the pool has more threads than the hardware, where polling
+// would take cores from threads with work.
 #pragma once
 
 #include <atomic>
