@@ -95,8 +95,12 @@ def child() -> None:
         print(json.dumps(times), flush=True)
 
 
-def main() -> None:
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+def take_turns(script: str, rounds: int, on_ready, on_round=None) -> dict[str, list[dict]]:
+    """Runs `script --child` twice, with the default polling ("polling") and with
+    ROUTEMM_CPU_SPIN_US=0 ("sleeping"), and asks each child for a round in turn (`go` on stdin,
+    one JSON line back), the first alternating. on_ready(lines) gets the children's first lines
+    before the rounds, on_round(results) runs after each; returns each label's rounds. Also used by
+    cpu_spin_torch_mix.py."""
     labels = ("polling", "sleeping")
     procs = {}
     for label in labels:
@@ -105,10 +109,9 @@ def main() -> None:
         if label == "sleeping":
             env["ROUTEMM_CPU_SPIN_US"] = "0"
         procs[label] = subprocess.Popen(
-            [sys.executable, __file__, "--child"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+            [sys.executable, script, "--child"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
         )
-    for p in procs.values():
-        assert p.stdout.readline().strip() == "ready"
+    on_ready([p.stdout.readline().strip() for p in procs.values()])
     results = {label: [] for label in labels}
     for rnd in range(rounds):
         for label in labels if rnd % 2 == 0 else labels[::-1]:
@@ -116,15 +119,29 @@ def main() -> None:
             p.stdin.write("go\n")
             p.stdin.flush()
             results[label].append(json.loads(p.stdout.readline()))
-        row = results["sleeping"][-1]
-        print(
-            f"round {rnd + 1}: "
-            + "; ".join(f"{name} {row[name]:.0f} -> {results['polling'][-1][name]:.0f}" for name in row),
-            flush=True,
-        )
+        if on_round:
+            on_round(results)
     for p in procs.values():
         p.stdin.close()
         p.wait()
+    return results
+
+
+def main() -> None:
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+
+    def check_ready(lines):
+        assert lines == ["ready", "ready"], lines
+
+    def report(results):
+        row = results["sleeping"][-1]
+        print(
+            f"round {len(results['sleeping'])}: "
+            + "; ".join(f"{name} {row[name]:.0f} -> {results['polling'][-1][name]:.0f}" for name in row),
+            flush=True,
+        )
+
+    results = take_turns(__file__, rounds, check_ready, report)
     print("\nmedian us per dispatch, sleeping at once (SPIN_US=0) -> polling (default):")
     for name in results["sleeping"][0]:
         a = statistics.median(r[name] for r in results["sleeping"])

@@ -7,9 +7,7 @@ threads), each alone as well; per iteration, the fastest of 5 x 50 iterations, m
 """
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -53,29 +51,16 @@ def child():
 
 
 def main():
-    procs = {}
-    for label in ("poll", "sleep"):
-        env = dict(os.environ)
-        env.pop("ROUTEMM_CPU_SPIN_US", None)
-        if label == "sleep":
-            env["ROUTEMM_CPU_SPIN_US"] = "0"
-        procs[label] = subprocess.Popen(
-            [sys.executable, __file__, "--child"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-        )
-    for p in procs.values():
-        print(p.stdout.readline().strip())
-    res = {label: [] for label in procs}
-    for r in range(int(sys.argv[1]) if len(sys.argv) > 1 else 6):
-        for label in ("poll", "sleep") if r % 2 == 0 else ("sleep", "poll"):
-            procs[label].stdin.write("go\n")
-            procs[label].stdin.flush()
-            res[label].append(json.loads(procs[label].stdout.readline()))
-    for p in procs.values():
-        p.stdin.close()
-        p.wait()
-    for mode in res["poll"][0]:
-        s = statistics.median(r[mode] for r in res["sleep"])
-        q = statistics.median(r[mode] for r in res["poll"])
+    from cpu_spin_ab import take_turns  # beside this file
+
+    def show_ready(lines):
+        for line in lines:
+            print(line)
+
+    res = take_turns(__file__, int(sys.argv[1]) if len(sys.argv) > 1 else 6, show_ready)
+    for mode in res["polling"][0]:
+        s = statistics.median(r[mode] for r in res["sleeping"])
+        q = statistics.median(r[mode] for r in res["polling"])
         print(f"{mode:15s} sleep {s:7.1f} us  poll {q:7.1f} us  ({(s / q - 1) * 100:+.1f}% speed with polling)")
 
 

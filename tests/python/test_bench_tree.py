@@ -98,38 +98,28 @@ def test_device_ab_runs_a_stack_of_changes_reverting_the_last_first(tmp_path):
     (fake / "python3").write_text("#!/bin/sh\nexit 0\n")
     (fake / "python3").chmod(0o755)
     out = tmp_path / "out"
-    result = subprocess.run(
-        ["bash", "bench/device.sh", "ab", "p1.diff:p2.diff", "cat state.txt"],
-        cwd=tree,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(out), "ROUNDS": "2"},
-    )
+
+    def ab(patches: str, cmd: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", "bench/device.sh", "ab", patches, cmd],
+            cwd=tree,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(out), **env},
+        )
+
+    result = ab("p1.diff:p2.diff", "cat state.txt", ROUNDS="2")
     assert result.returncode == 0, result.stdout + result.stderr
     labels = ["with", "without-p2", "without-p2-p1"] * 2
     for n, (label, state) in enumerate(zip(labels, "cbacba", strict=True), 1):
         assert (out / f"ab-{n}-{label}.log").read_text().split() == [state, "exit:", "0"]
     assert (tree / "state.txt").read_text() == "c\n"
-    missing = subprocess.run(
-        ["bash", "bench/device.sh", "ab", "p2.diff:p1.diff", "true"],
-        cwd=tree,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(out)},
-    )
+    missing = ab("p2.diff:p1.diff", "true")
     assert missing.returncode == 2 and "p1.diff is not applied to this tree" in missing.stderr
     assert (tree / "state.txt").read_text() == "c\n"
     # A refusal after reverting the later changes puts them back.
-    twice = subprocess.run(
-        ["bash", "bench/device.sh", "ab", "p1.diff:p2.diff:p2.diff", "true"],
-        cwd=tree,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PATH": f"{fake}:/usr/bin:/bin", "OUT": str(out)},
-    )
+    twice = ab("p1.diff:p2.diff:p2.diff", "true")
     assert twice.returncode == 2 and "p2.diff is not applied to this tree" in twice.stderr
     assert (tree / "state.txt").read_text() == "c\n"
 
