@@ -1,5 +1,5 @@
 // Quantised expert-ID matmul front door: capability, call validation and encoding. Backends supply
-// the four kernels (plus dense_matmul_id's map); every contract lives here.
+// the kernels of the routes they run (plus dense_matmul_id's map); every contract lives here.
 #include "routemm/ops/quantized_matmul_id.h"
 
 #include <limits>
@@ -65,6 +65,8 @@ std::string_view to_string(GgmlQuantizedMatmulIdRoute value) {
     case GgmlQuantizedMatmulIdRoute::Direct: return "direct";
     case GgmlQuantizedMatmulIdRoute::Grouped: return "grouped";
     case GgmlQuantizedMatmulIdRoute::GroupedTensorLowp: return "grouped_tensor_lowp";
+    case GgmlQuantizedMatmulIdRoute::DirectInt8Dot: return "direct_int8_dot";
+    case GgmlQuantizedMatmulIdRoute::GroupedInt8Dot: return "grouped_int8_dot";
   }
   return "unknown";
 }
@@ -190,6 +192,10 @@ std::vector<std::string_view> quantized_matmul_id_ggml_route_pipelines(
       return {kDenseMatmulIdMapPipeline, kGgmlQuantizedMatmulIdPipelineNames[2 + index]};
     case GgmlQuantizedMatmulIdRoute::GroupedTensorLowp:
       return {kDenseMatmulIdMapPipeline, kGgmlQuantizedMatmulIdTensorPipelineNames[index]};
+    case GgmlQuantizedMatmulIdRoute::DirectInt8Dot:
+      return {kGgmlQuantizedMatmulIdInt8DotPipelineNames[index]};
+    case GgmlQuantizedMatmulIdRoute::GroupedInt8Dot:
+      return {kDenseMatmulIdMapPipeline, kGgmlQuantizedMatmulIdInt8DotPipelineNames[2 + index]};
   }
   fail("unknown route");
 }

@@ -19,6 +19,15 @@ partial sums are scaled by its F32 scale and summed in F32. It meets a stated to
 relative Frobenius error against a float64 reference, docs/numerics.md) instead of the exact
 routes' bits, is taken only when named, and only backends with tensor cores (CUDA) register its
 pipelines (TENSOR_PIPELINE_NAMES): elsewhere a call raises KernelNotFoundError before encoding.
+
+``direct_int8_dot`` and ``grouped_int8_dot`` are the direct and grouped routes (their dispatches,
+map, scratch and id rules) under the reduced-precision int8-dot contract of quantized_matmul_ggml's
+int8-dot pipelines: each routed row's activations are rounded to int8 per 32-value block, each
+block pair is an exact integer dot product, scaled and summed in F32 in a fixed order. A routed row
+equals that dense pipeline on its expert's matrix bit for bit, and the two routes agree bit for
+bit; against the exact product they meet the bound of docs/numerics.md. Taken only when named; only
+the CPU backend registers their pipelines (INT8_DOT_PIPELINE_NAMES): elsewhere a call raises
+KernelNotFoundError before encoding.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from .quantized_matmul import GgmlType
 SCHEMA_VERSION: int = _core.GGML_QUANTIZED_MATMUL_ID_SCHEMA_VERSION
 PIPELINE_NAMES: tuple[str, ...] = _core.GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES
 TENSOR_PIPELINE_NAMES: tuple[str, ...] = _core.GGML_QUANTIZED_MATMUL_ID_TENSOR_PIPELINE_NAMES
+INT8_DOT_PIPELINE_NAMES: tuple[str, ...] = _core.GGML_QUANTIZED_MATMUL_ID_INT8_DOT_PIPELINE_NAMES
 SUPPORTED_TYPES: tuple[GgmlType, ...] = (GgmlType.Q4_0, GgmlType.Q8_0)
 
 
@@ -46,11 +56,18 @@ class GgmlQuantizedMatmulIdRoute(enum.Enum):
     DIRECT = "direct"  # one dispatch; IDs may repeat
     GROUPED = "grouped"  # dense_matmul_id's map + a grouped dispatch; distinct IDs, caller scratch
     GROUPED_TENSOR_LOWP = "grouped_tensor_lowp"  # GROUPED on tensor cores: f16 activations, a tolerance
+    DIRECT_INT8_DOT = "direct_int8_dot"  # DIRECT with int8-rounded activations (CPU): a bound
+    GROUPED_INT8_DOT = "grouped_int8_dot"  # GROUPED with int8-rounded activations (CPU): a bound
 
     @property
     def is_grouped(self) -> bool:
         """Runs dense_matmul_id's map and needs caller-owned scratch."""
-        return self is not GgmlQuantizedMatmulIdRoute.DIRECT
+        return self not in (GgmlQuantizedMatmulIdRoute.DIRECT, GgmlQuantizedMatmulIdRoute.DIRECT_INT8_DOT)
+
+    @property
+    def is_int8_dot(self) -> bool:
+        """Rounds the activations to int8 per block (the int8-dot contract, not the exact one)."""
+        return self in (GgmlQuantizedMatmulIdRoute.DIRECT_INT8_DOT, GgmlQuantizedMatmulIdRoute.GROUPED_INT8_DOT)
 
     def pipelines(self, ggml_type: GgmlType) -> tuple[str, ...]:
         """The pipelines this route encodes for `ggml_type`, in dispatch order."""
@@ -213,8 +230,9 @@ def _quantized_route(route, distinct: bool, m: int, device, top_k: int, n_expert
         return GgmlQuantizedMatmulIdRoute(route if not isinstance(route, enum.Enum) else route.value)
     except ValueError:
         raise InvalidArgumentError(
-            "matmul_id with ggml_type takes route 'direct', 'grouped' or 'grouped_tensor_lowp' "
-            f"(GgmlQuantizedMatmulIdRoute), got {route!r}"
+            "matmul_id with ggml_type takes route "
+            + ", ".join(repr(r.value) for r in GgmlQuantizedMatmulIdRoute)
+            + f" (GgmlQuantizedMatmulIdRoute), got {route!r}"
         ) from None
 
 

@@ -9,9 +9,10 @@
 namespace routemm::python {
 namespace {
 
-constexpr std::array kRoutes{GgmlQuantizedMatmulIdRoute::Direct,
-                             GgmlQuantizedMatmulIdRoute::Grouped,
-                             GgmlQuantizedMatmulIdRoute::GroupedTensorLowp};
+constexpr std::array kRoutes{
+    GgmlQuantizedMatmulIdRoute::Direct, GgmlQuantizedMatmulIdRoute::Grouped,
+    GgmlQuantizedMatmulIdRoute::GroupedTensorLowp, GgmlQuantizedMatmulIdRoute::DirectInt8Dot,
+    GgmlQuantizedMatmulIdRoute::GroupedInt8Dot};
 
 template <class Enum, size_t N>
 Enum parse(const std::string& text, const std::array<Enum, N>& values, const char* what) {
@@ -55,6 +56,10 @@ void init_quantized_matmul_id(py::module_& m) {
   for (auto name : kGgmlQuantizedMatmulIdTensorPipelineNames)
     tensor_names.append(std::string(name));
   m.attr("GGML_QUANTIZED_MATMUL_ID_TENSOR_PIPELINE_NAMES") = py::tuple(tensor_names);
+  py::list int8_dot_names;
+  for (auto name : kGgmlQuantizedMatmulIdInt8DotPipelineNames)
+    int8_dot_names.append(std::string(name));
+  m.attr("GGML_QUANTIZED_MATMUL_ID_INT8_DOT_PIPELINE_NAMES") = py::tuple(int8_dot_names);
 
   m.def("_quantized_matmul_id_ggml_capability", [](const GgmlQuantizedMatmulIdParams& p) {
     return capability_dict(quantized_matmul_id_ggml_capability(p));

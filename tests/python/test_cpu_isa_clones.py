@@ -5,7 +5,8 @@ child process). Every child computes the same block-quantised products -- the Q4
 (m <= 8, column tails) and matrix routes (row and column tails, K not a multiple of the panel
 depth), the quantised expert-ID direct and grouped routes, weights with an infinite and a zero
 block scale -- and the reduced-precision int8-dot routes of the dense product (mat-vec and matrix;
-their clones are scalar, AVX2 vpmaddubsw and AVX512_VNNI vpdpbusd), and the parent compares their
+their clones are scalar, AVX2 vpmaddubsw and AVX512_VNNI vpdpbusd) and of the quantised expert-ID
+matmul (direct and grouped), and the parent compares their
 outputs bit for bit (NaN positions must agree; NaN payloads are not pinned by the contract). The
 best clone also runs on one thread: the results do not depend on the thread count either. A clone
 the CPU lacks is a skip, never a pass."""
@@ -82,7 +83,7 @@ _CHILD = textwrap.dedent(
         params = routemm.GgmlQuantizedMatmulIdParams(
             m, n, k, top_k, n_experts, ggml_type, stride, Layout.SHARED_PER_TOKEN, route
         )
-        scratch = routemm.DenseMatmulIdScratch(device, n_experts, m) if route is Route.GROUPED else None
+        scratch = routemm.DenseMatmulIdScratch(device, n_experts, m) if route.is_grouped else None
         encoder = device.command_encoder()
         routemm.quantized_matmul_id_ggml(
             encoder, registry, device.from_numpy(x), device.from_numpy(stack.reshape(-1)),
@@ -98,7 +99,7 @@ _CHILD = textwrap.dedent(
                 outputs[f"{ggml_type.value}/int8_dot/m{m}/n{n}/k{k}"] = dense(
                     ggml_type, m, n, k, routemm.GgmlRoutingPolicy(dense_int8_dot=True)
                 )
-        for route in (Route.DIRECT, Route.GROUPED):
+        for route in (Route.DIRECT, Route.GROUPED, Route.DIRECT_INT8_DOT, Route.GROUPED_INT8_DOT):
             for m in (1, 5, 40):
                 outputs[f"{ggml_type.value}/{route.value}/m{m}"] = expert_id(ggml_type, route, m, 70, 608, 3, 6)
     np.savez(sys.argv[1], **outputs)

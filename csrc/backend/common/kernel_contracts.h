@@ -336,7 +336,7 @@ inline void check_moe_combine_args(const KernelLaunch& launch) {
 // kDenseMatmulIdTensorPipelineNames, kDenseMatmulIdBf16DotPipelineNames, kQ4MatmulPipelineNames,
 // kQ8MatmulPipelineNames, kQ8_0MatVecNr2Pipeline, kGgmlInt8DotPipelineNames,
 // kGgmlQuantizedMatmulIdPipelineNames, kGgmlQuantizedMatmulIdTensorPipelineNames,
-// kMoePipelineNames or the two calibration kernels.
+// kGgmlQuantizedMatmulIdInt8DotPipelineNames, kMoePipelineNames or the two calibration kernels.
 // Backends call this while building their kernel lists, so a kernel added without a contract
 // fails when its backend opens instead of going unchecked.
 inline KernelArgCheck kernel_arg_contract(std::string_view name) {
@@ -365,6 +365,11 @@ inline KernelArgCheck kernel_arg_contract(std::string_view name) {
   constexpr auto& qid_tensor = kGgmlQuantizedMatmulIdTensorPipelineNames;
   static_assert(qid_tensor[0] == "quantized_matmul_id_grouped_lowp_q4_0_f32" &&
                 qid_tensor[1] == "quantized_matmul_id_grouped_lowp_q8_0_f32");
+  constexpr auto& qid_int8 = kGgmlQuantizedMatmulIdInt8DotPipelineNames;
+  static_assert(qid_int8[0] == "quantized_matmul_id_direct_int8dot_q4_0_f32" &&
+                qid_int8[1] == "quantized_matmul_id_direct_int8dot_q8_0_f32" &&
+                qid_int8[2] == "quantized_matmul_id_grouped_int8dot_q4_0_f32" &&
+                qid_int8[3] == "quantized_matmul_id_grouped_int8dot_q8_0_f32");
   constexpr uint64_t q4 = kQ4_0BlockBytes, q8 = kQ8_0BlockBytes;
   const std::pair<std::string_view, KernelArgCheck> table[] = {
       {"routemm_calibration_poison_f32", &check_calibration_poison_args},
@@ -401,6 +406,10 @@ inline KernelArgCheck kernel_arg_contract(std::string_view name) {
       {qid[3], &check_quantized_matmul_id_grouped_args<q8>},
       {qid_tensor[0], &check_quantized_matmul_id_grouped_args<q4>},
       {qid_tensor[1], &check_quantized_matmul_id_grouped_args<q8>},
+      {qid_int8[0], &check_quantized_matmul_id_direct_args<q4>},
+      {qid_int8[1], &check_quantized_matmul_id_direct_args<q8>},
+      {qid_int8[2], &check_quantized_matmul_id_grouped_args<q4>},
+      {qid_int8[3], &check_quantized_matmul_id_grouped_args<q8>},
       {kMoeGatePipeline, &check_moe_gate_args},
       {kMoeSiluMulPipeline, &check_moe_silu_mul_args},
       {kMoeCombinePipeline, &check_moe_combine_args},

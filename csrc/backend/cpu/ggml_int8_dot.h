@@ -1,7 +1,8 @@
 // CPU building blocks of the reduced-precision int8-dot routes of the GGML block products (Q4_0 and
 // Q8_0 weights; q4_matmul.cpp): each activation row is rounded to 8-bit integers per 32-value
 // block, every block pair is an exact integer dot product, and the blocks are scaled and summed in
-// F32. The routes are opt-in (GgmlRoutingPolicy::dense_int8_dot); the exact ones stay the default.
+// F32. The routes are opt-in (GgmlRoutingPolicy::dense_int8_dot, and the expert-ID routes
+// direct_int8_dot / grouped_int8_dot of quantized_matmul_id.cpp); the exact ones stay the default.
 //
 // NUMERIC CONTRACT (every int8-dot pipeline and every instruction-set clone):
 //   1. Activations, per row, per 32-value block: a = max_j |x_j| (taken on the magnitude bits as
@@ -182,16 +183,21 @@ ROUTEMM_CPU_AVX2 inline void quantize_row_avx2(const float* x, size_t k, int32_t
 }
 #endif
 
-// Rounds `rows` rows of width k (row stride k) into `out`, rows [begin, end).
-inline void quantize_rows(const float* x, size_t k, int32_t offset, QuantizedRows& out,
-                          size_t begin, size_t end) {
+// Rounds one row of k values at x into row `row` of `out` (sized for it).
+inline void quantize_row(const float* x, size_t k, int32_t offset, QuantizedRows& out, size_t row) {
 #if ROUTEMM_CPU_HAVE_AVX2
   if (simd::has_avx2_fma()) {
-    for (size_t r = begin; r < end; ++r) quantize_row_avx2(x + r * k, k, offset, out, r);
+    quantize_row_avx2(x, k, offset, out, row);
     return;
   }
 #endif
-  for (size_t r = begin; r < end; ++r) quantize_row_portable(x + r * k, k, offset, out, r);
+  quantize_row_portable(x, k, offset, out, row);
+}
+
+// Rounds `rows` rows of width k (row stride k) into `out`, rows [begin, end).
+inline void quantize_rows(const float* x, size_t k, int32_t offset, QuantizedRows& out,
+                          size_t begin, size_t end) {
+  for (size_t r = begin; r < end; ++r) quantize_row(x + r * k, k, offset, out, r);
 }
 
 // ---- Weight codes -------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 // CPU kernels of the quantised expert-ID matmul: quantized_matmul_id_direct_{q4_0,q8_0}_f32 and
-// quantized_matmul_id_grouped_{q4_0,q8_0}_f32 (the map is dense_matmul_id's).
+// quantized_matmul_id_grouped_{q4_0,q8_0}_f32 (the map is dense_matmul_id's), and the int8-dot
+// routes' quantized_matmul_id_{direct,grouped}_int8dot_{q4_0,q8_0}_f32.
 //
 // NUMERIC CONTRACT: ggml_block_kernels.h's, the same as quantized_matmul_ggml's CPU pipelines. The
 // direct kernel runs the mat-vec micro-kernel on each routed row's expert; the grouped kernel
@@ -7,6 +8,13 @@
 // time (few rows) or the matrix tile over them (many). Neither changes the
 // per-element order, so direct == grouped == quantized_matmul_ggml on the expert's matrix, bit for
 // bit. An id >= n_experts yields an all-zero row and no weight address.
+//
+// The int8-dot kernels follow ggml_int8_dot.h's contract instead, as the dense int8-dot pipelines
+// do: each routed row's activations are rounded once per thread that needs them (the same bytes
+// whichever thread does it), and each routed row runs the dense int8-dot mat-vec item (direct;
+// grouped items of few rows) or matrix item (grouped items of more rows) on its expert's matrix.
+// The contract fixes every F32 operation, so direct == grouped == quantized_matmul_ggml's int8-dot
+// pipelines on the expert's matrix, bit for bit.
 #include "routemm/ops/quantized_matmul_id.h"
 
 #include <algorithm>
@@ -19,6 +27,7 @@
 #include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "ggml_block_kernels.h"
+#include "ggml_int8_dot.h"
 #include "kernels.h"
 #include "routemm/checked.h"
 #include "routemm/error.h"
@@ -169,51 +178,80 @@ GroupedScratch& grouped_scratch() {
   return scratch;
 }
 
-template <class Format>
-void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
-  const DenseMatmulIdKernelParams p = read_params(launch);
-  const Job<Format> job = Job<Format>::bind(launch, p, 5);
+// The work of a grouped launch: the map's routed-row list and the items over it.
+struct GroupedWork {
+  const uint32_t* routed = nullptr;
+  std::vector<GroupedItem> items;
+};
+
+// Reads the map's list (dense_matmul_id's map kernel): expert e's flat rows are the segment
+// routed[start(e), start(e) + counts[e]), start(e) the counts of the experts before it. The
+// scratch comes from the map; it is checked anyway, since a stale or foreign buffer would
+// otherwise index out of bounds: the segments together hold at most every flat row once. Items
+// cover at most kItemRows rows x kMmOutputTile columns of one expert, largest first.
+GroupedWork grouped_work(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p) {
   const size_t rows = size_t{p.m} * p.top_k;
   const size_t experts = p.n_experts;
   const auto* counts =
       static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(experts, 4), "expert counts"));
-
-  // The map's list (dense_matmul_id's map kernel): expert e's flat rows are the segment
-  // routed[start(e), start(e) + counts[e]), start(e) the counts of the experts before it. The
-  // scratch comes from the map; check it anyway, since a stale or foreign buffer would otherwise
-  // index out of bounds: the segments together hold at most every flat row once.
   size_t routed_total = 0;
   for (size_t e = 0; e < experts; ++e) {
     routed_total += counts[e];
     if (routed_total > rows) launch_error(launch, "expert counts exceed the flat rows");
   }
-  const auto* routed = static_cast<const uint32_t*>(
+  GroupedWork work;
+  work.routed = static_cast<const uint32_t*>(
       arg_data(launch, 4, checked_mul(routed_total, 4), "routed rows"));
   for (size_t i = 0; i < routed_total; ++i) {
-    if (routed[i] >= rows) launch_error(launch, "routed row out of range");
+    if (work.routed[i] >= rows) launch_error(launch, "routed row out of range");
   }
-  std::vector<GroupedItem> items;
   size_t start = 0;
   for (size_t e = 0; e < experts; ++e) {
     const size_t count = counts[e];
     for (size_t row0 = 0; row0 < count; row0 += kItemRows) {
       const auto item_rows = static_cast<uint32_t>(std::min(kItemRows, count - row0));
       for (size_t col0 = 0; col0 < p.n; col0 += kMmOutputTile) {
-        items.push_back({static_cast<uint32_t>(e), static_cast<uint32_t>(start + row0), item_rows,
-                         static_cast<uint32_t>(col0)});
+        work.items.push_back({static_cast<uint32_t>(e), static_cast<uint32_t>(start + row0),
+                              item_rows, static_cast<uint32_t>(col0)});
       }
     }
     start += count;
   }
-  if (items.empty()) return;
   // Largest items first, handed out one at a time: balances uneven expert counts.
-  std::stable_sort(items.begin(), items.end(),
+  std::stable_sort(work.items.begin(), work.items.end(),
                    [](const GroupedItem& a, const GroupedItem& b) { return a.rows > b.rows; });
+  return work;
+}
+
+// Runs run_item on every item, one at a time from a shared counter on the launch's pool.
+template <class RunItem>
+void run_grouped_items(void* queue_native, const std::vector<GroupedItem>& items,
+                       const RunItem& run_item) {
+  auto* pool = static_cast<ThreadPool*>(queue_native);
+  if (pool == nullptr || pool->size() == 1) {
+    for (const GroupedItem& item : items) run_item(item);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  pool->parallel_for(pool->size(), 1, [&](size_t, size_t) {
+    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      run_item(items[i]);
+    }
+  });
+}
+
+template <class Format>
+void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
+  const DenseMatmulIdKernelParams p = read_params(launch);
+  const Job<Format> job = Job<Format>::bind(launch, p, 5);
+  const GroupedWork work = grouped_work(launch, p);
+  if (work.items.empty()) return;
 
   const uint64_t launch_id = next_launch_number();
   const ggml::MmItem run_tile = ggml::mm_item_for<Format>();
   const auto run_item = [&](const GroupedItem& item) {
-    const uint32_t* flats = routed + item.row0;  // row0: the item's first entry of the list
+    const uint32_t* flats = work.routed + item.row0;  // row0: the item's first entry of the list
     const bool mat_vec = item.rows <= kMvItemRows;
     GroupedScratch& s = grouped_scratch();
     if (s.launch != launch_id || s.row0 != item.row0) {
@@ -249,19 +287,108 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
       r0 += pass_rows;
     }
   };
+  run_grouped_items(queue_native, work.items, run_item);
+}
 
-  auto* pool = static_cast<ThreadPool*>(queue_native);
-  if (pool == nullptr || pool->size() == 1) {
-    for (const GroupedItem& item : items) run_item(item);
-    return;
-  }
-  std::atomic<size_t> next{0};
-  pool->parallel_for(pool->size(), 1, [&](size_t, size_t) {
-    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
-      run_item(items[i]);
+// ---- Int8-dot routes ----------------------------------------------------------------------------
+
+// Per-thread rounded activation rows, reused across items and launches: the rows of key `key`
+// (direct: a source row; grouped: an item block's first list entry) of launch `launch`. Whichever
+// thread rounds a row writes the same bytes (ggml_int8_dot.h, step 1), so each thread keeps its
+// own copy and nothing is shared.
+struct Int8RowsScratch {
+  uint64_t launch = 0;
+  size_t key = 0;
+  ggml::int8::QuantizedRows rows;
+};
+Int8RowsScratch& int8_rows_scratch() {
+  thread_local Int8RowsScratch scratch;
+  return scratch;
+}
+
+// Rounds the input rows of the routed rows flats[0, count) into this thread's scratch, unless it
+// already holds them (same launch and key). QuantizedRows::resize keeps its capacity, so a thread
+// allocates only when a launch needs more rows or K than any before it.
+template <class Format>
+const ggml::int8::QuantizedRows& rounded_rows(const Job<Format>& job, const uint32_t* flats,
+                                              size_t count, uint64_t launch, size_t key,
+                                              int32_t offset) {
+  Int8RowsScratch& s = int8_rows_scratch();
+  if (s.launch != launch || s.key != key) {
+    s.rows.resize(count, job.p.k);
+    for (size_t r = 0; r < count; ++r) {
+      ggml::int8::quantize_row(job.input_row(flats[r]), job.p.k, offset, s.rows, r);
     }
-  });
+    s.launch = launch;
+    s.key = key;
+  }
+  return s.rows;
+}
+
+// Direct's launch and items (one routed row x a column chunk); each routed row runs the dense
+// int8-dot mat-vec item on its expert. A thread's items are adjacent, so it rounds each source row
+// it meets once (a token's top_k slots share one source row unless the input is slotted).
+template <class Format>
+void direct_int8_kernel(const KernelLaunch& launch, void* queue_native) {
+  const DenseMatmulIdKernelParams p = read_params(launch);
+  const Job<Format> job = Job<Format>::bind(launch, p, 4);
+  const size_t rows = size_t{p.m} * p.top_k;
+  const auto* ids =
+      static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(rows, 4), "expert ids"));
+  auto* pool = static_cast<ThreadPool*>(queue_native);
+  const size_t chunk = direct_item_columns(rows, p.n, pool == nullptr ? 1 : pool->size());
+  const size_t chunks = (size_t{p.n} + chunk - 1) / chunk;
+  const ggml::int8::Clone clone = ggml::int8::clone_for<Format>();
+  const uint64_t launch_id = next_launch_number();
+  const bool shared_rows = p.input_slot_stride_bytes == 0;
+  const auto body = [&](size_t begin, size_t end) {
+    for (size_t item = begin; item < end; ++item) {
+      const size_t flat = item / chunks;
+      const size_t col0 = (item - flat * chunks) * chunk;
+      const size_t col_end = std::min<size_t>(p.n, col0 + chunk);
+      float* out = job.output_row(flat);
+      const uint32_t id = ids[flat];
+      if (id >= p.n_experts) {  // invalid id: zero row, no weight address formed
+        std::fill(out + col0, out + col_end, 0.0f);
+        continue;
+      }
+      const auto flat32 = static_cast<uint32_t>(flat);
+      const size_t source = shared_rows ? flat / p.top_k : flat;
+      const ggml::int8::QuantizedRows& x =
+          rounded_rows(job, &flat32, 1, launch_id, source, clone.offset);
+      clone.mat_vec_item(job.expert(id, nullptr, 1, nullptr), ggml::int8::QuantizedRowsView(x, 0),
+                         0, 1, col0, col_end - col0, &out);
+    }
+  };
+  if (pool == nullptr) {
+    body(0, rows * chunks);
+  } else {
+    pool->parallel_for(rows * chunks, 1, body);
+  }
+}
+
+// Grouped's map, list and items; an item's rows are rounded once per thread that takes one of
+// its column blocks, then run the dense int8-dot mat-vec item (few rows) or matrix item.
+template <class Format>
+void grouped_int8_kernel(const KernelLaunch& launch, void* queue_native) {
+  const DenseMatmulIdKernelParams p = read_params(launch);
+  const Job<Format> job = Job<Format>::bind(launch, p, 5);
+  const GroupedWork work = grouped_work(launch, p);
+  if (work.items.empty()) return;
+  const ggml::int8::Clone clone = ggml::int8::clone_for<Format>();
+  const uint64_t launch_id = next_launch_number();
+  const auto run_item = [&](const GroupedItem& item) {
+    const uint32_t* flats = work.routed + item.row0;
+    const ggml::int8::QuantizedRows& x =
+        rounded_rows(job, flats, item.rows, launch_id, item.row0, clone.offset);
+    float* out_rows[kItemRows];
+    for (size_t r = 0; r < item.rows; ++r) out_rows[r] = job.output_row(flats[r]);
+    const size_t cols = std::min<size_t>(p.n, item.col0 + kMmOutputTile) - item.col0;
+    const Operands ops = job.expert(item.expert, nullptr, item.rows, nullptr);
+    const ggml::int8::Item run = item.rows <= kMaxMvRows ? clone.mat_vec_item : clone.item;
+    run(ops, ggml::int8::QuantizedRowsView(x, 0), 0, item.rows, item.col0, cols, out_rows);
+  };
+  run_grouped_items(queue_native, work.items, run_item);
 }
 
 // ---- Registration -------------------------------------------------------------------------------
@@ -299,6 +426,17 @@ void add_quantized_matmul_id_kernels(std::vector<KernelDef>& out) {
   out.push_back(make_def(names[1], direct_kernel<Q8_0Format>, 64, 8, 1, 0));
   out.push_back(make_def(names[2], grouped_kernel<Q4_0Format>, 256, 8, 8, 4096));
   out.push_back(make_def(names[3], grouped_kernel<Q8_0Format>, 256, 8, 8, 4096));
+  // The int8-dot routes, with the exact routes' geometry. Every CPU has them (the portable clone
+  // is exact integer arithmetic too).
+  constexpr auto i8 = kGgmlQuantizedMatmulIdInt8DotPipelineNames;
+  static_assert(i8[0] == "quantized_matmul_id_direct_int8dot_q4_0_f32" &&
+                i8[1] == "quantized_matmul_id_direct_int8dot_q8_0_f32" &&
+                i8[2] == "quantized_matmul_id_grouped_int8dot_q4_0_f32" &&
+                i8[3] == "quantized_matmul_id_grouped_int8dot_q8_0_f32");
+  out.push_back(make_def(i8[0], direct_int8_kernel<Q4_0Format>, 64, 8, 1, 0));
+  out.push_back(make_def(i8[1], direct_int8_kernel<Q8_0Format>, 64, 8, 1, 0));
+  out.push_back(make_def(i8[2], grouped_int8_kernel<Q4_0Format>, 256, 8, 8, 4096));
+  out.push_back(make_def(i8[3], grouped_int8_kernel<Q8_0Format>, 256, 8, 8, 4096));
 }
 
 }  // namespace routemm::cpu

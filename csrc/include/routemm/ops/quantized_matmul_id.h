@@ -21,6 +21,16 @@
 //            relative Frobenius error against a float64 reference on the dequantised weights,
 //            docs/numerics.md). Taken only when asked for; only backends with tensor cores (CUDA)
 //            register its pipelines, elsewhere the call fails before encoding (KernelNotFound).
+//   DirectInt8Dot, GroupedInt8Dot  Direct's and Grouped's dispatches, maps, scratch and id
+//            contracts under the reduced-precision int8-dot contract of quantized_matmul_ggml's
+//            int8-dot pipelines (ggml_int8_dot.h): each routed row's activations are rounded to
+//            int8 per 32-value block, each block pair is an exact integer dot product, scaled and
+//            summed in F32 in a fixed order. Each routed row therefore equals that dense
+//            pipeline on its expert's matrix bit for bit, and the two routes equal each other,
+//            on every clone, work split and thread count. Not bit-identical to the exact routes:
+//            the stated bound of docs/numerics.md instead. Taken only when asked for; only the
+//            CPU backend registers their pipelines, elsewhere the call fails before encoding
+//            (KernelNotFound).
 // Direct and Grouped dequantise exactly and accumulate in F32. Direct follows quantized_matmul_ggml's
 // mat-vec order and equals it bit for bit on the same expert matrix (CPU, Metal). On CPU and CUDA
 // Grouped sums in Direct's order, so the two routes are bit-identical there; Metal's Grouped
@@ -59,12 +69,28 @@ inline constexpr std::array<std::string_view, 2> kGgmlQuantizedMatmulIdTensorPip
     "quantized_matmul_id_grouped_lowp_q8_0_f32",
 };
 
-enum class GgmlQuantizedMatmulIdRoute : uint8_t { Direct, Grouped, GroupedTensorLowp };
+// Pipelines of the int8-dot routes (registered only by the CPU backend): direct Q4_0, direct Q8_0,
+// grouped Q4_0, grouped Q8_0.
+inline constexpr std::array<std::string_view, 4> kGgmlQuantizedMatmulIdInt8DotPipelineNames = {
+    "quantized_matmul_id_direct_int8dot_q4_0_f32",
+    "quantized_matmul_id_direct_int8dot_q8_0_f32",
+    "quantized_matmul_id_grouped_int8dot_q4_0_f32",
+    "quantized_matmul_id_grouped_int8dot_q8_0_f32",
+};
+
+enum class GgmlQuantizedMatmulIdRoute : uint8_t {
+  Direct,
+  Grouped,
+  GroupedTensorLowp,
+  DirectInt8Dot,
+  GroupedInt8Dot
+};
 std::string_view to_string(GgmlQuantizedMatmulIdRoute value);
 
 // Routes that run dense_matmul_id's map and need caller-owned scratch.
 constexpr bool is_grouped(GgmlQuantizedMatmulIdRoute route) {
-  return route != GgmlQuantizedMatmulIdRoute::Direct;
+  return route != GgmlQuantizedMatmulIdRoute::Direct &&
+         route != GgmlQuantizedMatmulIdRoute::DirectInt8Dot;
 }
 
 struct GgmlQuantizedMatmulIdParams {
@@ -113,7 +139,8 @@ GgmlQuantizedMatmulIdCapability validate_quantized_matmul_id_ggml_call(
     const Buffer& weights, const Buffer& input, const Buffer& expert_ids, const Buffer& output,
     const DenseMatmulIdScratch* scratch, const GgmlQuantizedMatmulIdParams& params);
 
-// The pipelines a route encodes, in order: {direct} or {map, grouped} (or {map, grouped lowp}).
+// The pipelines a route encodes, in order: {direct} or {map, grouped} (the grouped pipeline of the
+// route: exact, lowp or int8-dot).
 std::vector<std::string_view> quantized_matmul_id_ggml_route_pipelines(
     GgmlType type, GgmlQuantizedMatmulIdRoute route);
 
