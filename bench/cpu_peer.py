@@ -16,7 +16,8 @@ and range of the per-round ratios, each from two sides measured minutes apart at
 keeps only the one-token cases so a round lasts about a minute. Weights are cycled through copies (Q4_0: >= 128 MB in all; expert ids: fresh
 random ids every call), so no call finds its weights in the last-level cache. The quantized_expert_id
 case is the same expert projection with Q4_0 and Q8_0 expert stacks (quantized_matmul_id_ggml,
-direct and grouped, beside ggml's MUL_MAT_ID of the same types).
+direct and grouped and, with --routes naming int8_dot, direct_int8_dot and grouped_int8_dot, beside
+ggml's MUL_MAT_ID of the same types).
 
 ggml comes from bench/peer/build_ggml_peer.sh SRC BUILD cpu (its ggml_mul_mat_peer binary; pass one
 --peer per build, e.g. the plain Q4_0 layout and a GGML_CPU_REPACK=ON build, and the best of them is
@@ -49,8 +50,9 @@ Q4_MS = Q4_MS_ALL = (1, 8, 64, 512)
 E, TOP_K, EN, EK = 128, 8, 768, 2048
 MOE_MS = MOE_MS_ALL = (1, 64, 512)
 MOE_TYPES = ("bf16", "f32")
-# --routes: the exact routes (always timed), the opt-in int8-dot route of the Q4_0 product and the
-# opt-in bf16-dot expert-ID routes (bf16 weights; timed where the CPU has AVX512_BF16).
+# --routes: the exact routes (always timed), the opt-in int8-dot routes (the Q4_0 product's and the
+# quantised expert stacks') and the opt-in bf16-dot expert-ID routes (bf16 weights; timed where the
+# CPU has AVX512_BF16).
 ROUTES = ("exact", "int8_dot", "bf16_dot")
 QMOE_TYPES = ("q4_0", "q8_0")
 CASES = ("q4_0", "expert_id", "quantized_expert_id")  # --cases
@@ -212,7 +214,7 @@ def _routemm_expert_id(routemm, device, registry, runs: int, routes: list[str]) 
     return records
 
 
-def _routemm_quantized_expert_id(routemm, device, registry, runs: int) -> list[dict]:
+def _routemm_quantized_expert_id(routemm, device, registry, runs: int, routes: list[str]) -> list[dict]:
     from routemm import q4_0, q8_0
 
     codecs = {"q4_0": (q4_0, routemm.GgmlType.Q4_0), "q8_0": (q8_0, routemm.GgmlType.Q8_0)}
@@ -227,10 +229,14 @@ def _routemm_quantized_expert_id(routemm, device, registry, runs: int) -> list[d
         stride = blocks[0].nbytes
         del blocks
 
-        def routes_for(m, stride=stride, ggml_type=ggml_type):
+        routes_set = [(Route.DIRECT, "exact"), (Route.GROUPED, "exact")]
+        if "int8_dot" in routes:
+            routes_set += [(Route.DIRECT_INT8_DOT, "int8_dot"), (Route.GROUPED_INT8_DOT, "int8_dot")]
+
+        def routes_for(m, stride=stride, ggml_type=ggml_type, routes_set=routes_set):
             return [
-                (r, "exact", routemm.GgmlQuantizedMatmulIdParams(m, EN, EK, TOP_K, E, ggml_type, stride, route=r))
-                for r in (Route.DIRECT, Route.GROUPED)
+                (r, p, routemm.GgmlQuantizedMatmulIdParams(m, EN, EK, TOP_K, E, ggml_type, stride, route=r))
+                for r, p in routes_set
             ]
 
         def encode(encoder, x, ids, out, scratch, params, w_buf=w_buf):
@@ -431,7 +437,7 @@ def main() -> None:
         if "expert_id" in cases:
             found += _routemm_expert_id(routemm, device, registry, args.runs, routes)
         if "quantized_expert_id" in cases:
-            found += _routemm_quantized_expert_id(routemm, device, registry, args.runs)
+            found += _routemm_quantized_expert_id(routemm, device, registry, args.runs, routes)
         records += [dict(r, round=round_index + 1) for r in found]
 
     doc = {

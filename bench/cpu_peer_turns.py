@@ -11,7 +11,7 @@ case lasts tens of milliseconds, so both sides see the same bandwidth.
 Cases (m = 1): Q4_0 4096 x 14336 (quantized_matmul_ggml, exact mat-vec and int8-dot), the
 Qwen3-30B-A3B experts (128 x 768 x 2048, top-8) as bf16 (dense_matmul_id direct and
 direct_bf16_dot where the CPU has AVX512_BF16), f32 (direct), Q4_0 and Q8_0 (quantized_matmul_id_ggml
-direct). Per case: each side's minimum and median over the rounds, and the median of the per-round
+direct and direct_int8_dot). Per case: each side's minimum and median over the rounds, and the median of the per-round
 ratios (routemm's speed over the best peer's in that round). Writes DESIGN.md's results JSON and
 Markdown with --out.
 
@@ -96,18 +96,18 @@ def routemm_cases(routemm):
     for name, codec, ggml_type in (("q4_0", q4_0, routemm.GgmlType.Q4_0), ("q8_0", q8_0, routemm.GgmlType.Q8_0)):
         stack = np.stack([codec.quantize(rng.standard_normal((EN, EK), dtype=np.float32) * 0.02) for _ in range(E)])
         w = dev.from_numpy(stack)
-        p = routemm.GgmlQuantizedMatmulIdParams(
-            1, EN, EK, TOP_K, E, ggml_type, stack[0].nbytes, route=routemm.GgmlQuantizedMatmulIdRoute.DIRECT
-        )
+        stride = stack[0].nbytes
         del stack
+        for r in (routemm.GgmlQuantizedMatmulIdRoute.DIRECT, routemm.GgmlQuantizedMatmulIdRoute.DIRECT_INT8_DOT):
+            p = routemm.GgmlQuantizedMatmulIdParams(1, EN, EK, TOP_K, E, ggml_type, stride, route=r)
 
-        def run(batch, w=w, p=p):
-            enc = dev.command_encoder()
-            for _ in range(batch):
-                routemm.quantized_matmul_id_ggml(enc, reg, xe, w, ids[next(turn) % len(ids)], oe, None, p)
-            enc.commit_and_wait()
+            def run(batch, w=w, p=p):
+                enc = dev.command_encoder()
+                for _ in range(batch):
+                    routemm.quantized_matmul_id_ggml(enc, reg, xe, w, ids[next(turn) % len(ids)], oe, None, p)
+                enc.commit_and_wait()
 
-        cases.setdefault(("MUL_MAT_ID", name), []).append(("direct", run))
+            cases.setdefault(("MUL_MAT_ID", name), []).append((r.value, run))
     return cases
 
 

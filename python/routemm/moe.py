@@ -21,6 +21,7 @@ Numeric contracts of the gate and the two small kernels are in csrc/include/rout
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Optional, Union
 
 import numpy as np
@@ -232,7 +233,7 @@ def _encode_experts(
     registry,
     device,
     s: _ExpertShapes,
-    route: DenseMatmulIdRoute,
+    route: Union[DenseMatmulIdRoute, GgmlQuantizedMatmulIdRoute],
     distinct: bool,
     x_buf,
     ids_buf,
@@ -265,7 +266,7 @@ def _encode_experts(
             dense_matmul_id(encoder, registry, w, x, ids_buf, out, scratch, params, reuse_map=reuse_map)
             return
         values, block_bytes = ggml_type.block_layout
-        qroute = GgmlQuantizedMatmulIdRoute.GROUPED if route.is_grouped else GgmlQuantizedMatmulIdRoute.DIRECT
+        qroute = _block_stack_route(route)
         stride = n * (k // values) * block_bytes
         params = GgmlQuantizedMatmulIdParams(s.m, n, k, s.top_k, s.n_experts, ggml_type, stride, layout, qroute)
         quantized_matmul_id_ggml(encoder, registry, x, w, ids_buf, out, scratch, params, reuse_map=reuse_map)
@@ -308,7 +309,7 @@ def moe_experts(
     down,
     *,
     ggml_type=None,
-    route: Optional[DenseMatmulIdRoute] = None,
+    route: Union[DenseMatmulIdRoute, GgmlQuantizedMatmulIdRoute, str, None] = None,
     device=None,
 ):
     """The experts block of a MoE layer; returns float32 [m, H].
@@ -324,7 +325,9 @@ def moe_experts(
     route: the expert-ID matmul route of both matmuls; None picks grouped_prefill when ids are
     distinct per token and dense_matmul_id.auto_grouped says so for the shapes and backend (m > 8;
     on CUDA also 8 routed rows per expert on average, 256 for block stacks), else direct (with
-    tensors, passing it avoids a device-to-host distinctness check).
+    tensors, passing it avoids a device-to-host distinctness check). Block stacks take a
+    GgmlQuantizedMatmulIdRoute (its value, or grouped_prefill for grouped), the CPU's
+    reduced-precision direct_int8_dot / grouped_int8_dot included.
     NumPy inputs run on `device` (default: the best backend) and the result is a NumPy array;
     PyTorch tensors are used in place on their device and the result is a tensor there.
     """
@@ -368,10 +371,37 @@ def moe_experts(
     return out_buf.numpy()
 
 
-def _checked_route(route, distinct: bool, s, device, ggml_type) -> DenseMatmulIdRoute:
-    """`route` parsed, or the automatic choice for the shapes `s` on `device`; a grouped route
-    needs ids distinct per token."""
-    route = _pick_route(route, distinct, s.m, device, s.top_k, s.n_experts, quantized=ggml_type is not None)
+def _block_stack_route(route) -> GgmlQuantizedMatmulIdRoute:
+    """The quantised expert-ID route of block stacks for `route`: a GgmlQuantizedMatmulIdRoute (or
+    its value), or a DenseMatmulIdRoute that has a block-stack counterpart (direct; grouped_prefill,
+    which is grouped there; grouped_tensor_lowp)."""
+    value = route.value if isinstance(route, enum.Enum) else route
+    if value == DenseMatmulIdRoute.GROUPED_PREFILL.value:
+        return GgmlQuantizedMatmulIdRoute.GROUPED
+    try:
+        return GgmlQuantizedMatmulIdRoute(value)
+    except ValueError:
+        choices = ", ".join(repr(r.value) for r in GgmlQuantizedMatmulIdRoute)
+        raise InvalidArgumentError(
+            f"moe_experts with ggml_type takes route {choices} (GgmlQuantizedMatmulIdRoute) or "
+            f"'grouped_prefill', got {route!r}"
+        ) from None
+
+
+def _parsed_route(route, ggml_type):
+    """`route` (not None) as the route type of the stacks: GgmlQuantizedMatmulIdRoute for block
+    stacks, else DenseMatmulIdRoute."""
+    if ggml_type is not None:
+        return _block_stack_route(route)
+    return _pick_route(route, False, 0)
+
+
+def _checked_route(route, distinct: bool, s, device, ggml_type):
+    """`route` parsed (_parsed_route), or the automatic choice for the shapes `s` on `device`; a
+    grouped route needs ids distinct per token."""
+    if route is None:
+        route = _pick_route(None, distinct, s.m, device, s.top_k, s.n_experts, quantized=ggml_type is not None)
+    route = _parsed_route(route, ggml_type)
     if route.is_grouped and not distinct:
         raise InvalidArgumentError(f"moe_experts route {route.value} needs ids distinct per token")
     return route
@@ -430,7 +460,7 @@ def _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route,
     # int32 bit patterns read as u32: every invalid id becomes -1, i.e. 0xFFFFFFFF.
     ids32 = torch.where(valid, top_k_index, torch.full_like(top_k_index, -1)).to(torch.int32).contiguous()
     distinct = True
-    if route is None or DenseMatmulIdRoute(route).is_grouped:
+    if route is None or _parsed_route(route, ggml_type).is_grouped:
         slots = torch.arange(s.top_k, device=dev)
         keyed = torch.where(valid, top_k_index, -1 - slots)
         sorted_ids = torch.sort(keyed, dim=1).values

@@ -318,3 +318,34 @@ def test_torch_tensors_match_numpy(device, rng):
     t = torch.from_numpy
     out = routemm.moe_experts(t(x), t(ids).long(), t(w), t(gate_up).requires_grad_(), t(down))
     np.testing.assert_array_equal(out.numpy(), routemm.moe_experts(x, ids, w, gate_up, down, device=device))
+
+
+@NEEDS_QUANTIZED_ID
+def test_quantized_experts_take_block_stack_routes(device, rng):
+    """Block stacks take GgmlQuantizedMatmulIdRoute values: the int8-dot routes (CPU only) give the
+    same bits direct and grouped, within the int8-dot error of the exact block; a float-stack route
+    without a block-stack counterpart is refused."""
+    x, ids, w, gate_up, down = _experts_case(rng, 12, 4, 16, 64, 32)
+    q_gate_up, q_down = routemm.q4_0.quantize(gate_up), routemm.q4_0.quantize(down)
+    q4 = routemm.GgmlType.Q4_0
+
+    def call(route):
+        return routemm.moe_experts(x, ids, w, q_gate_up, q_down, ggml_type=q4, route=route, device=device)
+
+    exact = call("grouped")
+    np.testing.assert_array_equal(
+        exact.view(np.uint32), call(routemm.DenseMatmulIdRoute.GROUPED_PREFILL).view(np.uint32)
+    )
+    with pytest.raises(routemm.InvalidArgumentError, match="takes route 'direct', 'grouped'.*got 'direct_bf16_dot'"):
+        call("direct_bf16_dot")
+    with pytest.raises(routemm.InvalidArgumentError, match="dense_matmul_id route must be one of"):
+        routemm.moe_experts(x, ids, w, gate_up, down, route="direct_int8_dot", device=device)
+    route = routemm.GgmlQuantizedMatmulIdRoute
+    if not routemm.KernelRegistry(device).has_kernel(routemm.GGML_QUANTIZED_MATMUL_ID_INT8_DOT_PIPELINE_NAMES[0]):
+        with pytest.raises(routemm.KernelNotFoundError):
+            call(route.DIRECT_INT8_DOT)
+        return
+    direct, grouped = call(route.DIRECT_INT8_DOT), call("grouped_int8_dot")
+    np.testing.assert_array_equal(direct.view(np.uint32), grouped.view(np.uint32))
+    assert not np.array_equal(direct, exact)
+    assert np.linalg.norm(direct - exact) / np.linalg.norm(exact) <= 2e-2

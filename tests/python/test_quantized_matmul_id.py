@@ -236,5 +236,8 @@ def test_matmul_id_high_level_rejections(rng):
         routemm.matmul_id(w.astype(np.int8), x, ids, ggml_type=GgmlType.Q4_0)
     with pytest.raises(routemm.InvalidArgumentError, match=r"k / 32 \* 34"):
         routemm.matmul_id(w, x, ids, ggml_type=GgmlType.Q8_0)
-    with pytest.raises(routemm.InvalidArgumentError, match="route 'direct', 'grouped', 'grouped_tensor_lowp', 'direct_int8_dot', 'grouped_int8_dot'"):
+    with pytest.raises(
+        routemm.InvalidArgumentError,
+        match="route 'direct', 'grouped', 'grouped_tensor_lowp', 'direct_int8_dot', 'grouped_int8_dot'",
+    ):
         routemm.matmul_id(w, x, ids, ggml_type=GgmlType.Q4_0, route="grouped_prefill")

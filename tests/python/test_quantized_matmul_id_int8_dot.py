@@ -155,7 +155,9 @@ def test_direct_int8_dot_takes_repeated_ids_and_the_expert_down_form(device, reg
     top_k, top_k = 1, slotted rows) gives the bits of the per-token call with a slotted input."""
     rng = np.random.default_rng(5)
     m, top_k, n, k, experts = 4, 3, 40, 32 * 6, 5
-    stack = np.stack([FORMATS[ggml_type].quantize(rng.standard_normal((n, k)).astype(np.float32)) for _ in range(experts)])
+    stack = np.stack(
+        [FORMATS[ggml_type].quantize(rng.standard_normal((n, k)).astype(np.float32)) for _ in range(experts)]
+    )
     x = _activations(rng, m * top_k, k)
     ids = rng.integers(0, 2, (m, top_k)).astype(np.uint32)  # experts 0 and 1 only: repeats
     per_token = _run(device, registry, ggml_type, stack, x, ids, Route.DIRECT_INT8_DOT, Layout.SLOTTED)[2]
