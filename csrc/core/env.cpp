@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <mutex>
+#include <string_view>
 
 #include "routemm/error.h"
 
@@ -35,6 +36,20 @@ constexpr Knob kKnobs[] = {
      "1: command encoders start with the automatic-barrier tracker on (a barrier before each "
      "dispatch_tracked whose ranges conflict with those since the last barrier)"},
 };
+
+// The table's default of an integer knob, as a number (compile time): the documented default and
+// the one the reader falls back to are checked against each other below.
+constexpr int64_t table_default(std::string_view name) {
+  for (const Knob& knob : kKnobs) {
+    if (name != knob.name) continue;
+    int64_t value = 0;
+    for (const char* c = knob.default_value; *c != '\0'; ++c) value = value * 10 + (*c - '0');
+    return value;
+  }
+  return -1;
+}
+static_assert(table_default("ROUTEMM_CPU_SPIN_US") == kCpuSpinUsDefault);
+static_assert(table_default("ROUTEMM_CPU_THREADS") == 0);
 
 std::optional<std::string> read(const char* name) {
   const char* value = std::getenv(name);
