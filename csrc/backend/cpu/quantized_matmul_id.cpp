@@ -112,18 +112,19 @@ struct Job {
 
 // ---- Direct -------------------------------------------------------------------------------------
 
-template <class Format>
-void direct_kernel(const KernelLaunch& launch, void* queue_native) {
-  const DenseMatmulIdKernelParams p = read_params(launch);
-  const Job<Format> job = Job<Format>::bind(launch, p, 4);
+// Runs run(flat, id, col0, col_end, out) on every item of a direct launch (one routed row x a
+// column chunk, item = flat * chunks + chunk) whose id is valid, on the launch's pool; an invalid
+// id's row is zeroed, with no weight address formed.
+template <class Format, class Run>
+void for_each_direct_item(const KernelLaunch& launch, void* queue_native, const Job<Format>& job,
+                          const Run& run) {
+  const DenseMatmulIdKernelParams& p = job.p;
   const size_t rows = size_t{p.m} * p.top_k;
   const auto* ids =
       static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(rows, 4), "expert ids"));
   auto* pool = static_cast<ThreadPool*>(queue_native);
   const size_t chunk = direct_item_columns(rows, p.n, pool == nullptr ? 1 : pool->size());
   const size_t chunks = (size_t{p.n} + chunk - 1) / chunk;
-  const ggml::MvRange run = ggml::mv_range_for<Format>(1);
-  // item = flat row * chunks + column chunk.
   const auto body = [&](size_t begin, size_t end) {
     for (size_t item = begin; item < end; ++item) {
       const size_t flat = item / chunks;
@@ -131,11 +132,11 @@ void direct_kernel(const KernelLaunch& launch, void* queue_native) {
       const size_t col_end = std::min<size_t>(p.n, col0 + chunk);
       float* out = job.output_row(flat);
       const uint32_t id = ids[flat];
-      if (id >= p.n_experts) {  // invalid id: zero row, no weight address formed
+      if (id >= p.n_experts) {
         std::fill(out + col0, out + col_end, 0.0f);
         continue;
       }
-      run(job.expert(id, job.input_row(flat), 1, out), col0, col_end);
+      run(flat, id, col0, col_end, out);
     }
   };
   if (pool == nullptr) {
@@ -143,6 +144,16 @@ void direct_kernel(const KernelLaunch& launch, void* queue_native) {
   } else {
     pool->parallel_for(rows * chunks, 1, body);
   }
+}
+
+template <class Format>
+void direct_kernel(const KernelLaunch& launch, void* queue_native) {
+  const Job<Format> job = Job<Format>::bind(launch, read_params(launch), 4);
+  const ggml::MvRange run = ggml::mv_range_for<Format>(1);
+  for_each_direct_item(launch, queue_native, job,
+                       [&](size_t flat, uint32_t id, size_t col0, size_t col_end, float* out) {
+                         run(job.expert(id, job.input_row(flat), 1, out), col0, col_end);
+                       });
 }
 
 // ---- Grouped ------------------------------------------------------------------------------------
@@ -330,41 +341,20 @@ const ggml::int8::QuantizedRows& rounded_rows(const Job<Format>& job, const uint
 // it meets once (a token's top_k slots share one source row unless the input is slotted).
 template <class Format>
 void direct_int8_kernel(const KernelLaunch& launch, void* queue_native) {
-  const DenseMatmulIdKernelParams p = read_params(launch);
-  const Job<Format> job = Job<Format>::bind(launch, p, 4);
-  const size_t rows = size_t{p.m} * p.top_k;
-  const auto* ids =
-      static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(rows, 4), "expert ids"));
-  auto* pool = static_cast<ThreadPool*>(queue_native);
-  const size_t chunk = direct_item_columns(rows, p.n, pool == nullptr ? 1 : pool->size());
-  const size_t chunks = (size_t{p.n} + chunk - 1) / chunk;
+  const Job<Format> job = Job<Format>::bind(launch, read_params(launch), 4);
   const ggml::int8::Clone clone = ggml::int8::clone_for<Format>();
   const uint64_t launch_id = next_launch_number();
-  const bool shared_rows = p.input_slot_stride_bytes == 0;
-  const auto body = [&](size_t begin, size_t end) {
-    for (size_t item = begin; item < end; ++item) {
-      const size_t flat = item / chunks;
-      const size_t col0 = (item - flat * chunks) * chunk;
-      const size_t col_end = std::min<size_t>(p.n, col0 + chunk);
-      float* out = job.output_row(flat);
-      const uint32_t id = ids[flat];
-      if (id >= p.n_experts) {  // invalid id: zero row, no weight address formed
-        std::fill(out + col0, out + col_end, 0.0f);
-        continue;
-      }
-      const auto flat32 = static_cast<uint32_t>(flat);
-      const size_t source = shared_rows ? flat / p.top_k : flat;
-      const ggml::int8::QuantizedRows& x =
-          rounded_rows(job, &flat32, 1, launch_id, source, clone.offset);
-      clone.mat_vec_item(job.expert(id, nullptr, 1, nullptr), ggml::int8::QuantizedRowsView(x, 0),
-                         0, 1, col0, col_end - col0, &out);
-    }
-  };
-  if (pool == nullptr) {
-    body(0, rows * chunks);
-  } else {
-    pool->parallel_for(rows * chunks, 1, body);
-  }
+  const bool shared_rows = job.p.input_slot_stride_bytes == 0;
+  for_each_direct_item(launch, queue_native, job,
+                       [&](size_t flat, uint32_t id, size_t col0, size_t col_end, float* out) {
+                         const auto flat32 = static_cast<uint32_t>(flat);
+                         const size_t source = shared_rows ? flat / job.p.top_k : flat;
+                         const ggml::int8::QuantizedRows& x =
+                             rounded_rows(job, &flat32, 1, launch_id, source, clone.offset);
+                         clone.mat_vec_item(job.expert(id, nullptr, 1, nullptr),
+                                            ggml::int8::QuantizedRowsView(x, 0), 0, 1, col0,
+                                            col_end - col0, &out);
+                       });
 }
 
 // Grouped's map, list and items; an item's rows are rounded once per thread that takes one of
