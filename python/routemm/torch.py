@@ -15,8 +15,8 @@ otherwise, or with ROUTEMM_TORCH_KERNELS=python, their Python kernels (the same 
 and results; more host time per call, see bench/engine_decode.py host-cost). KERNELS says which ("cpp" or "python") and
 KERNELS_REASON why. Both run the core through one table of devices and registries.
 
-Registration place: every op is declared in OPS below with its schema, real and fake
-implementations; ops of other modules (e.g. the quantised MoE ops) register through `define_op`.
+Registration: every op goes through `define_op` (its schema, real and fake implementations), which
+records it in OPS; an op of another module registers the same way.
 """
 
 import importlib
