@@ -32,12 +32,11 @@ from .dense_matmul_id import (
     DenseMatmulIdParams,
     DenseMatmulIdRoute,
     _default_device,
-    _pick_route,
     _registry_for,
     dense_matmul_id,
 )
 from .gguf_io import _gguf_header, _gguf_tensors
-from .moe import _encode_experts, _ExpertShapes
+from .moe import _checked_route, _encode_experts, _ExpertShapes
 from .quantized_matmul import GgmlType
 
 # Whether an architecture's router renormalises its top-k weights, where the file does not say
@@ -146,8 +145,11 @@ class MoeLayer:
             )
         return layer_obj
 
-    def __call__(self, hidden) -> np.ndarray:
-        """float32 [m, H] -> float32 [m, H]: router, gate and experts in one submission."""
+    def __call__(self, hidden, *, route=None) -> np.ndarray:
+        """float32 [m, H] -> float32 [m, H]: router, gate and experts in one submission. `route`:
+        the experts' expert-ID route as moe_experts takes it (a DenseMatmulIdRoute for float
+        stacks, a GgmlQuantizedMatmulIdRoute for block stacks, e.g. the CPU's direct_int8_dot);
+        None: the automatic choice. The gate's ids are distinct per token, so grouped routes apply."""
         hidden = np.asarray(hidden)
         if hidden.dtype != np.float32 or hidden.ndim != 2 or hidden.shape[1] != self.hidden or hidden.shape[0] == 0:
             raise InvalidArgumentError(
@@ -155,6 +157,8 @@ class MoeLayer:
             )
         m = int(hidden.shape[0])
         device, registry = self.device, _registry_for(self.device)
+        shapes = _ExpertShapes(m, self.top_k, self.n_experts, self.hidden, self.intermediate, stacked=False)
+        route = _checked_route(route, True, shapes, device, self.ggml_type)  # gate ids: distinct
         x_buf = device.from_numpy(np.ascontiguousarray(hidden))
         logits = device.alloc(m * self.n_experts * 4, DType.F32, [m, self.n_experts])
         weights = device.alloc(m * self.top_k * 4, DType.F32, [m, self.top_k])
@@ -172,9 +176,6 @@ class MoeLayer:
         encoder.memory_barrier()
         _core._moe_gate(encoder, registry, logits, weights, ids, m, self.n_experts, self.top_k, self.renormalize)
         encoder.memory_barrier()
-        quantized = self.ggml_type is not None
-        route = _pick_route(None, True, m, device, self.top_k, self.n_experts, quantized=quantized)  # gate ids distinct
-        shapes = _ExpertShapes(m, self.top_k, self.n_experts, self.hidden, self.intermediate, stacked=False)
 
         def alloc(shape):
             return device.alloc(int(np.prod(shape)) * 4, DType.F32, list(shape))

@@ -123,3 +123,20 @@ def test_cli_demo_runs_a_gguf_layer(tmp_path, rng, capsys):
     printed = capsys.readouterr().out
     assert "layer 1 (E=8, top_k=2, H=64, I=32, q8_0 experts" in printed
     assert printed.strip().endswith("OK")
+
+
+@pytest.mark.needs_kernels(*routemm.GGML_QUANTIZED_MATMUL_ID_INT8_DOT_PIPELINE_NAMES)
+def test_layer_takes_a_route(tmp_path, rng, device):
+    """A Q4_0 layer runs the CPU's int8-dot routes when asked: direct and grouped agree bit for bit
+    and stay within the int8-dot error of the exact layer; an unknown route is refused before
+    anything runs."""
+    layer = routemm.MoeLayer.from_gguf(write_qwen3moe(tmp_path / "moe.gguf", rng, "q4_0"), 0, device=device)
+    hidden = rng.standard_normal((12, H)).astype(np.float32)
+    exact = layer(hidden)
+    np.testing.assert_array_equal(exact, layer(hidden, route="grouped"))
+    direct = layer(hidden, route=routemm.GgmlQuantizedMatmulIdRoute.DIRECT_INT8_DOT)
+    np.testing.assert_array_equal(direct.view(np.uint32), layer(hidden, route="grouped_int8_dot").view(np.uint32))
+    assert not np.array_equal(direct, exact)
+    assert np.linalg.norm(direct - exact) / np.linalg.norm(exact) <= 2e-2
+    with pytest.raises(routemm.InvalidArgumentError, match="got 'direct_bf16_dot'"):
+        layer(hidden, route="direct_bf16_dot")
