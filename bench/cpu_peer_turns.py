@@ -53,6 +53,17 @@ def routemm_cases(routemm):
     turn = iter(range(10**9))
     cases: dict[tuple[str, str], list] = {}
 
+    def batched(dispatch):
+        """run(batch): `batch` calls of dispatch(encoder, turn number) in one submission."""
+
+        def run(batch):
+            enc = dev.command_encoder()
+            for _ in range(batch):
+                dispatch(enc, next(turn))
+            enc.commit_and_wait()
+
+        return run
+
     blocks = q4_0.quantize(rng.standard_normal((N, K), dtype=np.float32) * 0.02)
     copies = [dev.from_numpy(blocks) for _ in range(4)]  # 4 x 33 MB: more than the caches
     x = dev.from_numpy(rng.standard_normal((1, K), dtype=np.float32))
@@ -62,13 +73,11 @@ def routemm_cases(routemm):
         ("exact", routemm.GgmlRoutingPolicy()),
         ("int8_dot", routemm.GgmlRoutingPolicy(dense_int8_dot=True)),
     ):
-
-        def run(batch, policy=policy):
-            enc = dev.command_encoder()
-            for _ in range(batch):
-                routemm.quantized_matmul_ggml(enc, reg, x, copies[next(turn) % len(copies)], out, params, policy)
-            enc.commit_and_wait()
-
+        run = batched(
+            lambda enc, i, policy=policy: routemm.quantized_matmul_ggml(
+                enc, reg, x, copies[i % len(copies)], out, params, policy
+            )
+        )
         cases.setdefault(("MUL_MAT", "q4_0"), []).append((label, run))
 
     xe = dev.from_numpy(rng.standard_normal((1, EK), dtype=np.float32))
@@ -84,13 +93,9 @@ def routemm_cases(routemm):
         stride = EN * EK * np.dtype(dtype).itemsize
         for r in routes:
             p = routemm.DenseMatmulIdParams(1, EN, EK, TOP_K, E, stride, route=r)
-
-            def run(batch, w=w, p=p):
-                enc = dev.command_encoder()
-                for _ in range(batch):
-                    routemm.dense_matmul_id(enc, reg, w, xe, ids[next(turn) % len(ids)], oe, None, p)
-                enc.commit_and_wait()
-
+            run = batched(
+                lambda enc, i, w=w, p=p: routemm.dense_matmul_id(enc, reg, w, xe, ids[i % len(ids)], oe, None, p)
+            )
             cases.setdefault(("MUL_MAT_ID", name), []).append((r.value, run))
 
     for name, codec, ggml_type in (("q4_0", q4_0, routemm.GgmlType.Q4_0), ("q8_0", q8_0, routemm.GgmlType.Q8_0)):
@@ -100,13 +105,11 @@ def routemm_cases(routemm):
         del stack
         for r in (routemm.GgmlQuantizedMatmulIdRoute.DIRECT, routemm.GgmlQuantizedMatmulIdRoute.DIRECT_INT8_DOT):
             p = routemm.GgmlQuantizedMatmulIdParams(1, EN, EK, TOP_K, E, ggml_type, stride, route=r)
-
-            def run(batch, w=w, p=p):
-                enc = dev.command_encoder()
-                for _ in range(batch):
-                    routemm.quantized_matmul_id_ggml(enc, reg, xe, w, ids[next(turn) % len(ids)], oe, None, p)
-                enc.commit_and_wait()
-
+            run = batched(
+                lambda enc, i, w=w, p=p: routemm.quantized_matmul_id_ggml(
+                    enc, reg, xe, w, ids[i % len(ids)], oe, None, p
+                )
+            )
             cases.setdefault(("MUL_MAT_ID", name), []).append((r.value, run))
     return cases
 

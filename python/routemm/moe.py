@@ -36,6 +36,7 @@ from .dense_matmul_id import (
     DenseMatmulIdRoute,
     DenseMatmulIdScratch,
     _default_device,
+    _enum_value,
     _framework,
     _pick_route,
     _registry_for,
@@ -393,7 +394,7 @@ def _parsed_route(route, ggml_type):
     stacks, else DenseMatmulIdRoute."""
     if ggml_type is not None:
         return _block_stack_route(route)
-    return _pick_route(route, False, 0)
+    return DenseMatmulIdRoute(_enum_value(DenseMatmulIdRoute, route, "route"))
 
 
 def _checked_route(route, distinct: bool, s, device, ggml_type):

@@ -18,6 +18,7 @@
 #include "routemm/ops/quantized_matmul_id.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <string>
@@ -399,12 +400,21 @@ KernelDef make_def(std::string_view name, KernelFn fn, uint32_t threads, uint32_
   return def;
 }
 
+// Registers one route set's kernels, named in the order direct Q4_0, direct Q8_0, grouped Q4_0,
+// grouped Q8_0, with the geometry of dense_matmul_id's pipelines (the front door sizes grids from
+// it; the CPU kernels split the work their own way): direct 64 threads, 8 columns x 1 flat row per
+// group; grouped 256 threads, 8 routed rows x 8 columns x 1 expert, 4096 bytes.
+void add_route_set(std::vector<KernelDef>& out, const std::array<std::string_view, 4>& names,
+                   const std::array<KernelFn, 4>& fns) {
+  for (size_t i = 0; i < names.size(); ++i) {
+    out.push_back(i < 2 ? make_def(names[i], fns[i], 64, 8, 1, 0)
+                        : make_def(names[i], fns[i], 256, 8, 8, 4096));
+  }
+}
+
 }  // namespace
 
 void add_quantized_matmul_id_kernels(std::vector<KernelDef>& out) {
-  // The geometry of dense_matmul_id's pipelines (the front door sizes grids from it; the CPU
-  // kernels split the work their own way): direct 64 threads, 8 columns x 1 flat row per group;
-  // grouped 256 threads, 8 routed rows x 8 columns x 1 expert, 4096 bytes.
   using ggml::Q4_0Format;
   using ggml::Q8_0Format;
   constexpr auto names = kGgmlQuantizedMatmulIdPipelineNames;
@@ -412,10 +422,9 @@ void add_quantized_matmul_id_kernels(std::vector<KernelDef>& out) {
                 names[1] == "quantized_matmul_id_direct_q8_0_f32" &&
                 names[2] == "quantized_matmul_id_grouped_q4_0_f32" &&
                 names[3] == "quantized_matmul_id_grouped_q8_0_f32");
-  out.push_back(make_def(names[0], direct_kernel<Q4_0Format>, 64, 8, 1, 0));
-  out.push_back(make_def(names[1], direct_kernel<Q8_0Format>, 64, 8, 1, 0));
-  out.push_back(make_def(names[2], grouped_kernel<Q4_0Format>, 256, 8, 8, 4096));
-  out.push_back(make_def(names[3], grouped_kernel<Q8_0Format>, 256, 8, 8, 4096));
+  add_route_set(out, names,
+                {direct_kernel<Q4_0Format>, direct_kernel<Q8_0Format>, grouped_kernel<Q4_0Format>,
+                 grouped_kernel<Q8_0Format>});
   // The int8-dot routes, with the exact routes' geometry. Every CPU has them (the portable clone
   // is exact integer arithmetic too).
   constexpr auto i8 = kGgmlQuantizedMatmulIdInt8DotPipelineNames;
@@ -423,10 +432,9 @@ void add_quantized_matmul_id_kernels(std::vector<KernelDef>& out) {
                 i8[1] == "quantized_matmul_id_direct_int8dot_q8_0_f32" &&
                 i8[2] == "quantized_matmul_id_grouped_int8dot_q4_0_f32" &&
                 i8[3] == "quantized_matmul_id_grouped_int8dot_q8_0_f32");
-  out.push_back(make_def(i8[0], direct_int8_kernel<Q4_0Format>, 64, 8, 1, 0));
-  out.push_back(make_def(i8[1], direct_int8_kernel<Q8_0Format>, 64, 8, 1, 0));
-  out.push_back(make_def(i8[2], grouped_int8_kernel<Q4_0Format>, 256, 8, 8, 4096));
-  out.push_back(make_def(i8[3], grouped_int8_kernel<Q8_0Format>, 256, 8, 8, 4096));
+  add_route_set(out, i8,
+                {direct_int8_kernel<Q4_0Format>, direct_int8_kernel<Q8_0Format>,
+                 grouped_int8_kernel<Q4_0Format>, grouped_int8_kernel<Q8_0Format>});
 }
 
 }  // namespace routemm::cpu
