@@ -163,36 +163,30 @@ __global__ void __launch_bounds__(C::kThreads, kRowsCtasPerSm)
       }
     }
   };
-  // Quad tq of a block needs chunks tq (values 4tq..) and tq + 4 (16 + 4tq..): lanes L and L ^ 4
-  // exchange chunks; lane c < 4 stores the hi quad c, lane c >= 4 the lo quad c, at 16 c of the
-  // token's 128 bytes of the block. A block holds its tokens' quads in token order, so lane L of
-  // the MMA finds its quad (token L / 8, hi for L % 8 < 4) at 16 L: the layout
-  // matvec_split_columns_block reads.
+  // Quad tq of a block is [the pairs of values 4tq..4tq+3, of 16+4tq..16+4tq+3]: the hi quad at 16
+  // tq of the token's 128 bytes of the block, the lo quad at 64 + 16 tq. Lane L (chunk c = L % 8)
+  // splits its own four values and stores their hi and lo halves (8 bytes each) at 16 (c % 4) +
+  // 8 (c / 4) and 64 bytes further: no exchange between lanes. A block holds its tokens' quads in
+  // token order, so lane L of the MMA finds its quad (token L / 8, hi for L % 8 < 4) at 16 L: the
+  // layout matvec_split_columns_block reads. The order of the two stores alternates with c / 4 and
+  // the block's parity, so each store's 32 lanes cover every bank twice (two wavefronts).
   const auto split_x = [&]() {
-    const bool low_half = (lane & 4) == 0;
+    const int c = lane & 7;
+    const bool hi_first = ((c >> 2) ^ (lane >> 3)) & 1;
 #pragma unroll
     for (int tok = 0; tok < kTokens; ++tok) {
 #pragma unroll
       for (int q = 0; q < kXLoads; ++q) {
         const float4 x4 = xv[tok][q];
         const float own[4] = {x4.x, x4.y, x4.z, x4.w};
-        float v[8];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float other = __shfl_xor_sync(0xFFFFFFFFu, own[i], 4);
-          v[i] = low_half ? own[i] : other;
-          v[4 + i] = low_half ? other : own[i];
-        }
-        uint32_t hi[4], lo[4];
-        split_activation_pairs(v, hi, lo);
+        uint32_t hi[2], lo[2];
+        split_activation_pairs(own, hi, lo);
         const int block = 4 * q + (lane >> 3);
-        const uint32_t dst =
-            smem_addr(warp_quads + block * kBlockQuadBytes + tok * kQuadBytes + (lane & 7) * 16);
-        if (low_half) {
-          sts128(dst, hi[0], hi[1], hi[2], hi[3]);
-        } else {
-          sts128(dst, lo[0], lo[1], lo[2], lo[3]);
-        }
+        const uint32_t quad = smem_addr(warp_quads + block * kBlockQuadBytes + tok * kQuadBytes) +
+                              16 * (c & 3) + 8 * (c >> 2);
+        const uint32_t first = quad + (hi_first ? 0 : 64), second = quad + (hi_first ? 64 : 0);
+        sts64(first, hi_first ? hi[0] : lo[0], hi_first ? hi[1] : lo[1]);
+        sts64(second, hi_first ? lo[0] : hi[0], hi_first ? lo[1] : hi[1]);
       }
     }
   };

@@ -46,13 +46,19 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t q_minus_8, __nv_bfloat16
   return bits_of(__hmul2(bf162_of(q_minus_8), d2));
 }
 
-// The split numerics' B registers (the mat-vec) of lane quarter t for one token and
-// block: v = x[4t..4t+3], x[16+4t..16+4t+3] of the block's 32 values; hi = the top 16 bits of each value (bf16 truncation, so x - hi is exact),
-// lo = bf16(x - hi), which leaves |x - hi - lo| <= 2^-16 |x|. Pairs as v: (v0, v1), ..., (v6, v7).
-__device__ __forceinline__ void split_activation_pairs(const float (&v)[8], uint32_t (&hi)[4],
-                                                       uint32_t (&lo)[4]) {
+// The split numerics' B registers (the mat-vec) of lane quarter t for one token and block: v =
+// x[4t..4t+3], x[16+4t..16+4t+3] of the block's 32 values (or, kValues = 4, one of those runs);
+// hi = the top 16 bits of each value (bf16 truncation, so x - hi is exact), lo = bf16(x - hi),
+// which leaves |x - hi - lo| <= 2^-16 |x|. Pairs as v: (v0, v1), (v2, v3), ... Each value's hi and
+// lo depend on that value alone, so a run split on its own gives the bits of the same run inside
+// the eight-value split.
+template <int kValues>
+__device__ __forceinline__ void split_activation_pairs(const float (&v)[kValues],
+                                                       uint32_t (&hi)[kValues / 2],
+                                                       uint32_t (&lo)[kValues / 2]) {
+  static_assert(kValues == 4 || kValues == 8);
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
+  for (int q = 0; q < kValues / 2; ++q) {
     const uint32_t x0 = __float_as_uint(v[2 * q]), x1 = __float_as_uint(v[2 * q + 1]);
     hi[q] = __byte_perm(x0, x1, 0x7632);
     lo[q] = bits_of(__floats2bfloat162_rn(v[2 * q] - __uint_as_float(x0 & 0xFFFF0000u),
