@@ -227,6 +227,22 @@ def _plan(fw: Framework, weights, x, ids, route):
     return _core._plan_tensor_matmul_id(*places.pop(), wdtype, *shape, route)
 
 
+def _checked_out(fw: Framework, out, plan, device_key, x):
+    """A new [rows, n] float32 output, or the caller's `out` once checked against the plan."""
+    if out is None:
+        return fw.empty((plan.rows, plan.n), "f32", x)
+    if (
+        tuple(out.shape) != (plan.rows, plan.n)
+        or fw.dtype(out) != DType.F32
+        or not fw.contiguous(out)
+        or fw.device_key(out) != device_key
+    ):
+        raise InvalidArgumentError(
+            f"matmul_id out must be a contiguous float32 tensor of shape {(plan.rows, plan.n)} on the inputs' device"
+        )
+    return out
+
+
 def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_receipt: bool = False):
     """The expert-ID product on framework tensors (see routemm.matmul_id); returns `out` or a new
     [m * top_k, n] float32 tensor (with `with_receipt`, the pair of it and the dispatch receipt).
@@ -252,17 +268,7 @@ def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_rece
     if not (fw.contiguous(weights) and fw.contiguous(x)):
         raise InvalidArgumentError("matmul_id: weights and x must be contiguous")
     ids32 = fw.ids_u32(ids, plan.n_experts)
-    if out is None:
-        out = fw.empty((plan.rows, plan.n), "f32", x)
-    elif (
-        tuple(out.shape) != (plan.rows, plan.n)
-        or fw.dtype(out) != DType.F32
-        or not fw.contiguous(out)
-        or fw.device_key(out) != device_key
-    ):
-        raise InvalidArgumentError(
-            f"matmul_id out must be a contiguous float32 tensor of shape {(plan.rows, plan.n)} on the inputs' device"
-        )
+    out = _checked_out(fw, out, plan, device_key, x)
     counts = rows = None
     if plan.grouped:
         counts = fw.empty((plan.n_experts,), "i32", x)
@@ -282,6 +288,59 @@ def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_rece
 
         return out, _receipt_of(native)
     return out
+
+
+def _quantized_plan(fw: Framework, weights, x, ids, ggml_type: str, route):
+    """quantized_matmul_id's plan of one call shape (the core's _TensorQuantizedMatmulIdPlan).
+    Checks in this order: one device, float32 activations, uint8 blocks, then the core's shape,
+    route and capability checks."""
+    places = {fw.place(t) for t in (weights, x, ids)}
+    if len(places) != 1:
+        raise InvalidArgumentError("matmul_id: tensors live on different devices")
+    if x.dtype != fw.f32:
+        raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
+    if weights.dtype != fw.u8:
+        raise InvalidArgumentError(f"matmul_id {ggml_type} weights must be uint8 blocks, got {weights.dtype}")
+    shape = [int(d) for d in weights.shape], [int(d) for d in x.shape], [int(d) for d in ids.shape]
+    return _core._plan_tensor_quantized_matmul_id(*places.pop(), ggml_type, *shape, route)
+
+
+def quantized_matmul_id(fw: Framework, weights, x, ids, ggml_type: str, route=None, out=None, *, with_receipt=False):
+    """The expert-ID product over a GGML block stack (uint8 [n_experts, n, k / 32 * block_bytes],
+    the raw bytes of a GGUF `_exps` tensor) on framework tensors, with matmul_id's call path: one
+    plan per call shape, output and scratch from the framework's allocator, one call into the
+    extension on the current stream, no host sync. `ggml_type` and `route` are value strings
+    (route None: the exact grouped route where the shape-only rule takes it, else direct); ids
+    are never read on the host, and repeated ids are computed by every route. Returns `out` or a
+    new [m * top_k, n] float32 tensor (with `with_receipt`, the pair of it and the native receipt
+    tuple)."""
+    device_key = fw.device_key(x)
+    key = (device_key, weights.shape, weights.dtype, x.shape, x.dtype, ids.shape, ggml_type, route)
+    plans = fw.matmul_id_plans
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans.setdefault(key, _quantized_plan(fw, weights, x, ids, ggml_type, route))
+    if fw.device_key(weights) != device_key or fw.device_key(ids) != device_key:
+        raise InvalidArgumentError("matmul_id: tensors live on different devices")
+    if not (fw.contiguous(weights) and fw.contiguous(x)):
+        raise InvalidArgumentError("matmul_id: weights and x must be contiguous")
+    ids32 = fw.ids_u32(ids, plan.n_experts)
+    out = _checked_out(fw, out, plan, device_key, x)
+    counts = rows = None
+    if plan.grouped:
+        counts = fw.empty((plan.n_experts,), "i32", x)
+        rows = fw.empty((plan.n_experts * plan.m,), "i32", x)
+    native = _core._enqueue_quantized_matmul_id(
+        plan,
+        fw.pointer(weights),
+        fw.pointer(x),
+        fw.pointer(ids32),
+        fw.pointer(out),
+        0 if counts is None else fw.pointer(counts),
+        0 if rows is None else fw.pointer(rows),
+        fw.stream_of_key(device_key),
+    )
+    return (out, native) if with_receipt else out
 
 
 def q4_matmul(fw: Framework, x, weight, n: int, k: int, out=None):

@@ -192,6 +192,11 @@ def quantized_matmul_id_ggml(
         encoder, registry, input, weights, ids, output, scratch, params._native_params,
         _checked_reuse_map("quantized_matmul_id_ggml", reuse_map),
     )  # fmt: skip
+    return _receipt_of(native)
+
+
+def _receipt_of(native: tuple[str, str, int]) -> GgmlQuantizedMatmulIdDispatchReceipt:
+    """The receipt of a native (ggml_type, route, dispatch_count) tuple, made once per value."""
     receipt = _RECEIPTS.get(native)
     if receipt is None:
         ggml_type, route, count = native
@@ -245,9 +250,7 @@ def matmul_id_quantized(weights, x, ids, ggml_type, route, out, device, check_sh
         raise InvalidArgumentError(f"matmul_id does not support {ggml_type.value} weights (supported: q4_0, q8_0)")
     framework = type(x).__module__.split(".")[0]
     if framework in ("torch", "cupy"):
-        return _matmul_id_quantized_tensors(
-            framework, weights, x, ids, ggml_type, route, out, check_shapes, registry_for
-        )
+        return _matmul_id_quantized_tensors(framework, weights, x, ids, ggml_type, route, out)
     weights, x, ids = np.asarray(weights), np.asarray(x), np.asarray(ids)
     if weights.dtype != np.uint8:
         raise InvalidArgumentError(f"matmul_id {ggml_type.value} weights must be uint8 blocks, got {weights.dtype}")
@@ -317,44 +320,16 @@ def _run_quantized(device, registry, params, w_buf, x_buf, id_buf, out_buf) -> G
     return receipt
 
 
-def _matmul_id_quantized_tensors(framework, weights, x, ids, ggml_type, route, out, check_shapes, registry_for):
-    """The DLPack path: PyTorch / CuPy tensors used in place on their device."""
-    from ._core_api import DType
-    from ._interop import from_dlpack
+def _matmul_id_quantized_tensors(framework, weights, x, ids, ggml_type, route, out):
+    """The tensor path: PyTorch / CuPy tensors used in place on their device, through the tensor
+    ops' call path (_tensor_ops.quantized_matmul_id): enqueued on the framework's current stream
+    with no host wait, and route None picks by the shapes and the backend only. Device ids are
+    never read on the host; every route computes repeated ids."""
+    from . import _tensor_ops
 
-    if framework == "torch":
-        import torch as xp
-    else:
-        import cupy as xp
-    k = _element_width(weights.shape, ggml_type)
-    m, top_k, n_experts, n, _, layout = check_shapes((*weights.shape[:2], k), x.shape, ids.shape)
-    if weights.dtype != xp.uint8:
-        raise InvalidArgumentError(f"matmul_id {ggml_type.value} weights must be uint8 blocks, got {weights.dtype}")
-    if x.dtype != xp.float32:
-        raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
-    valid = (ids >= 0) & (ids < n_experts)
-    masked = xp.where(valid, ids, xp.full_like(ids, -1))
-    ids32 = masked.astype(xp.int32) if framework == "cupy" else masked.to(xp.int32).contiguous()
-    slots = xp.arange(top_k, device=ids.device) if framework == "torch" else xp.arange(top_k)
-    keyed = xp.where(valid, ids, -1 - slots)
-    s = xp.sort(keyed, axis=1) if framework == "cupy" else xp.sort(keyed, dim=1).values
-    distinct = top_k <= n_experts and (top_k <= 1 or not bool((s[:, 1:] == s[:, :-1]).any()))
-    w_buf, x_buf = from_dlpack(weights), from_dlpack(x)
-    device = x_buf.device
-    route = _quantized_route(route, distinct, m, device, top_k, n_experts)
-    if route.is_grouped and not distinct:
-        raise InvalidArgumentError("matmul_id grouped route needs ids distinct per token")
-    id_i32 = from_dlpack(ids32)
-    id_buf = id_i32.view(0, id_i32.nbytes, DType.U32, [m, top_k])
-    if out is None:
-        out = (
-            xp.empty((m * top_k, n), dtype=xp.float32, device=x.device)
-            if framework == "torch"
-            else xp.empty((m * top_k, n), dtype=xp.float32)
-        )
-    out_buf = from_dlpack(out)
-    if tuple(out_buf.shape) != (m * top_k, n) or out_buf.dtype != DType.F32:
-        raise InvalidArgumentError(f"matmul_id out must be float32 of shape {(m * top_k, n)}")
-    params = _quantized_params(m, n, k, top_k, n_experts, ggml_type, weights.shape[1] * weights.shape[2], layout, route)
-    receipt = _run_quantized(device, registry_for(device), params, w_buf, x_buf, id_buf, out_buf)
-    return out, receipt
+    if route is not None:
+        route = _quantized_route(route, False, 0, None, 0, 0).value
+    out, native = _tensor_ops.quantized_matmul_id(
+        _tensor_ops.framework(framework), weights, x, ids, ggml_type.value, route, out, with_receipt=True
+    )
+    return out, _receipt_of(native)

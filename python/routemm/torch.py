@@ -3,6 +3,7 @@
     import routemm.torch  # registers torch.ops.routemm.*
     y = torch.ops.routemm.matmul_id(w, x, ids)          # [m * top_k, n] float32
     y = torch.ops.routemm.q4_matmul(x, blocks, n, k)    # [m, n] float32
+    y = torch.ops.routemm.quantized_matmul_id(stack, x, ids, "q4_0")  # [m * top_k, n] float32
 
 Each op has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through it and
 fake tensors propagate shapes. CUDA tensors run on torch.cuda.current_stream() with no host sync,
@@ -13,7 +14,8 @@ Kernels: matmul_id and q4_matmul run C++ kernels (the extension routemm._torch_o
 the build's Python imports torch) when that extension was built against the running torch;
 otherwise, or with ROUTEMM_TORCH_KERNELS=python, their Python kernels (the same checks, messages
 and results; more host time per call, see bench/engine_decode.py host-cost). KERNELS says which ("cpp" or "python") and
-KERNELS_REASON why. Both run the core through one table of devices and registries.
+KERNELS_REASON why. quantized_matmul_id (GGML Q4_0 / Q8_0 expert stacks) runs its Python kernel
+under either setting. All of them run the core through one table of devices and registries.
 
 Registration: every op goes through `define_op` (its schema, real and fake implementations), which
 records it in OPS; an op of another module registers the same way.
@@ -120,6 +122,48 @@ def _matmul_id_fake(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -
     return x.new_empty((rows, n), dtype=torch.float32)
 
 
+# ---- quantized_matmul_id ------------------------------------------------------------------------
+
+
+_QUANTIZED_EXPERT_TYPES = ("q4_0", "q8_0")
+
+
+def _check_ggml_type(ggml_type: str) -> None:
+    if ggml_type not in _QUANTIZED_EXPERT_TYPES:
+        raise InvalidArgumentError(f"quantized_matmul_id ggml_type must be 'q4_0' or 'q8_0', got {ggml_type!r}")
+
+
+def _quantized_matmul_id_shape(
+    weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, ggml_type: str
+) -> tuple[int, int]:
+    from .dense_matmul_id import _check_shapes
+    from .quantized_matmul_id import GgmlType, _element_width
+
+    _check_ggml_type(ggml_type)
+    if weights.dtype != torch.uint8:
+        raise InvalidArgumentError(f"matmul_id {ggml_type} weights must be uint8 blocks, got {weights.dtype}")
+    if x.dtype != torch.float32:
+        raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
+    k = _element_width(weights.shape, GgmlType(ggml_type))
+    m, top_k, _, n, _, _ = _check_shapes((*weights.shape[:2], k), x.shape, ids.shape)
+    return m * top_k, n
+
+
+def _quantized_matmul_id(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, ggml_type: str) -> torch.Tensor:
+    """out[t*top_k + s] = dequantize(weights[ids[t, s]]) @ x[t] (or x[t, s] for [m, top_k, k]
+    input) for a GGML block stack (uint8 [n_experts, n, k / 32 * block_bytes], ggml_type 'q4_0' or
+    'q8_0'); ids outside [0, n_experts) give zero rows, and repeated ids are computed."""
+    _check_ggml_type(ggml_type)  # the rest is checked once per call shape, by its plan
+    return _tensor_ops.quantized_matmul_id(_TORCH, weights, x, ids, ggml_type)
+
+
+def _quantized_matmul_id_fake(
+    weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, ggml_type: str
+) -> torch.Tensor:
+    rows, n = _quantized_matmul_id_shape(weights, x, ids, ggml_type)
+    return x.new_empty((rows, n), dtype=torch.float32)
+
+
 # ---- q4_matmul ----------------------------------------------------------------------------------
 
 
@@ -145,6 +189,7 @@ def _q4_matmul_fake(x: torch.Tensor, weight: torch.Tensor, n: int, k: int) -> to
 
 matmul_id = define_op("matmul_id", _matmul_id, _matmul_id_fake)
 q4_matmul = define_op("q4_matmul", _q4_matmul, _q4_matmul_fake)
+quantized_matmul_id = define_op("quantized_matmul_id", _quantized_matmul_id, _quantized_matmul_id_fake)
 
 
 def op(name: str) -> Optional[object]:

@@ -36,6 +36,7 @@
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
 #include "routemm/ops/q4_matmul.h"
+#include "routemm/ops/quantized_matmul_id.h"
 #include "routemm/registry.h"
 #include "tensor_op_abi.h"
 
@@ -214,31 +215,121 @@ void start(CommandEncoder& encoder, bool on_stream) {
   }
 }
 
+// The activations, ids, output and (grouped routes) scratch of one planned expert-ID call over
+// caller memory: x [m, k] or [m, top_k, k] float32, ids [m, top_k] u32, out [m * top_k, n] float32.
+struct ExpertIdIo {
+  Buffer x, ids, out;
+  std::optional<DenseMatmulIdScratch> scratch;
+};
+
+ExpertIdIo expert_id_io(const Device& device, const RoutemmMatmulIdPointers& ptr,
+                        const RoutemmMatmulIdPlanInfo& info, uint64_t top_k, uint64_t k,
+                        bool slotted, uint64_t x_nbytes) {
+  const uint64_t m = info.m, n = info.n, e = info.n_experts;
+  ExpertIdIo io{
+      borrowed(device, ptr.x, x_nbytes, DType::F32,
+               slotted ? std::vector<uint64_t>{m, top_k, k} : std::vector<uint64_t>{m, k}, false),
+      borrowed(device, ptr.ids, m * top_k * 4, DType::U32, {m, top_k}, false),
+      borrowed(device, ptr.out, m * top_k * n * 4, DType::F32, {m * top_k, n}, true), std::nullopt};
+  if (ptr.expert_counts != 0 || ptr.routed_rows != 0) {
+    io.scratch.emplace(borrowed(device, ptr.expert_counts, e * 4, DType::U32, {e}, true),
+                       borrowed(device, ptr.routed_rows, e * m * 4, DType::U32, {e, m}, true),
+                       static_cast<uint32_t>(e), static_cast<uint32_t>(m));
+  }
+  return io;
+}
+
+CommandEncoder encoder_for(const Device& device, const RoutemmMatmulIdPointers& ptr) {
+  return device.command_encoder(EncoderOptions{
+      ptr.has_stream != 0 ? std::optional<uint64_t>(ptr.stream) : std::nullopt, std::nullopt});
+}
+
 DenseMatmulIdDispatchReceipt enqueue_matmul_id(const TensorMatmulIdPlan& plan,
                                                const RoutemmMatmulIdPointers& ptr) {
   const DenseMatmulIdParams& p = plan.params;
   const Device& device = plan.target->device;
-  const uint64_t m = p.m, top_k = p.top_k, n = p.n, k = p.k, e = p.n_experts;
   const bool slotted = p.input_layout == DenseMatmulIdInputLayout::Slotted;
-  const Buffer w =
-      borrowed(device, ptr.weights, plan.weights_nbytes, plan.weight_dtype, {e, n, k}, false);
-  const Buffer x =
-      borrowed(device, ptr.x, plan.x_nbytes, DType::F32,
-               slotted ? std::vector<uint64_t>{m, top_k, k} : std::vector<uint64_t>{m, k}, false);
-  const Buffer ids = borrowed(device, ptr.ids, m * top_k * 4, DType::U32, {m, top_k}, false);
-  const Buffer out = borrowed(device, ptr.out, m * top_k * n * 4, DType::F32, {m * top_k, n}, true);
-  std::optional<DenseMatmulIdScratch> scratch;
-  if (ptr.expert_counts != 0 || ptr.routed_rows != 0) {
-    scratch.emplace(borrowed(device, ptr.expert_counts, e * 4, DType::U32, {e}, true),
-                    borrowed(device, ptr.routed_rows, e * m * 4, DType::U32, {e, m}, true),
-                    p.n_experts, p.m);
+  const Buffer w = borrowed(device, ptr.weights, plan.weights_nbytes, plan.weight_dtype,
+                            {p.n_experts, p.n, p.k}, false);
+  ExpertIdIo io = expert_id_io(device, ptr, plan.info, p.top_k, p.k, slotted, plan.x_nbytes);
+  CommandEncoder encoder = encoder_for(device, ptr);
+  const auto r = dense_matmul_id(encoder, *plan.target->registry, w, io.x, io.ids, io.out,
+                                 io.scratch ? &*io.scratch : nullptr, p);
+  start(encoder, ptr.has_stream != 0);
+  return r;
+}
+
+// ---- quantized_matmul_id ------------------------------------------------------------------------
+
+// One call shape of the expert-ID product over a GGML block stack (uint8 [n_experts, n,
+// k / values * block_bytes]) on one device, made once.
+struct TensorQuantizedMatmulIdPlan {
+  const TensorOpTarget* target = nullptr;
+  GgmlQuantizedMatmulIdParams params;
+  uint64_t weights_nbytes = 0;
+  uint64_t x_nbytes = 0;
+  RoutemmMatmulIdPlanInfo info{};
+};
+
+// The plan of one call shape: the block stack's k from its row bytes, matmul_id's shape checks, the
+// route (given, or the shape-only rule: the exact grouped route where expert_id_auto_grouped takes
+// it, else direct) and the op's capability checks, all before anything is encoded. The grouped
+// routes compute every slot when ids repeat within a token, so the plan declares no promise about
+// the ids and nothing reads them on the host.
+std::shared_ptr<const TensorQuantizedMatmulIdPlan> plan_tensor_quantized_matmul_id(
+    const TensorOpTarget& target, GgmlType ggml_type, std::span<const int64_t> w,
+    std::span<const int64_t> x, std::span<const int64_t> ids,
+    std::optional<GgmlQuantizedMatmulIdRoute> route) {
+  const auto [values, block_bytes] = ggml_block_layout(ggml_type);
+  const std::string type_name(to_string(ggml_type));
+  if (w.size() != 3 || w[2] <= 0 || w[2] % block_bytes != 0) {
+    throw InvalidArgument("matmul_id " + type_name + " weights must be uint8 [n_experts, n, k / " +
+                          std::to_string(values) + " * " + std::to_string(block_bytes) +
+                          "], got shape " + python_tuple(w));
   }
-  const bool on_stream = ptr.has_stream != 0;
-  CommandEncoder encoder = device.command_encoder(
-      EncoderOptions{on_stream ? std::optional<uint64_t>(ptr.stream) : std::nullopt, std::nullopt});
-  const auto r = dense_matmul_id(encoder, *plan.target->registry, w, x, ids, out,
-                                 scratch ? &*scratch : nullptr, p);
-  start(encoder, on_stream);
+  const int64_t element_shape[] = {w[0], w[1], w[2] / block_bytes * values};
+  const MatmulIdShape s = matmul_id_shape(element_shape, x, ids);
+  if (!route) {
+    const bool grouped = expert_id_auto_grouped(target.device.backend_name(), s.m, s.top_k,
+                                                s.n_experts, /*quantized=*/true);
+    route = grouped ? GgmlQuantizedMatmulIdRoute::Grouped : GgmlQuantizedMatmulIdRoute::Direct;
+  }
+  const char* op = "quantized_matmul_id_ggml";
+  const uint64_t row_bytes = static_cast<uint64_t>(w[2]);
+  auto p = expert_id_params<GgmlQuantizedMatmulIdParams>(
+      u32_field(op, "m", s.m), u32_field(op, "n", s.n), u32_field(op, "k", s.k),
+      u32_field(op, "top_k", s.top_k), u32_field(op, "n_experts", s.n_experts),
+      checked_mul(s.n, row_bytes, "matmul_id expert stride"));
+  p.ggml_type = ggml_type;
+  p.input_layout =
+      s.slotted ? DenseMatmulIdInputLayout::Slotted : DenseMatmulIdInputLayout::SharedPerToken;
+  p.route = *route;
+  quantized_matmul_id_ggml_capability(p);  // the op's own checks, before any call is made
+  auto plan = std::make_shared<TensorQuantizedMatmulIdPlan>();
+  plan->target = &target;
+  plan->params = p;
+  plan->weights_nbytes =
+      checked_mul(s.n_experts, p.expert_stride_bytes, "matmul_id weights' byte size");
+  plan->x_nbytes =
+      checked_product({s.slotted ? s.m * s.top_k : s.m, s.k, 4}, "matmul_id x's byte size");
+  plan->info = {checked_mul(s.m, s.top_k, "matmul_id output rows"), s.n, s.m, s.n_experts,
+                is_grouped(*route) ? 1u : 0u};
+  return plan;
+}
+
+GgmlQuantizedMatmulIdDispatchReceipt enqueue_quantized_matmul_id(
+    const TensorQuantizedMatmulIdPlan& plan, const RoutemmMatmulIdPointers& ptr) {
+  const GgmlQuantizedMatmulIdParams& p = plan.params;
+  const Device& device = plan.target->device;
+  const bool slotted = p.input_layout == DenseMatmulIdInputLayout::Slotted;
+  const uint64_t row_bytes = p.expert_stride_bytes / p.n;
+  const Buffer w = borrowed(device, ptr.weights, plan.weights_nbytes, DType::U8,
+                            {p.n_experts, p.n, row_bytes}, false);
+  ExpertIdIo io = expert_id_io(device, ptr, plan.info, p.top_k, p.k, slotted, plan.x_nbytes);
+  CommandEncoder encoder = encoder_for(device, ptr);
+  const auto r = quantized_matmul_id_ggml(encoder, *plan.target->registry, io.x, w, io.ids, io.out,
+                                          io.scratch ? &*io.scratch : nullptr, p);
+  start(encoder, ptr.has_stream != 0);
   return r;
 }
 
@@ -413,6 +504,52 @@ void init_enqueue(py::module_& m) {
       py::arg("expert_counts"), py::arg("routed_rows"), py::arg("stream"),
       "One planned matmul_id call on caller memory given by pointers, encoded and started "
       "(returns the native receipt tuple of _dense_matmul_id).");
+  py::class_<TensorQuantizedMatmulIdPlan, std::shared_ptr<TensorQuantizedMatmulIdPlan>>(
+      m, "_TensorQuantizedMatmulIdPlan")
+      .def_property_readonly("rows",
+                             [](const TensorQuantizedMatmulIdPlan& p) { return p.info.rows; })
+      .def_property_readonly("n", [](const TensorQuantizedMatmulIdPlan& p) { return p.info.n; })
+      .def_property_readonly("m", [](const TensorQuantizedMatmulIdPlan& p) { return p.info.m; })
+      .def_property_readonly("n_experts",
+                             [](const TensorQuantizedMatmulIdPlan& p) { return p.info.n_experts; })
+      .def_property_readonly(
+          "grouped", [](const TensorQuantizedMatmulIdPlan& p) { return p.info.grouped != 0; })
+      .def_property_readonly("route", [](const TensorQuantizedMatmulIdPlan& p) {
+        return std::string(to_string(p.params.route));
+      });
+  m.def(
+      "_plan_tensor_quantized_matmul_id",
+      [](int32_t type, int32_t index, const std::string& ggml_type, const std::vector<int64_t>& w,
+         const std::vector<int64_t>& x, const std::vector<int64_t>& ids,
+         const std::optional<std::string>& route) {
+        const GgmlType parsed_type = parse_enum("matmul_id", ggml_type, kAllGgmlTypes, "GGML type");
+        std::optional<GgmlQuantizedMatmulIdRoute> parsed;
+        if (route)
+          parsed = parse_enum("matmul_id", *route, kAllGgmlQuantizedMatmulIdRoutes, "route");
+        auto plan = plan_tensor_quantized_matmul_id(tensor_op_target(type, index), parsed_type, w,
+                                                    x, ids, parsed);
+        return std::const_pointer_cast<TensorQuantizedMatmulIdPlan>(plan);
+      },
+      py::arg("device_type"), py::arg("device_index"), py::arg("ggml_type"),
+      py::arg("weights_shape"), py::arg("x_shape"), py::arg("ids_shape"), py::arg("route"),
+      "The plan of one matmul_id call shape over a GGML block stack (route value or None: the "
+      "shape-only rule).");
+  m.def(
+      "_enqueue_quantized_matmul_id",
+      [](const TensorQuantizedMatmulIdPlan& plan, uint64_t weights, uint64_t x, uint64_t ids,
+         uint64_t output, uint64_t expert_counts, uint64_t routed_rows,
+         std::optional<uint64_t> stream) {
+        const RoutemmMatmulIdPointers ptr{
+            weights,           x, ids, output, expert_counts, routed_rows, stream ? 1u : 0u,
+            stream.value_or(0)};
+        const auto r = enqueue_quantized_matmul_id(plan, ptr);
+        return py::make_tuple(std::string(to_string(r.ggml_type)), std::string(to_string(r.route)),
+                              r.dispatch_count);
+      },
+      py::arg("plan"), py::arg("weights"), py::arg("input"), py::arg("ids"), py::arg("output"),
+      py::arg("expert_counts"), py::arg("routed_rows"), py::arg("stream"),
+      "One planned block-stack matmul_id call on caller memory given by pointers, encoded and "
+      "started (returns the native receipt tuple of _quantized_matmul_id_ggml).");
   m.def(
       "_enqueue_q4_matmul",
       [](int32_t type, int32_t index, int64_t m_, int64_t n, int64_t k, uint64_t x,

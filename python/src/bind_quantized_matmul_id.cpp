@@ -9,11 +9,6 @@
 namespace routemm::python {
 namespace {
 
-constexpr std::array kRoutes{
-    GgmlQuantizedMatmulIdRoute::Direct, GgmlQuantizedMatmulIdRoute::Grouped,
-    GgmlQuantizedMatmulIdRoute::GroupedTensorLowp, GgmlQuantizedMatmulIdRoute::DirectInt8Dot,
-    GgmlQuantizedMatmulIdRoute::GroupedInt8Dot};
-
 template <class Enum, size_t N>
 Enum parse(const std::string& text, const std::array<Enum, N>& values, const char* what) {
   return parse_enum("quantized_matmul_id_ggml", text, values, what);
@@ -30,7 +25,7 @@ GgmlQuantizedMatmulIdParams make_params(uint32_t m, uint32_t n, uint32_t k, uint
       parse(input_layout,
             std::array{DenseMatmulIdInputLayout::SharedPerToken, DenseMatmulIdInputLayout::Slotted},
             "input layout");
-  p.route = parse(route, kRoutes, "route");
+  p.route = parse(route, kAllGgmlQuantizedMatmulIdRoutes, "route");
   return p;
 }
 
@@ -68,7 +63,8 @@ void init_quantized_matmul_id(py::module_& m) {
         [](const std::string& type, const std::string& route) {
           std::vector<std::string> out;
           for (auto name : quantized_matmul_id_ggml_route_pipelines(
-                   parse(type, kAllGgmlTypes, "GGML type"), parse(route, kRoutes, "route"))) {
+                   parse(type, kAllGgmlTypes, "GGML type"),
+                   parse(route, kAllGgmlQuantizedMatmulIdRoutes, "route"))) {
             out.emplace_back(name);
           }
           return out;

@@ -11,9 +11,10 @@
 //   Direct   one dispatch; IDs may repeat. The decode route, and the flattened "expert-down"
 //            form (m = tokens * top_k, top_k = 1, Slotted input, repeated IDs).
 //   Grouped  dense_matmul_id's map (the same pipeline and DenseMatmulIdScratch) + a grouped
-//            dispatch that reads each expert's blocks once per row tile; IDs must be distinct per
-//            token (the caller's promise, as for dense_matmul_id's grouped_prefill: a repeated ID
-//            leaves the repeating slot's row unwritten), at most 1024 experts.
+//            dispatch that reads each expert's blocks once per row tile; top_k <= n_experts (the
+//            capacity the scratch is sized for), at most 1024 experts. IDs may repeat within a
+//            token: the map routes every slot (an expert's segment then holds more than m rows,
+//            which the dispatch loops over), so every row is computed.
 //   GroupedTensorLowp  Grouped's map, scratch and id contract, multiplied on tensor cores: the
 //            block values enter the MMA as exact f16 integers, activations are rounded to f16
 //            (nearest even), and each block's partial sums are scaled by its F32 scale and summed
@@ -86,6 +87,10 @@ enum class GgmlQuantizedMatmulIdRoute : uint8_t {
   GroupedInt8Dot
 };
 std::string_view to_string(GgmlQuantizedMatmulIdRoute value);
+inline constexpr std::array<GgmlQuantizedMatmulIdRoute, 5> kAllGgmlQuantizedMatmulIdRoutes = {
+    GgmlQuantizedMatmulIdRoute::Direct, GgmlQuantizedMatmulIdRoute::Grouped,
+    GgmlQuantizedMatmulIdRoute::GroupedTensorLowp, GgmlQuantizedMatmulIdRoute::DirectInt8Dot,
+    GgmlQuantizedMatmulIdRoute::GroupedInt8Dot};
 
 // Routes that run dense_matmul_id's map and need caller-owned scratch.
 constexpr bool is_grouped(GgmlQuantizedMatmulIdRoute route) {
