@@ -2,7 +2,7 @@
 captured as one CUDA graph.
 
     python3 bench/engine_decode.py host-cost OUT.json [--calls N] [--batches B] [--smoke | --cpu-tiny]
-    python3 bench/engine_decode.py decode-graph OUT.json [--layers L] [--replays R] [--smoke]
+    python3 bench/engine_decode.py decode-graph OUT.json [--layers L] [--replays R] [--ggml-type q4_0|q8_0] [--smoke]
 
 host-cost: one eager `torch.ops.routemm.matmul_id` call on the current stream (Qwen3-30B-A3B expert
 projection: 128 experts, top_k 8, n 768, k 2048, bf16 weights, m = 1), timed on the host with
@@ -24,7 +24,10 @@ CUDA events, median over replays: eager (the 144 calls launched one by one), the
 with torch.cuda.graph and replayed, the sum of the kernel times of one replay (torch.profiler), and
 the torch._grouped_mm formulation of the same step (rows sorted by expert on the device, per-expert
 offsets from a device-side count), eager and captured. The target: replay within 10% of the sum of
-its kernels' times.
+its kernels' times. --ggml-type q4_0 (or q8_0) runs the same step over GGML block stacks through
+torch.ops.routemm.quantized_matmul_id (16 GB of Q4_0 for 48 layers; random codes under one small
+f16 scale, drawn on the device: the time does not depend on the values); torch._grouped_mm has no
+block-stack form and is left out.
 
 --smoke runs either on the CPU backend with tiny shapes (the suite runs it; no timing claims).
 --cpu-tiny runs host-cost on the CPU backend at m = 1, n 16, k 32, 4 experts, top_k 2: the host cost
@@ -73,12 +76,12 @@ def _document(records, device_name: str) -> dict:
     }
 
 
-def _record(shape: dict, impl: str, time_us: float, route: str, m: int = 1, **extra) -> dict:
+def _record(shape: dict, impl: str, time_us: float, route: str, m: int = 1, ggml_type=None, **extra) -> dict:
     return {
-        "op": "dense_matmul_id",
+        "op": "dense_matmul_id" if ggml_type is None else "quantized_matmul_id",
         "shape": shape["name"],
         "m": m,
-        "weight_dtype": "bf16",
+        "weight_dtype": ggml_type or "bf16",
         "route": route,
         "impl": impl,
         "time_us": round(time_us, 3),
@@ -235,27 +238,44 @@ def host_cost(args) -> dict:
 # ---- decode graph -------------------------------------------------------------------------------
 
 
+# (values, bytes) per block of the GGML block stacks --ggml-type takes.
+BLOCKS = {"q4_0": (32, 18), "q8_0": (32, 34)}
+
+
 class Layer:
-    def __init__(self, shape, dev, seed):
+    def __init__(self, shape, dev, seed, ggml_type=None):
         # Drawn on the device itself: 58 GB of weights drawn on the host would take minutes.
         g = torch.Generator(device=dev).manual_seed(seed)
         e, n, k = shape["experts"], shape["inter"], shape["hidden"]
 
         def stack(rows, cols):
-            w = torch.empty(e, rows, cols, dtype=torch.bfloat16, device=dev)
-            return w.normal_(0.0, 0.02, generator=g)
+            if ggml_type is None:
+                w = torch.empty(e, rows, cols, dtype=torch.bfloat16, device=dev)
+                return w.normal_(0.0, 0.02, generator=g)
+            values, block_bytes = BLOCKS[ggml_type]
+            blocks = torch.randint(
+                0, 256, (e, rows, cols // values, block_bytes), dtype=torch.uint8, device=dev, generator=g
+            )
+            blocks[..., :2] = torch.tensor([0x1F, 0x21], dtype=torch.uint8, device=dev)  # f16 0.0101
+            return blocks.reshape(e, rows, -1)
 
         self.gate, self.up, self.down = stack(n, k), stack(n, k), stack(k, n)
 
 
-def _routemm_step(layers, x, ids):
+def _routemm_step(layers, x, ids, ggml_type=None):
     """Gate, up and down expert projections of every layer (the combine is not part of the bench)."""
     top_k = ids.shape[1]
+
+    def project(w, h):
+        if ggml_type is None:
+            return torch.ops.routemm.matmul_id(w, h, ids)
+        return torch.ops.routemm.quantized_matmul_id(w, h, ids, ggml_type)
+
     for layer in layers:
-        g = torch.ops.routemm.matmul_id(layer.gate, x, ids)
-        u = torch.ops.routemm.matmul_id(layer.up, x, ids)
+        g = project(layer.gate, x)
+        u = project(layer.up, x)
         h = (g * u).reshape(x.shape[0], top_k, -1)
-        torch.ops.routemm.matmul_id(layer.down, h, ids)
+        project(layer.down, h)
 
 
 def _grouped_mm_step(layers, x, ids):
@@ -318,21 +338,22 @@ def decode_graph(args) -> dict:
         shape["layers"] = args.layers
     cuda = not args.smoke
     dev = "cuda" if cuda else "cpu"
-    layers = [Layer(shape, dev, seed) for seed in range(shape["layers"])]
+    kind = args.ggml_type
+    layers = [Layer(shape, dev, seed, kind) for seed in range(shape["layers"])]
     x = torch.randn(1, shape["hidden"], device=dev)
     ids = torch.randperm(shape["experts"], device=dev)[: shape["top_k"]].reshape(1, -1).to(torch.int32)
     calls = 3 * shape["layers"]
-    extra = {"layers": shape["layers"], "expert_calls": calls}
+    extra = {"layers": shape["layers"], "expert_calls": calls, "ggml_type": kind}
     if not cuda:
         t0 = time.perf_counter()
-        _routemm_step(layers, x, ids)
+        _routemm_step(layers, x, ids, kind)
         return _document(
             [_record(shape, "routemm_torch_op_eager_cpu", (time.perf_counter() - t0) * 1e6, "direct", **extra)], "cpu"
         )
     records = []
-    eager = _event_time_us(lambda: _routemm_step(layers, x, ids), args.replays)
+    eager = _event_time_us(lambda: _routemm_step(layers, x, ids, kind), args.replays)
     records.append(_record(shape, "routemm_torch_op_eager", statistics.median(eager), "direct", **extra))
-    graph = _captured(_routemm_step, layers, x, ids)
+    graph = _captured(_routemm_step, layers, x, ids, kind)
     replay = _event_time_us(graph.replay, args.replays)
     kernels = _kernel_sum_us(graph.replay)
     median = statistics.median(replay)
@@ -347,6 +368,8 @@ def decode_graph(args) -> dict:
             **extra,
         )
     )
+    if kind is not None:
+        return _document(records, torch.cuda.get_device_name())
     try:
         gm_eager = _event_time_us(lambda: _grouped_mm_step(layers, x, ids), args.replays)
         records.append(_record(shape, "torch_grouped_mm", statistics.median(gm_eager), "n/a", **extra))
@@ -371,6 +394,7 @@ def main(argv=None) -> int:
     p.add_argument("out")
     p.add_argument("--layers", type=int, default=0)
     p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--ggml-type", choices=sorted(BLOCKS), default=None)
     p.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     doc = host_cost(args) if args.what == "host-cost" else decode_graph(args)

@@ -37,3 +37,14 @@ def test_smoke_writes_results(tmp_path, what):
         assert counted["host_syncs"] == 0
         assert counted["routemm_streams_created"] == 0
         assert counted["routemm_device_allocations"] == 0  # buffers wrap the tensors; scratch is torch's
+
+
+@pytest.mark.parametrize("ggml_type", ["q4_0", "q8_0"])
+def test_decode_graph_smoke_over_block_stacks(tmp_path, ggml_type):
+    """--ggml-type runs the step through torch.ops.routemm.quantized_matmul_id over random block
+    stacks (valid f16 scales, so every output is finite)."""
+    out = tmp_path / "out.json"
+    assert _bench().main(["decode-graph", str(out), "--smoke", "--ggml-type", ggml_type]) == 0
+    (record,) = json.loads(out.read_text())["records"]
+    assert record["op"] == "quantized_matmul_id" and record["weight_dtype"] == ggml_type
+    assert record["expert_calls"] == 6 and record["time_us"] > 0
