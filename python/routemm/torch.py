@@ -3,19 +3,18 @@
     import routemm.torch  # registers torch.ops.routemm.*
     y = torch.ops.routemm.matmul_id(w, x, ids)          # [m * top_k, n] float32
     y = torch.ops.routemm.q4_matmul(x, blocks, n, k)    # [m, n] float32
-    y = torch.ops.routemm.quantized_matmul_id(stack, x, ids, "q4_0")  # [m * top_k, n] float32
+    y = torch.ops.routemm.quantized_matmul_id(stack, x, ids, "q4_0")  # [m*top_k, n] float32
 
 Each op has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through it and
 fake tensors propagate shapes. CUDA tensors run on torch.cuda.current_stream() with no host sync,
 no stream created and temporaries from PyTorch's caching allocator, so a call can be captured in
 torch.cuda.graph; CPU tensors run on the CPU backend. The route depends on shapes only.
 
-Kernels: matmul_id and q4_matmul run C++ kernels (the extension routemm._torch_ops, built when
+Kernels: matmul_id, q4_matmul and quantized_matmul_id run C++ kernels (the extension routemm._torch_ops, built when
 the build's Python imports torch) when that extension was built against the running torch;
 otherwise, or with ROUTEMM_TORCH_KERNELS=python, their Python kernels (the same checks, messages
 and results; more host time per call, see bench/engine_decode.py host-cost). KERNELS says which ("cpp" or "python") and
-KERNELS_REASON why. quantized_matmul_id (GGML Q4_0 / Q8_0 expert stacks) runs its Python kernel
-under either setting. All of them run the core through one table of devices and registries.
+KERNELS_REASON why. Both run the core through one table of devices and registries.
 
 Registration: every op goes through `define_op` (its schema, real and fake implementations), which
 records it in OPS; an op of another module registers the same way.

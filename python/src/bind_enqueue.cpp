@@ -418,15 +418,44 @@ extern "C" int abi_enqueue_q4_matmul(const RoutemmQ4MatmulCall* call, char* erro
   return guarded(error, error_size, [&] { enqueue_q4_matmul(*call); });
 }
 
+extern "C" int abi_plan_quantized_matmul_id(const RoutemmQuantizedMatmulIdShapes* shapes,
+                                            const void** plan, RoutemmMatmulIdPlanInfo* info,
+                                            char* error, size_t error_size) {
+  return guarded(error, error_size, [&] {
+    if (shapes->ggml_type >= std::size(kAllGgmlTypes)) {
+      throw InvalidArgument("matmul_id: unknown GGML type code " +
+                            std::to_string(shapes->ggml_type));
+    }
+    const TensorOpTarget& target = tensor_op_target(shapes->device_type, shapes->device_index);
+    auto made = plan_tensor_quantized_matmul_id(
+        target, kAllGgmlTypes[shapes->ggml_type], {shapes->weights_shape, shapes->weights_rank},
+        {shapes->x_shape, shapes->x_rank}, {shapes->ids_shape, shapes->ids_rank}, std::nullopt);
+    *info = made->info;
+    *plan = new std::shared_ptr<const TensorQuantizedMatmulIdPlan>(std::move(made));
+  });
+}
+
+extern "C" int abi_enqueue_quantized_matmul_id(const void* plan,
+                                               const RoutemmMatmulIdPointers* pointers, char* error,
+                                               size_t error_size) {
+  return guarded(error, error_size, [&] {
+    enqueue_quantized_matmul_id(
+        **static_cast<const std::shared_ptr<const TensorQuantizedMatmulIdPlan>*>(plan), *pointers);
+  });
+}
+
 const RoutemmTensorOpAbi kTensorOpAbi = {
-    ROUTEMM_TENSOR_OP_ABI_VERSION, sizeof(RoutemmTensorOpAbi), &abi_plan_matmul_id,
-    &abi_enqueue_matmul_id,        &abi_enqueue_q4_matmul,
+    ROUTEMM_TENSOR_OP_ABI_VERSION,    sizeof(RoutemmTensorOpAbi), &abi_plan_matmul_id,
+    &abi_enqueue_matmul_id,           &abi_enqueue_q4_matmul,     &abi_plan_quantized_matmul_id,
+    &abi_enqueue_quantized_matmul_id,
 };
 
 }  // namespace
 
 void init_enqueue(py::module_& m) {
   static_assert(std::size(kAllDTypes) == 7, "the ABI's dtype codes are routemm::DType values");
+  static_assert(kAllGgmlTypes[0] == GgmlType::Q4_0 && kAllGgmlTypes[3] == GgmlType::Q8_0,
+                "the ABI's GGML type codes are routemm::GgmlType values");
   m.attr("DENSE_MATMUL_ID_AUTO_GROUPED_MIN_TOKENS") = kExpertIdAutoGroupedMinTokens;
   m.def(
       "_expert_id_auto_grouped",

@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define ROUTEMM_TENSOR_OP_ABI_VERSION 1
+#define ROUTEMM_TENSOR_OP_ABI_VERSION 2
 #define ROUTEMM_TENSOR_OP_ABI_CAPSULE "routemm._core._tensor_op_abi"
 
 // DLPack device types of the devices the tensor ops run on.
@@ -46,6 +46,18 @@ typedef struct RoutemmMatmulIdShapes {
   const int64_t* x_shape;
   const int64_t* ids_shape;
 } RoutemmMatmulIdShapes;
+
+// The call shape of the expert-ID product over a GGML block stack: weights [n_experts, n, k / values
+// * block_bytes] uint8 (the raw bytes of a GGUF `_exps` tensor), x and ids as for matmul_id.
+typedef struct RoutemmQuantizedMatmulIdShapes {
+  int32_t device_type;
+  int32_t device_index;
+  uint32_t ggml_type;  // a routemm::GgmlType value (the core supports Q4_0 and Q8_0)
+  uint32_t weights_rank, x_rank, ids_rank;
+  const int64_t* weights_shape;
+  const int64_t* x_shape;
+  const int64_t* ids_shape;
+} RoutemmQuantizedMatmulIdShapes;
 
 // What a consumer needs to allocate a planned call's output and grouped scratch.
 typedef struct RoutemmMatmulIdPlanInfo {
@@ -90,6 +102,13 @@ typedef struct RoutemmTensorOpAbi {
                            size_t error_size);
   // Encodes and starts one Q4_0 product under the routing policy the environment gave at first use.
   int (*enqueue_q4_matmul)(const RoutemmQ4MatmulCall* call, char* error, size_t error_size);
+  // Version 2. plan_matmul_id and enqueue_matmul_id for GGML block stacks: the route is the
+  // shape-only rule (the exact grouped route where the core's automatic rule takes it, else
+  // direct); the ids are never read on the host.
+  int (*plan_quantized_matmul_id)(const RoutemmQuantizedMatmulIdShapes* shapes, const void** plan,
+                                  RoutemmMatmulIdPlanInfo* info, char* error, size_t error_size);
+  int (*enqueue_quantized_matmul_id)(const void* plan, const RoutemmMatmulIdPointers* pointers,
+                                     char* error, size_t error_size);
 } RoutemmTensorOpAbi;
 
 #ifdef __cplusplus

@@ -17,7 +17,7 @@ import routemm
 
 torch = pytest.importorskip("torch")
 import routemm.torch as rt  # noqa: E402
-from routemm import _core, _tensor_ops, q4_0  # noqa: E402
+from routemm import _core, _tensor_ops, q4_0, q8_0  # noqa: E402
 from tolerances import q4_cuda_default_bound  # noqa: E402
 
 E, N, K = 8, 40, 64
@@ -115,6 +115,59 @@ def test_q4_matmul_kernel_sets_agree(tdev, m):
         assert torch.allclose(cpp.double().cpu(), xd @ w.T, rtol=1e-4, atol=1e-3)
 
 
+def _block_stack(ggml_type: str, seed: int = 2):
+    """(uint8 block stack [E, N, K / 32 * block_bytes], the module that quantised it)."""
+    fmt = {"q4_0": q4_0, "q8_0": q8_0}[ggml_type]
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(fmt.quantize(rng.standard_normal((E, N, K)).astype(np.float32))), fmt
+
+
+@cpp_only
+@pytest.mark.parametrize("m", [1, 32])  # direct; grouped on the CPU (12 rows per expert)
+@pytest.mark.parametrize("ggml_type", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("slotted", [False, True])
+def test_quantized_matmul_id_kernel_sets_agree(tdev, m, ggml_type, slotted):
+    stack, fmt = _block_stack(ggml_type)
+    _, x, ids = _moe(tdev, m, top_k=3, slotted=slotted)
+    ids = ids.long()
+    ids[0, 1] = E  # an invalid id: a zero row from both sets
+    stack = stack.to(tdev)
+    cpp = torch.ops.routemm.quantized_matmul_id(stack, x, ids, ggml_type)
+    py = rt._quantized_matmul_id(stack, x, ids, ggml_type)
+    assert cpp.shape == (m * 3, N) and cpp.dtype == torch.float32 and cpp.device == x.device
+    assert torch.equal(cpp.view(torch.int32), py.view(torch.int32))
+    deq = torch.from_numpy(fmt.dequantize(stack.cpu().numpy()))
+    assert torch.allclose(cpp.double().cpu(), _reference(deq, x, ids), rtol=1e-5, atol=1e-4)
+    assert bool(torch.all(cpp[1] == 0))
+
+
+def _bad_quantized_calls():
+    stack, _ = _block_stack("q4_0")
+    _, x, ids = _moe("cpu", 3)
+    return {
+        "ggml type": (stack, x, ids, "q4_k"),
+        "row bytes": (stack, x, ids, "q8_0"),
+        "weights rank": (stack[0], x, ids, "q4_0"),
+        "x width": (stack, x[:, :-32].contiguous(), ids, "q4_0"),
+        "x dtype": (stack, x.double(), ids, "q4_0"),
+        "weight dtype": (stack.to(torch.int8), x, ids, "q4_0"),
+        "float ids": (stack, x, ids.float(), "q4_0"),
+        "ids tokens": (stack, x, ids[:2], "q4_0"),
+        "x not contiguous": (stack, torch.randn(K, 3).T, ids, "q4_0"),
+    }
+
+
+@cpp_only
+@pytest.mark.parametrize("case", list(_bad_quantized_calls()))
+def test_quantized_matmul_id_errors_are_the_same(case):
+    args = _bad_quantized_calls()[case]
+    with pytest.raises(ValueError) as py_error:
+        rt._quantized_matmul_id(*args)
+    with pytest.raises(ValueError) as cpp_error:
+        torch.ops.routemm.quantized_matmul_id(*args)
+    assert str(cpp_error.value) == str(py_error.value)
+
+
 def _bad_matmul_id_calls():
     w, x, ids = _moe("cpu", 3)
     return {
@@ -188,8 +241,14 @@ def test_plans_are_cached_in_cpp_and_python_kernels_are_not_entered(monkeypatch)
 
     monkeypatch.setattr(_tensor_ops, "matmul_id", forbidden)
     monkeypatch.setattr(_tensor_ops, "q4_matmul", forbidden)
+    monkeypatch.setattr(_tensor_ops, "quantized_matmul_id", forbidden)
     for _ in range(3):
         assert torch.equal(torch.ops.routemm.matmul_id(w, x, ids), first)
+    stack, _ = _block_stack("q8_0")
+    torch.ops.routemm.quantized_matmul_id(stack, x, ids, "q8_0")  # a plan of its own
+    assert _torch_ops.plan_cache_size() == planned + 1
+    torch.ops.routemm.quantized_matmul_id(stack, x, ids, "q8_0")
+    planned += 1
     torch.ops.routemm.q4_matmul(x, _q4_blocks(N, K), N, K)
     assert _torch_ops.plan_cache_size() == planned
     torch.ops.routemm.matmul_id(w, x[:4].contiguous(), ids[:4].contiguous())  # a new shape

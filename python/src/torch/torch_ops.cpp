@@ -1,5 +1,5 @@
-// routemm._torch_ops: the C++ kernels of torch.ops.routemm.matmul_id and torch.ops.routemm.q4_matmul
-// for the CPU and CUDA dispatch keys. routemm.torch defines the ops (schemas, fake kernels) and
+// routemm._torch_ops: the C++ kernels of torch.ops.routemm.matmul_id, q4_matmul and
+// quantized_matmul_id for the CPU and CUDA dispatch keys. routemm.torch defines the ops (schemas, fake kernels) and
 // imports this module when it was built against the running torch; the kernels then run without
 // entering Python.
 //
@@ -99,8 +99,8 @@ uint64_t address(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data
 // ---- matmul_id ----------------------------------------------------------------------------------
 
 // A call shape: device, dtypes and sizes of weights [3 dims], x [2 or 3 dims] and ids [2 dims]
-// (x's rank is a field, a missing third dimension -1). Shapes of other ranks are not planned: the
-// core refuses them.
+// (x's rank is a field, a missing third dimension -1), and the op (plan_of's `kind`). Shapes of
+// other ranks are not planned: the core refuses them.
 using PlanKey = std::array<int64_t, 12>;
 
 struct PlanKeyHash {
@@ -143,9 +143,13 @@ Plan make_plan(const at::Tensor& weights, const at::Tensor& x, const at::Tensor&
   return plan;
 }
 
-Plan plan_of(const at::Tensor& weights, const at::Tensor& x, const at::Tensor& ids) {
+// The plan of a call shape, made by make(weights, x, ids) on first sight. `kind` tells the ops'
+// plans apart: 0 for matmul_id, 1 + the GGML type code for quantized_matmul_id.
+template <class Make>
+Plan plan_of(const at::Tensor& weights, const at::Tensor& x, const at::Tensor& ids, int64_t kind,
+             Make make) {
   if (weights.dim() != 3 || (x.dim() != 2 && x.dim() != 3) || ids.dim() != 2) {
-    return make_plan(weights, x, ids);  // raises: the core refuses these ranks
+    return make(weights, x, ids);  // raises: the core refuses these ranks
   }
   const auto d = x.device();
   const auto w = weights.sizes(), xs = x.sizes(), is = ids.sizes();
@@ -161,13 +165,13 @@ Plan plan_of(const at::Tensor& weights, const at::Tensor& x, const at::Tensor& i
       x.dim() == 3 ? xs[2] : -1,
       is[0],
       is[1],
-      0};
+      kind};
   {
     std::lock_guard lock(g_plans_mutex);
     const auto found = plans().find(key);
     if (found != plans().end()) return found->second;
   }
-  const Plan plan = make_plan(weights, x, ids);
+  const Plan plan = make(weights, x, ids);
   std::lock_guard lock(g_plans_mutex);
   return plans().emplace(key, plan).first->second;
 }
@@ -183,8 +187,11 @@ at::Tensor ids_u32(const at::Tensor& ids, uint64_t n_experts) {
   return at::clamp(ids, -1, static_cast<int64_t>(n_experts)).to(at::kInt).contiguous();
 }
 
-at::Tensor matmul_id(const at::Tensor& weights, const at::Tensor& x, const at::Tensor& ids) {
-  const Plan plan = plan_of(weights, x, ids);
+// One planned expert-ID call (either op): the per-call checks, the ids, output and grouped scratch
+// from at::empty, then the core's enqueue entry on the tensors' current stream.
+template <class Enqueue>
+at::Tensor run_planned(const Plan& plan, Enqueue enqueue, const at::Tensor& weights,
+                       const at::Tensor& x, const at::Tensor& ids) {
   TORCH_CHECK_VALUE(weights.device() == x.device() && ids.device() == x.device(),
                     "matmul_id: tensors live on different devices");
   TORCH_CHECK_VALUE(weights.is_contiguous() && x.is_contiguous(),
@@ -205,8 +212,59 @@ at::Tensor matmul_id(const at::Tensor& weights, const at::Tensor& x, const at::T
     ptr.routed_rows = address(rows);
   }
   set_stream(x, ptr.has_stream, ptr.stream);
-  call(g_abi->enqueue_matmul_id, plan.handle, &ptr);
+  call(enqueue, plan.handle, &ptr);
   return out;
+}
+
+at::Tensor matmul_id(const at::Tensor& weights, const at::Tensor& x, const at::Tensor& ids) {
+  return run_planned(plan_of(weights, x, ids, 0, make_plan), g_abi->enqueue_matmul_id, weights, x,
+                     ids);
+}
+
+// ---- quantized_matmul_id ------------------------------------------------------------------------
+
+// routemm::GgmlType codes of the block stacks the op takes (tensor_op_abi.h).
+uint32_t ggml_type_code(const std::string& name) {
+  if (name == "q4_0") return 0;
+  if (name == "q8_0") return 3;
+  TORCH_CHECK_VALUE(false,
+                    "quantized_matmul_id ggml_type must be 'q4_0' or 'q8_0', got '" + name + "'");
+}
+
+Plan make_quantized_plan(const at::Tensor& weights, const at::Tensor& x, const at::Tensor& ids,
+                         const std::string& ggml_type) {
+  const auto where = place(weights);
+  TORCH_CHECK_VALUE(place(x) == where && place(ids) == where,
+                    "matmul_id: tensors live on different devices");
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat,
+                    "matmul_id activations must be float32, got " + dtype_repr(x.scalar_type()));
+  TORCH_CHECK_VALUE(weights.scalar_type() == at::kByte, "matmul_id " + ggml_type +
+                                                            " weights must be uint8 blocks, got " +
+                                                            dtype_repr(weights.scalar_type()));
+  const RoutemmQuantizedMatmulIdShapes shapes{where.first,
+                                              where.second,
+                                              ggml_type_code(ggml_type),
+                                              static_cast<uint32_t>(weights.dim()),
+                                              static_cast<uint32_t>(x.dim()),
+                                              static_cast<uint32_t>(ids.dim()),
+                                              weights.sizes().data(),
+                                              x.sizes().data(),
+                                              ids.sizes().data()};
+  Plan plan{};
+  call(g_abi->plan_quantized_matmul_id, &shapes, &plan.handle, &plan.info);
+  return plan;
+}
+
+// The schema's `str ggml_type` binds to a string view.
+at::Tensor quantized_matmul_id(const at::Tensor& weights, const at::Tensor& x,
+                               const at::Tensor& ids, c10::string_view ggml_type) {
+  const std::string type(ggml_type.data(), ggml_type.size());
+  const int64_t kind = 1 + ggml_type_code(type);
+  const auto make = [&](const at::Tensor& w, const at::Tensor& xs, const at::Tensor& is) {
+    return make_quantized_plan(w, xs, is, type);
+  };
+  return run_planned(plan_of(weights, x, ids, kind, make), g_abi->enqueue_quantized_matmul_id,
+                     weights, x, ids);
 }
 
 // ---- q4_matmul ----------------------------------------------------------------------------------
@@ -253,12 +311,14 @@ PyObject* plan_cache_size(PyObject*, PyObject*) {
 
 PyMethodDef kMethods[] = {
     {"plan_cache_size", plan_cache_size, METH_NOARGS,
-     "How many matmul_id call shapes the C++ kernels have planned in this process."},
+     "How many expert-ID call shapes (matmul_id and quantized_matmul_id) the C++ kernels have "
+     "planned in this process."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT,
                        "_torch_ops",
-                       "The C++ kernels of torch.ops.routemm.matmul_id and q4_matmul (CPU, CUDA).",
+                       "The C++ kernels of torch.ops.routemm.matmul_id, q4_matmul and "
+                       "quantized_matmul_id (CPU, CUDA).",
                        -1,
                        kMethods,
                        nullptr,
@@ -273,6 +333,7 @@ void register_kernels() {
     auto* lib = new torch::Library(torch::Library::IMPL, "routemm", key, __FILE__, __LINE__);
     lib->impl("matmul_id", TORCH_FN(matmul_id));
     lib->impl("q4_matmul", TORCH_FN(q4_matmul));
+    lib->impl("quantized_matmul_id", TORCH_FN(quantized_matmul_id));
   }
 }
 
@@ -291,7 +352,9 @@ PyMODINIT_FUNC PyInit__torch_ops() {
   PyObject* module = PyModule_Create(&kModule);
   if (module == nullptr) return nullptr;
   if (PyModule_AddStringConstant(module, "TORCH_VERSION", ROUTEMM_BUILT_TORCH_VERSION) < 0 ||
-      PyModule_AddObject(module, "OPS", Py_BuildValue("(ss)", "matmul_id", "q4_matmul")) < 0) {
+      PyModule_AddObject(module, "OPS",
+                         Py_BuildValue("(sss)", "matmul_id", "q4_matmul", "quantized_matmul_id")) <
+          0) {
     Py_DECREF(module);
     return nullptr;
   }
