@@ -227,6 +227,34 @@ def _plan(fw: Framework, weights, x, ids, route):
     return _core._plan_tensor_matmul_id(*places.pop(), wdtype, *shape, route)
 
 
+def _enqueue_planned(fw: Framework, enqueue, plan, device_key, weights, x, ids, out):
+    """The per-call half of both expert-ID ops once the shape's plan is known: the checks that
+    cannot be cached (one device, contiguity), the ids as u32, the output and grouped scratch from
+    the framework's allocator, then `enqueue` (the core's entry for the plan's op) on the current
+    stream. Returns (out, the native receipt tuple)."""
+    if fw.device_key(weights) != device_key or fw.device_key(ids) != device_key:
+        raise InvalidArgumentError("matmul_id: tensors live on different devices")
+    if not (fw.contiguous(weights) and fw.contiguous(x)):
+        raise InvalidArgumentError("matmul_id: weights and x must be contiguous")
+    ids32 = fw.ids_u32(ids, plan.n_experts)
+    out = _checked_out(fw, out, plan, device_key, x)
+    counts = rows = None
+    if plan.grouped:
+        counts = fw.empty((plan.n_experts,), "i32", x)
+        rows = fw.empty((plan.n_experts * plan.m,), "i32", x)
+    native = enqueue(
+        plan,
+        fw.pointer(weights),
+        fw.pointer(x),
+        fw.pointer(ids32),
+        fw.pointer(out),
+        0 if counts is None else fw.pointer(counts),
+        0 if rows is None else fw.pointer(rows),
+        fw.stream_of_key(device_key),
+    )
+    return out, native
+
+
 def _checked_out(fw: Framework, out, plan, device_key, x):
     """A new [rows, n] float32 output, or the caller's `out` once checked against the plan."""
     if out is None:
@@ -263,26 +291,7 @@ def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_rece
     plan = plans.get(key)
     if plan is None:
         plan = plans.setdefault(key, _plan(fw, weights, x, ids, route))
-    if fw.device_key(weights) != device_key or fw.device_key(ids) != device_key:
-        raise InvalidArgumentError("matmul_id: tensors live on different devices")
-    if not (fw.contiguous(weights) and fw.contiguous(x)):
-        raise InvalidArgumentError("matmul_id: weights and x must be contiguous")
-    ids32 = fw.ids_u32(ids, plan.n_experts)
-    out = _checked_out(fw, out, plan, device_key, x)
-    counts = rows = None
-    if plan.grouped:
-        counts = fw.empty((plan.n_experts,), "i32", x)
-        rows = fw.empty((plan.n_experts * plan.m,), "i32", x)
-    native = _core._enqueue_dense_matmul_id(
-        plan,
-        fw.pointer(weights),
-        fw.pointer(x),
-        fw.pointer(ids32),
-        fw.pointer(out),
-        0 if counts is None else fw.pointer(counts),
-        0 if rows is None else fw.pointer(rows),
-        fw.stream_of_key(device_key),
-    )
+    out, native = _enqueue_planned(fw, _core._enqueue_dense_matmul_id, plan, device_key, weights, x, ids, out)
     if with_receipt:
         from .dense_matmul_id import _receipt_of
 
@@ -320,26 +329,7 @@ def quantized_matmul_id(fw: Framework, weights, x, ids, ggml_type: str, route=No
     plan = plans.get(key)
     if plan is None:
         plan = plans.setdefault(key, _quantized_plan(fw, weights, x, ids, ggml_type, route))
-    if fw.device_key(weights) != device_key or fw.device_key(ids) != device_key:
-        raise InvalidArgumentError("matmul_id: tensors live on different devices")
-    if not (fw.contiguous(weights) and fw.contiguous(x)):
-        raise InvalidArgumentError("matmul_id: weights and x must be contiguous")
-    ids32 = fw.ids_u32(ids, plan.n_experts)
-    out = _checked_out(fw, out, plan, device_key, x)
-    counts = rows = None
-    if plan.grouped:
-        counts = fw.empty((plan.n_experts,), "i32", x)
-        rows = fw.empty((plan.n_experts * plan.m,), "i32", x)
-    native = _core._enqueue_quantized_matmul_id(
-        plan,
-        fw.pointer(weights),
-        fw.pointer(x),
-        fw.pointer(ids32),
-        fw.pointer(out),
-        0 if counts is None else fw.pointer(counts),
-        0 if rows is None else fw.pointer(rows),
-        fw.stream_of_key(device_key),
-    )
+    out, native = _enqueue_planned(fw, _core._enqueue_quantized_matmul_id, plan, device_key, weights, x, ids, out)
     return (out, native) if with_receipt else out
 
 

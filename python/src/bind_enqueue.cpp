@@ -136,16 +136,44 @@ uint32_t u32_field(const char* op, const char* name, Int value) {
   return static_cast<uint32_t>(value);
 }
 
-// One call shape of matmul_id on one device, made once: the frozen params, the byte sizes and what
-// a caller allocates.
-struct TensorMatmulIdPlan {
+// One call shape of an expert-ID op (matmul_id over float stacks, or over GGML block stacks) on one
+// device, made once: the frozen params, the byte sizes and what a caller allocates.
+template <class Params>
+struct TensorExpertIdPlan {
   const TensorOpTarget* target = nullptr;
-  DenseMatmulIdParams params;
-  DType weight_dtype = DType::F32;
+  Params params;
+  DType weight_dtype = DType::U8;  // the weights' element type (U8 for block stacks)
   uint64_t weights_nbytes = 0;
   uint64_t x_nbytes = 0;
   RoutemmMatmulIdPlanInfo info{};
 };
+using TensorMatmulIdPlan = TensorExpertIdPlan<DenseMatmulIdParams>;
+using TensorQuantizedMatmulIdPlan = TensorExpertIdPlan<GgmlQuantizedMatmulIdParams>;
+
+// The part of a plan both ops share: the shape fields of the params (u32-checked under `op`), the
+// input layout, the byte sizes and the allocation facts. The caller sets the route and the rest.
+template <class Params>
+std::shared_ptr<TensorExpertIdPlan<Params>> tensor_expert_id_plan(const TensorOpTarget& target,
+                                                                  const MatmulIdShape& s,
+                                                                  const char* op,
+                                                                  uint64_t expert_stride,
+                                                                  bool grouped) {
+  auto plan = std::make_shared<TensorExpertIdPlan<Params>>();
+  plan->target = &target;
+  Params& p = plan->params;
+  p = expert_id_params<Params>(u32_field(op, "m", s.m), u32_field(op, "n", s.n),
+                               u32_field(op, "k", s.k), u32_field(op, "top_k", s.top_k),
+                               u32_field(op, "n_experts", s.n_experts), expert_stride);
+  p.input_layout =
+      s.slotted ? DenseMatmulIdInputLayout::Slotted : DenseMatmulIdInputLayout::SharedPerToken;
+  plan->weights_nbytes =
+      checked_mul(s.n_experts, p.expert_stride_bytes, "matmul_id weights' byte size");
+  plan->x_nbytes =
+      checked_product({s.slotted ? s.m * s.top_k : s.m, s.k, 4}, "matmul_id x's byte size");
+  plan->info = {checked_mul(s.m, s.top_k, "matmul_id output rows"), s.n, s.m, s.n_experts,
+                grouped ? 1u : 0u};
+  return plan;
+}
 
 std::shared_ptr<const TensorMatmulIdPlan> plan_tensor_matmul_id(
     const TensorOpTarget& target, DType weight_dtype, std::span<const int64_t> w,
@@ -163,28 +191,17 @@ std::shared_ptr<const TensorMatmulIdPlan> plan_tensor_matmul_id(
                           std::to_string(s.top_k) + ", n_experts " + std::to_string(s.n_experts) +
                           ")");
   }
-  const char* op = "dense_matmul_id";
-  auto p = expert_id_params<DenseMatmulIdParams>(
-      u32_field(op, "m", s.m), u32_field(op, "n", s.n), u32_field(op, "k", s.k),
-      u32_field(op, "top_k", s.top_k), u32_field(op, "n_experts", s.n_experts),
-      checked_product({s.n, s.k, dtype_size(weight_dtype)}, "matmul_id expert stride"));
-  p.input_layout =
-      s.slotted ? DenseMatmulIdInputLayout::Slotted : DenseMatmulIdInputLayout::SharedPerToken;
+  auto plan = tensor_expert_id_plan<DenseMatmulIdParams>(
+      target, s, "dense_matmul_id",
+      checked_product({s.n, s.k, dtype_size(weight_dtype)}, "matmul_id expert stride"),
+      is_grouped(*route));
+  plan->weight_dtype = weight_dtype;
+  DenseMatmulIdParams& p = plan->params;
   // The grouped kernels route repeated ids correctly, so the call declares DISTINCT_PER_TOKEN as
   // the capacity bound it is (top_k <= n_experts) without reading the ids.
   p.id_multiplicity = is_grouped(*route) ? DenseMatmulIdMultiplicity::DistinctPerToken
                                          : DenseMatmulIdMultiplicity::MayRepeat;
   p.route = *route;
-  auto plan = std::make_shared<TensorMatmulIdPlan>();
-  plan->target = &target;
-  plan->params = p;
-  plan->weight_dtype = weight_dtype;
-  plan->weights_nbytes =
-      checked_mul(s.n_experts, p.expert_stride_bytes, "matmul_id weights' byte size");
-  plan->x_nbytes =
-      checked_product({s.slotted ? s.m * s.top_k : s.m, s.k, 4}, "matmul_id x's byte size");
-  plan->info = {checked_mul(s.m, s.top_k, "matmul_id output rows"), s.n, s.m, s.n_experts,
-                is_grouped(*route) ? 1u : 0u};
   return plan;
 }
 
@@ -261,16 +278,6 @@ DenseMatmulIdDispatchReceipt enqueue_matmul_id(const TensorMatmulIdPlan& plan,
 
 // ---- quantized_matmul_id ------------------------------------------------------------------------
 
-// One call shape of the expert-ID product over a GGML block stack (uint8 [n_experts, n,
-// k / values * block_bytes]) on one device, made once.
-struct TensorQuantizedMatmulIdPlan {
-  const TensorOpTarget* target = nullptr;
-  GgmlQuantizedMatmulIdParams params;
-  uint64_t weights_nbytes = 0;
-  uint64_t x_nbytes = 0;
-  RoutemmMatmulIdPlanInfo info{};
-};
-
 // The plan of one call shape: the block stack's k from its row bytes, matmul_id's shape checks, the
 // route (given, or the shape-only rule: the exact grouped route where expert_id_auto_grouped takes
 // it, else direct) and the op's capability checks, all before anything is encoded. The grouped
@@ -282,7 +289,7 @@ std::shared_ptr<const TensorQuantizedMatmulIdPlan> plan_tensor_quantized_matmul_
     std::optional<GgmlQuantizedMatmulIdRoute> route) {
   const auto [values, block_bytes] = ggml_block_layout(ggml_type);
   const std::string type_name(to_string(ggml_type));
-  if (w.size() != 3 || w[2] <= 0 || w[2] % block_bytes != 0) {
+  if (w.size() != 3 || w[2] % block_bytes != 0) {
     throw InvalidArgument("matmul_id " + type_name + " weights must be uint8 [n_experts, n, k / " +
                           std::to_string(values) + " * " + std::to_string(block_bytes) +
                           "], got shape " + python_tuple(w));
@@ -294,26 +301,12 @@ std::shared_ptr<const TensorQuantizedMatmulIdPlan> plan_tensor_quantized_matmul_
                                                 s.n_experts, /*quantized=*/true);
     route = grouped ? GgmlQuantizedMatmulIdRoute::Grouped : GgmlQuantizedMatmulIdRoute::Direct;
   }
-  const char* op = "quantized_matmul_id_ggml";
-  const uint64_t row_bytes = static_cast<uint64_t>(w[2]);
-  auto p = expert_id_params<GgmlQuantizedMatmulIdParams>(
-      u32_field(op, "m", s.m), u32_field(op, "n", s.n), u32_field(op, "k", s.k),
-      u32_field(op, "top_k", s.top_k), u32_field(op, "n_experts", s.n_experts),
-      checked_mul(s.n, row_bytes, "matmul_id expert stride"));
-  p.ggml_type = ggml_type;
-  p.input_layout =
-      s.slotted ? DenseMatmulIdInputLayout::Slotted : DenseMatmulIdInputLayout::SharedPerToken;
-  p.route = *route;
-  quantized_matmul_id_ggml_capability(p);  // the op's own checks, before any call is made
-  auto plan = std::make_shared<TensorQuantizedMatmulIdPlan>();
-  plan->target = &target;
-  plan->params = p;
-  plan->weights_nbytes =
-      checked_mul(s.n_experts, p.expert_stride_bytes, "matmul_id weights' byte size");
-  plan->x_nbytes =
-      checked_product({s.slotted ? s.m * s.top_k : s.m, s.k, 4}, "matmul_id x's byte size");
-  plan->info = {checked_mul(s.m, s.top_k, "matmul_id output rows"), s.n, s.m, s.n_experts,
-                is_grouped(*route) ? 1u : 0u};
+  auto plan = tensor_expert_id_plan<GgmlQuantizedMatmulIdParams>(
+      target, s, "quantized_matmul_id_ggml",
+      checked_mul(s.n, static_cast<uint64_t>(w[2]), "matmul_id expert stride"), is_grouped(*route));
+  plan->params.ggml_type = ggml_type;
+  plan->params.route = *route;
+  quantized_matmul_id_ggml_capability(plan->params);  // the op's own checks, before any call
   return plan;
 }
 
@@ -450,6 +443,21 @@ const RoutemmTensorOpAbi kTensorOpAbi = {
     &abi_enqueue_quantized_matmul_id,
 };
 
+// A plan class for Python: what the Python kernels allocate from (rows, n, m, n_experts, grouped)
+// and the route it runs.
+template <class Params>
+void bind_plan(py::module_& m, const char* name) {
+  using Plan = TensorExpertIdPlan<Params>;
+  py::class_<Plan, std::shared_ptr<Plan>>(m, name)
+      .def_property_readonly("rows", [](const Plan& p) { return p.info.rows; })
+      .def_property_readonly("n", [](const Plan& p) { return p.info.n; })
+      .def_property_readonly("m", [](const Plan& p) { return p.info.m; })
+      .def_property_readonly("n_experts", [](const Plan& p) { return p.info.n_experts; })
+      .def_property_readonly("grouped", [](const Plan& p) { return p.info.grouped != 0; })
+      .def_property_readonly("route",
+                             [](const Plan& p) { return std::string(to_string(p.params.route)); });
+}
+
 }  // namespace
 
 void init_enqueue(py::module_& m) {
@@ -488,14 +496,7 @@ void init_enqueue(py::module_& m) {
       py::arg("weights_shape"), py::arg("x_shape"), py::arg("ids_shape"),
       "matmul_id's shape checks: (m, top_k, n_experts, n, k, slotted).");
 
-  py::class_<TensorMatmulIdPlan, std::shared_ptr<TensorMatmulIdPlan>>(m, "_TensorMatmulIdPlan")
-      .def_property_readonly("rows", [](const TensorMatmulIdPlan& p) { return p.info.rows; })
-      .def_property_readonly("n", [](const TensorMatmulIdPlan& p) { return p.info.n; })
-      .def_property_readonly("m", [](const TensorMatmulIdPlan& p) { return p.info.m; })
-      .def_property_readonly("n_experts",
-                             [](const TensorMatmulIdPlan& p) { return p.info.n_experts; })
-      .def_property_readonly("grouped",
-                             [](const TensorMatmulIdPlan& p) { return p.info.grouped != 0; });
+  bind_plan<DenseMatmulIdParams>(m, "_TensorMatmulIdPlan");
   m.def(
       "_plan_tensor_matmul_id",
       [](int32_t type, int32_t index, DType weight_dtype, const std::vector<int64_t>& w,
@@ -533,19 +534,7 @@ void init_enqueue(py::module_& m) {
       py::arg("expert_counts"), py::arg("routed_rows"), py::arg("stream"),
       "One planned matmul_id call on caller memory given by pointers, encoded and started "
       "(returns the native receipt tuple of _dense_matmul_id).");
-  py::class_<TensorQuantizedMatmulIdPlan, std::shared_ptr<TensorQuantizedMatmulIdPlan>>(
-      m, "_TensorQuantizedMatmulIdPlan")
-      .def_property_readonly("rows",
-                             [](const TensorQuantizedMatmulIdPlan& p) { return p.info.rows; })
-      .def_property_readonly("n", [](const TensorQuantizedMatmulIdPlan& p) { return p.info.n; })
-      .def_property_readonly("m", [](const TensorQuantizedMatmulIdPlan& p) { return p.info.m; })
-      .def_property_readonly("n_experts",
-                             [](const TensorQuantizedMatmulIdPlan& p) { return p.info.n_experts; })
-      .def_property_readonly(
-          "grouped", [](const TensorQuantizedMatmulIdPlan& p) { return p.info.grouped != 0; })
-      .def_property_readonly("route", [](const TensorQuantizedMatmulIdPlan& p) {
-        return std::string(to_string(p.params.route));
-      });
+  bind_plan<GgmlQuantizedMatmulIdParams>(m, "_TensorQuantizedMatmulIdPlan");
   m.def(
       "_plan_tensor_quantized_matmul_id",
       [](int32_t type, int32_t index, const std::string& ggml_type, const std::vector<int64_t>& w,

@@ -123,21 +123,33 @@ std::unordered_map<PlanKey, Plan, PlanKeyHash>& plans() {
   return *map;
 }
 
-Plan make_plan(const at::Tensor& weights, const at::Tensor& x, const at::Tensor& ids) {
+// The ABI's call shape of either op (RoutemmMatmulIdShapes or RoutemmQuantizedMatmulIdShapes, one
+// field order), after the checks both plans start with, in the Python kernels' order: one device,
+// float32 activations, then `weights_code` (which checks the weights and returns their
+// routemm::DType or GgmlType value).
+template <class Shapes, class WeightsCode>
+Shapes call_shapes(const at::Tensor& weights, const at::Tensor& x, const at::Tensor& ids,
+                   WeightsCode weights_code) {
   const auto where = place(weights);
   TORCH_CHECK_VALUE(place(x) == where && place(ids) == where,
                     "matmul_id: tensors live on different devices");
   TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat,
                     "matmul_id activations must be float32, got " + dtype_repr(x.scalar_type()));
-  const RoutemmMatmulIdShapes shapes{where.first,
-                                     where.second,
-                                     routemm_dtype(weights),
-                                     static_cast<uint32_t>(weights.dim()),
-                                     static_cast<uint32_t>(x.dim()),
-                                     static_cast<uint32_t>(ids.dim()),
-                                     weights.sizes().data(),
-                                     x.sizes().data(),
-                                     ids.sizes().data()};
+  const uint32_t code = weights_code();
+  return Shapes{where.first,
+                where.second,
+                code,
+                static_cast<uint32_t>(weights.dim()),
+                static_cast<uint32_t>(x.dim()),
+                static_cast<uint32_t>(ids.dim()),
+                weights.sizes().data(),
+                x.sizes().data(),
+                ids.sizes().data()};
+}
+
+Plan make_plan(const at::Tensor& weights, const at::Tensor& x, const at::Tensor& ids) {
+  const auto shapes =
+      call_shapes<RoutemmMatmulIdShapes>(weights, x, ids, [&] { return routemm_dtype(weights); });
   Plan plan{};
   call(g_abi->plan_matmul_id, &shapes, &plan.handle, &plan.info);
   return plan;
@@ -233,23 +245,12 @@ uint32_t ggml_type_code(const std::string& name) {
 
 Plan make_quantized_plan(const at::Tensor& weights, const at::Tensor& x, const at::Tensor& ids,
                          const std::string& ggml_type) {
-  const auto where = place(weights);
-  TORCH_CHECK_VALUE(place(x) == where && place(ids) == where,
-                    "matmul_id: tensors live on different devices");
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat,
-                    "matmul_id activations must be float32, got " + dtype_repr(x.scalar_type()));
-  TORCH_CHECK_VALUE(weights.scalar_type() == at::kByte, "matmul_id " + ggml_type +
-                                                            " weights must be uint8 blocks, got " +
-                                                            dtype_repr(weights.scalar_type()));
-  const RoutemmQuantizedMatmulIdShapes shapes{where.first,
-                                              where.second,
-                                              ggml_type_code(ggml_type),
-                                              static_cast<uint32_t>(weights.dim()),
-                                              static_cast<uint32_t>(x.dim()),
-                                              static_cast<uint32_t>(ids.dim()),
-                                              weights.sizes().data(),
-                                              x.sizes().data(),
-                                              ids.sizes().data()};
+  const auto shapes = call_shapes<RoutemmQuantizedMatmulIdShapes>(weights, x, ids, [&] {
+    TORCH_CHECK_VALUE(weights.scalar_type() == at::kByte,
+                      "matmul_id " + ggml_type + " weights must be uint8 blocks, got " +
+                          dtype_repr(weights.scalar_type()));
+    return ggml_type_code(ggml_type);
+  });
   Plan plan{};
   call(g_abi->plan_quantized_matmul_id, &shapes, &plan.handle, &plan.info);
   return plan;
