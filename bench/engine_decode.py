@@ -7,6 +7,7 @@ captured as one CUDA graph.
 host-cost: one eager `torch.ops.routemm.matmul_id` call on the current stream (Qwen3-30B-A3B expert
 projection: 128 experts, top_k 8, n 768, k 2048, bf16 weights, m = 1), timed on the host with
 perf_counter_ns, back to back into the stream and synchronised outside the timer; median per call.
+`torch.ops.routemm.quantized_matmul_id` is timed the same way on the shape as a Q4_0 stack.
 The op runs the kernels routemm.torch loaded (the record's `kernels`: "cpp" for routemm._torch_ops,
 "python" otherwise, e.g. with ROUTEMM_TORCH_KERNELS=python); the Python kernel is also timed in the
 same run behind a torch op of its own (routemm_bench::matmul_id_python, registered as routemm's ops
@@ -158,11 +159,15 @@ def host_cost(args) -> dict:
     sync()
     front = lambda: routemm.matmul_id(w, x, ids)  # noqa: E731  (the same call without torch.ops)
     front()
+    stack = _block_stack(e, n, k, "q4_0", dev, torch.Generator(device=dev).manual_seed(0))
+    quantized = lambda: torch.ops.routemm.quantized_matmul_id(stack, x, ids, "q4_0")  # noqa: E731
+    quantized()
     routemm_us = _per_call_us(call, args.calls, args.batches, sync)
     front_us = _per_call_us(front, args.calls, args.batches, sync)
     torch_us = _per_call_us(small, args.calls, args.batches, sync)
     op_floor_us = _per_call_us(empty_op, args.calls, args.batches, sync)
     python_kernel_us = _per_call_us(python_kernel, args.calls, args.batches, sync)
+    quantized_us = _per_call_us(quantized, args.calls, args.batches, sync)
     # Counted pass: syncs raise, allocations and streams are counted.
     routemm.reset_encoder_counters()
     segments = torch.cuda.memory_stats().get("segment.all.allocated", 0) if cuda else 0
@@ -220,6 +225,18 @@ def host_cost(args) -> dict:
             min_us=round(min(front_us), 3),
             protocol="host time per call of routemm.matmul_id on the same tensors, back to back",
         ),
+        _record(
+            shape,
+            "routemm_torch_op_eager",
+            statistics.median(quantized_us),
+            "direct",
+            ggml_type="q4_0",
+            min_us=round(min(quantized_us), 3),
+            max_us=round(max(quantized_us), 3),
+            protocol="host time per call of torch.ops.routemm.quantized_matmul_id on the same shape "
+            "as a Q4_0 stack, back to back on the current stream",
+            kernels=routemm.torch.KERNELS,
+        ),
         _record(shape, "torch_add_inplace_floor", statistics.median(torch_us), "n/a"),
         _record(
             shape,
@@ -242,6 +259,16 @@ def host_cost(args) -> dict:
 BLOCKS = {"q4_0": (32, 18), "q8_0": (32, 34)}
 
 
+def _block_stack(e: int, rows: int, cols: int, ggml_type: str, dev, g) -> torch.Tensor:
+    """A uint8 block stack [e, rows, cols / 32 * block_bytes] of random codes under one small f16
+    scale (0.0101), drawn on the device: timing does not depend on the values."""
+    values, block_bytes = BLOCKS[ggml_type]
+    shape = (e, rows, cols // values, block_bytes)
+    blocks = torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=g)
+    blocks[..., :2] = torch.tensor([0x1F, 0x21], dtype=torch.uint8, device=dev)
+    return blocks.reshape(e, rows, -1)
+
+
 class Layer:
     def __init__(self, shape, dev, seed, ggml_type=None):
         # Drawn on the device itself: 58 GB of weights drawn on the host would take minutes.
@@ -252,12 +279,7 @@ class Layer:
             if ggml_type is None:
                 w = torch.empty(e, rows, cols, dtype=torch.bfloat16, device=dev)
                 return w.normal_(0.0, 0.02, generator=g)
-            values, block_bytes = BLOCKS[ggml_type]
-            blocks = torch.randint(
-                0, 256, (e, rows, cols // values, block_bytes), dtype=torch.uint8, device=dev, generator=g
-            )
-            blocks[..., :2] = torch.tensor([0x1F, 0x21], dtype=torch.uint8, device=dev)  # f16 0.0101
-            return blocks.reshape(e, rows, -1)
+            return _block_stack(e, rows, cols, ggml_type, dev, g)
 
         self.gate, self.up, self.down = stack(n, k), stack(n, k), stack(k, n)
 
