@@ -13,7 +13,10 @@
 // bench/lab/q4_matvec_mma_rows_lab.cu). On the H200 (CUPTI, weights rotated out of L2), 4096 x
 // 14336: 14.2 / 16.9 us at m = 1 / 2 against 18.1 / 19.0 for q4_matvec_kernel; at m = 4 the
 // four-token configuration (kept for the lab) took 23.1 against 20.7 us, so three and four tokens
-// stay on q4_matvec_kernel.
+// stay on q4_matvec_kernel. Since those runs each lane splits only its own four activations (no
+// exchange between lanes; the same bytes, bench/lab/q4_split_x_model.py), 7-14% fewer static
+// instructions per instantiation; that change is not yet timed
+// (bench/lab/records/q4_0_matvec_split_x-2026-12-06.md).
 //
 // KERNEL (one producer warp and kConsumers consumer warps per CTA, two CTAs per multiprocessor):
 //   - A CTA walks 16-row groups (rg = blockIdx.x, + gridDim.x, ...). A row group's K is cut into
