@@ -10,8 +10,12 @@ and reads no weight.
 Routes are explicit: ``direct`` (one dispatch, IDs may repeat: decode, and the flattened
 "expert-down" form with m = tokens * top_k, top_k = 1 and a slotted input) and ``grouped`` (the
 map dispatch and caller-owned DenseMatmulIdScratch of dense_matmul_id's grouped_prefill, then a
-grouped dispatch; IDs distinct per token). Both routes share one numerical contract on a backend:
-exact dequantisation and F32 accumulation in a fixed order, so they agree bit for bit.
+grouped dispatch; top_k <= n_experts). Both routes share one numerical contract on a backend:
+exact dequantisation and F32 accumulation in a fixed order, so they agree bit for bit. The grouped
+map routes every slot, so an ID repeated within a token is computed too; the NumPy front door
+(routemm.matmul_id on arrays) still refuses an explicit grouped route for such IDs, while tensors
+(torch.ops.routemm.quantized_matmul_id, routemm.matmul_id on PyTorch / CuPy tensors) never read
+the IDs on the host and take any route for them.
 
 ``grouped_tensor_lowp`` is the grouped route's map and scratch with the multiplication on tensor
 cores: block values enter as exact f16 integers, activations are rounded to f16, each block's
@@ -54,7 +58,7 @@ SUPPORTED_TYPES: tuple[GgmlType, ...] = (GgmlType.Q4_0, GgmlType.Q8_0)
 
 class GgmlQuantizedMatmulIdRoute(enum.Enum):
     DIRECT = "direct"  # one dispatch; IDs may repeat
-    GROUPED = "grouped"  # dense_matmul_id's map + a grouped dispatch; distinct IDs, caller scratch
+    GROUPED = "grouped"  # dense_matmul_id's map + a grouped dispatch; top_k <= n_experts, caller scratch
     GROUPED_TENSOR_LOWP = "grouped_tensor_lowp"  # GROUPED on tensor cores: f16 activations, a tolerance
     DIRECT_INT8_DOT = "direct_int8_dot"  # DIRECT with int8-rounded activations (CPU): a bound
     GROUPED_INT8_DOT = "grouped_int8_dot"  # GROUPED with int8-rounded activations (CPU): a bound
