@@ -10,11 +10,12 @@ fake tensors propagate shapes. CUDA tensors run on torch.cuda.current_stream() w
 no stream created and temporaries from PyTorch's caching allocator, so a call can be captured in
 torch.cuda.graph; CPU tensors run on the CPU backend. The route depends on shapes only.
 
-Kernels: matmul_id, q4_matmul and quantized_matmul_id run C++ kernels (the extension routemm._torch_ops, built when
-the build's Python imports torch) when that extension was built against the running torch;
-otherwise, or with ROUTEMM_TORCH_KERNELS=python, their Python kernels (the same checks, messages
-and results; more host time per call, see bench/engine_decode.py host-cost). KERNELS says which ("cpp" or "python") and
-KERNELS_REASON why. Both run the core through one table of devices and registries.
+Kernels: matmul_id, q4_matmul and quantized_matmul_id run C++ kernels (the extension
+routemm._torch_ops, built when the build's Python imports torch) when that extension was built
+against the running torch; otherwise, or with ROUTEMM_TORCH_KERNELS=python, their Python kernels
+(the same checks, messages and results; more host time per call, see bench/engine_decode.py
+host-cost). KERNELS says which ("cpp" or "python") and KERNELS_REASON why. Both run the core
+through one table of devices and registries.
 
 Registration: every op goes through `define_op` (its schema, real and fake implementations), which
 records it in OPS; an op of another module registers the same way.
@@ -139,10 +140,10 @@ def _quantized_matmul_id_shape(
     from .quantized_matmul_id import GgmlType, _element_width
 
     _check_ggml_type(ggml_type)
-    if weights.dtype != torch.uint8:
-        raise InvalidArgumentError(f"matmul_id {ggml_type} weights must be uint8 blocks, got {weights.dtype}")
     if x.dtype != torch.float32:
         raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
+    if weights.dtype != torch.uint8:
+        raise InvalidArgumentError(f"matmul_id {ggml_type} weights must be uint8 blocks, got {weights.dtype}")
     k = _element_width(weights.shape, GgmlType(ggml_type))
     m, top_k, _, n, _, _ = _check_shapes((*weights.shape[:2], k), x.shape, ids.shape)
     return m * top_k, n
