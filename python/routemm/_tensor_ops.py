@@ -32,6 +32,7 @@ class Framework:
 
     name = ""
     f32 = u8 = None  # the framework's float32 and uint8 dtypes
+    tensor_type: type = object  # the framework's tensor class
 
     def __init__(self):
         # matmul_id's per-shape plans of this framework's calls (see _MatmulIdPlan).
@@ -94,6 +95,7 @@ class _Torch(Framework):
         }
         self.by_name = {"f32": torch.float32, "i32": torch.int32}
         self.f32, self.u8 = torch.float32, torch.uint8
+        self.tensor_type = torch.Tensor
 
     def dtype(self, t):
         try:
@@ -164,6 +166,7 @@ class _CuPy(Framework):
         self.cupy = cupy
         self.np = np
         self.f32, self.u8 = np.dtype(np.float32), np.dtype(np.uint8)
+        self.tensor_type = cupy.ndarray
 
     def dtype(self, t):
         from ._core_api import dtype_of
@@ -209,11 +212,23 @@ def framework(name: str) -> Framework:
     return _Torch() if name == "torch" else _CuPy()
 
 
+def _places(fw: Framework, weights, x, ids) -> set:
+    """The (device type, index) pairs of a call's tensors, after checking that each one is a tensor
+    of the framework (x's): arrays of another framework mixed in are refused by name."""
+    for name, t in (("weights", weights), ("x", x), ("ids", ids)):
+        if not isinstance(t, fw.tensor_type):
+            raise InvalidArgumentError(
+                f"matmul_id: x is a {fw.name} tensor, so {name} must be one too, got {type(t).__module__}."
+                f"{type(t).__name__}"
+            )
+    return {fw.place(t) for t in (weights, x, ids)}
+
+
 def _plan(fw: Framework, weights, x, ids, route):
     """matmul_id's plan of one call shape (the core's _TensorMatmulIdPlan): validated shapes, the
-    frozen params, the route and the device's shared registry. Checks in this order: one device,
-    float32 activations, the weight dtype, then the core's shape and route checks."""
-    places = {fw.place(t) for t in (weights, x, ids)}
+    frozen params, the route and the device's shared registry. Checks in this order: one framework,
+    one device, float32 activations, the weight dtype, then the core's shape and route checks."""
+    places = _places(fw, weights, x, ids)
     if len(places) != 1:
         raise InvalidArgumentError("matmul_id: tensors live on different devices")
     if x.dtype != fw.f32:
@@ -232,7 +247,12 @@ def _enqueue_planned(fw: Framework, enqueue, plan, device_key, weights, x, ids, 
     cannot be cached (one device, contiguity), the ids as u32, the output and grouped scratch from
     the framework's allocator, then `enqueue` (the core's entry for the plan's op) on the current
     stream. Returns (out, the native receipt tuple)."""
-    if fw.device_key(weights) != device_key or fw.device_key(ids) != device_key:
+    try:
+        same_device = fw.device_key(weights) == device_key and fw.device_key(ids) == device_key
+    except AttributeError:  # not a tensor at all
+        same_device = False
+    if not same_device:
+        _places(fw, weights, x, ids)  # names an argument of another framework
         raise InvalidArgumentError("matmul_id: tensors live on different devices")
     if not (fw.contiguous(weights) and fw.contiguous(x)):
         raise InvalidArgumentError("matmul_id: weights and x must be contiguous")
@@ -260,7 +280,8 @@ def _checked_out(fw: Framework, out, plan, device_key, x):
     if out is None:
         return fw.empty((plan.rows, plan.n), "f32", x)
     if (
-        tuple(out.shape) != (plan.rows, plan.n)
+        not isinstance(out, fw.tensor_type)
+        or tuple(out.shape) != (plan.rows, plan.n)
         or fw.dtype(out) != DType.F32
         or not fw.contiguous(out)
         or fw.device_key(out) != device_key
@@ -301,9 +322,9 @@ def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_rece
 
 def _quantized_plan(fw: Framework, weights, x, ids, ggml_type: str, route):
     """quantized_matmul_id's plan of one call shape (the core's _TensorQuantizedMatmulIdPlan).
-    Checks in this order: one device, float32 activations, uint8 blocks, then the core's shape,
-    route and capability checks."""
-    places = {fw.place(t) for t in (weights, x, ids)}
+    Checks in this order: one framework, one device, float32 activations, uint8 blocks, then the
+    core's shape, route and capability checks."""
+    places = _places(fw, weights, x, ids)
     if len(places) != 1:
         raise InvalidArgumentError("matmul_id: tensors live on different devices")
     if x.dtype != fw.f32:

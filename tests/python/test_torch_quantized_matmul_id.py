@@ -166,6 +166,21 @@ def test_rejections_before_anything_runs(tdev):
         routemm.matmul_id(tb, tx, tids, ggml_type="q4_0", route="grouped_prefill_typo")
 
 
+@pytest.mark.parametrize("ggml_type", [None, "q4_0"])
+def test_mixed_frameworks_are_refused_by_name(ggml_type):
+    """routemm.matmul_id on tensors takes its framework from x; a NumPy array among the other
+    arguments (float or block stack) is an InvalidArgumentError that names it, not a crash."""
+    weights = _stack("q4_0")[0] if ggml_type else np.random.default_rng(8).standard_normal((E, N, K)).astype(np.float32)
+    x, ids = _routing(2, 2)
+    routemm.matmul_id(*(torch.from_numpy(a) for a in (weights, x, ids)), ggml_type=ggml_type)  # a cached plan
+    tw, tx, tids = (torch.from_numpy(a) for a in (weights, x, ids))
+    for args, name in (((weights, tx, tids), "weights"), ((tw, tx, ids), "ids")):
+        with pytest.raises(routemm.InvalidArgumentError, match=f"so {name} must be one too, got numpy.ndarray"):
+            routemm.matmul_id(*args, ggml_type=ggml_type)
+    with pytest.raises(routemm.InvalidArgumentError, match="out must be a contiguous float32 tensor"):
+        routemm.matmul_id(tw, tx, tids, ggml_type=ggml_type, out=np.zeros((4, N), np.float32))
+
+
 def test_fake_tensors_propagate_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
