@@ -51,6 +51,7 @@ import time
 import routemm
 import routemm.torch  # noqa: F401  (registers torch.ops.routemm.*)
 import torch
+from routemm.quantized_matmul_id import SUPPORTED_TYPES
 
 QWEN3 = {"name": "qwen3-30b-a3b", "experts": 128, "top_k": 8, "hidden": 2048, "inter": 768, "layers": 48}
 SMOKE = {"name": "smoke", "experts": 8, "top_k": 2, "hidden": 64, "inter": 32, "layers": 2}
@@ -255,14 +256,14 @@ def host_cost(args) -> dict:
 # ---- decode graph -------------------------------------------------------------------------------
 
 
-# (values, bytes) per block of the GGML block stacks --ggml-type takes.
-BLOCKS = {"q4_0": (32, 18), "q8_0": (32, 34)}
+# The GGML block stacks --ggml-type takes.
+BLOCK_TYPES = tuple(t.value for t in SUPPORTED_TYPES)
 
 
 def _block_stack(e: int, rows: int, cols: int, ggml_type: str, dev, g) -> torch.Tensor:
     """A uint8 block stack [e, rows, cols / 32 * block_bytes] of random codes under one small f16
     scale (0.0101), drawn on the device: timing does not depend on the values."""
-    values, block_bytes = BLOCKS[ggml_type]
+    values, block_bytes = routemm.GgmlType(ggml_type).block_layout
     shape = (e, rows, cols // values, block_bytes)
     blocks = torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=g)
     blocks[..., :2] = torch.tensor([0x1F, 0x21], dtype=torch.uint8, device=dev)
@@ -416,7 +417,7 @@ def main(argv=None) -> int:
     p.add_argument("out")
     p.add_argument("--layers", type=int, default=0)
     p.add_argument("--replays", type=int, default=50)
-    p.add_argument("--ggml-type", choices=sorted(BLOCKS), default=None)
+    p.add_argument("--ggml-type", choices=BLOCK_TYPES, default=None)
     p.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     doc = host_cost(args) if args.what == "host-cost" else decode_graph(args)

@@ -29,6 +29,10 @@ import torch
 
 from . import _tensor_ops
 from ._errors import InvalidArgumentError
+from .quantized_matmul_id import SUPPORTED_TYPES as _QUANTIZED_TYPES
+
+# The block-stack types quantized_matmul_id takes, by their ggml_type values ("q4_0", "q8_0").
+_QUANTIZED_EXPERT_TYPES = frozenset(t.value for t in _QUANTIZED_TYPES)
 
 NAMESPACE = "routemm"
 
@@ -123,9 +127,6 @@ def _matmul_id_fake(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -
 
 
 # ---- quantized_matmul_id ------------------------------------------------------------------------
-
-
-_QUANTIZED_EXPERT_TYPES = ("q4_0", "q8_0")
 
 
 def _check_ggml_type(ggml_type: str) -> None:

@@ -232,48 +232,57 @@ void start(CommandEncoder& encoder, bool on_stream) {
   }
 }
 
-// The activations, ids, output and (grouped routes) scratch of one planned expert-ID call over
-// caller memory: x [m, k] or [m, top_k, k] float32, ids [m, top_k] u32, out [m * top_k, n] float32.
+// The buffers of one planned expert-ID call (either op) over caller memory: weights [n_experts, n,
+// expert stride / n elements of the plan's weight dtype], x [m, k] or [m, top_k, k] float32, ids
+// [m, top_k] u32, out [m * top_k, n] float32, and the grouped routes' scratch.
 struct ExpertIdIo {
-  Buffer x, ids, out;
+  Buffer weights, x, ids, out;
   std::optional<DenseMatmulIdScratch> scratch;
 };
 
-ExpertIdIo expert_id_io(const Device& device, const RoutemmMatmulIdPointers& ptr,
-                        const RoutemmMatmulIdPlanInfo& info, uint64_t top_k, uint64_t k,
-                        bool slotted, uint64_t x_nbytes) {
-  const uint64_t m = info.m, n = info.n, e = info.n_experts;
+template <class Params>
+ExpertIdIo expert_id_io(const TensorExpertIdPlan<Params>& plan,
+                        const RoutemmMatmulIdPointers& ptr) {
+  const Device& device = plan.target->device;
+  const Params& p = plan.params;
+  const uint64_t m = p.m, top_k = p.top_k, n = p.n, k = p.k, e = p.n_experts;
+  const uint64_t row = p.expert_stride_bytes / n / dtype_size(plan.weight_dtype);
+  const bool slotted = p.input_layout == DenseMatmulIdInputLayout::Slotted;
   ExpertIdIo io{
-      borrowed(device, ptr.x, x_nbytes, DType::F32,
+      borrowed(device, ptr.weights, plan.weights_nbytes, plan.weight_dtype, {e, n, row}, false),
+      borrowed(device, ptr.x, plan.x_nbytes, DType::F32,
                slotted ? std::vector<uint64_t>{m, top_k, k} : std::vector<uint64_t>{m, k}, false),
       borrowed(device, ptr.ids, m * top_k * 4, DType::U32, {m, top_k}, false),
       borrowed(device, ptr.out, m * top_k * n * 4, DType::F32, {m * top_k, n}, true), std::nullopt};
   if (ptr.expert_counts != 0 || ptr.routed_rows != 0) {
     io.scratch.emplace(borrowed(device, ptr.expert_counts, e * 4, DType::U32, {e}, true),
                        borrowed(device, ptr.routed_rows, e * m * 4, DType::U32, {e, m}, true),
-                       static_cast<uint32_t>(e), static_cast<uint32_t>(m));
+                       p.n_experts, p.m);
   }
   return io;
 }
 
-CommandEncoder encoder_for(const Device& device, const RoutemmMatmulIdPointers& ptr) {
-  return device.command_encoder(EncoderOptions{
-      ptr.has_stream != 0 ? std::optional<uint64_t>(ptr.stream) : std::nullopt, std::nullopt});
+// Encodes one planned call with `encode(encoder, registry, io)` (the op) and starts it: on the
+// caller's stream without waiting, else to completion.
+template <class Params, class Encode>
+auto run_planned(const TensorExpertIdPlan<Params>& plan, const RoutemmMatmulIdPointers& ptr,
+                 Encode encode) {
+  ExpertIdIo io = expert_id_io(plan, ptr);
+  const bool on_stream = ptr.has_stream != 0;
+  CommandEncoder encoder = plan.target->device.command_encoder(
+      EncoderOptions{on_stream ? std::optional<uint64_t>(ptr.stream) : std::nullopt, std::nullopt});
+  const auto receipt = encode(encoder, *plan.target->registry, io);
+  start(encoder, on_stream);
+  return receipt;
 }
 
 DenseMatmulIdDispatchReceipt enqueue_matmul_id(const TensorMatmulIdPlan& plan,
                                                const RoutemmMatmulIdPointers& ptr) {
-  const DenseMatmulIdParams& p = plan.params;
-  const Device& device = plan.target->device;
-  const bool slotted = p.input_layout == DenseMatmulIdInputLayout::Slotted;
-  const Buffer w = borrowed(device, ptr.weights, plan.weights_nbytes, plan.weight_dtype,
-                            {p.n_experts, p.n, p.k}, false);
-  ExpertIdIo io = expert_id_io(device, ptr, plan.info, p.top_k, p.k, slotted, plan.x_nbytes);
-  CommandEncoder encoder = encoder_for(device, ptr);
-  const auto r = dense_matmul_id(encoder, *plan.target->registry, w, io.x, io.ids, io.out,
-                                 io.scratch ? &*io.scratch : nullptr, p);
-  start(encoder, ptr.has_stream != 0);
-  return r;
+  return run_planned(plan, ptr,
+                     [&](CommandEncoder& encoder, KernelRegistry& registry, const ExpertIdIo& io) {
+                       return dense_matmul_id(encoder, registry, io.weights, io.x, io.ids, io.out,
+                                              io.scratch ? &*io.scratch : nullptr, plan.params);
+                     });
 }
 
 // ---- quantized_matmul_id ------------------------------------------------------------------------
@@ -312,18 +321,11 @@ std::shared_ptr<const TensorQuantizedMatmulIdPlan> plan_tensor_quantized_matmul_
 
 GgmlQuantizedMatmulIdDispatchReceipt enqueue_quantized_matmul_id(
     const TensorQuantizedMatmulIdPlan& plan, const RoutemmMatmulIdPointers& ptr) {
-  const GgmlQuantizedMatmulIdParams& p = plan.params;
-  const Device& device = plan.target->device;
-  const bool slotted = p.input_layout == DenseMatmulIdInputLayout::Slotted;
-  const uint64_t row_bytes = p.expert_stride_bytes / p.n;
-  const Buffer w = borrowed(device, ptr.weights, plan.weights_nbytes, DType::U8,
-                            {p.n_experts, p.n, row_bytes}, false);
-  ExpertIdIo io = expert_id_io(device, ptr, plan.info, p.top_k, p.k, slotted, plan.x_nbytes);
-  CommandEncoder encoder = encoder_for(device, ptr);
-  const auto r = quantized_matmul_id_ggml(encoder, *plan.target->registry, io.x, w, io.ids, io.out,
-                                          io.scratch ? &*io.scratch : nullptr, p);
-  start(encoder, ptr.has_stream != 0);
-  return r;
+  return run_planned(
+      plan, ptr, [&](CommandEncoder& encoder, KernelRegistry& registry, const ExpertIdIo& io) {
+        return quantized_matmul_id_ggml(encoder, registry, io.x, io.weights, io.ids, io.out,
+                                        io.scratch ? &*io.scratch : nullptr, plan.params);
+      });
 }
 
 // ---- q4_matmul ----------------------------------------------------------------------------------
@@ -443,6 +445,15 @@ const RoutemmTensorOpAbi kTensorOpAbi = {
     &abi_enqueue_quantized_matmul_id,
 };
 
+// The ABI's pointer record of the Python kernels' call (stream: the framework's current stream, or
+// None for a host device).
+RoutemmMatmulIdPointers pointers(uint64_t weights, uint64_t x, uint64_t ids, uint64_t output,
+                                 uint64_t expert_counts, uint64_t routed_rows,
+                                 std::optional<uint64_t> stream) {
+  return {weights,           x, ids, output, expert_counts, routed_rows, stream ? 1u : 0u,
+          stream.value_or(0)};
+}
+
 // A plan class for Python: what the Python kernels allocate from (rows, n, m, n_experts, grouped)
 // and the route it runs.
 template <class Params>
@@ -524,10 +535,8 @@ void init_enqueue(py::module_& m) {
       [](const TensorMatmulIdPlan& plan, uint64_t weights, uint64_t x, uint64_t ids,
          uint64_t output, uint64_t expert_counts, uint64_t routed_rows,
          std::optional<uint64_t> stream) {
-        const RoutemmMatmulIdPointers ptr{
-            weights,           x, ids, output, expert_counts, routed_rows, stream ? 1u : 0u,
-            stream.value_or(0)};
-        const auto r = enqueue_matmul_id(plan, ptr);
+        const auto r = enqueue_matmul_id(
+            plan, pointers(weights, x, ids, output, expert_counts, routed_rows, stream));
         return py::make_tuple(dtype_name(r.weight_dtype), to_string(r.route), r.dispatch_count);
       },
       py::arg("plan"), py::arg("weights"), py::arg("input"), py::arg("ids"), py::arg("output"),
@@ -557,10 +566,8 @@ void init_enqueue(py::module_& m) {
       [](const TensorQuantizedMatmulIdPlan& plan, uint64_t weights, uint64_t x, uint64_t ids,
          uint64_t output, uint64_t expert_counts, uint64_t routed_rows,
          std::optional<uint64_t> stream) {
-        const RoutemmMatmulIdPointers ptr{
-            weights,           x, ids, output, expert_counts, routed_rows, stream ? 1u : 0u,
-            stream.value_or(0)};
-        const auto r = enqueue_quantized_matmul_id(plan, ptr);
+        const auto r = enqueue_quantized_matmul_id(
+            plan, pointers(weights, x, ids, output, expert_counts, routed_rows, stream));
         return py::make_tuple(std::string(to_string(r.ggml_type)), std::string(to_string(r.route)),
                               r.dispatch_count);
       },
