@@ -94,17 +94,20 @@ def _matrix_shape(what: str, shape) -> tuple[int, int]:
     return shape
 
 
-def _check_top_k(top_k, n_experts: int) -> int:
+def _check_top_k(top_k, n_experts: int, what: str = "moe_gate top_k") -> int:
+    """top_k as an int in [1, n_experts]: an integer, never a bool, float or string (no coercion).
+    `what` names the argument or metadata key in the refusal (MoeLayer shares this check)."""
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
-        raise InvalidArgumentError(f"moe_gate top_k must be an integer, got {top_k!r}")
+        raise InvalidArgumentError(f"{what} must be an integer, got {top_k!r}")
     if not 1 <= top_k <= n_experts:
-        raise InvalidArgumentError(f"moe_gate top_k {top_k} must be in [1, n_experts = {n_experts}]")
+        raise InvalidArgumentError(f"{what} {top_k} must be in [1, n_experts = {n_experts}]")
     return int(top_k)
 
 
-def _check_bool(value) -> bool:
+def _check_bool(value, what: str = "moe_gate renormalize") -> bool:
+    """`value` as a bool: a bool or numpy bool only (a truthy string or list is refused)."""
     if not isinstance(value, (bool, np.bool_)):
-        raise InvalidArgumentError(f"moe_gate renormalize must be a bool, got {value!r}")
+        raise InvalidArgumentError(f"{what} must be a bool, got {value!r}")
     return bool(value)
 
 
@@ -419,30 +422,30 @@ def _weight_buffer(device, w):
     return device.from_numpy(np.ascontiguousarray(w))
 
 
-def _checked_ggml_type(ggml_type) -> Optional[GgmlType]:
+def _checked_ggml_type(ggml_type, what: str = "moe_experts ggml_type") -> Optional[GgmlType]:
     if ggml_type is None:
         return None
     try:
-        ggml_type = GgmlType(ggml_type)
+        parsed = GgmlType(ggml_type)
     except ValueError:
-        ggml_type = None
-    if ggml_type not in QUANTIZED_EXPERT_TYPES:
+        parsed = None
+    if parsed not in QUANTIZED_EXPERT_TYPES:
         names = ", ".join(t.value for t in QUANTIZED_EXPERT_TYPES)
-        raise InvalidArgumentError(f"moe_experts ggml_type must be None (float weights) or one of {names}")
-    return ggml_type
+        raise InvalidArgumentError(f"{what} must be None (float weights) or one of {names}, got {ggml_type!r}")
+    return parsed
 
 
-def _check_weight_dtypes(bufs, ggml_type: Optional[GgmlType] = None) -> None:
+def _check_weight_dtypes(bufs, ggml_type: Optional[GgmlType] = None, what: str = "moe_experts") -> None:
     dtypes = {b.dtype for b in bufs}
     if ggml_type is not None:
         if dtypes != {DType.U8}:
             raise InvalidArgumentError(
-                f"moe_experts {ggml_type.value} weights must be uint8 block stacks, got {sorted(d.name.lower() for d in dtypes)}"
+                f"{what} {ggml_type.value} weights must be uint8 block stacks, got {sorted(d.name.lower() for d in dtypes)}"
             )
         return
     if len(dtypes) != 1 or not dtypes <= {DType.F32, DType.F16, DType.BF16}:
         raise InvalidArgumentError(
-            f"moe_experts weights must share one of f32, f16, bf16, got {sorted(d.name.lower() for d in dtypes)}"
+            f"{what} weights must share one of f32, f16, bf16, got {sorted(d.name.lower() for d in dtypes)}"
         )
 
 

@@ -53,11 +53,12 @@ def test_non_utf8_names_refused(tmp_path):
     [
         ([8, 2**63], "beyond 2\\^63"),
         ([8, 2**64 - 1], "beyond 2\\^63"),
-        ([8, 2**62], "extends past the end"),
+        ([8, 2**62], "beyond 2\\^63 - 1"),  # 2^65 values
+        ([8, 2**40], "extends past the end"),
         ([1] * 65, "65 dimensions"),
         ([1] * 5, "5 dimensions"),
     ],
-    ids=["2^63", "u64-max", "2^62", "65-dims", "5-dims"],
+    ids=["2^63", "u64-max", "2^62", "2^40", "65-dims", "5-dims"],
 )
 def test_impossible_dims_refused(tmp_path, dims, message):
     with pytest.raises(routemm.InvalidArgumentError, match=message):
