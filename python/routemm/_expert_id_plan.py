@@ -163,9 +163,11 @@ class ExpertIdCalibrationDecision(
 
 @dataclasses.dataclass(frozen=True)
 class ExpertIdRoutePlan(rp.RoutePlan[PlanDecisionT]):
-    """A frozen expert-ID plan: besides the common fields, the value-independence theorem its
-    decisions rest on."""
+    """A frozen expert-ID plan: besides the common fields, the authority digest of the activation
+    that made it (which its plan id covers, so the id can be recomputed from the plan alone) and
+    the value-independence theorem its decisions rest on."""
 
+    authority_digest: str
     theorem_sha256: str
 
     @functools.cached_property
@@ -407,6 +409,7 @@ def make_plan(op: ExpertIdOp, build_fp, registry, device, epoch, routes, digest)
         device_registry_id=device.registry_id,
         registry_authority_id=registry.authority_id,
         activation_epoch=epoch,
+        authority_digest=digest,
         theorem_sha256=op.theorem_sha256,
         decisions=decisions,
     )
@@ -844,6 +847,10 @@ class ExpertIdKind(rp.PlanKind):
     def check_plan(self, plan) -> None:
         if plan.theorem_sha256 != self.op.theorem_sha256:
             self.fail("route plan was made under a different value-independence theorem")
+
+    def recompute_plan_id(self, plan) -> str:
+        identity = (plan.device_registry_id, plan.registry_authority_id, plan.activation_epoch)
+        return plan_id(self.op, plan.build_fingerprint, *identity, plan.authority_digest, plan.decisions)
 
     def validated(self, registry, epoch, limits, cases) -> list:
         """The case entries (collect_cases) after the activation preconditions."""

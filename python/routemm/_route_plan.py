@@ -22,9 +22,9 @@ its id is frozen into), so dropping registries and plans frees them all.
 
 Reloading fails closed: a saved file is adopted only when its outer validators match this process,
 its plan and receipt documents conform to their schemas, every field the plan body repeats agrees
-with the validators and with the receipt, each decision names a route its kind can take, and the
-kind's own checks pass (the plan id recomputed where it can be). Any other file raises
-PlanFileMismatch, never another exception.
+with the validators and with the receipt, each decision names a route its kind can take, the
+kind's own checks pass, and the plan id recomputed from the plan's contents is its id -- whether or
+not the file holds a receipt. Any other file raises PlanFileMismatch, never another exception.
 """
 
 from __future__ import annotations
@@ -255,9 +255,10 @@ class PlanKind:
         """Extra checks of a plan (or its receipt) before it is frozen or reloaded: raise
         InvalidArgumentError."""
 
-    def recompute_plan_id(self, plan) -> Optional[str]:
-        """The plan id recomputed from a plan's own fields, or None where it depends on more."""
-        return None
+    def recompute_plan_id(self, plan) -> str:
+        """The plan id recomputed from the plan's own fields: every kind's plan carries all its id
+        covers, so a reloaded plan's id is checked whether or not its file holds a receipt."""
+        raise NotImplementedError
 
     def upgrade_receipt(self, doc: dict) -> dict:
         """A saved receipt document of an earlier schema version rewritten as the current one, so
@@ -482,8 +483,7 @@ def _check_saved(kind: PlanKind, plan, receipt, validators: dict) -> None:
     for d in plan.decisions:
         if kind.route_type(d.route) not in kind.plannable_routes:
             kind.fail(f"plan decides {kind.route_type(d.route).value}, which no calibration chooses")
-    expected_id = kind.recompute_plan_id(plan)
-    if expected_id is not None and expected_id != plan.plan_id:
+    if kind.recompute_plan_id(plan) != plan.plan_id:
         kind.fail("plan id does not match the plan's contents")
     if receipt is None:
         return

@@ -5,7 +5,8 @@ correctly or refused with a routemm.Error -- never another exception.
   `jsonschema` package (draft 2020-12, with ECMA-262 pattern anchors) accepts it, and an accepted
   record round-trips to an equal record.
 * gguf_tensor on byte mutations of a small file, mapped and copied.
-* Plan-file reloads on mutations of saved Q4 and expert-ID plan files: a reload either adopts the
+* Plan-file reloads on mutations of saved plan files of every kind (dense Q4, dense and quantised
+  expert-ID), with their receipt, with it null and with it removed: a reload either adopts the
   saved routes or raises PlanFileMismatch.
 
 Failures found are kept as explicit regressions (@example, test_record_regressions). Budgets are
@@ -351,47 +352,100 @@ def test_gguf_mutations_load_or_refuse(tmp_path_factory, blob, name, copy_):
 # ---- Plan-file mutations -----------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _saved_plans(root: str):
-    """(kind, saved file document, cases) for one Q4 and one expert-ID plan."""
-    from pathlib import Path
+def _winner(slow: str):
+    """A timing hook under which every candidate beats the route named `slow`."""
 
+    def timer(route, round_index, measured):
+        wall, gpu = (100, 90) if route == slow else (70, 60)
+        return wall - 2 + round_index, gpu - 2 + round_index
+
+    return timer
+
+
+PLAN_KINDS = ["q4", "expert_id", "quantized"]
+
+
+@pytest.fixture(scope="module")
+def saved_plans(tmp_path_factory):
+    """{kind: (load, saved file document, cases, device, routes a plan of the kind may take)}: one
+    plan of every kind, each calibrated
+    afresh (the process cache emptied first, so no decision is a cache hit) with its candidate
+    winning."""
+    root = tmp_path_factory.mktemp("plans")
     device = routemm.Device("cpu")
     rng = np.random.default_rng(12)
-    blocks = q4_0.quantize(rng.standard_normal((64, 64)).astype(np.float32))
+    blocks = q4_0.quantize(rng.standard_normal((72, 96)).astype(np.float32))
     q4_cases = [
-        routemm.DenseQ4CalibrationCase(device.from_numpy(blocks.reshape(-1)), routemm.DenseQ4BaseShape(64, 64), (9, 33))
+        routemm.DenseQ4CalibrationCase(device.from_numpy(blocks.reshape(-1)), routemm.DenseQ4BaseShape(72, 96), (9, 35))
     ]
-    plan, _ = routemm.calibrate_dense_q4_routes(routemm.KernelRegistry(device), device, 2, None, q4_cases)
-    q4_doc = json.loads(plan.save(Path(root) / "q4.json").read_text())
     ew = device.from_numpy(rng.standard_normal((4, 5, 16)).astype(np.float32))
-    id_cases = [routemm.DenseMatmulIdCalibrationCase(ew, routemm.DenseMatmulIdParams(9, 5, 16, 2, 4, 320))]
-    plan, _ = routemm.calibrate_dense_matmul_id_routes(routemm.KernelRegistry(device), device, 2, None, id_cases)
-    id_doc = json.loads(plan.save(Path(root) / "id.json").read_text())
-    return {
-        "q4": (routemm.load_dense_q4_plan, q4_doc, q4_cases, device),
-        "expert_id": (routemm.load_dense_matmul_id_plan, id_doc, id_cases, device),
+    id_cases = [routemm.DenseMatmulIdCalibrationCase(ew, routemm.DenseMatmulIdParams(11, 5, 16, 2, 4, 320))]
+    stack = routemm.q8_0.quantize(rng.standard_normal((5, 6, 64)).astype(np.float32)).reshape(5, -1)
+    stack = np.concatenate([stack, np.zeros((5, 6), np.uint8)], axis=1)  # an expert stride of its own
+    qp = routemm.GgmlQuantizedMatmulIdParams(11, 6, 64, 2, 5, routemm.GgmlType.Q8_0, stack.shape[1])
+    q_cases = [routemm.GgmlQuantizedMatmulIdCalibrationCase(device.from_numpy(np.ascontiguousarray(stack)), qp)]
+    kinds = {
+        "q4": (routemm.calibrate_dense_q4_routes, routemm.load_dense_q4_plan, q4_cases, "compatibility_v2"),
+        "expert_id": (routemm.calibrate_dense_matmul_id_routes, routemm.load_dense_matmul_id_plan, id_cases, "direct"),
+        "quantized": (
+            routemm.calibrate_quantized_matmul_id_routes,
+            routemm.load_quantized_matmul_id_plan,
+            q_cases,
+            "direct",
+        ),
     }
+    out = {}
+    for kind, (calibrate, load, cases, slow) in kinds.items():
+        cal.PROCESS_CACHE.clear()
+        plan, receipt = calibrate(routemm.KernelRegistry(device), device, 2, None, cases, _timer=_winner(slow))
+        assert not any(d.process_cache_hit for d in receipt.decisions)
+        doc = json.loads(plan.save(root / f"{kind}.json").read_text())
+        out[kind] = (load, doc, cases, device, [r.value for r in type(plan).KIND.plannable_routes])
+    return out
 
 
-@pytest.mark.parametrize("kind", ["q4", "expert_id"])
-def test_plan_file_mutations_reload_or_mismatch(tmp_path_factory, kind):
-    load, doc, cases, device = _saved_plans(str(tmp_path_factory.mktemp("plans")))[kind]
-    saved_routes = {json.dumps(d["shape"], sort_keys=True): d["route"] for d in doc["plan"]["decisions"]}
+def _routes(decisions) -> dict:
+    return {json.dumps(d["shape"], sort_keys=True): d["route"] for d in decisions}
+
+
+@st.composite
+def flipped(draw, plan, routes):
+    """`plan` with one decision's route changed to another its kind may take, and its plan id kept
+    or zeroed."""
+    plan = copy.deepcopy(plan)
+    decision = draw(st.sampled_from(plan["decisions"]))
+    decision["route"] = draw(st.sampled_from([r for r in routes if r != decision["route"]]))
+    plan["plan_id"] = draw(st.sampled_from([plan["plan_id"], "0" * 64]))
+    return plan
+
+
+@pytest.mark.parametrize("receipt", ["kept", "null", "removed"])
+@pytest.mark.parametrize("kind", PLAN_KINDS)
+def test_plan_file_mutations_reload_or_mismatch(tmp_path_factory, saved_plans, kind, receipt):
+    """Every plan id covers its routes, so a reload that adopts a mutated file has the saved routes,
+    with or without a receipt (a file without one is mutated in its plan)."""
+    load, doc, cases, device, routes = saved_plans[kind]
+    saved_routes = _routes(doc["plan"]["decisions"])
     path = tmp_path_factory.mktemp("mutated") / "plan.json"
+    if receipt == "kept":
+        documents = mutated(doc)
+    else:
+        base = {k: v for k, v in doc.items() if k != "receipt"}
+        if receipt == "null":
+            base["receipt"] = None
+        plans = st.one_of(mutated(doc["plan"]), flipped(doc["plan"], routes))
+        documents = plans.map(lambda plan: {**base, "plan": plan})
 
-    @settings(max_examples=60, **SETTINGS)
-    @given(mutated(doc))
+    @settings(max_examples=20 if receipt == "removed" else 50, **SETTINGS)
+    @given(documents)
     def check(document):
         path.write_text(json.dumps(document))
         try:
             plan, _ = load(path, routemm.KernelRegistry(device), device, cases)
         except cal.PlanFileMismatch:
             return
-        routes = {json.dumps(d.shape.to_dict(), sort_keys=True): d.route.value for d in plan.decisions}
-        assert routes.keys() == saved_routes.keys()
-        if kind == "q4":  # the Q4 plan id covers the routes; an expert-ID route is re-proved on reload
-            assert routes == saved_routes
+        assert receipt != "removed", "a plan file without its receipt key was adopted"
+        assert {json.dumps(d.shape.to_dict(), sort_keys=True): d.route.value for d in plan.decisions} == saved_routes
 
     check()
 
