@@ -94,13 +94,14 @@ def _matrix_shape(what: str, shape) -> tuple[int, int]:
     return shape
 
 
-def _check_top_k(top_k, n_experts: int, what: str = "moe_gate top_k") -> int:
+def _check_top_k(top_k, n_experts: int, what: str = "moe_gate top_k", experts: str = "n_experts") -> int:
     """top_k as an int in [1, n_experts]: an integer, never a bool, float or string (no coercion).
-    `what` names the argument or metadata key in the refusal (MoeLayer shares this check)."""
+    `what` and `experts` name the argument (or metadata key) and the expert count in the refusal
+    (MoeLayer shares this check)."""
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
         raise InvalidArgumentError(f"{what} must be an integer, got {top_k!r}")
     if not 1 <= top_k <= n_experts:
-        raise InvalidArgumentError(f"{what} {top_k} must be in [1, n_experts = {n_experts}]")
+        raise InvalidArgumentError(f"{what} {top_k} must be in [1, {experts} = {n_experts}]")
     return int(top_k)
 
 

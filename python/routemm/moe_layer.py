@@ -145,7 +145,7 @@ class MoeLayer:
             if key not in meta:
                 raise InvalidArgumentError(f"{where} has no {key}: not a mixture-of-experts model")
         n_experts = _metadata_int(meta, count_key, where, minimum=1)
-        top_k = _check_top_k(meta[used_key], n_experts, f"{where}: {used_key}")
+        top_k = _check_top_k(meta[used_key], n_experts, f"{where}: {used_key}", count_key)
         gating_key = f"{arch}.expert_gating_func"
         gating = meta.get(gating_key, 1)  # llama.cpp: 1 softmax, 2 sigmoid
         if isinstance(gating, bool) or not isinstance(gating, int) or gating != 1:

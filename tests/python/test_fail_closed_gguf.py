@@ -185,6 +185,14 @@ def test_from_gguf_refuses_metadata_of_the_wrong_type(tmp_path, key, value):
         from_gguf(tmp_path, {key: value})
 
 
+def test_from_gguf_names_both_counts_when_they_disagree(tmp_path):
+    with pytest.raises(
+        routemm.InvalidArgumentError,
+        match=re.escape("qwen3moe.expert_used_count 2 must be in [1, qwen3moe.expert_count = 1]"),
+    ):
+        from_gguf(tmp_path, {"qwen3moe.expert_count": (GGUF_U32, 1)})
+
+
 def test_from_gguf_takes_the_metadata_it_is_given(tmp_path):
     layer = from_gguf(
         tmp_path,
