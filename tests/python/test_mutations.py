@@ -4,7 +4,11 @@ correctly or refused with a routemm.Error -- never another exception.
 * `from_json` of every record class, on mutations of a real document: accepted exactly when the
   `jsonschema` package (draft 2020-12, with ECMA-262 pattern anchors) accepts it, and an accepted
   record round-trips to an equal record.
-* gguf_tensor on byte mutations of a small file, mapped and copied.
+* gguf_tensor on byte mutations of a small file, mapped and copied: a loaded tensor sits at an
+  8-byte-aligned address and reads back.
+* MoeLayer.from_gguf with each metadata key it reads given every GGUF value type (or left out): a
+  layer that uses the value exactly, or a routemm.Error naming the key; and on byte mutations of a
+  MoE file: a layer that runs, or a routemm.Error.
 * Plan-file reloads on mutations of saved plan files of every kind (dense Q4, dense and quantised
   expert-ID), with their receipt, with it null and with it removed: a reload either adopts the
   saved routes or raises PlanFileMismatch.
@@ -37,7 +41,7 @@ from routemm import calibration as cal  # noqa: E402
 from routemm import dense_matmul_id_plan as dp  # noqa: E402
 from routemm import dense_q4_plan as dq  # noqa: E402
 from routemm import q4_0  # noqa: E402
-from support import gguf_bytes  # noqa: E402
+from support import MOE_DEFAULT_META, MOE_E, MOE_H, gguf_bytes, moe_gguf_bytes  # noqa: E402
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
@@ -318,8 +322,8 @@ _GGUF = gguf_bytes(
 
 
 @st.composite
-def gguf_mutation(draw):
-    blob = bytearray(_GGUF)
+def gguf_mutation(draw, original: bytes = _GGUF):
+    blob = bytearray(original)
     for _ in range(draw(st.integers(1, 4))):
         op = draw(st.sampled_from(["byte", "word", "truncate", "insert"]))
         at = draw(st.integers(0, len(blob) - 1))
@@ -341,6 +345,11 @@ def gguf_mutation(draw):
 @given(gguf_mutation(), st.sampled_from(["t", "h", "q"]), st.booleans())
 @example(_GGUF[:20], "t", False)
 @example(_GGUF.replace(struct.pack("<I", 32), struct.pack("<I", 0), 1), "t", False)  # alignment 0
+@example(_GGUF.replace(struct.pack("<I", 32), struct.pack("<I", 1), 1), "q", False)  # alignment 1
+@example(gguf_bytes(tensors=[("t", [32], 2, 1)], data=bytes(64)), "t", False)  # Q4_0 at an odd offset
+@example(gguf_bytes(tensors=[("t", [0, 2**61], 0, 0)]), "t", False)  # zero-size, 2^63 bytes
+@example(gguf_bytes(tensors=[("t", [8], 0, 0), ("t", [4], 0, 0)]), "t", False)  # a name twice
+@example(gguf_bytes([("k", 4, struct.pack("<I", 1))] * 2), "t", False)  # a key twice
 def test_gguf_mutations_load_or_refuse(tmp_path_factory, blob, name, copy_):
     path = tmp_path_factory.mktemp("gguf") / "m.gguf"
     path.write_bytes(blob)
@@ -349,6 +358,95 @@ def test_gguf_mutations_load_or_refuse(tmp_path_factory, blob, name, copy_):
     except routemm.Error:
         return
     assert buf.numpy().nbytes == buf.nbytes
+    if buf.nbytes:  # every kernel can read it: the address suits each dtype (and Q4_0/Q8_0 scales)
+        assert (buf.address + buf.byte_offset) % 8 == 0
+
+
+# ---- MoeLayer.from_gguf: metadata of every GGUF type, byte mutations ----------------------------
+
+
+_MOE_KEYS = (*MOE_DEFAULT_META, "qwen3moe.expert_gating_func", "qwen3moe.expert_weights_norm")
+# GGUF integer type ids and their ranges.
+_GGUF_INTS = {
+    0: (0, 2**8 - 1), 1: (-(2**7), 2**7 - 1), 2: (0, 2**16 - 1), 3: (-(2**15), 2**15 - 1),
+    4: (0, 2**32 - 1), 5: (-(2**31), 2**31 - 1), 10: (0, 2**64 - 1), 11: (-(2**63), 2**63 - 1),
+}  # fmt: skip
+
+
+@st.composite
+def gguf_typed_value(draw):
+    """(GGUF type id, value) of any metadata type: small and extreme integers of every width,
+    floats (integral ones, NaN and infinities included), bools, strings and short arrays."""
+    kind = draw(st.sampled_from(["int", "int", "float", "bool", "string", "array"]))
+    if kind == "int":
+        type_id = draw(st.sampled_from(sorted(_GGUF_INTS)))
+        lo, hi = _GGUF_INTS[type_id]
+        return type_id, draw(st.one_of(st.integers(max(lo, -1), min(hi, 9)), st.sampled_from([lo, hi])))
+    if kind == "float":
+        type_id = draw(st.sampled_from([6, 12]))
+        near = st.sampled_from([1.0, 2.0, 2.7, 4.0, 0.0, -1.0])
+        return type_id, draw(st.one_of(near, st.floats(width=32 if type_id == 6 else 64)))
+    if kind == "bool":
+        return 7, draw(st.booleans())
+    if kind == "string":
+        return 8, draw(st.one_of(st.sampled_from(["qwen3moe", "llama", "1", "2", "false", ""]), st.text(max_size=6)))
+    item_type = draw(st.sampled_from([4, 7, 8]))
+    items = {4: st.integers(0, 9), 7: st.booleans(), 8: st.sampled_from(["1", "qwen3moe"])}[item_type]
+    return 9, (item_type, draw(st.lists(items, max_size=2)))
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(st.sampled_from(_MOE_KEYS), st.one_of(st.none(), gguf_typed_value()))
+@example("qwen3moe.expert_used_count", (6, 2.7))
+@example("qwen3moe.expert_count", (12, float("nan")))
+@example("qwen3moe.expert_count", (4, 1))  # fewer experts than expert_used_count
+@example("qwen3moe.expert_weights_norm", (8, "false"))
+@example("qwen3moe.expert_weights_norm", (9, (7, [False])))
+@example("qwen3moe.expert_gating_func", (7, True))
+def test_moe_layer_metadata_of_every_type(tmp_path_factory, key, typed):
+    """One metadata value MoeLayer.from_gguf reads, replaced by any GGUF value or left out (None):
+    the layer uses exactly that value (no coercion) and runs, or a routemm.Error names the key."""
+    path = tmp_path_factory.mktemp("moe") / "m.gguf"
+    path.write_bytes(moe_gguf_bytes({key: typed}))
+    try:
+        layer = routemm.MoeLayer.from_gguf(path, 0, device=routemm.Device("cpu"))
+    except routemm.Error as e:
+        # Another architecture string names the keys the file then lacks.
+        other_arch = key == "general.architecture" and typed is not None and typed[0] == 8
+        assert (f"{typed[1]}.expert_count" if other_arch else key) in str(e), str(e)
+        return
+    type_id, value = typed if typed is not None else (None, None)
+    integer = type_id in _GGUF_INTS
+    used_exactly = {
+        "general.architecture": type_id == 8 and value == "qwen3moe",
+        "qwen3moe.block_count": typed is None or (integer and value >= 1),
+        "qwen3moe.expert_count": integer and value == MOE_E,
+        "qwen3moe.expert_used_count": integer and layer.top_k == value,
+        "qwen3moe.expert_gating_func": typed is None or (integer and value == 1),
+        "qwen3moe.expert_weights_norm": layer.renormalize is (True if typed is None else value)
+        and type_id in (None, 7),
+    }[key]
+    assert used_exactly, (key, typed, layer.top_k, layer.renormalize)
+    assert np.isfinite(layer(np.ones((2, MOE_H), np.float32))).all()
+
+
+_MOE = moe_gguf_bytes()
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(gguf_mutation(_MOE))
+@example(moe_gguf_bytes({"qwen3moe.expert_count": (6, float("nan"))}))  # escaped as ValueError
+@example(moe_gguf_bytes(extra_kvs=[("qwen3moe.expert_used_count", 4, 4)]))  # a key twice: last won
+def test_moe_layer_file_mutations_run_or_refuse(tmp_path_factory, blob):
+    """A mutated MoE file gives a layer whose calls work, or a routemm.Error at load: never a layer
+    that loads and then fails."""
+    path = tmp_path_factory.mktemp("moe") / "m.gguf"
+    path.write_bytes(blob)
+    try:
+        layer = routemm.MoeLayer.from_gguf(path, 0, device=routemm.Device("cpu"))
+    except routemm.Error:
+        return
+    assert layer(np.ones((3, layer.hidden), np.float32)).shape == (3, layer.hidden)
 
 
 # ---- Plan-file mutations -----------------------------------------------------------------------
