@@ -15,6 +15,10 @@ float32, float16 or bfloat16. Anything else raises routemm.InvalidArgumentError 
 something else. Activations are computed in float32 and the result is cast back to the hidden
 states' dtype. Under expert parallelism transformers passes sentinel ids (>= the local expert
 count) with zero weights; routemm skips them without reading a weight.
+
+Inference only: routemm computes no gradient. A forward with parameters that require grad runs;
+training through it (loss.backward()) raises routemm.UnsupportedError naming routemm.moe_experts
+and the arguments that wanted a gradient.
 """
 
 from __future__ import annotations
@@ -61,11 +65,11 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     hidden_states [tokens, H], top_k_index [tokens, top_k], top_k_weights [tokens, top_k] -> [tokens, H]
     in the dtype of hidden_states.
     """
-    import torch
-
     _check_module(self)
-    with torch.no_grad():
-        out = moe_experts(hidden_states.float(), top_k_index, top_k_weights.float(), self.gate_up_proj, self.down_proj)
+    # No torch.no_grad() here: moe_experts computes no gradient, and where one is asked for (grad
+    # mode on, parameters or hidden states that require grad) its output's backward raises
+    # routemm.UnsupportedError instead of leaving the experts silently untrained.
+    out = moe_experts(hidden_states.float(), top_k_index, top_k_weights.float(), self.gate_up_proj, self.down_proj)
     return out.to(hidden_states.dtype)
 
 
