@@ -1,6 +1,7 @@
 // Storage lifetime, buffer views and host copies.
 #include "routemm/buffer.h"
 
+#include <cstdio>
 #include <string>
 
 #include "routemm/error.h"
@@ -98,6 +99,16 @@ void* Buffer::data() const {
 std::pair<uint64_t, uint64_t> Buffer::logical_range() const {
   const uint64_t start = address() + byte_offset_;
   return {start, start + nbytes_};
+}
+
+std::string misalignment(const Buffer& buffer, uint64_t alignment) {
+  const uint64_t offset = buffer.byte_offset();
+  const uint64_t start = buffer.address() + offset;
+  if (start % alignment == 0) return {};
+  if (buffer.address() % alignment == 0) return "byte offset " + std::to_string(offset);
+  char hex[19];
+  std::snprintf(hex, sizeof hex, "0x%llx", static_cast<unsigned long long>(start));
+  return "start address " + std::string(hex) + " (byte offset " + std::to_string(offset) + ")";
 }
 
 void Buffer::copy_from_host(const void* src, uint64_t nbytes) {

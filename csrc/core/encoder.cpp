@@ -2,8 +2,10 @@
 #include "routemm/encoder.h"
 
 #include <atomic>
+#include <cstddef>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "routemm/env.h"
 #include "routemm/error.h"
@@ -128,6 +130,80 @@ CommandEncoder::Use::Use(const CommandEncoder& encoder, const char* call)
 
 CommandEncoder::Use::~Use() {
   if (outermost_) owner_.store(std::thread::id{}, std::memory_order_release);
+}
+
+CommandEncoder::Transaction::Transaction(CommandEncoder& encoder, const char* call)
+    : encoder_(encoder), use_(encoder, call) {
+  CommandEncoder& e = encoder_;
+  outermost_ = e.transaction_depth_ == 0;
+  saved_ = Saved{
+      e.staged_.size(),      e.captured_.size(), e.receipt_ ? e.receipt_->dispatches.size() : 0,
+      e.pending_dispatches_, e.held_dispatches_, e.held_barriers_,
+      e.pending_op_kind_,    e.pending_reads_,   e.pending_writes_,
+      e.tracked_reads_,      e.tracked_writes_,  e.tracked_unknown_};
+  ++e.transaction_depth_;
+}
+
+CommandEncoder::Transaction::~Transaction() {
+  if (!open_) return;
+  // Refused partway: drop what was encoded since this transaction opened. Capture and receipts
+  // cannot start or end inside it, so truncating to the saved sizes restores them.
+  CommandEncoder& e = encoder_;
+  --e.transaction_depth_;
+  e.staged_.erase(e.staged_.begin() + static_cast<std::ptrdiff_t>(saved_.staged), e.staged_.end());
+  e.captured_.erase(e.captured_.begin() + static_cast<std::ptrdiff_t>(saved_.captured),
+                    e.captured_.end());
+  if (e.receipt_) {
+    auto& d = e.receipt_->dispatches;
+    d.erase(d.begin() + static_cast<std::ptrdiff_t>(saved_.receipt), d.end());
+  }
+  e.pending_dispatches_ = saved_.pending_dispatches;
+  e.held_dispatches_ = saved_.held_dispatches;
+  e.held_barriers_ = saved_.held_barriers;
+  e.pending_op_kind_ = saved_.op_kind;
+  e.pending_reads_ = std::move(saved_.pending_reads);
+  e.pending_writes_ = std::move(saved_.pending_writes);
+  e.tracked_reads_ = std::move(saved_.tracked_reads);
+  e.tracked_writes_ = std::move(saved_.tracked_writes);
+  e.tracked_unknown_ = saved_.tracked_unknown;
+}
+
+void CommandEncoder::Transaction::commit() {
+  if (!open_) throw Error("CommandEncoder transaction committed twice");
+  open_ = false;
+  CommandEncoder& e = encoder_;
+  if (--e.transaction_depth_ != 0) return;  // an inner one: the outermost submits
+  g_dispatches += std::exchange(e.held_dispatches_, 0);
+  g_barriers += std::exchange(e.held_barriers_, 0);
+  // Submitting cannot be refused; a backend failure here surfaces as from dispatch().
+  struct Clear {
+    std::vector<QueuedCommand>& staged;
+    ~Clear() { staged.clear(); }
+  } clear{e.staged_};
+  for (QueuedCommand& command : e.staged_) e.queue_->submit(std::move(command));
+}
+
+void CommandEncoder::enqueue(QueuedCommand command) {
+  if (transaction_depth_ != 0) {
+    staged_.push_back(std::move(command));
+  } else {
+    queue_->submit(std::move(command));
+  }
+}
+
+void CommandEncoder::count(std::atomic<uint64_t>& counter, uint64_t& held, uint64_t n) {
+  if (transaction_depth_ != 0) {
+    held += n;
+  } else {
+    counter += n;
+  }
+}
+
+void CommandEncoder::refuse_in_transaction(const char* call) const {
+  if (transaction_depth_ != 0) {
+    throw Error(std::string("CommandEncoder.") + call +
+                ": refused inside an all-or-nothing encoding (an open transaction)");
+  }
 }
 
 CommandEncoder::CommandEncoder(std::shared_ptr<Backend> backend, EncoderOptions options)
@@ -256,7 +332,7 @@ CommandEncoder::Prepared CommandEncoder::prepare(
 }
 
 void CommandEncoder::submit_dispatch(QueuedCommand command, CapturedNode node, bool recording) {
-  ++g_dispatches;
+  count(g_dispatches, held_dispatches_, 1);
   const OpKind op_kind = std::exchange(pending_op_kind_, OpKind::Other);
   if (capturing_) {
     node.op_kind = op_kind;
@@ -267,7 +343,7 @@ void CommandEncoder::submit_dispatch(QueuedCommand command, CapturedNode node, b
     return;
   }
   if (recording && receipt_) receipt_->dispatches.push_back(std::move(node.dispatch));
-  queue_->submit(std::move(command));
+  enqueue(std::move(command));
   ++pending_dispatches_;
 }
 
@@ -303,6 +379,7 @@ bool CommandEncoder::auto_barrier() const {
 
 void CommandEncoder::set_auto_barrier(bool on) {
   const Use use(*this, "set_auto_barrier");
+  refuse_in_transaction("set_auto_barrier");
   auto_barrier_ = on;
   tracked_reads_.clear();
   tracked_writes_.clear();
@@ -336,8 +413,8 @@ void CommandEncoder::encode_graph(std::shared_ptr<const GraphExec> graph,
   command.kind = QueuedCommand::Kind::Graph;
   command.graph = std::move(graph);
   command.keep_alive = std::move(keep_alive);
-  g_dispatches += command.graph->node_count();
-  queue_->submit(std::move(command));
+  count(g_dispatches, held_dispatches_, command.graph->node_count());
+  enqueue(std::move(command));
   pending_dispatches_ += 1;
 }
 
@@ -393,13 +470,14 @@ void CommandEncoder::barrier_unlocked() {
     return;
   }
   if (pending_dispatches_ == 0) return;  // nothing to order yet
-  ++g_barriers;
+  count(g_barriers, held_barriers_, 1);
   QueuedCommand command;
   command.kind = QueuedCommand::Kind::Barrier;
-  queue_->submit(std::move(command));
+  enqueue(std::move(command));
 }
 
 void CommandEncoder::commit_unlocked(std::string_view label, bool timed) {
+  refuse_in_transaction("commit");
   queue_->commit(std::string(label), timed);
   ++g_commits;
   ++g_command_buffers;
@@ -465,6 +543,7 @@ bool CommandEncoder::has_open_receipt() const {
 
 void CommandEncoder::start_capture() {
   const Use use(*this, "start_capture");
+  refuse_in_transaction("start_capture");
   if (receipt_) throw InvalidArgument("cannot start capture while a dispatch receipt is open");
   if (capturing_) throw InvalidArgument("capture is already active");
   capturing_ = true;
@@ -475,6 +554,7 @@ void CommandEncoder::start_capture() {
 
 std::optional<std::vector<CapturedNode>> CommandEncoder::take_capture() {
   const Use use(*this, "take_capture");
+  refuse_in_transaction("take_capture");
   if (!capturing_) return std::nullopt;
   capturing_ = false;
   pending_reads_.clear();
@@ -484,6 +564,7 @@ std::optional<std::vector<CapturedNode>> CommandEncoder::take_capture() {
 
 void CommandEncoder::start_encoded_dispatch_receipt(size_t capacity) {
   const Use use(*this, "start_encoded_dispatch_receipt");
+  refuse_in_transaction("start_encoded_dispatch_receipt");
   if (capturing_) throw InvalidArgument("dispatch receipt cannot coexist with graph capture");
   if (receipt_) throw InvalidArgument("a dispatch receipt is already open");
   if (capacity == 0) throw InvalidArgument("dispatch receipt capacity must be nonzero");
@@ -498,6 +579,7 @@ size_t CommandEncoder::receipt_slots_left() const {
 
 std::vector<EncodedKernelDispatch> CommandEncoder::take_encoded_dispatch_receipt() {
   const Use use(*this, "take_encoded_dispatch_receipt");
+  refuse_in_transaction("take_encoded_dispatch_receipt");
   if (!receipt_) throw InvalidArgument("no dispatch receipt is open");
   auto dispatches = std::move(receipt_->dispatches);
   receipt_.reset();

@@ -70,8 +70,10 @@ size_t CapturedGraph::dispatch_count() const {
 }
 
 void CapturedGraph::encode_sequential(CommandEncoder& encoder) const {
-  const CommandEncoder::Use use(encoder, "encode_sequential");
+  // One unit: a node refused partway (e.g. by a full receipt) leaves nothing of the replay behind.
+  CommandEncoder::Transaction transaction(encoder, "encode_sequential");
   for (const auto& node : nodes_) encoder.encode_captured(node);
+  transaction.commit();
 }
 
 std::vector<bool> CapturedGraph::barriers_before() const {
@@ -93,7 +95,7 @@ std::vector<bool> CapturedGraph::barriers_before() const {
 }
 
 void CapturedGraph::encode_with_barriers(CommandEncoder& encoder) const {
-  const CommandEncoder::Use use(encoder, "encode_with_barriers");
+  CommandEncoder::Transaction transaction(encoder, "encode_with_barriers");
   const std::vector<bool> barrier = barriers_before();
   for (size_t i = 0; i < nodes_.size(); ++i) {
     if (nodes_[i].kind == CapturedNode::Kind::Barrier) {
@@ -103,6 +105,7 @@ void CapturedGraph::encode_with_barriers(CommandEncoder& encoder) const {
     if (barrier[i]) encoder.memory_barrier();
     encoder.encode_captured(nodes_[i]);
   }
+  transaction.commit();
 }
 
 CapturedGraph CapturedGraph::reordered() const {

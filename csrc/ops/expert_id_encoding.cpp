@@ -148,6 +148,9 @@ void encode_grouped(std::string_view op, CommandEncoder& encoder, KernelRegistry
   const Buffer& routed = scratch.routed_rows();
   const KernelArg params_arg = KernelArg::pod(gpu);
 
+  // The barriers and dispatches below are one unit: if the grouped dispatch is refused after the
+  // map was encoded, the map goes too (a later commit must not run half a call).
+  CommandEncoder::Transaction transaction(encoder, "grouped expert-ID route");
   if (build) {
     // A previous grouped call may still read the scratch this call overwrites (WAR edge).
     encoder.memory_barrier();
@@ -164,7 +167,6 @@ void encode_grouped(std::string_view op, CommandEncoder& encoder, KernelRegistry
     MapLaunch ml = map_launch(map->def(), gpu.n_experts);
     encoder.dispatch(*map, map_args, Dim3{1, 1, 1}, ml.threads, DispatchKind::ThreadGroups,
                      std::move(ml.shmem));
-    scratch.record_map(map_key(b.expert_ids, gpu));
     // The grouped dispatch (and every later one, a reusing call's included) reads what the map
     // wrote (RAW edge).
     encoder.memory_barrier();
@@ -189,6 +191,9 @@ void encode_grouped(std::string_view op, CommandEncoder& encoder, KernelRegistry
           : Dim3{std::min<uint64_t>(gdef.persistent_groups, tiles.x * tiles.y * tiles.z), 1, 1};
   encoder.dispatch(*group, group_args, grid, Dim3{gdef.threads_per_group, 1, 1},
                    DispatchKind::ThreadGroups, std::move(shmem));
+  transaction.commit();
+  // Only an encoded map is one that a reusing call may read.
+  if (build) scratch.record_map(map_key(b.expert_ids, gpu));
 }
 
 }  // namespace routemm::expert_id

@@ -6,7 +6,8 @@
 //            [ceil(m / tile_x), ceil(n / tile_y), n_experts] (or the pipeline's persistent grid);
 //            with DenseMatmulIdMapUse::Reuse the grouped dispatch alone, reading the scratch's map.
 // Callers validate first; these helpers resolve every pipeline before touching the encoder, so a
-// failed lookup or launch-shape check leaves no barrier, pending range or dispatch behind.
+// failed lookup or launch-shape check leaves no barrier, pending range or dispatch behind, and the
+// grouped sequence is one CommandEncoder::Transaction: refused partway, it leaves nothing either.
 #pragma once
 
 #include <cstdint>

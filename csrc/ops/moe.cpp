@@ -51,9 +51,9 @@ class Checks {
       fail(std::string(label) + " requires " + std::to_string(required) + " logical bytes, got " +
            std::to_string(buffer.nbytes()));
     }
-    if (buffer.byte_offset() % dtype_size(buffer.dtype()) != 0) {
-      fail(std::string(label) + " byte offset " + std::to_string(buffer.byte_offset()) +
-           " is not aligned to " + std::string(dtype_name(buffer.dtype())));
+    if (const std::string why = misalignment(buffer, dtype_size(buffer.dtype())); !why.empty()) {
+      fail(std::string(label) + " " + why + " is not aligned to " +
+           std::string(dtype_name(buffer.dtype())));
     }
     const uint64_t start = buffer.address() + buffer.byte_offset();
     if (start < buffer.address() || start + required < start) fail("logical buffer range overflow");

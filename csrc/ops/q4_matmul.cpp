@@ -9,6 +9,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/common/q4_0_block.h"
@@ -419,8 +420,10 @@ void validate_quantized_matmul_ggml_call(const Buffer& input, const Buffer& weig
   check_size("Input", input, need.input);
   check_size("Output", output, need.output);
 
-  if (input.byte_offset() % 4 != 0 || output.byte_offset() % 4 != 0) {
-    fail("input and output byte offsets must be 4-byte aligned");
+  for (const auto& [label, buffer] : {std::pair{"input", &input}, std::pair{"output", &output}}) {
+    if (const std::string why = misalignment(*buffer, 4); !why.empty()) {
+      fail(std::string(label) + " " + why + " is not aligned to 4 bytes");
+    }
   }
   if (!output.writable()) fail("output is read-only");
   if (input.backend() != weight.backend() || output.backend() != weight.backend()) {

@@ -39,9 +39,9 @@ void validate_buffer(std::string_view label, const Buffer& buffer, DType dtype, 
     fail(std::string(label) + " requires " + std::to_string(required) + " logical bytes, got " +
          std::to_string(buffer.nbytes()));
   }
-  if (buffer.byte_offset() % alignment != 0) {
-    fail(std::string(label) + " byte offset " + std::to_string(buffer.byte_offset()) +
-         " is not aligned to " + std::to_string(alignment) + " bytes");
+  if (const std::string why = misalignment(buffer, alignment); !why.empty()) {
+    fail(std::string(label) + " " + why + " is not aligned to " + std::to_string(alignment) +
+         " bytes");
   }
 }
 

@@ -259,6 +259,7 @@ def _encode_experts(
     route the first matmul builds the routing map and the others reuse it. A reusing matmul leaves
     the rows of invalid ids unwritten: those rows of the intermediates hold unspecified values,
     which nothing reads (the down matmul reads routed rows only, the combine skips invalid slots).
+    All or nothing: a refused step leaves `encoder` as it was before the block.
     """
     rows = s.m * s.top_k
     mult = DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN if distinct else DenseMatmulIdMultiplicity.MAY_REPEAT
@@ -280,30 +281,35 @@ def _encode_experts(
         quantized_matmul_id_ggml(encoder, registry, x, w, ids_buf, out, scratch, params, reuse_map=reuse_map)
 
     shared, slotted = DenseMatmulIdInputLayout.SHARED_PER_TOKEN, DenseMatmulIdInputLayout.SLOTTED
-    if s.stacked:
-        (gate_up_w,) = gate_up_bufs
-        gate_up = alloc([rows, 2 * s.intermediate])
-        matmul(gate_up_w, x_buf, gate_up, 2 * s.intermediate, s.hidden, shared)
-        # Gate row r is gate_up[r, :I], up row r is gate_up[r, I:]: two strided views of one buffer,
-        # each ending where its last row ends.
-        stride = 2 * s.intermediate
-        span = (rows - 1) * stride + s.intermediate
-        gate = gate_up.view(0, span * 4, DType.F32, [span])
-        up = gate_up.view(s.intermediate * 4, span * 4, DType.F32, [span])
-    else:
-        gate_w, up_w = gate_up_bufs
-        gate, up = alloc([rows, s.intermediate]), alloc([rows, s.intermediate])
-        for w, out in ((gate_w, gate), (up_w, up)):
-            matmul(w, x_buf, out, s.intermediate, s.hidden, shared)
-        stride = s.intermediate
-    act = alloc([rows, s.intermediate])
-    encoder.memory_barrier()
-    _core._moe_silu_mul(encoder, registry, gate, up, act, rows, s.intermediate, stride, stride)
-    encoder.memory_barrier()
-    down_out = alloc([rows, s.hidden])
-    matmul(down_buf, act, down_out, s.hidden, s.intermediate, slotted)
-    encoder.memory_barrier()
-    _core._moe_combine(encoder, registry, down_out, weights_buf, ids_buf, out_buf, s.m, s.top_k, s.hidden, s.n_experts)
+    # One unit: a step refused partway (say, a down stack its kernel cannot read) takes the steps
+    # before it back out of the encoder, so a refused block encodes nothing.
+    with encoder._transaction():
+        if s.stacked:
+            (gate_up_w,) = gate_up_bufs
+            gate_up = alloc([rows, 2 * s.intermediate])
+            matmul(gate_up_w, x_buf, gate_up, 2 * s.intermediate, s.hidden, shared)
+            # Gate row r is gate_up[r, :I], up row r is gate_up[r, I:]: two strided views of one buffer,
+            # each ending where its last row ends.
+            stride = 2 * s.intermediate
+            span = (rows - 1) * stride + s.intermediate
+            gate = gate_up.view(0, span * 4, DType.F32, [span])
+            up = gate_up.view(s.intermediate * 4, span * 4, DType.F32, [span])
+        else:
+            gate_w, up_w = gate_up_bufs
+            gate, up = alloc([rows, s.intermediate]), alloc([rows, s.intermediate])
+            for w, out in ((gate_w, gate), (up_w, up)):
+                matmul(w, x_buf, out, s.intermediate, s.hidden, shared)
+            stride = s.intermediate
+        act = alloc([rows, s.intermediate])
+        encoder.memory_barrier()
+        _core._moe_silu_mul(encoder, registry, gate, up, act, rows, s.intermediate, stride, stride)
+        encoder.memory_barrier()
+        down_out = alloc([rows, s.hidden])
+        matmul(down_buf, act, down_out, s.hidden, s.intermediate, slotted)
+        encoder.memory_barrier()
+        _core._moe_combine(
+            encoder, registry, down_out, weights_buf, ids_buf, out_buf, s.m, s.top_k, s.hidden, s.n_experts
+        )
 
 
 WeightStack = Union[np.ndarray, "_core.Buffer"]

@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include <exception>
+#include <memory>
 #include <optional>
 #include <type_traits>
 
@@ -99,6 +100,14 @@ std::vector<std::pair<uint32_t, KernelArg>> kernel_args(const py::list& args) {
   return bound;
 }
 
+// CommandEncoder::Transaction as a Python context manager: the with-block is one unit, committed
+// when it ends normally and dropped when it raises (routemm.moe's experts block uses it).
+struct PyTransaction {
+  explicit PyTransaction(CommandEncoder& e) : encoder(e) {}
+  CommandEncoder& encoder;
+  std::optional<CommandEncoder::Transaction> open;
+};
+
 std::vector<ByteRange> to_ranges(const std::vector<std::pair<uint64_t, uint64_t>>& pairs) {
   std::vector<ByteRange> out;
   for (const auto& [start, end] : pairs) out.push_back({start, end});
@@ -136,6 +145,11 @@ void init_encoder(py::module_& m) {
       .def_property_readonly("device_registry_id", &CommandEncoder::device_registry_id)
       .def_property_readonly("pending_dispatches", &CommandEncoder::pending_dispatches)
       .def("memory_barrier", &CommandEncoder::memory_barrier)
+      .def(
+          "_transaction", [](CommandEncoder& e) { return std::make_unique<PyTransaction>(e); },
+          py::keep_alive<0, 1>(),
+          "A context manager making what its block encodes all or nothing: a block that raises "
+          "leaves the encoder as it was (see CommandEncoder::Transaction).")
       .def(
           "commit_and_wait", [](CommandEncoder& e) { without_gil([&] { e.commit_and_wait(); }); },
           "Run everything encoded so far and wait for it (the GIL is released meanwhile). An "
@@ -242,6 +256,26 @@ void init_encoder(py::module_& m) {
             e.encode_graph(g.exec, g.keep_alive);
           },
           py::arg("graph"), "Record an instantiated graph as one command of this submission.");
+
+  py::class_<PyTransaction>(m, "_EncoderTransaction")
+      .def(
+          "__enter__",
+          [](PyTransaction& t) -> PyTransaction& {
+            if (t.open) throw Error("an encoder transaction is entered once");
+            t.open.emplace(t.encoder, "transaction");
+            return t;
+          },
+          py::return_value_policy::reference)
+      .def("__exit__",
+           [](PyTransaction& t, const py::object& type, const py::object&, const py::object&) {
+             if (!t.open) return false;
+             struct Close {
+               std::optional<CommandEncoder::Transaction>& open;
+               ~Close() { open.reset(); }  // after a commit: nothing to drop
+             } close{t.open};
+             if (type.is_none()) t.open->commit();
+             return false;
+           });
 
   py::class_<InstantiatedGraph>(m, "GraphExec",
                                 "A backend graph (a CUDA graph) instantiated from a CapturedGraph.")

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "routemm/backend.h"
@@ -48,5 +49,12 @@ class Buffer {
   DType dtype_ = DType::U8;
   std::vector<uint64_t> shape_;
 };
+
+// How the first logical byte of `buffer` -- allocation address plus byte offset, the byte a kernel
+// binding starts at -- misses a multiple of `alignment` (nonzero): empty when it does not;
+// "byte offset N" when the offset is what is misaligned; "start address 0x... (byte offset N)"
+// when the allocation itself starts off the alignment (e.g. memory wrapped through DLPack). Op
+// front doors check their operands with it before anything is encoded.
+std::string misalignment(const Buffer& buffer, uint64_t alignment);
 
 }  // namespace routemm

@@ -23,6 +23,11 @@
 // Encoders are cheap: give each thread its own. An op that makes several calls holds a
 // CommandEncoder::Use across them, so another thread cannot slip in between and leave it half
 // encoded.
+//
+// All or nothing: an op that encodes more than one dispatch holds a CommandEncoder::Transaction
+// across them, so a call refused partway (a check of its second dispatch, a pipeline lookup)
+// leaves the encoder exactly as it was -- same pending dispatches, captured nodes, receipt and
+// barrier tracker, and nothing a later commit would run.
 #pragma once
 
 #include <array>
@@ -145,6 +150,34 @@ class CommandEncoder {
     bool outermost_ = false;
   };
 
+  // Holds the encoder (as Use) and makes everything encoded until commit() one unit: dispatches,
+  // barriers and graphs are held back and reach the queue (and the process counters) when the
+  // outermost transaction commits; one destroyed without commit() -- its op refused partway --
+  // removes what was encoded since it opened and restores the encoder's state. Transactions of
+  // one thread nest: an inner one joins the outermost. Inside one, commit, capture and receipt
+  // start/take and set_auto_barrier are refused (they would split the unit).
+  class [[nodiscard]] Transaction {
+   public:
+    Transaction(CommandEncoder& encoder, const char* call);
+    ~Transaction();
+    Transaction(const Transaction&) = delete;
+    Transaction& operator=(const Transaction&) = delete;
+    void commit();
+
+   private:
+    CommandEncoder& encoder_;
+    Use use_;
+    struct Saved {
+      size_t staged = 0, captured = 0, receipt = 0;
+      uint64_t pending_dispatches = 0, held_dispatches = 0, held_barriers = 0;
+      OpKind op_kind = OpKind::Other;
+      std::vector<ByteRange> pending_reads, pending_writes, tracked_reads, tracked_writes;
+      bool tracked_unknown = false;
+    } saved_;
+    bool outermost_ = false;
+    bool open_ = true;
+  };
+
   explicit CommandEncoder(std::shared_ptr<Backend> backend, EncoderOptions options = {});
   ~CommandEncoder();
   CommandEncoder(CommandEncoder&&) noexcept;
@@ -237,6 +270,10 @@ class CommandEncoder {
                    Dim3 grid, Dim3 threads, DispatchKind kind,
                    std::vector<std::pair<uint64_t, uint64_t>> threadgroup_memory);
   void submit_dispatch(QueuedCommand command, CapturedNode node, bool recording);
+  // To the queue, or held back while a transaction is open; the counters likewise.
+  void enqueue(QueuedCommand command);
+  void count(std::atomic<uint64_t>& counter, uint64_t& held, uint64_t n);
+  void refuse_in_transaction(const char* call) const;
   void barrier_unlocked();
   void commit_unlocked(std::string_view label, bool timed);
 
@@ -258,6 +295,10 @@ class CommandEncoder {
   };
   std::optional<Receipt> receipt_;
   uint64_t pending_dispatches_ = 0;
+  // Open transactions and what they hold back (see Transaction).
+  uint32_t transaction_depth_ = 0;
+  std::vector<QueuedCommand> staged_;
+  uint64_t held_dispatches_ = 0, held_barriers_ = 0;
 };
 
 }  // namespace routemm

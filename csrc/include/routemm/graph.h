@@ -15,7 +15,9 @@
 // Missing ranges are never taken as "no conflict": a dispatch that declares no write range is
 // ordered after everything before it and before everything after it (a barrier on both sides, or
 // edges to every neighbour), and reordered() refuses it, naming it. Every replay launches the
-// recorded kernels with the recorded arguments, so it computes the same bits as the eager run.
+// recorded kernels with the recorded arguments, so it computes the same bits as the eager run. A
+// replay is all or nothing (CommandEncoder::Transaction): a node refused partway (a receipt
+// without room for every dispatch) leaves the encoder as it was.
 #pragma once
 
 #include <cstddef>
