@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _core
-from ._errors import InvalidArgumentError
+from ._errors import InvalidArgumentError, InvalidArgumentTypeError
 from ._json import JsonRecord
 from ._record_checks import SchemaVersioned
 
@@ -118,13 +118,68 @@ def _shape_nbytes(where: str, shape, dtype: DType) -> int:
     """Bytes of a C-contiguous `shape` (a list or tuple) of `dtype`, checked: extents are
     non-negative integers and the total fits a u64."""
     nbytes = dtype.size
-    for extent in shape:
-        if isinstance(extent, bool) or not isinstance(extent, (int, np.integer)) or extent < 0:
-            raise InvalidArgumentError(f"{where}: shape extents must be non-negative integers, got {list(shape)!r}")
-        nbytes *= int(extent)
+    for extent in check_shape(where, shape):
+        nbytes *= extent
     if nbytes > _U64_MAX:
         raise InvalidArgumentError(f"{where}: shape {list(shape)} of {dtype} is {nbytes} bytes, over 2^64 - 1")
     return nbytes
+
+
+# ---- Argument checks shared by the front doors ----------------------------------------------------
+# A front door checks its arguments with these before calling into _core, whose own refusal of a
+# wrong type would be pybind11's bare TypeError ("incompatible function arguments") naming neither
+# the op nor the argument, and before copying or allocating anything.
+
+
+def check_type(op: str, name: str, value, kind: type, *, optional: bool = False):
+    """`value` when it is a `kind` (or None, with `optional`); anything else is an
+    InvalidArgumentTypeError naming the op, the argument and the type it got."""
+    if isinstance(value, kind) or (optional and value is None):
+        return value
+    wanted = f"a {kind.__name__}" + (" or None" if optional else "")
+    hint = ""
+    if kind is _core.Buffer and isinstance(value, np.ndarray):
+        hint = " (copy an array to the device with device.from_numpy(array))"
+    raise InvalidArgumentTypeError(f"{op} {name} must be {wanted}, not {type(value).__name__}{hint}")
+
+
+def check_encoding(op: str, encoder, registry, names: tuple[str, ...], *buffers) -> None:
+    """The arguments every explicit front door takes: `encoder` a CommandEncoder, `registry` a
+    KernelRegistry and `buffers` Buffers (`names` are their argument names, in order). Checked
+    on every call, so the common case is a few isinstance tests and the messages are built only
+    for a refusal."""
+    if isinstance(encoder, _core.CommandEncoder) and isinstance(registry, _core.KernelRegistry):
+        for buffer in buffers:
+            if not isinstance(buffer, _core.Buffer):
+                break
+        else:
+            return
+    check_type(op, "encoder", encoder, _core.CommandEncoder)
+    check_type(op, "registry", registry, _core.KernelRegistry)
+    for name, value in zip(names, buffers, strict=True):
+        check_type(op, name, value, _core.Buffer)
+
+
+def is_integer(value) -> bool:
+    """A Python or NumPy integer that is not a bool (True would otherwise pass as 1)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_uint(op: str, name: str, value, bits: int = 32) -> int:
+    """`value` as an int in [0, 2^bits): an integer, never a bool, float or string (no coercion);
+    anything else is an InvalidArgumentError "<op> <name> must be a u<bits>, got <value>"."""
+    if not is_integer(value) or not 0 <= value < 1 << bits:
+        raise InvalidArgumentError(f"{op} {name} must be a u{bits}, got {value!r}")
+    return int(value)
+
+
+def check_shape(where: str, shape) -> tuple[int, ...]:
+    """`shape` (a list or tuple) as a tuple of non-negative integer extents (no coercion: 32.5,
+    "32" and True are refused); anything else is an InvalidArgumentError naming `where`."""
+    if not isinstance(shape, (list, tuple)) or not all(is_integer(d) and d >= 0 for d in shape):
+        shown = list(shape) if isinstance(shape, (list, tuple)) else shape
+        raise InvalidArgumentError(f"{where}: shape extents must be non-negative integers, got {shown!r}")
+    return tuple(int(d) for d in shape)
 
 
 _core.Device.alloc = _device_alloc

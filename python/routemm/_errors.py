@@ -9,6 +9,12 @@ class InvalidArgumentError(Error, ValueError):
     """Bad caller input: the message names the operation and the offending value."""
 
 
+class InvalidArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of the wrong type (None or a NumPy array where a buffer, an encoder, a registry,
+    a scratch or params go): an InvalidArgumentError that is also a TypeError; the message names
+    the operation, the argument and the type it got."""
+
+
 class OutOfMemoryError(Error, MemoryError):
     """An allocation of a possible size failed: the device has no memory for it now (an impossible
     size is an InvalidArgumentError instead)."""

@@ -3,10 +3,13 @@ quantised along their last axis, [..., k] float -> [..., k // 32 * block_bytes] 
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 
 from . import _core
+from ._core_api import check_shape
 from ._errors import InvalidArgumentError
 
 
@@ -20,8 +23,10 @@ class BlockFormat:
         self._quantize = getattr(_core, f"_{name}_quantize")
         self._dequantize = getattr(_core, f"_{name}_dequantize")
 
-    def quantized_shape(self, shape) -> tuple[int, ...]:
-        shape = tuple(int(d) for d in shape)
+    def quantized_shape(self, shape, where: str = "") -> tuple[int, ...]:
+        """The byte shape of element `shape` (a list or tuple of non-negative integers: no
+        coercion, so 32.5 is refused rather than read as 32)."""
+        shape = check_shape(where or f"{self.name} quantized_shape", shape)
         if not shape or shape[-1] % self.block_values != 0:
             raise InvalidArgumentError(
                 f"{self.name}: the last dimension must be a multiple of {self.block_values}, got shape {shape}"
@@ -53,8 +58,8 @@ class BlockFormat:
                     f"got shape {data.shape}"
                 )
             shape = (*data.shape[:-1], data.shape[-1] // self.block_bytes * self.block_values)
-        shape = tuple(int(d) for d in shape)
-        expected = int(np.prod(self.quantized_shape(shape), dtype=np.int64))
+        # Checked and multiplied as Python integers: an extent of 2^64 is a refusal, not an overflow.
+        expected = math.prod(self.quantized_shape(shape, f"{self.name} dequantize"))
         if data.size != expected:
             raise InvalidArgumentError(f"{self.name} dequantize: shape {shape} needs {expected} bytes, got {data.size}")
         return self._dequantize(np.ascontiguousarray(data).reshape(-1)).reshape(shape)

@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 
 from . import _core
-from ._core_api import DType, dtype_of
+from ._core_api import DType, check_encoding, check_type, check_uint, dtype_of
 from ._errors import InvalidArgumentError
 from ._json import JsonRecord, dtype_from_name
 from ._record_checks import SchemaVersioned
@@ -87,29 +87,14 @@ class DenseMatmulIdParams(JsonRecord, SchemaVersioned):
         return self._native()
 
     def _native(self) -> _core._DenseMatmulIdParams:
-        for name in ("m", "n", "k", "top_k", "n_experts"):
-            value = getattr(self, name)
-            if not _is_int(value) or not 0 <= value <= 0xFFFFFFFF:
-                raise InvalidArgumentError(f"dense_matmul_id {name} must be a u32, got {value!r}")
-        stride = self.expert_stride_bytes
-        if not _is_int(stride) or not 0 <= stride <= 0xFFFFFFFFFFFFFFFF:
-            raise InvalidArgumentError(f"dense_matmul_id expert_stride_bytes must be a u64, got {stride!r}")
+        op = "dense_matmul_id"
         return _core._DenseMatmulIdParams(
-            int(self.m),
-            int(self.n),
-            int(self.k),
-            int(self.top_k),
-            int(self.n_experts),
-            int(stride),
+            *(check_uint(op, name, getattr(self, name)) for name in ("m", "n", "k", "top_k", "n_experts")),
+            check_uint(op, "expert_stride_bytes", self.expert_stride_bytes, 64),
             _enum_value(DenseMatmulIdInputLayout, self.input_layout, "input_layout"),
             _enum_value(DenseMatmulIdMultiplicity, self.id_multiplicity, "id_multiplicity"),
             _enum_value(DenseMatmulIdRoute, self.route, "route"),
         )
-
-
-def _is_int(value) -> bool:
-    """An integer that is not a bool (True would otherwise pass as 1)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _enum_value(kind: type[enum.Enum], value, name: str) -> str:
@@ -164,15 +149,12 @@ def dense_matmul_id_capability(weight_dtype: DType, params: DenseMatmulIdParams)
 
     Checked arithmetic, no allocation and no pipeline compilation.
     """
-    if not isinstance(weight_dtype, DType):
-        raise InvalidArgumentError(f"dense_matmul_id weight dtype must be a routemm.DType, got {weight_dtype!r}")
+    check_type("dense_matmul_id", "weight_dtype", weight_dtype, DType)
     return _capability_from_native(_core._dense_matmul_id_capability(weight_dtype, _checked_params(params)))
 
 
 def _checked_params(params) -> _core._DenseMatmulIdParams:
-    if not isinstance(params, DenseMatmulIdParams):
-        raise InvalidArgumentError(f"dense_matmul_id params must be a DenseMatmulIdParams, got {type(params).__name__}")
-    return params._native_params
+    return check_type("dense_matmul_id", "params", params, DenseMatmulIdParams)._native_params
 
 
 def dense_matmul_id(
@@ -200,11 +182,16 @@ def dense_matmul_id(
     must stay unchanged in between. The map is also what zeroes the output rows of invalid ids, so
     a reusing call leaves those rows of its output unwritten.
     """
+    check_encoding("dense_matmul_id", encoder, registry, _BUFFER_NAMES, weights, input, expert_ids, output)
+    check_type("dense_matmul_id", "scratch", scratch, DenseMatmulIdScratch, optional=True)
     native = _core._dense_matmul_id(
         encoder, registry, weights, input, expert_ids, output, scratch, _checked_params(params),
         _checked_reuse_map("dense_matmul_id", reuse_map),
     )  # fmt: skip
     return _receipt_of(native)
+
+
+_BUFFER_NAMES = ("weights", "input", "expert_ids", "output")
 
 
 def _receipt_of(native: tuple[str, str, int]) -> DenseMatmulIdDispatchReceipt:
@@ -244,16 +231,16 @@ def _named_device(backend: str) -> _core.Device:
     return _core.Device(backend)
 
 
-def _resolve_device(device) -> _core.Device:
-    """`device` as given to matmul_id: None (the best available backend), a routemm.Device, or a
-    backend name such as "cpu"."""
+def _resolve_device(device, op: str = "matmul_id") -> _core.Device:
+    """`device` as given to `op` (matmul_id, moe_gate, moe_experts): None (the best available
+    backend), a routemm.Device, or a backend name such as "cpu"."""
     if device is None:
         return _default_device()
     if isinstance(device, _core.Device):
         return device
     if isinstance(device, str):
         return _named_device(device)
-    raise InvalidArgumentError(f"matmul_id device must be a routemm.Device or a backend name, got {device!r}")
+    raise InvalidArgumentError(f"{op} device must be a routemm.Device or a backend name, got {device!r}")
 
 
 @functools.lru_cache(maxsize=8)
@@ -339,6 +326,12 @@ def matmul_id(
         raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
     if not np.issubdtype(ids.dtype, np.integer):
         raise InvalidArgumentError(f"matmul_id ids must be integers, got {ids.dtype}")
+    wdtype = dtype_of(weights.dtype)
+    # The extents every route shares, from the shapes alone: nothing is copied before them (a
+    # zero-stride array of 2^33 tokens is refused here, not after a 128 GiB copy of its ids).
+    dense_matmul_id_capability(
+        wdtype, _params(m, n, k, top_k, n_experts, wdtype, layout, False, DenseMatmulIdRoute.DIRECT)
+    )
     # Anything outside [0, n_experts) is an invalid id: map it to 0xFFFFFFFF (a zero row).
     ids64 = ids.astype(np.int64, copy=False)
     ids_u32 = np.where((ids64 >= 0) & (ids64 < n_experts), ids64, 0xFFFFFFFF).astype(np.uint32)
@@ -356,9 +349,8 @@ def matmul_id(
             raise InvalidArgumentError(
                 f"matmul_id out must be a writable C-contiguous float32 array of shape {(m * top_k, n)}"
             )
-    wdtype = dtype_of(weights.dtype)
     params = _params(m, n, k, top_k, n_experts, wdtype, layout, distinct, route)
-    dense_matmul_id_capability(wdtype, params)  # fail before allocating anything
+    dense_matmul_id_capability(wdtype, params)  # the route's own rules, before allocating anything
     out_buf = device.alloc(m * top_k * n * 4, DType.F32, [m * top_k, n])
     receipt = _run(
         device, params, device.from_numpy(weights), device.from_numpy(x), device.from_numpy(ids_u32), out_buf

@@ -27,7 +27,7 @@ from typing import Optional, Union
 import numpy as np
 
 from . import _core
-from ._core_api import DType
+from ._core_api import _NUMPY_TO_DTYPE, DType, check_encoding, check_uint
 from ._errors import InvalidArgumentError
 from .dense_matmul_id import (
     DenseMatmulIdInputLayout,
@@ -35,12 +35,13 @@ from .dense_matmul_id import (
     DenseMatmulIdParams,
     DenseMatmulIdRoute,
     DenseMatmulIdScratch,
-    _default_device,
     _enum_value,
     _framework,
     _pick_route,
     _registry_for,
+    _resolve_device,
     dense_matmul_id,
+    dense_matmul_id_capability,
     ids_distinct_per_token,
 )
 from .quantized_matmul import GgmlType
@@ -49,6 +50,7 @@ from .quantized_matmul_id import (
     GgmlQuantizedMatmulIdParams,
     GgmlQuantizedMatmulIdRoute,
     quantized_matmul_id_ggml,
+    quantized_matmul_id_ggml_capability,
 )
 
 MOE_PIPELINE_NAMES: tuple[str, ...] = _core.MOE_PIPELINE_NAMES
@@ -64,6 +66,7 @@ def encode_moe_gate(encoder, registry, logits, weights, ids, *, top_k: int, reno
 
     One dispatch, no barrier (order it after the logits' producer with encoder.memory_barrier()).
     """
+    check_encoding("moe_gate", encoder, registry, ("logits", "weights", "ids"), logits, weights, ids)
     m, n_experts = _matrix_shape("moe_gate logits", logits.shape)
     _check_top_k(top_k, n_experts)
     _core._moe_gate(encoder, registry, logits, weights, ids, m, n_experts, int(top_k), _check_bool(renormalize))
@@ -73,7 +76,12 @@ def encode_moe_silu_mul(
     encoder, registry, gate, up, output, *, rows: int, width: int, gate_row_stride: int, up_row_stride: int
 ) -> None:
     """Encode output[r, c] = SiLU(gate[r * gate_row_stride + c]) * up[r * up_row_stride + c] (F32)."""
-    _core._moe_silu_mul(encoder, registry, gate, up, output, rows, width, gate_row_stride, up_row_stride)
+    op = "moe_silu_mul"
+    check_encoding(op, encoder, registry, ("gate", "up", "output"), gate, up, output)
+    _core._moe_silu_mul(
+        encoder, registry, gate, up, output, check_uint(op, "rows", rows), check_uint(op, "width", width),
+        check_uint(op, "gate_row_stride", gate_row_stride, 64), check_uint(op, "up_row_stride", up_row_stride, 64),
+    )  # fmt: skip
 
 
 def encode_moe_combine(encoder, registry, rows, weights, ids, output, *, n_experts: int) -> None:
@@ -82,15 +90,21 @@ def encode_moe_combine(encoder, registry, rows, weights, ids, output, *, n_exper
     rows F32 [m * top_k, hidden], weights F32 [m, top_k], ids U32/I32 [m, top_k] (ids >= n_experts
     are skipped), output F32 [m, hidden].
     """
+    check_encoding("moe_combine", encoder, registry, ("rows", "weights", "ids", "output"), rows, weights, ids, output)
     m, top_k = _matrix_shape("moe_combine weights", weights.shape)
-    hidden = int(output.shape[-1])
-    _core._moe_combine(encoder, registry, rows, weights, ids, output, m, top_k, hidden, int(n_experts))
+    hidden = check_uint("moe_combine", "hidden (output.shape[-1])", int(output.shape[-1]))
+    n_experts = check_uint("moe_combine", "n_experts", n_experts)
+    _core._moe_combine(encoder, registry, rows, weights, ids, output, m, top_k, hidden, n_experts)
 
 
 def _matrix_shape(what: str, shape) -> tuple[int, int]:
+    """The two extents of a 2-D shape, each a u32 (the kernels' params): checked on the shape, so a
+    NumPy front door refuses a zero-stride array of 2^32 + 1 columns before copying it."""
     shape = tuple(int(d) for d in shape)
     if len(shape) != 2:
         raise InvalidArgumentError(f"{what} must be 2-D, got shape {shape}")
+    if max(shape) > 0xFFFFFFFF:
+        raise InvalidArgumentError(f"{what} shape {shape} has an extent over the kernels' u32 limit")
     return shape
 
 
@@ -128,6 +142,8 @@ def moe_gate(router_logits, top_k: int, *, renormalize: bool, device=None):
     framework = _framework(router_logits)
     if framework == "cupy":
         raise InvalidArgumentError("moe_gate takes NumPy arrays or PyTorch tensors")
+    if framework == "numpy":
+        router_logits = np.asarray(router_logits)  # a list too; no copy of an array
     m, n_experts = _matrix_shape("moe_gate router_logits", router_logits.shape)
     top_k = _check_top_k(top_k, n_experts)
     renormalize = _check_bool(renormalize)
@@ -155,7 +171,7 @@ def moe_gate(router_logits, top_k: int, *, renormalize: bool, device=None):
     logits = np.asarray(router_logits)
     if logits.dtype != np.float32:
         raise InvalidArgumentError(f"moe_gate router_logits must be float32, got {logits.dtype}")
-    device = device or _default_device()
+    device = _resolve_device(device, "moe_gate")
     logits_buf = device.from_numpy(np.ascontiguousarray(logits))
     weights_buf = device.alloc(m * top_k * 4, DType.F32, [m, top_k])
     ids_buf = device.alloc(m * top_k * 4, DType.I32, [m, top_k])
@@ -354,6 +370,11 @@ def moe_experts(
     hidden = np.asarray(hidden)
     ids = np.asarray(top_k_index)
     weights = np.asarray(top_k_weights)
+    if isinstance(gate_up, (tuple, list)):
+        gate_up = tuple(_stack_array(w) for w in gate_up)
+    else:
+        gate_up = _stack_array(gate_up)
+    down = _stack_array(down)
     s = _expert_shapes(hidden.shape, ids.shape, weights.shape, gate_up, down, ggml_type)
     if hidden.dtype != np.float32:
         raise InvalidArgumentError(f"moe_experts hidden must be float32, got {hidden.dtype}")
@@ -361,12 +382,13 @@ def moe_experts(
         raise InvalidArgumentError(f"moe_experts top_k_weights must be float32, got {weights.dtype}")
     if not np.issubdtype(ids.dtype, np.integer):
         raise InvalidArgumentError(f"moe_experts top_k_index must be integers, got {ids.dtype}")
+    stacks = tuple(gate_up) if not s.stacked else (gate_up,)
+    _check_extents(s, stacks[0], ggml_type)
     ids64 = ids.astype(np.int64, copy=False)
     ids_u32 = np.where((ids64 >= 0) & (ids64 < s.n_experts), ids64, _INVALID_ID).astype(np.uint32)
     distinct = ids_distinct_per_token(ids64, s.n_experts)
-    device = device or _default_device()
+    device = _resolve_device(device, "moe_experts")
     route = _checked_route(route, distinct, s, device, ggml_type)
-    stacks = tuple(gate_up) if not s.stacked else (gate_up,)
     gate_up_bufs = tuple(_weight_buffer(device, w) for w in stacks)
     down_buf = _weight_buffer(device, down)
     _check_weight_dtypes(gate_up_bufs + (down_buf,), ggml_type)
@@ -383,6 +405,34 @@ def moe_experts(
     )  # fmt: skip
     encoder.commit_and_wait()
     return out_buf.numpy()
+
+
+def _stack_array(w):
+    """A weight stack of the NumPy path: a routemm.Buffer as it is, anything else as an array (a
+    list too; no copy of an array)."""
+    return w if isinstance(w, _core.Buffer) else np.asarray(w)
+
+
+def _check_extents(s: _ExpertShapes, stack, ggml_type: Optional[GgmlType]) -> None:
+    """The extents of the block's two matmul shapes (u32 fields, u32 routed rows, u64 byte extents),
+    checked on the shapes before anything is copied: zero-stride arrays of 2^33 tokens or experts
+    are refused here. `stack` (an array or buffer) gives a float stack's element size."""
+    shared, slotted = DenseMatmulIdInputLayout.SHARED_PER_TOKEN, DenseMatmulIdInputLayout.SLOTTED
+    gate_up_rows = 2 * s.intermediate if s.stacked else s.intermediate
+    for n, k, layout in ((gate_up_rows, s.hidden, shared), (s.hidden, s.intermediate, slotted)):
+        if ggml_type is None:
+            dtype = stack.dtype if isinstance(stack, _core.Buffer) else _NUMPY_TO_DTYPE.get(stack.dtype)
+            dtype = dtype if dtype in (DType.F32, DType.F16, DType.BF16) else DType.F32  # refused later
+            params = DenseMatmulIdParams(
+                s.m, n, k, s.top_k, s.n_experts, n * k * dtype.size, layout, DenseMatmulIdMultiplicity.MAY_REPEAT
+            )
+            dense_matmul_id_capability(dtype, params)
+        else:
+            values, block_bytes = ggml_type.block_layout
+            stride = n * (k // values) * block_bytes
+            quantized_matmul_id_ggml_capability(
+                GgmlQuantizedMatmulIdParams(s.m, n, k, s.top_k, s.n_experts, ggml_type, stride, layout)
+            )
 
 
 def _block_stack_route(route) -> GgmlQuantizedMatmulIdRoute:

@@ -19,7 +19,7 @@ from typing import ClassVar, Optional
 import numpy as np
 
 from . import _core
-from ._core_api import EncodedKernelDispatch
+from ._core_api import EncodedKernelDispatch, check_encoding, check_type, check_uint
 from ._errors import InvalidArgumentError
 from ._json import JsonRecord
 from ._record_checks import SchemaVersioned
@@ -267,11 +267,8 @@ class GgmlQuantizedMatmulParams(JsonRecord, SchemaVersioned):
     schema_version: int = SCHEMA_VERSION
 
     def _native(self) -> _core._GgmlQuantizedMatmulParams:
-        for name in ("m", "n", "k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= 0xFFFFFFFF:
-                raise InvalidArgumentError(f"quantized_matmul_ggml {name} must be a u32, got {value!r}")
-        return _core._GgmlQuantizedMatmulParams(int(self.m), int(self.n), int(self.k), GgmlType(self.ggml_type).value)
+        m, n, k = (check_uint("quantized_matmul_ggml", name, getattr(self, name)) for name in ("m", "n", "k"))
+        return _core._GgmlQuantizedMatmulParams(m, n, k, GgmlType(self.ggml_type).value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,6 +353,7 @@ def quantized_matmul_ggml(
     the plan's route; the receipt's `decision` says why the route was taken. Every validation
     happens before anything is encoded; on error the encoder is untouched.
     """
+    _check_call("quantized_matmul_ggml", encoder, registry, input, weight, output, params)
     policy = effective_policy(registry, routing, "quantized_matmul_ggml")
     params._native()  # validates m, n, k
     return encode_ggml(encoder, registry, input, weight, output, params, policy)
@@ -380,7 +378,14 @@ def encode_q4_route(
 ) -> GgmlQuantizedMatmulReceipt:
     """Encode exactly `route` (calibration and tests): Q4_0 and m > 8 only, one dispatch whose
     geometry equals q4_expected_dispatch(route, m, n, registry=registry, k=k)."""
+    _check_call("encode_q4_route", encoder, registry, input, weight, output, params)
     native = _core._encode_q4_route(
         encoder, registry, input, weight, output, params._native(), DenseQ4Route(route).value
     )
     return GgmlQuantizedMatmulReceipt._from_core(native)
+
+
+def _check_call(op: str, encoder, registry, input, weight, output, params) -> None:
+    """The argument types of the dense projection's front doors (see _core_api.check_type)."""
+    check_encoding(op, encoder, registry, ("input", "weight", "output"), input, weight, output)
+    check_type(op, "params", params, GgmlQuantizedMatmulParams)

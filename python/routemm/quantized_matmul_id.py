@@ -43,8 +43,10 @@ import functools
 import numpy as np
 
 from . import _core
+from ._core_api import check_encoding, check_type, check_uint
 from ._errors import InvalidArgumentError
 from ._json import JsonRecord
+from ._record_checks import SchemaVersioned
 from .dense_matmul_id import AUTO_GROUPED_MIN_TOKENS as _DENSE_AUTO_GROUPED_MIN_TOKENS
 from .dense_matmul_id import DenseMatmulIdInputLayout, DenseMatmulIdScratchRequirement, _checked_reuse_map, auto_grouped
 from .quantized_matmul import GgmlType
@@ -82,7 +84,7 @@ _U32_FIELDS = ("m", "n", "k", "top_k", "n_experts")
 
 
 @dataclasses.dataclass(frozen=True)
-class GgmlQuantizedMatmulIdParams(JsonRecord):
+class GgmlQuantizedMatmulIdParams(JsonRecord, SchemaVersioned):
     """Dimensions, block type, expert stride, input layout and the explicit route of one call.
 
     m = tokens (rows of ids), n = output features per expert, k = input width (a multiple of 32),
@@ -105,13 +107,9 @@ class GgmlQuantizedMatmulIdParams(JsonRecord):
     @functools.cached_property
     def _native_params(self) -> _core._GgmlQuantizedMatmulIdParams:
         """The native params, built once per (immutable) instance."""
-        for name in _U32_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value <= 0xFFFFFFFF:
-                raise InvalidArgumentError(f"quantized_matmul_id_ggml {name} must be a u32, got {value!r}")
-        stride = self.expert_stride_bytes
-        if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or not 0 <= stride < 2**64:
-            raise InvalidArgumentError(f"quantized_matmul_id_ggml expert_stride_bytes must be a u64, got {stride!r}")
+        op = "quantized_matmul_id_ggml"
+        m, n, k, top_k, n_experts = (check_uint(op, name, getattr(self, name)) for name in _U32_FIELDS)
+        stride = check_uint(op, "expert_stride_bytes", self.expert_stride_bytes, 64)
         try:
             ggml_type = GgmlType(self.ggml_type)
             layout = DenseMatmulIdInputLayout(self.input_layout)
@@ -119,20 +117,20 @@ class GgmlQuantizedMatmulIdParams(JsonRecord):
         except ValueError as error:
             raise InvalidArgumentError(f"quantized_matmul_id_ggml {error}") from None
         return _core._GgmlQuantizedMatmulIdParams(
-            int(self.m),
-            int(self.n),
-            int(self.k),
-            int(self.top_k),
-            int(self.n_experts),
+            m,
+            n,
+            k,
+            top_k,
+            n_experts,
             ggml_type.value,
-            int(stride),
+            stride,
             layout.value,
             route.value,
         )
 
 
 @dataclasses.dataclass(frozen=True)
-class GgmlQuantizedMatmulIdCapability(JsonRecord):
+class GgmlQuantizedMatmulIdCapability(JsonRecord, SchemaVersioned):
     """Exact byte extents of one call (and the grouped route's scratch requirement)."""
 
     SCHEMA = "ggml_quantized_matmul_id_capability.schema.json"
@@ -147,7 +145,7 @@ class GgmlQuantizedMatmulIdCapability(JsonRecord):
 
 
 @dataclasses.dataclass(frozen=True)
-class GgmlQuantizedMatmulIdDispatchReceipt(JsonRecord):
+class GgmlQuantizedMatmulIdDispatchReceipt(JsonRecord, SchemaVersioned):
     """What one call encoded: block type, route and number of dispatches (1 direct, 2 for the
     grouped routes, 1 for a grouped route with a reused routing map)."""
 
@@ -161,6 +159,7 @@ class GgmlQuantizedMatmulIdDispatchReceipt(JsonRecord):
 def quantized_matmul_id_ggml_capability(params: GgmlQuantizedMatmulIdParams) -> GgmlQuantizedMatmulIdCapability:
     """Exact byte extents for `params`; raises InvalidArgumentError. Checked arithmetic, no
     allocation and no pipeline compilation."""
+    params = check_type("quantized_matmul_id_ggml", "params", params, GgmlQuantizedMatmulIdParams)
     return GgmlQuantizedMatmulIdCapability.from_dict(_core._quantized_matmul_id_ggml_capability(params._native_params))
 
 
@@ -188,10 +187,10 @@ def quantized_matmul_id_ggml(
     dense_matmul_id's reuse_map. Every validation happens before anything is encoded; on error
     the encoder is untouched.
     """
-    if not isinstance(params, GgmlQuantizedMatmulIdParams):
-        raise InvalidArgumentError(
-            f"quantized_matmul_id_ggml params must be a GgmlQuantizedMatmulIdParams, got {type(params).__name__}"
-        )
+    op = "quantized_matmul_id_ggml"
+    check_encoding(op, encoder, registry, ("input", "weights", "ids", "output"), input, weights, ids, output)
+    check_type(op, "scratch", scratch, _core.DenseMatmulIdScratch, optional=True)
+    check_type(op, "params", params, GgmlQuantizedMatmulIdParams)
     native = _core._quantized_matmul_id_ggml(
         encoder, registry, input, weights, ids, output, scratch, params._native_params,
         _checked_reuse_map("quantized_matmul_id_ggml", reuse_map),
@@ -264,6 +263,10 @@ def matmul_id_quantized(weights, x, ids, ggml_type, route, out, device, check_sh
         raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
     if not np.issubdtype(ids.dtype, np.integer):
         raise InvalidArgumentError(f"matmul_id ids must be integers, got {ids.dtype}")
+    stride = weights.shape[1] * weights.shape[2]
+    # The extents every route shares, from the shapes alone: nothing is copied before them.
+    direct = GgmlQuantizedMatmulIdRoute.DIRECT
+    quantized_matmul_id_ggml_capability(_quantized_params(m, n, k, top_k, n_experts, ggml_type, stride, layout, direct))
     ids64 = ids.astype(np.int64, copy=False)
     ids_u32 = np.where((ids64 >= 0) & (ids64 < n_experts), ids64, 0xFFFFFFFF).astype(np.uint32)
     distinct = _declarable_distinct(ids_distinct_per_token(ids64, n_experts), top_k, n_experts)
@@ -280,8 +283,8 @@ def matmul_id_quantized(weights, x, ids, ggml_type, route, out, device, check_sh
         raise InvalidArgumentError(
             f"matmul_id out must be a writable C-contiguous float32 array of shape {(m * top_k, n)}"
         )
-    params = _quantized_params(m, n, k, top_k, n_experts, ggml_type, weights.shape[1] * weights.shape[2], layout, route)
-    quantized_matmul_id_ggml_capability(params)  # fail before allocating anything
+    params = _quantized_params(m, n, k, top_k, n_experts, ggml_type, stride, layout, route)
+    quantized_matmul_id_ggml_capability(params)  # the route's own rules, before allocating anything
     from ._core_api import DType
 
     out_buf = device.alloc(m * top_k * n * 4, DType.F32, [m * top_k, n])

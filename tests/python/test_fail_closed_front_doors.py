@@ -1,9 +1,14 @@
-"""Fail closed at the front doors: a refused call leaves the encoder as it was.
+"""Fail closed at the front doors: a refused call leaves the encoder as it was, extents are checked
+on shapes before anything is copied, and wrong-typed arguments are routemm errors naming them.
 
   * Every front door that encodes more than one dispatch (the grouped routes of dense_matmul_id and
     quantized_matmul_id_ggml, moe_experts, a captured graph's replay) is all or nothing: after a
     refused call the encoder holds the same pending dispatches, the process counters did not move
     and a commit writes nothing the call would have written (a poisoned output stays poisoned).
+  * The NumPy front doors check extents on the shapes, so a zero-stride (virtual) array of 2^33
+    rows is refused without being copied.
+  * None, an array or a number where a buffer, encoder, registry, scratch or params go is an
+    InvalidArgumentTypeError (a routemm.Error that is also a TypeError) naming the argument.
 
 No torch here: .ci/run also runs this file against the ASan + UBSan build of the extension.
 """
@@ -158,6 +163,31 @@ BREAKERS: dict[str, tuple[Callable[[Call], None], type, str | None]] = {
     "reuse of a map never built": (_reuse_without_map, routemm.InvalidArgumentError, "the scratch holds no map"),
     "receipt without room": (_receipt_room_for_one, routemm.InvalidArgumentError, "open dispatch receipt has room"),
     "missing tensor pipeline": (_missing_pipeline, routemm.KernelNotFoundError, None),
+    "scratch is an array": (
+        lambda c: setattr(c, "scratch", np.zeros(4, np.uint32)),
+        routemm.InvalidArgumentTypeError,
+        "scratch must be a DenseMatmulIdScratch or None, not ndarray",
+    ),
+    "weights are an array": (
+        lambda c: setattr(c, "weights", c.weight_array),
+        routemm.InvalidArgumentTypeError,
+        "weights must be a Buffer, not ndarray",
+    ),
+    "output is None": (
+        lambda c: setattr(c, "output", None),
+        routemm.InvalidArgumentTypeError,
+        "output must be a Buffer",
+    ),
+    "ids are a list": (
+        lambda c: setattr(c, "ids", IDS.tolist()),
+        routemm.InvalidArgumentTypeError,
+        "ids must be a Buffer",
+    ),
+    "registry is None": (
+        lambda c: setattr(c, "registry", None),
+        routemm.InvalidArgumentTypeError,
+        "registry must be a KernelRegistry, not NoneType",
+    ),
 }
 
 
@@ -188,6 +218,8 @@ def test_refused_grouped_call_leaves_the_encoder_as_it_was(device, quantized, br
     with pytest.raises(error, match=message) as info:
         call.invoke()
     assert isinstance(info.value, routemm.Error)
+    if error is routemm.InvalidArgumentTypeError:
+        assert isinstance(info.value, TypeError) and call.op in str(info.value)
     assert call.encoder.pending_dispatches == pending == 1
     after = routemm.encoder_counters()
     assert (after["dispatches"], after["barriers"]) == (counters["dispatches"], counters["barriers"])
@@ -321,3 +353,174 @@ def test_a_transaction_refused_partway_drops_what_it_encoded(device, mode):
     encoder.commit_and_wait()
     assert_poisoned(dropped, "a dropped dispatch's output")
     assert kept.numpy().tolist() == [[32.0, 32.0]]
+
+
+# ---- extents before copies ------------------------------------------------------------------------
+
+
+def virtual(value, shape) -> np.ndarray:
+    return np.broadcast_to(value, shape)
+
+
+@pytest.mark.parametrize("ggml_type", [None, GgmlType.Q4_0])
+@pytest.mark.parametrize("ids_dtype", [np.int32, np.uint32])
+def test_matmul_id_checks_extents_before_copying(cpu, ggml_type, ids_dtype):
+    w = np.zeros((4, 8, 32), np.float32) if ggml_type is None else np.zeros((4, 8, 18), np.uint8)
+    op = "dense_matmul_id" if ggml_type is None else "quantized_matmul_id_ggml"
+    x = virtual(np.float32(1), (HUGE, 32))
+    with pytest.raises(routemm.InvalidArgumentError, match=f"{op} m must be a u32, got {HUGE}"):
+        routemm.matmul_id(w, x, virtual(ids_dtype(0), (HUGE, 2)), ggml_type=ggml_type, device=cpu)
+    with pytest.raises(routemm.InvalidArgumentError, match="flattened routed rows exceed the u32 kernel ABI"):
+        routemm.matmul_id(w, x[: 2**31], virtual(ids_dtype(0), (2**31, 2)), ggml_type=ggml_type, device=cpu)
+
+
+def test_moe_gate_checks_extents_before_copying(cpu):
+    with pytest.raises(routemm.InvalidArgumentError, match=r"moe_gate router_logits shape \(1, 4294967297\)"):
+        routemm.moe_gate(virtual(np.float32(0), (1, 2**32 + 1)), 1, renormalize=True, device=cpu)
+    with pytest.raises(routemm.InvalidArgumentError, match=rf"moe_gate router_logits shape \({HUGE}, 4\)"):
+        routemm.moe_gate(virtual(np.float32(0), (HUGE, 4)), 1, renormalize=True, device=cpu)
+
+
+@pytest.mark.parametrize("ggml_type", [None, GgmlType.Q8_0])
+def test_moe_experts_checks_extents_before_copying(cpu, ggml_type):
+    h = i = 32
+    if ggml_type is None:
+        gate_up, down = np.zeros((4, 2 * i, h), np.float32), np.zeros((4, h, i), np.float32)
+    else:
+        gate_up, down = np.zeros((4, 2 * i, 34), np.uint8), np.zeros((4, h, 34), np.uint8)
+    call = routemm.moe_experts
+    with pytest.raises(routemm.InvalidArgumentError, match=f"m must be a u32, got {HUGE}"):
+        call(virtual(np.float32(0), (HUGE, h)), virtual(np.int32(0), (HUGE, 2)), virtual(np.float32(0), (HUGE, 2)),
+             gate_up, down, ggml_type=ggml_type, device=cpu)  # fmt: skip
+    with pytest.raises(routemm.InvalidArgumentError, match="flattened routed rows exceed the u32 kernel ABI"):
+        call(virtual(np.float32(0), (2**31, h)), virtual(np.int32(0), (2**31, 2)),
+             virtual(np.float32(0), (2**31, 2)), gate_up, down, ggml_type=ggml_type, device=cpu)  # fmt: skip
+    big = (2**20, 2 * i, h) if ggml_type is None else (2**20, 2 * i, 34)
+    huge_experts = virtual(np.zeros((), gate_up.dtype), (2**33, *big[1:]))
+    with pytest.raises(routemm.InvalidArgumentError, match="n_experts must be a u32"):
+        call(np.zeros((2, h), np.float32), np.zeros((2, 2), np.int32), np.zeros((2, 2), np.float32), huge_experts,
+             virtual(np.zeros((), down.dtype), (2**33, *down.shape[1:])), ggml_type=ggml_type, device=cpu)  # fmt: skip
+
+
+# ---- argument types ---------------------------------------------------------------------------------
+
+
+def assert_type_refusal(call, *fragments: str) -> None:
+    with pytest.raises(routemm.InvalidArgumentTypeError) as info:
+        call()
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+    for fragment in fragments:
+        assert fragment in str(info.value), f"{fragment!r} not in {str(info.value)!r}"
+
+
+def test_capabilities_refuse_what_is_not_params(cpu):
+    slots = (cpu.command_encoder(), routemm.KernelRegistry(cpu), cpu.alloc(4, DType.F32), cpu.alloc(4, DType.U8),
+             cpu.alloc(4, DType.F32))  # fmt: skip
+    for bad in (None, {"m": 1}, np.zeros(3)):
+        assert_type_refusal(
+            lambda: routemm.quantized_matmul_id_ggml_capability(bad),
+            "quantized_matmul_id_ggml params must be a GgmlQuantizedMatmulIdParams",
+        )
+        assert_type_refusal(
+            lambda: routemm.dense_matmul_id_capability(DType.F32, bad), "dense_matmul_id params must be"
+        )
+        assert_type_refusal(
+            lambda: routemm.quantized_matmul_ggml(*slots, bad),
+            "quantized_matmul_ggml params must be a GgmlQuantizedMatmulParams",
+        )
+
+
+@pytest.mark.parametrize("slot", ["encoder", "registry", "input", "weight", "output"])
+@pytest.mark.parametrize("bad", [None, "array"])
+def test_quantized_matmul_ggml_refuses_wrong_types_by_name(cpu, slot, bad):
+    args = dict(
+        encoder=cpu.command_encoder(),
+        registry=routemm.KernelRegistry(cpu),
+        input=cpu.from_numpy(np.ones((9, 32), np.float32)),
+        weight=cpu.from_numpy(np.zeros((4, 18), np.uint8)),
+        output=poisoned(cpu, 9, 4),
+    )
+    args[slot] = np.zeros((9, 32), np.float32) if bad == "array" else None
+    params = routemm.GgmlQuantizedMatmulParams(9, 4, 32)
+    for op, front_door in (
+        ("quantized_matmul_ggml", lambda: routemm.quantized_matmul_ggml(**args, params=params)),
+        ("encode_q4_route", lambda: routemm.encode_q4_route(**args, params=params, route="compatibility_v2")),
+    ):
+        assert_type_refusal(front_door, f"{op} {slot} must be a")
+
+
+def test_moe_kernels_refuse_wrong_types_and_ranges_by_name(cpu):
+    registry = routemm.KernelRegistry(cpu)
+    encoder = cpu.command_encoder()
+    logits = cpu.from_numpy(np.zeros((2, 4), np.float32))
+    weights, ids = poisoned(cpu, 2, 2), cpu.alloc(16, DType.U32, [2, 2])
+    rows, out = cpu.alloc(4 * 8 * 4, DType.F32, [4, 8]), poisoned(cpu, 2, 8)
+    gate = routemm.encode_moe_gate
+    assert_type_refusal(lambda: gate(None, registry, logits, weights, ids, top_k=2, renormalize=True), "encoder")
+    assert_type_refusal(lambda: gate(encoder, registry, None, weights, ids, top_k=2, renormalize=True), "logits")
+    assert_type_refusal(lambda: gate(encoder, registry, logits, np.zeros((2, 2)), ids, top_k=2, renormalize=True),
+                        "moe_gate weights must be a Buffer, not ndarray")  # fmt: skip
+    combine = routemm.encode_moe_combine
+    assert_type_refusal(lambda: combine(encoder, None, rows, weights, ids, out, n_experts=4), "moe_combine registry")
+    assert_type_refusal(lambda: combine(encoder, registry, rows, None, ids, out, n_experts=4), "moe_combine weights")
+    assert_type_refusal(lambda: combine(encoder, registry, rows, weights, ids, [0.0], n_experts=4), "output")
+    for n_experts in (-1, 2**32, 2.5, "4", True, None):
+        with pytest.raises(
+            routemm.InvalidArgumentError, match=f"moe_combine n_experts must be a u32, got {n_experts!r}"
+        ):
+            combine(encoder, registry, rows, weights, ids, out, n_experts=n_experts)
+    silu = routemm.encode_moe_silu_mul
+    assert_type_refusal(lambda: silu(encoder, registry, rows, None, rows, rows=1, width=8, gate_row_stride=8,
+                                     up_row_stride=8), "moe_silu_mul up must be a Buffer")  # fmt: skip
+    for field, value in (("rows", -1), ("width", 2**32), ("gate_row_stride", 2**64), ("up_row_stride", 1.5)):
+        sizes = dict(rows=1, width=8, gate_row_stride=8, up_row_stride=8)
+        sizes[field] = value
+        with pytest.raises(routemm.InvalidArgumentError, match=f"moe_silu_mul {field} must be a u(32|64), got"):
+            silu(encoder, registry, rows, rows, out, **sizes)
+    assert encoder.pending_dispatches == 0
+    assert_poisoned(out, "moe output")
+
+
+def test_moe_gate_and_experts_take_lists_as_arrays(cpu):
+    with pytest.raises(routemm.InvalidArgumentError, match="moe_gate router_logits must be float32, got float64"):
+        routemm.moe_gate([[1.0, 2.0]], 1, renormalize=True, device=cpu)
+    _, ids = routemm.moe_gate(np.array([[1.0, 2.0]], np.float32), 1, renormalize=True, device="cpu")
+    assert ids.tolist() == [[1]]
+    with pytest.raises(routemm.InvalidArgumentError, match="moe_gate router_logits must be 2-D"):
+        routemm.moe_gate(None, 1, renormalize=True, device=cpu)
+    with pytest.raises(routemm.InvalidArgumentError, match="device must be a routemm.Device or a backend name"):
+        routemm.moe_gate(np.zeros((1, 2), np.float32), 1, renormalize=True, device=np.zeros(2))
+    x = np.zeros((1, 32), np.float32)
+    down = np.zeros((2, 32, 32), np.float32)
+    with pytest.raises(routemm.InvalidArgumentError, match="moe_experts down must be"):
+        routemm.moe_experts(x, [[0]], np.ones((1, 1), np.float32), np.zeros((2, 64, 32), np.float32), None, device=cpu)
+    # A list is an array: of float64 here, which the device has no dtype for.
+    with pytest.raises(routemm.InvalidArgumentError, match="float64"):
+        routemm.moe_experts(x, [[0]], np.ones((1, 1), np.float32), np.zeros((2, 64, 32), np.float32), down.tolist(),
+                            device=cpu)  # fmt: skip
+    out = routemm.moe_experts(
+        x, [[0]], np.ones((1, 1), np.float32), np.zeros((2, 64, 32), np.float32), down, device="cpu"
+    )
+    assert out.shape == (1, 32)
+
+
+@pytest.mark.parametrize("fmt", [routemm.q4_0, routemm.q8_0], ids=["q4_0", "q8_0"])
+@pytest.mark.parametrize(
+    "shape", [(2**64, 32), (32.5,), ("32",), (True, 32), (-1, -32), (np.float32(32),), 32, {"not": 32}], ids=repr
+)
+def test_dequantize_refuses_shapes_that_are_not_extents(fmt, shape):
+    blocks = fmt.quantize(np.zeros(32, np.float32))
+    with pytest.raises(routemm.InvalidArgumentError, match=f"{fmt.__name__.rsplit('.', 1)[1]} dequantize: shape"):
+        fmt.dequantize(blocks, shape=shape)
+    if shape != (2**64, 32):  # a shape, if of no array that fits memory
+        with pytest.raises(routemm.InvalidArgumentError, match="shape"):
+            fmt.quantized_shape(shape)
+    assert fmt.dequantize(blocks, shape=[np.int64(1), 32]).shape == (1, 32)
+
+
+@pytest.mark.parametrize("version", [0, 99, "1", True, None])
+def test_quantized_expert_id_params_refuse_another_schema_version(version):
+    with pytest.raises(routemm.InvalidArgumentError, match="schema_version"):
+        routemm.GgmlQuantizedMatmulIdParams(1, 4, 32, 1, 1, GgmlType.Q4_0, 72, schema_version=version)
+    params = routemm.GgmlQuantizedMatmulIdParams(1, 4, 32, 1, 1, GgmlType.Q4_0, 72)
+    assert params.to_dict()["schema_version"] == routemm.quantized_matmul_id.SCHEMA_VERSION
