@@ -25,6 +25,7 @@ from ._errors import (
     KernelNotFoundError,
     MissingDependencyError,
     OutOfMemoryError,
+    UnsupportedError,
 )
 from ._interop import from_dlpack
 from .dense_matmul_id import (
@@ -159,6 +160,7 @@ __all__ = [
     "OutOfMemoryError",
     "Pipeline",
     "PipelineIdentity",
+    "UnsupportedError",
     "available_backends",
     "backend_status",
     "dense_matmul_id",

@@ -30,5 +30,11 @@ class CalibrationError(Error):
     finite, positive time); the message names the measurement."""
 
 
+class UnsupportedError(Error, NotImplementedError):
+    """A computation routemm does not provide, refused where it is asked for: e.g. backward through
+    an op on tensors (routemm's kernels compute the forward pass only); the message names the
+    operation and the arguments."""
+
+
 class MissingDependencyError(Error, ImportError):
     """An optional package a feature needs is not installed; the message says how to install it."""

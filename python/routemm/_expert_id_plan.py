@@ -163,9 +163,11 @@ class ExpertIdCalibrationDecision(
 
 @dataclasses.dataclass(frozen=True)
 class ExpertIdRoutePlan(rp.RoutePlan[PlanDecisionT]):
-    """A frozen expert-ID plan: besides the common fields, the value-independence theorem its
-    decisions rest on."""
+    """A frozen expert-ID plan: besides the common fields, the authority digest of the activation
+    that made it (which its plan id covers, so the id can be recomputed from the plan alone) and
+    the value-independence theorem its decisions rest on."""
 
+    authority_digest: str
     theorem_sha256: str
 
     @functools.cached_property
@@ -407,6 +409,7 @@ def make_plan(op: ExpertIdOp, build_fp, registry, device, epoch, routes, digest)
         device_registry_id=device.registry_id,
         registry_authority_id=registry.authority_id,
         activation_epoch=epoch,
+        authority_digest=digest,
         theorem_sha256=op.theorem_sha256,
         decisions=decisions,
     )
@@ -825,6 +828,31 @@ def resolve_auto(op: ExpertIdOp, kind_name: str, registry, device, shape, activa
     raise InvalidArgumentError(f"{auto} shape base was not admitted at activation: {shape.key}")
 
 
+# The statuses of a decision whose candidates were all proved in its own calibration (the first
+# three also timed), unless it was a cache hit.
+_PROVED_STATUSES = (
+    DenseMatmulIdSelectionStatus.CALIBRATED_WINNER,
+    DenseMatmulIdSelectionStatus.DIRECT_FASTEST,
+    DenseMatmulIdSelectionStatus.NO_STABLE_WINNER,
+    DenseMatmulIdSelectionStatus.INCOHERENT_GROUPED,
+)
+
+
+def _profile_blocks(fail, field: str, pairs: list, leading: tuple, allowed: list) -> tuple:
+    """(routes, profiles) of a decision's proofs or timings as (profile, route) pairs: one block per
+    routing profile, for a prefix of the profiles in order, each naming the same routes -- `leading`
+    first, then distinct routes of `allowed` in its order. Anything else is refused as `field`."""
+    profiles = tuple(DenseMatmulIdRoutingProfile)
+    routes = [r for p, r in pairs if p is profiles[0]]
+    rest = routes[len(leading) :]
+    if pairs and (tuple(routes[: len(leading)]) != leading or rest != [r for r in allowed if r in rest]):
+        fail(field, f"name routes {[r.value for r in routes]}, not {[r.value for r in (*leading, *allowed)]} in order")
+    count = len(pairs) // max(1, len(routes))
+    if list(pairs) != [(p, r) for p in profiles[:count] for r in routes]:
+        fail(field, "are not one entry per route and routing profile, profile by profile")
+    return routes, count
+
+
 class ExpertIdKind(rp.PlanKind):
     """The plan kind of an expert-ID op: the PlanKind hooks written once over `op`. `limits_type`
     is the kind's calibration limits record (its defaults stand in for None), `protected` the
@@ -844,6 +872,83 @@ class ExpertIdKind(rp.PlanKind):
     def check_plan(self, plan) -> None:
         if plan.theorem_sha256 != self.op.theorem_sha256:
             self.fail("route plan was made under a different value-independence theorem")
+
+    def recompute_plan_id(self, plan) -> str:
+        identity = (plan.device_registry_id, plan.registry_authority_id, plan.activation_epoch)
+        return plan_id(self.op, plan.build_fingerprint, *identity, plan.authority_digest, plan.decisions)
+
+    def check_receipt(self, receipt) -> None:
+        """An expert-ID receipt's own totals, and what each decision's structure implies (see
+        Calibrator.shape): its candidates distinct and in the op's preference order; its proofs one
+        per (profile, route) of every candidate, or of the one route a cache hit or pinned outcome
+        re-proves; its timings whole profile blocks of direct and candidates; a decision proved and
+        timed here (not a cache hit) carrying every proof and timing with the submissions and
+        dispatches they took; a candidate selected exactly when the status is calibrated_winner."""
+        D, S = self.op.direct, DenseMatmulIdSelectionStatus
+        n_profiles = len(DenseMatmulIdRoutingProfile)
+
+        def fail(field: str, message: str):
+            self.fail(f"calibration receipt {field} {message}")
+
+        for i, d in enumerate(receipt.decisions):
+            at = f"decisions[{i}]"
+            candidates = list(d.candidates)
+            if candidates != [r for r in self.op.candidates if r in candidates]:
+                fail(f"{at}.candidates", f"{[r.value for r in candidates]} are not distinct and in preference order")
+            if (d.selected_route is not D) != (d.status is S.CALIBRATED_WINNER):
+                fail(f"{at}.selected_route", f"{d.selected_route.value} disagrees with its status {d.status.value}")
+            if d.selected_route is not D and d.selected_route not in candidates:
+                fail(f"{at}.selected_route", f"{d.selected_route.value} is not among its candidates")
+            if (d.theorem_authorized_weight_identities == 0) != (d.selected_route is D):
+                fail(f"{at}.theorem_authorized_weight_identities", "is not zero exactly when direct is selected")
+            if not candidates and (d.status not in (S.DIRECT_ONLY, S.ERROR_FALLBACK) or d.proofs or d.timings):
+                fail(f"{at}.candidates", f"are none, yet its status is {d.status.value} or it holds proofs or timings")
+            if candidates and d.status is S.DIRECT_ONLY:
+                fail(f"{at}.candidates", "are not none, yet its status is direct_only")
+            proved, proof_blocks = _profile_blocks(
+                fail, f"{at}.proofs", [(p.profile, p.route) for p in d.proofs], (), candidates
+            )
+            reproved = {1} if d.process_cache_hit else {1, len(candidates)}  # a cached route, or all
+            if d.proofs and (proof_blocks != n_profiles or len(proved) not in reproved):
+                fail(
+                    f"{at}.proofs",
+                    "cover neither every candidate nor the one route a cached outcome re-proves, on every profile",
+                )
+            for name, per_route in (("proof_submissions", lambda r: 1), ("proof_dispatches", route_dispatches)):
+                low, high = (n_profiles, n_profiles * (1 + sum(map(per_route, proved)))) if d.proofs else (0, 0)
+                if not low <= getattr(d, name) <= high:
+                    fail(
+                        f"{at}.{name}", f"is {getattr(d, name)}, outside {low}..={high} for its {len(d.proofs)} proofs"
+                    )
+            timed, timed_blocks = _profile_blocks(
+                fail, f"{at}.timings", [(t.profile, t.route) for t in d.timings], (D,), candidates
+            )
+            if d.process_cache_hit and (d.timing_submissions or d.timing_dispatches):
+                fail(f"{at}.timing_submissions", "and timing_dispatches of a cache hit are not zero")
+            if d.process_cache_hit or d.status not in _PROVED_STATUSES:
+                continue  # a cached outcome, or a fallback that may have stopped anywhere
+            if not d.proofs:
+                fail(f"{at}.proofs", f"are missing from a decision of status {d.status.value}")
+            if d.status is S.INCOHERENT_GROUPED:
+                continue
+            if timed_blocks != n_profiles or not set(timed[1:]) <= set(proved):
+                fail(f"{at}.timings", "do not time direct and its coherent candidates on every profile")
+            rounds = n_profiles * cal.CALIBRATION_SAMPLES
+            if d.timing_submissions != rounds * len(timed):
+                fail(
+                    f"{at}.timing_submissions", f"is {d.timing_submissions}, not {rounds} rounds of {len(timed)} routes"
+                )
+            if d.timing_dispatches != rounds * sum(map(route_dispatches, timed)):
+                fail(f"{at}.timing_dispatches", f"is {d.timing_dispatches}, not the dispatches of {rounds} rounds")
+
+        totals = {
+            "direct_decisions": sum(d.selected_route is D for d in receipt.decisions),
+            "proof_dispatches": sum(d.proof_dispatches for d in receipt.decisions),
+            "timing_dispatches": sum(d.timing_dispatches for d in receipt.decisions),
+        }
+        for name, total in totals.items():
+            if getattr(receipt, name) != total:
+                fail(name, f"is {getattr(receipt, name)}, but its decisions add up to {total}")
 
     def validated(self, registry, epoch, limits, cases) -> list:
         """The case entries (collect_cases) after the activation preconditions."""

@@ -8,6 +8,10 @@ the shipped schema accepts (checked by `_schemas.check`, the one definition of a
 unknown or missing fields, another schema_version, out-of-range numbers, unknown enum strings and
 unmatched patterns are refused, and so are NaN, Infinity and malformed or deeply nested text. Every
 refusal is an InvalidArgumentError.
+
+An integer field accepts an integral number written as a float (9.0), as JSON Schema does;
+`from_dict(..., exact_integers=True)` refuses it instead, for documents this library wrote itself
+(saved plans and receipts), which never hold one.
 """
 
 from __future__ import annotations
@@ -45,9 +49,11 @@ class JsonRecord:
         return json.dumps(self.to_dict(), sort_keys=True, allow_nan=False, **kwargs)
 
     @classmethod
-    def from_dict(cls, data: Any):
+    def from_dict(cls, data: Any, *, exact_integers: bool = False):
+        """The record of a parsed JSON document; with `exact_integers`, an integer field holding a
+        float (9.0) is refused rather than read as an integer."""
         _schemas.check(data, cls.SCHEMA, _schemas.record_definition(cls.SCHEMA, cls.__name__), cls.__name__)
-        return _decode(cls, data, cls.__name__)
+        return _decode(cls, data, cls.__name__, exact_integers)
 
     @classmethod
     def from_json(cls, text: str | bytes):
@@ -68,30 +74,30 @@ def _encode(value: Any) -> Any:
     return value
 
 
-def _decode(tp: Any, data: Any, where: str) -> Any:
+def _decode(tp: Any, data: Any, where: str, exact: bool = False) -> Any:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if data is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _decode(inner[0], data, where)
+        return _decode(inner[0], data, where, exact)
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(data, list):
             raise InvalidArgumentError(f"{where} must be a list")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_decode(args[0], v, f"{where}[{i}]") for i, v in enumerate(data))
+            return tuple(_decode(args[0], v, f"{where}[{i}]", exact) for i, v in enumerate(data))
         if len(args) != len(data):
             raise InvalidArgumentError(f"{where} must have {len(args)} items")
-        return tuple(_decode(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, data, strict=True)))
+        return tuple(_decode(a, v, f"{where}[{i}]", exact) for i, (a, v) in enumerate(zip(args, data, strict=True)))
     if origin is dict:
         key_t, val_t = typing.get_args(tp)
         if not isinstance(data, dict):
             raise InvalidArgumentError(f"{where} must be an object")
-        return {_decode(key_t, k, where): _decode(val_t, v, f"{where}.{k}") for k, v in data.items()}
+        return {_decode(key_t, k, where, exact): _decode(val_t, v, f"{where}.{k}", exact) for k, v in data.items()}
     if isinstance(tp, type) and issubclass(tp, JsonRecord):
-        return _decode_record(tp, data, where)
+        return _decode_record(tp, data, where, exact)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
             return tp(data)
@@ -107,6 +113,8 @@ def _decode(tp: Any, data: Any, where: str) -> Any:
         return data
     if tp is int:
         if isinstance(data, float) and data.is_integer():  # JSON Schema's integers include 1.0
+            if exact:
+                raise InvalidArgumentError(f"{where} must be written as an integer, got {data!r}")
             return int(data)
         if isinstance(data, bool) or not isinstance(data, int):
             raise InvalidArgumentError(f"{where} must be an integer")
@@ -161,7 +169,7 @@ def _substitute(tp: Any, binding: dict) -> Any:
     return tp[tuple(binding.get(v, v) for v in variables)] if variables else tp
 
 
-def _decode_record(cls: type, data: Any, where: str) -> Any:
+def _decode_record(cls: type, data: Any, where: str, exact: bool = False) -> Any:
     if not isinstance(data, dict):
         raise InvalidArgumentError(f"{where} must be a JSON object")
     hints, fields = _record_layout(cls)
@@ -175,5 +183,5 @@ def _decode_record(cls: type, data: Any, where: str) -> Any:
         expected = fields["schema_version"].default
         if data["schema_version"] != expected:
             raise InvalidArgumentError(f"{where}: schema_version {data['schema_version']!r} is not {expected}")
-    values = {name: _decode(hints[name], data[name], f"{where}.{name}") for name in fields}
+    values = {name: _decode(hints[name], data[name], f"{where}.{name}", exact) for name in fields}
     return cls(**values)

@@ -22,9 +22,11 @@ its id is frozen into), so dropping registries and plans frees them all.
 
 Reloading fails closed: a saved file is adopted only when its outer validators match this process,
 its plan and receipt documents conform to their schemas, every field the plan body repeats agrees
-with the validators and with the receipt, each decision names a route its kind can take, and the
-kind's own checks pass (the plan id recomputed where it can be). Any other file raises
-PlanFileMismatch, never another exception.
+with the validators and with the receipt, each decision names a route its kind can take, the
+kind's own checks pass, and the plan id recomputed from the plan's contents is its id -- whether or
+not the file holds a receipt. A receipt is read as strictly as the plan (read_receipt): numbers
+within their ranges, integers written as integers, and lists and totals consistent with the rest of
+the receipt. Any other file raises PlanFileMismatch, never another exception.
 """
 
 from __future__ import annotations
@@ -255,9 +257,15 @@ class PlanKind:
         """Extra checks of a plan (or its receipt) before it is frozen or reloaded: raise
         InvalidArgumentError."""
 
-    def recompute_plan_id(self, plan) -> Optional[str]:
-        """The plan id recomputed from a plan's own fields, or None where it depends on more."""
-        return None
+    def recompute_plan_id(self, plan) -> str:
+        """The plan id recomputed from the plan's own fields: every kind's plan carries all its id
+        covers, so a reloaded plan's id is checked whether or not its file holds a receipt."""
+        raise NotImplementedError
+
+    def check_receipt(self, receipt) -> None:
+        """The kind's own consistency checks of a saved receipt (its own totals and each decision's
+        candidates, proofs and timings), after the common ones of check_receipt: raise
+        InvalidArgumentError naming the field."""
 
     def upgrade_receipt(self, doc: dict) -> dict:
         """A saved receipt document of an earlier schema version rewritten as the current one, so
@@ -453,9 +461,9 @@ def read_saved_plan(kind: PlanKind, path, validators: dict):
     plan_doc, receipt_doc = cal.read_plan_file(path, kind.name, validators)
     what = "malformed plan"
     try:
-        plan = kind.plan_type.from_dict(plan_doc)
+        plan = kind.plan_type.from_dict(plan_doc, exact_integers=True)
         what = "malformed calibration receipt"
-        receipt = None if receipt_doc is None else kind.receipt_type.from_dict(kind.upgrade_receipt(receipt_doc))
+        receipt = None if receipt_doc is None else read_receipt(kind, receipt_doc)
         what = "plan altered after it was saved"
         _check_saved(kind, plan, receipt, validators)
     except InvalidArgumentError as e:
@@ -482,8 +490,7 @@ def _check_saved(kind: PlanKind, plan, receipt, validators: dict) -> None:
     for d in plan.decisions:
         if kind.route_type(d.route) not in kind.plannable_routes:
             kind.fail(f"plan decides {kind.route_type(d.route).value}, which no calibration chooses")
-    expected_id = kind.recompute_plan_id(plan)
-    if expected_id is not None and expected_id != plan.plan_id:
+    if kind.recompute_plan_id(plan) != plan.plan_id:
         kind.fail("plan id does not match the plan's contents")
     if receipt is None:
         return
@@ -493,3 +500,63 @@ def _check_saved(kind: PlanKind, plan, receipt, validators: dict) -> None:
     chosen = {d.shape.key: kind.route_type(d.selected_route) for d in receipt.decisions}
     if chosen != plan._lookup:
         kind.fail("receipt decisions differ from the plan's")
+
+
+# ---- Saved receipts --------------------------------------------------------------------------------
+
+
+def read_receipt(kind: PlanKind, doc):
+    """The calibration receipt of a saved receipt document, adopted only when it is whole and
+    consistent: rewritten from an earlier schema version where the kind can, conforming to its
+    schema (numbers within their ranges) with every integer written as an integer, and consistent
+    with itself (check_receipt). Otherwise InvalidArgumentError naming the field."""
+    receipt = kind.receipt_type.from_dict(kind.upgrade_receipt(doc), exact_integers=True)
+    check_receipt(kind, receipt)
+    return receipt
+
+
+def check_receipt(kind: PlanKind, receipt) -> None:
+    """What every calibration receipt's own structure implies, then the kind's own checks: one
+    decision per declared shape, sorted by shape; its totals the sums of its decisions'; at most one
+    cleanup submission; no more fresh calibrations than decisions that were not cache hits; an
+    overrun within the elapsed time; each decision's submissions adding up; and every timing
+    distribution ordered (p25 <= median <= p75)."""
+
+    def fail(field: str, message: str):
+        kind.fail(f"calibration receipt {field} {message}")
+
+    decisions = receipt.decisions
+    if receipt.declared_shapes != len(decisions):
+        fail("declared_shapes", f"is {receipt.declared_shapes}, but the receipt holds {len(decisions)} decisions")
+    keys = [d.shape.key for d in decisions]
+    if keys != sorted(set(keys)):
+        fail("decisions", "are not sorted by shape, or repeat a shape")
+    totals = {
+        "process_cache_hits": sum(d.process_cache_hit for d in decisions),
+        "proof_submissions": sum(d.proof_submissions for d in decisions),
+        "timing_submissions": sum(d.timing_submissions for d in decisions),
+    }
+    for name, total in totals.items():
+        if getattr(receipt, name) != total:
+            fail(name, f"is {getattr(receipt, name)}, but its decisions add up to {total}")
+    if receipt.cleanup_submissions > 1:
+        fail("cleanup_submissions", f"is {receipt.cleanup_submissions}; a calibration submits at most one")
+    total = receipt.proof_submissions + receipt.timing_submissions + receipt.cleanup_submissions
+    if receipt.calibration_submissions != total:
+        fail("calibration_submissions", f"is {receipt.calibration_submissions}, not proof + timing + cleanup = {total}")
+    fresh = sum(not d.process_cache_hit for d in decisions)
+    if receipt.calibrated_decisions > fresh:
+        fail(
+            "calibrated_decisions", f"is {receipt.calibrated_decisions}, but only {fresh} decisions were not cache hits"
+        )
+    if receipt.deadline_overrun_ms > receipt.elapsed_ms:
+        fail("deadline_overrun_ms", f"{receipt.deadline_overrun_ms} exceeds elapsed_ms {receipt.elapsed_ms}")
+    for i, d in enumerate(decisions):
+        if d.calibration_submissions != d.proof_submissions + d.timing_submissions:
+            fail(f"decisions[{i}].calibration_submissions", "is not proof_submissions + timing_submissions")
+        for j, t in enumerate(d.timings):
+            for clock in ("wall", "gpu"):
+                dist = getattr(t, clock)
+                if not dist.p25_us <= dist.median_us <= dist.p75_us:
+                    fail(f"decisions[{i}].timings[{j}].{clock}.p25_us", "median_us and p75_us are not in order")
+    kind.check_receipt(receipt)

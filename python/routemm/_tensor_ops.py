@@ -19,6 +19,7 @@ from ._core_api import DType
 from ._errors import InvalidArgumentError
 
 _DL_CPU, _DL_CUDA = 1, 2
+_U32_MAX = 2**32 - 1
 
 
 def _target(device_type: int, index: int) -> tuple[_core.Device, _core.KernelRegistry]:
@@ -41,8 +42,9 @@ class Framework:
     def dtype(self, t) -> DType:
         raise NotImplementedError
 
-    def place(self, t) -> tuple[int, int]:
-        """(DLPack device type, device index) of `t`."""
+    def place(self, t, name: str = "") -> tuple[int, int]:
+        """(DLPack device type, device index) of `t`; a device routemm has no backend for is
+        refused, naming the argument `name` when given."""
         raise NotImplementedError
 
     def stream(self, t) -> int:
@@ -69,12 +71,23 @@ class Framework:
     def contiguous(self, t) -> bool:
         raise NotImplementedError
 
-    def ids_u32(self, ids, n_experts: int):
+    def ids_u32(self, ids, n_experts: int, what: str = "matmul_id ids"):
         """`ids` as int32 bit patterns read as u32, every id outside [0, n_experts) staying outside
-        it (a zero row): int32 ids as they are (a negative one reads as a u32 of 2**31 or more,
-        and n_experts < 2**31), wider ones clamped to [-1, n_experts] first so that no value wraps
-        into range. Computed on the ids' device; nothing is read on the host."""
+        it (a zero row): contiguous int32 ids as they are (a negative one reads as a u32 of 2**31
+        or more, and n_experts < 2**31); any other integer dtype converted to int64 and clamped
+        to [-1, n_experts] there, so that no value wraps into range (a clamp in the ids' own
+        dtype would turn uint8's -1 into 255; a uint64 id of 2**63 or more reads as a negative
+        int64, which stays invalid). Bool and floating ids are refused, naming `what`. Computed
+        on the ids' device; nothing is read on the host."""
         raise NotImplementedError
+
+    def forward_only(self, op: str, out, named):
+        """`out`, the result of `op`, which has no gradient (routemm's kernels compute the forward
+        pass only). `named`: the call's (argument name, value) pairs. Where the framework records
+        gradients, grad mode is on and an argument requires grad, `out` gets a grad_fn whose
+        backward raises UnsupportedError naming `op` and those arguments, so that no output claims
+        a gradient it never delivers while a forward with such inputs still runs."""
+        return out
 
 
 class _Torch(Framework):
@@ -96,6 +109,28 @@ class _Torch(Framework):
         self.by_name = {"f32": torch.float32, "i32": torch.int32, "u8": torch.uint8}
         self.f32, self.u8 = torch.float32, torch.uint8
         self.tensor_type = torch.Tensor
+        # The dtypes of expert ids (ids_u32): every 8- to 64-bit integer.
+        self.id_dtypes = frozenset(
+            (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64)
+        )
+
+        class RoutemmForwardOnly(torch.autograd.Function):
+            """The node forward_only puts under an output: its backward is routemm::_refuse_backward,
+            which raises UnsupportedError(message) when it runs (see routemm.torch)."""
+
+            @staticmethod
+            def forward(ctx, message, result, *inputs):
+                ctx.message = message
+                ctx.save_for_backward(*inputs)
+                return result()
+
+            @staticmethod
+            def backward(ctx, grad):
+                from . import torch as routemm_torch  # defines routemm::_refuse_backward
+
+                return None, None, *routemm_torch.refuse_backward(grad, list(ctx.saved_tensors), ctx.message)
+
+        self._forward_only = RoutemmForwardOnly
 
     def dtype(self, t):
         try:
@@ -103,12 +138,12 @@ class _Torch(Framework):
         except KeyError:
             raise InvalidArgumentError(f"no routemm dtype for torch dtype {t.dtype}") from None
 
-    def place(self, t):
+    def place(self, t, name=""):
         if t.device.type == "cpu":
             return _DL_CPU, 0
         if t.device.type == "cuda":
             return _DL_CUDA, t.device.index or 0
-        raise InvalidArgumentError(f"routemm has no backend for torch device {t.device}")
+        raise InvalidArgumentError(f"{name}{': ' if name else ''}routemm has no backend for torch device {t.device}")
 
     def stream(self, t):
         return self.torch.cuda.current_stream(t.device).cuda_stream
@@ -146,13 +181,29 @@ class _Torch(Framework):
     def contiguous(self, t):
         return t.is_contiguous()
 
-    def ids_u32(self, ids, n_experts):
+    def ids_u32(self, ids, n_experts, what="matmul_id ids"):
         torch = self.torch
         if ids.dtype is torch.int32 and ids.is_contiguous():
             return ids  # negative ids read as u32 are >= 2**31 > n_experts: already invalid
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise InvalidArgumentError(f"matmul_id ids must be integers, got {ids.dtype}")
-        return torch.clamp(ids, -1, n_experts).to(torch.int32).contiguous()
+        if ids.dtype not in self.id_dtypes:
+            raise InvalidArgumentError(f"{what} must be integers, got {ids.dtype}")
+        return torch.clamp(ids.to(torch.int64), -1, n_experts).to(torch.int32).contiguous()
+
+    def forward_only(self, op, out, named):
+        torch = self.torch
+        if not torch.is_grad_enabled():
+            return out
+        needs = [(name, t) for name, t in named if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not needs:
+            return out
+        message = (
+            f"{op} has no gradient: routemm computes the forward pass only, so backward cannot reach "
+            f"{', '.join(name for name, _ in needs)}; train with another implementation, or run the "
+            "forward under torch.no_grad() or torch.inference_mode()"
+        )
+        # `out` is handed over by a closure, not as an argument, so that it becomes the node's
+        # output itself (an argument would come back as a view of it).
+        return self._forward_only.apply(message, lambda: out, *(t for _, t in needs))
 
 
 class _CuPy(Framework):
@@ -173,7 +224,7 @@ class _CuPy(Framework):
 
         return dtype_of(t.dtype)
 
-    def place(self, t):
+    def place(self, t, name=""):
         return _DL_CUDA, int(t.device.id)
 
     def stream(self, t):
@@ -199,13 +250,13 @@ class _CuPy(Framework):
     def contiguous(self, t):
         return bool(t.flags.c_contiguous)
 
-    def ids_u32(self, ids, n_experts):
+    def ids_u32(self, ids, n_experts, what="matmul_id ids"):
         cupy = self.cupy
         if not self.np.issubdtype(ids.dtype, self.np.integer):
-            raise InvalidArgumentError(f"matmul_id ids must be integers, got {ids.dtype}")
+            raise InvalidArgumentError(f"{what} must be integers, got {ids.dtype}")
         if ids.dtype == self.np.int32 and ids.flags.c_contiguous:
             return ids
-        return cupy.ascontiguousarray(cupy.clip(ids, -1, n_experts).astype(cupy.int32))
+        return cupy.ascontiguousarray(cupy.clip(ids.astype(cupy.int64), -1, n_experts).astype(cupy.int32))
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,6 +274,27 @@ def _places(fw: Framework, weights, x, ids) -> set:
                 f"{type(t).__name__}"
             )
     return {fw.place(t) for t in (weights, x, ids)}
+
+
+def one_place(fw: Framework, op: str, named) -> tuple[int, int]:
+    """The (DLPack device type, index) of a call's tensors, `named` as (argument name, value)
+    pairs with the call's lead tensor first: each must be a tensor of the lead's framework, on a
+    device routemm has a backend for (not meta, say), and all on the lead's device. A refusal
+    names the argument; nothing is read or allocated."""
+    lead_name = named[0][0]
+    lead = None
+    for name, t in named:
+        if not isinstance(t, fw.tensor_type):
+            raise InvalidArgumentError(
+                f"{op}: {lead_name} is a {fw.name} tensor, so {name} must be one too, got "
+                f"{type(t).__module__}.{type(t).__name__}"
+            )
+        place = fw.place(t, f"{op} {name}")
+        if lead is None:
+            lead = place
+        elif place != lead:
+            raise InvalidArgumentError(f"{op}: {name} lives on another device than {lead_name}")
+    return lead
 
 
 def _plan(fw: Framework, weights, x, ids, route):
@@ -293,9 +365,13 @@ def _checked_out(fw: Framework, out, plan, device_key, x):
     return out
 
 
-def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_receipt: bool = False):
+def matmul_id(
+    fw: Framework, weights, x, ids, route=None, out=None, *, with_receipt: bool = False, op_kernel: bool = False
+):
     """The expert-ID product on framework tensors (see routemm.matmul_id); returns `out` or a new
     [m * top_k, n] float32 tensor (with `with_receipt`, the pair of it and the dispatch receipt).
+    The result refuses gradients (fw.forward_only), except as a torch op's kernel (`op_kernel`),
+    which runs below autograd, where the op's autograd kernel does the same.
 
     route None picks by shape only: grouped_prefill from AUTO_GROUPED_MIN_TOKENS tokens on when
     top_k <= n_experts, else direct. The grouped kernels route repeated ids correctly (each slot
@@ -314,6 +390,8 @@ def matmul_id(fw: Framework, weights, x, ids, route=None, out=None, *, with_rece
     if plan is None:
         plan = plans.setdefault(key, _plan(fw, weights, x, ids, route))
     out, native = _enqueue_planned(fw, _core._enqueue_dense_matmul_id, plan, device_key, weights, x, ids, out)
+    if not op_kernel:
+        out = fw.forward_only("routemm.matmul_id", out, (("weights", weights), ("x", x)))
     if with_receipt:
         from .dense_matmul_id import _receipt_of
 
@@ -336,7 +414,9 @@ def _quantized_plan(fw: Framework, weights, x, ids, ggml_type: str, route):
     return _core._plan_tensor_quantized_matmul_id(*places.pop(), ggml_type, *shape, route)
 
 
-def quantized_matmul_id(fw: Framework, weights, x, ids, ggml_type: str, route=None, out=None, *, with_receipt=False):
+def quantized_matmul_id(
+    fw: Framework, weights, x, ids, ggml_type: str, route=None, out=None, *, with_receipt=False, op_kernel=False
+):
     """The expert-ID product over a GGML block stack (uint8 [n_experts, n, k / 32 * block_bytes],
     the raw bytes of a GGUF `_exps` tensor) on framework tensors, with matmul_id's call path: one
     plan per call shape, output and scratch from the framework's allocator, one call into the
@@ -344,7 +424,7 @@ def quantized_matmul_id(fw: Framework, weights, x, ids, ggml_type: str, route=No
     (route None: the exact grouped route where the shape-only rule takes it, else direct); ids
     are never read on the host, and repeated ids are computed by every route. Returns `out` or a
     new [m * top_k, n] float32 tensor (with `with_receipt`, the pair of it and the native receipt
-    tuple)."""
+    tuple). Gradients as for matmul_id."""
     device_key = fw.device_key(x)
     key = (device_key, weights.shape, weights.dtype, x.shape, x.dtype, ids.shape, ggml_type, route)
     plans = fw.matmul_id_plans
@@ -352,7 +432,25 @@ def quantized_matmul_id(fw: Framework, weights, x, ids, ggml_type: str, route=No
     if plan is None:
         plan = plans.setdefault(key, _quantized_plan(fw, weights, x, ids, ggml_type, route))
     out, native = _enqueue_planned(fw, _core._enqueue_quantized_matmul_id, plan, device_key, weights, x, ids, out)
+    if not op_kernel:
+        out = fw.forward_only("routemm.matmul_id", out, (("weights", weights), ("x", x)))
     return (out, native) if with_receipt else out
+
+
+def check_q4_extents(n: int, k: int, weight_nbytes: int) -> None:
+    """q4_matmul's n and k, each in [1, 2**32 - 1] with k a multiple of 32, against the weight's
+    byte size (n rows of k / 32 blocks of 18 bytes), before anything is allocated: an output of
+    [m, n] is never made for an n the weight cannot hold."""
+    for name, value in (("n", n), ("k", k)):
+        if not 1 <= value <= _U32_MAX:
+            raise InvalidArgumentError(f"q4_matmul {name} must be in [1, {_U32_MAX}], got {value}")
+    if k % 32:
+        raise InvalidArgumentError(f"q4_matmul k must be a multiple of 32, got {k}")
+    need = n * (k // 32) * 18
+    if weight_nbytes < need:
+        raise InvalidArgumentError(
+            f"q4_matmul weight must hold n = {n} rows of {k // 32} Q4_0 blocks ({need} bytes), got {weight_nbytes} bytes"
+        )
 
 
 def q4_matmul(fw: Framework, x, weight, n: int, k: int, out=None):
@@ -375,6 +473,7 @@ def q4_matmul(fw: Framework, x, weight, n: int, k: int, out=None):
     for name, t in (("x", x), ("weight", weight)):
         if not fw.contiguous(t):
             raise InvalidArgumentError(f"q4_matmul: {name} must be contiguous")
+    check_q4_extents(n, k, fw.nbytes(weight))
     if out is None:
         out = fw.empty((m, n), "f32", x)
     elif tuple(out.shape) != (m, n) or fw.dtype(out) != DType.F32:

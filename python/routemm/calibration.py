@@ -439,6 +439,8 @@ class Progress:
 
 PLAN_FILE_FORMAT = "routemm-route-plan"
 PLAN_FILE_VERSION = 1
+# The keys write_plan_file writes; a file with any other is refused.
+_PLAN_FILE_KEYS = {"format", "format_version", "kind", "validators", "plan", "receipt"}
 PLAN_CACHE_DIR_KNOB = "ROUTEMM_PLAN_CACHE_DIR"
 # Knobs that cannot change a plan's meaning and so do not invalidate plan files.
 _NEUTRAL_KNOBS = {PLAN_CACHE_DIR_KNOB, "ROUTEMM_LOG_LEVEL", "ROUTEMM_TEST_BACKENDS"}
@@ -495,6 +497,9 @@ def read_plan_file(path, kind: str, current: dict) -> tuple[dict, Optional[dict]
         raise PlanFileMismatch(str(e)) from None
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FILE_FORMAT:
         raise PlanFileMismatch(f"route plan file {path} is not a routemm route plan")
+    unknown = sorted(set(doc) - _PLAN_FILE_KEYS)
+    if unknown:
+        raise PlanFileMismatch(f"route plan file {path} has unknown key(s) {', '.join(unknown)}")
     if doc.get("format_version") != PLAN_FILE_VERSION:
         raise PlanFileMismatch(
             f"route plan file {path} has format_version {doc.get('format_version')!r}, "

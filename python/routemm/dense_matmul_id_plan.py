@@ -288,18 +288,12 @@ def freeze_dense_matmul_id_plan_for_cases(
             )
         )
     digest = _authority_digest(device, epoch, entries)
-    reproduced = (
-        _plan_id(
-            plan.build_fingerprint, plan.device_registry_id, plan.registry_authority_id, epoch, digest, plan.decisions
-        )
-        == plan.plan_id
-    )
-    if (authority is not None and digest != authority.digest) or (authority is None and not reproduced):
+    if digest != plan.authority_digest or (authority is not None and digest != authority.digest):
         _fail(
             "dense_matmul_id worker plan authority digest mismatch: the cases borrow different weight "
             "identities (address, byte_offset, nbytes) than the activation that made the plan"
         )
-    if not reproduced:
+    if KIND.recompute_plan_id(plan) != plan.plan_id:
         _fail("dense_matmul_id worker plan id mismatch: the plan's contents were altered after calibration")
     build_fp, _, identities, _, errors = ex.prepare(
         OP, worker_registry, ex.formats_of(OP, [d.shape for d in plan.decisions])
@@ -501,10 +495,6 @@ def _collect_cases(cases, max_cases: Optional[int]):
 
 def _authority_digest(device, epoch: int, entries) -> str:
     return ex.authority_digest(OP, device, epoch, entries)
-
-
-def _plan_id(build_fp, device_registry_id, authority_id, epoch, digest, decisions) -> str:
-    return ex.plan_id(OP, build_fp, device_registry_id, authority_id, epoch, digest, decisions)
 
 
 def calibrate_dense_matmul_id_routes(registry, device, activation_epoch, limits=None, cases=(), **options):

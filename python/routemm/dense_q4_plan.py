@@ -328,6 +328,55 @@ class _DenseQ4Kind(rp.PlanKind):
         identity = (plan.device_registry_id, plan.registry_authority_id, plan.activation_epoch)
         return _plan_id(plan.build_fingerprint, *identity, plan.decisions)
 
+    def check_receipt(self, receipt) -> None:
+        """A dense Q4 receipt's own totals, and what each decision's structure implies (see
+        _Calibrator.shape): at most one proof submission, of two route and two auxiliary dispatches
+        per authorised weight, and no proof work without it; timings of both routes, in order, or
+        none, and both with the submissions they took where the shape was timed here (not a cache
+        hit); the candidate selected exactly when the status is calibrated_winner."""
+        V2, C = DenseQ4Route.COMPATIBILITY_V2, DenseQ4Route.TENSOR_64X32
+        decisions = receipt.decisions
+
+        def fail(field: str, message: str):
+            _fail(f"dense Q4 calibration receipt {field} {message}")
+
+        for i, d in enumerate(decisions):
+            at = f"decisions[{i}]"
+            if (d.selected_route is C) != (d.status is DenseQ4SelectionStatus.CALIBRATED_WINNER):
+                fail(f"{at}.selected_route", f"{d.selected_route.value} disagrees with its status {d.status.value}")
+            proved = d.proof_submissions == 1
+            if d.proof_submissions > 1 or proved != (d.authorized_weight_buffers > 0):
+                fail(f"{at}.proof_submissions", f"is {d.proof_submissions} for {d.authorized_weight_buffers} weights")
+            for name in ("proof_route_dispatches", "proof_auxiliary_dispatches"):
+                if getattr(d, name) != 2 * d.authorized_weight_buffers:
+                    fail(f"{at}.{name}", f"is not two per authorised weight ({d.authorized_weight_buffers})")
+            if not proved and (d.proof_scratch_bytes or d.proof_gpu_us):
+                fail(f"{at}.proof_scratch_bytes", "and proof_gpu_us are not zero without a proof submission")
+            routes = tuple(t.route for t in d.timings)
+            if routes not in ((), (V2, C)):
+                fail(f"{at}.timings", f"time {[r.value for r in routes]}, not both routes in order or none")
+            if d.process_cache_hit and d.timing_submissions:
+                fail(f"{at}.timing_submissions", "of a cache hit are not zero")
+            if not d.process_cache_hit and d.status in _TIMED_STATUSES:
+                if routes != (V2, C):
+                    fail(f"{at}.timings", f"are missing from a shape timed in this calibration ({d.status.value})")
+                if d.timing_submissions != 2 * cal.CALIBRATION_SAMPLES:
+                    fail(f"{at}.timing_submissions", f"is {d.timing_submissions}, not {2 * cal.CALIBRATION_SAMPLES}")
+
+        totals = {
+            "compatibility_route_decisions": sum(d.selected_route is V2 for d in decisions),
+            "authorized_shape_weight_pairs": sum(d.authorized_weight_buffers for d in decisions),
+            "proof_route_dispatches": sum(d.proof_route_dispatches for d in decisions),
+            "proof_auxiliary_dispatches": sum(d.proof_auxiliary_dispatches for d in decisions),
+            "peak_proof_scratch_bytes": max((d.proof_scratch_bytes for d in decisions), default=0),
+        }
+        for name, total in totals.items():
+            if getattr(receipt, name) != total:
+                fail(name, f"is {getattr(receipt, name)}, but its decisions give {total}")
+        gpu_us = math.fsum(d.proof_gpu_us for d in decisions)
+        if not math.isclose(receipt.proof_gpu_us, gpu_us, rel_tol=1e-9, abs_tol=1e-9):
+            fail("proof_gpu_us", f"is {receipt.proof_gpu_us}, but its decisions add up to {gpu_us}")
+
     def upgrade_receipt(self, doc: dict) -> dict:
         """A version-4 receipt document (its library version named mlx_native_version) as version 5."""
         if doc.get("schema_version") != 4 or "mlx_native_version" not in doc or "routemm_version" in doc:

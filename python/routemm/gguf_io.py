@@ -15,9 +15,13 @@ cannot guarantee the file stays as it is pass `copy=True`, which reads the tenso
 file reads into a buffer of its own.
 
 A malformed file is an InvalidArgumentError naming the problem: a bad magic or version, truncation,
-names that are not UTF-8, a `general.alignment` that is not a positive integer, more dimensions
-than GGML has, dimensions or extents beyond the file, metadata arrays nested deeper than
-MAX_ARRAY_NESTING. The header is parsed with ordinary reads (no map).
+names that are not UTF-8, a metadata key or tensor name given twice (ggml and the `gguf` package
+refuse these too), a `general.alignment` that is not a uint32 power of two and a multiple of 8
+(ggml and the `gguf` package want a uint32 power of two, the GGUF spec a multiple of 8), a tensor
+data offset that is not a multiple of the alignment, more dimensions than GGML has, a shape whose
+dimensions or sizes pass 2^63 - 1 (each dimension, and the product in values and in bytes with
+zero dimensions counted as one: a zero-size tensor too), extents beyond the file, metadata arrays
+nested deeper than MAX_ARRAY_NESTING. The header is parsed with ordinary reads (no map).
 
 This reader is self-contained (no `gguf` package needed at run time); the tests check it against
 files written by gguf.GGUFWriter.
@@ -53,8 +57,11 @@ _TENSOR_TYPES = {
 
 # GGUF metadata value types: id -> struct format of a scalar (strings and arrays are special).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_INTEGERS = {0, 1, 2, 3, 4, 5, 10, 11}
-_STRING, _ARRAY = 8, 9
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_VALUE_TYPE_NAMES = {
+    0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
+    8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64",
+}  # fmt: skip
 
 
 class _Cursor:
@@ -111,38 +118,63 @@ def _read_index(f, size: int, path: str):
     metadata = {}
     for _ in range(n_kv):
         key = cur.string()
+        if key in metadata:  # ambiguous: which value a reader takes would be its own choice
+            cur.fail(f"has metadata key {key!r} twice")
         type_id = cur.unpack("<I")
         value = cur.value(type_id)
         metadata[key] = value
         if key == "general.alignment":
-            if type_id not in _INTEGERS or value <= 0:
-                cur.fail(f"has general.alignment {value!r}; it must be a positive integer")
+            # Powers of two keep the padding arithmetic exact; a multiple of 8 (the spec's rule)
+            # puts every tensor of a mapped file at an address each buffer dtype can use.
+            if type_id != _UINT32 or value == 0 or value & (value - 1) or value % 8:
+                kind = _VALUE_TYPE_NAMES.get(type_id, f"type {type_id}")
+                cur.fail(
+                    f"has general.alignment {value!r} ({kind}); it must be a positive integer, a power of "
+                    "two and a multiple of 8, stored as uint32"
+                )
             alignment = value
     infos = {}
     for _ in range(n_tensors):
         name = cur.string()
+        if name in infos:
+            cur.fail(f"has two tensors named {name!r}")
         n_dims = cur.unpack("<I")
         if n_dims > GGML_MAX_DIMS:
             cur.fail(f"gives tensor {name!r} {n_dims} dimensions; GGML has at most {GGML_MAX_DIMS}")
         dims = [cur.unpack("<Q") for _ in range(n_dims)]
-        infos[name] = (dims, cur.unpack("<I"), cur.unpack("<Q"))
+        type_id, offset = cur.unpack("<I"), cur.unpack("<Q")
+        if offset % alignment:
+            cur.fail(f"is malformed: tensor {name!r} is at data offset {offset}, not a multiple of {alignment}")
+        infos[name] = (dims, type_id, offset)
     data_start = (cur.pos + alignment - 1) // alignment * alignment
     return infos, data_start, metadata
 
 
-def _index_of(path) -> tuple:
+def _fspath(path, op: str):
+    """`path` as os.fspath gives it; anything but a str, bytes or os.PathLike is refused for `op`."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise InvalidArgumentError(f"{op}: path must be a str, bytes or os.PathLike, got {type(path).__name__}")
+    return os.fspath(path)
+
+
+def _check_name(name, op: str = "gguf_tensor") -> None:
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"{op}: name must be a str, got {type(name).__name__}")
+
+
+def _index_of(path, op: str = "gguf_tensor") -> tuple:
     """_read_index of the file at `path`, with a read failure an InvalidArgumentError."""
-    path = os.fspath(path)
+    path = _fspath(path, op)
     try:
         with open(path, "rb") as f:
             return _read_index(f, os.fstat(f.fileno()).st_size, path)
     except OSError as e:
-        raise InvalidArgumentError(f"gguf_tensor: cannot read {path}: {e}") from None
+        raise InvalidArgumentError(f"{op}: cannot read {path}: {e}") from None
 
 
 def gguf_metadata(path) -> dict:
     """The key/value metadata of the GGUF file at `path` (arrays as lists)."""
-    return _index_of(path)[2]
+    return _index_of(path, "gguf_metadata")[2]
 
 
 def _type_name(path, infos: dict, name: str) -> str:
@@ -154,7 +186,8 @@ def _type_name(path, infos: dict, name: str) -> str:
 
 def gguf_tensor_type(path, name: str) -> str:
     """The GGML type name ("q4_0", "f32", ...; "ggml_type_<id>" for others) of tensor `name`."""
-    return _type_name(path, _index_of(path)[0], name)
+    _check_name(name, "gguf_tensor_type")
+    return _type_name(path, _index_of(path, "gguf_tensor_type")[0], name)
 
 
 def _gguf_header(path, names) -> tuple[dict, dict]:
@@ -176,8 +209,6 @@ def _extent(path: str, name: str, infos: dict, data_start: int, file_size: int):
             f"gguf_tensor: tensor {name!r} has GGML type {type_id}; supported: q4_0, q8_0, f32, f16, bf16"
         )
     type_name, dtype, block_values, block_bytes = _TENSOR_TYPES[type_id]
-    if any(d > I64_MAX for d in dims):
-        raise InvalidArgumentError(f"gguf_tensor: tensor {name!r} has a dimension beyond 2^63 - 1: {dims}")
     shape = [int(d) for d in reversed(dims)] or [1]
     if shape[-1] % block_values != 0:
         raise InvalidArgumentError(
@@ -185,6 +216,15 @@ def _extent(path: str, name: str, infos: dict, data_start: int, file_size: int):
             f"multiple of {block_values}"
         )
     shape[-1] = shape[-1] // block_values * block_bytes // dtype.size
+    # Sizes are signed 64-bit in GGML, NumPy and the buffers. Zero dimensions count as one, so a
+    # zero-size tensor's other dimensions are bounded too (its .numpy() would fail otherwise).
+    values = math.prod(d or 1 for d in dims)
+    span = math.prod(d or 1 for d in shape) * dtype.size
+    if any(d > I64_MAX for d in dims) or values > I64_MAX or span > I64_MAX:
+        raise InvalidArgumentError(
+            f"gguf_tensor: tensor {name!r} has dimensions {dims} beyond 2^63 - 1 (each dimension, and their "
+            "product in values and in bytes, zero dimensions counted as one)"
+        )
     nbytes = math.prod(shape) * dtype.size  # Python integers: no overflow before the check below
     start = data_start + offset
     if start + nbytes > file_size:
@@ -200,16 +240,21 @@ def gguf_tensor(path, name: str, device: Optional[_core.Device] = None, *, copy:
     On a host-accessible device the buffer maps the file (zero copy, read-only) unless `copy` is
     true; a mapped file must not be truncated while the buffer lives (see the module docstring).
     With `copy=True` the tensor is read into a buffer of its own and the file may change later."""
+    _check_name(name)
     return _gguf_tensors(path, [name], device, copy=copy)[name]
 
 
 def _gguf_tensors(path, names, device: Optional[_core.Device] = None, *, copy: bool = False) -> dict:
     """{name: gguf_tensor(path, name, device, copy=copy)} for `names`, reading the header once."""
-    path = os.fspath(path)
+    path = _fspath(path, "gguf_tensor")
     if device is None:
         from .dense_matmul_id import _default_device
 
         device = _default_device()
+    if not isinstance(device, _core.Device):
+        raise InvalidArgumentError(f"gguf_tensor: device must be a routemm.Device or None, got {device!r}")
+    if not isinstance(copy, bool):
+        raise InvalidArgumentError(f"gguf_tensor: copy must be a bool, got {copy!r}")
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size

@@ -87,17 +87,21 @@ def _matrix_shape(what: str, shape) -> tuple[int, int]:
     return shape
 
 
-def _check_top_k(top_k, n_experts: int) -> int:
+def _check_top_k(top_k, n_experts: int, what: str = "moe_gate top_k", experts: str = "n_experts") -> int:
+    """top_k as an int in [1, n_experts]: an integer, never a bool, float or string (no coercion).
+    `what` and `experts` name the argument (or metadata key) and the expert count in the refusal
+    (MoeLayer shares this check)."""
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
-        raise InvalidArgumentError(f"moe_gate top_k must be an integer, got {top_k!r}")
+        raise InvalidArgumentError(f"{what} must be an integer, got {top_k!r}")
     if not 1 <= top_k <= n_experts:
-        raise InvalidArgumentError(f"moe_gate top_k {top_k} must be in [1, n_experts = {n_experts}]")
+        raise InvalidArgumentError(f"{what} {top_k} must be in [1, {experts} = {n_experts}]")
     return int(top_k)
 
 
-def _check_bool(value) -> bool:
+def _check_bool(value, what: str = "moe_gate renormalize") -> bool:
+    """`value` as a bool: a bool or numpy bool only (a truthy string or list is refused)."""
     if not isinstance(value, (bool, np.bool_)):
-        raise InvalidArgumentError(f"moe_gate renormalize must be a bool, got {value!r}")
+        raise InvalidArgumentError(f"{what} must be a bool, got {value!r}")
     return bool(value)
 
 
@@ -123,8 +127,11 @@ def moe_gate(router_logits, top_k: int, *, renormalize: bool, device=None):
     if framework == "torch":
         import torch
 
+        from . import _tensor_ops
         from ._interop import from_dlpack
 
+        fw = _tensor_ops.framework("torch")
+        _tensor_ops.one_place(fw, "moe_gate", [("router_logits", router_logits)])
         if router_logits.dtype != torch.float32:
             raise InvalidArgumentError(f"moe_gate router_logits must be float32, got {router_logits.dtype}")
         logits_buf = from_dlpack(router_logits.detach().contiguous())
@@ -137,7 +144,7 @@ def moe_gate(router_logits, top_k: int, *, renormalize: bool, device=None):
                 enc, reg, logits_buf, from_dlpack(weights), from_dlpack(ids), m, n_experts, top_k, renormalize
             ),
         )
-        return weights, ids
+        return fw.forward_only("routemm.moe_gate", weights, [("router_logits", router_logits)]), ids
     logits = np.asarray(router_logits)
     if logits.dtype != np.float32:
         raise InvalidArgumentError(f"moe_gate router_logits must be float32, got {logits.dtype}")
@@ -379,51 +386,61 @@ def _weight_buffer(device, w):
     return device.from_numpy(np.ascontiguousarray(w))
 
 
-def _checked_ggml_type(ggml_type) -> Optional[GgmlType]:
+def _checked_ggml_type(ggml_type, what: str = "moe_experts ggml_type") -> Optional[GgmlType]:
     if ggml_type is None:
         return None
     try:
-        ggml_type = GgmlType(ggml_type)
+        parsed = GgmlType(ggml_type)
     except ValueError:
-        ggml_type = None
-    if ggml_type not in QUANTIZED_EXPERT_TYPES:
+        parsed = None
+    if parsed not in QUANTIZED_EXPERT_TYPES:
         names = ", ".join(t.value for t in QUANTIZED_EXPERT_TYPES)
-        raise InvalidArgumentError(f"moe_experts ggml_type must be None (float weights) or one of {names}")
-    return ggml_type
+        raise InvalidArgumentError(f"{what} must be None (float weights) or one of {names}, got {ggml_type!r}")
+    return parsed
 
 
-def _check_weight_dtypes(bufs, ggml_type: Optional[GgmlType] = None) -> None:
+def _check_weight_dtypes(bufs, ggml_type: Optional[GgmlType] = None, what: str = "moe_experts") -> None:
     dtypes = {b.dtype for b in bufs}
     if ggml_type is not None:
         if dtypes != {DType.U8}:
             raise InvalidArgumentError(
-                f"moe_experts {ggml_type.value} weights must be uint8 block stacks, got {sorted(d.name.lower() for d in dtypes)}"
+                f"{what} {ggml_type.value} weights must be uint8 block stacks, got {sorted(d.name.lower() for d in dtypes)}"
             )
         return
     if len(dtypes) != 1 or not dtypes <= {DType.F32, DType.F16, DType.BF16}:
         raise InvalidArgumentError(
-            f"moe_experts weights must share one of f32, f16, bf16, got {sorted(d.name.lower() for d in dtypes)}"
+            f"{what} weights must share one of f32, f16, bf16, got {sorted(d.name.lower() for d in dtypes)}"
         )
 
 
 def _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route, ggml_type):
     import torch
 
+    from . import _tensor_ops
     from ._interop import from_dlpack
 
+    fw = _tensor_ops.framework("torch")
+    if isinstance(gate_up, (tuple, list)):
+        gate_up_named = [(f"gate_up[{i}]", w) for i, w in enumerate(gate_up)]
+    else:
+        gate_up_named = [("gate_up", gate_up)]
+    named = [("hidden", hidden), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights), *gate_up_named]
+    named.append(("down", down))
+    # Every argument a tensor on hidden's device, one routemm has a backend for, before anything else.
+    _tensor_ops.one_place(fw, "moe_experts", named)
     s = _expert_shapes(hidden.shape, top_k_index.shape, top_k_weights.shape, gate_up, down, ggml_type)
     if hidden.dtype != torch.float32 or top_k_weights.dtype != torch.float32:
         raise InvalidArgumentError(
             f"moe_experts hidden and top_k_weights must be float32, got {hidden.dtype} and {top_k_weights.dtype}"
         )
     dev = hidden.device
-    valid = (top_k_index >= 0) & (top_k_index < s.n_experts)
-    # int32 bit patterns read as u32: every invalid id becomes -1, i.e. 0xFFFFFFFF.
-    ids32 = torch.where(valid, top_k_index, torch.full_like(top_k_index, -1)).to(torch.int32).contiguous()
+    # int32 bit patterns read as u32, every invalid id outside [0, E) there (the matmul_id rule).
+    ids32 = fw.ids_u32(top_k_index, s.n_experts, "moe_experts top_k_index")
     distinct = True
     if route is None or _parsed_route(route, ggml_type).is_grouped:
+        valid = (ids32 >= 0) & (ids32 < s.n_experts)
         slots = torch.arange(s.top_k, device=dev)
-        keyed = torch.where(valid, top_k_index, -1 - slots)
+        keyed = torch.where(valid, ids32, -1 - slots)
         sorted_ids = torch.sort(keyed, dim=1).values
         distinct = s.top_k <= 1 or not bool((sorted_ids[:, 1:] == sorted_ids[:, :-1]).any())
 
@@ -455,4 +472,4 @@ def _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route,
         gate_up_bufs, down_buf, alloc, from_dlpack(out), ggml_type,
     )  # fmt: skip
     encoder.commit_and_wait()
-    return out
+    return fw.forward_only("routemm.moe_experts", out, named)

@@ -13,6 +13,12 @@ A call is one encoder submission: router logits (the router as a one-expert expe
 moe_gate, then moe_experts' matmuls, SiLU*up and the ordered combine; nothing returns to the host in
 between. The gate renormalises the top-k weights when `<arch>.expert_weights_norm` says so, and
 otherwise as the architecture does (RENORMALIZE_BY_ARCH).
+
+Arguments and metadata are checked as they are read, before any tensor is mapped or anything is
+encoded, and never coerced: the counts must be integers (`expert_used_count` in [1, expert_count]),
+`expert_weights_norm` a bool, `expert_gating_func` the integer 1 (softmax); anything else is an
+InvalidArgumentError naming the argument or metadata key. top_k and renormalize share moe_gate's
+checks.
 """
 
 from __future__ import annotations
@@ -35,8 +41,16 @@ from .dense_matmul_id import (
     _registry_for,
     dense_matmul_id,
 )
-from .gguf_io import _gguf_header, _gguf_tensors
-from .moe import _checked_route, _encode_experts, _ExpertShapes
+from .gguf_io import _fspath, _gguf_header, _gguf_tensors
+from .moe import (
+    _check_bool,
+    _check_top_k,
+    _check_weight_dtypes,
+    _checked_ggml_type,
+    _checked_route,
+    _encode_experts,
+    _ExpertShapes,
+)
 from .quantized_matmul import GgmlType
 
 # Whether an architecture's router renormalises its top-k weights, where the file does not say
@@ -63,58 +77,98 @@ class MoeLayer:
         device=None,
         name: str = "moe layer",
     ):
-        """router: [E, H] float buffer; gate, up: [E, I, H]; down: [E, H, I] (float buffers, or uint8
-        block stacks with ggml_type Q4_0 / Q8_0). All buffers live on `device`."""
-        self.device = device or router.device
-        self.router, self.gate, self.up, self.down = router, gate, up, down
-        self.ggml_type = ggml_type
-        self.name = name
-        n_experts, hidden = (int(d) for d in router.shape)
-        self.n_experts, self.hidden = n_experts, hidden
+        """router: [E, H] float buffer; gate, up: [E, I, H]; down: [E, H, I] (float buffers of one
+        dtype, or uint8 block stacks with ggml_type Q4_0 / Q8_0, a GgmlType or its value). All
+        buffers live on `device` (default: the router's). top_k: an integer in [1, E]; renormalize:
+        a bool (checked as moe_gate checks them)."""
+        for label, buf in (("router", router), ("gate", gate), ("up", up), ("down", down)):
+            if not isinstance(buf, _core.Buffer):
+                raise InvalidArgumentError(f"{name}: {label} must be a routemm.Buffer, got {type(buf).__name__}")
+        if device is not None and not isinstance(device, _core.Device):
+            raise InvalidArgumentError(f"{name}: device must be a routemm.Device or None, got {device!r}")
+        device = device or router.device
+        ggml_type = _checked_ggml_type(ggml_type, f"{name}: ggml_type")
+        router_shape = tuple(int(d) for d in router.shape)
+        if len(router_shape) != 2:
+            raise InvalidArgumentError(f"{name}: router must be [E, H], got {list(router_shape)}")
         if router.dtype not in (DType.F32, DType.F16, DType.BF16):
-            raise InvalidArgumentError(f"{name}: the router must be f32, f16 or bf16, got {router.dtype.name.lower()}")
+            raise InvalidArgumentError(f"{name}: router must be f32, f16 or bf16, got {router.dtype.name.lower()}")
+        n_experts, hidden = router_shape
         gate_shape = _logical(gate.shape, ggml_type)
-        self.intermediate = gate_shape[1]
+        if len(gate_shape) != 3:
+            raise InvalidArgumentError(f"{name}: gate experts must be [E, I, H], got {list(gate.shape)}")
+        intermediate = gate_shape[1]
+        if 0 in (n_experts, hidden, intermediate):
+            raise InvalidArgumentError(
+                f"{name}: extents must be nonzero, got E={n_experts}, H={hidden}, I={intermediate}"
+            )
         expected = {
-            "gate": (gate, (n_experts, self.intermediate, hidden)),
-            "up": (up, (n_experts, self.intermediate, hidden)),
-            "down": (down, (n_experts, hidden, self.intermediate)),
+            "gate": (gate, (n_experts, intermediate, hidden)),
+            "up": (up, (n_experts, intermediate, hidden)),
+            "down": (down, (n_experts, hidden, intermediate)),
         }
         for label, (buf, shape) in expected.items():
             if _logical(buf.shape, ggml_type) != shape:
                 raise InvalidArgumentError(f"{name}: {label} experts must be {list(shape)}, got {list(buf.shape)}")
-        if isinstance(top_k, bool) or not 1 <= int(top_k) <= n_experts:
-            raise InvalidArgumentError(f"{name}: experts per token {top_k} must be in [1, {n_experts}]")
-        self.top_k = int(top_k)
-        self.renormalize = bool(renormalize)
+        _check_weight_dtypes((gate, up, down), ggml_type, f"{name}:")
+        for label, buf in (("router", router), ("gate", gate), ("up", up), ("down", down)):
+            if buf.device.backend != device.backend:
+                raise InvalidArgumentError(
+                    f"{name}: {label} lives on {buf.device.backend}, the layer on {device.backend}"
+                )
+        self.top_k = _check_top_k(top_k, n_experts, f"{name}: top_k")
+        self.renormalize = _check_bool(renormalize, f"{name}: renormalize")
+        self.device = device
+        self.router, self.gate, self.up, self.down = router, gate, up, down
+        self.ggml_type = ggml_type
+        self.name = name
+        self.n_experts, self.hidden, self.intermediate = n_experts, hidden, intermediate
 
     @classmethod
     def from_gguf(cls, path, layer: int, *, device=None) -> "MoeLayer":
         """Layer `layer` of the GGUF file at `path`; expert count and experts per token come from
-        the file's metadata."""
-        path = os.fspath(path)
+        the file's metadata (checked as the module docstring says)."""
+        path = _fspath(path, "MoeLayer.from_gguf")
+        if device is not None and not isinstance(device, _core.Device):
+            raise InvalidArgumentError(f"MoeLayer.from_gguf: device must be a routemm.Device or None, got {device!r}")
         meta, _ = _gguf_header(path, ())
         arch = meta.get("general.architecture")
-        if not isinstance(arch, str):
+        if arch is None:
             raise InvalidArgumentError(f"MoeLayer.from_gguf: {path} has no general.architecture")
+        if not isinstance(arch, str):
+            raise InvalidArgumentError(
+                f"MoeLayer.from_gguf: {path}: general.architecture must be a string, got {arch!r}"
+            )
         where = f"MoeLayer.from_gguf: {path} ({arch})"
-        for key in (f"{arch}.expert_count", f"{arch}.expert_used_count"):
+        count_key, used_key = f"{arch}.expert_count", f"{arch}.expert_used_count"
+        for key in (count_key, used_key):
             if key not in meta:
                 raise InvalidArgumentError(f"{where} has no {key}: not a mixture-of-experts model")
-        gating = meta.get(f"{arch}.expert_gating_func", 1)  # llama.cpp: 1 softmax, 2 sigmoid
-        if gating != 1:
-            raise InvalidArgumentError(f"{where}: expert gating function {gating} is not softmax")
-        renormalize = meta.get(f"{arch}.expert_weights_norm", RENORMALIZE_BY_ARCH.get(arch))
-        if renormalize is None:
+        n_experts = _metadata_int(meta, count_key, where, minimum=1)
+        top_k = _check_top_k(meta[used_key], n_experts, f"{where}: {used_key}", count_key)
+        gating_key = f"{arch}.expert_gating_func"
+        gating = meta.get(gating_key, 1)  # llama.cpp: 1 softmax, 2 sigmoid
+        if isinstance(gating, bool) or not isinstance(gating, int) or gating != 1:
+            raise InvalidArgumentError(
+                f"{where}: {gating_key} {gating!r} is not 1 (softmax), the only gate routemm has"
+            )
+        norm_key = f"{arch}.expert_weights_norm"
+        if norm_key in meta:
+            renormalize = _check_bool(meta[norm_key], f"{where}: {norm_key}")
+        elif arch in RENORMALIZE_BY_ARCH:
+            renormalize = RENORMALIZE_BY_ARCH[arch]
+        else:
             raise InvalidArgumentError(
                 f"{where}: the file does not say whether the top-k weights are renormalised "
-                f"({arch}.expert_weights_norm) and {arch} is not in RENORMALIZE_BY_ARCH"
+                f"({norm_key}) and {arch} is not in RENORMALIZE_BY_ARCH"
             )
-        n_blocks = meta.get(f"{arch}.block_count")
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
             raise InvalidArgumentError(f"{where}: layer must be a non-negative integer, got {layer!r}")
-        if n_blocks is not None and layer >= n_blocks:
-            raise InvalidArgumentError(f"{where}: layer {layer} is out of range (block_count {n_blocks})")
+        blocks_key = f"{arch}.block_count"
+        if blocks_key in meta:
+            n_blocks = _metadata_int(meta, blocks_key, where, minimum=0)
+            if layer >= n_blocks:
+                raise InvalidArgumentError(f"{where}: layer {layer} is out of range ({blocks_key} {n_blocks})")
         names = {part: f"blk.{layer}.ffn_{part}.weight" for part in ("gate_inp", "gate_exps", "up_exps", "down_exps")}
         _, by_name = _gguf_header(path, names.values())
         types = {part: by_name[name] for part, name in names.items()}
@@ -127,23 +181,20 @@ class MoeLayer:
         device = device or _default_device()
         loaded = _gguf_tensors(path, names.values(), device)  # one header read for the four
         bufs = {part: loaded[name] for part, name in names.items()}
-        layer_obj = cls(
+        router_shape = [int(d) for d in bufs["gate_inp"].shape]
+        if router_shape[:1] != [n_experts]:
+            raise InvalidArgumentError(f"{where}: the router is {router_shape}, {count_key} says {n_experts} experts")
+        return cls(
             bufs["gate_inp"],
             bufs["gate_exps"],
             bufs["up_exps"],
             bufs["down_exps"],
-            top_k=int(meta[f"{arch}.expert_used_count"]),
-            renormalize=bool(renormalize),
+            top_k=top_k,
+            renormalize=renormalize,
             ggml_type=_QUANTIZED_TYPES.get(expert_type),
             device=device,
-            name=f"{os.path.basename(path)} layer {layer}",
+            name=f"{os.fsdecode(os.path.basename(path))} layer {layer}",
         )
-        if layer_obj.n_experts != int(meta[f"{arch}.expert_count"]):
-            raise InvalidArgumentError(
-                f"{where}: the router has {layer_obj.n_experts} experts, {arch}.expert_count says "
-                f"{meta[f'{arch}.expert_count']}"
-            )
-        return layer_obj
 
     def __call__(self, hidden, *, route=None) -> np.ndarray:
         """float32 [m, H] -> float32 [m, H]: router, gate and experts in one submission. `route`:
@@ -214,6 +265,14 @@ class MoeLayer:
         gate_w, ids = moe_gate_reference(logits, self.top_k, self.renormalize)
         out = moe_experts_reference(hidden, ids, gate_w, w["gate"], w["up"], w["down"])
         return out, ids, logits
+
+
+def _metadata_int(meta: dict, key: str, where: str, *, minimum: int) -> int:
+    """meta[key], which must be an integer (a GGUF integer type, not a bool, float or string) >= minimum."""
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
+    return value
 
 
 def _logical(shape, ggml_type: Optional[GgmlType]) -> tuple[int, ...]:

@@ -17,6 +17,14 @@ against the running torch; otherwise, or with ROUTEMM_TORCH_KERNELS=python, thei
 host-cost). KERNELS says which ("cpp" or "python") and KERNELS_REASON why. Both run the core
 through one table of devices and registries.
 
+Gradients: the kernels compute the forward pass only. Each op's autograd kernel runs it below
+autograd and, when grad mode is on and an input requires grad, hands the output to
+routemm::_no_gradient, which gives it a grad_fn whose backward raises routemm.UnsupportedError
+naming the op and those inputs: a forward with parameters that require grad runs (bit for bit the
+no-grad result), training through the op fails loudly. The C++ kernels bring their autograd
+kernel in C++ (no Python on a call whose inputs need no gradient); the Python kernels' is
+`_autograd_kernel`.
+
 Registration: every op goes through `define_op` (its schema, real and fake implementations), which
 records it in OPS; an op of another module registers the same way.
 """
@@ -28,7 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from . import _tensor_ops
-from ._errors import InvalidArgumentError
+from ._errors import InvalidArgumentError, UnsupportedError
 from .quantized_matmul_id import SUPPORTED_TYPES as _QUANTIZED_TYPES
 
 # The block-stack types quantized_matmul_id takes, by their ggml_type values ("q4_0", "q8_0").
@@ -87,17 +95,81 @@ KERNELS, KERNELS_REASON, _CPP_OPS = _choose_kernels()
 # wrapper adds about 8 us more per call, the whole budget of an eager decode-loop call.
 _LIBRARY = torch.library.Library(NAMESPACE, "DEF")
 
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+
+
+def _no_gradient(out: torch.Tensor, inputs: list[torch.Tensor], op: str, names: str) -> torch.Tensor:
+    """routemm::_no_gradient: `out`, the result of `op`, with a grad_fn whose backward raises
+    routemm.UnsupportedError naming `op` and the arguments `names` (", "-separated, one per
+    tensor of `inputs`, those that require grad); the autograd kernels of both kernel sets call it
+    (see _tensor_ops.Framework.forward_only)."""
+    return _TORCH.forward_only(op, out, zip(names.split(", "), inputs, strict=True))
+
+
+_LIBRARY.define("_no_gradient" + torch.library.infer_schema(_no_gradient, mutates_args=()))
+_LIBRARY.impl("_no_gradient", _no_gradient, "CompositeImplicitAutograd")
+
+
+def _refuse_backward(grad: torch.Tensor, inputs: list[torch.Tensor], message: str) -> list[torch.Tensor]:
+    """routemm::_refuse_backward, the backward of _no_gradient's node: raises
+    routemm.UnsupportedError(message) when it runs. An op rather than a raise in the node, so that
+    torch.compile, which traces the backward while compiling a forward whose inputs require grad,
+    compiles it (inference with parameters that require grad runs) and the refusal comes when the
+    backward runs; taking `grad` keeps it in the backward graph."""
+    raise UnsupportedError(message)
+
+
+def _refuse_backward_fake(grad: torch.Tensor, inputs: list[torch.Tensor], message: str) -> list[torch.Tensor]:
+    return [torch.empty_like(t) for t in inputs]
+
+
+_LIBRARY.define("_refuse_backward" + torch.library.infer_schema(_refuse_backward, mutates_args=()))
+_LIBRARY.impl("_refuse_backward", _refuse_backward, "CompositeExplicitAutograd")
+torch.library.register_fake(f"{NAMESPACE}::_refuse_backward", _refuse_backward_fake, lib=_LIBRARY)
+
+
+def refuse_backward(grad: torch.Tensor, inputs: list[torch.Tensor], message: str) -> list[torch.Tensor]:
+    """The gradients of `inputs` through an output that has none: raises routemm.UnsupportedError
+    (message) when run, through routemm::_refuse_backward."""
+    return torch.ops.routemm._refuse_backward(grad, inputs, message)
+
+
+def _autograd_kernel(name: str) -> Callable:
+    """The autograd kernel of `routemm::<name>` served by Python kernels (for every autograd key):
+    the op runs below autograd, and with grad mode on and an input that requires grad its output
+    goes through routemm::_no_gradient. The C++ kernels register the same in C++."""
+    overload = getattr(getattr(torch.ops, NAMESPACE), name).default
+    arguments = [a.name for a in overload._schema.arguments]
+    qualified = f"{NAMESPACE}::{name}"
+
+    def kernel(keyset, *args, **kwargs):
+        with torch._C._AutoDispatchBelowAutograd():
+            out = overload.redispatch(keyset & _AFTER_AUTOGRAD, *args, **kwargs)
+        if not torch.is_grad_enabled():
+            return out
+        needs = [
+            (n, a) for n, a in zip(arguments, args, strict=False) if isinstance(a, torch.Tensor) and a.requires_grad
+        ]
+        if not needs or not isinstance(out, torch.Tensor):
+            return out
+        names = ", ".join(n for n, _ in needs)
+        return torch.ops.routemm._no_gradient(out, [a for _, a in needs], qualified, names)
+
+    return kernel
+
 
 def define_op(name: str, impl: Callable, fake: Callable, *, mutates_args=()) -> object:
     """Register `routemm::<name>` with its real and fake implementations (once per process); the
     schema is inferred from `impl`'s type annotations. An op the C++ kernels serve keeps them as
-    its CPU and CUDA kernels, and `impl` is not registered."""
+    its CPU, CUDA and autograd kernels, and `impl` is not registered; any other op gets `impl` and
+    _autograd_kernel (its backward raises routemm.UnsupportedError)."""
     if name in OPS:
         return OPS[name]
     _LIBRARY.define(name + torch.library.infer_schema(impl, mutates_args=mutates_args))
     if name not in _CPP_OPS:
         for key in ("CPU", "CUDA"):
             _LIBRARY.impl(name, impl, key)
+        _LIBRARY.impl(name, _autograd_kernel(name), "Autograd", with_keyset=True)
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
     OPS[name] = op = getattr(getattr(torch.ops, NAMESPACE), name)
     return op
@@ -118,7 +190,7 @@ def _matmul_id_shape(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) 
 def _matmul_id(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """out[t*top_k + s] = weights[ids[t, s]] @ x[t] (or x[t, s] for [m, top_k, k] input); ids
     outside [0, n_experts) give zero rows."""
-    return _tensor_ops.matmul_id(_TORCH, weights, x, ids)
+    return _tensor_ops.matmul_id(_TORCH, weights, x, ids, op_kernel=True)
 
 
 def _matmul_id_fake(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -155,7 +227,7 @@ def _quantized_matmul_id(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tens
     input) for a GGML block stack (uint8 [n_experts, n, k / 32 * block_bytes], ggml_type 'q4_0' or
     'q8_0'); ids outside [0, n_experts) give zero rows, and repeated ids are computed."""
     _check_ggml_type(ggml_type)  # the rest is checked once per call shape, by its plan
-    return _tensor_ops.quantized_matmul_id(_TORCH, weights, x, ids, ggml_type)
+    return _tensor_ops.quantized_matmul_id(_TORCH, weights, x, ids, ggml_type, op_kernel=True)
 
 
 def _quantized_matmul_id_fake(
@@ -185,6 +257,7 @@ def _q4_matmul(x: torch.Tensor, weight: torch.Tensor, n: int, k: int) -> torch.T
 
 def _q4_matmul_fake(x: torch.Tensor, weight: torch.Tensor, n: int, k: int) -> torch.Tensor:
     m = _q4_shape(x, weight, n, k)
+    _tensor_ops.check_q4_extents(n, k, weight.numel() * weight.element_size())
     return x.new_empty((m, n), dtype=torch.float32)
 
 

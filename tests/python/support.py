@@ -326,3 +326,64 @@ def run_python(code: str, *, unset: tuple[str, ...] = (), timeout: float = 60, *
     child_env = {k: v for k, v in os.environ.items() if k not in unset}
     child_env.update(env)
     return subprocess.run([sys.executable, "-c", code], env=child_env, capture_output=True, text=True, timeout=timeout)
+
+
+# GGUF metadata value types (gguf.md): scalar struct formats; 8 is a string, 9 an array.
+GGUF_SCALAR_FORMATS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+GGUF_U32, GGUF_I32, GGUF_F32, GGUF_BOOL, GGUF_STRING, GGUF_ARRAY, GGUF_U64, GGUF_I64 = 4, 5, 6, 7, 8, 9, 10, 11
+
+
+def gguf_value(type_id: int, value) -> bytes:
+    """The encoding of one metadata value: a scalar, a str (type 8) or (item type, items) (type 9)."""
+    if type_id == GGUF_STRING:
+        raw = value.encode()
+        return struct.pack("<Q", len(raw)) + raw
+    if type_id == GGUF_ARRAY:
+        item_type, items = value
+        return struct.pack("<IQ", item_type, len(items)) + b"".join(gguf_value(item_type, v) for v in items)
+    return struct.pack(GGUF_SCALAR_FORMATS[type_id], value)
+
+
+# The MoE layer of moe_gguf_bytes: experts, experts per token, hidden and intermediate size.
+MOE_E, MOE_TOP_K, MOE_H, MOE_I = 4, 2, 32, 8
+MOE_DEFAULT_META = {
+    "general.architecture": (GGUF_STRING, "qwen3moe"),
+    "qwen3moe.block_count": (GGUF_U32, 1),
+    "qwen3moe.expert_count": (GGUF_U32, MOE_E),
+    "qwen3moe.expert_used_count": (GGUF_U32, MOE_TOP_K),
+}
+
+
+def moe_gguf_bytes(meta=None, *, extra_kvs=(), seed: int = 0) -> bytes:
+    """A GGUF file with one qwen3moe MoE layer (llama.cpp's tensor names; f32 router [E, H] and
+    expert stacks, E=4, top-k 2, H=32, I=8). `meta` overrides MOE_DEFAULT_META: key -> (type id,
+    value) as gguf_value takes it, or None to leave the key out; `extra_kvs` are appended as
+    (key, type id, value) (a key already present is written twice)."""
+    rng = np.random.default_rng(seed)
+    entries = {**MOE_DEFAULT_META, **(meta or {})}
+    kvs = [(key, t_v[0], gguf_value(*t_v)) for key, t_v in entries.items() if t_v is not None]
+    kvs += [(key, type_id, gguf_value(type_id, value)) for key, type_id, value in extra_kvs]
+    shapes = {
+        "blk.0.ffn_gate_inp.weight": (MOE_E, MOE_H),
+        "blk.0.ffn_gate_exps.weight": (MOE_E, MOE_I, MOE_H),
+        "blk.0.ffn_up_exps.weight": (MOE_E, MOE_I, MOE_H),
+        "blk.0.ffn_down_exps.weight": (MOE_E, MOE_H, MOE_I),
+    }
+    tensors, data = [], b""
+    for name, shape in shapes.items():
+        tensors.append((name, list(reversed(shape)), 0, len(data)))
+        raw = (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32).tobytes()
+        data += raw + b"\0" * (-len(raw) % 32)
+    return gguf_bytes(kvs, tensors, data)

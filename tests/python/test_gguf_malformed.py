@@ -1,15 +1,29 @@
 """gguf_tensor on malformed files: every refusal is a routemm.Error naming the problem (never
 ZeroDivisionError, UnicodeDecodeError, OverflowError, numpy's ValueError or RecursionError), and
-`copy=True` loads a tensor that no longer depends on the file."""
+`copy=True` loads a tensor that no longer depends on the file. MoeLayer.from_gguf refuses each
+metadata key it reads given a value of a wrong GGUF type, naming the key."""
 
 from __future__ import annotations
 
+import math
+import re
 import struct
 
 import numpy as np
 import pytest
 import routemm
-from support import gguf_bytes
+from support import (
+    GGUF_ARRAY,
+    GGUF_BOOL,
+    GGUF_F32,
+    GGUF_I32,
+    GGUF_STRING,
+    GGUF_U32,
+    GGUF_U64,
+    MOE_DEFAULT_META,
+    gguf_bytes,
+    moe_gguf_bytes,
+)
 
 U32, I32, F32_TYPE, STRING, ARRAY = 4, 5, 6, 8, 9
 
@@ -53,11 +67,12 @@ def test_non_utf8_names_refused(tmp_path):
     [
         ([8, 2**63], "beyond 2\\^63"),
         ([8, 2**64 - 1], "beyond 2\\^63"),
-        ([8, 2**62], "extends past the end"),
+        ([8, 2**62], "beyond 2\\^63 - 1"),  # 2^65 values
+        ([8, 2**40], "extends past the end"),
         ([1] * 65, "65 dimensions"),
         ([1] * 5, "5 dimensions"),
     ],
-    ids=["2^63", "u64-max", "2^62", "65-dims", "5-dims"],
+    ids=["2^63", "u64-max", "2^62", "2^40", "65-dims", "5-dims"],
 )
 def test_impossible_dims_refused(tmp_path, dims, message):
     with pytest.raises(routemm.InvalidArgumentError, match=message):
@@ -102,3 +117,32 @@ def test_copy_is_independent_of_the_file(tmp_path):
     path.write_bytes(blob[:-32])  # truncated and rewritten: only the copy may be touched now
     del mapped
     assert copied.numpy().view(np.uint8).tobytes() == bytes(range(32))
+
+
+# ---- MoeLayer.from_gguf: every metadata key it reads, given each wrong GGUF value type -----------
+
+MOE_KEYS = (*MOE_DEFAULT_META, "qwen3moe.expert_gating_func", "qwen3moe.expert_weights_norm")
+WRONG_VALUES = {
+    "string": (GGUF_STRING, "2"),
+    "float": (GGUF_F32, 2.0),
+    "nan": (GGUF_F32, math.nan),
+    "array": (GGUF_ARRAY, (GGUF_U32, [2])),
+    "bool": (GGUF_BOOL, True),
+    "negative": (GGUF_I32, -1),
+    "huge": (GGUF_U64, 2**64 - 1),
+}
+# Not wrong: a string architecture, a bool expert_weights_norm, a huge (but integer) block count.
+RIGHT_TYPE = {
+    ("general.architecture", "string"),
+    ("qwen3moe.expert_weights_norm", "bool"),
+    ("qwen3moe.block_count", "huge"),
+}
+WRONG_CASES = [(k, v) for k in MOE_KEYS for v in WRONG_VALUES if (k, v) not in RIGHT_TYPE]
+
+
+@pytest.mark.parametrize("key,kind", WRONG_CASES, ids=[f"{k}-{v}" for k, v in WRONG_CASES])
+def test_moe_layer_metadata_of_a_wrong_type_names_the_key(tmp_path, key, kind):
+    path = tmp_path / "moe.gguf"
+    path.write_bytes(moe_gguf_bytes({key: WRONG_VALUES[kind]}))
+    with pytest.raises(routemm.InvalidArgumentError, match=re.escape(key)):
+        routemm.MoeLayer.from_gguf(path, 0, device=routemm.Device("cpu"))

@@ -18,6 +18,10 @@ CUDA graph and under torch.compile; it takes and returns the model's dtype (the 
 F32 inside) and picks the block's route from the shapes (the tensor-core route from the crossover
 on CUDA). Under expert parallelism transformers passes sentinel ids (>= the local expert count)
 with zero weights; routemm skips them without reading a weight.
+
+Inference only: routemm computes no gradient. A forward with parameters that require grad runs;
+training through it (loss.backward()) raises routemm.UnsupportedError naming routemm::moe_experts
+and the arguments that wanted a gradient.
 """
 
 from __future__ import annotations
@@ -68,6 +72,9 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     from .. import torch as _ops  # noqa: F401  (registers torch.ops.routemm.*)
 
     _check_module(self)
+    # No torch.no_grad() here: the op computes no gradient, and where one is asked for (grad mode
+    # on, parameters or hidden states that require grad) its output's backward raises
+    # routemm.UnsupportedError instead of leaving the experts silently untrained.
     return torch.ops.routemm.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
 

@@ -13,15 +13,24 @@
 // tensors' device, found through c10's device-guard interface so that no CUDA header is needed
 // and one source serves CPU and CUDA builds of torch.
 //
+// Gradients: the kernels compute the forward pass only. The ops' autograd kernel (autograd_kernel)
+// runs them below autograd and, when grad mode is on and an input requires grad, hands the output
+// to routemm::_no_gradient (defined by routemm.torch), whose grad_fn raises routemm.UnsupportedError
+// at backward, as the Python kernels' autograd kernel does.
+//
 // Messages are built as one std::string before they reach a check (c10::str of a single string
 // returns it as is) and numbers are formatted with std::to_string: this module uses no iostreams.
 // An integer streamed by an ostringstream of this module crashed inside the num_put facet (SIGSEGV)
 // under torch 2.11.0+cu130, while the same code ran under torch 2.13
 // (tests/python/test_torch_kernels.py keeps iostreams out of this file).
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/clamp.h>
 #include <ATen/ops/empty.h>
 #include <Python.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
@@ -31,6 +40,7 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "tensor_op_abi.h"
 
@@ -191,14 +201,18 @@ Plan plan_of(const at::Tensor& weights, const at::Tensor& x, const at::Tensor& i
 }
 
 // ids as int32 read as u32, every id outside [0, n_experts) staying outside it: int32 contiguous
-// ids as they are (a negative one reads as 2**31 or more), other integer dtypes clamped to
-// [-1, n_experts] first so that no value wraps into range. Computed on the ids' device.
+// ids as they are (a negative one reads as 2**31 or more); any other 8- to 64-bit integer dtype
+// converted to int64 and clamped to [-1, n_experts] there, so that no value wraps into range (a
+// clamp in uint8 would turn -1 into 255; a uint64 id of 2**63 or more reads as a negative int64,
+// which stays invalid). Bool and floating ids are refused. Computed on the ids' device.
 at::Tensor ids_u32(const at::Tensor& ids, uint64_t n_experts) {
   if (ids.scalar_type() == at::kInt && ids.is_contiguous()) return ids;
   const auto type = ids.scalar_type();
-  TORCH_CHECK_VALUE(!at::isFloatingType(type) && !at::isComplexType(type) && type != at::kBool,
+  TORCH_CHECK_VALUE(c10::isIntegralType(type, /*includeBool=*/false),
                     "matmul_id ids must be integers, got " + dtype_repr(type));
-  return at::clamp(ids, -1, static_cast<int64_t>(n_experts)).to(at::kInt).contiguous();
+  return at::clamp(ids.to(at::kLong), -1, static_cast<int64_t>(n_experts))
+      .to(at::kInt)
+      .contiguous();
 }
 
 // One planned expert-ID call (either op): the per-call checks, the ids, output and grouped scratch
@@ -272,6 +286,23 @@ at::Tensor quantized_matmul_id(const at::Tensor& weights, const at::Tensor& x,
 
 // ---- q4_matmul ----------------------------------------------------------------------------------
 
+// n and k, each in [1, 2**32 - 1] with k a multiple of 32, against the weight's byte size (n rows
+// of k / 32 blocks of 18 bytes), before the output is allocated (the Python kernels'
+// _tensor_ops.check_q4_extents). n * (k / 32) * 18 < 2**64 once n and k are u32 values.
+void check_q4_extents(int64_t n, int64_t k, uint64_t weight_nbytes) {
+  for (const auto& [name, value] : {std::pair<const char*, int64_t>{"n", n}, {"k", k}}) {
+    TORCH_CHECK_VALUE(value >= 1 && value <= 0xFFFFFFFFll, std::string("q4_matmul ") + name +
+                                                               " must be in [1, 4294967295], got " +
+                                                               std::to_string(value));
+  }
+  TORCH_CHECK_VALUE(k % 32 == 0, "q4_matmul k must be a multiple of 32, got " + std::to_string(k));
+  const uint64_t need = static_cast<uint64_t>(n) * static_cast<uint64_t>(k / 32) * 18;
+  TORCH_CHECK_VALUE(weight_nbytes >= need,
+                    "q4_matmul weight must hold n = " + std::to_string(n) + " rows of " +
+                        std::to_string(k / 32) + " Q4_0 blocks (" + std::to_string(need) +
+                        " bytes), got " + std::to_string(weight_nbytes) + " bytes");
+}
+
 // n and k arrive as plain integers: the schema's SymInt arguments bind to int64_t (a symbolic value
 // is guarded to its hint by the dispatcher).
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t n, int64_t k) {
@@ -286,6 +317,7 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t n, i
                     "q4_matmul x must be float32, got " + dtype_repr(x.scalar_type()));
   TORCH_CHECK_VALUE(x.is_contiguous(), "q4_matmul: x must be contiguous");
   TORCH_CHECK_VALUE(weight.is_contiguous(), "q4_matmul: weight must be contiguous");
+  check_q4_extents(n, k, static_cast<uint64_t>(weight.nbytes()));
   const int64_t m = x.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
   RoutemmQ4MatmulCall q{where.first,
@@ -455,6 +487,38 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
   return model_type == at::kFloat ? out : out.to(model_type);
 }
 
+// ---- autograd ------------------------------------------------------------------------------------
+
+// The ops' autograd kernel, for every autograd key (routemm.torch's _autograd_kernel in C++): the op
+// runs below autograd; when grad mode is on and an input requires grad, the output goes through
+// routemm::_no_gradient with the op's name and those inputs' names. A call whose inputs need no
+// gradient never enters Python.
+void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                     torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  std::vector<at::Tensor> needs;
+  std::string names;
+  if (c10::GradMode::is_enabled()) {
+    const auto args = torch::jit::last(*stack, arguments.size());
+    for (size_t i = 0; i < args.size(); ++i) {
+      if (!args[i].isTensor() || !args[i].toTensor().requires_grad()) continue;
+      needs.push_back(args[i].toTensor());
+      names += (names.empty() ? "" : ", ") + arguments[i].name();
+    }
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  if (needs.empty()) return;
+  static const auto no_gradient = c10::Dispatcher::singleton()
+                                      .findSchemaOrThrow("routemm::_no_gradient", "")
+                                      .typed<at::Tensor(const at::Tensor&, at::TensorList,
+                                                        c10::string_view, c10::string_view)>();
+  const at::Tensor out = stack->back().toTensor();
+  stack->back() = no_gradient.call(out, needs, op.schema().name(), names);
+}
+
 // ---- the module ---------------------------------------------------------------------------------
 
 PyObject* plan_cache_size(PyObject*, PyObject*) {
@@ -470,8 +534,8 @@ PyMethodDef kMethods[] = {
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT,
                        "_torch_ops",
-                       "The C++ kernels of torch.ops.routemm.matmul_id, q4_matmul and "
-                       "quantized_matmul_id (CPU, CUDA).",
+                       "The C++ kernels of torch.ops.routemm.matmul_id, q4_matmul, "
+                       "quantized_matmul_id and moe_experts (CPU, CUDA).",
                        -1,
                        kMethods,
                        nullptr,
@@ -479,7 +543,7 @@ PyModuleDef kModule = {PyModuleDef_HEAD_INIT,
                        nullptr,
                        nullptr};
 
-// Registers the kernels once the core's table is known to fit (so a failed import leaves no kernel
+// Registers the kernels (CPU, CUDA, autograd) once the core's table is known to fit (so a failed import leaves no kernel
 // registered). The libraries live for the process, as TORCH_LIBRARY_IMPL's static ones do.
 void register_kernels() {
   for (const auto key : {c10::DispatchKey::CPU, c10::DispatchKey::CUDA}) {
@@ -488,6 +552,11 @@ void register_kernels() {
     lib->impl("q4_matmul", TORCH_FN(q4_matmul));
     lib->impl("quantized_matmul_id", TORCH_FN(quantized_matmul_id));
     lib->impl("moe_experts", TORCH_FN(moe_experts));
+  }
+  auto* autograd = new torch::Library(torch::Library::IMPL, "routemm", c10::DispatchKey::Autograd,
+                                      __FILE__, __LINE__);
+  for (const char* name : {"matmul_id", "q4_matmul", "quantized_matmul_id", "moe_experts"}) {
+    autograd->impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
   }
 }
 
