@@ -106,7 +106,7 @@ class _Torch(Framework):
             torch.uint8: DType.U8,
             torch.int32: DType.I32,
         }
-        self.by_name = {"f32": torch.float32, "i32": torch.int32}
+        self.by_name = {"f32": torch.float32, "i32": torch.int32, "u8": torch.uint8}
         self.f32, self.u8 = torch.float32, torch.uint8
         self.tensor_type = torch.Tensor
         # The dtypes of expert ids (ids_u32): every 8- to 64-bit integer.
@@ -238,7 +238,8 @@ class _CuPy(Framework):
             return self.cupy.cuda.get_current_stream().ptr
 
     def empty(self, shape, dtype_name, like):
-        return self.cupy.empty(shape, dtype={"f32": self.np.float32, "i32": self.np.int32}[dtype_name])
+        dtypes = {"f32": self.np.float32, "i32": self.np.int32, "u8": self.np.uint8}
+        return self.cupy.empty(shape, dtype=dtypes[dtype_name])
 
     def nbytes(self, t):
         return int(t.nbytes)
@@ -492,4 +493,85 @@ def q4_matmul(fw: Framework, x, weight, n: int, k: int, out=None):
         fw.pointer(out),
         fw.stream_of_key(fw.device_key(x)),
     )
+    return out
+
+
+def _moe_experts_plan(fw: Framework, hidden, ids, weights, gate_up, down, up, ggml_type, exact):
+    """moe_experts' plan of one call shape (the core's _TensorMoeExpertsPlan): one framework, one
+    device, float32 hidden states and routing weights, the stacks' dtype, then the core's shape,
+    route and capability checks."""
+    tensors = {"hidden": hidden, "top_k_index": ids, "top_k_weights": weights, "gate_up": gate_up, "down": down}
+    if up is not None:
+        tensors["up"] = up
+    for name, t in tensors.items():
+        if not isinstance(t, fw.tensor_type):
+            raise InvalidArgumentError(
+                f"moe_experts: hidden is a {fw.name} tensor, so {name} must be one too, got "
+                f"{type(t).__module__}.{type(t).__name__}"
+            )
+    if len({fw.place(t) for t in tensors.values()}) != 1:
+        raise InvalidArgumentError("moe_experts: tensors live on different devices")
+    for name in ("hidden", "top_k_weights"):
+        if tensors[name].dtype != fw.f32:
+            raise InvalidArgumentError(f"moe_experts {name} must be float32 here, got {tensors[name].dtype}")
+    stacks = [t for name, t in tensors.items() if name in ("gate_up", "up", "down")]
+    if len({t.dtype for t in stacks}) != 1:
+        raise InvalidArgumentError(
+            f"moe_experts weight stacks must share one dtype, got {sorted(str(t.dtype) for t in stacks)}"
+        )
+    if ggml_type is not None and gate_up.dtype != fw.u8:
+        raise InvalidArgumentError(f"moe_experts {ggml_type} stacks must be uint8 blocks, got {gate_up.dtype}")
+    wdtype = fw.dtype(gate_up)
+    shapes = [[int(d) for d in t.shape] for t in (hidden, ids, weights, gate_up, down)]
+    (place,) = {fw.place(hidden)}
+    return _core._plan_tensor_moe_experts(*place, wdtype, ggml_type, up is not None, bool(exact), *shapes)
+
+
+def moe_experts(fw: Framework, hidden, ids, weights, gate_up, down, up=None, ggml_type=None, exact=False, out=None):
+    """The MoE experts block on framework tensors (see routemm/ops/moe_experts.h): hidden float32
+    [m, H], ids integers [m, top_k], weights float32 [m, top_k], gate_up [E, 2I, H] (or the gate
+    stack, with `up` the up stack), down [E, H, I]; float stacks, or uint8 GGML block stacks of
+    `ggml_type` (a value string). One plan per call shape (route: the block's shape-only rule, the
+    exact routes with `exact`), the output and one workspace from the framework's allocator, one
+    call into the extension on the current stream, no host sync. Returns `out` or a new float32
+    [m, H] tensor."""
+    device_key = fw.device_key(hidden)
+    key = (
+        "moe_experts", device_key, hidden.shape, ids.shape, weights.shape, gate_up.shape, gate_up.dtype,
+        down.shape, None if up is None else up.shape, ggml_type, bool(exact),
+    )  # fmt: skip
+    plans = fw.matmul_id_plans
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans.setdefault(key, _moe_experts_plan(fw, hidden, ids, weights, gate_up, down, up, ggml_type, exact))
+    tensors = (hidden, ids, weights, gate_up, down) + (() if up is None else (up,))
+    try:
+        same_device = all(fw.device_key(t) == device_key for t in tensors)
+    except AttributeError:
+        same_device = False
+    if not same_device or down.dtype != gate_up.dtype or (up is not None and up.dtype != gate_up.dtype):
+        _moe_experts_plan(fw, hidden, ids, weights, gate_up, down, up, ggml_type, exact)  # names it
+        raise InvalidArgumentError("moe_experts: tensors live on different devices")
+    for name, t in (("hidden", hidden), ("top_k_weights", weights), ("gate_up", gate_up), ("down", down), ("up", up)):
+        if t is not None and not fw.contiguous(t):
+            raise InvalidArgumentError(f"moe_experts: {name} must be contiguous")
+    ids32 = fw.ids_u32(ids, int(down.shape[0]))
+    if out is None:
+        out = fw.empty((plan.m, plan.hidden), "f32", hidden)
+    elif (
+        not isinstance(out, fw.tensor_type)
+        or tuple(out.shape) != (plan.m, plan.hidden)
+        or fw.dtype(out) != DType.F32
+        or not fw.contiguous(out)
+        or fw.device_key(out) != device_key
+    ):
+        raise InvalidArgumentError(
+            f"moe_experts out must be a contiguous float32 tensor of shape {(plan.m, plan.hidden)} on the inputs' device"
+        )
+    workspace = fw.empty((plan.workspace_bytes,), "u8", hidden)
+    _core._enqueue_moe_experts(
+        plan, fw.pointer(hidden), fw.pointer(ids32), fw.pointer(weights), fw.pointer(gate_up),
+        0 if up is None else fw.pointer(up), fw.pointer(down), fw.pointer(out), fw.pointer(workspace),
+        fw.stream_of_key(device_key),
+    )  # fmt: skip
     return out

@@ -34,13 +34,11 @@ from .dense_matmul_id import (
     DenseMatmulIdMultiplicity,
     DenseMatmulIdParams,
     DenseMatmulIdRoute,
-    DenseMatmulIdScratch,
     _enum_value,
     _framework,
     _pick_route,
     _registry_for,
     _resolve_device,
-    dense_matmul_id,
     dense_matmul_id_capability,
     ids_distinct_per_token,
 )
@@ -49,7 +47,6 @@ from .quantized_matmul_id import SUPPORTED_TYPES as QUANTIZED_EXPERT_TYPES
 from .quantized_matmul_id import (
     GgmlQuantizedMatmulIdParams,
     GgmlQuantizedMatmulIdRoute,
-    quantized_matmul_id_ggml,
     quantized_matmul_id_ggml_capability,
 )
 
@@ -268,64 +265,27 @@ def _encode_experts(
     out_buf,
     ggml_type: Optional[GgmlType] = None,
 ) -> None:
-    """Encode the whole experts block; `alloc(shape)` returns a fresh F32 buffer for intermediates.
+    """Encode the whole experts block through the core's one op (routemm::moe_experts, see
+    csrc/include/routemm/ops/moe_experts.h); `alloc(shape)` returns a fresh F32 buffer, of which
+    one is the op's workspace (its intermediates and the grouped routes' scratch).
 
-    Float stacks go through dense_matmul_id, block-quantised ones (ggml_type) through
-    quantized_matmul_id_ggml; every matmul takes the same ids, route and scratch. On a grouped
-    route the first matmul builds the routing map and the others reuse it. A reusing matmul leaves
-    the rows of invalid ids unwritten: those rows of the intermediates hold unspecified values,
-    which nothing reads (the down matmul reads routed rows only, the combine skips invalid slots).
-    All or nothing: a refused step leaves `encoder` as it was before the block.
-    """
-    rows = s.m * s.top_k
-    mult = DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN if distinct else DenseMatmulIdMultiplicity.MAY_REPEAT
-    scratch = DenseMatmulIdScratch(device, s.n_experts, s.m) if route.is_grouped else None
-    map_built = [False]  # whether an earlier matmul of this block encoded the routing map
-
-    def matmul(w, x, out, n, k, layout):
-        reuse_map = map_built[0]
-        map_built[0] = route.is_grouped
-        if ggml_type is None:
-            stride = n * k * w.dtype.size
-            params = DenseMatmulIdParams(s.m, n, k, s.top_k, s.n_experts, stride, layout, mult, route)
-            dense_matmul_id(encoder, registry, w, x, ids_buf, out, scratch, params, reuse_map=reuse_map)
-            return
-        values, block_bytes = ggml_type.block_layout
-        qroute = _block_stack_route(route)
-        stride = n * (k // values) * block_bytes
-        params = GgmlQuantizedMatmulIdParams(s.m, n, k, s.top_k, s.n_experts, ggml_type, stride, layout, qroute)
-        quantized_matmul_id_ggml(encoder, registry, x, w, ids_buf, out, scratch, params, reuse_map=reuse_map)
-
-    shared, slotted = DenseMatmulIdInputLayout.SHARED_PER_TOKEN, DenseMatmulIdInputLayout.SLOTTED
-    # One unit: a step refused partway (say, a down stack its kernel cannot read) takes the steps
-    # before it back out of the encoder, so a refused block encodes nothing.
-    with encoder._transaction():
-        if s.stacked:
-            (gate_up_w,) = gate_up_bufs
-            gate_up = alloc([rows, 2 * s.intermediate])
-            matmul(gate_up_w, x_buf, gate_up, 2 * s.intermediate, s.hidden, shared)
-            # Gate row r is gate_up[r, :I], up row r is gate_up[r, I:]: two strided views of one buffer,
-            # each ending where its last row ends.
-            stride = 2 * s.intermediate
-            span = (rows - 1) * stride + s.intermediate
-            gate = gate_up.view(0, span * 4, DType.F32, [span])
-            up = gate_up.view(s.intermediate * 4, span * 4, DType.F32, [span])
-        else:
-            gate_w, up_w = gate_up_bufs
-            gate, up = alloc([rows, s.intermediate]), alloc([rows, s.intermediate])
-            for w, out in ((gate_w, gate), (up_w, up)):
-                matmul(w, x_buf, out, s.intermediate, s.hidden, shared)
-            stride = s.intermediate
-        act = alloc([rows, s.intermediate])
-        encoder.memory_barrier()
-        _core._moe_silu_mul(encoder, registry, gate, up, act, rows, s.intermediate, stride, stride)
-        encoder.memory_barrier()
-        down_out = alloc([rows, s.hidden])
-        matmul(down_buf, act, down_out, s.hidden, s.intermediate, slotted)
-        encoder.memory_barrier()
-        _core._moe_combine(
-            encoder, registry, down_out, weights_buf, ids_buf, out_buf, s.m, s.top_k, s.hidden, s.n_experts
-        )
+    Float stacks run dense_matmul_id's route, block-quantised ones (ggml_type)
+    quantized_matmul_id_ggml's; every matmul takes the same ids and route, and on a grouped route
+    the first builds the routing map and the others reuse it. `distinct` was checked by the caller
+    for a grouped route (the op's grouped kernels compute repeated ids as well). All or nothing:
+    the op checks every step before it encodes one, inside an encoder transaction, so a refused
+    block leaves `encoder` as it was."""
+    del device, distinct  # the op checks and carves everything itself
+    block_route = _block_stack_route(route) if ggml_type is not None else route
+    params = (
+        s.m, s.top_k, s.n_experts, s.hidden, s.intermediate, not s.stacked, gate_up_bufs[0].dtype,
+        None if ggml_type is None else ggml_type.value, block_route.value,
+    )  # fmt: skip
+    workspace = alloc([(_core._moe_experts_workspace_bytes(*params) + 3) // 4])
+    up_buf = None if s.stacked else gate_up_bufs[1]
+    _core._moe_experts(
+        encoder, registry, x_buf, ids_buf, weights_buf, gate_up_bufs[0], up_buf, down_buf, out_buf, workspace, *params
+    )
 
 
 WeightStack = Union[np.ndarray, "_core.Buffer"]

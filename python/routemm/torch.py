@@ -261,9 +261,69 @@ def _q4_matmul_fake(x: torch.Tensor, weight: torch.Tensor, n: int, k: int) -> to
     return x.new_empty((m, n), dtype=torch.float32)
 
 
+# ---- moe_experts ----------------------------------------------------------------------------------
+
+_MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_model_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _MODEL_DTYPES:
+        raise InvalidArgumentError(f"moe_experts {name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def _check_block_type(ggml_type: Optional[str]) -> None:
+    if ggml_type is not None and ggml_type not in _QUANTIZED_EXPERT_TYPES:
+        raise InvalidArgumentError(f"moe_experts ggml_type must be None, 'q4_0' or 'q8_0', got {ggml_type!r}")
+
+
+def _moe_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    up: Optional[torch.Tensor] = None,
+    ggml_type: Optional[str] = None,
+    exact: bool = False,
+) -> torch.Tensor:
+    """The MoE experts block in the model's dtype: out[t] = sum over slots s (in order) of
+    top_k_weights[t, s] * down[e] @ (SiLU(gate[e] @ x[t]) * (up[e] @ x[t])), e = top_k_index[t, s],
+    ids outside [0, E) contributing nothing. gate_up [E, 2I, H] (gate rows, then up rows), or the
+    gate stack [E, I, H] with `up` the up stack; down [E, H, I]; float stacks, or uint8 GGML block
+    stacks of `ggml_type` ('q4_0', 'q8_0'). hidden and top_k_weights float32 / float16 / bfloat16;
+    the block computes in F32 and returns hidden's dtype. Route: the block's shape-only rule
+    (tensor-core routes from the crossover on CUDA), or the bit-exact F32 routes with exact=True."""
+    _check_model_dtype("hidden", hidden)
+    _check_model_dtype("top_k_weights", top_k_weights)
+    _check_block_type(ggml_type)
+    x = hidden.to(torch.float32).contiguous()
+    w = top_k_weights.to(torch.float32).contiguous()
+    out = _tensor_ops.moe_experts(_TORCH, x, top_k_index, w, gate_up, down, up, ggml_type, exact)
+    return out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
+
+
+def _moe_experts_fake(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    up: Optional[torch.Tensor] = None,
+    ggml_type: Optional[str] = None,
+    exact: bool = False,
+) -> torch.Tensor:
+    _check_model_dtype("hidden", hidden)
+    _check_model_dtype("top_k_weights", top_k_weights)
+    _check_block_type(ggml_type)
+    if hidden.dim() != 2:
+        raise InvalidArgumentError(f"moe_experts hidden must be [m, H], got shape {tuple(hidden.shape)}")
+    return hidden.new_empty(hidden.shape)
+
+
 matmul_id = define_op("matmul_id", _matmul_id, _matmul_id_fake)
 q4_matmul = define_op("q4_matmul", _q4_matmul, _q4_matmul_fake)
 quantized_matmul_id = define_op("quantized_matmul_id", _quantized_matmul_id, _quantized_matmul_id_fake)
+moe_experts = define_op("moe_experts", _moe_experts, _moe_experts_fake)
 
 
 def op(name: str) -> Optional[object]:

@@ -35,6 +35,7 @@
 #include "routemm/encoder.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
+#include "routemm/ops/moe_experts.h"
 #include "routemm/ops/q4_matmul.h"
 #include "routemm/ops/quantized_matmul_id.h"
 #include "routemm/registry.h"
@@ -328,6 +329,136 @@ GgmlQuantizedMatmulIdDispatchReceipt enqueue_quantized_matmul_id(
       });
 }
 
+// ---- moe_experts --------------------------------------------------------------------------------
+
+// One call shape of the experts block on one device: the params with the block's automatic route,
+// the workspace layout and the byte size of every input.
+struct TensorMoeExpertsPlan {
+  const TensorOpTarget* target = nullptr;
+  MoeExpertsParams params;
+  MoeExpertsWorkspaceLayout layout;
+  uint64_t hidden_nbytes = 0, stack_nbytes = 0, down_nbytes = 0;
+  RoutemmMoeExpertsPlanInfo info{};
+};
+
+// The [E, n, k] element shape of a stack given as the framework has it (block stacks: k from the
+// row bytes), checked under `name`.
+std::vector<int64_t> stack_elements(std::span<const int64_t> w, const MoeExpertsParams& p,
+                                    const char* name) {
+  if (w.size() != 3) {
+    throw InvalidArgument(std::string("moe_experts ") + name + " must be a 3-D stack, got shape " +
+                          python_tuple(w));
+  }
+  if (!p.ggml_type) return {w[0], w[1], w[2]};
+  const auto [values, block_bytes] = ggml_block_layout(*p.ggml_type);
+  if (w[2] % block_bytes != 0) {
+    throw InvalidArgument(std::string("moe_experts ") + name + " must be uint8 [E, n, k / " +
+                          std::to_string(values) + " * " + std::to_string(block_bytes) + "] " +
+                          std::string(to_string(*p.ggml_type)) + " blocks, got shape " +
+                          python_tuple(w));
+  }
+  return {w[0], w[1], w[2] / block_bytes * values};
+}
+
+std::shared_ptr<const TensorMoeExpertsPlan> plan_tensor_moe_experts(
+    const TensorOpTarget& target, const RoutemmMoeExpertsShapes& sh) {
+  const std::span<const int64_t> hidden{sh.hidden_shape, sh.hidden_rank},
+      ids{sh.ids_shape, sh.ids_rank}, weights{sh.weights_shape, sh.weights_rank},
+      gate_up{sh.gate_up_shape, sh.gate_up_rank}, down{sh.down_shape, sh.down_rank};
+  const char* op = "moe_experts";
+  if (hidden.size() != 2) {
+    throw InvalidArgument("moe_experts hidden must be [m, H], got shape " + python_tuple(hidden));
+  }
+  const int64_t m = hidden[0], h = hidden[1];
+  if (ids.size() != 2 || ids[0] != m) {
+    throw InvalidArgument("moe_experts top_k_index must be [" + std::to_string(m) +
+                          ", top_k], got shape " + python_tuple(ids));
+  }
+  if (!std::equal(weights.begin(), weights.end(), ids.begin(), ids.end())) {
+    throw InvalidArgument("moe_experts top_k_weights must have the shape of top_k_index " +
+                          python_tuple(ids) + ", got " + python_tuple(weights));
+  }
+  auto plan = std::make_shared<TensorMoeExpertsPlan>();
+  plan->target = &target;
+  MoeExpertsParams& p = plan->params;
+  if (sh.weight_dtype >= std::size(kAllDTypes)) {
+    throw InvalidArgument("moe_experts: unknown weight dtype code " +
+                          std::to_string(sh.weight_dtype));
+  }
+  if (sh.ggml_type >= static_cast<int64_t>(std::size(kAllGgmlTypes))) {
+    throw InvalidArgument("moe_experts: unknown GGML type code " + std::to_string(sh.ggml_type));
+  }
+  p.weight_dtype = kAllDTypes[sh.weight_dtype];
+  if (sh.ggml_type >= 0) p.ggml_type = kAllGgmlTypes[static_cast<size_t>(sh.ggml_type)];
+  p.split_gate_up = sh.split_gate_up != 0;
+  const std::vector<int64_t> d = stack_elements(down, p, "down");
+  if (d[1] != h) {
+    throw InvalidArgument("moe_experts down must be [E, " + std::to_string(h) + ", I], got shape " +
+                          python_tuple(d));
+  }
+  const int64_t e = d[0], inter = d[2];
+  const std::vector<int64_t> g = stack_elements(gate_up, p, "gate_up");
+  const int64_t want[] = {e, p.split_gate_up ? inter : 2 * inter, h};
+  if (!std::equal(g.begin(), g.end(), std::begin(want), std::end(want))) {
+    throw InvalidArgument(std::string("moe_experts ") + (p.split_gate_up ? "gate" : "gate_up") +
+                          " must be " + python_tuple(want) + ", got shape " + python_tuple(g));
+  }
+  p.m = u32_field(op, "m", m);
+  p.top_k = u32_field(op, "top_k", ids[1]);
+  p.n_experts = u32_field(op, "n_experts", e);
+  p.hidden = u32_field(op, "H", h);
+  p.intermediate = u32_field(op, "I", inter);
+  moe_experts_auto_route(target.device.backend_name(), p, sh.exact != 0);
+  plan->layout = moe_experts_workspace(p);  // every extent and route check of the op
+  plan->hidden_nbytes = checked_product({p.m, p.hidden, 4}, "moe_experts hidden bytes");
+  plan->stack_nbytes = checked_product(
+      {static_cast<uint64_t>(gate_up[0]), static_cast<uint64_t>(gate_up[1]),
+       static_cast<uint64_t>(gate_up[2]), p.ggml_type ? 1u : dtype_size(p.weight_dtype)},
+      "moe_experts gate_up bytes");
+  plan->down_nbytes = checked_product(
+      {static_cast<uint64_t>(down[0]), static_cast<uint64_t>(down[1]),
+       static_cast<uint64_t>(down[2]), p.ggml_type ? 1u : dtype_size(p.weight_dtype)},
+      "moe_experts down bytes");
+  plan->info = {p.m, p.hidden, plan->layout.total_bytes, moe_experts_grouped(p) ? 1u : 0u};
+  return plan;
+}
+
+std::string moe_experts_route_name(const MoeExpertsParams& p) {
+  return std::string(p.ggml_type ? to_string(p.block_route) : to_string(p.route));
+}
+
+MoeExpertsReceipt enqueue_moe_experts(const TensorMoeExpertsPlan& plan,
+                                      const RoutemmMoeExpertsPointers& ptr) {
+  const Device& device = plan.target->device;
+  const MoeExpertsParams& p = plan.params;
+  const uint64_t m = p.m, top_k = p.top_k, h = p.hidden;
+  const DType wdtype = p.weight_dtype;
+  const uint64_t esize = dtype_size(wdtype);
+  auto stack = [&](uint64_t pointer, uint64_t nbytes) {
+    return borrowed(device, pointer, nbytes, wdtype, {nbytes / esize}, false);
+  };
+  const Buffer hidden = borrowed(device, ptr.hidden, plan.hidden_nbytes, DType::F32, {m, h}, false);
+  const Buffer ids = borrowed(device, ptr.ids, m * top_k * 4, DType::U32, {m, top_k}, false);
+  const Buffer weights =
+      borrowed(device, ptr.weights, m * top_k * 4, DType::F32, {m, top_k}, false);
+  const Buffer gate_up = stack(ptr.gate_up, plan.stack_nbytes);
+  std::optional<Buffer> up;
+  if (p.split_gate_up) up = stack(ptr.up, plan.stack_nbytes);
+  const Buffer down = stack(ptr.down, plan.down_nbytes);
+  const Buffer out = borrowed(device, ptr.out, m * h * 4, DType::F32, {m, h}, true);
+  const Buffer workspace = borrowed(device, ptr.workspace, plan.layout.total_bytes, DType::U8,
+                                    {plan.layout.total_bytes}, true);
+  const bool on_stream = ptr.has_stream != 0;
+  CommandEncoder encoder = device.command_encoder(
+      EncoderOptions{on_stream ? std::optional<uint64_t>(ptr.stream) : std::nullopt, std::nullopt});
+  // A refusal inside drops this encoder uncommitted: nothing of the call runs.
+  const MoeExpertsReceipt receipt =
+      moe_experts(encoder, *plan.target->registry, hidden, ids, weights, gate_up,
+                  up ? &*up : nullptr, down, out, workspace, p);
+  start(encoder, on_stream);
+  return receipt;
+}
+
 // ---- q4_matmul ----------------------------------------------------------------------------------
 
 void enqueue_q4_matmul(const RoutemmQ4MatmulCall& call) {
@@ -439,10 +570,29 @@ extern "C" int abi_enqueue_quantized_matmul_id(const void* plan,
   });
 }
 
+extern "C" int abi_plan_moe_experts(const RoutemmMoeExpertsShapes* shapes, const void** plan,
+                                    RoutemmMoeExpertsPlanInfo* info, char* error,
+                                    size_t error_size) {
+  return guarded(error, error_size, [&] {
+    const TensorOpTarget& target = tensor_op_target(shapes->device_type, shapes->device_index);
+    auto made = plan_tensor_moe_experts(target, *shapes);
+    *info = made->info;
+    *plan = new std::shared_ptr<const TensorMoeExpertsPlan>(std::move(made));
+  });
+}
+
+extern "C" int abi_enqueue_moe_experts(const void* plan, const RoutemmMoeExpertsPointers* pointers,
+                                       char* error, size_t error_size) {
+  return guarded(error, error_size, [&] {
+    enqueue_moe_experts(**static_cast<const std::shared_ptr<const TensorMoeExpertsPlan>*>(plan),
+                        *pointers);
+  });
+}
+
 const RoutemmTensorOpAbi kTensorOpAbi = {
     ROUTEMM_TENSOR_OP_ABI_VERSION,    sizeof(RoutemmTensorOpAbi), &abi_plan_matmul_id,
     &abi_enqueue_matmul_id,           &abi_enqueue_q4_matmul,     &abi_plan_quantized_matmul_id,
-    &abi_enqueue_quantized_matmul_id,
+    &abi_enqueue_quantized_matmul_id, &abi_plan_moe_experts,      &abi_enqueue_moe_experts,
 };
 
 // The ABI's pointer record of the Python kernels' call (stream: the framework's current stream, or
@@ -575,6 +725,68 @@ void init_enqueue(py::module_& m) {
       py::arg("expert_counts"), py::arg("routed_rows"), py::arg("stream"),
       "One planned block-stack matmul_id call on caller memory given by pointers, encoded and "
       "started (returns the native receipt tuple of _quantized_matmul_id_ggml).");
+  py::class_<TensorMoeExpertsPlan, std::shared_ptr<TensorMoeExpertsPlan>>(m,
+                                                                          "_TensorMoeExpertsPlan")
+      .def_property_readonly("m", [](const TensorMoeExpertsPlan& p) { return p.info.m; })
+      .def_property_readonly("hidden", [](const TensorMoeExpertsPlan& p) { return p.info.hidden; })
+      .def_property_readonly("workspace_bytes",
+                             [](const TensorMoeExpertsPlan& p) { return p.info.workspace_bytes; })
+      .def_property_readonly("grouped",
+                             [](const TensorMoeExpertsPlan& p) { return p.info.grouped != 0; })
+      .def_property_readonly(
+          "route", [](const TensorMoeExpertsPlan& p) { return moe_experts_route_name(p.params); });
+  m.def(
+      "_plan_tensor_moe_experts",
+      [](int32_t type, int32_t index, DType weight_dtype, std::optional<std::string> ggml_type,
+         bool split_gate_up, bool exact, std::vector<int64_t> hidden, std::vector<int64_t> ids,
+         std::vector<int64_t> weights, std::vector<int64_t> gate_up, std::vector<int64_t> down) {
+        int32_t type_code = -1;
+        if (ggml_type) {
+          const GgmlType parsed = parse_enum("moe_experts", *ggml_type, kAllGgmlTypes, "ggml_type");
+          type_code = static_cast<int32_t>(parsed);
+        }
+        const auto rank = [](const std::vector<int64_t>& v) {
+          return static_cast<uint32_t>(v.size());
+        };
+        const RoutemmMoeExpertsShapes shapes{type,
+                                             index,
+                                             static_cast<uint32_t>(weight_dtype),
+                                             type_code,
+                                             split_gate_up ? 1u : 0u,
+                                             exact ? 1u : 0u,
+                                             rank(hidden),
+                                             rank(ids),
+                                             rank(weights),
+                                             rank(gate_up),
+                                             rank(down),
+                                             hidden.data(),
+                                             ids.data(),
+                                             weights.data(),
+                                             gate_up.data(),
+                                             down.data()};
+        auto plan = plan_tensor_moe_experts(tensor_op_target(type, index), shapes);
+        return std::const_pointer_cast<TensorMoeExpertsPlan>(plan);
+      },
+      py::arg("device_type"), py::arg("device_index"), py::arg("weight_dtype"),
+      py::arg("ggml_type"), py::arg("split_gate_up"), py::arg("exact"), py::arg("hidden_shape"),
+      py::arg("ids_shape"), py::arg("weights_shape"), py::arg("gate_up_shape"),
+      py::arg("down_shape"),
+      "The plan of one moe_experts call shape (the block's shape-only route).");
+  m.def(
+      "_enqueue_moe_experts",
+      [](const TensorMoeExpertsPlan& plan, uint64_t hidden, uint64_t ids, uint64_t weights,
+         uint64_t gate_up, uint64_t up, uint64_t down, uint64_t output, uint64_t workspace,
+         std::optional<uint64_t> stream) {
+        const RoutemmMoeExpertsPointers ptr{
+            hidden, ids,    weights,   gate_up,          up,
+            down,   output, workspace, stream ? 1u : 0u, stream.value_or(0)};
+        const MoeExpertsReceipt r = enqueue_moe_experts(plan, ptr);
+        return py::make_tuple(moe_experts_route_name(plan.params), r.dispatch_count);
+      },
+      py::arg("plan"), py::arg("hidden"), py::arg("ids"), py::arg("weights"), py::arg("gate_up"),
+      py::arg("up"), py::arg("down"), py::arg("output"), py::arg("workspace"), py::arg("stream"),
+      "One planned moe_experts call on caller memory given by pointers, encoded and started "
+      "(returns (route, dispatch count)).");
   m.def(
       "_enqueue_q4_matmul",
       [](int32_t type, int32_t index, int64_t m_, int64_t n, int64_t k, uint64_t x,

@@ -1,10 +1,45 @@
 // MoE layer kernels: params by field; the argument shaping lives in routemm/moe.py.
 #include <pybind11/stl.h>
 
+#include <optional>
+#include <string>
+
 #include "bindings.h"
 #include "routemm/ops/moe.h"
+#include "routemm/ops/moe_experts.h"
 
 namespace routemm::python {
+namespace {
+
+// The block's params from Python's fields: the route is a DenseMatmulIdRoute value for float
+// stacks, a GgmlQuantizedMatmulIdRoute value for block stacks (ggml_type set).
+MoeExpertsParams moe_experts_params(uint32_t m, uint32_t top_k, uint32_t n_experts, uint32_t hidden,
+                                    uint32_t intermediate, bool split_gate_up, DType weight_dtype,
+                                    const std::optional<std::string>& ggml_type,
+                                    const std::string& route) {
+  MoeExpertsParams p;
+  p.m = m;
+  p.top_k = top_k;
+  p.n_experts = n_experts;
+  p.hidden = hidden;
+  p.intermediate = intermediate;
+  p.split_gate_up = split_gate_up;
+  p.weight_dtype = weight_dtype;
+  if (ggml_type) {
+    p.ggml_type = parse_enum("moe_experts", *ggml_type, kAllGgmlTypes, "ggml_type");
+    p.block_route = parse_enum("moe_experts", route, kAllGgmlQuantizedMatmulIdRoutes, "route");
+  } else {
+    p.route = parse_enum(
+        "moe_experts", route,
+        std::array{DenseMatmulIdRoute::Direct, DenseMatmulIdRoute::GroupedPrefill,
+                   DenseMatmulIdRoute::GroupedTensorTf32, DenseMatmulIdRoute::GroupedTensorLowp,
+                   DenseMatmulIdRoute::DirectBf16Dot, DenseMatmulIdRoute::GroupedBf16Dot},
+        "route");
+  }
+  return p;
+}
+
+}  // namespace
 
 void init_moe(py::module_& m) {
   py::list names;
@@ -41,6 +76,43 @@ void init_moe(py::module_& m) {
       },
       py::arg("encoder"), py::arg("registry"), py::arg("rows"), py::arg("weights"), py::arg("ids"),
       py::arg("output"), py::arg("m"), py::arg("top_k"), py::arg("hidden"), py::arg("n_experts"));
+  m.def(
+      "_moe_experts_workspace_bytes",
+      [](uint32_t m_, uint32_t top_k, uint32_t n_experts, uint32_t hidden, uint32_t intermediate,
+         bool split_gate_up, DType weight_dtype, const std::optional<std::string>& ggml_type,
+         const std::string& route) {
+        return moe_experts_workspace(moe_experts_params(m_, top_k, n_experts, hidden, intermediate,
+                                                        split_gate_up, weight_dtype, ggml_type,
+                                                        route))
+            .total_bytes;
+      },
+      py::arg("m"), py::arg("top_k"), py::arg("n_experts"), py::arg("hidden"),
+      py::arg("intermediate"), py::arg("split_gate_up"), py::arg("weight_dtype"),
+      py::arg("ggml_type"), py::arg("route"),
+      "The bytes of the workspace one moe_experts call of these params needs (every param "
+      "checked).");
+  m.def(
+      "_moe_experts",
+      [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& hidden_states,
+         const Buffer& ids, const Buffer& weights, const Buffer& gate_up,
+         const std::optional<Buffer>& up, const Buffer& down, const Buffer& output,
+         const Buffer& workspace, uint32_t m_, uint32_t top_k, uint32_t n_experts, uint32_t hidden,
+         uint32_t intermediate, bool split_gate_up, DType weight_dtype,
+         const std::optional<std::string>& ggml_type, const std::string& route) {
+        const MoeExpertsParams p =
+            moe_experts_params(m_, top_k, n_experts, hidden, intermediate, split_gate_up,
+                               weight_dtype, ggml_type, route);
+        const MoeExpertsReceipt r =
+            moe_experts(encoder, registry, hidden_states, ids, weights, gate_up,
+                        up ? &*up : nullptr, down, output, workspace, p);
+        return py::make_tuple(r.grouped, r.dispatch_count);
+      },
+      py::arg("encoder"), py::arg("registry"), py::arg("hidden_states"), py::arg("ids"),
+      py::arg("weights"), py::arg("gate_up"), py::arg("up"), py::arg("down"), py::arg("output"),
+      py::arg("workspace"), py::arg("m"), py::arg("top_k"), py::arg("n_experts"), py::arg("hidden"),
+      py::arg("intermediate"), py::arg("split_gate_up"), py::arg("weight_dtype"),
+      py::arg("ggml_type"), py::arg("route"),
+      "Encode the experts block (routemm::moe_experts); returns (grouped, dispatch count).");
 }
 
 }  // namespace routemm::python

@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define ROUTEMM_TENSOR_OP_ABI_VERSION 2
+#define ROUTEMM_TENSOR_OP_ABI_VERSION 3
 #define ROUTEMM_TENSOR_OP_ABI_CAPSULE "routemm._core._tensor_op_abi"
 
 // DLPack device types of the devices the tensor ops run on.
@@ -90,6 +90,37 @@ typedef struct RoutemmQ4MatmulCall {
   uint64_t stream;
 } RoutemmQ4MatmulCall;
 
+// The call shape of the MoE experts block (routemm/ops/moe_experts.h) on framework tensors: hidden
+// [m, H] float32, ids [m, top_k] int32 (read as u32), weights [m, top_k] float32, gate_up [E, 2I, H]
+// (or, with split_gate_up, gate and up [E, I, H] each), down [E, H, I]; float stacks of
+// weight_dtype, or uint8 GGML block stacks of ggml_type (k in bytes: k / values * block_bytes).
+typedef struct RoutemmMoeExpertsShapes {
+  int32_t device_type;
+  int32_t device_index;
+  uint32_t weight_dtype;   // a routemm::DType value (U8 for block stacks)
+  int32_t ggml_type;       // a routemm::GgmlType value, or -1 for float stacks
+  uint32_t split_gate_up;  // 1: gate_up is the gate stack and up a second one
+  uint32_t exact;          // 1: the bit-exact F32 routes only (direct / grouped_prefill)
+  uint32_t hidden_rank, ids_rank, weights_rank, gate_up_rank, down_rank;
+  const int64_t* hidden_shape;
+  const int64_t* ids_shape;
+  const int64_t* weights_shape;
+  const int64_t* gate_up_shape;
+  const int64_t* down_shape;
+} RoutemmMoeExpertsShapes;
+
+typedef struct RoutemmMoeExpertsPlanInfo {
+  uint64_t m, hidden;        // the output is [m, hidden] float32
+  uint64_t workspace_bytes;  // one contiguous workspace of at least this many bytes (16-aligned)
+  uint32_t grouped;          // the route is grouped (one routing map for the block)
+} RoutemmMoeExpertsPlanInfo;
+
+typedef struct RoutemmMoeExpertsPointers {
+  uint64_t hidden, ids, weights, gate_up, up, down, out, workspace;  // up: 0 unless split
+  uint32_t has_stream;
+  uint64_t stream;
+} RoutemmMoeExpertsPointers;
+
 typedef struct RoutemmTensorOpAbi {
   uint32_t version;
   uint32_t size;
@@ -109,6 +140,12 @@ typedef struct RoutemmTensorOpAbi {
                                   RoutemmMatmulIdPlanInfo* info, char* error, size_t error_size);
   int (*enqueue_quantized_matmul_id)(const void* plan, const RoutemmMatmulIdPointers* pointers,
                                      char* error, size_t error_size);
+  // Version 3. The MoE experts block: the route is the shape-only rule of the block
+  // (moe_experts_auto_route); the ids are never read on the host.
+  int (*plan_moe_experts)(const RoutemmMoeExpertsShapes* shapes, const void** plan,
+                          RoutemmMoeExpertsPlanInfo* info, char* error, size_t error_size);
+  int (*enqueue_moe_experts)(const void* plan, const RoutemmMoeExpertsPointers* pointers,
+                             char* error, size_t error_size);
 } RoutemmTensorOpAbi;
 
 #ifdef __cplusplus

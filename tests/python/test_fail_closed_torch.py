@@ -394,5 +394,5 @@ def test_transformers_training_with_routemm_experts_fails_at_backward():
     assert logits.requires_grad and torch.equal(logits.detach(), expected)
     model.train()
     loss = model(input_ids, labels=input_ids).loss
-    with pytest.raises(routemm.UnsupportedError, match=r"routemm.moe_experts has no gradient.*gate_up, down"):
+    with pytest.raises(routemm.UnsupportedError, match=r"routemm::moe_experts has no gradient.*gate_up, down"):
         loss.backward()

@@ -12,19 +12,21 @@ through `routemm.moe_experts` when the model's experts implementation is "routem
 Supported modules: gated SiLU experts stored as transformers stores them by default -- `gate_up_proj`
 [E, 2I, H] (gate rows, then up rows), `down_proj` [E, H, I], no bias, no post-expert norm -- in
 float32, float16 or bfloat16. Anything else raises routemm.InvalidArgumentError instead of computing
-something else. Activations are computed in float32 and the result is cast back to the hidden
-states' dtype. Under expert parallelism transformers passes sentinel ids (>= the local expert
-count) with zero weights; routemm skips them without reading a weight.
+something else. The forward is one call of torch.ops.routemm.moe_experts: one crossing into the
+core on the current stream, no host read of the ids and no host wait, so the block runs inside a
+CUDA graph and under torch.compile; it takes and returns the model's dtype (the block computes in
+F32 inside) and picks the block's route from the shapes (the tensor-core route from the crossover
+on CUDA). Under expert parallelism transformers passes sentinel ids (>= the local expert count)
+with zero weights; routemm skips them without reading a weight.
 
 Inference only: routemm computes no gradient. A forward with parameters that require grad runs;
-training through it (loss.backward()) raises routemm.UnsupportedError naming routemm.moe_experts
+training through it (loss.backward()) raises routemm.UnsupportedError naming routemm::moe_experts
 and the arguments that wanted a gradient.
 """
 
 from __future__ import annotations
 
 from .._errors import InvalidArgumentError
-from ..moe import moe_experts
 
 IMPLEMENTATION_NAME = "routemm"
 
@@ -60,17 +62,20 @@ def _check_module(module) -> None:
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    """The experts forward of transformers' experts modules, computed by routemm.moe_experts.
+    """The experts forward of transformers' experts modules, computed by torch.ops.routemm.moe_experts.
 
     hidden_states [tokens, H], top_k_index [tokens, top_k], top_k_weights [tokens, top_k] -> [tokens, H]
     in the dtype of hidden_states.
     """
+    import torch
+
+    from .. import torch as _ops  # noqa: F401  (registers torch.ops.routemm.*)
+
     _check_module(self)
-    # No torch.no_grad() here: moe_experts computes no gradient, and where one is asked for (grad
-    # mode on, parameters or hidden states that require grad) its output's backward raises
+    # No torch.no_grad() here: the op computes no gradient, and where one is asked for (grad mode
+    # on, parameters or hidden states that require grad) its output's backward raises
     # routemm.UnsupportedError instead of leaving the experts silently untrained.
-    out = moe_experts(hidden_states.float(), top_k_index, top_k_weights.float(), self.gate_up_proj, self.down_proj)
-    return out.to(hidden_states.dtype)
+    return torch.ops.routemm.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
 
 def register(name: str = IMPLEMENTATION_NAME) -> None:

@@ -1,5 +1,5 @@
-// routemm._torch_ops: the C++ kernels of torch.ops.routemm.matmul_id, q4_matmul and
-// quantized_matmul_id for the CPU and CUDA dispatch keys. routemm.torch defines the ops (schemas, fake kernels) and
+// routemm._torch_ops: the C++ kernels of torch.ops.routemm.matmul_id, q4_matmul,
+// quantized_matmul_id and moe_experts for the CPU and CUDA dispatch keys. routemm.torch defines the ops (schemas, fake kernels) and
 // imports this module when it was built against the running torch; the kernels then run without
 // entering Python.
 //
@@ -37,6 +37,7 @@
 #include <array>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -114,7 +115,8 @@ uint64_t address(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data
 using PlanKey = std::array<int64_t, 12>;
 
 struct PlanKeyHash {
-  size_t operator()(const PlanKey& key) const {
+  template <size_t N>
+  size_t operator()(const std::array<int64_t, N>& key) const {
     size_t h = 0;
     for (int64_t v : key) h = h * 1000003u ^ std::hash<int64_t>{}(v);
     return h;
@@ -335,6 +337,156 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t n, i
   return out;
 }
 
+// ---- moe_experts --------------------------------------------------------------------------------
+
+// A call shape of the block: device, the stacks' dtype, every input's sizes, split, type, exact.
+using MoePlanKey = std::array<int64_t, 17>;
+
+struct MoePlan {
+  const void* handle;
+  RoutemmMoeExpertsPlanInfo info;
+};
+
+std::unordered_map<MoePlanKey, MoePlan, PlanKeyHash>& moe_plans() {
+  static auto* map = new std::unordered_map<MoePlanKey, MoePlan, PlanKeyHash>;
+  return *map;
+}
+
+// The GGML type code of an optional ggml_type argument (-1: float stacks).
+int32_t moe_ggml_code(const std::optional<c10::string_view>& ggml_type) {
+  if (!ggml_type) return -1;
+  const std::string name(ggml_type->data(), ggml_type->size());
+  if (name == "q4_0") return 0;
+  if (name == "q8_0") return 3;
+  TORCH_CHECK_VALUE(false,
+                    "moe_experts ggml_type must be None, 'q4_0' or 'q8_0', got '" + name + "'");
+}
+
+// The plan's checks in the Python kernels' order: one device, float32 hidden states and routing
+// weights (after the model-dtype conversion), one dtype for the stacks, uint8 block stacks, then
+// the core's shape, route and capability checks.
+MoePlan make_moe_plan(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w,
+                      const at::Tensor& gate_up, const at::Tensor& down,
+                      const std::optional<at::Tensor>& up, int32_t ggml_code, bool exact) {
+  const auto where = place(x);
+  bool same = place(ids) == where && place(w) == where && place(gate_up) == where &&
+              place(down) == where && (!up || place(*up) == where);
+  TORCH_CHECK_VALUE(same, "moe_experts: tensors live on different devices");
+  const auto stack_type = gate_up.scalar_type();
+  TORCH_CHECK_VALUE(down.scalar_type() == stack_type && (!up || up->scalar_type() == stack_type),
+                    "moe_experts weight stacks must share one dtype");
+  if (ggml_code >= 0) {
+    TORCH_CHECK_VALUE(
+        stack_type == at::kByte,
+        "moe_experts block stacks must be uint8 blocks, got " + dtype_repr(stack_type));
+  }
+  const RoutemmMoeExpertsShapes shapes{where.first,
+                                       where.second,
+                                       routemm_dtype(gate_up),
+                                       ggml_code,
+                                       up ? 1u : 0u,
+                                       exact ? 1u : 0u,
+                                       static_cast<uint32_t>(x.dim()),
+                                       static_cast<uint32_t>(ids.dim()),
+                                       static_cast<uint32_t>(w.dim()),
+                                       static_cast<uint32_t>(gate_up.dim()),
+                                       static_cast<uint32_t>(down.dim()),
+                                       x.sizes().data(),
+                                       ids.sizes().data(),
+                                       w.sizes().data(),
+                                       gate_up.sizes().data(),
+                                       down.sizes().data()};
+  MoePlan plan{};
+  call(g_abi->plan_moe_experts, &shapes, &plan.handle, &plan.info);
+  return plan;
+}
+
+// The experts block (routemm/ops/moe_experts.h) in the model's dtype: hidden and top_k_weights
+// float32, float16 or bfloat16; the block runs in F32 and the result comes back in hidden's dtype.
+at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
+                       const at::Tensor& gate_up, const at::Tensor& down,
+                       const std::optional<at::Tensor>& up,
+                       std::optional<c10::string_view> ggml_type, bool exact) {
+  const auto model_type = hidden.scalar_type();
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"hidden", &hidden},
+                                {"top_k_weights", &weights}}) {
+    const auto type = t->scalar_type();
+    TORCH_CHECK_VALUE(type == at::kFloat || type == at::kHalf || type == at::kBFloat16,
+                      std::string("moe_experts ") + name +
+                          " must be float32, float16 or bfloat16, got " + dtype_repr(type));
+  }
+  const int32_t ggml_code = moe_ggml_code(ggml_type);
+  const at::Tensor x = hidden.to(at::kFloat).contiguous();
+  const at::Tensor w = weights.to(at::kFloat).contiguous();
+  MoePlan plan{};
+  const bool plannable =
+      x.dim() == 2 && ids.dim() == 2 && w.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3;
+  if (!plannable) {
+    plan = make_moe_plan(x, ids, w, gate_up, down, up, ggml_code, exact);  // raises
+  } else {
+    const auto d = x.device();
+    const MoePlanKey key{static_cast<int64_t>(d.type()) * 65536 + d.index(),
+                         static_cast<int64_t>(gate_up.scalar_type()),
+                         x.size(0),
+                         x.size(1),
+                         ids.size(0),
+                         ids.size(1),
+                         w.size(0),
+                         w.size(1),
+                         gate_up.size(0),
+                         gate_up.size(1),
+                         gate_up.size(2),
+                         down.size(0),
+                         down.size(1),
+                         down.size(2),
+                         up ? 1 : 0,
+                         ggml_code,
+                         exact ? 1 : 0};
+    std::unique_lock lock(g_plans_mutex);
+    const auto found = moe_plans().find(key);
+    if (found != moe_plans().end()) {
+      plan = found->second;
+    } else {
+      lock.unlock();
+      plan = make_moe_plan(x, ids, w, gate_up, down, up, ggml_code, exact);
+      lock.lock();
+      moe_plans().emplace(key, plan);
+    }
+  }
+  const c10::Device device = x.device();
+  TORCH_CHECK_VALUE(ids.device() == device && w.device() == device && gate_up.device() == device &&
+                        down.device() == device && (!up || up->device() == device),
+                    "moe_experts: tensors live on different devices");
+  TORCH_CHECK_VALUE(down.scalar_type() == gate_up.scalar_type() &&
+                        (!up || up->scalar_type() == gate_up.scalar_type()),
+                    "moe_experts weight stacks must share one dtype");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"gate_up", &gate_up},
+                                {"down", &down},
+                                {"up", up ? &*up : nullptr}}) {
+    TORCH_CHECK_VALUE(t == nullptr || t->is_contiguous(),
+                      std::string("moe_experts: ") + name + " must be contiguous");
+  }
+  const at::Tensor ids32 = ids_u32(ids, static_cast<uint64_t>(down.size(0)));
+  const auto options = x.options();
+  at::Tensor out = at::empty(
+      {static_cast<int64_t>(plan.info.m), static_cast<int64_t>(plan.info.hidden)}, options);
+  const at::Tensor workspace =
+      at::empty({static_cast<int64_t>(plan.info.workspace_bytes)}, options.dtype(at::kByte));
+  RoutemmMoeExpertsPointers ptr{address(x),
+                                address(ids32),
+                                address(w),
+                                address(gate_up),
+                                up ? address(*up) : 0,
+                                address(down),
+                                address(out),
+                                address(workspace),
+                                0,
+                                0};
+  set_stream(x, ptr.has_stream, ptr.stream);
+  call(g_abi->enqueue_moe_experts, plan.handle, &ptr);
+  return model_type == at::kFloat ? out : out.to(model_type);
+}
+
 // ---- autograd ------------------------------------------------------------------------------------
 
 // The ops' autograd kernel, for every autograd key (routemm.torch's _autograd_kernel in C++): the op
@@ -371,19 +523,19 @@ void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
 
 PyObject* plan_cache_size(PyObject*, PyObject*) {
   std::lock_guard lock(g_plans_mutex);
-  return PyLong_FromSize_t(plans().size());
+  return PyLong_FromSize_t(plans().size() + moe_plans().size());
 }
 
 PyMethodDef kMethods[] = {
     {"plan_cache_size", plan_cache_size, METH_NOARGS,
-     "How many expert-ID call shapes (matmul_id and quantized_matmul_id) the C++ kernels have "
+     "How many call shapes (matmul_id, quantized_matmul_id and moe_experts) the C++ kernels have "
      "planned in this process."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT,
                        "_torch_ops",
-                       "The C++ kernels of torch.ops.routemm.matmul_id, q4_matmul and "
-                       "quantized_matmul_id (CPU, CUDA).",
+                       "The C++ kernels of torch.ops.routemm.matmul_id, q4_matmul, "
+                       "quantized_matmul_id and moe_experts (CPU, CUDA).",
                        -1,
                        kMethods,
                        nullptr,
@@ -399,10 +551,11 @@ void register_kernels() {
     lib->impl("matmul_id", TORCH_FN(matmul_id));
     lib->impl("q4_matmul", TORCH_FN(q4_matmul));
     lib->impl("quantized_matmul_id", TORCH_FN(quantized_matmul_id));
+    lib->impl("moe_experts", TORCH_FN(moe_experts));
   }
   auto* autograd = new torch::Library(torch::Library::IMPL, "routemm", c10::DispatchKey::Autograd,
                                       __FILE__, __LINE__);
-  for (const char* name : {"matmul_id", "q4_matmul", "quantized_matmul_id"}) {
+  for (const char* name : {"matmul_id", "q4_matmul", "quantized_matmul_id", "moe_experts"}) {
     autograd->impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
   }
 }
@@ -423,8 +576,8 @@ PyMODINIT_FUNC PyInit__torch_ops() {
   if (module == nullptr) return nullptr;
   if (PyModule_AddStringConstant(module, "TORCH_VERSION", ROUTEMM_BUILT_TORCH_VERSION) < 0 ||
       PyModule_AddObject(module, "OPS",
-                         Py_BuildValue("(sss)", "matmul_id", "q4_matmul", "quantized_matmul_id")) <
-          0) {
+                         Py_BuildValue("(ssss)", "matmul_id", "q4_matmul", "quantized_matmul_id",
+                                       "moe_experts")) < 0) {
     Py_DECREF(module);
     return nullptr;
   }

@@ -1,0 +1,98 @@
+// The experts block of a mixture-of-experts layer as one op: for every token t and slot s whose
+// expert e = ids[t, s] lies in [0, n_experts),
+//
+//   h      = SiLU(W_gate[e] @ x[t]) * (W_up[e] @ x[t])                  (F32, [intermediate])
+//   out[t] = sum over s = 0 .. top_k - 1, in order, of weights[t, s] * (W_down[e] @ h)
+//
+// encoded as the expert-ID matmul of gate and up (one [E, 2I, H] stack, or a gate and an up
+// stack), moe_silu_mul, the down matmul on the slotted rows and moe_combine, with barriers between
+// the steps. One routing map serves every matmul of a grouped route: the first builds it in the
+// workspace's scratch, the others reuse it. An id outside [0, n_experts) (an invalid id or an
+// expert-parallel sentinel) contributes exactly nothing and reads no weight.
+//
+// Float stacks (F32, F16, BF16) run dense_matmul_id's `route`; GGML block stacks (U8 with
+// `ggml_type`) run quantized_matmul_id_ggml's `block_route`. Every matmul of a grouped route is
+// declared DISTINCT_PER_TOKEN as the capacity bound it is (top_k <= n_experts): the grouped kernels
+// compute every slot also when ids repeat within a token, so nothing reads the ids on the host.
+//
+// Memory: hidden F32 [m, H]; ids U32 or I32 [m, top_k] (an I32 id is read as its U32 bit
+// pattern, so a negative one is invalid); weights F32 [m, top_k]; output F32 [m, H]; workspace a
+// writable buffer of at least moe_experts_workspace_bytes(params) bytes (any dtype), which the op
+// carves into the intermediates (gate/up rows, activations, down rows) and the grouped routes'
+// scratch. The workspace must outlive the submission; it may be reused once that completed.
+//
+// Fail closed: every buffer, extent, pipeline and receipt slot is checked before the encoder is
+// touched, and the steps are encoded inside one CommandEncoder::Transaction, so a refused call
+// leaves the encoder exactly as it was.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+
+#include "routemm/buffer.h"
+#include "routemm/encoder.h"
+#include "routemm/ops/dense_matmul_id.h"
+#include "routemm/ops/q4_matmul.h"
+#include "routemm/ops/quantized_matmul_id.h"
+#include "routemm/registry.h"
+
+namespace routemm {
+
+struct MoeExpertsParams {
+  uint32_t m = 0;                     // tokens
+  uint32_t top_k = 0;                 // expert slots per token
+  uint32_t n_experts = 0;             // experts in every stack
+  uint32_t hidden = 0;                // H: the model width (gate/up input, down output)
+  uint32_t intermediate = 0;          // I: the experts' width (gate/up output, down input)
+  bool split_gate_up = false;         // gate and up in two [E, I, H] stacks, else one [E, 2I, H]
+  DType weight_dtype = DType::BF16;   // F32, F16 or BF16; U8 for block stacks
+  std::optional<GgmlType> ggml_type;  // set for block stacks (weight_dtype U8)
+  DenseMatmulIdRoute route = DenseMatmulIdRoute::Direct;                        // float stacks
+  GgmlQuantizedMatmulIdRoute block_route = GgmlQuantizedMatmulIdRoute::Direct;  // block stacks
+  bool operator==(const MoeExpertsParams&) const = default;
+};
+
+// Where the op puts its intermediates inside the workspace (byte offsets, each 16-byte aligned).
+struct MoeExpertsWorkspaceLayout {
+  uint64_t gate_up_offset = 0, gate_up_bytes = 0;  // F32 [rows, 2I] (split: gate rows then up rows)
+  uint64_t act_offset = 0, act_bytes = 0;          // F32 [rows, I]
+  uint64_t down_offset = 0, down_bytes = 0;        // F32 [rows, H]
+  uint64_t counts_offset = 0, counts_bytes = 0;    // U32 [n_experts] (grouped routes)
+  uint64_t rows_offset = 0, rows_bytes = 0;        // U32 [n_experts, m] (grouped routes)
+  uint64_t total_bytes = 0;
+};
+
+struct MoeExpertsReceipt {
+  bool grouped = false;         // a grouped route (one routing map for the block)
+  uint32_t dispatch_count = 0;  // every dispatch the block encoded
+};
+
+// The block's automatic route, from the shapes and the backend only (never the ids). exact: the
+// exact expert-ID rule (expert_id_auto_grouped: grouped_prefill / grouped, else direct). Otherwise,
+// on CUDA, the tensor-core route grouped_tensor_lowp (activations rounded to the weights' 16-bit
+// type, F32 accumulation) once the rows routed per expert reach kMoeLowpRowsPerExpert (f16/bf16
+// stacks: measured on an H200, Qwen3-30B-A3B bf16, direct 145 us against lowp 95 us at 2 rows per
+// expert, 43 against 56 at 0.5) or kMoeQuantizedLowpRowsPerExpert (block stacks: lowp was 6-12x the
+// exact grouped route at 32 and 256 rows per expert on an H100; the crossover below is not yet
+// measured); F32 stacks and the other backends keep the exact rule. Sets route / block_route.
+inline constexpr uint64_t kMoeLowpRowsPerExpert = 2;
+inline constexpr uint64_t kMoeQuantizedLowpRowsPerExpert = 16;
+void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& params, bool exact);
+
+// The grouped-ness of the params' route (of the stacks' kind).
+bool moe_experts_grouped(const MoeExpertsParams& params);
+
+// Checks the params (nonzero extents, u32 rows, a supported dtype/type and route, each matmul's
+// capability) and returns the workspace layout; no allocation, no compilation.
+MoeExpertsWorkspaceLayout moe_experts_workspace(const MoeExpertsParams& params);
+
+// Validates everything, resolves every pipeline, then encodes the block (see the file comment).
+// up: the up stack when params.split_gate_up (gate_up is then the gate stack), else nullptr.
+MoeExpertsReceipt moe_experts(CommandEncoder& encoder, KernelRegistry& registry,
+                              const Buffer& hidden, const Buffer& ids, const Buffer& weights,
+                              const Buffer& gate_up, const Buffer* up, const Buffer& down,
+                              const Buffer& output, const Buffer& workspace,
+                              const MoeExpertsParams& params);
+
+}  // namespace routemm
