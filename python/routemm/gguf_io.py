@@ -37,8 +37,8 @@ from typing import Optional
 import numpy as np
 
 from . import _core
-from ._core_api import DType
-from ._errors import InvalidArgumentError
+from ._core_api import DType, check_type
+from ._errors import InvalidArgumentError, InvalidArgumentTypeError
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -151,15 +151,11 @@ def _read_index(f, size: int, path: str):
 
 
 def _fspath(path, op: str):
-    """`path` as os.fspath gives it; anything but a str, bytes or os.PathLike is refused for `op`."""
+    """`path` as os.fspath gives it; anything but a str, bytes or os.PathLike is refused for `op`
+    (check_type's refusal, for a kind that is a union)."""
     if not isinstance(path, (str, bytes, os.PathLike)):
-        raise InvalidArgumentError(f"{op}: path must be a str, bytes or os.PathLike, got {type(path).__name__}")
+        raise InvalidArgumentTypeError(f"{op}: path must be a str, bytes or os.PathLike, not {type(path).__name__}")
     return os.fspath(path)
-
-
-def _check_name(name, op: str = "gguf_tensor") -> None:
-    if not isinstance(name, str):
-        raise InvalidArgumentError(f"{op}: name must be a str, got {type(name).__name__}")
 
 
 def _index_of(path, op: str = "gguf_tensor") -> tuple:
@@ -186,7 +182,7 @@ def _type_name(path, infos: dict, name: str) -> str:
 
 def gguf_tensor_type(path, name: str) -> str:
     """The GGML type name ("q4_0", "f32", ...; "ggml_type_<id>" for others) of tensor `name`."""
-    _check_name(name, "gguf_tensor_type")
+    check_type("gguf_tensor_type:", "name", name, str)
     return _type_name(path, _index_of(path, "gguf_tensor_type")[0], name)
 
 
@@ -240,7 +236,7 @@ def gguf_tensor(path, name: str, device: Optional[_core.Device] = None, *, copy:
     On a host-accessible device the buffer maps the file (zero copy, read-only) unless `copy` is
     true; a mapped file must not be truncated while the buffer lives (see the module docstring).
     With `copy=True` the tensor is read into a buffer of its own and the file may change later."""
-    _check_name(name)
+    check_type("gguf_tensor:", "name", name, str)
     return _gguf_tensors(path, [name], device, copy=copy)[name]
 
 
@@ -251,10 +247,8 @@ def _gguf_tensors(path, names, device: Optional[_core.Device] = None, *, copy: b
         from .dense_matmul_id import _default_device
 
         device = _default_device()
-    if not isinstance(device, _core.Device):
-        raise InvalidArgumentError(f"gguf_tensor: device must be a routemm.Device or None, got {device!r}")
-    if not isinstance(copy, bool):
-        raise InvalidArgumentError(f"gguf_tensor: copy must be a bool, got {copy!r}")
+    check_type("gguf_tensor:", "device", device, _core.Device, optional=True)
+    check_type("gguf_tensor:", "copy", copy, bool)
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size

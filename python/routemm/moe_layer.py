@@ -29,7 +29,7 @@ from typing import Optional
 import numpy as np
 
 from . import _core
-from ._core_api import DType
+from ._core_api import DType, check_type
 from ._errors import InvalidArgumentError
 from ._reference import dense_matmul_id_reference, moe_experts_reference, moe_gate_reference
 from .dense_matmul_id import (
@@ -82,10 +82,8 @@ class MoeLayer:
         buffers live on `device` (default: the router's). top_k: an integer in [1, E]; renormalize:
         a bool (checked as moe_gate checks them)."""
         for label, buf in (("router", router), ("gate", gate), ("up", up), ("down", down)):
-            if not isinstance(buf, _core.Buffer):
-                raise InvalidArgumentError(f"{name}: {label} must be a routemm.Buffer, got {type(buf).__name__}")
-        if device is not None and not isinstance(device, _core.Device):
-            raise InvalidArgumentError(f"{name}: device must be a routemm.Device or None, got {device!r}")
+            check_type(f"{name}:", label, buf, _core.Buffer)
+        check_type(f"{name}:", "device", device, _core.Device, optional=True)
         device = device or router.device
         ggml_type = _checked_ggml_type(ggml_type, f"{name}: ggml_type")
         router_shape = tuple(int(d) for d in router.shape)
@@ -129,8 +127,7 @@ class MoeLayer:
         """Layer `layer` of the GGUF file at `path`; expert count and experts per token come from
         the file's metadata (checked as the module docstring says)."""
         path = _fspath(path, "MoeLayer.from_gguf")
-        if device is not None and not isinstance(device, _core.Device):
-            raise InvalidArgumentError(f"MoeLayer.from_gguf: device must be a routemm.Device or None, got {device!r}")
+        check_type("MoeLayer.from_gguf:", "device", device, _core.Device, optional=True)
         meta, _ = _gguf_header(path, ())
         arch = meta.get("general.architecture")
         if arch is None:

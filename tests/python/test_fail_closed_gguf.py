@@ -78,7 +78,7 @@ def test_moe_layer_refuses_buffers_of_another_rank(cpu, parts, slot, shape):
 def test_moe_layer_refuses_a_non_buffer(parts, slot):
     buffers = dict(zip(("router", "gate", "up", "down"), parts, strict=True))
     buffers[slot] = np.zeros(tuple(buffers[slot].shape), np.float32)
-    with pytest.raises(routemm.InvalidArgumentError, match=rf"moe layer: {slot} must be a routemm.Buffer"):
+    with pytest.raises(routemm.InvalidArgumentTypeError, match=rf"moe layer: {slot} must be a Buffer, not ndarray"):
         routemm.MoeLayer(*buffers.values(), top_k=2, renormalize=True)
 
 
@@ -142,9 +142,12 @@ def test_moe_layer_refuses_block_stacks_without_ggml_type_and_floats_with_it(cpu
         routemm.MoeLayer(router, gate, up, u8, top_k=2, renormalize=True)
 
 
-def test_moe_layer_device_must_be_a_device(parts):
-    with pytest.raises(routemm.InvalidArgumentError, match="moe layer: device must be a routemm.Device"):
+def test_moe_layer_device_must_be_a_device(tmp_path, parts):
+    with pytest.raises(routemm.InvalidArgumentTypeError, match="moe layer: device must be a Device or None, not str"):
         routemm.MoeLayer(*parts, top_k=2, renormalize=True, device="cpu")
+    path = write(tmp_path, moe_gguf_bytes())
+    with pytest.raises(routemm.InvalidArgumentTypeError, match="MoeLayer.from_gguf: device must be a Device or None"):
+        routemm.MoeLayer.from_gguf(path, 0, device="cpu")
 
 
 # ---- MoeLayer.from_gguf: metadata values --------------------------------------------------------
@@ -207,7 +210,7 @@ def test_from_gguf_takes_the_metadata_it_is_given(tmp_path):
 
 @pytest.mark.parametrize("path", [None, 3, ["a.gguf"]], ids=repr)
 def test_from_gguf_path_must_be_a_path(path):
-    with pytest.raises(routemm.InvalidArgumentError, match="MoeLayer.from_gguf: path must be"):
+    with pytest.raises(routemm.InvalidArgumentTypeError, match="MoeLayer.from_gguf: path must be a str, bytes or"):
         routemm.MoeLayer.from_gguf(path, 0)
 
 
@@ -216,14 +219,19 @@ def test_from_gguf_path_must_be_a_path(path):
 
 def test_gguf_tensor_arguments_are_checked(tmp_path):
     path = write(tmp_path, gguf_bytes())
-    with pytest.raises(routemm.InvalidArgumentError, match="gguf_tensor: name must be a str"):
-        routemm.gguf_tensor(path, ["t"], device=routemm.Device("cpu"))
-    with pytest.raises(routemm.InvalidArgumentError, match="gguf_tensor: device must be a routemm.Device"):
-        routemm.gguf_tensor(path, "t", device="cpu")
-    with pytest.raises(routemm.InvalidArgumentError, match="gguf_tensor: path must be"):
-        routemm.gguf_tensor(None, "t")
-    with pytest.raises(routemm.InvalidArgumentError, match="gguf_metadata: path must be"):
-        routemm.gguf_metadata(3)
+    cases = [
+        (
+            lambda: routemm.gguf_tensor(path, ["t"], device=routemm.Device("cpu")),
+            "gguf_tensor: name must be a str, not list",
+        ),
+        (lambda: routemm.gguf_tensor(path, "t", device="cpu"), "gguf_tensor: device must be a Device or None, not str"),
+        (lambda: routemm.gguf_tensor(path, "t", copy="no"), "gguf_tensor: copy must be a bool, not str"),
+        (lambda: routemm.gguf_tensor(None, "t"), "gguf_tensor: path must be a str, bytes or os.PathLike, not NoneType"),
+        (lambda: routemm.gguf_metadata(3), "gguf_metadata: path must be a str, bytes or os.PathLike, not int"),
+    ]
+    for call, message in cases:
+        with pytest.raises(routemm.InvalidArgumentTypeError, match=re.escape(message)):
+            call()
 
 
 # ---- Alignment ----------------------------------------------------------------------------------
