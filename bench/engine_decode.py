@@ -163,7 +163,14 @@ def host_cost(args) -> dict:
     stack = _block_stack(e, n, k, "q4_0", dev, torch.Generator(device=dev).manual_seed(0))
     quantized = lambda: torch.ops.routemm.quantized_matmul_id(stack, x, ids, "q4_0")  # noqa: E731
     quantized()
+    # The whole experts block on the model's dtype, as transformers' "routemm" experts call it.
+    gate_up = torch.randn(e, 2 * n, k, device=dev).to(torch.bfloat16)
+    down = torch.randn(e, k, n, device=dev).to(torch.bfloat16)
+    xb, wb = x.bfloat16(), torch.rand(1, top_k, device=dev).bfloat16()
+    block = lambda: torch.ops.routemm.moe_experts(xb, ids, wb, gate_up, down)  # noqa: E731
+    block()
     routemm_us = _per_call_us(call, args.calls, args.batches, sync)
+    block_us = _per_call_us(block, args.calls, args.batches, sync)
     front_us = _per_call_us(front, args.calls, args.batches, sync)
     torch_us = _per_call_us(small, args.calls, args.batches, sync)
     op_floor_us = _per_call_us(empty_op, args.calls, args.batches, sync)
@@ -236,6 +243,17 @@ def host_cost(args) -> dict:
             max_us=round(max(quantized_us), 3),
             protocol="host time per call of torch.ops.routemm.quantized_matmul_id on the same shape "
             "as a Q4_0 stack, back to back on the current stream",
+            kernels=routemm.torch.KERNELS,
+        ),
+        _record(
+            shape,
+            "routemm_moe_experts_op_eager",
+            statistics.median(block_us),
+            "direct",
+            min_us=round(min(block_us), 3),
+            max_us=round(max(block_us), 3),
+            protocol="host time per call of torch.ops.routemm.moe_experts (bf16 hidden, gate_up [E, 2n, k] "
+            "and down [E, k, n] bf16, m = 1), back to back on the current stream",
             kernels=routemm.torch.KERNELS,
         ),
         _record(shape, "torch_add_inplace_floor", statistics.median(torch_us), "n/a"),
