@@ -17,13 +17,17 @@ against the running torch; otherwise, or with ROUTEMM_TORCH_KERNELS=python, thei
 host-cost). KERNELS says which ("cpp" or "python") and KERNELS_REASON why. Both run the core
 through one table of devices and registries.
 
-Gradients: the kernels compute the forward pass only. Each op's autograd kernel runs it below
-autograd and, when grad mode is on and an input requires grad, hands the output to
-routemm::_no_gradient, which gives it a grad_fn whose backward raises routemm.UnsupportedError
-naming the op and those inputs: a forward with parameters that require grad runs (bit for bit the
-no-grad result), training through the op fails loudly. The C++ kernels bring their autograd
-kernel in C++ (no Python on a call whose inputs need no gradient); the Python kernels' is
-`_autograd_kernel`.
+Gradients: moe_experts has a backward for float stacks (routemm._moe_autograd: d hidden, d
+top_k_weights, d gate_up, d up, d down); when grad mode is on and one of its inputs requires grad,
+its autograd kernel runs routemm::_moe_experts_grad, whose autograd.Function computes the forward
+with the op and the gradients in its backward. The other ops compute the forward pass only: their
+autograd kernel runs the op below autograd and, when grad mode is on and an input requires grad,
+hands the output to routemm::_no_gradient, which gives it a grad_fn whose backward raises
+routemm.UnsupportedError naming the op and those inputs: a forward with parameters that require
+grad runs (bit for bit the no-grad result), training through the op fails loudly. The C++ kernels
+bring their autograd kernel in C++ (no Python on a call whose inputs need no gradient; an op
+`routemm::_<name>_grad`, where one is registered, takes a call that needs one); the Python
+kernels' is `_autograd_kernel`.
 
 Registration: every op goes through `define_op` (its schema, real and fake implementations), which
 records it in OPS; an op of another module registers the same way.
@@ -134,6 +138,11 @@ def refuse_backward(grad: torch.Tensor, inputs: list[torch.Tensor], message: str
     return torch.ops.routemm._refuse_backward(grad, inputs, message)
 
 
+# Ops with a backward: name -> the callable that runs the op with its gradients (an
+# autograd.Function's apply, reached through the op routemm::_<name>_grad).
+_GRADIENTS: dict[str, Callable] = {}
+
+
 def _autograd_kernel(name: str) -> Callable:
     """The autograd kernel of `routemm::<name>` served by Python kernels (for every autograd key):
     the op runs below autograd, and with grad mode on and an input that requires grad its output
@@ -142,7 +151,12 @@ def _autograd_kernel(name: str) -> Callable:
     arguments = [a.name for a in overload._schema.arguments]
     qualified = f"{NAMESPACE}::{name}"
 
+    gradient = _GRADIENTS.get(name)
+
     def kernel(keyset, *args, **kwargs):
+        if gradient is not None and torch.is_grad_enabled():
+            if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                return gradient(*args, **kwargs)
         with torch._C._AutoDispatchBelowAutograd():
             out = overload.redispatch(keyset & _AFTER_AUTOGRAD, *args, **kwargs)
         if not torch.is_grad_enabled():
@@ -323,6 +337,28 @@ def _moe_experts_fake(
 matmul_id = define_op("matmul_id", _matmul_id, _matmul_id_fake)
 q4_matmul = define_op("q4_matmul", _q4_matmul, _q4_matmul_fake)
 quantized_matmul_id = define_op("quantized_matmul_id", _quantized_matmul_id, _quantized_matmul_id_fake)
+
+
+def _moe_experts_grad(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    up: Optional[torch.Tensor] = None,
+    ggml_type: Optional[str] = None,
+    exact: bool = False,
+) -> torch.Tensor:
+    """routemm::_moe_experts_grad: moe_experts with its gradients (routemm._moe_autograd), the
+    path of a call whose inputs require grad in grad mode."""
+    from ._moe_autograd import MoeExpertsFunction
+
+    return MoeExpertsFunction.apply(hidden, top_k_index, top_k_weights, gate_up, down, up, ggml_type, exact)
+
+
+_LIBRARY.define("_moe_experts_grad" + torch.library.infer_schema(_moe_experts_grad, mutates_args=()))
+_LIBRARY.impl("_moe_experts_grad", _moe_experts_grad, "CompositeImplicitAutograd")
+_GRADIENTS["moe_experts"] = torch.ops.routemm._moe_experts_grad
 moe_experts = define_op("moe_experts", _moe_experts, _moe_experts_fake)
 
 

@@ -384,15 +384,25 @@ def _tiny_qwen3_moe():
     return model, torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-def test_transformers_training_with_routemm_experts_fails_at_backward():
+def test_transformers_training_with_routemm_experts_gives_the_eager_gradients():
+    """Training through experts_implementation="routemm" reaches the experts: every parameter
+    gets the gradient the "eager" experts give it (the block's backward, routemm._moe_autograd),
+    and inference with parameters that require grad gives the no-grad logits bit for bit."""
     model, input_ids = _tiny_qwen3_moe()
     model.eval()
     with torch.no_grad():
         expected = model(input_ids).logits
-    # Inference with parameters that require grad (no torch.no_grad): the same logits.
     logits = model(input_ids).logits
     assert logits.requires_grad and torch.equal(logits.detach(), expected)
     model.train()
-    loss = model(input_ids, labels=input_ids).loss
-    with pytest.raises(routemm.UnsupportedError, match=r"routemm::moe_experts has no gradient.*gate_up, down"):
-        loss.backward()
+    grads = {}
+    for implementation in ("routemm", "eager"):
+        model.set_experts_implementation(implementation)
+        model.zero_grad()
+        model(input_ids, labels=input_ids).loss.backward()
+        grads[implementation] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["routemm"].keys() == grads["eager"].keys()
+    assert any("experts" in n for n in grads["routemm"])
+    for name, want in grads["eager"].items():
+        got = grads["routemm"][name]
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()) + 1e-9), name

@@ -216,3 +216,98 @@ def test_cuda_no_sync_no_alloc_graph_capture_and_the_lowp_bound(m):
     exact = _op(x, ids, w, gate_up, down, exact=True).float()
     err = float((first.float() - exact).abs().max() / exact.abs().max())
     assert err <= 2**-6, err
+
+
+# ---- gradients -------------------------------------------------------------------------------------
+
+
+def _reference_block(x, ids, w, gate_up, down, up=None):
+    """The block in float64 autograd ops (the gradients' reference)."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e = int(ids[t, s])
+            if not 0 <= e < E:
+                continue
+            g = (gate_up[e] if up is not None else gate_up[e, :I]) @ x[t]
+            u = (up[e] if up is not None else gate_up[e, I:]) @ x[t]
+            out[t] = out[t] + w[t, s] * (down[e] @ (torch.nn.functional.silu(g) * u))
+    return out
+
+
+def _gradient_case(split: bool):
+    (gate_up, down), (x, ids, w) = _float_stacks(torch.float32, split), _routing(9)
+    grad_out = torch.randn((9, H), generator=torch.Generator().manual_seed(3))
+    stacks = list(gate_up) if split else [gate_up]
+    return x, ids, w, stacks, down, grad_out
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["gate_up", "gate+up"])
+def test_gradients_match_a_float64_reference(split):
+    x, ids, w, stacks, down, grad_out = _gradient_case(split)
+    leaves = [t.clone().requires_grad_() for t in (x, w, *stacks, down)]
+    lx, lw, *lstacks, ldown = leaves
+    up = lstacks[1] if split else None
+    out = torch.ops.routemm.moe_experts(lx, ids, lw, lstacks[0], ldown, up)
+    out.backward(grad_out)
+    ref_leaves = [t.double().requires_grad_() for t in (x, w, *stacks, down)]
+    rx, rw, *rstacks, rdown = ref_leaves
+    ref = _reference_block(rx, ids, rw, rstacks[0], rdown, rstacks[1] if split else None)
+    ref.backward(grad_out.double())
+    assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-6)
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        err = float((got.grad.double() - want.grad).abs().max() / want.grad.abs().max())
+        assert got.grad.dtype == got.dtype and err <= 1e-5, err
+
+
+def test_gradients_in_the_model_dtype_and_only_where_asked():
+    x, ids, w, (gate_up,), down, grad_out = _gradient_case(False)
+    xb = x.bfloat16().requires_grad_()
+    gu = gate_up.bfloat16().requires_grad_()
+    out = torch.ops.routemm.moe_experts(xb, ids, w.bfloat16(), gu, down.bfloat16())
+    assert out.dtype == torch.bfloat16 and out.requires_grad
+    out.float().backward(grad_out)
+    assert xb.grad.dtype == torch.bfloat16 and gu.grad.dtype == torch.bfloat16
+    # Without grad mode the op records nothing.
+    with torch.no_grad():
+        assert not torch.ops.routemm.moe_experts(xb, ids, w.bfloat16(), gu, down.bfloat16()).requires_grad
+
+
+def test_block_stacks_refuse_a_gradient_at_backward():
+    gate_up, down = _block_stacks("q4_0")
+    x, ids, w = _routing(3)
+    xr = x.clone().requires_grad_()
+    out = _op(xr, ids, w, gate_up, down, ggml_type="q4_0")
+    with pytest.raises(routemm.UnsupportedError, match="no gradient through GGML block stacks.*hidden"):
+        out.sum().backward()
+
+
+def test_both_kernel_sets_give_the_same_gradients(tmp_path):
+    """The Python kernels' autograd kernel (ROUTEMM_TORCH_KERNELS=python, in a child process) and the
+    C++ one route a call that needs a gradient through the same backward: the same bits."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "grads.py"
+    script.write_text(
+        "import sys, torch, routemm.torch as rt\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "import test_torch_moe_experts as T\n"
+        "x, ids, w, (gu,), down, g = T._gradient_case(False)\n"
+        "leaves = [t.clone().requires_grad_() for t in (x, w, gu, down)]\n"
+        "torch.ops.routemm.moe_experts(leaves[0], ids, leaves[1], leaves[2], leaves[3]).backward(g)\n"
+        "torch.save([rt.KERNELS] + [t.grad for t in leaves], sys.argv[2])\n"
+    )
+    here = str(__import__("pathlib").Path(__file__).parent)
+    results = {}
+    for kernels in ("cpp", "python"):
+        path = tmp_path / f"{kernels}.pt"
+        env = dict(__import__("os").environ, ROUTEMM_TORCH_KERNELS=kernels)
+        done = subprocess.run([sys.executable, str(script), here, str(path)], env=env, capture_output=True, text=True)
+        if done.returncode != 0 and kernels == "cpp" and "routemm._torch_ops" in done.stderr:
+            pytest.skip("routemm._torch_ops is not built here")
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[kernels] = torch.load(path)
+    assert results["cpp"][0] == "cpp" and results["python"][0] == "python"
+    for a, b in zip(results["cpp"][1:], results["python"][1:], strict=True):
+        assert torch.equal(a, b)

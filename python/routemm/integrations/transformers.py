@@ -19,9 +19,9 @@ F32 inside) and picks the block's route from the shapes (the tensor-core route f
 on CUDA). Under expert parallelism transformers passes sentinel ids (>= the local expert count)
 with zero weights; routemm skips them without reading a weight.
 
-Inference only: routemm computes no gradient. A forward with parameters that require grad runs;
-training through it (loss.backward()) raises routemm.UnsupportedError naming routemm::moe_experts
-and the arguments that wanted a gradient.
+Training: the op has a backward for float stacks (routemm._moe_autograd), so loss.backward()
+gives the experts, the hidden states and the routing weights their gradients; a forward with
+parameters that require grad gives the no-grad result bit for bit.
 """
 
 from __future__ import annotations
@@ -72,9 +72,8 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     from .. import torch as _ops  # noqa: F401  (registers torch.ops.routemm.*)
 
     _check_module(self)
-    # No torch.no_grad() here: the op computes no gradient, and where one is asked for (grad mode
-    # on, parameters or hidden states that require grad) its output's backward raises
-    # routemm.UnsupportedError instead of leaving the experts silently untrained.
+    # No torch.no_grad() here: where a gradient is asked for (grad mode on, parameters or hidden
+    # states that require grad) the op records its backward.
     return torch.ops.routemm.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
 
 

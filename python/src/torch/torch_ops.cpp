@@ -490,9 +490,10 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
 // ---- autograd ------------------------------------------------------------------------------------
 
 // The ops' autograd kernel, for every autograd key (routemm.torch's _autograd_kernel in C++): the op
-// runs below autograd; when grad mode is on and an input requires grad, the output goes through
-// routemm::_no_gradient with the op's name and those inputs' names. A call whose inputs need no
-// gradient never enters Python.
+// runs below autograd; when grad mode is on and an input requires grad, an op with a backward
+// (routemm::_<name>_grad registered) takes the call through that op, and any other op's output goes
+// through routemm::_no_gradient with the op's name and those inputs' names. A call whose inputs
+// need no gradient never enters Python.
 void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                      torch::jit::Stack* stack) {
   const auto& arguments = op.schema().arguments();
@@ -504,6 +505,17 @@ void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
       if (!args[i].isTensor() || !args[i].toTensor().requires_grad()) continue;
       needs.push_back(args[i].toTensor());
       names += (names.empty() ? "" : ", ") + arguments[i].name();
+    }
+  }
+  if (!needs.empty()) {
+    // An op with a backward takes the call through routemm::_<name>_grad (registered by
+    // routemm.torch), which records its gradients.
+    const auto grad = c10::Dispatcher::singleton().findSchema(
+        {"routemm::_" + op.schema().name().substr(std::string_view("routemm::").size()) + "_grad",
+         ""});
+    if (grad) {
+      grad->callBoxed(stack);
+      return;
     }
   }
   {

@@ -1,0 +1,129 @@
+"""The gradients of the MoE experts block (torch.ops.routemm.moe_experts) for float stacks.
+
+For every token t and valid slot s (e = ids[t, s] in [0, E)), with x = hidden[t] and w = the
+routing weight, the forward computes
+
+    g = W_gate[e] x,  u = W_up[e] x,  a = SiLU(g) * u,  y = W_down[e] a,  out[t] += w * y
+
+so, with gy = dL/dout[t] and dy = w * gy:
+
+    dL/dw         = <gy, y>
+    dL/dW_down[e] += dy a^T,                      da = W_down[e]^T dy
+    dg = da * u * SiLU'(g),  du = da * SiLU(g),   SiLU'(g) = s (1 + g (1 - s)), s = sigmoid(g)
+    dL/dW_gate[e] += dg x^T,  dL/dW_up[e] += du x^T
+    dL/dx         += W_gate[e]^T dg + W_up[e]^T du
+
+Invalid ids contribute nothing and receive nothing. The backward recomputes g, u, a and y (nothing
+is saved beyond the inputs) expert by expert in F32 with torch's matmuls, on the inputs' device;
+each gradient comes back in its input's dtype. Block stacks (uint8 GGML blocks) have no gradient
+here: their weights are frozen bytes, and dX through them is refused with routemm.UnsupportedError.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._errors import UnsupportedError
+
+
+def moe_experts_backward(
+    grad_out: torch.Tensor,
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    up: Optional[torch.Tensor],
+    needs: tuple[bool, bool, bool, bool, bool],
+) -> tuple[Optional[torch.Tensor], ...]:
+    """(d hidden, d weights, d gate_up, d down, d up) of the block for the inputs `needs` names
+    (None for the others), given d out."""
+    n_experts, hidden_size, inter = (int(d) for d in down.shape)
+    m, top_k = (int(d) for d in ids.shape)
+    x = hidden.detach().float()
+    gy_all = grad_out.detach().float()
+    w_all = weights.detach().float().reshape(-1)
+    flat = ids.detach().reshape(-1).to(torch.int64)
+    valid = (flat >= 0) & (flat < n_experts)
+    key = torch.where(valid, flat, torch.full_like(flat, n_experts))
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts].tolist()  # one host read
+    token = torch.arange(m, device=ids.device).repeat_interleave(top_k)
+    need_x, need_w, need_gu, need_down, need_up = needs
+    dx = torch.zeros_like(x) if need_x else None
+    dw = torch.zeros(m * top_k, dtype=torch.float32, device=x.device) if need_w else None
+    split = up is not None
+    dgu = torch.zeros(gate_up.shape, dtype=torch.float32, device=x.device) if need_gu else None
+    dup = torch.zeros(up.shape, dtype=torch.float32, device=x.device) if split and need_up else None
+    ddown = torch.zeros(down.shape, dtype=torch.float32, device=x.device) if need_down else None
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        slots = order[start : start + count]
+        start += count
+        t = token[slots]
+        xs, gy = x[t], gy_all[t]
+        w_gate = (gate_up[e] if split else gate_up[e, :inter]).float()
+        w_up = (up[e] if split else gate_up[e, inter:]).float()
+        w_down = down[e].float()
+        g, u = xs @ w_gate.T, xs @ w_up.T
+        s = torch.sigmoid(g)
+        silu = g * s
+        a = silu * u
+        if dw is not None:
+            dw[slots] = (gy * (a @ w_down.T)).sum(-1)
+        dy = gy * w_all[slots, None]
+        if ddown is not None:
+            ddown[e] += dy.T @ a
+        if not (need_x or need_gu or need_up):
+            continue
+        da = dy @ w_down
+        dg = da * u * (s * (1 + g * (1 - s)))
+        du = da * silu
+        if dgu is not None:
+            if split:
+                dgu[e] += dg.T @ xs
+            else:
+                dgu[e, :inter] += dg.T @ xs
+                dgu[e, inter:] += du.T @ xs
+        if dup is not None:
+            dup[e] += du.T @ xs
+        if dx is not None:
+            dx.index_add_(0, t, dg @ w_gate + du @ w_up)
+    return (
+        None if dx is None else dx.to(hidden.dtype),
+        None if dw is None else dw.reshape(m, top_k).to(weights.dtype),
+        None if dgu is None else dgu.to(gate_up.dtype),
+        None if ddown is None else ddown.to(down.dtype),
+        None if dup is None else dup.to(up.dtype),
+    )
+
+
+class MoeExpertsFunction(torch.autograd.Function):
+    """torch.ops.routemm.moe_experts with its gradients: the forward is the op itself (run below
+    autograd), the backward moe_experts_backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, ids, weights, gate_up, down, up, ggml_type, exact):
+        with torch._C._AutoDispatchBelowAutograd():
+            out = torch.ops.routemm.moe_experts(hidden, ids, weights, gate_up, down, up, ggml_type, exact)
+        ctx.ggml_type = ggml_type
+        ctx.save_for_backward(hidden, ids, weights, gate_up, down, up)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, ids, weights, gate_up, down, up = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        if ctx.ggml_type is not None:
+            wanted = [name for name, need in (("hidden", n[0]), ("top_k_weights", n[2])) if need]
+            raise UnsupportedError(
+                f"routemm::moe_experts has no gradient through GGML block stacks ({ctx.ggml_type}): "
+                f"backward cannot reach {', '.join(wanted) or 'its inputs'}; dequantize the stacks to train through them"
+            )
+        needs = (n[0], n[2], n[3], n[4], n[5])
+        dx, dw, dgu, ddown, dup = moe_experts_backward(grad_out, hidden, ids, weights, gate_up, down, up, needs)
+        return dx, None, dw, dgu, ddown, dup, None, None
