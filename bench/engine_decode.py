@@ -51,7 +51,7 @@ import time
 import routemm
 import routemm.torch  # noqa: F401  (registers torch.ops.routemm.*)
 import torch
-from routemm.quantized_matmul_id import SUPPORTED_TYPES
+from routemm.ops.quantized_matmul_id import SUPPORTED_TYPES
 
 QWEN3 = {"name": "qwen3-30b-a3b", "experts": 128, "top_k": 8, "hidden": 2048, "inter": 768, "layers": 48}
 SMOKE = {"name": "smoke", "experts": 8, "top_k": 2, "hidden": 64, "inter": 32, "layers": 2}

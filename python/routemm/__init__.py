@@ -1,14 +1,36 @@
 """routemm: native kernels for LLM inference with explicit, receipted routing.
 
 Backends: cpu (always), cuda and metal (when built and present). See README.md for the API.
+
+The package is one sub-package per layer, each importing only the layers below it (checked by
+import-linter, pyproject.toml); docs/architecture.md draws them:
+
+    cli, integrations   `python -m routemm` and its demos; torch ops, transformers experts
+    models              MoeLayer: a model's MoE layer from a GGUF file
+    plans               calibration and frozen route plans
+    ops                 expert-ID and quantised matmuls, the MoE gate and experts
+    formats             GGML block formats, GGUF reading
+    core                native types, errors, env knobs, JSON records and schemas, interop
+
+The names below come from core, formats, ops, plans and models, as the import groups say. Module
+paths of the flat layout that users import stay as small faces at the top, each naming the module
+of its layer: routemm.torch, q4_0, q8_0, env, schemas, calibration, dense_matmul_id, __main__.
 """
 
 # No `from __future__ import annotations` here: it would bind `annotations` in the public namespace.
 import logging as _logging
 import os as _os
 
-from . import _core, env, q4_0, q8_0, schemas
-from ._core_api import (
+from . import _core
+
+# routemm.dense_matmul_id is both a module path (a face) and the function bound below: the face
+# is loaded first, so that the function keeps the name. An import `x as x` below keeps a module
+# name that the flat layout gave routemm (`from routemm import moe`).
+from . import dense_matmul_id as _dense_matmul_id_module  # noqa: F401
+
+# core
+from .core import env, schemas
+from .core._core_api import (
     CapturedNode,
     DispatchKind,
     DType,
@@ -17,7 +39,7 @@ from ._core_api import (
     dtype_of,
     numpy_dtype,
 )
-from ._errors import (
+from .core._errors import (
     CalibrationError,
     CommandBufferError,
     Error,
@@ -28,8 +50,23 @@ from ._errors import (
     OutOfMemoryError,
     UnsupportedError,
 )
-from ._interop import from_dlpack
-from .dense_matmul_id import (
+from .core._interop import from_dlpack
+
+# formats
+from .formats import gguf_io as gguf_io
+from .formats import q4_0, q8_0
+from .formats.gguf_io import gguf_metadata, gguf_tensor
+
+# models
+from .models import moe_layer as moe_layer
+from .models.moe_layer import MoeLayer
+
+# ops
+from .ops import ggml_routes as ggml_routes
+from .ops import moe as moe
+from .ops import quantized_matmul as quantized_matmul
+from .ops import quantized_matmul_id as quantized_matmul_id
+from .ops.dense_matmul_id import (
     DenseMatmulIdCapability,
     DenseMatmulIdDispatchReceipt,
     DenseMatmulIdInputLayout,
@@ -42,8 +79,19 @@ from .dense_matmul_id import (
     dense_matmul_id_capability,
     matmul_id,
 )
-from .gguf_io import gguf_metadata, gguf_tensor
-from .moe import (
+from .ops.ggml_routes import (
+    GgmlCapability,
+    GgmlCapabilityRequest,
+    GgmlExpertShape,
+    GgmlInvocation,
+    GgmlInvocationKind,
+    GgmlKernelRoute,
+    GgmlRejectionCode,
+    GgmlWorkload,
+    ggml_capability,
+    plan_dense_auto_route,
+)
+from .ops.moe import (
     MOE_PIPELINE_NAMES,
     encode_moe_combine,
     encode_moe_gate,
@@ -51,7 +99,7 @@ from .moe import (
     moe_experts,
     moe_gate,
 )
-from .quantized_matmul import (
+from .ops.quantized_matmul import (
     GGML_INT8_DOT_PIPELINE_NAMES,
     Q4_MATMUL_PIPELINE_NAMES,
     Q8_0_MAT_VEC_NR2_PIPELINE,
@@ -70,13 +118,81 @@ from .quantized_matmul import (
     quantized_matmul_ggml,
     select_dense_q4_route,
 )
-from .quantized_matmul_id import (
+from .ops.quantized_matmul_id import (
     GgmlQuantizedMatmulIdCapability,
     GgmlQuantizedMatmulIdDispatchReceipt,
     GgmlQuantizedMatmulIdParams,
     GgmlQuantizedMatmulIdRoute,
     quantized_matmul_id_ggml,
     quantized_matmul_id_ggml_capability,
+)
+
+# plans
+from .plans import calibration
+from .plans import dense_matmul_id_plan as dense_matmul_id_plan
+from .plans import dense_q4_plan as dense_q4_plan
+from .plans import quantized_matmul_id_plan as quantized_matmul_id_plan
+from .plans.dense_matmul_id_plan import (
+    DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM,
+    DenseMatmulIdAutoReceipt,
+    DenseMatmulIdCalibrationCase,
+    DenseMatmulIdCalibrationDecision,
+    DenseMatmulIdCalibrationLimits,
+    DenseMatmulIdCalibrationReceipt,
+    DenseMatmulIdDecisionSource,
+    DenseMatmulIdDispatchTrace,
+    DenseMatmulIdRoutePlan,
+    DenseMatmulIdRoutingProfile,
+    DenseMatmulIdSelectionStatus,
+    DenseMatmulIdShape,
+    calibrate_dense_matmul_id_routes,
+    dense_matmul_id_auto,
+    dense_matmul_id_expected_dispatches,
+    freeze_dense_matmul_id_plan,
+    freeze_dense_matmul_id_plan_for_cases,
+    load_dense_matmul_id_plan,
+    resolve_dense_matmul_id_auto_route,
+    trace_dense_matmul_id,
+    trace_dense_matmul_id_auto,
+)
+from .plans.dense_q4_plan import (
+    DENSE_Q4_RECEIPT_SCHEMA_VERSION,
+    DENSE_Q4_ROUTE_SCHEMA_VERSION,
+    DenseQ4BaseShape,
+    DenseQ4CalibrationBatchReceipt,
+    DenseQ4CalibrationCase,
+    DenseQ4CalibrationDecision,
+    DenseQ4CalibrationLimits,
+    DenseQ4CartesianAcceptanceRequirements,
+    DenseQ4DispatchDecision,
+    DenseQ4DispatchTrace,
+    DenseQ4InputLayout,
+    DenseQ4RoutePlan,
+    DenseQ4RouteTiming,
+    DenseQ4SelectionStatus,
+    DenseQ4Shape,
+    DenseQ4TimingDistribution,
+    calibrate_dense_q4_routes,
+    dense_q4_auto,
+    freeze_dense_q4_plan,
+    load_dense_q4_plan,
+    trace_dense_q4_auto,
+    validate_dense_q4_cartesian_acceptance,
+)
+from .plans.quantized_matmul_id_plan import (
+    QUANTIZED_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM,
+    GgmlQuantizedMatmulIdAutoReceipt,
+    GgmlQuantizedMatmulIdCalibrationCase,
+    GgmlQuantizedMatmulIdCalibrationDecision,
+    GgmlQuantizedMatmulIdCalibrationLimits,
+    GgmlQuantizedMatmulIdCalibrationReceipt,
+    GgmlQuantizedMatmulIdRoutePlan,
+    GgmlQuantizedMatmulIdShape,
+    calibrate_quantized_matmul_id_routes,
+    freeze_quantized_matmul_id_plan,
+    load_quantized_matmul_id_plan,
+    quantized_matmul_id_ggml_auto,
+    resolve_quantized_matmul_id_auto_route,
 )
 
 Device = _core.Device
@@ -219,82 +335,6 @@ __all__ += [
     "gguf_metadata",
 ]
 
-from . import calibration  # noqa: E402
-from .dense_matmul_id_plan import (  # noqa: E402
-    DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM,
-    DenseMatmulIdAutoReceipt,
-    DenseMatmulIdCalibrationCase,
-    DenseMatmulIdCalibrationDecision,
-    DenseMatmulIdCalibrationLimits,
-    DenseMatmulIdCalibrationReceipt,
-    DenseMatmulIdDecisionSource,
-    DenseMatmulIdDispatchTrace,
-    DenseMatmulIdRoutePlan,
-    DenseMatmulIdRoutingProfile,
-    DenseMatmulIdSelectionStatus,
-    DenseMatmulIdShape,
-    calibrate_dense_matmul_id_routes,
-    dense_matmul_id_auto,
-    dense_matmul_id_expected_dispatches,
-    freeze_dense_matmul_id_plan,
-    freeze_dense_matmul_id_plan_for_cases,
-    load_dense_matmul_id_plan,
-    resolve_dense_matmul_id_auto_route,
-    trace_dense_matmul_id,
-    trace_dense_matmul_id_auto,
-)
-from .dense_q4_plan import (  # noqa: E402
-    DENSE_Q4_RECEIPT_SCHEMA_VERSION,
-    DENSE_Q4_ROUTE_SCHEMA_VERSION,
-    DenseQ4BaseShape,
-    DenseQ4CalibrationBatchReceipt,
-    DenseQ4CalibrationCase,
-    DenseQ4CalibrationDecision,
-    DenseQ4CalibrationLimits,
-    DenseQ4CartesianAcceptanceRequirements,
-    DenseQ4DispatchDecision,
-    DenseQ4DispatchTrace,
-    DenseQ4InputLayout,
-    DenseQ4RoutePlan,
-    DenseQ4RouteTiming,
-    DenseQ4SelectionStatus,
-    DenseQ4Shape,
-    DenseQ4TimingDistribution,
-    calibrate_dense_q4_routes,
-    dense_q4_auto,
-    freeze_dense_q4_plan,
-    load_dense_q4_plan,
-    trace_dense_q4_auto,
-    validate_dense_q4_cartesian_acceptance,
-)
-from .ggml_routes import (  # noqa: E402
-    GgmlCapability,
-    GgmlCapabilityRequest,
-    GgmlExpertShape,
-    GgmlInvocation,
-    GgmlInvocationKind,
-    GgmlKernelRoute,
-    GgmlRejectionCode,
-    GgmlWorkload,
-    ggml_capability,
-    plan_dense_auto_route,
-)
-from .moe_layer import MoeLayer  # noqa: E402
-from .quantized_matmul_id_plan import (  # noqa: E402
-    QUANTIZED_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM,
-    GgmlQuantizedMatmulIdAutoReceipt,
-    GgmlQuantizedMatmulIdCalibrationCase,
-    GgmlQuantizedMatmulIdCalibrationDecision,
-    GgmlQuantizedMatmulIdCalibrationLimits,
-    GgmlQuantizedMatmulIdCalibrationReceipt,
-    GgmlQuantizedMatmulIdRoutePlan,
-    GgmlQuantizedMatmulIdShape,
-    calibrate_quantized_matmul_id_routes,
-    freeze_quantized_matmul_id_plan,
-    load_quantized_matmul_id_plan,
-    quantized_matmul_id_ggml_auto,
-    resolve_quantized_matmul_id_auto_route,
-)
 
 __all__ += [
     "DENSE_Q4_RECEIPT_SCHEMA_VERSION",

@@ -1,81 +1,8 @@
-"""`python -m routemm <command>`: the command line.
+"""`python -m routemm <command>`: the command line, which lives in routemm/cli/main.py."""
 
-Every command is an argparse subcommand with its own `--help`. A routemm.Error ends the command with
-one line on stderr and exit status 1, never a traceback; a usage error exits with status 2.
-"""
-
-from __future__ import annotations
-
-import argparse
 import sys
 
-from . import _core, demo, env
-from ._errors import Error
-
-_DESCRIPTION = (
-    "routemm: native kernels for LLM inference (expert-ID matmul, GGML Q4_0 projections) with explicit, "
-    "receipted routing."
-)
-_EPILOG = "Run `python -m routemm COMMAND --help` (or `python -m routemm help COMMAND`) for a command's options."
-
-
-def _backends(args, parser) -> int:
-    for name, available, reason in _core.backend_status():
-        print(f"{name:6} {'available' if available else 'unavailable: ' + reason}")
-    return 0
-
-
-def _knobs(args, parser) -> int:
-    print(env.table_markdown())
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m routemm", description=_DESCRIPTION, epilog=_EPILOG)
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-
-    def command(name: str, handler, summary: str, description: str | None = None) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=summary, description=description or summary)
-        sub.set_defaults(handler=handler, command_parser=sub)
-        return sub
-
-    demo.add_arguments(
-        command(
-            "demo",
-            demo.main,
-            "run a random MoE expert projection on the best backend, both routes, checked against float64",
-            demo.__doc__.split("\n\n", 1)[1].strip(),
-        )
-    )
-    command("backends", _backends, "list the backends this build knows and why any is unavailable")
-    command("knobs", _knobs, "print the environment knobs (name, type, default, effect) as a Markdown table")
-    help_parser = command("help", None, "show this help, or a command's")
-    help_parser.add_argument("topic", nargs="?", choices=sorted(commands.choices), help="the command to explain")
-
-    def show_help(args, _parser) -> int:
-        (commands.choices[args.topic] if args.topic else parser).print_help()
-        return 0
-
-    help_parser.set_defaults(handler=show_help)
-    return parser
-
-
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    try:
-        return args.handler(args, args.command_parser)
-    except Error as e:
-        message = " ".join(str(e).split())  # one line, whatever the core's message holds
-        print(f"routemm {args.command}: error: {message}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"routemm {args.command}: interrupted", file=sys.stderr)
-        return 130
-
+from .cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

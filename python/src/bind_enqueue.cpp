@@ -1,4 +1,4 @@
-// The tensor ops' call path (routemm/_tensor_ops.py, routemm.torch and its C++ kernels in
+// The tensor ops' call path (routemm/ops/_tensor_ops.py, routemm.torch and its C++ kernels in
 // routemm._torch_ops): a framework's tensors come in as raw pointers, and wrapping, encoding and
 // starting the work happen here in one crossing, so an eager call in an engine's decode loop costs
 // about one kernel launch on the host. Two doors lead to the same functions: the pybind11 entries

@@ -1,5 +1,5 @@
 // Zero-copy interop: DLPack capsules in and out, and raw device pointers with a Python owner
-// (__cuda_array_interface__, NumPy). Which protocol to use is decided in routemm/_interop.py.
+// (__cuda_array_interface__, NumPy). Which protocol to use is decided in routemm/core/_interop.py.
 #include <pybind11/stl.h>
 
 #include <type_traits>

@@ -1,4 +1,4 @@
-// MoE layer kernels: params by field; the argument shaping lives in routemm/moe.py.
+// MoE layer kernels: params by field; the argument shaping lives in routemm/ops/moe.py.
 #include <pybind11/stl.h>
 
 #include <optional>

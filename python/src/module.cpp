@@ -1,4 +1,4 @@
-// routemm._core: the compiled half of routemm. Errors map onto routemm._errors classes.
+// routemm._core: the compiled half of routemm. Errors map onto routemm.core._errors classes.
 #include <pybind11/pybind11.h>
 
 #include "bindings.h"
@@ -9,13 +9,13 @@ namespace py = pybind11;
 namespace {
 
 void raise_as(const char* class_name, const char* message) {
-  py::object cls = py::module_::import("routemm._errors").attr(class_name);
+  py::object cls = py::module_::import("routemm.core._errors").attr(class_name);
   PyErr_SetString(cls.ptr(), message);
 }
 
 // CommandBufferError carries the failing pipeline's label as an attribute.
 void raise_command_buffer_error(const routemm::CommandBufferError& e) {
-  py::object cls = py::module_::import("routemm._errors").attr("CommandBufferError");
+  py::object cls = py::module_::import("routemm.core._errors").attr("CommandBufferError");
   py::object error = cls(e.what());
   error.attr("pipeline_label") = e.pipeline_label();
   PyErr_SetObject(cls.ptr(), error.ptr());

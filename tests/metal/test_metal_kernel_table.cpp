@@ -352,8 +352,8 @@ TEST(MetalKernelTable, Q4GeometryAndBindings) {
 }
 
 TEST(MetalKernelTable, CalibrationBindings) {
-  // The calibration (python/routemm/calibration.py) dispatches the proof kernels as Threads over
-  // the guarded elements: poison (control, candidate, params), compare (control, candidate,
+  // The calibration (python/routemm/plans/calibration.py) dispatches the proof kernels as Threads
+  // over the guarded elements: poison (control, candidate, params), compare (control, candidate,
   // statuses, params).
   const Device device(std::make_shared<TableBackend>());
   KernelRegistry registry(device);

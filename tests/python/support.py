@@ -11,7 +11,7 @@ import sys
 import ml_dtypes
 import numpy as np
 import routemm
-import routemm._schemas
+import routemm.core._schemas
 from routemm import DenseMatmulIdInputLayout as Layout
 from routemm import DenseMatmulIdMultiplicity as Mult
 from routemm import DenseMatmulIdRoute as Route
@@ -40,7 +40,7 @@ except ImportError:  # schema tests skip themselves; see test_json_schemas.py
 def validate(record, name: str | None = None) -> None:
     """Validate a produced record against its shipped JSON Schema (skipped without jsonschema)."""
     if HAVE_JSONSCHEMA:
-        routemm._schemas.validate(record, name)
+        routemm.core._schemas.validate(record, name)
 
 
 def finfo(dtype: DType):

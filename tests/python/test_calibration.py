@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import routemm
 from routemm import calibration as cal
-from routemm import dense_q4_plan as dq
 from routemm import q4_0
+from routemm.plans import dense_q4_plan as dq
 from support import validate
 
 # Most tests calibrate Q4_0 routes; the proof-kernel test below needs only the calibration kernels.

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import routemm
 import routemm.__main__ as cli
-from routemm import demo, env
+from routemm import env
+from routemm.cli import demo
 
 REPO = Path(__file__).resolve().parents[2]
 COMMANDS = ("demo", "backends", "knobs", "help")

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 import routemm
-from routemm import _expert_id_plan as ex
 from routemm import calibration as cal
-from routemm import dense_matmul_id_plan as dp
+from routemm.plans import _expert_id_plan as ex
+from routemm.plans import dense_matmul_id_plan as dp
 from support import validate
 
 R = routemm.DenseMatmulIdRoute

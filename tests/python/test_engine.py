@@ -221,7 +221,7 @@ def test_stream_argument(device):
 
 
 def test_stream_handles_of_framework_streams():
-    from routemm._core_api import stream_handle
+    from routemm.core._core_api import stream_handle
 
     class TorchLike:
         cuda_stream = 0x7F00

@@ -523,4 +523,4 @@ def test_quantized_expert_id_params_refuse_another_schema_version(version):
     with pytest.raises(routemm.InvalidArgumentError, match="schema_version"):
         routemm.GgmlQuantizedMatmulIdParams(1, 4, 32, 1, 1, GgmlType.Q4_0, 72, schema_version=version)
     params = routemm.GgmlQuantizedMatmulIdParams(1, 4, 32, 1, 1, GgmlType.Q4_0, 72)
-    assert params.to_dict()["schema_version"] == routemm.quantized_matmul_id.SCHEMA_VERSION
+    assert params.to_dict()["schema_version"] == routemm.ops.quantized_matmul_id.SCHEMA_VERSION

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import routemm
-from routemm import _route_plan as rp
 from routemm import calibration as cal
-from routemm import dense_q4_plan as dq
 from routemm import q4_0
+from routemm.plans import _route_plan as rp
+from routemm.plans import dense_q4_plan as dq
 
 KINDS = ["dense_q4", "dense_matmul_id", "quantized_matmul_id"]
 EXPERT_ID_KINDS = KINDS[1:]

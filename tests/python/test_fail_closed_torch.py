@@ -386,7 +386,7 @@ def _tiny_qwen3_moe():
 
 def test_transformers_training_with_routemm_experts_gives_the_eager_gradients():
     """Training through experts_implementation="routemm" reaches the experts: every parameter
-    gets the gradient the "eager" experts give it (the block's backward, routemm._moe_autograd),
+    gets the gradient the "eager" experts give it (the block's backward, routemm.integrations._moe_autograd),
     and inference with parameters that require grad gives the no-grad logits bit for bit."""
     model, input_ids = _tiny_qwen3_moe()
     model.eval()

@@ -9,7 +9,7 @@ from typing import Generic, Optional, TypeVar
 
 import pytest
 import routemm
-import routemm._schemas as schemas
+import routemm.core._schemas as schemas
 from routemm import DenseMatmulIdInputLayout as Layout
 from routemm import DenseMatmulIdMultiplicity as Mult
 from routemm import DenseMatmulIdRoute as Route
@@ -185,10 +185,10 @@ def test_schema_rejects_inconsistent_records():
 
 
 def test_every_record_class_has_its_schema_part():
-    import routemm._json as records
-    import routemm.dense_matmul_id_plan  # noqa: F401
-    import routemm.dense_q4_plan  # noqa: F401
-    import routemm.quantized_matmul_id_plan  # noqa: F401
+    import routemm.core._json as records
+    import routemm.plans.dense_matmul_id_plan  # noqa: F401
+    import routemm.plans.dense_q4_plan  # noqa: F401
+    import routemm.plans.quantized_matmul_id_plan  # noqa: F401
 
     def subclasses(cls):
         for sub in cls.__subclasses__():
@@ -253,7 +253,7 @@ def test_malformed_json_text_is_a_routemm_error(text, message):
 def test_non_finite_numbers_refused_from_dict():
     doc = routemm.DenseMatmulIdDispatchReceipt(DType.F16, Route.DIRECT, 1).to_dict()
     assert routemm.DenseMatmulIdDispatchReceipt.from_dict(doc).dispatch_count == 1
-    import routemm.dense_q4_plan as dq
+    import routemm.plans.dense_q4_plan as dq
 
     dist = dq.DenseQ4TimingDistribution(1.0, 2.0, 3.0, 5).to_dict()
     for bad in (float("nan"), float("inf"), 10**400):
@@ -303,7 +303,7 @@ class _Leaf(_Swapped[Route]):
 
 
 def test_inherited_generic_fields_decode_as_their_record_names_them():
-    from routemm import _json
+    from routemm.core import _json
 
     doc = {"first": 3.0, "rest": ["direct", "grouped_prefill"], "maybe": None, "label": "x", "other": "direct"}
     leaf = _json._decode_record(_Leaf, doc, "_Leaf")

@@ -173,8 +173,8 @@ def test_bad_shapes_and_dtypes(device, rng):
 
 
 def test_reference_helper_agrees_with_package_oracle(rng):
-    """Our float64 reference and routemm._reference agree (two independent writings)."""
-    from routemm._reference import dense_matmul_id_reference
+    """Our float64 reference and routemm.ops._reference agree (two independent writings)."""
+    from routemm.ops._reference import dense_matmul_id_reference
 
     w = random_weights(rng, DType.BF16, (E, 5, 6)).astype(NP_DTYPE[DType.BF16])
     for slotted in (False, True):

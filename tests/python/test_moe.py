@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import routemm
 from routemm import DType
-from routemm._reference import moe_experts_reference, moe_gate_reference
+from routemm.ops._reference import moe_experts_reference, moe_gate_reference
 from tolerances import MOE_EXPERTS_TOLERANCE, MOE_GATE_TOLERANCE
 
 GATE_ATOL, GATE_RTOL = MOE_GATE_TOLERANCE
@@ -258,14 +258,14 @@ def test_experts_build_one_routing_map_per_block(device, rng, monkeypatch, ggml_
         half = gate_up.shape[1] // 2
         gate_up = (np.ascontiguousarray(gate_up[:, :half]), np.ascontiguousarray(gate_up[:, half:]))
     encoded = []
-    original = routemm.moe._encode_experts
+    original = routemm.ops.moe._encode_experts
 
     def recording(encoder, *args, **kwargs):
         encoder.start_encoded_dispatch_receipt(16)
         original(encoder, *args, **kwargs)
         encoded.append([d.pipeline_label for d in encoder.take_encoded_dispatch_receipt()])
 
-    monkeypatch.setattr(routemm.moe, "_encode_experts", recording)
+    monkeypatch.setattr(routemm.ops.moe, "_encode_experts", recording)
     runs = {}
     for route in (routemm.DenseMatmulIdRoute.GROUPED_PREFILL, routemm.DenseMatmulIdRoute.DIRECT):
         runs[route] = routemm.moe_experts(x, ids, w, gate_up, down, ggml_type=ggml_type, route=route, device=device)

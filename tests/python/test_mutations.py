@@ -33,14 +33,14 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 jsonschema = pytest.importorskip("jsonschema")
 import routemm  # noqa: E402
-import routemm._json as records  # noqa: E402
-import routemm._schemas as schemas  # noqa: E402
+import routemm.core._json as records  # noqa: E402
+import routemm.core._schemas as schemas  # noqa: E402
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from routemm import calibration as cal  # noqa: E402
-from routemm import dense_matmul_id_plan as dp  # noqa: E402
-from routemm import dense_q4_plan as dq  # noqa: E402
 from routemm import q4_0  # noqa: E402
+from routemm.plans import dense_matmul_id_plan as dp  # noqa: E402
+from routemm.plans import dense_q4_plan as dq  # noqa: E402
 from support import MOE_DEFAULT_META, MOE_E, MOE_H, gguf_bytes, moe_gguf_bytes  # noqa: E402
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))

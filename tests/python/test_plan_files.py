@@ -16,9 +16,9 @@ import weakref
 import numpy as np
 import pytest
 import routemm
-from routemm import _route_plan as rp
 from routemm import calibration as cal
 from routemm import q4_0
+from routemm.plans import _route_plan as rp
 
 V2 = routemm.DenseQ4Route.COMPATIBILITY_V2
 C64 = routemm.DenseQ4Route.TENSOR_64X32
@@ -272,8 +272,8 @@ def test_q4_file_with_a_version_4_receipt_reloads(device, tmp_path):
     [
         (
             rp.PlanDecision,
-            routemm.dense_q4_plan.DenseQ4PlanDecision,
-            routemm.dense_matmul_id_plan.DenseMatmulIdPlanDecision,
+            routemm.plans.dense_q4_plan.DenseQ4PlanDecision,
+            routemm.plans.dense_matmul_id_plan.DenseMatmulIdPlanDecision,
         ),
         (rp.RoutePlan, routemm.DenseQ4RoutePlan, routemm.DenseMatmulIdRoutePlan),
         (rp.CalibrationDecision, routemm.DenseQ4CalibrationDecision, routemm.DenseMatmulIdCalibrationDecision),

@@ -460,7 +460,7 @@ def test_schema_rejects_inconsistent_receipt(device, registry, rng):
     _, receipt = Q4Case(device, rng, 10, 9, 64).run(registry)
     broken = dataclasses.replace(receipt, route="mat_vec")  # label says V2
     with pytest.raises(jsonschema.ValidationError):
-        routemm._schemas.validate(broken)
+        routemm.core._schemas.validate(broken)
 
 
 def test_policy_is_frozen():

@@ -45,7 +45,7 @@ def test_q8_0_matches_reference(device, registry, rng, m, n, k):
     ref = x.astype(np.float64) @ w.T
     mag = np.abs(x.astype(np.float64)) @ np.abs(w).T
     assert np.all(np.abs(got - ref) <= 2.0**-20 * mag * k**0.5 + 1e-30)
-    mat_vec = m <= routemm.quantized_matmul.MM_ROUTING_THRESHOLD
+    mat_vec = m <= routemm.ops.quantized_matmul.MM_ROUTING_THRESHOLD
     name = _mat_vec_pipeline(device) if mat_vec else routemm.Q8_MATMUL_PIPELINE_NAMES[1]
     assert receipt.ggml_type is GgmlType.Q8_0
     assert receipt.pipeline_label == name + LABEL_SUFFIX == receipt.dispatch.pipeline_label

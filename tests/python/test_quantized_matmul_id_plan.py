@@ -9,10 +9,10 @@ import json
 import numpy as np
 import pytest
 import routemm
-from routemm import _expert_id_plan as ex
 from routemm import calibration as cal
 from routemm import q4_0, q8_0
-from routemm import quantized_matmul_id_plan as qp
+from routemm.plans import _expert_id_plan as ex
+from routemm.plans import quantized_matmul_id_plan as qp
 from support import validate
 
 R = routemm.GgmlQuantizedMatmulIdRoute

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 import routemm
-from routemm import _expert_id_plan as ex
-from routemm import _route_plan as rp
-from routemm import dense_matmul_id_plan as dp
-from routemm import dense_q4_plan as dq
-from routemm import quantized_matmul_id_plan as qp
+from routemm.plans import _expert_id_plan as ex
+from routemm.plans import _route_plan as rp
+from routemm.plans import dense_matmul_id_plan as dp
+from routemm.plans import dense_q4_plan as dq
+from routemm.plans import quantized_matmul_id_plan as qp
 
 
 def test_kind_records_are_named_frozen_records_of_their_schema():

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import routemm
-from routemm import dense_q4_plan as dq
 from routemm import q4_0
+from routemm.plans import dense_q4_plan as dq
 
 TABLE = Path(__file__).resolve().parents[2] / "docs" / "spec-conformance.md"
 V2 = routemm.DenseQ4Route.COMPATIBILITY_V2
@@ -437,8 +437,8 @@ def _(rng, tmp_path):
 
 @check("7.6-poison")
 def _(rng, tmp_path):
-    from routemm import _expert_id_plan as ex
-    from routemm import dense_matmul_id_plan as dp
+    from routemm.plans import _expert_id_plan as ex
+    from routemm.plans import dense_matmul_id_plan as dp
 
     assert dp.POISON_BITS == 0x7FC000C7
     poison = np.full(8 + 16, dp.POISON_BITS, np.uint32)

@@ -17,7 +17,8 @@ import routemm
 
 torch = pytest.importorskip("torch")
 import routemm.torch as rt  # noqa: E402
-from routemm import _core, _tensor_ops, q4_0, q8_0  # noqa: E402
+from routemm import _core, q4_0, q8_0  # noqa: E402
+from routemm.ops import _tensor_ops  # noqa: E402
 from tolerances import q4_cuda_default_bound  # noqa: E402
 
 E, N, K = 8, 40, 64

@@ -61,16 +61,16 @@ def test_schemas_validate_names_what_it_needs():
 
 
 def test_schemas_validate_without_jsonschema_says_how_to_install(monkeypatch):
-    import routemm._schemas
+    import routemm.core._schemas
 
     monkeypatch.setitem(sys.modules, "jsonschema", None)  # import jsonschema now raises ImportError
-    routemm._schemas._validator.cache_clear()
+    routemm.core._schemas._validator.cache_clear()
     try:
         with pytest.raises(routemm.MissingDependencyError, match=r"routemm\[schemas\]") as raised:
             routemm.schemas.validate(routemm.DenseMatmulIdParams(4, 8, 16, 2, 4, 512))
         assert isinstance(raised.value, ImportError) and isinstance(raised.value, routemm.Error)
     finally:
-        routemm._schemas._validator.cache_clear()
+        routemm.core._schemas._validator.cache_clear()
 
 
 def test_schemas_extra_brings_jsonschema():

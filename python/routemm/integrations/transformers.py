@@ -19,14 +19,14 @@ F32 inside) and picks the block's route from the shapes (the tensor-core route f
 on CUDA). Under expert parallelism transformers passes sentinel ids (>= the local expert count)
 with zero weights; routemm skips them without reading a weight.
 
-Training: the op has a backward for float stacks (routemm._moe_autograd), so loss.backward()
+Training: the op has a backward for float stacks (routemm.integrations._moe_autograd), so loss.backward()
 gives the experts, the hidden states and the routing weights their gradients; a forward with
 parameters that require grad gives the no-grad result bit for bit.
 """
 
 from __future__ import annotations
 
-from .._errors import InvalidArgumentError
+from ..core._errors import InvalidArgumentError
 
 IMPLEMENTATION_NAME = "routemm"
 
@@ -69,7 +69,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """
     import torch
 
-    from .. import torch as _ops  # noqa: F401  (registers torch.ops.routemm.*)
+    from . import torch as _ops  # noqa: F401  (registers torch.ops.routemm.*)
 
     _check_module(self)
     # No torch.no_grad() here: where a gradient is asked for (grad mode on, parameters or hidden

@@ -6,8 +6,8 @@
 // The core is reached only through the C ABI table routemm._core exports (tensor_op_abi.h); this
 // module links torch, never routemm's core, so the core keeps one copy of its state. The checks
 // here are the framework's (devices, dtypes, contiguity) with the messages of the Python kernels
-// (routemm/torch.py, routemm/_tensor_ops.py), in the same order; shapes, routes and everything
-// the op validates are checked by the core. Invalid arguments raise ValueError (as
+// (routemm/integrations/torch.py, routemm/ops/_tensor_ops.py), in the same order; shapes, routes
+// and everything the op validates are checked by the core. Invalid arguments raise ValueError (as
 // routemm.InvalidArgumentError is one). Temporaries come from at::empty (the framework's caching
 // allocator, so a captured CUDA graph owns them) and CUDA work goes to the current stream of the
 // tensors' device, found through c10's device-guard interface so that no CUDA header is needed

@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ._errors import UnsupportedError
+from ..core._errors import UnsupportedError
 
 
 def moe_experts_backward(

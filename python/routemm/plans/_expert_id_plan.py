@@ -26,11 +26,11 @@ from typing import ClassVar, Generic, Optional, TypeVar
 
 import numpy as np
 
+from ..core._core_api import DType
+from ..core._errors import Error, InvalidArgumentError
+from ..ops.dense_matmul_id import DenseMatmulIdInputLayout, DenseMatmulIdScratch
 from . import _route_plan as rp
 from . import calibration as cal
-from ._core_api import DType
-from ._errors import Error, InvalidArgumentError
-from .dense_matmul_id import DenseMatmulIdInputLayout, DenseMatmulIdScratch
 
 
 class DenseMatmulIdRoutingProfile(enum.Enum):

@@ -26,9 +26,9 @@ from typing import Optional, Union
 
 import numpy as np
 
-from . import _core
-from ._core_api import _NUMPY_TO_DTYPE, DType, check_encoding, check_uint
-from ._errors import InvalidArgumentError
+from .. import _core
+from ..core._core_api import _NUMPY_TO_DTYPE, DType, check_encoding, check_uint
+from ..core._errors import InvalidArgumentError
 from .dense_matmul_id import (
     DenseMatmulIdInputLayout,
     DenseMatmulIdMultiplicity,
@@ -147,8 +147,8 @@ def moe_gate(router_logits, top_k: int, *, renormalize: bool, device=None):
     if framework == "torch":
         import torch
 
+        from ..core._interop import from_dlpack
         from . import _tensor_ops
-        from ._interop import from_dlpack
 
         fw = _tensor_ops.framework("torch")
         _tensor_ops.one_place(fw, "moe_gate", [("router_logits", router_logits)])
@@ -472,8 +472,8 @@ def _check_weight_dtypes(bufs, ggml_type: Optional[GgmlType] = None, what: str =
 def _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route, ggml_type):
     import torch
 
+    from ..core._interop import from_dlpack
     from . import _tensor_ops
-    from ._interop import from_dlpack
 
     fw = _tensor_ops.framework("torch")
     if isinstance(gate_up, (tuple, list)):

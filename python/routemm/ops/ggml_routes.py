@@ -17,8 +17,8 @@ import dataclasses
 import enum
 from typing import Optional, Union
 
-from ._core_api import DType
-from ._errors import InvalidArgumentError
+from ..core._core_api import DType
+from ..core._errors import InvalidArgumentError
 from .quantized_matmul import MM_ROUTING_THRESHOLD, GgmlRoutingPolicy, GgmlTensorMmPreference, GgmlType
 
 GGML_CAPABILITY_SCHEMA_VERSION = 1

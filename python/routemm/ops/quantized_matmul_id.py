@@ -42,11 +42,11 @@ import functools
 
 import numpy as np
 
-from . import _core
-from ._core_api import check_encoding, check_type, check_uint
-from ._errors import InvalidArgumentError
-from ._json import JsonRecord
-from ._record_checks import SchemaVersioned
+from .. import _core
+from ..core._core_api import check_encoding, check_type, check_uint
+from ..core._errors import InvalidArgumentError
+from ..core._json import JsonRecord
+from ..core._record_checks import SchemaVersioned
 from .dense_matmul_id import AUTO_GROUPED_MIN_TOKENS as _DENSE_AUTO_GROUPED_MIN_TOKENS
 from .dense_matmul_id import DenseMatmulIdInputLayout, DenseMatmulIdScratchRequirement, _checked_reuse_map, auto_grouped
 from .quantized_matmul import GgmlType
@@ -285,7 +285,7 @@ def matmul_id_quantized(weights, x, ids, ggml_type, route, out, device, check_sh
         )
     params = _quantized_params(m, n, k, top_k, n_experts, ggml_type, stride, layout, route)
     quantized_matmul_id_ggml_capability(params)  # the route's own rules, before allocating anything
-    from ._core_api import DType
+    from ..core._core_api import DType
 
     out_buf = device.alloc(m * top_k * n * 4, DType.F32, [m * top_k, n])
     w_buf = device.from_numpy(np.ascontiguousarray(weights))

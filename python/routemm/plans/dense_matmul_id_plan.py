@@ -34,19 +34,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import _core
-from . import _expert_id_plan as ex
-from . import _route_plan as rp
-from . import calibration as cal
-from ._core_api import DType, EncodedKernelDispatch, PipelineIdentity
-from ._errors import InvalidArgumentError
-from ._expert_id_plan import (  # the shared enums, re-exported here
-    DenseMatmulIdDecisionSource,
-    DenseMatmulIdRoutingProfile,  # noqa: F401
-    DenseMatmulIdSelectionStatus,  # noqa: F401
-)
-from ._json import JsonRecord
-from .dense_matmul_id import (
+from .. import _core
+from ..core._core_api import DType, EncodedKernelDispatch, PipelineIdentity
+from ..core._errors import InvalidArgumentError
+from ..core._json import JsonRecord
+from ..ops.dense_matmul_id import (
     BF16_DOT_PIPELINE_NAMES,
     PIPELINE_NAMES,
     SCHEMA_VERSION,
@@ -58,6 +50,14 @@ from .dense_matmul_id import (
     DenseMatmulIdRoute,
     dense_matmul_id,
     dense_matmul_id_capability,
+)
+from . import _expert_id_plan as ex
+from . import _route_plan as rp
+from . import calibration as cal
+from ._expert_id_plan import (  # the shared enums, re-exported here
+    DenseMatmulIdDecisionSource,
+    DenseMatmulIdRoutingProfile,  # noqa: F401
+    DenseMatmulIdSelectionStatus,  # noqa: F401
 )
 
 PLAN_KIND = "dense_matmul_id"

@@ -8,9 +8,9 @@ import math
 import ml_dtypes
 import numpy as np
 
-from . import _core
-from ._core_api import check_shape
-from ._errors import InvalidArgumentError
+from .. import _core
+from ..core._core_api import check_shape
+from ..core._errors import InvalidArgumentError
 
 
 class BlockFormat:

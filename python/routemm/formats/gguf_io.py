@@ -36,9 +36,9 @@ from typing import Optional
 
 import numpy as np
 
-from . import _core
-from ._core_api import DType, check_type
-from ._errors import InvalidArgumentError, InvalidArgumentTypeError
+from .. import _core
+from ..core._core_api import DType, check_type
+from ..core._errors import InvalidArgumentError, InvalidArgumentTypeError
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -244,7 +244,7 @@ def _gguf_tensors(path, names, device: Optional[_core.Device] = None, *, copy: b
     """{name: gguf_tensor(path, name, device, copy=copy)} for `names`, reading the header once."""
     path = _fspath(path, "gguf_tensor")
     if device is None:
-        from .dense_matmul_id import _default_device
+        from ..ops.dense_matmul_id import _default_device
 
         device = _default_device()
     check_type("gguf_tensor:", "device", device, _core.Device, optional=True)

@@ -24,7 +24,8 @@ import types
 import typing
 from typing import Any, ClassVar
 
-from . import _core, _schemas
+from .. import _core
+from . import _schemas
 from ._errors import InvalidArgumentError
 
 _DTYPES = {d.type_name: d for d in _core.DType.__members__.values()}
@@ -40,7 +41,7 @@ def dtype_from_name(name: str) -> _core.DType:
 class JsonRecord:
     """Mixin for frozen dataclasses that travel as JSON."""
 
-    SCHEMA: ClassVar[str]  # file name under routemm/schemas/
+    SCHEMA: ClassVar[str]  # file name under routemm/core/schemas/
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _encode(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -14,7 +14,7 @@ from typing import Optional
 import ml_dtypes
 import numpy as np
 
-from . import _core
+from .. import _core
 from ._errors import InvalidArgumentError, InvalidArgumentTypeError
 from ._json import JsonRecord
 from ._record_checks import SchemaVersioned

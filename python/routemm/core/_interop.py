@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _core
+from .. import _core
 from ._core_api import dtype_of
 from ._errors import InvalidArgumentError
 

@@ -19,13 +19,11 @@ from typing import Optional
 
 import numpy as np
 
-from . import _core
-from . import _route_plan as rp
-from . import calibration as cal
-from ._core_api import DType, EncodedKernelDispatch, PipelineIdentity
-from ._errors import CommandBufferError, Error, InvalidArgumentError
-from ._json import JsonRecord
-from .quantized_matmul import (
+from .. import _core
+from ..core._core_api import DType, EncodedKernelDispatch, PipelineIdentity
+from ..core._errors import CommandBufferError, Error, InvalidArgumentError
+from ..core._json import JsonRecord
+from ..ops.quantized_matmul import (
     DenseQ4DecisionSource,
     DenseQ4Route,
     GgmlQuantizedMatmulParams,
@@ -37,6 +35,8 @@ from .quantized_matmul import (
     encode_q4_route,
     q4_expected_dispatch,
 )
+from . import _route_plan as rp
+from . import calibration as cal
 
 DENSE_Q4_ROUTE_SCHEMA_VERSION = 4  # the plan's records (and the build fingerprint)
 # The calibration receipt and the dispatch trace. 5: the library version field is routemm_version

@@ -28,11 +28,12 @@ from typing import Optional
 
 import numpy as np
 
-from . import _core
-from ._core_api import DType, check_type
-from ._errors import InvalidArgumentError
-from ._reference import dense_matmul_id_reference, moe_experts_reference, moe_gate_reference
-from .dense_matmul_id import (
+from .. import _core
+from ..core._core_api import DType, check_type
+from ..core._errors import InvalidArgumentError
+from ..formats.gguf_io import _fspath, _gguf_header, _gguf_tensors
+from ..ops._reference import dense_matmul_id_reference, moe_experts_reference, moe_gate_reference
+from ..ops.dense_matmul_id import (
     DenseMatmulIdInputLayout,
     DenseMatmulIdMultiplicity,
     DenseMatmulIdParams,
@@ -41,8 +42,7 @@ from .dense_matmul_id import (
     _registry_for,
     dense_matmul_id,
 )
-from .gguf_io import _fspath, _gguf_header, _gguf_tensors
-from .moe import (
+from ..ops.moe import (
     _check_bool,
     _check_top_k,
     _check_weight_dtypes,
@@ -51,7 +51,7 @@ from .moe import (
     _encode_experts,
     _ExpertShapes,
 )
-from .quantized_matmul import GgmlType
+from ..ops.quantized_matmul import GgmlType
 
 # Whether an architecture's router renormalises its top-k weights, where the file does not say
 # (`<arch>.expert_weights_norm`): Qwen3-MoE and Mixtral (GGUF architecture "llama") do.
@@ -237,7 +237,7 @@ class MoeLayer:
 
     def float_weights(self) -> dict[str, np.ndarray]:
         """The router and expert stacks as float arrays (quantised blocks dequantised exactly)."""
-        from . import q4_0, q8_0
+        from ..formats import q4_0, q8_0
 
         arrays = {"router": self.router.numpy()}
         for label, buf, shape in (

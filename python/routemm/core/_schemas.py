@@ -30,12 +30,12 @@ from ._errors import InvalidArgumentError, MissingDependencyError
 @functools.lru_cache(maxsize=None)
 def load(name: str) -> dict:
     """The schema document `name` (e.g. 'dense_matmul_id_capability.schema.json')."""
-    return json.loads(resources.files("routemm").joinpath("schemas", name).read_text())
+    return json.loads(resources.files("routemm.core").joinpath("schemas", name).read_text())
 
 
 def names() -> list[str]:
     return sorted(
-        p.name for p in resources.files("routemm").joinpath("schemas").iterdir() if p.name.endswith(".schema.json")
+        p.name for p in resources.files("routemm.core").joinpath("schemas").iterdir() if p.name.endswith(".schema.json")
     )
 
 

@@ -40,10 +40,10 @@ import weakref
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Optional, TypeVar
 
-from . import _core
+from .. import _core
+from ..core._errors import InvalidArgumentError
+from ..core._json import JsonRecord
 from . import calibration as cal
-from ._errors import InvalidArgumentError
-from ._json import JsonRecord
 
 U64_MAX = 2**64 - 1
 

@@ -19,11 +19,12 @@ import time
 import ml_dtypes
 import numpy as np
 
-from . import _core, env
-from ._core_api import DType, dtype_of
-from ._errors import Error
-from ._reference import dense_matmul_id_reference
-from .dense_matmul_id import (
+from .. import _core
+from ..core import env
+from ..core._core_api import DType, dtype_of
+from ..core._errors import Error
+from ..ops._reference import dense_matmul_id_reference
+from ..ops.dense_matmul_id import (
     DenseMatmulIdInputLayout,
     DenseMatmulIdMultiplicity,
     DenseMatmulIdParams,

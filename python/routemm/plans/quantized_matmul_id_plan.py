@@ -30,16 +30,13 @@ import dataclasses
 
 import numpy as np
 
-from . import _core, q4_0, q8_0
-from . import _expert_id_plan as ex
-from . import _route_plan as rp
-from . import calibration as cal
-from ._errors import InvalidArgumentError
-from ._expert_id_plan import DenseMatmulIdRoutingProfile
-from ._json import JsonRecord
-from .dense_matmul_id import DenseMatmulIdInputLayout
-from .quantized_matmul import GgmlType
-from .quantized_matmul_id import (
+from .. import _core
+from ..core._errors import InvalidArgumentError
+from ..core._json import JsonRecord
+from ..formats import q4_0, q8_0
+from ..ops.dense_matmul_id import DenseMatmulIdInputLayout
+from ..ops.quantized_matmul import GgmlType
+from ..ops.quantized_matmul_id import (
     PIPELINE_NAMES,
     SCHEMA_VERSION,
     TENSOR_PIPELINE_NAMES,
@@ -49,6 +46,10 @@ from .quantized_matmul_id import (
     quantized_matmul_id_ggml,
     quantized_matmul_id_ggml_capability,
 )
+from . import _expert_id_plan as ex
+from . import _route_plan as rp
+from . import calibration as cal
+from ._expert_id_plan import DenseMatmulIdRoutingProfile
 
 PLAN_KIND = "quantized_matmul_id"
 _PLAN = "ggml_quantized_matmul_id_route_plan.schema.json"

@@ -18,11 +18,11 @@ from typing import ClassVar, Optional
 
 import numpy as np
 
-from . import _core
-from ._core_api import EncodedKernelDispatch, check_encoding, check_type, check_uint
-from ._errors import InvalidArgumentError
-from ._json import JsonRecord
-from ._record_checks import SchemaVersioned
+from .. import _core
+from ..core._core_api import EncodedKernelDispatch, check_encoding, check_type, check_uint
+from ..core._errors import InvalidArgumentError
+from ..core._json import JsonRecord
+from ..core._record_checks import SchemaVersioned
 
 SCHEMA_VERSION: int = _core.GGML_QUANTIZED_MATMUL_SCHEMA_VERSION
 MM_ROUTING_THRESHOLD: int = _core.GGML_MM_ROUTING_THRESHOLD

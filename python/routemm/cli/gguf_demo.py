@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from . import _core
-from .moe_layer import MoeLayer
+from .. import _core
+from ..models.moe_layer import MoeLayer
 
 # Relative error (against max |reference|) a layer output may have: two chained F32 matmuls.
 MAX_REL_ERROR = 1e-4

@@ -14,9 +14,9 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from . import _core
-from ._core_api import DType
-from ._errors import InvalidArgumentError
+from .. import _core
+from ..core._core_api import DType
+from ..core._errors import InvalidArgumentError
 
 _DL_CPU, _DL_CUDA = 1, 2
 _U32_MAX = 2**32 - 1
@@ -126,7 +126,7 @@ class _Torch(Framework):
 
             @staticmethod
             def backward(ctx, grad):
-                from . import torch as routemm_torch  # defines routemm::_refuse_backward
+                from ..integrations import torch as routemm_torch  # defines routemm::_refuse_backward
 
                 return None, None, *routemm_torch.refuse_backward(grad, list(ctx.saved_tensors), ctx.message)
 
@@ -220,7 +220,7 @@ class _CuPy(Framework):
         self.tensor_type = cupy.ndarray
 
     def dtype(self, t):
-        from ._core_api import dtype_of
+        from ..core._core_api import dtype_of
 
         return dtype_of(t.dtype)
 

@@ -1,0 +1,1 @@
+"""`python -m routemm`: the command line and its demos. Built on the layers below integrations."""

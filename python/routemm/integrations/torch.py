@@ -1,0 +1,367 @@
+"""PyTorch custom ops over routemm's front doors (importing this module registers them).
+
+    import routemm.torch  # registers torch.ops.routemm.*
+    y = torch.ops.routemm.matmul_id(w, x, ids)          # [m * top_k, n] float32
+    y = torch.ops.routemm.q4_matmul(x, blocks, n, k)    # [m, n] float32
+    y = torch.ops.routemm.quantized_matmul_id(stack, x, ids, "q4_0")  # [m*top_k, n] float32
+
+Each op has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through it and
+fake tensors propagate shapes. CUDA tensors run on torch.cuda.current_stream() with no host sync,
+no stream created and temporaries from PyTorch's caching allocator, so a call can be captured in
+torch.cuda.graph; CPU tensors run on the CPU backend. The route depends on shapes only.
+
+Kernels: matmul_id, q4_matmul and quantized_matmul_id run C++ kernels (the extension
+routemm._torch_ops, built when the build's Python imports torch) when that extension was built
+against the running torch; otherwise, or with ROUTEMM_TORCH_KERNELS=python, their Python kernels
+(the same checks, messages and results; more host time per call, see bench/engine_decode.py
+host-cost). KERNELS says which ("cpp" or "python") and KERNELS_REASON why. Both run the core
+through one table of devices and registries.
+
+Gradients: moe_experts has a backward for float stacks (routemm.integrations._moe_autograd: d hidden, d
+top_k_weights, d gate_up, d up, d down); when grad mode is on and one of its inputs requires grad,
+its autograd kernel runs routemm::_moe_experts_grad, whose autograd.Function computes the forward
+with the op and the gradients in its backward. The other ops compute the forward pass only: their
+autograd kernel runs the op below autograd and, when grad mode is on and an input requires grad,
+hands the output to routemm::_no_gradient, which gives it a grad_fn whose backward raises
+routemm.UnsupportedError naming the op and those inputs: a forward with parameters that require
+grad runs (bit for bit the no-grad result), training through the op fails loudly. The C++ kernels
+bring their autograd kernel in C++ (no Python on a call whose inputs need no gradient; an op
+`routemm::_<name>_grad`, where one is registered, takes a call that needs one); the Python
+kernels' is `_autograd_kernel`.
+
+Registration: every op goes through `define_op` (its schema, real and fake implementations), which
+records it in OPS; an op of another module registers the same way.
+"""
+
+import importlib
+import os
+from typing import Callable, Optional
+
+import torch
+
+from ..core._errors import InvalidArgumentError, UnsupportedError
+from ..ops import _tensor_ops
+from ..ops.quantized_matmul_id import SUPPORTED_TYPES as _QUANTIZED_TYPES
+
+# The block-stack types quantized_matmul_id takes, by their ggml_type values ("q4_0", "q8_0").
+_QUANTIZED_EXPERT_TYPES = frozenset(t.value for t in _QUANTIZED_TYPES)
+
+NAMESPACE = "routemm"
+
+_TORCH = _tensor_ops.framework("torch")
+
+# name -> the registered op (torch.ops.routemm.<name>), for every op this package registered.
+OPS: dict[str, object] = {}
+
+KERNELS_KNOB = "ROUTEMM_TORCH_KERNELS"
+
+
+def _choose_kernels() -> tuple[str, str, frozenset]:
+    """("cpp" or "python", the reason, the ops the C++ kernels serve). Loading routemm._torch_ops
+    registers its kernels, so it is loaded only when it will be used."""
+    wanted = os.environ.get(KERNELS_KNOB, "").strip().lower() or "auto"
+    if wanted not in ("auto", "cpp", "python"):
+        raise InvalidArgumentError(f"{KERNELS_KNOB} must be auto, cpp or python, got {wanted!r}")
+    if wanted == "python":
+        return "python", f"{KERNELS_KNOB}=python", frozenset()
+    try:
+        from .. import _torch_ops_build
+    except ImportError:
+        why = "routemm._torch_ops was not built (the build's Python could not import torch, or ROUTEMM_TORCH_OPS=OFF)"
+    else:
+        if _torch_ops_build.TORCH_VERSION != torch.__version__:
+            why = (
+                f"routemm._torch_ops was built against torch {_torch_ops_build.TORCH_VERSION}, "
+                f"this process runs torch {torch.__version__}: rebuild routemm with this torch"
+            )
+        else:
+            try:
+                extension = importlib.import_module("routemm._torch_ops")
+            except ImportError as error:
+                why = f"routemm._torch_ops failed to load: {error}"
+            else:
+                return (
+                    "cpp",
+                    f"routemm._torch_ops, built against torch {extension.TORCH_VERSION}",
+                    frozenset(extension.OPS),
+                )
+    if wanted == "cpp":
+        raise ImportError(f"{KERNELS_KNOB}=cpp, but {why}")
+    return "python", why, frozenset()
+
+
+# KERNELS: "cpp" (routemm._torch_ops) or "python"; KERNELS_REASON: why.
+KERNELS, KERNELS_REASON, _CPP_OPS = _choose_kernels()
+
+# The ops are defined through the low-level torch.library.Library API with the real implementation
+# registered per dispatch key (CPU, CUDA) and a fake for tracing: the call goes straight from the
+# dispatcher to the implementation (about 2 us on the host), where torch.library.custom_op's
+# wrapper adds about 8 us more per call, the whole budget of an eager decode-loop call.
+_LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+
+
+def _no_gradient(out: torch.Tensor, inputs: list[torch.Tensor], op: str, names: str) -> torch.Tensor:
+    """routemm::_no_gradient: `out`, the result of `op`, with a grad_fn whose backward raises
+    routemm.UnsupportedError naming `op` and the arguments `names` (", "-separated, one per
+    tensor of `inputs`, those that require grad); the autograd kernels of both kernel sets call it
+    (see _tensor_ops.Framework.forward_only)."""
+    return _TORCH.forward_only(op, out, zip(names.split(", "), inputs, strict=True))
+
+
+_LIBRARY.define("_no_gradient" + torch.library.infer_schema(_no_gradient, mutates_args=()))
+_LIBRARY.impl("_no_gradient", _no_gradient, "CompositeImplicitAutograd")
+
+
+def _refuse_backward(grad: torch.Tensor, inputs: list[torch.Tensor], message: str) -> list[torch.Tensor]:
+    """routemm::_refuse_backward, the backward of _no_gradient's node: raises
+    routemm.UnsupportedError(message) when it runs. An op rather than a raise in the node, so that
+    torch.compile, which traces the backward while compiling a forward whose inputs require grad,
+    compiles it (inference with parameters that require grad runs) and the refusal comes when the
+    backward runs; taking `grad` keeps it in the backward graph."""
+    raise UnsupportedError(message)
+
+
+def _refuse_backward_fake(grad: torch.Tensor, inputs: list[torch.Tensor], message: str) -> list[torch.Tensor]:
+    return [torch.empty_like(t) for t in inputs]
+
+
+_LIBRARY.define("_refuse_backward" + torch.library.infer_schema(_refuse_backward, mutates_args=()))
+_LIBRARY.impl("_refuse_backward", _refuse_backward, "CompositeExplicitAutograd")
+torch.library.register_fake(f"{NAMESPACE}::_refuse_backward", _refuse_backward_fake, lib=_LIBRARY)
+
+
+def refuse_backward(grad: torch.Tensor, inputs: list[torch.Tensor], message: str) -> list[torch.Tensor]:
+    """The gradients of `inputs` through an output that has none: raises routemm.UnsupportedError
+    (message) when run, through routemm::_refuse_backward."""
+    return torch.ops.routemm._refuse_backward(grad, inputs, message)
+
+
+# Ops with a backward: name -> the callable that runs the op with its gradients (an
+# autograd.Function's apply, reached through the op routemm::_<name>_grad).
+_GRADIENTS: dict[str, Callable] = {}
+
+
+def _autograd_kernel(name: str) -> Callable:
+    """The autograd kernel of `routemm::<name>` served by Python kernels (for every autograd key):
+    the op runs below autograd, and with grad mode on and an input that requires grad its output
+    goes through routemm::_no_gradient. The C++ kernels register the same in C++."""
+    overload = getattr(getattr(torch.ops, NAMESPACE), name).default
+    arguments = [a.name for a in overload._schema.arguments]
+    qualified = f"{NAMESPACE}::{name}"
+
+    gradient = _GRADIENTS.get(name)
+
+    def kernel(keyset, *args, **kwargs):
+        if gradient is not None and torch.is_grad_enabled():
+            if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                return gradient(*args, **kwargs)
+        with torch._C._AutoDispatchBelowAutograd():
+            out = overload.redispatch(keyset & _AFTER_AUTOGRAD, *args, **kwargs)
+        if not torch.is_grad_enabled():
+            return out
+        needs = [
+            (n, a) for n, a in zip(arguments, args, strict=False) if isinstance(a, torch.Tensor) and a.requires_grad
+        ]
+        if not needs or not isinstance(out, torch.Tensor):
+            return out
+        names = ", ".join(n for n, _ in needs)
+        return torch.ops.routemm._no_gradient(out, [a for _, a in needs], qualified, names)
+
+    return kernel
+
+
+def define_op(name: str, impl: Callable, fake: Callable, *, mutates_args=()) -> object:
+    """Register `routemm::<name>` with its real and fake implementations (once per process); the
+    schema is inferred from `impl`'s type annotations. An op the C++ kernels serve keeps them as
+    its CPU, CUDA and autograd kernels, and `impl` is not registered; any other op gets `impl` and
+    _autograd_kernel (its backward raises routemm.UnsupportedError)."""
+    if name in OPS:
+        return OPS[name]
+    _LIBRARY.define(name + torch.library.infer_schema(impl, mutates_args=mutates_args))
+    if name not in _CPP_OPS:
+        for key in ("CPU", "CUDA"):
+            _LIBRARY.impl(name, impl, key)
+        _LIBRARY.impl(name, _autograd_kernel(name), "Autograd", with_keyset=True)
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIBRARY)
+    OPS[name] = op = getattr(getattr(torch.ops, NAMESPACE), name)
+    return op
+
+
+# ---- matmul_id ----------------------------------------------------------------------------------
+
+
+def _matmul_id_shape(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> tuple[int, int]:
+    from ..ops.dense_matmul_id import _check_shapes
+
+    m, top_k, _, n, _, _ = _check_shapes(weights.shape, x.shape, ids.shape)
+    if x.dtype != torch.float32:
+        raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
+    return m * top_k, n
+
+
+def _matmul_id(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """out[t*top_k + s] = weights[ids[t, s]] @ x[t] (or x[t, s] for [m, top_k, k] input); ids
+    outside [0, n_experts) give zero rows."""
+    return _tensor_ops.matmul_id(_TORCH, weights, x, ids, op_kernel=True)
+
+
+def _matmul_id_fake(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    rows, n = _matmul_id_shape(weights, x, ids)
+    return x.new_empty((rows, n), dtype=torch.float32)
+
+
+# ---- quantized_matmul_id ------------------------------------------------------------------------
+
+
+def _check_ggml_type(ggml_type: str) -> None:
+    if ggml_type not in _QUANTIZED_EXPERT_TYPES:
+        raise InvalidArgumentError(f"quantized_matmul_id ggml_type must be 'q4_0' or 'q8_0', got {ggml_type!r}")
+
+
+def _quantized_matmul_id_shape(
+    weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, ggml_type: str
+) -> tuple[int, int]:
+    from ..ops.dense_matmul_id import _check_shapes
+    from ..ops.quantized_matmul_id import GgmlType, _element_width
+
+    _check_ggml_type(ggml_type)
+    if x.dtype != torch.float32:
+        raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
+    if weights.dtype != torch.uint8:
+        raise InvalidArgumentError(f"matmul_id {ggml_type} weights must be uint8 blocks, got {weights.dtype}")
+    k = _element_width(weights.shape, GgmlType(ggml_type))
+    m, top_k, _, n, _, _ = _check_shapes((*weights.shape[:2], k), x.shape, ids.shape)
+    return m * top_k, n
+
+
+def _quantized_matmul_id(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, ggml_type: str) -> torch.Tensor:
+    """out[t*top_k + s] = dequantize(weights[ids[t, s]]) @ x[t] (or x[t, s] for [m, top_k, k]
+    input) for a GGML block stack (uint8 [n_experts, n, k / 32 * block_bytes], ggml_type 'q4_0' or
+    'q8_0'); ids outside [0, n_experts) give zero rows, and repeated ids are computed."""
+    _check_ggml_type(ggml_type)  # the rest is checked once per call shape, by its plan
+    return _tensor_ops.quantized_matmul_id(_TORCH, weights, x, ids, ggml_type, op_kernel=True)
+
+
+def _quantized_matmul_id_fake(
+    weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, ggml_type: str
+) -> torch.Tensor:
+    rows, n = _quantized_matmul_id_shape(weights, x, ids, ggml_type)
+    return x.new_empty((rows, n), dtype=torch.float32)
+
+
+# ---- q4_matmul ----------------------------------------------------------------------------------
+
+
+def _q4_shape(x: torch.Tensor, weight: torch.Tensor, n: int, k: int) -> int:
+    if x.dim() != 2 or x.shape[1] != k:
+        raise InvalidArgumentError(f"q4_matmul x must be [m, {k}], got shape {tuple(x.shape)}")
+    if weight.dtype != torch.uint8:
+        raise InvalidArgumentError(f"q4_matmul weight must be uint8 Q4_0 blocks, got {weight.dtype}")
+    return int(x.shape[0])
+
+
+def _q4_matmul(x: torch.Tensor, weight: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """out[m, n] = x @ dequantize(weight).T for raw GGUF Q4_0 blocks (n rows of k / 32 blocks of
+    18 bytes, as uint8)."""
+    _q4_shape(x, weight, n, k)
+    return _tensor_ops.q4_matmul(_TORCH, x, weight, n, k)
+
+
+def _q4_matmul_fake(x: torch.Tensor, weight: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    m = _q4_shape(x, weight, n, k)
+    _tensor_ops.check_q4_extents(n, k, weight.numel() * weight.element_size())
+    return x.new_empty((m, n), dtype=torch.float32)
+
+
+# ---- moe_experts ----------------------------------------------------------------------------------
+
+_MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_model_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _MODEL_DTYPES:
+        raise InvalidArgumentError(f"moe_experts {name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def _check_block_type(ggml_type: Optional[str]) -> None:
+    if ggml_type is not None and ggml_type not in _QUANTIZED_EXPERT_TYPES:
+        raise InvalidArgumentError(f"moe_experts ggml_type must be None, 'q4_0' or 'q8_0', got {ggml_type!r}")
+
+
+def _moe_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    up: Optional[torch.Tensor] = None,
+    ggml_type: Optional[str] = None,
+    exact: bool = False,
+) -> torch.Tensor:
+    """The MoE experts block in the model's dtype: out[t] = sum over slots s (in order) of
+    top_k_weights[t, s] * down[e] @ (SiLU(gate[e] @ x[t]) * (up[e] @ x[t])), e = top_k_index[t, s],
+    ids outside [0, E) contributing nothing. gate_up [E, 2I, H] (gate rows, then up rows), or the
+    gate stack [E, I, H] with `up` the up stack; down [E, H, I]; float stacks, or uint8 GGML block
+    stacks of `ggml_type` ('q4_0', 'q8_0'). hidden and top_k_weights float32 / float16 / bfloat16;
+    the block computes in F32 and returns hidden's dtype. Route: the block's shape-only rule
+    (tensor-core routes from the crossover on CUDA), or the bit-exact F32 routes with exact=True."""
+    _check_model_dtype("hidden", hidden)
+    _check_model_dtype("top_k_weights", top_k_weights)
+    _check_block_type(ggml_type)
+    x = hidden.to(torch.float32).contiguous()
+    w = top_k_weights.to(torch.float32).contiguous()
+    out = _tensor_ops.moe_experts(_TORCH, x, top_k_index, w, gate_up, down, up, ggml_type, exact)
+    return out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
+
+
+def _moe_experts_fake(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    up: Optional[torch.Tensor] = None,
+    ggml_type: Optional[str] = None,
+    exact: bool = False,
+) -> torch.Tensor:
+    _check_model_dtype("hidden", hidden)
+    _check_model_dtype("top_k_weights", top_k_weights)
+    _check_block_type(ggml_type)
+    if hidden.dim() != 2:
+        raise InvalidArgumentError(f"moe_experts hidden must be [m, H], got shape {tuple(hidden.shape)}")
+    return hidden.new_empty(hidden.shape)
+
+
+matmul_id = define_op("matmul_id", _matmul_id, _matmul_id_fake)
+q4_matmul = define_op("q4_matmul", _q4_matmul, _q4_matmul_fake)
+quantized_matmul_id = define_op("quantized_matmul_id", _quantized_matmul_id, _quantized_matmul_id_fake)
+
+
+def _moe_experts_grad(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    up: Optional[torch.Tensor] = None,
+    ggml_type: Optional[str] = None,
+    exact: bool = False,
+) -> torch.Tensor:
+    """routemm::_moe_experts_grad: moe_experts with its gradients (routemm.integrations._moe_autograd), the
+    path of a call whose inputs require grad in grad mode."""
+    from ._moe_autograd import MoeExpertsFunction
+
+    return MoeExpertsFunction.apply(hidden, top_k_index, top_k_weights, gate_up, down, up, ggml_type, exact)
+
+
+_LIBRARY.define("_moe_experts_grad" + torch.library.infer_schema(_moe_experts_grad, mutates_args=()))
+_LIBRARY.impl("_moe_experts_grad", _moe_experts_grad, "CompositeImplicitAutograd")
+_GRADIENTS["moe_experts"] = torch.ops.routemm._moe_experts_grad
+moe_experts = define_op("moe_experts", _moe_experts, _moe_experts_fake)
+
+
+def op(name: str) -> Optional[object]:
+    """The registered op `routemm::<name>`, or None."""
+    return OPS.get(name)
