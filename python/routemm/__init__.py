@@ -77,7 +77,6 @@ from .ops.dense_matmul_id import (
     DenseMatmulIdScratchRequirement,
     dense_matmul_id,
     dense_matmul_id_capability,
-    matmul_id,
 )
 from .ops.ggml_routes import (
     GgmlCapability,
@@ -91,6 +90,7 @@ from .ops.ggml_routes import (
     ggml_capability,
     plan_dense_auto_route,
 )
+from .ops.matmul_id import matmul_id
 from .ops.moe import (
     MOE_PIPELINE_NAMES,
     encode_moe_combine,

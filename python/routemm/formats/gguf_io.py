@@ -38,6 +38,7 @@ import numpy as np
 
 from .. import _core
 from ..core._core_api import DType, check_type
+from ..core._devices import _default_device
 from ..core._errors import InvalidArgumentError, InvalidArgumentTypeError
 
 _MAGIC = b"GGUF"
@@ -244,8 +245,6 @@ def _gguf_tensors(path, names, device: Optional[_core.Device] = None, *, copy: b
     """{name: gguf_tensor(path, name, device, copy=copy)} for `names`, reading the header once."""
     path = _fspath(path, "gguf_tensor")
     if device is None:
-        from ..ops.dense_matmul_id import _default_device
-
         device = _default_device()
     check_type("gguf_tensor:", "device", device, _core.Device, optional=True)
     check_type("gguf_tensor:", "copy", copy, bool)

@@ -39,9 +39,11 @@ from typing import Callable, Optional
 
 import torch
 
-from ..core._errors import InvalidArgumentError, UnsupportedError
+from ..core._errors import InvalidArgumentError
 from ..ops import _tensor_ops
+from ..ops.dense_matmul_id import _check_shapes
 from ..ops.quantized_matmul_id import SUPPORTED_TYPES as _QUANTIZED_TYPES
+from ..ops.quantized_matmul_id import GgmlType, _element_width
 
 # The block-stack types quantized_matmul_id takes, by their ggml_type values ("q4_0", "q8_0").
 _QUANTIZED_EXPERT_TYPES = frozenset(t.value for t in _QUANTIZED_TYPES)
@@ -114,27 +116,10 @@ _LIBRARY.define("_no_gradient" + torch.library.infer_schema(_no_gradient, mutate
 _LIBRARY.impl("_no_gradient", _no_gradient, "CompositeImplicitAutograd")
 
 
-def _refuse_backward(grad: torch.Tensor, inputs: list[torch.Tensor], message: str) -> list[torch.Tensor]:
-    """routemm::_refuse_backward, the backward of _no_gradient's node: raises
-    routemm.UnsupportedError(message) when it runs. An op rather than a raise in the node, so that
-    torch.compile, which traces the backward while compiling a forward whose inputs require grad,
-    compiles it (inference with parameters that require grad runs) and the refusal comes when the
-    backward runs; taking `grad` keeps it in the backward graph."""
-    raise UnsupportedError(message)
-
-
-def _refuse_backward_fake(grad: torch.Tensor, inputs: list[torch.Tensor], message: str) -> list[torch.Tensor]:
-    return [torch.empty_like(t) for t in inputs]
-
-
-_LIBRARY.define("_refuse_backward" + torch.library.infer_schema(_refuse_backward, mutates_args=()))
-_LIBRARY.impl("_refuse_backward", _refuse_backward, "CompositeExplicitAutograd")
-torch.library.register_fake(f"{NAMESPACE}::_refuse_backward", _refuse_backward_fake, lib=_LIBRARY)
-
-
 def refuse_backward(grad: torch.Tensor, inputs: list[torch.Tensor], message: str) -> list[torch.Tensor]:
     """The gradients of `inputs` through an output that has none: raises routemm.UnsupportedError
-    (message) when run, through routemm::_refuse_backward."""
+    (message) when run, through routemm::_refuse_backward (defined with the torch framework of the
+    tensor call path, _tensor_ops)."""
     return torch.ops.routemm._refuse_backward(grad, inputs, message)
 
 
@@ -193,8 +178,6 @@ def define_op(name: str, impl: Callable, fake: Callable, *, mutates_args=()) -> 
 
 
 def _matmul_id_shape(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> tuple[int, int]:
-    from ..ops.dense_matmul_id import _check_shapes
-
     m, top_k, _, n, _, _ = _check_shapes(weights.shape, x.shape, ids.shape)
     if x.dtype != torch.float32:
         raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
@@ -223,9 +206,6 @@ def _check_ggml_type(ggml_type: str) -> None:
 def _quantized_matmul_id_shape(
     weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, ggml_type: str
 ) -> tuple[int, int]:
-    from ..ops.dense_matmul_id import _check_shapes
-    from ..ops.quantized_matmul_id import GgmlType, _element_width
-
     _check_ggml_type(ggml_type)
     if x.dtype != torch.float32:
         raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")

@@ -30,6 +30,7 @@ import numpy as np
 
 from .. import _core
 from ..core._core_api import DType, check_type
+from ..core._devices import _default_device, _registry_for
 from ..core._errors import InvalidArgumentError
 from ..formats.gguf_io import _fspath, _gguf_header, _gguf_tensors
 from ..ops._reference import dense_matmul_id_reference, moe_experts_reference, moe_gate_reference
@@ -38,8 +39,6 @@ from ..ops.dense_matmul_id import (
     DenseMatmulIdMultiplicity,
     DenseMatmulIdParams,
     DenseMatmulIdRoute,
-    _default_device,
-    _registry_for,
     dense_matmul_id,
 )
 from ..ops.moe import (

@@ -16,7 +16,8 @@ from typing import Optional
 
 from .. import _core
 from ..core._core_api import DType
-from ..core._errors import InvalidArgumentError
+from ..core._errors import InvalidArgumentError, UnsupportedError
+from .dense_matmul_id import _pick_route, _receipt_of
 
 _DL_CPU, _DL_CUDA = 1, 2
 _U32_MAX = 2**32 - 1
@@ -90,6 +91,30 @@ class Framework:
         return out
 
 
+@functools.lru_cache(maxsize=None)
+def _define_refuse_backward():
+    """Defines routemm::_refuse_backward (once per process; returns its library), the backward of
+    the node that _Torch.forward_only puts under an output: it raises
+    routemm.UnsupportedError(message) when it runs. An op rather than a raise in the node, so that
+    torch.compile, which traces the backward while compiling a forward whose inputs require grad,
+    compiles it (inference with parameters that require grad runs) and the refusal comes when the
+    backward runs; taking `grad` keeps it in the backward graph. A fragment of the routemm
+    namespace, whose library (routemm.torch) defines the public ops."""
+    import torch
+
+    def refuse(grad, inputs, message):
+        raise UnsupportedError(message)
+
+    def fake(grad, inputs, message):
+        return [torch.empty_like(t) for t in inputs]
+
+    library = torch.library.Library("routemm", "FRAGMENT")
+    library.define("_refuse_backward(Tensor grad, Tensor[] inputs, str message) -> Tensor[]")
+    library.impl("_refuse_backward", refuse, "CompositeExplicitAutograd")
+    torch.library.register_fake("routemm::_refuse_backward", fake, lib=library)
+    return library
+
+
 class _Torch(Framework):
     name = "torch"
 
@@ -114,9 +139,11 @@ class _Torch(Framework):
             (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64)
         )
 
+        self._refusal = _define_refuse_backward()
+
         class RoutemmForwardOnly(torch.autograd.Function):
             """The node forward_only puts under an output: its backward is routemm::_refuse_backward,
-            which raises UnsupportedError(message) when it runs (see routemm.torch)."""
+            which raises UnsupportedError(message) when it runs."""
 
             @staticmethod
             def forward(ctx, message, result, *inputs):
@@ -126,9 +153,7 @@ class _Torch(Framework):
 
             @staticmethod
             def backward(ctx, grad):
-                from ..integrations import torch as routemm_torch  # defines routemm::_refuse_backward
-
-                return None, None, *routemm_torch.refuse_backward(grad, list(ctx.saved_tensors), ctx.message)
+                return None, None, *torch.ops.routemm._refuse_backward(grad, list(ctx.saved_tensors), ctx.message)
 
         self._forward_only = RoutemmForwardOnly
 
@@ -308,8 +333,6 @@ def _plan(fw: Framework, weights, x, ids, route):
         raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
     wdtype = fw.dtype(weights)
     if route is not None:
-        from .dense_matmul_id import _pick_route
-
         route = _pick_route(route, True, 0).value
     shape = [int(d) for d in weights.shape], [int(d) for d in x.shape], [int(d) for d in ids.shape]
     return _core._plan_tensor_matmul_id(*places.pop(), wdtype, *shape, route)
@@ -393,8 +416,6 @@ def matmul_id(
     if not op_kernel:
         out = fw.forward_only("routemm.matmul_id", out, (("weights", weights), ("x", x)))
     if with_receipt:
-        from .dense_matmul_id import _receipt_of
-
         return out, _receipt_of(native)
     return out
 

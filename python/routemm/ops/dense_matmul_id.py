@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import _core
 from ..core._core_api import DType, check_encoding, check_type, check_uint, dtype_of
+from ..core._devices import _registry_for, _resolve_device
 from ..core._errors import InvalidArgumentError
 from ..core._json import JsonRecord, dtype_from_name
 from ..core._record_checks import SchemaVersioned
@@ -218,34 +219,7 @@ def _checked_reuse_map(op: str, reuse_map) -> bool:
     return reuse_map
 
 
-# ---- High level ---------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def _default_device() -> _core.Device:
-    return _core.Device()
-
-
-@functools.lru_cache(maxsize=None)
-def _named_device(backend: str) -> _core.Device:
-    return _core.Device(backend)
-
-
-def _resolve_device(device, op: str = "matmul_id") -> _core.Device:
-    """`device` as given to `op` (matmul_id, moe_gate, moe_experts): None (the best available
-    backend), a routemm.Device, or a backend name such as "cpu"."""
-    if device is None:
-        return _default_device()
-    if isinstance(device, _core.Device):
-        return device
-    if isinstance(device, str):
-        return _named_device(device)
-    raise InvalidArgumentError(f"{op} device must be a routemm.Device or a backend name, got {device!r}")
-
-
-@functools.lru_cache(maxsize=8)
-def _registry_for(device: _core.Device) -> _core.KernelRegistry:
-    return _core.KernelRegistry(device)
+# ---- High level (the NumPy half of routemm.matmul_id, whose front door is ops/matmul_id.py) -----
 
 
 def ids_distinct_per_token(ids: np.ndarray, n_experts: Optional[int] = None) -> bool:
@@ -269,55 +243,9 @@ def _framework(obj) -> str:
     return module if module in ("torch", "cupy") else "numpy"
 
 
-def matmul_id(
-    weights,
-    x,
-    ids,
-    *,
-    route=None,
-    out=None,
-    device=None,
-    ggml_type=None,
-    return_receipt: bool = False,
-):
-    """Expert-ID matmul on arrays; returns the [m*top_k, n] float32 result.
-
-    weights: [n_experts, n, k] float32, float16 or bfloat16; with ``ggml_type`` (GgmlType.Q4_0 or
-        GgmlType.Q8_0) a uint8 block stack [n_experts, n, k / 32 * block_bytes] as routemm.q4_0 /
-        routemm.q8_0 quantise it (and GGUF stores it), run by quantized_matmul_id_ggml.
-    x: [m, k] float32 (one row per token) or [m, top_k, k] (one row per token and slot).
-    ids: [m, top_k] integers; ids outside [0, n_experts) give zero rows and never count as experts.
-    route: None picks grouped_prefill (quantised: grouped) when the valid ids are distinct per
-        token, top_k <= n_experts, m > 8 and, on CUDA, at least 8 rows are routed per expert on
-        average (256 with ggml_type), else direct (auto_grouped); explicit routes are
-        DenseMatmulIdRoute values, or GgmlQuantizedMatmulIdRoute values with ggml_type.
-    out: optional C-contiguous float32 array of [m*top_k, n] to write the result into.
-    device: a routemm.Device or a backend name ("cpu", ...) for NumPy inputs (default: the best
-        available backend).
-    return_receipt: return (result, receipt) instead, the receipt (DenseMatmulIdDispatchReceipt,
-        or GgmlQuantizedMatmulIdDispatchReceipt with ggml_type) saying which route ran (the one
-        the automatic choice took when `route` is None).
-
-    NumPy inputs are copied to the device and the result comes back as a NumPy array. PyTorch and
-    CuPy tensors (CPU or CUDA) are used in place through DLPack, on the device they live on, and the
-    result is a tensor of the same framework and device; they must be C-contiguous. On tensors
-    the call is enqueued on the framework's current stream and returns without waiting (CPU
-    tensors: once the result is written), and route None picks by the shapes and the backend only
-    (auto_grouped, ids taken as distinct when top_k <= n_experts): device ids are never read on the
-    host.
-    """
-    _refuse_buffers(weights=weights, x=x, ids=ids, out=out)
-    framework = _framework(x)
-    if ggml_type is not None:
-        from .quantized_matmul_id import matmul_id_quantized
-
-        result, receipt = matmul_id_quantized(
-            weights, x, ids, ggml_type, route, out, _resolve_device(device), _check_shapes, _registry_for
-        )
-        return (result, receipt) if return_receipt else result
-    if framework != "numpy":
-        result, receipt = _matmul_id_tensors(framework, weights, x, ids, route, out)
-        return (result, receipt) if return_receipt else result
+def _matmul_id_numpy(weights, x, ids, route, out, device):
+    """routemm.matmul_id on NumPy arrays: copied to `device` (None, a routemm.Device or a backend
+    name), run there, and the result copied back as a NumPy array; returns (result, receipt)."""
     weights = np.asarray(weights)
     x = np.asarray(x)
     ids = np.asarray(ids)
@@ -359,17 +287,7 @@ def matmul_id(
     if out is not None:
         out[...] = result
         result = out
-    return (result, receipt) if return_receipt else result
-
-
-def _refuse_buffers(**arguments) -> None:
-    """matmul_id shapes arrays; routemm Buffers belong to the explicit path."""
-    for name, value in arguments.items():
-        if isinstance(value, _core.Buffer):
-            raise InvalidArgumentError(
-                f"matmul_id takes NumPy arrays or PyTorch / CuPy tensors, and {name} is a routemm.Buffer: "
-                "call dense_matmul_id with buffers, or pass buffer.numpy()"
-            )
+    return result, receipt
 
 
 def _check_shapes(w_shape, x_shape, ids_shape):
@@ -432,11 +350,3 @@ def _run(device, params, w_buf, x_buf, id_buf, out_buf) -> DenseMatmulIdDispatch
     receipt = dense_matmul_id(encoder, _registry_for(device), w_buf, x_buf, id_buf, out_buf, scratch, params)
     encoder.commit_and_wait()
     return receipt
-
-
-def _matmul_id_tensors(framework, weights, x, ids, route, out):
-    """matmul_id for PyTorch / CuPy tensors: in place, on the framework's current stream, route by
-    shape only (see _tensor_ops.matmul_id)."""
-    from . import _tensor_ops
-
-    return _tensor_ops.matmul_id(_tensor_ops.framework(framework), weights, x, ids, route, out, with_receipt=True)

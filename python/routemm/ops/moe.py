@@ -28,6 +28,7 @@ import numpy as np
 
 from .. import _core
 from ..core._core_api import _NUMPY_TO_DTYPE, DType, check_encoding, check_uint
+from ..core._devices import _registry_for, _resolve_device
 from ..core._errors import InvalidArgumentError
 from .dense_matmul_id import (
     DenseMatmulIdInputLayout,
@@ -37,8 +38,6 @@ from .dense_matmul_id import (
     _enum_value,
     _framework,
     _pick_route,
-    _registry_for,
-    _resolve_device,
     dense_matmul_id_capability,
     ids_distinct_per_token,
 )

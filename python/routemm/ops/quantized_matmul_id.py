@@ -43,12 +43,21 @@ import functools
 import numpy as np
 
 from .. import _core
-from ..core._core_api import check_encoding, check_type, check_uint
+from ..core._core_api import DType, check_encoding, check_type, check_uint
+from ..core._devices import _registry_for
 from ..core._errors import InvalidArgumentError
 from ..core._json import JsonRecord
 from ..core._record_checks import SchemaVersioned
 from .dense_matmul_id import AUTO_GROUPED_MIN_TOKENS as _DENSE_AUTO_GROUPED_MIN_TOKENS
-from .dense_matmul_id import DenseMatmulIdInputLayout, DenseMatmulIdScratchRequirement, _checked_reuse_map, auto_grouped
+from .dense_matmul_id import (
+    DenseMatmulIdInputLayout,
+    DenseMatmulIdScratchRequirement,
+    _check_shapes,
+    _checked_reuse_map,
+    _declarable_distinct,
+    auto_grouped,
+    ids_distinct_per_token,
+)
 from .quantized_matmul import GgmlType
 
 SCHEMA_VERSION: int = _core.GGML_QUANTIZED_MATMUL_ID_SCHEMA_VERSION
@@ -244,21 +253,22 @@ def _quantized_route(route, distinct: bool, m: int, device, top_k: int, n_expert
         ) from None
 
 
-def matmul_id_quantized(weights, x, ids, ggml_type, route, out, device, check_shapes, registry_for):
-    """routemm.matmul_id for a uint8 block stack (see dense_matmul_id.matmul_id): (result, receipt)."""
-    from .dense_matmul_id import _declarable_distinct, ids_distinct_per_token
-
+def _supported_type(ggml_type) -> GgmlType:
+    """matmul_id's ggml_type as a GgmlType of the block stacks it runs (SUPPORTED_TYPES)."""
     ggml_type = GgmlType(ggml_type)
     if ggml_type not in SUPPORTED_TYPES:
         raise InvalidArgumentError(f"matmul_id does not support {ggml_type.value} weights (supported: q4_0, q8_0)")
-    framework = type(x).__module__.split(".")[0]
-    if framework in ("torch", "cupy"):
-        return _matmul_id_quantized_tensors(framework, weights, x, ids, ggml_type, route, out)
+    return ggml_type
+
+
+def _matmul_id_numpy(weights, x, ids, ggml_type: GgmlType, route, out, device):
+    """routemm.matmul_id on NumPy arrays with a uint8 block stack of `ggml_type` (a supported
+    GgmlType), on `device` (a routemm.Device); returns (result, receipt)."""
     weights, x, ids = np.asarray(weights), np.asarray(x), np.asarray(ids)
     if weights.dtype != np.uint8:
         raise InvalidArgumentError(f"matmul_id {ggml_type.value} weights must be uint8 blocks, got {weights.dtype}")
     k = _element_width(weights.shape, ggml_type)
-    m, top_k, n_experts, n, _, layout = check_shapes((*weights.shape[:2], k), x.shape, ids.shape)
+    m, top_k, n_experts, n, _, layout = _check_shapes((*weights.shape[:2], k), x.shape, ids.shape)
     if x.dtype != np.float32:
         raise InvalidArgumentError(f"matmul_id activations must be float32, got {x.dtype}")
     if not np.issubdtype(ids.dtype, np.integer):
@@ -285,13 +295,11 @@ def matmul_id_quantized(weights, x, ids, ggml_type, route, out, device, check_sh
         )
     params = _quantized_params(m, n, k, top_k, n_experts, ggml_type, stride, layout, route)
     quantized_matmul_id_ggml_capability(params)  # the route's own rules, before allocating anything
-    from ..core._core_api import DType
-
     out_buf = device.alloc(m * top_k * n * 4, DType.F32, [m * top_k, n])
     w_buf = device.from_numpy(np.ascontiguousarray(weights))
     receipt = _run_quantized(
         device,
-        registry_for(device),
+        _registry_for(device),
         params,
         w_buf,
         device.from_numpy(np.ascontiguousarray(x)),
@@ -325,18 +333,3 @@ def _run_quantized(device, registry, params, w_buf, x_buf, id_buf, out_buf) -> G
     receipt = quantized_matmul_id_ggml(encoder, registry, x_buf, w_buf, id_buf, out_buf, scratch, params)
     encoder.commit_and_wait()
     return receipt
-
-
-def _matmul_id_quantized_tensors(framework, weights, x, ids, ggml_type, route, out):
-    """The tensor path: PyTorch / CuPy tensors used in place on their device, through the tensor
-    ops' call path (_tensor_ops.quantized_matmul_id): enqueued on the framework's current stream
-    with no host wait, and route None picks by the shapes and the backend only. Device ids are
-    never read on the host; every route computes repeated ids."""
-    from . import _tensor_ops
-
-    if route is not None:
-        route = _quantized_route(route, False, 0, None, 0, 0).value
-    out, native = _tensor_ops.quantized_matmul_id(
-        _tensor_ops.framework(framework), weights, x, ids, ggml_type.value, route, out, with_receipt=True
-    )
-    return out, _receipt_of(native)
