@@ -8,176 +8,55 @@ import sys
 import pytest
 import routemm
 
-# `sorted(n for n in dir(routemm) if not n.startswith("_"))` after a fresh `import routemm`: the
-# names of the flat layout, and the layers' sub-packages (core, formats, models, ops, plans).
-PUBLIC_NAMES = [
-    "Buffer",
-    "CalibrationError",
-    "CapturedGraph",
-    "CapturedNode",
-    "CommandBufferError",
-    "CommandEncoder",
-    "DENSE_MATMUL_ID_BF16_DOT_PIPELINE_NAMES",
-    "DENSE_MATMUL_ID_PIPELINE_NAMES",
-    "DENSE_MATMUL_ID_SCHEMA_VERSION",
-    "DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES",
-    "DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM",
-    "DENSE_Q4_RECEIPT_SCHEMA_VERSION",
-    "DENSE_Q4_ROUTE_SCHEMA_VERSION",
-    "DType",
-    "DenseMatmulIdAutoReceipt",
-    "DenseMatmulIdCalibrationCase",
-    "DenseMatmulIdCalibrationDecision",
-    "DenseMatmulIdCalibrationLimits",
-    "DenseMatmulIdCalibrationReceipt",
-    "DenseMatmulIdCapability",
-    "DenseMatmulIdDecisionSource",
-    "DenseMatmulIdDispatchReceipt",
-    "DenseMatmulIdDispatchTrace",
-    "DenseMatmulIdInputLayout",
-    "DenseMatmulIdMultiplicity",
-    "DenseMatmulIdParams",
-    "DenseMatmulIdRoute",
-    "DenseMatmulIdRoutePlan",
-    "DenseMatmulIdRoutingProfile",
-    "DenseMatmulIdScratch",
-    "DenseMatmulIdScratchRequirement",
-    "DenseMatmulIdSelectionStatus",
-    "DenseMatmulIdShape",
-    "DenseQ4BaseShape",
-    "DenseQ4CalibrationBatchReceipt",
-    "DenseQ4CalibrationCase",
-    "DenseQ4CalibrationDecision",
-    "DenseQ4CalibrationLimits",
-    "DenseQ4CartesianAcceptanceRequirements",
-    "DenseQ4DecisionSource",
-    "DenseQ4DispatchDecision",
-    "DenseQ4DispatchTrace",
-    "DenseQ4InputLayout",
-    "DenseQ4Route",
-    "DenseQ4RoutePlan",
-    "DenseQ4RouteTiming",
-    "DenseQ4SelectionStatus",
-    "DenseQ4Shape",
-    "DenseQ4TimingDistribution",
-    "Device",
-    "DispatchKind",
-    "EncodedKernelDispatch",
-    "Error",
-    "GGML_INT8_DOT_PIPELINE_NAMES",
-    "GGML_QUANTIZED_MATMUL_ID_INT8_DOT_PIPELINE_NAMES",
-    "GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES",
-    "GGML_QUANTIZED_MATMUL_ID_TENSOR_PIPELINE_NAMES",
-    "GgmlCapability",
-    "GgmlCapabilityRequest",
-    "GgmlExpertShape",
-    "GgmlInvocation",
-    "GgmlInvocationKind",
-    "GgmlKernelRoute",
-    "GgmlQuantizedMatmulIdAutoReceipt",
-    "GgmlQuantizedMatmulIdCalibrationCase",
-    "GgmlQuantizedMatmulIdCalibrationDecision",
-    "GgmlQuantizedMatmulIdCalibrationLimits",
-    "GgmlQuantizedMatmulIdCalibrationReceipt",
-    "GgmlQuantizedMatmulIdCapability",
-    "GgmlQuantizedMatmulIdDispatchReceipt",
-    "GgmlQuantizedMatmulIdParams",
-    "GgmlQuantizedMatmulIdRoute",
-    "GgmlQuantizedMatmulIdRoutePlan",
-    "GgmlQuantizedMatmulIdShape",
-    "GgmlQuantizedMatmulParams",
-    "GgmlQuantizedMatmulReceipt",
-    "GgmlRejectionCode",
-    "GgmlRoutingPolicy",
-    "GgmlTensorMmPreference",
-    "GgmlType",
-    "GgmlWorkload",
-    "GraphExec",
-    "GraphSession",
-    "InvalidArgumentError",
-    "InvalidArgumentTypeError",
-    "KernelNotFoundError",
-    "KernelRegistry",
-    "MOE_PIPELINE_NAMES",
-    "MissingDependencyError",
-    "MoeLayer",
-    "OutOfMemoryError",
-    "Pipeline",
-    "PipelineIdentity",
-    "Q4_MATMUL_PIPELINE_NAMES",
-    "Q8_0_MAT_VEC_NR2_PIPELINE",
-    "Q8_MATMUL_PIPELINE_NAMES",
-    "QUANTIZED_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM",
-    "UnsupportedError",
-    "available_backends",
-    "backend_status",
-    "calibrate_dense_matmul_id_routes",
-    "calibrate_dense_q4_routes",
-    "calibrate_quantized_matmul_id_routes",
-    "calibration",
-    "core",
-    "dense_matmul_id",
-    "dense_matmul_id_auto",
-    "dense_matmul_id_capability",
-    "dense_matmul_id_expected_dispatches",
-    "dense_matmul_id_plan",
-    "dense_q4_auto",
-    "dense_q4_plan",
-    "dispatch_count",
-    "dtype_of",
-    "encode_moe_combine",
-    "encode_moe_gate",
-    "encode_moe_silu_mul",
-    "encode_q4_route",
-    "encoder_counters",
-    "env",
-    "formats",
-    "freeze_dense_matmul_id_plan",
-    "freeze_dense_matmul_id_plan_for_cases",
-    "freeze_dense_q4_plan",
-    "freeze_ggml_routing_policy",
-    "freeze_quantized_matmul_id_plan",
-    "from_dlpack",
-    "ggml_capability",
-    "ggml_routes",
-    "ggml_routing_policy",
-    "gguf_io",
-    "gguf_metadata",
-    "gguf_tensor",
-    "load_dense_matmul_id_plan",
-    "load_dense_q4_plan",
-    "load_quantized_matmul_id_plan",
-    "logger",
-    "matmul_id",
-    "models",
-    "moe",
-    "moe_experts",
-    "moe_gate",
-    "moe_layer",
-    "numpy_dtype",
-    "ops",
-    "plan_dense_auto_route",
-    "plans",
-    "q4_0",
-    "q4_expected_dispatch",
-    "q8_0",
-    "quantized_matmul",
-    "quantized_matmul_ggml",
-    "quantized_matmul_id",
-    "quantized_matmul_id_ggml",
-    "quantized_matmul_id_ggml_auto",
-    "quantized_matmul_id_ggml_capability",
-    "quantized_matmul_id_plan",
-    "reset_encoder_counters",
-    "resolve_dense_matmul_id_auto_route",
-    "resolve_quantized_matmul_id_auto_route",
-    "schemas",
-    "select_dense_q4_route",
-    "trace_dense_matmul_id",
-    "trace_dense_matmul_id_auto",
-    "trace_dense_q4_auto",
-    "validate_dense_q4_cartesian_acceptance",
-]
+# `sorted(n for n in dir(routemm) if not n.startswith("_"))` after a fresh `import routemm`, in
+# order: the names of the flat layout, and the layers' sub-packages (core, formats, models, ops, plans).
+PUBLIC_NAMES = """
+    Buffer CalibrationError CapturedGraph CapturedNode CommandBufferError CommandEncoder
+    DENSE_MATMUL_ID_BF16_DOT_PIPELINE_NAMES DENSE_MATMUL_ID_PIPELINE_NAMES
+    DENSE_MATMUL_ID_SCHEMA_VERSION DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES
+    DENSE_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM DENSE_Q4_RECEIPT_SCHEMA_VERSION
+    DENSE_Q4_ROUTE_SCHEMA_VERSION DType DenseMatmulIdAutoReceipt DenseMatmulIdCalibrationCase
+    DenseMatmulIdCalibrationDecision DenseMatmulIdCalibrationLimits
+    DenseMatmulIdCalibrationReceipt DenseMatmulIdCapability DenseMatmulIdDecisionSource
+    DenseMatmulIdDispatchReceipt DenseMatmulIdDispatchTrace DenseMatmulIdInputLayout
+    DenseMatmulIdMultiplicity DenseMatmulIdParams DenseMatmulIdRoute DenseMatmulIdRoutePlan
+    DenseMatmulIdRoutingProfile DenseMatmulIdScratch DenseMatmulIdScratchRequirement
+    DenseMatmulIdSelectionStatus DenseMatmulIdShape DenseQ4BaseShape
+    DenseQ4CalibrationBatchReceipt DenseQ4CalibrationCase DenseQ4CalibrationDecision
+    DenseQ4CalibrationLimits DenseQ4CartesianAcceptanceRequirements DenseQ4DecisionSource
+    DenseQ4DispatchDecision DenseQ4DispatchTrace DenseQ4InputLayout DenseQ4Route
+    DenseQ4RoutePlan DenseQ4RouteTiming DenseQ4SelectionStatus DenseQ4Shape
+    DenseQ4TimingDistribution Device DispatchKind EncodedKernelDispatch Error
+    GGML_INT8_DOT_PIPELINE_NAMES GGML_QUANTIZED_MATMUL_ID_INT8_DOT_PIPELINE_NAMES
+    GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES GGML_QUANTIZED_MATMUL_ID_TENSOR_PIPELINE_NAMES
+    GgmlCapability GgmlCapabilityRequest GgmlExpertShape GgmlInvocation GgmlInvocationKind
+    GgmlKernelRoute GgmlQuantizedMatmulIdAutoReceipt GgmlQuantizedMatmulIdCalibrationCase
+    GgmlQuantizedMatmulIdCalibrationDecision GgmlQuantizedMatmulIdCalibrationLimits
+    GgmlQuantizedMatmulIdCalibrationReceipt GgmlQuantizedMatmulIdCapability
+    GgmlQuantizedMatmulIdDispatchReceipt GgmlQuantizedMatmulIdParams GgmlQuantizedMatmulIdRoute
+    GgmlQuantizedMatmulIdRoutePlan GgmlQuantizedMatmulIdShape GgmlQuantizedMatmulParams
+    GgmlQuantizedMatmulReceipt GgmlRejectionCode GgmlRoutingPolicy GgmlTensorMmPreference
+    GgmlType GgmlWorkload GraphExec GraphSession InvalidArgumentError InvalidArgumentTypeError
+    KernelNotFoundError KernelRegistry MOE_PIPELINE_NAMES MissingDependencyError MoeLayer
+    OutOfMemoryError Pipeline PipelineIdentity Q4_MATMUL_PIPELINE_NAMES
+    Q8_0_MAT_VEC_NR2_PIPELINE Q8_MATMUL_PIPELINE_NAMES
+    QUANTIZED_MATMUL_ID_VALUE_INDEPENDENCE_THEOREM UnsupportedError available_backends
+    backend_status calibrate_dense_matmul_id_routes calibrate_dense_q4_routes
+    calibrate_quantized_matmul_id_routes calibration core dense_matmul_id dense_matmul_id_auto
+    dense_matmul_id_capability dense_matmul_id_expected_dispatches dense_matmul_id_plan
+    dense_q4_auto dense_q4_plan dispatch_count dtype_of encode_moe_combine encode_moe_gate
+    encode_moe_silu_mul encode_q4_route encoder_counters env formats freeze_dense_matmul_id_plan
+    freeze_dense_matmul_id_plan_for_cases freeze_dense_q4_plan freeze_ggml_routing_policy
+    freeze_quantized_matmul_id_plan from_dlpack ggml_capability ggml_routes ggml_routing_policy
+    gguf_io gguf_metadata gguf_tensor load_dense_matmul_id_plan load_dense_q4_plan
+    load_quantized_matmul_id_plan logger matmul_id models moe moe_experts moe_gate moe_layer
+    numpy_dtype ops plan_dense_auto_route plans q4_0 q4_expected_dispatch q8_0 quantized_matmul
+    quantized_matmul_ggml quantized_matmul_id quantized_matmul_id_ggml
+    quantized_matmul_id_ggml_auto quantized_matmul_id_ggml_capability quantized_matmul_id_plan
+    reset_encoder_counters resolve_dense_matmul_id_auto_route
+    resolve_quantized_matmul_id_auto_route schemas select_dense_q4_route trace_dense_matmul_id
+    trace_dense_matmul_id_auto trace_dense_q4_auto validate_dense_q4_cartesian_acceptance
+""".split()
 
 # Module paths the docs and README name, and the layer module each one is.
 MODULE_PATHS = {
