@@ -98,6 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--impls", default="routemm,grouped_mm")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--no-graph", action="store_true", help="skip the captured decode step")
     args = ap.parse_args(argv)
     import routemm.integrations.transformers as rt
     import torch
@@ -114,6 +115,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     with device:
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    with torch.no_grad():  # every weight drawn here (N(0, 0.02), norms at 1), whatever from_config left
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
     log(
         f"model built in {time.perf_counter() - t0:.0f} s, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params"
     )
@@ -152,7 +156,7 @@ def main(argv=None) -> int:
             }
         )
         log(f"{impl} decode eager: {decode / s:.1f} tokens/s")
-        if cuda:
+        if cuda and not args.no_graph:
             try:
                 g = graph_step_seconds(torch, transformers, model, prompt, 20)
                 records.append(

@@ -1,0 +1,102 @@
+"""torch.ops.routemm.moe_experts alone (no router): the Qwen3-30B-A3B experts block over bf16 and
+GGML Q4_0 / Q8_0 stacks (transformers has no quantised experts, so routemm runs alone here), per m
+the automatic route's median time of one eager call (CUDA events around the call, the stream
+synchronised after each) and, for --graph-ms, of one replay of the call captured in a CUDA graph.
+
+    python3 bench/tools/moe_op_timing.py [--out DIR] [--ms 1,8,32,512,4096] [--graph-ms 1,8]
+
+Router-like ids (top-8 of random logits). Writes DIR/moe_op-<card>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import routemm  # noqa: E402
+import routemm.torch  # noqa: E402,F401
+import torch  # noqa: E402
+from transformers_block import time_eager, time_graph  # noqa: E402
+
+E, TOP_K, H, I = 128, 8, 2048, 768  # noqa: E741
+
+
+def block_stack(gen, n, k, fmt):
+    """Random GGML blocks of [E, n, k] with small scales (codes uniform, one f16 scale per block)."""
+    values, block_bytes = routemm.GgmlType(fmt).block_layout
+    raw = torch.randint(0, 256, (E, n, k // values, block_bytes), generator=gen, dtype=torch.uint8, device="cuda")
+    scale = torch.full((E, n, k // values), 2.0**-10, dtype=torch.float16, device="cuda")
+    raw[..., :2] = scale.view(torch.uint8).reshape(E, n, k // values, 2)
+    return raw.reshape(E, n, k // values * block_bytes)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/routemm-out"))
+    ap.add_argument("--ms", default="1,8,32,512,4096")
+    ap.add_argument("--graph-ms", default="1,8")
+    ap.add_argument("--calls", type=int, default=30)
+    args = ap.parse_args(argv)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    stacks = {
+        "bf16": (
+            dict(gate_up=(torch.randn((E, 2 * I, H), generator=gen, device="cuda") / H**0.5).bfloat16()),
+            (torch.randn((E, H, I), generator=gen, device="cuda") / I**0.5).bfloat16(),
+            None,
+        ),
+    }
+    for fmt in ("q4_0", "q8_0"):
+        stacks[fmt] = (
+            dict(gate_up=block_stack(gen, I, H, fmt), up=block_stack(gen, I, H, fmt)),
+            block_stack(gen, H, I, fmt),
+            fmt,
+        )
+    graph_ms = {int(v) for v in args.graph_ms.split(",")}
+    records = []
+    for m in (int(v) for v in args.ms.split(",")):
+        x = torch.randn((m, H), generator=gen, device="cuda").bfloat16()
+        logits = torch.randn((m, E), generator=gen, device="cuda")
+        weights, ids = torch.topk(torch.softmax(logits, -1), TOP_K, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
+        for name, (gu, down, fmt) in stacks.items():
+
+            def call(gu=gu, down=down, fmt=fmt):
+                return torch.ops.routemm.moe_experts(x, ids, weights, gu["gate_up"], down, gu.get("up"), fmt)
+
+            call()
+            base = dict(op="moe_experts_op", shape="qwen3-30b-a3b", m=m, weight_dtype=name, impl="routemm")
+            seconds = time_eager(torch, call, True, args.calls)
+            records.append({**base, "route": "auto", "time_us": seconds * 1e6, "note": "eager, CUDA events"})
+            print(f"{name} m={m} eager {seconds * 1e6:.1f} us", flush=True)
+            if m in graph_ms:
+                g = time_graph(torch, call, args.calls)
+                records.append({**base, "route": "auto", "time_us": g * 1e6, "note": "CUDA graph replay"})
+                print(f"{name} m={m} graph {g * 1e6:.1f} us", flush=True)
+    from conftest import _markdown
+
+    tag = os.environ.get("CARD", "gpu")
+    path = os.path.join(args.out, f"moe_op-{tag}.json")
+    doc = {
+        "device": torch.cuda.get_device_name(0),
+        "git_rev": os.environ.get("GIT_REV", "unknown"),
+        "command": " ".join(["python3", "bench/tools/moe_op_timing.py", *sys.argv[1:]]),
+        "ceilings": {},
+        "torch": torch.__version__,
+        "records": records,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write(_markdown(doc))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
