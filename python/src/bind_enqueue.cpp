@@ -35,6 +35,7 @@
 #include "routemm/encoder.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
+#include "routemm/ops/moe.h"
 #include "routemm/ops/moe_experts.h"
 #include "routemm/ops/q4_matmul.h"
 #include "routemm/ops/quantized_matmul_id.h"
@@ -459,6 +460,30 @@ MoeExpertsReceipt enqueue_moe_experts(const TensorMoeExpertsPlan& plan,
   return receipt;
 }
 
+// ---- moe_gate -----------------------------------------------------------------------------------
+
+void enqueue_moe_gate(const RoutemmMoeGateCall& call) {
+  const char* op = "moe_gate";
+  MoeGateParams p;
+  p.m = u32_field(op, "m", call.m);
+  p.n_experts = u32_field(op, "n_experts", call.n_experts);
+  p.top_k = u32_field(op, "top_k", call.top_k);
+  p.renormalize = call.renormalize != 0;
+  const TensorOpTarget& target = tensor_op_target(call.device_type, call.device_index);
+  const Device& device = target.device;
+  const uint64_t m = p.m, e = p.n_experts, k = p.top_k;
+  const uint64_t logits_bytes = checked_product({m, e, 4}, "moe_gate logits' byte size");
+  const uint64_t slot_bytes = checked_product({m, k, 4}, "moe_gate top-k byte size");
+  const Buffer logits = borrowed(device, call.logits, logits_bytes, DType::F32, {m, e}, false);
+  const Buffer weights = borrowed(device, call.weights, slot_bytes, DType::F32, {m, k}, true);
+  const Buffer ids = borrowed(device, call.ids, slot_bytes, DType::I32, {m, k}, true);
+  const bool on_stream = call.has_stream != 0;
+  CommandEncoder encoder = device.command_encoder(EncoderOptions{
+      on_stream ? std::optional<uint64_t>(call.stream) : std::nullopt, std::nullopt});
+  moe_gate(encoder, *target.registry, logits, weights, ids, p);
+  start(encoder, on_stream);
+}
+
 // ---- q4_matmul ----------------------------------------------------------------------------------
 
 void enqueue_q4_matmul(const RoutemmQ4MatmulCall& call) {
@@ -539,6 +564,11 @@ extern "C" int abi_enqueue_matmul_id(const void* plan, const RoutemmMatmulIdPoin
   });
 }
 
+extern "C" int abi_enqueue_moe_gate(const RoutemmMoeGateCall* call, char* error,
+                                    size_t error_size) {
+  return guarded(error, error_size, [&] { enqueue_moe_gate(*call); });
+}
+
 extern "C" int abi_enqueue_q4_matmul(const RoutemmQ4MatmulCall* call, char* error,
                                      size_t error_size) {
   return guarded(error, error_size, [&] { enqueue_q4_matmul(*call); });
@@ -590,9 +620,16 @@ extern "C" int abi_enqueue_moe_experts(const void* plan, const RoutemmMoeExperts
 }
 
 const RoutemmTensorOpAbi kTensorOpAbi = {
-    ROUTEMM_TENSOR_OP_ABI_VERSION,    sizeof(RoutemmTensorOpAbi), &abi_plan_matmul_id,
-    &abi_enqueue_matmul_id,           &abi_enqueue_q4_matmul,     &abi_plan_quantized_matmul_id,
-    &abi_enqueue_quantized_matmul_id, &abi_plan_moe_experts,      &abi_enqueue_moe_experts,
+    ROUTEMM_TENSOR_OP_ABI_VERSION,
+    sizeof(RoutemmTensorOpAbi),
+    &abi_plan_matmul_id,
+    &abi_enqueue_matmul_id,
+    &abi_enqueue_q4_matmul,
+    &abi_plan_quantized_matmul_id,
+    &abi_enqueue_quantized_matmul_id,
+    &abi_plan_moe_experts,
+    &abi_enqueue_moe_experts,
+    &abi_enqueue_moe_gate,
 };
 
 // The ABI's pointer record of the Python kernels' call (stream: the framework's current stream, or
@@ -787,6 +824,28 @@ void init_enqueue(py::module_& m) {
       py::arg("up"), py::arg("down"), py::arg("output"), py::arg("workspace"), py::arg("stream"),
       "One planned moe_experts call on caller memory given by pointers, encoded and started "
       "(returns (route, dispatch count)).");
+  m.def(
+      "_enqueue_moe_gate",
+      [](int32_t type, int32_t index, int64_t m_, int64_t n_experts, int64_t top_k,
+         bool renormalize, uint64_t logits, uint64_t weights, uint64_t ids,
+         std::optional<uint64_t> stream) {
+        const RoutemmMoeGateCall call{type,
+                                      index,
+                                      m_,
+                                      n_experts,
+                                      top_k,
+                                      renormalize ? 1u : 0u,
+                                      logits,
+                                      weights,
+                                      ids,
+                                      stream ? 1u : 0u,
+                                      stream.value_or(0)};
+        enqueue_moe_gate(call);
+      },
+      py::arg("device_type"), py::arg("device_index"), py::arg("m"), py::arg("n_experts"),
+      py::arg("top_k"), py::arg("renormalize"), py::arg("logits"), py::arg("weights"),
+      py::arg("ids"), py::arg("stream"),
+      "One moe_gate call on caller memory given by pointers, encoded and started.");
   m.def(
       "_enqueue_q4_matmul",
       [](int32_t type, int32_t index, int64_t m_, int64_t n, int64_t k, uint64_t x,

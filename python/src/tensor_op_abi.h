@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define ROUTEMM_TENSOR_OP_ABI_VERSION 3
+#define ROUTEMM_TENSOR_OP_ABI_VERSION 4
 #define ROUTEMM_TENSOR_OP_ABI_CAPSULE "routemm._core._tensor_op_abi"
 
 // DLPack device types of the devices the tensor ops run on.
@@ -121,6 +121,19 @@ typedef struct RoutemmMoeExpertsPointers {
   uint64_t stream;
 } RoutemmMoeExpertsPointers;
 
+// One MoE gate (routemm/ops/moe.h moe_gate): logits [m, n_experts] float32 -> weights [m, top_k]
+// float32 and ids [m, top_k] int32. m, n_experts and top_k come as the framework has them and are
+// checked as u32 by the core.
+typedef struct RoutemmMoeGateCall {
+  int32_t device_type;
+  int32_t device_index;
+  int64_t m, n_experts, top_k;
+  uint32_t renormalize;
+  uint64_t logits, weights, ids;
+  uint32_t has_stream;
+  uint64_t stream;
+} RoutemmMoeGateCall;
+
 typedef struct RoutemmTensorOpAbi {
   uint32_t version;
   uint32_t size;
@@ -146,6 +159,8 @@ typedef struct RoutemmTensorOpAbi {
                           RoutemmMoeExpertsPlanInfo* info, char* error, size_t error_size);
   int (*enqueue_moe_experts)(const void* plan, const RoutemmMoeExpertsPointers* pointers,
                              char* error, size_t error_size);
+  // Version 4. The MoE gate, encoded and started (no plan: one dispatch, checked per call).
+  int (*enqueue_moe_gate)(const RoutemmMoeGateCall* call, char* error, size_t error_size);
 } RoutemmTensorOpAbi;
 
 #ifdef __cplusplus

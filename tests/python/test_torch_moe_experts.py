@@ -149,8 +149,11 @@ def test_errors_name_the_argument():
         ((x[:, :0], ids, w, gate_up, down), {}, r"down must be \[E, 0, I\]"),
     ]
     for args, kw, message in cases:
-        with pytest.raises(ValueError, match=message):  # InvalidArgumentError from the Python kernels
+        with pytest.raises(ValueError, match=message) as from_op:  # either kernel set's op
             torch.ops.routemm.moe_experts(*args, **kw)
+        with pytest.raises(routemm.InvalidArgumentError) as from_python:  # the Python kernel itself
+            rt._moe_experts(*args, **kw)
+        assert str(from_op.value) == str(from_python.value)
 
 
 def test_fake_and_torch_compile_fullgraph():

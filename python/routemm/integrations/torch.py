@@ -4,6 +4,8 @@
     y = torch.ops.routemm.matmul_id(w, x, ids)          # [m * top_k, n] float32
     y = torch.ops.routemm.q4_matmul(x, blocks, n, k)    # [m, n] float32
     y = torch.ops.routemm.quantized_matmul_id(stack, x, ids, "q4_0")  # [m*top_k, n] float32
+    w, ids = torch.ops.routemm.moe_gate(logits, top_k, True)  # [m, top_k] float32, int32
+    y = torch.ops.routemm.moe_experts(h, ids, w, gate_up, down)  # [m, H], h's dtype
 
 Each op has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through it and
 fake tensors propagate shapes. CUDA tensors run on torch.cuda.current_stream() with no host sync,
@@ -149,10 +151,16 @@ def _autograd_kernel(name: str) -> Callable:
         needs = [
             (n, a) for n, a in zip(arguments, args, strict=False) if isinstance(a, torch.Tensor) and a.requires_grad
         ]
-        if not needs or not isinstance(out, torch.Tensor):
+        if not needs:
             return out
-        names = ", ".join(n for n, _ in needs)
-        return torch.ops.routemm._no_gradient(out, [a for _, a in needs], qualified, names)
+        names, inputs = ", ".join(n for n, _ in needs), [a for _, a in needs]
+
+        def refused(t):  # every floating-point output refuses at backward; index outputs have no grad
+            if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+                return t
+            return torch.ops.routemm._no_gradient(t, inputs, qualified, names)
+
+        return tuple(refused(t) for t in out) if isinstance(out, tuple) else refused(out)
 
     return kernel
 
@@ -340,6 +348,29 @@ _LIBRARY.define("_moe_experts_grad" + torch.library.infer_schema(_moe_experts_gr
 _LIBRARY.impl("_moe_experts_grad", _moe_experts_grad, "CompositeImplicitAutograd")
 _GRADIENTS["moe_experts"] = torch.ops.routemm._moe_experts_grad
 moe_experts = define_op("moe_experts", _moe_experts, _moe_experts_fake)
+
+
+# ---- moe_gate -------------------------------------------------------------------------------------
+
+
+def _moe_gate(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts and top-k selection (routemm.moe_gate's contract): (weights float32
+    [m, top_k], ids int32 [m, top_k]) from float32 logits [m, n_experts], on the current stream."""
+    return _tensor_ops.moe_gate(_TORCH, router_logits, top_k, renormalize)
+
+
+def _moe_gate_fake(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if router_logits.dim() != 2:
+        raise InvalidArgumentError(f"moe_gate router_logits must be 2-D, got shape {tuple(router_logits.shape)}")
+    if router_logits.dtype != torch.float32:
+        raise InvalidArgumentError(f"moe_gate router_logits must be float32, got {router_logits.dtype}")
+    m, n_experts = router_logits.shape
+    if not 1 <= top_k <= n_experts:
+        raise InvalidArgumentError(f"moe_gate top_k {top_k} must be in [1, n_experts = {n_experts}]")
+    return router_logits.new_empty((m, top_k)), router_logits.new_empty((m, top_k), dtype=torch.int32)
+
+
+moe_gate = define_op("moe_gate", _moe_gate, _moe_gate_fake)
 
 
 def op(name: str) -> Optional[object]:

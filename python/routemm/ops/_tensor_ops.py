@@ -517,6 +517,29 @@ def q4_matmul(fw: Framework, x, weight, n: int, k: int, out=None):
     return out
 
 
+def moe_gate(fw: Framework, logits, top_k: int, renormalize: bool):
+    """Softmax over experts and top-k selection on framework tensors (see routemm.moe_gate):
+    (weights float32 [m, top_k], ids int32 [m, top_k]), on the logits' device and current stream,
+    one call into the extension, no host wait. The checks and messages of the C++ kernel, in its
+    order: a 2-D tensor on a device routemm has, float32, top_k in [1, n_experts]."""
+    if len(logits.shape) != 2:
+        raise InvalidArgumentError(f"moe_gate router_logits must be 2-D, got shape {tuple(logits.shape)}")
+    place = one_place(fw, "moe_gate", [("router_logits", logits)])
+    if logits.dtype != fw.f32:
+        raise InvalidArgumentError(f"moe_gate router_logits must be float32, got {logits.dtype}")
+    m, n_experts = (int(d) for d in logits.shape)
+    if not 1 <= top_k <= n_experts:
+        raise InvalidArgumentError(f"moe_gate top_k {top_k} must be in [1, n_experts = {n_experts}]")
+    x = logits if fw.contiguous(logits) else logits.contiguous()
+    weights = fw.empty((m, top_k), "f32", x)
+    ids = fw.empty((m, top_k), "i32", x)
+    _core._enqueue_moe_gate(
+        *place, m, n_experts, top_k, bool(renormalize), fw.pointer(x), fw.pointer(weights), fw.pointer(ids),
+        fw.stream_of_key(fw.device_key(x)),
+    )  # fmt: skip
+    return weights, ids
+
+
 def _moe_experts_plan(fw: Framework, hidden, ids, weights, gate_up, down, up, ggml_type, exact):
     """moe_experts' plan of one call shape (the core's _TensorMoeExpertsPlan): one framework, one
     device, float32 hidden states and routing weights, the stacks' dtype, then the core's shape,
@@ -537,11 +560,9 @@ def _moe_experts_plan(fw: Framework, hidden, ids, weights, gate_up, down, up, gg
             raise InvalidArgumentError(f"moe_experts {name} must be float32 here, got {tensors[name].dtype}")
     stacks = [t for name, t in tensors.items() if name in ("gate_up", "up", "down")]
     if len({t.dtype for t in stacks}) != 1:
-        raise InvalidArgumentError(
-            f"moe_experts weight stacks must share one dtype, got {sorted(str(t.dtype) for t in stacks)}"
-        )
+        raise InvalidArgumentError("moe_experts weight stacks must share one dtype")
     if ggml_type is not None and gate_up.dtype != fw.u8:
-        raise InvalidArgumentError(f"moe_experts {ggml_type} stacks must be uint8 blocks, got {gate_up.dtype}")
+        raise InvalidArgumentError(f"moe_experts block stacks must be uint8 blocks, got {gate_up.dtype}")
     wdtype = fw.dtype(gate_up)
     shapes = [[int(d) for d in t.shape] for t in (hidden, ids, weights, gate_up, down)]
     (place,) = {fw.place(hidden)}

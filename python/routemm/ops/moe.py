@@ -144,25 +144,11 @@ def moe_gate(router_logits, top_k: int, *, renormalize: bool, device=None):
     top_k = _check_top_k(top_k, n_experts)
     renormalize = _check_bool(renormalize)
     if framework == "torch":
-        import torch
-
-        from ..core._interop import from_dlpack
         from . import _tensor_ops
 
+        # torch.ops.routemm.moe_gate's call path: one crossing, the current stream, no host wait.
         fw = _tensor_ops.framework("torch")
-        _tensor_ops.one_place(fw, "moe_gate", [("router_logits", router_logits)])
-        if router_logits.dtype != torch.float32:
-            raise InvalidArgumentError(f"moe_gate router_logits must be float32, got {router_logits.dtype}")
-        logits_buf = from_dlpack(router_logits.detach().contiguous())
-        weights = torch.empty((m, top_k), dtype=torch.float32, device=router_logits.device)
-        ids = torch.empty((m, top_k), dtype=torch.int32, device=router_logits.device)
-        device = logits_buf.device
-        _submit(
-            device,
-            lambda enc, reg: _core._moe_gate(
-                enc, reg, logits_buf, from_dlpack(weights), from_dlpack(ids), m, n_experts, top_k, renormalize
-            ),
-        )
+        weights, ids = _tensor_ops.moe_gate(fw, router_logits.detach(), top_k, renormalize)
         return fw.forward_only("routemm.moe_gate", weights, [("router_logits", router_logits)]), ids
     logits = np.asarray(router_logits)
     if logits.dtype != np.float32:

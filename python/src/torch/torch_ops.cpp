@@ -1,5 +1,5 @@
 // routemm._torch_ops: the C++ kernels of torch.ops.routemm.matmul_id, q4_matmul,
-// quantized_matmul_id and moe_experts for the CPU and CUDA dispatch keys. routemm.torch defines the ops (schemas, fake kernels) and
+// quantized_matmul_id, moe_experts and moe_gate for the CPU and CUDA dispatch keys. routemm.torch defines the ops (schemas, fake kernels) and
 // imports this module when it was built against the running torch; the kernels then run without
 // entering Python.
 //
@@ -39,6 +39,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -487,6 +488,33 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
   return model_type == at::kFloat ? out : out.to(model_type);
 }
 
+// ---- moe_gate -----------------------------------------------------------------------------------
+
+// Softmax over experts and top-k selection on the tensors' current stream: (weights float32 [m,
+// top_k], ids int32 [m, top_k]). The checks of the Python kernel, in its order.
+std::tuple<at::Tensor, at::Tensor> moe_gate(const at::Tensor& logits, int64_t top_k,
+                                            bool renormalize) {
+  TORCH_CHECK_VALUE(logits.dim() == 2,
+                    "moe_gate router_logits must be 2-D, got shape " + shape_repr(logits.sizes()));
+  const auto where = place(logits);
+  TORCH_CHECK_VALUE(
+      logits.scalar_type() == at::kFloat,
+      "moe_gate router_logits must be float32, got " + dtype_repr(logits.scalar_type()));
+  const int64_t m = logits.size(0), n_experts = logits.size(1);
+  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= n_experts,
+                    "moe_gate top_k " + std::to_string(top_k) +
+                        " must be in [1, n_experts = " + std::to_string(n_experts) + "]");
+  const at::Tensor x = logits.contiguous();
+  at::Tensor weights = at::empty({m, top_k}, x.options());
+  at::Tensor ids = at::empty({m, top_k}, x.options().dtype(at::kInt));
+  RoutemmMoeGateCall call{
+      where.first,      where.second, m, n_experts, top_k, renormalize ? 1u : 0u, address(x),
+      address(weights), address(ids), 0, 0};
+  set_stream(x, call.has_stream, call.stream);
+  ::call(g_abi->enqueue_moe_gate, &call);
+  return {weights, ids};
+}
+
 // ---- autograd ------------------------------------------------------------------------------------
 
 // The ops' autograd kernel, for every autograd key (routemm.torch's _autograd_kernel in C++): the op
@@ -527,8 +555,14 @@ void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                                       .findSchemaOrThrow("routemm::_no_gradient", "")
                                       .typed<at::Tensor(const at::Tensor&, at::TensorList,
                                                         c10::string_view, c10::string_view)>();
-  const at::Tensor out = stack->back().toTensor();
-  stack->back() = no_gradient.call(out, needs, op.schema().name(), names);
+  // Every floating-point output gets the refusing grad_fn (an index output has no gradient).
+  const size_t outputs = op.schema().returns().size();
+  for (size_t i = stack->size() - outputs; i < stack->size(); ++i) {
+    if (!(*stack)[i].isTensor()) continue;
+    const at::Tensor out = (*stack)[i].toTensor();
+    if (!at::isFloatingType(out.scalar_type())) continue;
+    (*stack)[i] = no_gradient.call(out, needs, op.schema().name(), names);
+  }
 }
 
 // ---- the module ---------------------------------------------------------------------------------
@@ -547,7 +581,7 @@ PyMethodDef kMethods[] = {
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT,
                        "_torch_ops",
                        "The C++ kernels of torch.ops.routemm.matmul_id, q4_matmul, "
-                       "quantized_matmul_id and moe_experts (CPU, CUDA).",
+                       "quantized_matmul_id, moe_experts and moe_gate (CPU, CUDA).",
                        -1,
                        kMethods,
                        nullptr,
@@ -564,10 +598,12 @@ void register_kernels() {
     lib->impl("q4_matmul", TORCH_FN(q4_matmul));
     lib->impl("quantized_matmul_id", TORCH_FN(quantized_matmul_id));
     lib->impl("moe_experts", TORCH_FN(moe_experts));
+    lib->impl("moe_gate", TORCH_FN(moe_gate));
   }
   auto* autograd = new torch::Library(torch::Library::IMPL, "routemm", c10::DispatchKey::Autograd,
                                       __FILE__, __LINE__);
-  for (const char* name : {"matmul_id", "q4_matmul", "quantized_matmul_id", "moe_experts"}) {
+  for (const char* name :
+       {"matmul_id", "q4_matmul", "quantized_matmul_id", "moe_experts", "moe_gate"}) {
     autograd->impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
   }
 }
@@ -588,8 +624,8 @@ PyMODINIT_FUNC PyInit__torch_ops() {
   if (module == nullptr) return nullptr;
   if (PyModule_AddStringConstant(module, "TORCH_VERSION", ROUTEMM_BUILT_TORCH_VERSION) < 0 ||
       PyModule_AddObject(module, "OPS",
-                         Py_BuildValue("(ssss)", "matmul_id", "q4_matmul", "quantized_matmul_id",
-                                       "moe_experts")) < 0) {
+                         Py_BuildValue("(sssss)", "matmul_id", "q4_matmul", "quantized_matmul_id",
+                                       "moe_experts", "moe_gate")) < 0) {
     Py_DECREF(module);
     return nullptr;
   }
