@@ -25,10 +25,10 @@ _N = itertools.count(700)
 _K = itertools.count(1024, 8)
 
 
-def rows() -> list[dict]:
+def rows(text: str | None = None) -> list[dict]:
     """The table's rows: {id, section, checked_by, status}."""
     out = []
-    for line in TABLE.read_text().splitlines():
+    for line in (TABLE.read_text() if text is None else text).splitlines():
         cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
         if len(cells) >= 6 and re.fullmatch(r"`[a-z0-9.\-]+`", cells[0]):
             out.append({"id": cells[0].strip("`"), "section": cells[1], "checked_by": cells[-2], "status": cells[-1]})
@@ -534,6 +534,45 @@ def test_table_rows_have_checks():
             path, _, name = r["checked_by"].partition("::")
             assert name and re.search(rf"^def {re.escape(name)}\(", (here / path).read_text(), re.M), r
         assert re.match(r"(same|deliberately different \(|not applicable \(|planned \()", r["status"]), r
+
+
+def unresolved_references(table: list[dict]) -> list[str]:
+    """Every test or check a row names, whatever its status, that does not exist: a `file.py::test`
+    entry needs that file here to define that test; `check` / `check (row-id)` needs that row's check
+    in this module."""
+    here = Path(__file__).resolve().parent
+    missing = []
+    for r in table:
+        cell = r["checked_by"]
+        refs = re.findall(r"([\w/]+\.py)::(\w+)", cell)
+        for path, name in refs:
+            file = here / path
+            if not (file.is_file() and re.search(rf"^\s*def {re.escape(name)}\(", file.read_text(), re.M)):
+                missing.append(f"{r['id']}: {path}::{name}")
+        for named in re.findall(r"\bcheck(?: \(([a-z0-9.\-]+)\))?", cell):
+            if (named or r["id"]) not in CHECKS:
+                missing.append(f"{r['id']}: check ({named or r['id']})")
+        if not refs and not re.search(r"\bcheck\b", cell) and cell not in ("", "—"):
+            missing.append(f"{r['id']}: unreadable reference {cell!r}")
+    return missing
+
+
+def test_every_named_test_exists():
+    assert unresolved_references(rows()) == []
+
+
+def test_a_row_naming_a_missing_test_is_caught():
+    seeded = (
+        "| `x.1-a` | 1 | a | b | test_core.py::test_no_such_test_here | deliberately different (c) |\n"
+        "| `x.1-b` | 1 | a | b | test_nowhere.py::test_alloc_fields | same |\n"
+        "| `x.1-c` | 1 | a | b | check (no-such-row) | deliberately different (c) |\n"
+        "| `x.1-d` | 1 | a | b | test_core.py::test_alloc_fields | same |\n"
+    )
+    assert unresolved_references(rows(seeded)) == [
+        "x.1-a: test_core.py::test_no_such_test_here",
+        "x.1-b: test_nowhere.py::test_alloc_fields",
+        "x.1-c: check (no-such-row)",
+    ]
 
 
 @pytest.mark.parametrize("row_id", sorted(CHECKS))
