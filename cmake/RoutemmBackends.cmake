@@ -1,8 +1,21 @@
 # Resolves ROUTEMM_CUDA / ROUTEMM_METAL (AUTO/ON/OFF) into ROUTEMM_WITH_CUDA / ROUTEMM_WITH_METAL.
 include(CheckLanguage)
+include(RoutemmCudaDriver)
 
+if(NOT ROUTEMM_CUDA MATCHES "^(AUTO|ON|OFF)$")
+  message(FATAL_ERROR "ROUTEMM_CUDA must be AUTO, ON or OFF (got '${ROUTEMM_CUDA}')")
+endif()
 set(ROUTEMM_WITH_CUDA OFF)
-if(NOT ROUTEMM_CUDA STREQUAL "OFF" AND EXISTS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/backend/cuda/CMakeLists.txt")
+set(_routemm_cuda_wanted ON)
+if(ROUTEMM_CUDA STREQUAL "AUTO")
+  # AUTO builds CUDA only where a GPU driver is present (cmake/RoutemmCudaDriver.cmake).
+  routemm_gpu_driver_present(_routemm_cuda_wanted _routemm_driver_reason)
+  if(NOT _routemm_cuda_wanted)
+    message(STATUS "routemm: ${_routemm_driver_reason}: ROUTEMM_CUDA=AUTO leaves the CUDA backend "
+                   "off; ROUTEMM_CUDA=ON builds it anyway")
+  endif()
+endif()
+if(NOT ROUTEMM_CUDA STREQUAL "OFF" AND _routemm_cuda_wanted AND EXISTS "${CMAKE_CURRENT_SOURCE_DIR}/csrc/backend/cuda/CMakeLists.txt")
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
     set(ROUTEMM_WITH_CUDA ON)
