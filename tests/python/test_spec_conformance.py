@@ -330,6 +330,31 @@ def _(rng, tmp_path):
 # ---- §6 dense Q4 plan ----------------------------------------------------------------------------
 
 
+@check("6.1-route-spelling")
+def _(rng, tmp_path):
+    assert routemm.DenseQ4Route("tensor64x32") is C64 and C64.value == "tensor_64x32"
+    seed_plan = {
+        "plan_id": "a" * 64,
+        "build_fingerprint": "b" * 64,
+        "device_name": "cpu",
+        "device_registry_id": 1,
+        "registry_authority_id": 2,
+        "activation_epoch": 1,
+        "decisions": [
+            {"shape": {"m": m, "n": 32, "k": 64, "batch": 1, "input_layout": "contiguous"}, "route": r}
+            for m, r in ((64, "tensor64x32"), (96, "compatibility_v2"))
+        ],
+        "schema_version": dq.DENSE_Q4_ROUTE_SCHEMA_VERSION,
+    }
+    import json
+
+    plan = dq.DenseQ4RoutePlan.from_json(json.dumps(seed_plan))  # the seed's serde spelling reads
+    assert [plan.route_for(d.shape) for d in plan.decisions] == [C64, V2]
+    assert '"tensor_64x32"' in plan.to_json() and "tensor64x32" not in plan.to_json()  # written as routemm's
+    with pytest.raises(routemm.InvalidArgumentError):
+        dq.DenseQ4RoutePlan.from_json(json.dumps(seed_plan).replace("tensor64x32", "tensor_64_x32"))
+
+
 @check("6.2-dispatcher-consults-plan")
 def _(rng, tmp_path):
     device = cpu()

@@ -76,6 +76,11 @@ class DenseQ4Route(enum.Enum):
     COMPATIBILITY_V2 = "compatibility_v2"
     TENSOR_64X32 = "tensor_64x32"  # candidate: V2's arithmetic with a 32-token tile
 
+    @classmethod
+    def _missing_(cls, value):
+        # Written as the pipeline names it; the reference's serde spelling is read as the same route.
+        return cls.TENSOR_64X32 if value == "tensor64x32" else None
+
     @property
     def pipeline_name(self) -> str:
         return _core._dense_q4_pipeline_name(self.value)
