@@ -10,6 +10,7 @@
 #include "routemm/encoder.h"
 #include "routemm/error.h"
 #include "routemm/ops/moe.h"
+#include "routemm/ops/moe_experts.h"
 #include "routemm/registry.h"
 #include "test_support.h"
 
@@ -95,6 +96,110 @@ TEST(MoeSiluMulAndCombine, StridedHalvesAndSkippedSlots) {
   EXPECT_THROW(
       moe_combine(encoder, registry, rows, weights, ids, rows, MoeCombineParams{1, 3, 2, 4}),
       InvalidArgument);
+}
+
+// The experts block as one op against the same steps encoded one by one, on one small case
+// (E 3, H 4, I 2, top-2; one invalid id): the same bits, and a refused call leaves the encoder as
+// it was.
+struct BlockCase {
+  static constexpr uint32_t kM = 3, kTopK = 2, kE = 3, kH = 4, kI = 2;
+  Device device{"cpu"};
+  KernelRegistry registry{device};
+  Buffer hidden, ids, weights, gate_up, down;
+  BlockCase() {
+    std::vector<float> x(kM * kH), gu(kE * 2 * kI * kH), dn(kE * kH * kI);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = 0.25f * static_cast<float>(i % 7) - 0.5f;
+    for (size_t i = 0; i < gu.size(); ++i) gu[i] = 0.125f * static_cast<float>(i % 5) - 0.25f;
+    for (size_t i = 0; i < dn.size(); ++i) dn[i] = 0.0625f * static_cast<float>(i % 9) - 0.25f;
+    hidden = upload(device, x, DType::F32);
+    gate_up = upload(device, gu, DType::F32);
+    down = upload(device, dn, DType::F32);
+    ids = upload(device, std::vector<uint32_t>{0, 2, 1, 0xFFFFFFFFu, 2, 1}, DType::U32);
+    weights = upload(device, std::vector<float>{0.25f, 0.75f, 1.0f, 0.5f, 0.5f, 0.5f}, DType::F32);
+  }
+  MoeExpertsParams params(DenseMatmulIdRoute route) const {
+    MoeExpertsParams p;
+    p.m = kM;
+    p.top_k = kTopK;
+    p.n_experts = kE;
+    p.hidden = kH;
+    p.intermediate = kI;
+    p.weight_dtype = DType::F32;
+    p.route = route;
+    return p;
+  }
+};
+
+TEST(MoeExperts, MatchesTheStepsOneByOne) {
+  BlockCase c;
+  for (const auto route : {DenseMatmulIdRoute::Direct, DenseMatmulIdRoute::GroupedPrefill}) {
+    const MoeExpertsParams p = c.params(route);
+    const MoeExpertsWorkspaceLayout layout = moe_experts_workspace(p);
+    Buffer workspace = c.device.alloc(layout.total_bytes, DType::U8, {layout.total_bytes});
+    Buffer out = c.device.alloc(c.kM * c.kH * 4, DType::F32, {c.kM, c.kH});
+    CommandEncoder encoder = c.device.command_encoder();
+    const MoeExpertsReceipt receipt = moe_experts(encoder, c.registry, c.hidden, c.ids, c.weights,
+                                                  c.gate_up, nullptr, c.down, out, workspace, p);
+    encoder.commit_and_wait();
+    EXPECT_EQ(receipt.grouped, is_grouped(route));
+    EXPECT_EQ(receipt.dispatch_count, is_grouped(route) ? 5u : 4u);
+
+    // The same block, step by step on the direct route.
+    const uint32_t rows = c.kM * c.kTopK;
+    Buffer gu_rows = c.device.alloc(rows * 2 * c.kI * 4, DType::F32, {rows, 2 * c.kI});
+    Buffer act = c.device.alloc(rows * c.kI * 4, DType::F32, {rows, c.kI});
+    Buffer down_rows = c.device.alloc(rows * c.kH * 4, DType::F32, {rows, c.kH});
+    Buffer want = c.device.alloc(c.kM * c.kH * 4, DType::F32, {c.kM, c.kH});
+    CommandEncoder steps = c.device.command_encoder();
+    DenseMatmulIdParams d{c.kM, 2 * c.kI, c.kH, c.kTopK, c.kE, 2 * c.kI * c.kH * 4u};
+    d.id_multiplicity = DenseMatmulIdMultiplicity::MayRepeat;
+    dense_matmul_id(steps, c.registry, c.gate_up, c.hidden, c.ids, gu_rows, nullptr, d);
+    steps.memory_barrier();
+    const uint64_t span = (rows - 1) * 2 * c.kI + c.kI;
+    moe_silu_mul(steps, c.registry, gu_rows.view(0, span * 4, DType::F32, {span}),
+                 gu_rows.view(c.kI * 4, span * 4, DType::F32, {span}), act,
+                 MoeSiluMulParams{rows, c.kI, 2 * c.kI, 2 * c.kI});
+    steps.memory_barrier();
+    DenseMatmulIdParams dd{c.kM, c.kH, c.kI, c.kTopK, c.kE, c.kH * c.kI * 4u};
+    dd.input_layout = DenseMatmulIdInputLayout::Slotted;
+    dd.id_multiplicity = DenseMatmulIdMultiplicity::MayRepeat;
+    dense_matmul_id(steps, c.registry, c.down, act, c.ids, down_rows, nullptr, dd);
+    steps.memory_barrier();
+    moe_combine(steps, c.registry, down_rows, c.weights, c.ids, want,
+                MoeCombineParams{c.kM, c.kTopK, c.kH, c.kE});
+    steps.commit_and_wait();
+    EXPECT_EQ(download<float>(out), download<float>(want));
+  }
+}
+
+TEST(MoeExperts, RefusedCallsLeaveTheEncoderAsItWas) {
+  BlockCase c;
+  const MoeExpertsParams p = c.params(DenseMatmulIdRoute::GroupedPrefill);
+  const MoeExpertsWorkspaceLayout layout = moe_experts_workspace(p);
+  Buffer workspace = c.device.alloc(layout.total_bytes, DType::U8, {layout.total_bytes});
+  Buffer small = c.device.alloc(16, DType::U8, {16});
+  Buffer out = c.device.alloc(c.kM * c.kH * 4, DType::F32, {c.kM, c.kH});
+  CommandEncoder encoder = c.device.command_encoder();
+  // A workspace too small, a down stack of the wrong dtype, an output overlapping the workspace,
+  // a missing up stack for split params, and zero extents.
+  EXPECT_THROW(moe_experts(encoder, c.registry, c.hidden, c.ids, c.weights, c.gate_up, nullptr,
+                           c.down, out, small, p),
+               InvalidArgument);
+  EXPECT_THROW(moe_experts(encoder, c.registry, c.hidden, c.ids, c.weights, c.gate_up, nullptr,
+                           c.ids, out, workspace, p),
+               InvalidArgument);
+  EXPECT_THROW(moe_experts(encoder, c.registry, c.hidden, c.ids, c.weights, c.gate_up, nullptr,
+                           c.down, workspace, workspace, p),
+               InvalidArgument);
+  MoeExpertsParams split = p;
+  split.split_gate_up = true;
+  EXPECT_THROW(moe_experts(encoder, c.registry, c.hidden, c.ids, c.weights, c.gate_up, nullptr,
+                           c.down, out, workspace, split),
+               InvalidArgument);
+  MoeExpertsParams empty = p;
+  empty.intermediate = 0;
+  EXPECT_THROW(moe_experts_workspace(empty), InvalidArgument);
+  EXPECT_EQ(encoder.pending_dispatches(), 0u);
 }
 
 }  // namespace
