@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import os
 import re
 from pathlib import Path
 
@@ -51,6 +52,13 @@ def check(row_id: str):
 
 def cpu():
     return routemm.Device("cpu")
+
+
+def devices() -> list:
+    """The devices of this run's backends (ROUTEMM_TEST_BACKENDS, else every available one): a row
+    whose claim differs by backend is checked on each of them."""
+    names = [s.strip() for s in os.environ.get("ROUTEMM_TEST_BACKENDS", "").split(",") if s.strip()]
+    return [routemm.Device(b) for b in (names or routemm.available_backends()) if b in routemm.available_backends()]
 
 
 def q4_weight(device, n, k, rng):
@@ -353,6 +361,43 @@ def _(rng, tmp_path):
     assert '"tensor_64x32"' in plan.to_json() and "tensor64x32" not in plan.to_json()  # written as routemm's
     with pytest.raises(routemm.InvalidArgumentError):
         dq.DenseQ4RoutePlan.from_json(json.dumps(seed_plan).replace("tensor64x32", "tensor_64_x32"))
+
+
+@check("6.1-schema")
+def _(rng, tmp_path):
+    assert dq.DENSE_Q4_ROUTE_SCHEMA_VERSION == 4
+    assert dq.DenseQ4RoutePlan.__dataclass_fields__["schema_version"].default == 4
+
+
+@check("6.1-receipt-schema")
+def _(rng, tmp_path):
+    assert dq.DENSE_Q4_RECEIPT_SCHEMA_VERSION == 5
+    for record in (dq.DenseQ4CalibrationBatchReceipt, dq.DenseQ4DispatchTrace):
+        names = {f.name for f in dataclasses.fields(record)}
+        assert "routemm_version" in names and "mlx_native_version" not in names, record
+    # a saved version-4 receipt (the reference's field name) is read as version 5
+    v4 = {"schema_version": 4, "mlx_native_version": "0.13.1", "plan_id": "p"}
+    assert dq.DenseQ4RoutePlan.KIND.upgrade_receipt(v4) == {
+        "schema_version": 5,
+        "routemm_version": "0.13.1",
+        "plan_id": "p",
+    }
+
+
+@check("6.2-trace-policy")
+def _(rng, tmp_path):
+    for device in devices():
+        registry = routemm.KernelRegistry(device)
+        w, x, y, params = q4_call(device, next(_N), 64, 16, rng)
+        enc = device.command_encoder()
+        before = routemm.dispatch_count()
+        for routing in (None, {}):
+            with pytest.raises(routemm.InvalidArgumentTypeError, match="trace_dense_q4_auto routing must be"):
+                routemm.trace_dense_q4_auto(enc, registry, device, x, w, y, params, routing)
+        assert routemm.dispatch_count() == before  # refused before anything was encoded
+        trace = routemm.trace_dense_q4_auto(enc, registry, device, x, w, y, params, Policy())
+        enc.commit_and_wait()
+        assert trace.shape.m == 16
 
 
 @check("6.2-dispatcher-consults-plan")

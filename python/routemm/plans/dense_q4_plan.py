@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 
 from .. import _core
-from ..core._core_api import DType, EncodedKernelDispatch, PipelineIdentity
+from ..core._core_api import DType, EncodedKernelDispatch, PipelineIdentity, check_type
 from ..core._errors import CommandBufferError, Error, InvalidArgumentError
 from ..core._json import JsonRecord
 from ..ops.quantized_matmul import (
@@ -484,7 +484,11 @@ def dense_q4_auto(
 def trace_dense_q4_auto(
     encoder, registry, device, input, weight, output, params: GgmlQuantizedMatmulParams, routing: GgmlRoutingPolicy
 ) -> DenseQ4DispatchTrace:
-    """Encode one ordinary Q4 call through dense_q4_auto and check it against the frozen plan."""
+    """Encode one ordinary Q4 call through dense_q4_auto and check it against the frozen plan.
+
+    `routing` is the exact policy production dispatch uses: the trace never substitutes the
+    registry's or the environment's, so None is refused like any other non-policy."""
+    check_type("trace_dense_q4_auto", "routing", routing, GgmlRoutingPolicy)
     shape = exact_shape(params, 1, True)
     if shape is None:
         _fail("dense Q4 auto trace requires eligible Q4_0 MM shape")
