@@ -373,3 +373,27 @@ def test_cpp_kernels_use_no_iostreams():
             seen += 1
             assert len(args) <= most, f"{name} with a message of several parts: {args}"
     assert seen >= 10
+
+
+_NOT_BUILT = """
+    import sys
+    sys.modules["routemm._torch_ops_build"] = None  # as where the extension was not built
+"""
+
+_FIX = "ROUTEMM_TORCH_OPS=ON python -m pip install --no-build-isolation -v ."
+
+
+@pytest.mark.parametrize("case", [_NOT_BUILT, _MISMATCH], ids=["not_built", "torch_mismatch"])
+def test_falling_back_to_the_python_kernels_warns_once_naming_the_fix(case):
+    again = "    import routemm.integrations.torch\n    torch.ops.routemm.matmul_id(w, x, ids)\n"
+    code = case + _REPORT + again
+    result = _run(code, ROUTEMM_TORCH_KERNELS="auto", PYTHONWARNINGS="default")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == "python"
+    assert result.stderr.count("RuntimeWarning: routemm.torch: torch.ops.routemm.* run on the Python kernels") == 1
+    assert _FIX in result.stderr and "ROUTEMM_TORCH_KERNELS=python" in result.stderr
+
+
+def test_the_python_kernels_chosen_by_the_knob_do_not_warn():
+    result = _run(_REPORT, ROUTEMM_TORCH_KERNELS="python", PYTHONWARNINGS="default")
+    assert result.returncode == 0 and "Warning" not in result.stderr, result.stderr

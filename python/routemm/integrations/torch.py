@@ -37,6 +37,7 @@ records it in OPS; an op of another module registers the same way.
 
 import importlib
 import os
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -96,6 +97,23 @@ def _choose_kernels() -> tuple[str, str, frozenset]:
 
 # KERNELS: "cpp" (routemm._torch_ops) or "python"; KERNELS_REASON: why.
 KERNELS, KERNELS_REASON, _CPP_OPS = _choose_kernels()
+
+# How a checkout builds the C++ kernels against the torch it has (the README's torch install line).
+BUILD_CPP_KERNELS = (
+    "python -m pip install scikit-build-core pybind11 && "
+    "ROUTEMM_TORCH_OPS=ON python -m pip install --no-build-isolation -v ."
+)
+
+if KERNELS == "python" and os.environ.get(KERNELS_KNOB, "").strip().lower() != "python":
+    # A fallback the user did not ask for is said once, at import: the ops still work, but each call
+    # costs more host time than the C++ kernels'.
+    warnings.warn(
+        f"routemm.torch: torch.ops.routemm.* run on the Python kernels (more host time per call): "
+        f"{KERNELS_REASON}. Build the C++ kernels from a checkout with `{BUILD_CPP_KERNELS}`, or set "
+        f"{KERNELS_KNOB}=python to choose the Python kernels without this warning",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 # The ops are defined through the low-level torch.library.Library API with the real implementation
 # registered per dispatch key (CPU, CUDA) and a fake for tracing: the call goes straight from the
