@@ -163,3 +163,47 @@ def test_result_is_in_the_hidden_dtype():
         ref = batched_mm_experts_forward(module.float(), hidden.float(), ids, weights.float())
     assert out.dtype == torch.bfloat16
     np.testing.assert_allclose(out.float().numpy(), ref.numpy(), atol=BF16_TOL, rtol=BF16_TOL)
+
+
+def test_calls_counts_the_routemm_experts_forwards_and_shows_a_shared_config():
+    """calls() says whether routemm ran: one per MoE layer per forward; none for a model built eager,
+    and none where one config object made both models eager (from_config records the implementation
+    in the config it is given)."""
+    config = _qwen3_moe(True)
+    input_ids = torch.randint(0, config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), experts_implementation="eager")
+    before = routemm_transformers.calls()
+    with torch.no_grad():
+        eager(input_ids)
+    assert routemm_transformers.calls() == before
+    shared = copy.deepcopy(config)
+    ours = transformers.AutoModelForCausalLM.from_config(shared, experts_implementation="routemm")
+    with torch.no_grad():
+        ours(input_ids)
+    assert routemm_transformers.calls() == before + config.num_hidden_layers
+    transformers.AutoModelForCausalLM.from_config(shared, experts_implementation="eager")
+    with torch.no_grad():
+        ours(input_ids)
+    assert routemm_transformers.calls() == before + config.num_hidden_layers, "the shared config made it eager"
+
+
+def test_a_refused_call_is_not_counted():
+    module = _experts_module(_qwen3_moe(True))
+    module.act_fn = torch.nn.GELU()
+    before = routemm_transformers.calls()
+    with pytest.raises(routemm.InvalidArgumentError):
+        routemm_transformers.experts_forward(module, torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.long),
+                                             torch.zeros(2, 2))  # fmt: skip
+    assert routemm_transformers.calls() == before
+
+
+def test_first_use_is_logged_once_on_the_routemm_logger(monkeypatch, caplog):
+    monkeypatch.setitem(routemm_transformers._CALLS, "n", 0)  # as in a fresh process
+    module = _experts_module(_qwen3_moe(True))
+    hidden, ids, weights = torch.randn(3, 64), torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.rand(3, 2)
+    with caplog.at_level("INFO", logger="routemm"), torch.no_grad():
+        routemm_transformers.experts_forward(module, hidden, ids, weights)
+        routemm_transformers.experts_forward(module, hidden, ids, weights)
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("routemm")]
+    assert lines == ["routemm experts implementation: first call (Qwen3MoeExperts, torch.float32, 3 tokens)"]
+    assert routemm_transformers.calls() == 2

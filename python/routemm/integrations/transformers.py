@@ -19,6 +19,12 @@ F32 inside) and picks the block's route from the shapes (the tensor-core route f
 on CUDA). Under expert parallelism transformers passes sentinel ids (>= the local expert count)
 with zero weights; routemm skips them without reading a weight.
 
+Which implementation ran: `calls()` counts the forwards routemm computed in this process (eager calls;
+calls inside torch.compile'd code and CUDA graph replays run no Python of this module and are not
+counted), and the first one logs an INFO line on the "routemm" logger. transformers records the
+experts implementation in the config object a model is built from, so one config shared by two
+models gives both the implementation of the last one built: calls() staying put shows it.
+
 Training: the op has a backward for float stacks (routemm.integrations._moe_autograd), so loss.backward()
 gives the experts, the hidden states and the routing weights their gradients; a forward with
 parameters that require grad gives the no-grad result bit for bit.
@@ -26,9 +32,23 @@ parameters that require grad gives the no-grad result bit for bit.
 
 from __future__ import annotations
 
+import logging
+
 from ..core._errors import InvalidArgumentError
 
 IMPLEMENTATION_NAME = "routemm"
+
+_LOG = logging.getLogger("routemm.integrations.transformers")  # propagates to the "routemm" logger
+
+# Forwards computed by routemm in this process (a dict, so torch.compile would not guard on it).
+_CALLS = {"n": 0}
+
+
+def calls() -> int:
+    """How many experts forwards routemm has computed in this process (eager calls; calls traced by
+    torch.compile and CUDA graph replays are not counted). A model built with
+    experts_implementation="routemm" that leaves this unchanged did not run routemm."""
+    return _CALLS["n"]
 
 
 def _is_silu(act) -> bool:
@@ -74,7 +94,17 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     _check_module(self)
     # No torch.no_grad() here: where a gradient is asked for (grad mode on, parameters or hidden
     # states that require grad) the op records its backward.
-    return torch.ops.routemm.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+    out = torch.ops.routemm.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
+    if not torch.compiler.is_compiling():  # counting under a trace would guard on the count
+        _CALLS["n"] += 1
+        if _CALLS["n"] == 1:
+            _LOG.info(
+                "routemm experts implementation: first call (%s, %s, %d tokens)",
+                type(self).__name__,
+                hidden_states.dtype,
+                hidden_states.shape[0],
+            )
+    return out
 
 
 def register(name: str = IMPLEMENTATION_NAME) -> None:
