@@ -233,6 +233,8 @@ std::string_view to_string(GgmlType type) {
     case GgmlType::Q6_K: return "q6_k";
     case GgmlType::IQ4_NL: return "iq4_nl";
     case GgmlType::IQ4_XS: return "iq4_xs";
+    case GgmlType::Q4_1: return "q4_1";
+    case GgmlType::MXFP4: return "mxfp4";
   }
   return "?";
 }
@@ -250,6 +252,8 @@ std::pair<uint32_t, uint32_t> ggml_block_layout(GgmlType type) {
     case GgmlType::Q5_K: return {256, 176};
     case GgmlType::Q6_K: return {256, 210};
     case GgmlType::IQ4_XS: return {256, 136};
+    case GgmlType::Q4_1: return {32, 20};
+    case GgmlType::MXFP4: return {32, 17};
   }
   return {0, 0};
 }

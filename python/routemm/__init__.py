@@ -55,6 +55,7 @@ from .core._interop import from_dlpack
 # formats
 from .formats import gguf_io as gguf_io
 from .formats import q4_0, q8_0
+from .formats.ggml import dequantize, quantize
 from .formats.gguf_io import gguf_metadata, gguf_tensor
 
 # models
@@ -311,6 +312,8 @@ __all__ += [
     "gguf_tensor",
     "q4_0",
     "q8_0",
+    "quantize",
+    "dequantize",
     "q4_expected_dispatch",
     "quantized_matmul_ggml",
     "select_dense_q4_route",

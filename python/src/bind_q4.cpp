@@ -12,6 +12,7 @@
 
 #include "bindings.h"
 #include "routemm/error.h"
+#include "routemm/ggml_formats.h"
 #include "routemm/ops/q4_matmul.h"
 #include "routemm/q4_0.h"
 #include "routemm/q8_0.h"
@@ -106,6 +107,58 @@ void def_block_format(py::module_& m, const std::string& format, size_t block_va
 }  // namespace
 
 void init_q4(py::module_& m) {
+  // Every GGML block format's reference codec by name (routemm/ggml_formats.h).
+  py::list table;
+  for (const ggml_formats::Format& f : ggml_formats::formats()) {
+    table.append(py::make_tuple(std::string(f.name), f.block_values, f.block_bytes,
+                                f.quantize_block != nullptr));
+  }
+  m.attr("GGML_FORMATS") = py::tuple(table);
+  m.def(
+      "_ggml_quantize",
+      [](const std::string& name,
+         py::array_t<float, py::array::c_style | py::array::forcecast> values) {
+        const ggml_formats::Format& f = ggml_formats::format(name);
+        const size_t count = static_cast<size_t>(values.size());
+        if (count % f.block_values != 0) {
+          throw InvalidArgument(name + " quantize: " + std::to_string(count) +
+                                " values are not a multiple of " + std::to_string(f.block_values));
+        }
+        py::array_t<uint8_t> out(static_cast<py::ssize_t>(count / f.block_values * f.block_bytes));
+        const float* src = values.data();
+        uint8_t* dst = out.mutable_data();
+        const size_t bytes = static_cast<size_t>(out.size());
+        {
+          py::gil_scoped_release release;
+          ggml_formats::quantize(f, {src, count}, {dst, bytes});
+        }
+        return out;
+      },
+      py::arg("format"), py::arg("values"),
+      "Flat float32 values (whole blocks) -> flat bytes of the named GGML block format.");
+  m.def(
+      "_ggml_dequantize",
+      [](const std::string& name,
+         py::array_t<uint8_t, py::array::c_style | py::array::forcecast> blocks) {
+        const ggml_formats::Format& f = ggml_formats::format(name);
+        const size_t bytes = static_cast<size_t>(blocks.size());
+        if (bytes % f.block_bytes != 0) {
+          throw InvalidArgument(name + " dequantize: " + std::to_string(bytes) +
+                                " bytes are not a whole number of " +
+                                std::to_string(f.block_bytes) + "-byte blocks");
+        }
+        const size_t count = bytes / f.block_bytes * f.block_values;
+        py::array_t<float> out(static_cast<py::ssize_t>(count));
+        const uint8_t* src = blocks.data();
+        float* dst = out.mutable_data();
+        {
+          py::gil_scoped_release release;
+          ggml_formats::dequantize(f, {src, bytes}, {dst, count});
+        }
+        return out;
+      },
+      py::arg("format"), py::arg("blocks"),
+      "Flat bytes of the named GGML block format -> flat float32 values (exact).");
   m.attr("GGML_QUANTIZED_MATMUL_SCHEMA_VERSION") = kGgmlQuantizedMatmulSchemaVersion;
   m.attr("GGML_MM_ROUTING_THRESHOLD") = kGgmlMmRoutingThreshold;
   py::list names;

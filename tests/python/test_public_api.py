@@ -44,13 +44,13 @@ PUBLIC_NAMES = """
     backend_status calibrate_dense_matmul_id_routes calibrate_dense_q4_routes
     calibrate_quantized_matmul_id_routes calibration core dense_matmul_id dense_matmul_id_auto
     dense_matmul_id_capability dense_matmul_id_expected_dispatches dense_matmul_id_plan
-    dense_q4_auto dense_q4_plan dispatch_count dtype_of encode_moe_combine encode_moe_gate
+    dense_q4_auto dense_q4_plan dequantize dispatch_count dtype_of encode_moe_combine encode_moe_gate
     encode_moe_silu_mul encode_q4_route encoder_counters env formats freeze_dense_matmul_id_plan
     freeze_dense_matmul_id_plan_for_cases freeze_dense_q4_plan freeze_ggml_routing_policy
     freeze_quantized_matmul_id_plan from_dlpack ggml_capability ggml_routes ggml_routing_policy
     gguf_io gguf_metadata gguf_tensor load_dense_matmul_id_plan load_dense_q4_plan
     load_quantized_matmul_id_plan logger matmul_id models moe moe_experts moe_gate moe_layer
-    numpy_dtype ops plan_dense_auto_route plans q4_0 q4_expected_dispatch q8_0 quantized_matmul
+    numpy_dtype ops plan_dense_auto_route plans q4_0 q4_expected_dispatch q8_0 quantize quantized_matmul
     quantized_matmul_ggml quantized_matmul_id quantized_matmul_id_ggml
     quantized_matmul_id_ggml_auto quantized_matmul_id_ggml_capability quantized_matmul_id_plan
     reset_encoder_counters resolve_dense_matmul_id_auto_route

@@ -1,5 +1,6 @@
-"""Shared shape handling of the GGML block formats (q4_0, q8_0): N-dimensional arrays are
-quantised along their last axis, [..., k] float -> [..., k // 32 * block_bytes] uint8."""
+"""Shared shape handling of the GGML block formats: N-dimensional arrays are quantised along their
+last axis, [..., k] float -> [..., k // block_values * block_bytes] uint8, through the core's one
+table of reference codecs (routemm/ggml_formats.h: _core._ggml_quantize / _ggml_dequantize)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,21 @@ from ..core._errors import InvalidArgumentError
 
 
 class BlockFormat:
-    """One block format: its name, 32 values per block, its block bytes and the core's codec."""
+    """One block format: its name, values and bytes per block and the core's codec for it."""
 
-    def __init__(self, name: str, block_values: int, block_bytes: int):
+    def __init__(self, name: str, block_values: int, block_bytes: int, has_quantizer: bool = True):
         self.name = name
         self.block_values = block_values
         self.block_bytes = block_bytes
-        self._quantize = getattr(_core, f"_{name}_quantize")
-        self._dequantize = getattr(_core, f"_{name}_dequantize")
+        self.has_quantizer = has_quantizer
+
+    def _quantize(self, flat: np.ndarray) -> np.ndarray:
+        if not self.has_quantizer:
+            raise InvalidArgumentError(f"{self.name} quantize: routemm has no reference quantiser for this format yet")
+        return _core._ggml_quantize(self.name, flat)
+
+    def _dequantize(self, flat: np.ndarray) -> np.ndarray:
+        return _core._ggml_dequantize(self.name, flat)
 
     def quantized_shape(self, shape, where: str = "") -> tuple[int, ...]:
         """The byte shape of element `shape` (a list or tuple of non-negative integers: no

@@ -56,6 +56,8 @@ class GgmlType(enum.Enum):
     Q6_K = "q6_k"
     IQ4_NL = "iq4_nl"
     IQ4_XS = "iq4_xs"
+    Q4_1 = "q4_1"
+    MXFP4 = "mxfp4"
 
     @property
     def block_layout(self) -> tuple[int, int]:

@@ -43,12 +43,14 @@ enum class GgmlType : uint8_t {
   Q5_K,
   Q6_K,
   IQ4_NL,
-  IQ4_XS
+  IQ4_XS,
+  Q4_1,  // appended: the values above are the tensor-op ABI's type codes
+  MXFP4
 };
-inline constexpr std::array<GgmlType, 11> kAllGgmlTypes = {
-    GgmlType::Q4_0, GgmlType::Q5_0,   GgmlType::Q5_1,  GgmlType::Q8_0,
-    GgmlType::Q2_K, GgmlType::Q3_K,   GgmlType::Q4_K,  GgmlType::Q5_K,
-    GgmlType::Q6_K, GgmlType::IQ4_NL, GgmlType::IQ4_XS};
+inline constexpr std::array<GgmlType, 13> kAllGgmlTypes = {
+    GgmlType::Q4_0,   GgmlType::Q5_0, GgmlType::Q5_1, GgmlType::Q8_0, GgmlType::Q2_K,
+    GgmlType::Q3_K,   GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS, GgmlType::Q4_1, GgmlType::MXFP4};
 std::string_view to_string(GgmlType type);
 // (values per block, bytes per block) of spec §5.1.
 std::pair<uint32_t, uint32_t> ggml_block_layout(GgmlType type);
