@@ -8,7 +8,8 @@
 #
 # When cmake, ninja or GoogleTest is missing, the C++ part is skipped with a message saying how to
 # install them. The exit status is non-zero when pytest or the C++ tests fail; a skipped C++ part
-# leaves it to pytest.
+# leaves it to pytest. The last line (on stderr) sums up both halves; where the C++ half did not
+# run it says why and gives the one command that installs what it needs and runs this script again.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${ROUTEMM_CTEST_BUILD_DIR:-$root/build/ctest}
@@ -16,6 +17,21 @@ jobs=$(nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 2)
 
 python -m pytest "$root/tests/python" -q -p no:cacheprovider "$@"
 status=$?
+
+pytest_summary() {
+  if [ "$status" -eq 0 ]; then echo "pytest passed"; else echo "pytest FAILED (exit $status)"; fi
+}
+
+# The one command that installs the C++ tests' tools here (cmake, ninja, GoogleTest).
+install_command() {
+  if [[ "${OSTYPE:-}" == darwin* ]]; then
+    echo "brew install cmake ninja googletest"
+  elif [ -x /usr/bin/dnf ] && [ ! -x /usr/bin/apt-get ]; then
+    echo "sudo dnf install cmake ninja-build gtest-devel"
+  else
+    echo "sudo apt-get install cmake ninja-build libgtest-dev"
+  fi
+}
 
 skip_cpp() {
   cat >&2 <<EOF
@@ -26,6 +42,7 @@ run.sh: C++ tests NOT run: $1.
     macOS:          brew install cmake ninja googletest
   (cmake and ninja also come from pip: python -m pip install cmake ninja), then run this script again.
 EOF
+  echo "run.sh: $(pytest_summary); C++ tests NOT run ($1). Fix: $(install_command) && bash tests/run.sh" >&2
   exit "$status"
 }
 
@@ -54,6 +71,13 @@ if ! cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${ROUTEMM_CTEST_B
   exit 1
 fi
 cat "$configure_log"
-cmake --build "$build" -j"$jobs" || exit 1
-ctest --test-dir "$build" --output-on-failure -j"$jobs" || exit 1
+if ! cmake --build "$build" -j"$jobs"; then
+  echo "run.sh: $(pytest_summary); building the C++ tests FAILED" >&2
+  exit 1
+fi
+if ! ctest --test-dir "$build" --output-on-failure -j"$jobs"; then
+  echo "run.sh: $(pytest_summary); C++ tests FAILED" >&2
+  exit 1
+fi
+echo "run.sh: $(pytest_summary); C++ tests passed" >&2
 exit "$status"

@@ -263,3 +263,47 @@ def test_run_sh_without_cmake_says_how_to_install_and_keeps_pytest_status(tmp_pa
     )
     assert empty.returncode == 5
     assert "C++ tests NOT run" in empty.stderr
+
+
+def _last_line(run: subprocess.CompletedProcess) -> str:
+    return (run.stdout + run.stderr).strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not found")
+def test_run_sh_says_last_that_the_cpp_tests_did_not_run_and_the_command_that_fixes_it(tmp_path):
+    environment = {**os.environ, "PATH": _path_without_build_tools(tmp_path)}
+    run_sh = [shutil.which("bash"), str(REPO / "tests" / "run.sh")]
+    passed = subprocess.run(
+        [*run_sh, "-k", "test_knobs_prints_the_table"], env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert passed.returncode == 0
+    # stderr is what a terminal shows last; its last line is the summary.
+    last = passed.stderr.strip().splitlines()[-1]
+    assert last.startswith("run.sh: pytest passed; C++ tests NOT run (cmake ninja not found on PATH). Fix: "), last
+    assert last.endswith(" && bash tests/run.sh"), last
+    assert "libgtest-dev" in last or "googletest" in last or "gtest-devel" in last, last
+    failed = subprocess.run(
+        [*run_sh, "-k", "no_test_has_this_name"], env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert failed.stderr.strip().splitlines()[-1].startswith("run.sh: pytest FAILED (exit 5); C++ tests NOT run (")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("cmake") is None or shutil.which("ninja") is None,
+                    reason="bash, cmake or ninja not found")  # fmt: skip
+def test_run_sh_without_googletest_says_so_last(tmp_path):
+    environment = {
+        **os.environ,
+        "ROUTEMM_CTEST_BUILD_DIR": str(tmp_path / "ctest"),
+        "ROUTEMM_CTEST_CMAKE_ARGS": "-DCMAKE_DISABLE_FIND_PACKAGE_GTest=ON",
+    }
+    run = subprocess.run(
+        [shutil.which("bash"), str(REPO / "tests" / "run.sh"), "-k", "test_knobs_prints_the_table"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("run.sh: pytest passed; C++ tests NOT run (CMake found no GoogleTest"), last
+    assert " Fix: " in last and last.endswith(" && bash tests/run.sh"), last
