@@ -85,3 +85,32 @@ def test_refusals_name_the_argument():
         routemm.InvalidArgumentError, match="mxfp4 dequantize: the last dimension must be a multiple of 17"
     ):
         routemm.dequantize(np.zeros(18, np.uint8), routemm.GgmlType.MXFP4)
+
+
+def test_gguf_tensors_of_every_format_load_as_their_blocks(tmp_path):
+    """A GGUF file (written by the gguf package) holding a tensor of every block format: each loads as
+    its raw blocks, and routemm.dequantize of them equals the gguf reader's dequantised tensor."""
+    path = tmp_path / "formats.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    stored = {}
+    for i, name in enumerate(TYPES):
+        f = FORMATS[name]
+        blocks = _random_blocks(name, 6, seed=10 + i).reshape(3, 2 * f.block_bytes)  # [3 rows, 2 blocks]
+        stored[name] = blocks
+        writer.add_tensor(f"t.{name}", blocks, raw_dtype=TYPES[name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader = gguf.GGUFReader(str(path))
+    read = {t.name: t for t in reader.tensors}
+    for name, blocks in stored.items():
+        f = FORMATS[name]
+        buf = routemm.gguf_tensor(path, f"t.{name}", device=routemm.Device("cpu"))
+        got = buf.numpy()
+        assert got.dtype == np.uint8 and np.array_equal(got, blocks), name
+        assert routemm.gguf_io.gguf_tensor_type(path, f"t.{name}") == name
+        values = routemm.dequantize(got, name)
+        assert values.shape == (3, 2 * f.block_values)
+        want = quants.dequantize(read[f"t.{name}"].data, TYPES[name]).reshape(values.shape)
+        assert np.array_equal(values.view(np.uint32), want.astype(np.float32).view(np.uint32)), name

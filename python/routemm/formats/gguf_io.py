@@ -2,9 +2,10 @@
 
 GGUF (version 2 and 3, little endian): a header, key/value metadata, tensor infos (name, dims
 innermost first, GGML type, offset), then the tensor data section aligned to `general.alignment`
-(default 32). Supported tensor types: Q4_0 and Q8_0 (U8 buffers of the raw blocks, shaped
-[*outer, inner / 32 * 18] and [*outer, inner / 32 * 34]), F32, F16 and BF16 (buffers of that
-dtype, row-major shape). On the CPU
+(default 32). Supported tensor types: the GGML block formats of formats/ggml.py's table (Q4_0,
+Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4: U8 buffers of the raw blocks, shaped [*outer,
+inner / block_values * block_bytes], e.g. inner / 32 * 18 for Q4_0), F32, F16 and BF16 (buffers
+of that dtype, row-major shape). On the CPU
 backend the buffer is a read-only view of a memory map of the file (zero copy; the map lives as
 long as the buffer); other backends, and `copy=True`, get a copy of the bytes.
 
@@ -40,6 +41,7 @@ from .. import _core
 from ..core._core_api import DType, check_type
 from ..core._devices import _default_device
 from ..core._errors import InvalidArgumentError, InvalidArgumentTypeError
+from .ggml import FORMATS
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -48,13 +50,30 @@ MAX_ARRAY_NESTING = 8  # metadata arrays of arrays deeper than this are refused
 
 # GGML tensor type ids (ggml.h) this loader understands: id -> (name, routemm dtype, values per
 # block, bytes per block).
+# GGML type ids of the block formats routemm has codecs for (formats/ggml.py's table gives their
+# geometry, so a format is added in one place).
+_BLOCK_TYPE_IDS = {
+    "q4_0": 2,
+    "q4_1": 3,
+    "q5_0": 6,
+    "q5_1": 7,
+    "q8_0": 8,
+    "q4_k": 12,
+    "q5_k": 13,
+    "q6_k": 14,
+    "mxfp4": 39,
+}
 _TENSOR_TYPES = {
     0: ("f32", DType.F32, 1, 4),
     1: ("f16", DType.F16, 1, 2),
-    2: ("q4_0", DType.U8, 32, 18),
-    8: ("q8_0", DType.U8, 32, 34),
     30: ("bf16", DType.BF16, 1, 2),
+    **{
+        _BLOCK_TYPE_IDS[name]: (name, DType.U8, f.block_values, f.block_bytes)
+        for name, f in FORMATS.items()
+        if name in _BLOCK_TYPE_IDS
+    },
 }
+_SUPPORTED_NAMES = ", ".join(entry[0] for entry in sorted(_TENSOR_TYPES.values()))
 
 # GGUF metadata value types: id -> struct format of a scalar (strings and arrays are special).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -203,7 +222,7 @@ def _extent(path: str, name: str, infos: dict, data_start: int, file_size: int):
     dims, type_id, offset = infos[name]
     if type_id not in _TENSOR_TYPES:
         raise InvalidArgumentError(
-            f"gguf_tensor: tensor {name!r} has GGML type {type_id}; supported: q4_0, q8_0, f32, f16, bf16"
+            f"gguf_tensor: tensor {name!r} has GGML type {type_id}; supported: {_SUPPORTED_NAMES}"
         )
     type_name, dtype, block_values, block_bytes = _TENSOR_TYPES[type_id]
     shape = [int(d) for d in reversed(dims)] or [1]
@@ -231,8 +250,8 @@ def _extent(path: str, name: str, infos: dict, data_start: int, file_size: int):
 
 def gguf_tensor(path, name: str, device: Optional[_core.Device] = None, *, copy: bool = False) -> _core.Buffer:
     """The tensor `name` of the GGUF file at `path` as a buffer on `device` (default: the best
-    available backend). Q4_0 / Q8_0 -> U8 blocks [*outer, inner / 32 * 18 or 34]; F32/F16/BF16 ->
-    that dtype.
+    available backend). A block format -> U8 blocks [*outer, inner / block_values * block_bytes]
+    (routemm.dequantize(blocks.numpy(), type) gives the values); F32/F16/BF16 -> that dtype.
 
     On a host-accessible device the buffer maps the file (zero copy, read-only) unless `copy` is
     true; a mapped file must not be truncated while the buffer lives (see the module docstring).
