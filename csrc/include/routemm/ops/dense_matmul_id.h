@@ -223,9 +223,10 @@ std::vector<std::string_view> dense_matmul_id_route_pipelines(DType weight_dtype
                                                               DenseMatmulIdRoute route);
 
 // The dispatches a call of `params.route` encodes on `registry`'s backend, in order, with the
-// geometry derived from the registered kernel definitions exactly as the encoder derives it (the
-// reference of spec §7.4 on CPU and Metal; CUDA's own tiles elsewhere). Resolves nothing; throws
-// KernelNotFound when a pipeline is not registered.
+// geometry derived from the registered kernel definitions exactly as the encoder derives it (spec
+// §7.4's geometry on the CPU; Metal's map is one threadgroup of 128 threads with its own
+// threadgroup memory; CUDA's own tiles). Resolves nothing; throws KernelNotFound when a pipeline
+// is not registered.
 std::vector<EncodedKernelDispatch> dense_matmul_id_expected_dispatches(
     const KernelRegistry& registry, DType weight_dtype, const DenseMatmulIdParams& params);
 
