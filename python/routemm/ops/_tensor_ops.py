@@ -617,3 +617,43 @@ def moe_experts(fw: Framework, hidden, ids, weights, gate_up, down, up=None, ggm
         fw.stream_of_key(device_key),
     )  # fmt: skip
     return out
+
+
+def moe_combine(fw: Framework, rows, weights, ids, n_experts: int):
+    """out[t] = the ordered sum over slots s = 0 .. top_k - 1 of weights[t, s] * rows[t * top_k + s]
+    (routemm::moe_combine, the moe_experts block's last step, so the same bits): rows float32
+    [m * top_k, H], weights float32 [m, top_k], ids integers [m, top_k] whose slots outside
+    [0, n_experts) contribute nothing. Returns a new float32 [m, H] tensor. The extension has no
+    pointer entry for the combine, so the tensors go through DLPack buffers and an encoder of
+    routemm's own, and the call waits on the host until the result is written."""
+    from ..core._interop import from_dlpack
+
+    op = "moe_combine"
+    place = one_place(fw, op, [("rows", rows), ("weights", weights), ("ids", ids)])
+    if len(rows.shape) != 2 or len(weights.shape) != 2 or tuple(ids.shape) != tuple(weights.shape):
+        raise InvalidArgumentError(
+            f"{op}: rows must be [m * top_k, H] and weights, ids [m, top_k], got shapes {tuple(rows.shape)}, "
+            f"{tuple(weights.shape)}, {tuple(ids.shape)}"
+        )
+    m, top_k = (int(d) for d in weights.shape)
+    hidden = int(rows.shape[1])
+    if int(rows.shape[0]) != m * top_k:
+        raise InvalidArgumentError(f"{op}: rows has {int(rows.shape[0])} rows, weights says m * top_k = {m * top_k}")
+    for name, t in (("rows", rows), ("weights", weights)):
+        if t.dtype != fw.f32:
+            raise InvalidArgumentError(f"{op} {name} must be float32, got {t.dtype}")
+    if isinstance(n_experts, bool) or not isinstance(n_experts, int) or not 1 <= n_experts <= _U32_MAX:
+        raise InvalidArgumentError(f"{op} n_experts must be an int in [1, 2**32 - 1], got {n_experts!r}")
+    if m == 0 or top_k == 0 or hidden == 0:
+        return fw.empty((m, hidden), "f32", rows)
+    for name, value in (("m", m), ("top_k", top_k), ("hidden", hidden)):
+        if value > _U32_MAX:
+            raise InvalidArgumentError(f"{op} {name} {value} exceeds 2**32 - 1")
+    keep = [t if fw.contiguous(t) else t.contiguous() for t in (rows, weights, fw.ids_u32(ids, n_experts, f"{op} ids"))]
+    out = fw.empty((m, hidden), "f32", rows)
+    device, registry = _target(*place)
+    bufs = [from_dlpack(t, device) for t in (*keep, out)]
+    encoder = device.command_encoder()
+    _core._moe_combine(encoder, registry, *bufs, m, top_k, hidden, n_experts)
+    encoder.commit_and_wait()
+    return out

@@ -1,0 +1,228 @@
+"""Expert parallelism on torch.distributed: the MoE experts block with its experts spread over the
+ranks of a process group.
+
+Each rank holds a slice of the experts (an `ExpertPlacement` says which rank owns which global
+expert) and its own tokens. `ep_moe_experts` sends every (token, slot) row to the rank that owns
+the slot's expert (all_to_all_single, row counts exchanged first), runs the local experts there
+through torch.ops.routemm.moe_experts on its exact routes, sends the rows back and combines each
+token's slots in slot order on the token's home rank with routemm's moe_combine. The result is
+bit-identical to the single-process block, torch.ops.routemm.moe_experts(..., exact=True), on the
+concatenated tokens, whatever the world size and placement.
+
+Collectives block until every rank of the group joins them: give the group a timeout
+(torch.distributed.init_process_group(timeout=...)) so that a rank that raises makes the others
+fail with an error instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+from ..core._errors import InvalidArgumentError, InvalidArgumentTypeError
+from ..ops import _tensor_ops
+from . import torch as _routemm_torch  # noqa: F401  (registers torch.ops.routemm.*)
+
+_TORCH = _tensor_ops.framework("torch")
+_U32_MAX = 2**32 - 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertPlacement:
+    """Which rank owns which global expert: owners[e] is the rank of expert e, for every expert
+    0 .. n_experts - 1, so each expert has exactly one owner. A rank's local stacks hold its
+    experts in increasing global order (local index i is local_experts(rank)[i]); a rank may own
+    none. Build one with `contiguous` (ranges, uneven counts allowed) or `from_map` (any map)."""
+
+    owners: tuple[int, ...]
+    world_size: int
+
+    def __post_init__(self):
+        if not _is_int(self.world_size) or self.world_size < 1:
+            raise InvalidArgumentError(f"ExpertPlacement world_size must be an int >= 1, got {self.world_size!r}")
+        if not isinstance(self.owners, tuple):
+            raise InvalidArgumentTypeError(f"ExpertPlacement owners must be a tuple, got {type(self.owners).__name__}")
+        if not 1 <= len(self.owners) <= _U32_MAX:
+            raise InvalidArgumentError(f"ExpertPlacement needs 1 to 2**32 - 1 experts, got {len(self.owners)}")
+        for e, r in enumerate(self.owners):
+            if not _is_int(r) or not 0 <= r < self.world_size:
+                raise InvalidArgumentError(
+                    f"ExpertPlacement owner of expert {e} must be a rank in [0, {self.world_size}), got {r!r}"
+                )
+
+    @classmethod
+    def contiguous(cls, n_experts: int, world_size: int, counts: Optional[Sequence[int]] = None) -> ExpertPlacement:
+        """Rank r owns a contiguous range of experts, ranks in order: counts[r] experts each
+        (non-negative ints summing to n_experts), or by default an even split, the first
+        n_experts % world_size ranks taking one more."""
+        for name, value in (("n_experts", n_experts), ("world_size", world_size)):
+            if not _is_int(value) or value < 1:
+                raise InvalidArgumentError(f"ExpertPlacement.contiguous {name} must be an int >= 1, got {value!r}")
+        if counts is None:
+            base, extra = divmod(n_experts, world_size)
+            counts = [base + (r < extra) for r in range(world_size)]
+        counts = list(counts)
+        if len(counts) != world_size or not all(_is_int(c) and c >= 0 for c in counts) or sum(counts) != n_experts:
+            raise InvalidArgumentError(
+                f"ExpertPlacement.contiguous counts must be {world_size} non-negative ints summing to "
+                f"n_experts = {n_experts}, got {counts!r}"
+            )
+        return cls(tuple(r for r, c in enumerate(counts) for _ in range(c)), world_size)
+
+    @classmethod
+    def from_map(cls, owners: Sequence[int], world_size: int) -> ExpertPlacement:
+        """owners[e]: the rank of global expert e (a list, tuple or 1-D integer tensor)."""
+        if isinstance(owners, torch.Tensor):
+            owners = owners.tolist()
+        if isinstance(owners, (str, bytes)) or not isinstance(owners, Sequence):
+            raise InvalidArgumentTypeError(
+                f"ExpertPlacement.from_map owners must be a sequence of ranks, got {type(owners).__name__}"
+            )
+        return cls(tuple(owners), world_size)
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.owners)
+
+    def local_experts(self, rank: int) -> tuple[int, ...]:
+        """The global experts `rank` owns, in increasing order: its local stacks' order."""
+        if not _is_int(rank) or not 0 <= rank < self.world_size:
+            raise InvalidArgumentError(f"ExpertPlacement rank must be in [0, {self.world_size}), got {rank!r}")
+        return tuple(e for e, r in enumerate(self.owners) if r == rank)
+
+    def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(owner rank, local index) of every global expert, int64 tensors on `device`."""
+        owners = torch.tensor(self.owners, dtype=torch.int64)
+        local = torch.empty_like(owners)
+        for r in range(self.world_size):
+            mine = owners == r
+            local[mine] = torch.arange(int(mine.sum()), dtype=torch.int64)
+        return owners.to(device), local.to(device)
+
+
+def _check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentTypeError(f"ep_moe_experts {name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def ep_moe_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    placement: ExpertPlacement,
+    group=None,
+    up: Optional[torch.Tensor] = None,
+    ggml_type: Optional[str] = None,
+) -> torch.Tensor:
+    """The MoE experts block, expert parallel over the process group `group` (default: the world).
+
+    Every rank calls it with its own tokens: hidden [m_r, H] (float32, float16 or bfloat16),
+    top_k_index [m_r, top_k] of GLOBAL expert ids (an id outside [0, placement.n_experts), such as
+    a sentinel, contributes nothing), top_k_weights [m_r, top_k]; and its local stacks: gate_up
+    [E_local, 2I, H] (or the gate stack, with `up`), down [E_local, H, I], float or uint8 blocks of
+    `ggml_type`, E_local = len(placement.local_experts(rank)). m_r may be 0 and differ per rank.
+
+    Returns [m_r, H] in hidden's dtype, bit-identical to torch.ops.routemm.moe_experts(...,
+    exact=True) on the concatenated tokens with the whole stacks. Host reads: the exchanged row
+    counts (one read, which all_to_all_single's split sizes need), and the combine's wait."""
+    import torch.distributed as dist
+
+    for name, t in (("hidden", hidden), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
+        _check_tensor(name, t)
+    for name, t in (("gate_up", gate_up), ("down", down)) + ((("up", up),) if up is not None else ()):
+        _check_tensor(name, t)
+    if not isinstance(placement, ExpertPlacement):
+        raise InvalidArgumentTypeError(
+            f"ep_moe_experts placement must be an ExpertPlacement, got {type(placement).__name__}"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise InvalidArgumentError("ep_moe_experts needs an initialised torch.distributed process group")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if placement.world_size != world:
+        raise InvalidArgumentError(
+            f"ep_moe_experts placement is for {placement.world_size} ranks, the group has {world}"
+        )
+    if hidden.dim() != 2:
+        raise InvalidArgumentError(f"ep_moe_experts hidden must be [m, H], got shape {tuple(hidden.shape)}")
+    m, hidden_size = (int(d) for d in hidden.shape)
+    if top_k_index.dim() != 2 or int(top_k_index.shape[0]) != m:
+        raise InvalidArgumentError(
+            f"ep_moe_experts top_k_index must be [m = {m}, top_k], got shape {tuple(top_k_index.shape)}"
+        )
+    if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+        raise InvalidArgumentError(
+            f"ep_moe_experts top_k_weights must have top_k_index's shape {tuple(top_k_index.shape)}, "
+            f"got {tuple(top_k_weights.shape)}"
+        )
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype in (torch.bool, torch.complex64, torch.complex128):
+        raise InvalidArgumentError(f"ep_moe_experts top_k_index must be integers, got {top_k_index.dtype}")
+    model_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    for name, t in (("hidden", hidden), ("top_k_weights", top_k_weights)):
+        if t.dtype not in model_dtypes:
+            raise InvalidArgumentError(f"ep_moe_experts {name} must be float32, float16 or bfloat16, got {t.dtype}")
+    n_local = len(placement.local_experts(rank))
+    for name, t in (("gate_up", gate_up), ("down", down)) + ((("up", up),) if up is not None else ()):
+        if t.dim() != 3 or int(t.shape[0]) != n_local:
+            raise InvalidArgumentError(
+                f"ep_moe_experts {name} must hold rank {rank}'s {n_local} local experts [E_local, ...], "
+                f"got shape {tuple(t.shape)}"
+            )
+    top_k = int(top_k_index.shape[1])
+    n_experts = placement.n_experts
+    device = hidden.device
+
+    # Route: every (token, slot) with a valid id goes to its expert's owner, in (token, slot)
+    # order within each destination (a stable sort); invalid slots go nowhere (key `world`).
+    ids = top_k_index.reshape(-1).to(torch.int64)
+    valid = (ids >= 0) & (ids < n_experts)
+    safe = torch.where(valid, ids, torch.zeros_like(ids))
+    owner_of, local_of = placement._tables(device)
+    dest = torch.where(valid, owner_of[safe], torch.full_like(ids, world))
+    order = torch.sort(dest, stable=True).indices
+    send_counts = torch.bincount(dest, minlength=world + 1)[:world]
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_split, recv_split = torch.stack([send_counts, recv_counts]).tolist()  # the one host read
+    n_send, n_recv = sum(send_split), sum(recv_split)
+    sent = order[:n_send]  # the flat (token, slot) index of every row sent, by destination
+
+    x = hidden.to(torch.float32).contiguous()
+    send_rows = x[sent // top_k] if top_k else x.new_empty((0, hidden_size))
+    send_local = local_of[safe[sent]].to(torch.int32)
+    recv_rows = x.new_empty((n_recv, hidden_size))
+    recv_local = torch.empty((n_recv,), dtype=torch.int32, device=device)
+    dist.all_to_all_single(recv_rows, send_rows, recv_split, send_split, group=group)
+    dist.all_to_all_single(recv_local, send_local, recv_split, send_split, group=group)
+
+    # The owner's experts, top_k 1 with weight exactly 1.0: each row is its expert's
+    # down(SiLU(gate x) * up x) as the single-process block computes it (the exact routes do not
+    # depend on the batch). Only a row of -0.0 comes back as +0.0, which the home combine cannot
+    # tell apart (its sum starts at +0.0, and +0.0 + -0.0 is +0.0).
+    if n_recv:
+        ones = torch.ones((n_recv, 1), dtype=torch.float32, device=device)
+        done = torch.ops.routemm.moe_experts(
+            recv_rows, recv_local[:, None], ones, gate_up, down, up, ggml_type, exact=True
+        )
+    else:
+        done = recv_rows
+    back = x.new_empty((n_send, hidden_size))
+    dist.all_to_all_single(back, done, send_split, recv_split, group=group)
+
+    # Home: every row into its (token, slot) place, then the block's ordered combine.
+    slot_rows = x.new_zeros((m * top_k, hidden_size))
+    slot_rows[sent] = back
+    weights = top_k_weights.to(torch.float32).contiguous()
+    out = _tensor_ops.moe_combine(_TORCH, slot_rows, weights, top_k_index, n_experts)
+    return out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
+
+
+__all__ = ["ExpertPlacement", "ep_moe_experts"]

@@ -1,0 +1,326 @@
+"""routemm.integrations.distributed: the expert-parallel MoE experts block on torch.distributed.
+
+Ranks are processes from torch.multiprocessing.spawn on the gloo backend (CPU). Every rank's output
+must be bit-identical to the single-process torch.ops.routemm.moe_experts(..., exact=True) on the
+concatenated tokens, for world sizes 1, 2 and 4, float and block stacks, uneven and explicit
+placements, ranks without tokens or without experts, sentinel ids; a rank that raises makes the
+others fail within the group's timeout instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import socket
+import time
+import traceback
+
+import numpy as np
+import pytest
+import routemm
+import torch
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with the gloo backend is not available", allow_module_level=True)
+
+import routemm.torch  # noqa: E402,F401  (torch.ops.routemm.*)
+import torch.multiprocessing as mp  # noqa: E402
+from routemm.integrations.distributed import ExpertPlacement, ep_moe_experts  # noqa: E402
+from routemm.ops import _tensor_ops  # noqa: E402
+
+E, H, I = 7, 64, 32  # noqa: E741  (I and H multiples of 32: the block stacks' rows)
+CASE_TIMEOUT_S = 60  # the group's collective timeout in the cases' runs (4 ranks on 2 cores)
+RAISE_TIMEOUT_S = 3  # the group's collective timeout where a rank raises
+LINGER_S = 4 * RAISE_TIMEOUT_S  # how long the rank that raised stays alive, its connections open
+SPLITS = {1: [6], 2: [5, 0], 4: [3, 0, 6, 2]}  # tokens per rank: rank 1 has none
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ids(g, m: int, top_k: int, experts) -> torch.Tensor:
+    experts = torch.tensor(experts)
+    return torch.stack([experts[torch.randperm(len(experts), generator=g)[:top_k]] for _ in range(m)])
+
+
+def _cases(world: int) -> dict:
+    """Every case's whole data: full stacks, the concatenated tokens, the placement."""
+    g = torch.Generator().manual_seed(world)
+    rng = np.random.default_rng(world)
+    m = sum(SPLITS[world])
+    cases = {}
+
+    def floats(dtype, split=False):
+        gate_up = (torch.randn((E, 2 * I, H), generator=g) / H**0.5).to(dtype)
+        down = (torch.randn((E, H, I), generator=g) / I**0.5).to(dtype)
+        if split:
+            return {"gate_up": gate_up[:, :I].contiguous(), "up": gate_up[:, I:].contiguous(), "down": down}
+        return {"gate_up": gate_up, "down": down}
+
+    def blocks(fmt):
+        gate, up = (torch.from_numpy(fmt.quantize(rng.standard_normal((E, I, H)).astype(np.float32))) for _ in "gu")
+        down = torch.from_numpy(fmt.quantize(rng.standard_normal((E, H, I)).astype(np.float32)))
+        return {"gate_up": gate, "up": up, "down": down}
+
+    def tokens(top_k, experts=range(E), sentinels=True, hidden_dtype=torch.float32):
+        ids = _ids(g, m, top_k, list(experts))
+        if sentinels and m > 3:
+            ids[0, 1] = E  # the expert-parallel sentinel
+            ids[2, 0] = -1  # an invalid id
+            ids[3, 0] = 1000
+        if m > 4 and top_k > 1:
+            ids[4, 1] = ids[4, 0]  # one expert in two slots
+        x = torch.randn((m, H), generator=g).to(hidden_dtype)
+        return {"x": x, "ids": ids, "w": torch.rand((m, top_k), generator=g)}
+
+    default = ("contiguous", None)
+    # even split where it divides, uneven otherwise (7 experts)
+    cases["f32"] = {**floats(torch.float32), **tokens(2), "placement": default}
+    # a rank owning no experts where world > 2; bf16 hidden states
+    counts = {1: [7], 2: [1, 6], 4: [3, 0, 2, 2]}[world]
+    cases["bf16"] = {
+        **floats(torch.bfloat16),
+        **tokens(2, hidden_dtype=torch.bfloat16),
+        "placement": ("contiguous", counts),
+    }
+    # every token's experts on rank 0: the other ranks compute nothing
+    rank0 = ExpertPlacement.contiguous(E, world).local_experts(0)
+    cases["one_rank"] = {**floats(torch.float32, split=True), **tokens(2, rank0, False), "placement": default}
+    owners = [(3 * e + 1) % world for e in range(E)]
+    cases["map"] = {**floats(torch.float32), **tokens(3), "placement": ("map", owners)}
+    cases["q4_0"] = {**blocks(routemm.q4_0), **tokens(2), "placement": default, "ggml_type": "q4_0"}
+    cases["q8_0"] = {**blocks(routemm.q8_0), **tokens(2), "placement": ("map", owners), "ggml_type": "q8_0"}
+    return cases
+
+
+def _placement(spec, world: int) -> ExpertPlacement:
+    kind, arg = spec
+    if kind == "map":
+        return ExpertPlacement.from_map(arg, world)
+    return ExpertPlacement.contiguous(E, world, arg)
+
+
+def _init(rank: int, world: int, port: int, timeout_s: float) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _run_cases(rank: int, world: int, port: int, tmp: str) -> None:
+    _init(rank, world, port, CASE_TIMEOUT_S)
+    try:
+        cases = torch.load(os.path.join(tmp, "cases.pt"))
+        outputs = {}
+        for name, c in cases.items():
+            placement = _placement(c["placement"], world)
+            local = list(placement.local_experts(rank))
+            lo = sum(SPLITS[world][:rank])
+            hi = lo + SPLITS[world][rank]
+            stacks = {k: c[k][local] for k in ("gate_up", "down", "up") if k in c}
+            outputs[name] = ep_moe_experts(
+                c["x"][lo:hi], c["ids"][lo:hi], c["w"][lo:hi], stacks["gate_up"], stacks["down"],
+                placement=placement, up=stacks.get("up"), ggml_type=c.get("ggml_type"),
+            )  # fmt: skip
+        if world == 1:
+            outputs["refusals"] = _refusals(cases["f32"])
+        torch.save(outputs, os.path.join(tmp, f"out{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _refusals(c) -> list:
+    """The errors of wrong calls inside a group of one rank (each must raise before any collective)."""
+    placement = ExpertPlacement.contiguous(E, 1)
+    calls = {
+        "world": lambda: ep_moe_experts(
+            c["x"], c["ids"], c["w"], c["gate_up"], c["down"], placement=ExpertPlacement.contiguous(E, 2)
+        ),
+        "local": lambda: ep_moe_experts(c["x"], c["ids"], c["w"], c["gate_up"][:3], c["down"], placement=placement),
+        "placement": lambda: ep_moe_experts(c["x"], c["ids"], c["w"], c["gate_up"], c["down"], placement=[0] * E),
+        "ids": lambda: ep_moe_experts(c["x"], c["ids"][:2], c["w"], c["gate_up"], c["down"], placement=placement),
+        "float_ids": lambda: ep_moe_experts(
+            c["x"], c["ids"].float(), c["w"], c["gate_up"], c["down"], placement=placement
+        ),
+    }
+    out = []
+    for name, call in calls.items():
+        try:
+            call()
+            out.append((name, None, ""))
+        except routemm.Error as e:
+            out.append((name, type(e).__name__, str(e)))
+    return out
+
+
+def _run_raise(rank: int, world: int, port: int, tmp: str) -> None:
+    """Rank 1 raises before the block and stays alive for LINGER_S (as a server that caught the
+    error would), so its peers see no closed connection: the others call the block and must fail
+    by the group's timeout, not hang."""
+    _init(rank, world, port, RAISE_TIMEOUT_S)
+    start = time.monotonic()
+    outcome = {"rank": rank}
+    try:
+        if rank == 1:
+            raise ValueError("rank 1 fails before the experts block")
+        x = torch.randn((3, H))
+        ids = torch.zeros((3, 2), dtype=torch.int64)
+        ids[:, 1] = E - 1  # the last expert lives on the last rank
+        placement = ExpertPlacement.contiguous(E, world)
+        local = len(placement.local_experts(rank))
+        ep_moe_experts(
+            x, ids, torch.ones((3, 2)), torch.zeros((local, 2 * I, H)), torch.zeros((local, H, I)),
+            placement=placement,
+        )  # fmt: skip
+        outcome["error"] = None
+    except Exception as e:  # what each rank saw is the test's subject
+        outcome["error"] = type(e).__name__
+        outcome["message"] = "".join(traceback.format_exception_only(type(e), e))[-500:]
+    outcome["seconds"] = time.monotonic() - start
+    with open(os.path.join(tmp, f"raise{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+    if rank == 1:
+        time.sleep(LINGER_S)
+    else:
+        dist.destroy_process_group()
+
+
+def _spawn(fn, world: int, tmp: str, limit_s: float) -> None:
+    """torch.multiprocessing.spawn without join's shortcut (it ends the other ranks as soon as one
+    fails): every rank gets `limit_s` to end by itself; one still running is killed and fails the test."""
+    context = mp.spawn(fn, args=(world, _free_port(), tmp), nprocs=world, join=False)
+    deadline = time.monotonic() + limit_s
+    for p in context.processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [i for i, p in enumerate(context.processes) if p.is_alive()]
+    for i in hung:
+        context.processes[i].kill()
+    assert not hung, f"ranks {hung} still running after {limit_s} s"
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(bits), b.view(bits))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ep_moe_experts_bit_identical_to_one_process(tmp_path, world):
+    cases = _cases(world)
+    torch.save(cases, tmp_path / "cases.pt")
+    _spawn(_run_cases, world, str(tmp_path), 120)
+    outs = [torch.load(tmp_path / f"out{r}.pt") for r in range(world)]
+    for name, c in cases.items():
+        ref = torch.ops.routemm.moe_experts(
+            c["x"], c["ids"], c["w"], c["gate_up"], c["down"], c.get("up"), c.get("ggml_type"), exact=True
+        )
+        parts = [o[name] for o in outs]
+        assert [p.shape[0] for p in parts] == SPLITS[world], name
+        got = torch.cat(parts)
+        assert torch.isfinite(ref.float()).all() and ref.abs().sum() > 0, name
+        assert _same_bits(got, ref), f"{name}: max |diff| {(got.float() - ref.float()).abs().max()}"
+    if world == 1:
+        refusals = {name: (kind, message) for name, kind, message in outs[0]["refusals"]}
+        assert refusals["world"][0] == "InvalidArgumentError" and "placement is for 2 ranks" in refusals["world"][1]
+        assert refusals["local"][0] == "InvalidArgumentError" and "gate_up" in refusals["local"][1]
+        assert refusals["placement"][0] == "InvalidArgumentTypeError"
+        assert refusals["ids"][0] == "InvalidArgumentError" and "top_k_index" in refusals["ids"][1]
+        assert refusals["float_ids"][0] == "InvalidArgumentError" and "integers" in refusals["float_ids"][1]
+
+
+def test_a_rank_that_raises_makes_the_others_fail_within_the_timeout(tmp_path):
+    world = 3
+    _spawn(_run_raise, world, str(tmp_path), LINGER_S + 30)
+    outcomes = [json.loads((tmp_path / f"raise{r}.json").read_text()) for r in range(world)]
+    assert outcomes[1]["error"] == "ValueError"
+    for o in (outcomes[0], outcomes[2]):
+        assert o["error"] is not None, o  # the collective timed out: an error, never a hang
+        assert o["seconds"] < LINGER_S - RAISE_TIMEOUT_S, o  # while rank 1 was still alive
+
+
+def test_expert_placement_contiguous_and_map():
+    p = ExpertPlacement.contiguous(7, 3)
+    assert [p.local_experts(r) for r in range(3)] == [(0, 1, 2), (3, 4), (5, 6)]
+    p = ExpertPlacement.contiguous(5, 3, [0, 4, 1])
+    assert [p.local_experts(r) for r in range(3)] == [(), (0, 1, 2, 3), (4,)]
+    p = ExpertPlacement.from_map(torch.tensor([2, 0, 2, 1]), 3)
+    assert p.owners == (2, 0, 2, 1) and p.n_experts == 4
+    assert [p.local_experts(r) for r in range(3)] == [(1,), (3,), (0, 2)]
+    owner, local = p._tables("cpu")
+    assert owner.tolist() == [2, 0, 2, 1] and local.tolist() == [0, 0, 1, 0]
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: ExpertPlacement.contiguous(7, 2, [3, 3]), "summing to n_experts = 7"),
+        (lambda: ExpertPlacement.contiguous(7, 2, [8, -1]), "non-negative"),
+        (lambda: ExpertPlacement.contiguous(7, 0), "world_size must be an int >= 1"),
+        (lambda: ExpertPlacement.contiguous(0, 2), "n_experts must be an int >= 1"),
+        (lambda: ExpertPlacement.from_map([0, 2], 2), "owner of expert 1 must be a rank in [0, 2), got 2"),
+        (lambda: ExpertPlacement.from_map([0, -1], 2), "owner of expert 1"),
+        (lambda: ExpertPlacement.from_map([0, True], 2), "owner of expert 1"),
+        (lambda: ExpertPlacement.from_map([0, 1.0], 2), "owner of expert 1"),
+        (lambda: ExpertPlacement.from_map([], 2), "1 to 2**32 - 1 experts"),
+        (lambda: ExpertPlacement.contiguous(4, 2).local_experts(2), "rank must be in [0, 2)"),
+    ],
+)
+def test_expert_placement_refusals(make, message):
+    with pytest.raises(routemm.InvalidArgumentError, match=re.escape(message)):
+        make()
+
+
+def test_ep_moe_experts_refuses_without_a_process_group():
+    assert not dist.is_initialized()
+    x = torch.zeros((2, H))
+    ids = torch.zeros((2, 1), dtype=torch.int64)
+    with pytest.raises(routemm.InvalidArgumentError, match="initialised torch.distributed process group"):
+        ep_moe_experts(
+            x, ids, torch.ones((2, 1)), torch.zeros((E, 2 * I, H)), torch.zeros((E, H, I)),
+            placement=ExpertPlacement.contiguous(E, 1),
+        )  # fmt: skip
+
+
+def test_tensor_moe_combine_is_the_blocks_combine():
+    """moe_combine on tensors over each slot's expert row (the block with top_k 1 and weight 1.0)
+    gives the block's bits; a slot with an invalid id adds nothing, whatever its row holds."""
+    g = torch.Generator().manual_seed(5)
+    m, top_k = 6, 3
+    gate_up = torch.randn((E, 2 * I, H), generator=g) / H**0.5
+    down = torch.randn((E, H, I), generator=g) / I**0.5
+    x = torch.randn((m, H), generator=g)
+    ids = _ids(g, m, top_k, range(E))
+    ids[1, 2], ids[4, 0] = E, -3
+    w = torch.randn((m, top_k), generator=g)
+    ref = torch.ops.routemm.moe_experts(x, ids, w, gate_up, down, exact=True)
+    flat = ids.reshape(-1, 1).clamp(0, E - 1)
+    rows = torch.ops.routemm.moe_experts(
+        x.repeat_interleave(top_k, 0), flat, torch.ones(flat.shape), gate_up, down, exact=True
+    )
+    invalid = ((ids < 0) | (ids >= E)).reshape(-1)
+    rows[invalid] = float("nan")
+    fw = _tensor_ops.framework("torch")
+    assert _same_bits(_tensor_ops.moe_combine(fw, rows, w, ids, E), ref)
+    assert _tensor_ops.moe_combine(fw, rows[:0], w[:0], ids[:0], E).shape == (0, H)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (lambda r, w, i: (r[:-1], w, i, E), "rows has 17 rows, weights says m \\* top_k = 18"),
+        (lambda r, w, i: (r, w.double(), i, E), "moe_combine weights must be float32"),
+        (lambda r, w, i: (r, w, i.float(), E), "moe_combine ids must be integers"),
+        (lambda r, w, i: (r, w, i[:, :2], E), "weights, ids \\[m, top_k\\]"),
+        (lambda r, w, i: (r, w, i, 0), "n_experts must be an int in \\[1, 2\\*\\*32 - 1\\]"),
+        (lambda r, w, i: (r, w, i, True), "n_experts must be an int"),
+    ],
+)
+def test_tensor_moe_combine_refusals(args, message):
+    rows, w, ids = torch.zeros((18, H)), torch.ones((6, 3)), torch.zeros((6, 3), dtype=torch.int32)
+    with pytest.raises(routemm.InvalidArgumentError, match=message):
+        _tensor_ops.moe_combine(_tensor_ops.framework("torch"), *args(rows, w, ids))
