@@ -9,7 +9,8 @@ Per model and m: the median wall time of one block forward (router, top-k, exper
 a CUDA event before the call to one after it, the stream synchronised after each call, so host
 launch time counts where it delays the GPU), and for --graph-ms the median replay time of the block
 captured in a CUDA graph (an implementation that cannot be captured is recorded with its error).
-Each routemm output is checked against grouped_mm's (relative max error in the note). --smoke runs
+Each routemm output is checked against grouped_mm's (relative max error in the note), and every
+implementation's experts forward against float64 on the same bf16 inputs and weights (a few rows). --smoke runs
 reduced shapes on the CPU (what CI's bench smoke test calls). Writes DIR/transformers_block-<card>.json
 and .md in the results format of DESIGN.md.
 """
@@ -119,6 +120,37 @@ def time_graph(torch, fn, calls: int) -> float:
     return statistics.median(samples)
 
 
+def experts_errors(torch, blocks: dict, cfg: dict, m: int, gen, device) -> dict:
+    """{implementation: max relative error of its experts forward against float64} on the same bf16
+    hidden states, router-like ids and weights and the same bf16 weights, over a few sampled rows
+    (the error relative to the largest reference magnitude of those rows)."""
+    h, e, top_k = cfg["hidden"], cfg["experts"], cfg["top_k"]
+    x = torch.randn((m, h), generator=gen, device=device).bfloat16()
+    probs = torch.softmax(torch.randn((m, e), generator=gen, device=device), -1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
+    any_block = next(iter(blocks.values()))
+    gate_up, down = any_block.experts.gate_up_proj.double(), any_block.experts.down_proj.double()
+    inter = down.shape[-1]
+    rows = sorted({0, m // 2, m - 1})
+    want = torch.zeros((len(rows), h), dtype=torch.float64, device=device)
+    for i, t in enumerate(rows):
+        xt = x[t].double()
+        for s in range(top_k):
+            ex = int(ids[t, s])
+            gu = gate_up[ex] @ xt
+            want[i] += float(weights[t, s]) * (down[ex] @ (torch.nn.functional.silu(gu[:inter]) * gu[inter:]))
+    scale = float(want.abs().max())
+    errors = {}
+    for impl, block in blocks.items():
+        if impl == "batched_mm" and m > BATCHED_MM_MAX_M:
+            continue
+        with torch.no_grad():
+            got = block.experts(x, ids, weights)[rows].double()
+        errors[impl] = float((got - want).abs().max()) / scale
+    return errors
+
+
 def run(args) -> tuple[list, str]:
     import routemm.integrations.transformers as rt
     import torch
@@ -187,6 +219,13 @@ def run(args) -> tuple[list, str]:
                 for r in records:
                     if r["shape"] == name and r["m"] == m and r["impl"] == "transformers_routemm":
                         r["note"] += f"; rel err vs grouped_mm {err:.1e}"
+            if not args.no_errors:
+                errors = experts_errors(torch, blocks, cfg, m, gen, device)
+                for r in records:
+                    impl = r["route"]
+                    if r["shape"] == name and r["m"] == m and r["mode"] == "eager" and impl in errors:
+                        r["note"] += f"; experts vs float64: {errors[impl]:.1e}"
+                log(f"{name} m={m} experts error vs float64: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
     device_name = torch.cuda.get_device_name(0) if cuda else "CPU (smoke run)" if args.smoke else "CPU"
     return records, device_name
 
@@ -199,6 +238,7 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-ms", default="1,8")
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--smoke", action="store_true", help="reduced shapes on the CPU")
+    ap.add_argument("--no-errors", action="store_true", help="skip the experts' float64 comparison")
     args = ap.parse_args(argv)
     if args.smoke and args.ms == "1,8,32,512,4096":
         args.ms = "1,8,64"
