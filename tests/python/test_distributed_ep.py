@@ -185,8 +185,10 @@ def _run_raise(rank: int, world: int, port: int, tmp: str) -> None:
     outcome["seconds"] = time.monotonic() - start
     with open(os.path.join(tmp, f"raise{rank}.json"), "w") as f:
         json.dump(outcome, f)
-    if rank == 1:
-        time.sleep(LINGER_S)
+    if rank == 1:  # alive until the others have failed, LINGER_S at most
+        others = [os.path.join(tmp, f"raise{r}.json") for r in range(world) if r != 1]
+        while time.monotonic() - start < LINGER_S and not all(os.path.exists(o) for o in others):
+            time.sleep(0.05)
     else:
         dist.destroy_process_group()
 
