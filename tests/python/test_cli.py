@@ -104,6 +104,39 @@ def test_unavailable_cuda_is_one_line_saying_why():
         assert "insufficient" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--seed", "-1"], "argument --seed: must be a non-negative integer, got -1"),
+        (["--seed", "x"], "argument --seed: must be a non-negative integer, got 'x'"),
+        (["--tokens", "0"], "argument --tokens: must be a positive integer, got 0"),
+        (["--repeats", "-3"], "argument --repeats: must be a positive integer, got -3"),
+        (["--layer", "-1", "--gguf", "model.gguf"], "argument --layer: must be a non-negative integer, got -1"),
+        (["--layer", "2"], "--layer applies only with --gguf"),
+        (["--gguf", "model.gguf", "--model", "mixtral-8x7b"], "--model does not apply with --gguf"),
+        (["--gguf", "model.gguf", "--dtype", "f32"], "--dtype does not apply with --gguf"),
+        (["--gguf", "model.gguf", "--repeats", "3"], "--repeats does not apply with --gguf"),
+        (["--dtype", "f64"], "argument --dtype: invalid choice: 'f64'"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_demo_argument_errors_are_one_line_and_exit_status_2(args, message):
+    result = routemm_cli("demo", *args)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"routemm demo: error: {message}"), result.stderr
+    assert result.stderr.endswith(" (python -m routemm demo --help lists the options)\n"), result.stderr
+
+
+def test_top_level_argument_errors_are_one_line_and_exit_status_2():
+    result = routemm_cli("--frobnicate")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("routemm: error: unrecognized arguments: --frobnicate"), result.stderr
+
+
 def test_a_core_error_inside_a_command_is_caught_in_process(monkeypatch, capsys):
     monkeypatch.setattr(demo, "_available_host_bytes", lambda: 1000)
     assert cli.main(["demo", "--repeats", "1"]) == 1

@@ -417,31 +417,60 @@ def print_report(report, stream=None) -> None:
     print("OK" if report["ok"] else "FAILED: an output differs from the float64 reference", file=stream)
 
 
+def _integer(least: int, what: str):
+    """An argparse type: an int >= least, else the usage error `must be <what>, got <value>`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+
+    return parse
+
+
+_POSITIVE = _integer(1, "a positive integer")
+_NON_NEGATIVE = _integer(0, "a non-negative integer")
+
+# Options of the random run that a --gguf run does not take (the file gives the model and its types).
+_NOT_WITH_GGUF = ("model", "dtype", "repeats")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Defaults are None where an option given with the wrong mode must be refused; main fills them in.
     parser.add_argument(
         "--model",
         choices=sorted(MODELS),
         default=None,
         help="full sizes of this model's expert projection (default: a reduced Qwen3-30B-A3B layer)",
     )
-    parser.add_argument("--tokens", type=int, default=64, help="tokens of the prefill run (default 64)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="weight dtype (default bf16)")
+    parser.add_argument("--tokens", type=_POSITIVE, default=64, help="tokens of the prefill run (default 64)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="weight dtype (default bf16)")
     parser.add_argument("--backend", default=None, help="cpu, cuda or metal (default: the best available)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per route, median reported (default 5)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights, activations and ids")
+    parser.add_argument(
+        "--repeats", type=_POSITIVE, default=None, help="timed runs per route, median reported (default 5)"
+    )
+    parser.add_argument(
+        "--seed", type=_NON_NEGATIVE, default=0, help="seed of the random weights, activations and ids (default 0)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     parser.add_argument("--gguf", metavar="FILE", default=None, help="run one MoE layer of this GGUF model instead")
-    parser.add_argument("--layer", type=int, default=0, help="the layer --gguf runs (default 0)")
+    parser.add_argument("--layer", type=_NON_NEGATIVE, default=None, help="the layer --gguf runs (default 0)")
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Runs the demo for parsed `args`; 0 when every output matched the reference, 1 otherwise."""
     if args.gguf is not None:
         return _gguf_main(args, parser)
-    if args.tokens < 1 or args.repeats < 1:
-        parser.error("--tokens and --repeats must be positive")
+    if args.layer is not None:
+        parser.error("--layer applies only with --gguf")
     started = time.perf_counter()
-    report = run(args.model, args.tokens, args.dtype, args.backend, args.repeats, args.seed)
+    dtype = "bf16" if args.dtype is None else args.dtype
+    repeats = 5 if args.repeats is None else args.repeats
+    report = run(args.model, args.tokens, dtype, args.backend, repeats, args.seed)
     report["elapsed_s"] = time.perf_counter() - started
     if args.json:
         json.dump(report, sys.stdout, indent=2, sort_keys=True, allow_nan=False)
@@ -455,9 +484,11 @@ def _gguf_main(args, parser) -> int:
     """--gguf: one MoE layer of a GGUF file against its float64 reference (routemm.gguf_demo)."""
     from . import gguf_demo
 
-    if args.tokens < 1 or args.layer < 0:
-        parser.error("--tokens must be positive and --layer non-negative")
-    report = gguf_demo.run(args.gguf, args.layer, args.tokens, args.backend, args.seed)
+    for name in _NOT_WITH_GGUF:
+        if getattr(args, name) is not None:
+            parser.error(f"--{name} does not apply with --gguf (the file gives the model and its types)")
+    layer = 0 if args.layer is None else args.layer
+    report = gguf_demo.run(args.gguf, layer, args.tokens, args.backend, args.seed)
     if args.json:
         json.dump(report, sys.stdout, indent=2, sort_keys=True, allow_nan=False)
         print()

@@ -1,7 +1,8 @@
 """`python -m routemm <command>`: the command line.
 
 Every command is an argparse subcommand with its own `--help`. A routemm.Error ends the command with
-one line on stderr and exit status 1, never a traceback; a usage error exits with status 2.
+one line on stderr and exit status 1, never a traceback; a usage error (an argument argparse refuses,
+or one the command refuses before it runs) is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ _DESCRIPTION = (
 _EPILOG = "Run `python -m routemm COMMAND --help` (or `python -m routemm help COMMAND`) for a command's options."
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line: `routemm demo: error: ... (... --help ...)`,
+    exit status 2. Subcommand parsers are of this class too (add_subparsers takes the parent's)."""
+
+    def error(self, message: str):
+        name = self.prog.removeprefix("python -m ")
+        self.exit(2, f"{name}: error: {' '.join(message.split())} ({self.prog} --help lists the options)\n")
+
+
 def _backends(args, parser) -> int:
     for name, available, reason in _core.backend_status():
         print(f"{name:6} {'available' if available else 'unavailable: ' + reason}")
@@ -33,7 +43,7 @@ def _knobs(args, parser) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m routemm", description=_DESCRIPTION, epilog=_EPILOG)
+    parser = _Parser(prog="python -m routemm", description=_DESCRIPTION, epilog=_EPILOG)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
     def command(name: str, handler, summary: str, description: str | None = None) -> argparse.ArgumentParser:
@@ -64,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's parser, which names the command
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 0
