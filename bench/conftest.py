@@ -111,6 +111,26 @@ def _markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_results(path: str, *, device: str, tool: str, records: list, **extra) -> None:
+    """Write a results document (DESIGN.md's format) to `path` and its Markdown table beside it:
+    `tool` is the script's repo path, whose command line (or $BENCH_COMMAND) is recorded, with
+    $GIT_REV as the revision; `extra` adds fields (torch's version, say)."""
+    command = os.environ.get("BENCH_COMMAND", " ".join(["python3", tool, *sys.argv[1:]]))
+    doc = {
+        "device": device,
+        "git_rev": os.environ.get("GIT_REV", "unknown"),
+        "command": command,
+        "ceilings": extra.pop("ceilings", {}),
+        **extra,
+        "records": records,
+    }
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write(_markdown(doc))
+
+
 def pytest_sessionfinish(session, exitstatus):
     path = session.config.getoption("--results")
     if not path or not _RECORDS:

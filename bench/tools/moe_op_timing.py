@@ -11,7 +11,6 @@ Router-like ids (top-8 of random logits). Writes DIR/moe_op-<card>.json and .md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -77,23 +76,13 @@ def main(argv=None) -> int:
                 g = time_graph(torch, call, args.calls)
                 records.append({**base, "route": "auto", "time_us": g * 1e6, "note": "CUDA graph replay"})
                 print(f"{name} m={m} graph {g * 1e6:.1f} us", flush=True)
-    from conftest import _markdown
+    from conftest import write_results
 
-    tag = os.environ.get("CARD", "gpu")
-    path = os.path.join(args.out, f"moe_op-{tag}.json")
-    doc = {
-        "device": torch.cuda.get_device_name(0),
-        "git_rev": os.environ.get("GIT_REV", "unknown"),
-        "command": " ".join(["python3", "bench/tools/moe_op_timing.py", *sys.argv[1:]]),
-        "ceilings": {},
-        "torch": torch.__version__,
-        "records": records,
-    }
-    os.makedirs(args.out, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    with open(os.path.splitext(path)[0] + ".md", "w") as f:
-        f.write(_markdown(doc))
+    path = os.path.join(args.out, f"moe_op-{os.environ.get('CARD', 'gpu')}.json")
+    write_results(
+        path, device=torch.cuda.get_device_name(0), tool="bench/tools/moe_op_timing.py", records=records,
+        torch=torch.__version__,
+    )  # fmt: skip
     print(f"wrote {path}")
     return 0
 

@@ -18,7 +18,6 @@ and .md in the results format of DESIGN.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -245,24 +244,13 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     records, device_name = run(args)
     import torch
-    from conftest import _markdown
+    from conftest import write_results
 
     tag = "cpu-smoke" if args.smoke else os.environ.get("CARD", "gpu")
     path = os.path.join(args.out, f"transformers_block-{tag}.json")
-    doc = {
-        "device": device_name,
-        "git_rev": os.environ.get("GIT_REV", "unknown"),
-        "command": os.environ.get(
-            "BENCH_COMMAND", " ".join(["python3", "bench/tools/transformers_block.py", *sys.argv[1:]])
-        ),
-        "ceilings": {},
-        "torch": torch.__version__,
-        "records": records,
-    }
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    with open(os.path.splitext(path)[0] + ".md", "w") as f:
-        f.write(_markdown(doc))
+    write_results(
+        path, device=device_name, tool="bench/tools/transformers_block.py", records=records, torch=torch.__version__
+    )
     log(f"wrote {path} and its .md")
     return 0
 

@@ -19,7 +19,6 @@ layers on the CPU (prefill and eager decode only).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -174,24 +173,15 @@ def main(argv=None) -> int:
         for r in records:
             if r["impl"] == "transformers_routemm":
                 r["note"] += f"; last-token logits vs {other}: rel err {err:.1e}"
-    from conftest import _markdown
+    from conftest import write_results
 
     tag = "cpu-smoke" if args.smoke else os.environ.get("CARD", "gpu")
     path = os.path.join(args.out, f"transformers_model-{tag}.json")
-    os.makedirs(args.out, exist_ok=True)
-    doc = {
-        "device": torch.cuda.get_device_name(0) if cuda else "CPU (smoke run)",
-        "git_rev": os.environ.get("GIT_REV", "unknown"),
-        "command": " ".join(["python3", "bench/tools/transformers_model.py", *sys.argv[1:]]),
-        "ceilings": {},
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "records": records,
-    }
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-    with open(os.path.splitext(path)[0] + ".md", "w") as f:
-        f.write(_markdown(doc))
+    write_results(
+        path, device=torch.cuda.get_device_name(0) if cuda else "CPU (smoke run)",
+        tool="bench/tools/transformers_model.py", records=records, torch=torch.__version__,
+        transformers=transformers.__version__,
+    )  # fmt: skip
     log(f"wrote {path}")
     return 0
 

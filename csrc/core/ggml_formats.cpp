@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #include "routemm/error.h"
 #include "routemm/q4_0.h"
@@ -55,12 +56,18 @@ void q4_1_dequantize(const uint8_t* b, float* y) {
   }
 }
 
-void q4_1_quantize(const float* x, uint8_t* b) {
+// The block's min and max as the reference finds them (comparisons in order; NaN never wins).
+std::pair<float, float> min_max(const float* x) {
   float min = FLT_MAX, max = -FLT_MAX;
   for (size_t j = 0; j < kQK; ++j) {
     if (x[j] < min) min = x[j];
     if (x[j] > max) max = x[j];
   }
+  return {min, max};
+}
+
+void q4_1_quantize(const float* x, uint8_t* b) {
+  const auto [min, max] = min_max(x);
   const float d = (max - min) / ((1 << 4) - 1);
   const float id = d ? 1.0f / d : 0.0f;
   put_half(b, d);
@@ -134,11 +141,7 @@ void q5_0_quantize(const float* x, uint8_t* b) {
 }
 
 void q5_1_quantize(const float* x, uint8_t* b) {
-  float min = FLT_MAX, max = -FLT_MAX;
-  for (size_t j = 0; j < kQK; ++j) {
-    if (x[j] < min) min = x[j];
-    if (x[j] > max) max = x[j];
-  }
+  const auto [min, max] = min_max(x);
   const float d = (max - min) / ((1 << 5) - 1);
   const float id = d ? 1.0f / d : 0.0f;
   put_half(b, d);
