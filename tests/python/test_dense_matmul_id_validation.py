@@ -457,9 +457,8 @@ def test_params_must_be_integers_not_bools(field, value):
     [("input_layout", "rows"), ("id_multiplicity", 1), ("route", "fast"), ("route", None)],
 )
 def test_params_enums_must_be_members(field, value):
-    params = routemm.DenseMatmulIdParams(1, 1, 1, 1, 1, 4, **{field: value})
     with pytest.raises(routemm.InvalidArgumentError, match=f"dense_matmul_id {field} must be one of"):
-        routemm.dense_matmul_id_capability(DType.F32, params)
+        routemm.DenseMatmulIdParams(1, 1, 1, 1, 1, 4, **{field: value})  # refused at construction
 
 
 def test_params_must_be_the_params_record():

@@ -136,11 +136,55 @@ def test_alloc_infers_nbytes_from_shape(device):
         (dict(dtype=DType.F32, shape=[2**32, 2**32]), "over 2\\^64 - 1"),
         (dict(shape=[4]), "dtype must be a routemm.DType"),
         (dict(nbytes=16, dtype=DType.F32, shape=[5]), "holds 5 elements"),  # the core checks the two agree
+        (dict(nbytes=-4, dtype=DType.F32), "alloc nbytes must be a u64, got -4"),
+        (dict(nbytes=2**64, dtype=DType.F32), "alloc nbytes must be a u64, got 18446744073709551616"),
+        (dict(nbytes=16.0, dtype=DType.F32), "alloc nbytes must be a u64, got 16.0"),
+        (dict(nbytes="16", dtype=DType.F32), "alloc nbytes must be a u64, got '16'"),
+        (dict(nbytes=16, dtype=DType.F32, shape=[4, -1]), "alloc: shape extents must be non-negative integers"),
     ],
 )
 def test_alloc_refuses_what_it_cannot_size(device, kwargs, message):
     with pytest.raises(routemm.InvalidArgumentError, match=message):
         device.alloc(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (
+            lambda: routemm.DenseMatmulIdParams(m=-1, n=8, k=32, top_k=1, n_experts=2, expert_stride_bytes=1024),
+            "dense_matmul_id m must be a u32, got -1",
+        ),
+        (
+            lambda: routemm.DenseMatmulIdParams(m=1, n=8, k=32, top_k=1, n_experts=2, expert_stride_bytes=-1),
+            "dense_matmul_id expert_stride_bytes must be a u64, got -1",
+        ),
+        (
+            lambda: routemm.DenseMatmulIdParams(
+                m=1, n=8, k=32, top_k=1, n_experts=2, expert_stride_bytes=1024, route="fastest"
+            ),
+            "dense_matmul_id route must be one of",
+        ),
+        (
+            lambda: routemm.GgmlQuantizedMatmulParams(m=1, n=-256, k=32),
+            "quantized_matmul_ggml n must be a u32, got -256",
+        ),
+        (
+            lambda: routemm.GgmlQuantizedMatmulParams(m=1.5, n=256, k=32),
+            "quantized_matmul_ggml m must be a u32, got 1.5",
+        ),
+        (
+            lambda: routemm.GgmlQuantizedMatmulIdParams(
+                m=1, n=8, k=-32, top_k=1, n_experts=2, ggml_type=routemm.GgmlType.Q4_0, expert_stride_bytes=144
+            ),
+            "quantized_matmul_id_ggml k must be a u32, got -32",
+        ),
+    ],
+    ids=["dense_m", "dense_stride", "dense_route", "ggml_n", "ggml_m_float", "ggml_id_k"],
+)
+def test_params_refuse_bad_fields_at_construction(make, message):
+    with pytest.raises(routemm.InvalidArgumentError, match=message):
+        make()
 
 
 # ---- KernelRegistry.get_pipeline -----------------------------------------------------------------

@@ -111,7 +111,9 @@ def _device_alloc(self: _core.Device, nbytes: Optional[int] = None, dtype: Optio
         if shape is None:
             raise InvalidArgumentError("alloc needs nbytes, or a shape to infer it from")
         nbytes = _shape_nbytes("alloc", shape, dtype)
-    return _native_alloc(self, nbytes, dtype, [] if shape is None else list(shape))
+    # Checked here so the binding's conversions never see a value they would refuse with a TypeError.
+    nbytes = check_uint("alloc", "nbytes", nbytes, 64)
+    return _native_alloc(self, nbytes, dtype, [] if shape is None else list(check_shape("alloc", shape)))
 
 
 def _shape_nbytes(where: str, shape, dtype: DType) -> int:

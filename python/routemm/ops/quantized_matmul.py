@@ -273,6 +273,10 @@ class GgmlQuantizedMatmulParams(JsonRecord, SchemaVersioned):
     ggml_type: GgmlType = GgmlType.Q4_0
     schema_version: int = SCHEMA_VERSION
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._native()  # the fields are checked at construction, not at the first call
+
     def _native(self) -> _core._GgmlQuantizedMatmulParams:
         m, n, k = (check_uint("quantized_matmul_ggml", name, getattr(self, name)) for name in ("m", "n", "k"))
         return _core._GgmlQuantizedMatmulParams(m, n, k, GgmlType(self.ggml_type).value)

@@ -113,6 +113,10 @@ class GgmlQuantizedMatmulIdParams(JsonRecord, SchemaVersioned):
     route: GgmlQuantizedMatmulIdRoute = GgmlQuantizedMatmulIdRoute.DIRECT
     schema_version: int = SCHEMA_VERSION
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._native_params  # noqa: B018  (the fields are checked at construction, not at the first call)
+
     @functools.cached_property
     def _native_params(self) -> _core._GgmlQuantizedMatmulIdParams:
         """The native params, built once per (immutable) instance."""
