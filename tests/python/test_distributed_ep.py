@@ -136,26 +136,46 @@ def _run_cases(rank: int, world: int, port: int, tmp: str) -> None:
 
 
 def _refusals(c) -> list:
-    """The errors of wrong calls inside a group of one rank (each must raise before any collective)."""
+    """(name, error type, message, collectives run) of wrong calls inside a group of one rank: each
+    must raise before any collective (on more ranks, its peers would wait for it)."""
     placement = ExpertPlacement.contiguous(E, 1)
+
+    def call(x=c["x"], ids=c["ids"], w=c["w"], gate_up=c["gate_up"], down=c["down"], **kw):
+        kw.setdefault("placement", placement)
+        return ep_moe_experts(x, ids, w, gate_up, down, **kw)
+
     calls = {
-        "world": lambda: ep_moe_experts(
-            c["x"], c["ids"], c["w"], c["gate_up"], c["down"], placement=ExpertPlacement.contiguous(E, 2)
-        ),
-        "local": lambda: ep_moe_experts(c["x"], c["ids"], c["w"], c["gate_up"][:3], c["down"], placement=placement),
-        "placement": lambda: ep_moe_experts(c["x"], c["ids"], c["w"], c["gate_up"], c["down"], placement=[0] * E),
-        "ids": lambda: ep_moe_experts(c["x"], c["ids"][:2], c["w"], c["gate_up"], c["down"], placement=placement),
-        "float_ids": lambda: ep_moe_experts(
-            c["x"], c["ids"].float(), c["w"], c["gate_up"], c["down"], placement=placement
-        ),
+        "world": lambda: call(placement=ExpertPlacement.contiguous(E, 2)),
+        "local": lambda: call(gate_up=c["gate_up"][:3]),
+        "placement": lambda: call(placement=[0] * E),
+        "ids": lambda: call(ids=c["ids"][:2]),
+        "float_ids": lambda: call(ids=c["ids"].float()),
+        "top_k": lambda: call(ids=c["ids"][:, :0], w=c["w"][:, :0]),
+        "stack_width": lambda: call(down=c["down"][:, :, : I // 2].contiguous()),
+        "stack_dtype": lambda: call(down=c["down"].double()),
+        "ggml_type": lambda: call(ggml_type="q4_1"),
     }
+    collectives = []
+    real = dist.all_to_all_single
+    dist.all_to_all_single = lambda *a, **k: (collectives.append(1), real(*a, **k))[1]
     out = []
-    for name, call in calls.items():
+    try:
+        for name, run in calls.items():
+            before = len(collectives)
+            try:
+                run()
+                out.append((name, None, "", len(collectives) - before))
+            except Exception as e:  # the type is the check
+                out.append((name, type(e).__name__, str(e), len(collectives) - before))
+        # no gradient: a backward through the result is refused by name, not silently absent
+        y = call(x=c["x"].clone().requires_grad_())
         try:
-            call()
-            out.append((name, None, ""))
-        except routemm.Error as e:
-            out.append((name, type(e).__name__, str(e)))
+            y.sum().backward()
+            out.append(("backward", None, "", 0))
+        except Exception as e:  # the type is the check
+            out.append(("backward", type(e).__name__, str(e), 0))
+    finally:
+        dist.all_to_all_single = real
     return out
 
 
@@ -204,6 +224,8 @@ def _spawn(fn, world: int, tmp: str, limit_s: float) -> None:
     for i in hung:
         context.processes[i].kill()
     assert not hung, f"ranks {hung} still running after {limit_s} s"
+    codes = [p.exitcode for p in context.processes]
+    assert codes == [0] * world, f"ranks' exit codes {codes} (their errors are on stderr)"
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -227,12 +249,25 @@ def test_ep_moe_experts_bit_identical_to_one_process(tmp_path, world):
         assert torch.isfinite(ref.float()).all() and ref.abs().sum() > 0, name
         assert _same_bits(got, ref), f"{name}: max |diff| {(got.float() - ref.float()).abs().max()}"
     if world == 1:
-        refusals = {name: (kind, message) for name, kind, message in outs[0]["refusals"]}
-        assert refusals["world"][0] == "InvalidArgumentError" and "placement is for 2 ranks" in refusals["world"][1]
-        assert refusals["local"][0] == "InvalidArgumentError" and "gate_up" in refusals["local"][1]
-        assert refusals["placement"][0] == "InvalidArgumentTypeError"
-        assert refusals["ids"][0] == "InvalidArgumentError" and "top_k_index" in refusals["ids"][1]
-        assert refusals["float_ids"][0] == "InvalidArgumentError" and "integers" in refusals["float_ids"][1]
+        refusals = {name: (kind, message, n) for name, kind, message, n in outs[0]["refusals"]}
+        expected = {
+            "world": ("InvalidArgumentError", "placement is for 2 ranks"),
+            "local": ("InvalidArgumentError", "gate_up must hold rank 0's 7 local experts"),
+            "placement": ("InvalidArgumentTypeError", "placement must be an ExpertPlacement"),
+            "ids": ("InvalidArgumentError", "top_k_index must be [m = 6, top_k]"),
+            "float_ids": ("InvalidArgumentError", "top_k_index must be integers"),
+            "top_k": ("InvalidArgumentError", "top_k and H must be >= 1"),
+            "stack_width": ("InvalidArgumentError", "moe_experts"),
+            "stack_dtype": ("InvalidArgumentError", "moe_experts weight stacks must share one dtype"),
+            "ggml_type": ("InvalidArgumentError", "ggml_type must be None, 'q4_0' or 'q8_0'"),
+            "backward": ("UnsupportedError", "ep_moe_experts"),
+        }
+        wrong = {
+            name: refusals[name]
+            for name, (kind, text) in expected.items()
+            if refusals[name][0] != kind or refusals[name][2] != 0 or text not in refusals[name][1]
+        }
+        assert not wrong, wrong  # name: (error type, message, collectives run before it)
 
 
 def test_a_rank_that_raises_makes_the_others_fail_within_the_timeout(tmp_path):

@@ -17,13 +17,14 @@ fail with an error instead of waiting forever.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import torch
 
 from ..core._errors import InvalidArgumentError, InvalidArgumentTypeError
 from ..ops import _tensor_ops
-from . import torch as _routemm_torch  # noqa: F401  (registers torch.ops.routemm.*)
+from . import torch as _routemm_torch  # registers torch.ops.routemm.*
 
 _TORCH = _tensor_ops.framework("torch")
 _U32_MAX = 2**32 - 1
@@ -97,13 +98,41 @@ class ExpertPlacement:
         return tuple(e for e, r in enumerate(self.owners) if r == rank)
 
     def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(owner rank, local index) of every global expert, int64 tensors on `device`."""
-        owners = torch.tensor(self.owners, dtype=torch.int64)
-        local = torch.empty_like(owners)
-        for r in range(self.world_size):
-            mine = owners == r
-            local[mine] = torch.arange(int(mine.sum()), dtype=torch.int64)
-        return owners.to(device), local.to(device)
+        """(owner rank, local index) of every global expert, int64 tensors on `device`, built
+        once per placement and device (no host-to-device copy per call)."""
+        return _tables(self, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(placement: ExpertPlacement, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    owners = torch.tensor(placement.owners, dtype=torch.int64)
+    local = torch.empty_like(owners)
+    for r in range(placement.world_size):
+        mine = owners == r
+        local[mine] = torch.arange(int(mine.sum()), dtype=torch.int64)
+    return owners.to(device), local.to(device)
+
+
+_CHECKED_STACKS: set = set()  # the call shapes _check_local_stacks has seen pass
+
+
+def _check_local_stacks(x, gate_up, down, up, ggml_type) -> None:
+    """The local experts' call as torch.ops.routemm.moe_experts will plan it (the stacks' shapes
+    against each other and H, their dtypes, ggml_type), with a one-row stand-in for the rows: a
+    rank refuses its stacks before any collective, not after its peers have sent it rows. The
+    stacks are only looked at (shapes, dtypes, device, x's included); a shape that passed once is
+    not planned again."""
+    hidden_size = int(x.shape[1])
+    device = x.device
+    stacks = [t for t in (gate_up, down, up) if t is not None]
+    key = (device, hidden_size, ggml_type, up is None, *((t.shape, t.dtype, t.device) for t in stacks))
+    if key in _CHECKED_STACKS:
+        return
+    x = torch.zeros((1, hidden_size), dtype=torch.float32, device=device)
+    ids = torch.zeros((1, 1), dtype=torch.int32, device=device)
+    w = torch.ones((1, 1), dtype=torch.float32, device=device)
+    _tensor_ops._moe_experts_plan(_TORCH, x, ids, w, gate_up, down, up, ggml_type, True)
+    _CHECKED_STACKS.add(key)
 
 
 def _check_tensor(name: str, t) -> None:
@@ -177,6 +206,14 @@ def ep_moe_experts(
                 f"got shape {tuple(t.shape)}"
             )
     top_k = int(top_k_index.shape[1])
+    if top_k < 1 or hidden_size < 1:
+        raise InvalidArgumentError(f"ep_moe_experts top_k and H must be >= 1, got top_k={top_k}, H={hidden_size}")
+    _routemm_torch._check_block_type(ggml_type)
+    if n_local:
+        _check_local_stacks(hidden, gate_up, down, up, ggml_type)
+    for name, t in (("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
+        if t.device != hidden.device:
+            raise InvalidArgumentError(f"ep_moe_experts {name} lives on another device than hidden")
     n_experts = placement.n_experts
     device = hidden.device
 
@@ -222,7 +259,11 @@ def ep_moe_experts(
     slot_rows[sent] = back
     weights = top_k_weights.to(torch.float32).contiguous()
     out = _tensor_ops.moe_combine(_TORCH, slot_rows, weights, top_k_index, n_experts)
-    return out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
+    out = out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
+    named = [("hidden", hidden), ("top_k_weights", top_k_weights), ("gate_up", gate_up), ("down", down), ("up", up)]
+    return _TORCH.forward_only(
+        "routemm.integrations.distributed.ep_moe_experts", out, [p for p in named if p[1] is not None]
+    )
 
 
 __all__ = ["ExpertPlacement", "ep_moe_experts"]
