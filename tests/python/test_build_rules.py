@@ -89,3 +89,32 @@ def test_an_unknown_cuda_switch_is_a_configure_error(tmp_path):
     run = _configure(tmp_path, "MAYBE")
     assert run.returncode != 0
     assert "ROUTEMM_CUDA must be AUTO, ON or OFF (got 'MAYBE')" in run.stderr
+
+
+# ---- the package's metadata and version ------------------------------------------------------------
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def test_one_version_in_pyproject_cmake_the_module_and_the_changelog():
+    import re
+
+    import routemm
+
+    version = _pyproject()["project"]["version"]
+    cmake_version = re.search(r"project\(routemm VERSION ([0-9.]+)", (REPO / "CMakeLists.txt").read_text())
+    assert cmake_version and cmake_version.group(1) == version
+    assert routemm.__version__ == version
+    changelog = (REPO / "CHANGELOG.md").read_text()
+    first_release = re.search(r"^## \[?([0-9][0-9.]*)\]?", changelog, re.M)
+    assert first_release and first_release.group(1) == version, "the changelog's newest entry is this version"
+
+
+def test_metadata_names_the_authors_and_does_not_call_the_library_gpu_only():
+    project = _pyproject()["project"]
+    assert project["authors"] and all(a.get("name") for a in project["authors"])
+    assert "GPU kernels" not in project["description"] and "CPU" in project["description"]
+    assert set(project["optional-dependencies"]) >= {"schemas", "test", "torch", "transformers"}

@@ -54,6 +54,12 @@ def test_demo_help_names_its_options():
         assert option in out
 
 
+def test_version_prints_the_package_version():
+    result = routemm_cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"routemm {routemm.__version__}\n"
+
+
 def test_unknown_command_is_a_usage_error():
     result = routemm_cli("frobnicate")
     assert result.returncode == 2

@@ -44,6 +44,7 @@ def _knobs(args, parser) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m routemm", description=_DESCRIPTION, epilog=_EPILOG)
+    parser.add_argument("--version", action="version", version=f"routemm {_core.version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
     def command(name: str, handler, summary: str, description: str | None = None) -> argparse.ArgumentParser:
