@@ -215,55 +215,83 @@ def ep_moe_experts(
         if t.device != hidden.device:
             raise InvalidArgumentError(f"ep_moe_experts {name} lives on another device than hidden")
     n_experts = placement.n_experts
-    device = hidden.device
+    x = hidden.to(torch.float32).contiguous()
+    d = _dispatch(x, top_k_index, placement, world, group)
+    done = _local_experts(d, gate_up, down, up, ggml_type)
+    out = _combine(d, done, top_k_weights, top_k_index, n_experts, group)
+    out = out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
+    named = [("hidden", hidden), ("top_k_weights", top_k_weights), ("gate_up", gate_up), ("down", down), ("up", up)]
+    return _TORCH.forward_only(
+        "routemm.integrations.distributed.ep_moe_experts", out, [p for p in named if p[1] is not None]
+    )
 
-    # Route: every (token, slot) with a valid id goes to its expert's owner, in (token, slot)
-    # order within each destination (a stable sort); invalid slots go nowhere (key `world`).
+
+# ep_moe_experts' three steps, apart so that a benchmark can time each; checked arguments only.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dispatched:
+    sent: torch.Tensor  # flat (token, slot) index of every row sent, grouped by destination rank
+    send_split: list  # rows sent to each rank
+    recv_split: list  # rows received from each rank
+    rows: torch.Tensor  # float32 [sum(recv_split), H]: the received token rows
+    local_ids: torch.Tensor  # int32 [sum(recv_split)]: each row's expert in this rank's stacks
+    m: int
+    top_k: int
+
+
+def _dispatch(x: torch.Tensor, top_k_index: torch.Tensor, placement: ExpertPlacement, world: int, group) -> _Dispatched:
+    """Every (token, slot) with a valid id to its expert's owner: the row counts first (one host
+    read), then the rows x[t] and their local expert ids, in (token, slot) order within each
+    destination (a stable sort); invalid slots go nowhere (sort key `world`)."""
+    import torch.distributed as dist
+
+    m, hidden_size = (int(v) for v in x.shape)
+    top_k = int(top_k_index.shape[1])
     ids = top_k_index.reshape(-1).to(torch.int64)
-    valid = (ids >= 0) & (ids < n_experts)
+    valid = (ids >= 0) & (ids < placement.n_experts)
     safe = torch.where(valid, ids, torch.zeros_like(ids))
-    owner_of, local_of = placement._tables(device)
+    owner_of, local_of = placement._tables(x.device)
     dest = torch.where(valid, owner_of[safe], torch.full_like(ids, world))
     order = torch.sort(dest, stable=True).indices
     send_counts = torch.bincount(dest, minlength=world + 1)[:world]
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     send_split, recv_split = torch.stack([send_counts, recv_counts]).tolist()  # the one host read
-    n_send, n_recv = sum(send_split), sum(recv_split)
-    sent = order[:n_send]  # the flat (token, slot) index of every row sent, by destination
-
-    x = hidden.to(torch.float32).contiguous()
-    send_rows = x[sent // top_k] if top_k else x.new_empty((0, hidden_size))
+    sent = order[: sum(send_split)]
+    send_rows = x[sent // top_k]
     send_local = local_of[safe[sent]].to(torch.int32)
-    recv_rows = x.new_empty((n_recv, hidden_size))
-    recv_local = torch.empty((n_recv,), dtype=torch.int32, device=device)
-    dist.all_to_all_single(recv_rows, send_rows, recv_split, send_split, group=group)
-    dist.all_to_all_single(recv_local, send_local, recv_split, send_split, group=group)
+    rows = x.new_empty((sum(recv_split), hidden_size))
+    local_ids = torch.empty((sum(recv_split),), dtype=torch.int32, device=x.device)
+    dist.all_to_all_single(rows, send_rows, recv_split, send_split, group=group)
+    dist.all_to_all_single(local_ids, send_local, recv_split, send_split, group=group)
+    return _Dispatched(sent, send_split, recv_split, rows, local_ids, m, top_k)
 
-    # The owner's experts, top_k 1 with weight exactly 1.0: each row is its expert's
-    # down(SiLU(gate x) * up x) as the single-process block computes it (the exact routes do not
-    # depend on the batch). Only a row of -0.0 comes back as +0.0, which the home combine cannot
-    # tell apart (its sum starts at +0.0, and +0.0 + -0.0 is +0.0).
-    if n_recv:
-        ones = torch.ones((n_recv, 1), dtype=torch.float32, device=device)
-        done = torch.ops.routemm.moe_experts(
-            recv_rows, recv_local[:, None], ones, gate_up, down, up, ggml_type, exact=True
-        )
-    else:
-        done = recv_rows
-    back = x.new_empty((n_send, hidden_size))
-    dist.all_to_all_single(back, done, send_split, recv_split, group=group)
 
-    # Home: every row into its (token, slot) place, then the block's ordered combine.
-    slot_rows = x.new_zeros((m * top_k, hidden_size))
-    slot_rows[sent] = back
+def _local_experts(d: _Dispatched, gate_up, down, up, ggml_type) -> torch.Tensor:
+    """The owner's experts on the received rows, top_k 1 with weight exactly 1.0: each row is its
+    expert's down(SiLU(gate x) * up x) as the single-process block computes it (the exact routes do
+    not depend on the batch). Only a row of -0.0 comes back as +0.0, which the home combine cannot
+    tell apart (its sum starts at +0.0, and +0.0 + -0.0 is +0.0)."""
+    n = int(d.rows.shape[0])
+    if not n:
+        return d.rows
+    ones = torch.ones((n, 1), dtype=torch.float32, device=d.rows.device)
+    return torch.ops.routemm.moe_experts(d.rows, d.local_ids[:, None], ones, gate_up, down, up, ggml_type, exact=True)
+
+
+def _combine(d: _Dispatched, done, top_k_weights, top_k_index, n_experts: int, group) -> torch.Tensor:
+    """The rows back to their home ranks (the reverse splits), each into its (token, slot) place
+    (invalid slots stay zero), then the block's ordered combine: float32 [m, H]."""
+    import torch.distributed as dist
+
+    hidden_size = int(d.rows.shape[1])
+    back = d.rows.new_empty((int(d.sent.shape[0]), hidden_size))
+    dist.all_to_all_single(back, done, d.send_split, d.recv_split, group=group)
+    slot_rows = d.rows.new_zeros((d.m * d.top_k, hidden_size))
+    slot_rows[d.sent] = back
     weights = top_k_weights.to(torch.float32).contiguous()
-    out = _tensor_ops.moe_combine(_TORCH, slot_rows, weights, top_k_index, n_experts)
-    out = out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
-    named = [("hidden", hidden), ("top_k_weights", top_k_weights), ("gate_up", gate_up), ("down", down), ("up", up)]
-    return _TORCH.forward_only(
-        "routemm.integrations.distributed.ep_moe_experts", out, [p for p in named if p[1] is not None]
-    )
+    return _tensor_ops.moe_combine(_TORCH, slot_rows, weights, top_k_index, n_experts)
 
 
 __all__ = ["ExpertPlacement", "ep_moe_experts"]
