@@ -665,9 +665,9 @@ void init_enqueue(py::module_& m) {
   m.attr("DENSE_MATMUL_ID_AUTO_GROUPED_MIN_TOKENS") = kExpertIdAutoGroupedMinTokens;
   m.def(
       "_expert_id_auto_grouped",
-      [](const std::string& backend, uint64_t m, uint64_t top_k, uint64_t n_experts,
+      [](const std::string& backend, uint64_t tokens, uint64_t top_k, uint64_t n_experts,
          bool quantized) {
-        return expert_id_auto_grouped(backend, m, top_k, n_experts, quantized);
+        return expert_id_auto_grouped(backend, tokens, top_k, n_experts, quantized);
       },
       "The automatic expert-ID route (routemm::expert_id_auto_grouped): True for the exact grouped "
       "route.");

@@ -49,10 +49,10 @@ void init_moe(py::module_& m) {
   m.def(
       "_moe_gate",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& logits,
-         const Buffer& weights, const Buffer& ids, uint32_t m, uint32_t n_experts, uint32_t top_k,
-         bool renormalize) {
+         const Buffer& weights, const Buffer& ids, uint32_t tokens, uint32_t n_experts,
+         uint32_t top_k, bool renormalize) {
         moe_gate(encoder, registry, logits, weights, ids,
-                 MoeGateParams{m, n_experts, top_k, renormalize});
+                 MoeGateParams{tokens, n_experts, top_k, renormalize});
       },
       py::arg("encoder"), py::arg("registry"), py::arg("logits"), py::arg("weights"),
       py::arg("ids"), py::arg("m"), py::arg("n_experts"), py::arg("top_k"), py::arg("renormalize"));
@@ -69,10 +69,10 @@ void init_moe(py::module_& m) {
   m.def(
       "_moe_combine",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& rows,
-         const Buffer& weights, const Buffer& ids, const Buffer& output, uint32_t m, uint32_t top_k,
-         uint32_t hidden, uint32_t n_experts) {
+         const Buffer& weights, const Buffer& ids, const Buffer& output, uint32_t tokens,
+         uint32_t top_k, uint32_t hidden, uint32_t n_experts) {
         moe_combine(encoder, registry, rows, weights, ids, output,
-                    MoeCombineParams{m, top_k, hidden, n_experts});
+                    MoeCombineParams{tokens, top_k, hidden, n_experts});
       },
       py::arg("encoder"), py::arg("registry"), py::arg("rows"), py::arg("weights"), py::arg("ids"),
       py::arg("output"), py::arg("m"), py::arg("top_k"), py::arg("hidden"), py::arg("n_experts"));

@@ -118,3 +118,25 @@ def test_metadata_names_the_authors_and_does_not_call_the_library_gpu_only():
     assert project["authors"] and all(a.get("name") for a in project["authors"])
     assert "GPU kernels" not in project["description"] and "CPU" in project["description"]
     assert set(project["optional-dependencies"]) >= {"schemas", "test", "torch", "transformers"}
+
+
+# ---- the bindings build without -Wshadow warnings ----------------------------------------------------
+
+
+def test_binding_lambdas_do_not_shadow_the_module_parameter():
+    """-Wshadow (cmake/RoutemmWarnings.cmake) warns where a binding lambda's parameter takes the name
+    of the module (`py::module_& m`) of the function that defines it."""
+    import re
+
+    lambda_params = re.compile(r"\[[^\]]*\]\s*\(([^()]*)\)\s*(?:->[^{]*)?\{")
+    offenders = []
+    for source in sorted((REPO / "python" / "src").rglob("*.cpp")):
+        text = source.read_text()
+        if not re.search(r"py::module_\s*&\s*m\b", text):
+            continue
+        for match in lambda_params.finditer(text):
+            names = [p.strip().split()[-1].lstrip("&*") for p in match.group(1).split(",") if p.strip()]
+            if "m" in names:
+                line = text.count("\n", 0, match.start()) + 1
+                offenders.append(f"{source.relative_to(REPO)}:{line}")
+    assert not offenders, f"binding lambdas with a parameter m shadowing the module: {offenders}"
