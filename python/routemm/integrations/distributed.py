@@ -116,7 +116,7 @@ def _tables(placement: ExpertPlacement, device: torch.device) -> tuple[torch.Ten
 _CHECKED_STACKS: set = set()  # the call shapes _check_local_stacks has seen pass
 
 
-def _check_local_stacks(x, gate_up, down, up, ggml_type) -> None:
+def _check_local_stacks(x, gate_up, down, up, ggml_type, exact: bool) -> None:
     """The local experts' call as torch.ops.routemm.moe_experts will plan it (the stacks' shapes
     against each other and H, their dtypes, ggml_type), with a one-row stand-in for the rows: a
     rank refuses its stacks before any collective, not after its peers have sent it rows. The
@@ -125,13 +125,13 @@ def _check_local_stacks(x, gate_up, down, up, ggml_type) -> None:
     hidden_size = int(x.shape[1])
     device = x.device
     stacks = [t for t in (gate_up, down, up) if t is not None]
-    key = (device, hidden_size, ggml_type, up is None, *((t.shape, t.dtype, t.device) for t in stacks))
+    key = (device, hidden_size, ggml_type, exact, up is None, *((t.shape, t.dtype, t.device) for t in stacks))
     if key in _CHECKED_STACKS:
         return
     x = torch.zeros((1, hidden_size), dtype=torch.float32, device=device)
     ids = torch.zeros((1, 1), dtype=torch.int32, device=device)
     w = torch.ones((1, 1), dtype=torch.float32, device=device)
-    _tensor_ops._moe_experts_plan(_TORCH, x, ids, w, gate_up, down, up, ggml_type, True)
+    _tensor_ops._moe_experts_plan(_TORCH, x, ids, w, gate_up, down, up, ggml_type, exact)
     _CHECKED_STACKS.add(key)
 
 
@@ -151,6 +151,7 @@ def ep_moe_experts(
     group=None,
     up: Optional[torch.Tensor] = None,
     ggml_type: Optional[str] = None,
+    exact: bool = True,
 ) -> torch.Tensor:
     """The MoE experts block, expert parallel over the process group `group` (default: the world).
 
@@ -161,7 +162,10 @@ def ep_moe_experts(
     `ggml_type`, E_local = len(placement.local_experts(rank)). m_r may be 0 and differ per rank.
 
     Returns [m_r, H] in hidden's dtype, bit-identical to torch.ops.routemm.moe_experts(...,
-    exact=True) on the concatenated tokens with the whole stacks. Host reads: the exchanged row
+    exact=True) on the concatenated tokens with the whole stacks. exact=False runs the local
+    experts on the op's automatic route instead (on CUDA the tensor-core routes from the
+    crossover, which it takes from the rows each rank receives): faster, within that route's
+    tolerance of the exact result, without the bit-identity. Host reads: the exchanged row
     counts (one read, which all_to_all_single's split sizes need), and the combine's wait."""
     import torch.distributed as dist
 
@@ -173,6 +177,8 @@ def ep_moe_experts(
         raise InvalidArgumentTypeError(
             f"ep_moe_experts placement must be an ExpertPlacement, got {type(placement).__name__}"
         )
+    if not isinstance(exact, bool):
+        raise InvalidArgumentTypeError(f"ep_moe_experts exact must be a bool, got {type(exact).__name__}")
     if not dist.is_available() or not dist.is_initialized():
         raise InvalidArgumentError("ep_moe_experts needs an initialised torch.distributed process group")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -210,14 +216,14 @@ def ep_moe_experts(
         raise InvalidArgumentError(f"ep_moe_experts top_k and H must be >= 1, got top_k={top_k}, H={hidden_size}")
     _routemm_torch._check_block_type(ggml_type)
     if n_local:
-        _check_local_stacks(hidden, gate_up, down, up, ggml_type)
+        _check_local_stacks(hidden, gate_up, down, up, ggml_type, exact)
     for name, t in (("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
         if t.device != hidden.device:
             raise InvalidArgumentError(f"ep_moe_experts {name} lives on another device than hidden")
     n_experts = placement.n_experts
     x = hidden.to(torch.float32).contiguous()
     d = _dispatch(x, top_k_index, placement, world, group)
-    done = _local_experts(d, gate_up, down, up, ggml_type)
+    done = _local_experts(d, gate_up, down, up, ggml_type, exact)
     out = _combine(d, done, top_k_weights, top_k_index, n_experts, group)
     out = out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
     named = [("hidden", hidden), ("top_k_weights", top_k_weights), ("gate_up", gate_up), ("down", down), ("up", up)]
@@ -268,7 +274,7 @@ def _dispatch(x: torch.Tensor, top_k_index: torch.Tensor, placement: ExpertPlace
     return _Dispatched(sent, send_split, recv_split, rows, local_ids, m, top_k)
 
 
-def _local_experts(d: _Dispatched, gate_up, down, up, ggml_type) -> torch.Tensor:
+def _local_experts(d: _Dispatched, gate_up, down, up, ggml_type, exact: bool = True) -> torch.Tensor:
     """The owner's experts on the received rows, top_k 1 with weight exactly 1.0: each row is its
     expert's down(SiLU(gate x) * up x) as the single-process block computes it (the exact routes do
     not depend on the batch). Only a row of -0.0 comes back as +0.0, which the home combine cannot
@@ -277,7 +283,7 @@ def _local_experts(d: _Dispatched, gate_up, down, up, ggml_type) -> torch.Tensor
     if not n:
         return d.rows
     ones = torch.ones((n, 1), dtype=torch.float32, device=d.rows.device)
-    return torch.ops.routemm.moe_experts(d.rows, d.local_ids[:, None], ones, gate_up, down, up, ggml_type, exact=True)
+    return torch.ops.routemm.moe_experts(d.rows, d.local_ids[:, None], ones, gate_up, down, up, ggml_type, exact=exact)
 
 
 def _combine(d: _Dispatched, done, top_k_weights, top_k_index, n_experts: int, group) -> torch.Tensor:
