@@ -29,3 +29,11 @@ def test_every_markdown_file_named_in_backticks_exists():
         for name in re.findall(r"`([A-Za-z0-9_./-]+\.md)`", doc.read_text()):
             candidates = [REPO / name, REPO / "docs" / name, doc.parent / name]
             assert any(c.exists() for c in candidates), f"{doc.name} names {name}, which is not in the tree"
+
+
+def test_the_quick_starts_test_command_reuses_the_first_commands_build():
+    """Installing from the checkout builds routemm again; only the first quick-start command may."""
+    text = (REPO / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    first, second = re.findall(r"```bash\n(.*?)```", text, re.S)[:2]
+    assert 'pip install ".[test]"' in first and "routemm demo" in first
+    assert "pip install" not in second and "bash tests/run.sh" in second
