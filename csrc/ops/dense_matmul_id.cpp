@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
+#include <cstdlib>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -92,14 +94,40 @@ std::string_view to_string(DenseMatmulIdRoute value) {
   return "?";
 }
 bool expert_id_auto_grouped(std::string_view backend, uint64_t m, uint64_t top_k,
-                            uint64_t n_experts, bool quantized) {
-  if (m < kExpertIdAutoGroupedMinTokens || top_k == 0 || top_k > n_experts) return false;
+                            uint64_t n_experts, bool quantized, uint64_t mm_threshold) {
+  if (m <= mm_threshold || top_k == 0 || top_k > n_experts) return false;
   if (backend != "cuda") return true;
   // m * top_k >= rows * n_experts, without forming the product (n_experts < 2^32, rows <= 256).
   const uint64_t rows = quantized ? kCudaQuantizedGroupedRowsPerExpert : kCudaGroupedRowsPerExpert;
   if (n_experts > UINT64_MAX / rows) return false;
   const uint64_t routed_needed = rows * n_experts;
   return m >= (routed_needed + top_k - 1) / top_k;
+}
+bool expert_id_auto_grouped(std::string_view backend, uint64_t m, uint64_t top_k,
+                            uint64_t n_experts, bool quantized) {
+  return expert_id_auto_grouped(backend, m, top_k, n_experts, quantized,
+                                expert_mm_threshold_from_environment());
+}
+uint64_t expert_mm_threshold_from_environment() {
+  static const uint64_t threshold = [] {
+    constexpr const char* kName = "ROUTEMM_MM_ID_ROUTING_THRESHOLD";
+    const char* raw = std::getenv(kName);
+    std::string value = raw != nullptr ? raw : "";
+    const auto blank = [](unsigned char c) { return std::isspace(c) != 0; };
+    value.erase(value.begin(), std::find_if_not(value.begin(), value.end(), blank));
+    value.erase(std::find_if_not(value.rbegin(), value.rend(), blank).base(), value.end());
+    if (value.empty()) return kExpertMmThreshold;
+    const std::string digits = value[0] == '+' ? value.substr(1) : value;
+    const bool decimal = !digits.empty() && digits.size() <= 10 &&
+                         std::all_of(digits.begin(), digits.end(),
+                                     [](unsigned char c) { return c >= '0' && c <= '9'; });
+    if (!decimal || std::stoull(digits) > UINT32_MAX) {
+      throw InvalidArgument(std::string(kName) + " must be an integer in [0, 4294967295], got '" +
+                            value + "'");
+    }
+    return static_cast<uint64_t>(std::stoull(digits));
+  }();
+  return threshold;
 }
 std::string_view to_string(DenseMatmulIdMapUse value) {
   return value == DenseMatmulIdMapUse::Build ? "build" : "reuse";

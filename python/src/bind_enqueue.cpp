@@ -666,11 +666,11 @@ void init_enqueue(py::module_& m) {
   m.def(
       "_expert_id_auto_grouped",
       [](const std::string& backend, uint64_t tokens, uint64_t top_k, uint64_t n_experts,
-         bool quantized) {
-        return expert_id_auto_grouped(backend, tokens, top_k, n_experts, quantized);
+         bool quantized, uint64_t mm_threshold) {
+        return expert_id_auto_grouped(backend, tokens, top_k, n_experts, quantized, mm_threshold);
       },
-      "The automatic expert-ID route (routemm::expert_id_auto_grouped): True for the exact grouped "
-      "route.");
+      "The automatic expert-ID route (routemm::expert_id_auto_grouped) under the policy's "
+      "expert_mm_threshold: True for the exact grouped route.");
   m.attr("TENSOR_OP_ABI_VERSION") = ROUTEMM_TENSOR_OP_ABI_VERSION;
   m.attr("_tensor_op_abi") =
       py::capsule(static_cast<const void*>(&kTensorOpAbi), ROUTEMM_TENSOR_OP_ABI_CAPSULE);

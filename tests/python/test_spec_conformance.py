@@ -11,6 +11,8 @@ import math
 import os
 import re
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -291,6 +293,70 @@ def _(rng, tmp_path):
     }
     p = Policy(dense_decode_mv_ext=True, expert_q8_0_mv_nr2=True, expert_mm_threshold=3)
     assert Policy.from_json(p.to_json()) == p
+    with pytest.raises(routemm.InvalidArgumentError):
+        Policy.from_dict({**p.to_dict(), "expert_mm_threshold_x": 1})
+
+
+@check("4.1-policy-effects")
+def _(rng, tmp_path):
+    assert set(Policy.RECORDED_ONLY) == {
+        "dense_decode_mvn",
+        "dense_decode_mv_ext",
+        "dense_q6k_mv_nr2",
+        "expert_q6k_mv_nr2",
+        "expert_q8_0_mv_nr2",
+        "expert_tensor_mm",
+    }
+    assert Policy().expert_q8_0_mv_nr2 is False  # the Q8_0 expert mat-vec routemm has
+
+
+def _auto_routes(device, rng, ms, ggml_type=None) -> list:
+    """The route matmul_id's automatic choice takes for distinct ids at each m (8 experts, top_k 2)."""
+    E, n, k = 8, 16, 64
+    w = rng.standard_normal((E, n, k)).astype(np.float32)
+    if ggml_type is not None:
+        w = q4_0.quantize(w.reshape(E * n, k)).reshape(E, n, -1)
+    routes = []
+    for m in ms:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        ids = (np.arange(m)[:, None] + np.arange(2)[None, :]) % E
+        _, receipt = routemm.matmul_id(w, x, ids, device=device, ggml_type=ggml_type, return_receipt=True)
+        routes.append(receipt.route.value)
+    return routes
+
+
+@check("4.1-expert-mm-threshold")
+def _(rng, tmp_path):
+    ms = (1, 8, 9, 16, 17)
+    for device in [d for d in devices() if d.backend != "cuda"]:  # CUDA adds its rows-per-expert rule
+        for ggml_type, grouped in ((None, "grouped_prefill"), (routemm.GgmlType.Q4_0, "grouped")):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.delenv("ROUTEMM_MM_ID_ROUTING_THRESHOLD", raising=False)
+                assert _auto_routes(device, rng, ms, ggml_type) == ["direct"] * 2 + [grouped] * 3  # m > 8
+                mp.setenv("ROUTEMM_MM_ID_ROUTING_THRESHOLD", "16")
+                assert _auto_routes(device, rng, ms, ggml_type) == ["direct"] * 4 + [grouped]
+                mp.setenv("ROUTEMM_MM_ID_ROUTING_THRESHOLD", "0")
+                assert _auto_routes(device, rng, ms, ggml_type) == [grouped] * 5
+                mp.setenv("ROUTEMM_MM_ID_ROUTING_THRESHOLD", "-1")
+                with pytest.raises(routemm.InvalidArgumentError, match="ROUTEMM_MM_ID_ROUTING_THRESHOLD"):
+                    _auto_routes(device, rng, ms[:1], ggml_type)
+    pytest.importorskip("torch")
+    code = (
+        "import torch, routemm\n"
+        "w = torch.randn(8, 16, 64)\n"
+        "for m in (8, 9, 16, 17):\n"
+        "    x, ids = torch.randn(m, 64), (torch.arange(m)[:, None] + torch.arange(2)[None, :]) % 8\n"
+        "    print(routemm.matmul_id(w, x, ids, return_receipt=True)[1].route.value)\n"
+    )
+    for threshold, grouped_from in (("", 1), ("16", 3)):  # tensors: the core reads the variable itself
+        env = dict(os.environ, ROUTEMM_MM_ID_ROUTING_THRESHOLD=threshold)
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.split() == ["direct"] * grouped_from + ["grouped_prefill"] * (4 - grouped_from)
+    from routemm.ops.dense_matmul_id import auto_grouped
+
+    assert auto_grouped("cpu", 9, 2, 8) and not auto_grouped("cpu", 9, 2, 8, mm_threshold=9)
+    assert auto_grouped("cpu", 1, 2, 8, mm_threshold=0)
 
 
 @check("4.1-policy-environment")

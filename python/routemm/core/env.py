@@ -92,7 +92,7 @@ _PYTHON_KNOBS = (
         "ROUTEMM_MM_ID_ROUTING_THRESHOLD",
         "int",
         "8",
-        "GgmlRoutingPolicy.expert_mm_threshold: expert calls above this many tokens take the matrix route (recorded only)",
+        "GgmlRoutingPolicy.expert_mm_threshold: the automatic expert-ID route groups only calls of more than this many tokens (tensor and torch ops and the MoE op: read once, at first use)",
     ),
     Knob(
         "ROUTEMM_Q6K_ID_MV_NR2",

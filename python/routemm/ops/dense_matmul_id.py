@@ -22,6 +22,7 @@ from ..core._devices import _registry_for, _resolve_device
 from ..core._errors import InvalidArgumentError
 from ..core._json import JsonRecord, dtype_from_name
 from ..core._record_checks import SchemaVersioned
+from .quantized_matmul import GgmlRoutingPolicy, ggml_routing_policy
 
 SCHEMA_VERSION: int = _core.DENSE_MATMUL_ID_SCHEMA_VERSION
 PIPELINE_NAMES: tuple[str, ...] = _core.DENSE_MATMUL_ID_PIPELINE_NAMES
@@ -311,14 +312,25 @@ def _declarable_distinct(distinct: bool, top_k: int, n_experts: int) -> bool:
     return distinct and top_k <= n_experts
 
 
-def auto_grouped(device, m: int, top_k: int, n_experts: int, *, quantized: bool = False) -> bool:
+def auto_grouped(
+    device, m: int, top_k: int, n_experts: int, *, quantized: bool = False, mm_threshold: Optional[int] = None
+) -> bool:
     """Whether the automatic expert-ID route (no route given) is the exact grouped one for these
     shapes on `device` (a routemm.Device or a backend name), for ids that may be declared distinct
-    per token: from AUTO_GROUPED_MIN_TOKENS tokens on; on CUDA also only from 8 routed rows per
-    expert on average (256 for GGML block stacks), where grouping pays there. The core's rule
-    (routemm::expert_id_auto_grouped), the one the tensor and torch ops use."""
+    per token: for more than `mm_threshold` tokens (GgmlRoutingPolicy.expert_mm_threshold; None
+    takes the policy frozen into the device's registry, else the environment's, so 8 by default);
+    on CUDA also only from 8 routed rows per expert on average (256 for GGML block stacks), where
+    grouping pays there. The core's rule (routemm::expert_id_auto_grouped), the one the tensor and
+    torch ops use (they read the threshold from the environment once)."""
     backend = device if isinstance(device, str) else device.backend
-    return _core._expert_id_auto_grouped(backend, int(m), int(top_k), int(n_experts), bool(quantized))
+    if mm_threshold is None:
+        # The rule is pure: a backend this build lacks still has one, under the environment's policy.
+        available = not isinstance(device, str) or device in _core.available_backends()
+        registry = _registry_for(_resolve_device(device, "auto_grouped")) if available else None
+        frozen = ggml_routing_policy(registry) if registry is not None else None
+        mm_threshold = (frozen or GgmlRoutingPolicy.from_environment()).expert_mm_threshold
+    threshold = check_uint("auto_grouped", "mm_threshold", mm_threshold)
+    return _core._expert_id_auto_grouped(backend, int(m), int(top_k), int(n_experts), bool(quantized), threshold)
 
 
 def _pick_route(

@@ -147,19 +147,20 @@ class GgmlRoutingPolicy(JsonRecord):
     which). `dense_int8_dot` (off by default: reduced precision) makes every Q4_0 / Q8_0 call run
     the int8-dot pipeline of its regime where the backend has it (the CPU): activations rounded to
     int8 per 32-value block, integer dot products, F32 accumulation, within the bound of
-    docs/numerics.md; the receipt's route is then "int8_dot", elsewhere the exact routes run. The
-    other fields (RECORDED_ONLY) name routes of formats or kernels routemm does not
-    have yet -- K-quant width-mN tiles, mul_mv_ext, the Q6_K nr2 mat-vecs, the quantised expert
-    routes: they are accepted, validated, recorded in every receipt and used by the structural
-    planner (`plan_dense_auto_route`, `ggml_capability`), and change no dispatch until those
-    kernels exist."""
+    docs/numerics.md; the receipt's route is then "int8_dot", elsewhere the exact routes run.
+    `expert_mm_threshold` is the automatic expert-ID route's: it groups only calls of more than
+    that many tokens (dense_matmul_id.auto_grouped). The other fields (RECORDED_ONLY) name
+    kernels routemm does not have -- K-quant width-mN tiles, mul_mv_ext, the Q6_K nr2 mat-vecs,
+    an nr2 Q8_0 expert mat-vec -- or, for `expert_tensor_mm`, a choice the automatic expert-ID
+    route never faces (it takes the exact routes; tensor routes run only when named): they are
+    accepted, validated, recorded in every receipt and used by the structural planner
+    (`plan_dense_auto_route`, `ggml_capability`), and change no dispatch."""
 
     SCHEMA = "ggml_routing_policy.schema.json"
     RECORDED_ONLY: ClassVar[tuple[str, ...]] = (
         "dense_decode_mvn",
         "dense_decode_mv_ext",
         "dense_q6k_mv_nr2",
-        "expert_mm_threshold",
         "expert_q6k_mv_nr2",
         "expert_q8_0_mv_nr2",
         "expert_tensor_mm",

@@ -190,7 +190,9 @@ class DenseMatmulIdScratch {
 
 // The automatic route of an expert-ID call that names none (`matmul_id`, the MoE layer, the
 // tensor and torch ops), for ids that may be declared distinct per token: true for the exact
-// grouped route, false for direct. From kExpertIdAutoGroupedMinTokens tokens on, on every backend;
+// grouped route, false for direct. Only for more than `mm_threshold` tokens
+// (GgmlRoutingPolicy.expert_mm_threshold, spec §4.1; by default kExpertMmThreshold, so from
+// kExpertIdAutoGroupedMinTokens tokens on), on every backend;
 // on CUDA also only once the rows routed per expert reach kCudaGroupedRowsPerExpert (dense
 // stacks) or kCudaQuantizedGroupedRowsPerExpert (GGML block stacks) on average
 // (m * top_k >= rows * n_experts), because CUDA's direct kernels share a weight tile among the
@@ -204,8 +206,17 @@ class DenseMatmulIdScratch {
 inline constexpr uint64_t kExpertIdAutoGroupedMinTokens = 9;
 inline constexpr uint64_t kCudaGroupedRowsPerExpert = 8;
 inline constexpr uint64_t kCudaQuantizedGroupedRowsPerExpert = 256;
+inline constexpr uint64_t kExpertMmThreshold = kExpertIdAutoGroupedMinTokens - 1;
+bool expert_id_auto_grouped(std::string_view backend, uint64_t m, uint64_t top_k,
+                            uint64_t n_experts, bool quantized, uint64_t mm_threshold);
+// The same under the environment's threshold (expert_mm_threshold_from_environment), for the
+// callers that take no policy: the tensor and torch ops and the MoE op.
 bool expert_id_auto_grouped(std::string_view backend, uint64_t m, uint64_t top_k,
                             uint64_t n_experts, bool quantized);
+// ROUTEMM_MM_ID_ROUTING_THRESHOLD, read once at first use (as the tensor ops' other routing
+// knobs): unset or blank is kExpertMmThreshold; anything but a decimal integer in [0, 2^32 - 1]
+// is an InvalidArgument naming the variable (and is read again at the next use).
+uint64_t expert_mm_threshold_from_environment();
 
 // Exact byte extents for one call, with checked arithmetic; no allocation, no compilation.
 DenseMatmulIdCapability dense_matmul_id_capability(DType weight_dtype,
