@@ -4,7 +4,7 @@ ranks of a process group.
 Each rank holds a slice of the experts (an `ExpertPlacement` says which rank owns which global
 expert) and its own tokens. `ep_moe_experts` sends every (token, slot) row to the rank that owns
 the slot's expert (all_to_all_single, row counts exchanged first), runs the local experts there
-through torch.ops.routemm.moe_experts on its exact routes, sends the rows back and combines each
+through torch.ops.routemm.moe_experts on its exact routes (or, exact=False, its automatic route), sends the rows back and combines each
 token's slots in slot order on the token's home rank with routemm's moe_combine. The result is
 bit-identical to the single-process block, torch.ops.routemm.moe_experts(..., exact=True), on the
 concatenated tokens, whatever the world size and placement.
