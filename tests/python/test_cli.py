@@ -18,7 +18,7 @@ from routemm import env
 from routemm.cli import demo
 
 REPO = Path(__file__).resolve().parents[2]
-COMMANDS = ("demo", "backends", "knobs", "help")
+COMMANDS = ("demo", "gguf-sample", "backends", "knobs", "help")
 
 
 def routemm_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ import sys
 from .. import _core
 from ..core import env
 from ..core._errors import Error
-from . import demo
+from . import demo, gguf_sample
 
 _DESCRIPTION = (
     "routemm: native kernels for LLM inference (expert-ID matmul, GGML Q4_0 projections) with explicit, "
@@ -58,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
             demo.main,
             "run a random MoE expert projection on the best backend, both routes, checked against float64",
             demo.__doc__.split("\n\n", 1)[1].strip(),
+        )
+    )
+    gguf_sample.add_arguments(
+        command(
+            "gguf-sample",
+            gguf_sample.main,
+            "write a small MoE GGUF file (random weights) of a named architecture and expert type",
+            gguf_sample.__doc__.split("\n\n", 1)[1].strip(),
         )
     )
     command("backends", _backends, "list the backends this build knows and why any is unavailable")
