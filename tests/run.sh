@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: pytest against the installed package, then the C++ core under ctest.
+# The whole test suite: pytest against the installed package (installed from this checkout first
+# when it is not there), then the C++ core under ctest.
 #
 # Arguments go to pytest (e.g. `bash tests/run.sh -k demo`). Extra CMake arguments for the ctest
 # build go in ROUTEMM_CTEST_CMAKE_ARGS; its build folder in ROUTEMM_CTEST_BUILD_DIR (default
@@ -14,6 +15,14 @@ set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${ROUTEMM_CTEST_BUILD_DIR:-$root/build/ctest}
 jobs=$(nproc 2>/dev/null || sysctl -n hw.ncpu 2>/dev/null || echo 2)
+
+# On a machine where routemm (or what its tests need) is not installed yet, install this checkout
+# with its test extra first, so that this one command also works on a fresh machine; after the
+# README's first command it finds the install and builds nothing.
+if ! python -c "import routemm, pytest, hypothesis" >/dev/null 2>&1; then
+  echo "run.sh: routemm or its test dependencies are not installed: python -m pip install \"$root[test]\""
+  python -m pip install "$root[test]" || { echo "run.sh: the install failed" >&2; exit 1; }
+fi
 
 python -m pytest "$root/tests/python" -q -p no:cacheprovider "$@"
 status=$?

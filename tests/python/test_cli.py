@@ -304,6 +304,36 @@ def test_run_sh_without_cmake_says_how_to_install_and_keeps_pytest_status(tmp_pa
     assert "C++ tests NOT run" in empty.stderr
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not found")
+def test_run_sh_installs_the_checkout_first_where_routemm_is_not_installed(tmp_path):
+    """On a fresh machine `bash tests/run.sh` alone installs this checkout with its test extra, then
+    tests it; where routemm imports it installs nothing. A stand-in `python` records the calls."""
+    log = tmp_path / "calls.txt"
+    for installed, expect_install in ((False, True), (True, False)):
+        folder = tmp_path / ("installed" if installed else "fresh")
+        folder.mkdir()
+        path = _path_without_build_tools(folder)
+        (Path(path) / "python").write_text(
+            "#!/bin/sh\n"
+            f'echo "$*" >> "{log}"\n'
+            'case "$*" in *"import routemm"*) exit ' + ("0" if installed else "1") + " ;; esac\n"
+            "exit 0\n"
+        )
+        log.write_text("")
+        run = subprocess.run(
+            [shutil.which("bash"), str(REPO / "tests" / "run.sh")],
+            env={**os.environ, "PATH": path}, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        calls = log.read_text().splitlines()
+        installs = [c for c in calls if c.startswith("-m pip install")]
+        assert bool(installs) == expect_install, calls
+        if expect_install:
+            assert installs == [f"-m pip install {REPO}[test]"], installs
+            assert "routemm or its test dependencies are not installed" in run.stdout
+        assert any(c.startswith("-m pytest") for c in calls), calls
+        assert run.returncode == 0, run.stdout + run.stderr
+
+
 def _last_line(run: subprocess.CompletedProcess) -> str:
     return (run.stdout + run.stderr).strip().splitlines()[-1]
 
