@@ -143,18 +143,18 @@ def test_capability_matches_independent_model(case):
         want_error = None
     except Rejected as rejected:
         want, want_error = None, str(rejected)
-    params = routemm.DenseMatmulIdParams(
-        m=m,
-        n=n,
-        k=k,
-        top_k=top_k,
-        n_experts=n_experts,
-        expert_stride_bytes=stride,
-        input_layout=layout,
-        id_multiplicity=mult,
-        route=route,
-    )
-    try:
+    try:  # the params check their fields when built, the capability the rest
+        params = routemm.DenseMatmulIdParams(
+            m=m,
+            n=n,
+            k=k,
+            top_k=top_k,
+            n_experts=n_experts,
+            expert_stride_bytes=stride,
+            input_layout=layout,
+            id_multiplicity=mult,
+            route=route,
+        )
         got = routemm.dense_matmul_id_capability(dtype, params)
     except routemm.InvalidArgumentError as error:
         assert want_error is not None, f"rejected valid params: {error}"

@@ -115,7 +115,9 @@ class GgmlQuantizedMatmulIdParams(JsonRecord, SchemaVersioned):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._native_params  # noqa: B018  (the fields are checked at construction, not at the first call)
+        # Built and dropped: the cached property stays empty until the first call, so the instance's
+        # __dict__ holds its fields only (type(p)(**p.__dict__) rebuilds it).
+        type(self)._native_params.func(self)  # the fields are checked at construction, not at the first call
 
     @functools.cached_property
     def _native_params(self) -> _core._GgmlQuantizedMatmulIdParams:
