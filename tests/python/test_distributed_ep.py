@@ -20,8 +20,8 @@ import traceback
 import numpy as np
 import pytest
 import routemm
-import torch
 
+torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with the gloo backend is not available", allow_module_level=True)
