@@ -237,6 +237,273 @@ void q6_k_dequantize(const uint8_t* b, float* y) {
   }
 }
 
+// ---- K-quant reference quantisers (no importance matrix) ------------------------------------------
+// Each step is ggml's quantize_row_q{4,5,6}_K_ref's, in the same order and in F32: the sums
+// accumulate left to right, ints convert to float where the reference's C promotions put them, and
+// narrowing conversions wrap as the reference's stores do. Inputs the reference does not guard
+// (infinities, NaN, values past 2^22 in a step) take the same path through the same operations.
+
+// Round to nearest by the reference's magic-number addition: exact for |v| <= 2^22 - 1; beyond
+// that (and for NaN) the same bits the reference gets.
+int nearest_int(float v) {
+  const float biased = v + 12582912.f;
+  return static_cast<int>(std::bit_cast<uint32_t>(biased) & 0x007fffffu) - 0x00400000;
+}
+
+template <class T>
+T clamp_int(T v, T lo, T hi) {
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+
+// One 32-value sub-block of Q4_K / Q5_K: codes L in [0, nmax] for x ~ scale * L - the_min, the
+// scale and min chosen by a weighted least-squares search over nstep + 1 candidate scales.
+float fit_scale_min(const float* x, const float* w, int nmax, float rmin, float rdelta, int nstep,
+                    uint8_t* L, float& the_min) {
+  constexpr int n = 32;
+  std::array<uint8_t, n> trial{};
+  float min = x[0], max = x[0];
+  float sum_w = w[0];
+  float sum_x = sum_w * x[0];
+  for (int i = 1; i < n; ++i) {
+    if (x[i] < min) min = x[i];
+    if (x[i] > max) max = x[i];
+    sum_w += w[i];
+    sum_x += w[i] * x[i];
+  }
+  if (min > 0) min = 0;
+  if (max == min) {
+    std::fill(L, L + n, uint8_t{0});
+    the_min = -min;
+    return 0.0f;
+  }
+  float iscale = static_cast<float>(nmax) / (max - min);
+  float scale = 1 / iscale;
+  float best_error = 0;
+  for (int i = 0; i < n; ++i) {
+    L[i] = static_cast<uint8_t>(clamp_int(nearest_int(iscale * (x[i] - min)), 0, nmax));
+    float diff = scale * static_cast<float>(L[i]) + min - x[i];
+    diff = diff * diff;
+    best_error += w[i] * diff;
+  }
+  for (int is = 0; is <= nstep; ++is) {
+    iscale = (rmin + rdelta * static_cast<float>(is) + static_cast<float>(nmax)) / (max - min);
+    float sum_l = 0, sum_l2 = 0, sum_xl = 0;
+    for (int i = 0; i < n; ++i) {
+      const int l = clamp_int(nearest_int(iscale * (x[i] - min)), 0, nmax);
+      trial[i] = static_cast<uint8_t>(l);
+      const float fl = static_cast<float>(l);
+      sum_l += w[i] * fl;
+      sum_l2 += w[i] * fl * fl;
+      sum_xl += w[i] * fl * x[i];
+    }
+    const float det = sum_w * sum_l2 - sum_l * sum_l;
+    if (det > 0) {
+      float this_scale = (sum_w * sum_xl - sum_x * sum_l) / det;
+      float this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det;
+      if (this_min > 0) {
+        this_min = 0;
+        this_scale = sum_xl / sum_l2;
+      }
+      float cur_error = 0;
+      for (int i = 0; i < n; ++i) {
+        float diff = this_scale * static_cast<float>(trial[i]) + this_min - x[i];
+        diff = diff * diff;
+        cur_error += w[i] * diff;
+      }
+      if (cur_error < best_error) {
+        std::copy(trial.begin(), trial.end(), L);
+        best_error = cur_error;
+        scale = this_scale;
+        min = this_min;
+      }
+    }
+  }
+  the_min = -min;
+  return scale;
+}
+
+// Q4_K and Q5_K share everything but the code width and the search's first candidate: per
+// sub-block scales and mins, both quantised to 6 bits against the block's largest, then the codes
+// requantised with the stored (binary16-rounded) scales. Fills d, dmin and the 12 scale bytes at
+// `b`; returns the codes in L.
+void k_scales_and_codes(const float* x, uint8_t* b, int nmax, float rmin, int nstep,
+                        std::array<uint8_t, kQKK>& L) {
+  std::array<float, 8> scales{}, mins{};
+  std::array<float, 32> weights{};
+  float max_scale = 0, max_min = 0;
+  for (size_t j = 0; j < 8; ++j) {
+    const float* xs = x + 32 * j;
+    float sum_x2 = 0;
+    for (size_t l = 0; l < 32; ++l) sum_x2 += xs[l] * xs[l];
+    const float av_x = std::sqrt(sum_x2 / 32);
+    for (size_t l = 0; l < 32; ++l) weights[l] = av_x + std::fabs(xs[l]);
+    scales[j] =
+        fit_scale_min(xs, weights.data(), nmax, rmin, 0.1f, nstep, L.data() + 32 * j, mins[j]);
+    if (scales[j] > max_scale) max_scale = scales[j];
+    if (mins[j] > max_min) max_min = mins[j];
+  }
+  const float inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f;
+  const float inv_min = max_min > 0 ? 63.f / max_min : 0.f;
+  uint8_t* sc = b + 4;
+  for (size_t j = 0; j < 8; ++j) {
+    const uint8_t ls =
+        std::min<uint8_t>(63, static_cast<uint8_t>(nearest_int(inv_scale * scales[j])));
+    const uint8_t lm = std::min<uint8_t>(63, static_cast<uint8_t>(nearest_int(inv_min * mins[j])));
+    if (j < 4) {
+      sc[j] = ls;
+      sc[j + 4] = lm;
+    } else {
+      sc[j + 4] = static_cast<uint8_t>((ls & 0xF) | ((lm & 0xF) << 4));
+      sc[j - 4] = static_cast<uint8_t>(sc[j - 4] | ((ls >> 4) << 6));
+      sc[j] = static_cast<uint8_t>(sc[j] | ((lm >> 4) << 6));
+    }
+  }
+  put_half(b, max_scale / 63.f);
+  put_half(b + 2, max_min / 63.f);
+  const float d_all = half_at(b), dmin_all = half_at(b + 2);
+  for (size_t j = 0; j < 8; ++j) {
+    uint8_t s, m;
+    scale_min_k4(j, sc, s, m);
+    const float d = d_all * static_cast<float>(s);
+    if (d == 0.0f) continue;  // the sub-block keeps the codes of its fit
+    const float dm = dmin_all * static_cast<float>(m);
+    for (size_t i = 0; i < 32; ++i) {
+      L[32 * j + i] =
+          static_cast<uint8_t>(clamp_int(nearest_int((x[32 * j + i] + dm) / d), 0, nmax));
+    }
+  }
+}
+
+void q4_k_quantize(const float* x, uint8_t* b) {
+  std::array<uint8_t, kQKK> L{};
+  k_scales_and_codes(x, b, 15, -1.f, 20, L);
+  uint8_t* q = b + 16;
+  for (size_t j = 0; j < kQKK; j += 64) {
+    for (size_t l = 0; l < 32; ++l) q[l] = static_cast<uint8_t>(L[j + l] | (L[j + l + 32] << 4));
+    q += 32;
+  }
+}
+
+void q5_k_quantize(const float* x, uint8_t* b) {
+  std::array<uint8_t, kQKK> L{};
+  k_scales_and_codes(x, b, 31, -0.5f, 15, L);
+  uint8_t* qh = b + 16;
+  uint8_t* ql = b + 48;
+  std::fill(qh, qh + 32, uint8_t{0});
+  uint8_t m1 = 1, m2 = 2;
+  for (size_t n = 0; n < kQKK; n += 64) {
+    for (size_t j = 0; j < 32; ++j) {
+      int l1 = L[n + j], l2 = L[n + j + 32];
+      if (l1 > 15) {
+        l1 -= 16;
+        qh[j] |= m1;
+      }
+      if (l2 > 15) {
+        l2 -= 16;
+        qh[j] |= m2;
+      }
+      ql[j] = static_cast<uint8_t>(l1 | (l2 << 4));
+    }
+    m1 = static_cast<uint8_t>(m1 << 2);
+    m2 = static_cast<uint8_t>(m2 << 2);
+    ql += 32;
+  }
+}
+
+// One 16-value sub-block of Q6_K: signed codes L - 32 in [-32, 31] for x ~ scale * (L - 32),
+// the scale chosen among 19 candidates by the x^2-weighted fit (ggml's make_qx_quants, type 1).
+float fit_scale_signed(const float* x, int8_t* L) {
+  constexpr int n = 16, nmax = 32;
+  float max = 0, amax = 0;
+  for (int i = 0; i < n; ++i) {
+    const float ax = std::fabs(x[i]);
+    if (ax > amax) {
+      amax = ax;
+      max = x[i];
+    }
+  }
+  if (amax < 1e-15f) {  // an all-zero sub-block
+    std::fill(L, L + n, int8_t{0});
+    return 0.f;
+  }
+  const auto fit = [&](float iscale, float& sumlx, float& suml2) {
+    sumlx = suml2 = 0;
+    for (int i = 0; i < n; ++i) {
+      const float fl = static_cast<float>(clamp_int(nearest_int(iscale * x[i]), -nmax, nmax - 1));
+      const float w = x[i] * x[i];
+      sumlx += w * x[i] * fl;
+      suml2 += w * fl * fl;
+    }
+  };
+  const auto store = [&](float iscale) {
+    for (int i = 0; i < n; ++i) {
+      L[i] = static_cast<int8_t>(nmax + clamp_int(nearest_int(iscale * x[i]), -nmax, nmax - 1));
+    }
+  };
+  float iscale = static_cast<float>(-nmax) / max;
+  float sumlx, suml2;
+  fit(iscale, sumlx, suml2);
+  store(iscale);
+  float scale = suml2 != 0 ? sumlx / suml2 : 0.0f;
+  float best = scale * sumlx;
+  for (int is = -9; is <= 9; ++is) {
+    if (is == 0) continue;
+    iscale = -(static_cast<float>(nmax) + 0.1f * static_cast<float>(is)) / max;
+    fit(iscale, sumlx, suml2);
+    if (suml2 > 0 && sumlx * sumlx > best * suml2) {
+      store(iscale);
+      scale = sumlx / suml2;
+      best = scale * sumlx;
+    }
+  }
+  return scale;
+}
+
+void q6_k_quantize(const float* x, uint8_t* b) {
+  std::array<int8_t, kQKK> L{};
+  std::array<float, 16> scales{};
+  float max_scale = 0, max_abs_scale = 0;
+  for (size_t ib = 0; ib < 16; ++ib) {
+    scales[ib] = fit_scale_signed(x + 16 * ib, L.data() + 16 * ib);
+    const float abs_scale = std::fabs(scales[ib]);
+    if (abs_scale > max_abs_scale) {
+      max_abs_scale = abs_scale;
+      max_scale = scales[ib];
+    }
+  }
+  if (max_abs_scale < 1e-15f) {  // an all-zero block: every byte zero
+    std::fill(b, b + 210, uint8_t{0});
+    return;
+  }
+  uint8_t* ql = b;
+  uint8_t* qh = b + 128;
+  auto* sc = reinterpret_cast<int8_t*>(b + 192);
+  const float iscale = -128.f / max_scale;
+  put_half(b + 208, 1 / iscale);
+  for (size_t ib = 0; ib < 16; ++ib) {
+    sc[ib] = static_cast<int8_t>(std::min(127, nearest_int(iscale * scales[ib])));
+  }
+  const float d_all = half_at(b + 208);
+  for (size_t j = 0; j < 16; ++j) {
+    const float d = d_all * static_cast<float>(sc[j]);
+    if (d == 0.0f) continue;  // the sub-block keeps the codes of its fit
+    for (size_t i = 0; i < 16; ++i) {
+      L[16 * j + i] = static_cast<int8_t>(clamp_int(nearest_int(x[16 * j + i] / d), -32, 31) + 32);
+    }
+  }
+  for (size_t j = 0; j < kQKK; j += 128) {
+    for (size_t l = 0; l < 32; ++l) {
+      const auto code = [&](size_t k) { return static_cast<uint8_t>(L[j + l + k]); };
+      ql[l] = static_cast<uint8_t>((code(0) & 0xF) | ((code(64) & 0xF) << 4));
+      ql[l + 32] = static_cast<uint8_t>((code(32) & 0xF) | ((code(96) & 0xF) << 4));
+      qh[l] = static_cast<uint8_t>((code(0) >> 4) | ((code(32) >> 4) << 2) |
+                                   ((code(64) >> 4) << 4) | ((code(96) >> 4) << 6));
+    }
+    ql += 64;
+    qh += 32;
+  }
+}
+
 // ---- MXFP4: one E8M0 exponent, 16 bytes of FP4 (E2M1) codes ---------------------------------------
 
 // The E2M1 values, doubled (so they are integers); the block's scale is halved to match.
@@ -292,9 +559,9 @@ constexpr std::array<Format, 9> kFormats = {{
     {"q5_0", kQK, 22, &q5_0_dequantize, &q5_0_quantize},
     {"q5_1", kQK, 24, &q5_1_dequantize, &q5_1_quantize},
     {"q8_0", kQK, 34, &q8_0_dequantize, &q8_0_quantize},
-    {"q4_k", kQKK, 144, &q4_k_dequantize, nullptr},
-    {"q5_k", kQKK, 176, &q5_k_dequantize, nullptr},
-    {"q6_k", kQKK, 210, &q6_k_dequantize, nullptr},
+    {"q4_k", kQKK, 144, &q4_k_dequantize, &q4_k_quantize},
+    {"q5_k", kQKK, 176, &q5_k_dequantize, &q5_k_quantize},
+    {"q6_k", kQKK, 210, &q6_k_dequantize, &q6_k_quantize},
     {"mxfp4", kQK, 17, &mxfp4_dequantize, &mxfp4_quantize},
 }};
 

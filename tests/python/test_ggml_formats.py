@@ -21,6 +21,20 @@ TYPES = {
 QUANTIZED = [name for name, f in FORMATS.items() if f.has_quantizer]
 
 
+def _gguf_has_quantizer(name: str) -> bool:
+    try:
+        quants.quantize(np.zeros((1, FORMATS[name].block_values), np.float32), TYPES[name])
+    except NotImplementedError:
+        return False
+    return True
+
+
+# The gguf package quantises the 32-value formats; the K-quants' quantisers are checked against
+# digests of ggml's own output below (bench/peer/ggml_quant_check.py compares them row by row).
+GGUF_QUANTIZED = [name for name in QUANTIZED if _gguf_has_quantizer(name)]
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
+
+
 def _random_blocks(name: str, blocks: int, seed: int) -> np.ndarray:
     """Random block bytes whose binary16 scales are finite and small (E8M0 exponents in range):
     random codes, random scales, so every bit of every field is exercised."""
@@ -55,7 +69,7 @@ def test_dequantize_is_bit_identical_to_gguf(name):
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
 
 
-@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("name", GGUF_QUANTIZED)
 def test_quantize_is_byte_identical_to_gguf(name):
     f = FORMATS[name]
     rng = np.random.default_rng(2)
@@ -68,10 +82,67 @@ def test_quantize_is_byte_identical_to_gguf(name):
     assert np.array_equal(routemm.dequantize(got, routemm.GgmlType(name)), quants.dequantize(want, TYPES[name]))
 
 
-@pytest.mark.parametrize("name", [n for n in TYPES if n not in QUANTIZED])
-def test_k_quant_quantize_is_refused_by_name(name):
-    with pytest.raises(routemm.InvalidArgumentError, match=f"{name} quantize: routemm has no reference quantiser"):
-        routemm.quantize(np.zeros((1, 256), np.float32), name)
+def _golden_rows() -> np.ndarray:
+    """Eight 256-value rows made by exact arithmetic only (a 64-bit LCG's top bits, scaled by powers
+    of two), so they are the same on every platform: a plain row, negative-only, constant, half
+    zero, tiny (2^-60), huge (2^50), one outlier, every other value zero."""
+    a, c = np.uint64(6364136223846793005), np.uint64(1442695040888963407)
+    state, seq = np.uint64(0x9E3779B97F4A7C15), np.empty(8 * 256, np.uint64)
+    with np.errstate(over="ignore"):
+        for i in range(seq.size):
+            state = state * a + c
+            seq[i] = state
+    rows = (((seq >> np.uint64(40)).astype(np.float32) - np.float32(2**23)) * np.float32(2.0**-21)).reshape(8, 256)
+    rows[1] = -np.abs(rows[1])
+    rows[2] = rows[2, 0]
+    rows[3, :128] = 0
+    rows[4] *= np.float32(2.0**-60)
+    rows[5] *= np.float32(2.0**50)
+    rows[6, 17] = 4096.0
+    rows[7, ::2] = 0
+    return rows
+
+
+# SHA-256 of ggml's quantize_row_<type>_ref over _golden_rows() (ggml 0.25.3, llama.cpp 0c1e570,
+# as vendored by the llama-cpp-python 0.3.36 sdist).
+GGML_K_QUANT_DIGESTS = {
+    "q4_k": "ba8afd60bda04b99fc78e604b1b5a3628f575cf969fc6bff405a9cfd453ac73c",
+    "q5_k": "45fe12f0f72181d984d5718d0cf9774f8338d1b3ef6b436731d24aee28b47308",
+    "q6_k": "db3f445108e694c10fceeabdfc17329b03a9feefea82cad97cc214db87cc972c",
+}
+
+
+@pytest.mark.parametrize("name", K_QUANTS)
+def test_k_quant_quantize_matches_ggml_bytes(name):
+    import hashlib
+
+    got = routemm.quantize(_golden_rows(), name)
+    assert got.shape == (8, FORMATS[name].block_bytes)
+    assert hashlib.sha256(got.tobytes()).hexdigest() == GGML_K_QUANT_DIGESTS[name]
+
+
+# Bounds of the K-quant round trip on unit normal rows, a little above what ggml's quantisers give
+# (max error / the super-block's max |x|, and RMS error / RMS value: Q4_K 0.076 / 0.071, Q5_K
+# 0.046 / 0.036, Q6_K 0.016 / 0.018).
+K_ROUND_TRIP_BOUNDS = {"q4_k": (0.09, 0.08), "q5_k": (0.055, 0.042), "q6_k": (0.02, 0.021)}
+
+
+@pytest.mark.parametrize("name", K_QUANTS)
+def test_k_quant_round_trip(name):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 1024)).astype(np.float32)
+    blocks = routemm.quantize(x, name)
+    y = routemm.dequantize(blocks, name)
+    assert np.array_equal(y, quants.dequantize(blocks, TYPES[name]).astype(np.float32))
+    max_bound, rms_bound = K_ROUND_TRIP_BOUNDS[name]
+    per_block = np.abs(y - x).reshape(-1, 256).max(axis=1) / np.abs(x).reshape(-1, 256).max(axis=1)
+    assert per_block.max() < max_bound
+    assert np.sqrt(np.mean((y - x) ** 2) / np.mean(x**2)) < rms_bound
+    assert not routemm.quantize(np.zeros((2, 256), np.float32), name).any()  # zeros: every byte zero
+    for value in (0.37, -0.37, 3.0):  # a constant row comes back within its binary16 scale's rounding
+        const = np.full((1, 256), value, np.float32)
+        back = routemm.dequantize(routemm.quantize(const, name), name)
+        assert np.abs(back - const).max() <= 5e-4 * abs(value)
 
 
 def test_refusals_name_the_argument():

@@ -3,9 +3,9 @@
 
 The table is the core's (routemm/ggml_formats.h): q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k
 and mxfp4. Every format's dequantiser is bit-identical to ggml's to_float (dequantize_row_*);
-q4_0, q4_1, q5_0, q5_1, q8_0 and mxfp4 have a quantiser byte-identical to ggml's
-quantize_row_*_ref (no importance matrix); the K-quants' reference quantisers are not written
-yet (quantize refuses them by name). Arrays of any rank are (de)quantised along their last axis.
+every format's quantiser is byte-identical to ggml's quantize_row_*_ref (no importance matrix;
+bench/peer/ggml_quant_check.py compares them with ggml's own library). Arrays of any rank are
+(de)quantised along their last axis.
 `ggml_type` is a routemm.GgmlType member or its value ("q4_k").
 """
 
