@@ -16,6 +16,28 @@ std::atomic<uint64_t> g_next_authority{1};
 
 }  // namespace
 
+uint64_t swap_next_registry_authority_id_for_testing(uint64_t next) {
+  return g_next_authority.exchange(next);
+}
+
+namespace {
+
+// The next authority id, 1 to 2^64 - 2. Exhaustion is refused, never wrapped (the reference
+// panics on checked_add): a wrapped id would give a new registry an older one's authority over its
+// frozen plans. The counter stays where it is, so every later attempt is refused too.
+uint64_t take_authority_id() {
+  uint64_t id = g_next_authority.load();
+  do {
+    if (id == 0 || id == UINT64_MAX) {
+      throw Error("KernelRegistry: registry authority ids are exhausted (" +
+                  std::to_string(UINT64_MAX - 1) + " registries were created in this process)");
+    }
+  } while (!g_next_authority.compare_exchange_weak(id, id + 1));
+  return id;
+}
+
+}  // namespace
+
 std::string pipeline_label(std::string_view name,
                            std::span<const std::pair<uint32_t, int32_t>> int_constants) {
   std::string label(name);
@@ -89,7 +111,7 @@ ParsedPipelineLabel parse_pipeline_label(std::string_view label) {
 }
 
 KernelRegistry::KernelRegistry(const Device& device)
-    : device_(device), authority_id_(g_next_authority.fetch_add(1)) {
+    : device_(device), authority_id_(take_authority_id()) {
   for (const KernelDef& def : device_.backend()->kernels()) kernels_.emplace(def.name, def);
 }
 

@@ -32,6 +32,10 @@ void init_registry(py::module_& m) {
       .def_property_readonly("bool_constants", &Pipeline::bool_constants)
       .def("_identity", [](const Pipeline& p) { return identity_dict(p.identity()); });
 
+  m.def("_swap_next_registry_authority_id", &swap_next_registry_authority_id_for_testing,
+        py::arg("next"),
+        "Test hook: the id the next KernelRegistry takes; returns the one it replaces.");
+
   py::class_<KernelRegistry, std::shared_ptr<KernelRegistry>>(m, "KernelRegistry")
       .def(py::init<const Device&>(), py::arg("device"))
       .def_property_readonly("device", &KernelRegistry::device)

@@ -107,6 +107,25 @@ def test_authority_ids_distinct(device):
     assert ids == sorted(ids)
 
 
+def test_authority_ids_refuse_exhaustion_instead_of_wrapping(device):
+    """The process-wide counter hands out ids up to 2^64 - 2 and then refuses to create a registry
+    (the reference panics on checked_add): wrapping would give a new registry the id of an older
+    one, and with it the older one's frozen plans' authority."""
+    from routemm import _core
+
+    saved = _core._swap_next_registry_authority_id(2**64 - 2)
+    try:
+        last = routemm.KernelRegistry(device)
+        assert last.authority_id == 2**64 - 2
+        for _ in range(2):  # refused each time, the counter left where it is
+            with pytest.raises(routemm.Error, match=r"KernelRegistry: .*authority ids are exhausted"):
+                routemm.KernelRegistry(device)
+        assert _core._swap_next_registry_authority_id(2**64 - 1) == 2**64 - 1
+    finally:
+        _core._swap_next_registry_authority_id(saved)
+    assert routemm.KernelRegistry(device).authority_id == saved
+
+
 def test_identity_names_the_code_behind_a_name(registry):
     """Registering another kernel under a name changes the identity (its entry point), so plans and
     fingerprints see that the code behind the name changed."""

@@ -187,6 +187,27 @@ def test_params_refuse_bad_fields_at_construction(make, message):
         make()
 
 
+def test_expert_id_params_check_and_cache_through_one_mechanism():
+    """DenseMatmulIdParams and GgmlQuantizedMatmulIdParams define only how their native params are
+    built (`_native`); the construction-time check and the once-built cache are one shared
+    mechanism, so the two records cannot drift apart."""
+    from routemm.ops.dense_matmul_id import _NativeParams
+
+    made = (
+        routemm.DenseMatmulIdParams(m=2, n=8, k=32, top_k=1, n_experts=2, expert_stride_bytes=1024),
+        routemm.GgmlQuantizedMatmulIdParams(
+            m=2, n=8, k=32, top_k=1, n_experts=2, ggml_type=routemm.GgmlType.Q4_0, expert_stride_bytes=144
+        ),
+    )
+    for params in made:
+        kind = type(params)
+        assert issubclass(kind, _NativeParams)
+        assert {"__post_init__", "_native_params"}.isdisjoint(vars(kind)) and "_native" in vars(kind)
+        assert "_native_params" not in vars(params)  # checked at construction, built at first use
+        assert kind(**vars(params)) == params
+        assert params._native_params is params._native_params
+
+
 # ---- KernelRegistry.get_pipeline -----------------------------------------------------------------
 
 

@@ -77,6 +77,10 @@ struct ParsedPipelineLabel {
 // signs but a value's '-', no spaces or leading zeros); anything else is InvalidArgument.
 ParsedPipelineLabel parse_pipeline_label(std::string_view label);
 
+// Test hook: sets the id the next KernelRegistry takes and returns the one it replaces (to reach
+// the counter's exhaustion in a test).
+uint64_t swap_next_registry_authority_id_for_testing(uint64_t next);
+
 class KernelRegistry {
  public:
   explicit KernelRegistry(const Device& device);

@@ -67,8 +67,24 @@ class DenseMatmulIdRoute(enum.Enum):
         return self not in (DenseMatmulIdRoute.DIRECT, DenseMatmulIdRoute.DIRECT_BF16_DOT)
 
 
+class _NativeParams:
+    """The one mechanism of the params records the native core checks: a subclass's `_native()`
+    builds its native params, raising InvalidArgumentError for a bad field. The fields are checked
+    at construction, and the native params built once per (immutable) instance, at the first call."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Built and dropped: the cached property stays empty until the first call, so the instance's
+        # __dict__ holds its fields only (type(p)(**p.__dict__) rebuilds it).
+        self._native()
+
+    @functools.cached_property
+    def _native_params(self):
+        return self._native()
+
+
 @dataclasses.dataclass(frozen=True)
-class DenseMatmulIdParams(JsonRecord, SchemaVersioned):
+class DenseMatmulIdParams(_NativeParams, JsonRecord, SchemaVersioned):
     """Dimensions, the expert stride and the explicit route of one expert-ID product."""
 
     SCHEMA = "dense_matmul_id_params.schema.json"
@@ -82,17 +98,6 @@ class DenseMatmulIdParams(JsonRecord, SchemaVersioned):
     id_multiplicity: DenseMatmulIdMultiplicity = DenseMatmulIdMultiplicity.DISTINCT_PER_TOKEN
     route: DenseMatmulIdRoute = DenseMatmulIdRoute.DIRECT
     schema_version: int = SCHEMA_VERSION
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        # Built and dropped: the cached property stays empty until the first call, so the instance's
-        # __dict__ holds its fields only (type(p)(**p.__dict__) rebuilds it).
-        type(self)._native_params.func(self)  # the fields are checked at construction, not at the first call
-
-    @functools.cached_property
-    def _native_params(self) -> _core._DenseMatmulIdParams:
-        """The native params, built once per (immutable) instance."""
-        return self._native()
 
     def _native(self) -> _core._DenseMatmulIdParams:
         op = "dense_matmul_id"

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 
 import numpy as np
 
@@ -55,6 +54,7 @@ from .dense_matmul_id import (
     _check_shapes,
     _checked_reuse_map,
     _declarable_distinct,
+    _NativeParams,
     auto_grouped,
     ids_distinct_per_token,
 )
@@ -64,7 +64,9 @@ SCHEMA_VERSION: int = _core.GGML_QUANTIZED_MATMUL_ID_SCHEMA_VERSION
 PIPELINE_NAMES: tuple[str, ...] = _core.GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES
 TENSOR_PIPELINE_NAMES: tuple[str, ...] = _core.GGML_QUANTIZED_MATMUL_ID_TENSOR_PIPELINE_NAMES
 INT8_DOT_PIPELINE_NAMES: tuple[str, ...] = _core.GGML_QUANTIZED_MATMUL_ID_INT8_DOT_PIPELINE_NAMES
-SUPPORTED_TYPES: tuple[GgmlType, ...] = (GgmlType.Q4_0, GgmlType.Q8_0)
+SUPPORTED_TYPES: tuple[GgmlType, ...] = tuple(
+    GgmlType(name) for name in ("q4_0", "q8_0", *(f[0] for f in _core.GGML_KERNEL_FORMATS))
+)
 
 
 class GgmlQuantizedMatmulIdRoute(enum.Enum):
@@ -93,7 +95,7 @@ _U32_FIELDS = ("m", "n", "k", "top_k", "n_experts")
 
 
 @dataclasses.dataclass(frozen=True)
-class GgmlQuantizedMatmulIdParams(JsonRecord, SchemaVersioned):
+class GgmlQuantizedMatmulIdParams(_NativeParams, JsonRecord, SchemaVersioned):
     """Dimensions, block type, expert stride, input layout and the explicit route of one call.
 
     m = tokens (rows of ids), n = output features per expert, k = input width (a multiple of 32),
@@ -113,15 +115,7 @@ class GgmlQuantizedMatmulIdParams(JsonRecord, SchemaVersioned):
     route: GgmlQuantizedMatmulIdRoute = GgmlQuantizedMatmulIdRoute.DIRECT
     schema_version: int = SCHEMA_VERSION
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        # Built and dropped: the cached property stays empty until the first call, so the instance's
-        # __dict__ holds its fields only (type(p)(**p.__dict__) rebuilds it).
-        type(self)._native_params.func(self)  # the fields are checked at construction, not at the first call
-
-    @functools.cached_property
-    def _native_params(self) -> _core._GgmlQuantizedMatmulIdParams:
-        """The native params, built once per (immutable) instance."""
+    def _native(self) -> _core._GgmlQuantizedMatmulIdParams:
         op = "quantized_matmul_id_ggml"
         m, n, k, top_k, n_experts = (check_uint(op, name, getattr(self, name)) for name in _U32_FIELDS)
         stride = check_uint(op, "expert_stride_bytes", self.expert_stride_bytes, 64)
@@ -263,7 +257,8 @@ def _supported_type(ggml_type) -> GgmlType:
     """matmul_id's ggml_type as a GgmlType of the block stacks it runs (SUPPORTED_TYPES)."""
     ggml_type = GgmlType(ggml_type)
     if ggml_type not in SUPPORTED_TYPES:
-        raise InvalidArgumentError(f"matmul_id does not support {ggml_type.value} weights (supported: q4_0, q8_0)")
+        supported = ", ".join(t.value for t in SUPPORTED_TYPES)
+        raise InvalidArgumentError(f"matmul_id does not support {ggml_type.value} weights (supported: {supported})")
     return ggml_type
 
 
