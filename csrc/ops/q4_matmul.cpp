@@ -14,6 +14,7 @@
 
 #include "backend/common/q4_0_block.h"
 #include "routemm/error.h"
+#include "routemm/ggml_formats.h"
 
 namespace routemm {
 namespace {
@@ -115,8 +116,15 @@ struct Route {
   bool int8_dot = false;
 };
 
-// The int8-dot pipeline of a (validated) type and regime.
+// The kernel format of a type beyond Q4_0 / Q8_0 (ggml_formats.h), or nullptr.
+const ggml_formats::KernelFormat* kernel_format(GgmlType type) {
+  return ggml_formats::kernel_format(static_cast<uint8_t>(type));
+}
+
+// The int8-dot pipeline of a (validated) type and regime: Q4_0 and Q8_0 have one; the other
+// formats none (empty).
 std::string_view int8_dot_pipeline(GgmlType type, bool mat_vec) {
+  if (kernel_format(type) != nullptr) return {};
   return kGgmlInt8DotPipelineNames[(type == GgmlType::Q8_0 ? 2 : 0) + (mat_vec ? 0 : 1)];
 }
 
@@ -124,6 +132,13 @@ std::string_view int8_dot_pipeline(GgmlType type, bool mat_vec) {
 std::string_view pipeline_name(GgmlType type, const Route& choice) {
   const std::optional<DenseQ4Route> route = choice.route;
   if (choice.int8_dot) return int8_dot_pipeline(type, !route.has_value());
+  if (const ggml_formats::KernelFormat* f = kernel_format(type)) {
+    // One mat-vec and one matrix route (the simdgroup route's geometry), as Q8_0.
+    if (route && *route != DenseQ4Route::CompatibilitySimdgroup) {
+      fail("has no " + std::string(to_string(*route)) + " route for " + std::string(f->name));
+    }
+    return route ? f->matrix : f->mat_vec;
+  }
   if (type == GgmlType::Q8_0) {
     if (route && *route != DenseQ4Route::CompatibilitySimdgroup) {
       fail("has no " + std::string(to_string(*route)) + " route for q8_0");
@@ -401,8 +416,14 @@ void validate_quantized_matmul_ggml_call(const Buffer& input, const Buffer& weig
     fail("M=" + std::to_string(p.m) + ", N=" + std::to_string(p.n) + ", K=" + std::to_string(p.k) +
          " exceeds the signed kernel ABI (i32::MAX)");
   }
-  if (p.ggml_type != GgmlType::Q4_0 && p.ggml_type != GgmlType::Q8_0) {
-    fail("does not support " + std::string(to_string(p.ggml_type)) + " (supported: q4_0, q8_0)");
+  if (p.ggml_type != GgmlType::Q4_0 && p.ggml_type != GgmlType::Q8_0 &&
+      kernel_format(p.ggml_type) == nullptr) {
+    std::string supported = "q4_0, q8_0";
+    for (const ggml_formats::KernelFormat& f : ggml_formats::kKernelFormats) {
+      supported += ", " + std::string(f.name);
+    }
+    fail("does not support " + std::string(to_string(p.ggml_type)) + " (supported: " + supported +
+         ")");
   }
   if (p.m == 0 || p.n == 0 || p.k == 0) {
     fail("M, K, and N must all be > 0 (got M=" + std::to_string(p.m) +
@@ -455,15 +476,17 @@ GgmlQuantizedMatmulReceipt dense_q4_auto(CommandEncoder& encoder, KernelRegistry
   validate_quantized_matmul_ggml_call(input, weight, output, params);
   Route choice{std::nullopt, MatVecThreshold};
   const bool mat_vec = params.m <= kGgmlMmRoutingThreshold;
-  if (policy.dense_int8_dot && registry.has_kernel(int8_dot_pipeline(params.ggml_type, mat_vec))) {
+  const std::string_view int8_dot = int8_dot_pipeline(params.ggml_type, mat_vec);
+  if (policy.dense_int8_dot && !int8_dot.empty() && registry.has_kernel(int8_dot)) {
     // The reduced-precision opt-in, where the backend has it (the CPU); no plan is consulted.
     if (!mat_vec) choice = {DenseQ4Route::CompatibilitySimdgroup, PolicyInt8Dot};
     choice.int8_dot = true;
   } else if (mat_vec && params.ggml_type == GgmlType::Q8_0) {
     // Spec §5.5: the nr2 mat-vec by default; a backend without it keeps the other mat-vec.
     choice.q8_0_nr2 = policy.dense_q8_0_mv_nr2 && registry.has_kernel(kQ8_0MatVecNr2Pipeline);
-  } else if (params.m > kGgmlMmRoutingThreshold && params.ggml_type == GgmlType::Q8_0) {
-    // Q8_0 has one matrix route and no calibration: the simdgroup-compatible one.
+  } else if (params.m > kGgmlMmRoutingThreshold && params.ggml_type != GgmlType::Q4_0) {
+    // Q8_0 and the other formats have one matrix route and no calibration: the
+    // simdgroup-compatible one.
     choice = {DenseQ4Route::CompatibilitySimdgroup, IneligibleCompatibilityFallback};
   } else if (params.m > kGgmlMmRoutingThreshold) {
     DenseQ4RouteSelection selected = select_dense_q4_route(registry, device, params, policy);

@@ -7,6 +7,7 @@
 
 #include "ops/expert_id_encoding.h"
 #include "routemm/error.h"
+#include "routemm/ggml_formats.h"
 
 namespace routemm {
 namespace {
@@ -53,10 +54,31 @@ ByteRange required_range(const Buffer& buffer, uint64_t required) {
 
 bool overlaps(ByteRange a, ByteRange b) { return a.start < b.end && b.start < a.end; }
 
-bool is_supported(GgmlType type) { return type == GgmlType::Q4_0 || type == GgmlType::Q8_0; }
+// The kernel format of a type beyond Q4_0 / Q8_0 (ggml_formats.h), or nullptr.
+const ggml_formats::KernelFormat* kernel_format(GgmlType type) {
+  return ggml_formats::kernel_format(static_cast<uint8_t>(type));
+}
 
-// Block scales are binary16 read in place: every block must start on an even byte.
-constexpr uint64_t kBlockAlignment = 2;
+bool is_supported(GgmlType type) {
+  return type == GgmlType::Q4_0 || type == GgmlType::Q8_0 || kernel_format(type) != nullptr;
+}
+
+std::string supported_types() {
+  std::string names = "q4_0, q8_0";
+  for (const ggml_formats::KernelFormat& f : ggml_formats::kKernelFormats) {
+    names += ", " + std::string(f.name);
+  }
+  return names;
+}
+
+[[noreturn]] void fail_unsupported(GgmlType type) {
+  fail("does not support " + std::string(to_string(type)) + " (supported: " + supported_types() +
+       ")");
+}
+
+// Q4_0 / Q8_0 block scales are binary16 read in place: every block must start on an even byte.
+// The other formats' kernels read their blocks bytewise (MXFP4 blocks are 17 bytes).
+uint64_t block_alignment(GgmlType type) { return kernel_format(type) != nullptr ? 1 : 2; }
 
 }  // namespace
 
@@ -76,8 +98,11 @@ GgmlQuantizedMatmulIdCapability quantized_matmul_id_ggml_capability(
   if (p.m == 0 || p.n == 0 || p.k == 0 || p.top_k == 0 || p.n_experts == 0) {
     fail("M, N, K, top_k, and n_experts must be nonzero");
   }
-  if (!is_supported(p.ggml_type)) {
-    fail("does not support " + std::string(to_string(p.ggml_type)) + " (supported: q4_0, q8_0)");
+  if (!is_supported(p.ggml_type)) fail_unsupported(p.ggml_type);
+  if (kernel_format(p.ggml_type) != nullptr && p.route != GgmlQuantizedMatmulIdRoute::Direct &&
+      p.route != GgmlQuantizedMatmulIdRoute::Grouped) {
+    fail("route " + std::string(to_string(p.route)) + " supports q4_0 and q8_0 only, not " +
+         std::string(to_string(p.ggml_type)) + " (its routes: direct, grouped)");
   }
   const auto [qk, block_bytes] = ggml_block_layout(p.ggml_type);
   if (p.k % qk != 0) {
@@ -98,7 +123,7 @@ GgmlQuantizedMatmulIdCapability quantized_matmul_id_ggml_capability(
     fail("expert stride " + std::to_string(p.expert_stride_bytes) + " is smaller than one " +
          std::to_string(matrix_bytes) + "-byte matrix");
   }
-  if (p.expert_stride_bytes % kBlockAlignment != 0) {
+  if (p.expert_stride_bytes % block_alignment(p.ggml_type) != 0) {
     fail("expert stride " + std::to_string(p.expert_stride_bytes) +
          " is not aligned to the 2-byte block scale");
   }
@@ -136,7 +161,8 @@ GgmlQuantizedMatmulIdCapability validate_quantized_matmul_id_ggml_call(
     const Buffer& weights, const Buffer& input, const Buffer& expert_ids, const Buffer& output,
     const DenseMatmulIdScratch* scratch, const GgmlQuantizedMatmulIdParams& params) {
   const GgmlQuantizedMatmulIdCapability cap = quantized_matmul_id_ggml_capability(params);
-  validate_buffer("weights", weights, DType::U8, cap.required_weight_bytes, kBlockAlignment);
+  validate_buffer("weights", weights, DType::U8, cap.required_weight_bytes,
+                  block_alignment(params.ggml_type));
   validate_buffer("input", input, DType::F32, cap.required_input_bytes, 4);
   validate_buffer("expert IDs", expert_ids, DType::U32, cap.required_ids_bytes, 4);
   validate_buffer("output", output, DType::F32, cap.required_output_bytes, 4);
@@ -182,8 +208,15 @@ GgmlQuantizedMatmulIdCapability validate_quantized_matmul_id_ggml_call(
 
 std::vector<std::string_view> quantized_matmul_id_ggml_route_pipelines(
     GgmlType type, GgmlQuantizedMatmulIdRoute route) {
-  if (!is_supported(type)) {
-    fail("does not support " + std::string(to_string(type)) + " (supported: q4_0, q8_0)");
+  if (!is_supported(type)) fail_unsupported(type);
+  if (const ggml_formats::KernelFormat* f = kernel_format(type)) {
+    switch (route) {
+      case GgmlQuantizedMatmulIdRoute::Direct: return {f->id_direct};
+      case GgmlQuantizedMatmulIdRoute::Grouped: return {kDenseMatmulIdMapPipeline, f->id_grouped};
+      default:
+        fail("route " + std::string(to_string(route)) + " supports q4_0 and q8_0 only, not " +
+             std::string(to_string(type)) + " (its routes: direct, grouped)");
+    }
   }
   const size_t index = type == GgmlType::Q4_0 ? 0 : 1;
   switch (route) {

@@ -114,6 +114,15 @@ void init_q4(py::module_& m) {
                                 f.quantize_block != nullptr));
   }
   m.attr("GGML_FORMATS") = py::tuple(table);
+  // The formats beyond Q4_0 / Q8_0 that have kernels, with their pipelines (ggml_formats.h):
+  // (name, GgmlType code, block values, block bytes, mat-vec, matrix, id direct, id grouped).
+  py::list kernel_formats;
+  for (const ggml_formats::KernelFormat& f : ggml_formats::kKernelFormats) {
+    kernel_formats.append(py::make_tuple(
+        std::string(f.name), f.ggml_type, f.block_values, f.block_bytes, std::string(f.mat_vec),
+        std::string(f.matrix), std::string(f.id_direct), std::string(f.id_grouped)));
+  }
+  m.attr("GGML_KERNEL_FORMATS") = py::tuple(kernel_formats);
   m.def(
       "_ggml_quantize",
       [](const std::string& name,

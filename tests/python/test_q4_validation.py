@@ -76,19 +76,19 @@ def test_messages_in_order(device, registry):
     steps = [
         # (params, buffer overrides, expected message)
         (
-            Params(2**31, 5, 48, GgmlType.Q6_K),
+            Params(2**31, 5, 48, GgmlType.Q3_K),
             dict(input_dtype=DType.F16, input_bytes=8, weight_bytes=1, output_bytes=4),
             r"quantized_matmul_ggml requires F32 input, native U8 GGUF blocks, and F32 output; got input f16",
         ),
         (
-            Params(2**31, 5, 48, GgmlType.Q6_K),
+            Params(2**31, 5, 48, GgmlType.Q3_K),
             dict(input_bytes=8, weight_bytes=1, output_bytes=4),
             r"exceeds the signed kernel ABI",
         ),
         (
-            Params(4, 5, 0, GgmlType.Q6_K),
+            Params(4, 5, 0, GgmlType.Q3_K),
             dict(input_bytes=8, weight_bytes=1, output_bytes=4),
-            r"quantized_matmul_ggml does not support q6_k \(supported: q4_0, q8_0\)",
+            r"quantized_matmul_ggml does not support q3_k \(supported: q4_0, q8_0, q4_1, q5_0, q5_1, mxfp4, q4_k, q5_k, q6_k\)",
         ),
         (Params(4, 5, 0), dict(input_bytes=8, weight_bytes=1, output_bytes=4), r"M, K, and N must all be > 0"),
         (
@@ -149,7 +149,8 @@ def test_dtype_rejections(device, registry, which, dtype):
     )
 
 
-@pytest.mark.parametrize("ggml_type", [t for t in GgmlType if t not in (GgmlType.Q4_0, GgmlType.Q8_0)])
+# The types without kernels (the others: test_ggml_format_kernels.py).
+@pytest.mark.parametrize("ggml_type", [GgmlType.Q2_K, GgmlType.Q3_K, GgmlType.IQ4_NL, GgmlType.IQ4_XS])
 def test_unsupported_types(device, registry, ggml_type):
     bufs = _buffers(device, 4, 5, 256)
     _expect_nothing_encoded(

@@ -230,8 +230,8 @@ def test_matmul_id_high_level_rejections(rng):
     ids = np.zeros((3, 2), np.int32)
     with pytest.raises(routemm.InvalidArgumentError, match="distinct per token"):
         routemm.matmul_id(w, x, ids, ggml_type=GgmlType.Q4_0, route=Route.GROUPED)
-    with pytest.raises(routemm.InvalidArgumentError, match="does not support q6_k"):
-        routemm.matmul_id(w, x, ids, ggml_type=GgmlType.Q6_K)
+    with pytest.raises(routemm.InvalidArgumentError, match="does not support q3_k"):
+        routemm.matmul_id(w, x, ids, ggml_type=GgmlType.Q3_K)
     with pytest.raises(routemm.InvalidArgumentError, match="must be uint8"):
         routemm.matmul_id(w.astype(np.int8), x, ids, ggml_type=GgmlType.Q4_0)
     with pytest.raises(routemm.InvalidArgumentError, match=r"k / 32 \* 34"):

@@ -28,7 +28,10 @@ def _params(**kw):
     [
         (dict(m=0), "M, N, K, top_k, and n_experts must be nonzero"),
         (dict(n_experts=0), "M, N, K, top_k, and n_experts must be nonzero"),
-        (dict(ggml_type=GgmlType.Q6_K), r"does not support q6_k \(supported: q4_0, q8_0\)"),
+        (
+            dict(ggml_type=GgmlType.Q3_K),
+            r"does not support q3_k \(supported: q4_0, q8_0, q4_1, q5_0, q5_1, mxfp4, q4_k, q5_k, q6_k\)",
+        ),
         (dict(k=48), r"K \(48\) must be divisible by block QK \(32\)"),
         (dict(top_k=9, route=Route.GROUPED), "distinct top_k 9 exceeds n_experts 8"),
         (dict(n_experts=1025, route=Route.GROUPED), "grouped route supports at most 1024 experts"),

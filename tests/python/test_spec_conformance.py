@@ -489,7 +489,7 @@ def _(rng, tmp_path):
     device = cpu()
     registry = routemm.KernelRegistry(device)
     w, x, y, _ = q4_call(device, 64, 256, 4, rng)
-    for t in (routemm.GgmlType.Q6_K, routemm.GgmlType.Q4_K):
+    for t in (routemm.GgmlType.Q2_K, routemm.GgmlType.Q3_K, routemm.GgmlType.IQ4_XS):
         params = routemm.GgmlQuantizedMatmulParams(4, 64, 256, t)
         with pytest.raises(routemm.InvalidArgumentError, match=f"does not support {t.value}"):
             routemm.quantized_matmul_ggml(device.command_encoder(), registry, x, w, y, params, Policy())

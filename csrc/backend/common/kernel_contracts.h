@@ -26,6 +26,7 @@
 #include "routemm/backend.h"
 #include "routemm/checked.h"
 #include "routemm/error.h"
+#include "routemm/ggml_formats.h"
 #include "routemm/ops/dense_matmul_id.h"
 #include "routemm/ops/moe.h"
 #include "routemm/ops/q4_matmul.h"
@@ -202,58 +203,60 @@ void check_dense_matmul_id_grouped_args(const KernelLaunch& launch) {
 
 // ---- Quantised expert-ID matmul (GGML block stacks) ---------------------------------------------
 
-// Weights [n_experts] x [n, k / 32 * BlockBytes] at expert_stride_bytes (2-byte aligned: every
-// block starts with its f16 scale), input and output as the dense routes.
-template <uint64_t BlockBytes>
+// Weights [n_experts] x [n, k / BlockValues * BlockBytes] at expert_stride_bytes (Align-byte
+// aligned: Q4_0 / Q8_0 blocks start with an f16 scale read in place, 2; the formats of
+// ggml_formats.h kKernelFormats are read bytewise, 1), input and output as the dense routes.
+template <uint64_t BlockBytes, uint64_t BlockValues = 32, uint64_t Align = 2>
 void quantized_matmul_id_operands(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p,
                                   size_t output_slot) {
   const std::string what = launch.label + " extents";
-  if (p.k % 32 != 0) contract_violation(launch, "K is not a multiple of the 32-value block");
-  if (p.expert_stride_bytes % 2 != 0)
-    contract_violation(launch, "expert stride is not 2-byte aligned");
-  const uint64_t matrix = checked_mul(p.n, uint64_t{p.k} / 32 * BlockBytes, what);
+  if (p.k % BlockValues != 0) contract_violation(launch, "K is not a multiple of the block");
+  if (p.expert_stride_bytes % Align != 0)
+    contract_violation(launch, "expert stride is not " + std::to_string(Align) + "-byte aligned");
+  const uint64_t matrix = checked_mul(p.n, uint64_t{p.k} / BlockValues * BlockBytes, what);
   const uint64_t weights =
       checked_add(checked_mul(p.n_experts - 1, p.expert_stride_bytes, what), matrix, what);
-  contract_buffer(launch, 1, "weights", weights, 2, Access::Read);
+  contract_buffer(launch, 1, "weights", weights, Align, Access::Read);
   contract_buffer(launch, 2, "input", dense_matmul_id_input_bytes(p, what), 4, Access::Read);
   contract_buffer(launch, output_slot, "output", checked_product({p.m, p.top_k, p.n, 4}, what), 4,
                   Access::Write);
 }
 
 // Slots: 0 params, 1 weights, 2 input, 3 expert ids, 4 output.
-template <uint64_t BlockBytes>
+template <uint64_t BlockBytes, uint64_t BlockValues = 32, uint64_t Align = 2>
 void check_quantized_matmul_id_direct_args(const KernelLaunch& launch) {
   contract_slot_count(launch, 5);
   const auto p = dense_matmul_id_params(launch);
-  quantized_matmul_id_operands<BlockBytes>(launch, p, 4);
+  quantized_matmul_id_operands<BlockBytes, BlockValues, Align>(launch, p, 4);
   contract_buffer(launch, 3, "expert ids", checked_product({p.m, p.top_k, 4}, launch.label), 4,
                   Access::Read);
 }
 
 // Slots: 0 params, 1 weights, 2 input, 3 expert counts, 4 routed rows, 5 output.
-template <uint64_t BlockBytes>
+template <uint64_t BlockBytes, uint64_t BlockValues = 32, uint64_t Align = 2>
 void check_quantized_matmul_id_grouped_args(const KernelLaunch& launch) {
   contract_slot_count(launch, 6);
   const auto p = dense_matmul_id_params(launch);
   const std::string what = launch.label + " extents";
-  quantized_matmul_id_operands<BlockBytes>(launch, p, 5);
+  quantized_matmul_id_operands<BlockBytes, BlockValues, Align>(launch, p, 5);
   contract_buffer(launch, 3, "expert counts", checked_mul(p.n_experts, 4, what), 4, Access::Read);
   contract_buffer(launch, 4, "routed rows", routed_rows_bytes(p, what), 4, Access::Read);
 }
 
 // ---- GGML Q4_0 projections (q4_0_block.h) -----------------------------------------------------
 
-// Weight [n, k] in GGML block rows of `block_bytes` per 32 values (U8 bytes: every route reads a
-// block's scale bytewise, so any offset is valid), input [m, k] F32, output [m, n] F32.
+// Weight [n, k] in GGML block rows of `block_bytes` per `block_values` values (U8 bytes: every
+// route reads a block's scale bytewise, so any offset is valid), input [m, k] F32, output [m, n]
+// F32.
 inline void ggml_operands(const KernelLaunch& launch, int64_t m, int64_t n, int64_t k,
-                          uint64_t block_bytes, size_t weight_slot, size_t input_slot,
-                          size_t output_slot) {
-  if (m <= 0 || n <= 0 || k <= 0 || k % kQ4_0BlockValues != 0)
-    contract_violation(launch, "params have a nonpositive extent or K not a multiple of 32");
+                          uint64_t block_bytes, uint64_t block_values, size_t weight_slot,
+                          size_t input_slot, size_t output_slot) {
+  if (m <= 0 || n <= 0 || k <= 0 || static_cast<uint64_t>(k) % block_values != 0)
+    contract_violation(launch, "params have a nonpositive extent or K not a multiple of the block");
   const std::string what = launch.label + " extents";
   const auto um = static_cast<uint64_t>(m), un = static_cast<uint64_t>(n),
              uk = static_cast<uint64_t>(k);
-  const uint64_t row_bytes = uk / kQ4_0BlockValues * block_bytes;
+  const uint64_t row_bytes = uk / block_values * block_bytes;
   contract_buffer(launch, weight_slot, "weight", checked_mul(un, row_bytes, what), 1, Access::Read);
   contract_buffer(launch, input_slot, "input", checked_product({um, uk, 4}, what), 4, Access::Read);
   contract_buffer(launch, output_slot, "output", checked_product({um, un, 4}, what), 4,
@@ -261,27 +264,44 @@ inline void ggml_operands(const KernelLaunch& launch, int64_t m, int64_t n, int6
 }
 
 // Slots: 0 weight, 1 input, 2 output, 3 params.
-template <uint64_t BlockBytes>
+template <uint64_t BlockBytes, uint64_t BlockValues = kQ4_0BlockValues>
 void check_ggml_matvec_args(const KernelLaunch& launch) {
   contract_slot_count(launch, 4);
   const auto p = contract_params<GgmlMatmulMvParams>(launch, 3);
   if (p.ne00 != p.ne10 || p.ne01 != p.ne0 || p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 || p.r3 != 1)
     contract_violation(launch, "inconsistent mat-vec params");
-  ggml_operands(launch, p.ne1, p.ne0, p.ne00, BlockBytes, 0, 1, 2);
+  ggml_operands(launch, p.ne1, p.ne0, p.ne00, BlockBytes, BlockValues, 0, 1, 2);
 }
 
 // Slots: 0 params, 1 weight, 2 input, 3 output.
-template <uint64_t BlockBytes>
+template <uint64_t BlockBytes, uint64_t BlockValues = kQ4_0BlockValues>
 void check_ggml_matrix_args(const KernelLaunch& launch) {
   contract_slot_count(launch, 4);
   const auto p = contract_params<GgmlMatmulMmParams>(launch, 0);
   if (p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 || p.r3 != 1 || p.nb10 != 4 || p.ne00 <= 0 ||
-      p.nb11 != uint64_t(p.ne00) * 4 ||
-      p.nb01 != uint64_t(p.ne00) / kQ4_0BlockValues * BlockBytes) {
+      p.nb11 != uint64_t(p.ne00) * 4 || p.nb01 != uint64_t(p.ne00) / BlockValues * BlockBytes) {
     contract_violation(launch,
                        "inconsistent matrix params (only contiguous batch-1 inputs are supported)");
   }
-  ggml_operands(launch, p.ne1, p.ne0, p.ne00, BlockBytes, 1, 2, 3);
+  ggml_operands(launch, p.ne1, p.ne0, p.ne00, BlockBytes, BlockValues, 1, 2, 3);
+}
+
+// The four pipelines of ggml_formats.h's kKernelFormats[Index] (the Q8_0 pipelines' slots, with
+// the format's block geometry; blocks read bytewise) when `name` is one of them.
+template <size_t Index>
+KernelArgCheck ggml_format_arg_contract(std::string_view name) {
+  constexpr ggml_formats::KernelFormat f = ggml_formats::kKernelFormats[Index];
+  if (name == f.mat_vec) return &check_ggml_matvec_args<f.block_bytes, f.block_values>;
+  if (name == f.matrix) return &check_ggml_matrix_args<f.block_bytes, f.block_values>;
+  if (name == f.id_direct)
+    return &check_quantized_matmul_id_direct_args<f.block_bytes, f.block_values, 1>;
+  if (name == f.id_grouped)
+    return &check_quantized_matmul_id_grouped_args<f.block_bytes, f.block_values, 1>;
+  if constexpr (Index + 1 < ggml_formats::kKernelFormats.size()) {
+    return ggml_format_arg_contract<Index + 1>(name);
+  } else {
+    return nullptr;
+  }
 }
 
 // ---- MoE layer (moe_params.h) -------------------------------------------------------------------
@@ -336,7 +356,8 @@ inline void check_moe_combine_args(const KernelLaunch& launch) {
 // kDenseMatmulIdTensorPipelineNames, kDenseMatmulIdBf16DotPipelineNames, kQ4MatmulPipelineNames,
 // kQ8MatmulPipelineNames, kQ8_0MatVecNr2Pipeline, kGgmlInt8DotPipelineNames,
 // kGgmlQuantizedMatmulIdPipelineNames, kGgmlQuantizedMatmulIdTensorPipelineNames,
-// kGgmlQuantizedMatmulIdInt8DotPipelineNames, kMoePipelineNames or the two calibration kernels.
+// kGgmlQuantizedMatmulIdInt8DotPipelineNames, kMoePipelineNames, the two calibration kernels or
+// the pipelines of ggml_formats.h's kKernelFormats.
 // Backends call this while building their kernel lists, so a kernel added without a contract
 // fails when its backend opens instead of going unchecked.
 inline KernelArgCheck kernel_arg_contract(std::string_view name) {
@@ -417,6 +438,7 @@ inline KernelArgCheck kernel_arg_contract(std::string_view name) {
   for (const auto& [known, check] : table) {
     if (known == name) return check;
   }
+  if (const KernelArgCheck check = ggml_format_arg_contract<0>(name)) return check;
   throw Error("no argument contract for kernel '" + std::string(name) + "'");
 }
 

@@ -278,6 +278,7 @@ class CpuBackend final : public Backend {
     add_dense_matmul_id_bf16_dot_kernels(kernels_);
     add_q4_matmul_kernels(kernels_);
     add_quantized_matmul_id_kernels(kernels_);
+    add_ggml_format_kernels(kernels_);
     add_moe_kernels(kernels_);
     add_calibration_kernels(kernels_);
   }

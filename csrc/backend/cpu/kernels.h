@@ -19,6 +19,9 @@ void add_dense_matmul_id_bf16_dot_kernels(std::vector<KernelDef>& out);
 void add_q4_matmul_kernels(std::vector<KernelDef>& out);
 // Pipelines of csrc/ops/quantized_matmul_id.cpp (kGgmlQuantizedMatmulIdPipelineNames).
 void add_quantized_matmul_id_kernels(std::vector<KernelDef>& out);
+// The dense and expert-ID pipelines of ggml_formats.h's kKernelFormats (Q4_1, Q5_0, Q5_1, MXFP4,
+// Q4_K, Q5_K, Q6_K), ggml_format_kernels.cpp.
+void add_ggml_format_kernels(std::vector<KernelDef>& out);
 // MoE layer kernels (kMoePipelineNames of csrc/ops/moe.cpp), moe.cpp.
 void add_moe_kernels(std::vector<KernelDef>& out);
 // Route-calibration proof kernels (routemm_calibration_poison_f32 / _compare_f32), calibration.cpp.
