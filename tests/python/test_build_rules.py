@@ -140,3 +140,16 @@ def test_binding_lambdas_do_not_shadow_the_module_parameter():
                 line = text.count("\n", 0, match.start()) + 1
                 offenders.append(f"{source.relative_to(REPO)}:{line}")
     assert not offenders, f"binding lambdas with a parameter m shadowing the module: {offenders}"
+
+
+def test_metal_emu_runtime_compiles_without_shadowing():
+    """csrc/backend/metal_emu/runtime.cpp builds under the project's -Wshadow without a warning (a
+    lambda's local once took the name of the static it initialises)."""
+    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        pytest.skip("no C++ compiler on PATH")
+    source = REPO / "csrc" / "backend" / "metal_emu" / "runtime.cpp"
+    flags = ["-std=c++20", "-fsyntax-only", "-Wshadow", "-Werror=shadow"]
+    includes = [f"-I{REPO / 'csrc' / 'include'}", f"-I{REPO / 'csrc'}"]
+    done = subprocess.run([compiler, *flags, *includes, str(source)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -352,17 +352,17 @@ const std::vector<Segment>& program_segments() {
     dl_iterate_phdr(
         [](dl_phdr_info* info, size_t, void* data) {
           auto& s = *static_cast<Search*>(data);
-          std::vector<Segment> segments;
+          std::vector<Segment> loaded;
           bool mine = false;
           for (int i = 0; i < info->dlpi_phnum; ++i) {
             const auto& h = info->dlpi_phdr[i];
             if (h.p_type != PT_LOAD) continue;
             const Segment seg{info->dlpi_addr + h.p_vaddr, info->dlpi_addr + h.p_vaddr + h.p_memsz};
             mine = mine || (s.anchor >= seg.begin && s.anchor < seg.end);
-            segments.push_back(seg);
+            loaded.push_back(seg);
           }
           if (!mine) return 0;
-          s.found = std::move(segments);
+          s.found = std::move(loaded);
           return 1;
         },
         &search);
