@@ -1,6 +1,18 @@
-// Device-side GGML block formats (Q4_0, Q8_0) for the exact quantised kernels: value j of a
-// 32-value block, dequantised exactly (an 11-bit scale significand times an integer of at most 8
-// bits fits binary32), read straight from the raw, 2-byte aligned GGUF bytes.
+// Device-side GGML block formats for the exact quantised kernels, one trait per format (Q4_0,
+// Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, Q4_K, Q5_K, Q6_K), read straight from the raw GGUF bytes. Every
+// value is the F32 that ggml's to_float (routemm/ggml_formats.h's dequantiser) gives, bit for bit:
+// each trait does that dequantiser's F32 operations in the same order with explicitly rounded
+// intrinsics (no contraction into fused multiply-adds), codes become floats exactly.
+//
+// Trait contract:
+//   kName             the format's name ("q4_k"), as the pipelines spell it
+//   kBytes, kValues   bytes and values per block: 32 values, or 256 for the K-quants (a super-block
+//                     of eight 32-value sub-blocks, each with its own scale and, Q4_K / Q5_K, min)
+//   (Q4_0 and Q8_0 read their scale as one 2-byte load: the front door keeps their blocks 2-byte
+//   aligned. The other formats' blocks may start at any byte, so they read every field bytewise.)
+//   Scale             what one 32-value sub-block's values need besides their codes
+//   scale(block, sub)        sub-block sub's Scale (sub < kValues / 32)
+//   value(block, sc, sub, l) value sub * 32 + l of the block (l < 32), sc = scale(block, sub)
 #pragma once
 
 #include <cuda_fp16.h>
@@ -15,17 +27,44 @@ __device__ __forceinline__ float block_scale(const uint8_t* block) {
   return __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t*>(block)));
 }
 
+// The F32 value of u - kBias for integers u, kBias < 2^23: u goes into the low mantissa bits of 2^23, making the float 2^23 + u, and
+// subtracting 2^23 + bias (both integers below 2^24, so exactly) leaves u - bias, +0.0 when equal,
+// as a conversion gives it. One logic operation and one add instead of an integer-to-float
+// conversion, which issues at a quarter of the FMA rate and bound the direct kernel at m = 8 (one
+// conversion per weight).
+template <uint32_t kBias>
+__device__ __forceinline__ float code_value(uint32_t u) {
+  return __fsub_rn(__uint_as_float(0x4B000000u | u), 8388608.0f + static_cast<float>(kBias));
+}
+
+// A little-endian binary16 at any byte address, widened to F32 (exact).
+__device__ __forceinline__ float half_at(const uint8_t* p) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(p[0] | (p[1] << 8))));
+}
+
+// A little-endian 32-bit word at any byte address.
+__device__ __forceinline__ uint32_t u32_at(const uint8_t* p) {
+  return uint32_t{p[0]} | (uint32_t{p[1]} << 8) | (uint32_t{p[2]} << 16) | (uint32_t{p[3]} << 24);
+}
+
+// The low (l < 16) or high (l >= 16) nibble of qs[l % 16]: value l of a 32-value nibble block.
+__device__ __forceinline__ uint32_t nibble(const uint8_t* qs, uint32_t l) {
+  const uint32_t byte = qs[l & 15u];
+  return l < 16 ? (byte & 0x0fu) : (byte >> 4);
+}
+
 struct Q4_0Blocks {
+  static constexpr const char* kName = "q4_0";
   static constexpr uint32_t kBytes = kernels::kQ4_0BlockBytes;
-  // Value j: the low nibble of qs[j] (j < 16) or the high nibble of qs[j - 16], minus 8. The
-  // nibble q goes into the low mantissa bits of 2^23, making the float 2^23 + q; subtracting
-  // 2^23 + 8 (both integers below 2^24, so exactly) leaves q - 8. One logic operation and one add
-  // instead of an integer-to-float conversion, which issues at a quarter of the FMA rate and bound
-  // the direct kernel at m = 8 (one conversion per weight).
-  static __device__ __forceinline__ float value(const uint8_t* block, float d, uint32_t j) {
-    const uint32_t byte = block[2 + (j & 15u)];
-    const uint32_t q = j < 16 ? (byte & 0x0fu) : (byte >> 4);
-    return __fmul_rn(d, __fsub_rn(__uint_as_float(0x4B000000u | q), 8388616.0f));  // 2^23 + 8
+  static constexpr uint32_t kValues = 32;
+  using Scale = float;
+  static __device__ __forceinline__ Scale scale(const uint8_t* block, uint32_t) {
+    return block_scale(block);
+  }
+  // d * (q - 8), q the nibble (code_value: exact).
+  static __device__ __forceinline__ float value(const uint8_t* block, float d, uint32_t,
+                                                uint32_t l) {
+    return __fmul_rn(d, code_value<8>(nibble(block + 2, l)));
   }
 };
 
@@ -40,29 +79,212 @@ __device__ __forceinline__ float int8_value(uint32_t flipped, uint32_t byte) {
 }
 
 struct Q8_0Blocks {
+  static constexpr const char* kName = "q8_0";
   static constexpr uint32_t kBytes = kernels::kQ8_0BlockBytes;
-  static __device__ __forceinline__ float value(const uint8_t* block, float d, uint32_t j) {
-    return __fmul_rn(d, int8_value(block[2 + j] ^ 0x80u, 0));
+  static constexpr uint32_t kValues = 32;
+  using Scale = float;
+  static __device__ __forceinline__ Scale scale(const uint8_t* block, uint32_t) {
+    return block_scale(block);
+  }
+  static __device__ __forceinline__ float value(const uint8_t* block, float d, uint32_t,
+                                                uint32_t l) {
+    return __fmul_rn(d, int8_value(block[2 + l] ^ 0x80u, 0));
+  }
+};
+
+// A scale and a min: Q4_1 / Q5_1 (y = q * d + m) and the K-quants Q4_K / Q5_K (y = d1 * q - m1).
+struct ScaleMin {
+  float d, m;
+};
+
+// Q4_1: d, m (binary16), 16 bytes of nibbles; y = q * d + m.
+struct Q4_1Blocks {
+  static constexpr const char* kName = "q4_1";
+  static constexpr uint32_t kBytes = 20;
+  static constexpr uint32_t kValues = 32;
+  using Scale = ScaleMin;
+  static __device__ __forceinline__ Scale scale(const uint8_t* block, uint32_t) {
+    return {half_at(block), half_at(block + 2)};
+  }
+  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t,
+                                                uint32_t l) {
+    return __fadd_rn(__fmul_rn(code_value<0>(nibble(block + 4, l)), s.d), s.m);
+  }
+};
+
+// Q5_0 / Q5_1: the fifth bit of value l is bit l of the 32-bit qh (read once per block, with the
+// scale).
+struct Q5Scale {
+  float d, m;
+  uint32_t qh;
+};
+
+// Q5_0: d, qh, 16 bytes of low nibbles; y = (q - 16) * d.
+struct Q5_0Blocks {
+  static constexpr const char* kName = "q5_0";
+  static constexpr uint32_t kBytes = 22;
+  static constexpr uint32_t kValues = 32;
+  using Scale = Q5Scale;
+  static __device__ __forceinline__ Scale scale(const uint8_t* block, uint32_t) {
+    return {half_at(block), 0.0f, u32_at(block + 2)};
+  }
+  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t,
+                                                uint32_t l) {
+    const uint32_t q = nibble(block + 6, l) | (((s.qh >> l) & 1u) << 4);
+    return __fmul_rn(code_value<16>(q), s.d);
+  }
+};
+
+// Q5_1: d, m, qh, 16 bytes of low nibbles; y = q * d + m.
+struct Q5_1Blocks {
+  static constexpr const char* kName = "q5_1";
+  static constexpr uint32_t kBytes = 24;
+  static constexpr uint32_t kValues = 32;
+  using Scale = Q5Scale;
+  static __device__ __forceinline__ Scale scale(const uint8_t* block, uint32_t) {
+    return {half_at(block), half_at(block + 2), u32_at(block + 4)};
+  }
+  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t,
+                                                uint32_t l) {
+    const uint32_t q = nibble(block + 8, l) | (((s.qh >> l) & 1u) << 4);
+    return __fadd_rn(__fmul_rn(code_value<0>(q), s.d), s.m);
+  }
+};
+
+// MXFP4: an E8M0 exponent e, 16 bytes of E2M1 codes. ggml doubles the E2M1 values (integers 0, 1,
+// 2, 3, 4, 6, 8, 12 and their negatives; code 8, "-0", is +0) and halves the scale: 2^(e - 128),
+// subnormal for e < 2.
+struct Mxfp4Blocks {
+  static constexpr const char* kName = "mxfp4";
+  static constexpr uint32_t kBytes = 17;
+  static constexpr uint32_t kValues = 32;
+  using Scale = float;
+  static __device__ __forceinline__ Scale scale(const uint8_t* block, uint32_t) {
+    const uint32_t e = block[0];
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+  }
+  static __device__ __forceinline__ float value(const uint8_t* block, float d, uint32_t,
+                                                uint32_t l) {
+    const uint32_t code = nibble(block + 1, l);
+    // The magnitude's byte of {0, 1, 2, 3, 4, 6, 8, 12}, then 16 +- it (exact through code_value).
+    const uint32_t mag = __byte_perm(0x03020100u, 0x0C080604u, code & 7u) & 0xffu;
+    return __fmul_rn(code_value<16>(code & 8u ? 16u - mag : 16u + mag), d);
+  }
+};
+
+// Q4_K / Q5_K's 6-bit scale and min of sub-block j (of 8) from their 12 packed bytes (ggml's
+// get_scale_min_k4).
+__device__ __forceinline__ void scale_min_k4(uint32_t j, const uint8_t* q, uint32_t& sc,
+                                             uint32_t& m) {
+  if (j < 4) {
+    sc = q[j] & 63u;
+    m = q[j + 4] & 63u;
+  } else {
+    sc = (q[j + 4] & 0xFu) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// d1 = d * sc and m1 = dmin * m of sub-block sub, as ggml forms them.
+__device__ __forceinline__ ScaleMin k4_scale(const uint8_t* block, uint32_t sub) {
+  uint32_t sc, m;
+  scale_min_k4(sub, block + 4, sc, m);
+  return {__fmul_rn(half_at(block), code_value<0>(sc)),
+          __fmul_rn(half_at(block + 2), code_value<0>(m))};
+}
+
+// Q4_K: d, dmin (binary16), 12 scale bytes, 128 bytes of nibbles: sub-blocks 2c and 2c + 1 are the
+// low and high nibbles of bytes 32c .. 32c + 31; y = d1 * q - m1.
+struct Q4_KBlocks {
+  static constexpr const char* kName = "q4_k";
+  static constexpr uint32_t kBytes = 144;
+  static constexpr uint32_t kValues = 256;
+  using Scale = ScaleMin;
+  static __device__ __forceinline__ Scale scale(const uint8_t* block, uint32_t sub) {
+    return k4_scale(block, sub);
+  }
+  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
+                                                uint32_t l) {
+    const uint32_t byte = block[16 + (sub >> 1) * 32 + l];
+    const uint32_t q = sub & 1u ? byte >> 4 : byte & 0xFu;
+    return __fsub_rn(__fmul_rn(s.d, code_value<0>(q)), s.m);
+  }
+};
+
+// Q5_K: d, dmin, 12 scale bytes, 32 bytes of high bits (bit sub of byte l), 128 bytes of low
+// nibbles laid out as Q4_K's; y = d1 * q - m1.
+struct Q5_KBlocks {
+  static constexpr const char* kName = "q5_k";
+  static constexpr uint32_t kBytes = 176;
+  static constexpr uint32_t kValues = 256;
+  using Scale = ScaleMin;
+  static __device__ __forceinline__ Scale scale(const uint8_t* block, uint32_t sub) {
+    return k4_scale(block, sub);
+  }
+  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
+                                                uint32_t l) {
+    const uint32_t byte = block[48 + (sub >> 1) * 32 + l];
+    const uint32_t low = sub & 1u ? byte >> 4 : byte & 0xFu;
+    const uint32_t q = low | (((block[16 + l] >> sub) & 1u) << 4);
+    return __fsub_rn(__fmul_rn(s.d, code_value<0>(q)), s.m);
+  }
+};
+
+// Q6_K: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8 scales, d (binary16).
+// Sub-block sub = 4h + t is quarter t of half h (128 values); every 16 values have their own
+// scale, so a sub-block's Scale holds two products d * sc: for l < 16 and for l >= 16.
+// y = (d * sc) * q.
+struct Q6Scale {
+  float lo, hi;
+};
+
+struct Q6_KBlocks {
+  static constexpr const char* kName = "q6_k";
+  static constexpr uint32_t kBytes = 210;
+  static constexpr uint32_t kValues = 256;
+  using Scale = Q6Scale;
+  static __device__ __forceinline__ float scale_at(const uint8_t* block, float d, uint32_t i) {
+    const uint32_t u = block[192 + i] ^ 0x80u;  // the int8 scale plus 128
+    return __fmul_rn(d, code_value<128>(u));
+  }
+  static __device__ __forceinline__ Scale scale(const uint8_t* block, uint32_t sub) {
+    const float d = half_at(block + 208);
+    const uint32_t h = sub >> 2, t = sub & 3u;
+    return {scale_at(block, d, 8 * h + 2 * t), scale_at(block, d, 8 * h + 2 * t + 1)};
+  }
+  // ggml: quarter t of half h reads ql[64h + 32 * (t & 1) + l], its low nibble for t < 2 and its
+  // high nibble for t >= 2, with bits 2t, 2t + 1 of qh[32h + l] above; q = that 6-bit code - 32.
+  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
+                                                uint32_t l) {
+    const uint32_t h = sub >> 2, t = sub & 3u;
+    const uint32_t byte = block[64 * h + 32 * (t & 1u) + l];
+    const uint32_t low = t < 2 ? byte & 0xFu : byte >> 4;
+    const uint32_t q = low | (((block[128 + 32 * h + l] >> (2 * t)) & 3u) << 4);
+    return __fmul_rn(l < 16 ? s.lo : s.hi, code_value<32>(q));
   }
 };
 
 // The CPU oracle's lane contract on eight threads (lane = threadIdx % 8): lane l accumulates
 // positions i = l, l + 8, ... < k with one FMA each, in increasing order, for R input rows;
 // `sum8` then adds the eight lanes in the oracle's fixed tree ((a0+a4)+(a2+a6))+((a1+a5)+(a3+a7)),
-// so every output is bit-identical to the CPU backend's.
+// so every output is bit-identical to the CPU backend's. `row` holds k / F::kValues blocks.
 template <class F, int R>
 __device__ __forceinline__ void lane_dot(const uint8_t* __restrict__ row, uint32_t k,
                                          const float* const (&x)[R], uint32_t lane,
                                          float (&acc)[R]) {
-  for (uint32_t b = 0; b < k / 32; ++b) {
+  for (uint32_t b = 0; b < k / F::kValues; ++b) {
     const uint8_t* block = row + size_t{b} * F::kBytes;
-    const float d = block_scale(block);
 #pragma unroll
-    for (uint32_t s = 0; s < 4; ++s) {
-      const uint32_t j = s * 8 + lane;
-      const float w = F::value(block, d, j);
+    for (uint32_t sub = 0; sub < F::kValues / 32; ++sub) {
+      const typename F::Scale sc = F::scale(block, sub);
 #pragma unroll
-      for (int r = 0; r < R; ++r) acc[r] = __fmaf_rn(w, x[r][b * 32 + j], acc[r]);
+      for (uint32_t s = 0; s < 4; ++s) {
+        const uint32_t l = s * 8 + lane;
+        const float w = F::value(block, sc, sub, l);
+        const uint32_t i = b * F::kValues + sub * 32 + l;
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = __fmaf_rn(w, x[r][i], acc[r]);
+      }
     }
   }
 }
