@@ -37,6 +37,7 @@
 #include "routemm/ops/dense_matmul_id.h"
 #include "routemm/ops/moe.h"
 #include "routemm/ops/moe_experts.h"
+#include "routemm/ops/moe_experts_fused.h"
 #include "routemm/ops/q4_matmul.h"
 #include "routemm/ops/quantized_matmul_id.h"
 #include "routemm/registry.h"
@@ -484,6 +485,74 @@ void enqueue_moe_gate(const RoutemmMoeGateCall& call) {
   start(encoder, on_stream);
 }
 
+// ---- moe_experts_fused --------------------------------------------------------------------------
+
+DType fused_dtype(const char* name, uint32_t code) {
+  if (code >= std::size(kAllDTypes)) {
+    throw InvalidArgument(std::string("moe_experts: unknown ") + name + " code " +
+                          std::to_string(code));
+  }
+  return kAllDTypes[code];
+}
+
+MoeExpertsFusedParams fused_params(const RoutemmMoeExpertsFusedCall& call) {
+  const char* op = "moe_experts";
+  MoeExpertsFusedParams p;
+  p.m = u32_field(op, "m", call.m);
+  p.top_k = u32_field(op, "top_k", call.top_k);
+  p.n_experts = u32_field(op, "n_experts", call.n_experts);
+  p.hidden = u32_field(op, "H", call.hidden);
+  p.intermediate = u32_field(op, "I", call.intermediate);
+  p.split_gate_up = call.split_gate_up != 0;
+  p.dtype = fused_dtype("dtype", call.dtype);
+  p.weights_dtype = fused_dtype("weights dtype", call.weights_dtype);
+  p.id_bytes = call.id_bytes;
+  return p;
+}
+
+bool moe_experts_fused_serves_call(const RoutemmMoeExpertsFusedCall& call) {
+  const char* backend = call.device_type == ROUTEMM_TENSOR_OP_DEVICE_CUDA  ? "cuda"
+                        : call.device_type == ROUTEMM_TENSOR_OP_DEVICE_CPU ? "cpu"
+                                                                           : "";
+  return moe_experts_fused_serves(backend, fused_params(call));
+}
+
+void enqueue_moe_experts_fused(const RoutemmMoeExpertsFusedCall& call) {
+  const MoeExpertsFusedParams p = fused_params(call);
+  const uint64_t act_bytes = moe_experts_fused_workspace_bytes(p);
+  const TensorOpTarget& target = tensor_op_target(call.device_type, call.device_index);
+  const Device& device = target.device;
+  const uint64_t m = p.m, k = p.top_k, e = p.n_experts, h = p.hidden, inter = p.intermediate;
+  const uint64_t es = dtype_size(p.dtype);
+  const uint64_t gate_rows = p.split_gate_up ? inter : 2 * inter;
+  const auto bytes = [](std::initializer_list<uint64_t> f) {
+    return checked_product(f, "moe_experts byte size");
+  };
+  const Buffer x = borrowed(device, call.x, bytes({m, h, es}), p.dtype, {m, h}, false);
+  const DType ids_dtype = p.id_bytes == 8 ? DType::U8 : DType::U32;
+  const Buffer ids = borrowed(device, call.ids, bytes({m, k, p.id_bytes}), ids_dtype,
+                              {m * k * p.id_bytes / dtype_size(ids_dtype)}, false);
+  const Buffer weights = borrowed(device, call.weights, bytes({m, k, dtype_size(p.weights_dtype)}),
+                                  p.weights_dtype, {m, k}, false);
+  const Buffer gate_up = borrowed(device, call.gate_up, bytes({e, gate_rows, h, es}), p.dtype,
+                                  {e, gate_rows, h}, false);
+  std::optional<Buffer> up;
+  if (p.split_gate_up) {
+    up = borrowed(device, call.up, bytes({e, inter, h, es}), p.dtype, {e, inter, h}, false);
+  }
+  const Buffer down =
+      borrowed(device, call.down, bytes({e, h, inter, es}), p.dtype, {e, h, inter}, false);
+  const Buffer out = borrowed(device, call.out, bytes({m, h, es}), p.dtype, {m, h}, true);
+  const Buffer workspace =
+      borrowed(device, call.workspace, act_bytes, DType::U8, {act_bytes}, true);
+  const bool on_stream = call.has_stream != 0;
+  CommandEncoder encoder = device.command_encoder(EncoderOptions{
+      on_stream ? std::optional<uint64_t>(call.stream) : std::nullopt, std::nullopt});
+  moe_experts_fused(encoder, *target.registry, x, ids, weights, gate_up, up ? &*up : nullptr, down,
+                    out, workspace, p);
+  start(encoder, on_stream);
+}
+
 // ---- q4_matmul ----------------------------------------------------------------------------------
 
 void enqueue_q4_matmul(const RoutemmQ4MatmulCall& call) {
@@ -619,6 +688,19 @@ extern "C" int abi_enqueue_moe_experts(const void* plan, const RoutemmMoeExperts
   });
 }
 
+extern "C" int abi_moe_experts_fused_serves(const RoutemmMoeExpertsFusedCall* call) {
+  try {
+    return moe_experts_fused_serves_call(*call) ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+extern "C" int abi_enqueue_moe_experts_fused(const RoutemmMoeExpertsFusedCall* call, char* error,
+                                             size_t error_size) {
+  return guarded(error, error_size, [&] { enqueue_moe_experts_fused(*call); });
+}
+
 const RoutemmTensorOpAbi kTensorOpAbi = {
     ROUTEMM_TENSOR_OP_ABI_VERSION,
     sizeof(RoutemmTensorOpAbi),
@@ -630,6 +712,8 @@ const RoutemmTensorOpAbi kTensorOpAbi = {
     &abi_plan_moe_experts,
     &abi_enqueue_moe_experts,
     &abi_enqueue_moe_gate,
+    &abi_moe_experts_fused_serves,
+    &abi_enqueue_moe_experts_fused,
 };
 
 // The ABI's pointer record of the Python kernels' call (stream: the framework's current stream, or

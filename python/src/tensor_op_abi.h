@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define ROUTEMM_TENSOR_OP_ABI_VERSION 4
+#define ROUTEMM_TENSOR_OP_ABI_VERSION 5
 #define ROUTEMM_TENSOR_OP_ABI_CAPSULE "routemm._core._tensor_op_abi"
 
 // DLPack device types of the devices the tensor ops run on.
@@ -134,6 +134,23 @@ typedef struct RoutemmMoeGateCall {
   uint64_t stream;
 } RoutemmMoeGateCall;
 
+// One call of the experts block fused into two launches (routemm/ops/moe_experts_fused.h): hidden
+// [m, H], the stacks and the output [m, H] of `dtype`; ids [m, top_k] of id_bytes (4: int32, 8:
+// int64); routing weights [m, top_k] of weights_dtype; workspace >= m * top_k * I * 4 bytes.
+// Contiguous, 16-byte aligned tensors. Extents come as the framework has them (checked as u32).
+typedef struct RoutemmMoeExpertsFusedCall {
+  int32_t device_type;
+  int32_t device_index;
+  uint32_t dtype;          // a routemm::DType value: F32, F16 or BF16
+  uint32_t weights_dtype;  // a routemm::DType value: F32, F16 or BF16
+  uint32_t id_bytes;       // 4 or 8
+  uint32_t split_gate_up;  // 1: gate_up is the gate stack and up a second one
+  int64_t m, top_k, n_experts, hidden, intermediate;
+  uint64_t x, ids, weights, gate_up, up, down, out, workspace;  // up: 0 unless split
+  uint32_t has_stream;
+  uint64_t stream;
+} RoutemmMoeExpertsFusedCall;
+
 typedef struct RoutemmTensorOpAbi {
   uint32_t version;
   uint32_t size;
@@ -161,6 +178,12 @@ typedef struct RoutemmTensorOpAbi {
                              char* error, size_t error_size);
   // Version 4. The MoE gate, encoded and started (no plan: one dispatch, checked per call).
   int (*enqueue_moe_gate)(const RoutemmMoeGateCall* call, char* error, size_t error_size);
+  // Version 5. The fused experts block: whether it serves a call's shape and dtypes on its device
+  // (1 or 0; never fails: a call it does not serve takes the planned block), then the call itself
+  // (pointers unread by the first).
+  int (*moe_experts_fused_serves)(const RoutemmMoeExpertsFusedCall* call);
+  int (*enqueue_moe_experts_fused)(const RoutemmMoeExpertsFusedCall* call, char* error,
+                                   size_t error_size);
 } RoutemmTensorOpAbi;
 
 #ifdef __cplusplus

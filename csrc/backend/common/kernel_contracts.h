@@ -21,6 +21,7 @@
 
 #include "backend/common/calibration_params.h"
 #include "backend/common/dense_matmul_id_params.h"
+#include "backend/common/moe_fused_params.h"
 #include "backend/common/moe_params.h"
 #include "backend/common/q4_0_block.h"
 #include "routemm/backend.h"
@@ -29,6 +30,7 @@
 #include "routemm/ggml_formats.h"
 #include "routemm/ops/dense_matmul_id.h"
 #include "routemm/ops/moe.h"
+#include "routemm/ops/moe_experts_fused.h"
 #include "routemm/ops/q4_matmul.h"
 #include "routemm/ops/quantized_matmul_id.h"
 
@@ -350,6 +352,61 @@ inline void check_moe_combine_args(const KernelLaunch& launch) {
   contract_buffer(launch, 4, "output", checked_product({p.m, p.hidden, 4}, what), 4, Access::Write);
 }
 
+// ---- The fused experts block (moe_fused_params.h gives the slots) ------------------------------
+
+inline MoeFusedKernelParams check_moe_fused_params(const KernelLaunch& launch) {
+  contract_slot_count(launch, 6);
+  const auto p = contract_params<MoeFusedKernelParams>(launch, 0);
+  if (p.m == 0 || p.top_k == 0 || p.n_experts == 0 || p.hidden == 0 || p.intermediate == 0 ||
+      p.hidden % 8 != 0 || p.intermediate % 8 != 0 || p.split_gate_up > 1 ||
+      p.weights_dtype > 2 || (p.id_bytes != 4 && p.id_bytes != 8) ||
+      p.top_k > kMoeExpertsFusedMaxTopK) {
+    contract_violation(launch,
+                       "params have a zero extent, a width not a multiple of 8, top_k above the "
+                       "kernel's bound, or an unknown weights dtype, id width or split flag");
+  }
+  return p;
+}
+
+template <uint64_t kElement>
+void check_moe_fused_gate_up_args(const KernelLaunch& launch) {
+  const auto p = check_moe_fused_params(launch);
+  const std::string what = launch.label + " extents";
+  const uint64_t rows = checked_mul(p.m, p.top_k, what);
+  const uint64_t gate_rows =
+      p.split_gate_up ? p.intermediate : checked_mul(2, p.intermediate, what);
+  contract_buffer(launch, 1, "hidden", checked_product({p.m, p.hidden, kElement}, what), 16,
+                  Access::Read);
+  contract_buffer(launch, 2, "ids", checked_mul(rows, p.id_bytes, what), p.id_bytes, Access::Read);
+  contract_buffer(launch, 3, "gate_up",
+                  checked_product({p.n_experts, gate_rows, p.hidden, kElement}, what), 16,
+                  Access::Read);
+  contract_buffer(launch, 4, "up",
+                  p.split_gate_up
+                      ? checked_product({p.n_experts, p.intermediate, p.hidden, kElement}, what)
+                      : 0,
+                  16, Access::Read);
+  contract_buffer(launch, 5, "act", checked_product({rows, p.intermediate, 4}, what), 16,
+                  Access::Write);
+}
+
+template <uint64_t kElement>
+void check_moe_fused_down_args(const KernelLaunch& launch) {
+  const auto p = check_moe_fused_params(launch);
+  const std::string what = launch.label + " extents";
+  const uint64_t rows = checked_mul(p.m, p.top_k, what);
+  const uint64_t wsize = moe_fused_weights_size(p.weights_dtype);
+  contract_buffer(launch, 1, "act", checked_product({rows, p.intermediate, 4}, what), 16,
+                  Access::Read);
+  contract_buffer(launch, 2, "ids", checked_mul(rows, p.id_bytes, what), p.id_bytes, Access::Read);
+  contract_buffer(launch, 3, "weights", checked_mul(rows, wsize, what), wsize, Access::Read);
+  contract_buffer(launch, 4, "down",
+                  checked_product({p.n_experts, p.hidden, p.intermediate, kElement}, what), 16,
+                  Access::Read);
+  contract_buffer(launch, 5, "output", checked_product({p.m, p.hidden, kElement}, what), 16,
+                  Access::Write);
+}
+
 // ---- Lookup by canonical pipeline name ---------------------------------------------------------
 
 // The contract of the pipeline named `name`: one of kDenseMatmulIdPipelineNames,
@@ -434,6 +491,12 @@ inline KernelArgCheck kernel_arg_contract(std::string_view name) {
       {kMoeGatePipeline, &check_moe_gate_args},
       {kMoeSiluMulPipeline, &check_moe_silu_mul_args},
       {kMoeCombinePipeline, &check_moe_combine_args},
+      {kMoeExpertsFusedPipelineNames[0], &check_moe_fused_gate_up_args<4>},
+      {kMoeExpertsFusedPipelineNames[1], &check_moe_fused_gate_up_args<2>},
+      {kMoeExpertsFusedPipelineNames[2], &check_moe_fused_gate_up_args<2>},
+      {kMoeExpertsFusedPipelineNames[3], &check_moe_fused_down_args<4>},
+      {kMoeExpertsFusedPipelineNames[4], &check_moe_fused_down_args<2>},
+      {kMoeExpertsFusedPipelineNames[5], &check_moe_fused_down_args<2>},
   };
   for (const auto& [known, check] : table) {
     if (known == name) return check;

@@ -280,6 +280,7 @@ class CpuBackend final : public Backend {
     add_quantized_matmul_id_kernels(kernels_);
     add_ggml_format_kernels(kernels_);
     add_moe_kernels(kernels_);
+    add_moe_fused_kernels(kernels_);
     add_calibration_kernels(kernels_);
   }
 

@@ -330,6 +330,7 @@ class CudaBackend final : public Backend {
     add_q8_matmul_kernels(kernels_);
     add_quantized_matmul_id_kernels(kernels_);
     add_moe_kernels(kernels_);
+    add_moe_fused_kernels(kernels_);
     add_calibration_kernels(kernels_);
   }
 

@@ -19,6 +19,7 @@ void add_q8_matmul_kernels(std::vector<KernelDef>& out);
 void add_quantized_matmul_id_kernels(std::vector<KernelDef>& out);
 // MoE layer kernels (kMoePipelineNames of csrc/ops/moe.cpp), moe.cu.
 void add_moe_kernels(std::vector<KernelDef>& out);
+void add_moe_fused_kernels(std::vector<KernelDef>& out);
 // Route-calibration proof kernels (routemm_calibration_poison_f32 / _compare_f32), calibration.cu.
 void add_calibration_kernels(std::vector<KernelDef>& out);
 

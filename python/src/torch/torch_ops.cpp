@@ -402,6 +402,68 @@ MoePlan make_moe_plan(const at::Tensor& x, const at::Tensor& ids, const at::Tens
   return plan;
 }
 
+// The fused experts block (routemm/ops/moe_experts_fused.h) for a CUDA call it serves: hidden and
+// the float stacks of one dtype, int32/int64 ids and the routing weights read as they are, the
+// output made in hidden's dtype, two launches and no conversion. Returns nullopt (nothing started)
+// for any call outside that shape: the planned block then takes it, with its checks and messages.
+std::optional<at::Tensor> moe_experts_fused(const at::Tensor& hidden, const at::Tensor& ids,
+                                            const at::Tensor& weights, const at::Tensor& gate_up,
+                                            const at::Tensor& down,
+                                            const std::optional<at::Tensor>& up) {
+  if (!hidden.is_cuda() || hidden.dim() != 2 || ids.dim() != 2 || weights.dim() != 2 ||
+      gate_up.dim() != 3 || down.dim() != 3 || (up && up->dim() != 3)) {
+    return std::nullopt;
+  }
+  const auto type = hidden.scalar_type();
+  const auto wtype = weights.scalar_type();
+  const auto itype = ids.scalar_type();
+  const bool float_type = type == at::kFloat || type == at::kHalf || type == at::kBFloat16;
+  const bool weights_type = wtype == at::kFloat || wtype == at::kHalf || wtype == at::kBFloat16;
+  if (!float_type || !weights_type || (itype != at::kInt && itype != at::kLong) ||
+      gate_up.scalar_type() != type || down.scalar_type() != type ||
+      (up && up->scalar_type() != type)) {
+    return std::nullopt;
+  }
+  const int64_t m = hidden.size(0), h = hidden.size(1), k = ids.size(1);
+  const int64_t e = down.size(0), inter = down.size(2);
+  const bool shapes = ids.size(0) == m && weights.sizes() == ids.sizes() && down.size(1) == h &&
+                      gate_up.size(0) == e && gate_up.size(1) == (up ? inter : 2 * inter) &&
+                      gate_up.size(2) == h &&
+                      (!up || (up->size(0) == e && up->size(1) == inter && up->size(2) == h));
+  if (!shapes || m == 0) return std::nullopt;
+  const c10::Device device = hidden.device();
+  for (const at::Tensor* t : {&hidden, &ids, &weights, &gate_up, &down, up ? &*up : &down}) {
+    if (t->device() != device || !t->is_contiguous() || address(*t) % 16 != 0) return std::nullopt;
+  }
+  const auto [device_type, device_index] = place(hidden);
+  RoutemmMoeExpertsFusedCall fc{};
+  fc.device_type = device_type;
+  fc.device_index = device_index;
+  fc.dtype = routemm_dtype(hidden);
+  fc.weights_dtype = routemm_dtype(weights);
+  fc.id_bytes = itype == at::kLong ? 8 : 4;
+  fc.split_gate_up = up ? 1 : 0;
+  fc.m = m;
+  fc.top_k = k;
+  fc.n_experts = e;
+  fc.hidden = h;
+  fc.intermediate = inter;
+  if (g_abi->moe_experts_fused_serves(&fc) == 0) return std::nullopt;
+  at::Tensor out = at::empty({m, h}, hidden.options());
+  const at::Tensor workspace = at::empty({m * k * inter * 4}, hidden.options().dtype(at::kByte));
+  fc.x = address(hidden);
+  fc.ids = address(ids);
+  fc.weights = address(weights);
+  fc.gate_up = address(gate_up);
+  fc.up = up ? address(*up) : 0;
+  fc.down = address(down);
+  fc.out = address(out);
+  fc.workspace = address(workspace);
+  set_stream(hidden, fc.has_stream, fc.stream);
+  call(g_abi->enqueue_moe_experts_fused, &fc);
+  return out;
+}
+
 // The experts block (routemm/ops/moe_experts.h) in the model's dtype: hidden and top_k_weights
 // float32, float16 or bfloat16; the block runs in F32 and the result comes back in hidden's dtype.
 at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
@@ -417,6 +479,9 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
                           " must be float32, float16 or bfloat16, got " + dtype_repr(type));
   }
   const int32_t ggml_code = moe_ggml_code(ggml_type);
+  if (ggml_code < 0 && !exact) {
+    if (auto fused = moe_experts_fused(hidden, ids, weights, gate_up, down, up)) return *fused;
+  }
   const at::Tensor x = hidden.to(at::kFloat).contiguous();
   const at::Tensor w = weights.to(at::kFloat).contiguous();
   MoePlan plan{};
