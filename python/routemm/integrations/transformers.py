@@ -91,7 +91,12 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
 
     from . import torch as _ops  # noqa: F401  (registers torch.ops.routemm.*)
 
-    _check_module(self)
+    # The module's layout flags are fixed when the model is built: checked on its first call only
+    # (the mark is not set while torch.compile traces, where the check costs nothing per call).
+    if not getattr(self, "_routemm_checked", False):
+        _check_module(self)
+        if not torch.compiler.is_compiling():
+            object.__setattr__(self, "_routemm_checked", True)
     # No torch.no_grad() here: where a gradient is asked for (grad mode on, parameters or hidden
     # states that require grad) the op records its backward.
     out = torch.ops.routemm.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
