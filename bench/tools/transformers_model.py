@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -163,6 +164,7 @@ def main(argv=None) -> int:
                 )
                 log(f"{impl} decode graph: {1 / g:.1f} tokens/s")
             except Exception as exc:  # noqa: BLE001  (an implementation that cannot be captured)
+                traceback.print_exc()
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 records.append({**base, "m": 1, "time_us": float("nan"), "note": f"CUDA graph capture failed: {why}"})
                 log(f"{impl} decode graph FAILED: {why}")
