@@ -155,7 +155,7 @@ def _refusals(c) -> list:
         "top_k": lambda: call(ids=c["ids"][:, :0], w=c["w"][:, :0]),
         "stack_width": lambda: call(down=c["down"][:, :, : I // 2].contiguous()),
         "stack_dtype": lambda: call(down=c["down"].double()),
-        "ggml_type": lambda: call(ggml_type="q4_1"),
+        "ggml_type": lambda: call(ggml_type="q3_k"),
         "exact": lambda: call(exact=1),
     }
     collectives = []
@@ -265,7 +265,7 @@ def test_ep_moe_experts_bit_identical_to_one_process(tmp_path, world):
             "top_k": ("InvalidArgumentError", "top_k and H must be >= 1"),
             "stack_width": ("InvalidArgumentError", "moe_experts"),
             "stack_dtype": ("InvalidArgumentError", "moe_experts weight stacks must share one dtype"),
-            "ggml_type": ("InvalidArgumentError", "ggml_type must be None, 'q4_0' or 'q8_0'"),
+            "ggml_type": ("InvalidArgumentError", "ggml_type must be None or one of 'q4_0', 'q8_0', 'q4_1'"),
             "exact": ("InvalidArgumentTypeError", "ep_moe_experts exact must be a bool, got int"),
             "backward": ("UnsupportedError", "ep_moe_experts"),
         }

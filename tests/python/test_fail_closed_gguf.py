@@ -125,7 +125,7 @@ def test_moe_layer_ggml_type_as_its_name(cpu, rng):
     gate, up, down = stack((MOE_E, inter, MOE_H)), stack((MOE_E, inter, MOE_H)), stack((MOE_E, MOE_H, inter))
     named = routemm.MoeLayer(router, gate, up, down, top_k=2, renormalize=True, ggml_type="q4_0")
     assert named.ggml_type is GgmlType.Q4_0 and named.intermediate == inter
-    for bad in ("q4", "q5_0", 2, GgmlType.Q4_K):
+    for bad in ("q4", "q3_k", 2, GgmlType.IQ4_XS):
         with pytest.raises(routemm.InvalidArgumentError, match="moe layer: ggml_type must be None"):
             routemm.MoeLayer(router, gate, up, down, top_k=2, renormalize=True, ggml_type=bad)
 

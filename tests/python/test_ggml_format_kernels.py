@@ -215,7 +215,6 @@ def test_matmul_id_takes_every_kernel_format(device, rng):
         if not registry.has_kernel(KERNEL_FORMATS[ggml_type.value][6]):
             pytest.skip(f"no {ggml_type.value} kernels on {device.backend}")
         got = routemm.matmul_id(blocks, x, ids, ggml_type=ggml_type, route="direct", device=device)
-        got = got[0] if isinstance(got, tuple) else got
         ref, mag = reference(dequantized(blocks, ggml_type, k), x, ids, False)
         assert_bound(np.asarray(got).reshape(ref.shape), ref, mag, k)
 
@@ -378,3 +377,73 @@ def test_cpu_isa_clones_are_bit_identical(tmp_path):
             np.testing.assert_array_equal(
                 value.view(np.uint32), base[name].view(np.uint32), err_msg=f"{isa} vs {base_isa}: {name}"
             )
+
+
+# ---- The experts block, the torch ops and MoeLayer ---------------------------------------------
+
+E, H, INTER, TOP_K = 4, 256, 256, 2
+
+
+def expert_stacks(rng, gate_type, up_type, down_type):
+    """(gate, up, down) block stacks of the given types and their dequantised float32 stacks."""
+    blocks, floats = [], []
+    for t, shape in ((gate_type, (E, INTER, H)), (up_type, (E, INTER, H)), (down_type, (E, H, INTER))):
+        b = random_blocks(rng, t, shape)
+        blocks.append(b)
+        floats.append(dequantized(b, t, shape[-1]))
+    return blocks, floats
+
+
+def routing(rng, m):
+    ids = np.stack([rng.permutation(E)[:TOP_K] for _ in range(m)]).astype(np.int64)
+    return rng.uniform(-1.0, 1.0, (m, H)).astype(np.float32), ids, rng.uniform(0.1, 1.0, (m, TOP_K)).astype(np.float32)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.value)
+def test_moe_experts_block_stacks_equal_their_float_stacks(device, registry, rng, ggml_type):
+    """The block path and the F32 path over the exactly dequantised stacks follow one lane
+    contract: the same bits, on every route."""
+    _, _, _, _, _, _, direct, grouped = KERNEL_FORMATS[ggml_type.value]
+    needs(registry, direct, grouped)
+    (gate, up, down), (fg, fu, fd) = expert_stacks(rng, ggml_type, ggml_type, ggml_type)
+    x, ids, w = routing(rng, 9)
+    for route in ("direct", "grouped_prefill"):
+        got = routemm.moe_experts(x, ids, w, (gate, up), down, ggml_type=ggml_type, route=route, device=device)
+        want = routemm.moe_experts(x, ids, w, (fg, fu), fd, route=route, device=device)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=route)
+
+
+def test_torch_ops_take_every_kernel_format(rng):
+    torch = pytest.importorskip("torch")
+    import routemm.torch  # noqa: F401  (registers the ops)
+
+    cpu = routemm.Device("cpu")
+    x, ids, w = routing(rng, 5)
+    for ggml_type in TYPES:
+        (gate, up, down), _ = expert_stacks(rng, ggml_type, ggml_type, ggml_type)
+        gate_up = np.concatenate([gate, up], axis=1)
+        want = routemm.moe_experts(x, ids, w, gate_up, down, ggml_type=ggml_type, route="direct", device=cpu)
+        t = [torch.from_numpy(a) for a in (x, ids, w, gate_up, down)]
+        got = torch.ops.routemm.moe_experts(*t, None, ggml_type.value, True).numpy()
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=ggml_type.value)
+        rows = torch.ops.routemm.quantized_matmul_id(t[4], torch.from_numpy(x[:, :INTER].copy()), t[1], ggml_type.value)
+        want_rows = routemm.matmul_id(down, x[:, :INTER], ids, ggml_type=ggml_type, route="direct", device=cpu)
+        np.testing.assert_array_equal(rows.numpy().view(np.uint32), np.asarray(want_rows).view(np.uint32))
+
+
+@pytest.mark.parametrize("ggml_type", [GgmlType.Q5_0, GgmlType.Q4_K], ids=lambda t: t.value)
+def test_moe_layer_runs_block_stacks_of_every_format(device, registry, rng, ggml_type):
+    needs(registry, KERNEL_FORMATS[ggml_type.value][6])
+    (gate, up, down), (fg, fu, fd) = expert_stacks(rng, ggml_type, ggml_type, ggml_type)
+    router = device.from_numpy((rng.standard_normal((E, H)) / 16).astype(np.float32))
+    layer = routemm.MoeLayer(
+        router, *(device.from_numpy(b) for b in (gate, up, down)), top_k=TOP_K, renormalize=True, ggml_type=ggml_type
+    )
+    f = layer.float_weights()  # dequantised exactly
+    for got, want in ((f["gate"], fg), (f["up"], fu), (f["down"], fd)):
+        np.testing.assert_array_equal(got, want)
+    hidden = rng.uniform(-1.0, 1.0, (6, H)).astype(np.float32)
+    logits = routemm.matmul_id(f["router"][None], hidden, np.zeros((6, 1), np.int32), device=device)
+    weights, ids = routemm.moe_gate(logits, TOP_K, renormalize=True, device=device)
+    out = routemm.moe_experts(hidden, ids, weights, (f["gate"], f["up"]), f["down"], device=device)
+    np.testing.assert_array_equal(layer(hidden), out)

@@ -144,7 +144,7 @@ def test_errors_name_the_argument():
         ((x, ids, w, gate_up[:, :-1], down), {}, r"gate_up must be \(6, 64, 64\)"),
         ((x, ids, w, gate_up, down[:, :-1]), {}, r"down must be \[E, 64, I\]"),
         ((x, ids, w, gate_up, down.half()), {}, "weight stacks must share one dtype"),
-        ((x, ids, w, gate_up, down), {"ggml_type": "q4_k"}, "ggml_type must be None, 'q4_0' or 'q8_0'"),
+        ((x, ids, w, gate_up, down), {"ggml_type": "q3_k"}, "ggml_type must be None or one of 'q4_0', 'q8_0', 'q4_1'"),
         ((x, ids, w, gate_up, down), {"ggml_type": "q4_0"}, "block stacks must be uint8 blocks"),
         ((x[:, :0], ids, w, gate_up, down), {}, r"down must be \[E, 0, I\]"),
     ]

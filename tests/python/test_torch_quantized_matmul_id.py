@@ -146,8 +146,8 @@ def test_rejections_before_anything_runs(tdev):
     x, ids = _routing(2, 2)
     tb, tx, tids = (torch.from_numpy(a).to(tdev) for a in (blocks, x, ids))
     op = torch.ops.routemm.quantized_matmul_id
-    with pytest.raises(ValueError, match="ggml_type must be 'q4_0' or 'q8_0'"):
-        op(tb, tx, tids, "q4_k")
+    with pytest.raises(ValueError, match="ggml_type must be one of 'q4_0', 'q8_0', 'q4_1'.*got 'q3_k'"):
+        op(tb, tx, tids, "q3_k")
     with pytest.raises(ValueError, match=r"k / 32 \* 34"):
         op(tb, tx, tids, "q8_0")  # Q4_0 rows of 3 * 18 bytes are no whole number of Q8_0 blocks
     with pytest.raises(ValueError, match="must be uint8 blocks"):

@@ -48,8 +48,9 @@ from ..ops.dense_matmul_id import _check_shapes
 from ..ops.quantized_matmul_id import SUPPORTED_TYPES as _QUANTIZED_TYPES
 from ..ops.quantized_matmul_id import GgmlType, _element_width
 
-# The block-stack types quantized_matmul_id takes, by their ggml_type values ("q4_0", "q8_0").
+# The block-stack types quantized_matmul_id takes, by their ggml_type values ("q4_0", "q4_k", ...).
 _QUANTIZED_EXPERT_TYPES = frozenset(t.value for t in _QUANTIZED_TYPES)
+_TYPE_NAMES = ", ".join(repr(t.value) for t in _QUANTIZED_TYPES)
 
 NAMESPACE = "routemm"
 
@@ -226,7 +227,7 @@ def _matmul_id_fake(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -
 
 def _check_ggml_type(ggml_type: str) -> None:
     if ggml_type not in _QUANTIZED_EXPERT_TYPES:
-        raise InvalidArgumentError(f"quantized_matmul_id ggml_type must be 'q4_0' or 'q8_0', got {ggml_type!r}")
+        raise InvalidArgumentError(f"quantized_matmul_id ggml_type must be one of {_TYPE_NAMES}, got {ggml_type!r}")
 
 
 def _quantized_matmul_id_shape(
@@ -244,8 +245,8 @@ def _quantized_matmul_id_shape(
 
 def _quantized_matmul_id(weights: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, ggml_type: str) -> torch.Tensor:
     """out[t*top_k + s] = dequantize(weights[ids[t, s]]) @ x[t] (or x[t, s] for [m, top_k, k]
-    input) for a GGML block stack (uint8 [n_experts, n, k / 32 * block_bytes], ggml_type 'q4_0' or
-    'q8_0'); ids outside [0, n_experts) give zero rows, and repeated ids are computed."""
+    input) for a GGML block stack (uint8 [n_experts, n, k / block_values * block_bytes], ggml_type
+    one of routemm.quantized_matmul_id.SUPPORTED_TYPES' values); ids outside [0, n_experts) give zero rows, and repeated ids are computed."""
     _check_ggml_type(ggml_type)  # the rest is checked once per call shape, by its plan
     return _tensor_ops.quantized_matmul_id(_TORCH, weights, x, ids, ggml_type, op_kernel=True)
 
@@ -293,7 +294,7 @@ def _check_model_dtype(name: str, t: torch.Tensor) -> None:
 
 def _check_block_type(ggml_type: Optional[str]) -> None:
     if ggml_type is not None and ggml_type not in _QUANTIZED_EXPERT_TYPES:
-        raise InvalidArgumentError(f"moe_experts ggml_type must be None, 'q4_0' or 'q8_0', got {ggml_type!r}")
+        raise InvalidArgumentError(f"moe_experts ggml_type must be None or one of {_TYPE_NAMES}, got {ggml_type!r}")
 
 
 def _moe_experts(
@@ -310,7 +311,7 @@ def _moe_experts(
     top_k_weights[t, s] * down[e] @ (SiLU(gate[e] @ x[t]) * (up[e] @ x[t])), e = top_k_index[t, s],
     ids outside [0, E) contributing nothing. gate_up [E, 2I, H] (gate rows, then up rows), or the
     gate stack [E, I, H] with `up` the up stack; down [E, H, I]; float stacks, or uint8 GGML block
-    stacks of `ggml_type` ('q4_0', 'q8_0'). hidden and top_k_weights float32 / float16 / bfloat16;
+    stacks of `ggml_type` (a SUPPORTED_TYPES value: 'q4_0', 'q4_k', ...). hidden and top_k_weights float32 / float16 / bfloat16;
     the block computes in F32 and returns hidden's dtype. Route: the block's shape-only rule
     (tensor-core routes from the crossover on CUDA), or the bit-exact F32 routes with exact=True."""
     _check_model_dtype("hidden", hidden)

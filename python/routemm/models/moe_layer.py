@@ -51,13 +51,15 @@ from ..ops.moe import (
     _ExpertShapes,
 )
 from ..ops.quantized_matmul import GgmlType
+from ..ops.quantized_matmul_id import SUPPORTED_TYPES as _BLOCK_TYPES
 
 # Whether an architecture's router renormalises its top-k weights, where the file does not say
 # (`<arch>.expert_weights_norm`): Qwen3-MoE and Mixtral (GGUF architecture "llama") do.
 RENORMALIZE_BY_ARCH = {"qwen3moe": True, "llama": True, "mixtral": True, "qwen2moe": False}
 
 _FLOAT_TYPES = {"f32", "f16", "bf16"}
-_QUANTIZED_TYPES = {"q4_0": GgmlType.Q4_0, "q8_0": GgmlType.Q8_0}
+# The block stack types the experts run (quantized_matmul_id_ggml's), by their GGUF type names.
+_QUANTIZED_TYPES = {t.value: t for t in _BLOCK_TYPES}
 
 
 class MoeLayer:
@@ -77,7 +79,8 @@ class MoeLayer:
         name: str = "moe layer",
     ):
         """router: [E, H] float buffer; gate, up: [E, I, H]; down: [E, H, I] (float buffers of one
-        dtype, or uint8 block stacks with ggml_type Q4_0 / Q8_0, a GgmlType or its value). All
+        dtype, or uint8 block stacks with ggml_type one of quantized_matmul_id's SUPPORTED_TYPES, a
+        GgmlType or its value: Q4_0, Q8_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K). All
         buffers live on `device` (default: the router's). top_k: an integer in [1, E]; renormalize:
         a bool (checked as moe_gate checks them)."""
         for label, buf in (("router", router), ("gate", gate), ("up", up), ("down", down)):
@@ -173,7 +176,8 @@ class MoeLayer:
             raise InvalidArgumentError(f"{where}: layer {layer} mixes expert types {sorted(expert_types)}")
         (expert_type,) = expert_types
         if expert_type not in _FLOAT_TYPES and expert_type not in _QUANTIZED_TYPES:
-            raise InvalidArgumentError(f"{where}: layer {layer} experts are {expert_type}, not f32/f16/bf16/q4_0/q8_0")
+            known = "/".join(["f32", "f16", "bf16", *_QUANTIZED_TYPES])
+            raise InvalidArgumentError(f"{where}: layer {layer} experts are {expert_type}, not {known}")
         device = device or _default_device()
         loaded = _gguf_tensors(path, names.values(), device)  # one header read for the four
         bufs = {part: loaded[name] for part, name in names.items()}
@@ -236,7 +240,7 @@ class MoeLayer:
 
     def float_weights(self) -> dict[str, np.ndarray]:
         """The router and expert stacks as float arrays (quantised blocks dequantised exactly)."""
-        from ..formats import q4_0, q8_0
+        from ..formats.ggml import dequantize
 
         arrays = {"router": self.router.numpy()}
         for label, buf, shape in (
@@ -245,11 +249,7 @@ class MoeLayer:
             ("down", self.down, (self.n_experts, self.hidden, self.intermediate)),
         ):
             raw = buf.numpy()
-            if self.ggml_type is GgmlType.Q4_0:
-                raw = q4_0.dequantize(raw, shape)
-            elif self.ggml_type is GgmlType.Q8_0:
-                raw = q8_0.dequantize(raw, shape)
-            arrays[label] = raw
+            arrays[label] = raw if self.ggml_type is None else dequantize(raw, self.ggml_type, shape)
         return arrays
 
     def reference(self, hidden, weights: Optional[dict] = None):

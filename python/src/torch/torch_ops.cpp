@@ -43,6 +43,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "routemm/ggml_formats.h"
 #include "tensor_op_abi.h"
 
 namespace {
@@ -252,12 +253,31 @@ at::Tensor matmul_id(const at::Tensor& weights, const at::Tensor& x, const at::T
 
 // ---- quantized_matmul_id ------------------------------------------------------------------------
 
-// routemm::GgmlType codes of the block stacks the op takes (tensor_op_abi.h).
+// The block stack types the ops take: Q4_0 and Q8_0, then routemm/ggml_formats.h's kKernelFormats,
+// as (name, routemm::GgmlType code) (tensor_op_abi.h).
+std::vector<std::pair<std::string, uint32_t>> block_types() {
+  std::vector<std::pair<std::string, uint32_t>> types = {{"q4_0", 0}, {"q8_0", 3}};
+  for (const routemm::ggml_formats::KernelFormat& f : routemm::ggml_formats::kKernelFormats) {
+    types.emplace_back(std::string(f.name), f.ggml_type);
+  }
+  return types;
+}
+
+// The code of block stack type `name`, or -1 with `names` listing the types ("'q4_0', ...").
+int32_t block_type_code(const std::string& name, std::string& names) {
+  for (const auto& [known, code] : block_types()) {
+    if (known == name) return static_cast<int32_t>(code);
+    names += (names.empty() ? "'" : ", '") + known + "'";
+  }
+  return -1;
+}
+
 uint32_t ggml_type_code(const std::string& name) {
-  if (name == "q4_0") return 0;
-  if (name == "q8_0") return 3;
-  TORCH_CHECK_VALUE(false,
-                    "quantized_matmul_id ggml_type must be 'q4_0' or 'q8_0', got '" + name + "'");
+  std::string names;
+  const int32_t code = block_type_code(name, names);
+  TORCH_CHECK_VALUE(
+      code >= 0, "quantized_matmul_id ggml_type must be one of " + names + ", got '" + name + "'");
+  return static_cast<uint32_t>(code);
 }
 
 Plan make_quantized_plan(const at::Tensor& weights, const at::Tensor& x, const at::Tensor& ids,
@@ -357,10 +377,11 @@ std::unordered_map<MoePlanKey, MoePlan, PlanKeyHash>& moe_plans() {
 int32_t moe_ggml_code(const std::optional<c10::string_view>& ggml_type) {
   if (!ggml_type) return -1;
   const std::string name(ggml_type->data(), ggml_type->size());
-  if (name == "q4_0") return 0;
-  if (name == "q8_0") return 3;
-  TORCH_CHECK_VALUE(false,
-                    "moe_experts ggml_type must be None, 'q4_0' or 'q8_0', got '" + name + "'");
+  std::string names;
+  const int32_t code = block_type_code(name, names);
+  TORCH_CHECK_VALUE(
+      code >= 0, "moe_experts ggml_type must be None or one of " + names + ", got '" + name + "'");
+  return code;
 }
 
 // The plan's checks in the Python kernels' order: one device, float32 hidden states and routing
