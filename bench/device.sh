@@ -72,8 +72,11 @@ usage: bash bench/device.sh COMMAND [ARGS]
                    on Qwen3-30B-A3B and Qwen3.6-35B-A3B at MS, the automatic route and, for m > 8,
                    grouped_tensor_lowp, beside torch._grouped_mm and the copy floor; the
                    Qwen3-30B-A3B block beside transformers) -> pytest.txt qid.jsonl quantized_matmul_id-<card>.json/.md
-                   moe_block-<card>.json/.md; then the llama.cpp peer's MUL_MAT_ID q4_0 at the same
-                   shapes and MS (as `peer`; carry .dev/llama) -> llama_peer.json llama_peer.log.
+                   moe_block-<card>.json/.md; bench/tools/qid_format_timing.py (Q4_K, Q6_K, MXFP4 on
+                   Qwen3-30B-A3B and gpt-oss-20b at MS beside the copy floor; its JSON lines in
+                   qid.jsonl, its table after quantized_matmul_id-<card>.md's; FORMATS=0 skips it);
+                   then the llama.cpp peer's MUL_MAT_ID q4_0 at the same shapes and MS (as `peer`;
+                   carry .dev/llama) -> llama_peer.json llama_peer.log.
                    Knobs: SKIP_TESTS=1, MS (default 1,8,32,512,4096), QID_ARGS (more tool flags),
                    PEER=0 (no peer), LLAMA_SRC, PEER_BUILD. The peer's first build takes minutes: on
                    a cold machine run `BUILD_ONLY=1 bash bench/device.sh peer` in a call of its own.
@@ -470,16 +473,25 @@ cmd_qid() {
   local ms=${MS:-1,8,32,512,4096}
   build_or_fail
   if [ "${SKIP_TESTS:-0}" != 1 ]; then
-    cuda_pytest 240 "$OUT/pytest.txt" tests/python/test_quantized_matmul_id.py \
+    cuda_pytest 360 "$OUT/pytest.txt" tests/python/test_quantized_matmul_id.py \
       tests/python/test_quantized_matmul_id_validation.py tests/python/test_quantized_matmul_id_tensor.py \
       tests/python/test_cuda_sass.py tests/python/test_expert_id_map_reuse.py \
-      tests/python/test_moe.py tests/python/test_moe_gguf.py tests/python/test_transformers_experts.py
+      tests/python/test_moe.py tests/python/test_moe_gguf.py tests/python/test_transformers_experts.py \
+      tests/python/test_ggml_format_kernels.py tests/python/test_ggml_format_kernels_cuda.py
   fi
   stamp qid_timing
   # JSON lines to qid.jsonl, progress to the terminal; the tool keeps itself under 150 s.
   BENCH_COMMAND="GIT_REV=$GIT_REV MS=$ms${QID_ARGS:+ QID_ARGS=\"$QID_ARGS\"} bash bench/device.sh qid" \
     timeout 180 python3 bench/tools/qid_timing.py --out "$OUT" --ms "$ms" ${QID_ARGS:-} > "$OUT/qid.jsonl"
   echo "qid_timing exit: $?"
+  if [ "${FORMATS:-1}" = 1 ]; then
+    stamp qid_format_timing
+    timeout 180 python3 bench/tools/qid_format_timing.py --out /tmp/qid-formats --ms "$ms" --budget-s 150 \
+      >> "$OUT/qid.jsonl"
+    echo "qid_format_timing exit: $?"
+    { echo; echo "Block formats beyond Q4_0 / Q8_0 (bench/tools/qid_format_timing.py):"; echo
+      cat "/tmp/qid-formats/qid_formats-${CARD}.md"; } >> "$OUT/quantized_matmul_id-${CARD}.md" 2>/dev/null
+  fi
   cat "$OUT/quantized_matmul_id-${CARD}.md" "$OUT/moe_block-${CARD}.md" 2>/dev/null | grep -E "^\| |^Ceil"
   if [ "${PEER:-1}" = 1 ]; then
     # The peer's build log stays in /tmp, so that this command's files stay within eight.

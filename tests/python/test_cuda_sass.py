@@ -170,7 +170,8 @@ def test_hopper_q4_mat_vec_uses_bulk_copies_and_warp_mma():
 
 def test_hopper_quantized_direct_uses_bulk_copies():
     """The quantised expert-ID direct kernel's bulk-copy data path (quantized_matmul_id.cu), one
-    instantiation per format (Q4_0, Q8_0): its stages arrive by bulk copies into an mbarrier ring
+    instantiation per format whose stages are whole 16-byte units (Q4_0, Q8_0, Q4_1, Q5_0, Q5_1,
+    MXFP4, Q4_K, Q5_K; not Q6_K): its stages arrive by bulk copies into an mbarrier ring
     (UBLKCP, SYNCS), the lanes load no weights or activations from global memory (the only global
     loads are 32-bit expert ids), and nothing touches local memory."""
     arches = _functions_by_arch()
@@ -181,7 +182,7 @@ def test_hopper_quantized_direct_uses_bulk_copies():
         for name, sass in arches["sm_90a"].items()
         if "direct_bulk_kernel" in name and "quantized_matmul_id" in name
     }
-    assert len(kernels) == 2, sorted(kernels)
+    assert len(kernels) == 8, sorted(kernels)
     for name, sass in kernels.items():
         for instruction in ("UBLKCP", "SYNCS"):
             assert instruction in sass, (name, instruction)

@@ -1,30 +1,39 @@
 // CUDA kernels of the quantised expert-ID matmul (csrc/ops/quantized_matmul_id.cpp owns
-// validation and geometry): quantized_matmul_id_direct_{q4_0,q8_0}_f32,
-// quantized_matmul_id_grouped_{q4_0,q8_0}_f32 (the map is dense_matmul_id's) and the tensor-core
-// route's quantized_matmul_id_grouped_lowp_{q4_0,q8_0}_f32 (same map; see GgmlTiles below).
+// validation and geometry): quantized_matmul_id_direct_F_f32 and quantized_matmul_id_grouped_F_f32
+// for F = q4_0, q8_0 and every format of ggml_formats.h's kKernelFormats (q4_1, q5_0, q5_1, mxfp4,
+// q4_k, q5_k, q6_k; the map is dense_matmul_id's), the tensor-core route's
+// quantized_matmul_id_grouped_lowp_{q4_0,q8_0}_f32 (same map; see GgmlTiles below), and the kernel
+// formats' dense projections kernel_mul_mv_F_f32 / kernel_mul_mm_F_f32 (csrc/ops/q4_matmul.cpp's
+// front door; the same staged lane contract, see "Dense projections" below). Every kernel but the
+// tensor route is one template over ggml_blocks.cuh's format traits.
 //
 // NUMERICS: direct and grouped are the exact route of the CPU oracle (ggml_blocks.cuh's lane
-// contract), so both kernels are bit-identical to each other and to the CPU backend. The tensor
-// route (grouped_tensor_lowp) is not: activations rounded to f16 (nearest even), weights exact,
-// F32 accumulation; tested within 1e-2 relative Frobenius error of a float64 reference on the
-// dequantised weights (docs/numerics.md).
+// contract on the exact weights of ggml's to_float), so both kernels are bit-identical to each
+// other and to the CPU backend, in every format. The tensor route (grouped_tensor_lowp, Q4_0 and
+// Q8_0) is not: activations rounded to f16 (nearest even), weights exact, F32 accumulation; tested
+// within 1e-2 relative Frobenius error of a float64 reference on the dequantised weights
+// (docs/numerics.md).
 // GEOMETRY: 128 threads = 16 output columns x 8 lanes.
 //   direct   grid [ceil(n / 16), m * top_k, 1]: one flat row per block; the block streams the
 //            16 weight rows of that row's expert (an invalid id writes zeros, reads no weight).
 //   grouped  grid [ceil(m / 8), ceil(n / 16), n_experts]: up to 8 routed rows of one expert per
 //            block and step, each weight value read once for the 8 rows (an expert holding more
 //            than m rows, when ids repeat within a token, loops over its segment).
-// DATA PATH: the block's 16 weight rows stream through shared memory kStageBlocks blocks at a time,
-//   copied by all 128 threads with coalesced 16-byte loads when the rows are 16-byte aligned (2-byte
-//   loads otherwise: GGUF blocks are only 2-byte aligned); the lanes then run the lane contract from
-//   shared memory. Each lane's FMAs keep their order (blocks ascending), so staging changes no bit.
+// DATA PATH: the block's 16 weight rows stream through shared memory 1024 values (32 blocks, 4
+//   K-quant super-blocks) at a time, copied by all 128 threads with coalesced 16-byte loads: a
+//   row's segment lands at its address modulo 16 in its stage row, so only the partial 16-byte
+//   units at its two ends go byte by byte (Q4_0 / Q8_0 blocks are only 2-byte aligned, the other
+//   formats' 1-byte: MXFP4 blocks are 17 bytes); the lanes then run the lane contract from shared
+//   memory. Each lane's FMAs keep their order (blocks ascending), so staging changes no bit.
 //   Before staging every lane fetched its own 2 bytes per block value pair from global memory: the
 //   loads, not the bytes, bounded the kernel (Qwen3-30B-A3B Q4_0 m = 1: 18.6 us for 7 MB).
-//   On sm_90a, where K is a multiple of 256 and the rows are 16-byte aligned, direct_bulk_kernel
-//   moves the stages with bulk copies instead, input values included, two stages in flight from
-//   the block's start (ROUTEMM_CUDA_DIRECT_PATH=loads keeps the copy loop). Measured on an H100
-//   in one run, Qwen3-30B-A3B m = 1 / 8: Q4_0 18.5 / 68.5 -> 7.7 / 36.8 us, Q8_0 16.9 / 79.6 ->
-//   9.7 / 44.7 us (bench/lab/records/logs/h100-checks-2026-12-05c.md).
+//   On sm_90a, where the rows are 16-byte aligned and every stage of a row is a multiple of 16
+//   bytes (Q4_0 / Q8_0: K a multiple of 256; never Q6_K), direct_bulk_kernel moves the stages
+//   with bulk copies instead, input values included, two stages in flight from the block's start
+//   (ROUTEMM_CUDA_DIRECT_PATH=loads keeps the copy loop). Measured on an H100 in one run,
+//   Qwen3-30B-A3B m = 1 / 8: Q4_0 18.5 / 68.5 -> 7.7 / 36.8 us, Q8_0 16.9 / 79.6 -> 9.7 / 44.7 us
+//   (bench/lab/records/logs/h100-checks-2026-12-05c.md). The other formats: bench/tools/
+//   qid_format_timing.py.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -40,6 +49,7 @@
 #include "hopper_support.h"
 #include "kernels.h"
 #include "routemm/error.h"
+#include "routemm/ggml_formats.h"
 #include "routemm/ops/quantized_matmul_id.h"
 #include "smem_opt_in.h"
 #include "warp_mma.cuh"
@@ -57,40 +67,62 @@ using kernels::DenseMatmulIdKernelParams;
 constexpr uint32_t kThreads = 128;
 constexpr uint32_t kColumns = kThreads / 8;  // output columns per block
 constexpr uint32_t kGroupRows = 8;           // routed rows per grouped block
-constexpr uint32_t kStageBlocks = 32;        // blocks of each weight row per shared-memory stage
+constexpr uint32_t kStageValues = 1024;      // values of each weight row per shared-memory stage
 
-// Shared-memory pitch of one staged weight row (a multiple of 16 bytes for both formats).
+// Blocks of each weight row per stage (32 of a 32-value format, 4 K-quant super-blocks).
+template <class F>
+__host__ __device__ constexpr uint32_t stage_blocks() {
+  return kStageValues / F::kValues;
+}
+
+// Shared-memory pitch of one staged weight row: the stage's bytes rounded up to 16, plus 16 for
+// a row that starts part-way into a 16-byte unit (stage_rows).
 template <class F>
 __host__ __device__ constexpr uint32_t stage_pitch() {
-  return kStageBlocks * F::kBytes;
+  return (stage_blocks<F>() * F::kBytes + 15) / 16 * 16 + 16;
 }
-static_assert(stage_pitch<ggml::Q4_0Blocks>() % 16 == 0 &&
-              stage_pitch<ggml::Q8_0Blocks>() % 16 == 0);
+
+// The offset in its stage row of a staged segment starting at `src`: its address modulo 16.
+__device__ __forceinline__ uint32_t stage_head(const uint8_t* src) {
+  return static_cast<uint32_t>(reinterpret_cast<uintptr_t>(src) & 15u);
+}
 
 // Copies blocks [b0, b0 + nb) of the tile's first `rows` weight rows (row r at first_row + r *
-// row_bytes) into `stage` (row r at r * stage_pitch), with every thread of the block. `aligned`:
-// first_row and row_bytes are multiples of 16, so a stage whose bytes per row are too goes in 16-byte
-// units; anything else in 2-byte units (the blocks' own alignment).
+// row_bytes) into `stage`, with every thread of the block: the segment of row r, starting at
+// address a, lands at r * stage_pitch + a % 16, so its 16-byte units keep their alignment. Units
+// that lie inside the segment copy whole (coalesced 16-byte loads); the partial ones at either end
+// byte by byte (Q4_0 / Q8_0 rows are only 2-byte aligned, the other formats' 1-byte). `aligned`:
+// first_row and row_bytes are multiples of 16 (every head is 0; one unit loop). `tid`: the
+// thread's index in the block.
 template <class F>
 __device__ __forceinline__ void stage_rows(uint8_t* __restrict__ stage,
                                            const uint8_t* __restrict__ first_row,
                                            uint64_t row_bytes, uint32_t rows, uint32_t b0,
-                                           uint32_t nb, bool aligned) {
+                                           uint32_t nb, bool aligned, uint32_t tid) {
   const uint32_t seg = nb * F::kBytes;
   const uint8_t* src = first_row + uint64_t{b0} * F::kBytes;
-  if (aligned && seg % 16 == 0) {
+  if (aligned && seg % 16 == 0 && stage_head(src) == 0) {
     const uint32_t units = seg / 16;
-    for (uint32_t i = threadIdx.x; i < rows * units; i += kThreads) {
+    for (uint32_t i = tid; i < rows * units; i += kThreads) {
       const uint32_t r = i / units, u = i - r * units;
       const auto* from = reinterpret_cast<const uint4*>(src + r * row_bytes + u * 16);
       *reinterpret_cast<uint4*>(stage + r * stage_pitch<F>() + u * 16) = __ldg(from);
     }
   } else {
-    const uint32_t units = seg / 2;
-    for (uint32_t i = threadIdx.x; i < rows * units; i += kThreads) {
+    const uint32_t units = seg / 16 + 2;  // enough for any head
+    for (uint32_t i = tid; i < rows * units; i += kThreads) {
       const uint32_t r = i / units, u = i - r * units;
-      const auto* from = reinterpret_cast<const uint16_t*>(src + r * row_bytes + u * 2);
-      *reinterpret_cast<uint16_t*>(stage + r * stage_pitch<F>() + u * 2) = __ldg(from);
+      const uint8_t* const a = src + r * row_bytes;
+      const uint8_t* const end = a + seg;
+      const uint8_t* const unit = a - stage_head(a) + u * 16;
+      uint8_t* const dst = stage + r * stage_pitch<F>() + u * 16;
+      if (unit >= a && unit + 16 <= end) {
+        *reinterpret_cast<uint4*>(dst) = __ldg(reinterpret_cast<const uint4*>(unit));
+      } else {
+        for (const uint8_t* q = unit < a ? a : unit; q < unit + 16 && q < end; ++q) {
+          dst[q - unit] = __ldg(q);
+        }
+      }
     }
   }
 }
@@ -104,18 +136,20 @@ __device__ __forceinline__ void staged_lane_dot(uint8_t* __restrict__ stage,
                                                 uint64_t row_bytes, uint32_t rows, uint32_t k,
                                                 bool aligned, uint32_t column,
                                                 const float* const (&x)[R], uint32_t lane,
-                                                float (&acc)[R]) {
-  const uint32_t blocks = k / 32;
-  for (uint32_t b0 = 0; b0 < blocks; b0 += kStageBlocks) {
-    const uint32_t nb = min(kStageBlocks, blocks - b0);
+                                                float (&acc)[R], uint32_t tid = threadIdx.x) {
+  const uint32_t blocks = k / F::kValues;
+  for (uint32_t b0 = 0; b0 < blocks; b0 += stage_blocks<F>()) {
+    const uint32_t nb = min(stage_blocks<F>(), blocks - b0);
     __syncthreads();  // the previous stage is consumed
-    stage_rows<F>(stage, first_row, row_bytes, rows, b0, nb, aligned);
+    stage_rows<F>(stage, first_row, row_bytes, rows, b0, nb, aligned, tid);
     __syncthreads();
     if (column < rows) {
       const float* xs[R];
 #pragma unroll
-      for (int r = 0; r < R; ++r) xs[r] = x[r] + b0 * 32;
-      ggml::lane_dot<F, R>(stage + column * stage_pitch<F>(), nb * 32, xs, lane, acc);
+      for (int r = 0; r < R; ++r) xs[r] = x[r] + b0 * F::kValues;
+      const uint8_t* src = first_row + column * row_bytes + uint64_t{b0} * F::kBytes;
+      ggml::lane_dot<F, R>(stage + column * stage_pitch<F>() + stage_head(src), nb * F::kValues, xs,
+                           lane, acc);
     }
   }
 }
@@ -144,7 +178,7 @@ struct DirectTile {
     const uint32_t id = ids[flat];
     col = col0 + column;
     rows = min(kColumns, p.n - col0);
-    row_bytes = uint64_t{p.k} / 32 * F::kBytes;
+    row_bytes = uint64_t{p.k} / F::kValues * F::kBytes;
     out = output + uint64_t{flat} * p.n;
     valid = id < p.n_experts;
     first_row = valid ? weights + uint64_t{id} * p.expert_stride_bytes + col0 * row_bytes : nullptr;
@@ -180,25 +214,24 @@ __global__ void __launch_bounds__(kThreads)
 // the activations, into a ring that fills as soon as the block starts, so no lane waits on a global
 // load inside the lane contract. Each lane runs ggml::lane_dot over the stages in block order, the
 // same FMAs in the same order as direct_kernel: the same bits.
-constexpr uint32_t kBulkStageBlocks = 32;  // blocks of each row (and of the input) per stage
-
 template <class F>
 struct BulkDirectLayout {
+  static constexpr uint32_t kStageBlocks = stage_blocks<F>();  // blocks of each row per stage
   // Stage rows 16 bytes longer than their blocks, so the rows of one warp fall on different banks.
-  static constexpr uint32_t kRowPitch = kBulkStageBlocks * F::kBytes + 16;
+  static constexpr uint32_t kRowPitch = (kStageBlocks * F::kBytes + 15) / 16 * 16 + 16;
   static constexpr uint32_t kXOffset = kColumns * kRowPitch;  // the activations' stage row
-  static constexpr uint32_t kStageBytes = kXOffset + kBulkStageBlocks * 32 * 4;
+  static constexpr uint32_t kStageBytes = kXOffset + kStageValues * 4;
   static constexpr uint32_t kRing = 2;
   static constexpr uint32_t kBarrierBytes = 128;
-  // Q4_0: 26.6 KiB (8 blocks per multiprocessor); Q8_0: 42.6 KiB (5). Both under the 48 KiB that
-  // needs no opt-in.
+  // Q4_0: 26.6 KiB (8 blocks per multiprocessor); Q8_0: 42.6 KiB (5), the largest format. All
+  // under the 48 KiB that needs no opt-in.
   static constexpr uint32_t kSmem = kBarrierBytes + kRing * kStageBytes;
   static_assert(kRowPitch % 16 == 0 && kStageBytes % 16 == 0 && kSmem <= 48 * 1024);
 };
 
-// Preconditions (launch_direct checks them): every weight row and the input rows 16-byte
-// aligned, K a multiple of 256 (so a stage's bytes per row are a multiple of 16), the sm_90a image
-// running.
+// Preconditions (launch_direct checks them, bulk_stages_fit): every weight row and the input rows
+// 16-byte aligned, every stage's bytes per row a multiple of 16 (Q4_0, Q8_0: K a multiple of 256;
+// never Q6_K, whose 4-block stage is 840 bytes), the sm_90a image running.
 template <class F>
 __global__ void __launch_bounds__(kThreads)
     direct_bulk_kernel(const DenseMatmulIdKernelParams p, const uint8_t* __restrict__ weights,
@@ -218,23 +251,26 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  const uint32_t blocks = p.k / 32;
-  const uint32_t stages = (blocks + kBulkStageBlocks - 1) / kBulkStageBlocks;
+  const uint32_t blocks = p.k / F::kValues;
+  const uint32_t stages = (blocks + L::kStageBlocks - 1) / L::kStageBlocks;
   // Warp 0 fills stage s: thread 0 arms the barrier with the stage's bytes, threads 0..rows-1 copy
   // their row's blocks, thread kColumns the input's values.
   const auto issue = [&](uint32_t s) {
-    const uint32_t slot = s % L::kRing, b0 = s * kBulkStageBlocks;
-    const uint32_t nb = min(kBulkStageBlocks, blocks - b0);
+    const uint32_t slot = s % L::kRing, b0 = s * L::kStageBlocks;
+    const uint32_t nb = min(L::kStageBlocks, blocks - b0);
     uint8_t* const stage = ring + slot * L::kStageBytes;
     const uint32_t bar = bar0 + 8 * slot;
-    if (threadIdx.x == 0) sm90::mbar_arrive_expect_tx(bar, nb * (t.rows * F::kBytes + 128));
+    if (threadIdx.x == 0) {
+      sm90::mbar_arrive_expect_tx(bar, nb * (t.rows * F::kBytes + F::kValues * 4));
+    }
     __syncwarp();
     if (threadIdx.x < t.rows) {
       sm90::bulk_load(smem_addr(stage + threadIdx.x * L::kRowPitch),
                       t.first_row + threadIdx.x * t.row_bytes + uint64_t{b0} * F::kBytes,
                       nb * F::kBytes, bar);
     } else if (threadIdx.x == kColumns) {
-      sm90::bulk_load(smem_addr(stage + L::kXOffset), xrow + uint64_t{b0} * 128, nb * 128, bar);
+      sm90::bulk_load(smem_addr(stage + L::kXOffset), xrow + uint64_t{b0} * F::kValues * 4,
+                      nb * F::kValues * 4, bar);
     }
   };
   if (threadIdx.x < 32) {
@@ -247,8 +283,8 @@ __global__ void __launch_bounds__(kThreads)
     const uint8_t* const stage = ring + slot * L::kStageBytes;
     if (t.column < t.rows) {
       const float* const xs[1] = {reinterpret_cast<const float*>(stage + L::kXOffset)};
-      const uint32_t nb = min(kBulkStageBlocks, blocks - s * kBulkStageBlocks);
-      ggml::lane_dot<F, 1>(stage + t.column * L::kRowPitch, nb * 32, xs, t.lane, acc);
+      const uint32_t nb = min(L::kStageBlocks, blocks - s * L::kStageBlocks);
+      ggml::lane_dot<F, 1>(stage + t.column * L::kRowPitch, nb * F::kValues, xs, t.lane, acc);
     }
     __syncthreads();  // every read of this slot is done before the copy engine refills it
     if (threadIdx.x < 32 && s + L::kRing < stages) issue(s + L::kRing);
@@ -278,7 +314,7 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t column = threadIdx.x / 8;
   const uint32_t col0 = blockIdx.y * kColumns;
   const uint32_t col = col0 + column;
-  const uint64_t row_bytes = uint64_t{p.k} / 32 * F::kBytes;
+  const uint64_t row_bytes = uint64_t{p.k} / F::kValues * F::kBytes;
   const uint32_t tile_rows = min(kColumns, p.n - col0);
   const uint8_t* first_row = weights + uint64_t{expert} * p.expert_stride_bytes + col0 * row_bytes;
   // grid.x covers m rows per expert; an expert holding more (repeated ids) loops over the rest.
@@ -319,7 +355,8 @@ DenseMatmulIdKernelParams read_params(const KernelLaunch& launch) {
 // front door's checks; products are formed in 64 bits.
 template <class F>
 uint64_t weight_extent(const DenseMatmulIdKernelParams& p) {
-  return uint64_t{p.n_experts - 1} * p.expert_stride_bytes + uint64_t{p.n} * (p.k / 32) * F::kBytes;
+  return uint64_t{p.n_experts - 1} * p.expert_stride_bytes +
+         uint64_t{p.n} * (p.k / F::kValues) * F::kBytes;
 }
 uint64_t input_extent(const DenseMatmulIdKernelParams& p) {
   return uint64_t{p.m - 1} * p.input_token_stride_bytes +
@@ -330,9 +367,30 @@ uint64_t input_extent(const DenseMatmulIdKernelParams& p) {
 // are multiples of 16), so the stages may copy in 16-byte units.
 template <class F>
 bool rows_aligned16(const DenseMatmulIdKernelParams& p, const uint8_t* weights) {
-  const uint64_t row_bytes = uint64_t{p.k} / 32 * F::kBytes;
+  const uint64_t row_bytes = uint64_t{p.k} / F::kValues * F::kBytes;
   return reinterpret_cast<uintptr_t>(weights) % 16 == 0 && p.expert_stride_bytes % 16 == 0 &&
          row_bytes % 16 == 0;
+}
+
+// True when every stage of the bulk direct kernel moves a multiple of 16 bytes per weight row (the
+// full stages and the last): bulk copies go in 16-byte units.
+template <class F>
+bool bulk_stages_fit(const DenseMatmulIdKernelParams& p) {
+  constexpr uint32_t kStage = BulkDirectLayout<F>::kStageBlocks;
+  const uint32_t blocks = p.k / F::kValues;
+  return (uint64_t{kStage} * F::kBytes) % 16 == 0 &&
+         (uint64_t{blocks % kStage} * F::kBytes) % 16 == 0;
+}
+
+// The launch's params, K checked against the format's block (256 values for the K-quants).
+template <class F>
+DenseMatmulIdKernelParams read_format_params(const KernelLaunch& launch) {
+  const DenseMatmulIdKernelParams p = read_params(launch);
+  if (p.k % F::kValues != 0) {
+    throw Error(launch.label + ": K is not a multiple of the " + std::to_string(F::kValues) +
+                "-value " + F::kName + " block");
+  }
+  return p;
 }
 
 void check(const KernelLaunch& launch, cudaError_t status) {
@@ -343,7 +401,7 @@ void check(const KernelLaunch& launch, cudaError_t status) {
 
 template <class F>
 void launch_direct(const KernelLaunch& launch, void* stream) {
-  const DenseMatmulIdKernelParams p = read_params(launch);
+  const DenseMatmulIdKernelParams p = read_format_params<F>(launch);
   const uint64_t rows = uint64_t{p.m} * p.top_k;
   if (launch.grid.x != (p.n + kColumns - 1) / kColumns || launch.grid.y != rows ||
       launch.grid.z != 1 || rows > 0x7fffffffu) {
@@ -358,14 +416,18 @@ void launch_direct(const KernelLaunch& launch, void* stream) {
   auto* out = static_cast<float*>(kernels::launch_arg(launch, 4, "output", rows * p.n * 4).data);
   const dim3 grid(static_cast<unsigned>(launch.grid.x), static_cast<unsigned>(rows), 1);
   const bool aligned = rows_aligned16<F>(p, w);
-  if (aligned && p.k % 256 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-      p.input_token_stride_bytes % 16 == 0 && p.input_slot_stride_bytes % 16 == 0 &&
-      expert_direct_bulk_path()) {
-    direct_bulk_kernel<F>
-        <<<grid, kThreads, BulkDirectLayout<F>::kSmem, static_cast<cudaStream_t>(stream)>>>(
-            p, w, x, ids, out);
-    check(launch, cudaGetLastError());
-    return;
+  // Formats whose full stage is not a multiple of 16 bytes (Q6_K) never take the bulk path: no
+  // instance of it.
+  if constexpr (BulkDirectLayout<F>::kStageBlocks * F::kBytes % 16 == 0) {
+    if (aligned && bulk_stages_fit<F>(p) && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+        p.input_token_stride_bytes % 16 == 0 && p.input_slot_stride_bytes % 16 == 0 &&
+        expert_direct_bulk_path()) {
+      direct_bulk_kernel<F>
+          <<<grid, kThreads, BulkDirectLayout<F>::kSmem, static_cast<cudaStream_t>(stream)>>>(
+              p, w, x, ids, out);
+      check(launch, cudaGetLastError());
+      return;
+    }
   }
   direct_kernel<F>
       <<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, w, x, ids, out, aligned);
@@ -374,7 +436,7 @@ void launch_direct(const KernelLaunch& launch, void* stream) {
 
 template <class F>
 void launch_grouped(const KernelLaunch& launch, void* stream) {
-  const DenseMatmulIdKernelParams p = read_params(launch);
+  const DenseMatmulIdKernelParams p = read_format_params<F>(launch);
   if (launch.grid.x != (p.m + kGroupRows - 1) / kGroupRows ||
       launch.grid.y != (p.n + kColumns - 1) / kColumns || launch.grid.z != p.n_experts ||
       p.n_experts > 65535) {
@@ -575,6 +637,118 @@ void launch_grouped_lowp(const KernelLaunch& launch, void* stream) {
   check(launch, cudaGetLastError());
 }
 
+// ---- Dense projections of the kernel formats ------------------------------------------------------
+//
+// kernel_mul_mv_F_f32 and kernel_mul_mm_F_f32 of every format of ggml_formats.h's kKernelFormats
+// (the Q8_0 pipelines' slots and params): one kernel, a block of 16 output columns x up to 8
+// tokens, the 16 weight rows read once through the shared stage for the block's tokens and each
+// output the lane contract's (bit-identical to the CPU backend, and the mat-vec to the matrix
+// route). The mat-vec's grid is [ceil(n / 16), ceil(m / 8), 1] with threads [8, 16, 1]; the
+// matrix route's [ceil(m / 8), ceil(n / 16), 1] with threads [128, 1, 1].
+constexpr uint32_t kDenseTokens = 8;
+
+template <class F, int R>
+__global__ void __launch_bounds__(kThreads)
+    dense_kernel(const uint8_t* __restrict__ weight, const float* __restrict__ input,
+                 float* __restrict__ output, uint32_t m, uint32_t n, uint32_t k, bool aligned,
+                 bool rows_on_x) {
+  __shared__ __align__(16) uint8_t stage[kColumns * stage_pitch<F>()];
+  const uint32_t tid = threadIdx.y * blockDim.x + threadIdx.x;
+  const uint32_t lane = tid & 7u, column = tid / 8;
+  const uint32_t col0 = (rows_on_x ? blockIdx.x : blockIdx.y) * kColumns;
+  const uint32_t t0 = (rows_on_x ? blockIdx.y : blockIdx.x) * kDenseTokens;
+  const uint32_t col = col0 + column;
+  const uint32_t tokens = min(static_cast<uint32_t>(R), m - t0);
+  const uint64_t row_bytes = uint64_t{k} / F::kValues * F::kBytes;
+  const float* x[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    // Tokens past m repeat the tile's first (same values, never stored).
+    x[r] = input + uint64_t{t0 + (static_cast<uint32_t>(r) < tokens ? r : 0)} * k;
+  }
+  float acc[R] = {};
+  staged_lane_dot<F, R>(stage, weight + col0 * row_bytes, row_bytes, min(kColumns, n - col0), k,
+                        aligned, column, x, lane, acc, tid);
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float sum = ggml::sum8(acc[r]);
+    if (lane == 0 && col < n && static_cast<uint32_t>(r) < tokens) {
+      output[uint64_t{t0 + r} * n + col] = sum;
+    }
+  }
+}
+
+// Launches the dense kernel for m x n x k (the params checked by the caller): the fewest tokens per
+// block (1, 2, 4 or 8) that cover m, which changes no output's order.
+template <class F>
+void launch_dense(const KernelLaunch& launch, void* stream, size_t weight_slot, size_t input_slot,
+                  size_t output_slot, int64_t m, int64_t n, int64_t k, bool rows_on_x) {
+  if (m <= 0 || n <= 0 || k <= 0 || k % F::kValues != 0 || m > INT32_MAX || n > INT32_MAX ||
+      k > INT32_MAX) {
+    throw Error(launch.label +
+                ": params have a nonpositive extent or K that is not a multiple of "
+                "the " +
+                std::to_string(F::kValues) + "-value " + F::kName + " block");
+  }
+  const auto um = static_cast<uint64_t>(m), un = static_cast<uint64_t>(n),
+             uk = static_cast<uint64_t>(k);
+  const uint64_t row_bytes = uk / F::kValues * F::kBytes;
+  const uint64_t col_tiles = (un + kColumns - 1) / kColumns;
+  const uint64_t token_tiles = (um + kDenseTokens - 1) / kDenseTokens;
+  const uint64_t threads = launch.threads.x * launch.threads.y * launch.threads.z;
+  if (threads != kThreads || launch.grid.x != (rows_on_x ? col_tiles : token_tiles) ||
+      launch.grid.y != (rows_on_x ? token_tiles : col_tiles) || launch.grid.z != 1 ||
+      launch.grid.y > 65535 || launch.grid.x > 0x7fffffffu) {
+    throw Error(launch.label + ": launch does not match the dense tiles (128 threads, " +
+                std::to_string(kColumns) + " outputs x " + std::to_string(kDenseTokens) +
+                " tokens per block)");
+  }
+  const auto* w = static_cast<const uint8_t*>(
+      kernels::launch_arg(launch, weight_slot, "weight", un * row_bytes).data);
+  const auto* x =
+      static_cast<const float*>(kernels::launch_arg(launch, input_slot, "input", um * uk * 4).data);
+  auto* out =
+      static_cast<float*>(kernels::launch_arg(launch, output_slot, "output", um * un * 4).data);
+  const bool aligned = reinterpret_cast<uintptr_t>(w) % 16 == 0 && row_bytes % 16 == 0;
+  const dim3 grid(static_cast<unsigned>(launch.grid.x), static_cast<unsigned>(launch.grid.y), 1);
+  const dim3 block(static_cast<unsigned>(launch.threads.x), static_cast<unsigned>(launch.threads.y),
+                   static_cast<unsigned>(launch.threads.z));
+  const auto s = static_cast<cudaStream_t>(stream);
+  const auto go = [&](auto kernel) {
+    kernel<<<grid, block, 0, s>>>(w, x, out, static_cast<uint32_t>(m), static_cast<uint32_t>(n),
+                                  static_cast<uint32_t>(k), aligned, rows_on_x);
+  };
+  if (m == 1) {
+    go(dense_kernel<F, 1>);
+  } else if (m == 2) {
+    go(dense_kernel<F, 2>);
+  } else if (m <= 4) {
+    go(dense_kernel<F, 4>);
+  } else {
+    go(dense_kernel<F, 8>);
+  }
+  check(launch, cudaGetLastError());
+}
+
+// Slots: 0 weight, 1 input, 2 output, 3 params (GgmlMatmulMvParams).
+template <class F>
+void launch_dense_mat_vec(const KernelLaunch& launch, void* stream) {
+  const auto q = kernels::launch_params<kernels::GgmlMatmulMvParams>(launch, 3);
+  if (q.ne00 != q.ne10 || q.ne01 != q.ne0) throw Error(launch.label + ": inconsistent params");
+  launch_dense<F>(launch, stream, 0, 1, 2, q.ne1, q.ne01, q.ne00, true);
+}
+
+// Slots: 0 params (GgmlMatmulMmParams), 1 weight, 2 input, 3 output.
+template <class F>
+void launch_dense_matrix(const KernelLaunch& launch, void* stream) {
+  const auto q = kernels::launch_params<kernels::GgmlMatmulMmParams>(launch, 0);
+  if (q.ne00 <= 0 || q.nb10 != 4 || q.nb11 != uint64_t(q.ne00) * 4 ||
+      q.nb01 != uint64_t(q.ne00) / F::kValues * F::kBytes) {
+    throw Error(launch.label + ": inconsistent params (contiguous batch-1 operands only)");
+  }
+  launch_dense<F>(launch, stream, 1, 2, 3, q.ne1, q.ne0, q.ne00, false);
+}
+
 KernelDef def(std::string_view name, KernelFn fn, uint32_t tile_x, uint32_t tile_y) {
   KernelDef d;
   d.name = std::string(name);
@@ -590,6 +764,22 @@ KernelDef def(std::string_view name, KernelFn fn, uint32_t tile_x, uint32_t tile
   return d;
 }
 
+// The four pipelines of the format F (its kKernelFormats entry, found by name).
+template <class F>
+void add_format_kernels(std::vector<KernelDef>& out) {
+  constexpr const ggml_formats::KernelFormat* f = [] {
+    for (const ggml_formats::KernelFormat& e : ggml_formats::kKernelFormats) {
+      if (e.name == std::string_view(F::kName)) return &e;
+    }
+    return static_cast<const ggml_formats::KernelFormat*>(nullptr);
+  }();
+  static_assert(f != nullptr && f->block_values == F::kValues && f->block_bytes == F::kBytes);
+  out.push_back(def(f->id_direct, launch_direct<F>, kColumns, 1));
+  out.push_back(def(f->id_grouped, launch_grouped<F>, kGroupRows, kColumns));
+  out.push_back(def(f->mat_vec, launch_dense_mat_vec<F>, kColumns, kDenseTokens));
+  out.push_back(def(f->matrix, launch_dense_matrix<F>, kDenseTokens, kColumns));
+}
+
 }  // namespace
 
 void add_quantized_matmul_id_kernels(std::vector<KernelDef>& out) {
@@ -598,6 +788,14 @@ void add_quantized_matmul_id_kernels(std::vector<KernelDef>& out) {
   out.push_back(def(names[1], launch_direct<ggml::Q8_0Blocks>, kColumns, 1));
   out.push_back(def(names[2], launch_grouped<ggml::Q4_0Blocks>, kGroupRows, kColumns));
   out.push_back(def(names[3], launch_grouped<ggml::Q8_0Blocks>, kGroupRows, kColumns));
+  add_format_kernels<ggml::Q4_1Blocks>(out);
+  add_format_kernels<ggml::Q5_0Blocks>(out);
+  add_format_kernels<ggml::Q5_1Blocks>(out);
+  add_format_kernels<ggml::Mxfp4Blocks>(out);
+  add_format_kernels<ggml::Q4_KBlocks>(out);
+  add_format_kernels<ggml::Q5_KBlocks>(out);
+  add_format_kernels<ggml::Q6_KBlocks>(out);
+  static_assert(ggml_formats::kKernelFormats.size() == 7, "a CUDA trait for every kernel format");
 
   // The tensor route: a persistent grid of two CTAs per multiprocessor (the 64 x 128 tile's
   // occupancy); the tile fields bound its work items, and the launch sizes its shared memory (the
