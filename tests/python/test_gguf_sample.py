@@ -56,7 +56,9 @@ def test_demo_runs_the_sample(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--type", "q5_k"], "argument --type: invalid choice: 'q5_k'"),
+        (["--type", "q3_k"], "argument --type: invalid choice: 'q3_k'"),
+        (["--arch", "qwen3moe", "--split-experts"], "--split-experts is for --arch mixtral only"),
+        (["--arch", "deepseek2", "--experts", "6"], "6 experts in 4 groups, 2 used, do not fit"),
         (["--arch", "llama"], "argument --arch: invalid choice: 'llama'"),
         (["--experts", "0"], "argument --experts: must be a positive integer, got 0"),
         (["--experts", "4", "--top-k", "5"], "--top-k 5 is more than --experts 4"),
