@@ -181,7 +181,7 @@ def run(args) -> tuple[list, str]:
             for impl, block in blocks.items():
                 if impl == "batched_mm" and m > BATCHED_MM_MAX_M:
                     continue
-                if impl == "eager" and m > 128:
+                if impl == "eager" and m > 128 and cuda:  # its per-expert loop; on the CPU it is the peer
                     continue
                 base = dict(
                     op="moe_block", shape=name, m=m, weight_dtype="bf16", route=impl, impl=f"transformers_{impl}"
