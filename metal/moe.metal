@@ -5,9 +5,11 @@
 // Bindings and geometry are the front door's with the KernelDefs of csrc/backend/metal/kernels.cpp:
 //   gate    : 0 params, 1 logits, 2 weights, 3 ids; grid [ceil(m / 64), 1, 1], 64 threads, one
 //             thread per token row.
-//   silu_mul: 0 params, 1 gate, 2 up, 3 output; grid [ceil(width / 64), rows, 1], 64 threads.
-//   combine : 0 params, 1 rows, 2 weights, 3 ids, 4 output; grid [ceil(hidden / 64), m, 1],
-//             64 threads, one thread per output element, slots summed in order.
+//   silu_mul: 0 params, 1 gate, 2 up, 3 output, by flag 4 ids, 5 weights, 6 gate bias, 7 up
+//             bias; grid [ceil(width / 64), rows, 1], 64 threads.
+//   combine : 0 params, 1 rows, 2 weights, 3 ids, 4 output, by flag 5 bias; grid
+//             [ceil(hidden / 64), m, 1], 64 threads, one thread per output element, slots summed
+//             in order.
 #include <metal_stdlib>
 
 #include "backend/common/moe_params.h"
@@ -16,6 +18,12 @@ using namespace metal;
 using routemm::kernels::MoeCombineKernelParams;
 using routemm::kernels::MoeGateKernelParams;
 using routemm::kernels::MoeSiluMulKernelParams;
+using routemm::kernels::kMoeActivationSwigluOai;
+using routemm::kernels::kMoeActGateBias;
+using routemm::kernels::kMoeActScaleRows;
+using routemm::kernels::kMoeActUpBias;
+using routemm::kernels::kMoeCombineBias;
+using routemm::kernels::kMoeCombineUnitWeights;
 
 namespace {
 
@@ -81,16 +89,45 @@ kernel void moe_gate_softmax_topk_f32(constant MoeGateKernelParams &p [[buffer(0
   }
 }
 
+// One activation input: fma(w, v, b) with both, w * v or v + b with one, v with neither.
+inline float scale_bias(float v, bool has_scale, float scale, bool has_bias, float bias) {
+  if (has_scale && has_bias) return fma(scale, v, bias);
+  if (has_scale) return scale * v;
+  return has_bias ? v + bias : v;
+}
+
+// Optional buffers (ids, weights, biases) are bound only when the params' flags name them.
 kernel void moe_silu_mul_f32(constant MoeSiluMulKernelParams &p [[buffer(0)]],
                              device const float *gate [[buffer(1)]],
                              device const float *up [[buffer(2)]],
                              device float *out [[buffer(3)]],
+                             device const uint *ids [[buffer(4)]],
+                             device const float *scale [[buffer(5)]],
+                             device const float *gate_bias [[buffer(6)]],
+                             device const float *up_bias [[buffer(7)]],
                              uint2 position [[thread_position_in_grid]]) {
   const uint c = position.x, r = position.y;
   if (c >= p.width || r >= p.rows) return;
-  const float g = gate[ulong(r) * p.gate_row_stride + c];
-  const float u = up[ulong(r) * p.up_row_stride + c];
-  out[ulong(r) * p.width + c] = g / (1.0f + exp(-g)) * u;
+  const bool scaled = (p.flags & kMoeActScaleRows) != 0;
+  const bool gate_biased = (p.flags & kMoeActGateBias) != 0;
+  const bool up_biased = (p.flags & kMoeActUpBias) != 0;
+  const float w = scaled ? scale[r] : 1.0f;
+  const uint e = (gate_biased || up_biased) ? ids[r] : p.n_experts;
+  const bool gb = e < p.n_experts && gate_biased, ub = e < p.n_experts && up_biased;
+  const float g = scale_bias(gate[ulong(r) * p.gate_row_stride + c], scaled, w, gb,
+                             gb ? gate_bias[ulong(e) * p.bias_row_stride + c] : 0.0f);
+  const float u = scale_bias(up[ulong(r) * p.up_row_stride + c], scaled, w, ub,
+                             ub ? up_bias[ulong(e) * p.bias_row_stride + c] : 0.0f);
+  float value;
+  if (p.activation == kMoeActivationSwigluOai) {
+    // gpt-oss's clamped SwiGLU: g = min(g, limit), u = clamp(u, -limit, limit), NaN kept.
+    const float gc = g > p.limit ? p.limit : g;
+    const float uc = u > p.limit ? p.limit : (u < -p.limit ? -p.limit : u);
+    value = gc / (1.0f + exp(-(p.alpha * gc))) * (uc + 1.0f);
+  } else {
+    value = g / (1.0f + exp(-g)) * u;
+  }
+  out[ulong(r) * p.width + c] = value;
 }
 
 kernel void moe_combine_f32(constant MoeCombineKernelParams &p [[buffer(0)]],
@@ -98,14 +135,20 @@ kernel void moe_combine_f32(constant MoeCombineKernelParams &p [[buffer(0)]],
                             device const float *weights [[buffer(2)]],
                             device const uint *ids [[buffer(3)]],
                             device float *out [[buffer(4)]],
+                            device const float *bias [[buffer(5)]],
                             uint2 position [[thread_position_in_grid]]) {
   const uint h = position.x, t = position.y;
   if (h >= p.hidden || t >= p.m) return;
+  const bool unit = (p.flags & kMoeCombineUnitWeights) != 0;
+  const bool biased = (p.flags & kMoeCombineBias) != 0;
   float acc = 0.0f;
   for (uint s = 0; s < p.top_k; ++s) {
     const uint flat = t * p.top_k + s;
-    if (ids[flat] >= p.n_experts) continue;  // sentinel or invalid: skipped
-    acc = fma(weights[flat], rows[ulong(flat) * p.hidden + h], acc);
+    const uint e = ids[flat];
+    if (e >= p.n_experts) continue;  // sentinel or invalid: skipped
+    float row = rows[ulong(flat) * p.hidden + h];
+    if (biased) row = row + bias[ulong(e) * p.hidden + h];
+    acc = fma(unit ? 1.0f : weights[flat], row, acc);
   }
   out[ulong(t) * p.hidden + h] = acc;
 }

@@ -2,9 +2,12 @@
 // moe_combine. Backends supply the three kernels (kMoePipelineNames); every contract lives here.
 #include "routemm/ops/moe.h"
 
+#include <cmath>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include "backend/common/moe_params.h"
 #include "routemm/error.h"
@@ -135,7 +138,8 @@ void moe_gate(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& l
 }
 
 void moe_silu_mul(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& gate,
-                  const Buffer& up, const Buffer& output, const MoeSiluMulParams& p) {
+                  const Buffer& up, const Buffer& output, const MoeSiluMulParams& p,
+                  const MoeSiluMulInputs& in) {
   const Checks check("moe_silu_mul");
   if (p.rows == 0 || p.width == 0) check.fail("rows and width must be nonzero");
   if (p.gate_row_stride < p.width || p.up_row_stride < p.width) {
@@ -143,30 +147,87 @@ void moe_silu_mul(CommandEncoder& encoder, KernelRegistry& registry, const Buffe
                std::to_string(p.up_row_stride) + " must be at least the width " +
                std::to_string(p.width));
   }
+  uint32_t activation = kernels::kMoeActivationSilu;
+  if (p.activation == MoeActivation::SwigluOai) {
+    activation = kernels::kMoeActivationSwigluOai;
+    if (!std::isfinite(p.alpha)) check.fail("alpha must be finite, got " + std::to_string(p.alpha));
+    if (!(p.limit > 0.0f)) check.fail("limit must be > 0, got " + std::to_string(p.limit));
+  } else if (p.activation != MoeActivation::Silu) {
+    check.fail("activation must be silu or swiglu_oai");
+  }
   // Elements up to the end of the last row read: (rows - 1) * stride + width.
-  const auto extent = [&](std::string_view label, uint64_t stride) {
-    const uint64_t before_last = check.product(label, {p.rows - 1ull, stride});
+  const auto extent = [&](std::string_view label, uint64_t stride, uint64_t rows) {
+    const uint64_t before_last = check.product(label, {rows - 1ull, stride});
     if (before_last + p.width < before_last) check.fail(std::string(label) + " extent overflow");
     return check.product(label, {before_last + p.width, 4});
   };
-  const ByteRange gate_range =
-      check.buffer("gate", gate, {DType::F32}, extent("gate", p.gate_row_stride));
-  const ByteRange up_range = check.buffer("up", up, {DType::F32}, extent("up", p.up_row_stride));
+  std::vector<std::pair<std::string_view, const Buffer*>> inputs = {{"gate", &gate}, {"up", &up}};
+  std::vector<ByteRange> ranges = {
+      check.buffer("gate", gate, {DType::F32}, extent("gate", p.gate_row_stride, p.rows)),
+      check.buffer("up", up, {DType::F32}, extent("up", p.up_row_stride, p.rows))};
+  uint32_t flags = 0;
+  if (in.scale_rows != nullptr) {
+    flags |= kernels::kMoeActScaleRows;
+    inputs.emplace_back("scale_rows", in.scale_rows);
+    ranges.push_back(check.buffer("scale_rows", *in.scale_rows, {DType::F32},
+                                  check.product("scale_rows", {p.rows, 4})));
+  }
+  if (in.gate_bias != nullptr || in.up_bias != nullptr) {
+    if (in.ids == nullptr) check.fail("a bias needs the rows' ids");
+    if (p.n_experts == 0) check.fail("a bias needs n_experts > 0");
+    if (p.bias_row_stride < p.width) {
+      check.fail("bias_row_stride " + std::to_string(p.bias_row_stride) +
+                 " must be at least the width " + std::to_string(p.width));
+    }
+    inputs.emplace_back("ids", in.ids);
+    ranges.push_back(
+        check.buffer("ids", *in.ids, {DType::U32, DType::I32}, check.product("ids", {p.rows, 4})));
+    for (const auto& [label, bias, bit] : {std::tuple<std::string_view, const Buffer*, uint32_t>{
+                                               "gate_bias", in.gate_bias, kernels::kMoeActGateBias},
+                                           {"up_bias", in.up_bias, kernels::kMoeActUpBias}}) {
+      if (bias == nullptr) continue;
+      flags |= bit;
+      inputs.emplace_back(label, bias);
+      ranges.push_back(
+          check.buffer(label, *bias, {DType::F32}, extent(label, p.bias_row_stride, p.n_experts)));
+    }
+  } else if (in.ids != nullptr) {
+    check.fail("ids are read only with a bias");
+  }
   const ByteRange out_range =
       check.buffer("output", output, {DType::F32}, check.product("output", {p.rows, p.width, 4}));
-  check.placement(encoder, registry, {{"gate", &gate}, {"up", &up}}, output, out_range,
-                  {gate_range, up_range});
+  if (!output.writable()) check.fail("output is read-only");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (out_range.start < ranges[i].end && ranges[i].start < out_range.end) {
+      check.fail("output must not overlap " + std::string(inputs[i].first));
+    }
+    if (inputs[i].second->backend() != output.backend()) {
+      check.fail("buffers must all live on one device");
+    }
+  }
+  check.placement(encoder, registry, {}, output, out_range, {});
 
   const PipelinePtr pipeline = registry.get_pipeline(kMoeSiluMulPipeline);
-  const kernels::MoeSiluMulKernelParams gpu{p.rows, p.width, p.gate_row_stride, p.up_row_stride};
+  const kernels::MoeSiluMulKernelParams gpu{
+      p.rows, p.width, p.gate_row_stride, p.up_row_stride, activation,
+      flags,  p.alpha, p.limit,           p.n_experts,     p.bias_row_stride};
   if (encoder.is_capturing()) {
-    encoder.set_pending_buffer_ranges({logical_range(gate), logical_range(up)},
-                                      {logical_range(output)});
+    std::vector<ByteRange> reads;
+    for (const auto& [label, buffer] : inputs) reads.push_back(logical_range(*buffer));
+    encoder.set_pending_buffer_ranges(reads, {logical_range(output)});
   }
+  // Every slot the kernel declares is bound (Metal binds all of them); an input the flags do not
+  // name is stood in for by the gate rows, which the kernel then never reads there.
+  const auto or_gate = [&](const Buffer* b) { return KernelArg::of(b != nullptr ? *b : gate); };
+  const bool biased = in.gate_bias != nullptr || in.up_bias != nullptr;
   const std::pair<uint32_t, KernelArg> args[] = {{0, KernelArg::pod(gpu)},
                                                  {1, KernelArg::of(gate)},
                                                  {2, KernelArg::of(up)},
-                                                 {3, KernelArg::of(output)}};
+                                                 {3, KernelArg::of(output)},
+                                                 {4, or_gate(biased ? in.ids : nullptr)},
+                                                 {5, or_gate(in.scale_rows)},
+                                                 {6, or_gate(in.gate_bias)},
+                                                 {7, or_gate(in.up_bias)}};
   // Group (x, y) covers columns [x * threads, (x + 1) * threads) of row y.
   const uint64_t threads = group_threads(*pipeline);
   encoder.dispatch(*pipeline, args, Dim3{ceil_div(p.width, threads), p.rows, 1},
@@ -175,7 +236,7 @@ void moe_silu_mul(CommandEncoder& encoder, KernelRegistry& registry, const Buffe
 
 void moe_combine(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& rows,
                  const Buffer& weights, const Buffer& ids, const Buffer& output,
-                 const MoeCombineParams& p) {
+                 const MoeCombineParams& p, const Buffer* bias) {
   const Checks check("moe_combine");
   if (p.m == 0 || p.top_k == 0 || p.hidden == 0 || p.n_experts == 0) {
     check.fail("m, top_k, hidden and n_experts must be nonzero");
@@ -189,18 +250,27 @@ void moe_combine(CommandEncoder& encoder, KernelRegistry& registry, const Buffer
       check.buffer("output", output, {DType::F32}, check.product("output", {p.m, p.hidden, 4}));
   check.placement(encoder, registry, {{"rows", &rows}, {"weights", &weights}, {"ids", &ids}},
                   output, out_range, {rows_range, weights_range, ids_range});
+  if (bias != nullptr) {
+    const ByteRange bias_range = check.buffer("bias", *bias, {DType::F32},
+                                              check.product("bias", {p.n_experts, p.hidden, 4}));
+    check.placement(encoder, registry, {{"bias", bias}}, output, out_range, {bias_range});
+  }
 
   const PipelinePtr pipeline = registry.get_pipeline(kMoeCombinePipeline);
-  const kernels::MoeCombineKernelParams gpu{p.m, p.top_k, p.hidden, p.n_experts};
+  const uint32_t flags = (p.unit_weights ? kernels::kMoeCombineUnitWeights : 0u) |
+                         (bias != nullptr ? kernels::kMoeCombineBias : 0u);
+  const kernels::MoeCombineKernelParams gpu{p.m, p.top_k, p.hidden, p.n_experts, flags, 0};
   if (encoder.is_capturing()) {
-    encoder.set_pending_buffer_ranges(
-        {logical_range(rows), logical_range(weights), logical_range(ids)}, {logical_range(output)});
+    std::vector<ByteRange> reads = {logical_range(rows), logical_range(weights),
+                                    logical_range(ids)};
+    if (bias != nullptr) reads.push_back(logical_range(*bias));
+    encoder.set_pending_buffer_ranges(reads, {logical_range(output)});
   }
-  const std::pair<uint32_t, KernelArg> args[] = {{0, KernelArg::pod(gpu)},
-                                                 {1, KernelArg::of(rows)},
-                                                 {2, KernelArg::of(weights)},
-                                                 {3, KernelArg::of(ids)},
-                                                 {4, KernelArg::of(output)}};
+  // Slot 5 is always bound (Metal binds every declared slot): the rows stand in for no bias.
+  const std::pair<uint32_t, KernelArg> args[] = {
+      {0, KernelArg::pod(gpu)},    {1, KernelArg::of(rows)},
+      {2, KernelArg::of(weights)}, {3, KernelArg::of(ids)},
+      {4, KernelArg::of(output)},  {5, KernelArg::of(bias != nullptr ? *bias : rows)}};
   // Group (x, y) covers columns [x * threads, (x + 1) * threads) of token y.
   const uint64_t threads = group_threads(*pipeline);
   encoder.dispatch(*pipeline, args, Dim3{ceil_div(p.hidden, threads), p.m, 1}, Dim3{threads, 1, 1});

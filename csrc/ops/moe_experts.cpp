@@ -2,6 +2,7 @@
 // workspace, every check before the encoder is touched, then the steps in order.
 #include "routemm/ops/moe_experts.h"
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -197,6 +198,16 @@ MoeExpertsWorkspaceLayout moe_experts_workspace(const MoeExpertsParams& p) {
              p.weight_dtype != DType::BF16) {
     fail("float stacks must be f32, f16 or bf16, got " + std::string(dtype_name(p.weight_dtype)));
   }
+  if (p.activation == MoeActivation::SwigluOai) {
+    if (!std::isfinite(p.swiglu_alpha)) {
+      fail("swiglu_alpha must be finite, got " + std::to_string(p.swiglu_alpha));
+    }
+    if (!(p.swiglu_limit > 0.0f)) {
+      fail("swiglu_limit must be > 0, got " + std::to_string(p.swiglu_limit));
+    }
+  } else if (p.activation != MoeActivation::Silu) {
+    fail("activation must be silu or swiglu_oai");
+  }
   if (moe_experts_grouped(p) && p.top_k > p.n_experts) {
     fail("a grouped route needs top_k <= n_experts (got top_k " + std::to_string(p.top_k) +
          ", n_experts " + std::to_string(p.n_experts) + ")");
@@ -235,11 +246,20 @@ MoeExpertsReceipt moe_experts(CommandEncoder& encoder, KernelRegistry& registry,
                               const Buffer& hidden, const Buffer& ids, const Buffer& weights,
                               const Buffer& gate_up, const Buffer* up, const Buffer& down,
                               const Buffer& output, const Buffer& workspace,
-                              const MoeExpertsParams& p) {
+                              const MoeExpertsParams& p, const MoeExpertsBiases& biases) {
   const MoeExpertsWorkspaceLayout layout = moe_experts_workspace(p);
   if (p.split_gate_up != (up != nullptr)) {
     fail(p.split_gate_up ? "split gate/up stacks need the up stack"
                          : "one gate_up stack takes no separate up stack");
+  }
+  if (p.gate_up_bias != (biases.gate_up != nullptr) ||
+      (p.gate_up_bias && p.split_gate_up) != (biases.up != nullptr)) {
+    fail(p.gate_up_bias ? (p.split_gate_up ? "gate_up_bias needs the gate and the up bias"
+                                           : "gate_up_bias takes one [E, 2I] bias")
+                        : "gate/up biases given without gate_up_bias");
+  }
+  if (p.down_bias != (biases.down != nullptr)) {
+    fail(p.down_bias ? "down_bias needs the bias buffer" : "a down bias given without down_bias");
   }
   const Views v = carve(p, layout, ids, workspace);
   const std::vector<Step> plan = steps(p);
@@ -271,10 +291,24 @@ MoeExpertsReceipt moe_experts(CommandEncoder& encoder, KernelRegistry& registry,
   check_f32("weights", weights, uint64_t{p.m} * p.top_k * 4);
   check_f32("output", output, checked_product({p.m, p.hidden, 4}, "moe_experts output"));
   if (!output.writable()) fail("output is read-only");
-  for (const auto& [label, other] : {std::pair<const char*, const Buffer*>{"hidden", &hidden},
-                                     {"weights", &weights},
-                                     {"ids", &ids},
-                                     {"workspace", &workspace}}) {
+  const uint64_t gate_up_bias_bytes = checked_product(
+      {p.n_experts, p.split_gate_up ? 1u : 2u, p.intermediate, 4}, "moe_experts gate_up_bias");
+  std::vector<std::pair<const char*, const Buffer*>> inputs = {
+      {"hidden", &hidden}, {"weights", &weights}, {"ids", &ids}, {"workspace", &workspace}};
+  if (p.gate_up_bias) {
+    check_f32(p.split_gate_up ? "gate_bias" : "gate_up_bias", *biases.gate_up, gate_up_bias_bytes);
+    inputs.emplace_back(p.split_gate_up ? "gate_bias" : "gate_up_bias", biases.gate_up);
+    if (p.split_gate_up) {
+      check_f32("up_bias", *biases.up, gate_up_bias_bytes);
+      inputs.emplace_back("up_bias", biases.up);
+    }
+  }
+  if (p.down_bias) {
+    check_f32("down_bias", *biases.down,
+              checked_product({p.n_experts, p.hidden, 4}, "moe_experts down_bias"));
+    inputs.emplace_back("down_bias", biases.down);
+  }
+  for (const auto& [label, other] : inputs) {
     if (overlaps(output, *other)) fail(std::string("output must not overlap ") + label);
   }
   registry.get_pipeline(kMoeSiluMulPipeline);
@@ -302,13 +336,42 @@ MoeExpertsReceipt moe_experts(CommandEncoder& encoder, KernelRegistry& registry,
   for (size_t i = 0; i < down_call; ++i) matmul(i);
   encoder.memory_barrier();
   const uint64_t rows = uint64_t{p.m} * p.top_k;
-  moe_silu_mul(encoder, registry, v.gate, v.up, v.act,
-               {static_cast<uint32_t>(rows), p.intermediate, v.gate_up_stride, v.gate_up_stride});
+  // The gate/up biases as the activation reads them: a split pair, or the two halves of each
+  // [2I] row of one bias (strided views, as the gate/up rows are).
+  std::optional<Buffer> gate_bias, up_bias;
+  uint32_t bias_stride = p.intermediate;
+  if (p.gate_up_bias && p.split_gate_up) {
+    gate_bias = *biases.gate_up;
+    up_bias = *biases.up;
+  } else if (p.gate_up_bias) {
+    bias_stride = 2 * p.intermediate;
+    const uint64_t span = (uint64_t{p.n_experts} - 1) * bias_stride + p.intermediate;
+    gate_bias = biases.gate_up->view(0, span * 4, DType::F32, {span});
+    up_bias = biases.gate_up->view(uint64_t{p.intermediate} * 4, span * 4, DType::F32, {span});
+  }
+  MoeSiluMulParams act{static_cast<uint32_t>(rows), p.intermediate, v.gate_up_stride,
+                       v.gate_up_stride};
+  act.activation = p.activation;
+  act.alpha = p.swiglu_alpha;
+  act.limit = p.swiglu_limit;
+  act.n_experts = p.n_experts;
+  act.bias_row_stride = bias_stride;
+  MoeSiluMulInputs act_inputs;
+  if (p.gate_up_bias) {
+    act_inputs.ids = &v.ids_u32;
+    act_inputs.gate_bias = &*gate_bias;
+    act_inputs.up_bias = &*up_bias;
+  }
+  const Buffer weight_rows = weights.view(0, rows * 4, DType::F32, {rows});
+  if (p.weights_before_ffn) act_inputs.scale_rows = &weight_rows;
+  moe_silu_mul(encoder, registry, v.gate, v.up, v.act, act, act_inputs);
   encoder.memory_barrier();
   matmul(down_call);
   encoder.memory_barrier();
-  moe_combine(encoder, registry, v.down_rows, weights, ids, output,
-              {p.m, p.top_k, p.hidden, p.n_experts});
+  MoeCombineParams combine{p.m, p.top_k, p.hidden, p.n_experts};
+  combine.unit_weights = p.weights_before_ffn;
+  moe_combine(encoder, registry, v.down_rows, weights, ids, output, combine,
+              p.down_bias ? biases.down : nullptr);
   transaction.commit();
   return {grouped, dispatches};
 }

@@ -39,6 +39,25 @@ MoeExpertsParams moe_experts_params(uint32_t m, uint32_t top_k, uint32_t n_exper
   return p;
 }
 
+// The block's options (routemm/ops/moe_experts.h) onto its params.
+void set_moe_experts_options(MoeExpertsParams& p, const std::string& activation, float alpha,
+                             float limit, bool gate_up_bias, bool down_bias,
+                             bool weights_before_ffn) {
+  if (activation == "silu") {
+    p.activation = MoeActivation::Silu;
+  } else if (activation == "swiglu_oai") {
+    p.activation = MoeActivation::SwigluOai;
+  } else {
+    throw InvalidArgument("moe_experts activation must be 'silu' or 'swiglu_oai', got '" +
+                          activation + "'");
+  }
+  p.swiglu_alpha = alpha;
+  p.swiglu_limit = limit;
+  p.gate_up_bias = gate_up_bias;
+  p.down_bias = down_bias;
+  p.weights_before_ffn = weights_before_ffn;
+}
+
 }  // namespace
 
 void init_moe(py::module_& m) {
@@ -80,15 +99,20 @@ void init_moe(py::module_& m) {
       "_moe_experts_workspace_bytes",
       [](uint32_t m_, uint32_t top_k, uint32_t n_experts, uint32_t hidden, uint32_t intermediate,
          bool split_gate_up, DType weight_dtype, const std::optional<std::string>& ggml_type,
-         const std::string& route) {
-        return moe_experts_workspace(moe_experts_params(m_, top_k, n_experts, hidden, intermediate,
-                                                        split_gate_up, weight_dtype, ggml_type,
-                                                        route))
-            .total_bytes;
+         const std::string& route, const std::string& activation, float swiglu_alpha,
+         float swiglu_limit, bool gate_up_bias, bool down_bias, bool weights_before_ffn) {
+        MoeExpertsParams p = moe_experts_params(m_, top_k, n_experts, hidden, intermediate,
+                                                split_gate_up, weight_dtype, ggml_type, route);
+        set_moe_experts_options(p, activation, swiglu_alpha, swiglu_limit, gate_up_bias, down_bias,
+                                weights_before_ffn);
+        return moe_experts_workspace(p).total_bytes;
       },
       py::arg("m"), py::arg("top_k"), py::arg("n_experts"), py::arg("hidden"),
       py::arg("intermediate"), py::arg("split_gate_up"), py::arg("weight_dtype"),
-      py::arg("ggml_type"), py::arg("route"),
+      py::arg("ggml_type"), py::arg("route"), py::arg("activation") = "silu",
+      py::arg("swiglu_alpha") = 1.702f, py::arg("swiglu_limit") = 7.0f,
+      py::arg("gate_up_bias") = false, py::arg("down_bias") = false,
+      py::arg("weights_before_ffn") = false,
       "The bytes of the workspace one moe_experts call of these params needs (every param "
       "checked).");
   m.def(
@@ -98,20 +122,30 @@ void init_moe(py::module_& m) {
          const std::optional<Buffer>& up, const Buffer& down, const Buffer& output,
          const Buffer& workspace, uint32_t m_, uint32_t top_k, uint32_t n_experts, uint32_t hidden,
          uint32_t intermediate, bool split_gate_up, DType weight_dtype,
-         const std::optional<std::string>& ggml_type, const std::string& route) {
-        const MoeExpertsParams p =
-            moe_experts_params(m_, top_k, n_experts, hidden, intermediate, split_gate_up,
-                               weight_dtype, ggml_type, route);
+         const std::optional<std::string>& ggml_type, const std::string& route,
+         const std::string& activation, float swiglu_alpha, float swiglu_limit,
+         const std::optional<Buffer>& gate_up_bias, const std::optional<Buffer>& up_bias,
+         const std::optional<Buffer>& down_bias, bool weights_before_ffn) {
+        MoeExpertsParams p = moe_experts_params(m_, top_k, n_experts, hidden, intermediate,
+                                                split_gate_up, weight_dtype, ggml_type, route);
+        set_moe_experts_options(p, activation, swiglu_alpha, swiglu_limit, gate_up_bias.has_value(),
+                                down_bias.has_value(), weights_before_ffn);
+        const MoeExpertsBiases biases{gate_up_bias ? &*gate_up_bias : nullptr,
+                                      up_bias ? &*up_bias : nullptr,
+                                      down_bias ? &*down_bias : nullptr};
         const MoeExpertsReceipt r =
             moe_experts(encoder, registry, hidden_states, ids, weights, gate_up,
-                        up ? &*up : nullptr, down, output, workspace, p);
+                        up ? &*up : nullptr, down, output, workspace, p, biases);
         return py::make_tuple(r.grouped, r.dispatch_count);
       },
       py::arg("encoder"), py::arg("registry"), py::arg("hidden_states"), py::arg("ids"),
       py::arg("weights"), py::arg("gate_up"), py::arg("up"), py::arg("down"), py::arg("output"),
       py::arg("workspace"), py::arg("m"), py::arg("top_k"), py::arg("n_experts"), py::arg("hidden"),
       py::arg("intermediate"), py::arg("split_gate_up"), py::arg("weight_dtype"),
-      py::arg("ggml_type"), py::arg("route"),
+      py::arg("ggml_type"), py::arg("route"), py::arg("activation") = "silu",
+      py::arg("swiglu_alpha") = 1.702f, py::arg("swiglu_limit") = 7.0f,
+      py::arg("gate_up_bias") = std::nullopt, py::arg("up_bias") = std::nullopt,
+      py::arg("down_bias") = std::nullopt, py::arg("weights_before_ffn") = false,
       "Encode the experts block (routemm::moe_experts); returns (grouped, dispatch count).");
 }
 

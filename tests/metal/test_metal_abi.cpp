@@ -32,12 +32,19 @@ static_assert(k::kInputSharedPerToken == 0 && k::kInputSlotted == 1);
 
 static_assert(sizeof(k::MoeGateKernelParams) == 16);
 ROUTEMM_EXPECT_FIELD(MoeGateKernelParams, renormalize, 12);
-static_assert(sizeof(k::MoeSiluMulKernelParams) == 24);
+static_assert(sizeof(k::MoeSiluMulKernelParams) == 48);
 ROUTEMM_EXPECT_FIELD(MoeSiluMulKernelParams, width, 4);
 ROUTEMM_EXPECT_FIELD(MoeSiluMulKernelParams, gate_row_stride, 8);
 ROUTEMM_EXPECT_FIELD(MoeSiluMulKernelParams, up_row_stride, 16);
-static_assert(sizeof(k::MoeCombineKernelParams) == 16);
+ROUTEMM_EXPECT_FIELD(MoeSiluMulKernelParams, activation, 24);
+ROUTEMM_EXPECT_FIELD(MoeSiluMulKernelParams, flags, 28);
+ROUTEMM_EXPECT_FIELD(MoeSiluMulKernelParams, alpha, 32);
+ROUTEMM_EXPECT_FIELD(MoeSiluMulKernelParams, limit, 36);
+ROUTEMM_EXPECT_FIELD(MoeSiluMulKernelParams, n_experts, 40);
+ROUTEMM_EXPECT_FIELD(MoeSiluMulKernelParams, bias_row_stride, 44);
+static_assert(sizeof(k::MoeCombineKernelParams) == 24);
 ROUTEMM_EXPECT_FIELD(MoeCombineKernelParams, n_experts, 12);
+ROUTEMM_EXPECT_FIELD(MoeCombineKernelParams, flags, 16);
 
 static_assert(sizeof(k::BlockQ4_0) == 18 && alignof(k::BlockQ4_0) == 2);
 ROUTEMM_EXPECT_FIELD(BlockQ4_0, qs, 2);

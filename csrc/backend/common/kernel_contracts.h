@@ -321,35 +321,58 @@ inline void check_moe_gate_args(const KernelLaunch& launch) {
   contract_buffer(launch, 3, "ids", checked_product({p.m, p.top_k, 4}, what), 4, Access::Write);
 }
 
-// Slots: 0 params, 1 gate rows, 2 up rows (F32, row strides in elements), 3 output [rows, width].
+// Slots: 0 params, 1 gate rows, 2 up rows (F32, row strides in elements), 3 output [rows, width];
+// with a bias flag 4 ids [rows] U32 and 6 gate bias / 7 up bias (F32, n_experts rows of width,
+// bias_row_stride apart); with kMoeActScaleRows 5 weights [rows] F32. A slot its flag does not
+// name holds a stand-in buffer the kernel does not read.
 inline void check_moe_silu_mul_args(const KernelLaunch& launch) {
-  contract_slot_count(launch, 4);
+  contract_slot_count(launch, 8);
   const auto p = contract_params<MoeSiluMulKernelParams>(launch, 0);
   if (p.rows == 0 || p.width == 0 || p.gate_row_stride < p.width || p.up_row_stride < p.width)
     contract_violation(launch, "params have a zero extent or a row stride below the width");
+  if (p.activation > kMoeActivationSwigluOai || p.flags > 7)
+    contract_violation(launch, "params have an unknown activation or flag");
+  const bool biased = (p.flags & (kMoeActGateBias | kMoeActUpBias)) != 0;
+  if (biased && (p.n_experts == 0 || p.bias_row_stride < p.width))
+    contract_violation(launch, "a bias needs n_experts and a bias row stride of at least width");
   const std::string what = launch.label + " extents";
-  const auto rows_bytes = [&](uint64_t stride) {
-    return checked_mul(checked_add(checked_mul(p.rows - 1, stride, what), p.width, what), 4, what);
+  const auto rows_bytes = [&](uint64_t rows, uint64_t stride) {
+    return checked_mul(checked_add(checked_mul(rows - 1, stride, what), p.width, what), 4, what);
   };
-  contract_buffer(launch, 1, "gate", rows_bytes(p.gate_row_stride), 4, Access::Read);
-  contract_buffer(launch, 2, "up", rows_bytes(p.up_row_stride), 4, Access::Read);
+  contract_buffer(launch, 1, "gate", rows_bytes(p.rows, p.gate_row_stride), 4, Access::Read);
+  contract_buffer(launch, 2, "up", rows_bytes(p.rows, p.up_row_stride), 4, Access::Read);
   contract_buffer(launch, 3, "output", checked_product({p.rows, p.width, 4}, what), 4,
                   Access::Write);
+  const auto optional = [&](size_t slot, const char* name, bool used, uint64_t need) {
+    if (used) contract_buffer(launch, slot, name, need, 4, Access::Read);
+  };
+  optional(4, "ids", biased, checked_mul(p.rows, 4, what));
+  optional(5, "weights", (p.flags & kMoeActScaleRows) != 0, checked_mul(p.rows, 4, what));
+  optional(6, "gate bias", (p.flags & kMoeActGateBias) != 0,
+           rows_bytes(p.n_experts, p.bias_row_stride));
+  optional(7, "up bias", (p.flags & kMoeActUpBias) != 0,
+           rows_bytes(p.n_experts, p.bias_row_stride));
 }
 
 // Slots: 0 params, 1 slot rows [m * top_k, hidden] F32, 2 weights [m, top_k] F32, 3 ids [m, top_k]
-// U32, 4 output [m, hidden] F32.
+// U32, 4 output [m, hidden] F32; with kMoeCombineBias 5 bias [n_experts, hidden] F32 (else a
+// stand-in buffer the kernel does not read).
 inline void check_moe_combine_args(const KernelLaunch& launch) {
-  contract_slot_count(launch, 5);
+  contract_slot_count(launch, 6);
   const auto p = contract_params<MoeCombineKernelParams>(launch, 0);
   if (p.m == 0 || p.top_k == 0 || p.hidden == 0 || p.n_experts == 0)
     contract_violation(launch, "params have a zero extent");
+  if (p.flags > 3 || p.reserved != 0) contract_violation(launch, "params have an unknown flag");
   const std::string what = launch.label + " extents";
   contract_buffer(launch, 1, "rows", checked_product({p.m, p.top_k, p.hidden, 4}, what), 4,
                   Access::Read);
   contract_buffer(launch, 2, "weights", checked_product({p.m, p.top_k, 4}, what), 4, Access::Read);
   contract_buffer(launch, 3, "ids", checked_product({p.m, p.top_k, 4}, what), 4, Access::Read);
   contract_buffer(launch, 4, "output", checked_product({p.m, p.hidden, 4}, what), 4, Access::Write);
+  if ((p.flags & kMoeCombineBias) != 0) {
+    contract_buffer(launch, 5, "bias", checked_product({p.n_experts, p.hidden, 4}, what), 4,
+                    Access::Read);
+  }
 }
 
 // ---- The fused experts block (moe_fused_params.h gives the slots) ------------------------------

@@ -73,6 +73,30 @@ ROUTEMM_MOE_HD void moe_gate_row(const float* logits, uint32_t n_experts, uint32
 // SiLU(g) * u in F32.
 ROUTEMM_MOE_HD float moe_silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
+// gpt-oss's clamped SwiGLU in F32: g = min(g, limit), u = clamp(u, -limit, limit) (a NaN stays
+// NaN), then g * sigmoid(alpha * g) * (u + 1), rounded as written: g / (1 + exp(-(alpha * g)))
+// times (u + 1).
+ROUTEMM_MOE_HD float moe_swiglu_oai(float g, float u, float alpha, float limit) {
+  g = g > limit ? limit : g;
+  u = u > limit ? limit : (u < -limit ? -limit : u);
+  return g / (1.0f + expf(-(alpha * g))) * (u + 1.0f);
+}
+
+// One activation input: v scaled by the row's weight (has_scale), plus the expert's bias
+// (has_bias); scale and bias together take one rounding, fma(scale, v, bias).
+ROUTEMM_MOE_HD float moe_scale_bias(float v, bool has_scale, float scale, bool has_bias,
+                                    float bias) {
+  if (has_scale && has_bias) return fmaf(scale, v, bias);
+#ifdef __CUDA_ARCH__
+  // Rounded here, never contracted with the activation's next add.
+  if (has_scale) return __fmul_rn(scale, v);
+  return has_bias ? __fadd_rn(v, bias) : v;
+#else
+  if (has_scale) return scale * v;
+  return has_bias ? v + bias : v;
+#endif
+}
+
 }  // namespace routemm::kernels
 
 #undef ROUTEMM_MOE_HD

@@ -77,17 +77,42 @@ void silu_mul_kernel(const KernelLaunch& launch, void* queue_native) {
   if (p.rows == 0 || p.width == 0 || p.gate_row_stride < p.width || p.up_row_stride < p.width) {
     throw Error(launch.label + ": invalid silu_mul params");
   }
-  const auto extent = [&](uint64_t stride) {
-    return bytes_of(launch, {static_cast<size_t>((p.rows - 1ull) * stride + p.width), 4});
+  const auto extent = [&](uint64_t rows, uint64_t stride) {
+    return bytes_of(launch, {static_cast<size_t>((rows - 1ull) * stride + p.width), 4});
   };
-  const auto* gate = arg<const float>(launch, 1, extent(p.gate_row_stride), "gate");
-  const auto* up = arg<const float>(launch, 2, extent(p.up_row_stride), "up");
+  const auto* gate = arg<const float>(launch, 1, extent(p.rows, p.gate_row_stride), "gate");
+  const auto* up = arg<const float>(launch, 2, extent(p.rows, p.up_row_stride), "up");
   auto* out = arg<float>(launch, 3, bytes_of(launch, {p.rows, p.width, 4}), "output");
+  const bool scaled = (p.flags & kernels::kMoeActScaleRows) != 0;
+  const bool gate_biased = (p.flags & kernels::kMoeActGateBias) != 0;
+  const bool up_biased = (p.flags & kernels::kMoeActUpBias) != 0;
+  const uint32_t* ids = gate_biased || up_biased
+                            ? arg<const uint32_t>(launch, 4, bytes_of(launch, {p.rows, 4}), "ids")
+                            : nullptr;
+  const float* scale =
+      scaled ? arg<const float>(launch, 5, bytes_of(launch, {p.rows, 4}), "weights") : nullptr;
+  const float* gate_bias =
+      gate_biased ? arg<const float>(launch, 6, extent(p.n_experts, p.bias_row_stride), "gate bias")
+                  : nullptr;
+  const float* up_bias =
+      up_biased ? arg<const float>(launch, 7, extent(p.n_experts, p.bias_row_stride), "up bias")
+                : nullptr;
+  const bool oai = p.activation == kernels::kMoeActivationSwigluOai;
   for_rows(queue_native, p.rows, 8, [&](size_t r) {
     const float* g = gate + r * p.gate_row_stride;
     const float* u = up + r * p.up_row_stride;
     float* o = out + r * p.width;
-    for (size_t c = 0; c < p.width; ++c) o[c] = kernels::moe_silu_mul(g[c], u[c]);
+    const float w = scaled ? scale[r] : 1.0f;
+    const bool valid = ids != nullptr && ids[r] < p.n_experts;
+    const float* gb =
+        valid && gate_biased ? gate_bias + size_t{ids[r]} * p.bias_row_stride : nullptr;
+    const float* ub = valid && up_biased ? up_bias + size_t{ids[r]} * p.bias_row_stride : nullptr;
+    for (size_t c = 0; c < p.width; ++c) {
+      const float gv = kernels::moe_scale_bias(g[c], scaled, w, gb != nullptr, gb ? gb[c] : 0.0f);
+      const float uv = kernels::moe_scale_bias(u[c], scaled, w, ub != nullptr, ub ? ub[c] : 0.0f);
+      o[c] =
+          oai ? kernels::moe_swiglu_oai(gv, uv, p.alpha, p.limit) : kernels::moe_silu_mul(gv, uv);
+    }
   });
 }
 
@@ -101,14 +126,25 @@ void combine_kernel(const KernelLaunch& launch, void* queue_native) {
   const auto* weights = arg<const float>(launch, 2, bytes_of(launch, {p.m, p.top_k, 4}), "weights");
   const auto* ids = arg<const uint32_t>(launch, 3, bytes_of(launch, {p.m, p.top_k, 4}), "ids");
   auto* out = arg<float>(launch, 4, bytes_of(launch, {p.m, p.hidden, 4}), "output");
+  const bool unit = (p.flags & kernels::kMoeCombineUnitWeights) != 0;
+  const float* bias =
+      (p.flags & kernels::kMoeCombineBias) != 0
+          ? arg<const float>(launch, 5, bytes_of(launch, {p.n_experts, p.hidden, 4}), "bias")
+          : nullptr;
   for_rows(queue_native, p.m, 4, [&](size_t t) {
     float* o = out + t * p.hidden;
     std::fill(o, o + p.hidden, 0.0f);
     for (size_t s = 0; s < p.top_k; ++s) {
-      if (ids[t * p.top_k + s] >= p.n_experts) continue;  // sentinel or invalid: skipped
-      const float w = weights[t * p.top_k + s];
+      const uint32_t e = ids[t * p.top_k + s];
+      if (e >= p.n_experts) continue;  // sentinel or invalid: skipped
+      const float w = unit ? 1.0f : weights[t * p.top_k + s];
       const float* row = rows + (t * p.top_k + s) * p.hidden;
-      for (size_t h = 0; h < p.hidden; ++h) o[h] = std::fma(w, row[h], o[h]);
+      if (bias != nullptr) {
+        const float* b = bias + size_t{e} * p.hidden;
+        for (size_t h = 0; h < p.hidden; ++h) o[h] = std::fma(w, row[h] + b[h], o[h]);
+      } else {
+        for (size_t h = 0; h < p.hidden; ++h) o[h] = std::fma(w, row[h], o[h]);
+      }
     }
   });
 }

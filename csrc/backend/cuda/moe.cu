@@ -44,28 +44,47 @@ __global__ void gate_kernel(MoeGateKernelParams p, const float* __restrict__ log
   }
 }
 
+// Optional inputs (ids, weights, biases) are null unless the params' flags name them.
 __global__ void silu_mul_kernel(MoeSiluMulKernelParams p, const float* __restrict__ gate,
-                                const float* __restrict__ up, float* __restrict__ out) {
+                                const float* __restrict__ up, float* __restrict__ out,
+                                const uint32_t* __restrict__ ids, const float* __restrict__ scale,
+                                const float* __restrict__ gate_bias,
+                                const float* __restrict__ up_bias) {
   const uint64_t total = uint64_t{p.rows} * p.width;
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
+  const bool oai = p.activation == kernels::kMoeActivationSwigluOai;
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total; i += stride) {
     const uint64_t r = i / p.width, c = i - r * p.width;
-    out[i] = kernels::moe_silu_mul(gate[r * p.gate_row_stride + c], up[r * p.up_row_stride + c]);
+    const float w = scale != nullptr ? scale[r] : 1.0f;
+    const uint32_t e = ids != nullptr ? ids[r] : p.n_experts;
+    const bool valid = e < p.n_experts;
+    const bool gb = valid && gate_bias != nullptr, ub = valid && up_bias != nullptr;
+    const float g =
+        kernels::moe_scale_bias(gate[r * p.gate_row_stride + c], scale != nullptr, w, gb,
+                                gb ? gate_bias[uint64_t{e} * p.bias_row_stride + c] : 0.0f);
+    const float u =
+        kernels::moe_scale_bias(up[r * p.up_row_stride + c], scale != nullptr, w, ub,
+                                ub ? up_bias[uint64_t{e} * p.bias_row_stride + c] : 0.0f);
+    out[i] = oai ? kernels::moe_swiglu_oai(g, u, p.alpha, p.limit) : kernels::moe_silu_mul(g, u);
   }
 }
 
 __global__ void combine_kernel(MoeCombineKernelParams p, const float* __restrict__ rows,
                                const float* __restrict__ weights, const uint32_t* __restrict__ ids,
-                               float* __restrict__ out) {
+                               float* __restrict__ out, const float* __restrict__ bias) {
   const uint64_t total = uint64_t{p.m} * p.hidden;
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
+  const bool unit = (p.flags & kernels::kMoeCombineUnitWeights) != 0;
   for (uint64_t i = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < total; i += stride) {
     const uint64_t t = i / p.hidden, h = i - t * p.hidden;
     float acc = 0.0f;
     for (uint32_t s = 0; s < p.top_k; ++s) {
       const uint64_t flat = t * p.top_k + s;
-      if (ids[flat] >= p.n_experts) continue;  // sentinel or invalid: skipped
-      acc = fmaf(weights[flat], rows[flat * p.hidden + h], acc);
+      const uint32_t e = ids[flat];
+      if (e >= p.n_experts) continue;  // sentinel or invalid: skipped
+      float row = rows[flat * p.hidden + h];
+      if (bias != nullptr) row = __fadd_rn(row, bias[uint64_t{e} * p.hidden + h]);
+      acc = fmaf(unit ? 1.0f : weights[flat], row, acc);
     }
     out[i] = acc;
   }
@@ -98,13 +117,24 @@ void launch_gate(const KernelLaunch& launch, void* stream_ptr) {
   check_launch(launch);
 }
 
+template <typename T>
+T* optional_arg(const KernelLaunch& launch, size_t slot, const char* what, bool used) {
+  return used ? arg<T>(launch, slot, what) : nullptr;
+}
+
 void launch_silu_mul(const KernelLaunch& launch, void* stream_ptr) {
   const auto p = kernels::launch_params<MoeSiluMulKernelParams>(launch, 0);
   if (p.rows == 0 || p.width == 0) throw Error(launch.label + ": invalid silu_mul params");
+  const bool gate_biased = (p.flags & kernels::kMoeActGateBias) != 0;
+  const bool up_biased = (p.flags & kernels::kMoeActUpBias) != 0;
   silu_mul_kernel<<<blocks_for(uint64_t{p.rows} * p.width), kThreads, 0,
-                    static_cast<cudaStream_t>(stream_ptr)>>>(p, arg<const float>(launch, 1, "gate"),
-                                                             arg<const float>(launch, 2, "up"),
-                                                             arg<float>(launch, 3, "output"));
+                    static_cast<cudaStream_t>(stream_ptr)>>>(
+      p, arg<const float>(launch, 1, "gate"), arg<const float>(launch, 2, "up"),
+      arg<float>(launch, 3, "output"),
+      optional_arg<const uint32_t>(launch, 4, "ids", gate_biased || up_biased),
+      optional_arg<const float>(launch, 5, "weights", (p.flags & kernels::kMoeActScaleRows) != 0),
+      optional_arg<const float>(launch, 6, "gate bias", gate_biased),
+      optional_arg<const float>(launch, 7, "up bias", up_biased));
   check_launch(launch);
 }
 
@@ -115,7 +145,8 @@ void launch_combine(const KernelLaunch& launch, void* stream_ptr) {
   combine_kernel<<<blocks_for(uint64_t{p.m} * p.hidden), kThreads, 0,
                    static_cast<cudaStream_t>(stream_ptr)>>>(
       p, arg<const float>(launch, 1, "rows"), arg<const float>(launch, 2, "weights"),
-      arg<const uint32_t>(launch, 3, "ids"), arg<float>(launch, 4, "output"));
+      arg<const uint32_t>(launch, 3, "ids"), arg<float>(launch, 4, "output"),
+      optional_arg<const float>(launch, 5, "bias", (p.flags & kernels::kMoeCombineBias) != 0));
   check_launch(launch);
 }
 

@@ -52,15 +52,54 @@ def moe_gate_reference(logits: np.ndarray, top_k: int, renormalize: bool) -> tup
     return weights, ids
 
 
-def moe_experts_reference(hidden, ids, weights, gate, up, down) -> np.ndarray:
+def moe_experts_reference(
+    hidden,
+    ids,
+    weights,
+    gate,
+    up,
+    down,
+    *,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+    gate_bias=None,
+    up_bias=None,
+    down_bias=None,
+    weights_before_ffn: bool = False,
+) -> np.ndarray:
     """out[t] = sum_s weights[t, s] * down[e] @ (silu(gate[e] @ x) * up[e] @ x), e = ids[t, s], in
-    float64; slots with ids outside [0, E) contribute nothing. gate/up [E, I, H], down [E, H, I]."""
+    float64; slots with ids outside [0, E) contribute nothing. gate/up [E, I, H], down [E, H, I].
+
+    Options as routemm.moe_experts takes them: activation "swiglu_oai" (g = min(g, limit),
+    u = clamp(u, -limit, limit), g * sigmoid(alpha * g) * (u + 1)); biases gate_bias/up_bias
+    [E, I] and down_bias [E, H] added after their products; weights_before_ffn: the weight scales
+    the expert's input and the slots are summed with weight 1."""
     m, top_k = ids.shape
     x = hidden.reshape(m, -1).astype(np.float64)
-    g = dense_matmul_id_reference(gate, x, ids)
-    u = dense_matmul_id_reference(up, x, ids)
-    act = g / (1.0 + np.exp(-g)) * u
-    y = dense_matmul_id_reference(down, act.reshape(m, top_k, -1), ids).reshape(m, top_k, -1)
-    valid = (ids >= 0) & (ids < down.shape[0])
+    n_experts = down.shape[0]
+    valid = (ids >= 0) & (ids < n_experts)
     w = np.where(valid, weights.astype(np.float64), 0.0)
-    return np.einsum("ts,tsh->th", w, y)
+    if weights_before_ffn:
+        xs = x[:, None, :] * w[:, :, None]  # [m, top_k, H]: each slot's scaled input
+        g = dense_matmul_id_reference(gate, xs, ids)
+        u = dense_matmul_id_reference(up, xs, ids)
+    else:
+        g = dense_matmul_id_reference(gate, x, ids)
+        u = dense_matmul_id_reference(up, x, ids)
+    safe = np.where(valid, ids, 0).reshape(-1)
+    if gate_bias is not None:
+        g = g + np.asarray(gate_bias, dtype=np.float64)[safe]
+    if up_bias is not None:
+        u = u + np.asarray(up_bias, dtype=np.float64)[safe]
+    if activation == "swiglu_oai":
+        g = np.minimum(g, swiglu_limit)
+        u = np.clip(u, -swiglu_limit, swiglu_limit)
+        act = g / (1.0 + np.exp(-swiglu_alpha * g)) * (u + 1.0)
+    else:
+        act = g / (1.0 + np.exp(-g)) * u
+    y = dense_matmul_id_reference(down, act.reshape(m, top_k, -1), ids).reshape(m, top_k, -1)
+    if down_bias is not None:
+        y = y + np.asarray(down_bias, dtype=np.float64)[safe].reshape(m, top_k, -1)
+    combine = np.where(valid, 1.0, 0.0) if weights_before_ffn else w
+    return np.einsum("ts,tsh->th", combine, y)

@@ -234,6 +234,81 @@ def _expert_shapes(hidden_shape, ids_shape, weights_shape, gate_up, down, ggml_t
     return _ExpertShapes(m, top_k, n_experts, h, inter, stacked)
 
 
+ACTIVATIONS: tuple[str, ...] = ("silu", "swiglu_oai")
+
+
+@dataclasses.dataclass(frozen=True)
+class _FfnOptions:
+    """moe_experts' FFN options, checked: the activation and its parameters, which biases the
+    call has (the arrays travel separately) and where the routing weight applies."""
+
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    gate_up_bias: bool = False
+    down_bias: bool = False
+    weights_before_ffn: bool = False
+
+    def core_kwargs(self) -> dict:
+        return {
+            "activation": self.activation,
+            "swiglu_alpha": self.swiglu_alpha,
+            "swiglu_limit": self.swiglu_limit,
+            "weights_before_ffn": self.weights_before_ffn,
+        }
+
+
+def _checked_ffn_options(
+    activation, swiglu_alpha, swiglu_limit, weights_before_ffn, gate_up_bias: bool, down_bias: bool
+) -> _FfnOptions:
+    """The options checked (InvalidArgumentError naming the argument): activation one of
+    ACTIVATIONS, swiglu_alpha a finite real, swiglu_limit a real > 0 (inf: no clamp), and
+    weights_before_ffn a bool."""
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise InvalidArgumentError(f"moe_experts activation must be one of {ACTIVATIONS}, got {activation!r}")
+    for name, value in (("swiglu_alpha", swiglu_alpha), ("swiglu_limit", swiglu_limit)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+            raise InvalidArgumentError(f"moe_experts {name} must be a real number, got {value!r}")
+    alpha, limit = float(swiglu_alpha), float(swiglu_limit)
+    if not np.isfinite(alpha) or not np.isfinite(np.float32(alpha)):
+        raise InvalidArgumentError(f"moe_experts swiglu_alpha must be finite, got {swiglu_alpha!r}")
+    if not limit > 0:
+        raise InvalidArgumentError(f"moe_experts swiglu_limit must be > 0, got {swiglu_limit!r}")
+    weights_before_ffn = _check_bool(weights_before_ffn, "moe_experts weights_before_ffn")
+    return _FfnOptions(activation, alpha, limit, gate_up_bias, down_bias, weights_before_ffn)
+
+
+def _check_bias_shapes(s: "_ExpertShapes", gate_up_bias, gate_bias, up_bias, down_bias) -> None:
+    """The biases' shapes against the stacks': gate_up_bias [E, 2I] with one gate_up stack,
+    gate_bias and up_bias [E, I] (both or neither) with a (gate, up) pair, down_bias [E, H]."""
+    e, i, h = s.n_experts, s.intermediate, s.hidden
+
+    def shape(b):
+        return tuple(int(d) for d in b.shape)
+
+    if s.stacked:
+        if gate_bias is not None or up_bias is not None:
+            raise InvalidArgumentError(
+                "moe_experts gate_bias/up_bias go with a (gate, up) pair; one gate_up stack takes gate_up_bias"
+            )
+        if gate_up_bias is not None and shape(gate_up_bias) != (e, 2 * i):
+            raise InvalidArgumentError(
+                f"moe_experts gate_up_bias must be [{e}, {2 * i}], got shape {shape(gate_up_bias)}"
+            )
+    else:
+        if gate_up_bias is not None:
+            raise InvalidArgumentError(
+                "moe_experts gate_up_bias goes with one gate_up stack; a (gate, up) pair takes gate_bias and up_bias"
+            )
+        if (gate_bias is None) != (up_bias is None):
+            raise InvalidArgumentError("moe_experts gate_bias and up_bias come together (both or neither)")
+        for name, b in (("gate_bias", gate_bias), ("up_bias", up_bias)):
+            if b is not None and shape(b) != (e, i):
+                raise InvalidArgumentError(f"moe_experts {name} must be [{e}, {i}], got shape {shape(b)}")
+    if down_bias is not None and shape(down_bias) != (e, h):
+        raise InvalidArgumentError(f"moe_experts down_bias must be [{e}, {h}], got shape {shape(down_bias)}")
+
+
 def _encode_experts(
     encoder,
     registry,
@@ -249,6 +324,8 @@ def _encode_experts(
     alloc,
     out_buf,
     ggml_type: Optional[GgmlType] = None,
+    options: _FfnOptions = _FfnOptions(),
+    bias_bufs: tuple = (None, None, None),
 ) -> None:
     """Encode the whole experts block through the core's one op (routemm::moe_experts, see
     csrc/include/routemm/ops/moe_experts.h); `alloc(shape)` returns a fresh F32 buffer, of which
@@ -259,18 +336,21 @@ def _encode_experts(
     the first builds the routing map and the others reuse it. `distinct` was checked by the caller
     for a grouped route (the op's grouped kernels compute repeated ids as well). All or nothing:
     the op checks every step before it encodes one, inside an encoder transaction, so a refused
-    block leaves `encoder` as it was."""
+    block leaves `encoder` as it was. `options` and `bias_bufs` (gate_up or gate, up, down; F32
+    buffers or None) are the FFN options."""
     del device, distinct  # the op checks and carves everything itself
     block_route = _block_stack_route(route) if ggml_type is not None else route
     params = (
         s.m, s.top_k, s.n_experts, s.hidden, s.intermediate, not s.stacked, gate_up_bufs[0].dtype,
         None if ggml_type is None else ggml_type.value, block_route.value,
     )  # fmt: skip
-    workspace = alloc([(_core._moe_experts_workspace_bytes(*params) + 3) // 4])
+    kwargs = options.core_kwargs()
+    workspace = alloc([(_core._moe_experts_workspace_bytes(*params, **kwargs) + 3) // 4])
     up_buf = None if s.stacked else gate_up_bufs[1]
     _core._moe_experts(
-        encoder, registry, x_buf, ids_buf, weights_buf, gate_up_bufs[0], up_buf, down_buf, out_buf, workspace, *params
-    )
+        encoder, registry, x_buf, ids_buf, weights_buf, gate_up_bufs[0], up_buf, down_buf, out_buf, workspace, *params,
+        gate_up_bias=bias_bufs[0], up_bias=bias_bufs[1], down_bias=bias_bufs[2], **kwargs,
+    )  # fmt: skip
 
 
 WeightStack = Union[np.ndarray, "_core.Buffer"]
@@ -286,6 +366,17 @@ def moe_experts(
     ggml_type=None,
     route: Union[DenseMatmulIdRoute, GgmlQuantizedMatmulIdRoute, str, None] = None,
     device=None,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+    gate_up_bias=None,
+    gate_bias=None,
+    up_bias=None,
+    down_bias=None,
+    weights_before_ffn: bool = False,
+    shared_gate_up=None,
+    shared_down=None,
+    shared_gate=None,
 ):
     """The experts block of a MoE layer; returns float32 [m, H].
 
@@ -305,11 +396,32 @@ def moe_experts(
     reduced-precision direct_int8_dot / grouped_int8_dot included.
     NumPy inputs run on `device` (default: the best backend) and the result is a NumPy array;
     PyTorch tensors are used in place on their device and the result is a tensor there.
+
+    FFN options (docs/moe.md), defaults as above: activation "silu" (SiLU(g) * u) or "swiglu_oai"
+    (gpt-oss: g = min(g, swiglu_limit), u = clamp(u, -swiglu_limit, swiglu_limit),
+    g * sigmoid(swiglu_alpha * g) * (u + 1); gate = the first I rows of gate_up, or the gate
+    stack). Expert biases, float32 (any float dtype on the torch path): gate_up_bias [E, 2I] with
+    one gate_up stack, gate_bias and up_bias [E, I] with a (gate, up) pair, down_bias [E, H], each
+    added after its product. weights_before_ffn: the routing weight scales the expert's input
+    (Llama-4: out = sum_s FFN_e(w x)) and the slots are summed with weight 1. A shared expert:
+    shared_gate_up ([2I_s, H], or a (gate, up) pair [I_s, H]) and shared_down [H, I_s], of the
+    routed stacks' kind (dtype or ggml_type), run for every token through the same block with one
+    expert and added to the routed output; shared_gate [H] (optional) weighs it per token by
+    sigmoid(x . shared_gate) (Qwen2-MoE), without it by 1 (DeepSeek). The shared expert takes the
+    activation, no biases, and its weight after the FFN.
     """
     ggml_type = _checked_ggml_type(ggml_type)
     framework = _framework(hidden)
+    options = _checked_ffn_options(
+        activation, swiglu_alpha, swiglu_limit, weights_before_ffn,
+        gate_up_bias is not None or gate_bias is not None, down_bias is not None,
+    )  # fmt: skip
+    biases = (gate_up_bias, gate_bias, up_bias, down_bias)
+    shared = (shared_gate_up, shared_down, shared_gate)
     if framework == "torch":
-        return _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route, ggml_type)
+        return _moe_experts_torch(
+            hidden, top_k_index, top_k_weights, gate_up, down, route, ggml_type, options, biases, shared
+        )
     if framework == "cupy":
         raise InvalidArgumentError("moe_experts takes NumPy arrays, routemm buffers or PyTorch tensors")
     hidden = np.asarray(hidden)
@@ -321,6 +433,12 @@ def moe_experts(
         gate_up = _stack_array(gate_up)
     down = _stack_array(down)
     s = _expert_shapes(hidden.shape, ids.shape, weights.shape, gate_up, down, ggml_type)
+    bias_arrays = tuple(None if b is None else np.asarray(b) for b in biases)
+    _check_bias_shapes(s, *bias_arrays)
+    for name, b in zip(("gate_up_bias", "gate_bias", "up_bias", "down_bias"), bias_arrays, strict=True):
+        if b is not None and b.dtype != np.float32:
+            raise InvalidArgumentError(f"moe_experts {name} must be float32, got {b.dtype}")
+    shared_s, shared_arrays = _shared_expert(s, hidden.shape, *shared, ggml_type)
     if hidden.dtype != np.float32:
         raise InvalidArgumentError(f"moe_experts hidden must be float32, got {hidden.dtype}")
     if weights.dtype != np.float32:
@@ -338,18 +456,91 @@ def moe_experts(
     down_buf = _weight_buffer(device, down)
     _check_weight_dtypes(gate_up_bufs + (down_buf,), ggml_type)
     out_buf = device.alloc(s.m * s.hidden * 4, DType.F32, [s.m, s.hidden])
+    gate_up_b, gate_b, up_b, down_b = (
+        None if b is None else device.from_numpy(np.ascontiguousarray(b)) for b in bias_arrays
+    )
+    bias_bufs = (gate_up_b if s.stacked else gate_b, None if s.stacked else up_b, down_b)
+    x_buf = device.from_numpy(np.ascontiguousarray(hidden))
+    shared_call = None
+    if shared_s is not None:
+        sg_up, s_down, s_gate = shared_arrays
+        s_stacks = tuple(_weight_buffer(device, w) for w in sg_up)
+        s_down_buf = _weight_buffer(device, s_down)
+        _check_weight_dtypes(gate_up_bufs + (down_buf,) + s_stacks + (s_down_buf,), ggml_type)
+        if s_gate is None:
+            s_weights = np.ones((s.m, 1), dtype=np.float32)
+        else:
+            z = hidden.astype(np.float64) @ s_gate.astype(np.float64)
+            with np.errstate(over="ignore"):
+                s_weights = (1.0 / (1.0 + np.exp(-z))).astype(np.float32).reshape(s.m, 1)
+        shared_call = (s_stacks, s_down_buf, device.from_numpy(s_weights))
+    shared_out = device.alloc(s.m * s.hidden * 4, DType.F32, [s.m, s.hidden]) if shared_call else None
 
     def alloc(shape):
         return device.alloc(int(np.prod(shape)) * 4, DType.F32, list(shape))
 
     encoder = device.command_encoder()
+    registry = _registry_for(device)
     _encode_experts(
-        encoder, _registry_for(device), device, s, route, distinct,
-        device.from_numpy(np.ascontiguousarray(hidden)), device.from_numpy(ids_u32),
+        encoder, registry, device, s, route, distinct, x_buf, device.from_numpy(ids_u32),
         device.from_numpy(np.ascontiguousarray(weights)), gate_up_bufs, down_buf, alloc, out_buf, ggml_type,
+        options, bias_bufs,
     )  # fmt: skip
+    if shared_call is not None:
+        s_stacks, s_down_buf, s_weights_buf = shared_call
+        s_route = _checked_route(None, True, shared_s, device, ggml_type)
+        s_ids = device.from_numpy(np.zeros((s.m, 1), dtype=np.uint32))
+        _encode_experts(
+            encoder, registry, device, shared_s, s_route, True, x_buf, s_ids, s_weights_buf, s_stacks, s_down_buf,
+            alloc, shared_out, ggml_type, _FfnOptions(options.activation, options.swiglu_alpha, options.swiglu_limit),
+        )  # fmt: skip
     encoder.commit_and_wait()
-    return out_buf.numpy()
+    if shared_out is None:
+        return out_buf.numpy()
+    return out_buf.numpy() + shared_out.numpy()
+
+
+def _shared_expert(s: _ExpertShapes, hidden_shape, shared_gate_up, shared_down, shared_gate, ggml_type):
+    """The shared expert's block shapes (one expert, every token's only slot) and its stacks as
+    [1, n, k] arrays or buffers, or (None, None) without one; checks that shared_gate_up and
+    shared_down come together, their shapes against hidden's width, and shared_gate's [H]."""
+    if shared_gate_up is None and shared_down is None:
+        if shared_gate is not None:
+            raise InvalidArgumentError("moe_experts shared_gate needs shared_gate_up and shared_down")
+        return None, None
+    if shared_gate_up is None or shared_down is None:
+        raise InvalidArgumentError("moe_experts shared_gate_up and shared_down come together (both or neither)")
+
+    def one_expert(w, name):
+        w = w if _framework(w) == "torch" else _stack_array(w)
+        if len(w.shape) != 2:
+            raise InvalidArgumentError(f"moe_experts {name} must be a 2-D matrix, got shape {tuple(w.shape)}")
+        if isinstance(w, _core.Buffer):
+            return w.view(0, w.nbytes, w.dtype, [1, *(int(d) for d in w.shape)])
+        return w.reshape(1, *w.shape)
+
+    if isinstance(shared_gate_up, (tuple, list)):
+        if len(shared_gate_up) != 2:
+            raise InvalidArgumentError("moe_experts shared_gate_up must be one [2I, H] matrix or a (gate, up) pair")
+        stacks = tuple(one_expert(w, f"shared_gate_up[{i}]") for i, w in enumerate(shared_gate_up))
+        pair = stacks
+    else:
+        stacks = (one_expert(shared_gate_up, "shared_gate_up"),)
+        pair = stacks[0]
+    down = one_expert(shared_down, "shared_down")
+    m, h = (int(d) for d in hidden_shape)
+    shapes = _expert_shapes((m, h), (m, 1), (m, 1), pair, down, ggml_type)
+    gate = None
+    if shared_gate is not None:
+        gate = shared_gate if _framework(shared_gate) == "torch" else np.asarray(shared_gate)
+        floating = gate.dtype.is_floating_point if _framework(gate) == "torch" else gate.dtype.kind == "f"
+        if tuple(gate.shape) not in ((h,), (1, h)) or not floating:
+            raise InvalidArgumentError(
+                f"moe_experts shared_gate must be a float vector [{h}] (or [1, {h}]), got {gate.dtype} {tuple(gate.shape)}"
+            )
+        gate = gate.reshape(h)
+    del s
+    return shapes, (stacks, down, gate)
 
 
 def _stack_array(w):
@@ -454,7 +645,18 @@ def _check_weight_dtypes(bufs, ggml_type: Optional[GgmlType] = None, what: str =
         )
 
 
-def _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route, ggml_type):
+def _moe_experts_torch(
+    hidden,
+    top_k_index,
+    top_k_weights,
+    gate_up,
+    down,
+    route,
+    ggml_type,
+    options=_FfnOptions(),
+    biases=(None,) * 4,
+    shared=(None,) * 3,
+):
     import torch
 
     from ..core._interop import from_dlpack
@@ -467,9 +669,21 @@ def _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route,
         gate_up_named = [("gate_up", gate_up)]
     named = [("hidden", hidden), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights), *gate_up_named]
     named.append(("down", down))
+    bias_names = ("gate_up_bias", "gate_bias", "up_bias", "down_bias")
+    named += [(n, b) for n, b in zip(bias_names, biases, strict=True) if b is not None]
+    shared_gate_up, shared_down, shared_gate = shared
+    if isinstance(shared_gate_up, (tuple, list)):
+        named += [(f"shared_gate_up[{i}]", w) for i, w in enumerate(shared_gate_up)]
+    named += [(n, w) for n, w in (("shared_gate_up", shared_gate_up), ("shared_down", shared_down),
+                                  ("shared_gate", shared_gate)) if w is not None and not isinstance(w, (tuple, list))]  # fmt: skip
     # Every argument a tensor on hidden's device, one routemm has a backend for, before anything else.
     _tensor_ops.one_place(fw, "moe_experts", named)
     s = _expert_shapes(hidden.shape, top_k_index.shape, top_k_weights.shape, gate_up, down, ggml_type)
+    _check_bias_shapes(s, *biases[:4])
+    for name, b in zip(bias_names, biases, strict=True):
+        if b is not None and not b.dtype.is_floating_point:
+            raise InvalidArgumentError(f"moe_experts {name} must be a float tensor, got {b.dtype}")
+    shared_s, shared_stacks = _shared_expert(s, hidden.shape, *shared, ggml_type)
     if hidden.dtype != torch.float32 or top_k_weights.dtype != torch.float32:
         raise InvalidArgumentError(
             f"moe_experts hidden and top_k_weights must be float32, got {hidden.dtype} and {top_k_weights.dtype}"
@@ -503,14 +717,44 @@ def _moe_experts_torch(hidden, top_k_index, top_k_weights, gate_up, down, route,
     down_buf = buf(down)
     _check_weight_dtypes(gate_up_bufs + (down_buf,), ggml_type)
     out = torch.empty((s.m, s.hidden), dtype=torch.float32, device=dev)
+    gate_up_b, gate_b, up_b, down_b = (None if b is None else buf(b.float()) for b in biases)
+    bias_bufs = (gate_up_b if s.stacked else gate_b, None if s.stacked else up_b, down_b)
+    shared_call = None
+    if shared_s is not None:
+        sg_up, s_down, s_gate = shared_stacks
+        s_bufs = tuple(buf(w) for w in sg_up)
+        s_down_buf = buf(s_down)
+        _check_weight_dtypes(gate_up_bufs + (down_buf,) + s_bufs + (s_down_buf,), ggml_type)
+        if s_gate is None:
+            s_weights = torch.ones((s.m, 1), dtype=torch.float32, device=dev)
+        else:
+            s_weights = torch.sigmoid(hidden.detach().double() @ s_gate.detach().double().reshape(-1))
+            s_weights = s_weights.float().reshape(s.m, 1)
+        s_ids = torch.zeros((s.m, 1), dtype=torch.int32, device=dev)
+        s_ids_i32 = buf(s_ids)
+        shared_call = (
+            s_bufs, s_down_buf, buf(s_weights), s_ids_i32.view(0, s_ids_i32.nbytes, DType.U32, [s.m, 1]),
+            torch.empty((s.m, s.hidden), dtype=torch.float32, device=dev),
+        )  # fmt: skip
 
     def alloc(shape):
         return buf(torch.empty(shape, dtype=torch.float32, device=dev))
 
     encoder = device.command_encoder()
+    registry = _registry_for(device)
     _encode_experts(
-        encoder, _registry_for(device), device, s, route, distinct, x_buf, ids_buf, weights_buf,
-        gate_up_bufs, down_buf, alloc, from_dlpack(out), ggml_type,
+        encoder, registry, device, s, route, distinct, x_buf, ids_buf, weights_buf,
+        gate_up_bufs, down_buf, alloc, from_dlpack(out), ggml_type, options, bias_bufs,
     )  # fmt: skip
+    if shared_call is not None:
+        s_bufs, s_down_buf, s_w_buf, s_ids_buf, shared_out = shared_call
+        s_route = _checked_route(None, True, shared_s, device, ggml_type)
+        _encode_experts(
+            encoder, registry, device, shared_s, s_route, True, x_buf, s_ids_buf, s_w_buf, s_bufs, s_down_buf,
+            alloc, from_dlpack(shared_out), ggml_type,
+            _FfnOptions(options.activation, options.swiglu_alpha, options.swiglu_limit),
+        )  # fmt: skip
     encoder.commit_and_wait()
+    if shared_call is not None:
+        out = out + shared_call[4]
     return fw.forward_only("routemm.moe_experts", out, named)

@@ -20,10 +20,16 @@
 //            the row's weights are 0 and its ids are the lowest top_k expert indexes.
 //            renormalize: weight_s = p_s / (p_0 + ... + p_{top_k-1}) (slots summed in order;
 //            left at 0 when that sum is 0); otherwise weight_s = p_s.
-//   silu_mul out = (g / (1 + exp(-g))) * u, in F32.
+//   silu_mul The gated activation of the row's inputs g and u, in F32. Each input first becomes
+//            fma(w, v, b) with the row's weight w (scale_rows) and its expert's bias b (a bias
+//            buffer; a row whose id is >= n_experts takes none), w * v or v + b with one of the two,
+//            v with neither. Then silu: out = (g / (1 + exp(-g))) * u; swiglu_oai (gpt-oss):
+//            g = min(g, limit), u = clamp(u, -limit, limit), out = (g / (1 + exp(-(alpha * g))))
+//            * (u + 1), each operation rounded to F32 as written (a NaN input stays NaN).
 //   combine  acc starts at +0.0f; for s = 0, 1, ..., top_k - 1: a slot whose id is >= n_experts
 //            (an invalid or expert-parallel sentinel id) is skipped, so it contributes exactly
-//            nothing whatever its weight and row hold; otherwise acc = fma(weight, row, acc). No
+//            nothing whatever its weight and row hold; otherwise acc = fma(weight, row, acc), with
+//            row + bias[id] (rounded) for row given a bias, and weight 1 with unit_weights. No
 //            atomics: the result does not depend on the grid or thread count.
 // exp() is the backend's F32 exponential (not bit-identical across backends), so gate and
 // silu_mul agree across backends within a few F32 ulps, combine bit for bit.
@@ -61,29 +67,49 @@ struct MoeGateParams {
 void moe_gate(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& logits,
               const Buffer& weights, const Buffer& ids, const MoeGateParams& params);
 
+enum class MoeActivation : uint32_t { Silu = 0, SwigluOai = 1 };
+
 struct MoeSiluMulParams {
   uint32_t rows = 0;
   uint32_t width = 0;            // elements per output row
   uint64_t gate_row_stride = 0;  // elements from one gate row to the next (>= width)
   uint64_t up_row_stride = 0;    // elements from one up row to the next (>= width)
+  MoeActivation activation = MoeActivation::Silu;
+  float alpha = 1.702f;          // swiglu_oai only: finite
+  float limit = 7.0f;            // swiglu_oai only: > 0 (inf: no clamp)
+  uint32_t n_experts = 0;        // with a bias: ids >= n_experts take none
+  uint32_t bias_row_stride = 0;  // with a bias: elements from one expert's bias to the next
+};
+
+// The optional per-row inputs of moe_silu_mul (null: not used). ids U32 or I32 [rows] picks each
+// row's bias row; scale_rows F32 [rows] scales both inputs; gate_bias and up_bias F32 views of
+// n_experts rows of width elements, bias_row_stride apart (they may share storage).
+struct MoeSiluMulInputs {
+  const Buffer* ids = nullptr;
+  const Buffer* scale_rows = nullptr;
+  const Buffer* gate_bias = nullptr;
+  const Buffer* up_bias = nullptr;
 };
 
 // gate, up: F32 views (they may share storage, e.g. the two halves of a [rows, 2 * width]
-// gate_up product); output: F32 [rows, width], contiguous, overlapping neither.
+// gate_up product); output: F32 [rows, width], contiguous, overlapping no input.
 void moe_silu_mul(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& gate,
-                  const Buffer& up, const Buffer& output, const MoeSiluMulParams& params);
+                  const Buffer& up, const Buffer& output, const MoeSiluMulParams& params,
+                  const MoeSiluMulInputs& inputs = {});
 
 struct MoeCombineParams {
   uint32_t m = 0;
   uint32_t top_k = 0;
-  uint32_t hidden = 0;     // elements per row
-  uint32_t n_experts = 0;  // ids >= n_experts are skipped
+  uint32_t hidden = 0;        // elements per row
+  uint32_t n_experts = 0;     // ids >= n_experts are skipped
+  bool unit_weights = false;  // every valid slot weighs 1 (weights is not read)
 };
 
 // rows: F32 [m * top_k, hidden]; weights: F32 [m, top_k]; ids: U32 or I32 [m, top_k] (an I32 id
-// is read as its U32 bit pattern, so a negative one counts as invalid); output: F32 [m, hidden].
+// is read as its U32 bit pattern, so a negative one counts as invalid); output: F32 [m, hidden];
+// bias: null, or F32 [n_experts, hidden] added to each valid slot's row.
 void moe_combine(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& rows,
                  const Buffer& weights, const Buffer& ids, const Buffer& output,
-                 const MoeCombineParams& params);
+                 const MoeCombineParams& params, const Buffer* bias = nullptr);
 
 }  // namespace routemm

@@ -4,6 +4,13 @@
 //   h      = SiLU(W_gate[e] @ x[t]) * (W_up[e] @ x[t])                  (F32, [intermediate])
 //   out[t] = sum over s = 0 .. top_k - 1, in order, of weights[t, s] * (W_down[e] @ h)
 //
+// and with the params' options: activation swiglu_oai (gpt-oss's clamped SwiGLU) in place of
+// SiLU(g) * u; expert biases added to the gate/up products (before the activation) and to the
+// down product (in the combine); weights_before_ffn (Llama-4) scales the expert's input by the
+// weight and combines with weight 1, out[t] = sum_s FFN_e(w x) -- computed as W (w x) = w (W x),
+// the weight applied to the gate/up product rows, exact up to F32 rounding. Each per-element
+// formula and its rounding are moe_silu_mul's and moe_combine's (routemm/ops/moe.h).
+//
 // encoded as the expert-ID matmul of gate and up (one [E, 2I, H] stack, or a gate and an up
 // stack), moe_silu_mul, the down matmul on the slotted rows and moe_combine, with barriers between
 // the steps. One routing map serves every matmul of a grouped route: the first builds it in the
@@ -33,6 +40,7 @@
 #include "routemm/buffer.h"
 #include "routemm/encoder.h"
 #include "routemm/ops/dense_matmul_id.h"
+#include "routemm/ops/moe.h"
 #include "routemm/ops/q4_matmul.h"
 #include "routemm/ops/quantized_matmul_id.h"
 #include "routemm/registry.h"
@@ -50,7 +58,22 @@ struct MoeExpertsParams {
   std::optional<GgmlType> ggml_type;  // set for block stacks (weight_dtype U8)
   DenseMatmulIdRoute route = DenseMatmulIdRoute::Direct;                        // float stacks
   GgmlQuantizedMatmulIdRoute block_route = GgmlQuantizedMatmulIdRoute::Direct;  // block stacks
+  MoeActivation activation = MoeActivation::Silu;  // the gated activation (routemm/ops/moe.h)
+  float swiglu_alpha = 1.702f;                     // swiglu_oai's alpha (finite)
+  float swiglu_limit = 7.0f;                       // swiglu_oai's limit (> 0)
+  bool gate_up_bias = false;        // biases of the gate/up product (MoeExpertsBiases)
+  bool down_bias = false;           // bias of the down product
+  bool weights_before_ffn = false;  // scale the expert's input by the weight, combine with 1
   bool operator==(const MoeExpertsParams&) const = default;
+};
+
+// The experts' biases, F32, present exactly when the params ask: gate_up_bias [E, 2I] (one
+// gate_up stack) or gate_up_bias = the gate bias [E, I] and up the up bias [E, I] (split stacks);
+// down [E, H].
+struct MoeExpertsBiases {
+  const Buffer* gate_up = nullptr;
+  const Buffer* up = nullptr;
+  const Buffer* down = nullptr;
 };
 
 // Where the op puts its intermediates inside the workspace (byte offsets, each 16-byte aligned).
@@ -93,6 +116,6 @@ MoeExpertsReceipt moe_experts(CommandEncoder& encoder, KernelRegistry& registry,
                               const Buffer& hidden, const Buffer& ids, const Buffer& weights,
                               const Buffer& gate_up, const Buffer* up, const Buffer& down,
                               const Buffer& output, const Buffer& workspace,
-                              const MoeExpertsParams& params);
+                              const MoeExpertsParams& params, const MoeExpertsBiases& biases = {});
 
 }  // namespace routemm
