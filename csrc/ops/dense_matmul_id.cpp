@@ -129,6 +129,17 @@ uint64_t expert_mm_threshold_from_environment() {
   }();
   return threshold;
 }
+bool expert_tensor_mm_from_environment() {
+  static const bool allowed = [] {
+    const char* raw = std::getenv("ROUTEMM_DISABLE_TENSOR_MM_ID");
+    std::string value = raw != nullptr ? raw : "";
+    const auto blank = [](unsigned char c) { return std::isspace(c) != 0; };
+    value.erase(value.begin(), std::find_if_not(value.begin(), value.end(), blank));
+    value.erase(std::find_if_not(value.rbegin(), value.rend(), blank).base(), value.end());
+    return value != "1";
+  }();
+  return allowed;
+}
 std::string_view to_string(DenseMatmulIdMapUse value) {
   return value == DenseMatmulIdMapUse::Build ? "build" : "reuse";
 }

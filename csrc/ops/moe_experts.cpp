@@ -163,9 +163,14 @@ bool overlaps(const Buffer& a, const Buffer& b) {
 }  // namespace
 
 void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& p, bool exact) {
+  moe_experts_auto_route(backend, p, exact, expert_tensor_mm_from_environment());
+}
+
+void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& p, bool exact,
+                            bool tensor_mm) {
   const uint64_t rows = uint64_t{p.m} * p.top_k;
   const bool quantized = block_stacks(p);
-  if (!exact && backend == "cuda" && p.top_k <= p.n_experts) {
+  if (!exact && tensor_mm && backend == "cuda" && p.top_k <= p.n_experts) {
     if (quantized && rows >= kMoeQuantizedLowpRowsPerExpert * p.n_experts) {
       p.block_route = GgmlQuantizedMatmulIdRoute::GroupedTensorLowp;
       return;

@@ -2,9 +2,13 @@
 // Python dataclasses are built from.
 #include <pybind11/stl.h>
 
+#include <optional>
+#include <string>
+
 #include "bindings.h"
 #include "routemm/error.h"
 #include "routemm/ops/dense_matmul_id.h"
+#include "routemm/ops/moe_experts.h"
 
 namespace routemm::python {
 namespace {
@@ -55,6 +59,28 @@ const DenseMatmulIdScratch* optional_scratch(const py::object& scratch, std::str
 }
 
 void init_dense_matmul_id(py::module_& m) {
+  m.def(
+      "_moe_experts_auto_route",
+      [](const std::string& backend, uint32_t tokens, uint32_t top_k, uint32_t n_experts,
+         DType weight_dtype, bool block_stacks, bool exact, std::optional<bool> tensor_mm) {
+        MoeExpertsParams p;
+        p.m = tokens;
+        p.top_k = top_k;
+        p.n_experts = n_experts;
+        p.weight_dtype = weight_dtype;
+        if (block_stacks) p.ggml_type = GgmlType::Q4_0;  // the rule reads only that they are blocks
+        if (tensor_mm) {
+          moe_experts_auto_route(backend, p, exact, *tensor_mm);
+        } else {
+          moe_experts_auto_route(backend, p, exact);
+        }
+        return std::string(block_stacks ? to_string(p.block_route) : to_string(p.route));
+      },
+      py::arg("backend"), py::arg("tokens"), py::arg("top_k"), py::arg("n_experts"),
+      py::arg("weight_dtype"), py::arg("block_stacks"), py::arg("exact"), py::arg("tensor_mm"),
+      "The MoE op's automatic route (routemm::moe_experts_auto_route) for these shapes; "
+      "tensor_mm: GgmlRoutingPolicy.expert_tensor_mm is auto_probe (None: the environment's).");
+
   py::class_<DenseMatmulIdParams>(m, "_DenseMatmulIdParams")
       .def(py::init(&make_params), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("top_k"),
            py::arg("n_experts"), py::arg("expert_stride_bytes"), py::arg("input_layout"),

@@ -306,9 +306,9 @@ def _(rng, tmp_path):
         "dense_q6k_mv_nr2",
         "expert_q6k_mv_nr2",
         "expert_q8_0_mv_nr2",
-        "expert_tensor_mm",
     }
     assert Policy().expert_q8_0_mv_nr2 is False  # the Q8_0 expert mat-vec routemm has
+    assert "expert_tensor_mm" not in Policy.RECORDED_ONLY  # 4.1-expert-tensor-mm
 
 
 def _auto_routes(device, rng, ms, ggml_type=None) -> list:
@@ -358,6 +358,66 @@ def _(rng, tmp_path):
 
     assert auto_grouped("cpu", 9, 2, 8) and not auto_grouped("cpu", 9, 2, 8, mm_threshold=9)
     assert auto_grouped("cpu", 1, 2, 8, mm_threshold=0)
+
+
+def _tensor_candidates_proved(device, rng, ggml_type, policy=None) -> list:
+    """The candidates one expert-ID calibration on a fresh registry of `device` has (bf16 stacks, or
+    `ggml_type` block stacks), under `policy` frozen into the registry (None: the environment's).
+    Where the backend has no tensor-core pipeline, the exact grouped kernel is registered under its
+    name, so the tensor route is a candidate on every backend."""
+    import ml_dtypes
+
+    registry = routemm.KernelRegistry(device)
+    E, n, k, m, top_k = 8, 16, 64, 16, 2
+    if ggml_type is None:
+        names = ("dense_matmul_id_grouped_lowp_bf16_f32", "dense_matmul_id_grouped_bf16_f32")
+        stack = rng.standard_normal((E, n, k)).astype(ml_dtypes.bfloat16)
+        params = routemm.DenseMatmulIdParams(m, n, k, top_k, E, n * k * 2)
+        calibrate, case = routemm.calibrate_dense_matmul_id_routes, routemm.DenseMatmulIdCalibrationCase
+    else:
+        names = ("quantized_matmul_id_grouped_lowp_q4_0_f32", "quantized_matmul_id_grouped_q4_0_f32")
+        stack = q4_0.quantize(rng.standard_normal((E * n, k)).astype(np.float32)).reshape(-1)
+        params = routemm.GgmlQuantizedMatmulIdParams(m, n, k, top_k, E, ggml_type, n * k // 32 * 18)
+        calibrate, case = routemm.calibrate_quantized_matmul_id_routes, routemm.GgmlQuantizedMatmulIdCalibrationCase
+    if not registry.has_kernel(names[0]):
+        registry.register_kernel_from(*names)
+    if policy is not None:
+        routemm.freeze_ggml_routing_policy(registry, policy)
+    _, receipt = calibrate(registry, device, 3, None, [case(device.from_numpy(stack), params)], _timer=winner_timer)
+    return [route.value for route in receipt.decisions[0].candidates]
+
+
+@check("4.1-expert-tensor-mm")
+def _(rng, tmp_path):
+    from routemm import _core
+
+    simd = Policy(expert_tensor_mm=routemm.GgmlTensorMmPreference.FORCE_SIMD)
+    for device in devices():  # calibration: the tensor candidates are proved only under auto_probe
+        for ggml_type, grouped in ((None, "grouped_prefill"), (routemm.GgmlType.Q4_0, "grouped")):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.delenv("ROUTEMM_DISABLE_TENSOR_MM_ID", raising=False)
+                assert _tensor_candidates_proved(device, rng, ggml_type) == [grouped, "grouped_tensor_lowp"]
+                assert _tensor_candidates_proved(device, rng, ggml_type, simd) == [grouped]
+                mp.setenv("ROUTEMM_DISABLE_TENSOR_MM_ID", "1")
+                assert _tensor_candidates_proved(device, rng, ggml_type) == [grouped]
+                assert _tensor_candidates_proved(device, rng, ggml_type, Policy()) == [grouped, "grouped_tensor_lowp"]
+    # The MoE op's automatic route (the torch op moe_experts, exact=False): a pure rule of the
+    # backend's name and the shapes, so CUDA's is checked on every host. 64 rows per expert.
+    route, D = _core._moe_experts_auto_route, routemm.DType
+    for dtype, blocks, m, exact_route in ((D.BF16, False, 64, "grouped_prefill"), (D.U8, True, 512, "grouped")):
+        assert route("cuda", m, 8, 8, dtype, blocks, False, True) == "grouped_tensor_lowp"
+        assert route("cuda", m, 8, 8, dtype, blocks, False, False) == exact_route  # force_simd: the exact rule
+        assert route("cuda", m, 8, 8, dtype, blocks, True, True) == exact_route
+        assert route("cpu", m, 8, 8, dtype, blocks, False, True) == exact_route
+    code = (
+        "import routemm; from routemm import _core\n"
+        "print(_core._moe_experts_auto_route('cuda', 64, 8, 8, routemm.DType.BF16, False, False, None))"
+    )
+    for value, want in (("0", "grouped_tensor_lowp"), (" 1 ", "grouped_prefill")):
+        env = dict(os.environ, ROUTEMM_DISABLE_TENSOR_MM_ID=value)  # read once, at first use
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == want, value
 
 
 @check("4.1-policy-environment")

@@ -110,7 +110,7 @@ _PYTHON_KNOBS = (
         "ROUTEMM_DISABLE_TENSOR_MM_ID",
         "bool",
         "0",
-        "1: GgmlRoutingPolicy.expert_tensor_mm = force_simd (recorded only)",
+        "1: GgmlRoutingPolicy.expert_tensor_mm = force_simd: the automatic expert-ID choices keep off tensor-core kernels (the MoE op's automatic route, read once at first use; the expert-ID calibrations)",
     ),
 )
 

@@ -149,12 +149,14 @@ class GgmlRoutingPolicy(JsonRecord):
     int8 per 32-value block, integer dot products, F32 accumulation, within the bound of
     docs/numerics.md; the receipt's route is then "int8_dot", elsewhere the exact routes run.
     `expert_mm_threshold` is the automatic expert-ID route's: it groups only calls of more than
-    that many tokens (dense_matmul_id.auto_grouped). The other fields (RECORDED_ONLY) name
+    that many tokens (dense_matmul_id.auto_grouped). `expert_tensor_mm` = force_simd keeps the
+    automatic expert-ID choices off tensor-core kernels: the MoE op's automatic route
+    (torch.ops.routemm.moe_experts with exact=False) takes the exact rule, and the expert-ID
+    calibrations leave the tensor-core candidates out. The other fields (RECORDED_ONLY) name
     kernels routemm does not have -- K-quant width-mN tiles, mul_mv_ext, the Q6_K nr2 mat-vecs,
-    an nr2 Q8_0 expert mat-vec -- or, for `expert_tensor_mm`, a choice the automatic expert-ID
-    route never faces (it takes the exact routes; tensor routes run only when named): they are
-    accepted, validated, recorded in every receipt and used by the structural planner
-    (`plan_dense_auto_route`, `ggml_capability`), and change no dispatch."""
+    an nr2 Q8_0 expert mat-vec: they are accepted, validated, recorded in every receipt and used
+    by the structural planner (`plan_dense_auto_route`, `ggml_capability`), and change no
+    dispatch."""
 
     SCHEMA = "ggml_routing_policy.schema.json"
     RECORDED_ONLY: ClassVar[tuple[str, ...]] = (
@@ -163,7 +165,6 @@ class GgmlRoutingPolicy(JsonRecord):
         "dense_q6k_mv_nr2",
         "expert_q6k_mv_nr2",
         "expert_q8_0_mv_nr2",
-        "expert_tensor_mm",
     )
     dense_tensor_mm: GgmlTensorMmPreference = GgmlTensorMmPreference.AUTO_PROBE
     allow_dense_large_tile_mm: bool = True

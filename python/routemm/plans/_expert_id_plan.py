@@ -29,6 +29,7 @@ import numpy as np
 from ..core._core_api import DType
 from ..core._errors import Error, InvalidArgumentError
 from ..ops.dense_matmul_id import DenseMatmulIdInputLayout, DenseMatmulIdScratch
+from ..ops.quantized_matmul import GgmlRoutingPolicy, GgmlTensorMmPreference, ggml_routing_policy
 from . import _route_plan as rp
 from . import calibration as cal
 
@@ -261,6 +262,7 @@ class ExpertIdOp:
     schema_version: int
     direct: enum.Enum  # the direct route (its enum is the kind's route type)
     candidates: tuple  # the routes proved against direct, in preference order
+    tensor_routes: tuple = ()  # the candidates on tensor-core kernels (GgmlRoutingPolicy.expert_tensor_mm)
     known_pipelines: tuple  # pipelines every backend registers (the rest count only where registered)
     records: ExpertIdRecords
 
@@ -505,6 +507,10 @@ class Calibrator:
         self.deadline, self.timer, self.pinned = deadline, timer, pinned
         self.pool = pool
         self.subs = cal.Submissions()
+        # GgmlRoutingPolicy.expert_tensor_mm (spec §4.1), the registry's frozen policy, else the
+        # environment's: force_simd keeps the tensor-core candidates out of the calibration.
+        policy = ggml_routing_policy(registry) or GgmlRoutingPolicy.from_environment()
+        self.tensor_mm = GgmlTensorMmPreference(policy.expert_tensor_mm) is GgmlTensorMmPreference.AUTO_PROBE
 
     def _encode(self, encoder, shape, route, weight, inp, ids, out, scratch):
         self.op.encode(
@@ -615,6 +621,8 @@ class Calibrator:
         candidates, unprepared = [], []
         fmt = self.op.weight_format(shape)
         for route in self.op.candidates:
+            if route in self.op.tensor_routes and not self.tensor_mm:
+                continue
             try:
                 self.op.capability(shape, route)
             except InvalidArgumentError:
@@ -653,8 +661,11 @@ class Calibrator:
             if unprepared:  # a legal candidate whose pipelines could not be prepared
                 return decision(D, S.ERROR_FALLBACK, "; ".join(unprepared)), False
             return decision(D, S.DIRECT_ONLY, None), False
-        key = (self.build_fp, self.device.name, self.device.registry_id, self.pset, shape.key)
+        # The outcome holds for this candidate set only: the policy's tensor choice is in the key.
+        key = (self.build_fp, self.device.name, self.device.registry_id, self.pset, shape.key, self.tensor_mm)
         cached = self.pinned.get(shape.key) if self.pinned is not None else cal.PROCESS_CACHE.get(key)
+        if cached is not None and cached["route"] is not D and cached["route"] not in candidates:
+            cached = None  # a winner the policy now keeps out is not re-proved: calibrate afresh
         if cached is not None and cached["route"] is D:
             return decision(D, cached["status"], cached.get("diagnostic"), timings=cached["timings"], hit=True), False
         prove = [cached["route"]] if cached is not None else candidates

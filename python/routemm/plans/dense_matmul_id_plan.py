@@ -155,6 +155,7 @@ class _DenseMatmulIdOp(ex.ExpertIdOp):
     schema_version = SCHEMA_VERSION
     direct = DenseMatmulIdRoute.DIRECT
     candidates = (DenseMatmulIdRoute.GROUPED_PREFILL, *TENSOR_TOLERANCE)
+    tensor_routes = tuple(TENSOR_TOLERANCE)
     known_pipelines = PIPELINE_NAMES
     records = _RECORDS
 

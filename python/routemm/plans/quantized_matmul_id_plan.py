@@ -139,6 +139,7 @@ class _QuantizedMatmulIdOp(ex.ExpertIdOp):
     schema_version = SCHEMA_VERSION
     direct = GgmlQuantizedMatmulIdRoute.DIRECT
     candidates = (GgmlQuantizedMatmulIdRoute.GROUPED, GgmlQuantizedMatmulIdRoute.GROUPED_TENSOR_LOWP)
+    tensor_routes = (GgmlQuantizedMatmulIdRoute.GROUPED_TENSOR_LOWP,)
     known_pipelines = PIPELINE_NAMES
     records = _RECORDS
 

@@ -217,6 +217,11 @@ bool expert_id_auto_grouped(std::string_view backend, uint64_t m, uint64_t top_k
 // knobs): unset or blank is kExpertMmThreshold; anything but a decimal integer in [0, 2^32 - 1]
 // is an InvalidArgument naming the variable (and is read again at the next use).
 uint64_t expert_mm_threshold_from_environment();
+// GgmlRoutingPolicy.expert_tensor_mm (spec §4.1) of the callers that take no policy (the MoE op's
+// automatic route): false (force_simd, no tensor-core expert routes) when
+// ROUTEMM_DISABLE_TENSOR_MM_ID is "1" (blanks around it ignored, as GgmlRoutingPolicy's reader),
+// else true (auto_probe). Read once, at first use, as the threshold.
+bool expert_tensor_mm_from_environment();
 
 // Exact byte extents for one call, with checked arithmetic; no allocation, no compilation.
 DenseMatmulIdCapability dense_matmul_id_capability(DType weight_dtype,

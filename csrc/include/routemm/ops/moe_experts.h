@@ -99,8 +99,12 @@ struct MoeExpertsReceipt {
 // expert, 43 against 56 at 0.5) or kMoeQuantizedLowpRowsPerExpert (block stacks: lowp was 6-12x the
 // exact grouped route at 32 and 256 rows per expert on an H100; the crossover below is not yet
 // measured); F32 stacks and the other backends keep the exact rule. Sets route / block_route.
+// tensor_mm: GgmlRoutingPolicy.expert_tensor_mm is auto_probe; false (force_simd) keeps the exact
+// rule as `exact` does. Without it, the environment's (expert_tensor_mm_from_environment).
 inline constexpr uint64_t kMoeLowpRowsPerExpert = 2;
 inline constexpr uint64_t kMoeQuantizedLowpRowsPerExpert = 16;
+void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& params, bool exact,
+                            bool tensor_mm);
 void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& params, bool exact);
 
 // The grouped-ness of the params' route (of the stacks' kind).
