@@ -155,3 +155,206 @@ def test_writer_refuses_what_it_cannot_write(tmp_path, kw, message):
     with pytest.raises(routemm.InvalidArgumentError, match=message.replace("[", r"\[").replace("]", r"\]")):
         write_moe_gguf(tmp_path / "x.gguf", spec)
     assert not (tmp_path / "x.gguf").exists()
+
+
+# ---- MoeLayer.from_gguf against the float64 reference of the file --------------------------------
+
+from gguf_moe_reference import layer_reference, near_tie, read_tensors  # noqa: E402
+from tolerances import MOE_EXPERTS_TOLERANCE  # noqa: E402
+
+# What a layer of each architecture needs of MoeLayer beyond a softmax SiLU layer (its arguments),
+# as the writer's files have it.
+ARCH_NEEDS = {
+    "qwen3moe": [],
+    "mixtral": [],
+    "qwen2moe": ["shared_gate_up", "shared_down", "shared_gate"],
+    "deepseek2": [
+        "scoring_func", "e_score_correction_bias", "num_expert_group", "topk_group", "routed_scaling_factor",
+        "shared_gate_up", "shared_down",
+    ],
+    "glm4moe": ["scoring_func", "e_score_correction_bias", "shared_gate_up", "shared_down"],
+    "gpt-oss": ["router_bias", "gate_bias", "up_bias", "down_bias", "activation"],
+    "llama4": ["scoring_func", "weights_before_ffn", "shared_gate_up", "shared_down"],
+}  # fmt: skip
+# Mixes, with the intermediate size: the single K-quant types with rows of 256 values everywhere.
+MIX_SHAPES = {"q4_k_m": 64, "q5_k_m": 64, "q8_0": 64, "q4_k": 256, "q6_k": 256}
+
+
+def _takes_stack_types() -> bool:
+    """Whether the experts take a (gate, up, down) tuple of block types yet."""
+    from routemm.ops.moe import _checked_ggml_type
+
+    try:
+        _checked_ggml_type(("q4_k", "q4_k", "q6_k"))
+    except routemm.InvalidArgumentError:
+        return False
+    return True
+
+
+def _missing_arguments(arch: str) -> list[str]:
+    import inspect
+
+    takes = inspect.signature(routemm.MoeLayer.__init__).parameters
+    return [a for a in ARCH_NEEDS[arch] if a not in takes]
+
+
+def _expert_types(tensors, layer: int) -> set:
+    return {
+        t.tensor_type.name
+        for name, t in tensors.items()
+        if name.startswith(f"blk.{layer}.ffn_") and name.endswith(".weight") and "gate_inp" not in name
+    }
+
+
+@pytest.mark.parametrize("mix", list(MIX_SHAPES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_moe_layer_matches_the_float64_reference(tmp_path, device, arch, mix):
+    """Each MoE layer of the file either runs and matches the reference computed from the file by
+    the gguf package (tokens at a top-k near-tie left out), or is refused with an UnsupportedError
+    naming what it needs: mixed expert types, or a MoeLayer argument routemm does not have yet."""
+    path, _, spec = _write(tmp_path, arch, mix, intermediate=MIX_SHAPES[mix])
+    read = read_tensors(path)
+    _, tensors = _reader(path)
+    moe = [n for n in range(spec.layers) if spec.is_moe_layer(n)]
+    assert routemm.gguf_io.gguf_moe_layers(path) == moe
+    hidden = np.random.default_rng(1).standard_normal((6, spec.hidden)).astype(np.float32)
+    atol, rtol = MOE_EXPERTS_TOLERANCE
+    for n in moe:
+        kinds = _expert_types(tensors, n)
+        if len(kinds) > 1 and not _takes_stack_types():
+            with pytest.raises(routemm.UnsupportedError, match=f"layer {n} mixes expert types"):
+                routemm.MoeLayer.from_gguf(path, n, device=device)
+            continue
+        missing = _missing_arguments(arch)
+        if missing:
+            with pytest.raises(routemm.UnsupportedError, match="needs MoeLayer's (" + "|".join(missing) + ")"):
+                routemm.MoeLayer.from_gguf(path, n, device=device)
+            continue
+        for kind in kinds:
+            pipeline = f"quantized_matmul_id_direct_{kind.lower()}_f32"
+            if kind not in ("F32", "F16", "BF16") and not routemm.KernelRegistry(device).has_kernel(pipeline):
+                pytest.skip(f"backend {device.backend} has no {pipeline}")
+        layer = routemm.MoeLayer.from_gguf(path, n, device=device)
+        assert (layer.n_experts, layer.top_k, layer.hidden) == (spec.experts, spec.top_k, spec.hidden)
+        out = layer(hidden)
+        ref, select, top_k = layer_reference(path, n, hidden, read=read)
+        keep = ~near_tie(select, top_k)
+        assert keep.sum() >= 4
+        np.testing.assert_allclose(out[keep], ref[keep], atol=atol * 10, rtol=rtol * 10)
+
+
+def test_split_mixtral_experts_load_as_the_stacked_ones(tmp_path, device):
+    """2023 Mixtral files' per-expert tensors are stacked at load: the same layer as the stacked file
+    of the same weights, bit for bit."""
+    split, _, _ = _write(tmp_path, "mixtral", "q8_0", split_experts=True)
+    stacked = tmp_path / "stacked.gguf"
+    write_moe_gguf(stacked, MoeGgufSpec(arch="mixtral", mix="q8_0", **SMALL))
+    a = routemm.MoeLayer.from_gguf(split, 1, device=device)
+    b = routemm.MoeLayer.from_gguf(stacked, 1, device=device)
+    assert a.ggml_type == b.ggml_type == routemm.GgmlType.Q8_0
+    for part in ("gate", "up", "down"):
+        assert np.array_equal(getattr(a, part).numpy(), getattr(b, part).numpy()), part
+    hidden = np.random.default_rng(2).standard_normal((5, 256)).astype(np.float32)
+    assert np.array_equal(a(hidden), b(hidden))
+
+
+# ---- refusals, by name ---------------------------------------------------------------------------
+
+
+def _rewrite(src, dst, *, keys=None, drop=(), rename=None):
+    """A copy of the GGUF file `src` at `dst` with metadata `keys` ({key: (value, GGUFValueType)})
+    set, the tensors or keys in `drop` left out and tensors renamed by `rename`."""
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch=arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop or key in (keys or {}):
+            continue
+        writer.add_key_value(key, field.contents(), field.types[0])
+    for key, (value, vtype) in (keys or {}).items():
+        writer.add_key_value(key, value, vtype)
+    for t in reader.tensors:
+        if t.name in drop:
+            continue
+        writer.add_tensor((rename or {}).get(t.name, t.name), np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+V = gguf.GGUFValueType
+
+
+def test_dense_layers_are_refused_as_such(tmp_path, device):
+    for arch, layer in (("deepseek2", 0), ("glm4moe", 0), ("llama4", 2)):
+        path, _, _ = _write(tmp_path, arch)
+        with pytest.raises(
+            routemm.InvalidArgumentError, match=f"has no router blk.{layer}.ffn_gate_inp.weight: a dense FFN layer"
+        ):
+            routemm.MoeLayer.from_gguf(path, layer, device=device)
+
+
+@pytest.mark.parametrize(
+    "arch,change,error,message",
+    [
+        ("deepseek2", dict(keys={"deepseek2.expert_gating_func": (3, V.UINT32)}), routemm.UnsupportedError,
+         r"deepseek2.expert_gating_func 3 \(softmax_weight\) is not 1 \(softmax\) or 2 \(sigmoid\)"),
+        ("deepseek2", dict(keys={"deepseek2.expert_gating_func": (7, V.UINT32)}), routemm.InvalidArgumentError,
+         "deepseek2.expert_gating_func must be one of llama.cpp's gating functions 0-4, got 7"),
+        ("llama4", dict(keys={"llama4.expert_gating_func": (1, V.UINT32)}), routemm.InvalidArgumentError,
+         "llama4.expert_gating_func 1 contradicts llama4's sigmoid gate"),
+        ("deepseek2", dict(keys={"deepseek2.expert_group_count": (3, V.UINT32)}), routemm.InvalidArgumentError,
+         "deepseek2.expert_group_count 3 and deepseek2.expert_group_used_count 2 do not fit deepseek2.expert_count 8"),
+        ("deepseek2", dict(drop=("deepseek2.expert_group_used_count",)), routemm.InvalidArgumentError,
+         "deepseek2.expert_group_count 4 without deepseek2.expert_group_used_count"),
+        ("deepseek2", dict(keys={"deepseek2.expert_weights_scale": ("2.5", V.STRING)}), routemm.InvalidArgumentError,
+         "deepseek2.expert_weights_scale must be a finite number, got '2.5'"),
+        ("glm4moe", dict(keys={"glm4moe.expert_weights_norm": (1, V.UINT32)}), routemm.InvalidArgumentError,
+         "glm4moe.expert_weights_norm must be a bool, got 1"),
+        ("qwen3moe", dict(keys={"qwen3moe.swiglu_clamp_exp": (7.0, V.FLOAT32)}), routemm.UnsupportedError,
+         "qwen3moe.swiglu_clamp_exp .clamped SwiGLU experts. is not computed"),
+        ("qwen3moe", dict(rename={"blk.1.ffn_gate_exps.weight": "blk.1.ffn_gate_up_exps.weight"}),
+         routemm.UnsupportedError, "blk.1.ffn_gate_up_exps.weight .a merged gate/up stack. is not loaded"),
+        ("qwen3moe", dict(drop=("blk.1.ffn_down_exps.weight",)), routemm.InvalidArgumentError,
+         r"layer 1 has no blk.1.ffn_down_exps.weight \(nor per-expert blk.1.ffn_down.E.weight\)"),
+        ("qwen2moe", dict(drop=("blk.1.ffn_up_shexp.weight",)), routemm.InvalidArgumentError,
+         "layer 1 has blk.1.ffn_gate_shexp.weight but no blk.1.ffn_up_shexp.weight"),
+    ],
+)  # fmt: skip
+def test_what_from_gguf_cannot_compute_is_refused_by_name(tmp_path, device, arch, change, error, message):
+    src, _, _ = _write(tmp_path, arch)
+    path = _rewrite(src, tmp_path / "changed.gguf", **change)
+    with pytest.raises(error, match=message):
+        routemm.MoeLayer.from_gguf(path, 1, device=device)
+
+
+def test_a_split_mixtral_file_missing_an_expert_names_it(tmp_path, device):
+    src, _, _ = _write(tmp_path, "mixtral", split_experts=True)
+    path = _rewrite(src, tmp_path / "changed.gguf", drop=("blk.1.ffn_up.5.weight",))
+    with pytest.raises(
+        routemm.InvalidArgumentError, match=r"layer 1 has no blk.1.ffn_up.5.weight \(llama.expert_count 8\)"
+    ):
+        routemm.MoeLayer.from_gguf(path, 1, device=device)
+
+
+def test_selection_bias_must_be_f32(tmp_path, device):
+    src, _, _ = _write(tmp_path, "deepseek2")
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(tmp_path / "f16.gguf"), arch="deepseek2")
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            writer.add_key_value(key, field.contents(), field.types[0])
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if t.name == "blk.1.exp_probs_b.bias":
+            writer.add_tensor(t.name, data.astype(np.float16))
+        else:
+            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(routemm.InvalidArgumentError, match="blk.1.exp_probs_b.bias must be f32, got f16"):
+        routemm.MoeLayer.from_gguf(tmp_path / "f16.gguf", 1, device=device)

@@ -206,6 +206,37 @@ def gguf_tensor_type(path, name: str) -> str:
     return _type_name(path, _index_of(path, "gguf_tensor_type")[0], name)
 
 
+def _gguf_index(path, op: str = "gguf_tensor") -> tuple[dict, dict]:
+    """(metadata, {tensor name: (type name, shape in values, outermost first)}) of the GGUF file
+    at `path`, from one read of its header."""
+    infos, _, metadata = _index_of(path, op)
+    index = {}
+    for name, (dims, _type_id, _offset) in infos.items():
+        index[name] = (_type_name(path, infos, name), [int(d) for d in reversed(dims)])
+    return metadata, index
+
+
+def _moe_layer_indices(metadata: dict, names) -> list[int]:
+    """The layers N (within `<arch>.block_count` where the file has it) that have a MoE router
+    `blk.N.ffn_gate_inp.weight`, in order."""
+    found = []
+    for name in names:
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2:] == ["ffn_gate_inp", "weight"]:
+            found.append(int(parts[1]))
+    count = metadata.get(f"{metadata.get('general.architecture')}.block_count")
+    if isinstance(count, int) and not isinstance(count, bool):
+        found = [n for n in found if n < count]
+    return sorted(found)
+
+
+def gguf_moe_layers(path) -> list[int]:
+    """The MoE layers of the GGUF file at `path` (those with a router `blk.N.ffn_gate_inp.weight`,
+    llama.cpp's name), in order: what MoeLayer.from_gguf loads."""
+    metadata, index = _gguf_index(path, "gguf_moe_layers")
+    return _moe_layer_indices(metadata, index)
+
+
 def _gguf_header(path, names) -> tuple[dict, dict]:
     """(metadata, {name: type name}) of the GGUF file at `path`, from one read of its header."""
     infos, _, metadata = _index_of(path)

@@ -202,7 +202,12 @@ def write_moe_gguf(path, spec: MoeGgufSpec) -> dict[str, str]:
             ("down", (*lead, s.hidden, width), width),
         ):
             kind = "mxfp4" if s.arch == "gpt-oss" and experts else tensor_type(s.mix, part, layer, s.layers, shape[-1])
-            add(f"{prefix}.ffn_{part}{suffix}.weight", weight(shape, fan_in), kind)
+            w = weight(shape, fan_in)
+            if s.split_experts and experts:  # the same weights as the stacked file, one tensor per expert
+                for e in range(experts):
+                    add(f"{prefix}.ffn_{part}.{e}.weight", w[e], kind)
+            else:
+                add(f"{prefix}.ffn_{part}{suffix}.weight", w, kind)
 
     for n in range(s.layers):
         blk = f"blk.{n}"
@@ -214,11 +219,7 @@ def write_moe_gguf(path, spec: MoeGgufSpec) -> dict[str, str]:
             add(f"{blk}.ffn_gate_inp.bias", 0.5 * weight((s.experts,), 1))
         if s.arch in ("deepseek2", "glm4moe"):
             add(f"{blk}.exp_probs_b.bias", 0.1 * weight((s.experts,), 1))
-        if s.split_experts:
-            for e in range(s.experts):
-                ffn(blk, f".{e}", s.intermediate, n)
-        else:
-            ffn(blk, "_exps", s.intermediate, n, s.experts)
+        ffn(blk, "_exps", s.intermediate, n, s.experts)
         if s.arch == "gpt-oss":
             for part, width in (("gate", s.intermediate), ("up", s.intermediate), ("down", s.hidden)):
                 add(f"{blk}.ffn_{part}_exps.bias", 0.1 * weight((s.experts, width), 1))

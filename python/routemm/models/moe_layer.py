@@ -11,18 +11,24 @@ file's memory map (zero copy).
 
 A call is one encoder submission: router logits (the router as a one-expert expert-ID matmul),
 moe_gate, then moe_experts' matmuls, SiLU*up and the ordered combine; nothing returns to the host in
-between. The gate renormalises the top-k weights when `<arch>.expert_weights_norm` says so, and
-otherwise as the architecture does (RENORMALIZE_BY_ARCH).
+between. from_gguf reads every architecture of models/_gguf_moe.py (qwen3moe, qwen2moe, llama /
+Mixtral, deepseek2, glm4moe, gpt-oss, llama4): the gate renormalises the top-k weights when
+`<arch>.expert_weights_norm` says so, and otherwise as the architecture does (RENORMALIZE_BY_ARCH);
+the gating function, selection bias, expert groups, weight scale, shared experts, biases and
+activation come from the file as llama.cpp reads them.
 
 Arguments and metadata are checked as they are read, before any tensor is mapped or anything is
 encoded, and never coerced: the counts must be integers (`expert_used_count` in [1, expert_count]),
-`expert_weights_norm` a bool, `expert_gating_func` the integer 1 (softmax); anything else is an
-InvalidArgumentError naming the argument or metadata key. top_k and renormalize share moe_gate's
+`expert_weights_norm` a bool, `expert_gating_func` one of llama.cpp's values 0-4; anything else is an
+InvalidArgumentError naming the argument or metadata key. What routemm does not compute (a gating
+function other than softmax and sigmoid, mixed expert types in one layer, an option MoeLayer does
+not take) is an UnsupportedError naming the key or tensor. top_k and renormalize share moe_gate's
 checks.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Optional
 
@@ -31,8 +37,8 @@ import numpy as np
 from .. import _core
 from ..core._core_api import DType, check_type
 from ..core._devices import _default_device, _registry_for
-from ..core._errors import InvalidArgumentError
-from ..formats.gguf_io import _fspath, _gguf_header, _gguf_tensors
+from ..core._errors import InvalidArgumentError, UnsupportedError
+from ..formats.gguf_io import _fspath, _gguf_index, _gguf_tensors
 from ..ops._reference import dense_matmul_id_reference, moe_experts_reference, moe_gate_reference
 from ..ops.dense_matmul_id import (
     DenseMatmulIdInputLayout,
@@ -52,10 +58,7 @@ from ..ops.moe import (
 )
 from ..ops.quantized_matmul import GgmlType
 from ..ops.quantized_matmul_id import SUPPORTED_TYPES as _BLOCK_TYPES
-
-# Whether an architecture's router renormalises its top-k weights, where the file does not say
-# (`<arch>.expert_weights_norm`): Qwen3-MoE and Mixtral (GGUF architecture "llama") do.
-RENORMALIZE_BY_ARCH = {"qwen3moe": True, "llama": True, "mixtral": True, "qwen2moe": False}
+from ._gguf_moe import RENORMALIZE_BY_ARCH, LayerPlan, plan_layer  # noqa: F401 (RENORMALIZE_BY_ARCH: public)
 
 _FLOAT_TYPES = {"f32", "f16", "bf16"}
 # The block stack types the experts run (quantized_matmul_id_ggml's), by their GGUF type names.
@@ -126,74 +129,71 @@ class MoeLayer:
 
     @classmethod
     def from_gguf(cls, path, layer: int, *, device=None) -> "MoeLayer":
-        """Layer `layer` of the GGUF file at `path`; expert count and experts per token come from
-        the file's metadata (checked as the module docstring says)."""
+        """Layer `layer` of the GGUF file at `path`, of any architecture models/_gguf_moe.py lists:
+        the routing options and tensors come from the file's metadata and tensor names, checked as
+        the module docstring says, before any tensor is mapped. Per-expert 2-D tensors (Mixtral's
+        `blk.N.ffn_gate.E.weight`) are stacked into one buffer (a copy); every other tensor is
+        mapped. What the layer would need and MoeLayer does not take is an UnsupportedError naming
+        the tensor or key that asks for it."""
         path = _fspath(path, "MoeLayer.from_gguf")
         check_type("MoeLayer.from_gguf:", "device", device, _core.Device, optional=True)
-        meta, _ = _gguf_header(path, ())
-        arch = meta.get("general.architecture")
-        if arch is None:
-            raise InvalidArgumentError(f"MoeLayer.from_gguf: {path} has no general.architecture")
-        if not isinstance(arch, str):
-            raise InvalidArgumentError(
-                f"MoeLayer.from_gguf: {path}: general.architecture must be a string, got {arch!r}"
-            )
-        where = f"MoeLayer.from_gguf: {path} ({arch})"
-        count_key, used_key = f"{arch}.expert_count", f"{arch}.expert_used_count"
-        for key in (count_key, used_key):
-            if key not in meta:
-                raise InvalidArgumentError(f"{where} has no {key}: not a mixture-of-experts model")
-        n_experts = _metadata_int(meta, count_key, where, minimum=1)
-        top_k = _check_top_k(meta[used_key], n_experts, f"{where}: {used_key}", count_key)
-        gating_key = f"{arch}.expert_gating_func"
-        gating = meta.get(gating_key, 1)  # llama.cpp: 1 softmax, 2 sigmoid
-        if isinstance(gating, bool) or not isinstance(gating, int) or gating != 1:
-            raise InvalidArgumentError(
-                f"{where}: {gating_key} {gating!r} is not 1 (softmax), the only gate routemm has"
-            )
-        norm_key = f"{arch}.expert_weights_norm"
-        if norm_key in meta:
-            renormalize = _check_bool(meta[norm_key], f"{where}: {norm_key}")
-        elif arch in RENORMALIZE_BY_ARCH:
-            renormalize = RENORMALIZE_BY_ARCH[arch]
-        else:
-            raise InvalidArgumentError(
-                f"{where}: the file does not say whether the top-k weights are renormalised "
-                f"({norm_key}) and {arch} is not in RENORMALIZE_BY_ARCH"
-            )
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
-            raise InvalidArgumentError(f"{where}: layer must be a non-negative integer, got {layer!r}")
-        blocks_key = f"{arch}.block_count"
-        if blocks_key in meta:
-            n_blocks = _metadata_int(meta, blocks_key, where, minimum=0)
-            if layer >= n_blocks:
-                raise InvalidArgumentError(f"{where}: layer {layer} is out of range ({blocks_key} {n_blocks})")
-        names = {part: f"blk.{layer}.ffn_{part}.weight" for part in ("gate_inp", "gate_exps", "up_exps", "down_exps")}
-        _, by_name = _gguf_header(path, names.values())
-        types = {part: by_name[name] for part, name in names.items()}
-        expert_types = {types["gate_exps"], types["up_exps"], types["down_exps"]}
-        if len(expert_types) != 1:
-            raise InvalidArgumentError(f"{where}: layer {layer} mixes expert types {sorted(expert_types)}")
-        (expert_type,) = expert_types
-        if expert_type not in _FLOAT_TYPES and expert_type not in _QUANTIZED_TYPES:
-            known = "/".join(["f32", "f16", "bf16", *_QUANTIZED_TYPES])
-            raise InvalidArgumentError(f"{where}: layer {layer} experts are {expert_type}, not {known}")
+        meta, index = _gguf_index(path, "MoeLayer.from_gguf")
+        plan = plan_layer(meta, index, int(layer) if isinstance(layer, np.integer) else layer, path)
+        where = f"MoeLayer.from_gguf: {path} ({plan.arch}) layer {plan.layer}"
+        ggml_type = _expert_ggml_type(plan, where)
+        takes = inspect.signature(cls.__init__).parameters
+        for argument, source in plan.needs():
+            if argument not in takes:
+                raise UnsupportedError(
+                    f"{where}: {source} needs MoeLayer's {argument}, which routemm does not have yet"
+                )
         device = device or _default_device()
-        loaded = _gguf_tensors(path, names.values(), device)  # one header read for the four
-        bufs = {part: loaded[name] for part, name in names.items()}
-        router_shape = [int(d) for d in bufs["gate_inp"].shape]
-        if router_shape[:1] != [n_experts]:
-            raise InvalidArgumentError(f"{where}: the router is {router_shape}, {count_key} says {n_experts} experts")
+        loaded = _gguf_tensors(path, plan.types, device)  # one header read for every tensor
+        stacks = {}
+        for part, names in plan.experts.items():
+            if len(names) == 1:
+                stacks[part] = loaded[names[0]]
+            else:  # one 2-D tensor per expert: stacked here, in expert order
+                stacks[part] = device.from_numpy(np.stack([loaded[name].numpy() for name in names]))
+        router = loaded[plan.router]
+        count_key = f"{plan.arch}.expert_count"
+        if [int(d) for d in router.shape][:1] != [plan.n_experts]:
+            raise InvalidArgumentError(
+                f"{where}: the router is {[int(d) for d in router.shape]}, {count_key} says {plan.n_experts} experts"
+            )
+        options = {}
+        if plan.scoring_func != "softmax":
+            options["scoring_func"] = plan.scoring_func
+        if plan.e_score_correction_bias:
+            options["e_score_correction_bias"] = loaded[plan.e_score_correction_bias]
+        if plan.num_expert_group is not None:
+            options["num_expert_group"], options["topk_group"] = plan.num_expert_group, plan.topk_group
+        if plan.routed_scaling_factor != 1.0:
+            options["routed_scaling_factor"] = plan.routed_scaling_factor
+        if plan.router_bias:
+            options["router_bias"] = loaded[plan.router_bias]
+        for part, name in plan.expert_biases.items():
+            options[f"{part}_bias"] = loaded[name]
+        if plan.activation != "silu":
+            options["activation"] = plan.activation
+        if plan.weights_before_ffn:
+            options["weights_before_ffn"] = True
+        if plan.shared:
+            options["shared_gate_up"] = (loaded[plan.shared["gate"]], loaded[plan.shared["up"]])
+            options["shared_down"] = loaded[plan.shared["down"]]
+        if plan.shared_gate:
+            options["shared_gate"] = loaded[plan.shared_gate]
         return cls(
-            bufs["gate_inp"],
-            bufs["gate_exps"],
-            bufs["up_exps"],
-            bufs["down_exps"],
-            top_k=top_k,
-            renormalize=renormalize,
-            ggml_type=_QUANTIZED_TYPES.get(expert_type),
+            router,
+            stacks["gate"],
+            stacks["up"],
+            stacks["down"],
+            top_k=plan.top_k,
+            renormalize=plan.renormalize,
+            ggml_type=ggml_type,
             device=device,
-            name=f"{os.fsdecode(os.path.basename(path))} layer {layer}",
+            name=f"{os.fsdecode(os.path.basename(path))} layer {plan.layer}",
+            **options,
         )
 
     def __call__(self, hidden, *, route=None) -> np.ndarray:
@@ -263,12 +263,46 @@ class MoeLayer:
         return out, ids, logits
 
 
-def _metadata_int(meta: dict, key: str, where: str, *, minimum: int) -> int:
-    """meta[key], which must be an integer (a GGUF integer type, not a bool, float or string) >= minimum."""
-    value = meta[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidArgumentError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
-    return value
+def _takes_stack_types() -> bool:
+    """Whether the experts take a (gate, up, down) tuple of block types (stacks of mixed types)."""
+    try:
+        _checked_ggml_type((GgmlType.Q4_K, GgmlType.Q4_K, GgmlType.Q6_K))
+    except InvalidArgumentError:
+        return False
+    return True
+
+
+def _expert_ggml_type(plan: LayerPlan, where: str):
+    """The experts' ggml_type: None for float stacks, the GgmlType of block stacks of one type, or
+    a (gate, up, down) tuple where they differ (a Q4_K_M file's Q6_K down under Q4_K gate and up).
+    The shared expert must have the routed stacks' types. Types without kernels, float stacks of
+    mixed dtypes, and mixed block types where the experts take one type are an UnsupportedError
+    naming the tensors."""
+    routed = {}
+    for part in ("gate", "up", "down"):
+        kinds = {plan.types[n]: n for n in plan.experts[part]}
+        if len(kinds) != 1:
+            listed = ", ".join(f"{n} {t}" for t, n in kinds.items())
+            raise UnsupportedError(f"{where}: its {part} experts differ in type ({listed})")
+        routed[part] = next(iter(kinds))
+    first = {part: plan.experts[part][0] for part in ("gate", "up", "down")}
+    if plan.shared:
+        for part, kind in routed.items():
+            if plan.types[plan.shared[part]] != kind:
+                raise UnsupportedError(
+                    f"{where}: {plan.shared[part]} is {plan.types[plan.shared[part]]}, {first[part]} {kind}; the "
+                    "shared expert runs the routed stacks' types"
+                )
+    known = "/".join(["f32", "f16", "bf16", *_QUANTIZED_TYPES])
+    for part, kind in routed.items():
+        if kind not in _FLOAT_TYPES and kind not in _QUANTIZED_TYPES:
+            raise UnsupportedError(f"{where}: {first[part]} is {kind}; the experts run {known}")
+    if len(set(routed.values())) == 1:
+        return _QUANTIZED_TYPES.get(routed["gate"])
+    listed = ", ".join(f"{first[p]} {k}" for p, k in routed.items())
+    if any(kind in _FLOAT_TYPES for kind in routed.values()) or not _takes_stack_types():
+        raise UnsupportedError(f"{where} mixes expert types ({listed}); routemm's experts take one type per layer")
+    return tuple(_QUANTIZED_TYPES[kind] for kind in routed.values())
 
 
 def _logical(shape, ggml_type: Optional[GgmlType]) -> tuple[int, ...]:
