@@ -23,20 +23,22 @@ uint64_t align16(uint64_t bytes) {
 
 bool block_stacks(const MoeExpertsParams& p) { return p.ggml_type.has_value(); }
 
-// One expert-ID matmul of the block: its stack's output width n and input width k.
+// One expert-ID matmul of the block: its stack's output width n, input width k and block type
+// (block stacks).
 struct Step {
   uint32_t n, k;
   DenseMatmulIdInputLayout layout;
+  std::optional<GgmlType> type;
 };
 
-// The expert stride of a stack of [n, k] matrices.
-uint64_t expert_stride(const MoeExpertsParams& p, uint64_t n, uint64_t k) {
-  if (!block_stacks(p))
-    return checked_product({n, k, dtype_size(p.weight_dtype)}, "moe_experts stride");
-  const auto [values, block_bytes] = ggml_block_layout(*p.ggml_type);
+// The expert stride of the step's stack of [n, k] matrices.
+uint64_t expert_stride(const MoeExpertsParams& p, const Step& s) {
+  const uint64_t n = s.n, k = s.k;
+  if (!s.type) return checked_product({n, k, dtype_size(p.weight_dtype)}, "moe_experts stride");
+  const auto [values, block_bytes] = ggml_block_layout(*s.type);
   if (k % values != 0) {
-    fail("block stacks need widths that are multiples of " + std::to_string(values) + ", got " +
-         std::to_string(k));
+    fail("block stacks need widths that are multiples of " + std::to_string(values) + " (" +
+         std::string(to_string(*s.type)) + "), got " + std::to_string(k));
   }
   return checked_product({n, k / values, block_bytes}, "moe_experts stride");
 }
@@ -48,7 +50,7 @@ DenseMatmulIdParams dense_params(const MoeExpertsParams& p, const Step& s) {
   d.k = s.k;
   d.top_k = p.top_k;
   d.n_experts = p.n_experts;
-  d.expert_stride_bytes = expert_stride(p, s.n, s.k);
+  d.expert_stride_bytes = expert_stride(p, s);
   d.input_layout = s.layout;
   d.id_multiplicity = is_grouped(p.route) ? DenseMatmulIdMultiplicity::DistinctPerToken
                                           : DenseMatmulIdMultiplicity::MayRepeat;
@@ -63,8 +65,8 @@ GgmlQuantizedMatmulIdParams block_params(const MoeExpertsParams& p, const Step& 
   q.k = s.k;
   q.top_k = p.top_k;
   q.n_experts = p.n_experts;
-  q.ggml_type = *p.ggml_type;
-  q.expert_stride_bytes = expert_stride(p, s.n, s.k);
+  q.ggml_type = *s.type;
+  q.expert_stride_bytes = expert_stride(p, s);
   q.input_layout = s.layout;
   q.route = p.block_route;
   return q;
@@ -73,16 +75,27 @@ GgmlQuantizedMatmulIdParams block_params(const MoeExpertsParams& p, const Step& 
 // The block's matmuls in encoding order: gate_up (or gate, up), then down.
 std::vector<Step> steps(const MoeExpertsParams& p) {
   const auto shared = DenseMatmulIdInputLayout::SharedPerToken;
+  const std::optional<GgmlType> gate = p.ggml_type;
+  const std::optional<GgmlType> up = p.up_ggml_type ? p.up_ggml_type : gate;
+  const std::optional<GgmlType> down = p.down_ggml_type ? p.down_ggml_type : gate;
   std::vector<Step> out;
   if (p.split_gate_up) {
-    out.push_back({p.intermediate, p.hidden, shared});
-    out.push_back({p.intermediate, p.hidden, shared});
+    out.push_back({p.intermediate, p.hidden, shared, gate});
+    out.push_back({p.intermediate, p.hidden, shared, up});
   } else {
     if (p.intermediate > 0x7FFFFFFFu) fail("2 * intermediate must fit a u32");
-    out.push_back({2 * p.intermediate, p.hidden, shared});
+    out.push_back({2 * p.intermediate, p.hidden, shared, gate});
   }
-  out.push_back({p.hidden, p.intermediate, DenseMatmulIdInputLayout::Slotted});
+  out.push_back({p.hidden, p.intermediate, DenseMatmulIdInputLayout::Slotted, down});
   return out;
+}
+
+// Q4_0 and Q8_0 have the lowp tensor route; the other formats direct and grouped only.
+bool lowp_types(const MoeExpertsParams& p) {
+  for (const std::optional<GgmlType>& t : {p.ggml_type, p.up_ggml_type, p.down_ggml_type}) {
+    if (t && *t != GgmlType::Q4_0 && *t != GgmlType::Q8_0) return false;
+  }
+  return true;
 }
 
 // Every buffer of the block, carved from the caller's.
@@ -171,7 +184,7 @@ void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& p, bool 
   const uint64_t rows = uint64_t{p.m} * p.top_k;
   const bool quantized = block_stacks(p);
   if (!exact && tensor_mm && backend == "cuda" && p.top_k <= p.n_experts) {
-    if (quantized && rows >= kMoeQuantizedLowpRowsPerExpert * p.n_experts) {
+    if (quantized && lowp_types(p) && rows >= kMoeQuantizedLowpRowsPerExpert * p.n_experts) {
       p.block_route = GgmlQuantizedMatmulIdRoute::GroupedTensorLowp;
       return;
     }
@@ -196,6 +209,14 @@ MoeExpertsWorkspaceLayout moe_experts_workspace(const MoeExpertsParams& p) {
     fail("extents must be nonzero, got m=" + std::to_string(p.m) +
          ", top_k=" + std::to_string(p.top_k) + ", n_experts=" + std::to_string(p.n_experts) +
          ", H=" + std::to_string(p.hidden) + ", I=" + std::to_string(p.intermediate));
+  }
+  if (!block_stacks(p) && (p.up_ggml_type || p.down_ggml_type)) {
+    fail("up_ggml_type and down_ggml_type need block stacks (a ggml_type)");
+  }
+  if (!p.split_gate_up && p.up_ggml_type && *p.up_ggml_type != *p.ggml_type) {
+    fail("one gate_up stack has one block type: up_ggml_type " +
+         std::string(to_string(*p.up_ggml_type)) + " differs from ggml_type " +
+         std::string(to_string(*p.ggml_type)));
   }
   if (block_stacks(p)) {
     if (p.weight_dtype != DType::U8) fail("block stacks must be u8");

@@ -39,6 +39,13 @@ MoeExpertsParams moe_experts_params(uint32_t m, uint32_t top_k, uint32_t n_exper
   return p;
 }
 
+// The up and down stacks' own block types (mixed block stacks; None: ggml_type's).
+void set_moe_experts_stack_types(MoeExpertsParams& p, const std::optional<std::string>& up,
+                                 const std::optional<std::string>& down) {
+  if (up) p.up_ggml_type = parse_enum("moe_experts", *up, kAllGgmlTypes, "up_ggml_type");
+  if (down) p.down_ggml_type = parse_enum("moe_experts", *down, kAllGgmlTypes, "down_ggml_type");
+}
+
 // The block's options (routemm/ops/moe_experts.h) onto its params.
 void set_moe_experts_options(MoeExpertsParams& p, const std::string& activation, float alpha,
                              float limit, bool gate_up_bias, bool down_bias,
@@ -100,9 +107,12 @@ void init_moe(py::module_& m) {
       [](uint32_t m_, uint32_t top_k, uint32_t n_experts, uint32_t hidden, uint32_t intermediate,
          bool split_gate_up, DType weight_dtype, const std::optional<std::string>& ggml_type,
          const std::string& route, const std::string& activation, float swiglu_alpha,
-         float swiglu_limit, bool gate_up_bias, bool down_bias, bool weights_before_ffn) {
+         float swiglu_limit, bool gate_up_bias, bool down_bias, bool weights_before_ffn,
+         const std::optional<std::string>& up_ggml_type,
+         const std::optional<std::string>& down_ggml_type) {
         MoeExpertsParams p = moe_experts_params(m_, top_k, n_experts, hidden, intermediate,
                                                 split_gate_up, weight_dtype, ggml_type, route);
+        set_moe_experts_stack_types(p, up_ggml_type, down_ggml_type);
         set_moe_experts_options(p, activation, swiglu_alpha, swiglu_limit, gate_up_bias, down_bias,
                                 weights_before_ffn);
         return moe_experts_workspace(p).total_bytes;
@@ -112,7 +122,8 @@ void init_moe(py::module_& m) {
       py::arg("ggml_type"), py::arg("route"), py::arg("activation") = "silu",
       py::arg("swiglu_alpha") = 1.702f, py::arg("swiglu_limit") = 7.0f,
       py::arg("gate_up_bias") = false, py::arg("down_bias") = false,
-      py::arg("weights_before_ffn") = false,
+      py::arg("weights_before_ffn") = false, py::arg("up_ggml_type") = std::nullopt,
+      py::arg("down_ggml_type") = std::nullopt,
       "The bytes of the workspace one moe_experts call of these params needs (every param "
       "checked).");
   m.def(
@@ -125,9 +136,12 @@ void init_moe(py::module_& m) {
          const std::optional<std::string>& ggml_type, const std::string& route,
          const std::string& activation, float swiglu_alpha, float swiglu_limit,
          const std::optional<Buffer>& gate_up_bias, const std::optional<Buffer>& up_bias,
-         const std::optional<Buffer>& down_bias, bool weights_before_ffn) {
+         const std::optional<Buffer>& down_bias, bool weights_before_ffn,
+         const std::optional<std::string>& up_ggml_type,
+         const std::optional<std::string>& down_ggml_type) {
         MoeExpertsParams p = moe_experts_params(m_, top_k, n_experts, hidden, intermediate,
                                                 split_gate_up, weight_dtype, ggml_type, route);
+        set_moe_experts_stack_types(p, up_ggml_type, down_ggml_type);
         set_moe_experts_options(p, activation, swiglu_alpha, swiglu_limit, gate_up_bias.has_value(),
                                 down_bias.has_value(), weights_before_ffn);
         const MoeExpertsBiases biases{gate_up_bias ? &*gate_up_bias : nullptr,
@@ -146,6 +160,7 @@ void init_moe(py::module_& m) {
       py::arg("swiglu_alpha") = 1.702f, py::arg("swiglu_limit") = 7.0f,
       py::arg("gate_up_bias") = std::nullopt, py::arg("up_bias") = std::nullopt,
       py::arg("down_bias") = std::nullopt, py::arg("weights_before_ffn") = false,
+      py::arg("up_ggml_type") = std::nullopt, py::arg("down_ggml_type") = std::nullopt,
       "Encode the experts block (routemm::moe_experts); returns (grouped, dispatch count).");
 }
 

@@ -263,7 +263,7 @@ def test_expert_id_refusals_name_the_route_and_k():
         routemm.quantized_matmul_id_ggml_capability(
             routemm.GgmlQuantizedMatmulIdParams(k=288, ggml_type=GgmlType.Q5_K, expert_stride_bytes=8 * 176 * 2, **base)
         )
-    for route in (Route.DIRECT_INT8_DOT, Route.GROUPED_INT8_DOT, Route.GROUPED_TENSOR_LOWP):
+    for route in (Route.DIRECT_INT8_DOT, Route.GROUPED_INT8_DOT):
         with pytest.raises(
             routemm.InvalidArgumentError, match=f"route {route.value} supports q4_0 and q8_0 only, not q4_1"
         ):
@@ -447,3 +447,74 @@ def test_moe_layer_runs_block_stacks_of_every_format(device, registry, rng, ggml
     weights, ids = routemm.moe_gate(logits, TOP_K, renormalize=True, device=device)
     out = routemm.moe_experts(hidden, ids, weights, (f["gate"], f["up"]), f["down"], device=device)
     np.testing.assert_array_equal(layer(hidden), out)
+
+
+# ---- Mixed types: gate, up and down each of their own format -----------------------------------
+
+MIXED = (GgmlType.Q4_K, GgmlType.Q5_0, GgmlType.Q6_K)  # gate, up, down
+
+
+def test_moe_experts_mixed_types_equal_their_float_stacks(device, registry, rng):
+    needs(registry, *(KERNEL_FORMATS[t.value][6] for t in MIXED), *(KERNEL_FORMATS[t.value][7] for t in MIXED))
+    (gate, up, down), (fg, fu, fd) = expert_stacks(rng, *MIXED)
+    x, ids, w = routing(rng, 9)
+    for route in ("direct", "grouped_prefill"):
+        got = routemm.moe_experts(x, ids, w, (gate, up), down, ggml_type=MIXED, route=route, device=device)
+        want = routemm.moe_experts(x, ids, w, (fg, fu), fd, route=route, device=device)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=route)
+    # One gate_up stack has one type; the down stack may differ.
+    (gate, up, down), (fg, fu, fd) = expert_stacks(rng, GgmlType.Q4_1, GgmlType.Q4_1, GgmlType.MXFP4)
+    got = routemm.moe_experts(
+        x, ids, w, np.concatenate([gate, up], axis=1), down, ggml_type=("q4_1", "q4_1", "mxfp4"), device=device
+    )
+    want = routemm.moe_experts(x, ids, w, np.concatenate([fg, fu], axis=1), fd, device=device)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_mixed_type_refusals_name_the_argument(device, rng):
+    (gate, up, down), _ = expert_stacks(rng, *MIXED)
+    x, ids, w = routing(rng, 3)
+    call = routemm.moe_experts
+    with pytest.raises(
+        routemm.InvalidArgumentError, match="one gate_up stack has one block type, got gate q4_k and up q5_0"
+    ):
+        call(x, ids, w, np.concatenate([gate, gate], axis=1), down, ggml_type=MIXED, device=device)
+    with pytest.raises(routemm.InvalidArgumentError, match=r"ggml_type as a tuple must name \(gate, up, down\) types"):
+        call(x, ids, w, (gate, up), down, ggml_type=("q4_k", "q6_k"), device=device)
+    with pytest.raises(
+        routemm.InvalidArgumentError, match=r"ggml_type must be None .* tuple of them, got \('q4_k', 'q3_k'"
+    ):
+        call(x, ids, w, (gate, up), down, ggml_type=("q4_k", "q3_k", "q6_k"), device=device)
+    # Each stack is checked against its own type: the down stack is not Q4_K.
+    with pytest.raises(
+        routemm.InvalidArgumentError, match=r"moe_experts q4_k weights must be uint8 \[E, n, k / 256 \* 144\]"
+    ):
+        call(x, ids, w, (gate, up), down, ggml_type=("q4_k", "q5_0", "q4_k"), device=device)
+    # The core op: the up and down stacks' own types need block stacks.
+    with pytest.raises(routemm.InvalidArgumentError, match="up_ggml_type and down_ggml_type need block stacks"):
+        _core._moe_experts_workspace_bytes(3, 2, E, H, INTER, True, DType.F32, None, "direct", down_ggml_type="q6_k")
+    with pytest.raises(routemm.InvalidArgumentError, match="one gate_up stack has one block type: up_ggml_type q5_0"):
+        _core._moe_experts_workspace_bytes(3, 2, E, H, INTER, False, DType.U8, "q4_k", "direct", up_ggml_type="q5_0")
+
+
+def test_moe_layer_takes_mixed_types(device, registry, rng):
+    needs(registry, *(KERNEL_FORMATS[t.value][6] for t in MIXED))
+    (gate, up, down), (fg, fu, fd) = expert_stacks(rng, *MIXED)
+    router = device.from_numpy((rng.standard_normal((E, H)) / 16).astype(np.float32))
+    layer = routemm.MoeLayer(
+        router, *(device.from_numpy(b) for b in (gate, up, down)), top_k=TOP_K, renormalize=True, ggml_type=MIXED
+    )
+    assert layer.ggml_type == MIXED
+    f = layer.float_weights()
+    for got, want in ((f["gate"], fg), (f["up"], fu), (f["down"], fd)):
+        np.testing.assert_array_equal(got, want)
+    hidden = rng.uniform(-1.0, 1.0, (6, H)).astype(np.float32)
+    logits = routemm.matmul_id(f["router"][None], hidden, np.zeros((6, 1), np.int32), device=device)
+    weights, ids = routemm.moe_gate(logits, TOP_K, renormalize=True, device=device)
+    out = routemm.moe_experts(hidden, ids, weights, (f["gate"], f["up"]), f["down"], device=device)
+    np.testing.assert_array_equal(layer(hidden), out)
+    with pytest.raises(routemm.InvalidArgumentError, match=r"down experts must be \[4, 256, 256\]"):
+        routemm.MoeLayer(
+            router, *(device.from_numpy(b) for b in (gate, up, down)), top_k=TOP_K, renormalize=True,
+            ggml_type=(GgmlType.Q4_K, GgmlType.Q5_0, GgmlType.Q4_K),
+        )  # fmt: skip

@@ -55,6 +55,7 @@ from ..ops.moe import (
     _checked_route,
     _encode_experts,
     _ExpertShapes,
+    _stack_types,
 )
 from ..ops.quantized_matmul import GgmlType
 from ..ops.quantized_matmul_id import SUPPORTED_TYPES as _BLOCK_TYPES
@@ -83,7 +84,8 @@ class MoeLayer:
     ):
         """router: [E, H] float buffer; gate, up: [E, I, H]; down: [E, H, I] (float buffers of one
         dtype, or uint8 block stacks with ggml_type one of quantized_matmul_id's SUPPORTED_TYPES, a
-        GgmlType or its value: Q4_0, Q8_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K). All
+        GgmlType or its value: Q4_0, Q8_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K; or a (gate,
+        up, down) tuple of them for stacks of mixed types). All
         buffers live on `device` (default: the router's). top_k: an integer in [1, E]; renormalize:
         a bool (checked as moe_gate checks them)."""
         for label, buf in (("router", router), ("gate", gate), ("up", up), ("down", down)):
@@ -97,7 +99,8 @@ class MoeLayer:
         if router.dtype not in (DType.F32, DType.F16, DType.BF16):
             raise InvalidArgumentError(f"{name}: router must be f32, f16 or bf16, got {router.dtype.name.lower()}")
         n_experts, hidden = router_shape
-        gate_shape = _logical(gate.shape, ggml_type)
+        gate_type, up_type, down_type = _stack_types(ggml_type)
+        gate_shape = _logical(gate.shape, gate_type)
         if len(gate_shape) != 3:
             raise InvalidArgumentError(f"{name}: gate experts must be [E, I, H], got {list(gate.shape)}")
         intermediate = gate_shape[1]
@@ -106,12 +109,12 @@ class MoeLayer:
                 f"{name}: extents must be nonzero, got E={n_experts}, H={hidden}, I={intermediate}"
             )
         expected = {
-            "gate": (gate, (n_experts, intermediate, hidden)),
-            "up": (up, (n_experts, intermediate, hidden)),
-            "down": (down, (n_experts, hidden, intermediate)),
+            "gate": (gate, (n_experts, intermediate, hidden), gate_type),
+            "up": (up, (n_experts, intermediate, hidden), up_type),
+            "down": (down, (n_experts, hidden, intermediate), down_type),
         }
-        for label, (buf, shape) in expected.items():
-            if _logical(buf.shape, ggml_type) != shape:
+        for label, (buf, shape, stack_type) in expected.items():
+            if _logical(buf.shape, stack_type) != shape:
                 raise InvalidArgumentError(f"{name}: {label} experts must be {list(shape)}, got {list(buf.shape)}")
         _check_weight_dtypes((gate, up, down), ggml_type, f"{name}:")
         for label, buf in (("router", router), ("gate", gate), ("up", up), ("down", down)):
@@ -243,13 +246,19 @@ class MoeLayer:
         from ..formats.ggml import dequantize
 
         arrays = {"router": self.router.numpy()}
-        for label, buf, shape in (
-            ("gate", self.gate, (self.n_experts, self.intermediate, self.hidden)),
-            ("up", self.up, (self.n_experts, self.intermediate, self.hidden)),
-            ("down", self.down, (self.n_experts, self.hidden, self.intermediate)),
+        for label, buf, shape, stack_type in zip(
+            ("gate", "up", "down"),
+            (self.gate, self.up, self.down),
+            (
+                (self.n_experts, self.intermediate, self.hidden),
+                (self.n_experts, self.intermediate, self.hidden),
+                (self.n_experts, self.hidden, self.intermediate),
+            ),
+            _stack_types(self.ggml_type),
+            strict=True,
         ):
             raw = buf.numpy()
-            arrays[label] = raw if self.ggml_type is None else dequantize(raw, self.ggml_type, shape)
+            arrays[label] = raw if stack_type is None else dequantize(raw, stack_type, shape)
         return arrays
 
     def reference(self, hidden, weights: Optional[dict] = None):

@@ -210,23 +210,28 @@ def _expert_shapes(hidden_shape, ids_shape, weights_shape, gate_up, down, ggml_t
         raise InvalidArgumentError(
             f"moe_experts top_k_weights must have the shape of top_k_index {ids_shape}, got {weights_shape}"
         )
-    down_shape = _shape_of(down, ggml_type)
+    gate_type, up_type, down_type = _stack_types(ggml_type)
+    down_shape = _shape_of(down, down_type)
     if len(down_shape) != 3 or down_shape[1] != h:
         raise InvalidArgumentError(f"moe_experts down must be [E, {h}, I], got shape {down_shape}")
     n_experts, _, inter = down_shape
     if isinstance(gate_up, (tuple, list)):
         if len(gate_up) != 2:
             raise InvalidArgumentError("moe_experts gate_up must be one [E, 2I, H] stack or a (gate, up) pair")
-        for name, w in zip(("gate", "up"), gate_up, strict=True):
-            if _shape_of(w, ggml_type) != (n_experts, inter, h):
+        for name, w, t in zip(("gate", "up"), gate_up, (gate_type, up_type), strict=True):
+            if _shape_of(w, t) != (n_experts, inter, h):
                 raise InvalidArgumentError(
-                    f"moe_experts {name} must be [{n_experts}, {inter}, {h}], got shape {_shape_of(w, ggml_type)}"
+                    f"moe_experts {name} must be [{n_experts}, {inter}, {h}], got shape {_shape_of(w, t)}"
                 )
         stacked = False
     else:
-        if _shape_of(gate_up, ggml_type) != (n_experts, 2 * inter, h):
+        if gate_type != up_type:
             raise InvalidArgumentError(
-                f"moe_experts gate_up must be [{n_experts}, {2 * inter}, {h}], got shape {_shape_of(gate_up, ggml_type)}"
+                f"moe_experts one gate_up stack has one block type, got gate {gate_type.value} and up {up_type.value}"
+            )
+        if _shape_of(gate_up, gate_type) != (n_experts, 2 * inter, h):
+            raise InvalidArgumentError(
+                f"moe_experts gate_up must be [{n_experts}, {2 * inter}, {h}], got shape {_shape_of(gate_up, gate_type)}"
             )
         stacked = True
     if m == 0 or top_k == 0 or h == 0 or inter == 0 or n_experts == 0:
@@ -340,11 +345,14 @@ def _encode_experts(
     buffers or None) are the FFN options."""
     del device, distinct  # the op checks and carves everything itself
     block_route = _block_stack_route(route) if ggml_type is not None else route
+    gate_type, up_type, down_type = _stack_types(ggml_type)
     params = (
         s.m, s.top_k, s.n_experts, s.hidden, s.intermediate, not s.stacked, gate_up_bufs[0].dtype,
-        None if ggml_type is None else ggml_type.value, block_route.value,
+        None if ggml_type is None else gate_type.value, block_route.value,
     )  # fmt: skip
     kwargs = options.core_kwargs()
+    if isinstance(ggml_type, tuple):  # mixed block stacks: the up and down stacks' own types
+        kwargs.update(up_ggml_type=up_type.value, down_ggml_type=down_type.value)
     workspace = alloc([(_core._moe_experts_workspace_bytes(*params, **kwargs) + 3) // 4])
     up_buf = None if s.stacked else gate_up_bufs[1]
     _core._moe_experts(
@@ -555,8 +563,12 @@ def _check_extents(s: _ExpertShapes, stack, ggml_type: Optional[GgmlType]) -> No
     are refused here. `stack` (an array or buffer) gives a float stack's element size."""
     shared, slotted = DenseMatmulIdInputLayout.SHARED_PER_TOKEN, DenseMatmulIdInputLayout.SLOTTED
     gate_up_rows = 2 * s.intermediate if s.stacked else s.intermediate
-    for n, k, layout in ((gate_up_rows, s.hidden, shared), (s.hidden, s.intermediate, slotted)):
-        if ggml_type is None:
+    gate_type, up_type, down_type = _stack_types(ggml_type)
+    steps = [(gate_up_rows, s.hidden, shared, gate_type), (s.hidden, s.intermediate, slotted, down_type)]
+    if up_type != gate_type:
+        steps.append((s.intermediate, s.hidden, shared, up_type))
+    for n, k, layout, stack_type in steps:
+        if stack_type is None:
             dtype = stack.dtype if isinstance(stack, _core.Buffer) else _NUMPY_TO_DTYPE.get(stack.dtype)
             dtype = dtype if dtype in (DType.F32, DType.F16, DType.BF16) else DType.F32  # refused later
             params = DenseMatmulIdParams(
@@ -564,10 +576,10 @@ def _check_extents(s: _ExpertShapes, stack, ggml_type: Optional[GgmlType]) -> No
             )
             dense_matmul_id_capability(dtype, params)
         else:
-            values, block_bytes = ggml_type.block_layout
+            values, block_bytes = stack_type.block_layout
             stride = n * (k // values) * block_bytes
             quantized_matmul_id_ggml_capability(
-                GgmlQuantizedMatmulIdParams(s.m, n, k, s.top_k, s.n_experts, ggml_type, stride, layout)
+                GgmlQuantizedMatmulIdParams(s.m, n, k, s.top_k, s.n_experts, stack_type, stride, layout)
             )
 
 
@@ -618,17 +630,42 @@ def _weight_buffer(device, w):
     return device.from_numpy(np.ascontiguousarray(w))
 
 
-def _checked_ggml_type(ggml_type, what: str = "moe_experts ggml_type") -> Optional[GgmlType]:
+def _checked_ggml_type(ggml_type, what: str = "moe_experts ggml_type"):
+    """None (float stacks), one GgmlType of QUANTIZED_EXPERT_TYPES (every block stack), or, for
+    block stacks of mixed types, a (gate, up, down) tuple of them (the gate_up stack's, or the gate
+    and up stacks', and the down stack's); a tuple of one type three times is that type."""
     if ggml_type is None:
         return None
-    try:
-        parsed = GgmlType(ggml_type)
-    except ValueError:
-        parsed = None
-    if parsed not in QUANTIZED_EXPERT_TYPES:
-        names = ", ".join(t.value for t in QUANTIZED_EXPERT_TYPES)
-        raise InvalidArgumentError(f"{what} must be None (float weights) or one of {names}, got {ggml_type!r}")
-    return parsed
+    names = ", ".join(t.value for t in QUANTIZED_EXPERT_TYPES)
+
+    def parse(value):
+        try:
+            parsed = GgmlType(value)
+        except ValueError:
+            parsed = None
+        if parsed not in QUANTIZED_EXPERT_TYPES:
+            raise InvalidArgumentError(
+                f"{what} must be None (float weights), one of {names} or a (gate, up, down) tuple of them, "
+                f"got {ggml_type!r}"
+            )
+        return parsed
+
+    if isinstance(ggml_type, (tuple, list)):
+        if len(ggml_type) != 3:
+            raise InvalidArgumentError(f"{what} as a tuple must name (gate, up, down) types, got {ggml_type!r}")
+        types = tuple(parse(t) for t in ggml_type)
+        return types[0] if len(set(types)) == 1 else types
+    return parse(ggml_type)
+
+
+def _stack_types(ggml_type) -> tuple:
+    """(gate, up, down) block types of a checked ggml_type (None three times for float stacks)."""
+    return tuple(ggml_type) if isinstance(ggml_type, tuple) else (ggml_type,) * 3
+
+
+def _type_name(ggml_type) -> str:
+    """A checked ggml_type as messages name it: "q4_k", or "q4_k/q4_k/q6_k" for mixed stacks."""
+    return "/".join(t.value for t in ggml_type) if isinstance(ggml_type, tuple) else ggml_type.value
 
 
 def _check_weight_dtypes(bufs, ggml_type: Optional[GgmlType] = None, what: str = "moe_experts") -> None:
@@ -636,7 +673,7 @@ def _check_weight_dtypes(bufs, ggml_type: Optional[GgmlType] = None, what: str =
     if ggml_type is not None:
         if dtypes != {DType.U8}:
             raise InvalidArgumentError(
-                f"{what} {ggml_type.value} weights must be uint8 block stacks, got {sorted(d.name.lower() for d in dtypes)}"
+                f"{what} {_type_name(ggml_type)} weights must be uint8 block stacks, got {sorted(d.name.lower() for d in dtypes)}"
             )
         return
     if len(dtypes) != 1 or not dtypes <= {DType.F32, DType.F16, DType.BF16}:

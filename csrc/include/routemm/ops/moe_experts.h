@@ -56,6 +56,9 @@ struct MoeExpertsParams {
   bool split_gate_up = false;         // gate and up in two [E, I, H] stacks, else one [E, 2I, H]
   DType weight_dtype = DType::BF16;   // F32, F16 or BF16; U8 for block stacks
   std::optional<GgmlType> ggml_type;  // set for block stacks (weight_dtype U8)
+  // Block stacks of mixed types: the up stack's (split gate/up; one gate_up stack has one type) and
+  // the down stack's. Unset: ggml_type, the gate_up (or gate) stack's.
+  std::optional<GgmlType> up_ggml_type, down_ggml_type;
   DenseMatmulIdRoute route = DenseMatmulIdRoute::Direct;                        // float stacks
   GgmlQuantizedMatmulIdRoute block_route = GgmlQuantizedMatmulIdRoute::Direct;  // block stacks
   MoeActivation activation = MoeActivation::Silu;  // the gated activation (routemm/ops/moe.h)
