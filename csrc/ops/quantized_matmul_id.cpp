@@ -59,6 +59,24 @@ const ggml_formats::KernelFormat* kernel_format(GgmlType type) {
   return ggml_formats::kernel_format(static_cast<uint8_t>(type));
 }
 
+// The tensor route's pipelines follow kKernelFormats after Q4_0 and Q8_0, named after each format.
+constexpr bool tensor_names_follow_kernel_formats() {
+  constexpr std::string_view prefix = "quantized_matmul_id_grouped_lowp_";
+  const auto& names = kGgmlQuantizedMatmulIdTensorPipelineNames;
+  if (names.size() != 2 + ggml_formats::kKernelFormats.size()) return false;
+  for (size_t i = 0; i < ggml_formats::kKernelFormats.size(); ++i) {
+    const std::string_view name = names[2 + i], format = ggml_formats::kKernelFormats[i].name;
+    if (name.size() != prefix.size() + format.size() + 4 ||
+        name.substr(0, prefix.size()) != prefix ||
+        name.substr(prefix.size(), format.size()) != format ||
+        name.substr(prefix.size() + format.size()) != "_f32") {
+      return false;
+    }
+  }
+  return true;
+}
+static_assert(tensor_names_follow_kernel_formats());
+
 bool is_supported(GgmlType type) {
   return type == GgmlType::Q4_0 || type == GgmlType::Q8_0 || kernel_format(type) != nullptr;
 }
@@ -100,9 +118,11 @@ GgmlQuantizedMatmulIdCapability quantized_matmul_id_ggml_capability(
   }
   if (!is_supported(p.ggml_type)) fail_unsupported(p.ggml_type);
   if (kernel_format(p.ggml_type) != nullptr && p.route != GgmlQuantizedMatmulIdRoute::Direct &&
-      p.route != GgmlQuantizedMatmulIdRoute::Grouped) {
+      p.route != GgmlQuantizedMatmulIdRoute::Grouped &&
+      p.route != GgmlQuantizedMatmulIdRoute::GroupedTensorLowp) {
     fail("route " + std::string(to_string(p.route)) + " supports q4_0 and q8_0 only, not " +
-         std::string(to_string(p.ggml_type)) + " (its routes: direct, grouped)");
+         std::string(to_string(p.ggml_type)) +
+         " (its routes: direct, grouped, grouped_tensor_lowp)");
   }
   const auto [qk, block_bytes] = ggml_block_layout(p.ggml_type);
   if (p.k % qk != 0) {
@@ -213,9 +233,14 @@ std::vector<std::string_view> quantized_matmul_id_ggml_route_pipelines(
     switch (route) {
       case GgmlQuantizedMatmulIdRoute::Direct: return {f->id_direct};
       case GgmlQuantizedMatmulIdRoute::Grouped: return {kDenseMatmulIdMapPipeline, f->id_grouped};
+      case GgmlQuantizedMatmulIdRoute::GroupedTensorLowp:
+        return {
+            kDenseMatmulIdMapPipeline,
+            kGgmlQuantizedMatmulIdTensorPipelineNames[2 +
+                                                      (f - ggml_formats::kKernelFormats.data())]};
       default:
         fail("route " + std::string(to_string(route)) + " supports q4_0 and q8_0 only, not " +
-             std::string(to_string(type)) + " (its routes: direct, grouped)");
+             std::string(to_string(type)) + " (its routes: direct, grouped, grouped_tensor_lowp)");
     }
   }
   const size_t index = type == GgmlType::Q4_0 ? 0 : 1;

@@ -251,3 +251,101 @@ def test_direct_bulk_and_load_paths_equal_the_cpu(cuda, rng, tmp_path):
             np.testing.assert_array_equal(
                 results[label][name].view(np.uint32), want.view(np.uint32), err_msg=f"{name} {label}"
             )
+
+
+# ---- The tensor-core route (grouped_tensor_lowp) --------------------------------------------------
+
+# Byte ranges of the codes in one block of the formats with a min (value = d * q + m): with them
+# zeroed the dequantiser gives m alone, the min term the route adds separately.
+CODE_BYTES = {"q4_1": (4, 20), "q5_1": (4, 24), "q4_k": (16, 144), "q5_k": (16, 176)}
+
+
+def mins_of(blocks, name, k):
+    """|m| per weight value (zeros for the formats without a min)."""
+    if name not in CODE_BYTES:
+        return np.zeros((*blocks.shape[:-1], k), np.float64)
+    block_bytes = KERNEL_FORMATS[name][3]
+    raw = blocks.reshape(*blocks.shape[:-1], -1, block_bytes).copy()
+    lo, hi = CODE_BYTES[name]
+    raw[..., lo:hi] = 0
+    return np.abs(routemm.dequantize(raw.reshape(blocks.shape), GgmlType(name), (*blocks.shape[:-1], k)))
+
+
+def lowp_pipeline(name):
+    return f"quantized_matmul_id_grouped_lowp_{name}_f32"
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.value)
+def test_lowp_route_is_offered_for_every_kernel_format(ggml_type):
+    """grouped_tensor_lowp takes every kernel format (the grouped route's extents and scratch); the
+    int8-dot routes stay Q4_0 / Q8_0."""
+    name = ggml_type.value
+    _, _, values, block_bytes, *_ = KERNEL_FORMATS[name]
+    k = 2 * 256
+    stride = 70 * k // values * block_bytes
+    params = routemm.GgmlQuantizedMatmulIdParams(
+        9, 70, k, 4, 8, ggml_type, stride, Layout.SLOTTED, Route.GROUPED_TENSOR_LOWP
+    )
+    cap = routemm.quantized_matmul_id_ggml_capability(params)
+    grouped = routemm.quantized_matmul_id_ggml_capability(
+        routemm.GgmlQuantizedMatmulIdParams(9, 70, k, 4, 8, ggml_type, stride, Layout.SLOTTED, Route.GROUPED)
+    )
+    assert cap.route is Route.GROUPED_TENSOR_LOWP and cap.scratch == grouped.scratch
+    assert cap.required_weight_bytes == grouped.required_weight_bytes
+    map_name = routemm.DENSE_MATMUL_ID_PIPELINE_NAMES[3]
+    assert Route.GROUPED_TENSOR_LOWP.pipelines(ggml_type) == (map_name, lowp_pipeline(name))
+    assert lowp_pipeline(name) in routemm.GGML_QUANTIZED_MATMUL_ID_TENSOR_PIPELINE_NAMES
+    for route in (Route.DIRECT_INT8_DOT, Route.GROUPED_INT8_DOT):
+        with pytest.raises(routemm.InvalidArgumentError, match=f"route {route.value} supports q4_0 and q8_0 only"):
+            route.pipelines(ggml_type)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.value)
+def test_lowp_route_without_its_pipeline_is_refused_before_encoding(device, registry, rng, ggml_type):
+    name = ggml_type.value
+    if registry.has_kernel(lowp_pipeline(name)):
+        pytest.skip(f"{device.backend} registers {lowp_pipeline(name)}")
+    assert device.backend != "cuda", "CUDA registers the tensor route of every kernel format"
+    k = k_of(name, 1)
+    data, stride = stack_bytes(random_blocks(rng, name, 3 * 8, k), 3, 0)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    ids = distinct_ids(rng, 2, 2, 3)
+    before = routemm.dispatch_count()
+    with pytest.raises(routemm.KernelNotFoundError, match=lowp_pipeline(name)):
+        run_id(device, registry, ggml_type, Route.GROUPED_TENSOR_LOWP, data, stride, x, ids, 8, 3, False, 16)
+    assert routemm.dispatch_count() == before, "a refused call must dispatch nothing"
+
+
+@pytest.mark.parametrize("exact_inputs", [False, True], ids=["normal", "exact_inputs"])
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.value)
+def test_lowp_route_meets_its_bound(cuda, rng, ggml_type, exact_inputs):
+    """Against float64 on the dequantised weights: each element within 2^-10 * sum((|w| + 2|m|) |x|)
+    (the activations' rounding to f16, 2^-11 relative, and F32 sums of d * sum(q x) and m * sum(x),
+    |d q| <= |w| + |m|), the relative Frobenius error within the route's 1e-2; with activations in
+    {-1, 0, 1} (exact in f16) only the F32 sums remain: within K * 2^-22 of the same magnitude.
+    Tiles past n, more routed rows than one tile, sentinel ids, odd expert strides."""
+    name = ggml_type.value
+    reg = needs(cuda, lowp_pipeline(name), routemm.DENSE_MATMUL_ID_PIPELINE_NAMES[3])
+    m, top_k, n, n_experts = 40, 4, 150, 6
+    k = k_of(name, blocks_per_row(name, None))
+    blocks = random_blocks(rng, name, n_experts * n, k)
+    data, stride = stack_bytes(blocks, n_experts, 3)
+    if exact_inputs:
+        x = rng.integers(-1, 2, (m, k)).astype(np.float32)
+    else:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+    ids = sprinkle_invalid(rng, distinct_ids(rng, m, top_k, n_experts), n_experts, fraction=0.1)
+    got = run_id(cuda, reg, ggml_type, Route.GROUPED_TENSOR_LOWP, data, stride, x, ids, n, n_experts, False, 16)
+    w = routemm.dequantize(blocks, ggml_type, (n_experts * n, k)).astype(np.float64).reshape(n_experts, n, k)
+    mins = mins_of(blocks, name, k).reshape(n_experts, n, k)
+    flat = ids.reshape(-1)
+    invalid = flat >= n_experts
+    assert np.all(got[invalid].view(np.uint32) == 0)
+    valid = np.flatnonzero(~invalid)
+    xs = x.astype(np.float64)[valid // top_k]
+    ref = np.einsum("rk,rnk->rn", xs, w[flat[valid]])
+    mag = np.einsum("rk,rnk->rn", np.abs(xs), np.abs(w[flat[valid]]) + 2 * mins[flat[valid]])
+    err = np.abs(got[valid].astype(np.float64) - ref)
+    limit = k * 2.0**-22 if exact_inputs else 2.0**-10
+    assert np.all(err <= limit * mag + 1e-30), f"max error / magnitude {np.max(err / (mag + 1e-30))}"
+    assert np.linalg.norm(got[valid] - ref) <= 1e-2 * np.linalg.norm(ref)

@@ -13,6 +13,12 @@
 //   Scale             what one 32-value sub-block's values need besides their codes
 //   scale(block, sub)        sub-block sub's Scale (sub < kValues / 32)
 //   value(block, sc, sub, l) value sub * 32 + l of the block (l < 32), sc = scale(block, sub)
+// and, for the tensor-core route (all but Q4_0 / Q8_0, which have their own tiles):
+//   kCodeBias                the code's offset: the value's integer is code - kCodeBias
+//   code(block, sc, sub, l)  value l's unsigned code (< 64), so the integer is exact in f16
+//   lowp(block, sub)         LowpScale {lo, hi, m}: value l is (l < 16 ? lo : hi) * integer + m
+//                            but for value()'s roundings (see quantized_matmul_id.cu's
+//                            GgmlFormatTiles)
 #pragma once
 
 #include <cuda_fp16.h>
@@ -97,6 +103,12 @@ struct ScaleMin {
   float d, m;
 };
 
+// The tensor-core route's view of a 32-value sub-block: value l is (l < 16 ? lo : hi) * (code -
+// kCodeBias) + m, up to the roundings of the F32 dequantiser.
+struct LowpScale {
+  float lo, hi, m;
+};
+
 // Q4_1: d, m (binary16), 16 bytes of nibbles; y = q * d + m.
 struct Q4_1Blocks {
   static constexpr const char* kName = "q4_1";
@@ -106,9 +118,18 @@ struct Q4_1Blocks {
   static __device__ __forceinline__ Scale scale(const uint8_t* block, uint32_t) {
     return {half_at(block), half_at(block + 2)};
   }
-  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t,
+  static constexpr uint32_t kCodeBias = 0;
+  static __device__ __forceinline__ uint32_t code(const uint8_t* block, Scale, uint32_t,
+                                                  uint32_t l) {
+    return nibble(block + 4, l);
+  }
+  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
                                                 uint32_t l) {
-    return __fadd_rn(__fmul_rn(code_value<0>(nibble(block + 4, l)), s.d), s.m);
+    return __fadd_rn(__fmul_rn(code_value<0>(code(block, s, sub, l)), s.d), s.m);
+  }
+  static __device__ __forceinline__ LowpScale lowp(const uint8_t* block, uint32_t sub) {
+    const Scale s = scale(block, sub);
+    return {s.d, s.d, s.m};
   }
 };
 
@@ -128,10 +149,18 @@ struct Q5_0Blocks {
   static __device__ __forceinline__ Scale scale(const uint8_t* block, uint32_t) {
     return {half_at(block), 0.0f, u32_at(block + 2)};
   }
-  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t,
+  static constexpr uint32_t kCodeBias = 16;
+  static __device__ __forceinline__ uint32_t code(const uint8_t* block, Scale s, uint32_t,
+                                                  uint32_t l) {
+    return nibble(block + 6, l) | (((s.qh >> l) & 1u) << 4);
+  }
+  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
                                                 uint32_t l) {
-    const uint32_t q = nibble(block + 6, l) | (((s.qh >> l) & 1u) << 4);
-    return __fmul_rn(code_value<16>(q), s.d);
+    return __fmul_rn(code_value<16>(code(block, s, sub, l)), s.d);
+  }
+  static __device__ __forceinline__ LowpScale lowp(const uint8_t* block, uint32_t) {
+    const float d = half_at(block);
+    return {d, d, 0.0f};
   }
 };
 
@@ -144,10 +173,18 @@ struct Q5_1Blocks {
   static __device__ __forceinline__ Scale scale(const uint8_t* block, uint32_t) {
     return {half_at(block), half_at(block + 2), u32_at(block + 4)};
   }
-  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t,
+  static constexpr uint32_t kCodeBias = 0;
+  static __device__ __forceinline__ uint32_t code(const uint8_t* block, Scale s, uint32_t,
+                                                  uint32_t l) {
+    return nibble(block + 8, l) | (((s.qh >> l) & 1u) << 4);
+  }
+  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
                                                 uint32_t l) {
-    const uint32_t q = nibble(block + 8, l) | (((s.qh >> l) & 1u) << 4);
-    return __fadd_rn(__fmul_rn(code_value<0>(q), s.d), s.m);
+    return __fadd_rn(__fmul_rn(code_value<0>(code(block, s, sub, l)), s.d), s.m);
+  }
+  static __device__ __forceinline__ LowpScale lowp(const uint8_t* block, uint32_t) {
+    const float d = half_at(block);
+    return {d, d, half_at(block + 2)};
   }
 };
 
@@ -163,12 +200,22 @@ struct Mxfp4Blocks {
     const uint32_t e = block[0];
     return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
   }
-  static __device__ __forceinline__ float value(const uint8_t* block, float d, uint32_t,
+  static constexpr uint32_t kCodeBias = 16;
+  // The doubled E2M1 value plus 16: the magnitude's byte of {0, 1, 2, 3, 4, 6, 8, 12}, then 16 +-
+  // it.
+  static __device__ __forceinline__ uint32_t code(const uint8_t* block, float, uint32_t,
+                                                  uint32_t l) {
+    const uint32_t fp4 = nibble(block + 1, l);
+    const uint32_t mag = __byte_perm(0x03020100u, 0x0C080604u, fp4 & 7u) & 0xffu;
+    return fp4 & 8u ? 16u - mag : 16u + mag;
+  }
+  static __device__ __forceinline__ float value(const uint8_t* block, float d, uint32_t sub,
                                                 uint32_t l) {
-    const uint32_t code = nibble(block + 1, l);
-    // The magnitude's byte of {0, 1, 2, 3, 4, 6, 8, 12}, then 16 +- it (exact through code_value).
-    const uint32_t mag = __byte_perm(0x03020100u, 0x0C080604u, code & 7u) & 0xffu;
-    return __fmul_rn(code_value<16>(code & 8u ? 16u - mag : 16u + mag), d);
+    return __fmul_rn(code_value<16>(code(block, d, sub, l)), d);
+  }
+  static __device__ __forceinline__ LowpScale lowp(const uint8_t* block, uint32_t sub) {
+    const float d = scale(block, sub);
+    return {d, d, 0.0f};
   }
 };
 
@@ -203,11 +250,19 @@ struct Q4_KBlocks {
   static __device__ __forceinline__ Scale scale(const uint8_t* block, uint32_t sub) {
     return k4_scale(block, sub);
   }
+  static constexpr uint32_t kCodeBias = 0;
+  static __device__ __forceinline__ uint32_t code(const uint8_t* block, Scale, uint32_t sub,
+                                                  uint32_t l) {
+    const uint32_t byte = block[16 + (sub >> 1) * 32 + l];
+    return sub & 1u ? byte >> 4 : byte & 0xFu;
+  }
   static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
                                                 uint32_t l) {
-    const uint32_t byte = block[16 + (sub >> 1) * 32 + l];
-    const uint32_t q = sub & 1u ? byte >> 4 : byte & 0xFu;
-    return __fsub_rn(__fmul_rn(s.d, code_value<0>(q)), s.m);
+    return __fsub_rn(__fmul_rn(s.d, code_value<0>(code(block, s, sub, l))), s.m);
+  }
+  static __device__ __forceinline__ LowpScale lowp(const uint8_t* block, uint32_t sub) {
+    const Scale s = scale(block, sub);
+    return {s.d, s.d, -s.m};
   }
 };
 
@@ -221,12 +276,20 @@ struct Q5_KBlocks {
   static __device__ __forceinline__ Scale scale(const uint8_t* block, uint32_t sub) {
     return k4_scale(block, sub);
   }
-  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
-                                                uint32_t l) {
+  static constexpr uint32_t kCodeBias = 0;
+  static __device__ __forceinline__ uint32_t code(const uint8_t* block, Scale, uint32_t sub,
+                                                  uint32_t l) {
     const uint32_t byte = block[48 + (sub >> 1) * 32 + l];
     const uint32_t low = sub & 1u ? byte >> 4 : byte & 0xFu;
-    const uint32_t q = low | (((block[16 + l] >> sub) & 1u) << 4);
-    return __fsub_rn(__fmul_rn(s.d, code_value<0>(q)), s.m);
+    return low | (((block[16 + l] >> sub) & 1u) << 4);
+  }
+  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
+                                                uint32_t l) {
+    return __fsub_rn(__fmul_rn(s.d, code_value<0>(code(block, s, sub, l))), s.m);
+  }
+  static __device__ __forceinline__ LowpScale lowp(const uint8_t* block, uint32_t sub) {
+    const Scale s = scale(block, sub);
+    return {s.d, s.d, -s.m};
   }
 };
 
@@ -252,15 +315,23 @@ struct Q6_KBlocks {
     const uint32_t h = sub >> 2, t = sub & 3u;
     return {scale_at(block, d, 8 * h + 2 * t), scale_at(block, d, 8 * h + 2 * t + 1)};
   }
+  static constexpr uint32_t kCodeBias = 32;
   // ggml: quarter t of half h reads ql[64h + 32 * (t & 1) + l], its low nibble for t < 2 and its
   // high nibble for t >= 2, with bits 2t, 2t + 1 of qh[32h + l] above; q = that 6-bit code - 32.
-  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
-                                                uint32_t l) {
+  static __device__ __forceinline__ uint32_t code(const uint8_t* block, Scale, uint32_t sub,
+                                                  uint32_t l) {
     const uint32_t h = sub >> 2, t = sub & 3u;
     const uint32_t byte = block[64 * h + 32 * (t & 1u) + l];
     const uint32_t low = t < 2 ? byte & 0xFu : byte >> 4;
-    const uint32_t q = low | (((block[128 + 32 * h + l] >> (2 * t)) & 3u) << 4);
-    return __fmul_rn(l < 16 ? s.lo : s.hi, code_value<32>(q));
+    return low | (((block[128 + 32 * h + l] >> (2 * t)) & 3u) << 4);
+  }
+  static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
+                                                uint32_t l) {
+    return __fmul_rn(l < 16 ? s.lo : s.hi, code_value<32>(code(block, s, sub, l)));
+  }
+  static __device__ __forceinline__ LowpScale lowp(const uint8_t* block, uint32_t sub) {
+    const Scale s = scale(block, sub);
+    return {s.lo, s.hi, 0.0f};
   }
 };
 

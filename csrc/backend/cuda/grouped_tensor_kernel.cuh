@@ -28,6 +28,15 @@
 //                      block-scaled weight enters the MMA as its exact integers).
 //   fragment(word)     applied to every weight fragment word after ldmatrix (raw f32 -> tf32);
 //                      the identity for operands already in the MMA's type.
+// and, optionally (both lowp only, with kSliceScales; absent means false / 1):
+//   kScaleSteps        2: each of the stage's two 16-value MMA K-steps has its own scale row, the
+//                      second BN * 4 bytes after the first, and its products their own slice.
+//   kSliceMins         each stage also adds min[col] * rowsum[row] to the result: min[col] the F32
+//                      the policy stored kScaleSteps * BN * 4 bytes after the scale row, rowsum[row]
+//                      the F32 sum of the row's stage activations as the MMA reads them (rounded),
+//                      which the kernel stores right after the mins (kMaxTileRows * 4 bytes the
+//                      policy counts in kStageExtraBytes). With it a block value d * q + m enters the
+//                      MMA as its integer q: d * sum(q x) + m * sum(x).
 // A policy must write every byte of its tile that the MMA reads (zeros past n and past k).
 #pragma once
 
@@ -74,6 +83,24 @@ constexpr uint64_t smem_bytes(uint32_t experts) {
   return uint64_t{pipe_bytes<BM, BN, kExtra>()} + kMaxTileRows * 4 + work_list_bytes(experts);
 }
 
+// A weight-tile policy's optional kScaleSteps / kSliceMins (see the contract above).
+template <class Tiles>
+constexpr uint32_t scale_steps() {
+  if constexpr (requires { Tiles::kScaleSteps; }) {
+    return Tiles::kScaleSteps;
+  } else {
+    return 1;
+  }
+}
+template <class Tiles>
+constexpr bool slice_mins() {
+  if constexpr (requires { Tiles::kSliceMins; }) {
+    return Tiles::kSliceMins;
+  } else {
+    return false;
+  }
+}
+
 // Multiprocessors of device 0, for the persistent grid a KernelDef declares when the backend opens
 // (132, an H100/H200's count, where the runtime cannot say).
 inline uint32_t device0_multiprocessors() {
@@ -106,6 +133,22 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
     uint32_t out;
     memcpy(&out, &h, 4);
     return out;
+  }
+}
+
+// The F32 sum of the two 16-bit values of a packed operand word.
+template <Mode M>
+__device__ __forceinline__ float pair_sum(uint32_t word) {
+  if constexpr (M == Mode::LowpF16) {
+    __half2 h;
+    memcpy(&h, &word, 4);
+    const float2 f = __half22float2(h);
+    return __fadd_rn(f.x, f.y);
+  } else {
+    __nv_bfloat162 h;
+    memcpy(&h, &word, 4);
+    const float2 f = __bfloat1622float2(h);
+    return __fadd_rn(f.x, f.y);
   }
 }
 
@@ -169,8 +212,16 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>())
   constexpr uint32_t kStageBytes = stage_bytes<BM, BN, kExtra>();
   constexpr uint32_t kTileABytes = BM * kRowBytes;
   constexpr bool kScaled = Tiles::kSliceScales;
+  constexpr uint32_t kSteps = scale_steps<Tiles>();
+  constexpr bool kMins = slice_mins<Tiles>();
+  // Offsets after the weight tile: scale rows, mins, row sums.
+  constexpr uint32_t kMinsOffset = kSteps * BN * 4, kRowSumOffset = kMinsOffset + BN * 4;
   static_assert(kAPieces >= 1 && kAPieces * kThreads == BM * kPiecesPerRow, "activation split");
-  static_assert(kExtra % 16 == 0 && (!kScaled || kExtra >= BN * 4), "policy bytes per stage");
+  static_assert(kExtra % 16 == 0 && (!kScaled || kExtra >= kSteps * BN * 4),
+                "policy bytes per stage");
+  static_assert((kSteps == 1 || (kSteps == 2 && kScaled && !kTf32)) &&
+                    (!kMins || (kScaled && !kTf32 && kExtra >= kRowSumOffset + kMaxTileRows * 4)),
+                "scale steps and mins need the lowp slice scales and their bytes");
 
   extern __shared__ __align__(128) unsigned char smem[];
   uint32_t* row_flat = reinterpret_cast<uint32_t*>(smem + pipe_bytes<BM, BN, kExtra>());
@@ -243,8 +294,23 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>())
           sts128(base + swz(r, a_kq), to_tf32(areg[i][0]), to_tf32(areg[i][1]), to_tf32(areg[i][2]),
                  to_tf32(areg[i][3]));
         } else {
-          sts64(base + swz(r, a_kq >> 1) + (a_kq & 1) * 8, pack_pair<M>(areg[i][0], areg[i][1]),
-                pack_pair<M>(areg[i][2], areg[i][3]));
+          const uint32_t lo = pack_pair<M>(areg[i][0], areg[i][1]);
+          const uint32_t hi = pack_pair<M>(areg[i][2], areg[i][3]);
+          sts64(base + swz(r, a_kq >> 1) + (a_kq & 1) * 8, lo, hi);
+          if constexpr (kMins) {
+            // The row's 32 stage values as the MMA reads them, summed over its 8 pieces (8
+            // consecutive lanes) in a fixed tree.
+            float sum = __fadd_rn(pair_sum<M>(lo), pair_sum<M>(hi));
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 1));
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 2));
+            sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, 4));
+            if (a_kq == 0) {
+              asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(base + kTileABytes + BN * kRowBytes +
+                                                             kRowSumOffset + r * 4),
+                           "f"(sum)
+                           : "memory");
+            }
+          }
         }
       }
     };
@@ -332,8 +398,27 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>())
             }
           }
         }
+        if constexpr (kScaled && kSteps == 2) {
+          // This K-step's products join the result with its own scale row; the slice restarts.
+          const auto* scales = reinterpret_cast<const float*>(
+              smem + (kt % kStages) * kStageBytes + kTileABytes + BN * kRowBytes + s * BN * 4);
+#pragma unroll
+          for (uint32_t ni = 0; ni < kNI; ++ni) {
+            const float2 sc =
+                *reinterpret_cast<const float2*>(scales + warp_col + ni * 8 + 2 * quad);
+#pragma unroll
+            for (uint32_t mi = 0; mi < kMI; ++mi) {
+              acc[mi][ni][0] = __fmaf_rn(sc.x, slice[mi][ni][0], acc[mi][ni][0]);
+              acc[mi][ni][1] = __fmaf_rn(sc.y, slice[mi][ni][1], acc[mi][ni][1]);
+              acc[mi][ni][2] = __fmaf_rn(sc.x, slice[mi][ni][2], acc[mi][ni][2]);
+              acc[mi][ni][3] = __fmaf_rn(sc.y, slice[mi][ni][3], acc[mi][ni][3]);
+#pragma unroll
+              for (uint32_t j = 0; j < 4; ++j) slice[mi][ni][j] = 0.0f;
+            }
+          }
+        }
       }
-      if constexpr (kScaled) {
+      if constexpr (kScaled && kSteps == 1) {
         // Accumulator (mi, ni, j) is column warp_col + ni*8 + 2*quad + j%2 (see the scatter).
         const auto* scales = reinterpret_cast<const float*>(smem + (kt % kStages) * kStageBytes +
                                                             kTileABytes + BN * kRowBytes);
@@ -346,6 +431,26 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>())
             acc[mi][ni][1] = __fmaf_rn(sc.y, slice[mi][ni][1], acc[mi][ni][1]);
             acc[mi][ni][2] = __fmaf_rn(sc.x, slice[mi][ni][2], acc[mi][ni][2]);
             acc[mi][ni][3] = __fmaf_rn(sc.y, slice[mi][ni][3], acc[mi][ni][3]);
+          }
+        }
+      }
+      if constexpr (kMins) {
+        // acc += min[col] * rowsum[row], after the stage's scaled products.
+        const unsigned char* extra =
+            smem + (kt % kStages) * kStageBytes + kTileABytes + BN * kRowBytes;
+        const auto* mins = reinterpret_cast<const float*>(extra + kMinsOffset);
+        const auto* sums = reinterpret_cast<const float*>(extra + kRowSumOffset);
+#pragma unroll
+        for (uint32_t ni = 0; ni < kNI; ++ni) {
+          const float2 mn = *reinterpret_cast<const float2*>(mins + warp_col + ni * 8 + 2 * quad);
+#pragma unroll
+          for (uint32_t mi = 0; mi < kMI; ++mi) {
+            const float s0 = sums[warp_row + mi * 16 + group];
+            const float s1 = sums[warp_row + mi * 16 + group + 8];
+            acc[mi][ni][0] = __fmaf_rn(mn.x, s0, acc[mi][ni][0]);
+            acc[mi][ni][1] = __fmaf_rn(mn.y, s0, acc[mi][ni][1]);
+            acc[mi][ni][2] = __fmaf_rn(mn.x, s1, acc[mi][ni][2]);
+            acc[mi][ni][3] = __fmaf_rn(mn.y, s1, acc[mi][ni][3]);
           }
         }
       }

@@ -40,6 +40,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "backend/common/dense_matmul_id_params.h"
 #include "backend/common/kernel_contracts.h"
@@ -579,22 +580,138 @@ struct GgmlTiles {
   }
 };
 
-constexpr uint32_t kLowpTileRows = 64;
+// The weight tiles of the other formats (ggml_formats.h's kKernelFormats): a stage (32 K values) is
+// one 32-value sub-block of each of the tile's 128 weight rows, entering the MMA as its integer
+// codes minus the format's bias (at most 63 in magnitude: exact in f16), with the format's F32
+// scale per column (two for Q6_K, one per 16 values: kScaleSteps 2) and, for the formats with a min
+// (Q4_1, Q5_1: + m; Q4_K, Q5_K: - m1), the min per column (kSliceMins). Two threads per weight row
+// (r = tid / 2, half h = tid % 2): half h decodes values 16h .. 16h + 15 (chunks 2h, 2h + 1), one
+// stage ahead, reading its block bytewise (these formats' blocks may start at any byte); half 0
+// stores the sub-block's scales and min. Rows past n store zeros.
+//
+// NUMERICS: the stage adds d * sum(q * x) + m * sum(x) to the result (two F32 FMAs after the MMA's
+// F32 sum), x the activations rounded to f16, sum(x) their F32 sum in a fixed tree. The weights'
+// integers and scales are exact; d * q + m is not formed, so each output is the exact product of
+// weights q * d + m (without the dequantiser's roundings of q * d and of its sum with m, each a
+// relative 2^-24) with the f16 activations, up to F32 accumulation: |error| <= u16 * sum |w x| +
+// gamma * (sum |d q x| + sum |m x|) with u16 = 2^-11 the activations' rounding; see
+// docs/numerics.md.
+template <class F>
+constexpr bool kLowpHasMin =
+    std::is_same_v<F, ggml::Q4_1Blocks> || std::is_same_v<F, ggml::Q5_1Blocks> ||
+    std::is_same_v<F, ggml::Q4_KBlocks> || std::is_same_v<F, ggml::Q5_KBlocks>;
+
+template <class F, uint32_t BN>
+struct GgmlFormatTiles {
+  static_assert(BN == grouped_tensor::kThreads / 2, "two threads per weight row");
+  static constexpr bool kAsync = false;
+  static constexpr bool kSliceScales = true;
+  static constexpr uint32_t kScaleSteps = std::is_same_v<F, ggml::Q6_KBlocks> ? 2 : 1;
+  static constexpr bool kSliceMins = kLowpHasMin<F>;
+  static constexpr uint32_t kStageExtraBytes =
+      kScaleSteps * BN * 4 + (kSliceMins ? BN * 4 + grouped_tensor::kMaxTileRows * 4 : 0);
+  // Codes as f16 by their bits: 0x6400 | u is the f16 1024 + u (u < 1024), so subtracting
+  // 1024 + kCodeBias leaves the integer exactly.
+  static constexpr uint32_t kBias = 0x00010001u * (0x6400u + F::kCodeBias);
+
+  const uint8_t* row;  // this thread's weight row; nullptr past n
+  uint32_t r, h;
+  uint32_t codes[4];  // the 16 codes of this half, one byte each
+  ggml::LowpScale scales;
+
+  __device__ GgmlFormatTiles(const char* expert_weights, uint32_t col0,
+                             const kernels::DenseMatmulIdKernelParams& p, uint32_t tid)
+      : r(tid >> 1), h(tid & 1) {
+    const uint32_t col = col0 + r;
+    row = col < p.n ? reinterpret_cast<const uint8_t*>(expert_weights) +
+                          uint64_t{col} * (p.k / F::kValues) * F::kBytes
+                    : nullptr;
+  }
+
+  static __device__ __forceinline__ uint32_t fragment(uint32_t word) { return word; }
+
+  __device__ __forceinline__ void load(uint32_t k0) {
+    scales = {0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (uint32_t w = 0; w < 4; ++w) codes[w] = 0;
+    if (row == nullptr) return;
+    const uint8_t* block = row + uint64_t{k0 / F::kValues} * F::kBytes;
+    const uint32_t sub = (k0 % F::kValues) / 32;
+    const typename F::Scale sc = F::scale(block, sub);
+#pragma unroll
+    for (uint32_t j = 0; j < 16; ++j) {
+      codes[j / 4] |= F::code(block, sc, sub, 16 * h + j) << (8 * (j % 4));
+    }
+    if (h == 0) scales = F::lowp(block, sub);
+  }
+
+  // Two codes (bytes `sel` of a word) as the f16 pair of their integers.
+  static __device__ __forceinline__ uint32_t pair(uint32_t word, uint32_t sel) {
+    const uint32_t biased = __byte_perm(word, 0, sel) | 0x64006400u;
+    __half2 v, bias;
+    const uint32_t b = kBias;
+    memcpy(&v, &biased, 4);
+    memcpy(&bias, &b, 4);
+    v = __hsub2(v, bias);
+    uint32_t out;
+    memcpy(&out, &v, 4);
+    return out;
+  }
+
+  __device__ __forceinline__ void store(uint32_t base) const {
+    const uint32_t valid = row != nullptr ? 0xFFFFFFFFu : 0u;
+    uint32_t f[8];
+#pragma unroll
+    for (uint32_t w = 0; w < 4; ++w) {
+      f[2 * w] = pair(codes[w], 0x4140) & valid;
+      f[2 * w + 1] = pair(codes[w], 0x4342) & valid;
+    }
+    using grouped_tensor::swz;
+    sts128(base + swz(r, 2 * h), f[0], f[1], f[2], f[3]);
+    sts128(base + swz(r, 2 * h + 1), f[4], f[5], f[6], f[7]);
+    if (h == 0) {
+      const uint32_t extra = base + BN * grouped_tensor::kRowBytes;
+      asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(extra + r * 4), "f"(scales.lo) : "memory");
+      if constexpr (kScaleSteps == 2) {
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(extra + BN * 4 + r * 4), "f"(scales.hi)
+                     : "memory");
+      }
+      if constexpr (kSliceMins) {
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(extra + kScaleSteps * BN * 4 + r * 4),
+                     "f"(scales.m)
+                     : "memory");
+      }
+    }
+  }
+};
+
+// The tensor route's weight tiles of format F.
+template <class F>
+using LowpTiles =
+    std::conditional_t<std::is_same_v<F, ggml::Q4_0Blocks> || std::is_same_v<F, ggml::Q8_0Blocks>,
+                       GgmlTiles<F, grouped_tensor::kTileCols>,
+                       GgmlFormatTiles<F, grouped_tensor::kTileCols>>;
+
+// Routed rows per tile: 64, and 32 for Q6_K, whose per-K-step scales keep a second slice of
+// products live inside the MMA loop (at 64 rows that spilled at the 128 registers two CTAs per
+// multiprocessor allow).
+template <class F>
+constexpr uint32_t kLowpTileRows = std::is_same_v<F, ggml::Q6_KBlocks> ? 32 : 64;
 constexpr uint32_t kLowpTileCols = grouped_tensor::kTileCols;
 
 template <class F, bool kVec>
 void launch_lowp_instance(const KernelLaunch& launch, const DenseMatmulIdKernelParams& p,
                           void* const (&args)[5], cudaStream_t stream, bool out_vec2) {
-  using Tiles = GgmlTiles<F, kLowpTileCols>;
+  using Tiles = LowpTiles<F>;
   constexpr uint32_t kExtra = Tiles::kStageExtraBytes;
   constexpr auto kernel =
-      &grouped_tensor::grouped_tensor_kernel<Tiles, Mode::LowpF16, kLowpTileRows, kLowpTileCols,
+      &grouped_tensor::grouped_tensor_kernel<Tiles, Mode::LowpF16, kLowpTileRows<F>, kLowpTileCols,
                                              kVec>;
   const uint64_t smem =
-      grouped_tensor::smem_bytes<kLowpTileRows, kLowpTileCols, kExtra>(p.n_experts);
+      grouped_tensor::smem_bytes<kLowpTileRows<F>, kLowpTileCols, kExtra>(p.n_experts);
   opt_in_dynamic_smem<kernel>(
       launch.label, smem,
-      grouped_tensor::smem_bytes<kLowpTileRows, kLowpTileCols, kExtra>(kMaxWorkListExperts));
+      grouped_tensor::smem_bytes<kLowpTileRows<F>, kLowpTileCols, kExtra>(kMaxWorkListExperts));
   kernel<<<static_cast<unsigned>(launch.grid.x), grouped_tensor::kThreads,
            static_cast<size_t>(smem), stream>>>(
       p, static_cast<const char*>(args[0]), static_cast<const char*>(args[1]),
@@ -604,7 +721,7 @@ void launch_lowp_instance(const KernelLaunch& launch, const DenseMatmulIdKernelP
 
 template <class F>
 void launch_grouped_lowp(const KernelLaunch& launch, void* stream) {
-  const DenseMatmulIdKernelParams p = read_params(launch);
+  const DenseMatmulIdKernelParams p = read_format_params<F>(launch);
   if (p.n_experts > kMaxWorkListExperts) {
     throw Error(launch.label + ": n_experts " + std::to_string(p.n_experts) + " exceeds " +
                 std::to_string(kMaxWorkListExperts));
@@ -764,20 +881,41 @@ KernelDef def(std::string_view name, KernelFn fn, uint32_t tile_x, uint32_t tile
   return d;
 }
 
-// The four pipelines of the format F (its kKernelFormats entry, found by name).
+// The tensor route of format F under `name`, checked by `contract`'s argument contract (the
+// grouped pipeline's: same slots and extents): a persistent grid of two CTAs per multiprocessor
+// (the 64 x 128 tile's occupancy); the tile fields bound its work items, and the launch sizes its
+// shared memory (the declared bytes leave out the work list, 8 bytes per expert).
+template <class F>
+KernelDef lowp_def(std::string_view name, std::string_view contract) {
+  KernelDef d = def(contract, launch_grouped_lowp<F>, kLowpTileRows<F>, kLowpTileCols);
+  d.name = std::string(name);
+  d.threads_per_group = grouped_tensor::kThreads;
+  d.persistent_groups = 2 * grouped_tensor::device0_multiprocessors();
+  d.threadgroup_memory_bytes =
+      uint64_t{grouped_tensor::pipe_bytes<kLowpTileRows<F>, kLowpTileCols,
+                                          LowpTiles<F>::kStageExtraBytes>()} +
+      grouped_tensor::kMaxTileRows * 4;
+  return d;
+}
+
+// The five pipelines of the format F (its kKernelFormats entry, found by name; its tensor route's
+// name at the same index after Q4_0 and Q8_0's).
 template <class F>
 void add_format_kernels(std::vector<KernelDef>& out) {
-  constexpr const ggml_formats::KernelFormat* f = [] {
-    for (const ggml_formats::KernelFormat& e : ggml_formats::kKernelFormats) {
-      if (e.name == std::string_view(F::kName)) return &e;
+  constexpr size_t i = [] {
+    for (size_t j = 0; j < ggml_formats::kKernelFormats.size(); ++j) {
+      if (ggml_formats::kKernelFormats[j].name == std::string_view(F::kName)) return j;
     }
-    return static_cast<const ggml_formats::KernelFormat*>(nullptr);
+    return ggml_formats::kKernelFormats.size();
   }();
-  static_assert(f != nullptr && f->block_values == F::kValues && f->block_bytes == F::kBytes);
-  out.push_back(def(f->id_direct, launch_direct<F>, kColumns, 1));
-  out.push_back(def(f->id_grouped, launch_grouped<F>, kGroupRows, kColumns));
-  out.push_back(def(f->mat_vec, launch_dense_mat_vec<F>, kColumns, kDenseTokens));
-  out.push_back(def(f->matrix, launch_dense_matrix<F>, kDenseTokens, kColumns));
+  static_assert(i < ggml_formats::kKernelFormats.size());
+  constexpr const ggml_formats::KernelFormat& f = ggml_formats::kKernelFormats[i];
+  static_assert(f.block_values == F::kValues && f.block_bytes == F::kBytes);
+  out.push_back(def(f.id_direct, launch_direct<F>, kColumns, 1));
+  out.push_back(def(f.id_grouped, launch_grouped<F>, kGroupRows, kColumns));
+  out.push_back(def(f.mat_vec, launch_dense_mat_vec<F>, kColumns, kDenseTokens));
+  out.push_back(def(f.matrix, launch_dense_matrix<F>, kDenseTokens, kColumns));
+  out.push_back(lowp_def<F>(kGgmlQuantizedMatmulIdTensorPipelineNames[2 + i], f.id_grouped));
 }
 
 }  // namespace
@@ -797,21 +935,9 @@ void add_quantized_matmul_id_kernels(std::vector<KernelDef>& out) {
   add_format_kernels<ggml::Q6_KBlocks>(out);
   static_assert(ggml_formats::kKernelFormats.size() == 7, "a CUDA trait for every kernel format");
 
-  // The tensor route: a persistent grid of two CTAs per multiprocessor (the 64 x 128 tile's
-  // occupancy); the tile fields bound its work items, and the launch sizes its shared memory (the
-  // declared bytes leave out the work list, 8 bytes per expert).
   const auto& lowp = kGgmlQuantizedMatmulIdTensorPipelineNames;
-  const KernelFn lowp_fns[2] = {launch_grouped_lowp<ggml::Q4_0Blocks>,
-                                launch_grouped_lowp<ggml::Q8_0Blocks>};
-  for (size_t i = 0; i < lowp.size(); ++i) {
-    KernelDef d = def(lowp[i], lowp_fns[i], kLowpTileRows, kLowpTileCols);
-    d.threads_per_group = grouped_tensor::kThreads;
-    d.persistent_groups = 2 * grouped_tensor::device0_multiprocessors();
-    d.threadgroup_memory_bytes =
-        uint64_t{grouped_tensor::pipe_bytes<kLowpTileRows, kLowpTileCols, kLowpTileCols * 4>()} +
-        grouped_tensor::kMaxTileRows * 4;
-    out.push_back(std::move(d));
-  }
+  out.push_back(lowp_def<ggml::Q4_0Blocks>(lowp[0], lowp[0]));
+  out.push_back(lowp_def<ggml::Q8_0Blocks>(lowp[1], lowp[1]));
 }
 
 }  // namespace routemm::cuda

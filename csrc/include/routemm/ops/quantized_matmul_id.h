@@ -64,10 +64,15 @@ inline constexpr std::array<std::string_view, 4> kGgmlQuantizedMatmulIdPipelineN
     "quantized_matmul_id_grouped_q8_0_f32",
 };
 
-// Pipelines of the tensor-core route (registered only by backends with tensor cores): Q4_0, Q8_0.
-inline constexpr std::array<std::string_view, 2> kGgmlQuantizedMatmulIdTensorPipelineNames = {
-    "quantized_matmul_id_grouped_lowp_q4_0_f32",
-    "quantized_matmul_id_grouped_lowp_q8_0_f32",
+// Pipelines of the tensor-core route (registered only by backends with tensor cores): Q4_0, Q8_0,
+// then the formats of ggml_formats.h's kKernelFormats in its order (Q4_1, Q5_0, Q5_1, MXFP4, Q4_K,
+// Q5_K, Q6_K), each with its format's grouped pipeline's slots and contract.
+inline constexpr std::array<std::string_view, 9> kGgmlQuantizedMatmulIdTensorPipelineNames = {
+    "quantized_matmul_id_grouped_lowp_q4_0_f32", "quantized_matmul_id_grouped_lowp_q8_0_f32",
+    "quantized_matmul_id_grouped_lowp_q4_1_f32", "quantized_matmul_id_grouped_lowp_q5_0_f32",
+    "quantized_matmul_id_grouped_lowp_q5_1_f32", "quantized_matmul_id_grouped_lowp_mxfp4_f32",
+    "quantized_matmul_id_grouped_lowp_q4_k_f32", "quantized_matmul_id_grouped_lowp_q5_k_f32",
+    "quantized_matmul_id_grouped_lowp_q6_k_f32",
 };
 
 // Pipelines of the int8-dot routes (registered only by the CPU backend): direct Q4_0, direct Q8_0,
