@@ -358,3 +358,39 @@ def test_selection_bias_must_be_f32(tmp_path, device):
     writer.close()
     with pytest.raises(routemm.InvalidArgumentError, match="blk.1.exp_probs_b.bias must be f32, got f16"):
         routemm.MoeLayer.from_gguf(tmp_path / "f16.gguf", 1, device=device)
+
+
+# ---- python -m routemm demo --gguf: every MoE layer ----------------------------------------------
+
+
+def test_demo_runs_every_moe_layer_with_a_progress_bar(tmp_path, capsys):
+    import json
+
+    from routemm.cli.main import main
+
+    path, _, _ = _write(tmp_path, "qwen3moe", "q8_0", layers=3)
+    assert main(["demo", "--gguf", str(path), "--tokens", "4", "--backend", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert "3 MoE layers on cpu" in captured.out
+    for n in range(3):
+        assert f"layer {n} (E=8, top_k=2, H=256, I=64, q8_0 experts" in captured.out
+    assert captured.out.strip().endswith("OK")
+    assert "[##############################] 3/3" in captured.err and "[" not in captured.out
+    assert main(["demo", "--gguf", str(path), "--tokens", "4", "--backend", "cpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [entry["layer"] for entry in report["layers"]] == [0, 1, 2] and report["ok"]
+    assert all(len(entry["runs"]) == 2 for entry in report["layers"])
+
+
+def test_demo_skips_dense_layers_and_reports_refused_ones(tmp_path, capsys):
+    from routemm.cli.main import main
+
+    path, _, _ = _write(tmp_path, "llama4", "q8_0")  # MoE layers 1 and 3
+    rc = main(["demo", "--gguf", str(path), "--tokens", "4", "--backend", "cpu"])
+    out = capsys.readouterr().out
+    assert "2 MoE layers on cpu" in out and "layer 0 " not in out and "layer 2 " not in out
+    if _missing_arguments("llama4"):
+        assert rc == 1 and out.count("refused: MoeLayer.from_gguf") == 2
+        assert out.strip().endswith("FAILED: layers 1, 3 were refused or differ from the float64 reference")
+    else:
+        assert rc == 0 and out.strip().endswith("OK")

@@ -457,8 +457,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed", type=_NON_NEGATIVE, default=0, help="seed of the random weights, activations and ids (default 0)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
-    parser.add_argument("--gguf", metavar="FILE", default=None, help="run one MoE layer of this GGUF model instead")
-    parser.add_argument("--layer", type=_NON_NEGATIVE, default=None, help="the layer --gguf runs (default 0)")
+    parser.add_argument("--gguf", metavar="FILE", default=None, help="run every MoE layer of this GGUF model instead")
+    parser.add_argument(
+        "--layer", type=_NON_NEGATIVE, default=None, help="the one layer --gguf runs (default: every MoE layer)"
+    )
 
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -481,14 +483,13 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _gguf_main(args, parser) -> int:
-    """--gguf: one MoE layer of a GGUF file against its float64 reference (routemm.gguf_demo)."""
+    """--gguf: the MoE layers of a GGUF file against their float64 reference (cli/gguf_demo.py)."""
     from . import gguf_demo
 
     for name in _NOT_WITH_GGUF:
         if getattr(args, name) is not None:
             parser.error(f"--{name} does not apply with --gguf (the file gives the model and its types)")
-    layer = 0 if args.layer is None else args.layer
-    report = gguf_demo.run(args.gguf, layer, args.tokens, args.backend, args.seed)
+    report = gguf_demo.run(args.gguf, args.layer, args.tokens, args.backend, args.seed)
     if args.json:
         json.dump(report, sys.stdout, indent=2, sort_keys=True, allow_nan=False)
         print()
