@@ -393,9 +393,10 @@ def moe_experts(
     gate_up: one [E, 2I, H] stack (gate rows, then up rows, as transformers stores it) or a pair
     (gate [E, I, H], up [E, I, H]) as GGUF stores it; down: [E, H, I]. Float32, float16 or bfloat16
     weights (NumPy arrays, routemm.Buffer views such as gguf_tensor's, or tensors), or with
-    ggml_type=GgmlType.Q4_0 / Q8_0 uint8 block stacks [E, n, k / 32 * block_bytes] (routemm.q4_0 /
-    routemm.q8_0 quantise along the last axis; gguf_tensor loads them), whose matmuls run
-    quantized_matmul_id_ggml.
+    ggml_type uint8 block stacks [E, n, k / block_values * block_bytes] of a GgmlType of
+    QUANTIZED_EXPERT_TYPES (routemm.quantize quantises along the last axis; gguf_tensor loads them),
+    whose matmuls run quantized_matmul_id_ggml: one type for every stack, or a (gate, up, down)
+    tuple for stacks of mixed types (one gate_up stack has one type).
     route: the expert-ID matmul route of both matmuls; None picks grouped_prefill when ids are
     distinct per token and dense_matmul_id.auto_grouped says so for the shapes and backend (m > 8;
     on CUDA also 8 routed rows per expert on average, 256 for block stacks), else direct (with
