@@ -5,6 +5,9 @@
         [--shapes qwen3-30b-a3b,gpt-oss-20b] [--ms 1,8,32,512,4096] [--budget-s 400]
     python3 bench/tools/qid_format_timing.py --smoke [--out DIR]   # small shapes on the CPU backend
 
+With m > 8 the tensor-core route grouped_tensor_lowp is timed too where the backend registers it
+(checked within TENSOR_TOLERANCE relative error per checked row).
+
 Shapes (experts, top_k, hidden, intermediate): Qwen3-30B-A3B (128, 8, 2048, 768) and gpt-oss-20b
 (32, 4, 2880, 2880); each as its up projection (n = intermediate, k = hidden; gate and up have the
 same shape) and its down projection (n = hidden, k = intermediate). A K-quant needs K a multiple
@@ -59,6 +62,7 @@ CALLS = 10
 BATCHES = 5
 CHECK_ROWS = 8
 TOLERANCE = 1e-4
+TENSOR_TOLERANCE = 1e-2  # relative Frobenius error of a checked row on grouped_tensor_lowp
 HALF_FIELDS = {"q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 
 
@@ -146,7 +150,8 @@ def weights(args, device, rng, shape, proj, name):
     return stack, [device.from_numpy(stack.reshape(-1)) for _ in range(copies)]
 
 
-def run_case(args, device, registry, rng, copy_Bps, shape, proj, name, m, w) -> dict:
+def run_case(args, device, registry, rng, copy_Bps, shape, proj, name, m, w, route=None) -> dict:
+    """One timed configuration; route None: the automatic one."""
     experts, top_k, n, k = projection(shape, proj)
     values, _ = kernel_format(name)
     record = dict(shape=shape, proj=proj, type=name, m=m, n=n, k=k, experts=experts, top_k=top_k)
@@ -159,8 +164,9 @@ def run_case(args, device, registry, rng, copy_Bps, shape, proj, name, m, w) -> 
     x = rng.standard_normal((m, k), dtype=np.float32)
     x_buf = device.from_numpy(x)
     out = device.alloc(m * top_k * n * 4, routemm.DType.F32, [m * top_k, n])
-    grouped = auto_grouped(device, m, top_k, experts, quantized=True)
-    route = Route.GROUPED if grouped else Route.DIRECT
+    if route is None:
+        route = Route.GROUPED if auto_grouped(device, m, top_k, experts, quantized=True) else Route.DIRECT
+    grouped = route.is_grouped
     params = routemm.GgmlQuantizedMatmulIdParams(
         m, n, k, top_k, experts, ggml_type, matrix, Layout.SHARED_PER_TOKEN, route
     )
@@ -182,7 +188,10 @@ def run_case(args, device, registry, rng, copy_Bps, shape, proj, name, m, w) -> 
         w = routemm.dequantize(stack[ids.reshape(-1)[flat]], ggml_type, (n, k)).astype(np.float64)
         prod = w * x[flat // top_k].astype(np.float64)[None, :]
         err = np.abs(got[flat] - prod.sum(axis=1))
-        wrong |= bool(np.any(err > TOLERANCE * np.abs(prod).sum(axis=1) + 1e-30))
+        if route is Route.GROUPED_TENSOR_LOWP:
+            wrong |= bool(np.linalg.norm(err) > TENSOR_TOLERANCE * np.linalg.norm(prod.sum(axis=1)))
+        else:
+            wrong |= bool(np.any(err > TOLERANCE * np.abs(prod).sum(axis=1) + 1e-30))
     touched = np.mean([len(np.unique(s)) for s in id_sets])
     floor_s = touched * matrix / (copy_Bps / 2)  # the copy rate counts read + write bytes
     return record | dict(
@@ -224,16 +233,21 @@ def main(argv=None) -> int:
                     if time.monotonic() > deadline:
                         log(f"budget spent: {shape} {proj} {name} m={m} and later cases not run")
                         break
-                    r = run_case(args, device, registry, rng, copy_Bps, shape, proj, name, m, w)
-                    r |= dict(copy_TBps=copy_Bps / 1e12, copy_source=copy_source)
-                    failed |= r.get("note") == "WRONG"
-                    records.append(r)
-                    print(json.dumps(r), flush=True)
-                    log(
-                        f"{shape} {proj} {name} m={m}: {r.get('route', '-')} "
-                        f"{r['time_us'] if r['time_us'] is None else round(r['time_us'], 1)} us "
-                        f"floor {r.get('floor_us', float('nan')):.1f} us {r['note']}"
-                    )
+                    routes = [None]
+                    lowp = f"quantized_matmul_id_grouped_lowp_{name}_f32"
+                    if m > 8 and w is not None and registry.has_kernel(lowp):
+                        routes.append(Route.GROUPED_TENSOR_LOWP)
+                    for route in routes:
+                        r = run_case(args, device, registry, rng, copy_Bps, shape, proj, name, m, w, route)
+                        r |= dict(copy_TBps=copy_Bps / 1e12, copy_source=copy_source)
+                        failed |= r.get("note") == "WRONG"
+                        records.append(r)
+                        print(json.dumps(r), flush=True)
+                        log(
+                            f"{shape} {proj} {name} m={m}: {r.get('route', '-')} "
+                            f"{r['time_us'] if r['time_us'] is None else round(r['time_us'], 1)} us "
+                            f"floor {r.get('floor_us', float('nan')):.1f} us {r['note']}"
+                        )
     tag = "cpu-smoke" if args.smoke else os.environ.get("CARD", "gpu")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"qid_formats-{tag}.json"), "w") as f:
