@@ -28,7 +28,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import routemm.torch  # noqa: E402,F401  (torch.ops.routemm.*)
 import torch.multiprocessing as mp  # noqa: E402
-from routemm.integrations.distributed import ExpertPlacement, ep_moe_experts  # noqa: E402
+from routemm.integrations.distributed import ExpertPlacement, ep_capacity_dropped, ep_moe_experts  # noqa: E402
 from routemm.ops import _tensor_ops  # noqa: E402
 
 E, H, I = 7, 64, 32  # noqa: E741  (I and H multiples of 32: the block stacks' rows)
@@ -130,8 +130,18 @@ def _run_cases(rank: int, world: int, port: int, tmp: str) -> None:
                 c["x"][lo:hi], c["ids"][lo:hi], c["w"][lo:hi], stacks["gate_up"], stacks["down"],
                 placement=placement, up=stacks.get("up"), ggml_type=c.get("ggml_type"), exact=c.get("exact", True),
             )  # fmt: skip
+            if not c.get("exact", True):
+                continue
+            top_k = int(c["ids"].shape[1])
+            for tag, capacity in (("cap", max(SPLITS[world]) * top_k), ("cap1", 1)):
+                outputs[f"{name}@{tag}"] = ep_moe_experts(
+                    c["x"][lo:hi], c["ids"][lo:hi], c["w"][lo:hi], stacks["gate_up"], stacks["down"],
+                    placement=placement, up=stacks.get("up"), ggml_type=c.get("ggml_type"), capacity=capacity,
+                )  # fmt: skip
+                outputs[f"{name}@{tag}_dropped"] = ep_capacity_dropped(c["ids"][lo:hi], placement, capacity)
         if world == 1:
             outputs["refusals"] = _refusals(cases["f32"])
+            outputs["host_reads"] = _host_reads(cases["f32"])
         torch.save(outputs, os.path.join(tmp, f"out{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -157,6 +167,8 @@ def _refusals(c) -> list:
         "stack_dtype": lambda: call(down=c["down"].double()),
         "ggml_type": lambda: call(ggml_type="q3_k"),
         "exact": lambda: call(exact=1),
+        "capacity": lambda: call(capacity=0),
+        "capacity_type": lambda: call(capacity=2.0),
     }
     collectives = []
     real = dist.all_to_all_single
@@ -180,6 +192,50 @@ def _refusals(c) -> list:
     finally:
         dist.all_to_all_single = real
     return out
+
+
+def _host_reads(c) -> dict:
+    """The tensor methods that bring a value to the host (a sync a CUDA graph cannot hold) called
+    during one call of each variant in a group of one rank."""
+    names = ("tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__")
+    real = {n: getattr(torch.Tensor, n) for n in names}
+    seen = []
+
+    def recorder(name):
+        def read(self, *a, **k):
+            seen.append(name)
+            return real[name](self, *a, **k)
+
+        return read
+
+    placement = ExpertPlacement.contiguous(E, 1)
+    out = {}
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, recorder(n))
+        for name, capacity in (("counts", None), ("capacity", 4)):
+            seen.clear()
+            ep_moe_experts(c["x"], c["ids"], c["w"], c["gate_up"], c["down"], placement=placement, capacity=capacity)
+            out[name] = list(seen)
+    finally:
+        for n in names:
+            setattr(torch.Tensor, n, real[n])
+    return out
+
+
+def _dropped(ids: torch.Tensor, placement: ExpertPlacement, capacity: int) -> torch.Tensor:
+    """The capacity policy in plain Python: per destination rank, the first `capacity` valid
+    (token, slot) pairs in (token, slot) order are kept, the rest dropped."""
+    sent = [0] * placement.world_size
+    dropped = torch.zeros(ids.shape, dtype=torch.bool)
+    for t in range(ids.shape[0]):
+        for s in range(ids.shape[1]):
+            e = int(ids[t, s])
+            if 0 <= e < placement.n_experts:
+                owner = placement.owners[e]
+                dropped[t, s] = sent[owner] >= capacity
+                sent[owner] += 1
+    return dropped
 
 
 def _run_raise(rank: int, world: int, port: int, tmp: str) -> None:
@@ -254,6 +310,23 @@ def test_ep_moe_experts_bit_identical_to_one_process(tmp_path, world):
             assert _same_bits(got, ref), f"{name}: max |diff| {(got.float() - ref.float()).abs().max()}"
         else:
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=name)
+            continue
+        # The fixed-capacity variant: under capacity the same bits; at capacity 1 the dropped slots
+        # (the policy, in plain Python per rank) contribute nothing, as sentinel ids.
+        placement = _placement(c["placement"], world)
+        assert not torch.cat([o[f"{name}@cap_dropped"] for o in outs]).any(), name
+        assert _same_bits(torch.cat([o[f"{name}@cap"] for o in outs]), ref), f"{name} at capacity"
+        bounds = np.cumsum([0] + SPLITS[world])
+        dropped = torch.cat(
+            [_dropped(c["ids"][lo:hi], placement, 1) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        )
+        assert torch.equal(torch.cat([o[f"{name}@cap1_dropped"] for o in outs]), dropped), name
+        assert dropped.any(), name  # the case drops slots
+        ids = c["ids"].masked_fill(dropped, E)
+        ref1 = torch.ops.routemm.moe_experts(
+            c["x"], ids, c["w"], c["gate_up"], c["down"], c.get("up"), c.get("ggml_type"), exact=True
+        )
+        assert _same_bits(torch.cat([o[f"{name}@cap1"] for o in outs]), ref1), f"{name} at capacity 1"
     if world == 1:
         refusals = {name: (kind, message, n) for name, kind, message, n in outs[0]["refusals"]}
         expected = {
@@ -267,6 +340,8 @@ def test_ep_moe_experts_bit_identical_to_one_process(tmp_path, world):
             "stack_dtype": ("InvalidArgumentError", "moe_experts weight stacks must share one dtype"),
             "ggml_type": ("InvalidArgumentError", "ggml_type must be None or one of 'q4_0', 'q8_0', 'q4_1'"),
             "exact": ("InvalidArgumentTypeError", "ep_moe_experts exact must be a bool, got int"),
+            "capacity": ("InvalidArgumentError", "ep_moe_experts capacity must be an int in [1, 2**32 - 1], got 0"),
+            "capacity_type": ("InvalidArgumentError", "capacity must be an int in [1, 2**32 - 1], got 2.0"),
             "backward": ("UnsupportedError", "ep_moe_experts"),
         }
         wrong = {
@@ -275,6 +350,8 @@ def test_ep_moe_experts_bit_identical_to_one_process(tmp_path, world):
             if refusals[name][0] != kind or refusals[name][2] != 0 or text not in refusals[name][1]
         }
         assert not wrong, wrong  # name: (error type, message, collectives run before it)
+        # The counts exchange reads the counts on the host; the fixed-capacity variant reads nothing.
+        assert outs[0]["host_reads"]["counts"] and outs[0]["host_reads"]["capacity"] == [], outs[0]["host_reads"]
 
 
 def test_a_rank_that_raises_makes_the_others_fail_within_the_timeout(tmp_path):

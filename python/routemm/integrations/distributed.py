@@ -152,6 +152,7 @@ def ep_moe_experts(
     up: Optional[torch.Tensor] = None,
     ggml_type: Optional[str] = None,
     exact: bool = True,
+    capacity: Optional[int] = None,
 ) -> torch.Tensor:
     """The MoE experts block, expert parallel over the process group `group` (default: the world).
 
@@ -166,7 +167,17 @@ def ep_moe_experts(
     experts on the op's automatic route instead (on CUDA the tensor-core routes from the
     crossover, which it takes from the rows each rank receives): faster, within that route's
     tolerance of the exact result, without the bit-identity. Host reads: the exchanged row
-    counts (one read, which all_to_all_single's split sizes need), and the combine's wait."""
+    counts (one read, which all_to_all_single's split sizes need), and the combine's wait.
+
+    capacity (an int >= 1, the same on every rank): the fixed-capacity variant for decode,
+    capturable in a CUDA graph: every rank sends exactly `capacity` rows to every rank (padding rows carry an invalid id, which
+    the experts skip without reading a weight), so the exchanges have fixed sizes, no counts are
+    exchanged, nothing is read on the host and the combine runs on the stream (in torch, fma for
+    fma as routemm's combine). Policy for the slots over capacity: each rank keeps, per
+    destination rank, the first `capacity` of its (token, slot) pairs in (token, slot) order and
+    drops the rest; a dropped slot contributes nothing to its token, as a sentinel id does
+    (`ep_capacity_dropped` gives the dropped slots, computed locally). With no slot dropped --
+    always where capacity >= m_r * top_k -- the result is the same bits as without capacity."""
     import torch.distributed as dist
 
     for name, t in (("hidden", hidden), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
@@ -179,6 +190,8 @@ def ep_moe_experts(
         )
     if not isinstance(exact, bool):
         raise InvalidArgumentTypeError(f"ep_moe_experts exact must be a bool, got {type(exact).__name__}")
+    if capacity is not None:
+        _check_capacity("ep_moe_experts", capacity)
     if not dist.is_available() or not dist.is_initialized():
         raise InvalidArgumentError("ep_moe_experts needs an initialised torch.distributed process group")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -222,9 +235,13 @@ def ep_moe_experts(
             raise InvalidArgumentError(f"ep_moe_experts {name} lives on another device than hidden")
     n_experts = placement.n_experts
     x = hidden.to(torch.float32).contiguous()
-    d = _dispatch(x, top_k_index, placement, world, group)
-    done = _local_experts(d, gate_up, down, up, ggml_type, exact)
-    out = _combine(d, done, top_k_weights, top_k_index, n_experts, group)
+    if capacity is not None:
+        out = _capacity_block(x, top_k_index, top_k_weights, placement, world, group, capacity, n_local,
+                              (gate_up, down, up, ggml_type, exact))  # fmt: skip
+    else:
+        d = _dispatch(x, top_k_index, placement, world, group)
+        done = _local_experts(d, gate_up, down, up, ggml_type, exact)
+        out = _combine(d, done, top_k_weights, top_k_index, n_experts, group)
     out = out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
     named = [("hidden", hidden), ("top_k_weights", top_k_weights), ("gate_up", gate_up), ("down", down), ("up", up)]
     return _TORCH.forward_only(
@@ -300,4 +317,105 @@ def _combine(d: _Dispatched, done, top_k_weights, top_k_index, n_experts: int, g
     return _tensor_ops.moe_combine(_TORCH, slot_rows, weights, top_k_index, n_experts)
 
 
-__all__ = ["ExpertPlacement", "ep_moe_experts"]
+# The fixed-capacity variant: fixed exchange sizes and no host read, so a CUDA graph can hold it.
+
+
+def _check_capacity(op: str, capacity) -> None:
+    if not _is_int(capacity) or not 1 <= capacity <= _U32_MAX:
+        raise InvalidArgumentError(f"{op} capacity must be an int in [1, 2**32 - 1], got {capacity!r}")
+
+
+def _capacity_slots(top_k_index: torch.Tensor, placement: ExpertPlacement, world: int, capacity: int):
+    """Per (token, slot), flat: kept (a valid id within its destination's first `capacity` slots,
+    counted in (token, slot) order), its row in the send buffer (destination * capacity + place;
+    world * capacity, a dump row, for the others) and its expert's local index at the owner.
+    Elementwise and cumulative ops only: no host read."""
+    ids = top_k_index.reshape(-1).to(torch.int64)
+    valid = (ids >= 0) & (ids < placement.n_experts)
+    safe = torch.where(valid, ids, torch.zeros_like(ids))
+    owner_of, local_of = placement._tables(ids.device)
+    dest = torch.where(valid, owner_of[safe], torch.full_like(ids, world))
+    onehot = (dest[:, None] == torch.arange(world + 1, device=ids.device)).to(torch.int64)
+    place = (onehot.cumsum(0) - onehot).gather(1, dest[:, None])[:, 0]  # earlier slots, same rank
+    kept = valid & (place < capacity)
+    row = torch.where(kept, dest * capacity + place, torch.full_like(ids, world * capacity))
+    return kept, row, local_of[safe]
+
+
+def ep_capacity_dropped(top_k_index: torch.Tensor, placement: ExpertPlacement, capacity: int) -> torch.Tensor:
+    """The slots ep_moe_experts(..., capacity=capacity) drops on this rank's tokens: bool [m, top_k],
+    True where the id is valid but its destination rank already has `capacity` earlier (token,
+    slot) pairs of this rank's. Computed on top_k_index's device from the ids alone (no collective,
+    no host read), so a caller may check or log it after the step."""
+    _check_tensor("top_k_index", top_k_index)
+    if not isinstance(placement, ExpertPlacement):
+        raise InvalidArgumentTypeError(
+            f"ep_capacity_dropped placement must be an ExpertPlacement, got {type(placement).__name__}"
+        )
+    _check_capacity("ep_capacity_dropped", capacity)
+    if top_k_index.dim() != 2 or top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
+        raise InvalidArgumentError(
+            f"ep_capacity_dropped top_k_index must be integers [m, top_k], got {top_k_index.dtype} "
+            f"{tuple(top_k_index.shape)}"
+        )
+    ids = top_k_index.reshape(-1).to(torch.int64)
+    kept, _, _ = _capacity_slots(top_k_index, placement, placement.world_size, capacity)
+    valid = (ids >= 0) & (ids < placement.n_experts)
+    return (valid & ~kept).reshape(top_k_index.shape)
+
+
+def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fma(a, b, c) of float32 tensors rounded once to float32, as routemm's combine computes it:
+    a * b is exact in float64; the float64 sum s and its error e (TwoSum, s + e exact) give the
+    float32 result, rounding s except where s falls exactly halfway between two float32 values and
+    e is not zero (float64's rounding made the tie): there the exact value lies on e's side."""
+    p = a.double() * b.double()
+    c = c.double()
+    s = p + c
+    bb = s - p
+    e = (p - (s - bb)) + (c - bb)
+    bits = s.view(torch.int64)
+    exp = ((bits >> 52) & 0x7FF) - 1023
+    drop = (29 + (-126 - exp).clamp(min=0)).clamp(max=62)  # float64 bits below float32's last place
+    one = torch.ones_like(bits)
+    mask = (one << drop) - 1
+    tie = torch.isfinite(s) & (e != 0) & ((bits & mask) == (one << (drop - 1))) & (exp >= -150)
+    toward = (bits & ~mask).view(torch.float64).float()  # s cut to float32, exactly
+    away = torch.nextafter(toward, torch.where(s > 0, torch.inf, -torch.inf).to(torch.float32))
+    return torch.where(tie, torch.where((e > 0) == (s > 0), away, toward), s.float())
+
+
+def _capacity_block(x, top_k_index, top_k_weights, placement, world, group, capacity, n_local, stacks):
+    """Dispatch at fixed capacity, the local experts on every received row (padding rows carry
+    id -1: zero rows, no weight read), the rows back, and the ordered combine of the kept slots."""
+    import torch.distributed as dist
+
+    gate_up, down, up, ggml_type, exact = stacks
+    m, hidden_size = (int(v) for v in x.shape)
+    top_k = int(top_k_index.shape[1])
+    kept, row, local = _capacity_slots(top_k_index, placement, world, capacity)
+    total = world * capacity
+    flat = torch.arange(m * top_k, device=x.device)
+    send_rows = x.new_zeros((total + 1, hidden_size)).index_copy_(0, row, x[flat // top_k])
+    send_ids = torch.full((total + 1,), -1, dtype=torch.int32, device=x.device)
+    send_ids.index_copy_(0, row, torch.where(kept, local, torch.full_like(local, -1)).to(torch.int32))
+    rows, ids = x.new_empty((total, hidden_size)), torch.empty((total,), dtype=torch.int32, device=x.device)
+    dist.all_to_all_single(rows, send_rows[:total], group=group)
+    dist.all_to_all_single(ids, send_ids[:total], group=group)
+    if n_local:
+        ones = torch.ones((total, 1), dtype=torch.float32, device=x.device)
+        done = torch.ops.routemm.moe_experts(rows, ids[:, None], ones, gate_up, down, up, ggml_type, exact=exact)
+    else:  # no rank sends here: every received row is padding
+        done = torch.zeros_like(rows)
+    back = torch.empty_like(done)
+    dist.all_to_all_single(back, done, group=group)
+    slot_rows = torch.cat([back, back.new_zeros((1, hidden_size))])[row].reshape(m, top_k, hidden_size)
+    weights = top_k_weights.to(torch.float32)
+    kept = kept.reshape(m, top_k)
+    out = x.new_zeros((m, hidden_size))
+    for s in range(top_k):  # the block's combine: slots in order, acc = fma(weight, row, acc)
+        out = torch.where(kept[:, s, None], _fma_f32(weights[:, s, None], slot_rows[:, s], out), out)
+    return out
+
+
+__all__ = ["ExpertPlacement", "ep_capacity_dropped", "ep_moe_experts"]
