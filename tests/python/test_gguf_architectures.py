@@ -394,3 +394,16 @@ def test_demo_skips_dense_layers_and_reports_refused_ones(tmp_path, capsys):
         assert out.strip().endswith("FAILED: layers 1, 3 were refused or differ from the float64 reference")
     else:
         assert rc == 0 and out.strip().endswith("OK")
+
+
+def test_real_shapes_with_few_layers_keep_a_moe_layer():
+    import argparse
+
+    from routemm.cli import gguf_sample
+
+    parser = argparse.ArgumentParser()
+    gguf_sample.add_arguments(parser)
+    args = parser.parse_args(["x.gguf", "--arch", "deepseek2", "--shape", "real", "--layers", "2"])
+    spec = gguf_sample._spec(args, parser)
+    assert (spec.hidden, spec.intermediate, spec.experts, spec.top_k, spec.groups) == (7168, 2048, 256, 8, 8)
+    assert spec.leading_dense == 1 and [n for n in range(2) if spec.is_moe_layer(n)] == [1]

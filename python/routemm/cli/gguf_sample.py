@@ -9,7 +9,8 @@ type (f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, mxfp4) or 
 The routers, biases and 1-D tensors are F32. There are no attention or embedding tensors: it is a
 file of FFN layers, not a model llama.cpp can run. The weights are random (a seeded NumPy
 generator, scaled by 1/sqrt(fan-in)), so the same arguments write the same bytes; --shape real
-takes the real model's sizes (write a layer or two of them with --layers). The writer is
+takes the real model's sizes (write a layer or two of them with --layers: the leading dense layers
+are then cut to leave at least one MoE layer). The writer is
 routemm.formats.gguf_moe_writer. Needs the `gguf` package (`python -m pip install gguf`).
 """
 
@@ -46,6 +47,8 @@ def _spec(args, parser) -> MoeGgufSpec:
     for name in ("layers", "experts", "top_k", "hidden", "intermediate"):
         if getattr(args, name) is not None:
             sizes[name] = getattr(args, name)
+    if "leading_dense" in sizes:  # a few layers of a real shape keep at least one MoE layer
+        sizes["leading_dense"] = min(sizes["leading_dense"], sizes["layers"] - 1)
     top_k = sizes.get("top_k", 1 if args.arch == "llama4" else 2)
     if top_k > sizes["experts"]:
         parser.error(f"--top-k {top_k} is more than --experts {sizes['experts']}")
