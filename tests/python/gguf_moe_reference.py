@@ -10,7 +10,8 @@ build_moe_ffn does it for the file's architecture (src/llama-graph.cpp, src/mode
   stay; the top-k scores, ties to the lower index;
 - weights = probs of the selected experts; gpt-oss: softmax over the selected logits; divided by
   their sum (at least 6.103515625e-5) where the file's `expert_weights_norm` says so, else by
-  architecture (qwen3moe, llama yes; others no); times `expert_weights_scale` when it is not 0 or 1;
+  architecture (qwen3moe, llama yes; others no); times `expert_weights_scale` (deepseek2, glm4moe)
+  when it is not 0 or 1;
 - each selected expert: SiLU(g) * u, or gpt-oss's swiglu_oai (alpha 1.702, limit 7) with its biases;
   llama4 scales the expert's input by the weight instead of its output;
 - shared experts added: qwen2moe's weighed by sigmoid(x . ffn_gate_inp_shexp).
@@ -99,7 +100,7 @@ def layer_reference(path, layer: int, x: np.ndarray, *, read=None):
     norm = meta.get(f"{arch}.expert_weights_norm", RENORMALIZE.get(arch, False))
     if norm:
         weights = weights / np.maximum(weights.sum(axis=1, keepdims=True), 6.103515625e-5)
-    scale = float(meta.get(f"{arch}.expert_weights_scale", 0.0))
+    scale = float(meta.get(f"{arch}.expert_weights_scale", 0.0)) if arch in ("deepseek2", "glm4moe") else 0.0
     if scale not in (0.0, 1.0):
         weights = weights * scale
     gate, up, down = (_stack(tensors, blk, part, n_experts) for part in ("gate", "up", "down"))

@@ -191,11 +191,15 @@ def _takes_stack_types() -> bool:
     return True
 
 
-def _missing_arguments(arch: str) -> list[str]:
+def _missing_arguments_for(arguments) -> list[str]:
     import inspect
 
     takes = inspect.signature(routemm.MoeLayer.__init__).parameters
-    return [a for a in ARCH_NEEDS[arch] if a not in takes]
+    return [a for a in arguments if a not in takes]
+
+
+def _missing_arguments(arch: str) -> list[str]:
+    return _missing_arguments_for(ARCH_NEEDS[arch])
 
 
 def _expert_types(tensors, layer: int) -> set:
@@ -407,3 +411,24 @@ def test_real_shapes_with_few_layers_keep_a_moe_layer():
     spec = gguf_sample._spec(args, parser)
     assert (spec.hidden, spec.intermediate, spec.experts, spec.top_k, spec.groups) == (7168, 2048, 256, 8, 8)
     assert spec.leading_dense == 1 and [n for n in range(2) if spec.is_moe_layer(n)] == [1]
+
+
+def test_expert_groups_apply_to_every_architecture(tmp_path, device):
+    """llama.cpp reads expert_group_count / expert_group_used_count for any architecture: a qwen3moe
+    file with groups routes within the best groups (the test's tokens route otherwise without them)."""
+    src, _, _ = _write(tmp_path, "qwen3moe", "q8_0")
+    keys = {"qwen3moe.expert_group_count": (4, V.UINT32), "qwen3moe.expert_group_used_count": (1, V.UINT32)}
+    path = _rewrite(src, tmp_path / "groups.gguf", keys=keys)
+    hidden = np.random.default_rng(4).standard_normal((16, 256)).astype(np.float32)
+    ref, select, top_k = layer_reference(path, 1, hidden)
+    plain, plain_select, _ = layer_reference(src, 1, hidden)
+    chosen = np.sort(np.argsort(-select, axis=1, kind="stable")[:, :top_k], axis=1)
+    assert not np.array_equal(chosen, np.sort(np.argsort(-plain_select, axis=1, kind="stable")[:, :top_k], axis=1))
+    if _missing_arguments_for(["num_expert_group", "topk_group"]):
+        with pytest.raises(routemm.UnsupportedError, match="qwen3moe.expert_group_count 4 needs MoeLayer's"):
+            routemm.MoeLayer.from_gguf(path, 1, device=device)
+        return
+    layer = routemm.MoeLayer.from_gguf(path, 1, device=device)
+    keep = ~near_tie(select, top_k)
+    atol, rtol = MOE_EXPERTS_TOLERANCE
+    np.testing.assert_allclose(layer(hidden)[keep], ref[keep], atol=atol * 10, rtol=rtol * 10)

@@ -11,8 +11,9 @@ build_moe_ffn computes them (src/llama-graph.cpp and src/models/<arch>.cpp).
 | gpt-oss | softmax over the selected logits (= softmax, renormalised) | yes | router bias, expert biases, swiglu_oai (alpha 1.702, limit 7) |
 | llama4 | sigmoid of the selected logits | no | top-1 weight applied before the FFN, shared expert, `interleave_moe_layer_step` dense layers |
 
-`<arch>.expert_weights_norm`, where a file has it, decides renormalisation for every architecture;
-`<arch>.expert_gating_func` must be 1 or 2 where present. Keys that change the computation in a
+`<arch>.expert_weights_norm`, where a file has it, decides renormalisation for every architecture,
+and `<arch>.expert_group_count` / `expert_group_used_count` the expert groups (llama.cpp reads both
+for any architecture); `<arch>.expert_gating_func` must be 1 or 2 where present. Keys that change the computation in a
 way routemm does not implement (`<arch>.swiglu_clamp_exp`, a merged `ffn_gate_up_exps` stack, other
 gating functions) are refused by name.
 """
@@ -43,7 +44,7 @@ _LLAMA_GATING_FUNCS = {0: "none", 1: "softmax", 2: "sigmoid", 3: "softmax_weight
 _DEFAULT_GATING = {"glm4moe": 2, "llama4": 2}  # others: 1 (softmax)
 _FIXED_GATING = {"llama4": 2, "gpt-oss": 1}  # llama.cpp does not read the key for these
 _SHARED_ARCHS = {"qwen2moe", "deepseek2", "glm4moe", "llama4"}
-_ROUTING_KEYS_OF = {"deepseek2", "glm4moe"}  # read exp_probs_b, groups and the weight scale
+_ROUTING_KEYS_OF = {"deepseek2", "glm4moe"}  # read exp_probs_b and the weight scale
 
 
 @dataclasses.dataclass
@@ -215,20 +216,21 @@ def plan_layer(meta: dict, tensors: dict, layer, path: str) -> LayerPlan:
         arch=arch, layer=layer, n_experts=n_experts, top_k=top_k, renormalize=renormalize, router=router,
         experts=experts, types={}, scoring_func=GATING_FUNCS[gating],
     )  # fmt: skip
+    # Expert groups: llama.cpp reads them for every architecture.
+    groups_key, used_groups_key = f"{arch}.expert_group_count", f"{arch}.expert_group_used_count"
+    groups = _int(meta, groups_key, where, minimum=1) if groups_key in meta else 1
+    if groups > 1:
+        if used_groups_key not in meta:
+            raise InvalidArgumentError(f"{where}: {groups_key} {groups} without {used_groups_key}")
+        used = _int(meta, used_groups_key, where, minimum=1)
+        if n_experts % groups or used > groups:
+            raise InvalidArgumentError(
+                f"{where}: {groups_key} {groups} and {used_groups_key} {used} do not fit {count_key} {n_experts}"
+            )
+        plan.num_expert_group, plan.topk_group = groups, used
     if arch in _ROUTING_KEYS_OF:
         bias = f"{blk}.exp_probs_b.bias"
         plan.e_score_correction_bias = bias if bias in tensors else None
-        groups_key, used_groups_key = f"{arch}.expert_group_count", f"{arch}.expert_group_used_count"
-        groups = _int(meta, groups_key, where, minimum=1) if groups_key in meta else 1
-        if groups > 1:
-            if used_groups_key not in meta:
-                raise InvalidArgumentError(f"{where}: {groups_key} {groups} without {used_groups_key}")
-            used = _int(meta, used_groups_key, where, minimum=1)
-            if n_experts % groups or used > groups:
-                raise InvalidArgumentError(
-                    f"{where}: {groups_key} {groups} and {used_groups_key} {used} do not fit {count_key} {n_experts}"
-                )
-            plan.num_expert_group, plan.topk_group = groups, used
         scale_key = f"{arch}.expert_weights_scale"
         if scale_key in meta:
             scale = _float(meta, scale_key, where)
