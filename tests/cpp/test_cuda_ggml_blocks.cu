@@ -3,7 +3,8 @@
 // edge cases (subnormal, negative and zero scales, MXFP4's subnormal exponents and its "-0" code),
 // blocks at odd addresses for the formats read bytewise, and the lane contract (ggml::lane_dot +
 // ggml::sum8) bit for bit against the same contract evaluated on the host from the reference
-// values. Skips without a CUDA device.
+// values, and the tensor-core route's view of each value (code, bias, scale, min) rebuilding it
+// bit for bit. Skips without a CUDA device.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -36,6 +37,21 @@ __global__ void decode_kernel(const uint8_t* data, uint32_t values, float* out) 
   const uint8_t* block = data + size_t{i / F::kValues} * F::kBytes;
   const uint32_t sub = (i % F::kValues) / 32, l = i % 32;
   out[i] = F::value(block, F::scale(block, sub), sub, l);
+}
+
+// Value i rebuilt from the tensor-core route's view (the code, its bias, the LowpScale) with the
+// dequantiser's operations: (lo or hi) * (code - bias), then + m for the formats with a min.
+template <class F, bool kMin>
+__global__ void lowp_decode_kernel(const uint8_t* data, uint32_t values, float* out) {
+  const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= values) return;
+  const uint8_t* block = data + size_t{i / F::kValues} * F::kBytes;
+  const uint32_t sub = (i % F::kValues) / 32, l = i % 32;
+  const uint32_t code = F::code(block, F::scale(block, sub), sub, l);
+  const gb::LowpScale s = F::lowp(block, sub);
+  const float integer = static_cast<float>(static_cast<int>(code) - static_cast<int>(F::kCodeBias));
+  const float product = __fmul_rn(l < 16 ? s.lo : s.hi, integer);
+  out[i] = kMin ? __fadd_rn(product, s.m) : product;
 }
 
 // One row of k values dotted with x under the lane contract (eight threads).
@@ -97,6 +113,37 @@ float host_lane_dot(const std::vector<float>& w, const std::vector<float>& x) {
   float a[8] = {};
   for (size_t i = 0; i < w.size(); ++i) a[i % 8] = std::fma(w[i], x[i], a[i % 8]);
   return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+// The tensor-core route's codes, biases and scales rebuild every reference value bit for bit.
+template <class F, bool kMin>
+void check_lowp_view() {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device";
+  const ggml_formats::Format& f = ggml_formats::format(F::kName);
+  std::mt19937 rng(99);
+  const size_t blocks = 64, values = blocks * f.block_values;
+  const std::vector<uint8_t> data = random_blocks(f, blocks, rng);
+  std::vector<float> ref(values), got(values);
+  ggml_formats::dequantize(f, data, ref);
+  uint8_t* d_data = nullptr;
+  float* d_out = nullptr;
+  CUDA_OK(cudaMalloc(&d_data, data.size() + 1));
+  CUDA_OK(cudaMalloc(&d_out, values * 4));
+  CUDA_OK(cudaMemcpy(d_data + 1, data.data(), data.size(), cudaMemcpyHostToDevice));
+  lowp_decode_kernel<F, kMin><<<static_cast<unsigned>((values + 127) / 128), 128>>>(
+      d_data + 1, static_cast<uint32_t>(values), d_out);
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaMemcpy(got.data(), d_out, values * 4, cudaMemcpyDeviceToHost));
+  size_t mismatches = 0;
+  for (size_t i = 0; i < values; ++i) {
+    if (bits(got[i]) != bits(ref[i]) && ++mismatches <= 5) {
+      ADD_FAILURE() << F::kName << " value " << i << ": rebuilt " << got[i] << " reference "
+                    << ref[i];
+    }
+  }
+  EXPECT_EQ(mismatches, 0u);
+  CUDA_OK(cudaFree(d_data));
+  CUDA_OK(cudaFree(d_out));
 }
 
 template <class F>
@@ -168,6 +215,14 @@ TEST(CudaGgmlBlocks, Mxfp4MatchesReference) { check_format<gb::Mxfp4Blocks>(); }
 TEST(CudaGgmlBlocks, Q4_KMatchesReference) { check_format<gb::Q4_KBlocks>(); }
 TEST(CudaGgmlBlocks, Q5_KMatchesReference) { check_format<gb::Q5_KBlocks>(); }
 TEST(CudaGgmlBlocks, Q6_KMatchesReference) { check_format<gb::Q6_KBlocks>(); }
+
+TEST(CudaGgmlBlocks, Q4_1LowpViewRebuildsTheValues) { check_lowp_view<gb::Q4_1Blocks, true>(); }
+TEST(CudaGgmlBlocks, Q5_0LowpViewRebuildsTheValues) { check_lowp_view<gb::Q5_0Blocks, false>(); }
+TEST(CudaGgmlBlocks, Q5_1LowpViewRebuildsTheValues) { check_lowp_view<gb::Q5_1Blocks, true>(); }
+TEST(CudaGgmlBlocks, Mxfp4LowpViewRebuildsTheValues) { check_lowp_view<gb::Mxfp4Blocks, false>(); }
+TEST(CudaGgmlBlocks, Q4_KLowpViewRebuildsTheValues) { check_lowp_view<gb::Q4_KBlocks, true>(); }
+TEST(CudaGgmlBlocks, Q5_KLowpViewRebuildsTheValues) { check_lowp_view<gb::Q5_KBlocks, true>(); }
+TEST(CudaGgmlBlocks, Q6_KLowpViewRebuildsTheValues) { check_lowp_view<gb::Q6_KBlocks, false>(); }
 
 // MXFP4's code 8 ("-0") dequantises to +0.0, as ggml's table has it, not -0.0.
 TEST(CudaGgmlBlocks, Mxfp4NegativeZeroCodeIsPositiveZero) {
