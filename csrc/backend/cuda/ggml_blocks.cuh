@@ -33,9 +33,9 @@ __device__ __forceinline__ float block_scale(const uint8_t* block) {
   return __half2float(__ushort_as_half(*reinterpret_cast<const uint16_t*>(block)));
 }
 
-// The F32 value of u - kBias for integers u, kBias < 2^23: u goes into the low mantissa bits of 2^23, making the float 2^23 + u, and
-// subtracting 2^23 + bias (both integers below 2^24, so exactly) leaves u - bias, +0.0 when equal,
-// as a conversion gives it. One logic operation and one add instead of an integer-to-float
+// The F32 value of u - kBias for integers u, kBias < 2^23: u goes into the low mantissa bits of
+// 2^23, making the float 2^23 + u, and subtracting 2^23 + kBias (both integers below 2^24, so
+// exactly) leaves u - kBias, +0.0 when equal, as a conversion gives it. One logic operation and one add instead of an integer-to-float
 // conversion, which issues at a quarter of the FMA rate and bound the direct kernel at m = 8 (one
 // conversion per weight).
 template <uint32_t kBias>

@@ -31,12 +31,13 @@
 // and, optionally (both lowp only, with kSliceScales; absent means false / 1):
 //   kScaleSteps        2: each of the stage's two 16-value MMA K-steps has its own scale row, the
 //                      second BN * 4 bytes after the first, and its products their own slice.
-//   kSliceMins         each stage also adds min[col] * rowsum[row] to the result: min[col] the F32
-//                      the policy stored kScaleSteps * BN * 4 bytes after the scale row, rowsum[row]
-//                      the F32 sum of the row's stage activations as the MMA reads them (rounded),
-//                      which the kernel stores right after the mins (kMaxTileRows * 4 bytes the
-//                      policy counts in kStageExtraBytes). With it a block value d * q + m enters the
-//                      MMA as its integer q: d * sum(q x) + m * sum(x).
+//   kSliceMins         each stage also adds min[col] * rowsum[row] to the result: min[col] the
+//                      F32 the policy stored kScaleSteps * BN * 4 bytes after the scale row,
+//                      rowsum[row] the F32 sum of the row's stage activations as the MMA reads
+//                      them (rounded), which the kernel stores right after the mins
+//                      (kMaxTileRows * 4 bytes the policy counts in kStageExtraBytes). With it a
+//                      block value d * q + m enters the MMA as its integer q: d * sum(q x) +
+//                      m * sum(x).
 // A policy must write every byte of its tile that the MMA reads (zeros past n and past k).
 #pragma once
 
