@@ -35,9 +35,9 @@ __device__ __forceinline__ float block_scale(const uint8_t* block) {
 
 // The F32 value of u - kBias for integers u, kBias < 2^23: u goes into the low mantissa bits of
 // 2^23, making the float 2^23 + u, and subtracting 2^23 + kBias (both integers below 2^24, so
-// exactly) leaves u - kBias, +0.0 when equal, as a conversion gives it. One logic operation and one add instead of an integer-to-float
-// conversion, which issues at a quarter of the FMA rate and bound the direct kernel at m = 8 (one
-// conversion per weight).
+// exactly) leaves u - kBias, +0.0 when equal, as a conversion gives it. One logic operation and
+// one add instead of an integer-to-float conversion, which issues at a quarter of the FMA rate and
+// bound the direct kernel at m = 8 (one conversion per weight).
 template <uint32_t kBias>
 __device__ __forceinline__ float code_value(uint32_t u) {
   return __fsub_rn(__uint_as_float(0x4B000000u | u), 8388608.0f + static_cast<float>(kBias));

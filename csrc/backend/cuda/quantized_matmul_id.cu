@@ -754,7 +754,7 @@ void launch_grouped_lowp(const KernelLaunch& launch, void* stream) {
   check(launch, cudaGetLastError());
 }
 
-// ---- Dense projections of the kernel formats -----------------------------------------------------
+// ---- Dense projections of the kernel formats ----------------------------------------------------
 //
 // kernel_mul_mv_F_f32 and kernel_mul_mm_F_f32 of every format of ggml_formats.h's kKernelFormats
 // (the Q8_0 pipelines' slots and params): one kernel, a block of 16 output columns x up to 8
