@@ -340,6 +340,7 @@ struct TensorMoeExpertsPlan {
   MoeExpertsParams params;
   MoeExpertsWorkspaceLayout layout;
   uint64_t hidden_nbytes = 0, stack_nbytes = 0, down_nbytes = 0;
+  uint64_t gate_up_bias_nbytes = 0, down_bias_nbytes = 0;  // 0: no such bias
   RoutemmMoeExpertsPlanInfo info{};
 };
 
@@ -410,6 +411,15 @@ std::shared_ptr<const TensorMoeExpertsPlan> plan_tensor_moe_experts(
   p.n_experts = u32_field(op, "n_experts", e);
   p.hidden = u32_field(op, "H", h);
   p.intermediate = u32_field(op, "I", inter);
+  if (sh.activation > 1) {
+    throw InvalidArgument("moe_experts: unknown activation code " + std::to_string(sh.activation));
+  }
+  p.activation = sh.activation == 1 ? MoeActivation::SwigluOai : MoeActivation::Silu;
+  p.swiglu_alpha = sh.swiglu_alpha;
+  p.swiglu_limit = sh.swiglu_limit;
+  p.gate_up_bias = sh.gate_up_bias != 0;
+  p.down_bias = sh.down_bias != 0;
+  p.weights_before_ffn = sh.weights_before_ffn != 0;
   moe_experts_auto_route(target.device.backend_name(), p, sh.exact != 0);
   plan->layout = moe_experts_workspace(p);  // every extent and route check of the op
   plan->hidden_nbytes = checked_product({p.m, p.hidden, 4}, "moe_experts hidden bytes");
@@ -421,6 +431,13 @@ std::shared_ptr<const TensorMoeExpertsPlan> plan_tensor_moe_experts(
       {static_cast<uint64_t>(down[0]), static_cast<uint64_t>(down[1]),
        static_cast<uint64_t>(down[2]), p.ggml_type ? 1u : dtype_size(p.weight_dtype)},
       "moe_experts down bytes");
+  if (p.gate_up_bias) {
+    plan->gate_up_bias_nbytes = checked_product(
+        {p.n_experts, p.split_gate_up ? 1u : 2u, p.intermediate, 4}, "moe_experts gate_up_bias");
+  }
+  if (p.down_bias) {
+    plan->down_bias_nbytes = checked_product({p.n_experts, p.hidden, 4}, "moe_experts down_bias");
+  }
   plan->info = {p.m, p.hidden, plan->layout.total_bytes, moe_experts_grouped(p) ? 1u : 0u};
   return plan;
 }
@@ -450,13 +467,24 @@ MoeExpertsReceipt enqueue_moe_experts(const TensorMoeExpertsPlan& plan,
   const Buffer out = borrowed(device, ptr.out, m * h * 4, DType::F32, {m, h}, true);
   const Buffer workspace = borrowed(device, ptr.workspace, plan.layout.total_bytes, DType::U8,
                                     {plan.layout.total_bytes}, true);
+  // The biases the plan has (a missing pointer borrows nothing: the op then names the bias).
+  std::optional<Buffer> gate_up_bias, up_bias, down_bias;
+  const auto bias = [&](std::optional<Buffer>& b, uint64_t pointer, uint64_t nbytes) {
+    if (nbytes != 0 && pointer != 0)
+      b = borrowed(device, pointer, nbytes, DType::F32, {nbytes / 4}, false);
+  };
+  bias(gate_up_bias, ptr.gate_up_bias, plan.gate_up_bias_nbytes);
+  if (p.split_gate_up) bias(up_bias, ptr.up_bias, plan.gate_up_bias_nbytes);
+  bias(down_bias, ptr.down_bias, plan.down_bias_nbytes);
+  const MoeExpertsBiases biases{gate_up_bias ? &*gate_up_bias : nullptr,
+                                up_bias ? &*up_bias : nullptr, down_bias ? &*down_bias : nullptr};
   const bool on_stream = ptr.has_stream != 0;
   CommandEncoder encoder = device.command_encoder(
       EncoderOptions{on_stream ? std::optional<uint64_t>(ptr.stream) : std::nullopt, std::nullopt});
   // A refusal inside drops this encoder uncommitted: nothing of the call runs.
   const MoeExpertsReceipt receipt =
       moe_experts(encoder, *plan.target->registry, hidden, ids, weights, gate_up,
-                  up ? &*up : nullptr, down, out, workspace, p);
+                  up ? &*up : nullptr, down, out, workspace, p, biases);
   start(encoder, on_stream);
   return receipt;
 }
@@ -860,7 +888,9 @@ void init_enqueue(py::module_& m) {
       "_plan_tensor_moe_experts",
       [](int32_t type, int32_t index, DType weight_dtype, std::optional<std::string> ggml_type,
          bool split_gate_up, bool exact, std::vector<int64_t> hidden, std::vector<int64_t> ids,
-         std::vector<int64_t> weights, std::vector<int64_t> gate_up, std::vector<int64_t> down) {
+         std::vector<int64_t> weights, std::vector<int64_t> gate_up, std::vector<int64_t> down,
+         const std::string& activation, float swiglu_alpha, float swiglu_limit, bool gate_up_bias,
+         bool down_bias, bool weights_before_ffn) {
         int32_t type_code = -1;
         if (ggml_type) {
           const GgmlType parsed = parse_enum("moe_experts", *ggml_type, kAllGgmlTypes, "ggml_type");
@@ -869,6 +899,10 @@ void init_enqueue(py::module_& m) {
         const auto rank = [](const std::vector<int64_t>& v) {
           return static_cast<uint32_t>(v.size());
         };
+        if (activation != "silu" && activation != "swiglu_oai") {
+          throw InvalidArgument("moe_experts activation must be 'silu' or 'swiglu_oai', got '" +
+                                activation + "'");
+        }
         const RoutemmMoeExpertsShapes shapes{type,
                                              index,
                                              static_cast<uint32_t>(weight_dtype),
@@ -884,28 +918,39 @@ void init_enqueue(py::module_& m) {
                                              ids.data(),
                                              weights.data(),
                                              gate_up.data(),
-                                             down.data()};
+                                             down.data(),
+                                             activation == "swiglu_oai" ? 1u : 0u,
+                                             swiglu_alpha,
+                                             swiglu_limit,
+                                             gate_up_bias ? 1u : 0u,
+                                             down_bias ? 1u : 0u,
+                                             weights_before_ffn ? 1u : 0u};
         auto plan = plan_tensor_moe_experts(tensor_op_target(type, index), shapes);
         return std::const_pointer_cast<TensorMoeExpertsPlan>(plan);
       },
       py::arg("device_type"), py::arg("device_index"), py::arg("weight_dtype"),
       py::arg("ggml_type"), py::arg("split_gate_up"), py::arg("exact"), py::arg("hidden_shape"),
       py::arg("ids_shape"), py::arg("weights_shape"), py::arg("gate_up_shape"),
-      py::arg("down_shape"),
+      py::arg("down_shape"), py::arg("activation") = "silu", py::arg("swiglu_alpha") = 1.702f,
+      py::arg("swiglu_limit") = 7.0f, py::arg("gate_up_bias") = false, py::arg("down_bias") = false,
+      py::arg("weights_before_ffn") = false,
       "The plan of one moe_experts call shape (the block's shape-only route).");
   m.def(
       "_enqueue_moe_experts",
       [](const TensorMoeExpertsPlan& plan, uint64_t hidden, uint64_t ids, uint64_t weights,
          uint64_t gate_up, uint64_t up, uint64_t down, uint64_t output, uint64_t workspace,
-         std::optional<uint64_t> stream) {
+         std::optional<uint64_t> stream, uint64_t gate_up_bias, uint64_t up_bias,
+         uint64_t down_bias) {
         const RoutemmMoeExpertsPointers ptr{
-            hidden, ids,    weights,   gate_up,          up,
-            down,   output, workspace, stream ? 1u : 0u, stream.value_or(0)};
+            hidden,       ids,     weights,   gate_up,          up,
+            down,         output,  workspace, stream ? 1u : 0u, stream.value_or(0),
+            gate_up_bias, up_bias, down_bias};
         const MoeExpertsReceipt r = enqueue_moe_experts(plan, ptr);
         return py::make_tuple(moe_experts_route_name(plan.params), r.dispatch_count);
       },
       py::arg("plan"), py::arg("hidden"), py::arg("ids"), py::arg("weights"), py::arg("gate_up"),
       py::arg("up"), py::arg("down"), py::arg("output"), py::arg("workspace"), py::arg("stream"),
+      py::arg("gate_up_bias") = 0, py::arg("up_bias") = 0, py::arg("down_bias") = 0,
       "One planned moe_experts call on caller memory given by pointers, encoded and started "
       "(returns (route, dispatch count)).");
   m.def(

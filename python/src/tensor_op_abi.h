@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define ROUTEMM_TENSOR_OP_ABI_VERSION 5
+#define ROUTEMM_TENSOR_OP_ABI_VERSION 7
 #define ROUTEMM_TENSOR_OP_ABI_CAPSULE "routemm._core._tensor_op_abi"
 
 // DLPack device types of the devices the tensor ops run on.
@@ -107,6 +107,12 @@ typedef struct RoutemmMoeExpertsShapes {
   const int64_t* weights_shape;
   const int64_t* gate_up_shape;
   const int64_t* down_shape;
+  // Version 7. The block's FFN options (routemm/ops/moe_experts.h MoeExpertsParams).
+  uint32_t activation;  // 0 silu, 1 swiglu_oai
+  float swiglu_alpha, swiglu_limit;
+  uint32_t gate_up_bias;  // 1: the pointers carry gate_up_bias (split: and up_bias), float32
+  uint32_t down_bias;     // 1: the pointers carry down_bias [E, H] float32
+  uint32_t weights_before_ffn;
 } RoutemmMoeExpertsShapes;
 
 typedef struct RoutemmMoeExpertsPlanInfo {
@@ -119,6 +125,9 @@ typedef struct RoutemmMoeExpertsPointers {
   uint64_t hidden, ids, weights, gate_up, up, down, out, workspace;  // up: 0 unless split
   uint32_t has_stream;
   uint64_t stream;
+  // Version 7. Biases as the plan has them (0 otherwise): gate_up_bias [E, 2I], or the gate bias
+  // [E, I] and up_bias [E, I] with split stacks; down_bias [E, H]. Float32, contiguous.
+  uint64_t gate_up_bias, up_bias, down_bias;
 } RoutemmMoeExpertsPointers;
 
 // One MoE gate (routemm/ops/moe.h moe_gate): logits [m, n_experts] float32 -> weights [m, top_k]

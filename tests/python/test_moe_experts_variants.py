@@ -347,3 +347,249 @@ def test_core_refuses_mismatched_bias_buffers(device, registry):
         _core._moe_experts(enc, registry, *bufs[:4], None, bufs[4], out, ws, *params, activation="relu")
     # Nothing was encoded: the encoder commits empty and the output is untouched.
     enc.commit_and_wait()
+
+
+# ---- torch path ----------------------------------------------------------------------------------
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _torch_case(tdev, split=False, scale=2.0, ggml_type=None, top_k=TOP_K):
+    """(x, ids, w, gate_up, down, up, biases as the torch op takes them, numpy stacks for the
+    reference, numpy biases) on `tdev`."""
+    torch = _torch()
+    gate, up, down = _stacks(scale=scale)
+    gb, ub, db = _biases()
+    x, ids, w = _routing(top_k=top_k)
+    if ggml_type is not None:
+        codec = CODECS[ggml_type]
+        q = [codec.quantize(a) for a in (gate, up, down)]
+        gate, up, down = (codec.dequantize(b, a.shape) for b, a in zip(q, (gate, up, down), strict=True))
+        stacks = [torch.from_numpy(b) for b in q]
+        gate_up_t, up_t, down_t = (stacks[0], stacks[1], stacks[2])
+        split = True
+    elif split:
+        gate_up_t, up_t, down_t = (torch.from_numpy(a) for a in (gate, up, down))
+    else:
+        gate_up_t, up_t, down_t = torch.from_numpy(np.concatenate([gate, up], axis=1)), None, torch.from_numpy(down)
+    if split:
+        bias_t = {"gate_up_bias": torch.from_numpy(gb), "up_bias": torch.from_numpy(ub)}
+    else:
+        bias_t = {"gate_up_bias": torch.from_numpy(np.concatenate([gb, ub], axis=1))}
+    bias_t["down_bias"] = torch.from_numpy(db)
+    move = lambda t: None if t is None else t.to(tdev)  # noqa: E731
+    return (
+        *(move(torch.from_numpy(a)) for a in (x, ids, w)), move(gate_up_t), move(down_t), move(up_t),
+        {k: move(v) for k, v in bias_t.items()}, (gate, up, down), (gb, ub, db), (x, ids, w),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("ggml_type", [None, "q4_0", "q8_0"])
+@pytest.mark.parametrize("split", [False, True])
+def test_torch_op_is_the_front_doors_bits_with_every_option(tdev, split, ggml_type):
+    """Exact routes: torch.ops.routemm.moe_experts with the options gives routemm.moe_experts' bits
+    (the same core op), and both agree with the float64 reference."""
+    if ggml_type is not None and not split:
+        pytest.skip("block stacks come as a gate and an up stack here")
+    torch = _torch()
+    import routemm.torch  # noqa: F401
+
+    x, ids, w, gate_up, down, up, biases, stacks, bias_np, arrays = _torch_case(tdev, split, ggml_type=ggml_type)
+    kw = dict(activation="swiglu_oai", swiglu_alpha=1.5, swiglu_limit=5.0, weights_before_ffn=True)
+    got = torch.ops.routemm.moe_experts(x, ids, w, gate_up, down, up, ggml_type, True, **kw, **biases)
+    np_kw = dict(kw)
+    if split:
+        np_kw.update(gate_bias=bias_np[0], up_bias=bias_np[1])
+    else:
+        np_kw.update(gate_up_bias=np.concatenate(bias_np[:2], axis=1))
+    np_stacks = (gate_up.cpu().numpy(), up.cpu().numpy()) if split else gate_up.cpu().numpy()
+    want_bits = routemm.moe_experts(
+        *arrays, np_stacks, down.cpu().numpy(), ggml_type=ggml_type, down_bias=bias_np[2], device="cpu", **np_kw
+    )
+    if tdev == "cpu":
+        np.testing.assert_array_equal(got.numpy(), want_bits)
+    act = lambda g, u: _swiglu_oai(g, u, 1.5, 5.0)  # noqa: E731
+    want = reference(
+        *arrays, *stacks, act=act, gate_bias=bias_np[0], up_bias=bias_np[1], down_bias=bias_np[2], before=True
+    )
+    tol = 5e-2 if ggml_type else ATOL
+    _close(got.cpu().numpy(), want, atol=tol, rtol=tol)
+
+
+def test_torch_op_both_kernel_sets_agree_with_options(tdev):
+    """The C++ kernels and the Python kernel (rt._moe_experts) give the same bits and refuse with
+    the same words."""
+    torch = _torch()
+    import routemm.torch as rt
+
+    x, ids, w, gate_up, down, up, biases, *_ = _torch_case(tdev)
+    kw = dict(activation="swiglu_oai", weights_before_ffn=True, **biases)
+    a = torch.ops.routemm.moe_experts(x, ids, w, gate_up, down, **kw)
+    b = rt._moe_experts(x, ids, w, gate_up, down, **kw)
+    assert torch.equal(a, b)
+    e2i = biases["gate_up_bias"]
+    cases = [
+        ({"activation": "gelu"}, "activation must be 'silu' or 'swiglu_oai', got 'gelu'"),
+        ({"swiglu_alpha": float("inf")}, "swiglu_alpha must be finite, got inf"),
+        ({"swiglu_alpha": 1e300}, "swiglu_alpha must be finite"),
+        ({"swiglu_limit": 0.0}, r"swiglu_limit must be > 0, got 0.000000"),
+        ({"swiglu_limit": float("nan")}, "swiglu_limit must be > 0, got nan"),
+        ({"gate_up_bias": e2i[:, :I]}, r"gate_up_bias must be \(6, 64\), got shape \(6, 32\)"),
+        ({"gate_up_bias": e2i.int()}, "gate_up_bias must be a float tensor, got torch.int32"),
+        ({"up_bias": e2i[:, :I]}, r"up_bias goes with split stacks \(up\) and gate_up_bias"),
+        ({"down_bias": e2i[:, : H - 1]}, r"down_bias must be \(6, 64\), got shape \(6, 63\)"),
+    ]  # fmt: skip
+    for extra, message in cases:
+        with pytest.raises(ValueError, match=message) as from_op:
+            torch.ops.routemm.moe_experts(x, ids, w, gate_up, down, **extra)
+        with pytest.raises(routemm.InvalidArgumentError) as from_python:
+            rt._moe_experts(x, ids, w, gate_up, down, **extra)
+        assert str(from_op.value) == str(from_python.value)
+    # Split stacks: the gate's bias and the up bias come together.
+    gate, upw = gate_up[:, :I].contiguous(), gate_up[:, I:].contiguous()
+    with pytest.raises(ValueError, match="take gate_up_bias .the gate's. and up_bias together"):
+        torch.ops.routemm.moe_experts(x, ids, w, gate, down, upw, gate_up_bias=e2i[:, :I].contiguous())
+
+
+def test_torch_op_model_dtype_biases_and_compile(tdev):
+    torch = _torch()
+    import routemm.torch  # noqa: F401
+
+    x, ids, w, gate_up, down, up, biases, *_ = _torch_case(tdev)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    bb = {k: v.bfloat16() for k, v in biases.items()}
+    kw = dict(activation="swiglu_oai", weights_before_ffn=True)
+    eager = torch.ops.routemm.moe_experts(xb, ids, wb, gate_up, down, **kw, **bb)
+    assert eager.dtype == torch.bfloat16
+    # Biases in the model dtype are used as float32: the same as handing them over as float32.
+    as_f32 = torch.ops.routemm.moe_experts(xb, ids, wb, gate_up, down, **kw, **{k: v.float() for k, v in bb.items()})
+    assert torch.equal(eager, as_f32)
+
+    def block(x_, w_, gub, db):
+        return torch.ops.routemm.moe_experts(x_, ids, w_, gate_up, down, gate_up_bias=gub, down_bias=db, **kw)
+
+    compiled = torch.compile(block, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(xb, wb, bb["gate_up_bias"], bb["down_bias"]), eager)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = torch.ops.routemm.moe_experts(
+            mode.from_tensor(xb), mode.from_tensor(ids), mode.from_tensor(wb), mode.from_tensor(gate_up),
+            mode.from_tensor(down), gate_up_bias=mode.from_tensor(bb["gate_up_bias"]), **kw,
+        )  # fmt: skip
+        assert fake.shape == eager.shape and fake.dtype == torch.bfloat16
+        with pytest.raises(routemm.InvalidArgumentError, match="activation must be"):
+            torch.ops.routemm.moe_experts(
+                mode.from_tensor(xb), mode.from_tensor(ids), mode.from_tensor(wb), mode.from_tensor(gate_up),
+                mode.from_tensor(down), activation="relu",
+            )  # fmt: skip
+
+
+def _torch_reference(x, ids, w, gate, up, down, gb, ub, db, activation, before, alpha=ALPHA, limit=LIMIT):
+    """The block in float64 torch operations (the gradients' reference)."""
+    torch = _torch()
+    out = torch.zeros((x.shape[0], down.shape[1]), dtype=torch.float64)
+    rows = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros(down.shape[1], dtype=torch.float64)
+        for s in range(ids.shape[1]):
+            e = int(ids[t, s])
+            if not 0 <= e < gate.shape[0]:
+                continue
+            xin = w[t, s] * x[t] if before else x[t]
+            g, u = gate[e] @ xin, up[e] @ xin
+            if gb is not None:
+                g, u = g + gb[e], u + ub[e]
+            if activation == "swiglu_oai":
+                g = torch.clamp(g, max=limit)
+                u = torch.clamp(u, min=-limit, max=limit)
+                a = g * torch.sigmoid(alpha * g) * (u + 1)
+            else:
+                a = torch.nn.functional.silu(g) * u
+            y = down[e] @ a
+            if db is not None:
+                y = y + db[e]
+            acc = acc + (y if before else w[t, s] * y)
+        rows.append(acc)
+    return out + torch.stack(rows)
+
+
+@pytest.mark.parametrize(
+    ("activation", "with_bias", "before"),
+    [("swiglu_oai", False, False), ("silu", True, False), ("silu", False, True), ("swiglu_oai", True, True)],
+)
+@pytest.mark.parametrize("split", [False, True])
+def test_torch_gradients_match_float64_autograd(split, activation, with_bias, before):
+    """Every input's gradient (hidden, weights, stacks, biases) against torch autograd of a float64
+    reference, through both clamps of swiglu_oai (scale 3: some products past the limit)."""
+    torch = _torch()
+    import routemm.torch  # noqa: F401
+
+    x, ids, w, gate_up, down, up, biases, *_ = _torch_case("cpu", split, scale=3.0)
+    if not with_bias:
+        biases = {}
+    names = ["x", "w", "gate_up", "down"] + (["up"] if split else []) + list(biases)
+    tensors = [x, w, gate_up, down] + ([up] if split else []) + list(biases.values())
+    leaves = {n: t.clone().requires_grad_() for n, t in zip(names, tensors, strict=True)}
+    kw = {k: leaves[k] for k in biases}
+    out = torch.ops.routemm.moe_experts(
+        leaves["x"], ids, leaves["w"], leaves["gate_up"], leaves["down"], leaves.get("up"),
+        activation=activation, weights_before_ffn=before, **kw,
+    )  # fmt: skip
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    out.backward(grad_out)
+    ref = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
+    gu = ref["gate_up"]
+    gate, upw = (gu, ref["up"]) if split else (gu[:, :I], gu[:, I:])
+    if with_bias:
+        gub = ref["gate_up_bias"]
+        gb, ub = (gub, ref["up_bias"]) if split else (gub[:, :I], gub[:, I:])
+        db = ref["down_bias"]
+    else:
+        gb = ub = db = None
+    want = _torch_reference(ref["x"], ids, ref["w"], gate, upw, ref["down"], gb, ub, db, activation, before)
+    want.backward(grad_out.double())
+    assert torch.allclose(out.double(), want, rtol=1e-5, atol=1e-5)
+    for n in names:
+        got, exp = leaves[n].grad, ref[n].grad
+        assert got is not None and got.dtype == torch.float32, n
+        err = float((got.double() - exp).abs().max() / exp.abs().max())
+        assert err <= 1e-5, (n, err)
+    if activation == "swiglu_oai":  # the clamps bind on these inputs: some gate/up products are past 7
+        assert any(float(leaves[n].grad.abs().max()) > 0 for n in names)
+
+
+def test_torch_block_stacks_refuse_a_bias_gradient():
+    torch = _torch()
+    import routemm.torch  # noqa: F401
+
+    x, ids, w, gate, down, up, biases, *_ = _torch_case("cpu", ggml_type="q4_0")
+    db = biases["down_bias"].clone().requires_grad_()
+    out = torch.ops.routemm.moe_experts(x, ids, w, gate, down, up, "q4_0", down_bias=db)
+    with pytest.raises(routemm.UnsupportedError, match="no gradient through GGML block stacks.*down_bias"):
+        out.sum().backward()
+
+
+def test_routemm_moe_experts_on_tensors_with_a_shared_expert(tdev):
+    """routemm.moe_experts on torch tensors takes every option, the shared expert included, and
+    gives the NumPy path's result."""
+    torch = _torch()
+    x, ids, w, gate_up, down, up, biases, stacks, bias_np, arrays = _torch_case(tdev)
+    rng = np.random.default_rng(8)
+    sg, su = (rng.standard_normal((I, H)).astype(np.float32) / H**0.5 for _ in range(2))
+    sd = rng.standard_normal((H, I)).astype(np.float32) / I**0.5
+    sv = rng.standard_normal(H).astype(np.float32) / H**0.5
+    kw = dict(activation="swiglu_oai", weights_before_ffn=True, down_bias=biases["down_bias"])
+    shared = dict(
+        shared_gate_up=torch.from_numpy(np.concatenate([sg, su])).to(tdev), shared_down=torch.from_numpy(sd).to(tdev),
+        shared_gate=torch.from_numpy(sv).to(tdev),
+    )  # fmt: skip
+    got = routemm.moe_experts(x, ids, w, gate_up, down, gate_up_bias=biases["gate_up_bias"], **kw, **shared)
+    assert isinstance(got, torch.Tensor) and got.device == x.device
+    want = reference(
+        *arrays, *stacks, act=_swiglu_oai, gate_bias=bias_np[0], up_bias=bias_np[1], down_bias=bias_np[2],
+        before=True, shared=(sg, su, sd, sv),
+    )  # fmt: skip
+    _close(got.cpu().numpy(), want)

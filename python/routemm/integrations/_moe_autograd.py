@@ -102,28 +102,103 @@ def moe_experts_backward(
     )
 
 
+def moe_experts_ffn_backward(grad_out, hidden, ids, weights, gate_up, down, up, biases, options, needs):
+    """The gradients of the block with FFN options (activation swiglu_oai, biases,
+    weights_before_ffn): the forward recomputed expert by expert in F32 with torch's operations
+    (each option as routemm.moe_experts defines it) and differentiated by torch autograd. `biases`:
+    (gate_up or gate, up, down) or None each; `needs`: which of (hidden, weights, gate_up, down, up,
+    gate_up_bias, up_bias, down_bias) want a gradient. Returns those gradients (None elsewhere), each
+    in its input's dtype."""
+    activation, alpha, limit, before = options
+    inputs = (hidden, weights, gate_up, down, up, *biases)
+    leaves = [
+        None if t is None else t.detach().float().requires_grad_(need) for t, need in zip(inputs, needs, strict=True)
+    ]
+    x, w_all, gu, dn, upw, b_gu, b_up, b_dn = leaves
+    n_experts, _, inter = (int(d) for d in down.shape)
+    m, top_k = (int(d) for d in ids.shape)
+    flat = ids.detach().reshape(-1).to(torch.int64)
+    valid = (flat >= 0) & (flat < n_experts)
+    key = torch.where(valid, flat, torch.full_like(flat, n_experts))
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=n_experts + 1)[:n_experts].tolist()  # one host read
+    token = torch.arange(m, device=ids.device).repeat_interleave(top_k)
+    split = up is not None
+    with torch.enable_grad():
+        out = torch.zeros((m, int(down.shape[1])), dtype=torch.float32, device=hidden.device)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            slots = order[start : start + count]
+            start += count
+            t = token[slots]
+            w = w_all.reshape(-1)[slots, None]
+            xs = x[t] * w if before else x[t]
+            g = xs @ (gu[e] if split else gu[e, :inter]).T
+            u = xs @ (upw[e] if split else gu[e, inter:]).T
+            if b_gu is not None:
+                g = g + (b_gu[e] if split else b_gu[e, :inter])
+                u = u + (b_up[e] if split else b_gu[e, inter:])
+            if activation == "swiglu_oai":
+                g = torch.clamp(g, max=limit)
+                u = torch.clamp(u, min=-limit, max=limit)
+                a = g * torch.sigmoid(alpha * g) * (u + 1)
+            else:
+                a = g * torch.sigmoid(g) * u
+            y = a @ dn[e].T
+            if b_dn is not None:
+                y = y + b_dn[e]
+            out = out.index_add(0, t, y if before else y * w)
+        wanted = [leaf for leaf, need in zip(leaves, needs, strict=True) if need]
+        grads = iter(torch.autograd.grad(out, wanted, grad_out.detach().float(), allow_unused=True))
+    result = []
+    for t, leaf, need in zip(inputs, leaves, needs, strict=True):
+        if not need:
+            result.append(None)
+            continue
+        grad = next(grads)
+        result.append((torch.zeros_like(leaf) if grad is None else grad).to(t.dtype))
+    return tuple(result)
+
+
 class MoeExpertsFunction(torch.autograd.Function):
     """torch.ops.routemm.moe_experts with its gradients: the forward is the op itself (run below
-    autograd), the backward moe_experts_backward."""
+    autograd), the backward moe_experts_backward (moe_experts_ffn_backward with FFN options)."""
 
     @staticmethod
-    def forward(ctx, hidden, ids, weights, gate_up, down, up, ggml_type, exact):
+    def forward(
+        ctx, hidden, ids, weights, gate_up, down, up, ggml_type, exact, activation="silu", swiglu_alpha=1.702,
+        swiglu_limit=7.0, gate_up_bias=None, up_bias=None, down_bias=None, weights_before_ffn=False,
+    ):  # fmt: skip
         with torch._C._AutoDispatchBelowAutograd():
-            out = torch.ops.routemm.moe_experts(hidden, ids, weights, gate_up, down, up, ggml_type, exact)
+            out = torch.ops.routemm.moe_experts(
+                hidden, ids, weights, gate_up, down, up, ggml_type, exact, activation, swiglu_alpha, swiglu_limit,
+                gate_up_bias, up_bias, down_bias, weights_before_ffn,
+            )  # fmt: skip
         ctx.ggml_type = ggml_type
-        ctx.save_for_backward(hidden, ids, weights, gate_up, down, up)
+        ctx.options = (activation, float(swiglu_alpha), float(swiglu_limit), bool(weights_before_ffn))
+        ctx.plain = activation == "silu" and weights_before_ffn is False and gate_up_bias is None and down_bias is None
+        ctx.save_for_backward(hidden, ids, weights, gate_up, down, up, gate_up_bias, up_bias, down_bias)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, ids, weights, gate_up, down, up = ctx.saved_tensors
+        hidden, ids, weights, gate_up, down, up, gate_up_bias, up_bias, down_bias = ctx.saved_tensors
         n = ctx.needs_input_grad
         if ctx.ggml_type is not None:
-            wanted = [name for name, need in (("hidden", n[0]), ("top_k_weights", n[2])) if need]
+            named = (("hidden", n[0]), ("top_k_weights", n[2]), ("gate_up_bias", n[11]), ("up_bias", n[12]))
+            wanted = [name for name, need in (*named, ("down_bias", n[13])) if need]
             raise UnsupportedError(
                 f"routemm::moe_experts has no gradient through GGML block stacks ({ctx.ggml_type}): "
                 f"backward cannot reach {', '.join(wanted) or 'its inputs'}; dequantize the stacks to train through them"
             )
-        needs = (n[0], n[2], n[3], n[4], n[5])
-        dx, dw, dgu, ddown, dup = moe_experts_backward(grad_out, hidden, ids, weights, gate_up, down, up, needs)
-        return dx, None, dw, dgu, ddown, dup, None, None
+        if ctx.plain:
+            needs = (n[0], n[2], n[3], n[4], n[5])
+            dx, dw, dgu, ddown, dup = moe_experts_backward(grad_out, hidden, ids, weights, gate_up, down, up, needs)
+            return dx, None, dw, dgu, ddown, dup, None, None, None, None, None, None, None, None, None
+        needs = (n[0], n[2], n[3], n[4], n[5], n[11], n[12], n[13])
+        dx, dw, dgu, ddown, dup, dgub, dupb, ddb = moe_experts_ffn_backward(
+            grad_out, hidden, ids, weights, gate_up, down, up, (gate_up_bias, up_bias, down_bias), ctx.options, needs
+        )
+        return dx, None, dw, dgu, ddown, dup, None, None, None, None, None, dgub, dupb, ddb, None

@@ -36,10 +36,12 @@ records it in OPS; an op of another module registers the same way.
 """
 
 import importlib
+import math
 import os
 import warnings
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from ..core._errors import InvalidArgumentError
@@ -297,6 +299,63 @@ def _check_block_type(ggml_type: Optional[str]) -> None:
         raise InvalidArgumentError(f"moe_experts ggml_type must be None or one of {_TYPE_NAMES}, got {ggml_type!r}")
 
 
+def _float_text(value: float) -> str:
+    """A real as the C++ kernels print it (std::to_string: six decimals, nan, inf)."""
+    return f"{value:f}"
+
+
+def _check_ffn_options(
+    activation: str,
+    swiglu_alpha: float,
+    swiglu_limit: float,
+    gate_up_bias: Optional[torch.Tensor],
+    up_bias: Optional[torch.Tensor],
+    down_bias: Optional[torch.Tensor],
+    weights_before_ffn: bool,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    up: Optional[torch.Tensor],
+) -> dict:
+    """The FFN options checked (the C++ kernels' check_ffn_options, in its order and words): the
+    activation and its parameters, each bias's dtype and shape against the stacks'. Returns the
+    plan's options (the core binding's keywords)."""
+    if activation not in ("silu", "swiglu_oai"):
+        raise InvalidArgumentError(f"moe_experts activation must be 'silu' or 'swiglu_oai', got '{activation}'")
+    with np.errstate(over="ignore"):  # as the C++ kernels cast: a real past float32 becomes inf
+        alpha32, limit32 = (float(np.float32(v)) for v in (swiglu_alpha, swiglu_limit))
+    if not math.isfinite(alpha32):
+        raise InvalidArgumentError(f"moe_experts swiglu_alpha must be finite, got {_float_text(swiglu_alpha)}")
+    if not limit32 > 0:
+        raise InvalidArgumentError(f"moe_experts swiglu_limit must be > 0, got {_float_text(swiglu_limit)}")
+    split = up is not None
+
+    def expect(name: str, b: torch.Tensor, want: tuple) -> None:
+        if not b.dtype.is_floating_point:
+            raise InvalidArgumentError(f"moe_experts {name} must be a float tensor, got {b.dtype}")
+        if tuple(b.shape) != want:
+            raise InvalidArgumentError(f"moe_experts {name} must be {want}, got shape {tuple(b.shape)}")
+
+    if gate_up.dim() == 3 and down.dim() == 3:
+        # E and I from the gate/up stack's rows (values also for block stacks), H from down's.
+        e, h = int(gate_up.shape[0]), int(down.shape[1])
+        inter = int(gate_up.shape[1]) if split else int(gate_up.shape[1]) // 2
+        if gate_up_bias is not None:
+            expect("gate_up_bias", gate_up_bias, (e, inter if split else 2 * inter))
+        if up_bias is not None:
+            if not (split and gate_up_bias is not None):
+                raise InvalidArgumentError("moe_experts up_bias goes with split stacks (up) and gate_up_bias")
+            expect("up_bias", up_bias, (e, inter))
+        if split and gate_up_bias is not None and up_bias is None:
+            raise InvalidArgumentError("moe_experts split stacks take gate_up_bias (the gate's) and up_bias together")
+        if down_bias is not None:
+            expect("down_bias", down_bias, (e, h))
+    return {
+        "activation": activation, "swiglu_alpha": alpha32, "swiglu_limit": limit32,
+        "gate_up_bias": gate_up_bias is not None, "down_bias": down_bias is not None,
+        "weights_before_ffn": bool(weights_before_ffn),
+    }  # fmt: skip
+
+
 def _moe_experts(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -306,6 +365,13 @@ def _moe_experts(
     up: Optional[torch.Tensor] = None,
     ggml_type: Optional[str] = None,
     exact: bool = False,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+    gate_up_bias: Optional[torch.Tensor] = None,
+    up_bias: Optional[torch.Tensor] = None,
+    down_bias: Optional[torch.Tensor] = None,
+    weights_before_ffn: bool = False,
 ) -> torch.Tensor:
     """The MoE experts block in the model's dtype: out[t] = sum over slots s (in order) of
     top_k_weights[t, s] * down[e] @ (SiLU(gate[e] @ x[t]) * (up[e] @ x[t])), e = top_k_index[t, s],
@@ -313,13 +379,22 @@ def _moe_experts(
     gate stack [E, I, H] with `up` the up stack; down [E, H, I]; float stacks, or uint8 GGML block
     stacks of `ggml_type` (a SUPPORTED_TYPES value: 'q4_0', 'q4_k', ...). hidden and top_k_weights float32 / float16 / bfloat16;
     the block computes in F32 and returns hidden's dtype. Route: the block's shape-only rule
-    (tensor-core routes from the crossover on CUDA), or the bit-exact F32 routes with exact=True."""
+    (tensor-core routes from the crossover on CUDA), or the bit-exact F32 routes with exact=True.
+    FFN options (routemm.moe_experts'): activation "silu" or "swiglu_oai" with swiglu_alpha and
+    swiglu_limit; biases in any float dtype (used as float32): gate_up_bias [E, 2I] (with `up`:
+    the gate's [E, I], and up_bias [E, I]), down_bias [E, H]; weights_before_ffn (Llama-4)."""
     _check_model_dtype("hidden", hidden)
     _check_model_dtype("top_k_weights", top_k_weights)
     _check_block_type(ggml_type)
+    ffn = _check_ffn_options(
+        activation, swiglu_alpha, swiglu_limit, gate_up_bias, up_bias, down_bias, weights_before_ffn, gate_up, down, up
+    )
     x = hidden.to(torch.float32).contiguous()
     w = top_k_weights.to(torch.float32).contiguous()
-    out = _tensor_ops.moe_experts(_TORCH, x, top_k_index, w, gate_up, down, up, ggml_type, exact)
+    biases = tuple(None if b is None else b.to(torch.float32).contiguous() for b in (gate_up_bias, up_bias, down_bias))
+    out = _tensor_ops.moe_experts(
+        _TORCH, x, top_k_index, w, gate_up, down, up, ggml_type, exact, ffn=ffn, biases=biases
+    )
     return out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
 
 
@@ -332,10 +407,20 @@ def _moe_experts_fake(
     up: Optional[torch.Tensor] = None,
     ggml_type: Optional[str] = None,
     exact: bool = False,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+    gate_up_bias: Optional[torch.Tensor] = None,
+    up_bias: Optional[torch.Tensor] = None,
+    down_bias: Optional[torch.Tensor] = None,
+    weights_before_ffn: bool = False,
 ) -> torch.Tensor:
     _check_model_dtype("hidden", hidden)
     _check_model_dtype("top_k_weights", top_k_weights)
     _check_block_type(ggml_type)
+    _check_ffn_options(
+        activation, swiglu_alpha, swiglu_limit, gate_up_bias, up_bias, down_bias, weights_before_ffn, gate_up, down, up
+    )
     if hidden.dim() != 2:
         raise InvalidArgumentError(f"moe_experts hidden must be [m, H], got shape {tuple(hidden.shape)}")
     return hidden.new_empty(hidden.shape)
@@ -355,12 +440,22 @@ def _moe_experts_grad(
     up: Optional[torch.Tensor] = None,
     ggml_type: Optional[str] = None,
     exact: bool = False,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+    gate_up_bias: Optional[torch.Tensor] = None,
+    up_bias: Optional[torch.Tensor] = None,
+    down_bias: Optional[torch.Tensor] = None,
+    weights_before_ffn: bool = False,
 ) -> torch.Tensor:
     """routemm::_moe_experts_grad: moe_experts with its gradients (routemm.integrations._moe_autograd), the
     path of a call whose inputs require grad in grad mode."""
     from ._moe_autograd import MoeExpertsFunction
 
-    return MoeExpertsFunction.apply(hidden, top_k_index, top_k_weights, gate_up, down, up, ggml_type, exact)
+    return MoeExpertsFunction.apply(
+        hidden, top_k_index, top_k_weights, gate_up, down, up, ggml_type, exact, activation, swiglu_alpha,
+        swiglu_limit, gate_up_bias, up_bias, down_bias, weights_before_ffn,
+    )  # fmt: skip
 
 
 _LIBRARY.define("_moe_experts_grad" + torch.library.infer_schema(_moe_experts_grad, mutates_args=()))

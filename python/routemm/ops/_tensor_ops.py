@@ -540,7 +540,7 @@ def moe_gate(fw: Framework, logits, top_k: int, renormalize: bool):
     return weights, ids
 
 
-def _moe_experts_plan(fw: Framework, hidden, ids, weights, gate_up, down, up, ggml_type, exact):
+def _moe_experts_plan(fw: Framework, hidden, ids, weights, gate_up, down, up, ggml_type, exact, ffn=None):
     """moe_experts' plan of one call shape (the core's _TensorMoeExpertsPlan): one framework, one
     device, float32 hidden states and routing weights, the stacks' dtype, then the core's shape,
     route and capability checks."""
@@ -566,33 +566,56 @@ def _moe_experts_plan(fw: Framework, hidden, ids, weights, gate_up, down, up, gg
     wdtype = fw.dtype(gate_up)
     shapes = [[int(d) for d in t.shape] for t in (hidden, ids, weights, gate_up, down)]
     (place,) = {fw.place(hidden)}
-    return _core._plan_tensor_moe_experts(*place, wdtype, ggml_type, up is not None, bool(exact), *shapes)
+    return _core._plan_tensor_moe_experts(
+        *place, wdtype, ggml_type, up is not None, bool(exact), *shapes, **(ffn or {})
+    )
 
 
-def moe_experts(fw: Framework, hidden, ids, weights, gate_up, down, up=None, ggml_type=None, exact=False, out=None):
+def moe_experts(
+    fw: Framework,
+    hidden,
+    ids,
+    weights,
+    gate_up,
+    down,
+    up=None,
+    ggml_type=None,
+    exact=False,
+    out=None,
+    ffn=None,
+    biases=(None, None, None),
+):
     """The MoE experts block on framework tensors (see routemm/ops/moe_experts.h): hidden float32
     [m, H], ids integers [m, top_k], weights float32 [m, top_k], gate_up [E, 2I, H] (or the gate
     stack, with `up` the up stack), down [E, H, I]; float stacks, or uint8 GGML block stacks of
     `ggml_type` (a value string). One plan per call shape (route: the block's shape-only rule, the
     exact routes with `exact`), the output and one workspace from the framework's allocator, one
     call into the extension on the current stream, no host sync. Returns `out` or a new float32
-    [m, H] tensor."""
+    [m, H] tensor. `ffn`: the plan's FFN options (the core binding's activation, swiglu_alpha,
+    swiglu_limit, gate_up_bias, down_bias and weights_before_ffn keywords, the biases as flags);
+    `biases`: the float32 contiguous gate_up (or gate), up and down biases the options name, or
+    None."""
     device_key = fw.device_key(hidden)
+    ffn = dict(ffn or {})
     key = (
         "moe_experts", device_key, hidden.shape, ids.shape, weights.shape, gate_up.shape, gate_up.dtype,
-        down.shape, None if up is None else up.shape, ggml_type, bool(exact),
+        down.shape, None if up is None else up.shape, ggml_type, bool(exact), tuple(sorted(ffn.items())),
     )  # fmt: skip
     plans = fw.matmul_id_plans
     plan = plans.get(key)
     if plan is None:
-        plan = plans.setdefault(key, _moe_experts_plan(fw, hidden, ids, weights, gate_up, down, up, ggml_type, exact))
+        plan = plans.setdefault(
+            key, _moe_experts_plan(fw, hidden, ids, weights, gate_up, down, up, ggml_type, exact, ffn)
+        )
     tensors = (hidden, ids, weights, gate_up, down) + (() if up is None else (up,))
     try:
         same_device = all(fw.device_key(t) == device_key for t in tensors)
     except AttributeError:
         same_device = False
     if not same_device or down.dtype != gate_up.dtype or (up is not None and up.dtype != gate_up.dtype):
-        _moe_experts_plan(fw, hidden, ids, weights, gate_up, down, up, ggml_type, exact)  # names it
+        _moe_experts_plan(fw, hidden, ids, weights, gate_up, down, up, ggml_type, exact, ffn)  # names it
+        raise InvalidArgumentError("moe_experts: tensors live on different devices")
+    if any(b is not None and fw.device_key(b) != device_key for b in biases):
         raise InvalidArgumentError("moe_experts: tensors live on different devices")
     for name, t in (("hidden", hidden), ("top_k_weights", weights), ("gate_up", gate_up), ("down", down), ("up", up)):
         if t is not None and not fw.contiguous(t):
@@ -614,7 +637,7 @@ def moe_experts(fw: Framework, hidden, ids, weights, gate_up, down, up=None, ggm
     _core._enqueue_moe_experts(
         plan, fw.pointer(hidden), fw.pointer(ids32), fw.pointer(weights), fw.pointer(gate_up),
         0 if up is None else fw.pointer(up), fw.pointer(down), fw.pointer(out), fw.pointer(workspace),
-        fw.stream_of_key(device_key),
+        fw.stream_of_key(device_key), *(0 if b is None else fw.pointer(b) for b in biases),
     )  # fmt: skip
     return out
 

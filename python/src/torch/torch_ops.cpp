@@ -35,7 +35,9 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -360,8 +362,25 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t n, i
 
 // ---- moe_experts --------------------------------------------------------------------------------
 
-// A call shape of the block: device, the stacks' dtype, every input's sizes, split, type, exact.
-using MoePlanKey = std::array<int64_t, 17>;
+// A call shape of the block: device, the stacks' dtype, every input's sizes, split, type, exact,
+// then the FFN options (activation, alpha and limit bits, gate_up bias, down bias, weights first).
+using MoePlanKey = std::array<int64_t, 23>;
+
+// The block's FFN options as the op takes them (routemm/ops/moe_experts.h).
+struct MoeFfnOptions {
+  uint32_t activation = 0;  // 0 silu, 1 swiglu_oai
+  float alpha = 1.702f, limit = 7.0f;
+  bool gate_up_bias = false, down_bias = false, weights_before_ffn = false;
+  bool plain() const {
+    return activation == 0 && !gate_up_bias && !down_bias && !weights_before_ffn;
+  }
+};
+
+int64_t float_bits(float v) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, &v, 4);
+  return bits;
+}
 
 struct MoePlan {
   const void* handle;
@@ -389,7 +408,8 @@ int32_t moe_ggml_code(const std::optional<c10::string_view>& ggml_type) {
 // the core's shape, route and capability checks.
 MoePlan make_moe_plan(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w,
                       const at::Tensor& gate_up, const at::Tensor& down,
-                      const std::optional<at::Tensor>& up, int32_t ggml_code, bool exact) {
+                      const std::optional<at::Tensor>& up, int32_t ggml_code, bool exact,
+                      const MoeFfnOptions& o) {
   const auto where = place(x);
   bool same = place(ids) == where && place(w) == where && place(gate_up) == where &&
               place(down) == where && (!up || place(*up) == where);
@@ -417,7 +437,13 @@ MoePlan make_moe_plan(const at::Tensor& x, const at::Tensor& ids, const at::Tens
                                        ids.sizes().data(),
                                        w.sizes().data(),
                                        gate_up.sizes().data(),
-                                       down.sizes().data()};
+                                       down.sizes().data(),
+                                       o.activation,
+                                       o.alpha,
+                                       o.limit,
+                                       o.gate_up_bias ? 1u : 0u,
+                                       o.down_bias ? 1u : 0u,
+                                       o.weights_before_ffn ? 1u : 0u};
   MoePlan plan{};
   call(g_abi->plan_moe_experts, &shapes, &plan.handle, &plan.info);
   return plan;
@@ -485,12 +511,66 @@ std::optional<at::Tensor> moe_experts_fused(const at::Tensor& hidden, const at::
   return out;
 }
 
+// The FFN options checked in the Python kernel's order and words (integrations/torch.py
+// _check_ffn_options): the activation and its parameters, then each bias's dtype and shape against
+// the stacks'. Returns the options and the biases as float32 contiguous tensors.
+MoeFfnOptions check_ffn_options(c10::string_view activation, double alpha, double limit,
+                                const std::optional<at::Tensor>& gate_up_bias,
+                                const std::optional<at::Tensor>& up_bias,
+                                const std::optional<at::Tensor>& down_bias, bool weights_before_ffn,
+                                const at::Tensor& gate_up, const at::Tensor& down,
+                                const std::optional<at::Tensor>& up) {
+  MoeFfnOptions o;
+  const std::string act(activation.data(), activation.size());
+  TORCH_CHECK_VALUE(act == "silu" || act == "swiglu_oai",
+                    "moe_experts activation must be 'silu' or 'swiglu_oai', got '" + act + "'");
+  o.activation = act == "swiglu_oai" ? 1u : 0u;
+  o.alpha = static_cast<float>(alpha);
+  o.limit = static_cast<float>(limit);
+  TORCH_CHECK_VALUE(std::isfinite(o.alpha),
+                    "moe_experts swiglu_alpha must be finite, got " + std::to_string(alpha));
+  TORCH_CHECK_VALUE(o.limit > 0.0f,
+                    "moe_experts swiglu_limit must be > 0, got " + std::to_string(limit));
+  const bool split = up.has_value();
+  const auto expect = [](const char* name, const at::Tensor& b, std::vector<int64_t> want) {
+    TORCH_CHECK_VALUE(b.is_floating_point(), std::string("moe_experts ") + name +
+                                                 " must be a float tensor, got " +
+                                                 dtype_repr(b.scalar_type()));
+    TORCH_CHECK_VALUE(b.sizes().vec() == want, std::string("moe_experts ") + name + " must be " +
+                                                   shape_repr(want) + ", got shape " +
+                                                   shape_repr(b.sizes()));
+  };
+  if (gate_up.dim() == 3 && down.dim() == 3) {
+    // E and I from the gate/up stack's rows (values also for block stacks), H from down's.
+    const int64_t e = gate_up.size(0), h = down.size(1);
+    const int64_t inter = split ? gate_up.size(1) : gate_up.size(1) / 2;
+    if (gate_up_bias) expect("gate_up_bias", *gate_up_bias, {e, split ? inter : 2 * inter});
+    if (up_bias) {
+      TORCH_CHECK_VALUE(split && gate_up_bias,
+                        "moe_experts up_bias goes with split stacks (up) and gate_up_bias");
+      expect("up_bias", *up_bias, {e, inter});
+    }
+    TORCH_CHECK_VALUE(
+        !split || !gate_up_bias || up_bias,
+        "moe_experts split stacks take gate_up_bias (the gate's) and up_bias together");
+    if (down_bias) expect("down_bias", *down_bias, {e, h});
+  }
+  o.gate_up_bias = gate_up_bias.has_value();
+  o.down_bias = down_bias.has_value();
+  o.weights_before_ffn = weights_before_ffn;
+  return o;
+}
+
 // The experts block (routemm/ops/moe_experts.h) in the model's dtype: hidden and top_k_weights
 // float32, float16 or bfloat16; the block runs in F32 and the result comes back in hidden's dtype.
 at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
                        const at::Tensor& gate_up, const at::Tensor& down,
                        const std::optional<at::Tensor>& up,
-                       std::optional<c10::string_view> ggml_type, bool exact) {
+                       std::optional<c10::string_view> ggml_type, bool exact,
+                       c10::string_view activation, double swiglu_alpha, double swiglu_limit,
+                       const std::optional<at::Tensor>& gate_up_bias,
+                       const std::optional<at::Tensor>& up_bias,
+                       const std::optional<at::Tensor>& down_bias, bool weights_before_ffn) {
   const auto model_type = hidden.scalar_type();
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"hidden", &hidden},
                                 {"top_k_weights", &weights}}) {
@@ -500,7 +580,10 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
                           " must be float32, float16 or bfloat16, got " + dtype_repr(type));
   }
   const int32_t ggml_code = moe_ggml_code(ggml_type);
-  if (ggml_code < 0 && !exact) {
+  const MoeFfnOptions ffn =
+      check_ffn_options(activation, swiglu_alpha, swiglu_limit, gate_up_bias, up_bias, down_bias,
+                        weights_before_ffn, gate_up, down, up);
+  if (ggml_code < 0 && !exact && ffn.plain()) {
     if (auto fused = moe_experts_fused(hidden, ids, weights, gate_up, down, up)) return *fused;
   }
   const at::Tensor x = hidden.to(at::kFloat).contiguous();
@@ -509,7 +592,7 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
   const bool plannable =
       x.dim() == 2 && ids.dim() == 2 && w.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3;
   if (!plannable) {
-    plan = make_moe_plan(x, ids, w, gate_up, down, up, ggml_code, exact);  // raises
+    plan = make_moe_plan(x, ids, w, gate_up, down, up, ggml_code, exact, ffn);  // raises
   } else {
     const auto d = x.device();
     const MoePlanKey key{static_cast<int64_t>(d.type()) * 65536 + d.index(),
@@ -528,14 +611,20 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
                          down.size(2),
                          up ? 1 : 0,
                          ggml_code,
-                         exact ? 1 : 0};
+                         exact ? 1 : 0,
+                         ffn.activation,
+                         float_bits(ffn.alpha),
+                         float_bits(ffn.limit),
+                         ffn.gate_up_bias ? 1 : 0,
+                         ffn.down_bias ? 1 : 0,
+                         ffn.weights_before_ffn ? 1 : 0};
     std::unique_lock lock(g_plans_mutex);
     const auto found = moe_plans().find(key);
     if (found != moe_plans().end()) {
       plan = found->second;
     } else {
       lock.unlock();
-      plan = make_moe_plan(x, ids, w, gate_up, down, up, ggml_code, exact);
+      plan = make_moe_plan(x, ids, w, gate_up, down, up, ggml_code, exact, ffn);
       lock.lock();
       moe_plans().emplace(key, plan);
     }
@@ -559,6 +648,13 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
       {static_cast<int64_t>(plan.info.m), static_cast<int64_t>(plan.info.hidden)}, options);
   const at::Tensor workspace =
       at::empty({static_cast<int64_t>(plan.info.workspace_bytes)}, options.dtype(at::kByte));
+  const auto f32 = [&](const std::optional<at::Tensor>& b) {
+    TORCH_CHECK_VALUE(!b || b->device() == device,
+                      "moe_experts: tensors live on different devices");
+    return b ? std::optional<at::Tensor>(b->to(at::kFloat).contiguous()) : std::nullopt;
+  };
+  const auto gate_up_bias32 = f32(gate_up_bias), up_bias32 = f32(up_bias),
+             down_bias32 = f32(down_bias);
   RoutemmMoeExpertsPointers ptr{address(x),
                                 address(ids32),
                                 address(w),
@@ -568,7 +664,10 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
                                 address(out),
                                 address(workspace),
                                 0,
-                                0};
+                                0,
+                                gate_up_bias32 ? address(*gate_up_bias32) : 0,
+                                up_bias32 ? address(*up_bias32) : 0,
+                                down_bias32 ? address(*down_bias32) : 0};
   set_stream(x, ptr.has_stream, ptr.stream);
   call(g_abi->enqueue_moe_experts, plan.handle, &ptr);
   return model_type == at::kFloat ? out : out.to(model_type);
