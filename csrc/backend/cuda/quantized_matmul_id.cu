@@ -120,8 +120,11 @@ __device__ __forceinline__ void stage_rows(uint8_t* __restrict__ stage,
       if (unit >= a && unit + 16 <= end) {
         *reinterpret_cast<uint4*>(dst) = __ldg(reinterpret_cast<const uint4*>(unit));
       } else {
-        for (const uint8_t* q = unit < a ? a : unit; q < unit + 16 && q < end; ++q) {
-          dst[q - unit] = __ldg(q);
+        // Sixteen independent predicated loads (unrolled), so a partial unit costs one load
+        // latency, not one per byte.
+#pragma unroll
+        for (uint32_t t = 0; t < 16; ++t) {
+          if (unit + t >= a && unit + t < end) dst[t] = __ldg(unit + t);
         }
       }
     }
