@@ -364,6 +364,102 @@ def test_a_rank_that_raises_makes_the_others_fail_within_the_timeout(tmp_path):
         assert o["seconds"] < LINGER_S - RAISE_TIMEOUT_S, o  # while rank 1 was still alive
 
 
+def _run_from_gguf(rank: int, world: int, port: int, tmp: str) -> None:
+    """Each rank loads its slice of every sample file's layer 1 and runs its experts expert
+    parallel on its share of the tokens, the gate's ids and weights computed on the whole layer."""
+    _init(rank, world, port, CASE_TIMEOUT_S)
+    try:
+        out = {}
+        for name in sorted(os.listdir(tmp)):
+            if not name.endswith(".gguf"):
+                continue
+            path = os.path.join(tmp, name)
+            layer = routemm.MoeLayer.from_gguf(path, 1, process_group=dist.group.WORLD)
+            placement = ExpertPlacement.contiguous(layer.n_experts, world)
+            gate, up, down = (torch.from_dlpack(b) for b in (layer.gate, layer.up, layer.down))
+            data = torch.load(os.path.join(tmp, name + ".pt"))
+            lo, hi = sum(SPLITS[world][:rank]), sum(SPLITS[world][: rank + 1])
+            got = ep_moe_experts(
+                data["x"][lo:hi], data["ids"][lo:hi], data["w"][lo:hi], gate, down, up=up,
+                placement=placement, ggml_type=data["ggml_type"],
+            )  # fmt: skip
+            out[name] = {"stacks": [t.clone() for t in (gate, up, down)], "out": got, "range": layer.expert_range}
+            for label in ("gate", "up", "down"):
+                out[name][label + "_file_backed"] = getattr(layer, label).is_file_backed
+            try:
+                layer(data["x"][:1].numpy())
+                out[name]["call"] = None
+            except Exception as e:  # the type is the check
+                out[name]["call"] = (type(e).__name__, str(e))
+        torch.save(out, os.path.join(tmp, f"gguf{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_moe_layer_from_gguf_loads_only_the_ranks_slice(tmp_path, world):
+    """MoeLayer.from_gguf(..., process_group=) holds the rank's contiguous share of the experts
+    (ExpertPlacement.contiguous), as views of the file's bytes (per-expert tensors: only the local
+    ones stacked), and ep_moe_experts over those slices gives the whole layer's experts' bits."""
+    pytest.importorskip("gguf")
+    from routemm.cli.main import main
+
+    g = torch.Generator().manual_seed(world)
+    files = {"qwen3moe", "mixtral"}
+    for arch in files:
+        path = tmp_path / f"{arch}.gguf"
+        kind = "q4_0" if arch == "qwen3moe" else "f32"
+        split = ["--split-experts"] if arch == "mixtral" else []  # one 2-D tensor per expert
+        assert (
+            main(["gguf-sample", str(path), "--arch", arch, "--type", kind, "--layers", "2", "--experts", "7", *split])
+            == 0
+        )
+        whole = routemm.MoeLayer.from_gguf(path, 1)
+        m = sum(SPLITS[world])
+        x = torch.randn((m, whole.hidden), generator=g)
+        ids = _ids(g, m, whole.top_k, range(whole.n_experts))
+        w = torch.rand(ids.shape, generator=g)
+        ggml = whole.ggml_type.value if whole.ggml_type else None
+        torch.save({"x": x, "ids": ids, "w": w, "ggml_type": ggml}, str(path) + ".pt")
+    _spawn(_run_from_gguf, world, str(tmp_path), 120)
+    outs = [torch.load(tmp_path / f"gguf{r}.pt") for r in range(world)]
+    for arch in files:
+        name = f"{arch}.gguf"
+        whole = routemm.MoeLayer.from_gguf(tmp_path / name, 1)
+        stacks = [torch.from_dlpack(b) for b in (whole.gate, whole.up, whole.down)]
+        placement = ExpertPlacement.contiguous(whole.n_experts, world)
+        for r, o in enumerate(outs):
+            local = list(placement.local_experts(r))
+            assert o[name]["range"] == ((local[0] if local else 0), len(local)), (name, r)
+            for got, full in zip(o[name]["stacks"], stacks, strict=True):
+                assert torch.equal(got, full[local]), (name, r)
+            # mapped views of the file's tensors where the file stacks its experts; Mixtral's
+            # per-expert tensors are stacked from the local ones only
+            assert o[name]["gate_file_backed"] is (arch == "qwen3moe"), (name, r)
+            assert o[name]["call"][0] == "UnsupportedError" and "expert_range" in o[name]["call"][1]
+        data = torch.load(tmp_path / (name + ".pt"))
+        ref = torch.ops.routemm.moe_experts(
+            data["x"], data["ids"], data["w"], stacks[0], stacks[2], stacks[1], data["ggml_type"], exact=True
+        )
+        assert _same_bits(torch.cat([o[name]["out"] for o in outs]), ref), name
+
+
+def test_moe_layer_from_gguf_process_group_and_expert_range_refusals(tmp_path):
+    pytest.importorskip("gguf")
+    from routemm.cli.main import main
+
+    path = tmp_path / "m.gguf"
+    assert main(["gguf-sample", str(path), "--layers", "2", "--experts", "4"]) == 0
+    with pytest.raises(
+        routemm.InvalidArgumentTypeError, match="process_group must be a torch.distributed ProcessGroup"
+    ):
+        routemm.MoeLayer.from_gguf(path, 1, process_group="world")
+    layer = routemm.MoeLayer.from_gguf(path, 1, process_group=None)  # the whole layer
+    assert layer.expert_range is None and int(layer.gate.shape[0]) == 4
+    with pytest.raises(routemm.InvalidArgumentError, match="expert_range must be a"):
+        routemm.MoeLayer(layer.router, layer.gate, layer.up, layer.down, top_k=2, renormalize=True, expert_range=(3, 2))
+
+
 def test_expert_placement_contiguous_and_map():
     p = ExpertPlacement.contiguous(7, 3)
     assert [p.local_experts(r) for r in range(3)] == [(0, 1, 2), (3, 4), (5, 6)]

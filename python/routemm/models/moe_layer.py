@@ -37,7 +37,7 @@ import numpy as np
 from .. import _core
 from ..core._core_api import DType, check_type
 from ..core._devices import _default_device, _registry_for
-from ..core._errors import InvalidArgumentError, UnsupportedError
+from ..core._errors import InvalidArgumentError, InvalidArgumentTypeError, UnsupportedError
 from ..formats.gguf_io import _fspath, _gguf_index, _gguf_tensors
 from ..ops._reference import dense_matmul_id_reference, moe_experts_reference, moe_gate_reference
 from ..ops.dense_matmul_id import (
@@ -81,6 +81,7 @@ class MoeLayer:
         ggml_type: Optional[GgmlType] = None,
         device=None,
         name: str = "moe layer",
+        expert_range: Optional[tuple[int, int]] = None,
     ):
         """router: [E, H] float buffer; gate, up: [E, I, H]; down: [E, H, I] (float buffers of one
         dtype, or uint8 block stacks with ggml_type one of quantized_matmul_id's SUPPORTED_TYPES, a
@@ -99,6 +100,9 @@ class MoeLayer:
         if router.dtype not in (DType.F32, DType.F16, DType.BF16):
             raise InvalidArgumentError(f"{name}: router must be f32, f16 or bf16, got {router.dtype.name.lower()}")
         n_experts, hidden = router_shape
+        # expert_range (first, count): the stacks hold experts first .. first + count - 1 of the
+        # router's n_experts (an expert-parallel rank's slice), else all of them.
+        first, stacked = _checked_expert_range(expert_range, n_experts, name)
         gate_type, up_type, down_type = _stack_types(ggml_type)
         gate_shape = _logical(gate.shape, gate_type)
         if len(gate_shape) != 3:
@@ -109,9 +113,9 @@ class MoeLayer:
                 f"{name}: extents must be nonzero, got E={n_experts}, H={hidden}, I={intermediate}"
             )
         expected = {
-            "gate": (gate, (n_experts, intermediate, hidden), gate_type),
-            "up": (up, (n_experts, intermediate, hidden), up_type),
-            "down": (down, (n_experts, hidden, intermediate), down_type),
+            "gate": (gate, (stacked, intermediate, hidden), gate_type),
+            "up": (up, (stacked, intermediate, hidden), up_type),
+            "down": (down, (stacked, hidden, intermediate), down_type),
         }
         for label, (buf, shape, stack_type) in expected.items():
             if _logical(buf.shape, stack_type) != shape:
@@ -128,16 +132,35 @@ class MoeLayer:
         self.router, self.gate, self.up, self.down = router, gate, up, down
         self.ggml_type = ggml_type
         self.name = name
+        self.expert_range = None if expert_range is None else (first, stacked)
         self.n_experts, self.hidden, self.intermediate = n_experts, hidden, intermediate
 
+    def _check_whole(self, op: str) -> None:
+        """Refuses `op` on a layer that holds a slice of the experts (expert_range)."""
+        if self.expert_range is not None:
+            first, count = self.expert_range
+            raise UnsupportedError(
+                f"{self.name}: {op} needs every expert, the layer holds experts {first} .. {first + count - 1} "
+                f"of {self.n_experts} (expert_range); run them with "
+                "routemm.integrations.distributed.ep_moe_experts"
+            )
+
     @classmethod
-    def from_gguf(cls, path, layer: int, *, device=None) -> "MoeLayer":
+    def from_gguf(cls, path, layer: int, *, device=None, process_group=None) -> "MoeLayer":
         """Layer `layer` of the GGUF file at `path`, of any architecture models/_gguf_moe.py lists:
         the routing options and tensors come from the file's metadata and tensor names, checked as
         the module docstring says, before any tensor is mapped. Per-expert 2-D tensors (Mixtral's
         `blk.N.ffn_gate.E.weight`) are stacked into one buffer (a copy); every other tensor is
         mapped. What the layer would need and MoeLayer does not take is an UnsupportedError naming
-        the tensor or key that asks for it."""
+        the tensor or key that asks for it.
+
+        process_group (a torch.distributed group, initialised): the layer holds only this rank's
+        experts, its contiguous share as ExpertPlacement.contiguous(n_experts, world_size) gives it
+        (`expert_range` = (first, count)): views of those experts' bytes in the mapped file, or
+        only the local per-expert tensors stacked, so only the slice is read. The router stays
+        whole. Such a layer's experts run through
+        routemm.integrations.distributed.ep_moe_experts (its stacks by torch.from_dlpack); calling
+        the layer itself is refused."""
         path = _fspath(path, "MoeLayer.from_gguf")
         check_type("MoeLayer.from_gguf:", "device", device, _core.Device, optional=True)
         meta, index = _gguf_index(path, "MoeLayer.from_gguf")
@@ -150,14 +173,17 @@ class MoeLayer:
                 raise UnsupportedError(
                     f"{where}: {source} needs MoeLayer's {argument}, which routemm does not have yet"
                 )
+        expert_range = None if process_group is None else _rank_experts(process_group, plan.n_experts)
+        first, count = expert_range or (0, plan.n_experts)
         device = device or _default_device()
         loaded = _gguf_tensors(path, plan.types, device)  # one header read for every tensor
         stacks = {}
         for part, names in plan.experts.items():
             if len(names) == 1:
-                stacks[part] = loaded[names[0]]
+                stacks[part] = _experts_view(loaded[names[0]], first, count, plan.n_experts)
             else:  # one 2-D tensor per expert: stacked here, in expert order
-                stacks[part] = device.from_numpy(np.stack([loaded[name].numpy() for name in names]))
+                local = names[first : first + count]
+                stacks[part] = device.from_numpy(np.stack([loaded[name].numpy() for name in local]))
         router = loaded[plan.router]
         count_key = f"{plan.arch}.expert_count"
         if [int(d) for d in router.shape][:1] != [plan.n_experts]:
@@ -196,6 +222,7 @@ class MoeLayer:
             ggml_type=ggml_type,
             device=device,
             name=f"{os.fsdecode(os.path.basename(path))} layer {plan.layer}",
+            expert_range=expert_range,
             **options,
         )
 
@@ -204,6 +231,7 @@ class MoeLayer:
         the experts' expert-ID route as moe_experts takes it (a DenseMatmulIdRoute for float
         stacks, a GgmlQuantizedMatmulIdRoute for block stacks, e.g. the CPU's direct_int8_dot);
         None: the automatic choice. The gate's ids are distinct per token, so grouped routes apply."""
+        self._check_whole("__call__")
         hidden = np.asarray(hidden)
         if hidden.dtype != np.float32 or hidden.ndim != 2 or hidden.shape[1] != self.hidden or hidden.shape[0] == 0:
             raise InvalidArgumentError(
@@ -245,6 +273,7 @@ class MoeLayer:
         """The router and expert stacks as float arrays (quantised blocks dequantised exactly)."""
         from ..formats.ggml import dequantize
 
+        self._check_whole("float_weights")
         arrays = {"router": self.router.numpy()}
         for label, buf, shape, stack_type in zip(
             ("gate", "up", "down"),
@@ -270,6 +299,47 @@ class MoeLayer:
         gate_w, ids = moe_gate_reference(logits, self.top_k, self.renormalize)
         out = moe_experts_reference(hidden, ids, gate_w, w["gate"], w["up"], w["down"])
         return out, ids, logits
+
+
+def _checked_expert_range(expert_range, n_experts: int, name: str) -> tuple[int, int]:
+    """(first, count) of the experts a layer's stacks hold: all of them for None."""
+    if expert_range is None:
+        return 0, n_experts
+    ok = isinstance(expert_range, tuple) and len(expert_range) == 2
+    ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in expert_range)
+    if not ok or not (0 <= expert_range[0] and 0 <= expert_range[1] and sum(expert_range) <= n_experts):
+        raise InvalidArgumentError(
+            f"{name}: expert_range must be a (first, count) tuple of ints within the router's "
+            f"{n_experts} experts, got {expert_range!r}"
+        )
+    return expert_range
+
+
+def _rank_experts(process_group, n_experts: int) -> tuple[int, int]:
+    """(first, count): this rank's contiguous share of `n_experts` in `process_group`, split as
+    ExpertPlacement.contiguous splits them (the first n_experts % world ranks take one more)."""
+    import torch.distributed as dist
+
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise InvalidArgumentTypeError(
+            f"MoeLayer.from_gguf process_group must be a torch.distributed ProcessGroup, got "
+            f"{type(process_group).__name__}"
+        )
+    if not dist.is_initialized():
+        raise InvalidArgumentError("MoeLayer.from_gguf process_group needs an initialised torch.distributed")
+    world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    base, extra = divmod(n_experts, world)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def _experts_view(stack, first: int, count: int, n_experts: int):
+    """Experts first .. first + count - 1 of an [E, ...] stack buffer: a view of their bytes (no
+    copy; of a mapped file, only those pages are read), the whole buffer for all of them."""
+    if (first, count) == (0, n_experts):
+        return stack
+    per = stack.nbytes // n_experts
+    shape = [count, *(int(d) for d in stack.shape[1:])]
+    return stack.view(first * per, count * per, stack.dtype, shape)
 
 
 def _takes_stack_types() -> bool:
