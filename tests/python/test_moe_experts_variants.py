@@ -593,3 +593,89 @@ def test_routemm_moe_experts_on_tensors_with_a_shared_expert(tdev):
         before=True, shared=(sg, su, sd, sv),
     )  # fmt: skip
     _close(got.cpu().numpy(), want)
+
+
+# ---- MoeLayer ------------------------------------------------------------------------------------
+
+
+def _layer_case(device, ggml_type=None, shared=True, gated=True):
+    """A MoeLayer with every FFN option (and its numpy weights)."""
+    rng = np.random.default_rng(11)
+    router = (rng.standard_normal((E, H)) / H**0.5).astype(np.float32)
+    gate, up, down = _stacks(scale=2.0)
+    gb, ub, db = _biases()
+    i_s = 64
+    sg, su = (rng.standard_normal((i_s, H)).astype(np.float32) / H**0.5 for _ in range(2))
+    sd = rng.standard_normal((H, i_s)).astype(np.float32) / i_s**0.5
+    sv = rng.standard_normal(H).astype(np.float32) / H**0.5
+    if ggml_type is not None:
+        codec = CODECS[ggml_type]
+        gate, up, down, sg, su, sd = (codec.quantize(a) for a in (gate, up, down, sg, su, sd))
+    buf = device.from_numpy
+    kw = dict(
+        activation="swiglu_oai", gate_bias=buf(gb), up_bias=buf(ub), down_bias=buf(db), weights_before_ffn=True,
+    )  # fmt: skip
+    if shared:
+        kw.update(shared_gate_up=(buf(sg), buf(su)), shared_down=buf(sd))
+        if gated:
+            kw["shared_gate"] = buf(sv)
+    layer = routemm.MoeLayer(
+        buf(router), buf(gate), buf(up), buf(down), top_k=TOP_K, renormalize=False, ggml_type=ggml_type,
+        device=device, **kw,
+    )  # fmt: skip
+    return layer, (router, gb, ub, db, sv)
+
+
+@pytest.mark.parametrize("ggml_type", [None, "q4_0", "q8_0"])
+@pytest.mark.parametrize(("shared", "gated"), [(False, False), (True, False), (True, True)])
+def test_moe_layer_with_every_option(device, ggml_type, shared, gated):
+    layer, (router, gb, ub, db, sv) = _layer_case(device, ggml_type, shared, gated)
+    x = np.random.default_rng(12).standard_normal((M, H)).astype(np.float32)
+    got = layer(x)
+    want, ids, _ = layer.reference(x)
+    tol = 5e-2 if ggml_type else ATOL
+    _close(got, want, atol=tol, rtol=tol)
+    # The reference written here from the layer's float weights and its ids agrees.
+    w = layer.float_weights()
+    z = x.astype(np.float64) @ router.T.astype(np.float64)
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    weights = np.take_along_axis(p, ids, 1)
+    shared_w = None
+    if shared:
+        shared_w = (w["shared_gate"], w["shared_up"], w["shared_down"], sv if gated else None)
+    mine = reference(
+        x, ids, weights, w["gate"], w["up"], w["down"], act=_swiglu_oai, gate_bias=gb, up_bias=ub, down_bias=db,
+        before=True, shared=shared_w,
+    )  # fmt: skip
+    _close(got, mine, atol=tol, rtol=tol)
+
+
+def test_moe_layer_refuses_bad_ffn_options(device):
+    layer, _ = _layer_case(device)
+    buf = device.from_numpy
+    rng = np.random.default_rng(13)
+    router, gate, up, down = (layer.router, layer.gate, layer.up, layer.down)
+    base = dict(top_k=TOP_K, renormalize=False, device=device)
+    cases = [
+        ({"activation": "gelu"}, "activation must be one of"),
+        ({"swiglu_limit": -1.0}, "swiglu_limit must be > 0"),
+        ({"gate_bias": buf(np.zeros((E, I), np.float32))}, "gate_bias and up_bias come together"),
+        ({"down_bias": buf(np.zeros((E, I), np.float32))}, r"down_bias must be f32 \[6, 64\]"),
+        ({"down_bias": buf(np.zeros((E, H), np.float16))}, r"down_bias must be f32"),
+        ({"shared_down": buf(np.zeros((H, I), np.float32))}, "shared_gate_up and shared_down come together"),
+        ({"shared_gate": buf(np.zeros(H, np.float32))}, "shared_gate needs shared_gate_up"),
+        (
+            {"shared_gate_up": buf(np.zeros((2 * I, H + 1), np.float32)), "shared_down": buf(np.zeros((H, I), np.float32))},
+            "gate_up must be",
+        ),
+        (
+            {"shared_gate_up": buf(rng.standard_normal((2 * I, H)).astype(np.float16)),
+             "shared_down": buf(np.zeros((H, I), np.float16))},
+            "weights must share one of",
+        ),
+        ({"shared_gate_up": np.zeros((2 * I, H), np.float32), "shared_down": buf(np.zeros((H, I), np.float32))}, "Buffer"),
+    ]  # fmt: skip
+    for extra, match in cases:
+        with pytest.raises((routemm.InvalidArgumentError, TypeError), match=match):
+            routemm.MoeLayer(router, gate, up, down, **base, **extra)

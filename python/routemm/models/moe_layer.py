@@ -28,6 +28,7 @@ checks.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from typing import Optional
@@ -51,10 +52,14 @@ from ..ops.moe import (
     _check_bool,
     _check_top_k,
     _check_weight_dtypes,
+    _checked_ffn_options,
     _checked_ggml_type,
     _checked_route,
     _encode_experts,
+    _encode_shared_expert,
     _ExpertShapes,
+    _shared_expert,
+    _shared_gate_weights,
     _stack_types,
 )
 from ..ops.quantized_matmul import GgmlType
@@ -82,13 +87,30 @@ class MoeLayer:
         device=None,
         name: str = "moe layer",
         expert_range: Optional[tuple[int, int]] = None,
+        activation: str = "silu",
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
+        gate_bias=None,
+        up_bias=None,
+        down_bias=None,
+        weights_before_ffn: bool = False,
+        shared_gate_up=None,
+        shared_down=None,
+        shared_gate=None,
     ):
         """router: [E, H] float buffer; gate, up: [E, I, H]; down: [E, H, I] (float buffers of one
         dtype, or uint8 block stacks with ggml_type one of quantized_matmul_id's SUPPORTED_TYPES, a
         GgmlType or its value: Q4_0, Q8_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K; or a (gate,
         up, down) tuple of them for stacks of mixed types). All
         buffers live on `device` (default: the router's). top_k: an integer in [1, E]; renormalize:
-        a bool (checked as moe_gate checks them)."""
+        a bool (checked as moe_gate checks them).
+
+        The experts' FFN options, as routemm.moe_experts takes them: activation ("silu" or
+        "swiglu_oai", with swiglu_alpha and swiglu_limit); expert biases gate_bias, up_bias
+        [E, I] and down_bias [E, H] (F32 buffers; of a layer holding an expert_range, [E, ...] or
+        the range's rows); weights_before_ffn (Llama-4); a shared expert shared_gate_up (a
+        (gate, up) pair of [I_s, H] buffers or one [2 I_s, H]) and shared_down [H, I_s] of the
+        routed stacks' kind, with shared_gate ([H] or [1, H] float buffer) its optional sigmoid gate."""
         for label, buf in (("router", router), ("gate", gate), ("up", up), ("down", down)):
             check_type(f"{name}:", label, buf, _core.Buffer)
         check_type(f"{name}:", "device", device, _core.Device, optional=True)
@@ -134,6 +156,67 @@ class MoeLayer:
         self.name = name
         self.expert_range = None if expert_range is None else (first, stacked)
         self.n_experts, self.hidden, self.intermediate = n_experts, hidden, intermediate
+        self._init_ffn(
+            activation, swiglu_alpha, swiglu_limit, gate_bias, up_bias, down_bias, weights_before_ffn,
+            shared_gate_up, shared_down, shared_gate, first, stacked,
+        )  # fmt: skip
+
+    def _init_ffn(
+        self, activation, swiglu_alpha, swiglu_limit, gate_bias, up_bias, down_bias, weights_before_ffn,
+        shared_gate_up, shared_down, shared_gate, first: int, stacked: int,
+    ) -> None:  # fmt: skip
+        """Checks and keeps the experts' FFN options (the constructor's docstring), each refusal an
+        InvalidArgumentError naming the argument, before anything is encoded."""
+        name, device = self.name, self.device
+        self.ffn = _checked_ffn_options(
+            activation, swiglu_alpha, swiglu_limit, weights_before_ffn, gate_bias is not None, down_bias is not None
+        )
+        if (gate_bias is None) != (up_bias is None):
+            raise InvalidArgumentError(f"{name}: gate_bias and up_bias come together (both or neither)")
+        biases = {}
+        for label, buf, width in (
+            ("gate_bias", gate_bias, self.intermediate),
+            ("up_bias", up_bias, self.intermediate),
+            ("down_bias", down_bias, self.hidden),
+        ):
+            if buf is None:
+                continue
+            check_type(f"{name}:", label, buf, _core.Buffer)
+            shape = [int(d) for d in buf.shape]
+            if buf.dtype != DType.F32 or shape not in ([stacked, width], [self.n_experts, width]):
+                raise InvalidArgumentError(
+                    f"{name}: {label} must be f32 [{stacked}, {width}], got {buf.dtype.name.lower()} {shape}"
+                )
+            if buf.device.backend != device.backend:
+                raise InvalidArgumentError(
+                    f"{name}: {label} lives on {buf.device.backend}, the layer on {device.backend}"
+                )
+            biases[label] = _experts_view(buf, first, stacked, self.n_experts) if shape[0] != stacked else buf
+        self.gate_bias, self.up_bias, self.down_bias = (biases.get(k) for k in ("gate_bias", "up_bias", "down_bias"))
+        self.shared = None
+        if shared_gate_up is None and shared_down is None and shared_gate is None:
+            return
+        if shared_gate_up is None and shared_down is None:
+            raise InvalidArgumentError(f"{name}: shared_gate needs shared_gate_up and shared_down")
+        if shared_gate_up is None or shared_down is None:
+            raise InvalidArgumentError(f"{name}: shared_gate_up and shared_down come together (both or neither)")
+        pair = tuple(shared_gate_up) if isinstance(shared_gate_up, (tuple, list)) else (shared_gate_up,)
+        for label, buf in [(f"shared_gate_up[{i}]", b) for i, b in enumerate(pair)] + [("shared_down", shared_down)]:
+            check_type(f"{name}:", label, buf, _core.Buffer)
+            if buf.device.backend != device.backend:
+                raise InvalidArgumentError(
+                    f"{name}: {label} lives on {buf.device.backend}, the layer on {device.backend}"
+                )
+        check_type(f"{name}:", "shared_gate", shared_gate, _core.Buffer, optional=True)
+        try:
+            shapes, (stacks, down, gate) = _shared_expert(
+                None, (1, self.hidden), pair if len(pair) == 2 else pair[0], shared_down,
+                None if shared_gate is None else shared_gate.numpy(), self.ggml_type,
+            )  # fmt: skip
+            _check_weight_dtypes((self.gate, self.up, self.down, *stacks, down), self.ggml_type)
+        except InvalidArgumentError as e:
+            raise InvalidArgumentError(f"{name}: {e}") from None
+        self.shared = (shapes, stacks, down, gate)
 
     def _check_whole(self, op: str) -> None:
         """Refuses `op` on a layer that holds a slice of the experts (expert_range)."""
@@ -264,10 +347,23 @@ class MoeLayer:
 
         _encode_experts(
             encoder, registry, device, shapes, route, True, x_buf, ids, weights, (self.gate, self.up), self.down,
-            alloc, out, self.ggml_type,
+            alloc, out, self.ggml_type, self.ffn, (self.gate_bias, self.up_bias, self.down_bias),
+        )  # fmt: skip
+        if self.shared is None:
+            encoder.commit_and_wait()
+            return out.numpy()
+        # The shared expert: the same block with one expert every token selects, its weight 1 or
+        # sigmoid(x . shared_gate), in the same submission; added to the routed output.
+        s_shapes, s_stacks, s_down, s_gate = self.shared
+        s_shapes = dataclasses.replace(s_shapes, m=m)
+        shared_out = device.alloc(m * self.hidden * 4, DType.F32, [m, self.hidden])
+        _encode_shared_expert(
+            encoder, registry, device, s_shapes, x_buf, router_ids,
+            device.from_numpy(_shared_gate_weights(hidden, s_gate)), s_stacks, s_down, alloc, shared_out,
+            self.ggml_type, self.ffn,
         )  # fmt: skip
         encoder.commit_and_wait()
-        return out.numpy()
+        return out.numpy() + shared_out.numpy()
 
     def float_weights(self) -> dict[str, np.ndarray]:
         """The router and expert stacks as float arrays (quantised blocks dequantised exactly)."""
@@ -288,6 +384,27 @@ class MoeLayer:
         ):
             raw = buf.numpy()
             arrays[label] = raw if stack_type is None else dequantize(raw, stack_type, shape)
+        for label in ("gate_bias", "up_bias", "down_bias"):
+            if getattr(self, label) is not None:
+                arrays[label] = getattr(self, label).numpy()
+        if self.shared is not None:
+            s_shapes, s_stacks, s_down, s_gate = self.shared
+            i_s = s_shapes.intermediate
+            s_types = _stack_types(self.ggml_type)
+            if s_shapes.stacked:
+                raw = s_stacks[0].numpy()
+                both = raw if s_types[0] is None else dequantize(raw, s_types[0], (1, 2 * i_s, self.hidden))
+                arrays["shared_gate"], arrays["shared_up"] = both[0, :i_s], both[0, i_s:]
+            else:
+                for key, buf, t in (("shared_gate", s_stacks[0], s_types[0]), ("shared_up", s_stacks[1], s_types[1])):
+                    raw = buf.numpy()
+                    arrays[key] = (raw if t is None else dequantize(raw, t, (1, i_s, self.hidden)))[0]
+            raw = s_down.numpy()
+            arrays["shared_down"] = (raw if s_types[2] is None else dequantize(raw, s_types[2], (1, self.hidden, i_s)))[
+                0
+            ]
+            if s_gate is not None:
+                arrays["shared_gate_weight"] = np.asarray(s_gate, np.float32)
         return arrays
 
     def reference(self, hidden, weights: Optional[dict] = None):
@@ -297,7 +414,25 @@ class MoeLayer:
         m = hidden.shape[0]
         logits = dense_matmul_id_reference(w["router"][None], hidden, np.zeros((m, 1), np.int64))
         gate_w, ids = moe_gate_reference(logits, self.top_k, self.renormalize)
-        out = moe_experts_reference(hidden, ids, gate_w, w["gate"], w["up"], w["down"])
+        f = self.ffn
+        out = moe_experts_reference(
+            hidden, ids, gate_w, w["gate"], w["up"], w["down"], activation=f.activation, swiglu_alpha=f.swiglu_alpha,
+            swiglu_limit=f.swiglu_limit, gate_bias=w.get("gate_bias"), up_bias=w.get("up_bias"),
+            down_bias=w.get("down_bias"), weights_before_ffn=f.weights_before_ffn,
+        )  # fmt: skip
+        if "shared_down" in w:
+            x = hidden.astype(np.float64)
+            sg, su = (np.asarray(w[k], np.float64) for k in ("shared_gate", "shared_up"))
+            g, u = x @ sg.T, x @ su.T
+            if f.activation == "swiglu_oai":
+                g, u = np.minimum(g, f.swiglu_limit), np.clip(u, -f.swiglu_limit, f.swiglu_limit)
+                act = g / (1.0 + np.exp(-f.swiglu_alpha * g)) * (u + 1.0)
+            else:
+                act = g / (1.0 + np.exp(-g)) * u
+            scale = 1.0
+            if "shared_gate_weight" in w:
+                scale = 1.0 / (1.0 + np.exp(-(x @ np.asarray(w["shared_gate_weight"], np.float64))))[:, None]
+            out = out + scale * (act @ np.asarray(w["shared_down"], np.float64).T)
         return out, ids, logits
 
 

@@ -476,13 +476,7 @@ def moe_experts(
         s_stacks = tuple(_weight_buffer(device, w) for w in sg_up)
         s_down_buf = _weight_buffer(device, s_down)
         _check_weight_dtypes(gate_up_bufs + (down_buf,) + s_stacks + (s_down_buf,), ggml_type)
-        if s_gate is None:
-            s_weights = np.ones((s.m, 1), dtype=np.float32)
-        else:
-            z = hidden.astype(np.float64) @ s_gate.astype(np.float64)
-            with np.errstate(over="ignore"):
-                s_weights = (1.0 / (1.0 + np.exp(-z))).astype(np.float32).reshape(s.m, 1)
-        shared_call = (s_stacks, s_down_buf, device.from_numpy(s_weights))
+        shared_call = (s_stacks, s_down_buf, device.from_numpy(_shared_gate_weights(hidden, s_gate)))
     shared_out = device.alloc(s.m * s.hidden * 4, DType.F32, [s.m, s.hidden]) if shared_call else None
 
     def alloc(shape):
@@ -497,16 +491,40 @@ def moe_experts(
     )  # fmt: skip
     if shared_call is not None:
         s_stacks, s_down_buf, s_weights_buf = shared_call
-        s_route = _checked_route(None, True, shared_s, device, ggml_type)
         s_ids = device.from_numpy(np.zeros((s.m, 1), dtype=np.uint32))
-        _encode_experts(
-            encoder, registry, device, shared_s, s_route, True, x_buf, s_ids, s_weights_buf, s_stacks, s_down_buf,
-            alloc, shared_out, ggml_type, _FfnOptions(options.activation, options.swiglu_alpha, options.swiglu_limit),
+        _encode_shared_expert(
+            encoder, registry, device, shared_s, x_buf, s_ids, s_weights_buf, s_stacks, s_down_buf, alloc, shared_out,
+            ggml_type, options,
         )  # fmt: skip
     encoder.commit_and_wait()
     if shared_out is None:
         return out_buf.numpy()
     return out_buf.numpy() + shared_out.numpy()
+
+
+def _shared_gate_weights(hidden: np.ndarray, gate: Optional[np.ndarray]) -> np.ndarray:
+    """The shared expert's per-token weight, float32 [m, 1]: 1 without a gate, else
+    sigmoid(x . gate) (the dot product and sigmoid in float64, rounded once to float32)."""
+    m = int(hidden.shape[0])
+    if gate is None:
+        return np.ones((m, 1), dtype=np.float32)
+    z = np.asarray(hidden, np.float64) @ np.asarray(gate, np.float64).reshape(-1)
+    with np.errstate(over="ignore"):
+        return (1.0 / (1.0 + np.exp(-z))).astype(np.float32).reshape(m, 1)
+
+
+def _encode_shared_expert(
+    encoder, registry, device, shapes: _ExpertShapes, x_buf, ids_buf, weights_buf, stacks, down_buf, alloc, out_buf,
+    ggml_type, options: _FfnOptions,
+) -> None:  # fmt: skip
+    """Encode a shared expert as the experts block with one expert every token selects (ids 0,
+    weights_buf [m, 1] the per-token weight): the routed block's activation, no biases, the weight
+    applied after the FFN. Its route is the automatic one for its shapes."""
+    route = _checked_route(None, True, shapes, device, ggml_type)
+    _encode_experts(
+        encoder, registry, device, shapes, route, True, x_buf, ids_buf, weights_buf, stacks, down_buf, alloc, out_buf,
+        ggml_type, _FfnOptions(options.activation, options.swiglu_alpha, options.swiglu_limit),
+    )  # fmt: skip
 
 
 def _shared_expert(s: _ExpertShapes, hidden_shape, shared_gate_up, shared_down, shared_gate, ggml_type):
@@ -786,11 +804,9 @@ def _moe_experts_torch(
     )  # fmt: skip
     if shared_call is not None:
         s_bufs, s_down_buf, s_w_buf, s_ids_buf, shared_out = shared_call
-        s_route = _checked_route(None, True, shared_s, device, ggml_type)
-        _encode_experts(
-            encoder, registry, device, shared_s, s_route, True, x_buf, s_ids_buf, s_w_buf, s_bufs, s_down_buf,
-            alloc, from_dlpack(shared_out), ggml_type,
-            _FfnOptions(options.activation, options.swiglu_alpha, options.swiglu_limit),
+        _encode_shared_expert(
+            encoder, registry, device, shared_s, x_buf, s_ids_buf, s_w_buf, s_bufs, s_down_buf, alloc,
+            from_dlpack(shared_out), ggml_type, options,
         )  # fmt: skip
     encoder.commit_and_wait()
     if shared_call is not None:
