@@ -3,8 +3,8 @@
 // CUDA kernels share csrc/backend/common/moe_gate_row.h; this file takes the same steps in MSL).
 //
 // Bindings and geometry are the front door's with the KernelDefs of csrc/backend/metal/kernels.cpp:
-//   gate    : 0 params, 1 logits, 2 weights, 3 ids; grid [ceil(m / 64), 1, 1], 64 threads, one
-//             thread per token row.
+//   gate    : 0 params, 1 logits, 2 weights, 3 ids, 4 bias (the logits when has_bias is 0); grid
+//             [ceil(m / 64), 1, 1], 64 threads, one thread per token row.
 //   silu_mul: 0 params, 1 gate, 2 up, 3 output, by flag 4 ids, 5 weights, 6 gate bias, 7 up
 //             bias; grid [ceil(width / 64), rows, 1], 64 threads.
 //   combine : 0 params, 1 rows, 2 weights, 3 ids, 4 output, by flag 5 bias; grid
@@ -32,60 +32,147 @@ inline float positive_infinity() { return as_type<float>(0x7f800000u); }
 // The ranking key of a logit: NaN ranks as -inf.
 inline float gate_key(float logit) { return logit != logit ? -positive_infinity() : logit; }
 
+// Softmax's row statistics: largest key, sum of exp(key - max) in expert order, +inf count.
+struct GateRowStats {
+  float max_z;
+  float sum;
+  uint infinite;
+  bool finite_max;
+};
+
+inline GateRowStats gate_row_stats(device const float *row, constant MoeGateKernelParams &p) {
+  const float inf = positive_infinity();
+  GateRowStats r;
+  r.max_z = -inf;
+  r.sum = 0.0f;
+  r.infinite = 0;
+  r.finite_max = false;
+  if (p.scoring != 0) return r;
+  for (uint e = 0; e < p.n_experts; ++e) {
+    const float z = gate_key(row[e]);
+    r.max_z = z > r.max_z ? z : r.max_z;
+    r.infinite += z == inf ? 1u : 0u;
+  }
+  r.finite_max = r.max_z > -inf && r.max_z < inf;
+  if (r.finite_max) {
+    for (uint e = 0; e < p.n_experts; ++e) r.sum += exp(gate_key(row[e]) - r.max_z);
+  }
+  return r;
+}
+
+// Expert e's score: softmax probability or sigmoid.
+inline float gate_score(device const float *row, uint e, thread const GateRowStats &r,
+                        constant MoeGateKernelParams &p) {
+  const float inf = positive_infinity();
+  const float z = gate_key(row[e]);
+  if (p.scoring != 0) return 1.0f / (1.0f + exp(-z));
+  if (r.finite_max) return exp(z - r.max_z) / r.sum;
+  return r.max_z == inf && z == inf ? 1.0f / float(r.infinite) : 0.0f;
+}
+
+// Selection score: score + bias (NaN ranks as -inf), or the score without a bias.
+inline float gate_biased(device const float *row, device const float *bias, uint e,
+                         thread const GateRowStats &r, constant MoeGateKernelParams &p) {
+  const float s = gate_score(row, e, r, p);
+  return p.has_bias != 0 ? gate_key(s + bias[e]) : s;
+}
+
+// Ranking key: the selection score with a bias, else the logit.
+inline float gate_rank_key(device const float *row, device const float *bias, uint e,
+                           thread const GateRowStats &r, constant MoeGateKernelParams &p) {
+  return p.has_bias != 0 ? gate_biased(row, bias, e, r, p) : gate_key(row[e]);
+}
+
+// Group score: the sum of the group's two largest selection scores (one for groups of one).
+inline float gate_group_score(device const float *row, device const float *bias, uint g,
+                              uint group_size, thread const GateRowStats &r,
+                              constant MoeGateKernelParams &p) {
+  const float inf = positive_infinity();
+  float first = -inf, second = -inf;
+  for (uint e = g * group_size; e < (g + 1) * group_size; ++e) {
+    const float v = gate_biased(row, bias, e, r, p);
+    if (v > first) {
+      second = first;
+      first = v;
+    } else if (v > second) {
+      second = v;
+    }
+  }
+  return group_size == 1 ? first : gate_key(first + second);
+}
+
 }  // namespace
 
 kernel void moe_gate_softmax_topk_f32(constant MoeGateKernelParams &p [[buffer(0)]],
                                       device const float *logits [[buffer(1)]],
                                       device float *weights [[buffer(2)]],
                                       device uint *ids [[buffer(3)]],
+                                      device const float *bias [[buffer(4)]],
                                       uint t [[thread_position_in_grid]]) {
   if (t >= p.m) return;
   device const float *row = logits + ulong(t) * p.n_experts;
   device float *w = weights + ulong(t) * p.top_k;
   device uint *id = ids + ulong(t) * p.top_k;
   const float inf = positive_infinity();
-  float max_z = -inf;
-  uint infinite = 0;
-  for (uint e = 0; e < p.n_experts; ++e) {
-    const float z = gate_key(row[e]);
-    max_z = z > max_z ? z : max_z;
-    infinite += z == inf ? 1u : 0u;
+  const GateRowStats r = gate_row_stats(row, p);
+  const uint groups = p.num_expert_group == 0 ? 1u : p.num_expert_group;
+  const uint group_size = p.n_experts / groups;
+  // The last kept group: slot topk_group - 1 of a top-k over groups (score descending, index
+  // ascending); a group is kept when it ranks at or before it.
+  float kept_score = -inf;
+  uint kept_g = groups - 1;
+  if (groups > 1) {
+    float prev = inf;
+    uint prev_g = 0;
+    for (uint j = 0; j < p.topk_group; ++j) {
+      float best = 0.0f;
+      uint best_g = groups;
+      for (uint g = 0; g < groups; ++g) {
+        const float v = gate_group_score(row, bias, g, group_size, r, p);
+        const bool after_prev = j == 0 || v < prev || (v == prev && g > prev_g);
+        if (after_prev && (best_g == groups || v > best)) {
+          best = v;
+          best_g = g;
+        }
+      }
+      prev = best;
+      prev_g = best_g;
+    }
+    kept_score = prev;
+    kept_g = prev_g;
   }
-  const bool finite_max = max_z > -inf && max_z < inf;
-  float sum = 0.0f;
-  if (finite_max) {
-    for (uint e = 0; e < p.n_experts; ++e) sum += exp(gate_key(row[e]) - max_z);
-  }
-  // Slot s takes the best expert ranked strictly after slot s - 1's (logit descending, index
-  // ascending).
+  // Slot s takes the best expert of a kept group ranked strictly after slot s - 1's (key
+  // descending, index ascending).
   float prev_z = inf;
   uint prev_e = 0;
   float total = 0.0f;
   for (uint s = 0; s < p.top_k; ++s) {
     float best_z = 0.0f;
     uint best_e = p.n_experts;
-    for (uint e = 0; e < p.n_experts; ++e) {
-      const float z = gate_key(row[e]);
-      const bool after_prev = s == 0 || z < prev_z || (z == prev_z && e > prev_e);
-      if (after_prev && (best_e == p.n_experts || z > best_z)) {
-        best_z = z;
-        best_e = e;
+    for (uint g = 0; g < groups; ++g) {
+      if (groups > 1) {
+        const float v = gate_group_score(row, bias, g, group_size, r, p);
+        if (!(v > kept_score || (v == kept_score && g <= kept_g))) continue;
+      }
+      for (uint e = g * group_size; e < (g + 1) * group_size; ++e) {
+        const float z = gate_rank_key(row, bias, e, r, p);
+        const bool after_prev = s == 0 || z < prev_z || (z == prev_z && e > prev_e);
+        if (after_prev && (best_e == p.n_experts || z > best_z)) {
+          best_z = z;
+          best_e = e;
+        }
       }
     }
-    float prob = 0.0f;
-    if (finite_max) {
-      prob = exp(best_z - max_z) / sum;
-    } else if (max_z == inf && best_z == inf) {
-      prob = 1.0f / float(infinite);
-    }
+    const float prob = gate_score(row, best_e, r, p);
     w[s] = prob;
     id[s] = best_e;
     total += prob;
     prev_z = best_z;
     prev_e = best_e;
   }
-  if (p.renormalize != 0 && total > 0.0f) {
-    for (uint s = 0; s < p.top_k; ++s) w[s] = w[s] / total;
+  for (uint s = 0; s < p.top_k; ++s) {
+    const float v = p.renormalize != 0 && total > 0.0f ? w[s] / total : w[s];
+    w[s] = v * p.routed_scaling_factor;
   }
 }
 

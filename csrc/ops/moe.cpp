@@ -3,6 +3,7 @@
 #include "routemm/ops/moe.h"
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -101,14 +102,61 @@ uint64_t group_threads(const Pipeline& pipeline) {
 
 }  // namespace
 
-void moe_gate(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& logits,
-              const Buffer& weights, const Buffer& ids, const MoeGateParams& p) {
+MoeGateScoring parse_moe_gate_scoring(std::string_view op, std::string_view name) {
+  if (name == "softmax") return MoeGateScoring::Softmax;
+  if (name == "sigmoid") return MoeGateScoring::Sigmoid;
+  throw InvalidArgument(std::string(op) + " scoring_func must be 'softmax' or 'sigmoid', got '" +
+                        std::string(name) + "'");
+}
+
+float moe_gate_scaling_factor(std::string_view op, double value) {
+  const auto f = static_cast<float>(value);
+  if (!std::isfinite(f)) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%g", value);
+    throw InvalidArgument(std::string(op) +
+                          " routed_scaling_factor must be finite as a float32, got " + text);
+  }
+  return f;
+}
+
+void check_moe_gate_params(const MoeGateParams& p) {
   const Checks check("moe_gate");
   if (p.m == 0 || p.n_experts == 0) check.fail("m and n_experts must be nonzero");
   if (p.top_k == 0 || p.top_k > p.n_experts) {
     check.fail("top_k " + std::to_string(p.top_k) +
                " must be in [1, n_experts = " + std::to_string(p.n_experts) + "]");
   }
+  if (p.scoring != MoeGateScoring::Softmax && p.scoring != MoeGateScoring::Sigmoid) {
+    check.fail("scoring_func must be 'softmax' or 'sigmoid', got code " +
+               std::to_string(static_cast<uint32_t>(p.scoring)));
+  }
+  if (p.num_expert_group == 0) {
+    if (p.topk_group != 0) check.fail("topk_group needs num_expert_group");
+  } else {
+    const std::string groups = std::to_string(p.num_expert_group);
+    if (p.n_experts % p.num_expert_group != 0) {
+      check.fail("num_expert_group " + groups +
+                 " must divide n_experts = " + std::to_string(p.n_experts));
+    }
+    if (p.topk_group == 0 || p.topk_group > p.num_expert_group) {
+      check.fail("topk_group " + std::to_string(p.topk_group) +
+                 " must be in [1, num_expert_group = " + groups + "]");
+    }
+    const uint64_t kept = uint64_t{p.topk_group} * (p.n_experts / p.num_expert_group);
+    if (p.top_k > kept) {
+      check.fail("top_k " + std::to_string(p.top_k) + " exceeds the " + std::to_string(kept) +
+                 " experts of the topk_group = " + std::to_string(p.topk_group) + " kept groups");
+    }
+  }
+  moe_gate_scaling_factor("moe_gate", p.routed_scaling_factor);
+}
+
+void moe_gate(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& logits,
+              const Buffer& weights, const Buffer& ids, const MoeGateParams& p,
+              const Buffer* bias) {
+  const Checks check("moe_gate");
+  check_moe_gate_params(p);
   const ByteRange logits_range =
       check.buffer("logits", logits, {DType::F32}, check.product("logits", {p.m, p.n_experts, 4}));
   const uint64_t slot_bytes = check.product("top-k", {p.m, p.top_k, 4});
@@ -119,19 +167,46 @@ void moe_gate(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& l
     check.fail("weights and ids must not overlap");
   }
   if (ids.backend() != weights.backend()) check.fail("buffers must all live on one device");
-  check.placement(encoder, registry, {{"logits", &logits}}, weights, weights_range, {logits_range});
-  check.placement(encoder, registry, {{"logits", &logits}}, ids, ids_range, {logits_range});
+  // Without a bias the logits fill the kernel's bias slot (never read there).
+  const Buffer& bias_arg = bias != nullptr ? *bias : logits;
+  ByteRange bias_range = logits_range;
+  if (bias != nullptr) {
+    bias_range = check.buffer("e_score_correction_bias", *bias, {DType::F32},
+                              check.product("e_score_correction_bias", {p.n_experts, 4}));
+    if (!bias->shape().empty() && (bias->shape().size() != 1 || bias->shape()[0] != p.n_experts)) {
+      std::string shape;
+      for (const uint64_t d : bias->shape())
+        shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+      check.fail("e_score_correction_bias must have shape [n_experts = " +
+                 std::to_string(p.n_experts) + "], got [" + shape + "]");
+    }
+  }
+  check.placement(encoder, registry, {{"logits", &logits}, {"e_score_correction_bias", &bias_arg}},
+                  weights, weights_range, {logits_range, bias_range});
+  check.placement(encoder, registry, {{"logits", &logits}, {"e_score_correction_bias", &bias_arg}},
+                  ids, ids_range, {logits_range, bias_range});
 
   const PipelinePtr pipeline = registry.get_pipeline(kMoeGatePipeline);
-  const kernels::MoeGateKernelParams gpu{p.m, p.n_experts, p.top_k, p.renormalize ? 1u : 0u};
+  const kernels::MoeGateKernelParams gpu{p.m,
+                                         p.n_experts,
+                                         p.top_k,
+                                         p.renormalize ? 1u : 0u,
+                                         static_cast<uint32_t>(p.scoring),
+                                         bias != nullptr ? 1u : 0u,
+                                         p.num_expert_group,
+                                         p.topk_group,
+                                         p.routed_scaling_factor};
   if (encoder.is_capturing()) {
-    encoder.set_pending_buffer_ranges({logical_range(logits)},
+    std::vector<ByteRange> reads = {logical_range(logits)};
+    if (bias != nullptr) reads.push_back(logical_range(*bias));
+    encoder.set_pending_buffer_ranges(std::move(reads),
                                       {logical_range(weights), logical_range(ids)});
   }
   const std::pair<uint32_t, KernelArg> args[] = {{0, KernelArg::pod(gpu)},
                                                  {1, KernelArg::of(logits)},
                                                  {2, KernelArg::of(weights)},
-                                                 {3, KernelArg::of(ids)}};
+                                                 {3, KernelArg::of(ids)},
+                                                 {4, KernelArg::of(bias_arg)}};
   // One thread per token row.
   const uint64_t threads = group_threads(*pipeline);
   encoder.dispatch(*pipeline, args, Dim3{ceil_div(p.m, threads), 1, 1}, Dim3{threads, 1, 1});

@@ -498,6 +498,11 @@ void enqueue_moe_gate(const RoutemmMoeGateCall& call) {
   p.n_experts = u32_field(op, "n_experts", call.n_experts);
   p.top_k = u32_field(op, "top_k", call.top_k);
   p.renormalize = call.renormalize != 0;
+  p.scoring = parse_moe_gate_scoring(op, call.scoring_func != nullptr ? call.scoring_func : "");
+  p.num_expert_group = u32_field(op, "num_expert_group", call.num_expert_group);
+  p.topk_group = u32_field(op, "topk_group", call.topk_group);
+  p.routed_scaling_factor = moe_gate_scaling_factor(op, call.routed_scaling_factor);
+  check_moe_gate_params(p);
   const TensorOpTarget& target = tensor_op_target(call.device_type, call.device_index);
   const Device& device = target.device;
   const uint64_t m = p.m, e = p.n_experts, k = p.top_k;
@@ -506,10 +511,12 @@ void enqueue_moe_gate(const RoutemmMoeGateCall& call) {
   const Buffer logits = borrowed(device, call.logits, logits_bytes, DType::F32, {m, e}, false);
   const Buffer weights = borrowed(device, call.weights, slot_bytes, DType::F32, {m, k}, true);
   const Buffer ids = borrowed(device, call.ids, slot_bytes, DType::I32, {m, k}, true);
+  std::optional<Buffer> bias;
+  if (call.bias != 0) bias = borrowed(device, call.bias, e * 4, DType::F32, {e}, false);
   const bool on_stream = call.has_stream != 0;
   CommandEncoder encoder = device.command_encoder(EncoderOptions{
       on_stream ? std::optional<uint64_t>(call.stream) : std::nullopt, std::nullopt});
-  moe_gate(encoder, *target.registry, logits, weights, ids, p);
+  moe_gate(encoder, *target.registry, logits, weights, ids, p, bias ? &*bias : nullptr);
   start(encoder, on_stream);
 }
 
@@ -957,7 +964,8 @@ void init_enqueue(py::module_& m) {
       "_enqueue_moe_gate",
       [](int32_t type, int32_t index, int64_t m_, int64_t n_experts, int64_t top_k,
          bool renormalize, uint64_t logits, uint64_t weights, uint64_t ids,
-         std::optional<uint64_t> stream) {
+         std::optional<uint64_t> stream, const std::string& scoring_func, uint64_t bias,
+         int64_t num_expert_group, int64_t topk_group, double routed_scaling_factor) {
         const RoutemmMoeGateCall call{type,
                                       index,
                                       m_,
@@ -968,12 +976,18 @@ void init_enqueue(py::module_& m) {
                                       weights,
                                       ids,
                                       stream ? 1u : 0u,
-                                      stream.value_or(0)};
+                                      stream.value_or(0),
+                                      scoring_func.c_str(),
+                                      bias,
+                                      num_expert_group,
+                                      topk_group,
+                                      routed_scaling_factor};
         enqueue_moe_gate(call);
       },
       py::arg("device_type"), py::arg("device_index"), py::arg("m"), py::arg("n_experts"),
       py::arg("top_k"), py::arg("renormalize"), py::arg("logits"), py::arg("weights"),
-      py::arg("ids"), py::arg("stream"),
+      py::arg("ids"), py::arg("stream"), py::arg("scoring_func"), py::arg("bias"),
+      py::arg("num_expert_group"), py::arg("topk_group"), py::arg("routed_scaling_factor"),
       "One moe_gate call on caller memory given by pointers, encoded and started.");
   m.def(
       "_enqueue_q4_matmul",

@@ -65,6 +65,19 @@ void set_moe_experts_options(MoeExpertsParams& p, const std::string& activation,
   p.weights_before_ffn = weights_before_ffn;
 }
 
+// The gate's params from Python's fields (num_expert_group 0: no grouping), each checked.
+MoeGateParams moe_gate_params(uint32_t m, uint32_t n_experts, uint32_t top_k, bool renormalize,
+                              const std::string& scoring_func, uint32_t num_expert_group,
+                              uint32_t topk_group, double routed_scaling_factor) {
+  MoeGateParams p{m, n_experts, top_k, renormalize};
+  p.scoring = parse_moe_gate_scoring("moe_gate", scoring_func);
+  p.num_expert_group = num_expert_group;
+  p.topk_group = topk_group;
+  p.routed_scaling_factor = moe_gate_scaling_factor("moe_gate", routed_scaling_factor);
+  check_moe_gate_params(p);
+  return p;
+}
+
 }  // namespace
 
 void init_moe(py::module_& m) {
@@ -76,12 +89,31 @@ void init_moe(py::module_& m) {
       "_moe_gate",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& logits,
          const Buffer& weights, const Buffer& ids, uint32_t tokens, uint32_t n_experts,
-         uint32_t top_k, bool renormalize) {
+         uint32_t top_k, bool renormalize, const std::string& scoring_func,
+         const std::optional<Buffer>& bias, uint32_t num_expert_group, uint32_t topk_group,
+         double routed_scaling_factor) {
         moe_gate(encoder, registry, logits, weights, ids,
-                 MoeGateParams{tokens, n_experts, top_k, renormalize});
+                 moe_gate_params(tokens, n_experts, top_k, renormalize, scoring_func,
+                                 num_expert_group, topk_group, routed_scaling_factor),
+                 bias ? &*bias : nullptr);
       },
       py::arg("encoder"), py::arg("registry"), py::arg("logits"), py::arg("weights"),
-      py::arg("ids"), py::arg("m"), py::arg("n_experts"), py::arg("top_k"), py::arg("renormalize"));
+      py::arg("ids"), py::arg("m"), py::arg("n_experts"), py::arg("top_k"), py::arg("renormalize"),
+      py::arg("scoring_func") = "softmax", py::arg("e_score_correction_bias") = std::nullopt,
+      py::arg("num_expert_group") = 0, py::arg("topk_group") = 0,
+      py::arg("routed_scaling_factor") = 1.0);
+  m.def(
+      "_check_moe_gate_params",
+      [](uint32_t tokens, uint32_t n_experts, uint32_t top_k, bool renormalize,
+         const std::string& scoring_func, uint32_t num_expert_group, uint32_t topk_group,
+         double routed_scaling_factor) {
+        check_moe_gate_params(moe_gate_params(tokens, n_experts, top_k, renormalize, scoring_func,
+                                              num_expert_group, topk_group, routed_scaling_factor));
+      },
+      py::arg("m"), py::arg("n_experts"), py::arg("top_k"), py::arg("renormalize"),
+      py::arg("scoring_func"), py::arg("num_expert_group"), py::arg("topk_group"),
+      py::arg("routed_scaling_factor"),
+      "Refuse gate params moe_gate would refuse (before anything is allocated).");
   m.def(
       "_moe_silu_mul",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& gate, const Buffer& up,

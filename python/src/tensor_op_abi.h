@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define ROUTEMM_TENSOR_OP_ABI_VERSION 7
+#define ROUTEMM_TENSOR_OP_ABI_VERSION 8
 #define ROUTEMM_TENSOR_OP_ABI_CAPSULE "routemm._core._tensor_op_abi"
 
 // DLPack device types of the devices the tensor ops run on.
@@ -131,8 +131,8 @@ typedef struct RoutemmMoeExpertsPointers {
 } RoutemmMoeExpertsPointers;
 
 // One MoE gate (routemm/ops/moe.h moe_gate): logits [m, n_experts] float32 -> weights [m, top_k]
-// float32 and ids [m, top_k] int32. m, n_experts and top_k come as the framework has them and are
-// checked as u32 by the core.
+// float32 and ids [m, top_k] int32. m, n_experts, top_k and the group counts come as the framework
+// has them and are checked as u32 by the core, as are scoring_func and the scaling factor.
 typedef struct RoutemmMoeGateCall {
   int32_t device_type;
   int32_t device_index;
@@ -141,6 +141,11 @@ typedef struct RoutemmMoeGateCall {
   uint64_t logits, weights, ids;
   uint32_t has_stream;
   uint64_t stream;
+  // Version 8. The routing options (moe_gate's names).
+  const char* scoring_func;              // "softmax" or "sigmoid"
+  uint64_t bias;                         // e_score_correction_bias float32 [n_experts], or 0
+  int64_t num_expert_group, topk_group;  // both 0: no grouping
+  double routed_scaling_factor;
 } RoutemmMoeGateCall;
 
 // One call of the experts block fused into two launches (routemm/ops/moe_experts_fused.h): hidden
@@ -185,7 +190,8 @@ typedef struct RoutemmTensorOpAbi {
                           RoutemmMoeExpertsPlanInfo* info, char* error, size_t error_size);
   int (*enqueue_moe_experts)(const void* plan, const RoutemmMoeExpertsPointers* pointers,
                              char* error, size_t error_size);
-  // Version 4. The MoE gate, encoded and started (no plan: one dispatch, checked per call).
+  // Version 4. The MoE gate, encoded and started (no plan: one dispatch, checked per call); its
+  // call record grew the routing options in version 8.
   int (*enqueue_moe_gate)(const RoutemmMoeGateCall* call, char* error, size_t error_size);
   // Version 5. The fused experts block: whether it serves a call's shape and dtypes on its device
   // (1 or 0; never fails: a call it does not serve takes the planned block), then the call itself

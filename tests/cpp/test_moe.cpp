@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "routemm/device.h"
@@ -65,6 +66,76 @@ TEST(MoeGate, RejectsBadCallsBeforeEncoding) {
                InvalidArgument);
   EXPECT_THROW(moe_gate(encoder, registry, logits, weights, weights, MoeGateParams{2, 8, 2, false}),
                InvalidArgument);
+  EXPECT_EQ(encoder.pending_dispatches(), 0u);
+}
+
+TEST(MoeGate, GroupedSigmoidWithBiasSelectsByBiasAndWeighsWithoutIt) {
+  // 8 experts in 4 groups of 2, sigmoid scores, DeepSeek-V3's order. The bias lifts experts 6 and
+  // 7 above expert 2 for selection; group scores (top-2 sums of biased scores) keep groups 3 and 1
+  // (topk_group 2), so expert 4 of group 2 loses to expert 3 although its score is higher. The
+  // weights are the unbiased sigmoids, renormalised, times 2.
+  const Device device("cpu");
+  KernelRegistry registry(device);
+  const std::vector<float> logits = {-1.0f, -1.0f, 1.0f, -1.0f, 0.9f, -5.0f, -2.0f, -1.0f};
+  const std::vector<float> bias = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 1.5f};
+  const Buffer in = upload(device, logits, DType::F32);
+  const Buffer b = upload(device, bias, DType::F32);
+  Buffer weights = device.alloc(4 * 4, DType::F32, {1, 4});
+  Buffer ids = device.alloc(4 * 4, DType::U32, {1, 4});
+  MoeGateParams p{1, 8, 4, true};
+  p.scoring = MoeGateScoring::Sigmoid;
+  p.num_expert_group = 4;
+  p.topk_group = 2;
+  p.routed_scaling_factor = 2.0f;
+  CommandEncoder encoder = device.command_encoder();
+  moe_gate(encoder, registry, in, weights, ids, p, &b);
+  encoder.commit_and_wait();
+  EXPECT_EQ(download<uint32_t>(ids), (std::vector<uint32_t>{7, 6, 2, 3}));
+  const auto sigmoid = [](double z) { return 1.0 / (1.0 + std::exp(-z)); };
+  const double scores[] = {sigmoid(-1.0), sigmoid(-2.0), sigmoid(1.0), sigmoid(-1.0)};
+  const double total = scores[0] + scores[1] + scores[2] + scores[3];
+  const auto w = download<float>(weights);
+  for (int s = 0; s < 4; ++s) EXPECT_NEAR(w[s], 2.0 * scores[s] / total, 1e-6) << s;
+}
+
+TEST(MoeGate, RefusesBadRoutingBeforeEncoding) {
+  const Device device("cpu");
+  KernelRegistry registry(device);
+  const Buffer logits = device.alloc(2 * 8 * 4, DType::F32, {2, 8});
+  const Buffer weights = device.alloc(2 * 4 * 4, DType::F32, {2, 4});
+  const Buffer ids = device.alloc(2 * 4 * 4, DType::I32, {2, 4});
+  const Buffer short_bias = device.alloc(4 * 4, DType::F32, {4});
+  const Buffer f16_bias = device.alloc(8 * 2, DType::F16, {8});
+  CommandEncoder encoder = device.command_encoder();
+  const auto refused = [&](const MoeGateParams& p, const Buffer* bias, const char* what) {
+    try {
+      moe_gate(encoder, registry, logits, weights, ids, p, bias);
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  MoeGateParams p{2, 8, 4, true};
+  p.num_expert_group = 3;
+  p.topk_group = 1;
+  refused(p, nullptr, "num_expert_group 3 must divide n_experts = 8");
+  p.num_expert_group = 4;
+  p.topk_group = 5;
+  refused(p, nullptr, "topk_group 5 must be in [1, num_expert_group = 4]");
+  p.topk_group = 1;
+  refused(p, nullptr, "top_k 4 exceeds the 2 experts of the topk_group = 1 kept groups");
+  p.num_expert_group = 0;
+  refused(p, nullptr, "topk_group needs num_expert_group");
+  p.topk_group = 0;
+  p.routed_scaling_factor = kInf;
+  refused(p, nullptr, "routed_scaling_factor must be finite as a float32, got inf");
+  p.routed_scaling_factor = 1.0f;
+  p.scoring = static_cast<MoeGateScoring>(2);
+  refused(p, nullptr, "scoring_func must be 'softmax' or 'sigmoid'");
+  p.scoring = MoeGateScoring::Sigmoid;
+  refused(p, &short_bias, "e_score_correction_bias requires 32 logical bytes");
+  refused(p, &f16_bias, "e_score_correction_bias must be f32");
+  EXPECT_THROW(parse_moe_gate_scoring("moe_gate", "relu"), InvalidArgument);
   EXPECT_EQ(encoder.pending_dispatches(), 0u);
 }
 

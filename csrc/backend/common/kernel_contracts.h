@@ -22,6 +22,7 @@
 #include "backend/common/calibration_params.h"
 #include "backend/common/dense_matmul_id_params.h"
 #include "backend/common/moe_fused_params.h"
+#include "backend/common/moe_gate_row.h"
 #include "backend/common/moe_params.h"
 #include "backend/common/q4_0_block.h"
 #include "routemm/backend.h"
@@ -308,17 +309,19 @@ KernelArgCheck ggml_format_arg_contract(std::string_view name) {
 
 // ---- MoE layer (moe_params.h) -------------------------------------------------------------------
 
-// Slots: 0 params, 1 logits [m, n_experts] F32, 2 weights [m, top_k] F32, 3 ids [m, top_k] U32.
+// Slots: 0 params, 1 logits [m, n_experts] F32, 2 weights [m, top_k] F32, 3 ids [m, top_k] U32,
+// 4 bias [n_experts] F32 (the logits when has_bias is 0).
 inline void check_moe_gate_args(const KernelLaunch& launch) {
-  contract_slot_count(launch, 4);
+  contract_slot_count(launch, 5);
   const auto p = contract_params<MoeGateKernelParams>(launch, 0);
-  if (p.m == 0 || p.n_experts == 0 || p.top_k == 0 || p.top_k > p.n_experts || p.renormalize > 1)
-    contract_violation(launch, "params have a zero extent, top_k above n_experts or a bad flag");
+  if (!moe_gate_params_valid(p))
+    contract_violation(launch, "params have a zero extent, a bad flag or top_k above its experts");
   const std::string what = launch.label + " extents";
   contract_buffer(launch, 1, "logits", checked_product({p.m, p.n_experts, 4}, what), 4,
                   Access::Read);
   contract_buffer(launch, 2, "weights", checked_product({p.m, p.top_k, 4}, what), 4, Access::Write);
   contract_buffer(launch, 3, "ids", checked_product({p.m, p.top_k, 4}, what), 4, Access::Write);
+  contract_buffer(launch, 4, "bias", checked_mul(p.n_experts, 4, what), 4, Access::Read);
 }
 
 // Slots: 0 params, 1 gate rows, 2 up rows (F32, row strides in elements), 3 output [rows, width];

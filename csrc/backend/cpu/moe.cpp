@@ -59,16 +59,15 @@ void for_rows(void* queue_native, size_t rows, size_t grain, const Body& body) {
 
 void gate_kernel(const KernelLaunch& launch, void* queue_native) {
   const auto p = kernels::launch_params<MoeGateKernelParams>(launch, 0);
-  if (p.m == 0 || p.n_experts == 0 || p.top_k == 0 || p.top_k > p.n_experts) {
-    throw Error(launch.label + ": invalid gate params");
-  }
+  if (!kernels::moe_gate_params_valid(p)) throw Error(launch.label + ": invalid gate params");
   const auto* logits =
       arg<const float>(launch, 1, bytes_of(launch, {p.m, p.n_experts, 4}), "logits");
   auto* weights = arg<float>(launch, 2, bytes_of(launch, {p.m, p.top_k, 4}), "weights");
   auto* ids = arg<uint32_t>(launch, 3, bytes_of(launch, {p.m, p.top_k, 4}), "ids");
+  const auto* bias = arg<const float>(launch, 4, bytes_of(launch, {p.n_experts, 4}), "bias");
   for_rows(queue_native, p.m, 16, [&](size_t t) {
-    kernels::moe_gate_row(logits + t * p.n_experts, p.n_experts, p.top_k, p.renormalize != 0,
-                          weights + t * p.top_k, ids + t * p.top_k);
+    kernels::moe_gate_row(logits + t * p.n_experts, bias, p, weights + t * p.top_k,
+                          ids + t * p.top_k);
   });
 }
 

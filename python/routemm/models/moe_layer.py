@@ -50,6 +50,7 @@ from ..ops.dense_matmul_id import (
 )
 from ..ops.moe import (
     _check_bool,
+    _check_routing,
     _check_top_k,
     _check_weight_dtypes,
     _checked_ffn_options,
@@ -83,6 +84,11 @@ class MoeLayer:
         *,
         top_k: int,
         renormalize: bool,
+        scoring_func: str = "softmax",
+        e_score_correction_bias=None,
+        num_expert_group: Optional[int] = None,
+        topk_group: Optional[int] = None,
+        routed_scaling_factor: float = 1.0,
         ggml_type: Optional[GgmlType] = None,
         device=None,
         name: str = "moe layer",
@@ -103,7 +109,9 @@ class MoeLayer:
         GgmlType or its value: Q4_0, Q8_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K, Q6_K; or a (gate,
         up, down) tuple of them for stacks of mixed types). All
         buffers live on `device` (default: the router's). top_k: an integer in [1, E]; renormalize:
-        a bool (checked as moe_gate checks them).
+        a bool (checked as moe_gate checks them). scoring_func, e_score_correction_bias (None or an
+        F32 [E] buffer), num_expert_group, topk_group and routed_scaling_factor: the gate's routing
+        options, as moe_gate takes them (the default is a softmax gate).
 
         The experts' FFN options, as routemm.moe_experts takes them: activation ("silu" or
         "swiglu_oai", with swiglu_alpha and swiglu_limit); expert biases gate_bias, up_bias
@@ -150,6 +158,22 @@ class MoeLayer:
                 )
         self.top_k = _check_top_k(top_k, n_experts, f"{name}: top_k")
         self.renormalize = _check_bool(renormalize, f"{name}: renormalize")
+        # The gate's routing options (moe_gate's, checked as it checks them); the bias is an F32 [E]
+        # buffer on the layer's device.
+        self.routing = _check_routing(scoring_func, num_expert_group, topk_group, routed_scaling_factor, f"{name}:")
+        _core._check_moe_gate_params(1, n_experts, self.top_k, self.renormalize, *self.routing.core_args())
+        check_type(f"{name}:", "e_score_correction_bias", e_score_correction_bias, _core.Buffer, optional=True)
+        bias = e_score_correction_bias
+        if bias is not None and (bias.dtype != DType.F32 or [int(d) for d in bias.shape] != [n_experts]):
+            raise InvalidArgumentError(
+                f"{name}: e_score_correction_bias must be f32 [{n_experts}], got "
+                f"{bias.dtype.name.lower()} {[int(d) for d in bias.shape]}"
+            )
+        if bias is not None and bias.device.backend != device.backend:
+            raise InvalidArgumentError(
+                f"{name}: e_score_correction_bias lives on {bias.device.backend}, the layer on {device.backend}"
+            )
+        self.e_score_correction_bias = bias
         self.device = device
         self.router, self.gate, self.up, self.down = router, gate, up, down
         self.ggml_type = ggml_type
@@ -339,7 +363,11 @@ class MoeLayer:
         )  # fmt: skip
         dense_matmul_id(encoder, registry, self.router, x_buf, router_ids, logits, None, router_params)
         encoder.memory_barrier()
-        _core._moe_gate(encoder, registry, logits, weights, ids, m, self.n_experts, self.top_k, self.renormalize)
+        _core._moe_gate(
+            encoder, registry, logits, weights, ids, m, self.n_experts, self.top_k, self.renormalize,
+            self.routing.scoring_func, self.e_score_correction_bias, self.routing.num_expert_group,
+            self.routing.topk_group, self.routing.routed_scaling_factor,
+        )  # fmt: skip
         encoder.memory_barrier()
 
         def alloc(shape):
@@ -413,7 +441,13 @@ class MoeLayer:
         hidden = np.asarray(hidden, dtype=np.float32)
         m = hidden.shape[0]
         logits = dense_matmul_id_reference(w["router"][None], hidden, np.zeros((m, 1), np.int64))
-        gate_w, ids = moe_gate_reference(logits, self.top_k, self.renormalize)
+        r, bias = self.routing, self.e_score_correction_bias
+        gate_w, ids = moe_gate_reference(
+            logits, self.top_k, self.renormalize, scoring_func=r.scoring_func,
+            e_score_correction_bias=None if bias is None else bias.numpy(),
+            num_expert_group=r.num_expert_group or None, topk_group=r.topk_group or None,
+            routed_scaling_factor=r.routed_scaling_factor,
+        )  # fmt: skip
         f = self.ffn
         out = moe_experts_reference(
             hidden, ids, gate_w, w["gate"], w["up"], w["down"], activation=f.activation, swiglu_alpha=f.swiglu_alpha,

@@ -27,29 +27,62 @@ def dense_matmul_id_reference(weights: np.ndarray, x: np.ndarray, ids: np.ndarra
     return out
 
 
-def moe_gate_reference(logits: np.ndarray, top_k: int, renormalize: bool) -> tuple[np.ndarray, np.ndarray]:
+def moe_gate_reference(
+    logits: np.ndarray,
+    top_k: int,
+    renormalize: bool,
+    *,
+    scoring_func: str = "softmax",
+    e_score_correction_bias=None,
+    num_expert_group=None,
+    topk_group=None,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
     """(weights float64 [m, top_k], ids int64 [m, top_k]) under moe_gate's contract, in float64.
 
-    Ranking by logit, descending, ties to the lower index; NaN ranks as -inf; a row whose largest
-    logit is +inf shares the mass among its +inf experts; a row with no logit above -inf has
-    weights 0.
+    Scores: softmax (a row whose largest logit is +inf shares the mass among its +inf experts; a
+    row with no logit above -inf has scores 0) or sigmoid; NaN counts as -inf. Selection by score
+    + bias (by logit without a bias), ties to the lower index, within the topk_group best of
+    num_expert_group contiguous groups (group score: the sum of its two largest selection scores);
+    weights: the unbiased scores, renormalised, times routed_scaling_factor.
     """
     z = np.where(np.isnan(logits), -np.inf, logits.astype(np.float64))
-    ids = np.argsort(-z, axis=1, kind="stable")[:, :top_k]
-    top = np.take_along_axis(z, ids, axis=1)
-    zmax = z.max(axis=1, keepdims=True)
-    weights = np.zeros(ids.shape, dtype=np.float64)
-    finite = np.isfinite(zmax[:, 0])
+    m, n_experts = z.shape
     with np.errstate(invalid="ignore", over="ignore"):
-        e = np.exp(z[finite] - zmax[finite])
-        weights[finite] = np.exp(top[finite] - zmax[finite]) / e.sum(axis=1, keepdims=True)
-    plus_inf = zmax[:, 0] == np.inf
-    count = np.sum(z[plus_inf] == np.inf, axis=1, keepdims=True)
-    weights[plus_inf] = np.where(top[plus_inf] == np.inf, 1.0 / np.maximum(count, 1), 0.0)
+        if scoring_func == "sigmoid":
+            scores = 1.0 / (1.0 + np.exp(-z))
+        else:
+            zmax = z.max(axis=1, keepdims=True)
+            scores = np.zeros_like(z)
+            finite = np.isfinite(zmax[:, 0])
+            e = np.exp(z[finite] - zmax[finite])
+            scores[finite] = e / e.sum(axis=1, keepdims=True)
+            plus_inf = zmax[:, 0] == np.inf
+            count = np.sum(z[plus_inf] == np.inf, axis=1, keepdims=True)
+            scores[plus_inf] = np.where(z[plus_inf] == np.inf, 1.0 / np.maximum(count, 1), 0.0)
+        selection = scores
+        if e_score_correction_bias is not None:
+            selection = scores + np.asarray(e_score_correction_bias, dtype=np.float64)[None, :]
+            selection = np.where(np.isnan(selection), -np.inf, selection)
+    key = selection if e_score_correction_bias is not None else z
+    masked = np.zeros(z.shape, dtype=bool)
+    if num_expert_group:
+        size = n_experts // num_expert_group
+        grouped = np.sort(selection.reshape(m, num_expert_group, size), axis=2)[:, :, ::-1]
+        with np.errstate(invalid="ignore"):
+            group_scores = grouped[:, :, 0] + (grouped[:, :, 1] if size > 1 else 0.0)
+        group_scores = np.where(np.isnan(group_scores), -np.inf, group_scores)
+        kept = np.argsort(-group_scores, axis=1, kind="stable")[:, :topk_group]
+        keep = np.zeros((m, num_expert_group), dtype=bool)
+        np.put_along_axis(keep, kept, True, axis=1)
+        masked = ~np.repeat(keep, size, axis=1)
+    index = np.broadcast_to(np.arange(n_experts), z.shape)
+    ids = np.stack([np.lexsort((index[t], -key[t], masked[t]))[:top_k] for t in range(m)])
+    weights = np.take_along_axis(scores, ids, axis=1)
     if renormalize:
         total = weights.sum(axis=1, keepdims=True)
         weights = np.where(total > 0, weights / np.where(total > 0, total, 1.0), weights)
-    return weights, ids
+    return weights * routed_scaling_factor, ids
 
 
 def moe_experts_reference(

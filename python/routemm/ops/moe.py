@@ -57,15 +57,38 @@ _INVALID_ID = 0xFFFFFFFF
 # ---- Explicit front doors (encode into a caller's encoder) --------------------------------------
 
 
-def encode_moe_gate(encoder, registry, logits, weights, ids, *, top_k: int, renormalize: bool) -> None:
-    """Encode the gate: logits F32 [m, E] -> weights F32 [m, top_k], ids U32/I32 [m, top_k].
+def encode_moe_gate(
+    encoder,
+    registry,
+    logits,
+    weights,
+    ids,
+    *,
+    top_k: int,
+    renormalize: bool,
+    scoring_func: str = "softmax",
+    e_score_correction_bias=None,
+    num_expert_group: Optional[int] = None,
+    topk_group: Optional[int] = None,
+    routed_scaling_factor: float = 1.0,
+) -> None:
+    """Encode the gate: logits F32 [m, E] -> weights F32 [m, top_k], ids U32/I32 [m, top_k];
+    the routing options as moe_gate's (e_score_correction_bias: None or an F32 [E] Buffer).
 
     One dispatch, no barrier (order it after the logits' producer with encoder.memory_barrier()).
     """
-    check_encoding("moe_gate", encoder, registry, ("logits", "weights", "ids"), logits, weights, ids)
+    names, buffers = ("logits", "weights", "ids"), (logits, weights, ids)
+    if e_score_correction_bias is not None:
+        names, buffers = (*names, "e_score_correction_bias"), (*buffers, e_score_correction_bias)
+    check_encoding("moe_gate", encoder, registry, names, *buffers)
     m, n_experts = _matrix_shape("moe_gate logits", logits.shape)
     _check_top_k(top_k, n_experts)
-    _core._moe_gate(encoder, registry, logits, weights, ids, m, n_experts, int(top_k), _check_bool(renormalize))
+    renormalize = _check_bool(renormalize)
+    routing = _check_routing(scoring_func, num_expert_group, topk_group, routed_scaling_factor)
+    _core._moe_gate(
+        encoder, registry, logits, weights, ids, m, n_experts, int(top_k), renormalize, routing.scoring_func,
+        e_score_correction_bias, routing.num_expert_group, routing.topk_group, routing.routed_scaling_factor,
+    )  # fmt: skip
 
 
 def encode_moe_silu_mul(
@@ -125,13 +148,89 @@ def _check_bool(value, what: str = "moe_gate renormalize") -> bool:
 # ---- moe_gate -----------------------------------------------------------------------------------
 
 
-def moe_gate(router_logits, top_k: int, *, renormalize: bool, device=None):
-    """Softmax over experts and top-k selection: returns (weights float32 [m, top_k], ids int32 [m, top_k]).
+@dataclasses.dataclass(frozen=True)
+class GateRouting:
+    """moe_gate's routing options past top_k and renormalize, checked (see moe_gate): vLLM's
+    names, with num_expert_group = topk_group = 0 for no grouping. MoeLayer keeps one."""
 
-    router_logits: float32 [m, n_experts]. Experts are ranked by logit, ties to the lower index;
-    a NaN logit ranks as -inf; a row with no logit above -inf gets weights 0 and ids 0..top_k-1.
-    renormalize: divide the top-k probabilities by their sum (Mixtral, Qwen3-MoE with
-    norm_topk_prob) instead of keeping the full-softmax probabilities.
+    scoring_func: str = "softmax"
+    num_expert_group: int = 0
+    topk_group: int = 0
+    routed_scaling_factor: float = 1.0
+
+    def core_args(self) -> tuple:
+        """The positional tail of the core's gate bindings after renormalize (less the bias)."""
+        return self.scoring_func, self.num_expert_group, self.topk_group, self.routed_scaling_factor
+
+
+def _check_routing(
+    scoring_func="softmax", num_expert_group=None, topk_group=None, routed_scaling_factor=1.0, what="moe_gate"
+) -> GateRouting:
+    """The routing options' types, never coerced: scoring_func a str (its value the core checks),
+    num_expert_group and topk_group None or positive u32 integers given together, the scaling
+    factor a real number (the core refuses one not finite as a float32). `what` prefixes refusals
+    (MoeLayer shares this check)."""
+    if not isinstance(scoring_func, str):
+        raise InvalidArgumentError(f"{what} scoring_func must be 'softmax' or 'sigmoid', got {scoring_func!r}")
+    groups = []
+    for name, value in (("num_expert_group", num_expert_group), ("topk_group", topk_group)):
+        if value is None:
+            groups.append(0)
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise InvalidArgumentError(f"{what} {name} must be None or a positive integer, got {value!r}")
+        groups.append(check_uint(what, name, value))
+    if (num_expert_group is None) != (topk_group is None):
+        raise InvalidArgumentError(
+            f"{what} num_expert_group and topk_group must be given together, got {num_expert_group!r} "
+            f"and {topk_group!r}"
+        )
+    if isinstance(routed_scaling_factor, bool) or not isinstance(
+        routed_scaling_factor, (int, float, np.integer, np.floating)
+    ):
+        raise InvalidArgumentError(f"{what} routed_scaling_factor must be a real number, got {routed_scaling_factor!r}")
+    return GateRouting(scoring_func, groups[0], groups[1], float(routed_scaling_factor))
+
+
+def _check_bias_array(bias, n_experts: int, framework: str):
+    """e_score_correction_bias for NumPy logits: a float32 NumPy array of shape (n_experts,)."""
+    if framework != "numpy" or not isinstance(bias, np.ndarray):
+        raise InvalidArgumentError(
+            f"moe_gate e_score_correction_bias must be a NumPy array for NumPy logits, got {type(bias).__name__}"
+        )
+    if bias.dtype != np.float32:
+        raise InvalidArgumentError(f"moe_gate e_score_correction_bias must be float32, got {bias.dtype}")
+    if tuple(bias.shape) != (n_experts,):
+        raise InvalidArgumentError(
+            f"moe_gate e_score_correction_bias must have shape (n_experts,) = ({n_experts},), got {tuple(bias.shape)}"
+        )
+    return bias
+
+
+def moe_gate(
+    router_logits,
+    top_k: int,
+    *,
+    renormalize: bool,
+    scoring_func: str = "softmax",
+    e_score_correction_bias=None,
+    num_expert_group: Optional[int] = None,
+    topk_group: Optional[int] = None,
+    routed_scaling_factor: float = 1.0,
+    device=None,
+):
+    """Router scores and top-k selection: returns (weights float32 [m, top_k], ids int32 [m, top_k]).
+
+    router_logits: float32 [m, n_experts]. In order (docs/moe.md, "Routing"):
+    scores = softmax(logits) over experts, or sigmoid(logits) with scoring_func="sigmoid";
+    e_score_correction_bias (None or float32 [n_experts], DeepSeek-V3's) is added to the scores for
+    selection only; num_expert_group / topk_group (None or both given) keep the topk_group best of
+    num_expert_group equal contiguous groups, a group scored by the sum of its two largest
+    (biased) scores; top_k experts of the kept groups by (biased) score, ties to the lower index;
+    weights are the unbiased scores of those experts, divided by their sum with renormalize
+    (Mixtral, Qwen3-MoE with norm_topk_prob; softmax over the selected logits, as gpt-oss does, is
+    the same), then multiplied by routed_scaling_factor. A NaN logit ranks as -inf; with softmax a
+    row with no logit above -inf gets weights 0 and the lowest kept ids.
     NumPy input runs on `device` (default: the best backend) and returns NumPy arrays; a PyTorch
     tensor is used in place on its own device and the results are tensors there (no host sync).
     """
@@ -143,24 +242,39 @@ def moe_gate(router_logits, top_k: int, *, renormalize: bool, device=None):
     m, n_experts = _matrix_shape("moe_gate router_logits", router_logits.shape)
     top_k = _check_top_k(top_k, n_experts)
     renormalize = _check_bool(renormalize)
+    routing = _check_routing(scoring_func, num_expert_group, topk_group, routed_scaling_factor)
+    bias = e_score_correction_bias
     if framework == "torch":
         from . import _tensor_ops
 
         # torch.ops.routemm.moe_gate's call path: one crossing, the current stream, no host wait.
         fw = _tensor_ops.framework("torch")
-        weights, ids = _tensor_ops.moe_gate(fw, router_logits.detach(), top_k, renormalize)
-        return fw.forward_only("routemm.moe_gate", weights, [("router_logits", router_logits)]), ids
+        detached = bias.detach() if isinstance(bias, fw.tensor_type) else bias
+        weights, ids = _tensor_ops.moe_gate(
+            fw, router_logits.detach(), top_k, renormalize, scoring_func, detached, num_expert_group, topk_group,
+            routed_scaling_factor,
+        )  # fmt: skip
+        named = [("router_logits", router_logits), ("e_score_correction_bias", bias)]
+        return fw.forward_only("routemm.moe_gate", weights, named), ids
     logits = np.asarray(router_logits)
     if logits.dtype != np.float32:
         raise InvalidArgumentError(f"moe_gate router_logits must be float32, got {logits.dtype}")
+    if bias is not None:
+        bias = _check_bias_array(bias, n_experts, framework)
+    _core._check_moe_gate_params(m, n_experts, top_k, renormalize, *routing.core_args())
     device = _resolve_device(device, "moe_gate")
     logits_buf = device.from_numpy(np.ascontiguousarray(logits))
+    bias_buf = None if bias is None else device.from_numpy(np.ascontiguousarray(bias))
     weights_buf = device.alloc(m * top_k * 4, DType.F32, [m, top_k])
     ids_buf = device.alloc(m * top_k * 4, DType.I32, [m, top_k])
     _submit(
         device,
-        lambda enc, reg: _core._moe_gate(enc, reg, logits_buf, weights_buf, ids_buf, m, n_experts, top_k, renormalize),
-    )
+        lambda enc, reg: _core._moe_gate(
+            enc, reg, logits_buf, weights_buf, ids_buf, m, n_experts, top_k, renormalize,
+            routing.scoring_func, bias_buf, routing.num_expert_group, routing.topk_group,
+            routing.routed_scaling_factor,
+        ),
+    )  # fmt: skip
     return weights_buf.numpy(), ids_buf.numpy()
 
 

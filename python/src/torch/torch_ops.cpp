@@ -675,10 +675,15 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
 
 // ---- moe_gate -----------------------------------------------------------------------------------
 
-// Softmax over experts and top-k selection on the tensors' current stream: (weights float32 [m,
-// top_k], ids int32 [m, top_k]). The checks of the Python kernel, in its order.
+// Router scores and top-k selection on the tensors' current stream: (weights float32 [m, top_k],
+// ids int32 [m, top_k]). The checks of the Python kernel, in its order; the core checks
+// scoring_func, the group counts against the experts and the scaling factor.
 std::tuple<at::Tensor, at::Tensor> moe_gate(const at::Tensor& logits, int64_t top_k,
-                                            bool renormalize) {
+                                            bool renormalize, c10::string_view scoring_func,
+                                            const std::optional<at::Tensor>& bias,
+                                            std::optional<int64_t> num_expert_group,
+                                            std::optional<int64_t> topk_group,
+                                            double routed_scaling_factor) {
   TORCH_CHECK_VALUE(logits.dim() == 2,
                     "moe_gate router_logits must be 2-D, got shape " + shape_repr(logits.sizes()));
   const auto where = place(logits);
@@ -689,12 +694,51 @@ std::tuple<at::Tensor, at::Tensor> moe_gate(const at::Tensor& logits, int64_t to
   TORCH_CHECK_VALUE(top_k >= 1 && top_k <= n_experts,
                     "moe_gate top_k " + std::to_string(top_k) +
                         " must be in [1, n_experts = " + std::to_string(n_experts) + "]");
+  const auto repr = [](std::optional<int64_t> v) {
+    return v ? std::to_string(*v) : std::string("None");
+  };
+  for (const auto& [name, value] :
+       {std::pair{"num_expert_group", num_expert_group}, std::pair{"topk_group", topk_group}}) {
+    TORCH_CHECK_VALUE(!value || *value >= 1, "moe_gate " + std::string(name) +
+                                                 " must be None or a positive integer, got " +
+                                                 repr(value));
+  }
+  TORCH_CHECK_VALUE(num_expert_group.has_value() == topk_group.has_value(),
+                    "moe_gate num_expert_group and topk_group must be given together, got " +
+                        repr(num_expert_group) + " and " + repr(topk_group));
+  at::Tensor b;
+  if (bias) {
+    TORCH_CHECK_VALUE(
+        place(*bias) == where,
+        "moe_gate: e_score_correction_bias lives on another device than router_logits");
+    TORCH_CHECK_VALUE(
+        bias->scalar_type() == at::kFloat,
+        "moe_gate e_score_correction_bias must be float32, got " + dtype_repr(bias->scalar_type()));
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n_experts,
+                      "moe_gate e_score_correction_bias must have shape (n_experts,) = (" +
+                          std::to_string(n_experts) + ",), got " + shape_repr(bias->sizes()));
+    b = bias->contiguous();
+  }
   const at::Tensor x = logits.contiguous();
   at::Tensor weights = at::empty({m, top_k}, x.options());
   at::Tensor ids = at::empty({m, top_k}, x.options().dtype(at::kInt));
-  RoutemmMoeGateCall call{
-      where.first,      where.second, m, n_experts, top_k, renormalize ? 1u : 0u, address(x),
-      address(weights), address(ids), 0, 0};
+  const std::string scoring(scoring_func);
+  RoutemmMoeGateCall call{where.first,
+                          where.second,
+                          m,
+                          n_experts,
+                          top_k,
+                          renormalize ? 1u : 0u,
+                          address(x),
+                          address(weights),
+                          address(ids),
+                          0,
+                          0,
+                          scoring.c_str(),
+                          bias ? address(b) : 0,
+                          num_expert_group.value_or(0),
+                          topk_group.value_or(0),
+                          routed_scaling_factor};
   set_stream(x, call.has_stream, call.stream);
   ::call(g_abi->enqueue_moe_gate, &call);
   return {weights, ids};

@@ -11,15 +11,25 @@
 // a caller that chains them orders the steps with CommandEncoder::memory_barrier().
 //
 // NUMERIC CONTRACT (every backend):
-//   gate     Logits are read as F32; a NaN logit counts as -inf. Experts are ranked by logit,
-//            descending, ties to the lower expert index (softmax is monotonic, so this is the
-//            ranking of the probabilities without their rounding). With max the largest logit:
-//            finite max: p_e = exp(l_e - max) / sum_e' exp(l_e' - max), the sum taken over e' in
-//            increasing order in F32; max = +inf: the +inf experts share the mass equally, every
-//            other expert gets 0; no logit above -inf (every logit -inf or NaN): every p_e = 0, so
-//            the row's weights are 0 and its ids are the lowest top_k expert indexes.
-//            renormalize: weight_s = p_s / (p_0 + ... + p_{top_k-1}) (slots summed in order;
-//            left at 0 when that sum is 0); otherwise weight_s = p_s.
+//   gate     Logits are read as F32; a NaN logit counts as -inf. In order:
+//            1. Scores. softmax, with max the largest logit: finite max: s_e = exp(l_e - max) /
+//               sum_e' exp(l_e' - max), the sum taken over e' in increasing order in F32; max =
+//               +inf: the +inf experts share the mass equally, every other expert gets 0; no logit
+//               above -inf (every logit -inf or NaN): every s_e = 0. sigmoid: s_e = 1 / (1 +
+//               exp(-l_e)).
+//            2. Selection scores c_e = s_e + bias_e in F32 (NaN counts as -inf); c_e = s_e
+//               without a bias.
+//            3. Groups (num_expert_group G > 0): the experts form G contiguous groups of n / G;
+//               a group's score is the sum of its two largest c_e (its one c_e for groups of
+//               one); the topk_group best groups (score descending, ties to the lower group
+//               index) are kept and the other groups' experts are never selected.
+//            4. Selection: the top_k experts of the kept groups by c_e descending, ties to the
+//               lower expert index; without a bias by logit instead (every scoring function is
+//               monotonic, so this is the ranking of the scores without their rounding). A row
+//               with no logit above -inf (softmax) thus gets ids the lowest top_k kept indexes.
+//            5. Weights, from the unbiased scores: p_s = s_{id_s}; renormalize: p_s / (p_0 + ... +
+//               p_{top_k-1}) (slots summed in order; left as is when that sum is 0); then
+//               weight_s = p_s * routed_scaling_factor.
 //   silu_mul The gated activation of the row's inputs g and u, in F32. Each input first becomes
 //            fma(w, v, b) with the row's weight w (scale_rows) and its expert's bias b (a bias
 //            buffer; a row whose id is >= n_experts takes none), w * v or v + b with one of the two,
@@ -32,7 +42,9 @@
 //            row + bias[id] (rounded) for row given a bias, and weight 1 with unit_weights. No
 //            atomics: the result does not depend on the grid or thread count.
 // exp() is the backend's F32 exponential (not bit-identical across backends), so gate and
-// silu_mul agree across backends within a few F32 ulps, combine bit for bit.
+// silu_mul agree across backends within a few F32 ulps, combine bit for bit. (With a bias or
+// groups the gate ranks rounded scores, so experts whose scores tie within those ulps may be
+// chosen differently by different backends.)
 #pragma once
 
 #include <array>
@@ -55,17 +67,38 @@ inline constexpr std::string_view kMoeGatePipeline = kMoePipelineNames[0];
 inline constexpr std::string_view kMoeSiluMulPipeline = kMoePipelineNames[1];
 inline constexpr std::string_view kMoeCombinePipeline = kMoePipelineNames[2];
 
+// How the gate turns a logit into an expert's score.
+enum class MoeGateScoring : uint32_t { Softmax = 0, Sigmoid = 1 };
+
+// "softmax" or "sigmoid"; anything else is refused naming `op` and scoring_func.
+MoeGateScoring parse_moe_gate_scoring(std::string_view op, std::string_view name);
+
 struct MoeGateParams {
   uint32_t m = 0;          // tokens (rows of logits)
   uint32_t n_experts = 0;  // logits per row
-  uint32_t top_k = 0;      // 1 <= top_k <= n_experts
+  uint32_t top_k = 0;      // 1 <= top_k <= experts of the kept groups
   bool renormalize = false;
+  MoeGateScoring scoring = MoeGateScoring::Softmax;
+  uint32_t num_expert_group = 0;       // 0: no grouping; else it divides n_experts
+  uint32_t topk_group = 0;             // 0 without grouping; else in [1, num_expert_group]
+  float routed_scaling_factor = 1.0f;  // finite
 };
 
+// Refuses (InvalidArgument naming the field) params moe_gate would refuse: zero extents, top_k
+// outside [1, n_experts] or above the kept groups' experts, an unknown scoring, groups that do
+// not divide n_experts, topk_group outside [1, num_expert_group] (or set without groups), and a
+// non-finite routed_scaling_factor.
+void check_moe_gate_params(const MoeGateParams& params);
+
+// `value` as the F32 routed_scaling_factor; refused unless finite as a float32.
+float moe_gate_scaling_factor(std::string_view op, double value);
+
 // logits: F32 [m, n_experts]; weights: F32 [m, top_k] (written); ids: U32 or I32 [m, top_k]
-// (written, values in [0, n_experts)).
+// (written, values in [0, n_experts)); bias (optional, e_score_correction_bias): F32 [n_experts],
+// added to the scores for selection only.
 void moe_gate(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& logits,
-              const Buffer& weights, const Buffer& ids, const MoeGateParams& params);
+              const Buffer& weights, const Buffer& ids, const MoeGateParams& params,
+              const Buffer* bias = nullptr);
 
 enum class MoeActivation : uint32_t { Silu = 0, SwigluOai = 1 };
 
