@@ -269,6 +269,18 @@ def test_options_are_bit_reproducible(device):
     np.testing.assert_array_equal(a, b)
 
 
+def test_options_keep_direct_and_grouped_bit_identical(device):
+    """The options live in the activation and combine kernels, which every route shares: the exact
+    direct and grouped_prefill routes of float stacks give the same bits with them."""
+    gate, up, down = _stacks(scale=3.0)
+    gb, ub, db = _biases()
+    x, ids, weights = _routing(m=24)
+    kw = dict(activation="swiglu_oai", gate_bias=gb, up_bias=ub, down_bias=db, weights_before_ffn=True, device=device)
+    direct = routemm.moe_experts(x, ids, weights, (gate, up), down, route="direct", **kw)
+    grouped = routemm.moe_experts(x, ids, weights, (gate, up), down, route="grouped_prefill", **kw)
+    np.testing.assert_array_equal(direct, grouped)
+
+
 # ---- refusals ------------------------------------------------------------------------------------
 
 
