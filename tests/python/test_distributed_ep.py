@@ -460,6 +460,99 @@ def test_moe_layer_from_gguf_process_group_and_expert_range_refusals(tmp_path):
         routemm.MoeLayer(layer.router, layer.gate, layer.up, layer.down, top_k=2, renormalize=True, expert_range=(3, 2))
 
 
+_TRANSFORMERS_EP = ("all_reduce", "all_to_all")  # transformers' EP implementations (ep_implementation)
+
+
+def _tiny_qwen3_moe(implementation: str):
+    """A one-layer Qwen3-MoE of 8 experts (top 2), the same weights on every rank and call."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM._from_config(cfg, experts_implementation=implementation).float()
+
+
+def _transformers_tokens(ep_implementation: str, rank: int) -> torch.Tensor:
+    """A rank's batch of token ids: all_reduce needs every rank to hold the same batch, all_to_all
+    gives each rank its own."""
+    seed = 0 if ep_implementation == "all_reduce" else rank + 1
+    return torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(seed))
+
+
+def _run_transformers_ep(rank: int, world: int, port: int, tmp: str) -> None:
+    """transformers' own expert-parallel plan (the model's base_model_ep_plan: experts sharded on
+    dim 0, sentinel ids >= the local count for off-rank slots) applied to the model, with
+    experts_implementation "routemm" and, as the peer, transformers' "eager"."""
+    _init(rank, world, port, CASE_TIMEOUT_S)
+    try:
+        import routemm.integrations.transformers as rt
+        from torch.distributed.device_mesh import init_device_mesh
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+        rt.register()
+        ep_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        out = {}
+        for ep_implementation in _TRANSFORMERS_EP:
+            if ep_implementation == "all_reduce":  # the EP group is the group sharing one batch
+                tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+            else:  # every rank its own batch
+                tp_mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))["tp"]
+            for implementation in ("routemm", "eager"):
+                model = _tiny_qwen3_moe(implementation)
+                names = dict(model.model.named_modules()) | dict(model.model.named_parameters())
+                plan = {
+                    name: style
+                    for pattern, style in model.config.base_model_ep_plan.items()
+                    for name in names
+                    if re.fullmatch(pattern.replace(".", r"\.").replace("*", r"\d+"), name)
+                }
+                apply_expert_parallelism(model.model, ep_mesh, tp_mesh, plan, ep_implementation=ep_implementation)
+                experts = model.model.layers[0].mlp.experts
+                before = rt.calls()
+                tokens = _transformers_tokens(ep_implementation, rank)
+                logits = model(tokens).logits
+                logits.float().square().mean().backward()
+                grad = experts.gate_up_proj.grad
+                out[(ep_implementation, implementation)] = {
+                    "logits": logits.detach(),
+                    "grad": grad.to_local() if hasattr(grad, "to_local") else grad,
+                    "local_experts": experts.num_experts,
+                    "routemm_calls": rt.calls() - before,
+                }
+        torch.save(out, os.path.join(tmp, f"hf{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_transformers_expert_parallel_plan_runs_routemm(tmp_path, world):
+    """experts_implementation="routemm" under transformers' expert-parallel plan, both of its EP
+    implementations: each rank's experts are its slice (num_experts the local count), off-rank
+    slots come as sentinel ids, and the logits and the local experts' gradients match transformers'
+    own eager experts under the same plan and the single-process model (their sums differ in order
+    only)."""
+    pytest.importorskip("transformers.distributed.expert_parallel")
+    import routemm.integrations.transformers as rt
+
+    rt.register()
+    _spawn(_run_transformers_ep, world, str(tmp_path), 240)
+    outs = [torch.load(tmp_path / f"hf{r}.pt") for r in range(world)]
+    for ep_implementation in _TRANSFORMERS_EP:
+        for rank, o in enumerate(outs):
+            mine, eager = o[(ep_implementation, "routemm")], o[(ep_implementation, "eager")]
+            assert mine["local_experts"] == 8 // world and mine["routemm_calls"] >= 1, (ep_implementation, rank)
+            assert eager["routemm_calls"] == 0
+            torch.testing.assert_close(mine["logits"], eager["logits"], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(mine["grad"], eager["grad"], rtol=1e-4, atol=1e-6)
+            whole = _tiny_qwen3_moe("routemm")
+            with torch.no_grad():
+                ref = whole(_transformers_tokens(ep_implementation, rank)).logits
+            torch.testing.assert_close(mine["logits"], ref, rtol=1e-5, atol=1e-5)
+
+
 def test_expert_placement_contiguous_and_map():
     p = ExpertPlacement.contiguous(7, 3)
     assert [p.local_experts(r) for r in range(3)] == [(0, 1, 2), (3, 4), (5, 6)]
