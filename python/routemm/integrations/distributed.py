@@ -7,7 +7,9 @@ the slot's expert (all_to_all_single, row counts exchanged first), runs the loca
 through torch.ops.routemm.moe_experts on its exact routes (or, exact=False, its automatic route), sends the rows back and combines each
 token's slots in slot order on the token's home rank with routemm's moe_combine. The result is
 bit-identical to the single-process block, torch.ops.routemm.moe_experts(..., exact=True), on the
-concatenated tokens, whatever the world size and placement.
+concatenated tokens, whatever the world size and placement. With `capacity=C` it is the
+fixed-capacity variant for decode: fixed exchange sizes, no host read (capturable in a CUDA graph),
+the slots over a destination's capacity dropped by a stated policy (`ep_capacity_dropped`).
 
 Collectives block until every rank of the group joins them: give the group a timeout
 (torch.distributed.init_process_group(timeout=...)) so that a rank that raises makes the others
