@@ -21,8 +21,9 @@ constexpr Knob kKnobs[] = {
      "microseconds); 0: they sleep at once. No polling when ROUTEMM_CPU_THREADS exceeds the "
      "hardware threads"},
     {"ROUTEMM_CPU_ISA", "str", "",
-     "highest instruction set the CPU kernels may use: avx512, avx2 or portable (unset: the best "
-     "the CPU has); exact routes give the same bits under every value, and reduced-precision "
+     "highest instruction set the CPU kernels may use: avx512, avx2 or portable on x86-64, neon "
+     "or portable on aarch64 (unset: the best the CPU has); exact routes give the same bits under "
+     "every value, and reduced-precision "
      "routes whose instructions are excluded are not registered"},
     {"ROUTEMM_CPU_HUGE_PAGES", "bool", "1",
      "0: CPU backend buffers of 2 MiB or more are not asked for transparent huge pages (1: they "
@@ -102,10 +103,17 @@ int64_t cpu_spin_us() {
 std::optional<std::string> cpu_isa() {
   static const std::optional<std::string> value = [] {
     const auto text = read("ROUTEMM_CPU_ISA");
+    // The clones of the architecture this library was built for (backend/cpu/isa.h).
+#if defined(__aarch64__)
+    if (text && *text != "portable" && *text != "neon") {
+      throw InvalidArgument("ROUTEMM_CPU_ISA must be portable or neon, got '" + *text + "'");
+    }
+#else
     if (text && *text != "portable" && *text != "avx2" && *text != "avx512") {
       throw InvalidArgument("ROUTEMM_CPU_ISA must be portable, avx2 or avx512, got '" + *text +
                             "'");
     }
+#endif
     return text;
   }();
   return value;

@@ -87,14 +87,13 @@ void run_map_then_grouped(const KernelDef& grouped_def, const Data& d, std::vect
 // The instruction-set clones this CPU can run, lowest first (the portable one always).
 inline std::vector<cpu::CpuIsa> runnable_isas() {
   std::vector<cpu::CpuIsa> out;
-  for (cpu::CpuIsa isa : {cpu::CpuIsa::portable, cpu::CpuIsa::avx2, cpu::CpuIsa::avx512}) {
-    if (isa <= cpu::supported_cpu_isa()) out.push_back(isa);
+  for (cpu::CpuIsa isa :
+       {cpu::CpuIsa::portable, cpu::CpuIsa::avx2, cpu::CpuIsa::avx512, cpu::CpuIsa::neon}) {
+    if (cpu::cpu_isa_includes(cpu::supported_cpu_isa(), isa)) out.push_back(isa);
   }
   return out;
 }
-inline const char* isa_name(cpu::CpuIsa isa) {
-  return isa == cpu::CpuIsa::portable ? "portable" : isa == cpu::CpuIsa::avx2 ? "avx2" : "avx512";
-}
+inline const char* isa_name(cpu::CpuIsa isa) { return cpu::cpu_isa_name(isa).data(); }
 
 // Every element of `a` has the bits of `b`'s (the first mismatch is reported).
 inline void expect_bit_equal(const std::vector<float>& a, const std::vector<float>& b,

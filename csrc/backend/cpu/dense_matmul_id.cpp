@@ -29,6 +29,7 @@
 #include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "kernels.h"
+#include "neon_kernels.h"
 #include "routemm/checked.h"
 #include "routemm/error.h"
 #include "simd.h"
@@ -556,6 +557,12 @@ struct Avx512Isa {
 };
 #endif
 
+#if ROUTEMM_CPU_HAVE_NEON
+// aarch64 clone (neon_kernels.h), the same tiles' memory order as this file's.
+using NeonIsa = neon::DenseMatmulIdIsa;
+static_assert(NeonIsa::kDirectCols == kDirectCols && NeonIsa::kPairStep == kPairStep);
+#endif
+
 // ---- Direct -------------------------------------------------------------------------------------
 
 struct DirectJob {
@@ -617,6 +624,9 @@ void direct_kernel(const KernelLaunch& launch, void* queue_native) {
   } else if (simd::has_avx2_fma()) {
     run = direct_items<Avx2Isa, WT>;
   }
+#endif
+#if ROUTEMM_CPU_HAVE_NEON
+  if (simd::has_neon()) run = direct_items<NeonIsa, WT>;
 #endif
   run_direct_launch<WT>(launch, queue_native, run);
 }
@@ -826,6 +836,9 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
   } else if (simd::has_avx2_fma()) {
     run = grouped_item<Avx2Isa, WT>;
   }
+#endif
+#if ROUTEMM_CPU_HAVE_NEON
+  if (simd::has_neon()) run = grouped_item<NeonIsa, WT>;
 #endif
   run_grouped_launch<WT>(launch, queue_native, run);
 }

@@ -403,6 +403,12 @@ struct Avx512Isa {
 };
 #endif
 
+#if ROUTEMM_CPU_HAVE_NEON
+// aarch64 clone, defined in neon_block_kernels.h (included at the end of this file).
+template <class Format>
+struct NeonIsa;
+#endif
+
 // ---- Mat-vec ------------------------------------------------------------------------------------
 
 // Output columns per work item: enough to amortise an item, small enough that a 4096-wide decode
@@ -452,6 +458,9 @@ MvRange mv_range_for(size_t rows) {
 #endif
 #if ROUTEMM_CPU_HAVE_AVX2
   if (simd::has_avx2_fma()) return mv_range_for_rows<Avx2Isa<Format>>(rows);
+#endif
+#if ROUTEMM_CPU_HAVE_NEON
+  if (simd::has_neon()) return mv_range_for_rows<NeonIsa<Format>>(rows);
 #endif
   return mv_range_for_rows<PortableIsa<Format>>(rows);
 }
@@ -583,7 +592,14 @@ MmItem mm_item_for() {
 #if ROUTEMM_CPU_HAVE_AVX2
   if (simd::has_avx2_fma()) return mm_item<Avx2Isa<Format>, Format>;
 #endif
+#if ROUTEMM_CPU_HAVE_NEON
+  if (simd::has_neon()) return mm_item<NeonIsa<Format>, Format>;
+#endif
   return mm_item<PortableIsa<Format>, Format>;
 }
 
 }  // namespace routemm::cpu::ggml
+
+#if ROUTEMM_CPU_HAVE_NEON
+#include "neon_block_kernels.h"
+#endif

@@ -33,6 +33,7 @@
 #include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
 #include "kernels.h"
+#include "neon_kernels.h"
 #include "routemm/checked.h"
 #include "routemm/error.h"
 #include "routemm/ggml_formats.h"
@@ -249,6 +250,9 @@ RunItem run_item_for_isa() {
 #endif
 #if ROUTEMM_CPU_HAVE_AVX2
   if (simd::has_avx2_fma()) return run_item<Avx2Isa>;
+#endif
+#if ROUTEMM_CPU_HAVE_NEON
+  if (simd::has_neon()) return run_item<neon::FormatTileIsa<kPanelDepth>>;
 #endif
   return run_item<PortableIsa>;
 }

@@ -29,6 +29,9 @@ CpuIsa supported_cpu_isa() {
     return CpuIsa::avx2;
   }
 #endif
+#if ROUTEMM_CPU_HAVE_NEON
+  return CpuIsa::neon;  // every aarch64 CPU has NEON
+#endif
   return CpuIsa::portable;
 }
 
@@ -36,24 +39,29 @@ std::string_view cpu_isa_name(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::avx512: return "avx512";
     case CpuIsa::avx2: return "avx2";
+    case CpuIsa::neon: return "neon";
     case CpuIsa::portable: break;
   }
   return "portable";
 }
 
 CpuIsa cpu_isa() {
-  if (const int pinned = pinned_limit.load(std::memory_order_relaxed); pinned >= 0) {
-    const CpuIsa best = supported_cpu_isa(), limit = static_cast<CpuIsa>(pinned);
-    return best < limit ? best : limit;
-  }
-  static const CpuIsa selected = [] {
+  // `limit` where the best supported clone includes it, else the best (a cap above the CPU).
+  const auto capped = [](CpuIsa limit) {
     const CpuIsa best = supported_cpu_isa();
-    const std::optional<std::string> cap = env::cpu_isa();
-    if (!cap) return best;
+    return cpu_isa_includes(best, limit) ? limit : best;
+  };
+  if (const int pinned = pinned_limit.load(std::memory_order_relaxed); pinned >= 0) {
+    return capped(static_cast<CpuIsa>(pinned));
+  }
+  static const CpuIsa selected = [&capped] {
+    const std::optional<std::string> cap = env::cpu_isa();  // a name of this architecture's
+    if (!cap) return supported_cpu_isa();
     CpuIsa limit = CpuIsa::avx512;
     if (*cap == "portable") limit = CpuIsa::portable;
     if (*cap == "avx2") limit = CpuIsa::avx2;
-    return best < limit ? best : limit;
+    if (*cap == "neon") limit = CpuIsa::neon;
+    return capped(limit);
   }();
   return selected;
 }

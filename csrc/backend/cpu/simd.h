@@ -1,5 +1,6 @@
 // Small portable helpers for the CPU kernels: exact fp16/bf16 -> f32 widening, the fixed lane
-// reduction of the expert-ID matmul contract, and the x86 AVX2 / AVX-512 dispatch switches.
+// reduction of the expert-ID matmul contract, and the x86 AVX2 / AVX-512 and aarch64 NEON dispatch
+// switches.
 //
 // The helpers are plain scalar C++ that the compiler can vectorise; nothing depends on the
 // instruction set, so every build produces the same bits. Which clone runs is isa.h's choice.
@@ -14,6 +15,9 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
     !defined(ROUTEMM_CPU_PORTABLE_ONLY)
 #include <immintrin.h>
+#endif
+#if ROUTEMM_CPU_HAVE_NEON
+#include <arm_neon.h>
 #endif
 
 // Forces inlining of small helpers into the hot loops.
@@ -127,6 +131,16 @@ inline bool has_avx512_vnni() {
 #endif
 }
 
+// True when the aarch64 NEON kernels (neon_kernels.h) may run: always on aarch64 unless
+// ROUTEMM_CPU_ISA=portable.
+inline bool has_neon() {
+#if ROUTEMM_CPU_HAVE_NEON
+  return cpu_isa_allows(CpuIsa::neon);
+#else
+  return false;
+#endif
+}
+
 // Lanes of the per-output accumulator (see the contract in dense_matmul_id.cpp).
 inline constexpr size_t kLanes = 8;
 
@@ -144,6 +158,16 @@ ROUTEMM_CPU_AVX2 inline float reduce_lanes(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_permute_ps(s, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+#endif
+
+#if ROUTEMM_CPU_HAVE_NEON
+// The same reduction of eight lanes held as two NEON registers (lanes 0-3 in lo, 4-7 in hi),
+// operand for operand: s = lo + hi, then (s0 + s2) + (s1 + s3).
+ROUTEMM_CPU_INLINE float reduce_lanes(float32x4_t lo, float32x4_t hi) {
+  const float32x4_t s = vaddq_f32(lo, hi);
+  const float32x2_t t = vadd_f32(vget_low_f32(s), vget_high_f32(s));
+  return vget_lane_f32(t, 0) + vget_lane_f32(t, 1);
 }
 #endif
 

@@ -25,7 +25,8 @@ int64_t cpu_threads();
 inline constexpr int64_t kCpuSpinUsDefault = 200, kCpuSpinUsMax = 1000000;
 int64_t cpu_spin_us();
 // ROUTEMM_CPU_ISA: highest instruction-set clone the CPU kernels may use ("portable", "avx2",
-// "avx512"; unset: the best the CPU supports). Any other value throws InvalidArgument.
+// "avx512" on x86-64; "portable", "neon" on aarch64; unset: the best the CPU supports). Any other
+// value throws InvalidArgument.
 std::optional<std::string> cpu_isa();
 // ROUTEMM_CPU_HUGE_PAGES: CPU backend buffers of 2 MiB or more ask for transparent huge pages
 // ("1" or unset; "0" turns that off). Any other value throws InvalidArgument.
