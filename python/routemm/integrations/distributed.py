@@ -8,7 +8,7 @@ through torch.ops.routemm.moe_experts on its exact routes (or, exact=False, its 
 token's slots in slot order on the token's home rank with routemm's moe_combine. The result is
 bit-identical to the single-process block, torch.ops.routemm.moe_experts(..., exact=True), on the
 concatenated tokens, whatever the world size and placement. With `capacity=C` it is the
-fixed-capacity variant for decode: fixed exchange sizes, no host read (capturable in a CUDA graph),
+fixed-capacity variant for decode: fixed exchange sizes, no host read (for CUDA graph capture),
 the slots over a destination's capacity dropped by a stated policy (`ep_capacity_dropped`).
 
 Collectives block until every rank of the group joins them: give the group a timeout
@@ -171,11 +171,11 @@ def ep_moe_experts(
     tolerance of the exact result, without the bit-identity. Host reads: the exchanged row
     counts (one read, which all_to_all_single's split sizes need), and the combine's wait.
 
-    capacity (an int >= 1, the same on every rank): the fixed-capacity variant for decode,
-    capturable in a CUDA graph: every rank sends exactly `capacity` rows to every rank (padding rows carry an invalid id, which
-    the experts skip without reading a weight), so the exchanges have fixed sizes, no counts are
-    exchanged, nothing is read on the host and the combine runs on the stream (in torch, fma for
-    fma as routemm's combine). Policy for the slots over capacity: each rank keeps, per
+    capacity (an int >= 1, the same on every rank): the fixed-capacity variant for decode, made
+    for CUDA graph capture: every rank sends exactly `capacity` rows to every rank (padding rows
+    carry an invalid id, which the experts skip without reading a weight), so the exchanges have
+    fixed sizes, no counts are exchanged, nothing is read on the host and the combine runs on the
+    stream (in torch, fma for fma as routemm's combine). Policy for the slots over capacity: each rank keeps, per
     destination rank, the first `capacity` of its (token, slot) pairs in (token, slot) order and
     drops the rest; a dropped slot contributes nothing to its token, as a sentinel id does
     (`ep_capacity_dropped` gives the dropped slots, computed locally). With no slot dropped --
