@@ -2,9 +2,10 @@
 
 ROUTEMM_CPU_ISA caps the clone a process runs (it is read once, so each clone runs in its own
 child process). Every child computes the same block-quantised products -- the Q4_0 / Q8_0 mat-vec
-(m <= 8, column tails) and matrix routes (row and column tails, K not a multiple of the panel
+(every m <= 8, column tails) and matrix routes (row and column tails, K not a multiple of the panel
 depth), the quantised expert-ID direct and grouped routes, weights with an infinite and a zero
-block scale -- and the reduced-precision int8-dot routes of the dense product (mat-vec and matrix;
+block scale, and one block under each of the 65536 binary16 scales (the clones widen scales their
+own ways) -- and the reduced-precision int8-dot routes of the dense product (mat-vec and matrix;
 their clones are scalar, AVX2 vpmaddubsw and AVX512_VNNI vpdpbusd) and of the quantised expert-ID
 matmul (direct and grouped), and the parent compares their
 outputs bit for bit (NaN positions must agree; NaN payloads are not pinned by the contract). The
@@ -92,8 +93,27 @@ _CHILD = textwrap.dedent(
         encoder.commit_and_wait()
         return out.numpy().reshape(m * top_k, n)
 
+    def every_scale(ggml_type, m):
+        # One block per weight row, row j scaled by the binary16 bit pattern j: every zero,
+        # subnormal, normal, infinite and NaN scale of either sign, each through its own output.
+        n = 1 << 16
+        blocks = formats[ggml_type].quantize(rng.uniform(-1, 1, (n, 32)).astype(np.float32))
+        raw = blocks.reshape(n, -1)
+        raw[:, :2] = np.arange(n, dtype=np.uint16).view(np.uint8).reshape(n, 2)
+        x = activations(m, 32)
+        out = device.alloc(m * n * 4, DType.F32, [m, n])
+        encoder = device.command_encoder()
+        routemm.quantized_matmul_ggml(
+            encoder, registry, device.from_numpy(x), device.from_numpy(blocks), out,
+            routemm.GgmlQuantizedMatmulParams(m, n, 32, ggml_type),
+        )
+        encoder.commit_and_wait()
+        return out.numpy().reshape(m, n)
+
     for ggml_type in formats:
-        for m in (1, 2, 3, 5, 8, 9, 33, 70):
+        for m in (1, 3, 4, 6, 9):
+            outputs[f"{ggml_type.value}/every_scale/m{m}"] = every_scale(ggml_type, m)
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 33, 70):
             for n, k in ((13, 96), (70, 608)):
                 outputs[f"{ggml_type.value}/dense/m{m}/n{n}/k{k}"] = dense(ggml_type, m, n, k)
                 outputs[f"{ggml_type.value}/int8_dot/m{m}/n{n}/k{k}"] = dense(

@@ -40,6 +40,30 @@ inline uint16_t block_scale_bits(const uint8_t* block) {
   return bits;
 }
 
+#if ROUTEMM_CPU_HAVE_AVX2
+// The block's scale d times 2^Shift (Shift <= 0, exact: the result is a normal binary32 or d's
+// zero, infinity or NaN), in all eight lanes. A normal binary16 value is widened with integer
+// operations and broadcast from memory, which keeps the vector units free for the block's values;
+// zero, subnormal, infinite and NaN scales take the F16C conversion.
+template <int Shift>
+ROUTEMM_CPU_AVX2 inline __m256 broadcast_scale(const uint8_t* block) {
+  static_assert(Shift <= 0 && Shift > -100);
+  const uint32_t h = block_scale_bits(block);
+  const uint32_t magnitude = h & 0x7fffu;
+  float value;
+  if (magnitude - 0x0400u < 0x7800u) [[likely]] {
+    const uint32_t bits =
+        ((h & 0x8000u) << 16) | ((magnitude << 13) + (static_cast<uint32_t>(112 + Shift) << 23));
+    std::memcpy(&value, &bits, 4);
+  } else {
+    value = _cvtsh_ss(static_cast<unsigned short>(h)) * std::ldexp(1.0f, Shift);
+  }
+  __m256 v;
+  asm("vbroadcastss %1, %0" : "=x"(v) : "m"(value));
+  return v;
+}
+#endif
+
 // ---- Block formats ------------------------------------------------------------------------------
 //
 //   kBytes                         bytes per 32-value block
@@ -62,7 +86,33 @@ struct Q4_0Format {
 #if ROUTEMM_CPU_HAVE_AVX2
   // Values 0-15 are the low nibbles of bytes 0-15, values 16-31 their high nibbles. Each is the
   // product d * (q - 8) of the portable path (so an infinite scale gives the same infinities).
+  //
+  // With every byte xor 0x88 a nibble, read as a signed 4-bit integer, is q - 8. One shuffle puts
+  // byte j in the top byte of lane j; a shift (low nibble) or a mask (high nibble) leaves the
+  // int32 (q - 8) * 2^28, converted exactly, and its product with d * 2^-28 (a power-of-two
+  // scaling, exact) is d * (q - 8). Per block: two shuffles and four integer operations where
+  // dequant_avx2_lean takes three shuffles and eight.
   ROUTEMM_CPU_AVX2 static void dequant_avx2(const uint8_t* block, __m256 v[kLanesPerBlock]) {
+    const __m256 d = broadcast_scale<-28>(block);
+    const __m256i bytes = _mm256_xor_si256(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2))),
+        _mm256_set1_epi8(static_cast<char>(0x88)));
+    const __m256i first = _mm256_shuffle_epi8(
+        bytes, _mm256_setr_epi8(-1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1,
+                                -1, 4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7));
+    const __m256i second = _mm256_shuffle_epi8(
+        bytes, _mm256_setr_epi8(-1, -1, -1, 8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1,
+                                -1, -1, 12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15));
+    const __m256i high = _mm256_set1_epi32(static_cast<int>(0xf0000000u));
+    const __m256i q[kLanesPerBlock] = {_mm256_slli_epi32(first, 4), _mm256_slli_epi32(second, 4),
+                                       _mm256_and_si256(first, high),
+                                       _mm256_and_si256(second, high)};
+    for (size_t s = 0; s < kLanesPerBlock; ++s) v[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(q[s]), d);
+  }
+
+  // The same values with two constant registers instead of four (the mat-vec passes whose
+  // accumulators and block leave no more free): zero-extended bytes, masked or shifted, minus 8.
+  ROUTEMM_CPU_AVX2 static void dequant_avx2_lean(const uint8_t* block, __m256 v[kLanesPerBlock]) {
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(block)));
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
     const __m256i first = _mm256_cvtepu8_epi32(bytes);                      // bytes 0..7
@@ -107,7 +157,7 @@ struct Q8_0Format {
 #if ROUTEMM_CPU_HAVE_AVX2
   // Value j is the signed byte qs[j] times d (exact).
   ROUTEMM_CPU_AVX2 static void dequant_avx2(const uint8_t* block, __m256 v[kLanesPerBlock]) {
-    const __m256 d = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(block)));
+    const __m256 d = broadcast_scale<0>(block);
     for (size_t s = 0; s < kLanesPerBlock; ++s) {
       const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * s));
       v[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), d);
@@ -157,6 +207,8 @@ struct Operands {
 //   mv_columns_for_rows<R>()           C for an R-row mat-vec pass: enough independent
 //                                      accumulator chains (R * C) to hide FMA latency, few
 //                                      enough to stay in registers next to the dequantised block
+//   mv_chunked<R>() (optional)         true where R rows run mv_range_chunked<R>(ops, col0,
+//                                      col_end, out_rows) instead of mv_columns passes
 //   kTileRows, kTileCols               the matrix routes' register tile (kTileRows x kTileCols
 //                                      eight-lane accumulators)
 
@@ -224,7 +276,7 @@ struct Avx2Isa {
 
   template <size_t R>
   static constexpr size_t mv_columns_for_rows() {
-    return R <= 2 ? 4 : R <= 4 ? 2 : 1;
+    return R == 1 ? 8 : R <= 2 ? 4 : R <= 4 ? 2 : 1;
   }
 
   ROUTEMM_CPU_AVX2 static void dequant_block(const uint8_t* block, float* out) {
@@ -254,7 +306,12 @@ struct Avx2Isa {
 #pragma GCC unroll 8
       for (size_t c = 0; c < C; ++c) {
         __m256 w[kLanesPerBlock];
-        Format::dequant_avx2(rows[c] + b * Format::kBytes, w);
+        // Three or four rows: 8 accumulators and the block take 12 registers.
+        if constexpr (R >= 3 && requires { Format::dequant_avx2_lean(nullptr, w); }) {
+          Format::dequant_avx2_lean(rows[c] + b * Format::kBytes, w);
+        } else {
+          Format::dequant_avx2(rows[c] + b * Format::kBytes, w);
+        }
 #pragma GCC unroll 8
         for (size_t r = 0; r < R; ++r) {
           const float* x = ops.input_row(r) + b * kQK;
@@ -265,8 +322,67 @@ struct Avx2Isa {
         }
       }
     }
+#pragma GCC unroll 8
     for (size_t r = 0; r < R; ++r) {
+#pragma GCC unroll 8
       for (size_t c = 0; c < C; ++c) out_rows[r][col + c * stride] = reduce(acc[r][c]);
+    }
+  }
+
+  // R rows run over K in chunks (mv_range_chunked) rather than column by column.
+  template <size_t R>
+  static constexpr bool mv_chunked() {
+    return R > 4;
+  }
+
+  // Columns [col0, col_end) of R (5 to 8) rows. Sixteen registers hold one column's R
+  // accumulators next to its dequantised block, so a pass takes one column, and reading the R
+  // rows' activations (1 KiB a block) column after column would stream them from L2 for every
+  // column. Instead the range runs over K in chunks of kChunkBlocks blocks, whose activations stay
+  // in L1 while every column of the range takes the chunk; the accumulators wait in L1 between
+  // chunks. Each accumulator still takes its steps in increasing i.
+  template <size_t R>
+  ROUTEMM_CPU_AVX2 static void mv_range_chunked(const Operands& ops, size_t col0, size_t col_end,
+                                                float* const* out_rows) {
+    constexpr size_t kChunkBlocks = 8, kMaxCols = 64;
+    const size_t blocks = ops.k / kQK;
+    const float* x[R];
+    for (size_t r = 0; r < R; ++r) x[r] = ops.input_row(r);
+    alignas(32) __m256 acc[kMaxCols][R];
+    for (size_t c0 = col0; c0 < col_end; c0 += kMaxCols) {
+      const size_t cols = std::min(kMaxCols, col_end - c0);
+      for (size_t c = 0; c < cols; ++c)
+        for (size_t r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_ps();
+      for (size_t b0 = 0; b0 < blocks; b0 += kChunkBlocks) {
+        const size_t b1 = std::min(blocks, b0 + kChunkBlocks);
+        for (size_t c = 0; c < cols; ++c) {
+          const uint8_t* row = ops.weight_row(c0 + c);
+          // The next chunk of this row, which the prefetchers do not predict from a stride.
+          if (b1 < blocks) {
+            const uint8_t* next = row + b1 * Format::kBytes;
+            for (size_t off = 0; off < kChunkBlocks * Format::kBytes; off += 64)
+              __builtin_prefetch(next + off);
+          }
+          __m256 a[R];
+#pragma GCC unroll 8
+          for (size_t r = 0; r < R; ++r) a[r] = acc[c][r];
+          for (size_t b = b0; b < b1; ++b) {
+            __m256 w[kLanesPerBlock];
+            Format::dequant_avx2(row + b * Format::kBytes, w);
+#pragma GCC unroll 4
+            for (size_t s = 0; s < kLanesPerBlock; ++s) {
+#pragma GCC unroll 8
+              for (size_t r = 0; r < R; ++r) {
+                a[r] = _mm256_fmadd_ps(w[s], _mm256_loadu_ps(x[r] + b * kQK + s * kLanes), a[r]);
+              }
+            }
+          }
+#pragma GCC unroll 8
+          for (size_t r = 0; r < R; ++r) acc[c][r] = a[r];
+        }
+      }
+      for (size_t c = 0; c < cols; ++c)
+        for (size_t r = 0; r < R; ++r) out_rows[r][c0 + c] = reduce(acc[c][r]);
     }
   }
 
@@ -417,12 +533,26 @@ constexpr size_t kMvChunk = 64;
 // Rows one mat-vec pass computes together (the mat-vec pipeline's M <= 8 regime).
 constexpr size_t kMaxMvRows = 8;
 
+// Whether Isa runs R-row mat-vecs as mv_range_chunked (false where it does not say).
+template <class Isa, size_t R>
+constexpr bool mv_chunked() {
+  if constexpr (requires { Isa::template mv_chunked<R>(); }) {
+    return Isa::template mv_chunked<R>();
+  } else {
+    return false;
+  }
+}
+
 // Columns [col0, col_end) of ops.m (<= 8) rows, written to ops.output_row(r).
 template <class Isa, size_t R>
 void mv_range(const Operands& ops, size_t col0, size_t col_end) {
   constexpr size_t C = Isa::template mv_columns_for_rows<R>();
   float* out_rows[R];
   for (size_t r = 0; r < R; ++r) out_rows[r] = ops.output_row(r);
+  if constexpr (mv_chunked<Isa, R>()) {
+    Isa::template mv_range_chunked<R>(ops, col0, col_end, out_rows);
+    return;
+  }
   // Each pass takes column j of C equal segments of the range, so the C weight streams each walk
   // their segment's rows back to back (long sequential reads) instead of C neighbouring rows that
   // end together; every output's operations are the same either way.
