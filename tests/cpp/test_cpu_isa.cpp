@@ -1,7 +1,7 @@
 // The CPU kernels' instruction-set clones (csrc/backend/cpu/isa.h): which clone a process runs and
 // what ROUTEMM_CPU_ISA selects, on every architecture; and the clones of the GGML format kernels
-// (ggml_format_kernels.cpp: every codec-table format beyond Q4_0 / Q8_0) against the portable one,
-// bit for bit, through their matrix and expert-ID direct KernelDefs.
+// (ggml_format_kernels.cpp: every codec-table format beyond Q4_0 / Q8_0) and of the int8-dot routes
+// (ggml_int8_dot.h) against the portable one, bit for bit, through their KernelDefs.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -210,6 +210,93 @@ TEST(CpuGgmlFormatKernels, EveryCloneGivesThePortableClonesBits) {
           }
         }
         for (size_t c = 0; c < n; ++c) EXPECT_EQ(out[m * n + 3 * n + c], 0.0f);  // invalid id
+      } else {
+        test::expect_bit_equal(out, first, "clone vs portable");
+      }
+    }
+  }
+}
+
+// ---- The int8-dot routes' clones -----------------------------------------------------------------
+
+const KernelDef& q4_def(const std::string& name) {
+  static const std::vector<KernelDef> defs = [] {
+    std::vector<KernelDef> out;
+    cpu::add_q4_matmul_kernels(out);
+    return out;
+  }();
+  for (const KernelDef& d : defs) {
+    if (d.name == name) return d;
+  }
+  throw std::runtime_error("no kernel " + name);
+}
+
+// The int8-dot mat-vec (m_mv rows) and matrix route (m_mm rows) of `type` ("q4_0" or "q8_0"),
+// outputs one after the other.
+std::vector<float> run_int8_dot(const std::string& type, const std::vector<uint8_t>& w,
+                                const std::vector<float>& x, size_t m_mv, size_t m_mm, size_t n,
+                                size_t k, ThreadPool& pool) {
+  const size_t row_bytes = k / 32 * (type == "q4_0" ? 18 : 34);
+  std::vector<float> out((m_mv + m_mm) * n, -7.0f);
+
+  kernels::GgmlMatmulMvParams mv{};
+  mv.ne00 = mv.ne10 = static_cast<int64_t>(k);
+  mv.ne01 = mv.ne0 = static_cast<int64_t>(n);
+  mv.ne02 = mv.ne12 = 1;
+  mv.ne1 = static_cast<int64_t>(m_mv);
+  mv.r2 = mv.r3 = 1;
+  KernelLaunch vec;
+  vec.label = "kernel_mul_mv_" + type + "_int8dot_f32";
+  vec.grid = {(n + 7) / 8, m_mv, 1};
+  vec.args[0] = buffer_arg(w.data(), n * row_bytes);
+  vec.args[1] = buffer_arg(x.data(), m_mv * k * 4);
+  vec.args[2] = buffer_arg(out.data(), m_mv * n * 4);
+  vec.args[3] = bytes_arg(mv);
+  q4_def(vec.label).fn(vec, &pool);
+
+  kernels::GgmlMatmulMmParams mm{};
+  mm.ne00 = static_cast<int32_t>(k);
+  mm.ne02 = mm.ne12 = 1;
+  mm.r2 = mm.r3 = 1;
+  mm.nb01 = row_bytes;
+  mm.nb10 = 4;
+  mm.nb11 = k * 4;
+  mm.ne0 = static_cast<int32_t>(n);
+  mm.ne1 = static_cast<int32_t>(m_mm);
+  KernelLaunch mat;
+  mat.label = "kernel_mul_mm_" + type + "_int8dot_f32";
+  mat.grid = {(m_mm + 31) / 32, (n + 63) / 64, 1};
+  mat.args[0] = bytes_arg(mm);
+  mat.args[1] = buffer_arg(w.data(), n * row_bytes);
+  mat.args[2] = buffer_arg(x.data(), m_mm * k * 4);
+  mat.args[3] = buffer_arg(out.data() + m_mv * n, m_mm * n * 4);
+  q4_def(mat.label).fn(mat, &pool);
+  return out;
+}
+
+// Every runnable clone of the int8-dot routes (the NEON one with SDOT where the CPU has it) gives
+// the portable clone's bits on the mat-vec and the matrix route, Q4_0 and Q8_0, with n ending
+// inside a column group and rows ending inside a register tile.
+TEST(CpuInt8DotKernels, EveryCloneGivesThePortableClonesBits) {
+  ThreadPool pool(2);
+  uint64_t seed = 5100;
+  for (const std::string type : {"q4_0", "q8_0"}) {
+    const ggml_formats::Format& f = ggml_formats::format(type);
+    const size_t m_mv = 5, m_mm = 11, n = 70, k = 320;
+    const std::vector<uint8_t> w = random_rows(f, n, k, seed++);
+    std::vector<float> x(m_mm * k);
+    std::mt19937_64 rng(seed++);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (float& v : x) v = normal(rng);
+    SCOPED_TRACE(type);
+    std::vector<float> first;
+    for (CpuIsa isa : test::runnable_isas()) {
+      const cpu::CpuIsaLimitForTesting limit(isa);
+      SCOPED_TRACE(test::isa_name(isa));
+      const std::vector<float> out = run_int8_dot(type, w, x, m_mv, m_mm, n, k, pool);
+      for (float v : out) ASSERT_TRUE(std::isfinite(v));
+      if (first.empty()) {
+        first = out;
       } else {
         test::expect_bit_equal(out, first, "clone vs portable");
       }

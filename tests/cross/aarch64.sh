@@ -42,6 +42,7 @@ cmake --build "$out/core" -j"$jobs" --target routemm_tests
 # Q4Matmul.FailuresEncodeNothing checks front-door messages only (no kernel runs; the host suite
 # has it).
 filter='CpuIsa.*:CpuDenseMatmulIdKernels.*:CpuQuantizedMatmulIdKernels.*:CpuGgmlFormatKernels.*'
+filter+=':CpuInt8DotKernels.*'
 filter+=':Q4Format.*:Q4Matmul.*:Moe*:ThreadPool*-Q4Matmul.FailuresEncodeNothing'
 filter="${ROUTEMM_CROSS_FILTER:-$filter}"
 for isa in neon portable; do
@@ -49,4 +50,9 @@ for isa in neon portable; do
   ROUTEMM_CPU_ISA=$isa qemu-aarch64 -L /usr/aarch64-linux-gnu "$out/core/tests/cpp/routemm_tests" \
     --gtest_filter="$filter" --gtest_brief=1
 done
+# qemu's default CPU has the dot-product instructions (the int8-dot routes' SDOT clone); an
+# Armv8.0 core (Cortex-A53) has not, and its int8-dot routes take the portable clone.
+echo "== aarch64 without SDOT (cortex-a53), ROUTEMM_CPU_ISA=neon"
+ROUTEMM_CPU_ISA=neon qemu-aarch64 -cpu cortex-a53 -L /usr/aarch64-linux-gnu \
+  "$out/core/tests/cpp/routemm_tests" --gtest_filter='CpuIsa.*:CpuInt8DotKernels.*' --gtest_brief=1
 echo "aarch64 cross tests ok"

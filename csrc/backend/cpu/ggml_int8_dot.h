@@ -21,7 +21,7 @@
 //   4. One F32 accumulator per output, from +0.0f: acc = fma(s_b * d_b, P_b, acc) over blocks b in
 //      increasing order, s_b * d_b one binary32 multiplication; out = acc.
 // The integer sums are exact whatever the instructions (AVX512_VNNI vpdpbusd, AVX2 vpmaddubsw +
-// vpmaddwd, scalar) and whatever order they add in, and every F32 operation is fixed above, so
+// vpmaddwd, NEON sdot, scalar) and whatever order they add in, and every F32 operation is fixed above, so
 // every clone, work split and thread count gives the same bits. Error against the exact product,
 // per output:
 //   |err| <= sum_i |w_i| d_i (1/2 + 2^-15) + gamma(K/32 + 1) sum_i |w_i| (|x_i| + d_i)
@@ -611,6 +611,12 @@ struct Int8Vnni {
 };
 #endif
 
+#if ROUTEMM_CPU_HAVE_NEON
+// aarch64 SDOT clone, defined in neon_int8_dot.h (included at the end of this file).
+template <class Format>
+struct Int8NeonDot;
+#endif
+
 // ---- Work items ---------------------------------------------------------------------------------
 
 // Blocks per panel: 8 groups x 8 blocks of GroupBlock are 18 KiB, next to the tile's rows of q.
@@ -742,8 +748,18 @@ Clone clone_for() {
     return {item<Isa, Format>, mat_vec_item<Isa, Format>, Isa::kOffset};
   }
 #endif
+#if ROUTEMM_CPU_HAVE_NEON
+  if (simd::has_neon_dotprod()) {
+    using Isa = Int8NeonDot<Format>;
+    return {item<Isa, Format>, mat_vec_item<Isa, Format>, Isa::kOffset};
+  }
+#endif
   using Isa = Int8Portable<Format>;
   return {item<Isa, Format>, mat_vec_item<Isa, Format>, Isa::kOffset};
 }
 
 }  // namespace routemm::cpu::ggml::int8
+
+#if ROUTEMM_CPU_HAVE_NEON
+#include "neon_int8_dot.h"
+#endif

@@ -18,6 +18,13 @@
 #endif
 #if ROUTEMM_CPU_HAVE_NEON
 #include <arm_neon.h>
+#if defined(__linux__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
+// The int8-dot routes' dot-product instructions (SDOT), on the CPUs that have them
+// (has_neon_dotprod()).
+#define ROUTEMM_CPU_NEON_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
 #endif
 
 // Forces inlining of small helpers into the hot loops.
@@ -136,6 +143,19 @@ inline bool has_avx512_vnni() {
 inline bool has_neon() {
 #if ROUTEMM_CPU_HAVE_NEON
   return cpu_isa_allows(CpuIsa::neon);
+#else
+  return false;
+#endif
+}
+
+// The dot-product instructions (FEAT_DotProd: SDOT) on top of the NEON clone: the int8-dot routes'
+// NEON clone (neon_int8_dot.h). Linux reports them in AT_HWCAP; every Apple Silicon core has them.
+inline bool has_neon_dotprod() {
+#if ROUTEMM_CPU_HAVE_NEON && defined(__linux__)
+  static const bool supported = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+  return supported && has_neon();
+#elif ROUTEMM_CPU_HAVE_NEON && defined(__APPLE__)
+  return has_neon();
 #else
   return false;
 #endif
