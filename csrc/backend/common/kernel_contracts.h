@@ -384,9 +384,8 @@ inline MoeFusedKernelParams check_moe_fused_params(const KernelLaunch& launch) {
   contract_slot_count(launch, 6);
   const auto p = contract_params<MoeFusedKernelParams>(launch, 0);
   if (p.m == 0 || p.top_k == 0 || p.n_experts == 0 || p.hidden == 0 || p.intermediate == 0 ||
-      p.hidden % 8 != 0 || p.intermediate % 8 != 0 || p.split_gate_up > 1 ||
-      p.weights_dtype > 2 || (p.id_bytes != 4 && p.id_bytes != 8) ||
-      p.top_k > kMoeExpertsFusedMaxTopK) {
+      p.hidden % 8 != 0 || p.intermediate % 8 != 0 || p.split_gate_up > 1 || p.weights_dtype > 2 ||
+      (p.id_bytes != 4 && p.id_bytes != 8) || p.top_k > kMoeExpertsFusedMaxTopK) {
     contract_violation(launch,
                        "params have a zero extent, a width not a multiple of 8, top_k above the "
                        "kernel's bound, or an unknown weights dtype, id width or split flag");
