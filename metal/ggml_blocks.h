@@ -91,6 +91,154 @@ inline float half_block_dot(Q8_0, device const uchar* block, uint half_index, de
   return acc;
 }
 
+// ---- The formats of csrc/include/routemm/ggml_formats.h's kKernelFormats ------------------------
+// Q4_1, Q5_0, Q5_1, MXFP4 (32-value blocks) and Q4_K, Q5_K, Q6_K (256-value super-blocks). Value i
+// of a row is the F32 value ggml's to_float gives, operation for operation as the codec table
+// (csrc/core/ggml_formats.cpp) computes it; a K-quant super-block is read as its eight 32-value
+// sub-blocks, each with its own scale and min, so the lane contract above applies unchanged:
+// lane l owns half-block (l & 1) of 32-value blocks l / 2, l / 2 + 16, ..., and FMAs that half
+// block's 16 products in increasing position. Blocks are read bytewise (rows start anywhere: an
+// MXFP4 block is 17 bytes). Products that ggml rounds twice (q * d + m, d1 * q - m1) are kept in
+// separate statements and the metallibs are built without fast math, so nothing is fused.
+struct Q4_1 {};
+struct Q5_0 {};
+struct Q5_1 {};
+struct Mxfp4 {};
+struct Q4_K {};
+struct Q5_K {};
+struct Q6_K {};
+
+inline uint super_values(Q4_1) { return 32; }
+inline uint super_values(Q5_0) { return 32; }
+inline uint super_values(Q5_1) { return 32; }
+inline uint super_values(Mxfp4) { return 32; }
+inline uint super_values(Q4_K) { return 256; }
+inline uint super_values(Q5_K) { return 256; }
+inline uint super_values(Q6_K) { return 256; }
+inline ulong super_bytes(Q4_1) { return 20; }
+inline ulong super_bytes(Q5_0) { return 22; }
+inline ulong super_bytes(Q5_1) { return 24; }
+inline ulong super_bytes(Mxfp4) { return 17; }
+inline ulong super_bytes(Q4_K) { return 144; }
+inline ulong super_bytes(Q5_K) { return 176; }
+inline ulong super_bytes(Q6_K) { return 210; }
+
+// Bytes of a row of k values: Q4_0 / Q8_0 by their 32-value blocks, the others by super-block.
+template <typename F>
+inline ulong row_bytes(F format, uint k) {
+  return ulong(k / super_values(format)) * super_bytes(format);
+}
+inline ulong row_bytes(Q4_0 format, uint k) { return ulong(k / kBlockValues) * block_bytes(format); }
+inline ulong row_bytes(Q8_0 format, uint k) { return ulong(k / kBlockValues) * block_bytes(format); }
+
+inline float half_at(device const uchar* p) { return float(as_type<half>(ushort(p[0] | (p[1] << 8)))); }
+
+// Code j (0..31) of a 32-value block of 4-bit codes at qs: low nibbles, then high nibbles.
+inline uint nibble(device const uchar* qs, uint j) { return j < 16 ? (qs[j] & 15u) : (qs[j - 16] >> 4); }
+
+// The fifth bit of code j of a Q5_0 / Q5_1 block (32 bits at qh, little endian), as 0 or 16.
+inline uint fifth_bit(device const uchar* qh, uint j) { return ((qh[j >> 3] >> (j & 7u)) & 1u) << 4; }
+
+inline float value_at(Q4_1, device const uchar* b, uint j) {
+  const float y = float(nibble(b + 4, j)) * half_at(b);
+  return y + half_at(b + 2);
+}
+inline float value_at(Q5_0, device const uchar* b, uint j) {
+  return float(int(nibble(b + 6, j) | fifth_bit(b + 2, j)) - 16) * half_at(b);
+}
+inline float value_at(Q5_1, device const uchar* b, uint j) {
+  const float y = float(nibble(b + 8, j) | fifth_bit(b + 4, j)) * half_at(b);
+  return y + half_at(b + 2);
+}
+// MXFP4's E2M1 values, doubled (integers); the block's scale is halved to match.
+constant constexpr char kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+inline float value_at(Mxfp4, device const uchar* b, uint j) {
+  const uint e = b[0];  // 2^(e - 127) / 2, as ggml computes it (subnormal for e < 2)
+  const float d = as_type<float>(e < 2 ? 0x00200000u << e : (e - 1u) << 23);
+  return float(kMxfp4Values[nibble(b + 1, j)]) * d;
+}
+
+// The 6-bit scale and min of sub-block s (of 8) from Q4_K / Q5_K's 12 scale bytes at q.
+inline uint2 scale_min_k4(uint s, device const uchar* q) {
+  if (s < 4) return uint2(q[s] & 63u, q[s + 4] & 63u);
+  return uint2((q[s + 4] & 15u) | ((q[s - 4] >> 6) << 4), (q[s + 4] >> 4) | ((q[s] >> 6) << 4));
+}
+// Value t (0..255) of a Q4_K / Q5_K super-block: d1 * q - m1 with d1 = d * sc, m1 = dmin * m.
+inline float k4_value(device const uchar* b, uint s, uint q) {
+  const uint2 sm = scale_min_k4(s, b + 4);
+  const float d1 = half_at(b) * float(sm.x);
+  const float m1 = half_at(b + 2) * float(sm.y);
+  const float y = d1 * float(q);
+  return y - m1;
+}
+inline float value_at(Q4_K, device const uchar* b, uint t) {
+  const uint s = t >> 5, l = t & 31u;
+  const uchar byte = b[16 + 32 * (s >> 1) + l];
+  return k4_value(b, s, (s & 1u) ? (byte >> 4) : (byte & 15u));
+}
+inline float value_at(Q5_K, device const uchar* b, uint t) {
+  const uint s = t >> 5, l = t & 31u;
+  const uchar byte = b[48 + 32 * (s >> 1) + l];
+  const uint high = ((b[16 + l] >> s) & 1u) << 4;
+  return k4_value(b, s, ((s & 1u) ? (byte >> 4) : (byte & 15u)) + high);
+}
+inline float value_at(Q6_K, device const uchar* b, uint t) {
+  const uint half_index = t >> 7, u = t & 127u;  // two halves of 128 values
+  const uint quarter = u >> 5, l = u & 31u;      // values l + 32 * quarter of the half
+  device const uchar* ql = b + 64 * half_index;
+  device const uchar* qh = b + 128 + 32 * half_index;
+  device const char* sc = reinterpret_cast<device const char*>(b + 192 + 8 * half_index);
+  const uchar low = ql[l + 32 * (quarter & 1u)];
+  const uint q = ((quarter < 2 ? low & 15u : low >> 4) | (((qh[l] >> (2 * quarter)) & 3u) << 4));
+  const float ds = half_at(b + 208) * float(sc[l / 16 + 2 * quarter]);
+  return ds * float(int(q) - 32);
+}
+
+// Value i of a row of `format`.
+template <typename F>
+inline float row_value(F format, device const uchar* row, uint i) {
+  const uint v = super_values(format);
+  return value_at(format, row + ulong(i / v) * super_bytes(format), i % v);
+}
+
+// Half-block `half_index` of 32-value block b of `row` with the block's 32 activations `x`, FMA'd
+// into `acc`: Q4_0 / Q8_0 through half_block_dot's order, the other formats position by position.
+template <typename F>
+inline float block_dot(F format, device const uchar* row, uint b, uint half_index, device const float* x,
+                       float acc) {
+  for (uint j = 16 * half_index; j < 16 * half_index + 16; ++j) {
+    acc = fma(row_value(format, row, b * kBlockValues + j), x[j], acc);
+  }
+  return acc;
+}
+inline float block_dot(Q4_0 format, device const uchar* row, uint b, uint half_index, device const float* x,
+                       float acc) {
+  return half_block_dot(format, row + ulong(b) * block_bytes(format), half_index, x, acc);
+}
+inline float block_dot(Q8_0 format, device const uchar* row, uint b, uint half_index, device const float* x,
+                       float acc) {
+  return half_block_dot(format, row + ulong(b) * block_bytes(format), half_index, x, acc);
+}
+
+// The 8 weights at row positions [i, i + 8) (inside one 16-value half block) into `out`.
+template <typename F>
+inline void stage_weights(F format, device const uchar* row, uint i, threadgroup float* out) {
+  for (uint j = 0; j < 8; ++j) out[j] = row_value(format, row, i + j);
+}
+template <typename F>
+inline void stage_block_weights(F format, device const uchar* row, uint i, threadgroup float* out) {
+  device const uchar* block = row + ulong(i / kBlockValues) * block_bytes(format);
+  const float d = block_scale(block);
+  for (uint j = 0; j < 8; ++j) out[j] = block_value(format, block, d, i % kBlockValues + j);
+}
+inline void stage_weights(Q4_0 format, device const uchar* row, uint i, threadgroup float* out) {
+  stage_block_weights(format, row, i, out);
+}
+inline void stage_weights(Q8_0 format, device const uchar* row, uint i, threadgroup float* out) {
+  stage_block_weights(format, row, i, out);
+}
+
 // Worker w's share of the dots of rows [0, rows) (rows <= Rows) starting at `first_row`, row r at
 // first_row + r * row_bytes, with the K activations `x`, when `workers` threads (even) split each
 // row: worker w owns half-block (w & 1) of blocks w / 2, w / 2 + workers / 2, ..., FMA'd in that
@@ -105,8 +253,7 @@ inline void worker_row_dots(F format, device const uchar* first_row, ulong row_b
     device const float* xb = x + b * kBlockValues;
     for (uint r = 0; r < Rows; ++r) {
       if (r >= rows) break;
-      device const uchar* block = first_row + ulong(r) * row_bytes + ulong(b) * block_bytes(format);
-      sums[r] = half_block_dot(format, block, half_index, xb, sums[r]);
+      sums[r] = block_dot(format, first_row + ulong(r) * row_bytes, b, half_index, xb, sums[r]);
     }
   }
 }
@@ -154,10 +301,7 @@ inline void mm_tile(F format, device const uchar* weight, ulong row_bytes, uint 
   device const uchar* w_row = weight + ulong(w_valid ? n0 + w_out : 0) * row_bytes;
   for (uint k0 = 0; k0 < k; k0 += kMmDepth) {
     if (w_valid) {
-      device const uchar* block = w_row + ulong(k0 / kBlockValues) * block_bytes(format);
-      const float d = block_scale(block);
-      const uint first = k0 % kBlockValues;  // 0 or 16: which half of the block
-      for (uint j = 0; j < 8; ++j) ws[w_out * kMmDepth + w_j0 + j] = block_value(format, block, d, first + w_j0 + j);
+      stage_weights(format, w_row, k0 + w_j0, ws + w_out * kMmDepth + w_j0);
     } else {
       for (uint j = 0; j < 8; ++j) ws[w_out * kMmDepth + w_j0 + j] = 0.0f;
     }

@@ -1,7 +1,9 @@
 // GGML Q4_0 and Q8_0 dense projection pipelines that need nothing beyond Metal 3 (spec §5.5, §5.6):
 // kernel_mul_mv_{q4_0,q8_0}_f32 and kernel_mul_mv_q8_0_f32_nr2 (M <= 8), and
-// kernel_mul_mm_{q4_0,q8_0}_f32 (the simdgroup-matrix route; Q8_0's only matrix route). The tensor-API routes live in q4_matmul_tensor.metal, built
-// into a separate, optional library.
+// kernel_mul_mm_{q4_0,q8_0}_f32 (the simdgroup-matrix route; Q8_0's only matrix route), and the
+// mat-vec and simdgroup-matrix route of every format of ggml_formats.h's kKernelFormats
+// (kernel_mul_{mv,mm}_<format>_f32, Q8_0's geometry). The tensor-API routes live in
+// q4_matmul_tensor.metal, built into a separate, optional library.
 //
 // NUMERIC CONTRACT: ggml_blocks.h's (exact dequantisation, F32 FMA accumulation, nothing rounded to
 // half precision). The results therefore meet the suite's F32 accumulation bound against a float64
@@ -52,7 +54,7 @@ void mat_vec(F format, device const uchar* weight, device const float* input, de
   const long first_row = long(group.x) * kMvRowsPerGroup + long(simdgroup) * kMvRowsPerSimdgroup;
   if (first_row >= n) return;  // whole simdgroup; this kernel has no threadgroup barriers
 
-  const ulong row_bytes = ulong(k / ggml_blocks::kBlockValues) * ggml_blocks::block_bytes(format);
+  const ulong row_bytes = ggml_blocks::row_bytes(format, uint(k));
   device const uchar* w_batch = weight + ulong(batch / routemm_q4_r2) * row_bytes * ulong(n);
   device const float* x = input + (batch * p.ne1 + token) * p.ne10;
   const uint rows = uint(min(long(kMvRowsPerSimdgroup), n - first_row));
@@ -171,4 +173,48 @@ kernel void kernel_mul_mm_q4_0_f32(ROUTEMM_MM_ARGS) {
 }
 kernel void kernel_mul_mm_q8_0_f32(ROUTEMM_MM_ARGS) {
   mat_mat(ggml_blocks::Q8_0(), p, weight, input, output, shmem, group, tid, simdgroup);
+}
+
+// The formats of ggml_formats.h's kKernelFormats.
+kernel void kernel_mul_mv_q4_1_f32(ROUTEMM_MV_ARGS) {
+  mat_vec(ggml_blocks::Q4_1(), weight, input, output, p, group, simdgroup, lane);
+}
+kernel void kernel_mul_mm_q4_1_f32(ROUTEMM_MM_ARGS) {
+  mat_mat(ggml_blocks::Q4_1(), p, weight, input, output, shmem, group, tid, simdgroup);
+}
+kernel void kernel_mul_mv_q5_0_f32(ROUTEMM_MV_ARGS) {
+  mat_vec(ggml_blocks::Q5_0(), weight, input, output, p, group, simdgroup, lane);
+}
+kernel void kernel_mul_mm_q5_0_f32(ROUTEMM_MM_ARGS) {
+  mat_mat(ggml_blocks::Q5_0(), p, weight, input, output, shmem, group, tid, simdgroup);
+}
+kernel void kernel_mul_mv_q5_1_f32(ROUTEMM_MV_ARGS) {
+  mat_vec(ggml_blocks::Q5_1(), weight, input, output, p, group, simdgroup, lane);
+}
+kernel void kernel_mul_mm_q5_1_f32(ROUTEMM_MM_ARGS) {
+  mat_mat(ggml_blocks::Q5_1(), p, weight, input, output, shmem, group, tid, simdgroup);
+}
+kernel void kernel_mul_mv_mxfp4_f32(ROUTEMM_MV_ARGS) {
+  mat_vec(ggml_blocks::Mxfp4(), weight, input, output, p, group, simdgroup, lane);
+}
+kernel void kernel_mul_mm_mxfp4_f32(ROUTEMM_MM_ARGS) {
+  mat_mat(ggml_blocks::Mxfp4(), p, weight, input, output, shmem, group, tid, simdgroup);
+}
+kernel void kernel_mul_mv_q4_k_f32(ROUTEMM_MV_ARGS) {
+  mat_vec(ggml_blocks::Q4_K(), weight, input, output, p, group, simdgroup, lane);
+}
+kernel void kernel_mul_mm_q4_k_f32(ROUTEMM_MM_ARGS) {
+  mat_mat(ggml_blocks::Q4_K(), p, weight, input, output, shmem, group, tid, simdgroup);
+}
+kernel void kernel_mul_mv_q5_k_f32(ROUTEMM_MV_ARGS) {
+  mat_vec(ggml_blocks::Q5_K(), weight, input, output, p, group, simdgroup, lane);
+}
+kernel void kernel_mul_mm_q5_k_f32(ROUTEMM_MM_ARGS) {
+  mat_mat(ggml_blocks::Q5_K(), p, weight, input, output, shmem, group, tid, simdgroup);
+}
+kernel void kernel_mul_mv_q6_k_f32(ROUTEMM_MV_ARGS) {
+  mat_vec(ggml_blocks::Q6_K(), weight, input, output, p, group, simdgroup, lane);
+}
+kernel void kernel_mul_mm_q6_k_f32(ROUTEMM_MM_ARGS) {
+  mat_mat(ggml_blocks::Q6_K(), p, weight, input, output, shmem, group, tid, simdgroup);
 }

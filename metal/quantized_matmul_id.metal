@@ -1,6 +1,8 @@
 // Quantised expert-ID matmul pipelines (csrc/include/routemm/ops/quantized_matmul_id.h):
-// quantized_matmul_id_direct_{q4_0,q8_0}_f32 and quantized_matmul_id_grouped_{q4_0,q8_0}_f32; the
-// grouped route's map is dense_matmul_id.metal's dense_matmul_id_map_distinct.
+// quantized_matmul_id_direct_{q4_0,q8_0}_f32 and quantized_matmul_id_grouped_{q4_0,q8_0}_f32, and
+// the same two routes for every format of ggml_formats.h's kKernelFormats
+// (quantized_matmul_id_{direct,grouped}_<format>_f32); the grouped route's map is
+// dense_matmul_id.metal's dense_matmul_id_map_distinct.
 //
 // NUMERIC CONTRACT: ggml_blocks.h's exact dequantisation and F32 accumulation.
 //   direct : the mat-vec lane contract, so a row equals kernel_mul_mv_{q4_0,q8_0}_f32 on the
@@ -44,7 +46,7 @@ inline device const float* input_row(device const uchar* input, constant DenseMa
 
 template <typename F>
 inline ulong weight_row_bytes(F format, constant DenseMatmulIdKernelParams& p) {
-  return ulong(p.k / ggml_blocks::kBlockValues) * ggml_blocks::block_bytes(format);
+  return ggml_blocks::row_bytes(format, p.k);
 }
 
 template <typename F>
@@ -138,5 +140,56 @@ kernel void quantized_matmul_id_grouped_q4_0_f32(ROUTEMM_GROUPED_ARGS) {
 }
 kernel void quantized_matmul_id_grouped_q8_0_f32(ROUTEMM_GROUPED_ARGS) {
   grouped_impl(ggml_blocks::Q8_0(), p, weights, input, expert_counts, routed_rows, out, shmem, group, groups, tid,
+               simdgroup);
+}
+
+// The formats of ggml_formats.h's kKernelFormats.
+kernel void quantized_matmul_id_direct_q4_1_f32(ROUTEMM_DIRECT_ARGS) {
+  direct_impl(ggml_blocks::Q4_1(), p, weights, input, ids, out, group, simdgroup, lane);
+}
+kernel void quantized_matmul_id_grouped_q4_1_f32(ROUTEMM_GROUPED_ARGS) {
+  grouped_impl(ggml_blocks::Q4_1(), p, weights, input, expert_counts, routed_rows, out, shmem, group, groups, tid,
+               simdgroup);
+}
+kernel void quantized_matmul_id_direct_q5_0_f32(ROUTEMM_DIRECT_ARGS) {
+  direct_impl(ggml_blocks::Q5_0(), p, weights, input, ids, out, group, simdgroup, lane);
+}
+kernel void quantized_matmul_id_grouped_q5_0_f32(ROUTEMM_GROUPED_ARGS) {
+  grouped_impl(ggml_blocks::Q5_0(), p, weights, input, expert_counts, routed_rows, out, shmem, group, groups, tid,
+               simdgroup);
+}
+kernel void quantized_matmul_id_direct_q5_1_f32(ROUTEMM_DIRECT_ARGS) {
+  direct_impl(ggml_blocks::Q5_1(), p, weights, input, ids, out, group, simdgroup, lane);
+}
+kernel void quantized_matmul_id_grouped_q5_1_f32(ROUTEMM_GROUPED_ARGS) {
+  grouped_impl(ggml_blocks::Q5_1(), p, weights, input, expert_counts, routed_rows, out, shmem, group, groups, tid,
+               simdgroup);
+}
+kernel void quantized_matmul_id_direct_mxfp4_f32(ROUTEMM_DIRECT_ARGS) {
+  direct_impl(ggml_blocks::Mxfp4(), p, weights, input, ids, out, group, simdgroup, lane);
+}
+kernel void quantized_matmul_id_grouped_mxfp4_f32(ROUTEMM_GROUPED_ARGS) {
+  grouped_impl(ggml_blocks::Mxfp4(), p, weights, input, expert_counts, routed_rows, out, shmem, group, groups, tid,
+               simdgroup);
+}
+kernel void quantized_matmul_id_direct_q4_k_f32(ROUTEMM_DIRECT_ARGS) {
+  direct_impl(ggml_blocks::Q4_K(), p, weights, input, ids, out, group, simdgroup, lane);
+}
+kernel void quantized_matmul_id_grouped_q4_k_f32(ROUTEMM_GROUPED_ARGS) {
+  grouped_impl(ggml_blocks::Q4_K(), p, weights, input, expert_counts, routed_rows, out, shmem, group, groups, tid,
+               simdgroup);
+}
+kernel void quantized_matmul_id_direct_q5_k_f32(ROUTEMM_DIRECT_ARGS) {
+  direct_impl(ggml_blocks::Q5_K(), p, weights, input, ids, out, group, simdgroup, lane);
+}
+kernel void quantized_matmul_id_grouped_q5_k_f32(ROUTEMM_GROUPED_ARGS) {
+  grouped_impl(ggml_blocks::Q5_K(), p, weights, input, expert_counts, routed_rows, out, shmem, group, groups, tid,
+               simdgroup);
+}
+kernel void quantized_matmul_id_direct_q6_k_f32(ROUTEMM_DIRECT_ARGS) {
+  direct_impl(ggml_blocks::Q6_K(), p, weights, input, ids, out, group, simdgroup, lane);
+}
+kernel void quantized_matmul_id_grouped_q6_k_f32(ROUTEMM_GROUPED_ARGS) {
+  grouped_impl(ggml_blocks::Q6_K(), p, weights, input, expert_counts, routed_rows, out, shmem, group, groups, tid,
                simdgroup);
 }

@@ -26,6 +26,7 @@
 #include "routemm/backend.h"
 #include "routemm/device.h"
 #include "routemm/encoder.h"
+#include "routemm/ggml_formats.h"
 #include "routemm/ops/dense_matmul_id.h"
 #include "routemm/ops/moe.h"
 #include "routemm/ops/q4_matmul.h"
@@ -149,6 +150,11 @@ std::vector<std::string> core_pipeline_names() {
   names.insert(names.end(), kGgmlQuantizedMatmulIdPipelineNames.begin(),
                kGgmlQuantizedMatmulIdPipelineNames.end());
   names.emplace_back(kQ8_0MatVecNr2Pipeline);
+  for (const ggml_formats::KernelFormat& f : ggml_formats::kKernelFormats) {
+    for (const std::string_view name : {f.mat_vec, f.matrix, f.id_direct, f.id_grouped}) {
+      names.emplace_back(name);
+    }
+  }
   return names;
 }
 

@@ -25,6 +25,8 @@ PIPELINES = [
     *routemm.MOE_PIPELINE_NAMES,
     POISON_PIPELINE,
     COMPARE_PIPELINE,
+    # The four pipelines of each format beyond Q4_0 / Q8_0 (routemm/ggml_formats.h).
+    *(name for f in routemm._core.GGML_KERNEL_FORMATS for name in f[4:]),
 ]
 TENSOR_ONLY = {
     "kernel_mul_mm_q4_0_tensor_f32",

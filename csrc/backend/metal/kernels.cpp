@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "backend/common/kernel_contracts.h"
+#include "routemm/ggml_formats.h"
 #include "routemm/ops/dense_matmul_id.h"
 #include "routemm/ops/moe.h"
 #include "routemm/ops/q4_matmul.h"
@@ -20,8 +21,9 @@ constexpr std::string_view kCalibrationCompare = "routemm_calibration_compare_f3
 
 // Function names in table order: the seven expert-ID pipelines, the five Q4_0 pipelines, the two
 // calibration proof kernels, the three MoE layer kernels, the two Q8_0 pipelines, the four
-// quantised expert-ID pipelines, the Q8_0 nr2 mat-vec.
-constexpr std::array<std::string_view, 24> kFunctions = {
+// quantised expert-ID pipelines, the Q8_0 nr2 mat-vec; then (kFunctions) the four pipelines of
+// each format of ggml_formats.h's kKernelFormats.
+constexpr std::array<std::string_view, 24> kBaseFunctions = {
     kDenseMatmulIdPipelineNames[0],
     kDenseMatmulIdPipelineNames[1],
     kDenseMatmulIdPipelineNames[2],
@@ -50,6 +52,18 @@ constexpr std::array<std::string_view, 24> kFunctions = {
 static_assert(kDenseMatmulIdPipelineNames.size() == 7 && kQ4MatmulPipelineNames.size() == 5 &&
               kMoePipelineNames.size() == 3 && kQ8MatmulPipelineNames.size() == 2 &&
               kGgmlQuantizedMatmulIdPipelineNames.size() == 4);
+constexpr size_t kFormatFunctions = 4 * ggml_formats::kKernelFormats.size();
+constexpr std::array<std::string_view, kBaseFunctions.size() + kFormatFunctions> kFunctions = [] {
+  std::array<std::string_view, kBaseFunctions.size() + kFormatFunctions> names{};
+  size_t i = 0;
+  for (const std::string_view name : kBaseFunctions) names[i++] = name;
+  for (const ggml_formats::KernelFormat& f : ggml_formats::kKernelFormats) {
+    for (const std::string_view name : {f.mat_vec, f.matrix, f.id_direct, f.id_grouped}) {
+      names[i++] = name;
+    }
+  }
+  return names;
+}();
 static_assert(kFunctions[3] == kDenseMatmulIdMapPipeline && kFunctions[7] == kQ4_0MatVecPipeline);
 
 // A KernelFn knows only its launch; one instantiation per table row carries the function name.
@@ -80,7 +94,7 @@ using enum MetalLibrary;
 //   quantised expert-ID: direct as dense direct (8 columns x 1 flat row, 64 threads); grouped
 //            128 threads, 32 routed rows x 64 columns per group (the simdgroup matrix route's
 //            tile), 8192 bytes.
-const std::array<MetalPipelineSpec, kFunctions.size()> kSpecs = {
+constexpr std::array<MetalPipelineSpec, kBaseFunctions.size()> kBaseSpecs = {
     spec(0, launch<0>, Base, 64, 8, 1, 0),
     spec(1, launch<1>, Base, 64, 8, 1, 0),
     spec(2, launch<2>, Base, 64, 8, 1, 0),
@@ -107,6 +121,28 @@ const std::array<MetalPipelineSpec, kFunctions.size()> kSpecs = {
     spec(23, launch<23>, Base, kQ8_0MatVecNr2Threads, kQ8_0MatVecNr2Rows, 1,
          kQ8_0MatVecNr2ThreadgroupBytes, true),
 };
+
+// The four pipelines of a kKernelFormats format, with the geometry of Q8_0's of the same kinds:
+// mat-vec, simdgroup-matrix route, expert-ID direct, expert-ID grouped.
+template <size_t I>
+constexpr MetalPipelineSpec format_spec() {
+  constexpr size_t i = kBaseFunctions.size() + I;
+  if constexpr (I % 4 == 0) return spec(i, launch<i>, Base, 64, 8, 1, 0, true);
+  if constexpr (I % 4 == 1) return spec(i, launch<i>, Base, 128, 32, 64, 8192, true);
+  if constexpr (I % 4 == 2) return spec(i, launch<i>, Base, 64, 8, 1, 0);
+  return spec(i, launch<i>, Base, 128, 32, 64, 8192);
+}
+
+template <size_t... I>
+constexpr std::array<MetalPipelineSpec, kFunctions.size()> all_specs(std::index_sequence<I...>) {
+  std::array<MetalPipelineSpec, kFunctions.size()> specs{};
+  for (size_t i = 0; i < kBaseSpecs.size(); ++i) specs[i] = kBaseSpecs[i];
+  ((specs[kBaseSpecs.size() + I] = format_spec<I>()), ...);
+  return specs;
+}
+
+constexpr std::array<MetalPipelineSpec, kFunctions.size()> kSpecs =
+    all_specs(std::make_index_sequence<kFormatFunctions>{});
 
 }  // namespace
 
