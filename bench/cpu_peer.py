@@ -309,7 +309,8 @@ def _ggml(
                     bytes=r["tbps"] * 1e12 * seconds,
                     flops=flops,
                     TFLOPs=flops / seconds / 1e12,
-                    note=f"{r['peer']}; rel_err {r['rel_err']:.1e}",
+                    cpu_isa=r.get("cpu_isa", "unknown"),
+                    note=f"{r['peer']}; {r.get('cpu_isa', 'unknown')}; rel_err {r['rel_err']:.1e}",
                 )
             )
     return records, gbps
@@ -331,7 +332,8 @@ def _comparison(records: list[dict], protocol: str) -> list[str]:
         if impl not in side or r["time_us"] < side[impl]["time_us"]:
             side[impl] = r
     lines = [
-        "| case | m | routemm (us) | route | ggml (us) | layout | routemm speed / ggml speed | per round: median (range) |",
+        "| case | m | routemm (us) | route (clone) | ggml (us) | layout (build ISA) | routemm speed / ggml speed "
+        "| per round: median (range) |",
         "|---|---:|---:|---|---:|---|---:|---:|",
     ]
     rows = []
@@ -354,8 +356,9 @@ def _comparison(records: list[dict], protocol: str) -> list[str]:
             else ""
         )
         lines.append(
-            f"| {case} | {m} | {ours['time_us']:.0f} | {ours['route']} | "
-            f"{peer['time_us']:.0f} | {peer['route'].removeprefix('ggml_')} | {ratio} | {paired} |"
+            f"| {case} | {m} | {ours['time_us']:.0f} | {ours['route']} ({ours.get('cpu_isa', '?')}) | "
+            f"{peer['time_us']:.0f} | {peer['route'].removeprefix('ggml_')} ({peer.get('cpu_isa', '?')}) | "
+            f"{ratio} | {paired} |"
             if ours and peer
             else f"| {case} | {m} | | | | | | |"
         )
@@ -439,9 +442,17 @@ def main() -> None:
         if "quantized_expert_id" in cases:
             found += _routemm_quantized_expert_id(routemm, device, registry, args.runs, routes)
         records += [dict(r, round=round_index + 1) for r in found]
+    # Every row names the CPU and the instruction set its kernels ran (ggml: the one its CPU
+    # backend was built for; routemm: the clone ROUTEMM_CPU_ISA and the CPU left it).
+    cpu = conftest._cpu_name()
+    for r in records:
+        r["cpu"] = cpu
+        if r["impl"] == "routemm":
+            r["cpu_isa"] = device.properties["isa"]
+            r["note"] = f"clone {r['cpu_isa']}" + (f"; {r['note']}" if r.get("note") else "")
 
     doc = {
-        "device": f"cpu: {conftest._cpu_name()} ({os.cpu_count()} threads; {args.threads} used by each side; "
+        "device": f"cpu: {cpu} ({os.cpu_count()} threads; {args.threads} used by each side; "
         f"routemm clone {device.properties['isa']})",
         "git_rev": conftest._git_rev(),
         "command": "python bench/cpu_peer.py " + " ".join(sys.argv[1:]),

@@ -467,6 +467,16 @@ std::vector<Case> build_cases(const Options& opt) {
   return cases;
 }
 
+// The widest x86 / Arm vector extension ggml's CPU backend was compiled for (its ggml_cpu_has_*
+// report the build's instruction set): the CPU rows of a comparison name it.
+std::string cpu_isa() {
+  if (ggml_cpu_has_avx512()) return "avx512";
+  if (ggml_cpu_has_avx2()) return "avx2";
+  if (ggml_cpu_has_sve()) return "sve";
+  if (ggml_cpu_has_neon()) return "neon";
+  return "portable";
+}
+
 std::string peer_label(ggml_backend_t backend) {
   std::string s =
       std::string("llama.cpp ggml-") + ggml_backend_name(backend) + " " + ggml_version();
@@ -489,12 +499,12 @@ void write_json(const std::string& path, const std::string& peer, const std::str
                  "  {\"peer\": \"%s\", \"device\": \"%s\", \"op\": \"%s\", \"type\": \"%s\", "
                  "\"shape\": \"%s\", \"n\": %lld, \"k\": %lld, \"m\": %lld, \"experts\": %lld, "
                  "\"top_k\": %lld, \"mode\": \"%s\", \"copies\": %d, \"nodes\": %d, \"us\": %.4f, "
-                 "\"tbps\": %.4f, \"rel_err\": %.3e, \"ok\": %s}%s\n",
+                 "\"tbps\": %.4f, \"rel_err\": %.3e, \"ok\": %s, \"cpu_isa\": \"%s\"}%s\n",
                  peer.c_str(), device.c_str(), r.c.moe ? "MUL_MAT_ID" : "MUL_MAT",
                  ggml_type_name(r.c.type), r.c.shape_name.c_str(), (long long)r.c.n,
                  (long long)r.c.k, (long long)r.c.m, (long long)r.c.experts, (long long)r.c.top_k,
                  r.c.rotated ? "rotated" : "l2", r.copies, r.nodes, r.us, r.tbps, rel_err,
-                 r.ok ? "true" : "false", i + 1 < results.size() ? "," : "");
+                 r.ok ? "true" : "false", cpu_isa().c_str(), i + 1 < results.size() ? "," : "");
   }
   std::fprintf(f, "]\n");
   std::fclose(f);

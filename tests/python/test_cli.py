@@ -73,7 +73,23 @@ def test_backends_lists_every_backend_with_its_reason():
     lines = routemm_cli("backends").stdout.splitlines()
     assert [line.split()[0] for line in lines] == [name for name, _, _ in routemm.backend_status()]
     for line, (_, available, reason) in zip(lines, routemm.backend_status(), strict=True):
-        assert line.endswith("available" if available else reason)
+        assert line.split()[1] == "available" if available else line.endswith(reason)
+
+
+@pytest.mark.skipif("cpu" not in routemm.available_backends(), reason="no cpu backend")
+@pytest.mark.parametrize("cap", [None, "portable"])
+def test_backends_names_the_cpu_kernels_clone(cap):
+    env_vars = {k: v for k, v in os.environ.items() if k != "ROUTEMM_CPU_ISA"}
+    if cap:
+        env_vars["ROUTEMM_CPU_ISA"] = cap
+    result = routemm_cli("backends", env=env_vars)
+    assert result.returncode == 0, result.stderr
+    cpu = [line for line in result.stdout.splitlines() if line.split()[0] == "cpu"]
+    if cap:
+        assert cpu == ["cpu    available (portable kernels, capped by ROUTEMM_CPU_ISA=portable)"]
+    else:
+        isa = routemm.Device("cpu").properties["isa"]
+        assert cpu == [f"cpu    available ({isa} kernels)"]
 
 
 def test_knobs_prints_the_table_from_the_code():
@@ -160,6 +176,8 @@ def test_demo_table_says_which_backend_ran_why_and_what_the_columns_mean():
     out = result.stdout
     chosen = routemm.available_backends()[0]
     assert f"backend: {chosen} (" in out
+    if chosen == "cpu":
+        assert f"backend: cpu (cpu, {routemm.Device('cpu').properties['isa']} kernels), " in out
     for name, available, reason in routemm.backend_status():
         if name != chosen:
             assert f"  {name}: {'available, not chosen' if available else 'unavailable: ' + reason}" in out
@@ -176,6 +194,8 @@ def test_demo_json_records_the_choice_memory_and_cache_residency():
     report = json.loads(result.stdout)
     assert report["ok"] and report["reduced"]
     assert report["backend_choice"]["chosen"] == report["backend"]
+    isa = routemm.Device("cpu").properties["isa"] if report["backend"] == "cpu" else None
+    assert report["cpu_isa"] == isa
     assert set(report["backend_choice"]["others"]) == {n for n, _, _ in routemm.backend_status()} - {report["backend"]}
     assert report["memory"]["host_bytes"] > 0 and report["memory"]["device_bytes"] > 0
     assert [(r["m"], r["route"]) for r in report["runs"]] == [(1, "direct"), (16, "direct"), (16, "grouped_prefill")]
@@ -185,6 +205,18 @@ def test_demo_json_records_the_choice_memory_and_cache_residency():
         else:
             touched = r["experts_touched"] * report["shape"]["n"] * report["shape"]["k"] * 2
             assert r["cache_resident"] == (touched <= report["cache_bytes"])
+
+
+@pytest.mark.skipif("cpu" not in routemm.available_backends(), reason="no cpu backend")
+def test_demo_gguf_report_names_the_cpu_kernels_clone(tmp_path, capsys):
+    path = tmp_path / "model.gguf"
+    assert cli.main(["gguf-sample", str(path), "--layers", "1", "--type", "q8_0"]) == 0
+    capsys.readouterr()
+    isa = routemm.Device("cpu").properties["isa"]
+    assert cli.main(["demo", "--gguf", str(path), "--tokens", "2", "--backend", "cpu"]) == 0
+    assert f"1 MoE layers on cpu (cpu, {isa} kernels)" in capsys.readouterr().out
+    assert cli.main(["demo", "--gguf", str(path), "--tokens", "2", "--backend", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cpu_isa"] == isa
 
 
 def test_a_cache_resident_run_is_flagged(monkeypatch):

@@ -79,6 +79,12 @@ def _open_device(requested: str | None):
     return device, {"chosen": device.backend, "how": how, "others": others}
 
 
+def cpu_clone(device) -> str | None:
+    """The instruction-set clone the CPU backend's kernels run in this process (portable, avx2,
+    avx512 or neon: the best the CPU has, capped by ROUTEMM_CPU_ISA); None on other backends."""
+    return str(device.properties["isa"]) if device.backend == "cpu" else None
+
+
 def _last_level_cache_bytes(device) -> int | None:
     """Size of the cache a repeated call re-reads its weights from: the GPU's L2 on CUDA, the CPU's
     largest cache level on Linux; None where it cannot be read."""
@@ -305,6 +311,7 @@ def run(
         "reduced": model is None,
         "backend": device.backend,
         "device": device.name,
+        "cpu_isa": cpu_clone(device),
         "backend_choice": choice,
         "shape": {"n_experts": n_experts, "top_k": top_k, "n": n, "k": k},
         "weight_dtype": dtype_name,
@@ -387,7 +394,8 @@ def print_report(report, stream=None) -> None:
         f"n={s['n']}, k={s['k']}, {report['weight_dtype']} weights; {size})",
         file=stream,
     )
-    print(f"backend: {report['backend']} ({report['device']}), {choice['how']}", file=stream)
+    clone = f", {report['cpu_isa']} kernels" if report.get("cpu_isa") else ""
+    print(f"backend: {report['backend']} ({report['device']}{clone}), {choice['how']}", file=stream)
     for name, why in choice["others"].items():
         print(f"  {name}: {why}", file=stream)
     print(

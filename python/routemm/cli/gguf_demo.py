@@ -21,6 +21,7 @@ from .. import _core
 from ..core._errors import UnsupportedError
 from ..formats.gguf_io import gguf_moe_layers
 from ..models.moe_layer import MoeLayer
+from .demo import cpu_clone
 
 # Relative error (against max |reference|) a layer output may have: two chained F32 matmuls.
 MAX_REL_ERROR = 1e-4
@@ -98,7 +99,13 @@ def run(path, layer, tokens: int, backend, seed: int, *, progress=None) -> dict:
     layers = [layer] if layer is not None else gguf_moe_layers(path)
     stream = sys.stderr if progress is None else progress
     rng = np.random.default_rng(seed)
-    report = {"file": str(path), "backend": device.backend, "device": device.name, "layers": []}
+    report = {
+        "file": str(path),
+        "backend": device.backend,
+        "device": device.name,
+        "cpu_isa": cpu_clone(device),
+        "layers": [],
+    }
     started = time.perf_counter()
     for done, n in enumerate(layers):
         _progress(done, len(layers), f"layer {n}", stream)
@@ -111,7 +118,10 @@ def run(path, layer, tokens: int, backend, seed: int, *, progress=None) -> dict:
 
 def print_report(report: dict) -> None:
     layers = report["layers"]
-    print(f"routemm demo: {report['file']}, {len(layers)} MoE layers on {report['backend']} ({report['device']})")
+    clone = f", {report['cpu_isa']} kernels" if report.get("cpu_isa") else ""
+    print(
+        f"routemm demo: {report['file']}, {len(layers)} MoE layers on {report['backend']} ({report['device']}{clone})"
+    )
     print(f"{'layer':>5} {'m':>6} {'time_us':>12} {'max rel err':>12} {'tied tokens':>12}")
     for entry in layers:
         if "refused" in entry:

@@ -33,7 +33,12 @@ class _Parser(argparse.ArgumentParser):
 
 def _backends(args, parser) -> int:
     for name, available, reason in _core.backend_status():
-        print(f"{name:6} {'available' if available else 'unavailable: ' + reason}")
+        status = "available" if available else "unavailable: " + reason
+        if available and name == "cpu":
+            cap = env.non_default().get("ROUTEMM_CPU_ISA")
+            clone = demo.cpu_clone(_core.Device("cpu"))
+            status += f" ({clone} kernels{f', capped by ROUTEMM_CPU_ISA={cap}' if cap else ''})"
+        print(f"{name:6} {status}")
     return 0
 
 
