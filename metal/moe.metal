@@ -3,8 +3,9 @@
 // CUDA kernels share csrc/backend/common/moe_gate_row.h; this file takes the same steps in MSL).
 //
 // Bindings and geometry are the front door's with the KernelDefs of csrc/backend/metal/kernels.cpp:
-//   gate    : 0 params, 1 logits, 2 weights, 3 ids, 4 bias (the logits when has_bias is 0); grid
-//             [ceil(m / 64), 1, 1], 64 threads, one thread per token row.
+//   gate    : 0 params, 1 logits, 2 weights, 3 ids, 4 bias (the logits when has_bias is 0), 5
+//             router bias (the logits when has_router_bias is 0); grid [ceil(m / 64), 1, 1], 64
+//             threads, one thread per token row.
 //   silu_mul: 0 params, 1 gate, 2 up, 3 output, by flag 4 ids, 5 weights, 6 gate bias, 7 up
 //             bias; grid [ceil(width / 64), rows, 1], 64 threads.
 //   combine : 0 params, 1 rows, 2 weights, 3 ids, 4 output, by flag 5 bias; grid
@@ -32,6 +33,13 @@ inline float positive_infinity() { return as_type<float>(0x7f800000u); }
 // The ranking key of a logit: NaN ranks as -inf.
 inline float gate_key(float logit) { return logit != logit ? -positive_infinity() : logit; }
 
+// Expert e's key as every later step reads it: logit + router bias (one F32 add) with the flag,
+// else the logit; NaN ranks as -inf.
+inline float gate_logit(device const float *row, device const float *router_bias, uint e,
+                        constant MoeGateKernelParams &p) {
+  return gate_key(p.has_router_bias != 0 ? row[e] + router_bias[e] : row[e]);
+}
+
 // Softmax's row statistics: largest key, sum of exp(key - max) in expert order, +inf count.
 struct GateRowStats {
   float max_z;
@@ -40,7 +48,8 @@ struct GateRowStats {
   bool finite_max;
 };
 
-inline GateRowStats gate_row_stats(device const float *row, constant MoeGateKernelParams &p) {
+inline GateRowStats gate_row_stats(device const float *row, device const float *router_bias,
+                                   constant MoeGateKernelParams &p) {
   const float inf = positive_infinity();
   GateRowStats r;
   r.max_z = -inf;
@@ -49,48 +58,53 @@ inline GateRowStats gate_row_stats(device const float *row, constant MoeGateKern
   r.finite_max = false;
   if (p.scoring != 0) return r;
   for (uint e = 0; e < p.n_experts; ++e) {
-    const float z = gate_key(row[e]);
+    const float z = gate_logit(row, router_bias, e, p);
     r.max_z = z > r.max_z ? z : r.max_z;
     r.infinite += z == inf ? 1u : 0u;
   }
   r.finite_max = r.max_z > -inf && r.max_z < inf;
   if (r.finite_max) {
-    for (uint e = 0; e < p.n_experts; ++e) r.sum += exp(gate_key(row[e]) - r.max_z);
+    for (uint e = 0; e < p.n_experts; ++e) {
+      r.sum += exp(gate_logit(row, router_bias, e, p) - r.max_z);
+    }
   }
   return r;
 }
 
 // Expert e's score: softmax probability or sigmoid.
-inline float gate_score(device const float *row, uint e, thread const GateRowStats &r,
-                        constant MoeGateKernelParams &p) {
+inline float gate_score(device const float *row, device const float *router_bias, uint e,
+                        thread const GateRowStats &r, constant MoeGateKernelParams &p) {
   const float inf = positive_infinity();
-  const float z = gate_key(row[e]);
+  const float z = gate_logit(row, router_bias, e, p);
   if (p.scoring != 0) return 1.0f / (1.0f + exp(-z));
   if (r.finite_max) return exp(z - r.max_z) / r.sum;
   return r.max_z == inf && z == inf ? 1.0f / float(r.infinite) : 0.0f;
 }
 
 // Selection score: score + bias (NaN ranks as -inf), or the score without a bias.
-inline float gate_biased(device const float *row, device const float *bias, uint e,
-                         thread const GateRowStats &r, constant MoeGateKernelParams &p) {
-  const float s = gate_score(row, e, r, p);
+inline float gate_biased(device const float *row, device const float *router_bias,
+                         device const float *bias, uint e, thread const GateRowStats &r,
+                         constant MoeGateKernelParams &p) {
+  const float s = gate_score(row, router_bias, e, r, p);
   return p.has_bias != 0 ? gate_key(s + bias[e]) : s;
 }
 
-// Ranking key: the selection score with a bias, else the logit.
-inline float gate_rank_key(device const float *row, device const float *bias, uint e,
-                           thread const GateRowStats &r, constant MoeGateKernelParams &p) {
-  return p.has_bias != 0 ? gate_biased(row, bias, e, r, p) : gate_key(row[e]);
+// Ranking key: the selection score with a bias, else the (router-biased) logit.
+inline float gate_rank_key(device const float *row, device const float *router_bias,
+                           device const float *bias, uint e, thread const GateRowStats &r,
+                           constant MoeGateKernelParams &p) {
+  return p.has_bias != 0 ? gate_biased(row, router_bias, bias, e, r, p)
+                         : gate_logit(row, router_bias, e, p);
 }
 
 // Group score: the sum of the group's two largest selection scores (one for groups of one).
-inline float gate_group_score(device const float *row, device const float *bias, uint g,
-                              uint group_size, thread const GateRowStats &r,
-                              constant MoeGateKernelParams &p) {
+inline float gate_group_score(device const float *row, device const float *router_bias,
+                              device const float *bias, uint g, uint group_size,
+                              thread const GateRowStats &r, constant MoeGateKernelParams &p) {
   const float inf = positive_infinity();
   float first = -inf, second = -inf;
   for (uint e = g * group_size; e < (g + 1) * group_size; ++e) {
-    const float v = gate_biased(row, bias, e, r, p);
+    const float v = gate_biased(row, router_bias, bias, e, r, p);
     if (v > first) {
       second = first;
       first = v;
@@ -108,13 +122,14 @@ kernel void moe_gate_softmax_topk_f32(constant MoeGateKernelParams &p [[buffer(0
                                       device float *weights [[buffer(2)]],
                                       device uint *ids [[buffer(3)]],
                                       device const float *bias [[buffer(4)]],
+                                      device const float *router_bias [[buffer(5)]],
                                       uint t [[thread_position_in_grid]]) {
   if (t >= p.m) return;
   device const float *row = logits + ulong(t) * p.n_experts;
   device float *w = weights + ulong(t) * p.top_k;
   device uint *id = ids + ulong(t) * p.top_k;
   const float inf = positive_infinity();
-  const GateRowStats r = gate_row_stats(row, p);
+  const GateRowStats r = gate_row_stats(row, router_bias, p);
   const uint groups = p.num_expert_group == 0 ? 1u : p.num_expert_group;
   const uint group_size = p.n_experts / groups;
   // The last kept group: slot topk_group - 1 of a top-k over groups (score descending, index
@@ -128,7 +143,7 @@ kernel void moe_gate_softmax_topk_f32(constant MoeGateKernelParams &p [[buffer(0
       float best = 0.0f;
       uint best_g = groups;
       for (uint g = 0; g < groups; ++g) {
-        const float v = gate_group_score(row, bias, g, group_size, r, p);
+        const float v = gate_group_score(row, router_bias, bias, g, group_size, r, p);
         const bool after_prev = j == 0 || v < prev || (v == prev && g > prev_g);
         if (after_prev && (best_g == groups || v > best)) {
           best = v;
@@ -151,11 +166,11 @@ kernel void moe_gate_softmax_topk_f32(constant MoeGateKernelParams &p [[buffer(0
     uint best_e = p.n_experts;
     for (uint g = 0; g < groups; ++g) {
       if (groups > 1) {
-        const float v = gate_group_score(row, bias, g, group_size, r, p);
+        const float v = gate_group_score(row, router_bias, bias, g, group_size, r, p);
         if (!(v > kept_score || (v == kept_score && g <= kept_g))) continue;
       }
       for (uint e = g * group_size; e < (g + 1) * group_size; ++e) {
-        const float z = gate_rank_key(row, bias, e, r, p);
+        const float z = gate_rank_key(row, router_bias, bias, e, r, p);
         const bool after_prev = s == 0 || z < prev_z || (z == prev_z && e > prev_e);
         if (after_prev && (best_e == p.n_experts || z > best_z)) {
           best_z = z;
@@ -163,7 +178,7 @@ kernel void moe_gate_softmax_topk_f32(constant MoeGateKernelParams &p [[buffer(0
         }
       }
     }
-    const float prob = gate_score(row, best_e, r, p);
+    const float prob = gate_score(row, router_bias, best_e, r, p);
     w[s] = prob;
     id[s] = best_e;
     total += prob;

@@ -153,8 +153,8 @@ void check_moe_gate_params(const MoeGateParams& p) {
 }
 
 void moe_gate(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& logits,
-              const Buffer& weights, const Buffer& ids, const MoeGateParams& p,
-              const Buffer* bias) {
+              const Buffer& weights, const Buffer& ids, const MoeGateParams& p, const Buffer* bias,
+              const Buffer* router_bias) {
   const Checks check("moe_gate");
   check_moe_gate_params(p);
   const ByteRange logits_range =
@@ -167,24 +167,32 @@ void moe_gate(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& l
     check.fail("weights and ids must not overlap");
   }
   if (ids.backend() != weights.backend()) check.fail("buffers must all live on one device");
-  // Without a bias the logits fill the kernel's bias slot (never read there).
-  const Buffer& bias_arg = bias != nullptr ? *bias : logits;
-  ByteRange bias_range = logits_range;
-  if (bias != nullptr) {
-    bias_range = check.buffer("e_score_correction_bias", *bias, {DType::F32},
-                              check.product("e_score_correction_bias", {p.n_experts, 4}));
-    if (!bias->shape().empty() && (bias->shape().size() != 1 || bias->shape()[0] != p.n_experts)) {
+  // An F32 [n_experts] vector input's range; without one the logits fill its kernel slot (never
+  // read there).
+  const auto vector_range = [&](const char* name, const Buffer* v) {
+    if (v == nullptr) return logits_range;
+    const ByteRange range =
+        check.buffer(name, *v, {DType::F32}, check.product(name, {p.n_experts, 4}));
+    if (!v->shape().empty() && (v->shape().size() != 1 || v->shape()[0] != p.n_experts)) {
       std::string shape;
-      for (const uint64_t d : bias->shape())
-        shape += (shape.empty() ? "" : ", ") + std::to_string(d);
-      check.fail("e_score_correction_bias must have shape [n_experts = " +
+      for (const uint64_t d : v->shape()) shape += (shape.empty() ? "" : ", ") + std::to_string(d);
+      check.fail(std::string(name) + " must have shape [n_experts = " +
                  std::to_string(p.n_experts) + "], got [" + shape + "]");
     }
+    return range;
+  };
+  const Buffer& bias_arg = bias != nullptr ? *bias : logits;
+  const ByteRange bias_range = vector_range("e_score_correction_bias", bias);
+  const Buffer& router_bias_arg = router_bias != nullptr ? *router_bias : logits;
+  const ByteRange router_bias_range = vector_range("router_bias", router_bias);
+  for (const auto& [out, out_range] :
+       {std::pair{&weights, weights_range}, std::pair{&ids, ids_range}}) {
+    check.placement(encoder, registry,
+                    {{"logits", &logits},
+                     {"e_score_correction_bias", &bias_arg},
+                     {"router_bias", &router_bias_arg}},
+                    *out, out_range, {logits_range, bias_range, router_bias_range});
   }
-  check.placement(encoder, registry, {{"logits", &logits}, {"e_score_correction_bias", &bias_arg}},
-                  weights, weights_range, {logits_range, bias_range});
-  check.placement(encoder, registry, {{"logits", &logits}, {"e_score_correction_bias", &bias_arg}},
-                  ids, ids_range, {logits_range, bias_range});
 
   const PipelinePtr pipeline = registry.get_pipeline(kMoeGatePipeline);
   const kernels::MoeGateKernelParams gpu{p.m,
@@ -195,18 +203,18 @@ void moe_gate(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& l
                                          bias != nullptr ? 1u : 0u,
                                          p.num_expert_group,
                                          p.topk_group,
-                                         p.routed_scaling_factor};
+                                         p.routed_scaling_factor,
+                                         router_bias != nullptr ? 1u : 0u};
   if (encoder.is_capturing()) {
     std::vector<ByteRange> reads = {logical_range(logits)};
     if (bias != nullptr) reads.push_back(logical_range(*bias));
+    if (router_bias != nullptr) reads.push_back(logical_range(*router_bias));
     encoder.set_pending_buffer_ranges(std::move(reads),
                                       {logical_range(weights), logical_range(ids)});
   }
-  const std::pair<uint32_t, KernelArg> args[] = {{0, KernelArg::pod(gpu)},
-                                                 {1, KernelArg::of(logits)},
-                                                 {2, KernelArg::of(weights)},
-                                                 {3, KernelArg::of(ids)},
-                                                 {4, KernelArg::of(bias_arg)}};
+  const std::pair<uint32_t, KernelArg> args[] = {
+      {0, KernelArg::pod(gpu)}, {1, KernelArg::of(logits)},   {2, KernelArg::of(weights)},
+      {3, KernelArg::of(ids)},  {4, KernelArg::of(bias_arg)}, {5, KernelArg::of(router_bias_arg)}};
   // One thread per token row.
   const uint64_t threads = group_threads(*pipeline);
   encoder.dispatch(*pipeline, args, Dim3{ceil_div(p.m, threads), 1, 1}, Dim3{threads, 1, 1});

@@ -513,10 +513,15 @@ void enqueue_moe_gate(const RoutemmMoeGateCall& call) {
   const Buffer ids = borrowed(device, call.ids, slot_bytes, DType::I32, {m, k}, true);
   std::optional<Buffer> bias;
   if (call.bias != 0) bias = borrowed(device, call.bias, e * 4, DType::F32, {e}, false);
+  std::optional<Buffer> router_bias;
+  if (call.router_bias != 0) {
+    router_bias = borrowed(device, call.router_bias, e * 4, DType::F32, {e}, false);
+  }
   const bool on_stream = call.has_stream != 0;
   CommandEncoder encoder = device.command_encoder(EncoderOptions{
       on_stream ? std::optional<uint64_t>(call.stream) : std::nullopt, std::nullopt});
-  moe_gate(encoder, *target.registry, logits, weights, ids, p, bias ? &*bias : nullptr);
+  moe_gate(encoder, *target.registry, logits, weights, ids, p, bias ? &*bias : nullptr,
+           router_bias ? &*router_bias : nullptr);
   start(encoder, on_stream);
 }
 
@@ -965,7 +970,8 @@ void init_enqueue(py::module_& m) {
       [](int32_t type, int32_t index, int64_t m_, int64_t n_experts, int64_t top_k,
          bool renormalize, uint64_t logits, uint64_t weights, uint64_t ids,
          std::optional<uint64_t> stream, const std::string& scoring_func, uint64_t bias,
-         int64_t num_expert_group, int64_t topk_group, double routed_scaling_factor) {
+         int64_t num_expert_group, int64_t topk_group, double routed_scaling_factor,
+         uint64_t router_bias) {
         const RoutemmMoeGateCall call{type,
                                       index,
                                       m_,
@@ -981,13 +987,15 @@ void init_enqueue(py::module_& m) {
                                       bias,
                                       num_expert_group,
                                       topk_group,
-                                      routed_scaling_factor};
+                                      routed_scaling_factor,
+                                      router_bias};
         enqueue_moe_gate(call);
       },
       py::arg("device_type"), py::arg("device_index"), py::arg("m"), py::arg("n_experts"),
       py::arg("top_k"), py::arg("renormalize"), py::arg("logits"), py::arg("weights"),
       py::arg("ids"), py::arg("stream"), py::arg("scoring_func"), py::arg("bias"),
       py::arg("num_expert_group"), py::arg("topk_group"), py::arg("routed_scaling_factor"),
+      py::arg("router_bias") = 0,
       "One moe_gate call on caller memory given by pointers, encoded and started.");
   m.def(
       "_enqueue_q4_matmul",

@@ -91,17 +91,17 @@ void init_moe(py::module_& m) {
          const Buffer& weights, const Buffer& ids, uint32_t tokens, uint32_t n_experts,
          uint32_t top_k, bool renormalize, const std::string& scoring_func,
          const std::optional<Buffer>& bias, uint32_t num_expert_group, uint32_t topk_group,
-         double routed_scaling_factor) {
+         double routed_scaling_factor, const std::optional<Buffer>& router_bias) {
         moe_gate(encoder, registry, logits, weights, ids,
                  moe_gate_params(tokens, n_experts, top_k, renormalize, scoring_func,
                                  num_expert_group, topk_group, routed_scaling_factor),
-                 bias ? &*bias : nullptr);
+                 bias ? &*bias : nullptr, router_bias ? &*router_bias : nullptr);
       },
       py::arg("encoder"), py::arg("registry"), py::arg("logits"), py::arg("weights"),
       py::arg("ids"), py::arg("m"), py::arg("n_experts"), py::arg("top_k"), py::arg("renormalize"),
       py::arg("scoring_func") = "softmax", py::arg("e_score_correction_bias") = std::nullopt,
       py::arg("num_expert_group") = 0, py::arg("topk_group") = 0,
-      py::arg("routed_scaling_factor") = 1.0);
+      py::arg("routed_scaling_factor") = 1.0, py::arg("router_bias") = std::nullopt);
   m.def(
       "_check_moe_gate_params",
       [](uint32_t tokens, uint32_t n_experts, uint32_t top_k, bool renormalize,

@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define ROUTEMM_TENSOR_OP_ABI_VERSION 8
+#define ROUTEMM_TENSOR_OP_ABI_VERSION 9
 #define ROUTEMM_TENSOR_OP_ABI_CAPSULE "routemm._core._tensor_op_abi"
 
 // DLPack device types of the devices the tensor ops run on.
@@ -146,6 +146,8 @@ typedef struct RoutemmMoeGateCall {
   uint64_t bias;                         // e_score_correction_bias float32 [n_experts], or 0
   int64_t num_expert_group, topk_group;  // both 0: no grouping
   double routed_scaling_factor;
+  // Version 9. The router bias float32 [n_experts] added to the logits before scoring, or 0.
+  uint64_t router_bias;
 } RoutemmMoeGateCall;
 
 // One call of the experts block fused into two launches (routemm/ops/moe_experts_fused.h): hidden
@@ -191,7 +193,7 @@ typedef struct RoutemmTensorOpAbi {
   int (*enqueue_moe_experts)(const void* plan, const RoutemmMoeExpertsPointers* pointers,
                              char* error, size_t error_size);
   // Version 4. The MoE gate, encoded and started (no plan: one dispatch, checked per call); its
-  // call record grew the routing options in version 8.
+  // call record grew the routing options in version 8 and the router bias in version 9.
   int (*enqueue_moe_gate)(const RoutemmMoeGateCall* call, char* error, size_t error_size);
   // Version 5. The fused experts block: whether it serves a call's shape and dtypes on its device
   // (1 or 0; never fails: a call it does not serve takes the planned block), then the call itself

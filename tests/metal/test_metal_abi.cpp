@@ -30,13 +30,14 @@ ROUTEMM_EXPECT_FIELD(DenseMatmulIdKernelParams, input_token_stride_bytes, 32);
 ROUTEMM_EXPECT_FIELD(DenseMatmulIdKernelParams, input_slot_stride_bytes, 40);
 static_assert(k::kInputSharedPerToken == 0 && k::kInputSlotted == 1);
 
-static_assert(sizeof(k::MoeGateKernelParams) == 36);
+static_assert(sizeof(k::MoeGateKernelParams) == 40);
 ROUTEMM_EXPECT_FIELD(MoeGateKernelParams, renormalize, 12);
 ROUTEMM_EXPECT_FIELD(MoeGateKernelParams, scoring, 16);
 ROUTEMM_EXPECT_FIELD(MoeGateKernelParams, has_bias, 20);
 ROUTEMM_EXPECT_FIELD(MoeGateKernelParams, num_expert_group, 24);
 ROUTEMM_EXPECT_FIELD(MoeGateKernelParams, topk_group, 28);
 ROUTEMM_EXPECT_FIELD(MoeGateKernelParams, routed_scaling_factor, 32);
+ROUTEMM_EXPECT_FIELD(MoeGateKernelParams, has_router_bias, 36);
 static_assert(sizeof(k::MoeSiluMulKernelParams) == 48);
 ROUTEMM_EXPECT_FIELD(MoeSiluMulKernelParams, width, 4);
 ROUTEMM_EXPECT_FIELD(MoeSiluMulKernelParams, gate_row_stride, 8);

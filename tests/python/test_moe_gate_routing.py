@@ -1,5 +1,5 @@
 """moe_gate's routing options (vLLM's names): scoring_func, e_score_correction_bias, num_expert_group /
-topk_group, renormalize and routed_scaling_factor, against a float64 reference written here (DeepSeek-V3,
+topk_group, renormalize, routed_scaling_factor and gpt-oss's router_bias, against a float64 reference written here (DeepSeek-V3,
 Qwen / Mixtral, gpt-oss routers) on every tested backend, through NumPy and torch tensors (both torch
 kernel sets, fake tensors, torch.compile), their tie rules and every refusal."""
 
@@ -17,13 +17,17 @@ ATOL, RTOL = MOE_GATE_TOLERANCE
 
 
 def reference_route(
-    logits, top_k, *, renormalize, scoring_func="softmax", bias=None, groups=None, topk_group=None, scale=1.0
-):
+    logits, top_k, *, renormalize, scoring_func="softmax", bias=None, groups=None, topk_group=None, scale=1.0,
+    router_bias=None,
+):  # fmt: skip
     """(weights, ids) in float64, one row at a time, as DeepSeek-V3's gate and vLLM's grouped_topk
-    write it: scores, biased selection scores, the best groups by the sum of their top-2, top-k
-    of the kept experts (ties to the lower index), unbiased weights, renormalise, scale."""
+    write it: the router bias added to the logits (llama.cpp's gpt-oss graph), scores, biased
+    selection scores, the best groups by the sum of their top-2, top-k of the kept experts (ties to
+    the lower index), unbiased weights, renormalise, scale."""
     out_w, out_ids = [], []
     for row in np.asarray(logits, dtype=np.float64):
+        if router_bias is not None:
+            row = row + np.asarray(router_bias, dtype=np.float64)
         if scoring_func == "softmax":
             e = np.exp(row - row.max())
             scores = e / e.sum()
@@ -55,7 +59,8 @@ def gpt_oss_route(logits, top_k):
     return e / e.sum(axis=1, keepdims=True), ids
 
 
-# name: (n_experts, top_k, moe_gate options, reference options); bias None here gets a random one.
+# name: (n_experts, top_k, moe_gate options); BIASED names get a random e_score_correction_bias,
+# ROUTER_BIASED names a random router_bias.
 ROUTERS = {
     "deepseek_v3": (64, 8, dict(scoring_func="sigmoid", num_expert_group=8, topk_group=4, routed_scaling_factor=2.5)),
     "deepseek_v3_one_group": (32, 4, dict(scoring_func="sigmoid", num_expert_group=1, topk_group=1)),
@@ -65,9 +70,17 @@ ROUTERS = {
     "mixtral": (8, 2, dict()),
     "sigmoid_scaled": (16, 4, dict(scoring_func="sigmoid", routed_scaling_factor=0.75)),
     "groups_of_one": (8, 3, dict(scoring_func="sigmoid", num_expert_group=8, topk_group=4)),
-}
-BIASED = {"deepseek_v3", "deepseek_v3_one_group", "groups_of_one", "sigmoid_scaled"}
-RENORMALIZED = {"deepseek_v3", "deepseek_v3_one_group", "grouped_softmax", "qwen3", "mixtral", "groups_of_one"}
+    "gpt_oss": (32, 4, dict()),
+    "router_bias_under_every_option": (
+        32, 4, dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2, routed_scaling_factor=1.5)
+    ),
+}  # fmt: skip
+BIASED = {"deepseek_v3", "deepseek_v3_one_group", "groups_of_one", "sigmoid_scaled", "router_bias_under_every_option"}
+ROUTER_BIASED = {"gpt_oss", "router_bias_under_every_option"}
+RENORMALIZED = {
+    "deepseek_v3", "deepseek_v3_one_group", "grouped_softmax", "qwen3", "mixtral", "groups_of_one", "gpt_oss",
+    "router_bias_under_every_option",
+}  # fmt: skip
 
 
 def _case(name, rng, m=23):
@@ -76,6 +89,8 @@ def _case(name, rng, m=23):
     options = dict(options, renormalize=name in RENORMALIZED)
     if name in BIASED:
         options["e_score_correction_bias"] = (rng.standard_normal(n_experts) * 0.3).astype(np.float32)
+    if name in ROUTER_BIASED:
+        options["router_bias"] = (rng.standard_normal(n_experts) * 1.5).astype(np.float32)
     return logits, top_k, options
 
 
@@ -84,6 +99,7 @@ def _reference(logits, top_k, options):
         logits, top_k, renormalize=options["renormalize"], scoring_func=options.get("scoring_func", "softmax"),
         bias=options.get("e_score_correction_bias"), groups=options.get("num_expert_group"),
         topk_group=options.get("topk_group"), scale=options.get("routed_scaling_factor", 1.0),
+        router_bias=options.get("router_bias"),
     )  # fmt: skip
 
 
@@ -136,6 +152,37 @@ def test_softmax_with_renormalize_is_gpt_oss_softmax_over_the_selected(device, r
     np.testing.assert_allclose(weights, want_w, atol=ATOL, rtol=RTOL)
 
 
+def test_the_router_bias_moves_the_selection_and_the_weights(device):
+    # The e_score_correction_bias case above with router_bias instead: the biased logits [2, 5, 3, 1]
+    # select experts 1 and 2 and softmax over those two logits weighs them.
+    logits = np.array([[2.0, 0.0, -1.0, 1.0]], dtype=np.float32)
+    bias = np.array([0.0, 5.0, 4.0, 0.0], dtype=np.float32)
+    weights, ids = routemm.moe_gate(logits, 2, renormalize=True, router_bias=bias, device=device)
+    np.testing.assert_array_equal(ids, [[1, 2]])
+    np.testing.assert_allclose(weights, [[1 / (1 + np.exp(-2.0)), 1 / (1 + np.exp(2.0))]], rtol=1e-6)
+
+
+def test_gpt_oss_router_softmax_over_the_selected_biased_logits(device, rng):
+    # llama.cpp's gpt-oss graph: logits + ffn_gate_inp.bias, top-k of those, softmax over the k.
+    logits = (rng.standard_normal((19, 32)) * 3).astype(np.float32)
+    bias = (rng.standard_normal(32) * 2).astype(np.float32)
+    weights, ids = routemm.moe_gate(logits, 4, renormalize=True, router_bias=bias, device=device)
+    want_w, want_ids = gpt_oss_route(logits.astype(np.float64) + bias, 4)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(weights, want_w, atol=ATOL, rtol=RTOL)
+
+
+def test_a_router_bias_of_zeros_keeps_the_gate_bit_for_bit(device, rng):
+    logits = (rng.standard_normal((9, 16)) * 3).astype(np.float32)
+    for options in (dict(), dict(scoring_func="sigmoid", e_score_correction_bias=np.full(16, 0.25, np.float32))):
+        plain = routemm.moe_gate(logits, 4, renormalize=True, device=device, **options)
+        zeros = routemm.moe_gate(
+            logits, 4, renormalize=True, router_bias=np.zeros(16, np.float32), device=device, **options
+        )
+        for a, b in zip(plain, zeros, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_defaults_keep_the_plain_gate_bit_for_bit(device, rng):
     logits = (rng.standard_normal((9, 16)) * 3).astype(np.float32)
     logits[1, 3] = np.nan
@@ -144,7 +191,7 @@ def test_defaults_keep_the_plain_gate_bit_for_bit(device, rng):
         plain = routemm.moe_gate(logits, 4, renormalize=renormalize, device=device)
         spelled = routemm.moe_gate(
             logits, 4, renormalize=renormalize, scoring_func="softmax", e_score_correction_bias=None,
-            num_expert_group=None, topk_group=None, routed_scaling_factor=1.0, device=device,
+            num_expert_group=None, topk_group=None, routed_scaling_factor=1.0, router_bias=None, device=device,
         )  # fmt: skip
         for a, b in zip(plain, spelled, strict=True):
             np.testing.assert_array_equal(a, b)
@@ -204,15 +251,19 @@ REFUSALS = [
     (dict(bias_shape=(4,)), r"moe_gate e_score_correction_bias must have shape \(n_experts,\) = \(8,\), got \(4,\)"),
     (dict(bias_shape=(1, 8)), r"e_score_correction_bias must have shape \(n_experts,\) = \(8,\), got \(1, 8\)"),
     (dict(bias_dtype="float64"), r"moe_gate e_score_correction_bias must be float32, got (torch\.)?float64"),
+    (dict(router_bias_shape=(4,)), r"moe_gate router_bias must have shape \(n_experts,\) = \(8,\), got \(4,\)"),
+    (dict(router_bias_shape=(1, 8)), r"moe_gate router_bias must have shape \(n_experts,\) = \(8,\), got \(1, 8\)"),
+    (dict(router_bias_dtype="float64"), r"moe_gate router_bias must be float32, got (torch\.)?float64"),
 ]
 
 
 def _refusal_args(options, make_bias):
     options = dict(options)
     top_k = options.pop("top_k", 2)
-    shape, dtype = options.pop("bias_shape", None), options.pop("bias_dtype", None)
-    if shape is not None or dtype is not None:
-        options["e_score_correction_bias"] = make_bias(shape or (8,), dtype or "float32")
+    for prefix, name in (("bias", "e_score_correction_bias"), ("router_bias", "router_bias")):
+        shape, dtype = options.pop(f"{prefix}_shape", None), options.pop(f"{prefix}_dtype", None)
+        if shape is not None or dtype is not None:
+            options[name] = make_bias(shape or (8,), dtype or "float32")
     return top_k, options
 
 
@@ -234,6 +285,7 @@ def test_numpy_refusals_name_the_argument(device, options, message):
         (dict(routed_scaling_factor="2"), "routed_scaling_factor must be a real number, got '2'"),
         (dict(routed_scaling_factor=True), "routed_scaling_factor must be a real number, got True"),
         (dict(e_score_correction_bias=[0.0] * 8), "e_score_correction_bias must be a NumPy array for NumPy logits"),
+        (dict(router_bias=[0.0] * 8), "moe_gate router_bias must be a NumPy array for NumPy logits, got list"),
     ],
 )
 def test_numpy_refuses_coercions(device, options, message):
@@ -247,11 +299,12 @@ def test_a_refused_encode_writes_nothing(device, registry, options, message):
     top_k, options = _refusal_args(
         options, lambda shape, dtype: device.from_numpy(np.zeros(shape, np.float16 if dtype != "float32" else dtype))
     )
-    if "e_score_correction_bias" in options:
-        message = {
-            (4,): r"moe_gate e_score_correction_bias requires 32 logical bytes, got 16",
-            (1, 8): r"moe_gate e_score_correction_bias must have shape \[n_experts = 8\], got \[1, 8\]",
-        }.get(tuple(options["e_score_correction_bias"].shape), "moe_gate e_score_correction_bias must be f32, got f16")
+    for name in ("e_score_correction_bias", "router_bias"):
+        if name in options:
+            message = {
+                (4,): rf"moe_gate {name} requires 32 logical bytes, got 16",
+                (1, 8): rf"moe_gate {name} must have shape \[n_experts = 8\], got \[1, 8\]",
+            }.get(tuple(options[name].shape), f"moe_gate {name} must be f32, got f16")
     logits = device.from_numpy(np.zeros((3, 8), np.float32))
     weights = device.from_numpy(np.full((3, top_k), 7.0, np.float32))
     ids = device.from_numpy(np.full((3, top_k), 9, np.int32))
@@ -262,20 +315,29 @@ def test_a_refused_encode_writes_nothing(device, registry, options, message):
     assert (weights.numpy() == 7.0).all() and (ids.numpy() == 9).all()
 
 
-def test_encode_with_a_bias_buffer(device, registry, rng):
-    logits, top_k, options = _case("deepseek_v3", rng, m=5)
-    bias = options.pop("e_score_correction_bias")
+@pytest.mark.parametrize("name", ["deepseek_v3", "router_bias_under_every_option"])
+def test_encode_with_bias_buffers(device, registry, rng, name):
+    logits, top_k, options = _case(name, rng, m=5)
+    buffers = {k: device.from_numpy(options.pop(k)) for k in ("e_score_correction_bias", "router_bias") if k in options}
     weights = device.alloc(5 * top_k * 4, routemm.DType.F32, [5, top_k])
     ids = device.alloc(5 * top_k * 4, routemm.DType.U32, [5, top_k])
     encoder = device.command_encoder()
-    encode_moe_gate(
-        encoder, registry, device.from_numpy(logits), weights, ids, top_k=top_k,
-        e_score_correction_bias=device.from_numpy(bias), **options,
-    )  # fmt: skip
+    encode_moe_gate(encoder, registry, device.from_numpy(logits), weights, ids, top_k=top_k, **buffers, **options)
     encoder.commit_and_wait()
-    want_w, want_ids = _reference(logits, top_k, dict(options, e_score_correction_bias=bias))
+    want_w, want_ids = _reference(logits, top_k, dict(options, **{k: b.numpy() for k, b in buffers.items()}))
     np.testing.assert_array_equal(ids.numpy(), want_ids)
     np.testing.assert_allclose(weights.numpy(), want_w, atol=ATOL * 2.5, rtol=RTOL)
+
+
+def test_encode_refuses_a_router_bias_overlapping_an_output(device, registry):
+    logits = device.from_numpy(np.zeros((1, 8), np.float32))
+    shared = device.from_numpy(np.zeros(8, np.float32))
+    ids = device.alloc(8, routemm.DType.I32, [1, 2])
+    weights = shared.view(0, 8, routemm.DType.F32, [1, 2])  # the router bias's first two floats
+    encoder = device.command_encoder()
+    with pytest.raises(routemm.InvalidArgumentError, match="moe_gate output must not overlap router_bias"):
+        encode_moe_gate(encoder, registry, logits, weights, ids, top_k=2, renormalize=True, router_bias=shared)
+    encoder.commit_and_wait()
 
 
 # ---- torch tensors -------------------------------------------------------------------------------
@@ -297,6 +359,7 @@ def _torch_args(name, rng, tdev):
         options.get("num_expert_group"),
         options.get("topk_group"),
         options.get("routed_scaling_factor", 1.0),
+        None if "router_bias" not in options else torch.from_numpy(options["router_bias"]).to(tdev),
     )
     return torch.from_numpy(logits).to(tdev), top_k, options, op_args
 
@@ -317,6 +380,8 @@ def test_torch_op_both_kernel_sets_and_front_door_agree(torch_device, rng, name)
     tensor_options = dict(options)
     if op_args[1] is not None:
         tensor_options["e_score_correction_bias"] = op_args[1]
+    if op_args[5] is not None:
+        tensor_options["router_bias"] = op_args[5]
     front_w, front_ids = routemm.moe_gate(logits, top_k, **tensor_options)
     assert torch.equal(front_w, weights) and torch.equal(front_ids, ids)
     want_w, want_ids = _reference(logits.cpu().numpy(), top_k, options)
@@ -342,6 +407,7 @@ def test_torch_kernel_sets_refuse_with_the_same_message(options, message):
         options.get("num_expert_group"),
         options.get("topk_group"),
         options.get("routed_scaling_factor", 1.0),
+        options.get("router_bias"),
     )
     logits = torch.zeros(3, 8)
     with pytest.raises(ValueError, match=message) as from_op:
@@ -360,6 +426,8 @@ def test_a_numpy_bias_for_torch_logits_is_refused():
     logits = torch.zeros(3, 8)
     with pytest.raises(routemm.InvalidArgumentError, match="e_score_correction_bias must be one too"):
         routemm.moe_gate(logits, 2, renormalize=True, e_score_correction_bias=np.zeros(8, np.float32))
+    with pytest.raises(routemm.InvalidArgumentError, match="router_bias must be one too"):
+        routemm.moe_gate(logits, 2, renormalize=True, router_bias=np.zeros(8, np.float32))
 
 
 @torch_tests
@@ -371,9 +439,9 @@ def test_torch_schema_appends_the_options_with_defaults():
     names = [a.name for a in schema.arguments]
     assert names == [
         "router_logits", "top_k", "renormalize", "scoring_func", "e_score_correction_bias", "num_expert_group",
-        "topk_group", "routed_scaling_factor",
+        "topk_group", "routed_scaling_factor", "router_bias",
     ]  # fmt: skip
-    assert [a.default_value for a in schema.arguments[3:]] == ["softmax", None, None, None, 1.0]
+    assert [a.default_value for a in schema.arguments[3:]] == ["softmax", None, None, None, 1.0, None]
 
 
 @torch_tests
@@ -383,22 +451,26 @@ def test_fake_tensors_and_torch_compile_fullgraph_with_the_options(rng):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     logits, top_k, options, op_args = _torch_args("deepseek_v3", rng, "cpu")
+    router_bias = torch.randn(64, generator=torch.Generator().manual_seed(1))
     with FakeTensorMode() as mode:
-        fake_args = (op_args[0], mode.from_tensor(op_args[1]), *op_args[2:])
+        fake_args = (op_args[0], mode.from_tensor(op_args[1]), *op_args[2:5], mode.from_tensor(router_bias))
         w, ids = torch.ops.routemm.moe_gate(mode.from_tensor(logits), top_k, True, *fake_args)
     assert (w.shape, w.dtype, ids.shape, ids.dtype) == ((23, top_k), torch.float32, (23, top_k), torch.int32)
     with FakeTensorMode() as mode, pytest.raises(ValueError, match=r"e_score_correction_bias must have shape"):
         torch.ops.routemm.moe_gate(mode.from_tensor(logits), top_k, True, "sigmoid", mode.from_tensor(torch.zeros(4)))
+    with FakeTensorMode() as mode, pytest.raises(ValueError, match=r"moe_gate router_bias must have shape"):
+        torch.ops.routemm.moe_gate(mode.from_tensor(logits), top_k, True, router_bias=mode.from_tensor(torch.zeros(4)))
 
-    def route(x, bias):
+    def route(x, bias, router_bias):
         return torch.ops.routemm.moe_gate(
             x, top_k, True, scoring_func="sigmoid", e_score_correction_bias=bias, num_expert_group=8, topk_group=4,
-            routed_scaling_factor=2.5,
+            routed_scaling_factor=2.5, router_bias=router_bias,
         )  # fmt: skip
 
     compiled = torch.compile(route, fullgraph=True)
-    eager = route(logits, op_args[1])
-    assert all(torch.equal(a, b) for a, b in zip(compiled(logits, op_args[1]), eager, strict=True))
+    eager = route(logits, op_args[1], router_bias)
+    assert all(torch.equal(a, b) for a, b in zip(compiled(logits, op_args[1], router_bias), eager, strict=True))
+    assert not torch.equal(eager[1], route(logits, op_args[1], None)[1])  # the router bias reaches the kernel
 
 
 @torch_tests
@@ -413,6 +485,13 @@ def test_a_bias_that_requires_grad_is_named_at_backward():
         weights.sum().backward()
     weights, _ = routemm.moe_gate(logits, 2, renormalize=True, scoring_func="sigmoid", e_score_correction_bias=bias)
     with pytest.raises(routemm.UnsupportedError, match="has no gradient.*e_score_correction_bias"):
+        weights.sum().backward()
+    router_bias = torch.zeros(8, requires_grad=True)
+    weights, _ = torch.ops.routemm.moe_gate(logits, 2, True, router_bias=router_bias)
+    with pytest.raises(routemm.UnsupportedError, match="has no gradient.*router_bias"):
+        weights.sum().backward()
+    weights, _ = routemm.moe_gate(logits, 2, renormalize=True, router_bias=router_bias)
+    with pytest.raises(routemm.UnsupportedError, match="has no gradient.*router_bias"):
         weights.sum().backward()
 
 

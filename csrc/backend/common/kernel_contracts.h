@@ -310,9 +310,10 @@ KernelArgCheck ggml_format_arg_contract(std::string_view name) {
 // ---- MoE layer (moe_params.h) -------------------------------------------------------------------
 
 // Slots: 0 params, 1 logits [m, n_experts] F32, 2 weights [m, top_k] F32, 3 ids [m, top_k] U32,
-// 4 bias [n_experts] F32 (the logits when has_bias is 0).
+// 4 bias [n_experts] F32 (the logits when has_bias is 0), 5 router bias [n_experts] F32 (the
+// logits when has_router_bias is 0).
 inline void check_moe_gate_args(const KernelLaunch& launch) {
-  contract_slot_count(launch, 5);
+  contract_slot_count(launch, 6);
   const auto p = contract_params<MoeGateKernelParams>(launch, 0);
   if (!moe_gate_params_valid(p))
     contract_violation(launch, "params have a zero extent, a bad flag or top_k above its experts");
@@ -322,6 +323,7 @@ inline void check_moe_gate_args(const KernelLaunch& launch) {
   contract_buffer(launch, 2, "weights", checked_product({p.m, p.top_k, 4}, what), 4, Access::Write);
   contract_buffer(launch, 3, "ids", checked_product({p.m, p.top_k, 4}, what), 4, Access::Write);
   contract_buffer(launch, 4, "bias", checked_mul(p.n_experts, 4, what), 4, Access::Read);
+  contract_buffer(launch, 5, "router_bias", checked_mul(p.n_experts, 4, what), 4, Access::Read);
 }
 
 // Slots: 0 params, 1 gate rows, 2 up rows (F32, row strides in elements), 3 output [rows, width];

@@ -27,11 +27,19 @@ ROUTEMM_MOE_HD float moe_gate_key(float logit) {
 // (so a selection always finds an expert).
 ROUTEMM_MOE_HD bool moe_gate_params_valid(const MoeGateKernelParams& p) {
   if (p.m == 0 || p.n_experts == 0 || p.top_k == 0 || p.top_k > p.n_experts) return false;
-  if (p.renormalize > 1 || p.scoring > 1 || p.has_bias > 1) return false;
+  if (p.renormalize > 1 || p.scoring > 1 || p.has_bias > 1 || p.has_router_bias > 1) return false;
   if (p.num_expert_group == 0) return p.topk_group == 0;
   return p.n_experts % p.num_expert_group == 0 && p.topk_group >= 1 &&
          p.topk_group <= p.num_expert_group &&
          uint64_t{p.top_k} <= uint64_t{p.topk_group} * (p.n_experts / p.num_expert_group);
+}
+
+// Expert e's ranking key as every later step reads it: the logit plus its router bias (one F32
+// add) when p.has_router_bias is 1, else the logit; NaN ranks as -inf. router_bias is read only
+// with the flag.
+ROUTEMM_MOE_HD float moe_gate_logit(const float* logits, const float* router_bias, uint32_t e,
+                                    const MoeGateKernelParams& p) {
+  return moe_gate_key(p.has_router_bias != 0 ? logits[e] + router_bias[e] : logits[e]);
 }
 
 // What a row's scores need: softmax's largest key, sum of exp(key - max) (F32, experts in
@@ -43,57 +51,63 @@ struct MoeGateRowStats {
   bool finite_max;
 };
 
-ROUTEMM_MOE_HD MoeGateRowStats moe_gate_row_stats(const float* logits,
+ROUTEMM_MOE_HD MoeGateRowStats moe_gate_row_stats(const float* logits, const float* router_bias,
                                                   const MoeGateKernelParams& p) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   MoeGateRowStats r{-kInf, 0.0f, 0u, false};
   if (p.scoring != 0) return r;
   for (uint32_t e = 0; e < p.n_experts; ++e) {
-    const float z = moe_gate_key(logits[e]);
+    const float z = moe_gate_logit(logits, router_bias, e, p);
     r.max = z > r.max ? z : r.max;
     r.infinite += z == kInf ? 1u : 0u;
   }
   r.finite_max = r.max > -kInf && r.max < kInf;
   if (r.finite_max) {
-    for (uint32_t e = 0; e < p.n_experts; ++e) r.sum += expf(moe_gate_key(logits[e]) - r.max);
+    for (uint32_t e = 0; e < p.n_experts; ++e) {
+      r.sum += expf(moe_gate_logit(logits, router_bias, e, p) - r.max);
+    }
   }
   return r;
 }
 
 // Expert e's score: its softmax probability (max = +inf: the +inf experts share the mass; no
 // logit above -inf: 0), or sigmoid(key).
-ROUTEMM_MOE_HD float moe_gate_score(const float* logits, uint32_t e, const MoeGateRowStats& r,
-                                    const MoeGateKernelParams& p) {
+ROUTEMM_MOE_HD float moe_gate_score(const float* logits, const float* router_bias, uint32_t e,
+                                    const MoeGateRowStats& r, const MoeGateKernelParams& p) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  const float z = moe_gate_key(logits[e]);
+  const float z = moe_gate_logit(logits, router_bias, e, p);
   if (p.scoring != 0) return 1.0f / (1.0f + expf(-z));
   if (r.finite_max) return expf(z - r.max) / r.sum;
   return r.max == kInf && z == kInf ? 1.0f / static_cast<float>(r.infinite) : 0.0f;
 }
 
 // Expert e's selection score: score + bias (NaN ranks as -inf), or the score without a bias.
-ROUTEMM_MOE_HD float moe_gate_biased(const float* logits, const float* bias, uint32_t e,
-                                     const MoeGateRowStats& r, const MoeGateKernelParams& p) {
-  const float s = moe_gate_score(logits, e, r, p);
+ROUTEMM_MOE_HD float moe_gate_biased(const float* logits, const float* router_bias,
+                                     const float* bias, uint32_t e, const MoeGateRowStats& r,
+                                     const MoeGateKernelParams& p) {
+  const float s = moe_gate_score(logits, router_bias, e, r, p);
   return p.has_bias != 0 ? moe_gate_key(s + bias[e]) : s;
 }
 
-// Expert e's ranking key: the selection score with a bias; without one the logit, which every
-// scoring function preserves the order of (so ranks are exact, not those of rounded scores).
-ROUTEMM_MOE_HD float moe_gate_rank_key(const float* logits, const float* bias, uint32_t e,
-                                       const MoeGateRowStats& r, const MoeGateKernelParams& p) {
-  return p.has_bias != 0 ? moe_gate_biased(logits, bias, e, r, p) : moe_gate_key(logits[e]);
+// Expert e's ranking key: the selection score with a bias; without one the (router-biased)
+// logit, which every scoring function preserves the order of (so ranks are exact, not those of
+// rounded scores).
+ROUTEMM_MOE_HD float moe_gate_rank_key(const float* logits, const float* router_bias,
+                                       const float* bias, uint32_t e, const MoeGateRowStats& r,
+                                       const MoeGateKernelParams& p) {
+  return p.has_bias != 0 ? moe_gate_biased(logits, router_bias, bias, e, r, p)
+                         : moe_gate_logit(logits, router_bias, e, p);
 }
 
 // Group g's score: the sum of its two largest selection scores (its one score when groups hold
 // one expert), NaN ranked as -inf.
-ROUTEMM_MOE_HD float moe_gate_group_score(const float* logits, const float* bias, uint32_t g,
-                                          uint32_t group_size, const MoeGateRowStats& r,
-                                          const MoeGateKernelParams& p) {
+ROUTEMM_MOE_HD float moe_gate_group_score(const float* logits, const float* router_bias,
+                                          const float* bias, uint32_t g, uint32_t group_size,
+                                          const MoeGateRowStats& r, const MoeGateKernelParams& p) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   float first = -kInf, second = -kInf;
   for (uint32_t e = g * group_size; e < (g + 1) * group_size; ++e) {
-    const float v = moe_gate_biased(logits, bias, e, r, p);
+    const float v = moe_gate_biased(logits, router_bias, bias, e, r, p);
     if (v > first) {
       second = first;
       first = v;
@@ -104,15 +118,16 @@ ROUTEMM_MOE_HD float moe_gate_group_score(const float* logits, const float* bias
   return group_size == 1 ? first : moe_gate_key(first + second);
 }
 
-// The gate of one row (routemm/ops/moe.h): scores, the kept groups, then the top_k experts of the
-// kept groups by (rank key descending, index ascending); writes top_k weights (unbiased scores,
-// renormalised, scaled) and ids. bias is read only when p.has_bias is 1. IdT is the id element
-// type (uint32_t or int32_t).
+// The gate of one row (routemm/ops/moe.h): router-biased logits, scores, the kept groups, then
+// the top_k experts of the kept groups by (rank key descending, index ascending); writes top_k
+// weights (scores without the selection bias, renormalised, scaled) and ids. router_bias is read
+// only when p.has_router_bias is 1, bias only when p.has_bias is 1. IdT is the id element type
+// (uint32_t or int32_t).
 template <typename IdT>
-ROUTEMM_MOE_HD void moe_gate_row(const float* logits, const float* bias,
+ROUTEMM_MOE_HD void moe_gate_row(const float* logits, const float* router_bias, const float* bias,
                                  const MoeGateKernelParams& p, float* weights, IdT* ids) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
-  const MoeGateRowStats r = moe_gate_row_stats(logits, p);
+  const MoeGateRowStats r = moe_gate_row_stats(logits, router_bias, p);
   const uint32_t groups = p.num_expert_group == 0 ? 1u : p.num_expert_group;
   const uint32_t group_size = p.n_experts / groups;
   // The last kept group, found as slot topk_group - 1 of a top-k over groups (score descending,
@@ -126,7 +141,7 @@ ROUTEMM_MOE_HD void moe_gate_row(const float* logits, const float* bias,
       float best = 0.0f;
       uint32_t best_g = groups;  // none yet
       for (uint32_t g = 0; g < groups; ++g) {
-        const float v = moe_gate_group_score(logits, bias, g, group_size, r, p);
+        const float v = moe_gate_group_score(logits, router_bias, bias, g, group_size, r, p);
         const bool after_prev = j == 0 || v < prev || (v == prev && g > prev_g);
         if (after_prev && (best_g == groups || v > best)) {
           best = v;
@@ -148,11 +163,11 @@ ROUTEMM_MOE_HD void moe_gate_row(const float* logits, const float* bias,
     uint32_t best_e = p.n_experts;  // none yet
     for (uint32_t g = 0; g < groups; ++g) {
       if (groups > 1) {
-        const float v = moe_gate_group_score(logits, bias, g, group_size, r, p);
+        const float v = moe_gate_group_score(logits, router_bias, bias, g, group_size, r, p);
         if (!(v > kept_score || (v == kept_score && g <= kept_g))) continue;
       }
       for (uint32_t e = g * group_size; e < (g + 1) * group_size; ++e) {
-        const float z = moe_gate_rank_key(logits, bias, e, r, p);
+        const float z = moe_gate_rank_key(logits, router_bias, bias, e, r, p);
         const bool after_prev = s == 0 || z < prev_z || (z == prev_z && e > prev_e);
         if (after_prev && (best_e == p.n_experts || z > best_z)) {
           best_z = z;
@@ -160,7 +175,7 @@ ROUTEMM_MOE_HD void moe_gate_row(const float* logits, const float* bias,
         }
       }
     }
-    const float w = moe_gate_score(logits, best_e, r, p);
+    const float w = moe_gate_score(logits, router_bias, best_e, r, p);
     weights[s] = w;
     ids[s] = static_cast<IdT>(best_e);
     total += w;

@@ -19,7 +19,8 @@
 namespace routemm::kernels {
 
 // moe_gate_softmax_topk_f32: one row of `n_experts` logits per token. Slot 4 holds the selection
-// bias [n_experts] when has_bias is 1; otherwise the logits are bound there and never read.
+// bias [n_experts] when has_bias is 1, slot 5 the router bias [n_experts] (added to every logit
+// before scoring) when has_router_bias is 1; otherwise the logits are bound there and never read.
 struct MoeGateKernelParams {
   ROUTEMM_U32 m;
   ROUTEMM_U32 n_experts;
@@ -30,6 +31,7 @@ struct MoeGateKernelParams {
   ROUTEMM_U32 num_expert_group;  // 0: no grouping; else divides n_experts
   ROUTEMM_U32 topk_group;        // groups kept: 0 without grouping, else in [1, num_expert_group]
   float routed_scaling_factor;   // multiplies every final weight (finite)
+  ROUTEMM_U32 has_router_bias;   // 0 or 1
 };
 
 // moe_silu_mul_f32: out[r, c] = act(g, u) of g = gate[r * gate_row_stride + c] and
@@ -68,8 +70,9 @@ struct MoeCombineKernelParams {
 };
 
 #ifndef __METAL_VERSION__
-static_assert(sizeof(MoeGateKernelParams) == 36);
+static_assert(sizeof(MoeGateKernelParams) == 40);
 static_assert(offsetof(MoeGateKernelParams, routed_scaling_factor) == 32);
+static_assert(offsetof(MoeGateKernelParams, has_router_bias) == 36);
 static_assert(sizeof(MoeSiluMulKernelParams) == 48);
 static_assert(offsetof(MoeSiluMulKernelParams, gate_row_stride) == 8);
 static_assert(offsetof(MoeSiluMulKernelParams, up_row_stride) == 16);

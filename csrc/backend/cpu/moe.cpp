@@ -65,8 +65,10 @@ void gate_kernel(const KernelLaunch& launch, void* queue_native) {
   auto* weights = arg<float>(launch, 2, bytes_of(launch, {p.m, p.top_k, 4}), "weights");
   auto* ids = arg<uint32_t>(launch, 3, bytes_of(launch, {p.m, p.top_k, 4}), "ids");
   const auto* bias = arg<const float>(launch, 4, bytes_of(launch, {p.n_experts, 4}), "bias");
+  const auto* router_bias =
+      arg<const float>(launch, 5, bytes_of(launch, {p.n_experts, 4}), "router_bias");
   for_rows(queue_native, p.m, 16, [&](size_t t) {
-    kernels::moe_gate_row(logits + t * p.n_experts, bias, p, weights + t * p.top_k,
+    kernels::moe_gate_row(logits + t * p.n_experts, router_bias, bias, p, weights + t * p.top_k,
                           ids + t * p.top_k);
   });
 }

@@ -37,10 +37,10 @@ constexpr uint64_t kMaxBlocks = 65535;
 
 __global__ void gate_kernel(MoeGateKernelParams p, const float* __restrict__ logits,
                             float* __restrict__ weights, uint32_t* __restrict__ ids,
-                            const float* __restrict__ bias) {
+                            const float* __restrict__ bias, const float* __restrict__ router_bias) {
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
   for (uint64_t t = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x; t < p.m; t += stride) {
-    kernels::moe_gate_row(logits + t * p.n_experts, bias, p, weights + t * p.top_k,
+    kernels::moe_gate_row(logits + t * p.n_experts, router_bias, bias, p, weights + t * p.top_k,
                           ids + t * p.top_k);
   }
 }
@@ -112,7 +112,8 @@ void launch_gate(const KernelLaunch& launch, void* stream_ptr) {
   if (!kernels::moe_gate_params_valid(p)) throw Error(launch.label + ": invalid gate params");
   gate_kernel<<<blocks_for(p.m), kThreads, 0, static_cast<cudaStream_t>(stream_ptr)>>>(
       p, arg<const float>(launch, 1, "logits"), arg<float>(launch, 2, "weights"),
-      arg<uint32_t>(launch, 3, "ids"), arg<const float>(launch, 4, "bias"));
+      arg<uint32_t>(launch, 3, "ids"), arg<const float>(launch, 4, "bias"),
+      arg<const float>(launch, 5, "router_bias"));
   check_launch(launch);
 }
 

@@ -6,6 +6,7 @@
     y = torch.ops.routemm.quantized_matmul_id(stack, x, ids, "q4_0")  # [m*top_k, n] float32
     w, ids = torch.ops.routemm.moe_gate(logits, top_k, True)  # [m, top_k] float32, int32
     w, ids = torch.ops.routemm.moe_gate(logits, 8, True, "sigmoid", bias, 8, 4, 2.5)  # DeepSeek-V3
+    w, ids = torch.ops.routemm.moe_gate(logits, 4, True, router_bias=router_bias)  # gpt-oss
     y = torch.ops.routemm.moe_experts(h, ids, w, gate_up, down)  # [m, H], h's dtype
 
 Each op has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through it and
@@ -477,13 +478,14 @@ def _moe_gate(
     num_expert_group: Optional[int] = None,
     topk_group: Optional[int] = None,
     routed_scaling_factor: float = 1.0,
+    router_bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router scores and top-k selection (routemm.moe_gate's contract and routing options):
     (weights float32 [m, top_k], ids int32 [m, top_k]) from float32 logits [m, n_experts], on the
     current stream."""
     return _tensor_ops.moe_gate(
         _TORCH, router_logits, top_k, renormalize, scoring_func, e_score_correction_bias, num_expert_group,
-        topk_group, routed_scaling_factor,
+        topk_group, routed_scaling_factor, router_bias,
     )  # fmt: skip
 
 
@@ -496,6 +498,7 @@ def _moe_gate_fake(
     num_expert_group: Optional[int] = None,
     topk_group: Optional[int] = None,
     routed_scaling_factor: float = 1.0,
+    router_bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if router_logits.dim() != 2:
         raise InvalidArgumentError(f"moe_gate router_logits must be 2-D, got shape {tuple(router_logits.shape)}")
@@ -504,13 +507,13 @@ def _moe_gate_fake(
     m, n_experts = router_logits.shape
     if not 1 <= top_k <= n_experts:
         raise InvalidArgumentError(f"moe_gate top_k {top_k} must be in [1, n_experts = {n_experts}]")
-    bias = e_score_correction_bias
-    if bias is not None and bias.dtype != torch.float32:
-        raise InvalidArgumentError(f"moe_gate e_score_correction_bias must be float32, got {bias.dtype}")
-    if bias is not None and tuple(bias.shape) != (n_experts,):
-        raise InvalidArgumentError(
-            f"moe_gate e_score_correction_bias must have shape (n_experts,) = ({n_experts},), got {tuple(bias.shape)}"
-        )
+    for name, bias in (("e_score_correction_bias", e_score_correction_bias), ("router_bias", router_bias)):
+        if bias is not None and bias.dtype != torch.float32:
+            raise InvalidArgumentError(f"moe_gate {name} must be float32, got {bias.dtype}")
+        if bias is not None and tuple(bias.shape) != (n_experts,):
+            raise InvalidArgumentError(
+                f"moe_gate {name} must have shape (n_experts,) = ({n_experts},), got {tuple(bias.shape)}"
+            )
     return router_logits.new_empty((m, top_k)), router_logits.new_empty((m, top_k), dtype=torch.int32)
 
 

@@ -37,16 +37,23 @@ def moe_gate_reference(
     num_expert_group=None,
     topk_group=None,
     routed_scaling_factor: float = 1.0,
+    router_bias=None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(weights float64 [m, top_k], ids int64 [m, top_k]) under moe_gate's contract, in float64.
 
+    router_bias (gpt-oss) is added to the logits before anything else (every later step reads the
+    biased logits).
     Scores: softmax (a row whose largest logit is +inf shares the mass among its +inf experts; a
     row with no logit above -inf has scores 0) or sigmoid; NaN counts as -inf. Selection by score
     + bias (by logit without a bias), ties to the lower index, within the topk_group best of
     num_expert_group contiguous groups (group score: the sum of its two largest selection scores);
     weights: the unbiased scores, renormalised, times routed_scaling_factor.
     """
-    z = np.where(np.isnan(logits), -np.inf, logits.astype(np.float64))
+    z = logits.astype(np.float64)
+    if router_bias is not None:
+        with np.errstate(invalid="ignore"):
+            z = z + np.asarray(router_bias, dtype=np.float64)[None, :]
+    z = np.where(np.isnan(z), -np.inf, z)
     m, n_experts = z.shape
     with np.errstate(invalid="ignore", over="ignore"):
         if scoring_func == "sigmoid":

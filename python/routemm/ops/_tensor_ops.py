@@ -527,13 +527,15 @@ def moe_gate(
     num_expert_group: Optional[int] = None,
     topk_group: Optional[int] = None,
     routed_scaling_factor: float = 1.0,
+    router_bias=None,
 ):
     """Router scores and top-k selection on framework tensors (see routemm.moe_gate): (weights
     float32 [m, top_k], ids int32 [m, top_k]), on the logits' device and current stream, one call
     into the extension, no host wait. The checks and messages of the C++ kernel, in its order: a
     2-D tensor on a device routemm has, float32, top_k in [1, n_experts], the group counts None or
-    positive and given together, the bias a float32 (n_experts,) tensor on the logits' device;
-    then the core's checks of the routing options, before anything is allocated."""
+    positive and given together, each bias (e_score_correction_bias, then router_bias) a float32
+    (n_experts,) tensor on the logits' device; then the core's checks of the routing options,
+    before anything is allocated."""
     from .moe import _check_routing
 
     if len(logits.shape) != 2:
@@ -545,16 +547,21 @@ def moe_gate(
     if not 1 <= top_k <= n_experts:
         raise InvalidArgumentError(f"moe_gate top_k {top_k} must be in [1, n_experts = {n_experts}]")
     routing = _check_routing(scoring_func, num_expert_group, topk_group, routed_scaling_factor)
-    if bias is not None:
-        one_place(fw, "moe_gate", [("router_logits", logits), ("e_score_correction_bias", bias)])
-        if bias.dtype != fw.f32:
-            raise InvalidArgumentError(f"moe_gate e_score_correction_bias must be float32, got {bias.dtype}")
-        if tuple(bias.shape) != (n_experts,):
+
+    def expert_vector(name, v):
+        if v is None:
+            return None
+        one_place(fw, "moe_gate", [("router_logits", logits), (name, v)])
+        if v.dtype != fw.f32:
+            raise InvalidArgumentError(f"moe_gate {name} must be float32, got {v.dtype}")
+        if tuple(v.shape) != (n_experts,):
             raise InvalidArgumentError(
-                f"moe_gate e_score_correction_bias must have shape (n_experts,) = ({n_experts},), "
-                f"got {tuple(bias.shape)}"
+                f"moe_gate {name} must have shape (n_experts,) = ({n_experts},), got {tuple(v.shape)}"
             )
-        bias = bias if fw.contiguous(bias) else bias.contiguous()
+        return v if fw.contiguous(v) else v.contiguous()
+
+    bias = expert_vector("e_score_correction_bias", bias)
+    router_bias = expert_vector("router_bias", router_bias)
     _core._check_moe_gate_params(m, n_experts, top_k, bool(renormalize), *routing.core_args())
     x = logits if fw.contiguous(logits) else logits.contiguous()
     weights = fw.empty((m, top_k), "f32", x)
@@ -563,6 +570,7 @@ def moe_gate(
         *place, m, n_experts, top_k, bool(renormalize), fw.pointer(x), fw.pointer(weights), fw.pointer(ids),
         fw.stream_of_key(fw.device_key(x)), routing.scoring_func, 0 if bias is None else fw.pointer(bias),
         routing.num_expert_group, routing.topk_group, routing.routed_scaling_factor,
+        0 if router_bias is None else fw.pointer(router_bias),
     )  # fmt: skip
     return weights, ids
 

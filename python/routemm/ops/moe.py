@@ -71,15 +71,18 @@ def encode_moe_gate(
     num_expert_group: Optional[int] = None,
     topk_group: Optional[int] = None,
     routed_scaling_factor: float = 1.0,
+    router_bias=None,
 ) -> None:
     """Encode the gate: logits F32 [m, E] -> weights F32 [m, top_k], ids U32/I32 [m, top_k];
-    the routing options as moe_gate's (e_score_correction_bias: None or an F32 [E] Buffer).
+    the routing options as moe_gate's (e_score_correction_bias and router_bias: None or an F32 [E]
+    Buffer).
 
     One dispatch, no barrier (order it after the logits' producer with encoder.memory_barrier()).
     """
     names, buffers = ("logits", "weights", "ids"), (logits, weights, ids)
-    if e_score_correction_bias is not None:
-        names, buffers = (*names, "e_score_correction_bias"), (*buffers, e_score_correction_bias)
+    for name, buffer in (("e_score_correction_bias", e_score_correction_bias), ("router_bias", router_bias)):
+        if buffer is not None:
+            names, buffers = (*names, name), (*buffers, buffer)
     check_encoding("moe_gate", encoder, registry, names, *buffers)
     m, n_experts = _matrix_shape("moe_gate logits", logits.shape)
     _check_top_k(top_k, n_experts)
@@ -88,6 +91,7 @@ def encode_moe_gate(
     _core._moe_gate(
         encoder, registry, logits, weights, ids, m, n_experts, int(top_k), renormalize, routing.scoring_func,
         e_score_correction_bias, routing.num_expert_group, routing.topk_group, routing.routed_scaling_factor,
+        router_bias,
     )  # fmt: skip
 
 
@@ -192,17 +196,16 @@ def _check_routing(
     return GateRouting(scoring_func, groups[0], groups[1], float(routed_scaling_factor))
 
 
-def _check_bias_array(bias, n_experts: int, framework: str):
-    """e_score_correction_bias for NumPy logits: a float32 NumPy array of shape (n_experts,)."""
+def _check_bias_array(bias, n_experts: int, framework: str, name: str = "e_score_correction_bias"):
+    """A per-expert vector (e_score_correction_bias, router_bias) for NumPy logits: a float32 NumPy
+    array of shape (n_experts,)."""
     if framework != "numpy" or not isinstance(bias, np.ndarray):
-        raise InvalidArgumentError(
-            f"moe_gate e_score_correction_bias must be a NumPy array for NumPy logits, got {type(bias).__name__}"
-        )
+        raise InvalidArgumentError(f"moe_gate {name} must be a NumPy array for NumPy logits, got {type(bias).__name__}")
     if bias.dtype != np.float32:
-        raise InvalidArgumentError(f"moe_gate e_score_correction_bias must be float32, got {bias.dtype}")
+        raise InvalidArgumentError(f"moe_gate {name} must be float32, got {bias.dtype}")
     if tuple(bias.shape) != (n_experts,):
         raise InvalidArgumentError(
-            f"moe_gate e_score_correction_bias must have shape (n_experts,) = ({n_experts},), got {tuple(bias.shape)}"
+            f"moe_gate {name} must have shape (n_experts,) = ({n_experts},), got {tuple(bias.shape)}"
         )
     return bias
 
@@ -217,11 +220,15 @@ def moe_gate(
     num_expert_group: Optional[int] = None,
     topk_group: Optional[int] = None,
     routed_scaling_factor: float = 1.0,
+    router_bias=None,
     device=None,
 ):
     """Router scores and top-k selection: returns (weights float32 [m, top_k], ids int32 [m, top_k]).
 
     router_logits: float32 [m, n_experts]. In order (docs/moe.md, "Routing"):
+    router_bias (None or float32 [n_experts], gpt-oss's ffn_gate_inp.bias) is added to the logits
+    first (one float32 add, as llama.cpp adds it to the router matmul's output), so it moves both the
+    selection and the weights; every later step reads the biased logits;
     scores = softmax(logits) over experts, or sigmoid(logits) with scoring_func="sigmoid";
     e_score_correction_bias (None or float32 [n_experts], DeepSeek-V3's) is added to the scores for
     selection only; num_expert_group / topk_group (None or both given) keep the topk_group best of
@@ -249,22 +256,28 @@ def moe_gate(
 
         # torch.ops.routemm.moe_gate's call path: one crossing, the current stream, no host wait.
         fw = _tensor_ops.framework("torch")
-        detached = bias.detach() if isinstance(bias, fw.tensor_type) else bias
+
+        def detached(t):
+            return t.detach() if isinstance(t, fw.tensor_type) else t
+
         weights, ids = _tensor_ops.moe_gate(
-            fw, router_logits.detach(), top_k, renormalize, scoring_func, detached, num_expert_group, topk_group,
-            routed_scaling_factor,
+            fw, router_logits.detach(), top_k, renormalize, scoring_func, detached(bias), num_expert_group, topk_group,
+            routed_scaling_factor, detached(router_bias),
         )  # fmt: skip
-        named = [("router_logits", router_logits), ("e_score_correction_bias", bias)]
+        named = [("router_logits", router_logits), ("e_score_correction_bias", bias), ("router_bias", router_bias)]
         return fw.forward_only("routemm.moe_gate", weights, named), ids
     logits = np.asarray(router_logits)
     if logits.dtype != np.float32:
         raise InvalidArgumentError(f"moe_gate router_logits must be float32, got {logits.dtype}")
     if bias is not None:
         bias = _check_bias_array(bias, n_experts, framework)
+    if router_bias is not None:
+        router_bias = _check_bias_array(router_bias, n_experts, framework, "router_bias")
     _core._check_moe_gate_params(m, n_experts, top_k, renormalize, *routing.core_args())
     device = _resolve_device(device, "moe_gate")
     logits_buf = device.from_numpy(np.ascontiguousarray(logits))
     bias_buf = None if bias is None else device.from_numpy(np.ascontiguousarray(bias))
+    router_bias_buf = None if router_bias is None else device.from_numpy(np.ascontiguousarray(router_bias))
     weights_buf = device.alloc(m * top_k * 4, DType.F32, [m, top_k])
     ids_buf = device.alloc(m * top_k * 4, DType.I32, [m, top_k])
     _submit(
@@ -272,7 +285,7 @@ def moe_gate(
         lambda enc, reg: _core._moe_gate(
             enc, reg, logits_buf, weights_buf, ids_buf, m, n_experts, top_k, renormalize,
             routing.scoring_func, bias_buf, routing.num_expert_group, routing.topk_group,
-            routing.routed_scaling_factor,
+            routing.routed_scaling_factor, router_bias_buf,
         ),
     )  # fmt: skip
     return weights_buf.numpy(), ids_buf.numpy()

@@ -683,7 +683,8 @@ std::tuple<at::Tensor, at::Tensor> moe_gate(const at::Tensor& logits, int64_t to
                                             const std::optional<at::Tensor>& bias,
                                             std::optional<int64_t> num_expert_group,
                                             std::optional<int64_t> topk_group,
-                                            double routed_scaling_factor) {
+                                            double routed_scaling_factor,
+                                            const std::optional<at::Tensor>& router_bias) {
   TORCH_CHECK_VALUE(logits.dim() == 2,
                     "moe_gate router_logits must be 2-D, got shape " + shape_repr(logits.sizes()));
   const auto where = place(logits);
@@ -706,19 +707,21 @@ std::tuple<at::Tensor, at::Tensor> moe_gate(const at::Tensor& logits, int64_t to
   TORCH_CHECK_VALUE(num_expert_group.has_value() == topk_group.has_value(),
                     "moe_gate num_expert_group and topk_group must be given together, got " +
                         repr(num_expert_group) + " and " + repr(topk_group));
-  at::Tensor b;
-  if (bias) {
-    TORCH_CHECK_VALUE(
-        place(*bias) == where,
-        "moe_gate: e_score_correction_bias lives on another device than router_logits");
-    TORCH_CHECK_VALUE(
-        bias->scalar_type() == at::kFloat,
-        "moe_gate e_score_correction_bias must be float32, got " + dtype_repr(bias->scalar_type()));
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n_experts,
-                      "moe_gate e_score_correction_bias must have shape (n_experts,) = (" +
-                          std::to_string(n_experts) + ",), got " + shape_repr(bias->sizes()));
-    b = bias->contiguous();
-  }
+  // A float32 (n_experts,) tensor on the logits' device, contiguous; undefined when absent.
+  const auto expert_vector = [&](const char* name, const std::optional<at::Tensor>& v) {
+    if (!v) return at::Tensor();
+    const std::string what = std::string("moe_gate ") + name;
+    TORCH_CHECK_VALUE(place(*v) == where, "moe_gate: " + std::string(name) +
+                                              " lives on another device than router_logits");
+    TORCH_CHECK_VALUE(v->scalar_type() == at::kFloat,
+                      what + " must be float32, got " + dtype_repr(v->scalar_type()));
+    TORCH_CHECK_VALUE(v->dim() == 1 && v->size(0) == n_experts,
+                      what + " must have shape (n_experts,) = (" + std::to_string(n_experts) +
+                          ",), got " + shape_repr(v->sizes()));
+    return v->contiguous();
+  };
+  const at::Tensor b = expert_vector("e_score_correction_bias", bias);
+  const at::Tensor rb = expert_vector("router_bias", router_bias);
   const at::Tensor x = logits.contiguous();
   at::Tensor weights = at::empty({m, top_k}, x.options());
   at::Tensor ids = at::empty({m, top_k}, x.options().dtype(at::kInt));
@@ -738,7 +741,8 @@ std::tuple<at::Tensor, at::Tensor> moe_gate(const at::Tensor& logits, int64_t to
                           bias ? address(b) : 0,
                           num_expert_group.value_or(0),
                           topk_group.value_or(0),
-                          routed_scaling_factor};
+                          routed_scaling_factor,
+                          router_bias ? address(rb) : 0};
   set_stream(x, call.has_stream, call.stream);
   ::call(g_abi->enqueue_moe_gate, &call);
   return {weights, ids};

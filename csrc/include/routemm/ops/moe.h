@@ -11,7 +11,11 @@
 // a caller that chains them orders the steps with CommandEncoder::memory_barrier().
 //
 // NUMERIC CONTRACT (every backend):
-//   gate     Logits are read as F32; a NaN logit counts as -inf. In order:
+//   gate     Logits are read as F32. In order:
+//            0. With a router bias (gpt-oss's ffn_gate_inp.bias): l_e = logit_e + router_bias_e
+//               in F32, as llama.cpp adds it to the router matmul's output; every later step
+//               (scores, selection, weights) reads these l_e. Without one l_e = logit_e. A NaN
+//               l_e counts as -inf.
 //            1. Scores. softmax, with max the largest logit: finite max: s_e = exp(l_e - max) /
 //               sum_e' exp(l_e' - max), the sum taken over e' in increasing order in F32; max =
 //               +inf: the +inf experts share the mass equally, every other expert gets 0; no logit
@@ -95,10 +99,11 @@ float moe_gate_scaling_factor(std::string_view op, double value);
 
 // logits: F32 [m, n_experts]; weights: F32 [m, top_k] (written); ids: U32 or I32 [m, top_k]
 // (written, values in [0, n_experts)); bias (optional, e_score_correction_bias): F32 [n_experts],
-// added to the scores for selection only.
+// added to the scores for selection only; router_bias (optional): F32 [n_experts], added to the
+// logits before scoring, so it moves the selection and the weights (step 0 above).
 void moe_gate(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& logits,
               const Buffer& weights, const Buffer& ids, const MoeGateParams& params,
-              const Buffer* bias = nullptr);
+              const Buffer* bias = nullptr, const Buffer* router_bias = nullptr);
 
 enum class MoeActivation : uint32_t { Silu = 0, SwigluOai = 1 };
 
