@@ -358,6 +358,11 @@ def _check_ffn_options(
     }  # fmt: skip
 
 
+def _check_batch_invariant(batch_invariant) -> None:
+    if not isinstance(batch_invariant, bool):
+        raise InvalidArgumentError(f"moe_experts batch_invariant must be a bool, got {batch_invariant!r}")
+
+
 def _moe_experts(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -374,6 +379,7 @@ def _moe_experts(
     up_bias: Optional[torch.Tensor] = None,
     down_bias: Optional[torch.Tensor] = None,
     weights_before_ffn: bool = False,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """The MoE experts block in the model's dtype: out[t] = sum over slots s (in order) of
     top_k_weights[t, s] * down[e] @ (SiLU(gate[e] @ x[t]) * (up[e] @ x[t])), e = top_k_index[t, s],
@@ -384,7 +390,11 @@ def _moe_experts(
     (tensor-core routes from the crossover on CUDA), or the bit-exact F32 routes with exact=True.
     FFN options (routemm.moe_experts'): activation "silu" or "swiglu_oai" with swiglu_alpha and
     swiglu_limit; biases in any float dtype (used as float32): gate_up_bias [E, 2I] (with `up`:
-    the gate's [E, I], and up_bias [E, I]), down_bias [E, H]; weights_before_ffn (Llama-4)."""
+    the gate's [E, I], and up_bias [E, I]), down_bias [E, H]; weights_before_ffn (Llama-4).
+    batch_invariant=True: a token's output bits do not depend on m or on the batch's other tokens
+    (the exact routes, one accumulation order per row at every m; the default switches routes at
+    the tensor-core crossover)."""
+    _check_batch_invariant(batch_invariant)
     _check_model_dtype("hidden", hidden)
     _check_model_dtype("top_k_weights", top_k_weights)
     _check_block_type(ggml_type)
@@ -395,7 +405,7 @@ def _moe_experts(
     w = top_k_weights.to(torch.float32).contiguous()
     biases = tuple(None if b is None else b.to(torch.float32).contiguous() for b in (gate_up_bias, up_bias, down_bias))
     out = _tensor_ops.moe_experts(
-        _TORCH, x, top_k_index, w, gate_up, down, up, ggml_type, exact, ffn=ffn, biases=biases
+        _TORCH, x, top_k_index, w, gate_up, down, up, ggml_type, exact or batch_invariant, ffn=ffn, biases=biases
     )
     return out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
 
@@ -416,7 +426,9 @@ def _moe_experts_fake(
     up_bias: Optional[torch.Tensor] = None,
     down_bias: Optional[torch.Tensor] = None,
     weights_before_ffn: bool = False,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
+    _check_batch_invariant(batch_invariant)
     _check_model_dtype("hidden", hidden)
     _check_model_dtype("top_k_weights", top_k_weights)
     _check_block_type(ggml_type)
@@ -449,13 +461,15 @@ def _moe_experts_grad(
     up_bias: Optional[torch.Tensor] = None,
     down_bias: Optional[torch.Tensor] = None,
     weights_before_ffn: bool = False,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """routemm::_moe_experts_grad: moe_experts with its gradients (routemm.integrations._moe_autograd), the
     path of a call whose inputs require grad in grad mode."""
     from ._moe_autograd import MoeExpertsFunction
 
+    _check_batch_invariant(batch_invariant)
     return MoeExpertsFunction.apply(
-        hidden, top_k_index, top_k_weights, gate_up, down, up, ggml_type, exact, activation, swiglu_alpha,
+        hidden, top_k_index, top_k_weights, gate_up, down, up, ggml_type, exact or batch_invariant, activation, swiglu_alpha,
         swiglu_limit, gate_up_bias, up_bias, down_bias, weights_before_ffn,
     )  # fmt: skip
 

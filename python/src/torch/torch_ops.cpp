@@ -570,7 +570,11 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
                        c10::string_view activation, double swiglu_alpha, double swiglu_limit,
                        const std::optional<at::Tensor>& gate_up_bias,
                        const std::optional<at::Tensor>& up_bias,
-                       const std::optional<at::Tensor>& down_bias, bool weights_before_ffn) {
+                       const std::optional<at::Tensor>& down_bias, bool weights_before_ffn,
+                       bool batch_invariant) {
+  // batch_invariant: the exact routes, whose per-row accumulation order is the same at every m
+  // (the default switches to the fused and tensor-core routes by shape).
+  exact = exact || batch_invariant;
   const auto model_type = hidden.scalar_type();
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"hidden", &hidden},
                                 {"top_k_weights", &weights}}) {
