@@ -189,3 +189,39 @@ def test_cpu_isa_knob_rejects_unknown_values():
     done = run_python(code, unset=("ROUTEMM_BACKEND",), ROUTEMM_CPU_ISA="avx1024")
     assert done.returncode != 0
     assert "ROUTEMM_CPU_ISA must be portable, avx2 or avx512, got 'avx1024'" in done.stderr
+
+
+_IDENTITY_CHILD = textwrap.dedent(
+    """
+    import numpy as np
+    import routemm
+    from routemm import DType, GgmlType, q4_0
+
+    device = routemm.Device("cpu")
+    registry = routemm.KernelRegistry(device)
+    m, n, k = 1, 8, 64
+    x = device.from_numpy(np.ones((m, k), np.float32))
+    w = device.from_numpy(q4_0.quantize(np.ones((n, k), np.float32)))
+    out = device.alloc(m * n * 4, DType.F32, [m, n])
+    encoder = device.command_encoder()
+    params = routemm.GgmlQuantizedMatmulParams(m, n, k, GgmlType.Q4_0)
+    receipt = routemm.quantized_matmul_ggml(encoder, registry, x, w, out, params)
+    encoder.commit_and_wait()
+    print(device.properties["isa"], registry.pipeline_identity(receipt.pipeline_label).origin)
+    """
+)
+
+
+@pytest.mark.parametrize("cap", [None, "portable", "avx2"])
+def test_cpu_pipeline_identity_names_the_clone(cap):
+    # A receipt's pipeline label resolves to the pipeline's identity, whose origin names the clone
+    # the kernels ran (the same name as Device('cpu').properties['isa']); plan build fingerprints
+    # and dispatch traces carry these identities.
+    env = {} if cap is None else {"ROUTEMM_CPU_ISA": cap}
+    unset = ("ROUTEMM_BACKEND", "ROUTEMM_CPU_ISA")
+    done = run_python(_IDENTITY_CHILD, unset=unset, **env)
+    assert done.returncode == 0, done.stderr
+    isa, origin = done.stdout.split()
+    if cap is not None and isa != cap:
+        pytest.skip(f"this CPU has no {cap} clone")
+    assert origin == f"builtin_cpu:{isa}"

@@ -282,6 +282,11 @@ class CpuBackend final : public Backend {
     add_moe_kernels(kernels_);
     add_moe_fused_kernels(kernels_);
     add_calibration_kernels(kernels_);
+    // A pipeline's identity names the clone its kernels run in this process (the same name as
+    // properties()["isa"]): receipts' labels, dispatch traces and plan build fingerprints then say
+    // which code ran, and a plan timed under one clone does not pass for another's.
+    const std::string origin = "builtin_cpu:" + std::string(cpu_isa_name(cpu_isa()));
+    for (KernelDef& def : kernels_) def.origin = origin;
   }
 
   std::string_view name() const override { return "cpu"; }
