@@ -2,16 +2,19 @@
 `gguf` package's reader and dequantisers (not routemm's), the computation as llama.cpp's
 build_moe_ffn does it for the file's architecture (src/llama-graph.cpp, src/models/*.cpp):
 
-- logits = W_router x (+ the router bias, gpt-oss);
-- probs = softmax(logits) (qwen3moe, qwen2moe, llama, gpt-oss) or sigmoid(logits) (llama4; deepseek2
-  and glm4moe by `expert_gating_func`, 1 softmax / 2 sigmoid, default softmax / sigmoid);
+- logits = W_router x (+ the router bias ffn_gate_inp.bias, gpt-oss: llama.cpp adds it to the router
+  matmul's output, before any scoring);
+- probs = softmax(logits) (qwen3moe, qwen2moe, llama) or sigmoid(logits) (llama4; deepseek2
+  and glm4moe by `expert_gating_func`, 1 softmax / 2 sigmoid, default softmax / sigmoid); gpt-oss
+  (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT): the biased logits themselves;
 - selection scores = probs + exp_probs_b (llama4: the logits); with `expert_group_count` G > 1 only
   the `expert_group_used_count` best groups (a group scored by the sum of its two largest scores)
   stay; the top-k scores, ties to the lower index;
-- weights = probs of the selected experts; gpt-oss: softmax over the selected logits; divided by
-  their sum (at least 6.103515625e-5) where the file's `expert_weights_norm` says so, else by
-  architecture (qwen3moe, llama yes; others no); times `expert_weights_scale` (deepseek2, glm4moe)
-  when it is not 0 or 1;
+- weights = probs of the selected experts; gpt-oss: softmax over the selected (biased) logits, never
+  renormalised nor scaled (its graph passes norm_w false and reads no expert_weights_scale); others
+  divided by their sum (at least 6.103515625e-5) where the file's `expert_weights_norm` says so, else
+  by architecture (qwen3moe, llama yes; others no); times `expert_weights_scale` (deepseek2,
+  glm4moe) when it is not 0 or 1;
 - each selected expert: SiLU(g) * u, or gpt-oss's swiglu_oai (alpha 1.702, limit 7) with its biases;
   llama4 scales the expert's input by the weight instead of its output;
 - shared experts added: qwen2moe's weighed by sigmoid(x . ffn_gate_inp_shexp).
@@ -74,7 +77,9 @@ def layer_reference(path, layer: int, x: np.ndarray, *, read=None):
     gating = int(meta.get(f"{arch}.expert_gating_func", 2 if arch in DEFAULT_SIGMOID else 1))
     if arch == "llama4":
         gating = 2
-    if gating == 2:
+    if arch == "gpt-oss":
+        probs = logits  # selection by the biased logits; the weights' softmax comes after top-k
+    elif gating == 2:
         probs = 1.0 / (1.0 + np.exp(-logits))
     else:
         e = np.exp(logits - logits.max(axis=1, keepdims=True))
@@ -97,7 +102,7 @@ def layer_reference(path, layer: int, x: np.ndarray, *, read=None):
         chosen = np.take_along_axis(logits, ids, axis=1)
         e = np.exp(chosen - chosen.max(axis=1, keepdims=True))
         weights = e / e.sum(axis=1, keepdims=True)
-    norm = meta.get(f"{arch}.expert_weights_norm", RENORMALIZE.get(arch, False))
+    norm = arch != "gpt-oss" and meta.get(f"{arch}.expert_weights_norm", RENORMALIZE.get(arch, False))
     if norm:
         weights = weights / np.maximum(weights.sum(axis=1, keepdims=True), 6.103515625e-5)
     scale = float(meta.get(f"{arch}.expert_weights_scale", 0.0)) if arch in ("deepseek2", "glm4moe") else 0.0

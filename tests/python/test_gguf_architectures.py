@@ -262,6 +262,33 @@ def test_split_mixtral_experts_load_as_the_stacked_ones(tmp_path, device):
     assert np.array_equal(a(hidden), b(hidden))
 
 
+@pytest.mark.parametrize("mix", ["q8_0", "q4_k_m"])
+def test_gpt_oss_layers_load_the_router_bias_and_match_llama_cpp(tmp_path, device, mix):
+    """gpt-oss layers (MXFP4 experts whatever the mix, as the files ship) load
+    blk.N.ffn_gate_inp.bias as MoeLayer's router_bias and match llama.cpp's graph computed from the
+    file in float64: the bias added to the router's logits, top-k of those, softmax over the k,
+    swiglu_oai with the expert biases. The bias moves the routes of some tokens."""
+    path, _, spec = _write(tmp_path, "gpt-oss", mix, layers=2)
+    read = read_tensors(path)
+    if not routemm.KernelRegistry(device).has_kernel("quantized_matmul_id_direct_mxfp4_f32"):
+        pytest.skip(f"backend {device.backend} has no MXFP4 expert kernels")
+    hidden = np.random.default_rng(3).standard_normal((8, spec.hidden)).astype(np.float32)
+    atol, rtol = MOE_EXPERTS_TOLERANCE
+    for n in range(spec.layers):
+        layer = routemm.MoeLayer.from_gguf(path, n, device=device)
+        assert layer.ggml_type == routemm.GgmlType.MXFP4 and layer.ffn.activation == "swiglu_oai"
+        bias = read[1][f"blk.{n}.ffn_gate_inp.bias"]
+        assert np.array_equal(layer.router_bias.numpy(), bias.astype(np.float32))
+        ref, select, top_k = layer_reference(path, n, hidden, read=read)
+        keep = ~near_tie(select, top_k)
+        assert keep.sum() >= 6
+        _, ids, _ = layer.reference(hidden)
+        np.testing.assert_array_equal(ids[keep], np.argsort(-select, axis=1, kind="stable")[keep, :top_k])
+        np.testing.assert_allclose(layer(hidden)[keep], ref[keep], atol=atol * 10, rtol=rtol * 10)
+        unbiased = np.argsort(-(select - bias), axis=1, kind="stable")[:, :top_k]
+        assert not np.array_equal(np.sort(ids, axis=1), np.sort(unbiased, axis=1))
+
+
 # ---- refusals, by name ---------------------------------------------------------------------------
 
 

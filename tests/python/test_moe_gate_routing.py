@@ -532,6 +532,26 @@ def test_moe_layer_routes_with_the_options(device, rng):
     assert not np.array_equal(plain(hidden), out)  # the options reach the gate
 
 
+def test_moe_layer_adds_the_router_bias_to_its_logits(device, rng):
+    from routemm.ops._reference import dense_matmul_id_reference, moe_experts_reference
+
+    parts = _layer_parts(device, rng)
+    router_bias = (rng.standard_normal(16) * 2).astype(np.float32)
+    layer = routemm.MoeLayer(*parts, top_k=4, renormalize=True, router_bias=device.from_numpy(router_bias))
+    hidden = rng.standard_normal((7, 32)).astype(np.float32)
+    out = layer(hidden)
+    w = layer.float_weights()
+    logits = dense_matmul_id_reference(w["router"][None], hidden, np.zeros((7, 1), np.int64))
+    want_w, want_ids = gpt_oss_route(logits + router_bias, 4)
+    _, ids, ranked = layer.reference(hidden)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(ranked, logits + router_bias, rtol=1e-12)  # the logits the gate ranks
+    want = moe_experts_reference(hidden, want_ids, want_w, w["gate"], w["up"], w["down"])
+    np.testing.assert_allclose(out, want, atol=5e-5, rtol=5e-5)
+    plain = routemm.MoeLayer(*parts, top_k=4, renormalize=True)
+    assert not np.array_equal(plain.reference(hidden)[1], want_ids)  # the bias moves the routes
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -546,6 +566,10 @@ def test_moe_layer_routes_with_the_options(device, rng):
             dict(e_score_correction_bias="short"),
             r"moe layer: e_score_correction_bias must be f32 \[16\], got f32 \[8\]",
         ),
+        (dict(router_bias=np.zeros(16, np.float32)), "moe layer: router_bias must be a Buffer or None"),
+        (dict(router_bias="f16"), r"moe layer: router_bias must be f32 \[16\], got f16 \[16\]"),
+        (dict(router_bias="short"), r"moe layer: router_bias must be f32 \[16\], got f32 \[8\]"),
+        (dict(router_bias="2-D"), r"moe layer: router_bias must be f32 \[16\], got f32 \[1, 16\]"),
     ],
 )
 def test_moe_layer_refuses_bad_routing(device, rng, options, message):
@@ -553,8 +577,20 @@ def test_moe_layer_refuses_bad_routing(device, rng, options, message):
     made = {
         "f16": lambda: device.from_numpy(np.zeros(16, np.float16)),
         "short": lambda: device.from_numpy(np.zeros(8, np.float32)),
+        "2-D": lambda: device.from_numpy(np.zeros((1, 16), np.float32)),
     }
-    if isinstance(options.get("e_score_correction_bias"), str):
-        options["e_score_correction_bias"] = made[options["e_score_correction_bias"]]()
+    for name in ("e_score_correction_bias", "router_bias"):
+        if isinstance(options.get(name), str):
+            options[name] = made[options[name]]()
     with pytest.raises(routemm.InvalidArgumentError, match=message):
         routemm.MoeLayer(*_layer_parts(device, rng), top_k=4, renormalize=True, **options)
+
+
+def test_moe_layer_refuses_a_router_bias_on_another_device(backend, rng):
+    others = [b for b in routemm.available_backends() if b != backend]
+    if not others:
+        pytest.skip("one backend here")
+    device = routemm.Device(backend)
+    bias = routemm.Device(others[0]).from_numpy(np.zeros(16, np.float32))
+    with pytest.raises(routemm.InvalidArgumentError, match=f"moe layer: router_bias lives on {others[0]}"):
+        routemm.MoeLayer(*_layer_parts(device, rng), top_k=4, renormalize=True, router_bias=bias)

@@ -89,6 +89,7 @@ class MoeLayer:
         num_expert_group: Optional[int] = None,
         topk_group: Optional[int] = None,
         routed_scaling_factor: float = 1.0,
+        router_bias=None,
         ggml_type: Optional[GgmlType] = None,
         device=None,
         name: str = "moe layer",
@@ -110,8 +111,9 @@ class MoeLayer:
         up, down) tuple of them for stacks of mixed types). All
         buffers live on `device` (default: the router's). top_k: an integer in [1, E]; renormalize:
         a bool (checked as moe_gate checks them). scoring_func, e_score_correction_bias (None or an
-        F32 [E] buffer), num_expert_group, topk_group and routed_scaling_factor: the gate's routing
-        options, as moe_gate takes them (the default is a softmax gate).
+        F32 [E] buffer), num_expert_group, topk_group, routed_scaling_factor and router_bias (None or
+        an F32 [E] buffer, gpt-oss's ffn_gate_inp.bias, added to the router's logits): the gate's
+        routing options, as moe_gate takes them (the default is a softmax gate).
 
         The experts' FFN options, as routemm.moe_experts takes them: activation ("silu" or
         "swiglu_oai", with swiglu_alpha and swiglu_limit); expert biases gate_bias, up_bias
@@ -158,22 +160,22 @@ class MoeLayer:
                 )
         self.top_k = _check_top_k(top_k, n_experts, f"{name}: top_k")
         self.renormalize = _check_bool(renormalize, f"{name}: renormalize")
-        # The gate's routing options (moe_gate's, checked as it checks them); the bias is an F32 [E]
+        # The gate's routing options (moe_gate's, checked as it checks them); each bias is an F32 [E]
         # buffer on the layer's device.
         self.routing = _check_routing(scoring_func, num_expert_group, topk_group, routed_scaling_factor, f"{name}:")
         _core._check_moe_gate_params(1, n_experts, self.top_k, self.renormalize, *self.routing.core_args())
-        check_type(f"{name}:", "e_score_correction_bias", e_score_correction_bias, _core.Buffer, optional=True)
-        bias = e_score_correction_bias
-        if bias is not None and (bias.dtype != DType.F32 or [int(d) for d in bias.shape] != [n_experts]):
-            raise InvalidArgumentError(
-                f"{name}: e_score_correction_bias must be f32 [{n_experts}], got "
-                f"{bias.dtype.name.lower()} {[int(d) for d in bias.shape]}"
-            )
-        if bias is not None and bias.device.backend != device.backend:
-            raise InvalidArgumentError(
-                f"{name}: e_score_correction_bias lives on {bias.device.backend}, the layer on {device.backend}"
-            )
-        self.e_score_correction_bias = bias
+        for label, bias in (("e_score_correction_bias", e_score_correction_bias), ("router_bias", router_bias)):
+            check_type(f"{name}:", label, bias, _core.Buffer, optional=True)
+            if bias is not None and (bias.dtype != DType.F32 or [int(d) for d in bias.shape] != [n_experts]):
+                raise InvalidArgumentError(
+                    f"{name}: {label} must be f32 [{n_experts}], got "
+                    f"{bias.dtype.name.lower()} {[int(d) for d in bias.shape]}"
+                )
+            if bias is not None and bias.device.backend != device.backend:
+                raise InvalidArgumentError(
+                    f"{name}: {label} lives on {bias.device.backend}, the layer on {device.backend}"
+                )
+        self.e_score_correction_bias, self.router_bias = e_score_correction_bias, router_bias
         self.device = device
         self.router, self.gate, self.up, self.down = router, gate, up, down
         self.ggml_type = ggml_type
@@ -366,7 +368,7 @@ class MoeLayer:
         _core._moe_gate(
             encoder, registry, logits, weights, ids, m, self.n_experts, self.top_k, self.renormalize,
             self.routing.scoring_func, self.e_score_correction_bias, self.routing.num_expert_group,
-            self.routing.topk_group, self.routing.routed_scaling_factor,
+            self.routing.topk_group, self.routing.routed_scaling_factor, self.router_bias,
         )  # fmt: skip
         encoder.memory_barrier()
 
@@ -436,11 +438,14 @@ class MoeLayer:
         return arrays
 
     def reference(self, hidden, weights: Optional[dict] = None):
-        """(out, ids, logits) in float64: the layer's contract computed from `float_weights()`."""
+        """(out, ids, logits) in float64: the layer's contract computed from `float_weights()`;
+        logits are those the gate ranks (the router's output plus router_bias, if any)."""
         w = weights or self.float_weights()
         hidden = np.asarray(hidden, dtype=np.float32)
         m = hidden.shape[0]
         logits = dense_matmul_id_reference(w["router"][None], hidden, np.zeros((m, 1), np.int64))
+        if self.router_bias is not None:
+            logits = logits + self.router_bias.numpy().astype(np.float64)[None, :]
         r, bias = self.routing, self.e_score_correction_bias
         gate_w, ids = moe_gate_reference(
             logits, self.top_k, self.renormalize, scoring_func=r.scoring_func,
