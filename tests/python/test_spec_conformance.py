@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import os
 import re
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 import routemm
 from routemm import q4_0
+from routemm.ops.dense_matmul_id import BF16_DOT_PIPELINE_NAMES as BF16_DOT_PIPELINES
 from routemm.plans import dense_q4_plan as dq
 
 TABLE = Path(__file__).resolve().parents[2] / "docs" / "spec-conformance.md"
@@ -40,15 +42,25 @@ def rows(text: str | None = None) -> list[dict]:
     return out
 
 
-CHECKS: dict = {}
+CHECKS: dict = {}  # row id -> check(rng, tmp_path), run once
+BACKEND_CHECKS: dict = {}  # row id -> check(rng, tmp_path, device), run on every backend of the run
 
 
-def check(row_id: str):
+def check(row_id: str, *, per_backend: bool = False):
+    """Registers a row's check. per_backend: the row's claim depends on the backend, so the check
+    runs once per backend of conftest's `device` fixture (ROUTEMM_TEST_BACKENDS, else every
+    available one): a requested backend that is not available here is a skip, never a pass. A row
+    may have both kinds."""
+
     def register(fn):
-        CHECKS[row_id] = fn
+        (BACKEND_CHECKS if per_backend else CHECKS)[row_id] = fn
         return fn
 
     return register
+
+
+def checked_rows() -> set:
+    return set(CHECKS) | set(BACKEND_CHECKS)
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -56,13 +68,6 @@ def check(row_id: str):
 
 def cpu():
     return routemm.Device("cpu")
-
-
-def devices() -> list:
-    """The devices of this run's backends (ROUTEMM_TEST_BACKENDS, else every available one): a row
-    whose claim differs by backend is checked on each of them."""
-    names = [s.strip() for s in os.environ.get("ROUTEMM_TEST_BACKENDS", "").split(",") if s.strip()]
-    return [routemm.Device(b) for b in (names or routemm.available_backends()) if b in routemm.available_backends()]
 
 
 def q4_weight(device, n, k, rng):
@@ -112,7 +117,9 @@ def _(rng, tmp_path):
     mapped = routemm.gguf_tensor(path, "w", device=cpu())
     assert mapped.is_file_backed and not mapped.writable
     assert mapped.view(0, 16, routemm.DType.F32, [4]).is_file_backed  # views share the storage
-    assert not cpu().alloc(16, routemm.DType.F32, [4]).is_file_backed
+    assert (
+        not cpu().alloc(16, routemm.DType.F32, [4]).is_file_backed and cpu().alloc(16, routemm.DType.F32, [4]).writable
+    )
     assert not routemm.gguf_tensor(path, "w", device=cpu(), copy=True).is_file_backed
     with pytest.raises(routemm.InvalidArgumentError, match="Cannot mutate a read-only file-backed buffer"):
         mapped.as_mut_slice()
@@ -132,10 +139,14 @@ def _(rng, tmp_path):
         b.with_shape([5, 3])
 
 
-@check("1.2-as-slice")
-def _(rng, tmp_path):
-    device = cpu()
+@check("1.2-as-slice", per_backend=True)
+def _(rng, tmp_path, device):
     parent = device.from_numpy(np.arange(16, dtype=np.float32))
+    if not device.host_accessible:  # CUDA: refused with the way to a copy
+        for slicer in (parent.as_slice, parent.as_mut_slice):
+            with pytest.raises(routemm.InvalidArgumentError, match="not host-accessible; copy it with numpy"):
+                slicer()
+        return
     view = parent.view(8, 16, routemm.DType.F32, [4])
     s = view.as_slice()
     assert s.tolist() == [2.0, 3.0, 4.0, 5.0] and not s.flags.writeable
@@ -157,52 +168,65 @@ def _barriers() -> int:
     return routemm.encoder_counters()["barriers"]
 
 
-@check("1.3-tracked-ranges")
+@check("1.3-tracked-ranges", per_backend=True)
+def _(rng, tmp_path, device):
+    poison = routemm.KernelRegistry(device).get_pipeline("routemm_calibration_poison_f32")
+    parent, src = device.alloc(256, routemm.DType.F32, [64]), device.alloc(64, routemm.DType.F32, [16])
+    lo, hi, middle = (parent.view(offset, 64, routemm.DType.F32, [16]) for offset in (0, 64, 32))
+    enc = device.command_encoder(auto_barrier=True)
+    before = _barriers()
+    for view in (lo, hi):  # two views of one allocation whose logical ranges do not overlap
+        enc.dispatch_tracked(poison, _poison_args(view, src), (1, 1, 1), (16, 1, 1), reads=[src], writes=[view])
+    assert _barriers() == before, device.backend  # a rest-of-allocation extent would order them
+    enc.dispatch_tracked(poison, _poison_args(middle, src), (1, 1, 1), (16, 1, 1), reads=[src], writes=[middle])
+    assert _barriers() == before + 1, device.backend  # overlaps both: ordered
+    enc.commit_and_wait()
+
+
+@check("2.1-gpu-time", per_backend=True)
+def _(rng, tmp_path, device):
+    poison = routemm.KernelRegistry(device).get_pipeline("routemm_calibration_poison_f32")
+    a, b = device.alloc(64, routemm.DType.F32, [16]), device.alloc(64, routemm.DType.F32, [16])
+    enc = device.command_encoder()
+    enc.dispatch(poison, _poison_args(a, b), (1, 1, 1), (16, 1, 1))
+    start, end = enc.commit_wait_with_gpu_time()
+    assert isinstance(start, float) and isinstance(end, float), device.backend
+    assert math.isfinite(start) and math.isfinite(end) and 0 < start < end, (device.backend, start, end)
+    assert routemm.calibration.gpu_interval_us(start, end, "a dispatch") == pytest.approx((end - start) * 1e6)
+
+
+@check("2.4-no-ranges", per_backend=True)
+def _(rng, tmp_path, device):
+    poison = routemm.KernelRegistry(device).get_pipeline("routemm_calibration_poison_f32")
+    a, b, c, d = (device.alloc(64, routemm.DType.F32, [16]) for _ in range(4))
+    enc = device.command_encoder(auto_barrier=True)
+    before = _barriers()
+    enc.dispatch_tracked(poison, _poison_args(a, b), (1, 1, 1), (16, 1, 1), reads=[b], writes=[a])
+    enc.dispatch(poison, _poison_args(c, d), (1, 1, 1), (16, 1, 1))  # no ranges: after all tracked
+    enc.dispatch_tracked(poison, _poison_args(d, b), (1, 1, 1), (16, 1, 1), reads=[b], writes=[d])
+    assert _barriers() == before + 2, device.backend  # the spec's tracker would emit none
+    enc.commit_and_wait()
+    enc = device.command_encoder()
+    enc.start_capture()
+    enc.dispatch(poison, _poison_args(a, b), (1, 1, 1), (16, 1, 1))
+    with pytest.raises(routemm.InvalidArgumentError, match="complete hazard ranges"):
+        enc.take_graph().reordered()
+
+
+@check("2.1-metal-knobs")
 def _(rng, tmp_path):
-    for device in devices():
-        poison = routemm.KernelRegistry(device).get_pipeline("routemm_calibration_poison_f32")
-        parent, src = device.alloc(256, routemm.DType.F32, [64]), device.alloc(64, routemm.DType.F32, [16])
-        lo, hi, middle = (parent.view(offset, 64, routemm.DType.F32, [16]) for offset in (0, 64, 32))
-        enc = device.command_encoder(auto_barrier=True)
-        before = _barriers()
-        for view in (lo, hi):  # two views of one allocation whose logical ranges do not overlap
-            enc.dispatch_tracked(poison, _poison_args(view, src), (1, 1, 1), (16, 1, 1), reads=[src], writes=[view])
-        assert _barriers() == before, device.backend  # a rest-of-allocation extent would order them
-        enc.dispatch_tracked(poison, _poison_args(middle, src), (1, 1, 1), (16, 1, 1), reads=[src], writes=[middle])
-        assert _barriers() == before + 1, device.backend  # overlaps both: ordered
-        enc.commit_and_wait()
-
-
-@check("2.1-gpu-time")
-def _(rng, tmp_path):
-    for device in devices():
-        poison = routemm.KernelRegistry(device).get_pipeline("routemm_calibration_poison_f32")
-        a, b = device.alloc(64, routemm.DType.F32, [16]), device.alloc(64, routemm.DType.F32, [16])
-        enc = device.command_encoder()
-        enc.dispatch(poison, _poison_args(a, b), (1, 1, 1), (16, 1, 1))
-        start, end = enc.commit_wait_with_gpu_time()
-        assert isinstance(start, float) and isinstance(end, float), device.backend
-        assert math.isfinite(start) and math.isfinite(end) and 0 < start < end, (device.backend, start, end)
-        assert routemm.calibration.gpu_interval_us(start, end, "a dispatch") == pytest.approx((end - start) * 1e6)
-
-
-@check("2.4-no-ranges")
-def _(rng, tmp_path):
-    for device in devices():
-        poison = routemm.KernelRegistry(device).get_pipeline("routemm_calibration_poison_f32")
-        a, b, c, d = (device.alloc(64, routemm.DType.F32, [16]) for _ in range(4))
-        enc = device.command_encoder(auto_barrier=True)
-        before = _barriers()
-        enc.dispatch_tracked(poison, _poison_args(a, b), (1, 1, 1), (16, 1, 1), reads=[b], writes=[a])
-        enc.dispatch(poison, _poison_args(c, d), (1, 1, 1), (16, 1, 1))  # no ranges: after all tracked
-        enc.dispatch_tracked(poison, _poison_args(d, b), (1, 1, 1), (16, 1, 1), reads=[b], writes=[d])
-        assert _barriers() == before + 2, device.backend  # the spec's tracker would emit none
-        enc.commit_and_wait()
-        enc = device.command_encoder()
-        enc.start_capture()
-        enc.dispatch(poison, _poison_args(a, b), (1, 1, 1), (16, 1, 1))
-        with pytest.raises(routemm.InvalidArgumentError, match="complete hazard ranges"):
-            enc.take_graph().reordered()
+    """Neither knob exists: no source reads either variable, and the Metal backend makes only
+    retained-reference command buffers and concurrent compute encoders (its host code compiles on
+    macOS only, so this reads it)."""
+    root = TABLE.parents[1]
+    suffixes = {".h", ".cpp", ".cu", ".cuh", ".mm", ".metal", ".py"}
+    sources = [p for d in ("csrc", "metal", "python") for p in (root / d).rglob("*") if p.suffix in suffixes]
+    assert any(p.name == "device.mm" for p in sources)
+    for knob in ("MLX_UNRETAINED_REFS", "HF2Q_FORCE_SERIAL_DISPATCH"):
+        assert not [p for p in sources if knob in p.read_text(errors="replace")], knob
+    host = (root / "csrc" / "backend" / "metal" / "device.mm").read_text()
+    assert "computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent" in host
+    assert "commandBufferWithUnretainedReferences" not in host and "MTLDispatchTypeSerial" not in host
 
 
 # ---- §3 registry ---------------------------------------------------------------------------------
@@ -228,34 +252,32 @@ def _(rng, tmp_path):
     assert registry.probe_optional_pipeline(name).label == name
 
 
-@check("3.1-register-source")
-def _(rng, tmp_path):
-    for device in devices():
-        registry = routemm.KernelRegistry(device)
-        with pytest.raises(routemm.InvalidArgumentError, match="compiles no kernel source"):
-            registry.register_source("my_kernel", "kernel void my_kernel() {}")
-        assert not registry.has_kernel("my_kernel")
+@check("3.1-register-source", per_backend=True)
+def _(rng, tmp_path, device):
+    registry = routemm.KernelRegistry(device)
+    with pytest.raises(routemm.InvalidArgumentError, match="compiles no kernel source"):
+        registry.register_source("my_kernel", "kernel void my_kernel() {}")
+    assert not registry.has_kernel("my_kernel")
 
 
-@check("3.2-identity")
-def _(rng, tmp_path):
-    for device in devices():
-        registry = routemm.KernelRegistry(device)
-        ident = registry.get_pipeline(routemm.DENSE_MATMUL_ID_PIPELINE_NAMES[0]).identity
-        assert ident.schema_version == 2 and ident.kernel_name == ident.pipeline_label.split("|")[0]
-        assert ident.backend == device.backend and re.fullmatch(r"[0-9a-f]{64}", ident.content_sha256)
-        # the spec's origin and its two hashes are derived from the one stored hash: exactly one is set
-        assert ident.origin_kind == "precompiled" and ident.runtime_source_sha256 is None
-        assert ident.precompiled_sha256 == ident.content_sha256
-        assert set(ident.to_dict()) == {
-            "pipeline_label",
-            "kernel_name",
-            "entry_point",
-            "backend",
-            "origin",
-            "content_sha256",
-            "schema_version",
-        }
+@check("3.2-identity", per_backend=True)
+def _(rng, tmp_path, device):
+    registry = routemm.KernelRegistry(device)
+    ident = registry.get_pipeline(routemm.DENSE_MATMUL_ID_PIPELINE_NAMES[0]).identity
+    assert ident.schema_version == 2 and ident.kernel_name == ident.pipeline_label.split("|")[0]
+    assert ident.backend == device.backend and re.fullmatch(r"[0-9a-f]{64}", ident.content_sha256)
+    # the spec's origin and its two hashes are derived from the one stored hash: exactly one is set
+    assert ident.origin_kind == "precompiled" and ident.runtime_source_sha256 is None
+    assert ident.precompiled_sha256 == ident.content_sha256
+    assert set(ident.to_dict()) == {
+        "pipeline_label",
+        "kernel_name",
+        "entry_point",
+        "backend",
+        "origin",
+        "content_sha256",
+        "schema_version",
+    }
 
 
 @check("3.3-registry-policy")
@@ -292,6 +314,21 @@ def _(rng, tmp_path):
         "expert_q8_0_mv_nr2",
         "expert_tensor_mm",
     }
+    auto = routemm.GgmlTensorMmPreference.AUTO_PROBE
+    assert dataclasses.asdict(Policy()) == {  # the defaults of the spec's table
+        **{f.name: getattr(Policy(), f.name) for f in dataclasses.fields(Policy)},  # routemm's additions
+        "dense_decode_mvn": True,
+        "dense_decode_mv_ext": False,
+        "dense_q6k_mv_nr2": True,
+        "dense_q8_0_mv_nr2": True,
+        "dense_tensor_mm": auto,
+        "allow_dense_large_tile_mm": True,
+        "expert_mm_threshold": 8,
+        "expert_q6k_mv_nr2": True,
+        "expert_q8_0_mv_nr2": False,
+        "expert_tensor_mm": auto,
+    }
+    assert (auto.value, routemm.GgmlTensorMmPreference.FORCE_SIMD.value) == ("auto_probe", "force_simd")
     p = Policy(dense_decode_mv_ext=True, expert_q8_0_mv_nr2=True, expert_mm_threshold=3)
     assert Policy.from_json(p.to_json()) == p
     with pytest.raises(routemm.InvalidArgumentError):
@@ -326,21 +363,75 @@ def _auto_routes(device, rng, ms, ggml_type=None) -> list:
     return routes
 
 
+@check("4.1-expert-mm-threshold", per_backend=True)
+def _(rng, tmp_path, device):
+    """matmul_id on arrays (dense and quantised) and the NumPy MoE block: the environment's
+    threshold, and a policy frozen into the device's registry over it. CUDA also needs 8 routed rows
+    per expert (dense) or 256 (block stacks): m >= 32 and m >= 1024 here."""
+    from routemm.ops import dense_matmul_id as dmi
+
+    ms = (1, 9, 16, 17, 32, 33)
+
+    def want(m, threshold, quantized):
+        rows_rule = device.backend != "cuda" or (not quantized and m >= 32)
+        grouped = m > threshold and rows_rule
+        assert grouped == dmi.auto_grouped(device.backend, m, 2, 8, quantized=quantized, mm_threshold=threshold)
+        return grouped
+
+    for ggml_type, grouped in ((None, "grouped_prefill"), (routemm.GgmlType.Q4_0, "grouped")):
+        q = ggml_type is not None
+        with pytest.MonkeyPatch.context() as mp:
+            for value, threshold in (("", 8), ("16", 16), ("0", 0)):
+                mp.setenv("ROUTEMM_MM_ID_ROUTING_THRESHOLD", value)
+                routes = _auto_routes(device, rng, ms, ggml_type)
+                assert routes == [grouped if want(m, threshold, q) else "direct" for m in ms], (device.backend, value)
+            mp.setenv("ROUTEMM_MM_ID_ROUTING_THRESHOLD", "-1")
+            with pytest.raises(routemm.InvalidArgumentError, match="ROUTEMM_MM_ID_ROUTING_THRESHOLD"):
+                _auto_routes(device, rng, ms[:1], ggml_type)
+    # A policy frozen into the registry the front doors use wins over the environment's.
+    registry = routemm.KernelRegistry(device)
+    registry.freeze_ggml_routing_policy(Policy(expert_mm_threshold=32))
+    E, h, inter = 8, 32, 32
+    gate_up, down = rng.standard_normal((E, 2 * inter, h)), rng.standard_normal((E, h, inter))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ROUTEMM_MM_ID_ROUTING_THRESHOLD", "0")
+        mp.setattr(dmi, "_registry_for", lambda _device: registry)
+        for ggml_type, grouped in ((None, "grouped_prefill"), (routemm.GgmlType.Q4_0, "grouped")):
+            routes = _auto_routes(device, rng, ms, ggml_type)
+            assert routes == [grouped if want(m, 32, ggml_type is not None) else "direct" for m in ms], device.backend
+        for m in (17, 33):  # the MoE block: its automatic route encodes what the same explicit route does
+            hidden = rng.standard_normal((m, h)).astype(np.float32)
+            ids = (np.arange(m)[:, None] + np.arange(2)[None, :]) % E
+            weights = np.full((m, 2), 0.5, np.float32)
+            counts = {}
+            for route in (None, "direct", "grouped_prefill"):
+                before = routemm.dispatch_count()
+                routemm.moe_experts(
+                    hidden,
+                    ids,
+                    weights,
+                    gate_up.astype(np.float32),
+                    down.astype(np.float32),
+                    route=route,
+                    device=device,
+                )
+                counts[route] = routemm.dispatch_count() - before
+            assert counts["direct"] != counts["grouped_prefill"]
+            chosen = "grouped_prefill" if want(m, 32, False) else "direct"
+            assert counts[None] == counts[chosen], (device.backend, m, counts)
+
+
 @check("4.1-expert-mm-threshold")
 def _(rng, tmp_path):
-    ms = (1, 8, 9, 16, 17)
-    for device in [d for d in devices() if d.backend != "cuda"]:  # CUDA adds its rows-per-expert rule
-        for ggml_type, grouped in ((None, "grouped_prefill"), (routemm.GgmlType.Q4_0, "grouped")):
-            with pytest.MonkeyPatch.context() as mp:
-                mp.delenv("ROUTEMM_MM_ID_ROUTING_THRESHOLD", raising=False)
-                assert _auto_routes(device, rng, ms, ggml_type) == ["direct"] * 2 + [grouped] * 3  # m > 8
-                mp.setenv("ROUTEMM_MM_ID_ROUTING_THRESHOLD", "16")
-                assert _auto_routes(device, rng, ms, ggml_type) == ["direct"] * 4 + [grouped]
-                mp.setenv("ROUTEMM_MM_ID_ROUTING_THRESHOLD", "0")
-                assert _auto_routes(device, rng, ms, ggml_type) == [grouped] * 5
-                mp.setenv("ROUTEMM_MM_ID_ROUTING_THRESHOLD", "-1")
-                with pytest.raises(routemm.InvalidArgumentError, match="ROUTEMM_MM_ID_ROUTING_THRESHOLD"):
-                    _auto_routes(device, rng, ms[:1], ggml_type)
+    """The tensor ops read the variable in the core; the rule itself, CUDA's included, on every host."""
+    from routemm.ops.dense_matmul_id import auto_grouped
+
+    assert auto_grouped("cpu", 9, 2, 8) and not auto_grouped("cpu", 9, 2, 8, mm_threshold=9)
+    assert auto_grouped("cpu", 1, 2, 8, mm_threshold=0)
+    assert not auto_grouped("cuda", 31, 2, 8, mm_threshold=0) and auto_grouped("cuda", 32, 2, 8, mm_threshold=31)
+    assert not auto_grouped("cuda", 32, 2, 8, mm_threshold=32)
+    assert not auto_grouped("cuda", 1023, 2, 8, quantized=True, mm_threshold=0)
+    assert auto_grouped("cuda", 1024, 2, 8, quantized=True, mm_threshold=1023)
     pytest.importorskip("torch")
     code = (
         "import torch, routemm\n"
@@ -354,10 +445,6 @@ def _(rng, tmp_path):
         run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stderr
         assert run.stdout.split() == ["direct"] * grouped_from + ["grouped_prefill"] * (4 - grouped_from)
-    from routemm.ops.dense_matmul_id import auto_grouped
-
-    assert auto_grouped("cpu", 9, 2, 8) and not auto_grouped("cpu", 9, 2, 8, mm_threshold=9)
-    assert auto_grouped("cpu", 1, 2, 8, mm_threshold=0)
 
 
 def _tensor_candidates_proved(device, rng, ggml_type, policy=None) -> list:
@@ -387,20 +474,24 @@ def _tensor_candidates_proved(device, rng, ggml_type, policy=None) -> list:
     return [route.value for route in receipt.decisions[0].candidates]
 
 
+@check("4.1-expert-tensor-mm", per_backend=True)
+def _(rng, tmp_path, device):
+    """Calibration: the tensor candidates are proved only under auto_probe."""
+    simd = Policy(expert_tensor_mm=routemm.GgmlTensorMmPreference.FORCE_SIMD)
+    for ggml_type, grouped in ((None, "grouped_prefill"), (routemm.GgmlType.Q4_0, "grouped")):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.delenv("ROUTEMM_DISABLE_TENSOR_MM_ID", raising=False)
+            assert _tensor_candidates_proved(device, rng, ggml_type) == [grouped, "grouped_tensor_lowp"]
+            assert _tensor_candidates_proved(device, rng, ggml_type, simd) == [grouped]
+            mp.setenv("ROUTEMM_DISABLE_TENSOR_MM_ID", "1")
+            assert _tensor_candidates_proved(device, rng, ggml_type) == [grouped]
+            assert _tensor_candidates_proved(device, rng, ggml_type, Policy()) == [grouped, "grouped_tensor_lowp"]
+
+
 @check("4.1-expert-tensor-mm")
 def _(rng, tmp_path):
     from routemm import _core
 
-    simd = Policy(expert_tensor_mm=routemm.GgmlTensorMmPreference.FORCE_SIMD)
-    for device in devices():  # calibration: the tensor candidates are proved only under auto_probe
-        for ggml_type, grouped in ((None, "grouped_prefill"), (routemm.GgmlType.Q4_0, "grouped")):
-            with pytest.MonkeyPatch.context() as mp:
-                mp.delenv("ROUTEMM_DISABLE_TENSOR_MM_ID", raising=False)
-                assert _tensor_candidates_proved(device, rng, ggml_type) == [grouped, "grouped_tensor_lowp"]
-                assert _tensor_candidates_proved(device, rng, ggml_type, simd) == [grouped]
-                mp.setenv("ROUTEMM_DISABLE_TENSOR_MM_ID", "1")
-                assert _tensor_candidates_proved(device, rng, ggml_type) == [grouped]
-                assert _tensor_candidates_proved(device, rng, ggml_type, Policy()) == [grouped, "grouped_tensor_lowp"]
     # The MoE op's automatic route (the torch op moe_experts, exact=False): a pure rule of the
     # backend's name and the shapes, so CUDA's is checked on every host. 64 rows per expert.
     route, D = _core._moe_experts_auto_route, routemm.DType
@@ -504,44 +595,42 @@ def _(rng, tmp_path):
         assert receipt.route == "compatibility_v2"  # the registry's policy wins over the environment
 
 
-@check("5.4-threshold")
-def _(rng, tmp_path):
+@check("5.4-threshold", per_backend=True)
+def _(rng, tmp_path, device):
     from routemm.ops.quantized_matmul import MM_ROUTING_THRESHOLD
 
     assert MM_ROUTING_THRESHOLD == 8
-    for device in devices():
-        registry, n = routemm.KernelRegistry(device), next(_N)
-        w = q4_weight(device, n, 64, rng)
-        enc = device.command_encoder()
-        got = {}
-        for m in (1, 8, 9, 16):
-            x = device.from_numpy(rng.standard_normal((m, 64)).astype(np.float32))
-            y = device.alloc(m * n * 4, routemm.DType.F32, [m, n])
-            params = routemm.GgmlQuantizedMatmulParams(m, n, 64)
-            got[m] = routemm.quantized_matmul_ggml(enc, registry, x, w, y, params, Policy()).route
-        enc.commit_and_wait()
-        assert got[1] == got[8] == "mat_vec" and "mat_vec" not in (got[9], got[16]), (device.backend, got)
-
-
-@check("5.5-q8-geometry")
-def _(rng, tmp_path):
-    for device in devices():
-        registry = routemm.KernelRegistry(device)
-        m, n, k = 3, 7, 64
-        w = device.from_numpy(routemm.q8_0.quantize(rng.standard_normal((n, k)).astype(np.float32)).reshape(-1))
-        x = device.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    registry, n = routemm.KernelRegistry(device), next(_N)
+    w = q4_weight(device, n, 64, rng)
+    enc = device.command_encoder()
+    got = {}
+    for m in (1, 8, 9, 16):
+        x = device.from_numpy(rng.standard_normal((m, 64)).astype(np.float32))
         y = device.alloc(m * n * 4, routemm.DType.F32, [m, n])
-        params = routemm.GgmlQuantizedMatmulParams(m, n, k, routemm.GgmlType.Q8_0)
-        nr2 = routemm.quantized_matmul_ggml(device.command_encoder(), registry, x, w, y, params, Policy())
-        d = nr2.dispatch
-        if device.backend == "cuda":  # no nr2 pipeline: the lane-contract mat-vec under either setting
-            assert d.pipeline_label.split("|")[0] == "kernel_mul_mv_q8_0_f32"
-        else:
-            assert d.pipeline_label.split("|")[0] == "kernel_mul_mv_q8_0_f32_nr2", device.backend
-            assert (d.grid, d.threads_per_threadgroup, d.threadgroup_memory) == ((4, 3, 1), (32, 4, 1), ((0, 256),))
-        off = Policy(dense_q8_0_mv_nr2=False)
-        lane = routemm.quantized_matmul_ggml(device.command_encoder(), registry, x, w, y, params, off)
-        assert lane.dispatch.pipeline_label.split("|")[0] == "kernel_mul_mv_q8_0_f32", device.backend
+        params = routemm.GgmlQuantizedMatmulParams(m, n, 64)
+        got[m] = routemm.quantized_matmul_ggml(enc, registry, x, w, y, params, Policy()).route
+    enc.commit_and_wait()
+    assert got[1] == got[8] == "mat_vec" and "mat_vec" not in (got[9], got[16]), (device.backend, got)
+
+
+@check("5.5-q8-geometry", per_backend=True)
+def _(rng, tmp_path, device):
+    registry = routemm.KernelRegistry(device)
+    m, n, k = 3, 7, 64
+    w = device.from_numpy(routemm.q8_0.quantize(rng.standard_normal((n, k)).astype(np.float32)).reshape(-1))
+    x = device.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    y = device.alloc(m * n * 4, routemm.DType.F32, [m, n])
+    params = routemm.GgmlQuantizedMatmulParams(m, n, k, routemm.GgmlType.Q8_0)
+    nr2 = routemm.quantized_matmul_ggml(device.command_encoder(), registry, x, w, y, params, Policy())
+    d = nr2.dispatch
+    if device.backend == "cuda":  # no nr2 pipeline: the lane-contract mat-vec under either setting
+        assert d.pipeline_label.split("|")[0] == "kernel_mul_mv_q8_0_f32"
+    else:
+        assert d.pipeline_label.split("|")[0] == "kernel_mul_mv_q8_0_f32_nr2", device.backend
+        assert (d.grid, d.threads_per_threadgroup, d.threadgroup_memory) == ((4, 3, 1), (32, 4, 1), ((0, 256),))
+    off = Policy(dense_q8_0_mv_nr2=False)
+    lane = routemm.quantized_matmul_ggml(device.command_encoder(), registry, x, w, y, params, off)
+    assert lane.dispatch.pipeline_label.split("|")[0] == "kernel_mul_mv_q8_0_f32", device.backend
 
 
 @check("5.5-k-quants-refused")
@@ -574,13 +663,27 @@ def _(rng, tmp_path):
         ],
         "schema_version": dq.DENSE_Q4_ROUTE_SCHEMA_VERSION,
     }
-    import json
-
     plan = dq.DenseQ4RoutePlan.from_json(json.dumps(seed_plan))  # the seed's serde spelling reads
     assert [plan.route_for(d.shape) for d in plan.decisions] == [C64, V2]
     assert '"tensor_64x32"' in plan.to_json() and "tensor64x32" not in plan.to_json()  # written as routemm's
     with pytest.raises(routemm.InvalidArgumentError):
         dq.DenseQ4RoutePlan.from_json(json.dumps(seed_plan).replace("tensor64x32", "tensor_64_x32"))
+    # A calibration's plan, receipt and trace written with the seed's spelling read back the same,
+    # and their schemas accept it.
+    device = cpu()
+    registry, n = routemm.KernelRegistry(device), next(_N)
+    w, x, y, params = q4_call(device, n, 64, 9, rng)
+    case = routemm.DenseQ4CalibrationCase(w, routemm.DenseQ4BaseShape(n, 64), (9,))
+    plan, receipt = routemm.calibrate_dense_q4_routes(registry, device, 1, None, [case], _timer=winner_timer)
+    enc = device.command_encoder()
+    trace = routemm.trace_dense_q4_auto(enc, registry, device, x, w, y, params, Policy())
+    enc.commit_and_wait()
+    for record in (plan, receipt, trace):
+        text = record.to_json()
+        assert '"tensor_64x32"' in text and "tensor64x32" not in text, type(record)
+        seed = text.replace('"tensor_64x32"', '"tensor64x32"')
+        assert type(record).from_json(seed) == record, type(record)
+        routemm.schemas.validate(json.loads(seed), type(record).SCHEMA)
 
 
 @check("6.1-schema")
@@ -604,68 +707,65 @@ def _(rng, tmp_path):
     }
 
 
-@check("6.2-trace-policy")
-def _(rng, tmp_path):
-    for device in devices():
-        registry = routemm.KernelRegistry(device)
-        w, x, y, params = q4_call(device, next(_N), 64, 16, rng)
-        enc = device.command_encoder()
-        before = routemm.dispatch_count()
-        for routing in (None, {}):
-            with pytest.raises(routemm.InvalidArgumentTypeError, match="trace_dense_q4_auto routing must be"):
-                routemm.trace_dense_q4_auto(enc, registry, device, x, w, y, params, routing)
-        assert routemm.dispatch_count() == before  # refused before anything was encoded
-        trace = routemm.trace_dense_q4_auto(enc, registry, device, x, w, y, params, Policy())
-        enc.commit_and_wait()
-        assert trace.shape.m == 16
+@check("6.2-trace-policy", per_backend=True)
+def _(rng, tmp_path, device):
+    registry = routemm.KernelRegistry(device)
+    w, x, y, params = q4_call(device, next(_N), 64, 16, rng)
+    enc = device.command_encoder()
+    before = routemm.dispatch_count()
+    for routing in (None, {}):
+        with pytest.raises(routemm.InvalidArgumentTypeError, match="trace_dense_q4_auto routing must be"):
+            routemm.trace_dense_q4_auto(enc, registry, device, x, w, y, params, routing)
+    assert routemm.dispatch_count() == before  # refused before anything was encoded
+    trace = routemm.trace_dense_q4_auto(enc, registry, device, x, w, y, params, Policy())
+    enc.commit_and_wait()
+    assert trace.shape.m == 16
 
 
-@check("6.2-dispatcher-consults-plan")
-def _(rng, tmp_path):
-    for device in devices():
-        registry = routemm.KernelRegistry(device)
-        n, k = next(_N), 64
-        w, x, y, params = q4_call(device, n, k, 9, rng)
-        case = routemm.DenseQ4CalibrationCase(w, routemm.DenseQ4BaseShape(n, k), (9,))
-        plan, _ = routemm.calibrate_dense_q4_routes(registry, device, 1, None, [case], _timer=winner_timer)
-        assert plan.route_for(dq.DenseQ4Shape(9, n, k)) is C64
-        S = routemm.DenseQ4DecisionSource
-        receipt = routemm.quantized_matmul_ggml(device.command_encoder(), registry, x, w, y, params, Policy())
-        assert (receipt.dense_route, receipt.decision) == (C64, S.FROZEN_PLAN)
-        x33 = device.from_numpy(rng.standard_normal((33, k)).astype(np.float32))
-        y33 = device.alloc(33 * n * 4, routemm.DType.F32, [33, n])
-        p33 = routemm.GgmlQuantizedMatmulParams(33, n, k)
-        undeclared = routemm.quantized_matmul_ggml(device.command_encoder(), registry, x33, w, y33, p33, Policy())
-        assert (undeclared.dense_route, undeclared.decision) == (V2, S.UNDECLARED_COMPATIBILITY_FALLBACK)
-        unplanned = routemm.quantized_matmul_ggml(
-            device.command_encoder(), routemm.KernelRegistry(device), x, w, y, params, Policy()
-        )
-        assert (unplanned.dense_route, unplanned.decision) == (V2, S.NO_PLAN_COMPATIBILITY_FALLBACK)
+@check("6.2-dispatcher-consults-plan", per_backend=True)
+def _(rng, tmp_path, device):
+    registry = routemm.KernelRegistry(device)
+    n, k = next(_N), 64
+    w, x, y, params = q4_call(device, n, k, 9, rng)
+    case = routemm.DenseQ4CalibrationCase(w, routemm.DenseQ4BaseShape(n, k), (9,))
+    plan, _ = routemm.calibrate_dense_q4_routes(registry, device, 1, None, [case], _timer=winner_timer)
+    assert plan.route_for(dq.DenseQ4Shape(9, n, k)) is C64
+    S = routemm.DenseQ4DecisionSource
+    receipt = routemm.quantized_matmul_ggml(device.command_encoder(), registry, x, w, y, params, Policy())
+    assert (receipt.dense_route, receipt.decision) == (C64, S.FROZEN_PLAN)
+    x33 = device.from_numpy(rng.standard_normal((33, k)).astype(np.float32))
+    y33 = device.alloc(33 * n * 4, routemm.DType.F32, [33, n])
+    p33 = routemm.GgmlQuantizedMatmulParams(33, n, k)
+    undeclared = routemm.quantized_matmul_ggml(device.command_encoder(), registry, x33, w, y33, p33, Policy())
+    assert (undeclared.dense_route, undeclared.decision) == (V2, S.UNDECLARED_COMPATIBILITY_FALLBACK)
+    unplanned = routemm.quantized_matmul_ggml(
+        device.command_encoder(), routemm.KernelRegistry(device), x, w, y, params, Policy()
+    )
+    assert (unplanned.dense_route, unplanned.decision) == (V2, S.NO_PLAN_COMPATIBILITY_FALLBACK)
 
 
-@check("6.3-freeze")
-def _(rng, tmp_path):
-    for device in devices():
-        n, k = next(_N), 64
-        case = routemm.DenseQ4CalibrationCase(q4_weight(device, n, k, rng), routemm.DenseQ4BaseShape(n, k), (9,))
-        registry, other = routemm.KernelRegistry(device), routemm.KernelRegistry(device)
-        plan, _ = routemm.calibrate_dense_q4_routes(registry, device, 1, None, [case], _timer=winner_timer)
-        routemm.freeze_dense_q4_plan(registry, device, plan)  # the same plan again: a no-op
-        refused = (
-            (other, plan, "dense Q4 route plan belongs to a different registry activation authority"),
-            (registry, dataclasses.replace(plan, device_registry_id=plan.device_registry_id + 1), "different device"),
-            (registry, dataclasses.replace(plan, device_name="elsewhere"), "different device"),
-            (registry, dataclasses.replace(plan, plan_id="f" * 64), f"already frozen as {plan.plan_id}"),
-            (
-                other,
-                dataclasses.replace(plan, registry_authority_id=other.authority_id, build_fingerprint="0" * 64),
-                "build/pipeline identity mismatch",
-            ),
-        )
-        for target, candidate, message in refused:
-            with pytest.raises(routemm.InvalidArgumentError, match=re.escape(message)):
-                routemm.freeze_dense_q4_plan(target, device, candidate)
-        assert registry.dense_q4_plan() == plan and other.dense_q4_plan() is None
+@check("6.3-freeze", per_backend=True)
+def _(rng, tmp_path, device):
+    n, k = next(_N), 64
+    case = routemm.DenseQ4CalibrationCase(q4_weight(device, n, k, rng), routemm.DenseQ4BaseShape(n, k), (9,))
+    registry, other = routemm.KernelRegistry(device), routemm.KernelRegistry(device)
+    plan, _ = routemm.calibrate_dense_q4_routes(registry, device, 1, None, [case], _timer=winner_timer)
+    routemm.freeze_dense_q4_plan(registry, device, plan)  # the same plan again: a no-op
+    refused = (
+        (other, plan, "dense Q4 route plan belongs to a different registry activation authority"),
+        (registry, dataclasses.replace(plan, device_registry_id=plan.device_registry_id + 1), "different device"),
+        (registry, dataclasses.replace(plan, device_name="elsewhere"), "different device"),
+        (registry, dataclasses.replace(plan, plan_id="f" * 64), f"already frozen as {plan.plan_id}"),
+        (
+            other,
+            dataclasses.replace(plan, registry_authority_id=other.authority_id, build_fingerprint="0" * 64),
+            "build/pipeline identity mismatch",
+        ),
+    )
+    for target, candidate, message in refused:
+        with pytest.raises(routemm.InvalidArgumentError, match=re.escape(message)):
+            routemm.freeze_dense_q4_plan(target, device, candidate)
+    assert registry.dense_q4_plan() == plan and other.dense_q4_plan() is None
 
 
 @check("6.4-gpu-interval")
@@ -707,9 +807,8 @@ def _replace_timings(receipt, fn):
     )
 
 
-@check("6.5-cartesian-acceptance")
-def _(rng, tmp_path):
-    device = cpu()
+@check("6.5-cartesian-acceptance", per_backend=True)
+def _(rng, tmp_path, device):
     cold, warm, req = _cartesian_receipts(device, rng)
     routemm.validate_dense_q4_cartesian_acceptance(cold, warm, req)
     moved = lambda t: dataclasses.replace(t, encoded=dataclasses.replace(t.encoded, grid=(99, 99, 99)))  # noqa: E731
@@ -754,8 +853,8 @@ def _(rng, tmp_path):
         routemm.DenseMatmulIdParams.from_dict(doc)
 
 
-@check("7.4-geometry")
-def _(rng, tmp_path):
+@check("7.4-geometry", per_backend=True)
+def _(rng, tmp_path, device):
     """The trace example (m=9, top_k=6, n=7, 8 experts) on every backend: the receipts equal
     dense_matmul_id_expected_dispatches, which is the spec's geometry on the CPU and Metal's own map."""
     spec = {
@@ -763,48 +862,54 @@ def _(rng, tmp_path):
         "grouped_prefill": [((1, 1, 1), (8, 1, 1), ()), ((2, 1, 8), (256, 1, 1), ((0, 4096),))],
     }
     metal = dict(spec, grouped_prefill=[((1, 1, 1), (128, 1, 1), ((0, 16400),)), spec["grouped_prefill"][1]])
-    for device in devices():
-        registry = routemm.KernelRegistry(device)
-        w, p, x, ids, out, scratch = id_setup(device, rng, m=9, n=7, top_k=6, E=8)
-        for route in (IdRoute.DIRECT, IdRoute.GROUPED_PREFILL):
-            params = dataclasses.replace(p, route=route)
-            enc = device.command_encoder()
-            enc.start_encoded_dispatch_receipt(2)
-            routemm.dense_matmul_id(enc, registry, w, x, ids, out, scratch, params)
-            got = enc.take_encoded_dispatch_receipt()
-            enc.commit_and_wait()
-            assert got == routemm.dense_matmul_id_expected_dispatches(registry, routemm.DType.F32, params)
-            want = {"cpu": spec, "metal_emu": metal, "metal": metal}.get(device.backend)
-            if want is not None:  # CUDA: its own tiles, as the expected dispatches give them
-                shapes = [(d.grid, d.threads_per_threadgroup, d.threadgroup_memory) for d in got]
-                assert shapes == want[route.value], (device.backend, route, shapes)
+    registry = routemm.KernelRegistry(device)
+    w, p, x, ids, out, scratch = id_setup(device, rng, m=9, n=7, top_k=6, E=8)
+    for route in (IdRoute.DIRECT, IdRoute.GROUPED_PREFILL):
+        params = dataclasses.replace(p, route=route)
+        enc = device.command_encoder()
+        enc.start_encoded_dispatch_receipt(2)
+        routemm.dense_matmul_id(enc, registry, w, x, ids, out, scratch, params)
+        got = enc.take_encoded_dispatch_receipt()
+        enc.commit_and_wait()
+        assert got == routemm.dense_matmul_id_expected_dispatches(registry, routemm.DType.F32, params)
+        want = {"cpu": spec, "metal_emu": metal, "metal": metal}.get(device.backend)
+        if want is not None:  # CUDA: its own tiles, as the expected dispatches give them
+            shapes = [(d.grid, d.threads_per_threadgroup, d.threadgroup_memory) for d in got]
+            assert shapes == want[route.value], (device.backend, route, shapes)
 
 
-@check("7.6-accounting")
-def _(rng, tmp_path):
-    device = cpu()
+def _simd_registry(device):
+    """A registry whose frozen policy keeps the tensor-core candidates out of expert-ID calibrations
+    (4.1-expert-tensor-mm): the spec's candidates on every backend."""
+    registry = routemm.KernelRegistry(device)
+    registry.freeze_ggml_routing_policy(Policy(expert_tensor_mm=routemm.GgmlTensorMmPreference.FORCE_SIMD))
+    return registry
+
+
+@check("7.6-accounting", per_backend=True)
+def _(rng, tmp_path, device):
     w, p, *_ = id_setup(device, rng)
     case = [routemm.DenseMatmulIdCalibrationCase(w, p)]
     _, cold = routemm.calibrate_dense_matmul_id_routes(
-        routemm.KernelRegistry(device), device, 1, None, case, _timer=grouped_wins
+        _simd_registry(device), device, 1, None, case, _timer=grouped_wins
     )
     d = cold.decisions[0]
     assert d.candidates == (IdRoute.GROUPED_PREFILL,)
     assert (d.proof_submissions, d.timing_submissions, d.calibration_submissions) == (4, 20, 24)
     assert d.proof_dispatches + d.timing_dispatches == 36 and cold.calibration_submissions == 25
-    _, warm = routemm.calibrate_dense_matmul_id_routes(routemm.KernelRegistry(device), device, 2, None, case)
+    _, warm = routemm.calibrate_dense_matmul_id_routes(_simd_registry(device), device, 2, None, case)
     h = warm.decisions[0]
     assert h.process_cache_hit and (h.proof_submissions, h.proof_dispatches, h.timing_submissions) == (4, 6, 0)
     limits = routemm.DenseMatmulIdCalibrationLimits(max_submissions=23)
     w2, p2, *_ = id_setup(device, rng)
     _, tight = routemm.calibrate_dense_matmul_id_routes(
-        routemm.KernelRegistry(device), device, 1, limits, [routemm.DenseMatmulIdCalibrationCase(w2, p2)]
+        _simd_registry(device), device, 1, limits, [routemm.DenseMatmulIdCalibrationCase(w2, p2)]
     )
     assert tight.decisions[0].status is routemm.DenseMatmulIdSelectionStatus.BUDGET_FALLBACK
 
 
-@check("7.6-poison")
-def _(rng, tmp_path):
+@check("7.6-poison", per_backend=True)
+def _(rng, tmp_path, device):
     from routemm.plans import _expert_id_plan as ex
     from routemm.plans import dense_matmul_id_plan as dp
 
@@ -817,25 +922,74 @@ def _(rng, tmp_path):
     hit = written.copy()
     hit[8 + 15] = 0  # the last guard word
     assert ex.proof_status(hit, None, 8) & routemm.calibration.STATUS_CONTROL_GUARD
-    for device in devices():
-        seen = []
-        real = ex.proof_status
+    seen = []
+    real = ex.proof_status
 
-        def spy(control, candidate, logical):
-            seen.append((control.copy(), None if candidate is None else candidate.copy(), logical))
-            return real(control, candidate, logical)
+    def spy(control, candidate, logical):
+        seen.append((control.copy(), None if candidate is None else candidate.copy(), logical))
+        return real(control, candidate, logical)
 
-        w, p, *_ = id_setup(device, rng)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(ex, "proof_status", spy)
-            routemm.calibrate_dense_matmul_id_routes(
-                routemm.KernelRegistry(device), device, 1, None, [routemm.DenseMatmulIdCalibrationCase(w, p)]
-            )
-        assert seen, device.backend
-        for control, candidate, logical in seen:  # every proof output: the logical words, then 16 guards
-            for words in (control,) if candidate is None else (control, candidate):
-                assert len(words) == logical + 16, device.backend
-                assert (words[logical:] == dp.POISON_BITS).all() and not (words[:logical] == dp.POISON_BITS).any()
+    w, p, *_ = id_setup(device, rng)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ex, "proof_status", spy)
+        routemm.calibrate_dense_matmul_id_routes(
+            routemm.KernelRegistry(device), device, 1, None, [routemm.DenseMatmulIdCalibrationCase(w, p)]
+        )
+    assert seen, device.backend
+    for control, candidate, logical in seen:  # every proof output: the logical words, then 16 guards
+        for words in (control,) if candidate is None else (control, candidate):
+            assert len(words) == logical + 16, device.backend
+            assert (words[logical:] == dp.POISON_BITS).all() and not (words[:logical] == dp.POISON_BITS).any()
+
+
+@check("7.6-tensor-routes", per_backend=True)
+def _(rng, tmp_path, device):
+    """The candidates beyond the spec's grouped_prefill are exactly the tensor routes whose
+    pipelines the backend registers, each with a stated tolerance; the CPU registers none."""
+    import ml_dtypes
+    from routemm.plans import dense_matmul_id_plan as dp
+
+    registry = routemm.KernelRegistry(device)
+    if device.backend == "cpu":
+        assert not any(registry.has_kernel(name) for name in routemm.DENSE_MATMUL_ID_TENSOR_PIPELINE_NAMES)
+    E, n, k, m, top_k = 8, 16, 64, 16, 2
+    stack = device.from_numpy(rng.standard_normal((E, n, k)).astype(ml_dtypes.bfloat16))
+    params = routemm.DenseMatmulIdParams(m, n, k, top_k, E, n * k * 2)
+    case = routemm.DenseMatmulIdCalibrationCase(stack, params)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ROUTEMM_DISABLE_TENSOR_MM_ID", raising=False)
+        _, receipt = routemm.calibrate_dense_matmul_id_routes(registry, device, 1, None, [case], _timer=grouped_wins)
+    tensor = [r for r in dp.TENSOR_TOLERANCE if registry.has_kernel(dp._tensor_pipeline(r, routemm.DType.BF16))]
+    assert list(receipt.decisions[0].candidates) == [IdRoute.GROUPED_PREFILL, *tensor], device.backend
+    assert all(0 < dp.TENSOR_TOLERANCE[r] < 1 for r in tensor)
+
+
+@check("7.1-bf16-dot-routes", per_backend=True)
+def _(rng, tmp_path, device):
+    """Explicit opt-in only; within the bound of docs/api.md where the CPU registers the pipelines,
+    refused by name elsewhere."""
+    import ml_dtypes
+
+    E, n, k, m, top_k = 8, 16, 64, 12, 2
+    w = rng.standard_normal((E, n, k)).astype(ml_dtypes.bfloat16)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    ids = (np.arange(m)[:, None] + np.arange(top_k)[None, :]) % E
+    for rows in (1, m):  # never chosen by default
+        _, receipt = routemm.matmul_id(w, x[:rows], ids[:rows], device=device, return_receipt=True)
+        assert "bf16_dot" not in receipt.route.value, device.backend
+    available = [routemm.KernelRegistry(device).has_kernel(name) for name in BF16_DOT_PIPELINES]
+    assert len(set(available)) == 1 and (device.backend == "cpu" or not available[0]), device.backend
+    w64, x64 = w.astype(np.float64)[ids], x.astype(np.float64)[:, None, None, :]
+    want = (w64 * x64).sum(-1).reshape(m * top_k, n)
+    bound = 2.0**-8 * np.abs(w64 * x64).sum(-1).reshape(m * top_k, n)
+    for route in (IdRoute.DIRECT_BF16_DOT, IdRoute.GROUPED_BF16_DOT):
+        if not available[0]:
+            with pytest.raises(routemm.KernelNotFoundError, match="bf16dot"):
+                routemm.matmul_id(w, x, ids, device=device, route=route)
+            continue
+        got, receipt = routemm.matmul_id(w, x, ids, device=device, route=route, return_receipt=True)
+        assert receipt.route is route
+        assert (np.abs(got - want) <= bound).all() and np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
 
 
 @check("7.6-error-fallback")
@@ -910,9 +1064,9 @@ def test_table_rows_have_checks():
     ids = [r["id"] for r in table]
     assert len(ids) == len(set(ids)), "row ids repeat"
     checked = {r["id"] for r in table if r["checked_by"] == "check"}
-    assert checked == set(CHECKS), (
-        f"rows naming a check that does not exist: {sorted(checked - set(CHECKS))}; "
-        f"checks without a row: {sorted(set(CHECKS) - checked)}"
+    assert checked == checked_rows(), (
+        f"rows naming a check that does not exist: {sorted(checked - checked_rows())}; "
+        f"checks without a row: {sorted(checked_rows() - checked)}"
     )
     here = Path(__file__).resolve().parent
     for r in table:
@@ -925,7 +1079,8 @@ def test_table_rows_have_checks():
                 continue  # another row's check asserts this row too (resolved by unresolved_references)
             path, _, name = r["checked_by"].partition("::")
             assert name and re.search(rf"^def {re.escape(name)}\(", (here / path).read_text(), re.M), r
-        assert re.match(r"(same|deliberately different \(|not applicable \(|planned \()", r["status"]), r
+        # exactly one of the four statuses: a qualified "same (...)" is a difference and says so as one
+        assert re.fullmatch(r"same|(deliberately different|not applicable|planned) \(.+\)", r["status"]), r
 
 
 def unresolved_references(table: list[dict]) -> list[str]:
@@ -942,7 +1097,7 @@ def unresolved_references(table: list[dict]) -> list[str]:
             if not (file.is_file() and re.search(rf"^\s*def {re.escape(name)}\(", file.read_text(), re.M)):
                 missing.append(f"{r['id']}: {path}::{name}")
         for named in re.findall(r"\bcheck(?: \(([a-z0-9.\-]+)\))?", cell):
-            if (named or r["id"]) not in CHECKS:
+            if (named or r["id"]) not in checked_rows():
                 missing.append(f"{r['id']}: check ({named or r['id']})")
         if not refs and not re.search(r"\bcheck\b", cell) and cell not in ("", "—"):
             missing.append(f"{r['id']}: unreadable reference {cell!r}")
@@ -967,6 +1122,15 @@ def test_a_row_naming_a_missing_test_is_caught():
     ]
 
 
+def _seed(row_id: str) -> np.random.Generator:
+    return np.random.default_rng(int.from_bytes(row_id.encode()[-8:], "little"))
+
+
 @pytest.mark.parametrize("row_id", sorted(CHECKS))
 def test_same_row(row_id, tmp_path):
-    CHECKS[row_id](np.random.default_rng(abs(hash(row_id)) % 2**32), tmp_path)
+    CHECKS[row_id](_seed(row_id), tmp_path)
+
+
+@pytest.mark.parametrize("row_id", sorted(BACKEND_CHECKS))
+def test_row_on_backend(row_id, device, tmp_path):
+    BACKEND_CHECKS[row_id](_seed(row_id), tmp_path, device)

@@ -6,7 +6,8 @@
 // Every pipeline is one MSL function of the same name in routemm.metallib (metal/*.metal) or, for
 // the tensor-API routes, in the optional routemm_tensor.metallib. The geometry fields are what the
 // op front doors read from KernelDef (csrc/ops/*.cpp); they are spec §5.5/§5.6/§7.4's Metal
-// geometry and must match what the shaders assume.
+// geometry except the expert-ID map (one threadgroup of 128 threads, not one thread per expert:
+// docs/spec-conformance.md, 7.5-map-shader) and must match what the shaders assume.
 #pragma once
 
 #include <cstdint>

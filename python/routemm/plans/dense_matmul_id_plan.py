@@ -388,7 +388,8 @@ class DenseMatmulIdDispatchTrace(JsonRecord):
 
 def dense_matmul_id_expected_dispatches(registry, weight_dtype, params: DenseMatmulIdParams) -> list:
     """The dispatches a call of params.route encodes on `registry`'s backend, in order, with the
-    geometry the encoder derives from the registered kernels (spec §7.4's on CPU and Metal)."""
+    geometry the encoder derives from the registered kernels: spec §7.4's on the CPU; on Metal
+    the same but for the map (one threadgroup of 128 threads with 16400 bytes); CUDA's own tiles."""
     return [
         EncodedKernelDispatch._from_core(d)
         for d in _core._dense_matmul_id_expected_dispatches(registry, weight_dtype, params._native())
