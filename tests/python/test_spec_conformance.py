@@ -348,6 +348,54 @@ def _(rng, tmp_path):
     assert "expert_tensor_mm" not in Policy.RECORDED_ONLY  # 4.1-expert-tensor-mm
 
 
+@check("4.1-policy-effects", per_backend=True)
+def _(rng, tmp_path, device):
+    """Each recorded-only field, flipped, changes no dispatch and no bit of the calls its name
+    is about (mat-vec sizes): dense Q4_0, Q8_0 and Q6_K at m = 1, 4 and 8 (the dense receipts record
+    the policy), and expert-ID Q8_0 and Q6_K at m = 1 and 4 under a policy frozen into the front
+    door's registry."""
+    from routemm.ops import dense_matmul_id as dmi
+
+    T, k, n = routemm.GgmlType, 256, 16
+    flipped = [Policy(**{name: not getattr(Policy(), name)}) for name in Policy.RECORDED_ONLY]
+    registry = routemm.KernelRegistry(device)
+    for t in (T.Q4_0, T.Q8_0, T.Q6_K):
+        w = device.from_numpy(routemm.quantize(rng.standard_normal((n, k)).astype(np.float32), t).reshape(-1))
+        for m in (1, 4, 8):
+            x = device.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+            params = routemm.GgmlQuantizedMatmulParams(m, n, k, t)
+
+            def run(policy):
+                y = device.alloc(m * n * 4, routemm.DType.F32, [m, n])
+                enc = device.command_encoder()
+                receipt = routemm.quantized_matmul_ggml(enc, registry, x, w, y, params, policy)
+                enc.commit_and_wait()
+                return receipt, y.numpy().view(np.uint32)
+
+            base, want = run(Policy())
+            for policy in flipped:
+                receipt, got = run(policy)
+                assert receipt.policy == policy
+                assert (receipt.route, receipt.dispatch) == (base.route, base.dispatch), (device.backend, t, m, policy)
+                assert np.array_equal(got, want), (device.backend, t, m, policy)
+    E = 4
+    for t in (T.Q8_0, T.Q6_K):
+        stack = routemm.quantize(rng.standard_normal((E, n, k)).astype(np.float32), t)
+        for m in (1, 4):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            ids = (np.arange(m)[:, None] + np.arange(2)[None, :]) % E
+            runs = []
+            for policy in (Policy(), *flipped):
+                frozen = routemm.KernelRegistry(device)
+                frozen.freeze_ggml_routing_policy(policy)
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(dmi, "_registry_for", lambda _device, frozen=frozen: frozen)
+                    got, receipt = routemm.matmul_id(stack, x, ids, device=device, ggml_type=t, return_receipt=True)
+                runs.append((receipt, got.view(np.uint32)))
+            for receipt, got in runs[1:]:
+                assert receipt == runs[0][0] and np.array_equal(got, runs[0][1]), (device.backend, t, m)
+
+
 def _auto_routes(device, rng, ms, ggml_type=None) -> list:
     """The route matmul_id's automatic choice takes for distinct ids at each m (8 experts, top_k 2)."""
     E, n, k = 8, 16, 64
