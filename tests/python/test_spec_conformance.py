@@ -526,14 +526,16 @@ def _tensor_candidates_proved(device, rng, ggml_type, policy=None) -> list:
 def _(rng, tmp_path, device):
     """Calibration: the tensor candidates are proved only under auto_probe."""
     simd = Policy(expert_tensor_mm=routemm.GgmlTensorMmPreference.FORCE_SIMD)
+    tf32 = routemm.KernelRegistry(device).has_kernel("dense_matmul_id_grouped_tf32_bf16_f32")  # CUDA's
     for ggml_type, grouped in ((None, "grouped_prefill"), (routemm.GgmlType.Q4_0, "grouped")):
+        tensor = ["grouped_tensor_tf32"] * (tf32 and ggml_type is None) + ["grouped_tensor_lowp"]
         with pytest.MonkeyPatch.context() as mp:
             mp.delenv("ROUTEMM_DISABLE_TENSOR_MM_ID", raising=False)
-            assert _tensor_candidates_proved(device, rng, ggml_type) == [grouped, "grouped_tensor_lowp"]
+            assert _tensor_candidates_proved(device, rng, ggml_type) == [grouped, *tensor]
             assert _tensor_candidates_proved(device, rng, ggml_type, simd) == [grouped]
             mp.setenv("ROUTEMM_DISABLE_TENSOR_MM_ID", "1")
             assert _tensor_candidates_proved(device, rng, ggml_type) == [grouped]
-            assert _tensor_candidates_proved(device, rng, ggml_type, Policy()) == [grouped, "grouped_tensor_lowp"]
+            assert _tensor_candidates_proved(device, rng, ggml_type, Policy()) == [grouped, *tensor]
 
 
 @check("4.1-expert-tensor-mm")
