@@ -136,7 +136,39 @@ TEST(MoeGate, RefusesBadRoutingBeforeEncoding) {
   refused(p, &short_bias, "e_score_correction_bias requires 32 logical bytes");
   refused(p, &f16_bias, "e_score_correction_bias must be f32");
   EXPECT_THROW(parse_moe_gate_scoring("moe_gate", "relu"), InvalidArgument);
+  const Buffer flat_bias = device.alloc(8 * 4, DType::F32, {2, 4});
+  for (const auto& [bias, what] :
+       {std::pair{&short_bias, "router_bias requires 32 logical bytes, got 16"},
+        std::pair{&f16_bias, "router_bias must be f32, got f16"},
+        std::pair{&flat_bias, "router_bias must have shape [n_experts = 8], got [2, 4]"}}) {
+    try {
+      moe_gate(encoder, registry, logits, weights, ids, p, nullptr, bias);
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  }
   EXPECT_EQ(encoder.pending_dispatches(), 0u);
+}
+
+TEST(MoeGate, RouterBiasJoinsTheLogitsBeforeScoring) {
+  // gpt-oss's router: the biased logits {2, 5, 3, 1} select experts 1 and 2, and softmax over
+  // those two logits weighs them (renormalize); the selection bias alone would leave the weights
+  // those of the unbiased logits.
+  const Device device("cpu");
+  KernelRegistry registry(device);
+  const Buffer in = upload(device, std::vector<float>{2.0f, 0.0f, -1.0f, 1.0f}, DType::F32);
+  const Buffer router_bias = upload(device, std::vector<float>{0.0f, 5.0f, 4.0f, 0.0f}, DType::F32);
+  Buffer weights = device.alloc(2 * 4, DType::F32, {1, 2});
+  Buffer ids = device.alloc(2 * 4, DType::U32, {1, 2});
+  CommandEncoder encoder = device.command_encoder();
+  moe_gate(encoder, registry, in, weights, ids, MoeGateParams{1, 4, 2, true}, nullptr,
+           &router_bias);
+  encoder.commit_and_wait();
+  EXPECT_EQ(download<uint32_t>(ids), (std::vector<uint32_t>{1, 2}));
+  const auto w = download<float>(weights);
+  EXPECT_NEAR(w[0], 1.0 / (1.0 + std::exp(-2.0)), 1e-6);
+  EXPECT_NEAR(w[1], 1.0 / (1.0 + std::exp(2.0)), 1e-6);
 }
 
 TEST(MoeSiluMulAndCombine, StridedHalvesAndSkippedSlots) {
