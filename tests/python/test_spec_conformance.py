@@ -397,8 +397,8 @@ def _(rng, tmp_path, device):
 
 
 def _auto_routes(device, rng, ms, ggml_type=None) -> list:
-    """The route matmul_id's automatic choice takes for distinct ids at each m (8 experts, top_k 2)."""
-    E, n, k = 8, 16, 64
+    """The route matmul_id's automatic choice takes for distinct ids at each m (2 experts, top_k 2)."""
+    E, n, k = 2, 16, 64
     w = rng.standard_normal((E, n, k)).astype(np.float32)
     if ggml_type is not None:
         w = q4_0.quantize(w.reshape(E * n, k)).reshape(E, n, -1)
@@ -415,15 +415,15 @@ def _auto_routes(device, rng, ms, ggml_type=None) -> list:
 def _(rng, tmp_path, device):
     """matmul_id on arrays (dense and quantised) and the NumPy MoE block: the environment's
     threshold, and a policy frozen into the device's registry over it. CUDA also needs 8 routed rows
-    per expert (dense) or 256 (block stacks): m >= 32 and m >= 1024 here."""
+    per expert (dense) or 256 (block stacks): m >= 8 and m >= 256 here (2 experts, top_k 2)."""
     from routemm.ops import dense_matmul_id as dmi
 
-    ms = (1, 9, 16, 17, 32, 33)
+    ms = (1, 9, 16, 17)
 
     def want(m, threshold, quantized):
-        rows_rule = device.backend != "cuda" or (not quantized and m >= 32)
+        rows_rule = device.backend != "cuda" or (not quantized and m >= 8)
         grouped = m > threshold and rows_rule
-        assert grouped == dmi.auto_grouped(device.backend, m, 2, 8, quantized=quantized, mm_threshold=threshold)
+        assert grouped == dmi.auto_grouped(device.backend, m, 2, 2, quantized=quantized, mm_threshold=threshold)
         return grouped
 
     for ggml_type, grouped in ((None, "grouped_prefill"), (routemm.GgmlType.Q4_0, "grouped")):
@@ -438,16 +438,16 @@ def _(rng, tmp_path, device):
                 _auto_routes(device, rng, ms[:1], ggml_type)
     # A policy frozen into the registry the front doors use wins over the environment's.
     registry = routemm.KernelRegistry(device)
-    registry.freeze_ggml_routing_policy(Policy(expert_mm_threshold=32))
-    E, h, inter = 8, 32, 32
+    registry.freeze_ggml_routing_policy(Policy(expert_mm_threshold=16))
+    E, h, inter = 2, 32, 32
     gate_up, down = rng.standard_normal((E, 2 * inter, h)), rng.standard_normal((E, h, inter))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ROUTEMM_MM_ID_ROUTING_THRESHOLD", "0")
         mp.setattr(dmi, "_registry_for", lambda _device: registry)
         for ggml_type, grouped in ((None, "grouped_prefill"), (routemm.GgmlType.Q4_0, "grouped")):
             routes = _auto_routes(device, rng, ms, ggml_type)
-            assert routes == [grouped if want(m, 32, ggml_type is not None) else "direct" for m in ms], device.backend
-        for m in (17, 33):  # the MoE block: its automatic route encodes what the same explicit route does
+            assert routes == [grouped if want(m, 16, ggml_type is not None) else "direct" for m in ms], device.backend
+        for m in (9, 17):  # the MoE block: its automatic route encodes what the same explicit route does
             hidden = rng.standard_normal((m, h)).astype(np.float32)
             ids = (np.arange(m)[:, None] + np.arange(2)[None, :]) % E
             weights = np.full((m, 2), 0.5, np.float32)
@@ -465,7 +465,7 @@ def _(rng, tmp_path, device):
                 )
                 counts[route] = routemm.dispatch_count() - before
             assert counts["direct"] != counts["grouped_prefill"]
-            chosen = "grouped_prefill" if want(m, 32, False) else "direct"
+            chosen = "grouped_prefill" if want(m, 16, False) else "direct"
             assert counts[None] == counts[chosen], (device.backend, m, counts)
 
 
@@ -503,7 +503,7 @@ def _tensor_candidates_proved(device, rng, ggml_type, policy=None) -> list:
     import ml_dtypes
 
     registry = routemm.KernelRegistry(device)
-    E, n, k, m, top_k = 8, 16, 64, 16, 2
+    E, n, k, m, top_k = 2, 16, 64, 16, 2
     if ggml_type is None:
         names = ("dense_matmul_id_grouped_lowp_bf16_f32", "dense_matmul_id_grouped_bf16_f32")
         stack = rng.standard_normal((E, n, k)).astype(ml_dtypes.bfloat16)
