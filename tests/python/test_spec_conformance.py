@@ -1,7 +1,8 @@
 """docs/spec-conformance.md stays true: every row marked "same" is checked -- by a check here, run
-on every backend of the run where the row's claim depends on the backend, or by an existing test
-the row names -- every test or check any row names exists, and every check here belongs to a row
-(so the table cannot drift from the code)."""
+on every backend of the run (conftest's `device` fixture: a backend named in ROUTEMM_TEST_BACKENDS
+but unavailable here is a skip) where the row's claim depends on the backend, or by an existing
+test the row names -- every test or check any row names exists, every check here belongs to a row
+(so the table cannot drift from the code), and every status is one of the table's four."""
 
 from __future__ import annotations
 
