@@ -121,9 +121,13 @@ const ggml_formats::KernelFormat* kernel_format(GgmlType type) {
   return ggml_formats::kernel_format(static_cast<uint8_t>(type));
 }
 
-// The int8-dot pipeline of a (validated) type and regime: Q4_0 and Q8_0 have one; the other
-// formats none (empty).
+// The int8-dot pipeline of a (validated) type and regime: Q4_0, Q8_0 and the K-quants of
+// kKQuantInt8DotFormats have one; the other formats none (empty).
 std::string_view int8_dot_pipeline(GgmlType type, bool mat_vec) {
+  if (const ggml_formats::KernelFormat* f =
+          ggml_formats::kquant_int8_dot_format(static_cast<uint8_t>(type))) {
+    return mat_vec ? f->mat_vec : f->matrix;
+  }
   if (kernel_format(type) != nullptr) return {};
   return kGgmlInt8DotPipelineNames[(type == GgmlType::Q8_0 ? 2 : 0) + (mat_vec ? 0 : 1)];
 }

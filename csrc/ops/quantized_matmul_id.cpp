@@ -98,6 +98,19 @@ std::string supported_types() {
 // The other formats' kernels read their blocks bytewise (MXFP4 blocks are 17 bytes).
 uint64_t block_alignment(GgmlType type) { return kernel_format(type) != nullptr ? 1 : 2; }
 
+// The int8-dot routes exist for Q4_0, Q8_0 and the K-quants of kKQuantInt8DotFormats; the other
+// formats of kKernelFormats have the exact routes and the tensor-core one.
+void check_route_supports(GgmlType type, GgmlQuantizedMatmulIdRoute route) {
+  const bool int8_dot = route == GgmlQuantizedMatmulIdRoute::DirectInt8Dot ||
+                        route == GgmlQuantizedMatmulIdRoute::GroupedInt8Dot;
+  if (int8_dot && kernel_format(type) != nullptr &&
+      ggml_formats::kquant_int8_dot_format(static_cast<uint8_t>(type)) == nullptr) {
+    fail("route " + std::string(to_string(route)) +
+         " supports q4_0, q8_0, q4_k, q5_k and q6_k only, not " + std::string(to_string(type)) +
+         " (its routes: direct, grouped, grouped_tensor_lowp)");
+  }
+}
+
 }  // namespace
 
 std::string_view to_string(GgmlQuantizedMatmulIdRoute value) {
@@ -117,13 +130,7 @@ GgmlQuantizedMatmulIdCapability quantized_matmul_id_ggml_capability(
     fail("M, N, K, top_k, and n_experts must be nonzero");
   }
   if (!is_supported(p.ggml_type)) fail_unsupported(p.ggml_type);
-  if (kernel_format(p.ggml_type) != nullptr && p.route != GgmlQuantizedMatmulIdRoute::Direct &&
-      p.route != GgmlQuantizedMatmulIdRoute::Grouped &&
-      p.route != GgmlQuantizedMatmulIdRoute::GroupedTensorLowp) {
-    fail("route " + std::string(to_string(p.route)) + " supports q4_0 and q8_0 only, not " +
-         std::string(to_string(p.ggml_type)) +
-         " (its routes: direct, grouped, grouped_tensor_lowp)");
-  }
+  check_route_supports(p.ggml_type, p.route);
   const auto [qk, block_bytes] = ggml_block_layout(p.ggml_type);
   if (p.k % qk != 0) {
     fail("K (" + std::to_string(p.k) + ") must be divisible by block QK (" + std::to_string(qk) +
@@ -238,9 +245,13 @@ std::vector<std::string_view> quantized_matmul_id_ggml_route_pipelines(
             kDenseMatmulIdMapPipeline,
             kGgmlQuantizedMatmulIdTensorPipelineNames[2 +
                                                       (f - ggml_formats::kKernelFormats.data())]};
-      default:
-        fail("route " + std::string(to_string(route)) + " supports q4_0 and q8_0 only, not " +
-             std::string(to_string(type)) + " (its routes: direct, grouped, grouped_tensor_lowp)");
+      case GgmlQuantizedMatmulIdRoute::DirectInt8Dot:
+        check_route_supports(type, route);
+        return {ggml_formats::kquant_int8_dot_format(f->ggml_type)->id_direct};
+      case GgmlQuantizedMatmulIdRoute::GroupedInt8Dot:
+        check_route_supports(type, route);
+        return {kDenseMatmulIdMapPipeline,
+                ggml_formats::kquant_int8_dot_format(f->ggml_type)->id_grouped};
     }
   }
   const size_t index = type == GgmlType::Q4_0 ? 0 : 1;

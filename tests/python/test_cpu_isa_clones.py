@@ -122,6 +122,42 @@ _CHILD = textwrap.dedent(
         for route in (Route.DIRECT, Route.GROUPED, Route.DIRECT_INT8_DOT, Route.GROUPED_INT8_DOT):
             for m in (1, 5, 40):
                 outputs[f"{ggml_type.value}/{route.value}/m{m}"] = expert_id(ggml_type, route, m, 70, 608, 3, 6)
+    # The K-quant int8-dot routes (ggml_kquant_int8_dot.h): dense mat-vec and matrix, direct and
+    # grouped, K = 768 (three super-blocks), N = 70, weights with every code and scale in use.
+    from routemm.formats import ggml as ggml_codecs
+
+    def kquant_blocks(ggml_type, shape):
+        return ggml_codecs.quantize(rng.standard_normal(shape).astype(np.float32), ggml_type)
+
+    int8 = routemm.GgmlRoutingPolicy(dense_int8_dot=True)
+    for ggml_type in (GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K):
+        for m in (1, 3, 9, 40):
+            blocks, x = kquant_blocks(ggml_type, (70, 768)), activations(m, 768)
+            out = device.alloc(m * 70 * 4, DType.F32, [m, 70])
+            encoder = device.command_encoder()
+            routemm.quantized_matmul_ggml(
+                encoder, registry, device.from_numpy(x), device.from_numpy(blocks), out,
+                routemm.GgmlQuantizedMatmulParams(m, 70, 768, ggml_type), int8,
+            )
+            encoder.commit_and_wait()
+            outputs[f"{ggml_type.value}/int8_dot/m{m}"] = out.numpy().reshape(m, 70)
+        for route in (Route.DIRECT_INT8_DOT, Route.GROUPED_INT8_DOT):
+            for m in (1, 40):
+                stack = kquant_blocks(ggml_type, (6, 70, 768))
+                x = activations(m, 768)
+                ids = np.stack([rng.permutation(6)[:3] for _ in range(m)]).astype(np.uint32)
+                out = device.alloc(m * 3 * 70 * 4, DType.F32, [m * 3, 70])
+                params = routemm.GgmlQuantizedMatmulIdParams(
+                    m, 70, 768, 3, 6, ggml_type, stack[0].nbytes, Layout.SHARED_PER_TOKEN, route
+                )
+                scratch = routemm.DenseMatmulIdScratch(device, 6, m) if route.is_grouped else None
+                encoder = device.command_encoder()
+                routemm.quantized_matmul_id_ggml(
+                    encoder, registry, device.from_numpy(x), device.from_numpy(stack.reshape(-1)),
+                    device.from_numpy(ids), out, scratch, params,
+                )
+                encoder.commit_and_wait()
+                outputs[f"{ggml_type.value}/{route.value}/m{m}"] = out.numpy().reshape(m * 3, 70)
     np.savez(sys.argv[1], **outputs)
     print(json.dumps({"isa": device.properties["isa"]}))
     """

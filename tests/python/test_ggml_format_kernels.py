@@ -142,9 +142,12 @@ def test_kernels_decode_weights_as_ggml_does(device, registry, rng, ggml_type):
     np.testing.assert_array_equal(got.T, dequantized(blocks, ggml_type, k))
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.value)
+@pytest.mark.parametrize(
+    "ggml_type", [t for t in TYPES if t not in (GgmlType.Q4_K, GgmlType.Q5_K, GgmlType.Q6_K)], ids=lambda t: t.value
+)
 def test_dense_int8_dot_policy_runs_the_exact_routes(device, registry, rng, ggml_type):
-    """The int8-dot pipelines exist for Q4_0 / Q8_0 only: the policy leaves these formats exact."""
+    """The int8-dot pipelines exist for Q4_0, Q8_0 and the K-quants only (test_kquant_int8_dot.py):
+    the policy leaves these formats exact."""
     _, _, _, _, mat_vec, *_ = KERNEL_FORMATS[ggml_type.value]
     needs(registry, mat_vec)
     k = block_k(ggml_type)
@@ -303,14 +306,15 @@ def test_expert_id_refusals_name_the_route_and_k():
         )
     for route in (Route.DIRECT_INT8_DOT, Route.GROUPED_INT8_DOT):
         with pytest.raises(
-            routemm.InvalidArgumentError, match=f"route {route.value} supports q4_0 and q8_0 only, not q4_1"
+            routemm.InvalidArgumentError,
+            match=f"route {route.value} supports q4_0, q8_0, q4_k, q5_k and q6_k only, not q4_1",
         ):
             routemm.quantized_matmul_id_ggml_capability(
                 routemm.GgmlQuantizedMatmulIdParams(
                     k=32, ggml_type=GgmlType.Q4_1, expert_stride_bytes=160, route=route, **base
                 )
             )
-        with pytest.raises(routemm.InvalidArgumentError, match=f"route {route.value} supports q4_0 and q8_0 only"):
+        with pytest.raises(routemm.InvalidArgumentError, match=f"route {route.value} supports .* only, not q4_1"):
             route.pipelines(GgmlType.Q4_1)
     # MXFP4 blocks are 17 bytes: an odd expert stride is a valid packed stack.
     cap = routemm.quantized_matmul_id_ggml_capability(

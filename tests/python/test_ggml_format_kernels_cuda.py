@@ -278,7 +278,7 @@ def lowp_pipeline(name):
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.value)
 def test_lowp_route_is_offered_for_every_kernel_format(ggml_type):
     """grouped_tensor_lowp takes every kernel format (the grouped route's extents and scratch); the
-    int8-dot routes stay Q4_0 / Q8_0."""
+    int8-dot routes are Q4_0's, Q8_0's and the K-quants' only."""
     name = ggml_type.value
     _, _, values, block_bytes, *_ = KERNEL_FORMATS[name]
     k = 2 * 256
@@ -296,7 +296,10 @@ def test_lowp_route_is_offered_for_every_kernel_format(ggml_type):
     assert Route.GROUPED_TENSOR_LOWP.pipelines(ggml_type) == (map_name, lowp_pipeline(name))
     assert lowp_pipeline(name) in routemm.GGML_QUANTIZED_MATMUL_ID_TENSOR_PIPELINE_NAMES
     for route in (Route.DIRECT_INT8_DOT, Route.GROUPED_INT8_DOT):
-        with pytest.raises(routemm.InvalidArgumentError, match=f"route {route.value} supports q4_0 and q8_0 only"):
+        if name in ("q4_k", "q5_k", "q6_k"):
+            assert route.pipelines(ggml_type)[-1] == f"quantized_matmul_id_{route.value[:-9]}_int8dot_{name}_f32"
+            continue
+        with pytest.raises(routemm.InvalidArgumentError, match=f"route {route.value} supports .* only, not {name}"):
             route.pipelines(ggml_type)
 
 

@@ -148,6 +148,51 @@ def int8_dot_bound(weights: np.ndarray, x: np.ndarray) -> np.ndarray:
     return rounding + accumulation + 2.0**-100 * w.sum(axis=1)[None, :]
 
 
+# The K-quant int8-dot routes (Q4_K, Q5_K, Q6_K; contract in csrc/backend/cpu/ggml_kquant_int8_dot.h):
+# each 256-value activation block rounded to int8 with d = max|x| / 127, exact integer sums per
+# super-block (S over the scaled codes, M over the mins), then per super-block one or two F32 FMAs
+# with the products of the scales. W_i = |d_w| sc u_i + |dmin| m (Q4_K, Q5_K) or |w_i| (Q6_K) is
+# what the integer sums carry:
+#   |err| <= sum_i |w_i| d_i (1/2 + 2^-15) + gamma(2 K/256 + 3) sum_i W_i (|x_i| + d_i)
+#            + 2^-100 sum_i |w_i|
+# and, for heavy-tailed random data, relative Frobenius error within 5e-2 (one scale per 256 values:
+# an outlier coarsens eight times as many activations as in a 32-value block).
+KQUANT_INT8_DOT_BLOCK = 256
+KQUANT_INT8_DOT_FROBENIUS = 5e-2
+
+
+def kquant_int8_dot_magnitudes(blocks: np.ndarray, ggml_type, n: int, k: int) -> np.ndarray:
+    """W [n, k] of a K-quant matrix's blocks: the dequantised values with the min term taken apart.
+    The codes zeroed, the dequantiser gives -dmin m per value; |w + dmin m| + |dmin m| is then
+    d_w sc u + dmin m in magnitude (Q6_K has no min: |w|)."""
+    from routemm.formats import ggml
+
+    name = getattr(ggml_type, "value", ggml_type)
+    w = ggml.dequantize(blocks, name).reshape(n, k).astype(np.float64)
+    if name == "q6_k":
+        return np.abs(w)
+    raw = np.array(blocks, np.uint8).reshape(n, k // 256, -1).copy()
+    raw[:, :, 16:] = 0  # Q4_K qs, Q5_K qh and qs: every code 0
+    mins = -ggml.dequantize(raw.reshape(n, -1), name).reshape(n, k).astype(np.float64)
+    return np.abs(w + mins) + np.abs(mins)
+
+
+def kquant_int8_dot_bound(weights: np.ndarray, magnitudes: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Bound on |result - exact| of a K-quant int8-dot route, [m, n], for dequantised weights [n, k]
+    (float64), their magnitudes W (kquant_int8_dot_magnitudes) and F32 activations [m, k]."""
+    x = np.asarray(x, np.float32)
+    w = np.abs(np.asarray(weights, np.float64))
+    blocks = np.abs(x).reshape(*x.shape[:-1], -1, KQUANT_INT8_DOT_BLOCK).max(axis=-1)
+    d = (blocks / np.float32(127)).astype(np.float32).astype(np.float64)
+    d[blocks < np.float32(2.0**-100)] = 0.0
+    d = np.repeat(d, KQUANT_INT8_DOT_BLOCK, axis=-1)
+    steps = 2 * (x.shape[-1] // KQUANT_INT8_DOT_BLOCK) + 3
+    gamma = steps * 2.0**-24 / (1 - steps * 2.0**-24)
+    rounding = (d * (0.5 + 2.0**-15)) @ w.T
+    accumulation = gamma * ((np.abs(x.astype(np.float64)) + d) @ np.asarray(magnitudes, np.float64).T)
+    return rounding + accumulation + 2.0**-100 * w.sum(axis=1)[None, :]
+
+
 # ---- GGML Q4_0 dense projections (quantized_matmul_ggml) -----------------------------------------
 #
 # Reference: float64 over the *exactly* dequantised weights (d * (nibble - 8) is exact in F32 and

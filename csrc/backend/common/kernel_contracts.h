@@ -289,19 +289,20 @@ void check_ggml_matrix_args(const KernelLaunch& launch) {
   ggml_operands(launch, p.ne1, p.ne0, p.ne00, BlockBytes, BlockValues, 1, 2, 3);
 }
 
-// The four pipelines of ggml_formats.h's kKernelFormats[Index] (the Q8_0 pipelines' slots, with
-// the format's block geometry; blocks read bytewise) when `name` is one of them.
-template <size_t Index>
+// The four pipelines of Formats[Index] (ggml_formats.h's kKernelFormats or kKQuantInt8DotFormats:
+// the Q8_0 pipelines' slots, with the format's block geometry; blocks read bytewise) when `name`
+// is one of them.
+template <const auto& Formats, size_t Index = 0>
 KernelArgCheck ggml_format_arg_contract(std::string_view name) {
-  constexpr ggml_formats::KernelFormat f = ggml_formats::kKernelFormats[Index];
+  constexpr ggml_formats::KernelFormat f = Formats[Index];
   if (name == f.mat_vec) return &check_ggml_matvec_args<f.block_bytes, f.block_values>;
   if (name == f.matrix) return &check_ggml_matrix_args<f.block_bytes, f.block_values>;
   if (name == f.id_direct)
     return &check_quantized_matmul_id_direct_args<f.block_bytes, f.block_values, 1>;
   if (name == f.id_grouped)
     return &check_quantized_matmul_id_grouped_args<f.block_bytes, f.block_values, 1>;
-  if constexpr (Index + 1 < ggml_formats::kKernelFormats.size()) {
-    return ggml_format_arg_contract<Index + 1>(name);
+  if constexpr (Index + 1 < Formats.size()) {
+    return ggml_format_arg_contract<Formats, Index + 1>(name);
   } else {
     return nullptr;
   }
@@ -441,7 +442,7 @@ void check_moe_fused_down_args(const KernelLaunch& launch) {
 // kQ8MatmulPipelineNames, kQ8_0MatVecNr2Pipeline, kGgmlInt8DotPipelineNames,
 // kGgmlQuantizedMatmulIdPipelineNames, kGgmlQuantizedMatmulIdTensorPipelineNames,
 // kGgmlQuantizedMatmulIdInt8DotPipelineNames, kMoePipelineNames, the two calibration kernels or
-// the pipelines of ggml_formats.h's kKernelFormats.
+// the pipelines of ggml_formats.h's kKernelFormats and kKQuantInt8DotFormats.
 // Backends call this while building their kernel lists, so a kernel added without a contract
 // fails when its backend opens instead of going unchecked.
 inline KernelArgCheck kernel_arg_contract(std::string_view name) {
@@ -528,7 +529,13 @@ inline KernelArgCheck kernel_arg_contract(std::string_view name) {
   for (const auto& [known, check] : table) {
     if (known == name) return check;
   }
-  if (const KernelArgCheck check = ggml_format_arg_contract<0>(name)) return check;
+  if (const KernelArgCheck check = ggml_format_arg_contract<ggml_formats::kKernelFormats>(name)) {
+    return check;
+  }
+  if (const KernelArgCheck check =
+          ggml_format_arg_contract<ggml_formats::kKQuantInt8DotFormats>(name)) {
+    return check;
+  }
   throw Error("no argument contract for kernel '" + std::string(name) + "'");
 }
 

@@ -32,6 +32,7 @@
 #include "backend/common/dense_matmul_id_params.h"
 #include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
+#include "ggml_kquant_int8_dot.h"
 #include "kernels.h"
 #include "neon_kernels.h"
 #include "routemm/checked.h"
@@ -336,9 +337,13 @@ constexpr size_t kMvThreadgroupOutputs = 8;  // the Q8_0 mat-vec's geometry
 constexpr size_t kMmTokenTile = 32;          // the Q8_0 matrix route's
 constexpr size_t kMmOutputTile = 64;
 
-template <size_t Index>
+using RunDense = void (*)(const BlockFormat&, const Dense&, void*);
+
+// The mat-vec and matrix pipelines of Formats[Index] (kKernelFormats with run_dense, or
+// kKQuantInt8DotFormats with the int8-dot runner): one launch check, the runner's arithmetic.
+template <const auto& Formats, size_t Index, RunDense Run = run_dense>
 void mv_kernel(const KernelLaunch& launch, void* queue_native) {
-  static const BlockFormat f = block_format(ggml_formats::kKernelFormats[Index]);
+  static const BlockFormat f = block_format(Formats[Index]);
   const auto p = kernels::launch_params<GgmlMatmulMvParams>(launch, 3);
   if (p.ne00 != p.ne10 || p.ne01 != p.ne0 || p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 || p.r3 != 1 ||
       p.ne1 <= 0 || p.ne0 <= 0 || p.ne00 <= 0) {
@@ -350,12 +355,12 @@ void mv_kernel(const KernelLaunch& launch, void* queue_native) {
       launch.grid.y != d.m || launch.grid.z != 1) {
     launch_error(launch, "launch grid does not match the mat-vec geometry");
   }
-  run_dense(f, d, queue_native);
+  Run(f, d, queue_native);
 }
 
-template <size_t Index>
+template <const auto& Formats, size_t Index, RunDense Run = run_dense>
 void mm_kernel(const KernelLaunch& launch, void* queue_native) {
-  static const BlockFormat f = block_format(ggml_formats::kKernelFormats[Index]);
+  static const BlockFormat f = block_format(Formats[Index]);
   const auto p = kernels::launch_params<GgmlMatmulMmParams>(launch, 0);
   if (p.ne00 <= 0 || p.ne0 <= 0 || p.ne1 <= 0 || p.ne02 != 1 || p.ne12 != 1 || p.r2 != 1 ||
       p.r3 != 1 || p.nb10 != 4 || p.nb11 != uint64_t(p.ne00) * 4 ||
@@ -369,7 +374,7 @@ void mm_kernel(const KernelLaunch& launch, void* queue_native) {
       launch.grid.y != (d.n + kMmOutputTile - 1) / kMmOutputTile || launch.grid.z != 1) {
     launch_error(launch, "launch grid does not match the route's 32 x 64 tile");
   }
-  run_dense(f, d, queue_native);
+  Run(f, d, queue_native);
 }
 
 // ---- Expert-ID routes ---------------------------------------------------------------------------
@@ -514,6 +519,127 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
   });
 }
 
+// ---- K-quant int8-dot routes (ggml_kquant_int8_dot.h) -------------------------------------------
+//
+// Every route rounds each distinct activation row once per call (contract step 1), then runs the
+// clone's item, which computes every output from its weight row and its rounded activation row
+// alone: dense == direct == grouped bit for bit, whatever the split.
+
+using ggml::kint8::KFormat;
+
+template <size_t Index>
+constexpr KFormat kint8_format() {
+  constexpr std::string_view name = ggml_formats::kKQuantInt8DotFormats[Index].name;
+  static_assert(name == "q4_k" || name == "q5_k" || name == "q6_k");
+  return name == "q4_k" ? KFormat::q4_k : name == "q5_k" ? KFormat::q5_k : KFormat::q6_k;
+}
+
+template <size_t Index>
+void run_dense_int8(const BlockFormat& f, const Dense& d, void* queue_native) {
+  ggml::kint8::Rows x;
+  x.resize(d.m, d.k);
+  parallel(queue_native, d.m, [&](size_t begin, size_t end) {
+    for (size_t r = begin; r < end; ++r) ggml::kint8::quantize_row(d.input + r * d.k, d.k, x, r);
+  });
+  const ggml::kint8::Item run = ggml::kint8::item_for_isa<kint8_format<Index>()>();
+  const size_t col_items = (d.n + kItemCols - 1) / kItemCols;
+  const size_t row_items = (d.m + kItemRows - 1) / kItemRows;
+  parallel(queue_native, row_items * col_items, [&](size_t begin, size_t end) {
+    size_t rows_of[kItemRows];
+    float* out[kItemRows];
+    for (size_t item = begin; item < end; ++item) {
+      const size_t row0 = item % row_items * kItemRows, col0 = item / row_items * kItemCols;
+      const size_t rows = std::min(kItemRows, d.m - row0);
+      for (size_t r = 0; r < rows; ++r) {
+        rows_of[r] = row0 + r;
+        out[r] = d.output + (row0 + r) * d.n;
+      }
+      run(d.weight, d.row_bytes, f.bytes, x, rows_of, rows, out, col0,
+          std::min(kItemCols, d.n - col0));
+    }
+  });
+}
+
+// The routed rows' activations, rounded once: one row per token when every slot reads the token's
+// row (slot stride 0), else one per flat row.
+struct RoundedInputs {
+  ggml::kint8::Rows rows;
+  bool per_token = false;
+  uint32_t top_k = 1;
+
+  RoundedInputs(const Experts& e, void* queue_native)
+      : per_token(e.p.input_slot_stride_bytes == 0), top_k(e.p.top_k) {
+    const size_t count = per_token ? size_t{e.p.m} : size_t{e.p.m} * e.p.top_k;
+    rows.resize(count, e.p.k);
+    parallel(queue_native, count, [&](size_t begin, size_t end) {
+      for (size_t r = begin; r < end; ++r) {
+        ggml::kint8::quantize_row(e.input_row(per_token ? r * top_k : r), e.p.k, rows, r);
+      }
+    });
+  }
+  size_t index(size_t flat) const { return per_token ? flat / top_k : flat; }
+};
+
+template <size_t Index>
+void direct_int8_kernel(const KernelLaunch& launch, void* queue_native) {
+  static const BlockFormat f = block_format(ggml_formats::kKQuantInt8DotFormats[Index]);
+  const Experts e = Experts::bind(launch, f, 4);
+  const size_t rows = size_t{e.p.m} * e.p.top_k;
+  const auto* ids =
+      static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(rows, 4), "expert ids"));
+  const RoundedInputs x(e, queue_native);
+  const ggml::kint8::Item run = ggml::kint8::item_for_isa<kint8_format<Index>()>();
+  const size_t chunks = (size_t{e.p.n} + kItemCols - 1) / kItemCols;
+  parallel(queue_native, rows * chunks, [&](size_t begin, size_t end) {
+    for (size_t item = begin; item < end; ++item) {
+      const size_t flat = item / chunks;
+      const size_t col0 = (item - flat * chunks) * kItemCols;
+      const size_t cols = std::min<size_t>(e.p.n - col0, kItemCols);
+      float* out = e.output_row(flat);
+      const uint32_t id = ids[flat];
+      if (id >= e.p.n_experts) {
+        std::fill(out + col0, out + col0 + cols, 0.0f);
+        continue;
+      }
+      const size_t row = x.index(flat);
+      run(e.expert(id), e.row_bytes, f.bytes, x.rows, &row, 1, &out, col0, cols);
+    }
+  });
+}
+
+template <size_t Index>
+void grouped_int8_kernel(const KernelLaunch& launch, void* queue_native) {
+  static const BlockFormat f = block_format(ggml_formats::kKQuantInt8DotFormats[Index]);
+  const Experts e = Experts::bind(launch, f, 5);
+  const uint32_t* routed = nullptr;
+  const std::vector<GroupedItem> items = grouped_items(launch, e.p, routed);
+  if (items.empty()) return;
+  const RoundedInputs x(e, queue_native);
+  const ggml::kint8::Item run = ggml::kint8::item_for_isa<kint8_format<Index>()>();
+  const auto run_one = [&](const GroupedItem& item) {
+    size_t rows_of[kItemRows];
+    float* out[kItemRows];
+    for (size_t r = 0; r < item.rows; ++r) {
+      rows_of[r] = x.index(routed[item.row0 + r]);
+      out[r] = e.output_row(routed[item.row0 + r]);
+    }
+    run(e.expert(item.expert), e.row_bytes, f.bytes, x.rows, rows_of, item.rows, out, item.col0,
+        std::min<size_t>(kItemCols, e.p.n - item.col0));
+  };
+  auto* pool = static_cast<ThreadPool*>(queue_native);
+  if (pool == nullptr || pool->size() == 1) {
+    for (const GroupedItem& item : items) run_one(item);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  pool->parallel_for(pool->size(), 1, [&](size_t, size_t) {
+    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      run_one(items[i]);
+    }
+  });
+}
+
 // ---- Registration -------------------------------------------------------------------------------
 
 KernelDef make_def(std::string_view name, KernelFn fn, uint32_t threads, uint32_t tile_x,
@@ -537,10 +663,27 @@ void add_format(std::vector<KernelDef>& out) {
   const ggml_formats::KernelFormat& kf = ggml_formats::kKernelFormats[Index];
   block_format(kf);  // the codec table has the format, with this geometry
   // The geometry of the Q8_0 pipelines of the same kinds (q4_matmul.cpp, quantized_matmul_id.cpp).
-  out.push_back(make_def(kf.mat_vec, mv_kernel<Index>, 64, kMvThreadgroupOutputs, 1, 0));
-  out.push_back(make_def(kf.matrix, mm_kernel<Index>, 128, kMmTokenTile, kMmOutputTile, 8192));
+  constexpr auto& formats = ggml_formats::kKernelFormats;
+  out.push_back(make_def(kf.mat_vec, mv_kernel<formats, Index>, 64, kMvThreadgroupOutputs, 1, 0));
+  out.push_back(
+      make_def(kf.matrix, mm_kernel<formats, Index>, 128, kMmTokenTile, kMmOutputTile, 8192));
   out.push_back(make_def(kf.id_direct, direct_kernel<Index>, 64, 8, 1, 0));
   out.push_back(make_def(kf.id_grouped, grouped_kernel<Index>, 256, 8, 8, 4096));
+}
+
+// The K-quant int8-dot pipelines, with the geometry of the format's exact ones.
+template <size_t Index>
+void add_int8_format(std::vector<KernelDef>& out) {
+  constexpr auto& formats = ggml_formats::kKQuantInt8DotFormats;
+  const ggml_formats::KernelFormat& kf = formats[Index];
+  block_format(kf);
+  constexpr RunDense run = run_dense_int8<Index>;
+  out.push_back(
+      make_def(kf.mat_vec, mv_kernel<formats, Index, run>, 64, kMvThreadgroupOutputs, 1, 0));
+  out.push_back(
+      make_def(kf.matrix, mm_kernel<formats, Index, run>, 128, kMmTokenTile, kMmOutputTile, 8192));
+  out.push_back(make_def(kf.id_direct, direct_int8_kernel<Index>, 64, 8, 1, 0));
+  out.push_back(make_def(kf.id_grouped, grouped_int8_kernel<Index>, 256, 8, 8, 4096));
 }
 
 template <size_t... I>
@@ -548,10 +691,16 @@ void add_formats(std::vector<KernelDef>& out, std::index_sequence<I...>) {
   (add_format<I>(out), ...);
 }
 
+template <size_t... I>
+void add_int8_formats(std::vector<KernelDef>& out, std::index_sequence<I...>) {
+  (add_int8_format<I>(out), ...);
+}
+
 }  // namespace
 
 void add_ggml_format_kernels(std::vector<KernelDef>& out) {
   add_formats(out, std::make_index_sequence<ggml_formats::kKernelFormats.size()>{});
+  add_int8_formats(out, std::make_index_sequence<ggml_formats::kKQuantInt8DotFormats.size()>{});
 }
 
 }  // namespace routemm::cpu

@@ -75,6 +75,28 @@ inline constexpr std::array<KernelFormat, 7> kKernelFormats = {{
      "quantized_matmul_id_direct_q6_k_f32", "quantized_matmul_id_grouped_q6_k_f32"},
 }};
 
+// The reduced-precision int8-dot pipelines of the K-quants (the CPU's; contract in
+// csrc/backend/cpu/ggml_kquant_int8_dot.h), each with the slots, params and geometry of the same
+// format's exact pipeline of the same kind: kernel_mul_{mv,mm}_F_int8dot_f32 (taken under
+// GgmlRoutingPolicy::dense_int8_dot) and quantized_matmul_id_{direct,grouped}_int8dot_F_f32 (the
+// direct_int8_dot and grouped_int8_dot routes).
+inline constexpr std::array<KernelFormat, 3> kKQuantInt8DotFormats = {{
+    {"q4_k", 6, 256, 144, "kernel_mul_mv_q4_k_int8dot_f32", "kernel_mul_mm_q4_k_int8dot_f32",
+     "quantized_matmul_id_direct_int8dot_q4_k_f32", "quantized_matmul_id_grouped_int8dot_q4_k_f32"},
+    {"q5_k", 7, 256, 176, "kernel_mul_mv_q5_k_int8dot_f32", "kernel_mul_mm_q5_k_int8dot_f32",
+     "quantized_matmul_id_direct_int8dot_q5_k_f32", "quantized_matmul_id_grouped_int8dot_q5_k_f32"},
+    {"q6_k", 8, 256, 210, "kernel_mul_mv_q6_k_int8dot_f32", "kernel_mul_mm_q6_k_int8dot_f32",
+     "quantized_matmul_id_direct_int8dot_q6_k_f32", "quantized_matmul_id_grouped_int8dot_q6_k_f32"},
+}};
+
+// The int8-dot pipelines of GgmlType value `ggml_type`, or nullptr (the formats without them).
+constexpr const KernelFormat* kquant_int8_dot_format(uint8_t ggml_type) {
+  for (const KernelFormat& f : kKQuantInt8DotFormats) {
+    if (f.ggml_type == ggml_type) return &f;
+  }
+  return nullptr;
+}
+
 // The kernel format of GgmlType value `ggml_type`, or nullptr (Q4_0, Q8_0 and the formats without
 // kernels).
 constexpr const KernelFormat* kernel_format(uint8_t ggml_type) {

@@ -1,0 +1,381 @@
+// CPU building blocks of the reduced-precision int8-dot routes of the K-quants (Q4_K, Q5_K and Q6_K
+// weights; ggml_format_kernels.cpp): each activation row is rounded to 8-bit integers per 256-value
+// super-block (the block of ggml's Q8_K), every super-block pair is an exact integer sum, and the
+// super-blocks are scaled and summed in F32. The routes are opt-in, as Q4_0's and Q8_0's
+// (ggml_int8_dot.h): GgmlRoutingPolicy::dense_int8_dot and the expert-ID routes direct_int8_dot /
+// grouped_int8_dot.
+//
+// NUMERIC CONTRACT (every K-quant int8-dot pipeline and every instruction-set clone):
+//   1. Activations, per row, per 256-value block: ggml_int8_dot.h's step 1 over 256 values instead
+//      of 32 (a = max |x_j| on the magnitude bits; d = a / 127, r = 1 / d in binary32; q_j = x_j * r
+//      rounded to binary32, then to the nearest integer, ties to even; d = 0 below 2^-100, d = NaN
+//      and q = 0 for a non-finite a). |q_j| <= 127 and |x_j - d q_j| <= d (1/2 + 2^-15).
+//   2. Weights as integers of the super-block: Q4_K and Q5_K value j of 32-value sub-block b is
+//      d_w sc_b u_j - dmin m_b (u_j the 4- or 5-bit code, sc_b and m_b the 6-bit scale and min);
+//      Q6_K value j of 16-value sub-block b is d_w sc_b (u_j - 32) (u_j the 6-bit code, sc_b the
+//      int8 scale); d_w and dmin are the block's binary16 scales widened exactly.
+//   3. Per super-block, exact int32 sums: Q4_K / Q5_K S = sum_b sc_b sum_{j in b} u_j q_j and
+//      M = sum_b m_b sum_{j in b} q_j; Q6_K S = sum_b sc_b sum_{j in b} (u_j - 32) q_j.
+//      (|S| <= 8 * 63 * 32 * 31 * 127 and 16 * 128 * 16 * 32 * 127 < 2^31.)
+//   4. One F32 accumulator per output, from +0.0f, over super-blocks in increasing order:
+//      Q4_K / Q5_K  acc = fma(d_x * d_w, float(S), acc); acc = fma(-(d_x * dmin), float(M), acc)
+//      Q6_K         acc = fma(d_x * d_w, float(S), acc)
+//      each product one binary32 multiplication, float() the round-to-nearest conversion (exact
+//      below 2^24); out = acc.
+// The integer sums are exact whatever the instructions (vpmaddubsw + vpmaddwd, scalar) and their
+// order, and every F32 operation is fixed above, so every clone, route, work split and thread count
+// gives the same bits. Error against the exact product of the dequantised weights w, per output:
+//   |err| <= sum_i |w_i| d_i (1/2 + 2^-15) + gamma(2 K/256 + 3) sum_i W_i (|x_i| + d_i)
+//            + 2^-100 sum_i |w_i|,  gamma(n) = n 2^-24 / (1 - n 2^-24),
+// with d_i the scale of x_i's block and W_i = |d_w| sc_b u_i + |dmin| m_b (Q4_K, Q5_K) or |w_i|
+// (Q6_K) the magnitude the integer sums carry (tests/python/tolerances.py: kquant_int8_dot_bound;
+// the extra gamma step covers the dequantiser's own rounding of d1 * u - m1).
+//
+// Layout: each weight super-block is decoded once per item into Decoded (unsigned codes and the
+// sub-block scales as int16), then every activation row of the item takes its sums from it.
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ggml_int8_dot.h"
+#include "simd.h"
+
+namespace routemm::cpu::ggml::kint8 {
+
+constexpr size_t kQK_K = 256;           // values per super-block and per activation block
+constexpr size_t kGroups = kQK_K / 16;  // 16-value groups per super-block
+
+enum class KFormat { q4_k, q5_k, q6_k };
+
+// One call's activation rows rounded per 256-value block (contract step 1): q (256 values per
+// block), d (one scale per block) and bsums (sum of q per 16 values).
+struct Rows {
+  size_t blocks = 0;  // per row
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> bsums;
+
+  void resize(size_t rows, size_t k) {
+    blocks = k / kQK_K;
+    q.resize(rows * blocks * kQK_K);
+    d.resize(rows * blocks);
+    bsums.resize(rows * blocks * kGroups);
+  }
+  const int8_t* q_block(size_t row, size_t b) const {
+    return q.data() + (row * blocks + b) * kQK_K;
+  }
+  float scale(size_t row, size_t b) const { return d[row * blocks + b]; }
+  const int16_t* bsum(size_t row, size_t b) const {
+    return bsums.data() + (row * blocks + b) * kGroups;
+  }
+};
+
+// Rounds one row of k values at x into row `row` of `out` (sized for it). Scalar: every operation
+// exactly specified, so no clone is needed for the bits; the row is O(k) against the products'
+// O(k n).
+inline void quantize_row(const float* x, size_t k, Rows& out, size_t row) {
+  for (size_t b = 0; b < k / kQK_K; ++b) {
+    const float* xb = x + b * kQK_K;
+    uint32_t max_bits = 0;
+    for (size_t j = 0; j < kQK_K; ++j) {
+      max_bits = std::max(max_bits, std::bit_cast<uint32_t>(xb[j]) & 0x7fffffffu);
+    }
+    float d, r;
+    int8::block_scale(max_bits, d, r);
+    int8_t* q = out.q.data() + (row * out.blocks + b) * kQK_K;
+    int16_t* sums = out.bsums.data() + (row * out.blocks + b) * kGroups;
+    for (size_t g = 0; g < kGroups; ++g) {
+      int sum = 0;
+      for (size_t j = g * 16; j < g * 16 + 16; ++j) {
+        // r == 0: every q is 0 (a non-finite x only occurs there and never reaches the conversion).
+        q[j] = r == 0.0f ? 0 : static_cast<int8_t>(std::nearbyint(xb[j] * r));
+        sum += q[j];
+      }
+      sums[g] = static_cast<int16_t>(sum);
+    }
+    out.d[row * out.blocks + b] = d;
+  }
+}
+
+// ---- Decoded super-blocks -----------------------------------------------------------------------
+
+// One weight super-block as the integer sums take it: codes[i] the unsigned code u_i; pair[i / 2]
+// the scale of values i and i + 1 (the operand of a pairwise multiply-add); group_min[g] the
+// integer the sum of q over 16-value group g is multiplied by (Q4_K / Q5_K: m_b, the second sum
+// M; Q6_K: 32 sc_b, subtracted from S for the code offset); d = d_w, dmin (0 for Q6_K).
+struct alignas(64) Decoded {
+  uint8_t codes[kQK_K];
+  int16_t pair[kQK_K / 2];
+  int16_t group_min[kGroups];
+  float d, dmin;
+};
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return simd::widen(simd::Half{bits});
+}
+
+// Q4_K / Q5_K 6-bit scale and min of sub-block j (ggml's packing of 12 bytes).
+inline void scale_min_k4(size_t j, const uint8_t* s, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// The scales of a super-block (codes aside): pair, group_min, d, dmin.
+template <KFormat F>
+void decode_scales(const uint8_t* block, Decoded& out) {
+  int16_t group_scale[kGroups];
+  if constexpr (F == KFormat::q6_k) {
+    const auto* sc = reinterpret_cast<const int8_t*>(block + 192);
+    for (size_t g = 0; g < kGroups; ++g) {
+      group_scale[g] = sc[g];
+      out.group_min[g] = static_cast<int16_t>(32 * sc[g]);
+    }
+    out.d = half_to_float(block + 208);
+    out.dmin = 0.0f;
+  } else {
+    for (size_t b = 0; b < 8; ++b) {
+      int sc, m;
+      scale_min_k4(b, block + 4, sc, m);
+      group_scale[2 * b] = group_scale[2 * b + 1] = static_cast<int16_t>(sc);
+      out.group_min[2 * b] = out.group_min[2 * b + 1] = static_cast<int16_t>(m);
+    }
+    out.d = half_to_float(block);
+    out.dmin = half_to_float(block + 2);
+  }
+  for (size_t i = 0; i < kQK_K / 2; ++i) out.pair[i] = group_scale[i / 8];
+}
+
+// The codes of a super-block, one value at a time (ggml's value order).
+template <KFormat F>
+void decode_codes_portable(const uint8_t* block, uint8_t* codes) {
+  if constexpr (F == KFormat::q4_k) {
+    const uint8_t* qs = block + 16;
+    for (size_t c = 0; c < 4; ++c)
+      for (size_t l = 0; l < 32; ++l) {
+        codes[64 * c + l] = qs[32 * c + l] & 0x0f;
+        codes[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+      }
+  } else if constexpr (F == KFormat::q5_k) {
+    const uint8_t* qh = block + 16;
+    const uint8_t* qs = block + 48;
+    for (size_t c = 0; c < 4; ++c)
+      for (size_t l = 0; l < 32; ++l) {
+        codes[64 * c + l] = (qs[32 * c + l] & 0x0f) | (((qh[l] >> (2 * c)) & 1) << 4);
+        codes[64 * c + 32 + l] = (qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
+      }
+  } else {
+    for (size_t h = 0; h < 2; ++h) {
+      const uint8_t* ql = block + 64 * h;
+      const uint8_t* qh = block + 128 + 32 * h;
+      for (size_t l = 0; l < 32; ++l) {
+        uint8_t* c = codes + 128 * h + l;
+        c[0] = (ql[l] & 0x0f) | (((qh[l] >> 0) & 3) << 4);
+        c[32] = (ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4);
+        c[64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+        c[96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+      }
+    }
+  }
+}
+
+// Contract step 4 for one super-block's sums.
+template <KFormat F>
+inline float accumulate(float acc, const Decoded& w, float dx, int32_t s, int32_t m) {
+  if constexpr (F == KFormat::q6_k) {
+    return std::fma(dx * w.d, static_cast<float>(s - m), acc);
+  } else {
+    acc = std::fma(dx * w.d, static_cast<float>(s), acc);
+    return std::fma(-(dx * w.dmin), static_cast<float>(m), acc);
+  }
+}
+
+// The group-min sum of contract step 3 (M, or Q6_K's code-offset term): sum_g group_min[g] bsum[g].
+inline int32_t min_sum(const Decoded& w, const int16_t* bsum) {
+  int32_t m = 0;
+  for (size_t g = 0; g < kGroups; ++g) m += int32_t{w.group_min[g]} * bsum[g];
+  return m;
+}
+
+// Three clones of
+//   decode(block, out)                       Decoded of one super-block
+//   sums(w, q) -> S                          sum_i pair[i / 2] codes[i] q[i] (contract step 3)
+// Portable: plain loops. Avx2: vpmaddubsw (code times q, pairs to int16: |.| <= 2 * 63 * 127)
+// then vpmaddwd with the pair scales. Avx512: the same on 64 values per instruction.
+template <KFormat F>
+struct KPortable {
+  static void decode(const uint8_t* block, Decoded& out) {
+    decode_scales<F>(block, out);
+    decode_codes_portable<F>(block, out.codes);
+  }
+  static int32_t sums(const Decoded& w, const int8_t* q) {
+    int32_t s = 0;
+    for (size_t i = 0; i < kQK_K; i += 2) {
+      s += int32_t{w.pair[i / 2]} * (w.codes[i] * q[i] + w.codes[i + 1] * q[i + 1]);
+    }
+    return s;
+  }
+};
+
+#if ROUTEMM_CPU_HAVE_AVX2
+ROUTEMM_CPU_AVX2 inline __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+ROUTEMM_CPU_AVX2 inline void store32(uint8_t* p, __m256i v) {
+  _mm256_store_si256(reinterpret_cast<__m256i*>(p), v);
+}
+
+template <KFormat F>
+ROUTEMM_CPU_AVX2 inline void decode_codes_avx2(const uint8_t* block, uint8_t* codes) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  if constexpr (F == KFormat::q4_k) {
+    for (size_t c = 0; c < 4; ++c) {
+      const __m256i v = load32(block + 16 + 32 * c);
+      store32(codes + 64 * c, _mm256_and_si256(v, low4));
+      store32(codes + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+    }
+  } else if constexpr (F == KFormat::q5_k) {
+    const __m256i qh = load32(block + 16);
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    for (size_t c = 0; c < 4; ++c) {
+      const __m256i v = load32(block + 48 + 32 * c);
+      // Bit 2c (2c + 1) of qh moved to bit 4 of its byte: a shift within 16-bit lanes by at most
+      // 4, then the mask keeps bit 4 of every byte.
+      const __m256i h0 = _mm256_and_si256(
+          c <= 2 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(4 - 2 * c)))
+                 : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(2 * c - 4))),
+          bit4);
+      const __m256i h1 = _mm256_and_si256(
+          c <= 1 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(3 - 2 * c)))
+                 : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(2 * c - 3))),
+          bit4);
+      store32(codes + 64 * c, _mm256_or_si256(_mm256_and_si256(v, low4), h0));
+      store32(codes + 64 * c + 32,
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), h1));
+    }
+  } else {
+    // Bits 2t, 2t + 1 of qh are bits 4 and 5 of value 32t + l's code.
+    const __m256i bits2 = _mm256_set1_epi8(0x30);
+    for (size_t h = 0; h < 2; ++h) {
+      const __m256i l0 = load32(block + 64 * h), l1 = load32(block + 64 * h + 32);
+      const __m256i qh = load32(block + 128 + 32 * h);
+      uint8_t* c = codes + 128 * h;
+      store32(c, _mm256_or_si256(_mm256_and_si256(l0, low4),
+                                 _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits2)));
+      store32(c + 32, _mm256_or_si256(_mm256_and_si256(l1, low4),
+                                      _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits2)));
+      store32(c + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                                      _mm256_and_si256(qh, bits2)));
+      store32(c + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                      _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits2)));
+    }
+  }
+}
+
+ROUTEMM_CPU_AVX2 inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+template <KFormat F>
+struct KAvx2 {
+  ROUTEMM_CPU_AVX2 static void decode(const uint8_t* block, Decoded& out) {
+    decode_scales<F>(block, out);
+    decode_codes_avx2<F>(block, out.codes);
+  }
+  ROUTEMM_CPU_AVX2 static int32_t sums(const Decoded& w, const int8_t* q) {
+    __m256i acc = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (size_t c = 0; c < kQK_K / 32; ++c) {
+      const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.codes + 32 * c));
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
+      const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.pair + 16 * c));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), s));
+    }
+    return hsum_epi32(acc);
+  }
+};
+#endif
+
+#if ROUTEMM_CPU_HAVE_AVX512
+template <KFormat F>
+struct KAvx512 {
+  ROUTEMM_CPU_AVX512 static void decode(const uint8_t* block, Decoded& out) {
+    decode_scales<F>(block, out);
+    decode_codes_avx2<F>(block, out.codes);
+  }
+  ROUTEMM_CPU_AVX512 static int32_t sums(const Decoded& w, const int8_t* q) {
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (size_t c = 0; c < kQK_K / 64; ++c) {
+      const __m512i u = _mm512_load_si512(w.codes + 64 * c);
+      const __m512i x = _mm512_loadu_si512(q + 64 * c);
+      const __m512i s = _mm512_load_si512(w.pair + 32 * c);
+      acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), s));
+    }
+    return _mm512_reduce_add_epi32(acc);
+  }
+};
+#endif
+
+// ---- Items --------------------------------------------------------------------------------------
+
+constexpr size_t kItemRows = 16;  // activation rows per decoded super-block (16 x 2048 int8 in L1)
+
+// Output rows x[r] (indices into `rows`, r < count <= kItemRows) times weight rows
+// [col0, col0 + cols) (row_bytes apart from `weight`, block_bytes per super-block), written to
+// out[r][col0 + c].
+template <class Isa, KFormat F>
+void item(const uint8_t* weight, size_t row_bytes, size_t block_bytes, const Rows& rows,
+          const size_t* x, size_t count, float* const* out, size_t col0, size_t cols) {
+  Decoded w;
+  for (size_t r0 = 0; r0 < count; r0 += kItemRows) {
+    const size_t n = std::min(kItemRows, count - r0);
+    for (size_t c = col0; c < col0 + cols; ++c) {
+      const uint8_t* wrow = weight + c * row_bytes;
+      float acc[kItemRows];
+      std::fill(acc, acc + n, 0.0f);
+      for (size_t b = 0; b < rows.blocks; ++b) {
+        Isa::decode(wrow + b * block_bytes, w);
+        for (size_t r = 0; r < n; ++r) {
+          const size_t row = x[r0 + r];
+          const int32_t s = Isa::sums(w, rows.q_block(row, b));
+          acc[r] = accumulate<F>(acc[r], w, rows.scale(row, b), s, min_sum(w, rows.bsum(row, b)));
+        }
+      }
+      for (size_t r = 0; r < n; ++r) out[r0 + r][c] = acc[r];
+    }
+  }
+}
+
+using Item = void (*)(const uint8_t*, size_t, size_t, const Rows&, const size_t*, size_t,
+                      float* const*, size_t, size_t);
+
+// The clone this process runs (the best the CPU has, capped by ROUTEMM_CPU_ISA; aarch64 runs the
+// portable clone).
+template <KFormat F>
+Item item_for_isa() {
+#if ROUTEMM_CPU_HAVE_AVX512
+  if (simd::has_avx512()) return item<KAvx512<F>, F>;
+#endif
+#if ROUTEMM_CPU_HAVE_AVX2
+  if (simd::has_avx2_fma()) return item<KAvx2<F>, F>;
+#endif
+  return item<KPortable<F>, F>;
+}
+
+}  // namespace routemm::cpu::ggml::kint8
