@@ -526,6 +526,7 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
 // alone: dense == direct == grouped bit for bit, whatever the split.
 
 using ggml::kint8::KFormat;
+static_assert(kItemRows <= ggml::kint8::kMaxItemRows && kItemCols <= ggml::kint8::kMaxItemCols);
 
 template <size_t Index>
 constexpr KFormat kint8_format() {

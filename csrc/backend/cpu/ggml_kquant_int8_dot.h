@@ -191,7 +191,7 @@ void decode_codes_portable(const uint8_t* block, uint8_t* codes) {
   }
 }
 
-// Contract step 4 for one super-block's sums.
+// Contract step 4 for one super-block's sums (m: M, or Q6_K's code-offset term).
 template <KFormat F>
 inline float accumulate(float acc, const Decoded& w, float dx, int32_t s, int32_t m) {
   if constexpr (F == KFormat::q6_k) {
@@ -202,30 +202,26 @@ inline float accumulate(float acc, const Decoded& w, float dx, int32_t s, int32_
   }
 }
 
-// The group-min sum of contract step 3 (M, or Q6_K's code-offset term): sum_g group_min[g] bsum[g].
-inline int32_t min_sum(const Decoded& w, const int16_t* bsum) {
-  int32_t m = 0;
-  for (size_t g = 0; g < kGroups; ++g) m += int32_t{w.group_min[g]} * bsum[g];
-  return m;
-}
-
 // Three clones of
-//   decode(block, out)                       Decoded of one super-block
-//   sums(w, q) -> S                          sum_i pair[i / 2] codes[i] q[i] (contract step 3)
+//   decode(block, out)             Decoded of one super-block
+//   sums(w, q, bsum, s, m)         contract step 3: s = sum_i pair[i / 2] codes[i] q[i] and
+//                                  m = sum_g group_min[g] bsum[g]
 // Portable: plain loops. Avx2: vpmaddubsw (code times q, pairs to int16: |.| <= 2 * 63 * 127)
-// then vpmaddwd with the pair scales. Avx512: the same on 64 values per instruction.
+// then vpmaddwd with the pair scales; the 6-bit scales unpacked in 32-bit words. Avx512: the
+// same sums on 64 values per instruction.
 template <KFormat F>
 struct KPortable {
   static void decode(const uint8_t* block, Decoded& out) {
     decode_scales<F>(block, out);
     decode_codes_portable<F>(block, out.codes);
   }
-  static int32_t sums(const Decoded& w, const int8_t* q) {
-    int32_t s = 0;
+  static void sums(const Decoded& w, const int8_t* q, const int16_t* bsum, int32_t& s, int32_t& m) {
+    s = 0;
     for (size_t i = 0; i < kQK_K; i += 2) {
       s += int32_t{w.pair[i / 2]} * (w.codes[i] * q[i] + w.codes[i + 1] * q[i + 1]);
     }
-    return s;
+    m = 0;
+    for (size_t g = 0; g < kGroups; ++g) m += int32_t{w.group_min[g]} * bsum[g];
   }
 };
 
@@ -284,29 +280,75 @@ ROUTEMM_CPU_AVX2 inline void decode_codes_avx2(const uint8_t* block, uint8_t* co
   }
 }
 
-ROUTEMM_CPU_AVX2 inline int32_t hsum_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
+// The sixteen int8 group scales and the group mins of a super-block as vectors: Q4_K / Q5_K's
+// 6-bit scales and mins unpacked from their 12 bytes four at a time (scale_min_k4 on 32-bit
+// words), each repeated for the two groups of its sub-block; Q6_K's int8 scales as stored.
+template <KFormat F>
+ROUTEMM_CPU_AVX2 inline void decode_scales_avx2(const uint8_t* block, Decoded& out) {
+  __m128i scales;  // int8 scale of group g in byte g
+  __m256i mins;    // int16 group_min
+  if constexpr (F == KFormat::q6_k) {
+    scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+    mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(scales), 5);
+    out.d = half_to_float(block + 208);
+    out.dmin = 0.0f;
+  } else {
+    uint32_t a, b, c;
+    std::memcpy(&a, block + 4, 4);
+    std::memcpy(&b, block + 8, 4);
+    std::memcpy(&c, block + 12, 4);
+    const uint32_t sc_lo = a & 0x3f3f3f3fu, m_lo = b & 0x3f3f3f3fu;
+    const uint32_t sc_hi = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
+    const uint32_t m_hi = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
+    const __m128i sc8 = _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi), 0, 0);
+    const __m128i m8 = _mm_setr_epi32(static_cast<int>(m_lo), static_cast<int>(m_hi), 0, 0);
+    scales = _mm_unpacklo_epi8(sc8, sc8);
+    mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
+    out.d = half_to_float(block);
+    out.dmin = half_to_float(block + 2);
+  }
+  _mm256_store_si256(reinterpret_cast<__m256i*>(out.group_min), mins);
+  // Chunk c (values 32c..32c+31): pairs 0-7 take group 2c's scale, pairs 8-15 group 2c + 1's.
+  const __m128i first = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) {
+    const __m128i pick = _mm_add_epi8(first, _mm_set1_epi8(static_cast<char>(2 * c)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out.pair + 16 * c),
+                       _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick)));
+  }
+}
+
+ROUTEMM_CPU_AVX2 inline __m256i min_sums_avx2(const Decoded& w, const int16_t* bsum) {
+  return _mm256_madd_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(w.group_min)),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum)));
+}
+
+// The lane sums of s and m (eight int32 lanes each).
+ROUTEMM_CPU_AVX2 inline void hsum2(__m256i s, __m256i m, int32_t& s_out, int32_t& m_out) {
+  const __m256i h = _mm256_hadd_epi32(s, m);  // s01 s23 m01 m23 | s45 s67 m45 m67
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  t = _mm_hadd_epi32(t, t);  // s, m, s, m
+  s_out = _mm_cvtsi128_si32(t);
+  m_out = _mm_extract_epi32(t, 1);
 }
 
 template <KFormat F>
 struct KAvx2 {
   ROUTEMM_CPU_AVX2 static void decode(const uint8_t* block, Decoded& out) {
-    decode_scales<F>(block, out);
+    decode_scales_avx2<F>(block, out);
     decode_codes_avx2<F>(block, out.codes);
   }
-  ROUTEMM_CPU_AVX2 static int32_t sums(const Decoded& w, const int8_t* q) {
+  ROUTEMM_CPU_AVX2 static void sums(const Decoded& w, const int8_t* q, const int16_t* bsum,
+                                    int32_t& s, int32_t& m) {
     __m256i acc = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (size_t c = 0; c < kQK_K / 32; ++c) {
       const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.codes + 32 * c));
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * c));
-      const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.pair + 16 * c));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), s));
+      const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.pair + 16 * c));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), p));
     }
-    return hsum_epi32(acc);
+    hsum2(acc, min_sums_avx2(w, bsum), s, m);
   }
 };
 #endif
@@ -315,52 +357,91 @@ struct KAvx2 {
 template <KFormat F>
 struct KAvx512 {
   ROUTEMM_CPU_AVX512 static void decode(const uint8_t* block, Decoded& out) {
-    decode_scales<F>(block, out);
+    decode_scales_avx2<F>(block, out);
     decode_codes_avx2<F>(block, out.codes);
   }
-  ROUTEMM_CPU_AVX512 static int32_t sums(const Decoded& w, const int8_t* q) {
+  ROUTEMM_CPU_AVX512 static void sums(const Decoded& w, const int8_t* q, const int16_t* bsum,
+                                      int32_t& s, int32_t& m) {
     __m512i acc = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (size_t c = 0; c < kQK_K / 64; ++c) {
       const __m512i u = _mm512_load_si512(w.codes + 64 * c);
       const __m512i x = _mm512_loadu_si512(q + 64 * c);
-      const __m512i s = _mm512_load_si512(w.pair + 32 * c);
-      acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), s));
+      const __m512i p = _mm512_load_si512(w.pair + 32 * c);
+      acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), p));
     }
-    return _mm512_reduce_add_epi32(acc);
+    const __m256i acc8 =
+        _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+    hsum2(acc8, min_sums_avx2(w, bsum), s, m);
   }
 };
 #endif
 
 // ---- Items --------------------------------------------------------------------------------------
 
-constexpr size_t kItemRows = 16;  // activation rows per decoded super-block (16 x 2048 int8 in L1)
+// Activation rows x[r] (indices into `rows`, r < count <= kMaxItemRows) times weight rows
+// [col0, col0 + cols <= kMaxItemCols) (row_bytes apart from `weight`, block_bytes per
+// super-block), written to out[r][col0 + c]. Few rows: column by column along K (each weight row
+// streams once, the accumulators in registers). More: super-block by super-block, each column's
+// block decoded once for all rows while their 256-value blocks stay in L1. Either way every
+// output's steps run over super-blocks in increasing order (contract step 4).
+constexpr size_t kMaxItemRows = 64, kMaxItemCols = 64, kStreamRows = 4;
 
-// Output rows x[r] (indices into `rows`, r < count <= kItemRows) times weight rows
-// [col0, col0 + cols) (row_bytes apart from `weight`, block_bytes per super-block), written to
-// out[r][col0 + c].
+// The item body, instantiated once per clone with that clone's target (so that its sums inline).
+#define ROUTEMM_KINT8_ITEM_BODY                                                             \
+  Decoded w;                                                                                \
+  if (count <= kStreamRows) {                                                               \
+    for (size_t c = col0; c < col0 + cols; ++c) {                                           \
+      const uint8_t* wrow = weight + c * row_bytes;                                         \
+      float acc[kStreamRows] = {};                                                          \
+      for (size_t b = 0; b < rows.blocks; ++b) {                                            \
+        Isa::decode(wrow + b * block_bytes, w);                                             \
+        for (size_t r = 0; r < count; ++r) {                                                \
+          int32_t s, m;                                                                     \
+          Isa::sums(w, rows.q_block(x[r], b), rows.bsum(x[r], b), s, m);                    \
+          acc[r] = accumulate<F>(acc[r], w, rows.scale(x[r], b), s, m);                     \
+        }                                                                                   \
+      }                                                                                     \
+      for (size_t r = 0; r < count; ++r) out[r][c] = acc[r];                                \
+    }                                                                                       \
+    return;                                                                                 \
+  }                                                                                         \
+  float acc[kMaxItemRows * kMaxItemCols];                                                   \
+  std::fill(acc, acc + count * cols, 0.0f);                                                 \
+  for (size_t b = 0; b < rows.blocks; ++b) {                                                \
+    for (size_t c = 0; c < cols; ++c) {                                                     \
+      Isa::decode(weight + (col0 + c) * row_bytes + b * block_bytes, w);                    \
+      for (size_t r = 0; r < count; ++r) {                                                  \
+        int32_t s, m;                                                                       \
+        Isa::sums(w, rows.q_block(x[r], b), rows.bsum(x[r], b), s, m);                      \
+        acc[r * cols + c] = accumulate<F>(acc[r * cols + c], w, rows.scale(x[r], b), s, m); \
+      }                                                                                     \
+    }                                                                                       \
+  }                                                                                         \
+  for (size_t r = 0; r < count; ++r) std::copy(acc + r * cols, acc + (r + 1) * cols, out[r] + col0);
+
 template <class Isa, KFormat F>
-void item(const uint8_t* weight, size_t row_bytes, size_t block_bytes, const Rows& rows,
-          const size_t* x, size_t count, float* const* out, size_t col0, size_t cols) {
-  Decoded w;
-  for (size_t r0 = 0; r0 < count; r0 += kItemRows) {
-    const size_t n = std::min(kItemRows, count - r0);
-    for (size_t c = col0; c < col0 + cols; ++c) {
-      const uint8_t* wrow = weight + c * row_bytes;
-      float acc[kItemRows];
-      std::fill(acc, acc + n, 0.0f);
-      for (size_t b = 0; b < rows.blocks; ++b) {
-        Isa::decode(wrow + b * block_bytes, w);
-        for (size_t r = 0; r < n; ++r) {
-          const size_t row = x[r0 + r];
-          const int32_t s = Isa::sums(w, rows.q_block(row, b));
-          acc[r] = accumulate<F>(acc[r], w, rows.scale(row, b), s, min_sum(w, rows.bsum(row, b)));
-        }
-      }
-      for (size_t r = 0; r < n; ++r) out[r0 + r][c] = acc[r];
-    }
-  }
+void item_portable(const uint8_t* weight, size_t row_bytes, size_t block_bytes, const Rows& rows,
+                   const size_t* x, size_t count, float* const* out, size_t col0, size_t cols) {
+  ROUTEMM_KINT8_ITEM_BODY
 }
+#if ROUTEMM_CPU_HAVE_AVX2
+template <class Isa, KFormat F>
+ROUTEMM_CPU_AVX2 void item_avx2(const uint8_t* weight, size_t row_bytes, size_t block_bytes,
+                                const Rows& rows, const size_t* x, size_t count, float* const* out,
+                                size_t col0, size_t cols) {
+  ROUTEMM_KINT8_ITEM_BODY
+}
+#endif
+#if ROUTEMM_CPU_HAVE_AVX512
+template <class Isa, KFormat F>
+ROUTEMM_CPU_AVX512 void item_avx512(const uint8_t* weight, size_t row_bytes, size_t block_bytes,
+                                    const Rows& rows, const size_t* x, size_t count,
+                                    float* const* out, size_t col0, size_t cols) {
+  ROUTEMM_KINT8_ITEM_BODY
+}
+#endif
+#undef ROUTEMM_KINT8_ITEM_BODY
 
 using Item = void (*)(const uint8_t*, size_t, size_t, const Rows&, const size_t*, size_t,
                       float* const*, size_t, size_t);
@@ -370,12 +451,12 @@ using Item = void (*)(const uint8_t*, size_t, size_t, const Rows&, const size_t*
 template <KFormat F>
 Item item_for_isa() {
 #if ROUTEMM_CPU_HAVE_AVX512
-  if (simd::has_avx512()) return item<KAvx512<F>, F>;
+  if (simd::has_avx512()) return item_avx512<KAvx512<F>, F>;
 #endif
 #if ROUTEMM_CPU_HAVE_AVX2
-  if (simd::has_avx2_fma()) return item<KAvx2<F>, F>;
+  if (simd::has_avx2_fma()) return item_avx2<KAvx2<F>, F>;
 #endif
-  return item<KPortable<F>, F>;
+  return item_portable<KPortable<F>, F>;
 }
 
 }  // namespace routemm::cpu::ggml::kint8
