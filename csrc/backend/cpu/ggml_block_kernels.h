@@ -340,7 +340,9 @@ struct Avx2Isa {
   // rows' activations (1 KiB a block) column after column would stream them from L2 for every
   // column. Instead the range runs over K in chunks of kChunkBlocks blocks, whose activations stay
   // in L1 while every column of the range takes the chunk; the accumulators wait in L1 between
-  // chunks. Each accumulator still takes its steps in increasing i.
+  // chunks. Each accumulator still takes its steps in increasing i. The chunk's activations are
+  // copied to a small buffer first: rows K floats apart are often a multiple of 4 KiB apart, and
+  // then all R rows of a chunk fall into the same L1 sets and evict each other (and the weights).
   template <size_t R>
   ROUTEMM_CPU_AVX2 static void mv_range_chunked(const Operands& ops, size_t col0, size_t col_end,
                                                 float* const* out_rows) {
@@ -349,12 +351,18 @@ struct Avx2Isa {
     const float* x[R];
     for (size_t r = 0; r < R; ++r) x[r] = ops.input_row(r);
     alignas(32) __m256 acc[kMaxCols][R];
+    // 64 bytes of padding per row: consecutive rows start in different L1 sets.
+    constexpr size_t kChunkStride = kChunkBlocks * kQK + 16;
+    alignas(64) float chunk[R][kChunkStride];
     for (size_t c0 = col0; c0 < col_end; c0 += kMaxCols) {
       const size_t cols = std::min(kMaxCols, col_end - c0);
       for (size_t c = 0; c < cols; ++c)
         for (size_t r = 0; r < R; ++r) acc[c][r] = _mm256_setzero_ps();
       for (size_t b0 = 0; b0 < blocks; b0 += kChunkBlocks) {
         const size_t b1 = std::min(blocks, b0 + kChunkBlocks);
+        for (size_t r = 0; r < R; ++r) {
+          std::memcpy(chunk[r], x[r] + b0 * kQK, (b1 - b0) * kQK * sizeof(float));
+        }
         for (size_t c = 0; c < cols; ++c) {
           const uint8_t* row = ops.weight_row(c0 + c);
           // The next chunk of this row, which the prefetchers do not predict from a stride.
@@ -373,7 +381,8 @@ struct Avx2Isa {
             for (size_t s = 0; s < kLanesPerBlock; ++s) {
 #pragma GCC unroll 8
               for (size_t r = 0; r < R; ++r) {
-                a[r] = _mm256_fmadd_ps(w[s], _mm256_loadu_ps(x[r] + b * kQK + s * kLanes), a[r]);
+                const float* xv = chunk[r] + (b - b0) * kQK + s * kLanes;
+                a[r] = _mm256_fmadd_ps(w[s], _mm256_load_ps(xv), a[r]);
               }
             }
           }
