@@ -192,3 +192,32 @@ def test_other_formats_refuse_the_int8_dot_expert_routes(device, registry, ggml_
     with pytest.raises(routemm.InvalidArgumentError, match=f"route {route.value} supports .*not {ggml_type.value}"):
         _run_id(device, registry, ggml_type, stack, x, ids, route, Layout.SHARED_PER_TOKEN)
     assert routemm.dispatch_count() == before
+
+
+@pytest.mark.usefixtures("kquant_int8")
+def test_kquant_int8_dot_routes_through_moe_experts(device):
+    """A Q4_K_M layer's mixed stacks (Q4_K gate and up, Q6_K down) take both int8-dot routes of
+    moe_experts with the same bits, near the exact route."""
+    rng = np.random.default_rng(11)
+    experts, hidden, inter, m, top_k = 4, 256, 512, 5, 2
+    gate, up = (
+        np.stack(
+            [ggml.quantize(rng.standard_normal((inter, hidden)).astype(np.float32), "q4_k") for _ in range(experts)]
+        )
+        for _ in range(2)
+    )
+    down = np.stack(
+        [ggml.quantize(rng.standard_normal((hidden, inter)).astype(np.float32), "q6_k") for _ in range(experts)]
+    )
+    x = rng.standard_normal((m, hidden)).astype(np.float32)
+    ids = np.argsort(rng.random((m, experts)), axis=1)[:, :top_k].astype(np.int32)
+    weights = rng.random((m, top_k)).astype(np.float32)
+    types = (GgmlType.Q4_K, GgmlType.Q4_K, GgmlType.Q6_K)
+    out = {
+        route: routemm.moe_experts(x, ids, weights, (gate, up), down, ggml_type=types, route=route, device=device)
+        for route in ("direct", "direct_int8_dot", "grouped_int8_dot")
+    }
+    np.testing.assert_array_equal(out["direct_int8_dot"].view(np.uint32), out["grouped_int8_dot"].view(np.uint32))
+    assert not np.array_equal(out["direct"], out["direct_int8_dot"])
+    rel = np.linalg.norm(out["direct_int8_dot"] - out["direct"]) / np.linalg.norm(out["direct"])
+    assert rel <= KQUANT_INT8_DOT_FROBENIUS

@@ -86,7 +86,7 @@ _PYTHON_KNOBS = (
         "ROUTEMM_DENSE_INT8_DOT",
         "bool",
         "0",
-        "1/true/on: GgmlRoutingPolicy.dense_int8_dot (Q4_0/Q8_0 projections round activations to int8: reduced precision, CPU)",
+        "1/true/on: GgmlRoutingPolicy.dense_int8_dot (Q4_0/Q8_0/Q4_K/Q5_K/Q6_K projections round activations to int8: reduced precision, CPU)",
     ),
     Knob(
         "ROUTEMM_MM_ID_ROUTING_THRESHOLD",

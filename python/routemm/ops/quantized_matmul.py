@@ -34,7 +34,8 @@ Q8_MATMUL_PIPELINE_NAMES: tuple[str, ...] = _core.Q8_MATMUL_PIPELINE_NAMES
 # threadgroup, 256 bytes of threadgroup memory. Backends without it run Q8_MATMUL_PIPELINE_NAMES[0].
 Q8_0_MAT_VEC_NR2_PIPELINE: str = _core.Q8_0_MAT_VEC_NR2_PIPELINE
 # The reduced-precision int8-dot pipelines (GgmlRoutingPolicy.dense_int8_dot; the CPU has them):
-# Q4_0 mat-vec, Q4_0 matrix, Q8_0 mat-vec, Q8_0 matrix. Receipts of their calls say route "int8_dot".
+# Q4_0 mat-vec, Q4_0 matrix, Q8_0 mat-vec, Q8_0 matrix (the K-quants' are kernel_mul_m{v,m}_q{4,5,6}_k_int8dot_f32).
+# Receipts of their calls say route "int8_dot".
 GGML_INT8_DOT_PIPELINE_NAMES: tuple[str, ...] = _core.GGML_INT8_DOT_PIPELINE_NAMES
 INT8_DOT_ROUTE: str = _core.GGML_INT8_DOT_ROUTE
 # The specialisation constants every Q4 pipeline is fetched with, as they appear in labels.
@@ -144,9 +145,10 @@ class GgmlRoutingPolicy(JsonRecord):
     `dense_tensor_mm` and `allow_dense_large_tile_mm` choose the dense Q4_0 matrix routes;
     `dense_q8_0_mv_nr2` makes Q8_0 mat-vec calls (m <= 8) run `kernel_mul_mv_q8_0_f32_nr2` where
     the backend has it (CPU, Metal), else `kernel_mul_mv_q8_0_f32` (the receipt's label says
-    which). `dense_int8_dot` (off by default: reduced precision) makes every Q4_0 / Q8_0 call run
-    the int8-dot pipeline of its regime where the backend has it (the CPU): activations rounded to
-    int8 per 32-value block, integer dot products, F32 accumulation, within the bound of
+    which). `dense_int8_dot` (off by default: reduced precision) makes every Q4_0 / Q8_0 / Q4_K /
+    Q5_K / Q6_K call run the int8-dot pipeline of its regime where the backend has it (the CPU):
+    activations rounded to int8 per 32-value block (256 for the K-quants), integer dot products,
+    F32 accumulation, within the bound of
     docs/numerics.md; the receipt's route is then "int8_dot", elsewhere the exact routes run.
     `expert_mm_threshold` is the automatic expert-ID route's: it groups only calls of more than
     that many tokens (dense_matmul_id.auto_grouped). `expert_tensor_mm` = force_simd keeps the

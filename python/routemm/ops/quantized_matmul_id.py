@@ -26,12 +26,13 @@ pipelines (TENSOR_PIPELINE_NAMES): elsewhere a call raises KernelNotFoundError b
 
 ``direct_int8_dot`` and ``grouped_int8_dot`` are the direct and grouped routes (their dispatches,
 map, scratch and id rules) under the reduced-precision int8-dot contract of quantized_matmul_ggml's
-int8-dot pipelines: each routed row's activations are rounded to int8 per 32-value block, each
-block pair is an exact integer dot product, scaled and summed in F32 in a fixed order. A routed row
-equals that dense pipeline on its expert's matrix bit for bit, and the two routes agree bit for
-bit; against the exact product they meet the bound of docs/numerics.md. Taken only when named; only
-the CPU backend registers their pipelines (INT8_DOT_PIPELINE_NAMES): elsewhere a call raises
-KernelNotFoundError before encoding.
+int8-dot pipelines: each routed row's activations are rounded to int8 per 32-value block (per
+256-value block for the K-quants Q4_K, Q5_K and Q6_K, as ggml's Q8_K), each block pair is an exact
+integer dot product, scaled and summed in F32 in a fixed order; Q4_1, Q5_0, Q5_1 and MXFP4 refuse
+these routes by name. A routed row equals that dense pipeline on its expert's matrix bit for bit,
+and the two routes agree bit for bit; against the exact product they meet the bound of
+docs/numerics.md. Taken only when named; only the CPU backend registers their pipelines
+(INT8_DOT_PIPELINE_NAMES): elsewhere a call raises KernelNotFoundError before encoding.
 """
 
 from __future__ import annotations

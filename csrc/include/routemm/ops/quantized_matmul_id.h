@@ -24,8 +24,9 @@
 //            register its pipelines, elsewhere the call fails before encoding (KernelNotFound).
 //   DirectInt8Dot, GroupedInt8Dot  Direct's and Grouped's dispatches, maps, scratch and id
 //            contracts under the reduced-precision int8-dot contract of quantized_matmul_ggml's
-//            int8-dot pipelines (ggml_int8_dot.h): each routed row's activations are rounded to
-//            int8 per 32-value block, each block pair is an exact integer dot product, scaled and
+//            int8-dot pipelines (ggml_int8_dot.h; the K-quants': ggml_kquant_int8_dot.h, per
+//            256-value block): each routed row's activations are rounded to int8 per 32-value
+//            block, each block pair is an exact integer dot product, scaled and
 //            summed in F32 in a fixed order. Each routed row therefore equals that dense
 //            pipeline on its expert's matrix bit for bit, and the two routes equal each other,
 //            on every clone, work split and thread count. Not bit-identical to the exact routes:
