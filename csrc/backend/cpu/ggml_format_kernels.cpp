@@ -73,7 +73,17 @@ BlockFormat block_format(const ggml_formats::KernelFormat& kf) {
     throw Error("ggml format kernels: the geometry of " + std::string(kf.name) +
                 " differs from the codec table's");
   }
-  return {f.block_values, f.block_bytes, f.dequantize_block};
+  BlockFormat out{f.block_values, f.block_bytes, f.dequantize_block};
+#if ROUTEMM_CPU_HAVE_AVX2
+  // The K-quants' vector dequantiser where the clone may use AVX2: the same floats.
+  if (simd::has_avx2_fma()) {
+    using ggml::kint8::KFormat;
+    if (kf.name == "q4_k") out.decode = ggml::kint8::dequantize_avx2<KFormat::q4_k>;
+    if (kf.name == "q5_k") out.decode = ggml::kint8::dequantize_avx2<KFormat::q5_k>;
+    if (kf.name == "q6_k") out.decode = ggml::kint8::dequantize_avx2<KFormat::q6_k>;
+  }
+#endif
+  return out;
 }
 
 // ---- Micro-kernels ------------------------------------------------------------------------------

@@ -377,6 +377,41 @@ struct KAvx512 {
 };
 #endif
 
+#if ROUTEMM_CPU_HAVE_AVX2
+// The exact routes' dequantiser of one super-block with AVX2 (ggml_format_kernels.cpp): the
+// codec table's F32 operations in its order, each exactly specified (no contraction), so the
+// same floats. Q4_K / Q5_K value = (d * sc) * u - dmin * m; Q6_K value = (d * sc) * (u - 32).
+template <KFormat F>
+ROUTEMM_CPU_AVX2 void dequantize_avx2(const uint8_t* block, float* y) {
+  Decoded w;
+  decode_scales_avx2<F>(block, w);
+  decode_codes_avx2<F>(block, w.codes);
+  if constexpr (F == KFormat::q6_k) {
+    const __m256i offset = _mm256_set1_epi32(32);
+    for (size_t g = 0; g < kGroups; ++g) {
+      const __m256 ds = _mm256_set1_ps(w.d * static_cast<float>(w.pair[8 * g]));
+      for (size_t h = 0; h < 16; h += 8) {
+        const __m256i u = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.codes + 16 * g + h)));
+        _mm256_storeu_ps(y + 16 * g + h,
+                         _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_sub_epi32(u, offset))));
+      }
+    }
+  } else {
+    for (size_t c = 0; c < kQK_K / 32; ++c) {
+      const __m256 d1 = _mm256_set1_ps(w.d * static_cast<float>(w.pair[16 * c]));
+      const __m256 m1 = _mm256_set1_ps(w.dmin * static_cast<float>(w.group_min[2 * c]));
+      for (size_t h = 0; h < 32; h += 8) {
+        const __m256i u = _mm256_cvtepu8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.codes + 32 * c + h)));
+        _mm256_storeu_ps(y + 32 * c + h,
+                         _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(u)), m1));
+      }
+    }
+  }
+}
+#endif
+
 // ---- Items --------------------------------------------------------------------------------------
 
 // Activation rows x[r] (indices into `rows`, r < count <= kMaxItemRows) times weight rows
