@@ -265,6 +265,35 @@ inline void lane_row_dots(F format, device const uchar* first_row, ulong row_byt
   worker_row_dots<F, Rows>(format, first_row, row_bytes, rows, x, k, lane, kSimdWidth, sums);
 }
 
+// ---- The nr2 mat-vec (spec §5.5) -------------------------------------------------------------------
+// kNr2Rows rows of one activation row per threadgroup of kNr2Simdgroups simdgroups (128 threads):
+// worker_row_dots with 128 workers (thread t owns half-block t & 1 of blocks t / 2, t / 2 + 64,
+// ...); each simdgroup reduces its lanes with simd_sum, lane 0 stores the result in slot
+// [row][simdgroup] of the [2][32] F32 `slots` (256 bytes of threadgroup memory; simdgroup 0 zeroes
+// slots 4..31), and after one barrier simdgroup r reduces row r's 32 slots with simd_sum. Returns
+// that total (meaningful on simdgroups r < kNr2Rows). kernel_mul_mv_q8_0_f32_nr2 and the Q8_0
+// expert-ID nr2 pipeline both run it, so their rows agree bit for bit. Every thread of the
+// threadgroup must call it (it has a barrier).
+constant constexpr uint kNr2Rows = 2;
+constant constexpr uint kNr2Simdgroups = 4;
+
+template <typename F>
+inline float nr2_row_dots(F format, device const uchar* first_row, ulong row_bytes, uint rows,
+                          device const float* x, uint k, threadgroup float* slots, uint simdgroup,
+                          uint lane) {
+  float sums[kNr2Rows];
+  worker_row_dots<F, kNr2Rows>(format, first_row, row_bytes, rows, x, k, simdgroup * kSimdWidth + lane,
+                               kNr2Simdgroups * kSimdWidth, sums);
+  for (uint r = 0; r < kNr2Rows; ++r) {
+    const float partial = simd_sum(sums[r]);
+    if (lane == 0) slots[r * kSimdWidth + simdgroup] = partial;
+    if (simdgroup == 0 && lane >= kNr2Simdgroups) slots[r * kSimdWidth + lane] = 0.0f;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (simdgroup >= kNr2Rows) return 0.0f;
+  return simd_sum(slots[simdgroup * kSimdWidth + lane]);
+}
+
 // ---- The simdgroup-matrix tile of the matrix routes ----------------------------------------------
 // 32 rows (tokens, or an expert's routed rows) x 64 outputs, 128 threads (4 simdgroups). Per K step
 // of 16 (half a block) the 64 x 16 weight panel (exactly dequantised F32, 4096 bytes) and the

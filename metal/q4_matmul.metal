@@ -68,16 +68,10 @@ void mat_vec(F format, device const uchar* weight, device const float* input, de
   }
 }
 
-// Spec §5.5's Q8_0 default: 2 output rows of one token per threadgroup of 4 simdgroups. The 128
-// threads split each row's blocks (ggml_blocks.h's worker_row_dots with 128 workers: thread t owns
-// half-block t & 1 of blocks t / 2, t / 2 + 64, ...); each simdgroup reduces its lanes with
-// simd_sum, lane 0 stores the result in slot [row][simdgroup] of the [2][32] F32 threadgroup array
-// (256 bytes; simdgroup 0 zeroes slots 4..31), and after one barrier simdgroup r reduces row r's
-// 32 slots with simd_sum. Exact F32 like mat_vec above, but the partition and the reduction differ,
-// so the bits may differ from kernel_mul_mv_q8_0_f32's.
-constant constexpr uint kNr2Rows = 2;
-constant constexpr uint kNr2Simdgroups = 4;
-
+// Spec §5.5's Q8_0 default: 2 output rows of one token per threadgroup of 4 simdgroups, split and
+// reduced as ggml_blocks.h's nr2_row_dots says (256 bytes of threadgroup memory). Exact F32 like
+// mat_vec above, but the partition and the reduction differ, so the bits may differ from
+// kernel_mul_mv_q8_0_f32's.
 template <typename F>
 void mat_vec_nr2(F format, device const uchar* weight, device const float* input, device float* output,
                  constant GgmlMatmulMvParams& p, threadgroup float* slots, uint3 group, uint simdgroup,
@@ -86,29 +80,19 @@ void mat_vec_nr2(F format, device const uchar* weight, device const float* input
   const long k = p.ne00;
   const long token = group.y;
   const long batch = group.z;
-  // Uniform over the threadgroup, so no thread skips the barrier below alone.
+  // Uniform over the threadgroup, so no thread skips the barrier in nr2_row_dots alone.
   if (token >= p.ne1 || batch >= routemm_q4_batch) return;
-  const long first_row = long(group.x) * kNr2Rows;
+  const long first_row = long(group.x) * ggml_blocks::kNr2Rows;
   if (first_row >= n) return;
 
   const ulong row_bytes = ulong(k / ggml_blocks::kBlockValues) * ggml_blocks::block_bytes(format);
   device const uchar* w_batch = weight + ulong(batch / routemm_q4_r2) * row_bytes * ulong(n);
   device const float* x = input + (batch * p.ne1 + token) * p.ne10;
-  const uint rows = uint(min(long(kNr2Rows), n - first_row));
-  float sums[kNr2Rows];
-  ggml_blocks::worker_row_dots<F, kNr2Rows>(format, w_batch + ulong(first_row) * row_bytes, row_bytes, rows, x,
-                                            uint(k), simdgroup * ggml_blocks::kSimdWidth + lane,
-                                            kNr2Simdgroups * ggml_blocks::kSimdWidth, sums);
-  for (uint r = 0; r < kNr2Rows; ++r) {
-    const float partial = simd_sum(sums[r]);
-    if (lane == 0) slots[r * ggml_blocks::kSimdWidth + simdgroup] = partial;
-    if (simdgroup == 0 && lane >= kNr2Simdgroups) slots[r * ggml_blocks::kSimdWidth + lane] = 0.0f;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (simdgroup >= kNr2Rows) return;
-  const float total = simd_sum(slots[simdgroup * ggml_blocks::kSimdWidth + lane]);
+  const uint rows = uint(min(long(ggml_blocks::kNr2Rows), n - first_row));
+  const float total = ggml_blocks::nr2_row_dots(format, w_batch + ulong(first_row) * row_bytes, row_bytes, rows, x,
+                                                uint(k), slots, simdgroup, lane);
   const long row = first_row + simdgroup;
-  if (lane == 0 && row < n) output[(batch * p.ne1 + token) * p.ne0 + row] = total;
+  if (simdgroup < ggml_blocks::kNr2Rows && lane == 0 && row < n) output[(batch * p.ne1 + token) * p.ne0 + row] = total;
 }
 
 // ggml_blocks.h's 32 x 64 tile over tokens [32 x, +32) and outputs [64 y, +64).

@@ -1,12 +1,13 @@
 // Quantised expert-ID matmul pipelines (csrc/include/routemm/ops/quantized_matmul_id.h):
-// quantized_matmul_id_direct_{q4_0,q8_0}_f32 and quantized_matmul_id_grouped_{q4_0,q8_0}_f32, and
+// quantized_matmul_id_direct_{q4_0,q8_0}_f32 and quantized_matmul_id_grouped_{q4_0,q8_0}_f32,
+// quantized_matmul_id_direct_q8_0_f32_nr2 (Q8_0's direct under expert_q8_0_mv_nr2), and
 // the same two routes for every format of ggml_formats.h's kKernelFormats
 // (quantized_matmul_id_{direct,grouped}_<format>_f32); the grouped route's map is
 // dense_matmul_id.metal's dense_matmul_id_map_distinct.
 //
 // NUMERIC CONTRACT: ggml_blocks.h's exact dequantisation and F32 accumulation.
 //   direct : the mat-vec lane contract, so a row equals kernel_mul_mv_{q4_0,q8_0}_f32 on the
-//            expert's matrix bit for bit.
+//            expert's matrix bit for bit; the nr2 pipeline equals kernel_mul_mv_q8_0_f32_nr2.
 //   grouped: ggml_blocks.h's 32 x 64 simdgroup-matrix tile over an expert's routed rows (the tile
 //            of kernel_mul_mm_{q4_0,q8_0}_f32). Every product and sum is F32, but the order in
 //            which the hardware sums inside simdgroup_multiply_accumulate is not specified, so
@@ -19,6 +20,8 @@
 // of csrc/backend/metal/kernels.cpp:
 //   direct : 0 params, 1 weights, 2 input, 3 ids, 4 output; grid [ceil(n/8), m*top_k, 1],
 //            64 threads (2 simdgroups x 4 output columns), no threadgroup memory.
+//   direct nr2 (Q8_0): direct's bindings; grid [ceil(n/2), m*top_k, 1], threads [32, 4, 1]
+//            (2 output columns), threadgroup memory index 0 of 256 bytes.
 //   grouped: 0 params, 1 weights, 2 input, 3 expert_counts, 4 routed_rows, 5 output; grid
 //            [ceil(m/32), ceil(n/64), n_experts], 128 threads (4 simdgroups), threadgroup memory
 //            index 0 of 8192 bytes.
@@ -74,6 +77,33 @@ void direct_impl(F format, constant DenseMatmulIdKernelParams& p, device const u
   }
 }
 
+// The Q8_0 nr2 pipeline (GgmlRoutingPolicy.expert_q8_0_mv_nr2): 2 output columns of one flat row
+// per threadgroup of [32, 4, 1] threads, split and reduced by ggml_blocks.h's nr2_row_dots as
+// kernel_mul_mv_q8_0_f32_nr2 does, so a routed row equals that pipeline on its expert's matrix bit
+// for bit. The flat row (so its id) is uniform over the threadgroup: an invalid id returns before
+// the barrier on every thread at once.
+template <typename F>
+void direct_nr2_impl(F format, constant DenseMatmulIdKernelParams& p, device const uchar* weights,
+                     device const uchar* input, device const uint* ids, device float* out,
+                     threadgroup float* slots, uint3 group, uint simdgroup, uint lane) {
+  const uint flat = group.y;
+  if (flat >= p.m * p.top_k) return;
+  const uint first_col = group.x * ggml_blocks::kNr2Rows;
+  if (first_col >= p.n) return;
+  const uint col = first_col + simdgroup;
+  const uint id = ids[flat];
+  if (id >= p.n_experts) {  // an invalid id forms no weight address and writes zeros
+    if (simdgroup < ggml_blocks::kNr2Rows && lane == 0 && col < p.n) out[ulong(flat) * p.n + col] = 0.0f;
+    return;
+  }
+  const ulong row_bytes = weight_row_bytes(format, p);
+  device const uchar* first_row = weights + ulong(id) * p.expert_stride_bytes + ulong(first_col) * row_bytes;
+  const uint rows = min(ggml_blocks::kNr2Rows, p.n - first_col);
+  const float total = ggml_blocks::nr2_row_dots(format, first_row, row_bytes, rows, input_row(input, p, flat), p.k,
+                                                slots, simdgroup, lane);
+  if (simdgroup < ggml_blocks::kNr2Rows && lane == 0 && col < p.n) out[ulong(flat) * p.n + col] = total;
+}
+
 // Expert e's segment of the map's routed list is routed_rows[start, start + count), start the
 // counts of the experts before it; both are clamped to the m * top_k flat rows, so stale or
 // foreign counts cannot index past the list.
@@ -124,6 +154,18 @@ kernel void quantized_matmul_id_direct_q4_0_f32(ROUTEMM_DIRECT_ARGS) {
 }
 kernel void quantized_matmul_id_direct_q8_0_f32(ROUTEMM_DIRECT_ARGS) {
   direct_impl(ggml_blocks::Q8_0(), p, weights, input, ids, out, group, simdgroup, lane);
+}
+
+// The direct bindings plus threadgroup memory index 0 (the nr2 reduction slots).
+#define ROUTEMM_DIRECT_NR2_ARGS                                                                \
+  constant DenseMatmulIdKernelParams &p [[buffer(0)]], device const uchar *weights [[buffer(1)]], \
+      device const uchar *input [[buffer(2)]], device const uint *ids [[buffer(3)]],           \
+      device float *out [[buffer(4)]], threadgroup float *slots [[threadgroup(0)]],           \
+      uint3 group [[threadgroup_position_in_grid]], uint simdgroup [[simdgroup_index_in_threadgroup]], \
+      uint lane [[thread_index_in_simdgroup]]
+
+kernel void quantized_matmul_id_direct_q8_0_f32_nr2(ROUTEMM_DIRECT_NR2_ARGS) {
+  direct_nr2_impl(ggml_blocks::Q8_0(), p, weights, input, ids, out, slots, group, simdgroup, lane);
 }
 
 #define ROUTEMM_GROUPED_ARGS                                                                   \

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "routemm/error.h"
+#include "routemm/ops/quantized_matmul_id.h"
 
 namespace routemm::expert_id {
 namespace {
@@ -120,8 +121,12 @@ void encode_direct(CommandEncoder& encoder, KernelRegistry& registry,
   const uint64_t total_rows = uint64_t{gpu.m} * gpu.top_k;
   std::vector<std::pair<uint64_t, uint64_t>> shmem;
   if (def.threadgroup_memory_bytes != 0) shmem.emplace_back(0, def.threadgroup_memory_bytes);
-  encoder.dispatch(*pipeline, args, Dim3{ceil_div(gpu.n, def.tile_x), total_rows, 1},
-                   Dim3{def.threads_per_group, 1, 1}, DispatchKind::ThreadGroups, std::move(shmem));
+  // The Q8_0 nr2 pipeline's threadgroup is [32, 4, 1], as the dense nr2 mat-vec's.
+  const Dim3 threads = pipeline_name == kGgmlQuantizedMatmulIdQ8_0Nr2Pipeline
+                           ? Dim3{32, def.threads_per_group / 32, 1}
+                           : Dim3{def.threads_per_group, 1, 1};
+  encoder.dispatch(*pipeline, args, Dim3{ceil_div(gpu.n, def.tile_x), total_rows, 1}, threads,
+                   DispatchKind::ThreadGroups, std::move(shmem));
 }
 
 void encode_grouped(std::string_view op, CommandEncoder& encoder, KernelRegistry& registry,

@@ -352,7 +352,8 @@ MoeExpertsReceipt moe_experts(CommandEncoder& encoder, KernelRegistry& registry,
     const auto map = (i == 0 || !grouped) ? DenseMatmulIdMapUse::Build : DenseMatmulIdMapUse::Reuse;
     if (block_stacks(p)) {
       quantized_matmul_id_ggml(encoder, registry, *io.first, *w, v.ids_u32, *io.second, scratch,
-                               block_params(p, plan[i]), map);
+                               block_params(p, plan[i]), map,
+                               expert_q8_0_mv_nr2_from_environment());
     } else {
       dense_matmul_id(encoder, registry, *w, *io.first, v.ids_u32, *io.second, scratch,
                       dense_params(p, plan[i]), map);

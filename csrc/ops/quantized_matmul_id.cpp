@@ -2,6 +2,9 @@
 // the kernels of the routes they run (plus dense_matmul_id's map); every contract lives here.
 #include "routemm/ops/quantized_matmul_id.h"
 
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
 #include <limits>
 #include <string>
 
@@ -269,10 +272,35 @@ std::vector<std::string_view> quantized_matmul_id_ggml_route_pipelines(
   fail("unknown route");
 }
 
+std::vector<std::string_view> quantized_matmul_id_ggml_call_pipelines(
+    const KernelRegistry& registry, GgmlType type, GgmlQuantizedMatmulIdRoute route,
+    bool q8_0_mv_nr2) {
+  std::vector<std::string_view> names = quantized_matmul_id_ggml_route_pipelines(type, route);
+  if (q8_0_mv_nr2 && type == GgmlType::Q8_0 && route == GgmlQuantizedMatmulIdRoute::Direct &&
+      registry.has_kernel(kGgmlQuantizedMatmulIdQ8_0Nr2Pipeline)) {
+    names[0] = kGgmlQuantizedMatmulIdQ8_0Nr2Pipeline;
+  }
+  return names;
+}
+
+bool expert_q8_0_mv_nr2_from_environment() {
+  static const bool nr2 = [] {
+    const char* raw = std::getenv("ROUTEMM_Q8_0_ID_MV_NR2");
+    std::string value = raw != nullptr ? raw : "";
+    const auto blank = [](unsigned char c) { return std::isspace(c) != 0; };
+    value.erase(value.begin(), std::find_if_not(value.begin(), value.end(), blank));
+    value.erase(std::find_if_not(value.rbegin(), value.rend(), blank).base(), value.end());
+    std::transform(value.begin(), value.end(), value.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    return value == "1" || value == "true" || value == "on";
+  }();
+  return nr2;
+}
+
 GgmlQuantizedMatmulIdDispatchReceipt quantized_matmul_id_ggml(
     CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input, const Buffer& weights,
     const Buffer& expert_ids, const Buffer& output, const DenseMatmulIdScratch* scratch,
-    const GgmlQuantizedMatmulIdParams& params, DenseMatmulIdMapUse map) {
+    const GgmlQuantizedMatmulIdParams& params, DenseMatmulIdMapUse map, bool q8_0_mv_nr2) {
   const GgmlQuantizedMatmulIdCapability cap =
       validate_quantized_matmul_id_ggml_call(weights, input, expert_ids, output, scratch, params);
   const bool grouped = is_grouped(cap.route);
@@ -285,15 +313,15 @@ GgmlQuantizedMatmulIdDispatchReceipt quantized_matmul_id_ggml(
   const CommandEncoder::Use use(encoder, "quantized_matmul_id_ggml");
   const uint32_t dispatches = expert_id::dispatch_count(grouped, map);
   expert_id::check_encoder(kOp, to_string(cap.route), encoder, registry, weights, dispatches);
-  const std::vector<std::string_view> names =
-      quantized_matmul_id_ggml_route_pipelines(params.ggml_type, params.route);
+  const std::vector<std::string_view> names = quantized_matmul_id_ggml_call_pipelines(
+      registry, params.ggml_type, params.route, q8_0_mv_nr2);
   const expert_id::Buffers buffers{weights, input, expert_ids, output};
   if (grouped) {
     expert_id::encode_grouped(kOp, encoder, registry, names[1], gpu, buffers, *scratch, map);
   } else {
     expert_id::encode_direct(encoder, registry, names[0], gpu, buffers);
   }
-  return {params.ggml_type, cap.route, dispatches};
+  return {params.ggml_type, cap.route, dispatches, names.back()};
 }
 
 }  // namespace routemm

@@ -324,10 +324,13 @@ std::shared_ptr<const TensorQuantizedMatmulIdPlan> plan_tensor_quantized_matmul_
 
 GgmlQuantizedMatmulIdDispatchReceipt enqueue_quantized_matmul_id(
     const TensorQuantizedMatmulIdPlan& plan, const RoutemmMatmulIdPointers& ptr) {
+  // GgmlRoutingPolicy.expert_q8_0_mv_nr2 of the tensor ops: the environment's, read once.
+  const bool q8_0_mv_nr2 = expert_q8_0_mv_nr2_from_environment();
   return run_planned(
       plan, ptr, [&](CommandEncoder& encoder, KernelRegistry& registry, const ExpertIdIo& io) {
         return quantized_matmul_id_ggml(encoder, registry, io.x, io.weights, io.ids, io.out,
-                                        io.scratch ? &*io.scratch : nullptr, plan.params);
+                                        io.scratch ? &*io.scratch : nullptr, plan.params,
+                                        DenseMatmulIdMapUse::Build, q8_0_mv_nr2);
       });
 }
 
@@ -880,7 +883,7 @@ void init_enqueue(py::module_& m) {
         const auto r = enqueue_quantized_matmul_id(
             plan, pointers(weights, x, ids, output, expert_counts, routed_rows, stream));
         return py::make_tuple(std::string(to_string(r.ggml_type)), std::string(to_string(r.route)),
-                              r.dispatch_count);
+                              r.dispatch_count, std::string(r.pipeline));
       },
       py::arg("plan"), py::arg("weights"), py::arg("input"), py::arg("ids"), py::arg("output"),
       py::arg("expert_counts"), py::arg("routed_rows"), py::arg("stream"),

@@ -55,6 +55,8 @@ void init_quantized_matmul_id(py::module_& m) {
   for (auto name : kGgmlQuantizedMatmulIdInt8DotPipelineNames)
     int8_dot_names.append(std::string(name));
   m.attr("GGML_QUANTIZED_MATMUL_ID_INT8_DOT_PIPELINE_NAMES") = py::tuple(int8_dot_names);
+  m.attr("GGML_QUANTIZED_MATMUL_ID_Q8_0_NR2_PIPELINE") =
+      std::string(kGgmlQuantizedMatmulIdQ8_0Nr2Pipeline);
 
   m.def("_quantized_matmul_id_ggml_capability", [](const GgmlQuantizedMatmulIdParams& p) {
     return capability_dict(quantized_matmul_id_ggml_capability(p));
@@ -73,18 +75,20 @@ void init_quantized_matmul_id(py::module_& m) {
       "_quantized_matmul_id_ggml",
       [](CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input,
          const Buffer& weights, const Buffer& ids, const Buffer& output, const py::object& scratch,
-         const GgmlQuantizedMatmulIdParams& p, bool reuse_map) {
+         const GgmlQuantizedMatmulIdParams& p, bool reuse_map, bool q8_0_mv_nr2) {
         const DenseMatmulIdScratch* scratch_ptr =
             optional_scratch(scratch, "quantized_matmul_id_ggml");
         const auto r = quantized_matmul_id_ggml(
             encoder, registry, input, weights, ids, output, scratch_ptr, p,
-            reuse_map ? DenseMatmulIdMapUse::Reuse : DenseMatmulIdMapUse::Build);
+            reuse_map ? DenseMatmulIdMapUse::Reuse : DenseMatmulIdMapUse::Build, q8_0_mv_nr2);
         return py::make_tuple(std::string(to_string(r.ggml_type)), std::string(to_string(r.route)),
-                              r.dispatch_count);
+                              r.dispatch_count, std::string(r.pipeline));
       },
       py::arg("encoder"), py::arg("registry"), py::arg("input"), py::arg("weights"),
       py::arg("expert_ids"), py::arg("output"), py::arg("scratch"), py::arg("params"),
-      py::arg("reuse_map") = false);
+      py::arg("reuse_map") = false, py::arg("q8_0_mv_nr2") = false);
+  m.def("_expert_q8_0_mv_nr2_from_environment", &expert_q8_0_mv_nr2_from_environment,
+        "GgmlRoutingPolicy.expert_q8_0_mv_nr2 as the tensor ops and the MoE op read it (once).");
 }
 
 }  // namespace routemm::python

@@ -150,6 +150,7 @@ std::vector<std::string> core_pipeline_names() {
   names.insert(names.end(), kGgmlQuantizedMatmulIdPipelineNames.begin(),
                kGgmlQuantizedMatmulIdPipelineNames.end());
   names.emplace_back(kQ8_0MatVecNr2Pipeline);
+  names.emplace_back(kGgmlQuantizedMatmulIdQ8_0Nr2Pipeline);
   for (const ggml_formats::KernelFormat& f : ggml_formats::kKernelFormats) {
     for (const std::string_view name : {f.mat_vec, f.matrix, f.id_direct, f.id_grouped}) {
       names.emplace_back(name);

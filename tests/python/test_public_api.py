@@ -28,7 +28,8 @@ PUBLIC_NAMES = """
     DenseQ4RoutePlan DenseQ4RouteTiming DenseQ4SelectionStatus DenseQ4Shape
     DenseQ4TimingDistribution Device DispatchKind EncodedKernelDispatch Error
     GGML_INT8_DOT_PIPELINE_NAMES GGML_QUANTIZED_MATMUL_ID_INT8_DOT_PIPELINE_NAMES
-    GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES GGML_QUANTIZED_MATMUL_ID_TENSOR_PIPELINE_NAMES
+    GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES GGML_QUANTIZED_MATMUL_ID_Q8_0_NR2_PIPELINE
+    GGML_QUANTIZED_MATMUL_ID_TENSOR_PIPELINE_NAMES
     GgmlCapability GgmlCapabilityRequest GgmlExpertShape GgmlInvocation GgmlInvocationKind
     GgmlKernelRoute GgmlQuantizedMatmulIdAutoReceipt GgmlQuantizedMatmulIdCalibrationCase
     GgmlQuantizedMatmulIdCalibrationDecision GgmlQuantizedMatmulIdCalibrationLimits

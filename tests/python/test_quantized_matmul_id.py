@@ -105,8 +105,9 @@ def test_routes_match_reference_and_each_other(device, registry, rng, ggml_type,
     )
     check_against_reference(direct, deq, x, ids, slotted)
     check_grouped(device, grouped, direct, deq, x, ids, slotted)
-    assert receipt_d == routemm.GgmlQuantizedMatmulIdDispatchReceipt(ggml_type, Route.DIRECT, 1)
-    assert receipt_g == routemm.GgmlQuantizedMatmulIdDispatchReceipt(ggml_type, Route.GROUPED, 2)
+    (direct_pipeline,), (_, grouped_pipeline) = Route.DIRECT.pipelines(ggml_type), Route.GROUPED.pipelines(ggml_type)
+    assert receipt_d == routemm.GgmlQuantizedMatmulIdDispatchReceipt(ggml_type, Route.DIRECT, 1, direct_pipeline)
+    assert receipt_g == routemm.GgmlQuantizedMatmulIdDispatchReceipt(ggml_type, Route.GROUPED, 2, grouped_pipeline)
     for record in (receipt_d, receipt_g, params, routemm.quantized_matmul_id_ggml_capability(params)):
         validate(record)
         assert type(record).from_json(record.to_json()) == record

@@ -112,7 +112,7 @@ def test_within_tolerance_of_the_float64_reference(
     ids = sprinkle_invalid(rng, distinct_ids(rng, m, top_k, n_experts), n_experts)
     x = rng.standard_normal((m * top_k if slotted else m, k)).astype(np.float32)
     got, receipt, labels = run(device, registry, ggml_type, weights, stride, x, ids, n, n_experts, slotted)
-    assert receipt == routemm.GgmlQuantizedMatmulIdDispatchReceipt(ggml_type, ROUTE, 2)
+    assert receipt == routemm.GgmlQuantizedMatmulIdDispatchReceipt(ggml_type, ROUTE, 2, pipeline(ggml_type))
     assert labels == [MAP, pipeline(ggml_type)]
     check(got, fmt.dequantize(blocks), x, ids, slotted)
 
@@ -255,7 +255,7 @@ def test_route_records_capability_and_pipelines(ggml_type):
         assert getattr(cap, field) == getattr(grouped, field)
     assert ROUTE.pipelines(ggml_type) == (MAP, pipeline(ggml_type))
     assert pipeline(ggml_type) in routemm.GGML_QUANTIZED_MATMUL_ID_TENSOR_PIPELINE_NAMES
-    receipt = routemm.GgmlQuantizedMatmulIdDispatchReceipt(ggml_type, ROUTE, 2)
+    receipt = routemm.GgmlQuantizedMatmulIdDispatchReceipt(ggml_type, ROUTE, 2, pipeline(ggml_type))
     for record in (params, cap, receipt):
         validate(record)
         assert type(record).from_json(record.to_json()) == record

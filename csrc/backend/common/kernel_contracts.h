@@ -440,7 +440,8 @@ void check_moe_fused_down_args(const KernelLaunch& launch) {
 // The contract of the pipeline named `name`: one of kDenseMatmulIdPipelineNames,
 // kDenseMatmulIdTensorPipelineNames, kDenseMatmulIdBf16DotPipelineNames, kQ4MatmulPipelineNames,
 // kQ8MatmulPipelineNames, kQ8_0MatVecNr2Pipeline, kGgmlInt8DotPipelineNames,
-// kGgmlQuantizedMatmulIdPipelineNames, kGgmlQuantizedMatmulIdTensorPipelineNames,
+// kGgmlQuantizedMatmulIdPipelineNames, kGgmlQuantizedMatmulIdQ8_0Nr2Pipeline,
+// kGgmlQuantizedMatmulIdTensorPipelineNames,
 // kGgmlQuantizedMatmulIdInt8DotPipelineNames, kMoePipelineNames, the two calibration kernels or
 // the pipelines of ggml_formats.h's kKernelFormats and kKQuantInt8DotFormats.
 // Backends call this while building their kernel lists, so a kernel added without a contract
@@ -510,6 +511,7 @@ inline KernelArgCheck kernel_arg_contract(std::string_view name) {
       {qid[1], &check_quantized_matmul_id_direct_args<q8>},
       {qid[2], &check_quantized_matmul_id_grouped_args<q4>},
       {qid[3], &check_quantized_matmul_id_grouped_args<q8>},
+      {kGgmlQuantizedMatmulIdQ8_0Nr2Pipeline, &check_quantized_matmul_id_direct_args<q8>},
       {qid_tensor[0], &check_quantized_matmul_id_grouped_args<q4>},
       {qid_tensor[1], &check_quantized_matmul_id_grouped_args<q8>},
       {qid_int8[0], &check_quantized_matmul_id_direct_args<q4>},

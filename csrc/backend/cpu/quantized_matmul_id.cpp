@@ -1,4 +1,5 @@
-// CPU kernels of the quantised expert-ID matmul: quantized_matmul_id_direct_{q4_0,q8_0}_f32 and
+// CPU kernels of the quantised expert-ID matmul: quantized_matmul_id_direct_{q4_0,q8_0}_f32,
+// quantized_matmul_id_direct_q8_0_f32_nr2 (direct's arithmetic in the nr2 geometry) and
 // quantized_matmul_id_grouped_{q4_0,q8_0}_f32 (the map is dense_matmul_id's), and the int8-dot
 // routes' quantized_matmul_id_{direct,grouped}_int8dot_{q4_0,q8_0}_f32.
 //
@@ -155,6 +156,26 @@ void direct_kernel(const KernelLaunch& launch, void* queue_native) {
                        [&](size_t flat, uint32_t id, size_t col0, size_t col_end, float* out) {
                          run(job.expert(id, job.input_row(flat), 1, out), col0, col_end);
                        });
+}
+
+// Q8_0's nr2 direct pipeline (kGgmlQuantizedMatmulIdQ8_0Nr2Pipeline): the launch must have the nr2
+// geometry (grid [ceil(n / 2), m * top_k, 1], threads [32, 4, 1], 256 bytes at index 0). Every row
+// is computed as direct_kernel computes it, so on the CPU its bits are the lane-contract direct
+// pipeline's, as the CPU's nr2 mat-vec gives the lane-contract mat-vec's: each routed row equals
+// kernel_mul_mv_q8_0_f32_nr2 on its expert's matrix bit for bit.
+void direct_nr2_kernel(const KernelLaunch& launch, void* queue_native) {
+  const DenseMatmulIdKernelParams p = read_params(launch);
+  const bool shmem_ok = launch.threadgroup_memory.size() == 1 &&
+                        launch.threadgroup_memory[0].first == 0 &&
+                        launch.threadgroup_memory[0].second >= kQ8_0MatVecNr2ThreadgroupBytes;
+  if (launch.grid.x != (uint64_t{p.n} + kQ8_0MatVecNr2Rows - 1) / kQ8_0MatVecNr2Rows ||
+      launch.grid.y != uint64_t{p.m} * p.top_k || launch.grid.z != 1 || launch.threads.x != 32 ||
+      launch.threads.y != kQ8_0MatVecNr2Threads / 32 || launch.threads.z != 1 || !shmem_ok) {
+    launch_error(launch,
+                 "nr2 direct needs grid [ceil(n / 2), m * top_k, 1], threads [32, 4, 1] and 256 "
+                 "bytes of threadgroup memory");
+  }
+  direct_kernel<ggml::Q8_0Format>(launch, queue_native);
 }
 
 // ---- Grouped ------------------------------------------------------------------------------------
@@ -425,6 +446,9 @@ void add_quantized_matmul_id_kernels(std::vector<KernelDef>& out) {
   add_route_set(out, names,
                 {direct_kernel<Q4_0Format>, direct_kernel<Q8_0Format>, grouped_kernel<Q4_0Format>,
                  grouped_kernel<Q8_0Format>});
+  out.push_back(make_def(kGgmlQuantizedMatmulIdQ8_0Nr2Pipeline, direct_nr2_kernel,
+                         kQ8_0MatVecNr2Threads, kQ8_0MatVecNr2Rows, 1,
+                         kQ8_0MatVecNr2ThreadgroupBytes));
   // The int8-dot routes, with the exact routes' geometry. Every CPU has them (the portable clone
   // is exact integer arithmetic too).
   constexpr auto i8 = kGgmlQuantizedMatmulIdInt8DotPipelineNames;

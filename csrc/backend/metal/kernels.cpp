@@ -21,9 +21,9 @@ constexpr std::string_view kCalibrationCompare = "routemm_calibration_compare_f3
 
 // Function names in table order: the seven expert-ID pipelines, the five Q4_0 pipelines, the two
 // calibration proof kernels, the three MoE layer kernels, the two Q8_0 pipelines, the four
-// quantised expert-ID pipelines, the Q8_0 nr2 mat-vec; then (kFunctions) the four pipelines of
-// each format of ggml_formats.h's kKernelFormats.
-constexpr std::array<std::string_view, 24> kBaseFunctions = {
+// quantised expert-ID pipelines, the Q8_0 nr2 mat-vec, the Q8_0 nr2 expert-ID direct pipeline;
+// then (kFunctions) the four pipelines of each format of ggml_formats.h's kKernelFormats.
+constexpr std::array<std::string_view, 25> kBaseFunctions = {
     kDenseMatmulIdPipelineNames[0],
     kDenseMatmulIdPipelineNames[1],
     kDenseMatmulIdPipelineNames[2],
@@ -48,6 +48,7 @@ constexpr std::array<std::string_view, 24> kBaseFunctions = {
     kGgmlQuantizedMatmulIdPipelineNames[2],
     kGgmlQuantizedMatmulIdPipelineNames[3],
     kQ8_0MatVecNr2Pipeline,
+    kGgmlQuantizedMatmulIdQ8_0Nr2Pipeline,
 };
 static_assert(kDenseMatmulIdPipelineNames.size() == 7 && kQ4MatmulPipelineNames.size() == 5 &&
               kMoePipelineNames.size() == 3 && kQ8MatmulPipelineNames.size() == 2 &&
@@ -93,7 +94,8 @@ using enum MetalLibrary;
 //            nr2 mat-vec 128 threads ([32, 4, 1]), 2 output rows x 1 token per group, 256 bytes.
 //   quantised expert-ID: direct as dense direct (8 columns x 1 flat row, 64 threads); grouped
 //            128 threads, 32 routed rows x 64 columns per group (the simdgroup matrix route's
-//            tile), 8192 bytes.
+//            tile), 8192 bytes; the Q8_0 nr2 direct pipeline as the nr2 mat-vec (128 threads,
+//            2 columns x 1 flat row per group, 256 bytes).
 constexpr std::array<MetalPipelineSpec, kBaseFunctions.size()> kBaseSpecs = {
     spec(0, launch<0>, Base, 64, 8, 1, 0),
     spec(1, launch<1>, Base, 64, 8, 1, 0),
@@ -120,6 +122,8 @@ constexpr std::array<MetalPipelineSpec, kBaseFunctions.size()> kBaseSpecs = {
     spec(22, launch<22>, Base, 128, 32, 64, 8192),
     spec(23, launch<23>, Base, kQ8_0MatVecNr2Threads, kQ8_0MatVecNr2Rows, 1,
          kQ8_0MatVecNr2ThreadgroupBytes, true),
+    spec(24, launch<24>, Base, kQ8_0MatVecNr2Threads, kQ8_0MatVecNr2Rows, 1,
+         kQ8_0MatVecNr2ThreadgroupBytes),
 };
 
 // The four pipelines of a kKernelFormats format, with the geometry of Q8_0's of the same kinds:

@@ -33,6 +33,12 @@ these routes by name. A routed row equals that dense pipeline on its expert's ma
 and the two routes agree bit for bit; against the exact product they meet the bound of
 docs/numerics.md. Taken only when named; only the CPU backend registers their pipelines
 (INT8_DOT_PIPELINE_NAMES): elsewhere a call raises KernelNotFoundError before encoding.
+
+GgmlRoutingPolicy.expert_q8_0_mv_nr2 (off by default) makes Q8_0's ``direct`` route run
+Q8_0_NR2_PIPELINE where the backend has it (CPU, Metal; CUDA keeps its direct pipeline): the dense
+``kernel_mul_mv_q8_0_f32_nr2``'s geometry and reduction order per routed row, so each routed row
+equals that dense pipeline on its expert's matrix bit for bit (on the CPU both also equal the
+lane-contract direct pipeline). The receipt's ``pipeline`` names the pipeline that ran.
 """
 
 from __future__ import annotations
@@ -59,12 +65,14 @@ from .dense_matmul_id import (
     auto_grouped,
     ids_distinct_per_token,
 )
-from .quantized_matmul import GgmlType
+from .quantized_matmul import GgmlRoutingPolicy, GgmlType, effective_policy
 
 SCHEMA_VERSION: int = _core.GGML_QUANTIZED_MATMUL_ID_SCHEMA_VERSION
 PIPELINE_NAMES: tuple[str, ...] = _core.GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES
 TENSOR_PIPELINE_NAMES: tuple[str, ...] = _core.GGML_QUANTIZED_MATMUL_ID_TENSOR_PIPELINE_NAMES
 INT8_DOT_PIPELINE_NAMES: tuple[str, ...] = _core.GGML_QUANTIZED_MATMUL_ID_INT8_DOT_PIPELINE_NAMES
+# Q8_0's direct pipeline under GgmlRoutingPolicy.expert_q8_0_mv_nr2 (CPU, Metal).
+Q8_0_NR2_PIPELINE: str = _core.GGML_QUANTIZED_MATMUL_ID_Q8_0_NR2_PIPELINE
 SUPPORTED_TYPES: tuple[GgmlType, ...] = tuple(
     GgmlType(name) for name in ("q4_0", "q8_0", *(f[0] for f in _core.GGML_KERNEL_FORMATS))
 )
@@ -156,13 +164,16 @@ class GgmlQuantizedMatmulIdCapability(JsonRecord, SchemaVersioned):
 
 @dataclasses.dataclass(frozen=True)
 class GgmlQuantizedMatmulIdDispatchReceipt(JsonRecord, SchemaVersioned):
-    """What one call encoded: block type, route and number of dispatches (1 direct, 2 for the
-    grouped routes, 1 for a grouped route with a reused routing map)."""
+    """What one call encoded: block type, route, number of dispatches (1 direct, 2 for the
+    grouped routes, 1 for a grouped route with a reused routing map) and the pipeline of the
+    product dispatch (the route's direct or grouped pipeline; Q8_0_NR2_PIPELINE for a Q8_0 direct
+    call under expert_q8_0_mv_nr2 where the backend has it)."""
 
     SCHEMA = "ggml_quantized_matmul_id_dispatch_receipt.schema.json"
     ggml_type: GgmlType
     route: GgmlQuantizedMatmulIdRoute
     dispatch_count: int
+    pipeline: str
     schema_version: int = SCHEMA_VERSION
 
 
@@ -173,7 +184,7 @@ def quantized_matmul_id_ggml_capability(params: GgmlQuantizedMatmulIdParams) -> 
     return GgmlQuantizedMatmulIdCapability.from_dict(_core._quantized_matmul_id_ggml_capability(params._native_params))
 
 
-_RECEIPTS: dict[tuple[str, str, int], GgmlQuantizedMatmulIdDispatchReceipt] = {}
+_RECEIPTS: dict[tuple[str, str, int, str], GgmlQuantizedMatmulIdDispatchReceipt] = {}
 
 
 def quantized_matmul_id_ggml(
@@ -187,6 +198,7 @@ def quantized_matmul_id_ggml(
     params: GgmlQuantizedMatmulIdParams,
     *,
     reuse_map: bool = False,
+    routing: GgmlRoutingPolicy | None = None,
 ) -> GgmlQuantizedMatmulIdDispatchReceipt:
     """Encode one quantised expert-ID matmul into `encoder` (run it with commit_and_wait()).
 
@@ -194,27 +206,34 @@ def quantized_matmul_id_ggml(
     [m, top_k]; output: F32 [m * top_k, n]; scratch: a DenseMatmulIdScratch for the grouped routes,
     None for direct. reuse_map (grouped routes): read the routing map that the last building call
     into `scratch` (this op's or dense_matmul_id's) encoded instead of building one, as
-    dense_matmul_id's reuse_map. Every validation happens before anything is encoded; on error
-    the encoder is untouched.
+    dense_matmul_id's reuse_map. routing: the GgmlRoutingPolicy whose expert_q8_0_mv_nr2 picks
+    Q8_0's direct pipeline (None: the policy frozen into `registry`, else
+    GgmlRoutingPolicy.from_environment()). Every validation happens before anything is encoded;
+    on error the encoder is untouched.
     """
     op = "quantized_matmul_id_ggml"
     check_encoding(op, encoder, registry, ("input", "weights", "ids", "output"), input, weights, ids, output)
     check_type(op, "scratch", scratch, _core.DenseMatmulIdScratch, optional=True)
     check_type(op, "params", params, GgmlQuantizedMatmulIdParams)
+    policy = effective_policy(registry, routing, op)
     native = _core._quantized_matmul_id_ggml(
         encoder, registry, input, weights, ids, output, scratch, params._native_params,
-        _checked_reuse_map("quantized_matmul_id_ggml", reuse_map),
+        _checked_reuse_map("quantized_matmul_id_ggml", reuse_map), bool(policy.expert_q8_0_mv_nr2),
     )  # fmt: skip
     return _receipt_of(native)
 
 
-def _receipt_of(native: tuple[str, str, int]) -> GgmlQuantizedMatmulIdDispatchReceipt:
-    """The receipt of a native (ggml_type, route, dispatch_count) tuple, made once per value."""
+def _receipt_of(native: tuple[str, str, int, str]) -> GgmlQuantizedMatmulIdDispatchReceipt:
+    """The receipt of a native (ggml_type, route, dispatch_count, pipeline) tuple, made once per
+    value."""
     receipt = _RECEIPTS.get(native)
     if receipt is None:
-        ggml_type, route, count = native
+        ggml_type, route, count, pipeline = native
         receipt = _RECEIPTS.setdefault(
-            native, GgmlQuantizedMatmulIdDispatchReceipt(GgmlType(ggml_type), GgmlQuantizedMatmulIdRoute(route), count)
+            native,
+            GgmlQuantizedMatmulIdDispatchReceipt(
+                GgmlType(ggml_type), GgmlQuantizedMatmulIdRoute(route), count, pipeline
+            ),
         )
     return receipt
 

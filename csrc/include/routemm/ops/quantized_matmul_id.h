@@ -76,6 +76,15 @@ inline constexpr std::array<std::string_view, 9> kGgmlQuantizedMatmulIdTensorPip
     "quantized_matmul_id_grouped_lowp_q6_k_f32",
 };
 
+// Q8_0's Direct pipeline under GgmlRoutingPolicy.expert_q8_0_mv_nr2 (spec §4.1), registered by the
+// CPU and Metal: kQ8_0MatVecNr2Pipeline's geometry and reduction order per routed row (2 output
+// columns of one flat row per threadgroup of [32, 4, 1] threads, kQ8_0MatVecNr2ThreadgroupBytes of
+// threadgroup memory at index 0; grid [ceil(n / 2), m * top_k, 1]). Each routed row equals
+// kQ8_0MatVecNr2Pipeline on its expert's matrix bit for bit (on the CPU both also equal the
+// lane-contract mat-vec, as the dense pair does); Direct's id contract and bindings.
+inline constexpr std::string_view kGgmlQuantizedMatmulIdQ8_0Nr2Pipeline =
+    "quantized_matmul_id_direct_q8_0_f32_nr2";
+
 // Pipelines of the int8-dot routes (registered only by the CPU backend): direct Q4_0, direct Q8_0,
 // grouped Q4_0, grouped Q8_0.
 inline constexpr std::array<std::string_view, 4> kGgmlQuantizedMatmulIdInt8DotPipelineNames = {
@@ -133,6 +142,7 @@ struct GgmlQuantizedMatmulIdDispatchReceipt {
   GgmlType ggml_type = GgmlType::Q4_0;
   GgmlQuantizedMatmulIdRoute route = GgmlQuantizedMatmulIdRoute::Direct;
   uint32_t dispatch_count = 0;  // 1 direct, 2 grouped routes (1 when they reused a routing map)
+  std::string_view pipeline;    // the product's pipeline (direct or grouped; not the map)
 };
 
 // Exact byte extents for one call, with checked arithmetic; no allocation, no compilation. In
@@ -154,15 +164,27 @@ GgmlQuantizedMatmulIdCapability validate_quantized_matmul_id_ggml_call(
 // route: exact, lowp or int8-dot).
 std::vector<std::string_view> quantized_matmul_id_ggml_route_pipelines(
     GgmlType type, GgmlQuantizedMatmulIdRoute route);
+// The same for a call on `registry` under GgmlRoutingPolicy.expert_q8_0_mv_nr2: with q8_0_mv_nr2,
+// Q8_0's Direct route runs kGgmlQuantizedMatmulIdQ8_0Nr2Pipeline where the registry has it
+// (elsewhere, e.g. CUDA, the lane-contract direct pipeline). Every other call is unchanged.
+std::vector<std::string_view> quantized_matmul_id_ggml_call_pipelines(
+    const KernelRegistry& registry, GgmlType type, GgmlQuantizedMatmulIdRoute route,
+    bool q8_0_mv_nr2);
+// GgmlRoutingPolicy.expert_q8_0_mv_nr2 of the callers that take no policy (the tensor and torch
+// ops, the MoE op): ROUTEMM_Q8_0_ID_MV_NR2 is 1, true or on (any case, blanks around it ignored,
+// as GgmlRoutingPolicy's reader), else false. Read once, at first use.
+bool expert_q8_0_mv_nr2_from_environment();
 
 // Validates, resolves every pipeline, then encodes. Any failure happens before the encoder is
 // touched: no barrier, no pending ranges, no dispatch. `map` (grouped routes only) says whether the call
 // builds its routing map or reuses the scratch's (DenseMatmulIdMapUse; dense_matmul_id and this op
 // share the map, so either may build it for the other).
+// q8_0_mv_nr2: GgmlRoutingPolicy.expert_q8_0_mv_nr2 (quantized_matmul_id_ggml_call_pipelines); the
+// receipt names the pipeline that ran.
 GgmlQuantizedMatmulIdDispatchReceipt quantized_matmul_id_ggml(
     CommandEncoder& encoder, KernelRegistry& registry, const Buffer& input, const Buffer& weights,
     const Buffer& expert_ids, const Buffer& output, const DenseMatmulIdScratch* scratch,
-    const GgmlQuantizedMatmulIdParams& params,
-    DenseMatmulIdMapUse map = DenseMatmulIdMapUse::Build);
+    const GgmlQuantizedMatmulIdParams& params, DenseMatmulIdMapUse map = DenseMatmulIdMapUse::Build,
+    bool q8_0_mv_nr2 = false);
 
 }  // namespace routemm
