@@ -343,10 +343,9 @@ def _(rng, tmp_path):
         "dense_decode_mv_ext",
         "dense_q6k_mv_nr2",
         "expert_q6k_mv_nr2",
-        "expert_q8_0_mv_nr2",
     }
-    assert Policy().expert_q8_0_mv_nr2 is False  # the Q8_0 expert mat-vec routemm has
     assert "expert_tensor_mm" not in Policy.RECORDED_ONLY  # 4.1-expert-tensor-mm
+    assert "expert_q8_0_mv_nr2" not in Policy.RECORDED_ONLY  # 4.1-expert-q8-0-mv-nr2
 
 
 @check("4.1-policy-effects", per_backend=True)
@@ -395,6 +394,52 @@ def _(rng, tmp_path, device):
                 runs.append((receipt, got.view(np.uint32)))
             for receipt, got in runs[1:]:
                 assert receipt == runs[0][0] and np.array_equal(got, runs[0][1]), (device.backend, t, m)
+
+
+@check("4.1-expert-q8-0-mv-nr2", per_backend=True)
+def _(rng, tmp_path, device):
+    """expert_q8_0_mv_nr2 flipped on, frozen into the registry matmul_id's automatic route uses: a
+    Q8_0 decode call (the direct route) runs the nr2 pipeline where the backend has it, each routed
+    row bit-identical to kernel_mul_mv_q8_0_f32_nr2 on its expert; off (the default) the direct
+    pipeline, as before. CUDA has no nr2 pipeline: either setting runs its direct one."""
+    from routemm.ops import dense_matmul_id as dmi
+    from routemm.ops import quantized_matmul_id as qmi
+
+    T, E, n, k, m = routemm.GgmlType, 4, 10, 1024, 3
+    stack = routemm.quantize(rng.standard_normal((E, n, k)).astype(np.float32), T.Q8_0)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    ids = (np.arange(m)[:, None] + np.arange(2)[None, :]) % E
+    runs = {}
+    for on in (False, True):
+        frozen = routemm.KernelRegistry(device)
+        frozen.freeze_ggml_routing_policy(Policy(expert_q8_0_mv_nr2=on))
+        with pytest.MonkeyPatch.context() as mp:
+            for module in (dmi, qmi):
+                mp.setattr(module, "_registry_for", lambda _device, frozen=frozen: frozen)
+            runs[on] = routemm.matmul_id(stack, x, ids, device=device, ggml_type=T.Q8_0, return_receipt=True)
+    has_nr2 = routemm.KernelRegistry(device).has_kernel(routemm.GGML_QUANTIZED_MATMUL_ID_Q8_0_NR2_PIPELINE)
+    direct = routemm.GGML_QUANTIZED_MATMUL_ID_PIPELINE_NAMES[1]
+    assert [r.route.value for _, r in runs.values()] == ["direct", "direct"]
+    assert runs[False][1].pipeline == direct
+    assert runs[True][1].pipeline == (routemm.GGML_QUANTIZED_MATMUL_ID_Q8_0_NR2_PIPELINE if has_nr2 else direct)
+    registry = routemm.KernelRegistry(device)
+    for flat, expert in enumerate(ids.reshape(-1)):
+        w = device.from_numpy(stack[expert].reshape(-1))
+        xb = device.from_numpy(x[flat // 2 : flat // 2 + 1])
+        y = device.alloc(n * 4, routemm.DType.F32, [1, n])
+        enc = device.command_encoder()
+        receipt = routemm.quantized_matmul_ggml(
+            enc, registry, xb, w, y, routemm.GgmlQuantizedMatmulParams(1, n, k, T.Q8_0), Policy()
+        )
+        enc.commit_and_wait()
+        if has_nr2:
+            assert receipt.dispatch.pipeline_label.split("|")[0] == routemm.Q8_0_MAT_VEC_NR2_PIPELINE
+            assert np.array_equal(runs[True][0][flat].view(np.uint32), y.numpy()[0].view(np.uint32)), (
+                device.backend,
+                flat,
+            )
+        else:
+            assert np.array_equal(runs[True][0].view(np.uint32), runs[False][0].view(np.uint32)), device.backend
 
 
 def _auto_routes(device, rng, ms, ggml_type=None) -> list:

@@ -104,7 +104,7 @@ _PYTHON_KNOBS = (
         "ROUTEMM_Q8_0_ID_MV_NR2",
         "bool",
         "0",
-        "1/true/on: GgmlRoutingPolicy.expert_q8_0_mv_nr2 (recorded only)",
+        "1/true/on: GgmlRoutingPolicy.expert_q8_0_mv_nr2: Q8_0 expert-ID direct calls run the nr2 pipeline where the backend has it (CPU, Metal; tensor and torch ops and the MoE op: read once, at first use)",
     ),
     Knob(
         "ROUTEMM_DISABLE_TENSOR_MM_ID",

@@ -154,11 +154,13 @@ class GgmlRoutingPolicy(JsonRecord):
     that many tokens (dense_matmul_id.auto_grouped). `expert_tensor_mm` = force_simd keeps the
     automatic expert-ID choices off tensor-core kernels: the MoE op's automatic route
     (torch.ops.routemm.moe_experts with exact=False) takes the exact rule, and the expert-ID
-    calibrations leave the tensor-core candidates out. The other fields (RECORDED_ONLY) name
-    kernels routemm does not have -- K-quant width-mN tiles, mul_mv_ext, the Q6_K nr2 mat-vecs,
-    an nr2 Q8_0 expert mat-vec: they are accepted, validated, recorded in every receipt and used
-    by the structural planner (`plan_dense_auto_route`, `ggml_capability`), and change no
-    dispatch."""
+    calibrations leave the tensor-core candidates out. `expert_q8_0_mv_nr2` (off by default) makes
+    Q8_0 expert-ID direct calls run `quantized_matmul_id_direct_q8_0_f32_nr2` where the backend
+    has it (CPU, Metal): each routed row bit-identical to `kernel_mul_mv_q8_0_f32_nr2` on its
+    expert (the expert-ID receipt's pipeline says which ran). The other fields (RECORDED_ONLY)
+    name kernels routemm does not have -- K-quant width-mN tiles, mul_mv_ext, the Q6_K nr2
+    mat-vecs: they are accepted, validated, recorded in every receipt and used by the structural
+    planner (`plan_dense_auto_route`, `ggml_capability`), and change no dispatch."""
 
     SCHEMA = "ggml_routing_policy.schema.json"
     RECORDED_ONLY: ClassVar[tuple[str, ...]] = (
@@ -166,7 +168,6 @@ class GgmlRoutingPolicy(JsonRecord):
         "dense_decode_mv_ext",
         "dense_q6k_mv_nr2",
         "expert_q6k_mv_nr2",
-        "expert_q8_0_mv_nr2",
     )
     dense_tensor_mm: GgmlTensorMmPreference = GgmlTensorMmPreference.AUTO_PROBE
     allow_dense_large_tile_mm: bool = True
