@@ -353,7 +353,7 @@ MoeExpertsReceipt moe_experts(CommandEncoder& encoder, KernelRegistry& registry,
     if (block_stacks(p)) {
       quantized_matmul_id_ggml(encoder, registry, *io.first, *w, v.ids_u32, *io.second, scratch,
                                block_params(p, plan[i]), map,
-                               expert_q8_0_mv_nr2_from_environment());
+                               p.q8_0_mv_nr2.value_or(expert_q8_0_mv_nr2_from_environment()));
     } else {
       dense_matmul_id(encoder, registry, *w, *io.first, v.ids_u32, *io.second, scratch,
                       dense_params(p, plan[i]), map);

@@ -170,12 +170,13 @@ void init_moe(py::module_& m) {
          const std::optional<Buffer>& gate_up_bias, const std::optional<Buffer>& up_bias,
          const std::optional<Buffer>& down_bias, bool weights_before_ffn,
          const std::optional<std::string>& up_ggml_type,
-         const std::optional<std::string>& down_ggml_type) {
+         const std::optional<std::string>& down_ggml_type, std::optional<bool> q8_0_mv_nr2) {
         MoeExpertsParams p = moe_experts_params(m_, top_k, n_experts, hidden, intermediate,
                                                 split_gate_up, weight_dtype, ggml_type, route);
         set_moe_experts_stack_types(p, up_ggml_type, down_ggml_type);
         set_moe_experts_options(p, activation, swiglu_alpha, swiglu_limit, gate_up_bias.has_value(),
                                 down_bias.has_value(), weights_before_ffn);
+        p.q8_0_mv_nr2 = q8_0_mv_nr2;
         const MoeExpertsBiases biases{gate_up_bias ? &*gate_up_bias : nullptr,
                                       up_bias ? &*up_bias : nullptr,
                                       down_bias ? &*down_bias : nullptr};
@@ -193,7 +194,9 @@ void init_moe(py::module_& m) {
       py::arg("gate_up_bias") = std::nullopt, py::arg("up_bias") = std::nullopt,
       py::arg("down_bias") = std::nullopt, py::arg("weights_before_ffn") = false,
       py::arg("up_ggml_type") = std::nullopt, py::arg("down_ggml_type") = std::nullopt,
-      "Encode the experts block (routemm::moe_experts); returns (grouped, dispatch count).");
+      py::arg("q8_0_mv_nr2") = std::nullopt,
+      "Encode the experts block (routemm::moe_experts); returns (grouped, dispatch count). "
+      "q8_0_mv_nr2: GgmlRoutingPolicy.expert_q8_0_mv_nr2 (None: the environment's, read once).");
 }
 
 }  // namespace routemm::python

@@ -182,3 +182,37 @@ print(r.pipeline, again.pipeline)
         done = run_python(code, ROUTEMM_Q8_0_ID_MV_NR2=value)
         assert done.returncode == 0, done.stderr
         assert done.stdout.split() == [want, want], value
+
+
+def test_numpy_moe_block_follows_the_frozen_policy(device, rng, monkeypatch):
+    """routemm.moe_experts on arrays with Q8_0 stacks (decode: the direct route) passes the frozen
+    policy's expert_q8_0_mv_nr2 to the core's op, which runs the nr2 pipeline where the backend
+    has it: on the CPU with the direct pipeline's bits; in metal_emu, whose nr2 reduction order
+    differs from the lane contract's at k = 1024 (32 blocks), with other bits."""
+    from routemm.ops import moe
+
+    E, h, inter, m = 2, 1024, 32, 1
+    gate_up = q8_0.quantize(rng.uniform(-1, 1, (E, 2 * inter, h)).astype(np.float32))
+    down = q8_0.quantize(rng.uniform(-1, 1, (E, h, inter)).astype(np.float32))
+    hidden = rng.standard_normal((m, h)).astype(np.float32)
+    ids, weights = np.array([[1, 0]]), np.full((m, 2), 0.5, np.float32)
+    passed, out = [], {}
+    real = moe._core._moe_experts
+
+    def spy(*args, **kwargs):
+        passed.append(kwargs.get("q8_0_mv_nr2"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe._core, "_moe_experts", spy)
+    for on in (False, True):
+        frozen = routemm.KernelRegistry(device)
+        frozen.freeze_ggml_routing_policy(Policy(expert_q8_0_mv_nr2=on))
+        monkeypatch.setattr(moe, "_registry_for", lambda _device, frozen=frozen: frozen)
+        out[on] = routemm.moe_experts(hidden, ids, weights, gate_up, down, ggml_type=GgmlType.Q8_0, device=device)
+    assert passed == [False, True]
+    same = np.array_equal(out[False].view(np.uint32), out[True].view(np.uint32))
+    if device.backend == "cpu":
+        assert same
+    elif device.backend == "metal_emu":
+        assert not same
+        assert np.abs(out[True] - out[False]).max() <= 1e-5 * np.abs(out[False]).max()  # F32 reordering only

@@ -41,7 +41,7 @@ from .dense_matmul_id import (
     dense_matmul_id_capability,
     ids_distinct_per_token,
 )
-from .quantized_matmul import GgmlType
+from .quantized_matmul import GgmlRoutingPolicy, GgmlType, ggml_routing_policy
 from .quantized_matmul_id import SUPPORTED_TYPES as QUANTIZED_EXPERT_TYPES
 from .quantized_matmul_id import (
     GgmlQuantizedMatmulIdParams,
@@ -469,7 +469,9 @@ def _encode_experts(
     for a grouped route (the op's grouped kernels compute repeated ids as well). All or nothing:
     the op checks every step before it encodes one, inside an encoder transaction, so a refused
     block leaves `encoder` as it was. `options` and `bias_bufs` (gate_up or gate, up, down; F32
-    buffers or None) are the FFN options."""
+    buffers or None) are the FFN options. Block stacks run under the policy frozen into
+    `registry`, else the environment's (GgmlRoutingPolicy.expert_q8_0_mv_nr2: Q8_0's direct
+    pipeline)."""
     del device, distinct  # the op checks and carves everything itself
     block_route = _block_stack_route(route) if ggml_type is not None else route
     gate_type, up_type, down_type = _stack_types(ggml_type)
@@ -482,6 +484,9 @@ def _encode_experts(
         kwargs.update(up_ggml_type=up_type.value, down_ggml_type=down_type.value)
     workspace = alloc([(_core._moe_experts_workspace_bytes(*params, **kwargs) + 3) // 4])
     up_buf = None if s.stacked else gate_up_bufs[1]
+    if ggml_type is not None:
+        policy = ggml_routing_policy(registry) or GgmlRoutingPolicy.from_environment()
+        kwargs.update(q8_0_mv_nr2=bool(policy.expert_q8_0_mv_nr2))
     _core._moe_experts(
         encoder, registry, x_buf, ids_buf, weights_buf, gate_up_bufs[0], up_buf, down_buf, out_buf, workspace, *params,
         gate_up_bias=bias_bufs[0], up_bias=bias_bufs[1], down_bias=bias_bufs[2], **kwargs,

@@ -67,6 +67,9 @@ struct MoeExpertsParams {
   bool gate_up_bias = false;        // biases of the gate/up product (MoeExpertsBiases)
   bool down_bias = false;           // bias of the down product
   bool weights_before_ffn = false;  // scale the expert's input by the weight, combine with 1
+  // GgmlRoutingPolicy.expert_q8_0_mv_nr2 for the Q8_0 stacks' direct route
+  // (quantized_matmul_id_ggml's q8_0_mv_nr2). Unset: expert_q8_0_mv_nr2_from_environment().
+  std::optional<bool> q8_0_mv_nr2;
   bool operator==(const MoeExpertsParams&) const = default;
 };
 
