@@ -283,6 +283,19 @@ ROUTEMM_CPU_AVX2 inline void decode_codes_avx2(const uint8_t* block, uint8_t* co
 // The sixteen int8 group scales and the group mins of a super-block as vectors: Q4_K / Q5_K's
 // 6-bit scales and mins unpacked from their 12 bytes four at a time (scale_min_k4 on 32-bit
 // words), each repeated for the two groups of its sub-block; Q6_K's int8 scales as stored.
+// Q4_K / Q5_K's eight 6-bit scales (sc[0] the low 4, sc[1] the high 4, one per byte) and mins
+// from their 12 bytes, four at a time: scale_min_k4 on 32-bit words.
+inline void k4_scale_words(const uint8_t* block, uint32_t sc[2], uint32_t m[2]) {
+  uint32_t a, b, c;
+  std::memcpy(&a, block + 4, 4);
+  std::memcpy(&b, block + 8, 4);
+  std::memcpy(&c, block + 12, 4);
+  sc[0] = a & 0x3f3f3f3fu;
+  m[0] = b & 0x3f3f3f3fu;
+  sc[1] = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
+  m[1] = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
+}
+
 template <KFormat F>
 ROUTEMM_CPU_AVX2 inline void decode_scales_avx2(const uint8_t* block, Decoded& out) {
   __m128i scales;  // int8 scale of group g in byte g
@@ -293,15 +306,10 @@ ROUTEMM_CPU_AVX2 inline void decode_scales_avx2(const uint8_t* block, Decoded& o
     out.d = half_to_float(block + 208);
     out.dmin = 0.0f;
   } else {
-    uint32_t a, b, c;
-    std::memcpy(&a, block + 4, 4);
-    std::memcpy(&b, block + 8, 4);
-    std::memcpy(&c, block + 12, 4);
-    const uint32_t sc_lo = a & 0x3f3f3f3fu, m_lo = b & 0x3f3f3f3fu;
-    const uint32_t sc_hi = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
-    const uint32_t m_hi = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
-    const __m128i sc8 = _mm_setr_epi32(static_cast<int>(sc_lo), static_cast<int>(sc_hi), 0, 0);
-    const __m128i m8 = _mm_setr_epi32(static_cast<int>(m_lo), static_cast<int>(m_hi), 0, 0);
+    uint32_t sc[2], m[2];
+    k4_scale_words(block, sc, m);
+    const __m128i sc8 = _mm_setr_epi32(static_cast<int>(sc[0]), static_cast<int>(sc[1]), 0, 0);
+    const __m128i m8 = _mm_setr_epi32(static_cast<int>(m[0]), static_cast<int>(m[1]), 0, 0);
     scales = _mm_unpacklo_epi8(sc8, sc8);
     mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
     out.d = half_to_float(block);
@@ -383,27 +391,34 @@ struct KAvx512 {
 // same floats. Q4_K / Q5_K value = (d * sc) * u - dmin * m; Q6_K value = (d * sc) * (u - 32).
 template <KFormat F>
 ROUTEMM_CPU_AVX2 void dequantize_avx2(const uint8_t* block, float* y) {
-  Decoded w;
-  decode_scales_avx2<F>(block, w);
-  decode_codes_avx2<F>(block, w.codes);
+  // The scales straight from the block's bytes (not through Decoded's vectors, which a scalar
+  // read right after their store would wait for).
+  alignas(32) uint8_t codes[kQK_K];
+  decode_codes_avx2<F>(block, codes);
   if constexpr (F == KFormat::q6_k) {
     const __m256i offset = _mm256_set1_epi32(32);
+    const float d = half_to_float(block + 208);
+    const auto* sc = reinterpret_cast<const int8_t*>(block + 192);
     for (size_t g = 0; g < kGroups; ++g) {
-      const __m256 ds = _mm256_set1_ps(w.d * static_cast<float>(w.pair[8 * g]));
+      const __m256 ds = _mm256_set1_ps(d * static_cast<float>(sc[g]));
       for (size_t h = 0; h < 16; h += 8) {
         const __m256i u = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.codes + 16 * g + h)));
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 16 * g + h)));
         _mm256_storeu_ps(y + 16 * g + h,
                          _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_sub_epi32(u, offset))));
       }
     }
   } else {
+    const float d = half_to_float(block), dmin = half_to_float(block + 2);
+    uint32_t sc[2], m[2];
+    k4_scale_words(block, sc, m);
     for (size_t c = 0; c < kQK_K / 32; ++c) {
-      const __m256 d1 = _mm256_set1_ps(w.d * static_cast<float>(w.pair[16 * c]));
-      const __m256 m1 = _mm256_set1_ps(w.dmin * static_cast<float>(w.group_min[2 * c]));
+      const uint32_t shift = 8 * (c % 4);
+      const __m256 d1 = _mm256_set1_ps(d * static_cast<float>((sc[c / 4] >> shift) & 0xffu));
+      const __m256 m1 = _mm256_set1_ps(dmin * static_cast<float>((m[c / 4] >> shift) & 0xffu));
       for (size_t h = 0; h < 32; h += 8) {
         const __m256i u = _mm256_cvtepu8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.codes + 32 * c + h)));
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + 32 * c + h)));
         _mm256_storeu_ps(y + 32 * c + h,
                          _mm256_sub_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(u)), m1));
       }
