@@ -211,6 +211,8 @@ inline float accumulate(float acc, const Decoded& w, float dx, int32_t s, int32_
 // same sums on 64 values per instruction.
 template <KFormat F>
 struct KPortable {
+  static constexpr bool kRows8 = false;
+  using Vec = int;  // no eight-row step
   static void decode(const uint8_t* block, Decoded& out) {
     decode_scales<F>(block, out);
     decode_codes_portable<F>(block, out.codes);
@@ -340,8 +342,41 @@ ROUTEMM_CPU_AVX2 inline void hsum2(__m256i s, __m256i m, int32_t& s_out, int32_t
   m_out = _mm_extract_epi32(t, 1);
 }
 
+// Lane r of the result: the sum of v[r]'s lanes (integer adds: exact in any order).
+ROUTEMM_CPU_AVX2 inline __m256i reduce8(const __m256i v[8]) {
+  const __m256i b0 =
+      _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i b1 =
+      _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20),
+                          _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+// Contract step 4 for eight rows of one column at once (lane r: row r), the scalar accumulate's
+// operations lane by lane.
+template <KFormat F>
+ROUTEMM_CPU_AVX2 inline void accumulate8(float* acc, const Decoded& w, const float* dx, __m256i s,
+                                         __m256i m) {
+  const __m256 d = _mm256_loadu_ps(dx);
+  __m256 a = _mm256_loadu_ps(acc);
+  if constexpr (F == KFormat::q6_k) {
+    a = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(w.d)),
+                        _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), a);
+  } else {
+    a = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(w.d)), _mm256_cvtepi32_ps(s), a);
+    a = _mm256_fnmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(w.dmin)), _mm256_cvtepi32_ps(m), a);
+  }
+  _mm256_storeu_ps(acc, a);
+}
+
 template <KFormat F>
 struct KAvx2 {
+  static constexpr bool kRows8 = true;
+  using Vec = __m256i;
+  ROUTEMM_CPU_AVX2 static void accumulate_rows8(float* acc, const Decoded& w, const float* dx,
+                                                __m256i s, __m256i m) {
+    accumulate8<F>(acc, w, dx, s, m);
+  }
   ROUTEMM_CPU_AVX2 static void decode(const uint8_t* block, Decoded& out) {
     decode_scales_avx2<F>(block, out);
     decode_codes_avx2<F>(block, out.codes);
@@ -358,12 +393,37 @@ struct KAvx2 {
     }
     hsum2(acc, min_sums_avx2(w, bsum), s, m);
   }
+  // sums for eight rows (q[r], bsum[r]) at once: lane r of s and m.
+  ROUTEMM_CPU_AVX2 static void sums8(const Decoded& w, const int8_t* const* q,
+                                     const int16_t* const* bsum, __m256i& s, __m256i& m) {
+    __m256i sv[8], mv[8];
+    for (size_t r = 0; r < 8; ++r) {
+      __m256i acc = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (size_t c = 0; c < kQK_K / 32; ++c) {
+        const __m256i u = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.codes + 32 * c));
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + 32 * c));
+        const __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(w.pair + 16 * c));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), p));
+      }
+      sv[r] = acc;
+      mv[r] = min_sums_avx2(w, bsum[r]);
+    }
+    s = reduce8(sv);
+    m = reduce8(mv);
+  }
 };
 #endif
 
 #if ROUTEMM_CPU_HAVE_AVX512
 template <KFormat F>
 struct KAvx512 {
+  static constexpr bool kRows8 = true;
+  using Vec = __m256i;
+  ROUTEMM_CPU_AVX512 static void accumulate_rows8(float* acc, const Decoded& w, const float* dx,
+                                                  __m256i s, __m256i m) {
+    accumulate8<F>(acc, w, dx, s, m);
+  }
   ROUTEMM_CPU_AVX512 static void decode(const uint8_t* block, Decoded& out) {
     decode_scales_avx2<F>(block, out);
     decode_codes_avx2<F>(block, out.codes);
@@ -381,6 +441,28 @@ struct KAvx512 {
     const __m256i acc8 =
         _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
     hsum2(acc8, min_sums_avx2(w, bsum), s, m);
+  }
+  ROUTEMM_CPU_AVX512 static void sums8(const Decoded& w, const int8_t* const* q,
+                                       const int16_t* const* bsum, __m256i& s, __m256i& m) {
+    __m512i u[4], p[4];
+    for (size_t c = 0; c < 4; ++c) {
+      u[c] = _mm512_load_si512(w.codes + 64 * c);
+      p[c] = _mm512_load_si512(w.pair + 32 * c);
+    }
+    __m256i sv[8], mv[8];
+#pragma GCC unroll 8
+    for (size_t r = 0; r < 8; ++r) {
+      __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (size_t c = 0; c < 4; ++c) {
+        const __m512i x = _mm512_loadu_si512(q[r] + 64 * c);
+        acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u[c], x), p[c]));
+      }
+      sv[r] = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+      mv[r] = min_sums_avx2(w, bsum[r]);
+    }
+    s = reduce8(sv);
+    m = reduce8(mv);
   }
 };
 #endif
@@ -438,37 +520,64 @@ ROUTEMM_CPU_AVX2 void dequantize_avx2(const uint8_t* block, float* y) {
 constexpr size_t kMaxItemRows = 64, kMaxItemCols = 64, kStreamRows = 4;
 
 // The item body, instantiated once per clone with that clone's target (so that its sums inline).
-#define ROUTEMM_KINT8_ITEM_BODY                                                             \
-  Decoded w;                                                                                \
-  if (count <= kStreamRows) {                                                               \
-    for (size_t c = col0; c < col0 + cols; ++c) {                                           \
-      const uint8_t* wrow = weight + c * row_bytes;                                         \
-      float acc[kStreamRows] = {};                                                          \
-      for (size_t b = 0; b < rows.blocks; ++b) {                                            \
-        Isa::decode(wrow + b * block_bytes, w);                                             \
-        for (size_t r = 0; r < count; ++r) {                                                \
-          int32_t s, m;                                                                     \
-          Isa::sums(w, rows.q_block(x[r], b), rows.bsum(x[r], b), s, m);                    \
-          acc[r] = accumulate<F>(acc[r], w, rows.scale(x[r], b), s, m);                     \
-        }                                                                                   \
-      }                                                                                     \
-      for (size_t r = 0; r < count; ++r) out[r][c] = acc[r];                                \
-    }                                                                                       \
-    return;                                                                                 \
-  }                                                                                         \
-  float acc[kMaxItemRows * kMaxItemCols];                                                   \
-  std::fill(acc, acc + count * cols, 0.0f);                                                 \
-  for (size_t b = 0; b < rows.blocks; ++b) {                                                \
-    for (size_t c = 0; c < cols; ++c) {                                                     \
-      Isa::decode(weight + (col0 + c) * row_bytes + b * block_bytes, w);                    \
-      for (size_t r = 0; r < count; ++r) {                                                  \
-        int32_t s, m;                                                                       \
-        Isa::sums(w, rows.q_block(x[r], b), rows.bsum(x[r], b), s, m);                      \
-        acc[r * cols + c] = accumulate<F>(acc[r * cols + c], w, rows.scale(x[r], b), s, m); \
-      }                                                                                     \
-    }                                                                                       \
-  }                                                                                         \
-  for (size_t r = 0; r < count; ++r) std::copy(acc + r * cols, acc + (r + 1) * cols, out[r] + col0);
+#define ROUTEMM_KINT8_ITEM_BODY                                                               \
+  Decoded w;                                                                                  \
+  if (count <= kStreamRows) {                                                                 \
+    for (size_t c = col0; c < col0 + cols; ++c) {                                             \
+      const uint8_t* wrow = weight + c * row_bytes;                                           \
+      float acc[kStreamRows] = {};                                                            \
+      for (size_t b = 0; b < rows.blocks; ++b) {                                              \
+        Isa::decode(wrow + b * block_bytes, w);                                               \
+        for (size_t r = 0; r < count; ++r) {                                                  \
+          int32_t s, m;                                                                       \
+          Isa::sums(w, rows.q_block(x[r], b), rows.bsum(x[r], b), s, m);                      \
+          acc[r] = accumulate<F>(acc[r], w, rows.scale(x[r], b), s, m);                       \
+        }                                                                                     \
+      }                                                                                       \
+      for (size_t r = 0; r < count; ++r) out[r][c] = acc[r];                                  \
+    }                                                                                         \
+    return;                                                                                   \
+  }                                                                                           \
+  float acc[kMaxItemRows * kMaxItemCols]; /* acc[c * kMaxItemRows + r] */                     \
+  std::fill(acc, acc + cols * kMaxItemRows, 0.0f);                                            \
+  alignas(32) float dx[kMaxItemRows];                                                         \
+  const int8_t* qb[kMaxItemRows];                                                             \
+  const int16_t* sb[kMaxItemRows];                                                            \
+  for (size_t b = 0; b < rows.blocks; ++b) {                                                  \
+    /* The next super-block of every column, asked for now: 64 rows' short segments, which */ \
+    /* the hardware prefetchers do not predict, arrive while this one's sums run. */          \
+    if (b + 1 < rows.blocks) {                                                                \
+      for (size_t c = 0; c < cols; ++c) {                                                     \
+        const uint8_t* next = weight + (col0 + c) * row_bytes + (b + 1) * block_bytes;        \
+        for (size_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(next + off);    \
+        __builtin_prefetch(next + block_bytes - 1);                                           \
+      }                                                                                       \
+    }                                                                                         \
+    for (size_t r = 0; r < count; ++r) {                                                      \
+      dx[r] = rows.scale(x[r], b);                                                            \
+      qb[r] = rows.q_block(x[r], b);                                                          \
+      sb[r] = rows.bsum(x[r], b);                                                             \
+    }                                                                                         \
+    for (size_t c = 0; c < cols; ++c) {                                                       \
+      Isa::decode(weight + (col0 + c) * row_bytes + b * block_bytes, w);                      \
+      float* acc_c = acc + c * kMaxItemRows;                                                  \
+      size_t r = 0;                                                                           \
+      if constexpr (Isa::kRows8) {                                                            \
+        for (; r + 8 <= count; r += 8) {                                                      \
+          typename Isa::Vec s, m;                                                             \
+          Isa::sums8(w, qb + r, sb + r, s, m);                                                \
+          Isa::accumulate_rows8(acc_c + r, w, dx + r, s, m);                                  \
+        }                                                                                     \
+      }                                                                                       \
+      for (; r < count; ++r) {                                                                \
+        int32_t s, m;                                                                         \
+        Isa::sums(w, qb[r], sb[r], s, m);                                                     \
+        acc_c[r] = accumulate<F>(acc_c[r], w, dx[r], s, m);                                   \
+      }                                                                                       \
+    }                                                                                         \
+  }                                                                                           \
+  for (size_t r = 0; r < count; ++r)                                                          \
+    for (size_t c = 0; c < cols; ++c) out[r][col0 + c] = acc[c * kMaxItemRows + r];
 
 template <class Isa, KFormat F>
 void item_portable(const uint8_t* weight, size_t row_bytes, size_t block_bytes, const Rows& rows,
