@@ -3,7 +3,9 @@
 # g++-aarch64-linux-gnu and runs the CPU kernel tests under qemu-user, once with the NEON clones
 # (ROUTEMM_CPU_ISA=neon) and once with the portable ones. The kernel tests themselves compare every
 # runnable clone with the portable one bit for bit on the exact routes (tests/cpp/cpu_kernel_support.h).
-# Installs the toolchain and qemu with apt where they are missing. Build folder: build/cross-aarch64.
+# Installs the toolchain and qemu with apt where they are missing. Build folder: build/cross-aarch64
+# (ROUTEMM_CROSS_OUT replaces it); only the CPU kernel suites are compiled
+# (ROUTEMM_CPU_KERNEL_TESTS_ONLY). .ci/run runs it with ROUTEMM_CROSS_JOBS=2.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -16,25 +18,26 @@ command -v cmake >/dev/null || need_apt+=(cmake)
 if [ ${#need_apt[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq "${need_apt[@]}"
+  apt-get install -y -qq --no-install-recommends "${need_apt[@]}"
 fi
 
-out=build/cross-aarch64
+out="$(realpath -m "${ROUTEMM_CROSS_OUT:-build/cross-aarch64}")"
 toolchain="$PWD/cmake/toolchains/aarch64-linux-gnu.cmake"
 jobs="${ROUTEMM_CROSS_JOBS:-$(nproc)}"
 
 # GoogleTest for the target, from the sources libgtest-dev/googletest ships (built once).
 if [ ! -f "$out/gtest/lib/cmake/GTest/GTestConfig.cmake" ]; then
   cmake -S /usr/src/googletest -B "$out/gtest-build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_TOOLCHAIN_FILE="$toolchain" -DCMAKE_INSTALL_PREFIX="$PWD/$out/gtest" \
+    -DCMAKE_TOOLCHAIN_FILE="$toolchain" -DCMAKE_INSTALL_PREFIX="$out/gtest" \
     -DBUILD_GMOCK=OFF -DINSTALL_GTEST=ON >/dev/null 2>&1
   cmake --build "$out/gtest-build" -j"$jobs" >/dev/null
   cmake --install "$out/gtest-build" >/dev/null
 fi
 
 cmake -S . -B "$out/core" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_TOOLCHAIN_FILE="$toolchain" \
-  -DGTest_DIR="$PWD/$out/gtest/lib/cmake/GTest" -DROUTEMM_BUILD_TESTS=ON -DROUTEMM_BUILD_PYTHON=OFF \
-  -DROUTEMM_CUDA=OFF -DROUTEMM_METAL=OFF -DROUTEMM_METAL_EMU=OFF >/dev/null
+  -DGTest_DIR="$out/gtest/lib/cmake/GTest" -DROUTEMM_BUILD_TESTS=ON -DROUTEMM_BUILD_PYTHON=OFF \
+  -DROUTEMM_CUDA=OFF -DROUTEMM_METAL=OFF -DROUTEMM_METAL_EMU=OFF -DROUTEMM_CPU_KERNEL_TESTS_ONLY=ON \
+  >/dev/null
 cmake --build "$out/core" -j"$jobs" --target routemm_tests
 
 # The CPU kernel suites: the clone selection (CpuIsa), expert-ID float and quantised kernels,
