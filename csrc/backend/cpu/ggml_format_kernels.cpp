@@ -226,33 +226,58 @@ void run_item(const BlockFormat& f, const Item& it) {
   float* acc = s.acc.data();
   std::fill(acc, acc + it.rows * acc_stride, 0.0f);
   const size_t cols_pad = (it.cols + kTileCols - 1) / kTileCols * kTileCols;
-  for (size_t k0 = 0; k0 < it.k; k0 += kPanelDepth) {
-    const size_t depth = std::min(kPanelDepth, it.k - k0);  // whole blocks: k % values == 0
-    for (size_t c = 0; c < it.cols; ++c) {
-      const uint8_t* row = it.weight + (it.col0 + c) * it.row_bytes + k0 / f.values * f.bytes;
-      for (size_t b = 0; b < depth / f.values; ++b) {
-        f.decode(row + b * f.bytes, panel + c * kPanelDepth + b * f.values);
+  if (it.rows <= kTileRows) {
+    // Few rows: one tile of columns at a time along all of K, its panel (kTileCols x 256 floats)
+    // staying in L1 instead of the item's 64 columns going through L2. The same tiles over the
+    // same panels, in another order: every output's steps are unchanged.
+    for (size_t c0 = 0; c0 < cols_pad; c0 += kTileCols) {
+      for (size_t k0 = 0; k0 < it.k; k0 += kPanelDepth) {
+        const size_t depth = std::min(kPanelDepth, it.k - k0);
+        for (size_t c = 0; c < kTileCols; ++c) {
+          float* dst = panel + c * kPanelDepth;
+          if (c0 + c >= it.cols) {
+            std::fill(dst, dst + depth, 0.0f);  // padding: never stored
+            continue;
+          }
+          const uint8_t* row =
+              it.weight + (it.col0 + c0 + c) * it.row_bytes + k0 / f.values * f.bytes;
+          for (size_t b = 0; b < depth / f.values; ++b) {
+            f.decode(row + b * f.bytes, dst + b * f.values);
+          }
+        }
+        tile_rows<Isa>(it.rows, it.x, k0, panel, depth, acc + c0 * kLanes, acc_stride);
       }
     }
-    // Ask for the next panel's weight bytes now: a short segment of each of up to 64 rows, which
-    // the hardware prefetchers do not predict, arrives while this panel's tiles run.
-    if (k0 + kPanelDepth < it.k) {
-      const size_t next_bytes = std::min(kPanelDepth, it.k - k0 - kPanelDepth) / f.values * f.bytes;
+  } else {
+    for (size_t k0 = 0; k0 < it.k; k0 += kPanelDepth) {
+      const size_t depth = std::min(kPanelDepth, it.k - k0);  // whole blocks: k % values == 0
       for (size_t c = 0; c < it.cols; ++c) {
-        const uint8_t* next =
-            it.weight + (it.col0 + c) * it.row_bytes + (k0 + kPanelDepth) / f.values * f.bytes;
-        for (size_t off = 0; off < next_bytes; off += 64) __builtin_prefetch(next + off);
-        __builtin_prefetch(next + next_bytes - 1);
+        const uint8_t* row = it.weight + (it.col0 + c) * it.row_bytes + k0 / f.values * f.bytes;
+        for (size_t b = 0; b < depth / f.values; ++b) {
+          f.decode(row + b * f.bytes, panel + c * kPanelDepth + b * f.values);
+        }
       }
-    }
-    // Padded columns are zero weights whose results are never stored.
-    for (size_t c = it.cols; c < cols_pad; ++c) {
-      std::fill(panel + c * kPanelDepth, panel + c * kPanelDepth + depth, 0.0f);
-    }
-    for (size_t c = 0; c < cols_pad; c += kTileCols) {
-      for (size_t r = 0; r < it.rows; r += kTileRows) {
-        tile_rows<Isa>(std::min(kTileRows, it.rows - r), it.x + r, k0, panel + c * kPanelDepth,
-                       depth, acc + r * acc_stride + c * kLanes, acc_stride);
+      // Ask for the next panel's weight bytes now: a short segment of each of up to 64 rows, which
+      // the hardware prefetchers do not predict, arrives while this panel's tiles run.
+      if (k0 + kPanelDepth < it.k) {
+        const size_t next_bytes =
+            std::min(kPanelDepth, it.k - k0 - kPanelDepth) / f.values * f.bytes;
+        for (size_t c = 0; c < it.cols; ++c) {
+          const uint8_t* next =
+              it.weight + (it.col0 + c) * it.row_bytes + (k0 + kPanelDepth) / f.values * f.bytes;
+          for (size_t off = 0; off < next_bytes; off += 64) __builtin_prefetch(next + off);
+          __builtin_prefetch(next + next_bytes - 1);
+        }
+      }
+      // Padded columns are zero weights whose results are never stored.
+      for (size_t c = it.cols; c < cols_pad; ++c) {
+        std::fill(panel + c * kPanelDepth, panel + c * kPanelDepth + depth, 0.0f);
+      }
+      for (size_t c = 0; c < cols_pad; c += kTileCols) {
+        for (size_t r = 0; r < it.rows; r += kTileRows) {
+          tile_rows<Isa>(std::min(kTileRows, it.rows - r), it.x + r, k0, panel + c * kPanelDepth,
+                         depth, acc + r * acc_stride + c * kLanes, acc_stride);
+        }
       }
     }
   }

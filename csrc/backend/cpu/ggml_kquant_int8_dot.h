@@ -416,6 +416,14 @@ struct KAvx2 {
 #endif
 
 #if ROUTEMM_CPU_HAVE_AVX512
+// 64 bytes of a Decoded written by 32-byte stores, read as those two halves: a 64-byte load of
+// data still in the store buffer cannot take it from two stores and waits for them instead.
+ROUTEMM_CPU_AVX512 inline __m512i load_halves(const void* p) {
+  const auto* h = static_cast<const __m256i*>(p);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_load_si256(h)), _mm256_load_si256(h + 1),
+                            1);
+}
+
 template <KFormat F>
 struct KAvx512 {
   static constexpr bool kRows8 = true;
@@ -433,9 +441,9 @@ struct KAvx512 {
     __m512i acc = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (size_t c = 0; c < kQK_K / 64; ++c) {
-      const __m512i u = _mm512_load_si512(w.codes + 64 * c);
+      const __m512i u = load_halves(w.codes + 64 * c);
       const __m512i x = _mm512_loadu_si512(q + 64 * c);
-      const __m512i p = _mm512_load_si512(w.pair + 32 * c);
+      const __m512i p = load_halves(w.pair + 32 * c);
       acc = _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), p));
     }
     const __m256i acc8 =
@@ -446,8 +454,8 @@ struct KAvx512 {
                                        const int16_t* const* bsum, __m256i& s, __m256i& m) {
     __m512i u[4], p[4];
     for (size_t c = 0; c < 4; ++c) {
-      u[c] = _mm512_load_si512(w.codes + 64 * c);
-      p[c] = _mm512_load_si512(w.pair + 32 * c);
+      u[c] = load_halves(w.codes + 64 * c);
+      p[c] = load_halves(w.pair + 32 * c);
     }
     __m256i sv[8], mv[8];
 #pragma GCC unroll 8
