@@ -55,6 +55,10 @@ MOE_TYPES = ("bf16", "f32")
 # CPU has AVX512_BF16).
 ROUTES = ("exact", "int8_dot", "bf16_dot")
 QMOE_TYPES = ("q4_0", "q8_0")
+# --qmoe-types: the quantised expert stacks the quantized_expert_id case may time (Q4_K and Q6_K as
+# Qwen3-30B-A3B's Q4_K_M GGUF holds them; the K-quants' int8-dot routes quantise activations per
+# 256 values as ggml's Q8_K does).
+QMOE_TYPES_ALL = ("q4_0", "q8_0", "q4_k", "q5_k", "q6_k")
 CASES = ("q4_0", "expert_id", "quantized_expert_id")  # --cases
 # Dispatches per timed submission, each with its own weights copy (Q4_0) or fresh ids (expert-ID):
 # routemm's time per dispatch is then what ggml's per-node time of a graph of the same length is,
@@ -216,8 +220,17 @@ def _routemm_expert_id(routemm, device, registry, runs: int, routes: list[str]) 
 
 def _routemm_quantized_expert_id(routemm, device, registry, runs: int, routes: list[str]) -> list[dict]:
     from routemm import q4_0, q8_0
+    from routemm.formats import ggml
+
+    class _KQuant:
+        def __init__(self, name):
+            self.name = name
+
+        def quantize(self, x):
+            return ggml.quantize(x, self.name)
 
     codecs = {"q4_0": (q4_0, routemm.GgmlType.Q4_0), "q8_0": (q8_0, routemm.GgmlType.Q8_0)}
+    codecs.update({t: (_KQuant(t), routemm.GgmlType(t)) for t in ("q4_k", "q5_k", "q6_k")})
     Route = routemm.GgmlQuantizedMatmulIdRoute
     records = []
     for name in QMOE_TYPES:
@@ -270,7 +283,7 @@ def _ggml(
             "--only",
             "mul_mat_id",
             "--moe-types",
-            ",".join(QMOE_TYPES),
+            ",".join(t.replace("_k", "_K") for t in QMOE_TYPES),  # ggml's type names
             "--moe-ms",
             ",".join(map(str, MOE_MS)),
         ],
@@ -292,6 +305,7 @@ def _ggml(
             with open(path) as f:
                 peer = json.load(f)
         for r in peer:
+            r["type"] = r["type"].lower()  # q4_K -> q4_k, routemm's names
             moe = r["op"] == "MUL_MAT_ID"
             op = ("quantized_matmul_id" if r["type"] in QMOE_TYPES else "dense_matmul_id") if moe else "q4_0_matmul"
             flops = 2 * r["m"] * r["n"] * r["k"] * (r["top_k"] if moe else 1)
@@ -385,6 +399,7 @@ def _per_round_ratios(records: list[dict], protocol: str, op: str, dtype: str, m
 
 
 def main() -> None:
+    global QMOE_TYPES
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peer", action="append", default=[], help="LABEL=PATH of a ggml_mul_mat_peer binary")
     parser.add_argument("--threads", type=int, default=2)
@@ -397,7 +412,15 @@ def main() -> None:
     )
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of cases: {', '.join(CASES)}")
     parser.add_argument("--ms", default=None, help="comma list of token counts to keep (default: every m of each case)")
+    parser.add_argument(
+        "--qmoe-types",
+        default=",".join(QMOE_TYPES),
+        help=f"comma list of the quantized_expert_id case's stack types: {', '.join(QMOE_TYPES_ALL)}",
+    )
     args = parser.parse_args()
+    QMOE_TYPES = tuple(t.strip() for t in args.qmoe_types.split(",") if t.strip())
+    if not QMOE_TYPES or any(t not in QMOE_TYPES_ALL for t in QMOE_TYPES):
+        parser.error(f"--qmoe-types takes a comma list of {', '.join(QMOE_TYPES_ALL)}, got {args.qmoe_types!r}")
     if not args.peer:
         parser.error("at least one --peer LABEL=PATH is needed")
     routes = [r.strip() for r in args.routes.split(",") if r.strip()]
