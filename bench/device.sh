@@ -102,6 +102,14 @@ usage: bash bench/device.sh COMMAND [ARGS]
                    made (each a diff over the one before it). Each round then runs CMD with all of
                    them ("with"), then reverts them last first, running CMD after each revert
                    ("without-Pn", "without-Pn-...-P1", labels by file name without .diff).
+  block            the MoE block where users meet it: build with the torch ops (ROUTEMM_TORCH_OPS=ON);
+                   the CUDA tests of the fused decode route, the block op, batch_invariant, the GGML
+                   formats and the transformers experts; compute-sanitizer memcheck of the fused
+                   route's tests; bench/tools/transformers_block.py (Qwen3-30B-A3B, Mixtral-8x7B,
+                   eager and CUDA graph, beside grouped_mm / batched_mm); the 48-layer
+                   bench/tools/transformers_model.py -> pytest.log sanitizer.log transformers_block-<card>.*
+                   transformers_model-<card>.*. Knobs: SKIP_TESTS=1, SKIP_SANITIZER=1, MODELS,
+                   CALLS (default 20), MODEL=0 (no whole model), DECODE (default 32).
   batch CMD...      several commands in one call, in the order given: the first builds (unless
                    SKIP_BUILD=1), the rest reuse its build. A CMD may carry knobs of its own after a
                    colon ("qid:PEER=0 MS=1,8"). Each writes into a folder of its own, packed into
@@ -610,6 +618,40 @@ cmd_host_cost() {
   stamp done
 }
 
+# ---- block ----------------------------------------------------------------------------------------
+
+cmd_block() {
+  export GIT_REV=${GIT_REV:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  export ROUTEMM_TORCH_OPS=ON
+  build_or_fail
+  grep -E "routemm torch ops| error" "$OUT/build.log" | head -5
+  if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    stamp pytest
+    ROUTEMM_TEST_BACKENDS=cpu,cuda timeout 300 python3 -m pytest -q -p no:cacheprovider \
+      tests/python/test_torch_moe_experts_fused.py tests/python/test_torch_moe_experts.py \
+      tests/python/test_torch_moe_batch_invariant.py tests/python/test_ggml_format_kernels_cuda.py \
+      tests/python/test_transformers_experts.py > "$OUT/pytest.log" 2>&1
+    echo "pytest exit: $?" >> "$OUT/pytest.log"
+    tail -15 "$OUT/pytest.log"
+  fi
+  if [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer >/dev/null; then
+    stamp compute-sanitizer
+    ROUTEMM_TEST_BACKENDS=cuda timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
+      python3 -m pytest -q -p no:cacheprovider tests/python/test_torch_moe_experts_fused.py \
+      > "$OUT/sanitizer.log" 2>&1
+    echo "sanitizer exit: $?" >> "$OUT/sanitizer.log"
+    tail -6 "$OUT/sanitizer.log"
+  fi
+  stamp transformers-block
+  python3 bench/tools/transformers_block.py --out "$OUT" --calls "${CALLS:-20}" \
+    ${MODELS:+--models "$MODELS"} 2>&1 | tail -45
+  if [ "${MODEL:-1}" != 0 ]; then
+    stamp transformers-model
+    python3 bench/tools/transformers_model.py --out "$OUT" --decode "${DECODE:-32}" 2>&1 | tail -25
+  fi
+  stamp done
+}
+
 # ---- direct-path ----------------------------------------------------------------------------------
 
 cmd_direct_path() {
@@ -736,7 +778,7 @@ command=${1:-help}
 case "$command" in
   help | -h | --help) usage; exit 0 ;;
   suite | session | quick | demo | q4-matvec | tensor | profile | peer | qid | engine | host-cost | lab \
-    | direct-path | ab | batch) ;;
+    | direct-path | ab | batch | block) ;;
   *) echo "unknown command '$command'" >&2; usage >&2; exit 2 ;;
 esac
 source bench/device_common.sh
