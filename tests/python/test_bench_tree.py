@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 DEVICE_COMMANDS = (
     "suite", "session", "quick", "demo", "q4-matvec", "tensor", "profile", "peer", "qid", "engine", "host-cost", "lab",
-    "direct-path", "ab", "batch",
+    "direct-path", "ab", "batch", "block",
 )  # fmt: skip
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
