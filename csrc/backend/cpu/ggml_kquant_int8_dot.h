@@ -536,63 +536,65 @@ ROUTEMM_CPU_AVX2 void dequantize_avx2(const uint8_t* block, float* y) {
 constexpr size_t kMaxItemRows = 64, kMaxItemCols = 64, kStreamRows = 4;
 
 // The item body, instantiated once per clone with that clone's target (so that its sums inline).
-#define ROUTEMM_KINT8_ITEM_BODY                                                               \
-  Decoded w;                                                                                  \
-  if (count <= kStreamRows) {                                                                 \
-    for (size_t c = col0; c < col0 + cols; ++c) {                                             \
-      const uint8_t* wrow = weight + c * row_bytes;                                           \
-      float acc[kStreamRows] = {};                                                            \
-      for (size_t b = 0; b < rows.blocks; ++b) {                                              \
-        Isa::decode(wrow + b * block_bytes, w);                                               \
-        for (size_t r = 0; r < count; ++r) {                                                  \
-          int32_t s, m;                                                                       \
-          Isa::sums(w, rows.q_block(x[r], b), rows.bsum(x[r], b), s, m);                      \
-          acc[r] = accumulate<F>(acc[r], w, rows.scale(x[r], b), s, m);                       \
-        }                                                                                     \
-      }                                                                                       \
-      for (size_t r = 0; r < count; ++r) out[r][c] = acc[r];                                  \
-    }                                                                                         \
-    return;                                                                                   \
-  }                                                                                           \
-  float acc[kMaxItemRows * kMaxItemCols]; /* acc[c * kMaxItemRows + r] */                     \
-  std::fill(acc, acc + cols * kMaxItemRows, 0.0f);                                            \
-  alignas(32) float dx[kMaxItemRows];                                                         \
-  const int8_t* qb[kMaxItemRows];                                                             \
-  const int16_t* sb[kMaxItemRows];                                                            \
-  for (size_t b = 0; b < rows.blocks; ++b) {                                                  \
-    /* The next super-block of every column, asked for now: 64 rows' short segments, which */ \
-    /* the hardware prefetchers do not predict, arrive while this one's sums run. */          \
-    if (b + 1 < rows.blocks) {                                                                \
-      for (size_t c = 0; c < cols; ++c) {                                                     \
-        const uint8_t* next = weight + (col0 + c) * row_bytes + (b + 1) * block_bytes;        \
-        for (size_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(next + off);    \
-        __builtin_prefetch(next + block_bytes - 1);                                           \
-      }                                                                                       \
-    }                                                                                         \
-    for (size_t r = 0; r < count; ++r) {                                                      \
-      dx[r] = rows.scale(x[r], b);                                                            \
-      qb[r] = rows.q_block(x[r], b);                                                          \
-      sb[r] = rows.bsum(x[r], b);                                                             \
-    }                                                                                         \
-    for (size_t c = 0; c < cols; ++c) {                                                       \
-      Isa::decode(weight + (col0 + c) * row_bytes + b * block_bytes, w);                      \
-      float* acc_c = acc + c * kMaxItemRows;                                                  \
-      size_t r = 0;                                                                           \
-      if constexpr (Isa::kRows8) {                                                            \
-        for (; r + 8 <= count; r += 8) {                                                      \
-          typename Isa::Vec s, m;                                                             \
-          Isa::sums8(w, qb + r, sb + r, s, m);                                                \
-          Isa::accumulate_rows8(acc_c + r, w, dx + r, s, m);                                  \
-        }                                                                                     \
-      }                                                                                       \
-      for (; r < count; ++r) {                                                                \
-        int32_t s, m;                                                                         \
-        Isa::sums(w, qb[r], sb[r], s, m);                                                     \
-        acc_c[r] = accumulate<F>(acc_c[r], w, dx[r], s, m);                                   \
-      }                                                                                       \
-    }                                                                                         \
-  }                                                                                           \
-  for (size_t r = 0; r < count; ++r)                                                          \
+#define ROUTEMM_KINT8_ITEM_BODY                                                              \
+  Decoded w;                                                                                 \
+  if (count <= kStreamRows) {                                                                \
+    for (size_t c = col0; c < col0 + cols; ++c) {                                            \
+      const uint8_t* wrow = weight + c * row_bytes;                                          \
+      float acc[kStreamRows] = {};                                                           \
+      for (size_t b = 0; b < rows.blocks; ++b) {                                             \
+        Isa::decode(wrow + b * block_bytes, w);                                              \
+        for (size_t r = 0; r < count; ++r) {                                                 \
+          int32_t s, m;                                                                      \
+          Isa::sums(w, rows.q_block(x[r], b), rows.bsum(x[r], b), s, m);                     \
+          acc[r] = accumulate<F>(acc[r], w, rows.scale(x[r], b), s, m);                      \
+        }                                                                                    \
+      }                                                                                      \
+      for (size_t r = 0; r < count; ++r) out[r][c] = acc[r];                                 \
+    }                                                                                        \
+    return;                                                                                  \
+  }                                                                                          \
+  float acc[kMaxItemRows * kMaxItemCols]; /* acc[c * kMaxItemRows + r] */                    \
+  std::fill(acc, acc + cols * kMaxItemRows, 0.0f);                                           \
+  alignas(32) float dx[kMaxItemRows];                                                        \
+  const int8_t* qb[kMaxItemRows];                                                            \
+  const int16_t* sb[kMaxItemRows];                                                           \
+  for (size_t b = 0; b < rows.blocks; ++b) {                                                 \
+    for (size_t r = 0; r < count; ++r) {                                                     \
+      dx[r] = rows.scale(x[r], b);                                                           \
+      qb[r] = rows.q_block(x[r], b);                                                         \
+      sb[r] = rows.bsum(x[r], b);                                                            \
+    }                                                                                        \
+    for (size_t c = 0; c < cols; ++c) {                                                      \
+      Isa::decode(weight + (col0 + c) * row_bytes + b * block_bytes, w);                     \
+      /* The block two columns on (or the next super-block's): 64 rows' short segments, */   \
+      /* which the hardware prefetchers do not predict, arrive while this column's run. */   \
+      {                                                                                      \
+        const size_t ahead = c + 2 < cols ? b : b + 1;                                       \
+        const size_t pc = c + 2 < cols ? c + 2 : c + 2 - cols;                               \
+        if (ahead < rows.blocks && pc < cols) {                                              \
+          const uint8_t* next = weight + (col0 + pc) * row_bytes + ahead * block_bytes;      \
+          for (size_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(next + off); \
+          __builtin_prefetch(next + block_bytes - 1);                                        \
+        }                                                                                    \
+      }                                                                                      \
+      float* acc_c = acc + c * kMaxItemRows;                                                 \
+      size_t r = 0;                                                                          \
+      if constexpr (Isa::kRows8) {                                                           \
+        for (; r + 8 <= count; r += 8) {                                                     \
+          typename Isa::Vec s, m;                                                            \
+          Isa::sums8(w, qb + r, sb + r, s, m);                                               \
+          Isa::accumulate_rows8(acc_c + r, w, dx + r, s, m);                                 \
+        }                                                                                    \
+      }                                                                                      \
+      for (; r < count; ++r) {                                                               \
+        int32_t s, m;                                                                        \
+        Isa::sums(w, qb[r], sb[r], s, m);                                                    \
+        acc_c[r] = accumulate<F>(acc_c[r], w, dx[r], s, m);                                  \
+      }                                                                                      \
+    }                                                                                        \
+  }                                                                                          \
+  for (size_t r = 0; r < count; ++r)                                                         \
     for (size_t c = 0; c < cols; ++c) out[r][col0 + c] = acc[c * kMaxItemRows + r];
 
 template <class Isa, KFormat F>
