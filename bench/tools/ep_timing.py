@@ -2,12 +2,12 @@
 torch.distributed + torch._grouped_mm EP layer and beside the same layer on one GPU.
 
     torchrun --nproc_per_node=W bench/tools/ep_timing.py [--out DIR] [--ms 1,8,128,4096]
-        [--shapes deepseek_v3,qwen3_235b] [--dtypes bf16,q4_0] [--reps 10]
+        [--shapes deepseek_v3,qwen3_235b] [--dtypes bf16,q4_0,q4_k] [--reps 10]
     torchrun --nproc_per_node=2 bench/tools/ep_timing.py --device cpu --shapes tiny --ms 1,8   # smoke
 
 Per shape (DeepSeek-V3: 256 experts, top-8, H 7168, I 2048; Qwen3-235B-A22B: 128 experts, top-8,
-H 4096, I 1536), stack dtype (bf16; q4_0 block stacks, routemm only: torch has no grouped matmul
-over them; routemm has no Q4_K kernels) and m tokens per rank, every rank starting each timed call
+H 4096, I 1536), stack dtype (bf16; block stacks of any GGML type routemm runs, q4_0 or q4_k
+for instance, routemm only: torch has no grouped matmul over them) and m tokens per rank, every rank starting each timed call
 together (a barrier, then the device synchronised), medians of:
 - routemm: the layer and its three steps on the exact routes (dispatch: counts and rows
   all-to-all; experts: the local experts; combine: rows back, slots, ordered combine), and the
@@ -38,6 +38,7 @@ SHAPES = {  # experts, top_k, hidden, intermediate
     "deepseek_v3": (256, 8, 7168, 2048),
     "qwen3_235b": (128, 8, 4096, 1536),
     "tiny": (16, 4, 64, 32),
+    "tiny_k": (16, 4, 256, 256),  # K-quant super-blocks: K a multiple of 256
 }
 
 
@@ -60,20 +61,21 @@ def timed(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
-def block_stack(gen, e, n, k, device):
-    """Random Q4_0 blocks of [e, n, k] with small scales (codes uniform, one f16 scale per block)."""
-    values, block_bytes = routemm.GgmlType("q4_0").block_layout
-    raw = torch.randint(0, 256, (e, n, k // values, block_bytes), generator=gen, dtype=torch.uint8)
-    scale = torch.full((e, n, k // values), 2.0**-10, dtype=torch.float16)
-    raw[..., :2] = scale.view(torch.uint8).reshape(e, n, k // values, 2)
-    return raw.reshape(e, n, k // values * block_bytes).to(device)
+def block_stack(gen, e, n, k, device, ggml_type: str):
+    """GGML blocks of `ggml_type` for [e, n, k]: one expert's random weights quantised (routemm.quantize)
+    and repeated for every expert, so that a large stack costs one quantisation; the kernels read
+    every expert's bytes all the same."""
+    one = torch.randn((n, k), generator=gen).numpy() / k**0.5
+    blocks = torch.from_numpy(routemm.quantize(one, ggml_type))
+    return blocks.unsqueeze(0).expand(e, *blocks.shape).contiguous().to(device)
 
 
 def stacks(n_experts, hidden, inter, dtype: str, device, seed: int):
+    """bf16 stacks, or block stacks of a GGML type (dtype one of routemm's SUPPORTED_TYPES values)."""
     gen = torch.Generator().manual_seed(seed)
-    if dtype == "q4_0":
-        return block_stack(gen, n_experts, 2 * inter, hidden, device), block_stack(
-            gen, n_experts, hidden, inter, device
+    if dtype != "bf16":
+        return block_stack(gen, n_experts, 2 * inter, hidden, device, dtype), block_stack(
+            gen, n_experts, hidden, inter, device, dtype
         )
     gate_up = (torch.randn((n_experts, 2 * inter, hidden), generator=gen) / hidden**0.5).to(torch.bfloat16)
     down = (torch.randn((n_experts, hidden, inter), generator=gen) / inter**0.5).to(torch.bfloat16)
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/routemm-out"))
     ap.add_argument("--ms", default="1,8,128,4096")
     ap.add_argument("--shapes", default="deepseek_v3,qwen3_235b")
-    ap.add_argument("--dtypes", default="bf16,q4_0")
+    ap.add_argument("--dtypes", default="bf16,q4_0,q4_k")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = ap.parse_args(argv)
@@ -130,7 +132,7 @@ def main(argv=None) -> int:
         for dtype in args.dtypes.split(","):
             full_gu, full_down = stacks(n_experts, hidden, inter, dtype, "cpu", seed=0)
             gate_up, down = full_gu[mine].to(device), full_down[mine].to(device)
-            ggml_type = "q4_0" if dtype == "q4_0" else None
+            ggml_type = None if dtype == "bf16" else dtype
             for m in (int(v) for v in args.ms.split(",")):
                 gen = torch.Generator().manual_seed(1 + rank)
                 logits = torch.randn((m, n_experts), generator=gen)
