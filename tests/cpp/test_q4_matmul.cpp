@@ -262,7 +262,9 @@ TEST(Q4Matmul, FailuresEncodeNothing) {
   };
   expect_failure({9, 5, 48, GgmlType::Q4_0}, f.output, std::nullopt,
                  "K (48) must be divisible by block QK (32)");
-  expect_failure({9, 5, 64, GgmlType::Q6_K}, f.output, std::nullopt, "does not support q6_k");
+  expect_failure({9, 5, 64, GgmlType::Q2_K}, f.output, std::nullopt, "does not support q2_k");
+  expect_failure({9, 5, 64, GgmlType::Q6_K}, f.output, std::nullopt,
+                 "K (64) must be divisible by block QK (256)");
   expect_failure({0, 5, 64, GgmlType::Q4_0}, f.output, std::nullopt, "M, K, and N must all be > 0");
   expect_failure({9, 5, 1u << 31, GgmlType::Q4_0}, f.output, std::nullopt,
                  "exceeds the signed kernel ABI");
