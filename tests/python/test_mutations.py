@@ -403,6 +403,9 @@ def gguf_typed_value(draw):
 @example("qwen3moe.expert_weights_norm", (8, "false"))
 @example("qwen3moe.expert_weights_norm", (9, (7, [False])))
 @example("qwen3moe.expert_gating_func", (7, True))
+@example("qwen3moe.expert_gating_func", (0, 0))  # llama.cpp's none: the default gate
+@example("qwen3moe.expert_gating_func", (0, 2))  # sigmoid
+@example("qwen3moe.expert_gating_func", (4, 3))  # softmax_weight: refused by name
 def test_moe_layer_metadata_of_every_type(tmp_path_factory, key, typed):
     """One metadata value MoeLayer.from_gguf reads, replaced by any GGUF value or left out (None):
     the layer uses exactly that value (no coercion) and runs, or a routemm.Error names the key."""
@@ -422,8 +425,9 @@ def test_moe_layer_metadata_of_every_type(tmp_path_factory, key, typed):
         "qwen3moe.block_count": typed is None or (integer and value >= 1),
         "qwen3moe.expert_count": integer and value == MOE_E,
         "qwen3moe.expert_used_count": integer and layer.top_k == value,
-        # 0 is llama.cpp's "none given": the architecture's default, softmax for qwen3moe.
-        "qwen3moe.expert_gating_func": typed is None or (integer and value in (0, 1)),
+        # 1 softmax, 2 sigmoid; 0 is llama.cpp's "none given": the architecture's default, softmax.
+        "qwen3moe.expert_gating_func": layer.routing.scoring_func
+        == ("softmax" if typed is None else {0: "softmax", 1: "softmax", 2: "sigmoid"}.get(value) if integer else None),
         "qwen3moe.expert_weights_norm": layer.renormalize is (True if typed is None else value)
         and type_id in (None, 7),
     }[key]
