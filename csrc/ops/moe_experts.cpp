@@ -179,8 +179,15 @@ void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& p, bool 
   moe_experts_auto_route(backend, p, exact, expert_tensor_mm_from_environment());
 }
 
+void moe_experts_auto_route(const KernelRegistry& registry, MoeExpertsParams& p, bool exact) {
+  const bool bf16_dot = registry.has_kernel(kDenseMatmulIdBf16DotPipelineNames[0]) &&
+                        registry.has_kernel(kDenseMatmulIdBf16DotPipelineNames[1]);
+  moe_experts_auto_route(registry.device().backend_name(), p, exact,
+                         expert_tensor_mm_from_environment(), bf16_dot);
+}
+
 void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& p, bool exact,
-                            bool tensor_mm) {
+                            bool tensor_mm, bool bf16_dot) {
   const uint64_t rows = uint64_t{p.m} * p.top_k;
   const bool quantized = block_stacks(p);
   if (!exact && tensor_mm && backend == "cuda" && p.top_k <= p.n_experts) {
@@ -196,6 +203,9 @@ void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& p, bool 
   const bool grouped = p.top_k <= p.n_experts &&
                        expert_id_auto_grouped(backend, p.m, p.top_k, p.n_experts, quantized);
   p.route = grouped ? DenseMatmulIdRoute::GroupedPrefill : DenseMatmulIdRoute::Direct;
+  if (!exact && bf16_dot && backend == "cpu" && !quantized && p.weight_dtype == DType::BF16) {
+    p.route = grouped ? DenseMatmulIdRoute::GroupedBf16Dot : DenseMatmulIdRoute::DirectBf16Dot;
+  }
   p.block_route =
       grouped ? GgmlQuantizedMatmulIdRoute::Grouped : GgmlQuantizedMatmulIdRoute::Direct;
 }

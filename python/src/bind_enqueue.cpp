@@ -423,7 +423,7 @@ std::shared_ptr<const TensorMoeExpertsPlan> plan_tensor_moe_experts(
   p.gate_up_bias = sh.gate_up_bias != 0;
   p.down_bias = sh.down_bias != 0;
   p.weights_before_ffn = sh.weights_before_ffn != 0;
-  moe_experts_auto_route(target.device.backend_name(), p, sh.exact != 0);
+  moe_experts_auto_route(*target.registry, p, sh.exact != 0);
   plan->layout = moe_experts_workspace(p);  // every extent and route check of the op
   plan->hidden_nbytes = checked_product({p.m, p.hidden, 4}, "moe_experts hidden bytes");
   plan->stack_nbytes = checked_product(

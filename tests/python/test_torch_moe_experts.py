@@ -68,8 +68,47 @@ def test_exact_float_stacks_are_the_front_doors_bits(tdev, dtype, split, m):
     want = routemm.moe_experts(x, ids, w, gate_up, down)
     got = _op(x, ids, w, gate_up, down, exact=True)
     assert got.dtype == torch.float32 and torch.equal(got, want)
-    if tdev == "cpu":  # the automatic route is the exact one off CUDA
+    if tdev == "cpu":
+        # Off CUDA the automatic route is the exact rule's choice; bf16 stacks take its bf16-dot
+        # form where the CPU backend registers it (bit-identical to direct_bf16_dot).
+        if dtype == "bf16" and _cpu_has_bf16_dot():
+            want = routemm.moe_experts(x, ids, w, gate_up, down, route="direct_bf16_dot")
         assert torch.equal(_op(x, ids, w, gate_up, down), want)
+
+
+def _cpu_has_bf16_dot() -> bool:
+    registry = routemm.KernelRegistry(routemm.Device("cpu"))
+    return all(registry.has_kernel(n) for n in routemm.DENSE_MATMUL_ID_BF16_DOT_PIPELINE_NAMES)
+
+
+def test_cpu_bf16_stacks_default_to_the_bf16_dot_routes():
+    """exact=False on CPU bf16 stacks: the bf16-dot routes where the CPU has AVX512_BF16 (within
+    their bound of float64, activations rounded to bf16), never for f16/f32 stacks or exact=True."""
+    if not _cpu_has_bf16_dot():
+        pytest.skip("this CPU has no AVX512_BF16 (or ROUTEMM_CPU_ISA excludes it)")
+    gate_up, down = _float_stacks(torch.bfloat16, False)
+    for m in (1, 40):  # the direct and the grouped form
+        x, ids, w = _routing(m, invalid=False)
+        exact = routemm.moe_experts(x, ids, w, gate_up, down)
+        dot = routemm.moe_experts(x, ids, w, gate_up, down, route="direct_bf16_dot")
+        assert not torch.equal(dot, exact)  # the shapes tell the two routes apart
+        assert torch.equal(_op(x, ids, w, gate_up, down), dot)
+        assert torch.equal(_op(x, ids, w, gate_up, down, exact=True), exact)
+        assert torch.equal(_op(x, ids, w, gate_up, down, batch_invariant=True), exact)
+        ref = torch.zeros((m, H), dtype=torch.float64)
+        g64, d64 = gate_up.double(), down.double()
+        for t in range(m):
+            for s in range(TOP_K):
+                e = int(ids[t, s])
+                gu = g64[e] @ x[t].double()
+                act = torch.nn.functional.silu(gu[:I]) * gu[I:]
+                ref[t] += float(w[t, s]) * (d64[e] @ act)
+        rel = float((dot.double() - ref).norm() / ref.norm())
+        assert rel < 1e-2, rel
+    for dtype in (torch.float16, torch.float32):
+        gate_up, down = _float_stacks(dtype, False)
+        x, ids, w = _routing(40, invalid=False)
+        assert torch.equal(_op(x, ids, w, gate_up, down), routemm.moe_experts(x, ids, w, gate_up, down))
 
 
 @pytest.mark.parametrize("m", [1, 3, 40])

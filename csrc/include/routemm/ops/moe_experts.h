@@ -104,14 +104,21 @@ struct MoeExpertsReceipt {
 // stacks: measured on an H200, Qwen3-30B-A3B bf16, direct 145 us against lowp 95 us at 2 rows per
 // expert, 43 against 56 at 0.5) or kMoeQuantizedLowpRowsPerExpert (block stacks: lowp was 6-12x the
 // exact grouped route at 32 and 256 rows per expert on an H100; the crossover below is not yet
-// measured); F32 stacks and the other backends keep the exact rule. Sets route / block_route.
+// measured). On a CPU whose backend registers the bf16-dot pipelines (AVX512_BF16), BF16 stacks
+// take the exact rule's choice in its bf16-dot form (direct_bf16_dot / grouped_bf16_dot:
+// activations rounded to bf16, F32 accumulation), faster at every m (Qwen3-30B-A3B block on a
+// 2-core Zen 4, m = 512: grouped_prefill 270 ms, grouped_bf16_dot 189 ms). F32 stacks and the
+// other backends keep the exact rule. Sets route / block_route.
 // tensor_mm: GgmlRoutingPolicy.expert_tensor_mm is auto_probe; false (force_simd) keeps the exact
 // rule as `exact` does. Without it, the environment's (expert_tensor_mm_from_environment).
+// bf16_dot: the backend registers kDenseMatmulIdBf16DotPipelineNames (a registry's has_kernel);
+// the registry overload reads it, and the backend name, from the registry.
 inline constexpr uint64_t kMoeLowpRowsPerExpert = 2;
 inline constexpr uint64_t kMoeQuantizedLowpRowsPerExpert = 16;
 void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& params, bool exact,
-                            bool tensor_mm);
+                            bool tensor_mm, bool bf16_dot = false);
 void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& params, bool exact);
+void moe_experts_auto_route(const KernelRegistry& registry, MoeExpertsParams& params, bool exact);
 
 // The grouped-ness of the params' route (of the stacks' kind).
 bool moe_experts_grouped(const MoeExpertsParams& params);
