@@ -638,7 +638,7 @@ cmd_block() {
     stamp compute-sanitizer
     ROUTEMM_TEST_BACKENDS=cuda timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 \
       python3 -m pytest -q -p no:cacheprovider tests/python/test_torch_moe_experts_fused.py \
-      > "$OUT/sanitizer.log" 2>&1
+      -k "not two_launches" > "$OUT/sanitizer.log" 2>&1  # its profiler cannot attach under the tool
     echo "sanitizer exit: $?" >> "$OUT/sanitizer.log"
     tail -6 "$OUT/sanitizer.log"
   fi

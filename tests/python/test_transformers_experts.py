@@ -102,8 +102,12 @@ def test_model_logits_match_eager_experts(name, dtype, tokens, torch_device):
     with torch.no_grad():
         ours = model(input_ids).logits.float()
         theirs = eager(input_ids).logits.float()
-    # Every MoE block ran through routemm: at least gate_up, SiLU*up, down and combine per layer.
-    assert routemm.dispatch_count() - before >= 4 * config.num_hidden_layers
+    # Every MoE block ran through routemm: per layer gate_up, SiLU*up, down and the combine, or on
+    # CUDA's fused decode route (few rows per expert) its two launches.
+    n_experts = getattr(config, "num_experts", None) or config.num_local_experts
+    fused = str(torch_device).startswith("cuda") and input_ids.numel() * config.num_experts_per_tok < 2 * n_experts
+    per_layer = 2 if fused else 4
+    assert routemm.dispatch_count() - before >= per_layer * config.num_hidden_layers
     tol = F32_TOL if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(ours, theirs, atol=tol, rtol=tol)
 
