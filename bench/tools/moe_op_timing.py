@@ -4,6 +4,11 @@ the automatic route's median time of one eager call (CUDA events around the call
 synchronised after each) and, for --graph-ms, of one replay of the call captured in a CUDA graph.
 
     python3 bench/tools/moe_op_timing.py [--out DIR] [--ms 1,8,32,512,4096] [--graph-ms 1,8]
+        [--formats bf16,q4_0,q8_0] [--exact]
+
+--exact adds, for the bf16 stacks, the same calls with exact=True (the exact direct / grouped
+routes) beside the automatic route: the A/B of the fused decode route and the tensor-core route
+against the exact ones, per m, on one card.
 
 Router-like ids (top-8 of random logits). Writes DIR/moe_op-<card>.json and .md.
 """
@@ -40,7 +45,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", default="1,8,32,512,4096")
     ap.add_argument("--graph-ms", default="1,8")
     ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--formats", default="bf16,q4_0,q8_0")
+    ap.add_argument("--exact", action="store_true", help="also exact=True for the bf16 stacks")
     args = ap.parse_args(argv)
+    formats = args.formats.split(",")
     gen = torch.Generator(device="cuda").manual_seed(5)
     stacks = {
         "bf16": (
@@ -63,19 +71,25 @@ def main(argv=None) -> int:
         weights, ids = torch.topk(torch.softmax(logits, -1), TOP_K, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).bfloat16()
         for name, (gu, down, fmt) in stacks.items():
+            if name not in formats:
+                continue
+            for exact in (False, True) if args.exact and fmt is None else (False,):
 
-            def call(gu=gu, down=down, fmt=fmt):
-                return torch.ops.routemm.moe_experts(x, ids, weights, gu["gate_up"], down, gu.get("up"), fmt)
+                def call(gu=gu, down=down, fmt=fmt, exact=exact):
+                    return torch.ops.routemm.moe_experts(
+                        x, ids, weights, gu["gate_up"], down, gu.get("up"), fmt, exact
+                    )  # fmt: skip
 
-            call()
-            base = dict(op="moe_experts_op", shape="qwen3-30b-a3b", m=m, weight_dtype=name, impl="routemm")
-            seconds = time_eager(torch, call, True, args.calls)
-            records.append({**base, "route": "auto", "time_us": seconds * 1e6, "note": "eager, CUDA events"})
-            print(f"{name} m={m} eager {seconds * 1e6:.1f} us", flush=True)
-            if m in graph_ms:
-                g = time_graph(torch, call, args.calls)
-                records.append({**base, "route": "auto", "time_us": g * 1e6, "note": "CUDA graph replay"})
-                print(f"{name} m={m} graph {g * 1e6:.1f} us", flush=True)
+                call()
+                route = "exact" if exact else "auto"
+                base = dict(op="moe_experts_op", shape="qwen3-30b-a3b", m=m, weight_dtype=name, impl="routemm")
+                seconds = time_eager(torch, call, True, args.calls)
+                records.append({**base, "route": route, "time_us": seconds * 1e6, "note": "eager, CUDA events"})
+                print(f"{name} {route} m={m} eager {seconds * 1e6:.1f} us", flush=True)
+                if m in graph_ms:
+                    g = time_graph(torch, call, args.calls)
+                    records.append({**base, "route": route, "time_us": g * 1e6, "note": "CUDA graph replay"})
+                    print(f"{name} {route} m={m} graph {g * 1e6:.1f} us", flush=True)
     from conftest import write_results
 
     path = os.path.join(args.out, f"moe_op-{os.environ.get('CARD', 'gpu')}.json")
