@@ -1,10 +1,12 @@
-// CPU building blocks of the GGML block-quantised products (Q4_0 and Q8_0): the block formats,
-// the mat-vec and the panel micro-kernels, shared by the dense projection (q4_matmul.cpp) and the
-// expert-ID matmul (quantized_matmul_id.cpp) so that both follow one numerical contract:
+// CPU building blocks of the GGML block-quantised products (Q4_0 and Q8_0; the mat-vec also for
+// Q4_K, Q5_K and Q6_K): the block formats, the mat-vec and the panel micro-kernels, shared by the
+// dense projection (q4_matmul.cpp), the expert-ID matmul (quantized_matmul_id.cpp) and the other
+// formats' small-m routes (ggml_format_kernels.cpp) so that all follow one numerical contract:
 //
 //   1. Weights are dequantised exactly: w = d * (nibble - 8) (Q4_0) or d * q (Q8_0), with d the
 //      block's binary16 scale widened to binary32. An 11-bit significand times an integer of at
 //      most 8 bits fits binary32, so no rounding happens (NaN/inf scales propagate as IEEE says).
+//      K-quant values are ggml's to_float's, d1 * q - m1 (see "Super-block formats" below).
 //   2. Eight lane accumulators start at +0.0f. Lane l visits i = l, l + 8, l + 16, ... < K in
 //      increasing order and does acc[l] = fma(w[col, i], x[row, i], acc[l]): one correctly
 //      rounded binary32 fused multiply-add per step. K is a multiple of 32: no padding.
@@ -172,6 +174,359 @@ struct Q8_0Format {
 #endif
 };
 
+// ---- Super-block formats (K-quants) ------------------------------------------------------------
+//
+// A K-quant row is a run of 256-value super-blocks; its 32-value block b is sub-block b % 8 of
+// super-block b / 8, with that sub-block's own scale (and min) derived from the super-block's
+// header. Such a format defines
+//
+//   kSubBlocks, kSuperBytes        sub-blocks per super-block (8) and bytes per super-block
+//   Scales                         one super-block's sub-block factors, as ggml's to_float rounds
+//                                  them (d * sc and dmin * m, or Q6_K's d * sc per 16 values)
+//   load_scales(super, s)          s = the factors of the super-block at `super`
+//   dequant(row, b, s, out)        out[0..32) = block b's exact values (portable)
+//   dequant_avx2 / dequant_avx512(row, b, s, v)   the same as four 8-lane vectors
+//
+// and the kernels keep one Scales per weight row they walk, refilled at each super-block's first
+// block (load_scales_at). Every value is ggml's d1 * q - m1 (or ds * q): d1 = d * sc has at most
+// 11 + 6 significant bits and d1 * q (q < 32) at most 22, ds * q at most 18 + 5, so every product
+// is exact and only the subtraction rounds: a fused multiply-subtract gives the same bits, and so
+// does a table of the sixteen d1 * j - m1.
+
+template <class F>
+concept SuperBlockFormat = requires { F::kSubBlocks; };
+
+struct NoScales {};
+template <class F>
+struct ScalesTrait {
+  using type = NoScales;
+};
+template <SuperBlockFormat F>
+struct ScalesTrait<F> {
+  using type = typename F::Scales;
+};
+// The per-row decode state of format F (empty for the plain 32-value block formats).
+template <class F>
+using ScalesOf = typename ScalesTrait<F>::type;
+
+// Bytes where block b of a row starts (its super-block's, for a K-quant): prefetch addresses.
+template <class F>
+inline const uint8_t* block_address(const uint8_t* row, size_t b) {
+  if constexpr (SuperBlockFormat<F>) {
+    return row + b / F::kSubBlocks * F::kSuperBytes;
+  } else {
+    return row + b * F::kBytes;
+  }
+}
+
+// Refills s when block b starts a super-block (nothing for the plain formats). Blocks of a row
+// must be visited in increasing order from a super-block's first.
+template <class F>
+inline void load_scales_at(const uint8_t* row, size_t b, ScalesOf<F>& s) {
+  if constexpr (SuperBlockFormat<F>) {
+    if (b % F::kSubBlocks == 0) F::load_scales(block_address<F>(row, b), s);
+  }
+}
+
+template <class F>
+inline void dequant_at(const uint8_t* row, size_t b, const ScalesOf<F>& s, float* out) {
+  if constexpr (SuperBlockFormat<F>) {
+    F::dequant(row, b, s, out);
+  } else {
+    F::dequant(row + b * F::kBytes, out);
+  }
+}
+
+#if ROUTEMM_CPU_HAVE_AVX2
+// load_scales_at with the format's vector decoder of the factors (the same floats).
+template <class F>
+ROUTEMM_CPU_AVX2 inline void load_scales_avx2_at(const uint8_t* row, size_t b, ScalesOf<F>& s) {
+  if constexpr (SuperBlockFormat<F>) {
+    if (b % F::kSubBlocks == 0) F::load_scales_avx2(block_address<F>(row, b), s);
+  }
+}
+
+template <class F>
+ROUTEMM_CPU_AVX2 inline void dequant_avx2_at(const uint8_t* row, size_t b, const ScalesOf<F>& s,
+                                             __m256 v[kLanesPerBlock]) {
+  if constexpr (SuperBlockFormat<F>) {
+    F::dequant_avx2(row, b, s, v);
+  } else {
+    F::dequant_avx2(row + b * F::kBytes, v);
+  }
+}
+#endif
+
+#if ROUTEMM_CPU_HAVE_AVX512
+template <class F>
+ROUTEMM_CPU_AVX512 inline void dequant_avx512_at(const uint8_t* row, size_t b, const ScalesOf<F>& s,
+                                                 __m256 v[kLanesPerBlock]) {
+  if constexpr (SuperBlockFormat<F>) {
+    F::dequant_avx512(row, b, s, v);
+  } else {
+    F::dequant_avx512(row + b * F::kBytes, v);
+  }
+}
+#endif
+
+namespace kquant {
+
+constexpr size_t kSubBlocks = 8;
+
+// The 6-bit scale and min of sub-block j of Q4_K / Q5_K's 12 packed bytes (ggml's
+// get_scale_min_k4).
+inline void scale_min_k4(size_t j, const uint8_t* q, uint8_t& sc, uint8_t& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = static_cast<uint8_t>((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+    m = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4));
+  }
+}
+
+// Q4_K / Q5_K: d1 = d * sc and m1 = dmin * m of each sub-block.
+struct MinScales {
+  float d[kSubBlocks], m[kSubBlocks];
+};
+
+inline void load_min_scales(const uint8_t* super, MinScales& s) {
+  const float d = simd::widen(simd::Half{block_scale_bits(super)});
+  const float dmin = simd::widen(simd::Half{block_scale_bits(super + 2)});
+  for (size_t j = 0; j < kSubBlocks; ++j) {
+    uint8_t sc, m;
+    scale_min_k4(j, super + 4, sc, m);
+    s.d[j] = d * static_cast<float>(sc);
+    s.m[j] = dmin * static_cast<float>(m);
+  }
+}
+
+#if ROUTEMM_CPU_HAVE_AVX2
+// Eight unsigned bytes at p, as int32.
+ROUTEMM_CPU_AVX2 inline __m256i bytes8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// load_min_scales with scale_min_k4 on 32-bit words (four sub-blocks at a time) and the eight
+// products of each kind in one vector.
+ROUTEMM_CPU_AVX2 inline void load_min_scales_avx2(const uint8_t* super, MinScales& s) {
+  uint32_t a, b, c;
+  std::memcpy(&a, super + 4, 4);
+  std::memcpy(&b, super + 8, 4);
+  std::memcpy(&c, super + 12, 4);
+  const uint32_t sc0 = a & 0x3f3f3f3fu, m0 = b & 0x3f3f3f3fu;
+  const uint32_t sc1 = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
+  const uint32_t m1 = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
+  const __m128i bytes = _mm_setr_epi32(static_cast<int>(sc0), static_cast<int>(sc1),
+                                       static_cast<int>(m0), static_cast<int>(m1));
+  const __m256 d = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(super)));
+  const __m256 dmin = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(super + 2)));
+  _mm256_storeu_ps(s.d, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))));
+  _mm256_storeu_ps(
+      s.m, _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)))));
+}
+#endif
+
+}  // namespace kquant
+
+// Q4_K (144-byte super-blocks: d, dmin, 12 scale bytes, 128 bytes of nibbles). Sub-block s takes
+// the low (s even) or high (s odd) nibbles of bytes 32 (s / 2) .. + 32.
+struct Q4_KFormat {
+  static constexpr size_t kSubBlocks = kquant::kSubBlocks;
+  static constexpr size_t kSuperBytes = 144;
+  using Scales = kquant::MinScales;
+
+  static void load_scales(const uint8_t* super, Scales& s) { kquant::load_min_scales(super, s); }
+#if ROUTEMM_CPU_HAVE_AVX2
+  ROUTEMM_CPU_AVX2 static void load_scales_avx2(const uint8_t* super, Scales& s) {
+    kquant::load_min_scales_avx2(super, s);
+  }
+#endif
+
+  static const uint8_t* codes(const uint8_t* row, size_t b) {
+    return block_address<Q4_KFormat>(row, b) + 16 + 32 * (b % kSubBlocks / 2);
+  }
+
+  static void dequant(const uint8_t* row, size_t b, const Scales& s, float* out) {
+    const uint8_t* q = codes(row, b);
+    const size_t j = b % kSubBlocks;
+    const int shift = 4 * static_cast<int>(b & 1);
+    for (size_t l = 0; l < kQK; ++l) {
+      out[l] = s.d[j] * static_cast<float>((q[l] >> shift) & 0xF) - s.m[j];
+    }
+  }
+
+#if ROUTEMM_CPU_HAVE_AVX2
+  ROUTEMM_CPU_AVX2 static void dequant_avx2(const uint8_t* row, size_t b, const Scales& s,
+                                            __m256 v[kLanesPerBlock]) {
+    const uint8_t* q = codes(row, b);
+    const size_t j = b % kSubBlocks;
+    const __m256 d1 = _mm256_broadcast_ss(&s.d[j]), m1 = _mm256_broadcast_ss(&s.m[j]);
+    const __m128i shift = _mm_cvtsi32_si128(4 * static_cast<int>(b & 1));
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    for (size_t i = 0; i < kLanesPerBlock; ++i) {
+      const __m256i u =
+          _mm256_and_si256(_mm256_srl_epi32(kquant::bytes8(q + i * kLanes), shift), low);
+      v[i] = _mm256_fmsub_ps(d1, _mm256_cvtepi32_ps(u), m1);  // exact product: one rounding
+    }
+  }
+#endif
+
+#if ROUTEMM_CPU_HAVE_AVX512
+  // Looked up in the sub-block's table d1 * j - m1, j = 0..15, held in two registers (vpermt2ps
+  // reads only the low four index bits, so the low nibble needs no mask).
+  ROUTEMM_CPU_AVX512 static void dequant_avx512(const uint8_t* row, size_t b, const Scales& s,
+                                                __m256 v[kLanesPerBlock]) {
+    const uint8_t* q = codes(row, b);
+    const size_t j = b % kSubBlocks;
+    const __m256 d1 = _mm256_broadcast_ss(&s.d[j]), m1 = _mm256_broadcast_ss(&s.m[j]);
+    const __m256 low = _mm256_fmsub_ps(d1, _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), m1);
+    const __m256 high = _mm256_fmsub_ps(d1, _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), m1);
+    // Odd sub-blocks take the high nibbles; even ones need no shift (nor a mask).
+    if (b & 1) {
+      for (size_t i = 0; i < kLanesPerBlock; ++i) {
+        const __m256i u = _mm256_srli_epi32(kquant::bytes8(q + i * kLanes), 4);
+        v[i] = _mm256_permutex2var_ps(low, u, high);
+      }
+    } else {
+      for (size_t i = 0; i < kLanesPerBlock; ++i) {
+        v[i] = _mm256_permutex2var_ps(low, kquant::bytes8(q + i * kLanes), high);
+      }
+    }
+  }
+#endif
+};
+
+// Q5_K (176-byte super-blocks: d, dmin, 12 scale bytes, 32 bytes of high bits, 128 bytes of
+// nibbles). Sub-block s: Q4_K's nibbles plus 16 where bit s of high-bit byte l is set.
+struct Q5_KFormat {
+  static constexpr size_t kSubBlocks = kquant::kSubBlocks;
+  static constexpr size_t kSuperBytes = 176;
+  using Scales = kquant::MinScales;
+
+  static void load_scales(const uint8_t* super, Scales& s) { kquant::load_min_scales(super, s); }
+#if ROUTEMM_CPU_HAVE_AVX2
+  ROUTEMM_CPU_AVX2 static void load_scales_avx2(const uint8_t* super, Scales& s) {
+    kquant::load_min_scales_avx2(super, s);
+  }
+#endif
+
+  static void dequant(const uint8_t* row, size_t b, const Scales& s, float* out) {
+    const uint8_t* super = block_address<Q5_KFormat>(row, b);
+    const size_t j = b % kSubBlocks;
+    const uint8_t* ql = super + 48 + 32 * (j / 2);
+    const uint8_t* qh = super + 16;
+    const int shift = 4 * static_cast<int>(j & 1);
+    for (size_t l = 0; l < kQK; ++l) {
+      const int q = ((ql[l] >> shift) & 0xF) + (((qh[l] >> j) & 1) << 4);
+      out[l] = s.d[j] * static_cast<float>(q) - s.m[j];
+    }
+  }
+
+#if ROUTEMM_CPU_HAVE_AVX2
+  ROUTEMM_CPU_AVX2 static void dequant_avx2(const uint8_t* row, size_t b, const Scales& s,
+                                            __m256 v[kLanesPerBlock]) {
+    const uint8_t* super = block_address<Q5_KFormat>(row, b);
+    const size_t j = b % kSubBlocks;
+    const uint8_t* ql = super + 48 + 32 * (j / 2);
+    const uint8_t* qh = super + 16;
+    const __m256 d1 = _mm256_broadcast_ss(&s.d[j]), m1 = _mm256_broadcast_ss(&s.m[j]);
+    const __m128i shift = _mm_cvtsi32_si128(4 * static_cast<int>(j & 1));
+    const __m128i high_shift = _mm_cvtsi32_si128(static_cast<int>(j));
+    const __m256i low = _mm256_set1_epi32(0x0f), one = _mm256_set1_epi32(1);
+    for (size_t i = 0; i < kLanesPerBlock; ++i) {
+      const __m256i nib =
+          _mm256_and_si256(_mm256_srl_epi32(kquant::bytes8(ql + i * kLanes), shift), low);
+      const __m256i hi =
+          _mm256_and_si256(_mm256_srl_epi32(kquant::bytes8(qh + i * kLanes), high_shift), one);
+      const __m256i u = _mm256_or_si256(nib, _mm256_slli_epi32(hi, 4));
+      v[i] = _mm256_fmsub_ps(d1, _mm256_cvtepi32_ps(u), m1);  // exact product: one rounding
+    }
+  }
+#endif
+
+#if ROUTEMM_CPU_HAVE_AVX512
+  ROUTEMM_CPU_AVX512 static void dequant_avx512(const uint8_t* row, size_t b, const Scales& s,
+                                                __m256 v[kLanesPerBlock]) {
+    dequant_avx2(row, b, s, v);
+  }
+#endif
+};
+
+// Q6_K (210-byte super-blocks: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8
+// scales, d). Sub-block s = 4 n + t (n: which 128-value half, t: which 32 values of it): low
+// nibbles (t < 2) or high nibbles (t >= 2) of ql[64 n + 32 (t & 1) + l], bits 2t, 2t + 1 of
+// qh[32 n + l] as bits 4 and 5, minus 32; values 0-15 scaled by sc[2 s], 16-31 by sc[2 s + 1].
+struct Q6_KFormat {
+  static constexpr size_t kSubBlocks = kquant::kSubBlocks;
+  static constexpr size_t kSuperBytes = 210;
+  struct Scales {
+    float ds[2 * kSubBlocks];  // d * sc[i], ggml's first rounding
+  };
+
+  static void load_scales(const uint8_t* super, Scales& s) {
+    const float d = simd::widen(simd::Half{block_scale_bits(super + 208)});
+    const auto* sc = reinterpret_cast<const int8_t*>(super + 192);
+    for (size_t i = 0; i < 2 * kSubBlocks; ++i) s.ds[i] = d * static_cast<float>(sc[i]);
+  }
+#if ROUTEMM_CPU_HAVE_AVX2
+  ROUTEMM_CPU_AVX2 static void load_scales_avx2(const uint8_t* super, Scales& s) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(super + 208)));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(super + 192));
+    _mm256_storeu_ps(s.ds, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    _mm256_storeu_ps(
+        s.ds + 8,
+        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+  }
+#endif
+
+  static void dequant(const uint8_t* row, size_t b, const Scales& s, float* out) {
+    const uint8_t* super = block_address<Q6_KFormat>(row, b);
+    const size_t j = b % kSubBlocks, n = j / 4, t = j % 4;
+    const uint8_t* ql = super + 64 * n + 32 * (t & 1);
+    const uint8_t* qh = super + 128 + 32 * n;
+    const int shift = 4 * static_cast<int>(t / 2);
+    for (size_t l = 0; l < kQK; ++l) {
+      const int q = (((ql[l] >> shift) & 0xF) | (((qh[l] >> (2 * t)) & 3) << 4)) - 32;
+      out[l] = s.ds[2 * j + l / 16] * static_cast<float>(q);
+    }
+  }
+
+#if ROUTEMM_CPU_HAVE_AVX2
+  // The 32 codes as signed bytes q - 32, widened eight at a time.
+  ROUTEMM_CPU_AVX2 static void dequant_avx2(const uint8_t* row, size_t b, const Scales& s,
+                                            __m256 v[kLanesPerBlock]) {
+    const uint8_t* super = block_address<Q6_KFormat>(row, b);
+    const size_t j = b % kSubBlocks, n = j / 4, t = j % 4;
+    const __m256i ql =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 64 * n + 32 * (t & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super + 128 + 32 * n));
+    const __m256i nib =
+        _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * static_cast<int>(t / 2))),
+                         _mm256_set1_epi8(0x0f));
+    const __m256i hi = _mm256_slli_epi16(
+        _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * static_cast<int>(t))),
+                         _mm256_set1_epi8(0x03)),
+        4);
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nib, hi), _mm256_set1_epi8(32));
+    const __m128i first = _mm256_castsi256_si128(q), second = _mm256_extracti128_si256(q, 1);
+    const __m256 ds0 = _mm256_broadcast_ss(&s.ds[2 * j]);
+    const __m256 ds1 = _mm256_broadcast_ss(&s.ds[2 * j + 1]);
+    v[0] = _mm256_mul_ps(ds0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first)));
+    v[1] = _mm256_mul_ps(ds0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8))));
+    v[2] = _mm256_mul_ps(ds1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second)));
+    v[3] = _mm256_mul_ps(ds1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8))));
+  }
+#endif
+
+#if ROUTEMM_CPU_HAVE_AVX512
+  ROUTEMM_CPU_AVX512 static void dequant_avx512(const uint8_t* row, size_t b, const Scales& s,
+                                                __m256 v[kLanesPerBlock]) {
+    dequant_avx2(row, b, s, v);
+  }
+#endif
+};
+
 // Pointers and extents of one [m, k] x [n, k]^T product. Weight rows are n rows of k / 32 blocks.
 struct Operands {
   const uint8_t* weight;
@@ -229,10 +584,13 @@ struct PortableIsa {
                          size_t stride = 1) {
     float acc[R][C][kLanes] = {};
     float w[kQK];
+    ScalesOf<Format> scales[C];
     const size_t blocks = ops.k / kQK;
     for (size_t b = 0; b < blocks; ++b) {
       for (size_t c = 0; c < C; ++c) {
-        Format::dequant(ops.weight_row(col + c * stride) + b * Format::kBytes, w);
+        const uint8_t* row = ops.weight_row(col + c * stride);
+        load_scales_at<Format>(row, b, scales[c]);
+        dequant_at<Format>(row, b, scales[c], w);
         for (size_t r = 0; r < R; ++r) {
           const float* x = ops.input_row(r) + b * kQK;
           for (size_t s = 0; s < kLanesPerBlock; ++s) {
@@ -301,16 +659,18 @@ struct Avx2Isa {
       for (size_t c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
     const uint8_t* rows[C];
     for (size_t c = 0; c < C; ++c) rows[c] = ops.weight_row(col + c * stride);
+    ScalesOf<Format> scales[C];
     const size_t blocks = ops.k / kQK;
     for (size_t b = 0; b < blocks; ++b) {
 #pragma GCC unroll 8
       for (size_t c = 0; c < C; ++c) {
         __m256 w[kLanesPerBlock];
+        load_scales_avx2_at<Format>(rows[c], b, scales[c]);
         // Three or four rows: 8 accumulators and the block take 12 registers.
         if constexpr (R >= 3 && requires { Format::dequant_avx2_lean(nullptr, w); }) {
           Format::dequant_avx2_lean(rows[c] + b * Format::kBytes, w);
         } else {
-          Format::dequant_avx2(rows[c] + b * Format::kBytes, w);
+          dequant_avx2_at<Format>(rows[c], b, scales[c], w);
         }
 #pragma GCC unroll 8
         for (size_t r = 0; r < R; ++r) {
@@ -347,6 +707,16 @@ struct Avx2Isa {
   ROUTEMM_CPU_AVX2 static void mv_range_chunked(const Operands& ops, size_t col0, size_t col_end,
                                                 float* const* out_rows) {
     constexpr size_t kChunkBlocks = 8, kMaxCols = 64;
+    // Bytes of a chunk of one row (K-quants: whole super-blocks, so each chunk's scales start
+    // fresh).
+    constexpr size_t kChunkBytes = [] {
+      if constexpr (SuperBlockFormat<Format>) {
+        static_assert(kChunkBlocks % Format::kSubBlocks == 0);
+        return kChunkBlocks / Format::kSubBlocks * Format::kSuperBytes;
+      } else {
+        return kChunkBlocks * Format::kBytes;
+      }
+    }();
     const size_t blocks = ops.k / kQK;
     const float* x[R];
     for (size_t r = 0; r < R; ++r) x[r] = ops.input_row(r);
@@ -367,16 +737,17 @@ struct Avx2Isa {
           const uint8_t* row = ops.weight_row(c0 + c);
           // The next chunk of this row, which the prefetchers do not predict from a stride.
           if (b1 < blocks) {
-            const uint8_t* next = row + b1 * Format::kBytes;
-            for (size_t off = 0; off < kChunkBlocks * Format::kBytes; off += 64)
-              __builtin_prefetch(next + off);
+            const uint8_t* next = block_address<Format>(row, b1);
+            for (size_t off = 0; off < kChunkBytes; off += 64) __builtin_prefetch(next + off);
           }
           __m256 a[R];
 #pragma GCC unroll 8
           for (size_t r = 0; r < R; ++r) a[r] = acc[c][r];
+          ScalesOf<Format> scales;
           for (size_t b = b0; b < b1; ++b) {
             __m256 w[kLanesPerBlock];
-            Format::dequant_avx2(row + b * Format::kBytes, w);
+            load_scales_avx2_at<Format>(row, b, scales);
+            dequant_avx2_at<Format>(row, b, scales, w);
 #pragma GCC unroll 4
             for (size_t s = 0; s < kLanesPerBlock; ++s) {
 #pragma GCC unroll 8
@@ -467,6 +838,7 @@ struct Avx512Isa {
       for (size_t c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
     const uint8_t* rows[C];
     for (size_t c = 0; c < C; ++c) rows[c] = ops.weight_row(col + c * stride);
+    ScalesOf<Format> scales[C];
     const size_t blocks = ops.k / kQK;
     for (size_t b = 0; b < blocks; ++b) {
       if constexpr (R == 1) {
@@ -474,7 +846,8 @@ struct Avx512Isa {
 #pragma GCC unroll 8
         for (size_t c = 0; c < C; ++c) {
           __m256 w[kLanesPerBlock];
-          Format::dequant_avx512(rows[c] + b * Format::kBytes, w);
+          load_scales_avx2_at<Format>(rows[c], b, scales[c]);
+          dequant_avx512_at<Format>(rows[c], b, scales[c], w);
 #pragma GCC unroll 4
           for (size_t s = 0; s < kLanesPerBlock; ++s) {
             acc[0][c] = _mm256_fmadd_ps(w[s], _mm256_loadu_ps(x + s * kLanes), acc[0][c]);
@@ -483,7 +856,10 @@ struct Avx512Isa {
       } else {
         __m256 w[C][kLanesPerBlock];
 #pragma GCC unroll 8
-        for (size_t c = 0; c < C; ++c) Format::dequant_avx512(rows[c] + b * Format::kBytes, w[c]);
+        for (size_t c = 0; c < C; ++c) {
+          load_scales_avx2_at<Format>(rows[c], b, scales[c]);
+          dequant_avx512_at<Format>(rows[c], b, scales[c], w[c]);
+        }
 #pragma GCC unroll 4
         for (size_t s = 0; s < kLanesPerBlock; ++s) {
 #pragma GCC unroll 8

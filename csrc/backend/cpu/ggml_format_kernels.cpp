@@ -19,19 +19,24 @@
 // Work is done in items of at most 64 rows x 64 output columns: a 64 x 256 weight panel is
 // decoded into thread-local scratch once per item and panel, then register tiles of rows x
 // columns run the FMA loop over it. Rows are addressed through pointers, so the expert-ID routes
-// read their routed rows in place.
+// read their routed rows in place. The K-quants at m <= 8 (dense, direct, and grouped items of
+// at most 8 rows) instead run ggml_block_kernels.h's mat-vec, which decodes each 32-value
+// sub-block into registers and uses it at once (a panel would store, reload and use each decoded
+// weight once at m = 1); its K-quant decoders give the codec's floats, so the bits are the same.
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "backend/common/dense_matmul_id_params.h"
 #include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
+#include "ggml_block_kernels.h"
 #include "ggml_kquant_int8_dot.h"
 #include "kernels.h"
 #include "neon_kernels.h"
@@ -85,6 +90,28 @@ BlockFormat block_format(const ggml_formats::KernelFormat& kf) {
 #endif
   return out;
 }
+
+// The format's in-register block decoder (ggml_block_kernels.h: each 32-value block decoded into
+// registers and used at once by the mat-vec micro-kernels), or void where it has none.
+template <size_t Index>
+constexpr auto mv_format_tag() {
+  constexpr std::string_view name = ggml_formats::kKernelFormats[Index].name;
+  if constexpr (name == "q4_k") {
+    return std::type_identity<ggml::Q4_KFormat>{};
+  } else if constexpr (name == "q5_k") {
+    return std::type_identity<ggml::Q5_KFormat>{};
+  } else if constexpr (name == "q6_k") {
+    return std::type_identity<ggml::Q6_KFormat>{};
+  } else {
+    return std::type_identity<void>{};
+  }
+}
+template <size_t Index>
+using MvFormat = typename decltype(mv_format_tag<Index>())::type;
+
+// Rows up to which a product of a format with an in-register decoder runs the mat-vec
+// micro-kernels instead of decoded panels.
+constexpr size_t kMvMaxRows = ggml::kMaxMvRows;
 
 // ---- Micro-kernels ------------------------------------------------------------------------------
 
@@ -209,6 +236,7 @@ struct Item {
 
 struct Scratch {
   std::vector<float> panel, acc;
+  std::vector<float> rows;  // gathered activation rows of an in-register mat-vec item
 };
 Scratch& scratch() {
   thread_local Scratch s;
@@ -379,6 +407,28 @@ void run_dense(const BlockFormat& f, const Dense& d, void* queue_native) {
   });
 }
 
+// The exact dense product of kKernelFormats[Index]: up to kMvMaxRows rows through the in-register
+// mat-vec where the format has one (every weight is decoded once, into registers, and used at
+// once), else the panel items. Same bits either way (the contract).
+template <size_t Index>
+void run_dense_exact(const BlockFormat& f, const Dense& d, void* queue_native) {
+  using F = MvFormat<Index>;
+  if constexpr (!std::is_void_v<F>) {
+    if (d.m <= kMvMaxRows) {
+      const ggml::MvRange mv = ggml::mv_range_for<F>(d.m);
+      const ggml::Operands ops{d.weight, d.input, d.output, d.m, d.n, d.k, d.row_bytes};
+      const size_t items = (d.n + kItemCols - 1) / kItemCols;
+      parallel(queue_native, items, [&](size_t begin, size_t end) {
+        for (size_t item = begin; item < end; ++item) {
+          mv(ops, item * kItemCols, std::min(d.n, (item + 1) * kItemCols));
+        }
+      });
+      return;
+    }
+  }
+  run_dense(f, d, queue_native);
+}
+
 constexpr size_t kMvThreadgroupOutputs = 8;  // the Q8_0 mat-vec's geometry
 constexpr size_t kMmTokenTile = 32;          // the Q8_0 matrix route's
 constexpr size_t kMmOutputTile = 64;
@@ -472,13 +522,22 @@ void direct_kernel(const KernelLaunch& launch, void* queue_native) {
   const size_t rows = size_t{e.p.m} * e.p.top_k;
   const auto* ids =
       static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(rows, 4), "expert ids"));
+  using F = MvFormat<Index>;
+  // In-register formats: one row's mat-vec over a column chunk (quantized_matmul_id.cpp's
+  // split); the others: panel items of kItemCols columns.
+  constexpr bool kMv = !std::is_void_v<F>;
+  auto* pool = static_cast<ThreadPool*>(queue_native);
+  const size_t chunk =
+      kMv ? direct_item_columns(rows, e.p.n, pool == nullptr ? 1 : pool->size()) : kItemCols;
   const RunItem run = run_item_for_isa();
-  const size_t chunks = (size_t{e.p.n} + kItemCols - 1) / kItemCols;
+  ggml::MvRange mv = nullptr;
+  if constexpr (kMv) mv = ggml::mv_range_for<F>(1);
+  const size_t chunks = (size_t{e.p.n} + chunk - 1) / chunk;
   parallel(queue_native, rows * chunks, [&](size_t begin, size_t end) {
     for (size_t item = begin; item < end; ++item) {
       const size_t flat = item / chunks;
-      const size_t col0 = (item - flat * chunks) * kItemCols;
-      const size_t cols = std::min<size_t>(e.p.n - col0, kItemCols);
+      const size_t col0 = (item - flat * chunks) * chunk;
+      const size_t cols = std::min<size_t>(e.p.n - col0, chunk);
       float* out = e.output_row(flat);
       const uint32_t id = ids[flat];
       if (id >= e.p.n_experts) {
@@ -486,7 +545,11 @@ void direct_kernel(const KernelLaunch& launch, void* queue_native) {
         continue;
       }
       const float* x = e.input_row(flat);
-      run(f, Item{e.expert(id), e.row_bytes, e.p.k, &x, &out, 1, col0, cols});
+      if constexpr (kMv) {
+        mv(ggml::Operands{e.expert(id), x, out, 1, e.p.n, e.p.k, e.row_bytes}, col0, col0 + cols);
+      } else {
+        run(f, Item{e.expert(id), e.row_bytes, e.p.k, &x, &out, 1, col0, cols});
+      }
     }
   });
 }
@@ -540,6 +603,7 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
   const std::vector<GroupedItem> items = grouped_items(launch, e.p, routed);
   if (items.empty()) return;
   const RunItem run = run_item_for_isa();
+  using F = MvFormat<Index>;
   const auto run_one = [&](const GroupedItem& item) {
     const float* x[kItemRows];
     float* out[kItemRows];
@@ -547,8 +611,23 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
       x[r] = e.input_row(routed[item.row0 + r]);
       out[r] = e.output_row(routed[item.row0 + r]);
     }
-    run(f, Item{e.expert(item.expert), e.row_bytes, e.p.k, x, out, item.rows, item.col0,
-                std::min<size_t>(kItemCols, e.p.n - item.col0)});
+    const size_t cols = std::min<size_t>(kItemCols, e.p.n - item.col0);
+    if constexpr (!std::is_void_v<F>) {
+      if (item.rows <= kMvMaxRows) {
+        // The mat-vec reads its rows k floats apart: the item's rows gathered first.
+        std::vector<float>& rows = scratch().rows;
+        rows.resize(std::max(rows.size(), size_t{item.rows} * e.p.k));
+        for (size_t r = 0; r < item.rows; ++r) {
+          std::memcpy(rows.data() + r * e.p.k, x[r], size_t{e.p.k} * sizeof(float));
+        }
+        ggml::Operands ops{
+            e.expert(item.expert), rows.data(), nullptr, item.rows, e.p.n, e.p.k, e.row_bytes};
+        ops.output_rows = out;
+        ggml::mv_range_for<F>(item.rows)(ops, item.col0, item.col0 + cols);
+        return;
+      }
+    }
+    run(f, Item{e.expert(item.expert), e.row_bytes, e.p.k, x, out, item.rows, item.col0, cols});
   };
   auto* pool = static_cast<ThreadPool*>(queue_native);
   if (pool == nullptr || pool->size() == 1) {
@@ -711,9 +790,11 @@ void add_format(std::vector<KernelDef>& out) {
   block_format(kf);  // the codec table has the format, with this geometry
   // The geometry of the Q8_0 pipelines of the same kinds (q4_matmul.cpp, quantized_matmul_id.cpp).
   constexpr auto& formats = ggml_formats::kKernelFormats;
-  out.push_back(make_def(kf.mat_vec, mv_kernel<formats, Index>, 64, kMvThreadgroupOutputs, 1, 0));
+  constexpr RunDense run = run_dense_exact<Index>;
   out.push_back(
-      make_def(kf.matrix, mm_kernel<formats, Index>, 128, kMmTokenTile, kMmOutputTile, 8192));
+      make_def(kf.mat_vec, mv_kernel<formats, Index, run>, 64, kMvThreadgroupOutputs, 1, 0));
+  out.push_back(
+      make_def(kf.matrix, mm_kernel<formats, Index, run>, 128, kMmTokenTile, kMmOutputTile, 8192));
   out.push_back(make_def(kf.id_direct, direct_kernel<Index>, 64, 8, 1, 0));
   out.push_back(make_def(kf.id_grouped, grouped_kernel<Index>, 256, 8, 8, 4096));
 }

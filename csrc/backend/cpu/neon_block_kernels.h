@@ -30,6 +30,7 @@ ROUTEMM_CPU_INLINE V8 scale8(int8x8_t q, float32x4_t d) {
 // The block's 32 values as four eight-value steps, v[s] = values 8s .. 8s + 7.
 template <class Format>
 ROUTEMM_CPU_INLINE void dequant(const uint8_t* block, V8 v[kLanesPerBlock]) {
+  static_assert(!SuperBlockFormat<Format>);
   const float32x4_t d = vdupq_n_f32(simd::widen(simd::Half{block_scale_bits(block)}));
   if constexpr (std::is_same_v<Format, Q4_0Format>) {
     // Values 0-15: the low nibbles of bytes 0-15; values 16-31: their high nibbles; minus 8.
@@ -49,6 +50,20 @@ ROUTEMM_CPU_INLINE void dequant(const uint8_t* block, V8 v[kLanesPerBlock]) {
     v[1] = scale8(vget_high_s8(first), d);
     v[2] = scale8(vget_low_s8(second), d);
     v[3] = scale8(vget_high_s8(second), d);
+  }
+}
+
+// Block b of a row: the plain formats in registers; the K-quants through the portable dequantiser
+// (the same exact values).
+template <class Format>
+ROUTEMM_CPU_INLINE void dequant_at(const uint8_t* row, size_t b, const ScalesOf<Format>& s,
+                                   V8 v[kLanesPerBlock]) {
+  if constexpr (SuperBlockFormat<Format>) {
+    float values[kQK];
+    Format::dequant(row, b, s, values);
+    for (size_t i = 0; i < kLanesPerBlock; ++i) v[i] = neon::load8(values + i * kLanes);
+  } else {
+    dequant<Format>(row + b * Format::kBytes, v);
   }
 }
 
@@ -86,12 +101,14 @@ struct NeonIsa {
       for (size_t c = 0; c < C; ++c) acc[r][c] = neon::zero8();
     const uint8_t* rows[C];
     for (size_t c = 0; c < C; ++c) rows[c] = ops.weight_row(col + c * stride);
+    ScalesOf<Format> scales[C];
     const size_t blocks = ops.k / kQK;
     for (size_t b = 0; b < blocks; ++b) {
 #pragma GCC unroll 8
       for (size_t c = 0; c < C; ++c) {
         neon::V8 w[kLanesPerBlock];
-        neon_detail::dequant<Format>(rows[c] + b * Format::kBytes, w);
+        load_scales_at<Format>(rows[c], b, scales[c]);
+        neon_detail::dequant_at<Format>(rows[c], b, scales[c], w);
 #pragma GCC unroll 8
         for (size_t r = 0; r < R; ++r) {
           const float* x = ops.input_row(r) + b * kQK;
