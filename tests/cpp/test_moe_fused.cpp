@@ -235,6 +235,11 @@ TEST(MoeExpertsFused, ServesDecodeShapesOnCpuAndCudaOnly) {
   EXPECT_TRUE(moe_experts_fused_serves("cuda", qwen));
   EXPECT_TRUE(moe_experts_fused_serves("cpu", qwen));
   EXPECT_FALSE(moe_experts_fused_serves("metal", qwen));
+  MoeExpertsFusedParams rows = qwen;
+  rows.m = 4;  // 32 rows for 128 experts: a quarter of a row per expert, the last fused shape
+  EXPECT_TRUE(moe_experts_fused_serves("cuda", rows));
+  rows.m = 5;  // past it: the direct route re-reads less
+  EXPECT_FALSE(moe_experts_fused_serves("cuda", rows));
   MoeExpertsFusedParams prefill = qwen;
   prefill.m = 512;  // 4096 rows for 128 experts: the tensor-core route's side of the crossover
   EXPECT_FALSE(moe_experts_fused_serves("cuda", prefill));

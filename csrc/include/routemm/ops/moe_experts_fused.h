@@ -58,6 +58,9 @@ uint64_t moe_experts_fused_workspace_bytes(const MoeExpertsFusedParams& p);
 // Whether the fused route serves this call shape on `backend` (the kernels exist there and the
 // rows are few enough that re-reading an expert's weights per row costs less than grouping):
 // CUDA and CPU have the kernels; the torch op takes the route on CUDA only (see torch_ops.cpp).
+// The rows are few enough while m * top_k * kMoeFusedExpertsPerRow <= n_experts (a quarter of a
+// row per expert; between that and the tensor-core crossover the direct route runs).
+inline constexpr uint64_t kMoeFusedExpertsPerRow = 4;
 bool moe_experts_fused_serves(std::string_view backend, const MoeExpertsFusedParams& p);
 
 void moe_experts_fused(CommandEncoder& encoder, KernelRegistry& registry, const Buffer& hidden,
