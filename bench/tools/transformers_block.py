@@ -139,7 +139,7 @@ def experts_errors(torch, blocks: dict, cfg: dict, m: int, gen, device) -> dict:
             ex = int(ids[t, s])
             gu = gate_up[ex] @ xt
             want[i] += float(weights[t, s]) * (down[ex] @ (torch.nn.functional.silu(gu[:inter]) * gu[inter:]))
-    scale = float(want.abs().max())
+    scale = float(want.detach().abs().max())
     errors = {}
     for impl, block in blocks.items():
         if impl == "batched_mm" and m >= BATCHED_MM_MAX_M:
