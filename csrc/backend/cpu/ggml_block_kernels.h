@@ -174,6 +174,120 @@ struct Q8_0Format {
 #endif
 };
 
+// Q4_1 (d, m, 16 bytes of nibbles): q * d + m, as Q4_0's nibbles. The product q * d (4 + 11
+// significant bits) is exact, so only the sum rounds and a fused multiply-add gives the same bits.
+struct Q4_1Format {
+  static constexpr size_t kBytes = 20;
+
+  static void dequant(const uint8_t* block, float* out) {
+    const float d = simd::widen(simd::Half{block_scale_bits(block)});
+    const float m = simd::widen(simd::Half{block_scale_bits(block + 2)});
+    const uint8_t* qs = block + 4;
+    for (size_t j = 0; j < kQK / 2; ++j) {
+      out[j] = static_cast<float>(qs[j] & 0x0f) * d + m;
+      out[j + kQK / 2] = static_cast<float>(qs[j] >> 4) * d + m;
+    }
+  }
+
+#if ROUTEMM_CPU_HAVE_AVX2
+  ROUTEMM_CPU_AVX2 static void dequant_avx2(const uint8_t* block, __m256 v[kLanesPerBlock]) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(block)));
+    const __m256 m = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(block + 2)));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    const __m256i first = _mm256_cvtepu8_epi32(bytes);                      // bytes 0..7
+    const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));  // bytes 8..15
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    const __m256i q[kLanesPerBlock] = {_mm256_and_si256(first, low), _mm256_and_si256(second, low),
+                                       _mm256_srli_epi32(first, 4), _mm256_srli_epi32(second, 4)};
+    for (size_t s = 0; s < kLanesPerBlock; ++s) {
+      v[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[s]), d, m);  // exact product: one rounding
+    }
+  }
+#endif
+
+#if ROUTEMM_CPU_HAVE_AVX512
+  // Q4_0's table lookup with the table j * d + m.
+  ROUTEMM_CPU_AVX512 static void dequant_avx512(const uint8_t* block, __m256 v[kLanesPerBlock]) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(block)));
+    const __m256 m = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(block + 2)));
+    const __m256 low = _mm256_fmadd_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), d, m);
+    const __m256 high = _mm256_fmadd_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), d, m);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+    const __m256i first = _mm256_cvtepu8_epi32(bytes);
+    const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+    v[0] = _mm256_permutex2var_ps(low, first, high);
+    v[1] = _mm256_permutex2var_ps(low, second, high);
+    v[2] = _mm256_permutex2var_ps(low, _mm256_srli_epi32(first, 4), high);
+    v[3] = _mm256_permutex2var_ps(low, _mm256_srli_epi32(second, 4), high);
+  }
+#endif
+};
+
+// Q5_0 (d, 32 high bits, 16 bytes of nibbles: (q - 16) * d, exact) and Q5_1 (d, m, high bits,
+// nibbles: q * d + m, an exact product and one rounding). Value i's fifth bit is bit i of the
+// high-bit word; its low four bits are Q4_0's nibble i.
+template <bool kMin>
+struct Q5Format {
+  static constexpr size_t kHighBits = kMin ? 4 : 2;  // offset of the high-bit word
+  static constexpr size_t kBytes = kHighBits + 4 + 16;
+
+  static uint32_t high_bits(const uint8_t* block) {
+    uint32_t qh;
+    std::memcpy(&qh, block + kHighBits, 4);
+    return qh;
+  }
+
+  static void dequant(const uint8_t* block, float* out) {
+    const float d = simd::widen(simd::Half{block_scale_bits(block)});
+    const uint32_t qh = high_bits(block);
+    const uint8_t* qs = block + kHighBits + 4;
+    for (size_t i = 0; i < kQK; ++i) {
+      const int nibble = i < kQK / 2 ? qs[i] & 0x0f : qs[i - kQK / 2] >> 4;
+      const int q = nibble | static_cast<int>(((qh >> i) & 1u) << 4);
+      if constexpr (kMin) {
+        out[i] = static_cast<float>(q) * d + simd::widen(simd::Half{block_scale_bits(block + 2)});
+      } else {
+        out[i] = static_cast<float>(q - 16) * d;
+      }
+    }
+  }
+
+#if ROUTEMM_CPU_HAVE_AVX2
+  ROUTEMM_CPU_AVX2 static void dequant_avx2(const uint8_t* block, __m256 v[kLanesPerBlock]) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(block)));
+    const __m256i qh = _mm256_set1_epi32(static_cast<int>(high_bits(block)));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kHighBits + 4));
+    const __m256i first = _mm256_cvtepu8_epi32(bytes);
+    const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+    const __m256i low = _mm256_set1_epi32(0x0f), one = _mm256_set1_epi32(1);
+    const __m256i nibble[kLanesPerBlock] = {
+        _mm256_and_si256(first, low), _mm256_and_si256(second, low), _mm256_srli_epi32(first, 4),
+        _mm256_srli_epi32(second, 4)};
+    for (size_t s = 0; s < kLanesPerBlock; ++s) {
+      const __m256i bit = _mm256_and_si256(
+          _mm256_srlv_epi32(qh, _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(8 * s)),
+                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))),
+          one);
+      const __m256i q = _mm256_or_si256(nibble[s], _mm256_slli_epi32(bit, 4));
+      if constexpr (kMin) {
+        const __m256 m = _mm256_set1_ps(_cvtsh_ss(block_scale_bits(block + 2)));
+        v[s] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);  // exact product: one rounding
+      } else {
+        v[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(16))), d);
+      }
+    }
+  }
+#endif
+
+#if ROUTEMM_CPU_HAVE_AVX512
+  ROUTEMM_CPU_AVX512 static void dequant_avx512(const uint8_t* block, __m256 v[kLanesPerBlock]) {
+    dequant_avx2(block, v);
+  }
+#endif
+};
+using Q5_0Format = Q5Format<false>;
+using Q5_1Format = Q5Format<true>;
+
 // ---- Super-block formats (K-quants) ------------------------------------------------------------
 //
 // A K-quant row is a run of 256-value super-blocks; its 32-value block b is sub-block b % 8 of

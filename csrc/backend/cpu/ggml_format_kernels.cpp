@@ -96,7 +96,13 @@ BlockFormat block_format(const ggml_formats::KernelFormat& kf) {
 template <size_t Index>
 constexpr auto mv_format_tag() {
   constexpr std::string_view name = ggml_formats::kKernelFormats[Index].name;
-  if constexpr (name == "q4_k") {
+  if constexpr (name == "q4_1") {
+    return std::type_identity<ggml::Q4_1Format>{};
+  } else if constexpr (name == "q5_0") {
+    return std::type_identity<ggml::Q5_0Format>{};
+  } else if constexpr (name == "q5_1") {
+    return std::type_identity<ggml::Q5_1Format>{};
+  } else if constexpr (name == "q4_k") {
     return std::type_identity<ggml::Q4_KFormat>{};
   } else if constexpr (name == "q5_k") {
     return std::type_identity<ggml::Q5_KFormat>{};

@@ -30,7 +30,6 @@ ROUTEMM_CPU_INLINE V8 scale8(int8x8_t q, float32x4_t d) {
 // The block's 32 values as four eight-value steps, v[s] = values 8s .. 8s + 7.
 template <class Format>
 ROUTEMM_CPU_INLINE void dequant(const uint8_t* block, V8 v[kLanesPerBlock]) {
-  static_assert(!SuperBlockFormat<Format>);
   const float32x4_t d = vdupq_n_f32(simd::widen(simd::Half{block_scale_bits(block)}));
   if constexpr (std::is_same_v<Format, Q4_0Format>) {
     // Values 0-15: the low nibbles of bytes 0-15; values 16-31: their high nibbles; minus 8.
@@ -53,17 +52,17 @@ ROUTEMM_CPU_INLINE void dequant(const uint8_t* block, V8 v[kLanesPerBlock]) {
   }
 }
 
-// Block b of a row: the plain formats in registers; the K-quants through the portable dequantiser
-// (the same exact values).
+// Block b of a row: Q4_0 / Q8_0 in registers; the other formats through their portable
+// dequantiser (the same exact values).
 template <class Format>
 ROUTEMM_CPU_INLINE void dequant_at(const uint8_t* row, size_t b, const ScalesOf<Format>& s,
                                    V8 v[kLanesPerBlock]) {
-  if constexpr (SuperBlockFormat<Format>) {
-    float values[kQK];
-    Format::dequant(row, b, s, values);
-    for (size_t i = 0; i < kLanesPerBlock; ++i) v[i] = neon::load8(values + i * kLanes);
-  } else {
+  if constexpr (std::is_same_v<Format, Q4_0Format> || std::is_same_v<Format, Q8_0Format>) {
     dequant<Format>(row + b * Format::kBytes, v);
+  } else {
+    float values[kQK];
+    ggml::dequant_at<Format>(row, b, s, values);
+    for (size_t i = 0; i < kLanesPerBlock; ++i) v[i] = neon::load8(values + i * kLanes);
   }
 }
 

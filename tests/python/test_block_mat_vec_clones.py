@@ -1,9 +1,9 @@
-"""The K-quant (Q4_K, Q5_K, Q6_K) exact mat-vec on the CPU, which decodes each 32-value sub-block
-in registers: every instruction-set clone gives the portable clone's bits, and the mat-vec
-(m <= 8) gives the bits of the decoded-panel matrix route (m = 9) row for row, for random
-super-block headers (negative and zero d / dmin, every 6-bit scale and min, negative Q6_K
-scales), K = 256 .. 2048 and an odd N (tails of every column split). The expert-ID direct and
-grouped routes run the same mat-vec on their rows and must give the same bits too."""
+"""The exact mat-vec on the CPU of the K-quants (Q4_K, Q5_K, Q6_K) and of Q4_1, Q5_0, Q5_1, which
+decodes each 32-value (sub-)block in registers: every instruction-set clone gives the portable
+clone's bits, and the mat-vec (m <= 8) gives the bits of the decoded-panel matrix route (m = 9)
+row for row, for random block headers (negative and zero d / dmin / m, every 6-bit scale and min,
+negative Q6_K scales), K = 256 .. 2048 and an odd N (tails of every column split). The expert-ID
+direct and grouped routes run the same mat-vec on their rows and must give the same bits too."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import routemm
 
-FORMATS = ("q4_k", "q5_k", "q6_k")
+FORMATS = ("q4_k", "q5_k", "q6_k", "q4_1", "q5_0", "q5_1")
 KS = (256, 768, 2048)
 N = 71  # odd: neither the 64-column item nor the 8-column mat-vec pass divides it
 MS = tuple(range(1, 10))
@@ -35,13 +35,14 @@ _CHILD = textwrap.dedent(
     device = routemm.Device("cpu")
     registry = routemm.KernelRegistry(device)
     rng = np.random.default_rng(20261207)
-    BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
-    HALVES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+    GEOMETRY = {f[0]: (f[2], f[3]) for f in routemm._core.GGML_KERNEL_FORMATS}  # values, bytes
+    HALVES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2)}
 
     def blocks_of(name, shape):
-        # Random bytes (every scale, min and code), with binary16 d / dmin of either sign, a
+        # Random bytes (every scale, min and code), with binary16 d / dmin / m of either sign, a
         # tenth of them zero.
-        raw = rng.integers(0, 256, (*shape[:-1], shape[-1] // 256, BYTES[name]), dtype=np.uint8)
+        values, block_bytes = GEOMETRY[name]
+        raw = rng.integers(0, 256, (*shape[:-1], shape[-1] // values, block_bytes), dtype=np.uint8)
         for offset in HALVES[name]:
             d = rng.uniform(-2e-2, 2e-2, raw.shape[:-1])
             d[rng.random(d.shape) < 0.1] = 0.0
