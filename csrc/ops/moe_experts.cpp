@@ -179,23 +179,34 @@ void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& p, bool 
   moe_experts_auto_route(backend, p, exact, expert_tensor_mm_from_environment());
 }
 
-void moe_experts_auto_route(const KernelRegistry& registry, MoeExpertsParams& p, bool exact) {
+void moe_experts_auto_route(const KernelRegistry& registry, MoeExpertsParams& p,
+                            MoeRouteMode mode) {
   const bool bf16_dot = registry.has_kernel(kDenseMatmulIdBf16DotPipelineNames[0]) &&
                         registry.has_kernel(kDenseMatmulIdBf16DotPipelineNames[1]);
-  moe_experts_auto_route(registry.device().backend_name(), p, exact,
+  moe_experts_auto_route(registry.device().backend_name(), p, mode,
                          expert_tensor_mm_from_environment(), bf16_dot);
 }
 
 void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& p, bool exact,
                             bool tensor_mm, bool bf16_dot) {
+  moe_experts_auto_route(backend, p, exact ? MoeRouteMode::Exact : MoeRouteMode::Default, tensor_mm,
+                         bf16_dot);
+}
+
+void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& p, MoeRouteMode mode,
+                            bool tensor_mm, bool bf16_dot) {
+  const bool exact = mode == MoeRouteMode::Exact;
+  const bool every_m = mode == MoeRouteMode::BatchInvariant;  // no crossover: one route at every m
   const uint64_t rows = uint64_t{p.m} * p.top_k;
   const bool quantized = block_stacks(p);
   if (!exact && tensor_mm && backend == "cuda" && p.top_k <= p.n_experts) {
-    if (quantized && lowp_types(p) && rows >= kMoeQuantizedLowpRowsPerExpert * p.n_experts) {
+    if (quantized && lowp_types(p) &&
+        (every_m || rows >= kMoeQuantizedLowpRowsPerExpert * p.n_experts)) {
       p.block_route = GgmlQuantizedMatmulIdRoute::GroupedTensorLowp;
       return;
     }
-    if (!quantized && p.weight_dtype != DType::F32 && rows >= kMoeLowpRowsPerExpert * p.n_experts) {
+    if (!quantized && p.weight_dtype != DType::F32 &&
+        (every_m || rows >= kMoeLowpRowsPerExpert * p.n_experts)) {
       p.route = DenseMatmulIdRoute::GroupedTensorLowp;
       return;
     }

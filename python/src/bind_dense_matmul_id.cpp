@@ -63,26 +63,28 @@ void init_dense_matmul_id(py::module_& m) {
       "_moe_experts_auto_route",
       [](const std::string& backend, uint32_t tokens, uint32_t top_k, uint32_t n_experts,
          DType weight_dtype, bool block_stacks, bool exact, std::optional<bool> tensor_mm,
-         bool bf16_dot) {
+         bool bf16_dot, bool batch_invariant) {
         MoeExpertsParams p;
         p.m = tokens;
         p.top_k = top_k;
         p.n_experts = n_experts;
         p.weight_dtype = weight_dtype;
         if (block_stacks) p.ggml_type = GgmlType::Q4_0;  // the rule reads only that they are blocks
-        if (tensor_mm) {
-          moe_experts_auto_route(backend, p, exact, *tensor_mm, bf16_dot);
-        } else {
-          moe_experts_auto_route(backend, p, exact, expert_tensor_mm_from_environment(), bf16_dot);
-        }
+        const MoeRouteMode mode = exact             ? MoeRouteMode::Exact
+                                  : batch_invariant ? MoeRouteMode::BatchInvariant
+                                                    : MoeRouteMode::Default;
+        moe_experts_auto_route(backend, p, mode,
+                               tensor_mm ? *tensor_mm : expert_tensor_mm_from_environment(),
+                               bf16_dot);
         return std::string(block_stacks ? to_string(p.block_route) : to_string(p.route));
       },
       py::arg("backend"), py::arg("tokens"), py::arg("top_k"), py::arg("n_experts"),
       py::arg("weight_dtype"), py::arg("block_stacks"), py::arg("exact"), py::arg("tensor_mm"),
-      py::arg("bf16_dot") = false,
+      py::arg("bf16_dot") = false, py::arg("batch_invariant") = false,
       "The MoE op's automatic route (routemm::moe_experts_auto_route) for these shapes; "
       "tensor_mm: GgmlRoutingPolicy.expert_tensor_mm is auto_probe (None: the environment's); "
-      "bf16_dot: the backend registers the bf16-dot pipelines.");
+      "bf16_dot: the backend registers the bf16-dot pipelines; batch_invariant: the route mode "
+      "(MoeRouteMode::BatchInvariant) when not exact.");
 
   py::class_<DenseMatmulIdParams>(m, "_DenseMatmulIdParams")
       .def(py::init(&make_params), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("top_k"),

@@ -423,7 +423,13 @@ std::shared_ptr<const TensorMoeExpertsPlan> plan_tensor_moe_experts(
   p.gate_up_bias = sh.gate_up_bias != 0;
   p.down_bias = sh.down_bias != 0;
   p.weights_before_ffn = sh.weights_before_ffn != 0;
-  moe_experts_auto_route(*target.registry, p, sh.exact != 0);
+  if (sh.exact > 2) {
+    throw InvalidArgument("moe_experts: unknown route mode " + std::to_string(sh.exact));
+  }
+  moe_experts_auto_route(*target.registry, p,
+                         sh.exact == 2   ? MoeRouteMode::BatchInvariant
+                         : sh.exact == 1 ? MoeRouteMode::Exact
+                                         : MoeRouteMode::Default);
   plan->layout = moe_experts_workspace(p);  // every extent and route check of the op
   plan->hidden_nbytes = checked_product({p.m, p.hidden, 4}, "moe_experts hidden bytes");
   plan->stack_nbytes = checked_product(
@@ -902,10 +908,10 @@ void init_enqueue(py::module_& m) {
   m.def(
       "_plan_tensor_moe_experts",
       [](int32_t type, int32_t index, DType weight_dtype, std::optional<std::string> ggml_type,
-         bool split_gate_up, bool exact, std::vector<int64_t> hidden, std::vector<int64_t> ids,
-         std::vector<int64_t> weights, std::vector<int64_t> gate_up, std::vector<int64_t> down,
-         const std::string& activation, float swiglu_alpha, float swiglu_limit, bool gate_up_bias,
-         bool down_bias, bool weights_before_ffn) {
+         bool split_gate_up, uint32_t route_mode, std::vector<int64_t> hidden,
+         std::vector<int64_t> ids, std::vector<int64_t> weights, std::vector<int64_t> gate_up,
+         std::vector<int64_t> down, const std::string& activation, float swiglu_alpha,
+         float swiglu_limit, bool gate_up_bias, bool down_bias, bool weights_before_ffn) {
         int32_t type_code = -1;
         if (ggml_type) {
           const GgmlType parsed = parse_enum("moe_experts", *ggml_type, kAllGgmlTypes, "ggml_type");
@@ -923,7 +929,7 @@ void init_enqueue(py::module_& m) {
                                              static_cast<uint32_t>(weight_dtype),
                                              type_code,
                                              split_gate_up ? 1u : 0u,
-                                             exact ? 1u : 0u,
+                                             route_mode,
                                              rank(hidden),
                                              rank(ids),
                                              rank(weights),
@@ -944,12 +950,14 @@ void init_enqueue(py::module_& m) {
         return std::const_pointer_cast<TensorMoeExpertsPlan>(plan);
       },
       py::arg("device_type"), py::arg("device_index"), py::arg("weight_dtype"),
-      py::arg("ggml_type"), py::arg("split_gate_up"), py::arg("exact"), py::arg("hidden_shape"),
-      py::arg("ids_shape"), py::arg("weights_shape"), py::arg("gate_up_shape"),
-      py::arg("down_shape"), py::arg("activation") = "silu", py::arg("swiglu_alpha") = 1.702f,
-      py::arg("swiglu_limit") = 7.0f, py::arg("gate_up_bias") = false, py::arg("down_bias") = false,
+      py::arg("ggml_type"), py::arg("split_gate_up"), py::arg("route_mode"),
+      py::arg("hidden_shape"), py::arg("ids_shape"), py::arg("weights_shape"),
+      py::arg("gate_up_shape"), py::arg("down_shape"), py::arg("activation") = "silu",
+      py::arg("swiglu_alpha") = 1.702f, py::arg("swiglu_limit") = 7.0f,
+      py::arg("gate_up_bias") = false, py::arg("down_bias") = false,
       py::arg("weights_before_ffn") = false,
-      "The plan of one moe_experts call shape (the block's shape-only route).");
+      "The plan of one moe_experts call shape (the block's shape-only route; route_mode 0 the "
+      "default, 1 the exact routes, 2 batch-invariant).");
   m.def(
       "_enqueue_moe_experts",
       [](const TensorMoeExpertsPlan& plan, uint64_t hidden, uint64_t ids, uint64_t weights,

@@ -22,7 +22,7 @@
 extern "C" {
 #endif
 
-#define ROUTEMM_TENSOR_OP_ABI_VERSION 9
+#define ROUTEMM_TENSOR_OP_ABI_VERSION 10
 #define ROUTEMM_TENSOR_OP_ABI_CAPSULE "routemm._core._tensor_op_abi"
 
 // DLPack device types of the devices the tensor ops run on.
@@ -100,7 +100,8 @@ typedef struct RoutemmMoeExpertsShapes {
   uint32_t weight_dtype;   // a routemm::DType value (U8 for block stacks)
   int32_t ggml_type;       // a routemm::GgmlType value, or -1 for float stacks
   uint32_t split_gate_up;  // 1: gate_up is the gate stack and up a second one
-  uint32_t exact;          // 1: the bit-exact F32 routes only (direct / grouped_prefill)
+  uint32_t exact;  // the route mode: 0 the default, 1 the bit-exact F32 routes only (direct /
+                   // grouped_prefill), 2 (version 10) batch-invariant (MoeRouteMode)
   uint32_t hidden_rank, ids_rank, weights_rank, gate_up_rank, down_rank;
   const int64_t* hidden_shape;
   const int64_t* ids_shape;

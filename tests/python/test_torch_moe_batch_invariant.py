@@ -1,7 +1,9 @@
 """torch.ops.routemm.moe_experts(..., batch_invariant=True): a token's output bits are the same
 whatever else is in the batch and however large it is (m = 1 up to past every route crossover:
 the fused decode route, grouped, and on CUDA the tensor-core route from m * top_k >= 2E), on
-float stacks in the model's dtypes and on block stacks, with both kernel sets."""
+float stacks in the model's dtypes and on block stacks, with both kernel sets. The mode keeps one
+per-row order at every m: on CUDA the tensor-core route for the stacks that have it (f16/bf16,
+Q4_0/Q8_0), elsewhere the default's routes (the exact rule, or the CPU's bf16-dot family)."""
 
 from __future__ import annotations
 
@@ -66,9 +68,39 @@ def test_a_tokens_bits_do_not_depend_on_the_batch(tdev, kind):
     first = outs[0].view(torch.int16 if dtype != torch.float32 else torch.int32)
     for got in outs[1:]:
         assert torch.equal(got.view(first.dtype), first)
-    # The mode is the exact routes: the same bits as exact=True.
+    # The mode's route at every m: on CUDA the tensor-core route's bits where the stacks have it
+    # (the default at m = 300), elsewhere the default's (the exact routes, or the CPU's bf16-dot
+    # routes for bf16 stacks), which never switch family with m off CUDA.
     x, ids, w, row = _batch(300, probe, dtype, 4)
-    assert torch.equal(_run(tdev, stacks, x, ids, w, batch_invariant=True), _run(tdev, stacks, x, ids, w, exact=True))
+    want = _run(tdev, stacks, x, ids, w, exact=tdev == "cuda" and kind in ("f32",))
+    assert torch.equal(_run(tdev, stacks, x, ids, w, batch_invariant=True), want)
+    if tdev != "cuda":
+        x, ids, w, row = _batch(1, probe, dtype, 1)
+        assert torch.equal(_run(tdev, stacks, x, ids, w, batch_invariant=True), _run(tdev, stacks, x, ids, w))
+
+
+def test_the_route_rule_of_the_mode():
+    """On CUDA the mode takes the tensor-core route from m = 1 where the stacks have it (the
+    default takes it from 2 rows per expert); off CUDA, or under force_simd, it is the default's."""
+    rule = routemm._core._moe_experts_auto_route
+    bf16, f32 = routemm.DType.BF16, routemm.DType.F32
+    for m in (1, 8, 4096):
+        assert rule("cuda", m, 8, 128, bf16, False, False, True, batch_invariant=True) == "grouped_tensor_lowp"
+        assert (
+            rule("cuda", m, 8, 128, routemm.DType.U8, True, False, True, batch_invariant=True) == "grouped_tensor_lowp"
+        )
+        assert rule("cuda", m, 8, 128, f32, False, False, True, batch_invariant=True) == rule(
+            "cuda", m, 8, 128, f32, False, True, True
+        )
+        assert rule("cuda", m, 8, 128, bf16, False, False, False, batch_invariant=True) == rule(
+            "cuda", m, 8, 128, bf16, False, True, True
+        )
+        for bf16_dot in (False, True):
+            assert rule("cpu", m, 8, 128, bf16, False, False, True, bf16_dot, batch_invariant=True) == rule(
+                "cpu", m, 8, 128, bf16, False, False, True, bf16_dot
+            )
+    assert rule("cuda", 1, 8, 128, bf16, False, False, True) == "direct"  # the default's crossover
+    assert rule("cuda", 1, 8, 128, bf16, False, True, True, batch_invariant=True) == "direct"  # exact wins
 
 
 def test_both_kernel_sets_take_batch_invariant():

@@ -170,11 +170,12 @@ class MoeExpertsFunction(torch.autograd.Function):
     def forward(
         ctx, hidden, ids, weights, gate_up, down, up, ggml_type, exact, activation="silu", swiglu_alpha=1.702,
         swiglu_limit=7.0, gate_up_bias=None, up_bias=None, down_bias=None, weights_before_ffn=False,
+        batch_invariant=False,
     ):  # fmt: skip
         with torch._C._AutoDispatchBelowAutograd():
             out = torch.ops.routemm.moe_experts(
                 hidden, ids, weights, gate_up, down, up, ggml_type, exact, activation, swiglu_alpha, swiglu_limit,
-                gate_up_bias, up_bias, down_bias, weights_before_ffn,
+                gate_up_bias, up_bias, down_bias, weights_before_ffn, batch_invariant,
             )  # fmt: skip
         ctx.ggml_type = ggml_type
         ctx.options = (activation, float(swiglu_alpha), float(swiglu_limit), bool(weights_before_ffn))
@@ -196,9 +197,9 @@ class MoeExpertsFunction(torch.autograd.Function):
         if ctx.plain:
             needs = (n[0], n[2], n[3], n[4], n[5])
             dx, dw, dgu, ddown, dup = moe_experts_backward(grad_out, hidden, ids, weights, gate_up, down, up, needs)
-            return dx, None, dw, dgu, ddown, dup, None, None, None, None, None, None, None, None, None
+            return dx, None, dw, dgu, ddown, dup, None, None, None, None, None, None, None, None, None, None
         needs = (n[0], n[2], n[3], n[4], n[5], n[11], n[12], n[13])
         dx, dw, dgu, ddown, dup, dgub, dupb, ddb = moe_experts_ffn_backward(
             grad_out, hidden, ids, weights, gate_up, down, up, (gate_up_bias, up_bias, down_bias), ctx.options, needs
         )
-        return dx, None, dw, dgu, ddown, dup, None, None, None, None, None, dgub, dupb, ddb, None
+        return dx, None, dw, dgu, ddown, dup, None, None, None, None, None, dgub, dupb, ddb, None, None

@@ -392,8 +392,9 @@ def _moe_experts(
     swiglu_limit; biases in any float dtype (used as float32): gate_up_bias [E, 2I] (with `up`:
     the gate's [E, I], and up_bias [E, I]), down_bias [E, H]; weights_before_ffn (Llama-4).
     batch_invariant=True: a token's output bits do not depend on m or on the batch's other tokens
-    (the exact routes, one accumulation order per row at every m; the default switches routes at
-    the tensor-core crossover)."""
+    (one accumulation order per row at every m: on CUDA the tensor-core route at every m for the
+    stacks that have it, elsewhere the default's per-row-ordered routes; never the fused decode
+    route; the default switches routes at the crossovers)."""
     _check_batch_invariant(batch_invariant)
     _check_model_dtype("hidden", hidden)
     _check_model_dtype("top_k_weights", top_k_weights)
@@ -405,8 +406,9 @@ def _moe_experts(
     w = top_k_weights.to(torch.float32).contiguous()
     biases = tuple(None if b is None else b.to(torch.float32).contiguous() for b in (gate_up_bias, up_bias, down_bias))
     out = _tensor_ops.moe_experts(
-        _TORCH, x, top_k_index, w, gate_up, down, up, ggml_type, exact or batch_invariant, ffn=ffn, biases=biases
-    )
+        _TORCH, x, top_k_index, w, gate_up, down, up, ggml_type, exact, ffn=ffn, biases=biases,
+        batch_invariant=batch_invariant,
+    )  # fmt: skip
     return out if hidden.dtype == torch.float32 else out.to(hidden.dtype)
 
 
@@ -469,8 +471,8 @@ def _moe_experts_grad(
 
     _check_batch_invariant(batch_invariant)
     return MoeExpertsFunction.apply(
-        hidden, top_k_index, top_k_weights, gate_up, down, up, ggml_type, exact or batch_invariant, activation, swiglu_alpha,
-        swiglu_limit, gate_up_bias, up_bias, down_bias, weights_before_ffn,
+        hidden, top_k_index, top_k_weights, gate_up, down, up, ggml_type, exact, activation, swiglu_alpha,
+        swiglu_limit, gate_up_bias, up_bias, down_bias, weights_before_ffn, batch_invariant,
     )  # fmt: skip
 
 

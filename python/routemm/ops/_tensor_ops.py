@@ -575,7 +575,14 @@ def moe_gate(
     return weights, ids
 
 
-def _moe_experts_plan(fw: Framework, hidden, ids, weights, gate_up, down, up, ggml_type, exact, ffn=None):
+def _route_mode(exact, batch_invariant) -> int:
+    """The core's route mode (tensor_op_abi.h): 1 the exact routes, 2 batch-invariant, 0 the default."""
+    return 1 if exact else 2 if batch_invariant else 0
+
+
+def _moe_experts_plan(
+    fw: Framework, hidden, ids, weights, gate_up, down, up, ggml_type, exact, ffn=None, batch_invariant=False
+):
     """moe_experts' plan of one call shape (the core's _TensorMoeExpertsPlan): one framework, one
     device, float32 hidden states and routing weights, the stacks' dtype, then the core's shape,
     route and capability checks."""
@@ -602,7 +609,7 @@ def _moe_experts_plan(fw: Framework, hidden, ids, weights, gate_up, down, up, gg
     shapes = [[int(d) for d in t.shape] for t in (hidden, ids, weights, gate_up, down)]
     (place,) = {fw.place(hidden)}
     return _core._plan_tensor_moe_experts(
-        *place, wdtype, ggml_type, up is not None, bool(exact), *shapes, **(ffn or {})
+        *place, wdtype, ggml_type, up is not None, _route_mode(exact, batch_invariant), *shapes, **(ffn or {})
     )
 
 
@@ -619,6 +626,7 @@ def moe_experts(
     out=None,
     ffn=None,
     biases=(None, None, None),
+    batch_invariant=False,
 ):
     """The MoE experts block on framework tensors (see routemm/ops/moe_experts.h): hidden float32
     [m, H], ids integers [m, top_k], weights float32 [m, top_k], gate_up [E, 2I, H] (or the gate
@@ -634,13 +642,14 @@ def moe_experts(
     ffn = dict(ffn or {})
     key = (
         "moe_experts", device_key, hidden.shape, ids.shape, weights.shape, gate_up.shape, gate_up.dtype,
-        down.shape, None if up is None else up.shape, ggml_type, bool(exact), tuple(sorted(ffn.items())),
+        down.shape, None if up is None else up.shape, ggml_type, _route_mode(exact, batch_invariant),
+        tuple(sorted(ffn.items())),
     )  # fmt: skip
     plans = fw.matmul_id_plans
     plan = plans.get(key)
     if plan is None:
         plan = plans.setdefault(
-            key, _moe_experts_plan(fw, hidden, ids, weights, gate_up, down, up, ggml_type, exact, ffn)
+            key, _moe_experts_plan(fw, hidden, ids, weights, gate_up, down, up, ggml_type, exact, ffn, batch_invariant)
         )
     tensors = (hidden, ids, weights, gate_up, down) + (() if up is None else (up,))
     try:
@@ -648,7 +657,9 @@ def moe_experts(
     except AttributeError:
         same_device = False
     if not same_device or down.dtype != gate_up.dtype or (up is not None and up.dtype != gate_up.dtype):
-        _moe_experts_plan(fw, hidden, ids, weights, gate_up, down, up, ggml_type, exact, ffn)  # names it
+        _moe_experts_plan(
+            fw, hidden, ids, weights, gate_up, down, up, ggml_type, exact, ffn, batch_invariant
+        )  # names it
         raise InvalidArgumentError("moe_experts: tensors live on different devices")
     if any(b is not None and fw.device_key(b) != device_key for b in biases):
         raise InvalidArgumentError("moe_experts: tensors live on different devices")

@@ -362,7 +362,7 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t n, i
 
 // ---- moe_experts --------------------------------------------------------------------------------
 
-// A call shape of the block: device, the stacks' dtype, every input's sizes, split, type, exact,
+// A call shape of the block: device, the stacks' dtype, every input's sizes, split, type, route mode,
 // then the FFN options (activation, alpha and limit bits, gate_up bias, down bias, weights first).
 using MoePlanKey = std::array<int64_t, 23>;
 
@@ -408,7 +408,7 @@ int32_t moe_ggml_code(const std::optional<c10::string_view>& ggml_type) {
 // the core's shape, route and capability checks.
 MoePlan make_moe_plan(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w,
                       const at::Tensor& gate_up, const at::Tensor& down,
-                      const std::optional<at::Tensor>& up, int32_t ggml_code, bool exact,
+                      const std::optional<at::Tensor>& up, int32_t ggml_code, uint32_t mode,
                       const MoeFfnOptions& o) {
   const auto where = place(x);
   bool same = place(ids) == where && place(w) == where && place(gate_up) == where &&
@@ -427,7 +427,7 @@ MoePlan make_moe_plan(const at::Tensor& x, const at::Tensor& ids, const at::Tens
                                        routemm_dtype(gate_up),
                                        ggml_code,
                                        up ? 1u : 0u,
-                                       exact ? 1u : 0u,
+                                       mode,
                                        static_cast<uint32_t>(x.dim()),
                                        static_cast<uint32_t>(ids.dim()),
                                        static_cast<uint32_t>(w.dim()),
@@ -572,9 +572,9 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
                        const std::optional<at::Tensor>& up_bias,
                        const std::optional<at::Tensor>& down_bias, bool weights_before_ffn,
                        bool batch_invariant) {
-  // batch_invariant: the exact routes, whose per-row accumulation order is the same at every m
-  // (the default switches to the fused and tensor-core routes by shape).
-  exact = exact || batch_invariant;
+  // The route mode (tensor_op_abi.h): exact, else batch_invariant (one per-row accumulation
+  // order at every m, never the fused route), else the default's shape rule.
+  const uint32_t mode = exact ? 1u : batch_invariant ? 2u : 0u;
   const auto model_type = hidden.scalar_type();
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"hidden", &hidden},
                                 {"top_k_weights", &weights}}) {
@@ -587,7 +587,7 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
   const MoeFfnOptions ffn =
       check_ffn_options(activation, swiglu_alpha, swiglu_limit, gate_up_bias, up_bias, down_bias,
                         weights_before_ffn, gate_up, down, up);
-  if (ggml_code < 0 && !exact && ffn.plain()) {
+  if (ggml_code < 0 && mode == 0 && ffn.plain()) {
     if (auto fused = moe_experts_fused(hidden, ids, weights, gate_up, down, up)) return *fused;
   }
   const at::Tensor x = hidden.to(at::kFloat).contiguous();
@@ -596,7 +596,7 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
   const bool plannable =
       x.dim() == 2 && ids.dim() == 2 && w.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3;
   if (!plannable) {
-    plan = make_moe_plan(x, ids, w, gate_up, down, up, ggml_code, exact, ffn);  // raises
+    plan = make_moe_plan(x, ids, w, gate_up, down, up, ggml_code, mode, ffn);  // raises
   } else {
     const auto d = x.device();
     const MoePlanKey key{static_cast<int64_t>(d.type()) * 65536 + d.index(),
@@ -615,7 +615,7 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
                          down.size(2),
                          up ? 1 : 0,
                          ggml_code,
-                         exact ? 1 : 0,
+                         mode,
                          ffn.activation,
                          float_bits(ffn.alpha),
                          float_bits(ffn.limit),
@@ -628,7 +628,7 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
       plan = found->second;
     } else {
       lock.unlock();
-      plan = make_moe_plan(x, ids, w, gate_up, down, up, ggml_code, exact, ffn);
+      plan = make_moe_plan(x, ids, w, gate_up, down, up, ggml_code, mode, ffn);
       lock.lock();
       moe_plans().emplace(key, plan);
     }

@@ -113,12 +113,22 @@ struct MoeExpertsReceipt {
 // rule as `exact` does. Without it, the environment's (expert_tensor_mm_from_environment).
 // bf16_dot: the backend registers kDenseMatmulIdBf16DotPipelineNames (a registry's has_kernel);
 // the registry overload reads it, and the backend name, from the registry.
+//
+// MoeRouteMode::BatchInvariant keeps every token's per-row accumulation order the same at every m:
+// on CUDA the stacks that have the tensor-core route take it at every m (its result depends on K
+// only: no split-K, nothing that depends on the tile or the grid), and the other stacks and
+// backends take the default, which there is the exact rule or the bf16-dot family (direct and
+// grouped bit-identical within each). It never takes the fused decode route.
 inline constexpr uint64_t kMoeLowpRowsPerExpert = 2;
 inline constexpr uint64_t kMoeQuantizedLowpRowsPerExpert = 16;
+enum class MoeRouteMode : uint8_t { Default, Exact, BatchInvariant };
+void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& params, MoeRouteMode mode,
+                            bool tensor_mm, bool bf16_dot = false);
 void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& params, bool exact,
                             bool tensor_mm, bool bf16_dot = false);
 void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& params, bool exact);
-void moe_experts_auto_route(const KernelRegistry& registry, MoeExpertsParams& params, bool exact);
+void moe_experts_auto_route(const KernelRegistry& registry, MoeExpertsParams& params,
+                            MoeRouteMode mode);
 
 // The grouped-ness of the params' route (of the stacks' kind).
 bool moe_experts_grouped(const MoeExpertsParams& params);
