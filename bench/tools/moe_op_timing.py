@@ -4,11 +4,12 @@ the automatic route's median time of one eager call (CUDA events around the call
 synchronised after each) and, for --graph-ms, of one replay of the call captured in a CUDA graph.
 
     python3 bench/tools/moe_op_timing.py [--out DIR] [--ms 1,8,32,512,4096] [--graph-ms 1,8]
-        [--formats bf16,q4_0,q8_0] [--exact]
+        [--formats bf16,q4_0,q8_0] [--exact] [--batch-invariant]
 
 --exact adds, for the bf16 stacks, the same calls with exact=True (the exact direct / grouped
 routes) beside the automatic route: the A/B of the fused decode route and the tensor-core route
-against the exact ones, per m, on one card.
+against the exact ones, per m, on one card. --batch-invariant adds batch_invariant=True for every
+format (its cost against the default, per m).
 
 Router-like ids (top-8 of random logits). Writes DIR/moe_op-<card>.json and .md.
 """
@@ -47,6 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--formats", default="bf16,q4_0,q8_0")
     ap.add_argument("--exact", action="store_true", help="also exact=True for the bf16 stacks")
+    ap.add_argument("--batch-invariant", action="store_true", help="also batch_invariant=True")
     args = ap.parse_args(argv)
     formats = args.formats.split(",")
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -73,15 +75,18 @@ def main(argv=None) -> int:
         for name, (gu, down, fmt) in stacks.items():
             if name not in formats:
                 continue
-            for exact in (False, True) if args.exact and fmt is None else (False,):
+            routes = ["auto"]
+            routes += ["exact"] if args.exact and fmt is None else []
+            routes += ["batch_invariant"] if args.batch_invariant else []
+            for route in routes:
 
-                def call(gu=gu, down=down, fmt=fmt, exact=exact):
+                def call(gu=gu, down=down, fmt=fmt, route=route):
                     return torch.ops.routemm.moe_experts(
-                        x, ids, weights, gu["gate_up"], down, gu.get("up"), fmt, exact
+                        x, ids, weights, gu["gate_up"], down, gu.get("up"), fmt, route == "exact",
+                        batch_invariant=route == "batch_invariant",
                     )  # fmt: skip
 
                 call()
-                route = "exact" if exact else "auto"
                 base = dict(op="moe_experts_op", shape="qwen3-30b-a3b", m=m, weight_dtype=name, impl="routemm")
                 seconds = time_eager(torch, call, True, args.calls)
                 records.append({**base, "route": route, "time_us": seconds * 1e6, "note": "eager, CUDA events"})
