@@ -1,4 +1,4 @@
-"""The exact mat-vec on the CPU of the K-quants (Q4_K, Q5_K, Q6_K) and of Q4_1, Q5_0, Q5_1, which
+"""The exact mat-vec on the CPU of the K-quants (Q4_K, Q5_K, Q6_K) and of Q4_1, Q5_0, Q5_1, MXFP4, which
 decodes each 32-value (sub-)block in registers: every instruction-set clone gives the portable
 clone's bits, and the mat-vec (m <= 8) gives the bits of the decoded-panel matrix route (m = 9)
 row for row, for random block headers (negative and zero d / dmin / m, every 6-bit scale and min,
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import routemm
 
-FORMATS = ("q4_k", "q5_k", "q6_k", "q4_1", "q5_0", "q5_1")
+FORMATS = ("q4_k", "q5_k", "q6_k", "q4_1", "q5_0", "q5_1", "mxfp4")
 KS = (256, 768, 2048)
 N = 71  # odd: neither the 64-column item nor the 8-column mat-vec pass divides it
 MS = tuple(range(1, 10))
@@ -36,7 +36,7 @@ _CHILD = textwrap.dedent(
     registry = routemm.KernelRegistry(device)
     rng = np.random.default_rng(20261207)
     GEOMETRY = {f[0]: (f[2], f[3]) for f in routemm._core.GGML_KERNEL_FORMATS}  # values, bytes
-    HALVES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2)}
+    HALVES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "mxfp4": ()}
 
     def blocks_of(name, shape):
         # Random bytes (every scale, min and code), with binary16 d / dmin / m of either sign, a
@@ -47,6 +47,8 @@ _CHILD = textwrap.dedent(
             d = rng.uniform(-2e-2, 2e-2, raw.shape[:-1])
             d[rng.random(d.shape) < 0.1] = 0.0
             raw[..., offset : offset + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+        if name == "mxfp4":  # E8M0 exponents, subnormal scales (e < 2) included, no overflow
+            raw[..., 0] = rng.choice(np.r_[0:4, 100:140], raw.shape[:-1])
         return raw.reshape(*shape[:-1], -1)
 
     def dense(x, w, name, k):

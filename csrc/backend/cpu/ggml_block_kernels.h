@@ -288,6 +288,64 @@ struct Q5Format {
 using Q5_0Format = Q5Format<false>;
 using Q5_1Format = Q5Format<true>;
 
+// MXFP4 (an E8M0 exponent e, 16 bytes of E2M1 codes): v * s with v the doubled E2M1 value (an
+// integer of at most 12) and s = 2^(e - 128) as ggml computes it (subnormal for e < 2); every
+// product is exact (or overflows alike), so a table of the sixteen v * s gives the same bits.
+struct Mxfp4Format {
+  static constexpr size_t kBytes = 17;
+  static constexpr int8_t kValues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+  static float scale(const uint8_t* block) {
+    const uint8_t e = block[0];
+    const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+    float value;
+    std::memcpy(&value, &bits, 4);
+    return value;
+  }
+
+  static void dequant(const uint8_t* block, float* out) {
+    const float d = scale(block);
+    const uint8_t* qs = block + 1;
+    for (size_t j = 0; j < kQK / 2; ++j) {
+      out[j] = static_cast<float>(kValues[qs[j] & 0x0f]) * d;
+      out[j + kQK / 2] = static_cast<float>(kValues[qs[j] >> 4]) * d;
+    }
+  }
+
+#if ROUTEMM_CPU_HAVE_AVX2
+  // The codes looked up as signed bytes (one shuffle per sixteen), widened and scaled.
+  ROUTEMM_CPU_AVX2 static void dequant_avx2(const uint8_t* block, __m256 v[kLanesPerBlock]) {
+    const __m256 d = _mm256_set1_ps(scale(block));
+    const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kValues));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 1));
+    const __m128i low = _mm_set1_epi8(0x0f);
+    const __m128i first = _mm_shuffle_epi8(table, _mm_and_si128(bytes, low));
+    const __m128i second = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+    const __m128i q[kLanesPerBlock] = {first, _mm_srli_si128(first, 8), second,
+                                       _mm_srli_si128(second, 8)};
+    for (size_t s = 0; s < kLanesPerBlock; ++s) {
+      v[s] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q[s])), d);
+    }
+  }
+#endif
+
+#if ROUTEMM_CPU_HAVE_AVX512
+  // Q4_0's table lookup with the table v * s.
+  ROUTEMM_CPU_AVX512 static void dequant_avx512(const uint8_t* block, __m256 v[kLanesPerBlock]) {
+    const __m256 d = _mm256_set1_ps(scale(block));
+    const __m256 low = _mm256_mul_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 6, 8, 12), d);
+    const __m256 high = _mm256_mul_ps(_mm256_setr_ps(0, -1, -2, -3, -4, -6, -8, -12), d);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 1));
+    const __m256i first = _mm256_cvtepu8_epi32(bytes);
+    const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+    v[0] = _mm256_permutex2var_ps(low, first, high);
+    v[1] = _mm256_permutex2var_ps(low, second, high);
+    v[2] = _mm256_permutex2var_ps(low, _mm256_srli_epi32(first, 4), high);
+    v[3] = _mm256_permutex2var_ps(low, _mm256_srli_epi32(second, 4), high);
+  }
+#endif
+};
+
 // ---- Super-block formats (K-quants) ------------------------------------------------------------
 //
 // A K-quant row is a run of 256-value super-blocks; its 32-value block b is sub-block b % 8 of

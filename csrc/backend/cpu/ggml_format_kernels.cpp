@@ -102,6 +102,8 @@ constexpr auto mv_format_tag() {
     return std::type_identity<ggml::Q5_0Format>{};
   } else if constexpr (name == "q5_1") {
     return std::type_identity<ggml::Q5_1Format>{};
+  } else if constexpr (name == "mxfp4") {
+    return std::type_identity<ggml::Mxfp4Format>{};
   } else if constexpr (name == "q4_k") {
     return std::type_identity<ggml::Q4_KFormat>{};
   } else if constexpr (name == "q5_k") {
