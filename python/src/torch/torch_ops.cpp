@@ -561,6 +561,23 @@ MoeFfnOptions check_ffn_options(c10::string_view activation, double alpha, doubl
   return o;
 }
 
+// The block's workspace (uninitialised bytes). On CUDA a fresh one from the caching allocator. On the
+// CPU the call returns when the result is written, so one workspace per thread serves every call:
+// a fresh allocation of this size comes from the OS and is zeroed page by page on first touch,
+// which cost 15% of the Qwen3-30B-A3B block at m = 512 on a 2-core Zen 4 (185 -> 157 ms per call
+// kept). Workspaces above kCpuWorkspaceKeepBytes are not kept (a process should not hold more).
+constexpr int64_t kCpuWorkspaceKeepBytes = int64_t{1} << 30;
+
+at::Tensor moe_workspace(int64_t bytes, const at::TensorOptions& options) {
+  const auto byte_options = options.dtype(at::kByte);
+  if (!options.device().is_cpu() || bytes > kCpuWorkspaceKeepBytes) {
+    return at::empty({bytes}, byte_options);
+  }
+  thread_local at::Tensor kept;
+  if (!kept.defined() || kept.numel() < bytes) kept = at::empty({bytes}, byte_options);
+  return kept;
+}
+
 // The experts block (routemm/ops/moe_experts.h) in the model's dtype: hidden and top_k_weights
 // float32, float16 or bfloat16; the block runs in F32 and the result comes back in hidden's dtype.
 at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at::Tensor& weights,
@@ -651,7 +668,7 @@ at::Tensor moe_experts(const at::Tensor& hidden, const at::Tensor& ids, const at
   at::Tensor out = at::empty(
       {static_cast<int64_t>(plan.info.m), static_cast<int64_t>(plan.info.hidden)}, options);
   const at::Tensor workspace =
-      at::empty({static_cast<int64_t>(plan.info.workspace_bytes)}, options.dtype(at::kByte));
+      moe_workspace(static_cast<int64_t>(plan.info.workspace_bytes), options);
   const auto f32 = [&](const std::optional<at::Tensor>& b) {
     TORCH_CHECK_VALUE(!b || b->device() == device,
                       "moe_experts: tensors live on different devices");
