@@ -1,12 +1,15 @@
 // CPU building blocks of the GGML block-quantised products (Q4_0 and Q8_0; the mat-vec also for
-// Q4_K, Q5_K and Q6_K): the block formats, the mat-vec and the panel micro-kernels, shared by the
-// dense projection (q4_matmul.cpp), the expert-ID matmul (quantized_matmul_id.cpp) and the other
-// formats' small-m routes (ggml_format_kernels.cpp) so that all follow one numerical contract:
+// Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, Q5_K and Q6_K): the block formats, the mat-vec and the panel
+// micro-kernels, shared by the dense projection (q4_matmul.cpp), the expert-ID matmul
+// (quantized_matmul_id.cpp) and the other formats' small-m routes (ggml_format_kernels.cpp) so
+// that all follow one numerical contract:
 //
 //   1. Weights are dequantised exactly: w = d * (nibble - 8) (Q4_0) or d * q (Q8_0), with d the
 //      block's binary16 scale widened to binary32. An 11-bit significand times an integer of at
 //      most 8 bits fits binary32, so no rounding happens (NaN/inf scales propagate as IEEE says).
-//      K-quant values are ggml's to_float's, d1 * q - m1 (see "Super-block formats" below).
+//      The other formats' values are ggml's to_float's (ggml_formats.cpp): their products are
+//      exact too and only a final min / offset addition rounds (K-quants: d1 * q - m1, see
+//      "Super-block formats" below).
 //   2. Eight lane accumulators start at +0.0f. Lane l visits i = l, l + 8, l + 16, ... < K in
 //      increasing order and does acc[l] = fma(w[col, i], x[row, i], acc[l]): one correctly
 //      rounded binary32 fused multiply-add per step. K is a multiple of 32: no padding.

@@ -19,10 +19,10 @@
 // Work is done in items of at most 64 rows x 64 output columns: a 64 x 256 weight panel is
 // decoded into thread-local scratch once per item and panel, then register tiles of rows x
 // columns run the FMA loop over it. Rows are addressed through pointers, so the expert-ID routes
-// read their routed rows in place. The K-quants at m <= 8 (dense, direct, and grouped items of
-// at most 8 rows) instead run ggml_block_kernels.h's mat-vec, which decodes each 32-value
-// sub-block into registers and uses it at once (a panel would store, reload and use each decoded
-// weight once at m = 1); its K-quant decoders give the codec's floats, so the bits are the same.
+// read their routed rows in place. At m <= 8 (dense, direct, and grouped items of at most 8 rows)
+// every format instead runs ggml_block_kernels.h's mat-vec, which decodes each 32-value (sub-)
+// block into registers and uses it at once (a panel would store, reload and use each decoded
+// weight once at m = 1); its decoders give the codec's floats, so the bits are the same.
 #include <algorithm>
 #include <array>
 #include <atomic>
