@@ -521,25 +521,15 @@ struct Experts {
   const uint8_t* expert(uint32_t id) const { return weights + size_t{id} * p.expert_stride_bytes; }
 };
 
-// One routed row x a column chunk per item; an id >= n_experts zeroes its row and forms no weight
-// address.
-template <size_t Index>
-void direct_kernel(const KernelLaunch& launch, void* queue_native) {
-  static const BlockFormat f = block_format(ggml_formats::kKernelFormats[Index]);
-  const Experts e = Experts::bind(launch, f, 4);
+// Runs run(flat, id, col0, cols, out) on every item of a direct launch (one routed row x a column
+// chunk of `chunk`, item = flat * chunks + chunk index) whose id is valid, on the launch's pool; an
+// id >= n_experts zeroes its row and forms no weight address.
+template <class Run>
+void for_each_direct_item(const KernelLaunch& launch, void* queue_native, const Experts& e,
+                          size_t chunk, const Run& run) {
   const size_t rows = size_t{e.p.m} * e.p.top_k;
   const auto* ids =
       static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(rows, 4), "expert ids"));
-  using F = MvFormat<Index>;
-  // In-register formats: one row's mat-vec over a column chunk (quantized_matmul_id.cpp's
-  // split); the others: panel items of kItemCols columns.
-  constexpr bool kMv = !std::is_void_v<F>;
-  auto* pool = static_cast<ThreadPool*>(queue_native);
-  const size_t chunk =
-      kMv ? direct_item_columns(rows, e.p.n, pool == nullptr ? 1 : pool->size()) : kItemCols;
-  const RunItem run = run_item_for_isa();
-  ggml::MvRange mv = nullptr;
-  if constexpr (kMv) mv = ggml::mv_range_for<F>(1);
   const size_t chunks = (size_t{e.p.n} + chunk - 1) / chunk;
   parallel(queue_native, rows * chunks, [&](size_t begin, size_t end) {
     for (size_t item = begin; item < end; ++item) {
@@ -552,14 +542,37 @@ void direct_kernel(const KernelLaunch& launch, void* queue_native) {
         std::fill(out + col0, out + col0 + cols, 0.0f);
         continue;
       }
-      const float* x = e.input_row(flat);
-      if constexpr (kMv) {
-        mv(ggml::Operands{e.expert(id), x, out, 1, e.p.n, e.p.k, e.row_bytes}, col0, col0 + cols);
-      } else {
-        run(f, Item{e.expert(id), e.row_bytes, e.p.k, &x, &out, 1, col0, cols});
-      }
+      run(flat, id, col0, cols, out);
     }
   });
+}
+
+// One routed row x a column chunk per item (for_each_direct_item).
+template <size_t Index>
+void direct_kernel(const KernelLaunch& launch, void* queue_native) {
+  static const BlockFormat f = block_format(ggml_formats::kKernelFormats[Index]);
+  const Experts e = Experts::bind(launch, f, 4);
+  const size_t rows = size_t{e.p.m} * e.p.top_k;
+  using F = MvFormat<Index>;
+  // In-register formats: one row's mat-vec over a column chunk (quantized_matmul_id.cpp's
+  // split); the others: panel items of kItemCols columns.
+  constexpr bool kMv = !std::is_void_v<F>;
+  auto* pool = static_cast<ThreadPool*>(queue_native);
+  const size_t chunk =
+      kMv ? direct_item_columns(rows, e.p.n, pool == nullptr ? 1 : pool->size()) : kItemCols;
+  const RunItem run = run_item_for_isa();
+  ggml::MvRange mv = nullptr;
+  if constexpr (kMv) mv = ggml::mv_range_for<F>(1);
+  for_each_direct_item(launch, queue_native, e, chunk,
+                       [&](size_t flat, uint32_t id, size_t col0, size_t cols, float* out) {
+                         const float* x = e.input_row(flat);
+                         if constexpr (kMv) {
+                           mv(ggml::Operands{e.expert(id), x, out, 1, e.p.n, e.p.k, e.row_bytes},
+                              col0, col0 + cols);
+                         } else {
+                           run(f, Item{e.expert(id), e.row_bytes, e.p.k, &x, &out, 1, col0, cols});
+                         }
+                       });
 }
 
 struct GroupedItem {
@@ -603,6 +616,25 @@ std::vector<GroupedItem> grouped_items(const KernelLaunch& launch,
   return items;
 }
 
+// Runs run_one on every item, on the launch's pool: one item at a time from a shared counter,
+// which balances uneven expert counts.
+template <class RunOne>
+void run_grouped_items(void* queue_native, const std::vector<GroupedItem>& items,
+                       const RunOne& run_one) {
+  auto* pool = static_cast<ThreadPool*>(queue_native);
+  if (pool == nullptr || pool->size() == 1) {
+    for (const GroupedItem& item : items) run_one(item);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  pool->parallel_for(pool->size(), 1, [&](size_t, size_t) {
+    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      run_one(items[i]);
+    }
+  });
+}
+
 template <size_t Index>
 void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
   static const BlockFormat f = block_format(ggml_formats::kKernelFormats[Index]);
@@ -637,19 +669,7 @@ void grouped_kernel(const KernelLaunch& launch, void* queue_native) {
     }
     run(f, Item{e.expert(item.expert), e.row_bytes, e.p.k, x, out, item.rows, item.col0, cols});
   };
-  auto* pool = static_cast<ThreadPool*>(queue_native);
-  if (pool == nullptr || pool->size() == 1) {
-    for (const GroupedItem& item : items) run_one(item);
-    return;
-  }
-  // One item at a time from a shared counter: balances uneven expert counts.
-  std::atomic<size_t> next{0};
-  pool->parallel_for(pool->size(), 1, [&](size_t, size_t) {
-    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
-      run_one(items[i]);
-    }
-  });
+  run_grouped_items(queue_native, items, run_one);
 }
 
 // ---- K-quant int8-dot routes (ggml_kquant_int8_dot.h) -------------------------------------------
@@ -718,27 +738,13 @@ template <size_t Index>
 void direct_int8_kernel(const KernelLaunch& launch, void* queue_native) {
   static const BlockFormat f = block_format(ggml_formats::kKQuantInt8DotFormats[Index]);
   const Experts e = Experts::bind(launch, f, 4);
-  const size_t rows = size_t{e.p.m} * e.p.top_k;
-  const auto* ids =
-      static_cast<const uint32_t*>(arg_data(launch, 3, checked_mul(rows, 4), "expert ids"));
   const RoundedInputs x(e, queue_native);
   const ggml::kint8::Item run = ggml::kint8::item_for_isa<kint8_format<Index>()>();
-  const size_t chunks = (size_t{e.p.n} + kItemCols - 1) / kItemCols;
-  parallel(queue_native, rows * chunks, [&](size_t begin, size_t end) {
-    for (size_t item = begin; item < end; ++item) {
-      const size_t flat = item / chunks;
-      const size_t col0 = (item - flat * chunks) * kItemCols;
-      const size_t cols = std::min<size_t>(e.p.n - col0, kItemCols);
-      float* out = e.output_row(flat);
-      const uint32_t id = ids[flat];
-      if (id >= e.p.n_experts) {
-        std::fill(out + col0, out + col0 + cols, 0.0f);
-        continue;
-      }
-      const size_t row = x.index(flat);
-      run(e.expert(id), e.row_bytes, f.bytes, x.rows, &row, 1, &out, col0, cols);
-    }
-  });
+  for_each_direct_item(launch, queue_native, e, kItemCols,
+                       [&](size_t flat, uint32_t id, size_t col0, size_t cols, float* out) {
+                         const size_t row = x.index(flat);
+                         run(e.expert(id), e.row_bytes, f.bytes, x.rows, &row, 1, &out, col0, cols);
+                       });
 }
 
 template <size_t Index>
@@ -760,18 +766,7 @@ void grouped_int8_kernel(const KernelLaunch& launch, void* queue_native) {
     run(e.expert(item.expert), e.row_bytes, f.bytes, x.rows, rows_of, item.rows, out, item.col0,
         std::min<size_t>(kItemCols, e.p.n - item.col0));
   };
-  auto* pool = static_cast<ThreadPool*>(queue_native);
-  if (pool == nullptr || pool->size() == 1) {
-    for (const GroupedItem& item : items) run_one(item);
-    return;
-  }
-  std::atomic<size_t> next{0};
-  pool->parallel_for(pool->size(), 1, [&](size_t, size_t) {
-    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
-      run_one(items[i]);
-    }
-  });
+  run_grouped_items(queue_native, items, run_one);
 }
 
 // ---- Registration -------------------------------------------------------------------------------
