@@ -69,6 +69,22 @@ ROUTEMM_CPU_AVX2 inline __m256 broadcast_scale(const uint8_t* block) {
 }
 #endif
 
+#if ROUTEMM_CPU_HAVE_AVX512
+// A 32-value block of 4-bit codes in 16 bytes (value j < 16 the low nibble of byte j, value 16 + j
+// its high nibble) looked up in the 16-entry table low (codes 0-7) : high (codes 8-15): four
+// 8-lane vectors, v[s] = values 8s .. 8s+7. vpermt2ps reads only the low four index bits, so the
+// low nibble needs no mask. Exact: every value is a table entry.
+ROUTEMM_CPU_AVX512 inline void lookup_nibbles_avx512(__m128i bytes, __m256 low, __m256 high,
+                                                     __m256 v[kLanesPerBlock]) {
+  const __m256i first = _mm256_cvtepu8_epi32(bytes);                      // bytes 0..7
+  const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));  // bytes 8..15
+  v[0] = _mm256_permutex2var_ps(low, first, high);
+  v[1] = _mm256_permutex2var_ps(low, second, high);
+  v[2] = _mm256_permutex2var_ps(low, _mm256_srli_epi32(first, 4), high);
+  v[3] = _mm256_permutex2var_ps(low, _mm256_srli_epi32(second, 4), high);
+}
+#endif
+
 // ---- Block formats ------------------------------------------------------------------------------
 //
 //   kBytes                         bytes per 32-value block
@@ -140,12 +156,7 @@ struct Q4_0Format {
     const __m256 low = _mm256_mul_ps(d, _mm256_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1));
     const __m256 high = _mm256_mul_ps(d, _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-    const __m256i first = _mm256_cvtepu8_epi32(bytes);                      // bytes 0..7
-    const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));  // bytes 8..15
-    v[0] = _mm256_permutex2var_ps(low, first, high);
-    v[1] = _mm256_permutex2var_ps(low, second, high);
-    v[2] = _mm256_permutex2var_ps(low, _mm256_srli_epi32(first, 4), high);
-    v[3] = _mm256_permutex2var_ps(low, _mm256_srli_epi32(second, 4), high);
+    lookup_nibbles_avx512(bytes, low, high, v);
   }
 #endif
 };
@@ -216,12 +227,7 @@ struct Q4_1Format {
     const __m256 low = _mm256_fmadd_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), d, m);
     const __m256 high = _mm256_fmadd_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), d, m);
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-    const __m256i first = _mm256_cvtepu8_epi32(bytes);
-    const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-    v[0] = _mm256_permutex2var_ps(low, first, high);
-    v[1] = _mm256_permutex2var_ps(low, second, high);
-    v[2] = _mm256_permutex2var_ps(low, _mm256_srli_epi32(first, 4), high);
-    v[3] = _mm256_permutex2var_ps(low, _mm256_srli_epi32(second, 4), high);
+    lookup_nibbles_avx512(bytes, low, high, v);
   }
 #endif
 };
@@ -339,12 +345,7 @@ struct Mxfp4Format {
     const __m256 low = _mm256_mul_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 6, 8, 12), d);
     const __m256 high = _mm256_mul_ps(_mm256_setr_ps(0, -1, -2, -3, -4, -6, -8, -12), d);
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 1));
-    const __m256i first = _mm256_cvtepu8_epi32(bytes);
-    const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-    v[0] = _mm256_permutex2var_ps(low, first, high);
-    v[1] = _mm256_permutex2var_ps(low, second, high);
-    v[2] = _mm256_permutex2var_ps(low, _mm256_srli_epi32(first, 4), high);
-    v[3] = _mm256_permutex2var_ps(low, _mm256_srli_epi32(second, 4), high);
+    lookup_nibbles_avx512(bytes, low, high, v);
   }
 #endif
 };
