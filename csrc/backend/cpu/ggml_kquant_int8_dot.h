@@ -432,18 +432,9 @@ ROUTEMM_CPU_AVX512 inline __m512i load_halves(const void* p) {
                             1);
 }
 
+// The AVX2 clone's decode and accumulation, with 64-byte integer dot products.
 template <KFormat F>
-struct KAvx512 {
-  static constexpr bool kRows8 = true;
-  using Vec = __m256i;
-  ROUTEMM_CPU_AVX512 static void accumulate_rows8(float* acc, const Decoded& w, const float* dx,
-                                                  __m256i s, __m256i m) {
-    accumulate8<F>(acc, w, dx, s, m);
-  }
-  ROUTEMM_CPU_AVX512 static void decode(const uint8_t* block, Decoded& out) {
-    decode_scales_avx2<F>(block, out);
-    decode_codes_avx2<F>(block, out.codes);
-  }
+struct KAvx512 : KAvx2<F> {
   ROUTEMM_CPU_AVX512 static void sums(const Decoded& w, const int8_t* q, const int16_t* bsum,
                                       int32_t& s, int32_t& m) {
     __m512i acc = _mm512_setzero_si512();
