@@ -155,17 +155,6 @@ void q5_1_quantize(const float* x, uint8_t* b) {
 
 // ---- K-quants: 256-value super-blocks -------------------------------------------------------------
 
-// The 6-bit scale and min of sub-block j (of 8) from Q4_K / Q5_K's 12 packed bytes.
-void scale_min_k4(size_t j, const uint8_t* q, uint8_t& sc, uint8_t& m) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
-  } else {
-    sc = static_cast<uint8_t>((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-    m = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4));
-  }
-}
-
 // Q4_K: d, dmin (binary16), 12 scale bytes, 128 bytes of nibbles.
 void q4_k_dequantize(const uint8_t* b, float* y) {
   const float d = half_at(b), min = half_at(b + 2);

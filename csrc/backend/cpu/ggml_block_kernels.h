@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "backend/common/q4_0_block.h"
+#include "routemm/ggml_formats.h"
 #include "simd.h"
 
 #if ROUTEMM_CPU_HAVE_AVX2 || ROUTEMM_CPU_HAVE_AVX512
@@ -449,17 +450,7 @@ namespace kquant {
 
 constexpr size_t kSubBlocks = 8;
 
-// The 6-bit scale and min of sub-block j of Q4_K / Q5_K's 12 packed bytes (ggml's
-// get_scale_min_k4).
-inline void scale_min_k4(size_t j, const uint8_t* q, uint8_t& sc, uint8_t& m) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
-  } else {
-    sc = static_cast<uint8_t>((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-    m = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4));
-  }
-}
+using ggml_formats::scale_min_k4;
 
 // Q4_K / Q5_K: d1 = d * sc and m1 = dmin * m of each sub-block.
 struct MinScales {

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "ggml_int8_dot.h"
+#include "routemm/ggml_formats.h"
 #include "simd.h"
 
 namespace routemm::cpu::ggml::kint8 {
@@ -122,17 +123,6 @@ inline float half_to_float(const uint8_t* p) {
   return simd::widen(simd::Half{bits});
 }
 
-// Q4_K / Q5_K 6-bit scale and min of sub-block j (ggml's packing of 12 bytes).
-inline void scale_min_k4(size_t j, const uint8_t* s, int& sc, int& m) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    m = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
 // The scales of a super-block (codes aside): pair, group_min, d, dmin.
 template <KFormat F>
 void decode_scales(const uint8_t* block, Decoded& out) {
@@ -147,8 +137,8 @@ void decode_scales(const uint8_t* block, Decoded& out) {
     out.dmin = 0.0f;
   } else {
     for (size_t b = 0; b < 8; ++b) {
-      int sc, m;
-      scale_min_k4(b, block + 4, sc, m);
+      uint8_t sc, m;
+      ggml_formats::scale_min_k4(b, block + 4, sc, m);
       group_scale[2 * b] = group_scale[2 * b + 1] = static_cast<int16_t>(sc);
       out.group_min[2 * b] = out.group_min[2 * b + 1] = static_cast<int16_t>(m);
     }

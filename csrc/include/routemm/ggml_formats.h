@@ -106,4 +106,16 @@ constexpr const KernelFormat* kernel_format(uint8_t ggml_type) {
   return nullptr;
 }
 
+// The 6-bit scale and min of sub-block j (of 8) from Q4_K / Q5_K's 12 packed scale bytes (ggml's
+// get_scale_min_k4): the one decoding the codecs and the CPU kernels share.
+inline void scale_min_k4(size_t j, const uint8_t* q, uint8_t& sc, uint8_t& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = static_cast<uint8_t>((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+    m = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+  }
+}
+
 }  // namespace routemm::ggml_formats
