@@ -175,22 +175,12 @@ bool overlaps(const Buffer& a, const Buffer& b) {
 
 }  // namespace
 
-void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& p, bool exact) {
-  moe_experts_auto_route(backend, p, exact, expert_tensor_mm_from_environment());
-}
-
 void moe_experts_auto_route(const KernelRegistry& registry, MoeExpertsParams& p,
                             MoeRouteMode mode) {
   const bool bf16_dot = registry.has_kernel(kDenseMatmulIdBf16DotPipelineNames[0]) &&
                         registry.has_kernel(kDenseMatmulIdBf16DotPipelineNames[1]);
   moe_experts_auto_route(registry.device().backend_name(), p, mode,
                          expert_tensor_mm_from_environment(), bf16_dot);
-}
-
-void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& p, bool exact,
-                            bool tensor_mm, bool bf16_dot) {
-  moe_experts_auto_route(backend, p, exact ? MoeRouteMode::Exact : MoeRouteMode::Default, tensor_mm,
-                         bf16_dot);
 }
 
 void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& p, MoeRouteMode mode,

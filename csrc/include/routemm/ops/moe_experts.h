@@ -97,7 +97,7 @@ struct MoeExpertsReceipt {
   uint32_t dispatch_count = 0;  // every dispatch the block encoded
 };
 
-// The block's automatic route, from the shapes and the backend only (never the ids). exact: the
+// The block's automatic route, from the shapes and the backend only (never the ids). Exact mode: the
 // exact expert-ID rule (expert_id_auto_grouped: grouped_prefill / grouped, else direct). Otherwise,
 // on CUDA, the tensor-core route grouped_tensor_lowp (activations rounded to the weights' 16-bit
 // type, F32 accumulation) once the rows routed per expert reach kMoeLowpRowsPerExpert (f16/bf16
@@ -110,9 +110,9 @@ struct MoeExpertsReceipt {
 // 2-core Zen 4, m = 512: grouped_prefill 270 ms, grouped_bf16_dot 189 ms). F32 stacks and the
 // other backends keep the exact rule. Sets route / block_route.
 // tensor_mm: GgmlRoutingPolicy.expert_tensor_mm is auto_probe; false (force_simd) keeps the exact
-// rule as `exact` does. Without it, the environment's (expert_tensor_mm_from_environment).
-// bf16_dot: the backend registers kDenseMatmulIdBf16DotPipelineNames (a registry's has_kernel);
-// the registry overload reads it, and the backend name, from the registry.
+// rule as the exact mode does. bf16_dot: the backend registers kDenseMatmulIdBf16DotPipelineNames.
+// The registry overload reads the backend name and bf16_dot from the registry, and tensor_mm from
+// the environment (expert_tensor_mm_from_environment).
 //
 // MoeRouteMode::BatchInvariant keeps every token's per-row accumulation order the same at every m:
 // on CUDA the stacks that have the tensor-core route take it at every m (its result depends on K
@@ -124,9 +124,6 @@ inline constexpr uint64_t kMoeQuantizedLowpRowsPerExpert = 16;
 enum class MoeRouteMode : uint8_t { Default, Exact, BatchInvariant };
 void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& params, MoeRouteMode mode,
                             bool tensor_mm, bool bf16_dot = false);
-void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& params, bool exact,
-                            bool tensor_mm, bool bf16_dot = false);
-void moe_experts_auto_route(std::string_view backend, MoeExpertsParams& params, bool exact);
 void moe_experts_auto_route(const KernelRegistry& registry, MoeExpertsParams& params,
                             MoeRouteMode mode);
 
