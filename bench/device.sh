@@ -47,6 +47,9 @@ usage: bash bench/device.sh COMMAND [ARGS]
                      l2-split  DRAM bytes and L2 sectors by source unit for the same kernel
                      q4        stall and shared-memory metrics of bench/tools/q4_profile.py's
                                launches, and the instruction mix of each Q4 kernel's SASS
+                     qid       the quantised expert-ID kernels per QID_CASES (bench/tools/
+                               qid_profile.py's TYPE:SHAPE-PROJ:M:ROUTE): times, sections and
+                               top stall lines per case
   peer             llama.cpp's ggml CUDA backend timed on the same shapes (bench/peer/; carry
                    .dev/llama). Knobs: LLAMA_SRC, PEER_BUILD, BUILD_ONLY=1, PEER_ARGS, BACKEND_OPS=0.
   engine           the engine-loop work: build; the encoder / graph / torch-op tests on cpu and cuda
@@ -405,17 +408,42 @@ profile_q4() {
   head -c 6000 "$OUT/q4-sass-summary.txt"
 }
 
+# The quantised expert-ID kernels per QID_CASES (bench/tools/qid_profile.py's TYPE:SHAPE-PROJ:M:ROUTE):
+# each case's GPU time per call, then per case the speed-of-light, memory and warp-state sections
+# and the top stall lines of its kernel -> qid-times.txt, ncu-qid-<case>.txt, ncu-src-qid-<case>.txt.
+profile_qid() {
+  local case tag kernel
+  local cases=${QID_CASES:-q4_0:qwen3-30b-a3b-up:512:lowp q4_k:qwen3-30b-a3b-up:512:lowp q4_k:qwen3-30b-a3b-up:1:direct}
+  timeout 120 python3 bench/tools/qid_profile.py --time $cases 2>&1 | tee "$OUT/qid-times.txt"
+  for case in $cases; do
+    tag=${case//:/-}
+    case "$case" in *:lowp) kernel=grouped_tensor_kernel ;; *:grouped) kernel=grouped_kernel ;; *) kernel=direct ;; esac
+    timeout 100 ncu --clock-control none -k regex:"$kernel" --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+      --section LaunchStats python3 bench/tools/qid_profile.py "$case" > "$OUT/ncu-qid-$tag.txt" 2>&1
+    echo "== $case (ncu exit $?)"
+    grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Issue Slots Busy|Warp Cycles Per Issued|No Eligible|L1/TEX Hit|L2 Hit|Registers Per|Achieved Occupancy|Stall" \
+      "$OUT/ncu-qid-$tag.txt" | head -16
+    timeout 100 ncu --clock-control none -k regex:"$kernel" --launch-skip 1 --launch-count 1 \
+      --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
+      python3 bench/tools/qid_profile.py "$case" > /tmp/src.csv 2>/dev/null
+    python3 bench/tools/ncu_top_stalls.py /tmp/src.csv 16 > "$OUT/ncu-src-qid-$tag.txt" 2>&1
+    head -16 "$OUT/ncu-src-qid-$tag.txt"
+  done
+}
+
 cmd_profile() {
   local what=${1:-}
   case "$what" in
-    tensor | l2-split | q4) ;;
-    *) echo "profile needs one of: tensor, l2-split, q4" >&2; return 2 ;;
+    tensor | l2-split | q4 | qid) ;;
+    *) echo "profile needs one of: tensor, l2-split, q4, qid" >&2; return 2 ;;
   esac
   build_or_fail
   case "$what" in
     tensor) profile_tensor ;;
     l2-split) profile_l2_split ;;
     q4) profile_q4 ;;
+    qid) profile_qid ;;
   esac
 }
 

@@ -7,8 +7,10 @@
 //               shapes 4096 x 14336 and the Qwen3 q_proj 4096 x 2048, m in {1, 2, 3, 4, 5, 8}.
 //   MUL_MAT_ID  Qwen3-30B-A3B experts: 128 experts of [768, 2048], top-8, bf16 and q4_0 stacks,
 //               activations [2048, 1, m] broadcast to the 8 slots, m in {1, 8, 32}; ids are random
-//               and distinct per token. --moe-shapes adds Qwen3.6-35B-A3B (256 experts of
-//               [512, 2048], top-8), --moe-types narrows the stack types, --moe-ms the token counts.
+//               and distinct per token. --moe-shapes picks others: Qwen3-30B-A3B's down projection
+//               (qwen3_30b_a3b_down, [2048, 768]), Qwen3.6-35B-A3B (256 experts of [512, 2048],
+//               top-8) and gpt-oss-20b (32 experts of [2880, 2880], top-4); --moe-types narrows the
+//               stack types, --moe-ms the token counts.
 //   Each case in two modes:
 //     l2       one weight (one expert stack and one ids tensor) reused by every node, as
 //              test-backend-ops perf does: the weight stays in L2 when it fits;
@@ -30,7 +32,7 @@
 // case fails its error check.
 //
 // Usage: ggml_mul_mat_peer [--backend cuda|cpu] [--json PATH] [--only mul_mat|mul_mat_id]
-//   [--small] [--ms 1,2,8] [--moe-ms 1,8,32] [--moe-shapes qwen3_30b_a3b,qwen3.6_35b_a3b]
+//   [--small] [--ms 1,2,8] [--moe-ms 1,8,32] [--moe-shapes qwen3_30b_a3b,gpt_oss_20b]
 //   [--moe-types bf16,q4_0] [--nodes 32] [--reps 4] [--batches 5] [--warmup 2]
 //   [--rotate-mb 256] [--max-mb 16384] [--threads T] [--tol 0.03]
 //   [--shapes 4096x14336,q_proj] [--modes l2,rotated] [--stat median|min] [--read-bandwidth-mb 0]
@@ -43,7 +45,8 @@
 // A driver can then take turns with another program batch by batch (bench/cpu_peer_turns.py), so the
 // two see the same memory bandwidth where it drifts between runs.
 //
-// --moe-types picks the expert stack types (bf16, f16, f32, q4_0, q8_0); --shapes and --modes filter
+// --moe-types picks the expert stack types (any ggml type name: bf16, q4_0, q4_K, q6_K, mxfp4, ...;
+// the random quantised stacks come from ggml's own quantiser); --shapes and --modes filter
 // the cases; --stat min reports the fastest batch instead of the median one. --read-bandwidth-mb S
 // first prints `bandwidth read_gbps=...`: the best of 10 passes of --threads threads summing an
 // S-MB buffer (each thread its own contiguous part), the machine's read bandwidth beside the cases.
@@ -187,7 +190,9 @@ struct MoeShape {
   int64_t n, k, experts, top_k;
 };
 constexpr MoeShape kMoeShapes[] = {{"qwen3_30b_a3b", 768, 2048, 128, 8},
-                                   {"qwen3.6_35b_a3b", 512, 2048, 256, 8}};
+                                   {"qwen3_30b_a3b_down", 2048, 768, 128, 8},
+                                   {"qwen3.6_35b_a3b", 512, 2048, 256, 8},
+                                   {"gpt_oss_20b", 2880, 2880, 32, 4}};
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -453,6 +458,7 @@ std::vector<Case> build_cases(const Options& opt) {
     if (opt.only.empty() || opt.only == "mul_mat_id") {
       for (const MoeShape& shape : moe) {
         for (ggml_type t : opt.moe_types) {
+          if (shape.k % ggml_blck_size(t) != 0) continue;  // a K-quant needs K % 256 == 0
           for (int m : opt.moe_ms) {
             Case c;
             c.moe = true, c.type = t, c.n = shape.n, c.k = shape.k, c.m = m;
@@ -541,7 +547,9 @@ int main(int argc, char** argv) {
         const bool known = std::any_of(std::begin(kMoeShapes), std::end(kMoeShapes),
                                        [&](const MoeShape& shape) { return name == shape.name; });
         if (!known) {
-          std::fprintf(stderr, "unknown --moe-shapes entry %s (qwen3_30b_a3b, qwen3.6_35b_a3b)\n",
+          std::fprintf(stderr,
+                       "unknown --moe-shapes entry %s (qwen3_30b_a3b, qwen3_30b_a3b_down, "
+                       "qwen3.6_35b_a3b, gpt_oss_20b)\n",
                        name.c_str());
           return 2;
         }
