@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "backend/common/q4_0_block.h"
+#include "routemm/ggml_formats.h"
 
 namespace routemm::cuda::ggml {
 
@@ -219,23 +220,12 @@ struct Mxfp4Blocks {
   }
 };
 
-// Q4_K / Q5_K's 6-bit scale and min of sub-block j (of 8) from their 12 packed bytes (ggml's
-// get_scale_min_k4).
-__device__ __forceinline__ void scale_min_k4(uint32_t j, const uint8_t* q, uint32_t& sc,
-                                             uint32_t& m) {
-  if (j < 4) {
-    sc = q[j] & 63u;
-    m = q[j + 4] & 63u;
-  } else {
-    sc = (q[j + 4] & 0xFu) | ((q[j - 4] >> 6) << 4);
-    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
-// d1 = d * sc and m1 = dmin * m of sub-block sub, as ggml forms them.
+// d1 = d * sc and m1 = dmin * m of sub-block sub, as ggml forms them, from the block at `block`
+// (shared or global memory; sc, m by routemm/ggml_formats.h's scale_min_k4_of).
 __device__ __forceinline__ ScaleMin k4_scale(const uint8_t* block, uint32_t sub) {
   uint32_t sc, m;
-  scale_min_k4(sub, block + 4, sc, m);
+  ggml_formats::scale_min_k4_of(
+      sub, [block](uint32_t i) -> uint32_t { return block[4 + i]; }, sc, m);
   return {__fmul_rn(half_at(block), code_value<0>(sc)),
           __fmul_rn(half_at(block + 2), code_value<0>(m))};
 }

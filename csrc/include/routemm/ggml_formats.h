@@ -107,15 +107,26 @@ constexpr const KernelFormat* kernel_format(uint8_t ggml_type) {
 }
 
 // The 6-bit scale and min of sub-block j (of 8) from Q4_K / Q5_K's 12 packed scale bytes (ggml's
-// get_scale_min_k4): the one decoding the codecs and the CPU kernels share.
-inline void scale_min_k4(size_t j, const uint8_t* q, uint8_t& sc, uint8_t& m) {
+// get_scale_min_k4), whatever holds them: byte(i) is scale byte i (i < 12), read from memory or
+// from words already in registers. The one decoding the codecs, the CPU kernels and the CUDA
+// kernels share (constexpr, so device code calls it under --expt-relaxed-constexpr).
+template <class Byte>
+constexpr void scale_min_k4_of(uint32_t j, const Byte& byte, uint32_t& sc, uint32_t& m) {
   if (j < 4) {
-    sc = q[j] & 63;
-    m = q[j + 4] & 63;
+    sc = byte(j) & 63u;
+    m = byte(j + 4) & 63u;
   } else {
-    sc = static_cast<uint8_t>((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
-    m = static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    sc = (byte(j + 4) & 0xFu) | ((byte(j - 4) >> 6) << 4);
+    m = (byte(j + 4) >> 4) | ((byte(j) >> 6) << 4);
   }
+}
+
+// scale_min_k4_of on the 12 bytes at q.
+constexpr void scale_min_k4(size_t j, const uint8_t* q, uint8_t& sc, uint8_t& m) {
+  uint32_t s = 0, n = 0;
+  scale_min_k4_of(static_cast<uint32_t>(j), [q](uint32_t i) -> uint32_t { return q[i]; }, s, n);
+  sc = static_cast<uint8_t>(s);
+  m = static_cast<uint8_t>(n);
 }
 
 }  // namespace routemm::ggml_formats
