@@ -81,7 +81,9 @@ usage: bash bench/device.sh COMMAND [ARGS]
                    then the llama.cpp peer's MUL_MAT_ID q4_0 at the same shapes and MS (as `peer`;
                    carry .dev/llama) -> llama_peer.json llama_peer.log.
                    Knobs: SKIP_TESTS=1, MS (default 1,8,32,512,4096), QID_ARGS (more tool flags),
-                   PEER=0 (no peer), LLAMA_SRC, PEER_BUILD. The peer's first build takes minutes: on
+                   PEER=0 (no peer), PEER_TYPES (ggml type names, default q4_0; e.g.
+                   q4_0,q4_K,q6_K,mxfp4), PEER_SHAPES (default qwen3_30b_a3b,qwen3.6_35b_a3b; also
+                   qwen3_30b_a3b_down, gpt_oss_20b), LLAMA_SRC, PEER_BUILD. The peer's first build takes minutes: on
                    a cold machine run `BUILD_ONLY=1 bash bench/device.sh peer` in a call of its own.
   direct-path      the quantised expert-ID direct kernel's two data paths (ROUTEMM_CUDA_DIRECT_PATH):
                    build; tests/python/test_cuda_direct_data_path.py and test_quantized_matmul_id.py on
@@ -532,7 +534,7 @@ cmd_qid() {
   if [ "${PEER:-1}" = 1 ]; then
     # The peer's build log stays in /tmp, so that this command's files stay within eight.
     (OUT=/tmp/qid-peer; mkdir -p "$OUT"
-      PEER_ARGS="--only mul_mat_id --moe-types q4_0 --moe-shapes qwen3_30b_a3b,qwen3.6_35b_a3b --moe-ms $ms" \
+      PEER_ARGS="--only mul_mat_id --moe-types ${PEER_TYPES:-q4_0} --moe-ms $ms --moe-shapes ${PEER_SHAPES:-qwen3_30b_a3b,qwen3.6_35b_a3b}" \
         BACKEND_OPS=0 cmd_peer)
     cp /tmp/qid-peer/llama_peer.json /tmp/qid-peer/llama_peer.log "$OUT/" 2>/dev/null
   fi
