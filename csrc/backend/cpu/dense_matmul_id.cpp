@@ -28,6 +28,7 @@
 #include "backend/common/dense_matmul_id_params.h"
 #include "backend/common/kernel_contracts.h"
 #include "backend/common/launch_args.h"
+#include "grouped_items.h"
 #include "kernels.h"
 #include "neon_kernels.h"
 #include "routemm/checked.h"
@@ -685,12 +686,6 @@ constexpr size_t kBlockRows = 64;
 constexpr size_t kBlockCols = 48;
 static_assert(kBlockRows % 2 == 0 && kBlockCols % 48 == 0);
 
-struct GroupedItem {
-  uint32_t expert;
-  uint32_t row0, rows;  // entries [row0, row0 + rows) of the routed list, all of this expert
-  uint32_t col0;
-};
-
 struct GroupedJob {
   Operands ops;
   const uint32_t* routed;  // the map's list: each expert's flat rows, expert after expert
@@ -813,18 +808,7 @@ void run_grouped_launch(const KernelLaunch& launch, void* queue_native,
                    [](const GroupedItem& a, const GroupedItem& b) { return a.rows > b.rows; });
 
   const GroupedJob job{make_operands(p, weights, input, output), routed, next_launch_number()};
-  auto* pool = static_cast<ThreadPool*>(queue_native);
-  if (pool == nullptr || pool->size() == 1) {
-    for (const GroupedItem& item : items) run_item(job, item);
-    return;
-  }
-  std::atomic<size_t> next{0};
-  pool->parallel_for(pool->size(), 1, [&](size_t, size_t) {
-    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
-      run_item(job, items[i]);
-    }
-  });
+  run_grouped_items(queue_native, items, [&](const GroupedItem& item) { run_item(job, item); });
 }
 
 template <typename WT>

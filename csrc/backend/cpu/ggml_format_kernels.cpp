@@ -38,6 +38,7 @@
 #include "backend/common/launch_args.h"
 #include "ggml_block_kernels.h"
 #include "ggml_kquant_int8_dot.h"
+#include "grouped_items.h"
 #include "kernels.h"
 #include "neon_kernels.h"
 #include "routemm/checked.h"
@@ -575,10 +576,6 @@ void direct_kernel(const KernelLaunch& launch, void* queue_native) {
                        });
 }
 
-struct GroupedItem {
-  uint32_t expert, row0, rows, col0;  // list entries [row0, row0 + rows) of one expert's segment
-};
-
 // The map's routed-row list (dense_matmul_id's map kernel: expert e's flat rows are the segment
 // after the counts of the experts before it), checked against the flat rows since a stale or
 // foreign scratch would otherwise index out of bounds, cut into items of at most kItemRows rows x
@@ -614,25 +611,6 @@ std::vector<GroupedItem> grouped_items(const KernelLaunch& launch,
   std::stable_sort(items.begin(), items.end(),
                    [](const GroupedItem& a, const GroupedItem& b) { return a.rows > b.rows; });
   return items;
-}
-
-// Runs run_one on every item, on the launch's pool: one item at a time from a shared counter,
-// which balances uneven expert counts.
-template <class RunOne>
-void run_grouped_items(void* queue_native, const std::vector<GroupedItem>& items,
-                       const RunOne& run_one) {
-  auto* pool = static_cast<ThreadPool*>(queue_native);
-  if (pool == nullptr || pool->size() == 1) {
-    for (const GroupedItem& item : items) run_one(item);
-    return;
-  }
-  std::atomic<size_t> next{0};
-  pool->parallel_for(pool->size(), 1, [&](size_t, size_t) {
-    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
-      run_one(items[i]);
-    }
-  });
 }
 
 template <size_t Index>

@@ -30,6 +30,7 @@
 #include "backend/common/launch_args.h"
 #include "ggml_block_kernels.h"
 #include "ggml_int8_dot.h"
+#include "grouped_items.h"
 #include "kernels.h"
 #include "routemm/checked.h"
 #include "routemm/error.h"
@@ -191,13 +192,6 @@ constexpr size_t kItemRows = 64;
 // only, and there the tile is about a fifth faster at 32 rows per item.
 constexpr size_t kMvItemRows = 16;
 
-struct GroupedItem {
-  uint32_t expert;
-  uint32_t row0,
-      rows;  // entries [row0, row0 + rows) of the routed list (inside the expert's segment)
-  uint32_t col0;
-};
-
 // Per-thread gathered rows, reused across items and launches. They belong to the item block
 // (launch, row0): the items of one block differ only in their columns, and a thread that takes
 // several of them (the list keeps them adjacent) gathers the rows once.
@@ -254,24 +248,6 @@ GroupedWork grouped_work(const KernelLaunch& launch, const DenseMatmulIdKernelPa
   std::stable_sort(work.items.begin(), work.items.end(),
                    [](const GroupedItem& a, const GroupedItem& b) { return a.rows > b.rows; });
   return work;
-}
-
-// Runs run_item on every item, one at a time from a shared counter on the launch's pool.
-template <class RunItem>
-void run_grouped_items(void* queue_native, const std::vector<GroupedItem>& items,
-                       const RunItem& run_item) {
-  auto* pool = static_cast<ThreadPool*>(queue_native);
-  if (pool == nullptr || pool->size() == 1) {
-    for (const GroupedItem& item : items) run_item(item);
-    return;
-  }
-  std::atomic<size_t> next{0};
-  pool->parallel_for(pool->size(), 1, [&](size_t, size_t) {
-    for (size_t i = next.fetch_add(1, std::memory_order_relaxed); i < items.size();
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
-      run_item(items[i]);
-    }
-  });
 }
 
 template <class Format>
