@@ -32,7 +32,9 @@
 // the extra gamma step covers the dequantiser's own rounding of d1 * u - m1).
 //
 // Layout: each weight super-block is decoded once per item into Decoded (unsigned codes and the
-// sub-block scales as int16), then every activation row of the item takes its sums from it.
+// sub-block scales as int16), then every activation row of the item takes its sums from it. An
+// item of one activation row (decode: one token per expert) skips Decoded: the AVX2 / AVX-512
+// clones decode each block in registers for its one use (row_sums, row_cols8).
 #pragma once
 
 #include <algorithm>
@@ -181,15 +183,21 @@ void decode_codes_portable(const uint8_t* block, uint8_t* codes) {
   }
 }
 
-// Contract step 4 for one super-block's sums (m: M, or Q6_K's code-offset term).
+// Contract step 4 for one super-block's sums (m: M, or Q6_K's code-offset term) with the weight
+// block's d and dmin.
+template <KFormat F>
+inline float accumulate(float acc, float d, float dmin, float dx, int32_t s, int32_t m) {
+  if constexpr (F == KFormat::q6_k) {
+    return std::fma(dx * d, static_cast<float>(s - m), acc);
+  } else {
+    acc = std::fma(dx * d, static_cast<float>(s), acc);
+    return std::fma(-(dx * dmin), static_cast<float>(m), acc);
+  }
+}
+
 template <KFormat F>
 inline float accumulate(float acc, const Decoded& w, float dx, int32_t s, int32_t m) {
-  if constexpr (F == KFormat::q6_k) {
-    return std::fma(dx * w.d, static_cast<float>(s - m), acc);
-  } else {
-    acc = std::fma(dx * w.d, static_cast<float>(s), acc);
-    return std::fma(-(dx * w.dmin), static_cast<float>(m), acc);
-  }
+  return accumulate<F>(acc, w.d, w.dmin, dx, s, m);
 }
 
 // Three clones of
@@ -202,6 +210,7 @@ inline float accumulate(float acc, const Decoded& w, float dx, int32_t s, int32_
 template <KFormat F>
 struct KPortable {
   static constexpr bool kRows8 = false;
+  static constexpr bool kFusedRow = false;
   using Vec = int;  // no eight-row step
   static void decode(const uint8_t* block, Decoded& out) {
     decode_scales<F>(block, out);
@@ -225,50 +234,61 @@ ROUTEMM_CPU_AVX2 inline void store32(uint8_t* p, __m256i v) {
   _mm256_store_si256(reinterpret_cast<__m256i*>(p), v);
 }
 
+// The codes of values 64c .. 64c + 31 (v0) and 64c + 32 .. 64c + 63 (v1) of a super-block, one
+// per byte, decoded in registers (c < 4).
 template <KFormat F>
-ROUTEMM_CPU_AVX2 inline void decode_codes_avx2(const uint8_t* block, uint8_t* codes) {
+ROUTEMM_CPU_AVX2 inline void codes64_avx2(const uint8_t* block, size_t c, __m256i& v0,
+                                          __m256i& v1) {
   const __m256i low4 = _mm256_set1_epi8(0x0f);
   if constexpr (F == KFormat::q4_k) {
-    for (size_t c = 0; c < 4; ++c) {
-      const __m256i v = load32(block + 16 + 32 * c);
-      store32(codes + 64 * c, _mm256_and_si256(v, low4));
-      store32(codes + 64 * c + 32, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-    }
+    const __m256i v = load32(block + 16 + 32 * c);
+    v0 = _mm256_and_si256(v, low4);
+    v1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
   } else if constexpr (F == KFormat::q5_k) {
     const __m256i qh = load32(block + 16);
     const __m256i bit4 = _mm256_set1_epi8(0x10);
-    for (size_t c = 0; c < 4; ++c) {
-      const __m256i v = load32(block + 48 + 32 * c);
-      // Bit 2c (2c + 1) of qh moved to bit 4 of its byte: a shift within 16-bit lanes by at most
-      // 4, then the mask keeps bit 4 of every byte.
-      const __m256i h0 = _mm256_and_si256(
-          c <= 2 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(4 - 2 * c)))
-                 : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(2 * c - 4))),
-          bit4);
-      const __m256i h1 = _mm256_and_si256(
-          c <= 1 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(3 - 2 * c)))
-                 : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(2 * c - 3))),
-          bit4);
-      store32(codes + 64 * c, _mm256_or_si256(_mm256_and_si256(v, low4), h0));
-      store32(codes + 64 * c + 32,
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), h1));
-    }
+    const __m256i v = load32(block + 48 + 32 * c);
+    // Bit 2c (2c + 1) of qh moved to bit 4 of its byte: a shift within 16-bit lanes by at most
+    // 4, then the mask keeps bit 4 of every byte.
+    const __m256i h0 = _mm256_and_si256(
+        c <= 2 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(4 - 2 * c)))
+               : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(2 * c - 4))),
+        bit4);
+    const __m256i h1 = _mm256_and_si256(
+        c <= 1 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(3 - 2 * c)))
+               : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(static_cast<int>(2 * c - 3))),
+        bit4);
+    v0 = _mm256_or_si256(_mm256_and_si256(v, low4), h0);
+    v1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), h1);
   } else {
-    // Bits 2t, 2t + 1 of qh are bits 4 and 5 of value 32t + l's code.
+    // Half h = c / 2 of 128 values: bits 2t, 2t + 1 of qh are bits 4 and 5 of value 32t + l's
+    // code; c even takes the low nibbles of ql (t = 0, 1), c odd the high ones (t = 2, 3).
+    const size_t h = c / 2;
+    const __m256i l0 = load32(block + 64 * h), l1 = load32(block + 64 * h + 32);
+    const __m256i qh = load32(block + 128 + 32 * h);
     const __m256i bits2 = _mm256_set1_epi8(0x30);
-    for (size_t h = 0; h < 2; ++h) {
-      const __m256i l0 = load32(block + 64 * h), l1 = load32(block + 64 * h + 32);
-      const __m256i qh = load32(block + 128 + 32 * h);
-      uint8_t* c = codes + 128 * h;
-      store32(c, _mm256_or_si256(_mm256_and_si256(l0, low4),
-                                 _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits2)));
-      store32(c + 32, _mm256_or_si256(_mm256_and_si256(l1, low4),
-                                      _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits2)));
-      store32(c + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                                      _mm256_and_si256(qh, bits2)));
-      store32(c + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                                      _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits2)));
+    if (c % 2 == 0) {
+      v0 = _mm256_or_si256(_mm256_and_si256(l0, low4),
+                           _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits2));
+      v1 = _mm256_or_si256(_mm256_and_si256(l1, low4),
+                           _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits2));
+    } else {
+      v0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                           _mm256_and_si256(qh, bits2));
+      v1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits2));
     }
+  }
+}
+
+template <KFormat F>
+ROUTEMM_CPU_AVX2 inline void decode_codes_avx2(const uint8_t* block, uint8_t* codes) {
+#pragma GCC unroll 4
+  for (size_t c = 0; c < kQK_K / 64; ++c) {
+    __m256i v0, v1;
+    codes64_avx2<F>(block, c, v0, v1);
+    store32(codes + 64 * c, v0);
+    store32(codes + 64 * c + 32, v1);
   }
 }
 
@@ -296,15 +316,16 @@ inline void k4_scale_words(const uint8_t* block, uint32_t sc[2], uint32_t m[2]) 
   m[1] = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
 }
 
+// A super-block's scales in registers: `scales` the int8 scale of group g (16 values) in byte g,
+// `mins` the int16 group_min (Decoded's), d and dmin.
 template <KFormat F>
-ROUTEMM_CPU_AVX2 inline void decode_scales_avx2(const uint8_t* block, Decoded& out) {
-  __m128i scales;  // int8 scale of group g in byte g
-  __m256i mins;    // int16 group_min
+ROUTEMM_CPU_AVX2 inline void scales_avx2(const uint8_t* block, __m128i& scales, __m256i& mins,
+                                         float& d, float& dmin) {
   if constexpr (F == KFormat::q6_k) {
     scales = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
     mins = _mm256_slli_epi16(_mm256_cvtepi8_epi16(scales), 5);
-    out.d = half_to_float_f16c(block + 208);
-    out.dmin = 0.0f;
+    d = half_to_float_f16c(block + 208);
+    dmin = 0.0f;
   } else {
     uint32_t sc[2], m[2];
     k4_scale_words(block, sc, m);
@@ -312,17 +333,28 @@ ROUTEMM_CPU_AVX2 inline void decode_scales_avx2(const uint8_t* block, Decoded& o
     const __m128i m8 = _mm_setr_epi32(static_cast<int>(m[0]), static_cast<int>(m[1]), 0, 0);
     scales = _mm_unpacklo_epi8(sc8, sc8);
     mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8));
-    out.d = half_to_float_f16c(block);
-    out.dmin = half_to_float_f16c(block + 2);
+    d = half_to_float_f16c(block);
+    dmin = half_to_float_f16c(block + 2);
   }
-  _mm256_store_si256(reinterpret_cast<__m256i*>(out.group_min), mins);
-  // Chunk c (values 32c..32c+31): pairs 0-7 take group 2c's scale, pairs 8-15 group 2c + 1's.
+}
+
+// The int16 scale of each value pair of values 32c .. 32c + 31 (Decoded::pair's 16 entries from
+// 16c): pairs 0-7 take group 2c's scale, pairs 8-15 group 2c + 1's.
+ROUTEMM_CPU_AVX2 inline __m256i pair_scales(__m128i scales, int c) {
   const __m128i first = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m128i pick = _mm_add_epi8(first, _mm_set1_epi8(static_cast<char>(2 * c)));
+  return _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick));
+}
+
+template <KFormat F>
+ROUTEMM_CPU_AVX2 inline void decode_scales_avx2(const uint8_t* block, Decoded& out) {
+  __m128i scales;
+  __m256i mins;
+  scales_avx2<F>(block, scales, mins, out.d, out.dmin);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(out.group_min), mins);
 #pragma GCC unroll 8
   for (int c = 0; c < 8; ++c) {
-    const __m128i pick = _mm_add_epi8(first, _mm_set1_epi8(static_cast<char>(2 * c)));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(out.pair + 16 * c),
-                       _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, pick)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out.pair + 16 * c), pair_scales(scales, c));
   }
 }
 
@@ -370,7 +402,32 @@ ROUTEMM_CPU_AVX2 inline void accumulate8(float* acc, const Decoded& w, const flo
 template <KFormat F>
 struct KAvx2 {
   static constexpr bool kRows8 = true;
+  static constexpr bool kFusedRow = true;
   using Vec = __m256i;
+  // Contract step 3 for one activation row straight from the raw super-block, decoded in
+  // registers (no Decoded stored and read back: a row streamed alone uses each block once), and
+  // the block's d, dmin.
+  ROUTEMM_CPU_AVX2 static void row_sums(const uint8_t* block, const int8_t* q, const int16_t* bsum,
+                                        int32_t& s, int32_t& m, float& d, float& dmin) {
+    __m128i scales;
+    __m256i mins;
+    scales_avx2<F>(block, scales, mins, d, dmin);
+    __m256i acc = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (size_t c = 0; c < kQK_K / 64; ++c) {
+      __m256i v0, v1;
+      codes64_avx2<F>(block, c, v0, v1);
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c + 32));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(v0, x0),
+                                                    pair_scales(scales, static_cast<int>(2 * c))));
+      acc = _mm256_add_epi32(acc,
+                             _mm256_madd_epi16(_mm256_maddubs_epi16(v1, x1),
+                                               pair_scales(scales, static_cast<int>(2 * c + 1))));
+    }
+    hsum2(acc, _mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum))),
+          s, m);
+  }
   ROUTEMM_CPU_AVX2 static void accumulate_rows8(float* acc, const Decoded& w, const float* dx,
                                                 __m256i s, __m256i m) {
     accumulate8<F>(acc, w, dx, s, m);
@@ -390,6 +447,72 @@ struct KAvx2 {
       acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), p));
     }
     hsum2(acc, min_sums_avx2(w, bsum), s, m);
+  }
+  // One activation row against eight weight rows (columns) at once. Each column streams its row
+  // (up to kChunk super-blocks at a time) keeping its sums as vectors; then contract step 4 runs
+  // for the eight columns together, lane j column j's accumulator, lane by lane the scalar
+  // operations: the eight columns' horizontal sums share one reduction (reduce8), and the F32
+  // steps are vector operations. (Visiting the eight rows super-block by super-block instead
+  // defeats the hardware prefetchers: three times the time from DRAM on a Zen 4.)
+  ROUTEMM_CPU_AVX2 static void row_cols8(const uint8_t* wrow, size_t row_bytes, size_t block_bytes,
+                                         const Rows& rows, size_t x, size_t blocks, float* out) {
+    constexpr size_t kChunk = 16;
+    alignas(32) int32_t sv[8][kChunk][8], mv[8][kChunk][8];
+    alignas(32) float d[kChunk][8], dmin[kChunk][8];
+    __m256 acc8 = _mm256_setzero_ps();
+    for (size_t b0 = 0; b0 < blocks; b0 += kChunk) {
+      const size_t nb = std::min(kChunk, blocks - b0);
+      for (size_t j = 0; j < 8; ++j) {
+        const uint8_t* row = wrow + j * row_bytes;
+        for (size_t i = 0; i < nb; ++i) {
+          const size_t b = b0 + i;
+          const uint8_t* block = row + b * block_bytes;
+          const int8_t* q = rows.q_block(x, b);
+          __m128i scales;
+          __m256i mins;
+          scales_avx2<F>(block, scales, mins, d[i][j], dmin[i][j]);
+          __m256i acc = _mm256_setzero_si256();
+#pragma GCC unroll 4
+          for (size_t c = 0; c < kQK_K / 64; ++c) {
+            __m256i v0, v1;
+            codes64_avx2<F>(block, c, v0, v1);
+            const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c));
+            const __m256i x1 =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c + 32));
+            acc = _mm256_add_epi32(acc,
+                                   _mm256_madd_epi16(_mm256_maddubs_epi16(v0, x0),
+                                                     pair_scales(scales, static_cast<int>(2 * c))));
+            acc = _mm256_add_epi32(
+                acc, _mm256_madd_epi16(_mm256_maddubs_epi16(v1, x1),
+                                       pair_scales(scales, static_cast<int>(2 * c + 1))));
+          }
+          _mm256_store_si256(reinterpret_cast<__m256i*>(sv[j][i]), acc);
+          _mm256_store_si256(
+              reinterpret_cast<__m256i*>(mv[j][i]),
+              _mm256_madd_epi16(
+                  mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows.bsum(x, b)))));
+        }
+      }
+      for (size_t i = 0; i < nb; ++i) {
+        __m256i s8[8], m8[8];
+        for (size_t j = 0; j < 8; ++j) {
+          s8[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(sv[j][i]));
+          m8[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(mv[j][i]));
+        }
+        const __m256 dx = _mm256_set1_ps(rows.scale(x, b0 + i));
+        const __m256i s = reduce8(s8), m = reduce8(m8);
+        if constexpr (F == KFormat::q6_k) {
+          acc8 = _mm256_fmadd_ps(_mm256_mul_ps(dx, _mm256_load_ps(d[i])),
+                                 _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc8);
+        } else {
+          acc8 =
+              _mm256_fmadd_ps(_mm256_mul_ps(dx, _mm256_load_ps(d[i])), _mm256_cvtepi32_ps(s), acc8);
+          acc8 = _mm256_fnmadd_ps(_mm256_mul_ps(dx, _mm256_load_ps(dmin[i])), _mm256_cvtepi32_ps(m),
+                                  acc8);
+        }
+      }
+    }
+    _mm256_storeu_ps(out, acc8);
   }
   // sums for eight rows (q[r], bsum[r]) at once: lane r of s and m.
   ROUTEMM_CPU_AVX2 static void sums8(const Decoded& w, const int8_t* const* q,
@@ -517,65 +640,87 @@ ROUTEMM_CPU_AVX2 void dequantize_avx2(const uint8_t* block, float* y) {
 constexpr size_t kMaxItemRows = 64, kMaxItemCols = 64, kStreamRows = 4;
 
 // The item body, instantiated once per clone with that clone's target (so that its sums inline).
-#define ROUTEMM_KINT8_ITEM_BODY                                                              \
-  Decoded w;                                                                                 \
-  if (count <= kStreamRows) {                                                                \
-    for (size_t c = col0; c < col0 + cols; ++c) {                                            \
-      const uint8_t* wrow = weight + c * row_bytes;                                          \
-      float acc[kStreamRows] = {};                                                           \
-      for (size_t b = 0; b < rows.blocks; ++b) {                                             \
-        Isa::decode(wrow + b * block_bytes, w);                                              \
-        for (size_t r = 0; r < count; ++r) {                                                 \
-          int32_t s, m;                                                                      \
-          Isa::sums(w, rows.q_block(x[r], b), rows.bsum(x[r], b), s, m);                     \
-          acc[r] = accumulate<F>(acc[r], w, rows.scale(x[r], b), s, m);                      \
-        }                                                                                    \
-      }                                                                                      \
-      for (size_t r = 0; r < count; ++r) out[r][c] = acc[r];                                 \
-    }                                                                                        \
-    return;                                                                                  \
-  }                                                                                          \
-  float acc[kMaxItemRows * kMaxItemCols]; /* acc[c * kMaxItemRows + r] */                    \
-  std::fill(acc, acc + cols * kMaxItemRows, 0.0f);                                           \
-  alignas(32) float dx[kMaxItemRows];                                                        \
-  const int8_t* qb[kMaxItemRows];                                                            \
-  const int16_t* sb[kMaxItemRows];                                                           \
-  for (size_t b = 0; b < rows.blocks; ++b) {                                                 \
-    for (size_t r = 0; r < count; ++r) {                                                     \
-      dx[r] = rows.scale(x[r], b);                                                           \
-      qb[r] = rows.q_block(x[r], b);                                                         \
-      sb[r] = rows.bsum(x[r], b);                                                            \
-    }                                                                                        \
-    for (size_t c = 0; c < cols; ++c) {                                                      \
-      Isa::decode(weight + (col0 + c) * row_bytes + b * block_bytes, w);                     \
-      /* The block two columns on (or the next super-block's): 64 rows' short segments, */   \
-      /* which the hardware prefetchers do not predict, arrive while this column's run. */   \
-      {                                                                                      \
-        const size_t ahead = c + 2 < cols ? b : b + 1;                                       \
-        const size_t pc = c + 2 < cols ? c + 2 : c + 2 - cols;                               \
-        if (ahead < rows.blocks && pc < cols) {                                              \
-          const uint8_t* next = weight + (col0 + pc) * row_bytes + ahead * block_bytes;      \
-          for (size_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(next + off); \
-          __builtin_prefetch(next + block_bytes - 1);                                        \
-        }                                                                                    \
-      }                                                                                      \
-      float* acc_c = acc + c * kMaxItemRows;                                                 \
-      size_t r = 0;                                                                          \
-      if constexpr (Isa::kRows8) {                                                           \
-        for (; r + 8 <= count; r += 8) {                                                     \
-          typename Isa::Vec s, m;                                                            \
-          Isa::sums8(w, qb + r, sb + r, s, m);                                               \
-          Isa::accumulate_rows8(acc_c + r, w, dx + r, s, m);                                 \
-        }                                                                                    \
-      }                                                                                      \
-      for (; r < count; ++r) {                                                               \
-        int32_t s, m;                                                                        \
-        Isa::sums(w, qb[r], sb[r], s, m);                                                    \
-        acc_c[r] = accumulate<F>(acc_c[r], w, dx[r], s, m);                                  \
-      }                                                                                      \
-    }                                                                                        \
-  }                                                                                          \
-  for (size_t r = 0; r < count; ++r)                                                         \
+#define ROUTEMM_KINT8_ITEM_BODY                                                                  \
+  Decoded w;                                                                                     \
+  if constexpr (Isa::kFusedRow) {                                                                \
+    if (count == 1) {                                                                            \
+      size_t c = col0;                                                                           \
+      for (; c + 8 <= col0 + cols; c += 8) {                                                     \
+        Isa::row_cols8(weight + c * row_bytes, row_bytes, block_bytes, rows, x[0], rows.blocks,  \
+                       out[0] + c);                                                              \
+      }                                                                                          \
+      for (; c < col0 + cols; ++c) {                                                             \
+        const uint8_t* wrow = weight + c * row_bytes;                                            \
+        float acc = 0.0f;                                                                        \
+        for (size_t b = 0; b < rows.blocks; ++b) {                                               \
+          int32_t s, m;                                                                          \
+          float d, dmin;                                                                         \
+          Isa::row_sums(wrow + b * block_bytes, rows.q_block(x[0], b), rows.bsum(x[0], b), s, m, \
+                        d, dmin);                                                                \
+          acc = accumulate<F>(acc, d, dmin, rows.scale(x[0], b), s, m);                          \
+        }                                                                                        \
+        out[0][c] = acc;                                                                         \
+      }                                                                                          \
+      return;                                                                                    \
+    }                                                                                            \
+  }                                                                                              \
+  if (count <= kStreamRows) {                                                                    \
+    for (size_t c = col0; c < col0 + cols; ++c) {                                                \
+      const uint8_t* wrow = weight + c * row_bytes;                                              \
+      float acc[kStreamRows] = {};                                                               \
+      for (size_t b = 0; b < rows.blocks; ++b) {                                                 \
+        Isa::decode(wrow + b * block_bytes, w);                                                  \
+        for (size_t r = 0; r < count; ++r) {                                                     \
+          int32_t s, m;                                                                          \
+          Isa::sums(w, rows.q_block(x[r], b), rows.bsum(x[r], b), s, m);                         \
+          acc[r] = accumulate<F>(acc[r], w, rows.scale(x[r], b), s, m);                          \
+        }                                                                                        \
+      }                                                                                          \
+      for (size_t r = 0; r < count; ++r) out[r][c] = acc[r];                                     \
+    }                                                                                            \
+    return;                                                                                      \
+  }                                                                                              \
+  float acc[kMaxItemRows * kMaxItemCols]; /* acc[c * kMaxItemRows + r] */                        \
+  std::fill(acc, acc + cols * kMaxItemRows, 0.0f);                                               \
+  alignas(32) float dx[kMaxItemRows];                                                            \
+  const int8_t* qb[kMaxItemRows];                                                                \
+  const int16_t* sb[kMaxItemRows];                                                               \
+  for (size_t b = 0; b < rows.blocks; ++b) {                                                     \
+    for (size_t r = 0; r < count; ++r) {                                                         \
+      dx[r] = rows.scale(x[r], b);                                                               \
+      qb[r] = rows.q_block(x[r], b);                                                             \
+      sb[r] = rows.bsum(x[r], b);                                                                \
+    }                                                                                            \
+    for (size_t c = 0; c < cols; ++c) {                                                          \
+      Isa::decode(weight + (col0 + c) * row_bytes + b * block_bytes, w);                         \
+      /* The block two columns on (or the next super-block's): 64 rows' short segments, */       \
+      /* which the hardware prefetchers do not predict, arrive while this column's run. */       \
+      {                                                                                          \
+        const size_t ahead = c + 2 < cols ? b : b + 1;                                           \
+        const size_t pc = c + 2 < cols ? c + 2 : c + 2 - cols;                                   \
+        if (ahead < rows.blocks && pc < cols) {                                                  \
+          const uint8_t* next = weight + (col0 + pc) * row_bytes + ahead * block_bytes;          \
+          for (size_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(next + off);     \
+          __builtin_prefetch(next + block_bytes - 1);                                            \
+        }                                                                                        \
+      }                                                                                          \
+      float* acc_c = acc + c * kMaxItemRows;                                                     \
+      size_t r = 0;                                                                              \
+      if constexpr (Isa::kRows8) {                                                               \
+        for (; r + 8 <= count; r += 8) {                                                         \
+          typename Isa::Vec s, m;                                                                \
+          Isa::sums8(w, qb + r, sb + r, s, m);                                                   \
+          Isa::accumulate_rows8(acc_c + r, w, dx + r, s, m);                                     \
+        }                                                                                        \
+      }                                                                                          \
+      for (; r < count; ++r) {                                                                   \
+        int32_t s, m;                                                                            \
+        Isa::sums(w, qb[r], sb[r], s, m);                                                        \
+        acc_c[r] = accumulate<F>(acc_c[r], w, dx[r], s, m);                                      \
+      }                                                                                          \
+    }                                                                                            \
+  }                                                                                              \
+  for (size_t r = 0; r < count; ++r)                                                             \
     for (size_t c = 0; c < cols; ++c) out[r][col0 + c] = acc[c * kMaxItemRows + r];
 
 template <class Isa, KFormat F>
