@@ -141,6 +141,17 @@ _CHILD = textwrap.dedent(
             )
             encoder.commit_and_wait()
             outputs[f"{ggml_type.value}/int8_dot/m{m}"] = out.numpy().reshape(m, 70)
+        # One row, more super-blocks than a one-row item's chunk (16) and a column tail (19 = 8 +
+        # 8 + 3): the AVX clones' register-decoded path against the portable clone.
+        blocks, x = kquant_blocks(ggml_type, (19, 256 * 18)), activations(1, 256 * 18)
+        out = device.alloc(19 * 4, DType.F32, [1, 19])
+        encoder = device.command_encoder()
+        routemm.quantized_matmul_ggml(
+            encoder, registry, device.from_numpy(x), device.from_numpy(blocks), out,
+            routemm.GgmlQuantizedMatmulParams(1, 19, 256 * 18, ggml_type), int8,
+        )
+        encoder.commit_and_wait()
+        outputs[f"{ggml_type.value}/int8_dot/long"] = out.numpy().reshape(1, 19)
         for route in (Route.DIRECT_INT8_DOT, Route.GROUPED_INT8_DOT):
             for m in (1, 40):
                 stack = kquant_blocks(ggml_type, (6, 70, 768))

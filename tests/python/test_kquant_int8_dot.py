@@ -75,7 +75,7 @@ def _check_bound(got, x, w, magnitudes):
 @pytest.mark.usefixtures("kquant_int8")
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.value)
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 40])
-@pytest.mark.parametrize("n,k", [(70, 256 * 5), (13, 256)])
+@pytest.mark.parametrize("n,k", [(70, 256 * 5), (13, 256), (19, 256 * 18)])
 def test_kquant_int8_dot_dense_within_its_bound(device, registry, ggml_type, m, n, k):
     rng = np.random.default_rng([m, n, k, list(GgmlType).index(ggml_type), 5])
     blocks, w, magnitudes = _weights(rng, ggml_type, n, k)
