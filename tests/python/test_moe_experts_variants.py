@@ -573,15 +573,34 @@ def test_torch_gradients_match_float64_autograd(split, activation, with_bias, be
         assert any(float(leaves[n].grad.abs().max()) > 0 for n in names)
 
 
-def test_torch_block_stacks_refuse_a_bias_gradient():
+def test_torch_block_stacks_give_the_biases_their_gradients():
+    """Block stacks are frozen, the biases train: with swiglu_oai and every bias, the gradients of
+    hidden, the routing weights and the three biases against float64 autograd on the dequantised
+    stacks."""
     torch = _torch()
     import routemm.torch  # noqa: F401
 
-    x, ids, w, gate, down, up, biases, *_ = _torch_case("cpu", ggml_type="q4_0")
-    db = biases["down_bias"].clone().requires_grad_()
-    out = torch.ops.routemm.moe_experts(x, ids, w, gate, down, up, "q4_0", down_bias=db)
-    with pytest.raises(routemm.UnsupportedError, match="no gradient through GGML block stacks.*down_bias"):
-        out.sum().backward()
+    x, ids, w, gate, down, up, biases, arrays, *_ = _torch_case("cpu", ggml_type="q4_0", scale=3.0)
+    names = ["x", "w", *biases]
+    leaves = {n: t.clone().requires_grad_() for n, t in zip(names, [x, w, *biases.values()], strict=True)}
+    kw = {k: leaves[k] for k in biases}
+    out = torch.ops.routemm.moe_experts(
+        leaves["x"], ids, leaves["w"], gate, down, up, "q4_0", activation="swiglu_oai", **kw
+    )
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    out.backward(grad_out)
+    ref = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
+    gate64, up64, down64 = (torch.from_numpy(a).double() for a in arrays)
+    want = _torch_reference(
+        ref["x"], ids, ref["w"], gate64, up64, down64, ref["gate_up_bias"], ref["up_bias"], ref["down_bias"],
+        "swiglu_oai", False,
+    )  # fmt: skip
+    want.backward(grad_out.double())
+    for n in names:
+        got, exp = leaves[n].grad, ref[n].grad
+        assert got is not None and got.dtype == torch.float32, n
+        err = float((got.double() - exp).abs().max() / exp.abs().max())
+        assert err <= 1e-5, (n, err)
 
 
 def test_routemm_moe_experts_on_tensors_with_a_shared_expert(tdev):

@@ -319,13 +319,45 @@ def test_gradients_in_the_model_dtype_and_only_where_asked():
         assert not torch.ops.routemm.moe_experts(xb, ids, w.bfloat16(), gu, down.bfloat16()).requires_grad
 
 
-def test_block_stacks_refuse_a_gradient_at_backward():
-    gate_up, down = _block_stacks("q4_0")
-    x, ids, w = _routing(3)
-    xr = x.clone().requires_grad_()
-    out = _op(xr, ids, w, gate_up, down, ggml_type="q4_0")
-    with pytest.raises(routemm.UnsupportedError, match="no gradient through GGML block stacks.*hidden"):
-        out.sum().backward()
+@pytest.mark.parametrize("ggml_type", ["q4_0", "q8_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k"])
+def test_block_stacks_give_hidden_and_weights_their_gradients(ggml_type):
+    """Frozen block stacks (QLoRA-style): the gradients of hidden and of the routing weights against
+    float64 autograd on the dequantised stacks; the stacks, uint8, get none. K = 256 for the
+    K-quants, so every format runs at its own block size."""
+    from routemm.formats import ggml
+
+    h, i = 256, 512
+    rng = np.random.default_rng(list(_GGML_TYPES).index(ggml_type))
+    arrays = [rng.standard_normal((E, i, h)) / h**0.5 for _ in range(2)] + [rng.standard_normal((E, h, i)) / i**0.5]
+    blocks = [ggml.quantize(a.astype(np.float32), ggml_type) for a in arrays]
+    gate, up, down = (torch.from_numpy(ggml.dequantize(b, ggml_type).astype(np.float64)) for b in blocks)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn((7, h), generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(7)]).to(torch.int32)
+    ids[1, 1], ids[2, 0] = -1, E  # an invalid id and an expert-parallel sentinel
+    w = torch.rand((7, TOP_K), generator=g)
+    lx, lw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    stacks = [torch.from_numpy(b) for b in blocks]
+    out = torch.ops.routemm.moe_experts(lx, ids, lw, stacks[0], stacks[2], stacks[1], ggml_type)
+    grad_out = torch.randn(out.shape, generator=g)
+    out.backward(grad_out)
+    rx, rw = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = torch.zeros_like(rx)
+    for t in range(7):
+        for slot in range(TOP_K):
+            e = int(ids[t, slot])
+            if 0 <= e < E:
+                a = torch.nn.functional.silu(gate[e] @ rx[t]) * (up[e] @ rx[t])
+                ref = ref.index_add(0, torch.tensor([t]), (rw[t, slot] * (down[e] @ a))[None])
+    ref.backward(grad_out.double())
+    for got, want in ((lx.grad, rx.grad), (lw.grad, rw.grad)):
+        err = float((got.double() - want).abs().max() / want.abs().max())
+        assert got.dtype == torch.float32 and err <= 1e-5, (ggml_type, err)
+    assert float(lw.grad[1, 1]) == 0.0 and float(lw.grad[2, 0]) == 0.0
+    assert all(b.grad is None for b in stacks)
+
+
+_GGML_TYPES = ("q4_0", "q8_0", "q4_1", "q5_0", "q5_1", "mxfp4", "q4_k", "q5_k", "q6_k")
 
 
 def test_both_kernel_sets_give_the_same_gradients(tmp_path):

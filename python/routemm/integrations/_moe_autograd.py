@@ -15,8 +15,10 @@ so, with gy = dL/dout[t] and dy = w * gy:
 
 Invalid ids contribute nothing and receive nothing. The backward recomputes g, u, a and y (nothing
 is saved beyond the inputs) expert by expert in F32 with torch's matmuls, on the inputs' device;
-each gradient comes back in its input's dtype. Block stacks (uint8 GGML blocks) have no gradient
-here: their weights are frozen bytes, and dX through them is refused with routemm.UnsupportedError.
+each gradient comes back in its input's dtype. Block stacks (uint8 GGML blocks) are frozen weights,
+as in QLoRA: the gradients reach hidden, the routing weights and the biases, each expert's weights
+dequantised on the device when its turn comes (_ggml_torch, the reference dequantiser's values);
+the stacks themselves, integer tensors, cannot ask for a gradient.
 """
 
 from __future__ import annotations
@@ -25,7 +27,29 @@ from typing import Optional
 
 import torch
 
-from ..core._errors import UnsupportedError
+from ._ggml_torch import dequantize
+
+
+class _Experts:
+    """Expert e's gate, up and down matrices in F32: float stacks sliced (any leaf that wants a
+    gradient included), GGML block stacks of `ggml_type` dequantised one expert at a time, never
+    the whole stack. gate_up [E, 2I, .] (gate rows, then up rows) or, with `up`, the gate stack."""
+
+    def __init__(self, gate_up, down, up, ggml_type: Optional[str]):
+        self.gate_up, self.down, self.up, self.ggml_type = gate_up, down, up, ggml_type
+        self.inter = int(gate_up.shape[1]) if up is not None else int(gate_up.shape[1]) // 2
+
+    def _f32(self, weights: torch.Tensor) -> torch.Tensor:
+        return weights.float() if self.ggml_type is None else dequantize(weights, self.ggml_type)
+
+    def gate(self, e: int) -> torch.Tensor:
+        return self._f32(self.gate_up[e] if self.up is not None else self.gate_up[e, : self.inter])
+
+    def up_(self, e: int) -> torch.Tensor:
+        return self._f32(self.up[e] if self.up is not None else self.gate_up[e, self.inter :])
+
+    def down_(self, e: int) -> torch.Tensor:
+        return self._f32(self.down[e])
 
 
 def moe_experts_backward(
@@ -37,10 +61,12 @@ def moe_experts_backward(
     down: torch.Tensor,
     up: Optional[torch.Tensor],
     needs: tuple[bool, bool, bool, bool, bool],
+    ggml_type: Optional[str] = None,
 ) -> tuple[Optional[torch.Tensor], ...]:
     """(d hidden, d weights, d gate_up, d down, d up) of the block for the inputs `needs` names
-    (None for the others), given d out."""
-    n_experts, hidden_size, inter = (int(d) for d in down.shape)
+    (None for the others), given d out. Block stacks (ggml_type) give none of their own."""
+    experts = _Experts(gate_up, down, up, ggml_type)
+    n_experts, inter = int(down.shape[0]), experts.inter
     m, top_k = (int(d) for d in ids.shape)
     x = hidden.detach().float()
     gy_all = grad_out.detach().float()
@@ -66,9 +92,7 @@ def moe_experts_backward(
         start += count
         t = token[slots]
         xs, gy = x[t], gy_all[t]
-        w_gate = (gate_up[e] if split else gate_up[e, :inter]).float()
-        w_up = (up[e] if split else gate_up[e, inter:]).float()
-        w_down = down[e].float()
+        w_gate, w_up, w_down = experts.gate(e), experts.up_(e), experts.down_(e)
         g, u = xs @ w_gate.T, xs @ w_up.T
         s = torch.sigmoid(g)
         silu = g * s
@@ -102,20 +126,22 @@ def moe_experts_backward(
     )
 
 
-def moe_experts_ffn_backward(grad_out, hidden, ids, weights, gate_up, down, up, biases, options, needs):
+def moe_experts_ffn_backward(grad_out, hidden, ids, weights, gate_up, down, up, biases, options, needs, ggml_type=None):
     """The gradients of the block with FFN options (activation swiglu_oai, biases,
     weights_before_ffn): the forward recomputed expert by expert in F32 with torch's operations
     (each option as routemm.moe_experts defines it) and differentiated by torch autograd. `biases`:
     (gate_up or gate, up, down) or None each; `needs`: which of (hidden, weights, gate_up, down, up,
     gate_up_bias, up_bias, down_bias) want a gradient. Returns those gradients (None elsewhere), each
-    in its input's dtype."""
+    in its input's dtype. Block stacks (ggml_type) are not leaves: their experts come dequantised."""
     activation, alpha, limit, before = options
     inputs = (hidden, weights, gate_up, down, up, *biases)
     leaves = [
-        None if t is None else t.detach().float().requires_grad_(need) for t, need in zip(inputs, needs, strict=True)
+        None if t is None or (ggml_type is not None and i in (2, 3, 4)) else t.detach().float().requires_grad_(need)
+        for i, (t, need) in enumerate(zip(inputs, needs, strict=True))
     ]
     x, w_all, gu, dn, upw, b_gu, b_up, b_dn = leaves
-    n_experts, _, inter = (int(d) for d in down.shape)
+    experts = _Experts(gate_up, down, up, ggml_type) if ggml_type is not None else _Experts(gu, dn, upw, None)
+    n_experts, inter = int(down.shape[0]), experts.inter
     m, top_k = (int(d) for d in ids.shape)
     flat = ids.detach().reshape(-1).to(torch.int64)
     valid = (flat >= 0) & (flat < n_experts)
@@ -135,8 +161,8 @@ def moe_experts_ffn_backward(grad_out, hidden, ids, weights, gate_up, down, up, 
             t = token[slots]
             w = w_all.reshape(-1)[slots, None]
             xs = x[t] * w if before else x[t]
-            g = xs @ (gu[e] if split else gu[e, :inter]).T
-            u = xs @ (upw[e] if split else gu[e, inter:]).T
+            g = xs @ experts.gate(e).T
+            u = xs @ experts.up_(e).T
             if b_gu is not None:
                 g = g + (b_gu[e] if split else b_gu[e, :inter])
                 u = u + (b_up[e] if split else b_gu[e, inter:])
@@ -146,7 +172,7 @@ def moe_experts_ffn_backward(grad_out, hidden, ids, weights, gate_up, down, up, 
                 a = g * torch.sigmoid(alpha * g) * (u + 1)
             else:
                 a = g * torch.sigmoid(g) * u
-            y = a @ dn[e].T
+            y = a @ experts.down_(e).T
             if b_dn is not None:
                 y = y + b_dn[e]
             out = out.index_add(0, t, y if before else y * w)
@@ -187,19 +213,17 @@ class MoeExpertsFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, ids, weights, gate_up, down, up, gate_up_bias, up_bias, down_bias = ctx.saved_tensors
         n = ctx.needs_input_grad
-        if ctx.ggml_type is not None:
-            named = (("hidden", n[0]), ("top_k_weights", n[2]), ("gate_up_bias", n[11]), ("up_bias", n[12]))
-            wanted = [name for name, need in (*named, ("down_bias", n[13])) if need]
-            raise UnsupportedError(
-                f"routemm::moe_experts has no gradient through GGML block stacks ({ctx.ggml_type}): "
-                f"backward cannot reach {', '.join(wanted) or 'its inputs'}; dequantize the stacks to train through them"
-            )
+        # Block stacks are uint8: torch never asks a gradient of them (n[3], n[4], n[5] False).
+        blocks = ctx.ggml_type
         if ctx.plain:
             needs = (n[0], n[2], n[3], n[4], n[5])
-            dx, dw, dgu, ddown, dup = moe_experts_backward(grad_out, hidden, ids, weights, gate_up, down, up, needs)
+            dx, dw, dgu, ddown, dup = moe_experts_backward(
+                grad_out, hidden, ids, weights, gate_up, down, up, needs, blocks
+            )
             return dx, None, dw, dgu, ddown, dup, None, None, None, None, None, None, None, None, None, None
         needs = (n[0], n[2], n[3], n[4], n[5], n[11], n[12], n[13])
         dx, dw, dgu, ddown, dup, dgub, dupb, ddb = moe_experts_ffn_backward(
-            grad_out, hidden, ids, weights, gate_up, down, up, (gate_up_bias, up_bias, down_bias), ctx.options, needs
-        )
+            grad_out, hidden, ids, weights, gate_up, down, up, (gate_up_bias, up_bias, down_bias), ctx.options, needs,
+            blocks,
+        )  # fmt: skip
         return dx, None, dw, dgu, ddown, dup, None, None, None, None, None, dgub, dupb, ddb, None, None
