@@ -40,14 +40,19 @@ __global__ void decode_kernel(const uint8_t* data, uint32_t values, float* out) 
 }
 
 // Value i rebuilt from the tensor-core route's view (the code, its bias, the LowpScale) with the
-// dequantiser's operations: (lo or hi) * (code - bias), then + m for the formats with a min.
+// dequantiser's operations: (lo or hi) * (code - bias), then + m for the formats with a min. The
+// code is codes16's byte for value i (the tiles' reads); NaN where it differs from code()'s.
 template <class F, bool kMin>
 __global__ void lowp_decode_kernel(const uint8_t* data, uint32_t values, float* out) {
   const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= values) return;
   const uint8_t* block = data + size_t{i / F::kValues} * F::kBytes;
   const uint32_t sub = (i % F::kValues) / 32, l = i % 32;
-  const uint32_t code = F::code(block, F::scale(block, sub), sub, l);
+  const uint32_t code = gb::byte_of(F::codes16(block, sub, l / 16), l % 16);
+  if (code != F::code(block, F::scale(block, sub), sub, l)) {
+    out[i] = __int_as_float(0x7fffffff);
+    return;
+  }
   const gb::LowpScale s = F::lowp(block, sub);
   const float integer = static_cast<float>(static_cast<int>(code) - static_cast<int>(F::kCodeBias));
   const float product = __fmul_rn(l < 16 ? s.lo : s.hi, integer);
@@ -115,7 +120,9 @@ float host_lane_dot(const std::vector<float>& w, const std::vector<float>& x) {
   return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
-// The tensor-core route's codes, biases and scales rebuild every reference value bit for bit.
+// The tensor-core route's codes, biases and scales rebuild every reference value bit for bit,
+// with the blocks at offsets 0, 1, 2 and 4 from a 256-byte aligned allocation (codes16's 16-byte,
+// byte-and-pair, pair and word reads), in an allocation that ends with the last block.
 template <class F, bool kMin>
 void check_lowp_view() {
   if (!have_device()) GTEST_SKIP() << "no CUDA device";
@@ -125,25 +132,27 @@ void check_lowp_view() {
   const std::vector<uint8_t> data = random_blocks(f, blocks, rng);
   std::vector<float> ref(values), got(values);
   ggml_formats::dequantize(f, data, ref);
-  uint8_t* d_data = nullptr;
-  float* d_out = nullptr;
-  CUDA_OK(cudaMalloc(&d_data, data.size() + 1));
-  CUDA_OK(cudaMalloc(&d_out, values * 4));
-  CUDA_OK(cudaMemcpy(d_data + 1, data.data(), data.size(), cudaMemcpyHostToDevice));
-  lowp_decode_kernel<F, kMin><<<static_cast<unsigned>((values + 127) / 128), 128>>>(
-      d_data + 1, static_cast<uint32_t>(values), d_out);
-  CUDA_OK(cudaGetLastError());
-  CUDA_OK(cudaMemcpy(got.data(), d_out, values * 4, cudaMemcpyDeviceToHost));
-  size_t mismatches = 0;
-  for (size_t i = 0; i < values; ++i) {
-    if (bits(got[i]) != bits(ref[i]) && ++mismatches <= 5) {
-      ADD_FAILURE() << F::kName << " value " << i << ": rebuilt " << got[i] << " reference "
-                    << ref[i];
+  for (const size_t offset : {0, 1, 2, 4}) {
+    uint8_t* d_data = nullptr;
+    float* d_out = nullptr;
+    CUDA_OK(cudaMalloc(&d_data, data.size() + offset));
+    CUDA_OK(cudaMalloc(&d_out, values * 4));
+    CUDA_OK(cudaMemcpy(d_data + offset, data.data(), data.size(), cudaMemcpyHostToDevice));
+    lowp_decode_kernel<F, kMin><<<static_cast<unsigned>((values + 127) / 128), 128>>>(
+        d_data + offset, static_cast<uint32_t>(values), d_out);
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaMemcpy(got.data(), d_out, values * 4, cudaMemcpyDeviceToHost));
+    size_t mismatches = 0;
+    for (size_t i = 0; i < values; ++i) {
+      if (bits(got[i]) != bits(ref[i]) && ++mismatches <= 5) {
+        ADD_FAILURE() << F::kName << " offset " << offset << " value " << i << ": rebuilt "
+                      << got[i] << " reference " << ref[i];
+      }
     }
+    EXPECT_EQ(mismatches, 0u) << F::kName << " offset " << offset;
+    CUDA_OK(cudaFree(d_data));
+    CUDA_OK(cudaFree(d_out));
   }
-  EXPECT_EQ(mismatches, 0u);
-  CUDA_OK(cudaFree(d_data));
-  CUDA_OK(cudaFree(d_out));
 }
 
 template <class F>

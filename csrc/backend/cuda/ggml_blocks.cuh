@@ -9,13 +9,17 @@
 //   kBytes, kValues   bytes and values per block: 32 values, or 256 for the K-quants (a super-block
 //                     of eight 32-value sub-blocks, each with its own scale and, Q4_K / Q5_K, min)
 //   (Q4_0 and Q8_0 read their scale as one 2-byte load: the front door keeps their blocks 2-byte
-//   aligned. The other formats' blocks may start at any byte, so they read every field bytewise.)
+//   aligned. The other formats' blocks may start at any byte: value() reads its fields bytewise,
+//   codes16() and the K-quants' lowp() read 16 bytes at a time, as wide as the address allows.)
 //   Scale             what one 32-value sub-block's values need besides their codes
 //   scale(block, sub)        sub-block sub's Scale (sub < kValues / 32)
 //   value(block, sc, sub, l) value sub * 32 + l of the block (l < 32), sc = scale(block, sub)
 // and, for the tensor-core route (all but Q4_0 / Q8_0, which have their own tiles):
 //   kCodeBias                the code's offset: the value's integer is code - kCodeBias
 //   code(block, sc, sub, l)  value l's unsigned code (< 64), so the integer is exact in f16
+//   codes16(block, sub, h)   the codes of values 16h .. 16h + 15 of sub-block sub, byte j of the
+//                            result (word j / 4, bits 8 (j % 4)..) being code(.., 16h + j): the
+//                            same codes from whole-word reads, decoded four at a time
 //   lowp(block, sub)         LowpScale {lo, hi, m}: value l is (l < 16 ? lo : hi) * integer + m
 //                            but for value()'s roundings (see quantized_matmul_id.cu's
 //                            GgmlFormatTiles)
@@ -52,6 +56,82 @@ __device__ __forceinline__ float half_at(const uint8_t* p) {
 // A little-endian 32-bit word at any byte address.
 __device__ __forceinline__ uint32_t u32_at(const uint8_t* p) {
   return uint32_t{p[0]} | (uint32_t{p[1]} << 8) | (uint32_t{p[2]} << 16) | (uint32_t{p[3]} << 24);
+}
+
+// 16 bytes from p .. p + 15 at any address, as four little-endian words, read as wide as the
+// address allows: one 16-byte load (16-byte aligned), four 4-byte loads (4-byte aligned), eight
+// 2-byte loads (even), or at an odd address a byte, seven 2-byte loads and a byte. Never reads a
+// byte outside [p, p + 16). The GGML formats' blocks may start at any byte (MXFP4's are 17 bytes,
+// Q6_K's 210), and reading their codes bytewise issued 16 to 32 loads per half-row.
+__device__ __forceinline__ uint4 bytes16_at(const uint8_t* p) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  if ((address & 15u) == 0) return __ldg(reinterpret_cast<const uint4*>(p));
+  if ((address & 3u) == 0) {
+    const auto* w = reinterpret_cast<const unsigned int*>(p);
+    return make_uint4(__ldg(w), __ldg(w + 1), __ldg(w + 2), __ldg(w + 3));
+  }
+  if ((address & 1u) == 0) {
+    const auto* h = reinterpret_cast<const unsigned short*>(p);
+    uint32_t v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = __ldg(h + i);
+    return make_uint4(v[0] | (v[1] << 16), v[2] | (v[3] << 16), v[4] | (v[5] << 16),
+                      v[6] | (v[7] << 16));
+  }
+  // Odd: byte 0, the pairs (1, 2) .. (13, 14) at even addresses, byte 15.
+  const auto* h = reinterpret_cast<const unsigned short*>(p + 1);
+  uint32_t v[7];
+#pragma unroll
+  for (int i = 0; i < 7; ++i) v[i] = __ldg(h + i);
+  const uint32_t first = __ldg(p), last = __ldg(p + 15);
+  return make_uint4(first | (v[0] << 8) | (v[1] << 24), (v[1] >> 8) | (v[2] << 8) | (v[3] << 24),
+                    (v[3] >> 8) | (v[4] << 8) | (v[5] << 24), (v[5] >> 8) | (v[6] << 8) | (last << 24));
+}
+
+// A little-endian 32-bit word at any address, as wide as the address allows (Q5_0 / Q5_1's qh).
+__device__ __forceinline__ uint32_t word_at(const uint8_t* p) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  if ((address & 3u) == 0) return __ldg(reinterpret_cast<const unsigned int*>(p));
+  if ((address & 1u) == 0) {
+    const auto* h = reinterpret_cast<const unsigned short*>(p);
+    return uint32_t{__ldg(h)} | (uint32_t{__ldg(h + 1)} << 16);
+  }
+  return u32_at(p);
+}
+
+// Byte i (< 16, any index) of four little-endian words.
+__device__ __forceinline__ uint32_t byte_of(const uint4& v, uint32_t i) {
+  const uint32_t word = i < 8 ? (i < 4 ? v.x : v.y) : (i < 12 ? v.z : v.w);
+  return (word >> (8 * (i & 3u))) & 0xFFu;
+}
+
+// (v >> shift) & mask in each word: four bytes at a time, `mask` repeated per byte.
+__device__ __forceinline__ uint4 bytes_shift_mask(const uint4& v, uint32_t shift, uint32_t mask) {
+  return make_uint4((v.x >> shift) & mask, (v.y >> shift) & mask, (v.z >> shift) & mask,
+                    (v.w >> shift) & mask);
+}
+
+// v << shift in each word, for bytes whose shifted bits stay in their byte.
+__device__ __forceinline__ uint4 bytes_shl(const uint4& v, uint32_t shift) {
+  return make_uint4(v.x << shift, v.y << shift, v.z << shift, v.w << shift);
+}
+
+__device__ __forceinline__ uint4 bytes_or(const uint4& a, const uint4& b) {
+  return make_uint4(a.x | b.x, a.y | b.y, a.z | b.z, a.w | b.w);
+}
+
+// The nibbles of 16 bytes: the low ones (high = false) or the high ones.
+__device__ __forceinline__ uint4 nibbles16(const uint4& bytes, bool high) {
+  return bytes_shift_mask(bytes, high ? 4u : 0u, 0x0F0F0F0Fu);
+}
+
+// Bits 0..15 of `bits` as bit 4 of bytes 0..15 (Q5_0 / Q5_1's fifth bit). Multiplying four bits
+// by 1 + 2^7 + 2^14 + 2^21 puts bit j at bit 8j (the other copies land on bits the mask drops,
+// and no two overlap, so nothing carries).
+__device__ __forceinline__ uint4 high_bits16(uint32_t bits) {
+  auto spread = [](uint32_t four) { return ((four * 0x00204081u) & 0x01010101u) << 4; };
+  return make_uint4(spread(bits & 15u), spread((bits >> 4) & 15u), spread((bits >> 8) & 15u),
+                    spread((bits >> 12) & 15u));
 }
 
 // The low (l < 16) or high (l >= 16) nibble of qs[l % 16]: value l of a 32-value nibble block.
@@ -124,6 +204,9 @@ struct Q4_1Blocks {
                                                   uint32_t l) {
     return nibble(block + 4, l);
   }
+  static __device__ __forceinline__ uint4 codes16(const uint8_t* block, uint32_t, uint32_t h) {
+    return nibbles16(bytes16_at(block + 4), h != 0);
+  }
   static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
                                                 uint32_t l) {
     return __fadd_rn(__fmul_rn(code_value<0>(code(block, s, sub, l)), s.d), s.m);
@@ -155,6 +238,10 @@ struct Q5_0Blocks {
                                                   uint32_t l) {
     return nibble(block + 6, l) | (((s.qh >> l) & 1u) << 4);
   }
+  static __device__ __forceinline__ uint4 codes16(const uint8_t* block, uint32_t, uint32_t h) {
+    return bytes_or(nibbles16(bytes16_at(block + 6), h != 0),
+                    high_bits16(word_at(block + 2) >> (16 * h)));
+  }
   static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
                                                 uint32_t l) {
     return __fmul_rn(code_value<16>(code(block, s, sub, l)), s.d);
@@ -178,6 +265,10 @@ struct Q5_1Blocks {
   static __device__ __forceinline__ uint32_t code(const uint8_t* block, Scale s, uint32_t,
                                                   uint32_t l) {
     return nibble(block + 8, l) | (((s.qh >> l) & 1u) << 4);
+  }
+  static __device__ __forceinline__ uint4 codes16(const uint8_t* block, uint32_t, uint32_t h) {
+    return bytes_or(nibbles16(bytes16_at(block + 8), h != 0),
+                    high_bits16(word_at(block + 4) >> (16 * h)));
   }
   static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
                                                 uint32_t l) {
@@ -210,6 +301,21 @@ struct Mxfp4Blocks {
     const uint32_t mag = __byte_perm(0x03020100u, 0x0C080604u, fp4 & 7u) & 0xffu;
     return fp4 & 8u ? 16u - mag : 16u + mag;
   }
+  // Four codes per word: the low three bits of each E2M1 nibble, packed into a byte_perm selector,
+  // pick 16 + mag and 16 - mag from two byte tables; the sign bit picks between them per byte.
+  static __device__ __forceinline__ uint32_t codes4(uint32_t fp4s) {
+    const uint32_t idx = fp4s & 0x07070707u;
+    const uint32_t packed = idx | (idx >> 4);  // selector nibbles at bits 0-7 and 16-23
+    const uint32_t sel = (packed & 0xFFu) | ((packed >> 8) & 0xFF00u);
+    const uint32_t plus = __byte_perm(0x13121110u, 0x1C181614u, sel);   // 16 + {0,1,2,3,4,6,8,12}
+    const uint32_t minus = __byte_perm(0x0D0E0F10u, 0x04080A0Cu, sel);  // 16 - the same
+    const uint32_t negative = ((fp4s >> 3) & 0x01010101u) * 0xFFu;
+    return (plus & ~negative) | (minus & negative);
+  }
+  static __device__ __forceinline__ uint4 codes16(const uint8_t* block, uint32_t, uint32_t h) {
+    const uint4 fp4 = nibbles16(bytes16_at(block + 1), h != 0);
+    return make_uint4(codes4(fp4.x), codes4(fp4.y), codes4(fp4.z), codes4(fp4.w));
+  }
   static __device__ __forceinline__ float value(const uint8_t* block, float d, uint32_t sub,
                                                 uint32_t l) {
     return __fmul_rn(code_value<16>(code(block, d, sub, l)), d);
@@ -230,6 +336,16 @@ __device__ __forceinline__ ScaleMin k4_scale(const uint8_t* block, uint32_t sub)
           __fmul_rn(half_at(block + 2), code_value<0>(m))};
 }
 
+// The same from the block's first 16 bytes already in registers (d, dmin, the 12 scale bytes).
+__device__ __forceinline__ ScaleMin k4_scale(const uint4& head, uint32_t sub) {
+  uint32_t sc, m;
+  ggml_formats::scale_min_k4_of(
+      sub, [&head](uint32_t i) -> uint32_t { return byte_of(head, 4 + i); }, sc, m);
+  const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(head.x & 0xFFFFu)));
+  const float dmin = __half2float(__ushort_as_half(static_cast<unsigned short>(head.x >> 16)));
+  return {__fmul_rn(d, code_value<0>(sc)), __fmul_rn(dmin, code_value<0>(m))};
+}
+
 // Q4_K: d, dmin (binary16), 12 scale bytes, 128 bytes of nibbles: sub-blocks 2c and 2c + 1 are the
 // low and high nibbles of bytes 32c .. 32c + 31; y = d1 * q - m1.
 struct Q4_KBlocks {
@@ -246,12 +362,16 @@ struct Q4_KBlocks {
     const uint32_t byte = block[16 + (sub >> 1) * 32 + l];
     return sub & 1u ? byte >> 4 : byte & 0xFu;
   }
+  static __device__ __forceinline__ uint4 codes16(const uint8_t* block, uint32_t sub, uint32_t h) {
+    return nibbles16(bytes16_at(block + 16 + (sub >> 1) * 32 + 16 * h), (sub & 1u) != 0);
+  }
   static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
                                                 uint32_t l) {
     return __fsub_rn(__fmul_rn(s.d, code_value<0>(code(block, s, sub, l))), s.m);
   }
+  // The header (d, dmin, scales) in one 16-byte read.
   static __device__ __forceinline__ LowpScale lowp(const uint8_t* block, uint32_t sub) {
-    const Scale s = scale(block, sub);
+    const Scale s = k4_scale(bytes16_at(block), sub);
     return {s.d, s.d, -s.m};
   }
 };
@@ -273,12 +393,18 @@ struct Q5_KBlocks {
     const uint32_t low = sub & 1u ? byte >> 4 : byte & 0xFu;
     return low | (((block[16 + l] >> sub) & 1u) << 4);
   }
+  static __device__ __forceinline__ uint4 codes16(const uint8_t* block, uint32_t sub, uint32_t h) {
+    const uint4 low = nibbles16(bytes16_at(block + 48 + (sub >> 1) * 32 + 16 * h), (sub & 1u) != 0);
+    const uint4 high = bytes_shift_mask(bytes16_at(block + 16 + 16 * h), sub, 0x01010101u);
+    return bytes_or(low, bytes_shl(high, 4));
+  }
   static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
                                                 uint32_t l) {
     return __fsub_rn(__fmul_rn(s.d, code_value<0>(code(block, s, sub, l))), s.m);
   }
+  // The header (d, dmin, scales) in one 16-byte read.
   static __device__ __forceinline__ LowpScale lowp(const uint8_t* block, uint32_t sub) {
-    const Scale s = scale(block, sub);
+    const Scale s = k4_scale(bytes16_at(block), sub);
     return {s.d, s.d, -s.m};
   }
 };
@@ -314,6 +440,13 @@ struct Q6_KBlocks {
     const uint32_t byte = block[64 * h + 32 * (t & 1u) + l];
     const uint32_t low = t < 2 ? byte & 0xFu : byte >> 4;
     return low | (((block[128 + 32 * h + l] >> (2 * t)) & 3u) << 4);
+  }
+  static __device__ __forceinline__ uint4 codes16(const uint8_t* block, uint32_t sub, uint32_t h) {
+    const uint32_t half = sub >> 2, t = sub & 3u;
+    const uint4 low = nibbles16(bytes16_at(block + 64 * half + 32 * (t & 1u) + 16 * h), t >= 2);
+    const uint4 high = bytes_shift_mask(bytes16_at(block + 128 + 32 * half + 16 * h), 2 * t,
+                                        0x03030303u);
+    return bytes_or(low, bytes_shl(high, 4));
   }
   static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
                                                 uint32_t l) {

@@ -28,6 +28,10 @@
 //                      block-scaled weight enters the MMA as its exact integers).
 //   fragment(word)     applied to every weight fragment word after ldmatrix (raw f32 -> tf32);
 //                      the identity for operands already in the MMA's type.
+// and, optionally (absent means the kernel does without):
+//   prefetch(k0)       register-path tiles: ask L2 for the slice at K offset k0 (a no-op past k);
+//                      the kernel calls it kPrefetchStages slices ahead of load(k0), whose one
+//                      stage of register look-ahead cannot cover a DRAM read.
 // and, optionally (both lowp only, with kSliceScales; absent means false / 1):
 //   kScaleSteps        2: each of the stage's two 16-value MMA K-steps has its own scale row, the
 //                      second BN * 4 bytes after the first, and its products their own slice.
@@ -47,6 +51,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 #include "backend/common/dense_matmul_id_params.h"
 #include "grouped_work_list.cuh"
@@ -60,6 +66,21 @@ inline constexpr uint32_t kThreads = 256;
 inline constexpr uint32_t kTileCols = 128;  // smallest BN
 inline constexpr uint32_t kRowBytes = 64;   // bytes per operand row per stage: 4 chunks of 16
 inline constexpr uint32_t kMaxTileRows = 128;
+// Slices between a register-path policy's prefetch(k0) and its load(k0): about a DRAM latency
+// of MMA loop iterations.
+inline constexpr uint32_t kPrefetchStages = 8;
+
+// Asks L2 to fetch the line holding p; no register waits for it.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+// Whether policy Tiles has prefetch(k0).
+template <class Tiles, class = void>
+struct HasPrefetch : std::false_type {};
+template <class Tiles>
+struct HasPrefetch<Tiles, std::void_t<decltype(std::declval<const Tiles&>().prefetch(0u))>>
+    : std::true_type {};
 
 // Stages of the shared-memory ring, and resident CTAs per multiprocessor, per tile shape.
 template <uint32_t BM, uint32_t BN>
@@ -322,6 +343,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>())
     auto store_b = [&](uint32_t stage) {
       if constexpr (!Tiles::kAsync) tiles.store(b_base(stage));
     };
+    auto prefetch_b = [&](uint32_t k0) {
+      if constexpr (HasPrefetch<Tiles>::value) tiles.prefetch(k0);
+    };
 
     float acc[kMI][kNI][4];
 #pragma unroll
@@ -341,6 +365,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>())
       }
       cp_async_commit();
     }
+    // Slices 2 .. kPrefetchStages + 1 asked of L2 (0 and 1 load now).
+#pragma unroll
+    for (uint32_t s = 2; s < 2 + kPrefetchStages; ++s) prefetch_b(s * kBK);
     load_a(0);
     load_b(0);
     store_a(0);
@@ -463,6 +490,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<BM, BN>())
         if (kt + 2 < ktiles) {
           load_a((kt + 2) * kBK);
           load_b((kt + 2) * kBK);
+          prefetch_b((kt + 2 + kPrefetchStages) * kBK);
         }
       }
     }

@@ -488,6 +488,18 @@ using grouped_tensor::Mode;
 //         nibbles K values 16 + 8h.. (chunks h and 2 + h of the row).
 //   Q8_0  half h reads quant bytes 16h..16h+15, K values 16h.. (chunks 2h and 2h + 1).
 // Half 0 also stores the block's scale, as F32, in the stage's scale row. Rows past n store zeros.
+// Asks L2 for the bytes of the K stage at k0 (32 values) of a weight row in format F: half 0 for
+// the stage's first byte, half 1 for its last, so the two cover the stage's sectors (a stage is
+// at most 34 bytes: Q8_0). Blocks of 256 values hold their stages' bytes interleaved with the
+// header, so this is the stage's share of the block, which is what its reads touch but for the
+// header of the block's first stage (read in that line or the one before).
+template <class F>
+__device__ __forceinline__ void prefetch_stage_l2(const uint8_t* row, uint32_t k0, uint32_t h) {
+  const uint64_t first = uint64_t{k0} * F::kBytes / F::kValues;
+  const uint64_t last = (uint64_t{k0} + 32) * F::kBytes / F::kValues - 1;
+  grouped_tensor::prefetch_l2(row + (h == 0 ? first : last));
+}
+
 template <class F, uint32_t BN>
 struct GgmlTiles {
   static_assert(BN == grouped_tensor::kThreads / 2, "two threads per weight row");
@@ -502,13 +514,13 @@ struct GgmlTiles {
   static constexpr uint32_t kBias = kQ4 ? 0x64086408u : 0x64806480u;  // f16 1032 or 1152, twice
 
   const uint8_t* row;  // this thread's weight row; nullptr past n
-  uint32_t r, h;
+  uint32_t r, h, k;
   uint32_t quant[kQuantWords];
   uint32_t scale_bits;
 
   __device__ GgmlTiles(const char* expert_weights, uint32_t col0,
                        const kernels::DenseMatmulIdKernelParams& p, uint32_t tid)
-      : r(tid >> 1), h(tid & 1) {
+      : r(tid >> 1), h(tid & 1), k(p.k) {
     const uint32_t col = col0 + r;
     row = col < p.n ? reinterpret_cast<const uint8_t*>(expert_weights) +
                           uint64_t{col} * (p.k / 32) * F::kBytes
@@ -535,6 +547,10 @@ struct GgmlTiles {
     for (uint32_t w = 0; w < kQuantWords; ++w) {
       quant[w] = load_pair(qs + 4 * w) | (load_pair(qs + 4 * w + 2) << 16);
     }
+  }
+
+  __device__ __forceinline__ void prefetch(uint32_t k0) const {
+    if (row != nullptr && k0 < k) prefetch_stage_l2<F>(row, k0, h);
   }
 
   // Two f16 integers from the low halves of two biased 16-bit lanes (see kBias).
@@ -589,8 +605,9 @@ struct GgmlTiles {
 // scale per column (two for Q6_K, one per 16 values: kScaleSteps 2) and, for the formats with a min
 // (Q4_1, Q5_1: + m; Q4_K, Q5_K: - m1), the min per column (kSliceMins). Two threads per weight row
 // (r = tid / 2, half h = tid % 2): half h decodes values 16h .. 16h + 15 (chunks 2h, 2h + 1), one
-// stage ahead, reading its block bytewise (these formats' blocks may start at any byte); half 0
-// stores the sub-block's scales and min. Rows past n store zeros.
+// stage ahead, by F::codes16 (16-byte reads as wide as the block's address allows: these formats'
+// blocks may start at any byte); half 0 stores the sub-block's scales and min. Rows past n store
+// zeros. prefetch(k0) asks L2 for the stage at k0 (grouped_tensor_kernel.cuh's kPrefetchStages).
 //
 // NUMERICS: the stage adds d * sum(q * x) + m * sum(x) to the result (two F32 FMAs after the MMA's
 // F32 sum), x the activations rounded to f16, sum(x) their F32 sum in a fixed tree. The weights'
@@ -618,13 +635,13 @@ struct GgmlFormatTiles {
   static constexpr uint32_t kBias = 0x00010001u * (0x6400u + F::kCodeBias);
 
   const uint8_t* row;  // this thread's weight row; nullptr past n
-  uint32_t r, h;
+  uint32_t r, h, k;
   uint32_t codes[4];  // the 16 codes of this half, one byte each
   ggml::LowpScale scales;
 
   __device__ GgmlFormatTiles(const char* expert_weights, uint32_t col0,
                              const kernels::DenseMatmulIdKernelParams& p, uint32_t tid)
-      : r(tid >> 1), h(tid & 1) {
+      : r(tid >> 1), h(tid & 1), k(p.k) {
     const uint32_t col = col0 + r;
     row = col < p.n ? reinterpret_cast<const uint8_t*>(expert_weights) +
                           uint64_t{col} * (p.k / F::kValues) * F::kBytes
@@ -640,12 +657,16 @@ struct GgmlFormatTiles {
     if (row == nullptr) return;
     const uint8_t* block = row + uint64_t{k0 / F::kValues} * F::kBytes;
     const uint32_t sub = (k0 % F::kValues) / 32;
-    const typename F::Scale sc = F::scale(block, sub);
-#pragma unroll
-    for (uint32_t j = 0; j < 16; ++j) {
-      codes[j / 4] |= F::code(block, sc, sub, 16 * h + j) << (8 * (j % 4));
-    }
+    const uint4 c = F::codes16(block, sub, h);
+    codes[0] = c.x;
+    codes[1] = c.y;
+    codes[2] = c.z;
+    codes[3] = c.w;
     if (h == 0) scales = F::lowp(block, sub);
+  }
+
+  __device__ __forceinline__ void prefetch(uint32_t k0) const {
+    if (row != nullptr && k0 < k) prefetch_stage_l2<F>(row, k0, h);
   }
 
   // Two codes (bytes `sel` of a word) as the f16 pair of their integers.
