@@ -36,20 +36,23 @@ class _Experts:
     the whole stack. gate_up [E, 2I, .] (gate rows, then up rows) or, with `up`, the gate stack."""
 
     def __init__(self, gate_up, down, up, ggml_type: Optional[str]):
-        self.gate_up, self.down, self.up, self.ggml_type = gate_up, down, up, ggml_type
+        self._stacks = (gate_up, up, down)
+        self._ggml_type = ggml_type
         self.inter = int(gate_up.shape[1]) if up is not None else int(gate_up.shape[1]) // 2
 
     def _f32(self, weights: torch.Tensor) -> torch.Tensor:
-        return weights.float() if self.ggml_type is None else dequantize(weights, self.ggml_type)
+        return weights.float() if self._ggml_type is None else dequantize(weights, self._ggml_type)
 
     def gate(self, e: int) -> torch.Tensor:
-        return self._f32(self.gate_up[e] if self.up is not None else self.gate_up[e, : self.inter])
+        gate_up, up, _ = self._stacks
+        return self._f32(gate_up[e] if up is not None else gate_up[e, : self.inter])
 
-    def up_(self, e: int) -> torch.Tensor:
-        return self._f32(self.up[e] if self.up is not None else self.gate_up[e, self.inter :])
+    def up(self, e: int) -> torch.Tensor:
+        gate_up, up, _ = self._stacks
+        return self._f32(up[e] if up is not None else gate_up[e, self.inter :])
 
-    def down_(self, e: int) -> torch.Tensor:
-        return self._f32(self.down[e])
+    def down(self, e: int) -> torch.Tensor:
+        return self._f32(self._stacks[2][e])
 
 
 def moe_experts_backward(
@@ -92,7 +95,7 @@ def moe_experts_backward(
         start += count
         t = token[slots]
         xs, gy = x[t], gy_all[t]
-        w_gate, w_up, w_down = experts.gate(e), experts.up_(e), experts.down_(e)
+        w_gate, w_up, w_down = experts.gate(e), experts.up(e), experts.down(e)
         g, u = xs @ w_gate.T, xs @ w_up.T
         s = torch.sigmoid(g)
         silu = g * s
@@ -162,7 +165,7 @@ def moe_experts_ffn_backward(grad_out, hidden, ids, weights, gate_up, down, up, 
             w = w_all.reshape(-1)[slots, None]
             xs = x[t] * w if before else x[t]
             g = xs @ experts.gate(e).T
-            u = xs @ experts.up_(e).T
+            u = xs @ experts.up(e).T
             if b_gu is not None:
                 g = g + (b_gu[e] if split else b_gu[e, :inter])
                 u = u + (b_up[e] if split else b_gu[e, inter:])
@@ -172,7 +175,7 @@ def moe_experts_ffn_backward(grad_out, hidden, ids, weights, gate_up, down, up, 
                 a = g * torch.sigmoid(alpha * g) * (u + 1)
             else:
                 a = g * torch.sigmoid(g) * u
-            y = a @ experts.down_(e).T
+            y = a @ experts.down(e).T
             if b_dn is not None:
                 y = y + b_dn[e]
             out = out.index_add(0, t, y if before else y * w)
