@@ -382,21 +382,51 @@ ROUTEMM_CPU_AVX2 inline __m256i reduce8(const __m256i v[8]) {
                           _mm256_permute2x128_si256(b0, b1, 0x31));
 }
 
-// Contract step 4 for eight rows of one column at once (lane r: row r), the scalar accumulate's
-// operations lane by lane.
+// Contract step 4 on eight lanes at once, lane by lane the scalar accumulate's operations: lane j
+// takes activation scale dx[j], weight scales d[j], dmin[j] and sums s[j], m[j].
+template <KFormat F>
+ROUTEMM_CPU_AVX2 inline __m256 step4_lanes(__m256 acc, __m256 dx, __m256 d, __m256 dmin, __m256i s,
+                                           __m256i m) {
+  if constexpr (F == KFormat::q6_k) {
+    return _mm256_fmadd_ps(_mm256_mul_ps(dx, d), _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc);
+  } else {
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(dx, d), _mm256_cvtepi32_ps(s), acc);
+    return _mm256_fnmadd_ps(_mm256_mul_ps(dx, dmin), _mm256_cvtepi32_ps(m), acc);
+  }
+}
+
+// Contract step 4 for eight rows of one column at once (lane r: row r).
 template <KFormat F>
 ROUTEMM_CPU_AVX2 inline void accumulate8(float* acc, const Decoded& w, const float* dx, __m256i s,
                                          __m256i m) {
-  const __m256 d = _mm256_loadu_ps(dx);
-  __m256 a = _mm256_loadu_ps(acc);
-  if constexpr (F == KFormat::q6_k) {
-    a = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(w.d)),
-                        _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), a);
-  } else {
-    a = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(w.d)), _mm256_cvtepi32_ps(s), a);
-    a = _mm256_fnmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(w.dmin)), _mm256_cvtepi32_ps(m), a);
+  _mm256_storeu_ps(acc, step4_lanes<F>(_mm256_loadu_ps(acc), _mm256_loadu_ps(dx),
+                                       _mm256_set1_ps(w.d), _mm256_set1_ps(w.dmin), s, m));
+}
+
+// Contract step 3 for one activation row straight from a raw super-block, decoded in registers:
+// the eight int32 lanes whose sum is S (`sums`) and those whose sum is M (`mins`), and the
+// block's d, dmin.
+template <KFormat F>
+ROUTEMM_CPU_AVX2 inline void block_lanes(const uint8_t* block, const int8_t* q, const int16_t* bsum,
+                                         __m256i& sums, __m256i& mins, float& d, float& dmin) {
+  __m128i scales;
+  __m256i group_mins;
+  scales_avx2<F>(block, scales, group_mins, d, dmin);
+  __m256i acc = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (size_t c = 0; c < kQK_K / 64; ++c) {
+    __m256i v0, v1;
+    codes64_avx2<F>(block, c, v0, v1);
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c + 32));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(v0, x0),
+                                                  pair_scales(scales, static_cast<int>(2 * c))));
+    acc =
+        _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(v1, x1),
+                                                pair_scales(scales, static_cast<int>(2 * c + 1))));
   }
-  _mm256_storeu_ps(acc, a);
+  sums = acc;
+  mins = _mm256_madd_epi16(group_mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum)));
 }
 
 template <KFormat F>
@@ -409,24 +439,9 @@ struct KAvx2 {
   // the block's d, dmin.
   ROUTEMM_CPU_AVX2 static void row_sums(const uint8_t* block, const int8_t* q, const int16_t* bsum,
                                         int32_t& s, int32_t& m, float& d, float& dmin) {
-    __m128i scales;
-    __m256i mins;
-    scales_avx2<F>(block, scales, mins, d, dmin);
-    __m256i acc = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (size_t c = 0; c < kQK_K / 64; ++c) {
-      __m256i v0, v1;
-      codes64_avx2<F>(block, c, v0, v1);
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c + 32));
-      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(v0, x0),
-                                                    pair_scales(scales, static_cast<int>(2 * c))));
-      acc = _mm256_add_epi32(acc,
-                             _mm256_madd_epi16(_mm256_maddubs_epi16(v1, x1),
-                                               pair_scales(scales, static_cast<int>(2 * c + 1))));
-    }
-    hsum2(acc, _mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bsum))),
-          s, m);
+    __m256i sums, mins;
+    block_lanes<F>(block, q, bsum, sums, mins, d, dmin);
+    hsum2(sums, mins, s, m);
   }
   ROUTEMM_CPU_AVX2 static void accumulate_rows8(float* acc, const Decoded& w, const float* dx,
                                                 __m256i s, __m256i m) {
@@ -465,32 +480,11 @@ struct KAvx2 {
       for (size_t j = 0; j < 8; ++j) {
         const uint8_t* row = wrow + j * row_bytes;
         for (size_t i = 0; i < nb; ++i) {
-          const size_t b = b0 + i;
-          const uint8_t* block = row + b * block_bytes;
-          const int8_t* q = rows.q_block(x, b);
-          __m128i scales;
-          __m256i mins;
-          scales_avx2<F>(block, scales, mins, d[i][j], dmin[i][j]);
-          __m256i acc = _mm256_setzero_si256();
-#pragma GCC unroll 4
-          for (size_t c = 0; c < kQK_K / 64; ++c) {
-            __m256i v0, v1;
-            codes64_avx2<F>(block, c, v0, v1);
-            const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c));
-            const __m256i x1 =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c + 32));
-            acc = _mm256_add_epi32(acc,
-                                   _mm256_madd_epi16(_mm256_maddubs_epi16(v0, x0),
-                                                     pair_scales(scales, static_cast<int>(2 * c))));
-            acc = _mm256_add_epi32(
-                acc, _mm256_madd_epi16(_mm256_maddubs_epi16(v1, x1),
-                                       pair_scales(scales, static_cast<int>(2 * c + 1))));
-          }
-          _mm256_store_si256(reinterpret_cast<__m256i*>(sv[j][i]), acc);
-          _mm256_store_si256(
-              reinterpret_cast<__m256i*>(mv[j][i]),
-              _mm256_madd_epi16(
-                  mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows.bsum(x, b)))));
+          __m256i sums, mins;
+          block_lanes<F>(row + (b0 + i) * block_bytes, rows.q_block(x, b0 + i),
+                         rows.bsum(x, b0 + i), sums, mins, d[i][j], dmin[i][j]);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(sv[j][i]), sums);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(mv[j][i]), mins);
         }
       }
       for (size_t i = 0; i < nb; ++i) {
@@ -499,17 +493,8 @@ struct KAvx2 {
           s8[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(sv[j][i]));
           m8[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(mv[j][i]));
         }
-        const __m256 dx = _mm256_set1_ps(rows.scale(x, b0 + i));
-        const __m256i s = reduce8(s8), m = reduce8(m8);
-        if constexpr (F == KFormat::q6_k) {
-          acc8 = _mm256_fmadd_ps(_mm256_mul_ps(dx, _mm256_load_ps(d[i])),
-                                 _mm256_cvtepi32_ps(_mm256_sub_epi32(s, m)), acc8);
-        } else {
-          acc8 =
-              _mm256_fmadd_ps(_mm256_mul_ps(dx, _mm256_load_ps(d[i])), _mm256_cvtepi32_ps(s), acc8);
-          acc8 = _mm256_fnmadd_ps(_mm256_mul_ps(dx, _mm256_load_ps(dmin[i])), _mm256_cvtepi32_ps(m),
-                                  acc8);
-        }
+        acc8 = step4_lanes<F>(acc8, _mm256_set1_ps(rows.scale(x, b0 + i)), _mm256_load_ps(d[i]),
+                              _mm256_load_ps(dmin[i]), reduce8(s8), reduce8(m8));
       }
     }
     _mm256_storeu_ps(out, acc8);
