@@ -48,6 +48,7 @@ from routemm import DenseMatmulIdInputLayout as Layout
 from routemm import GgmlQuantizedMatmulIdRoute as Route
 from routemm import GgmlType
 from routemm.dense_matmul_id import auto_grouped
+from routemm.formats import ggml
 
 SHAPES = {  # name: (experts, top_k, hidden, intermediate)
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -63,7 +64,16 @@ BATCHES = 5
 CHECK_ROWS = 8
 TOLERANCE = 1e-4
 TENSOR_TOLERANCE = 1e-2  # relative Frobenius error of a checked row on grouped_tensor_lowp
-HALF_FIELDS = {"q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+HALF_FIELDS = {
+    "q4_0": (0,),
+    "q8_0": (0,),
+    "q4_1": (0, 2),
+    "q5_0": (0,),
+    "q5_1": (0, 2),
+    "q4_k": (0, 2),
+    "q5_k": (0, 2),
+    "q6_k": (208,),
+}
 
 
 def log(*parts) -> None:
@@ -71,11 +81,13 @@ def log(*parts) -> None:
 
 
 def kernel_format(name: str):
-    """(block values, block bytes) of a kernel format."""
-    for f in routemm._core.GGML_KERNEL_FORMATS:
-        if f[0] == name:
-            return f[2], f[3]
-    raise SystemExit(f"unknown kernel format {name!r}")
+    """(block values, block bytes) of a GGML block format (Q4_0 and Q8_0 included, for the tools
+    that time them beside the others)."""
+    try:
+        fmt = ggml.block_format(name)
+    except (routemm.Error, ValueError):
+        raise SystemExit(f"unknown block format {name!r}") from None
+    return fmt.block_values, fmt.block_bytes
 
 
 def random_stack(rng, name: str, experts: int, n: int, k: int) -> np.ndarray:
