@@ -85,7 +85,8 @@ __device__ __forceinline__ uint4 bytes16_at(const uint8_t* p) {
   for (int i = 0; i < 7; ++i) v[i] = __ldg(h + i);
   const uint32_t first = __ldg(p), last = __ldg(p + 15);
   return make_uint4(first | (v[0] << 8) | (v[1] << 24), (v[1] >> 8) | (v[2] << 8) | (v[3] << 24),
-                    (v[3] >> 8) | (v[4] << 8) | (v[5] << 24), (v[5] >> 8) | (v[6] << 8) | (last << 24));
+                    (v[3] >> 8) | (v[4] << 8) | (v[5] << 24),
+                    (v[5] >> 8) | (v[6] << 8) | (last << 24));
 }
 
 // A little-endian 32-bit word at any address, as wide as the address allows (Q5_0 / Q5_1's qh).
@@ -444,8 +445,8 @@ struct Q6_KBlocks {
   static __device__ __forceinline__ uint4 codes16(const uint8_t* block, uint32_t sub, uint32_t h) {
     const uint32_t half = sub >> 2, t = sub & 3u;
     const uint4 low = nibbles16(bytes16_at(block + 64 * half + 32 * (t & 1u) + 16 * h), t >= 2);
-    const uint4 high = bytes_shift_mask(bytes16_at(block + 128 + 32 * half + 16 * h), 2 * t,
-                                        0x03030303u);
+    const uint4 high =
+        bytes_shift_mask(bytes16_at(block + 128 + 32 * half + 16 * h), 2 * t, 0x03030303u);
     return bytes_or(low, bytes_shl(high, 4));
   }
   static __device__ __forceinline__ float value(const uint8_t* block, Scale s, uint32_t sub,
