@@ -204,6 +204,8 @@ inline float accumulate(float acc, const Decoded& w, float dx, int32_t s, int32_
 //   decode(block, out)             Decoded of one super-block
 //   sums(w, q, bsum, s, m)         contract step 3: s = sum_i pair[i / 2] codes[i] q[i] and
 //                                  m = sum_g group_min[g] bsum[g]
+// and, where kFusedRow (the AVX2 and AVX-512 clones), the one-row item's steps straight from the
+// raw blocks: row_sums (one column) and row_cols8 (eight columns, step 4 included).
 // Portable: plain loops. Avx2: vpmaddubsw (code times q, pairs to int16: |.| <= 2 * 63 * 127)
 // then vpmaddwd with the pair scales; the 6-bit scales unpacked in 32-bit words. Avx512: the
 // same sums on 64 values per instruction.
