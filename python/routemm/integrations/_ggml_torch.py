@@ -11,19 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..core._errors import InvalidArgumentError
-
-# values and bytes per block, by ggml_type value
-_GEOMETRY = {
-    "q4_0": (32, 18),
-    "q8_0": (32, 34),
-    "q4_1": (32, 20),
-    "q5_0": (32, 22),
-    "q5_1": (32, 24),
-    "mxfp4": (32, 17),
-    "q4_k": (256, 144),
-    "q5_k": (256, 176),
-    "q6_k": (256, 210),
-}
+from ..formats.ggml import block_format
 
 # MXFP4's E2M1 values doubled (integers), by 4-bit code; the block scale is halved to match.
 _MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
@@ -131,11 +119,12 @@ _DECODERS = {
 def dequantize(blocks: torch.Tensor, ggml_type: str) -> torch.Tensor:
     """uint8 blocks [..., r * block_bytes] of `ggml_type` (a ggml_type value: 'q4_0', 'q6_k', ...)
     -> float32 [..., r * block_values] on the same device."""
-    if ggml_type not in _GEOMETRY:
-        raise InvalidArgumentError(f"dequantize: unknown ggml_type {ggml_type!r}; one of {sorted(_GEOMETRY)}")
+    if ggml_type not in _DECODERS:
+        raise InvalidArgumentError(f"dequantize: unknown ggml_type {ggml_type!r}; one of {sorted(_DECODERS)}")
     if blocks.dtype != torch.uint8:
         raise InvalidArgumentError(f"{ggml_type} dequantize: blocks must be uint8, got {blocks.dtype}")
-    values, size = _GEOMETRY[ggml_type]
+    fmt = block_format(ggml_type)
+    values, size = fmt.block_values, fmt.block_bytes
     if blocks.dim() == 0 or blocks.shape[-1] % size != 0:
         raise InvalidArgumentError(
             f"{ggml_type} dequantize: the last dimension must be a multiple of {size} bytes, "
