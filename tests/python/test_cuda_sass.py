@@ -85,6 +85,9 @@ def test_hopper_q4_kernel_uses_wgmma_and_tma():
 
 
 def test_portable_tensor_kernel_uses_warp_mma_without_spills():
+    """Every instantiation of the portable warp-MMA kernel (grouped_tensor_kernel.cuh) runs HMMA and
+    keeps its registers out of local memory, but for the Q6_K block-stack tiles, whose few local
+    accesses _KNOWN_SPILLS caps (test_no_kernel_spills_beyond_the_known_ones)."""
     arches = _functions_by_arch()
     checked = 0
     for arch, functions in arches.items():
@@ -93,7 +96,8 @@ def test_portable_tensor_kernel_uses_warp_mma_without_spills():
                 continue
             checked += 1
             assert "HMMA" in sass, (arch, name)
-            assert not _local_memory(sass), (arch, name, _local_memory(sass)[:5])
+            if "Q6_KBlocks" not in name:
+                assert not _local_memory(sass), (arch, name, _local_memory(sass)[:5])
     if checked == 0:
         pytest.skip("no portable tensor kernel in this build")
 
@@ -132,6 +136,9 @@ _KNOWN_SPILLS = {
     # V2's warp-MMA kernel at two CTAs per SM (128 registers): the portable bf16 128-row kernel,
     # which Hopper runs only where its warpgroup-MMA kernel does not apply (k % 256 != 0, unaligned).
     r"q4_kernel.*TileILi4ELi4ELi2ELi4ELi2ELi2E": 48,
+    # The block-stack tensor route's Q6_K tiles at 64 routed rows (a scale row per 16-value K-step):
+    # one or two values at the 128 registers of two CTAs per SM, cheaper than 32-row tiles.
+    r"grouped_tensor_kernel.*Q6_KBlocks": 16,
 }
 
 
@@ -169,9 +176,10 @@ def test_hopper_q4_mat_vec_uses_bulk_copies_and_warp_mma():
 
 
 def test_hopper_quantized_direct_uses_bulk_copies():
-    """The quantised expert-ID direct kernel's bulk-copy data path (quantized_matmul_id.cu), one
-    instantiation per format whose stages are whole 16-byte units (Q4_0, Q8_0, Q4_1, Q5_0, Q5_1,
-    MXFP4, Q4_K, Q5_K; not Q6_K): its stages arrive by bulk copies into an mbarrier ring
+    """The quantised expert-ID direct kernel's bulk-copy data path (quantized_matmul_id.cu): per
+    format, an instance for rows of whole 16-byte stages (Q4_0, Q8_0, Q4_1, Q5_0, Q5_1, MXFP4,
+    Q4_K, Q5_K) and one for any rows, each stage the 16-byte units around a row's blocks (those
+    eight and Q6_K): its stages arrive by bulk copies into an mbarrier ring
     (UBLKCP, SYNCS), the lanes load no weights or activations from global memory (the only global
     loads are 32-bit expert ids), and nothing touches local memory."""
     arches = _functions_by_arch()
@@ -182,7 +190,7 @@ def test_hopper_quantized_direct_uses_bulk_copies():
         for name, sass in arches["sm_90a"].items()
         if "direct_bulk_kernel" in name and "quantized_matmul_id" in name
     }
-    assert len(kernels) == 8, sorted(kernels)
+    assert len(kernels) == 17, sorted(kernels)
     for name, sass in kernels.items():
         for instruction in ("UBLKCP", "SYNCS"):
             assert instruction in sass, (name, instruction)

@@ -218,13 +218,16 @@ _LOAD_PATH_SCRIPT = """
 """
 
 
-def test_direct_bulk_and_load_paths_equal_the_cpu(cuda, rng, tmp_path):
-    """The direct route's two data paths (bulk copies on sm_90a where every stage is 16-byte
-    granular; the threads' loads with ROUTEMM_CUDA_DIRECT_PATH=loads) give the CPU's bits."""
+@pytest.mark.parametrize("spec", ["aligned", "odd"])
+def test_direct_bulk_and_load_paths_equal_the_cpu(cuda, rng, tmp_path, spec):
+    """The direct route's two data paths (bulk copies of the 16-byte units around each row's
+    stage on sm_90a; the threads' loads with ROUTEMM_CUDA_DIRECT_PATH=loads) give the CPU's bits,
+    with 16-byte aligned rows and with rows that start anywhere in a unit ("odd": 41 blocks or 5
+    super-blocks per row, a partial last stage)."""
     needs(cuda, *(KERNEL_FORMATS[t.value][6] for t in TYPES))
     inputs = {"names": np.array([t.value for t in TYPES])}
     for t in TYPES:
-        n_experts, n, k = 8, 40, k_of(t.value, blocks_per_row(t.value, "aligned") * 3)  # stage refills
+        n_experts, n, k = 8, 40, k_of(t.value, blocks_per_row(t.value, spec) * 3)  # stage refills
         inputs[t.value + "/w"] = random_blocks(rng, t.value, n_experts * n, k).reshape(-1)
         inputs[t.value + "/x"] = rng.standard_normal((2, k)).astype(np.float32)
         inputs[t.value + "/ids"] = sprinkle_invalid(rng, distinct_ids(rng, 2, 4, n_experts), n_experts)

@@ -27,13 +27,19 @@
 //   memory. Each lane's FMAs keep their order (blocks ascending), so staging changes no bit.
 //   Before staging every lane fetched its own 2 bytes per block value pair from global memory: the
 //   loads, not the bytes, bounded the kernel (Qwen3-30B-A3B Q4_0 m = 1: 18.6 us for 7 MB).
-//   On sm_90a, where the rows are 16-byte aligned and every stage of a row is a multiple of 16
-//   bytes (Q4_0 / Q8_0: K a multiple of 256; never Q6_K), direct_bulk_kernel moves the stages
-//   with bulk copies instead, input values included, two stages in flight from the block's start
-//   (ROUTEMM_CUDA_DIRECT_PATH=loads keeps the copy loop). Measured on an H100 in one run,
-//   Qwen3-30B-A3B m = 1 / 8: Q4_0 18.5 / 68.5 -> 7.7 / 36.8 us, Q8_0 16.9 / 79.6 -> 9.7 / 44.7 us
-//   (bench/lab/records/logs/h100-checks-2026-12-05c.md). The other formats: bench/tools/
-//   qid_format_timing.py.
+//   On sm_90a, where the weight view starts 16-byte aligned and its allocation extends to the
+//   16-byte unit holding its last byte, direct_bulk_kernel moves the stages with bulk copies
+//   instead, input values included, two stages in flight from the block's start
+//   (ROUTEMM_CUDA_DIRECT_PATH=loads keeps the copy loop). A bulk copy moves whole 16-byte units
+//   from a 16-byte aligned address: where every row's stage is whole units (Q4_0 / Q8_0 / Q4_K
+//   with K a multiple of 256, ...) it copies its blocks alone; elsewhere each row's stage copies
+//   the units that hold its blocks (up to 15 bytes of its neighbours on either side, never
+//   outside the allocation) and the lanes start at the blocks' offset in them, so rows of any
+//   length (Q6_K's 210-byte blocks, MXFP4's 17 at K = 768 or 2880) take the same path. Measured
+//   on an H100 in one run, Qwen3-30B-A3B m = 1 / 8: Q4_0 18.5 / 68.5 -> 7.7 / 36.8 us, Q8_0
+//   16.9 / 79.6 -> 9.7 / 44.7 us (bench/lab/records/logs/h100-checks-2026-12-05c.md); the units
+//   for Q6_K up 26.4 / 99.5 -> 12.9 / 56.1 us, Q6_K down 19.2 / 108.2 -> 14.4 / 62.0, MXFP4 down
+//   19.3 / 115.8 -> 14.4 / 73.2 (bench/results/qid_direct_units-h100.md).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -221,8 +227,12 @@ __global__ void __launch_bounds__(kThreads)
 template <class F>
 struct BulkDirectLayout {
   static constexpr uint32_t kStageBlocks = stage_blocks<F>();  // blocks of each row per stage
-  // Stage rows 16 bytes longer than their blocks, so the rows of one warp fall on different banks.
-  static constexpr uint32_t kRowPitch = (kStageBlocks * F::kBytes + 15) / 16 * 16 + 16;
+  // A stage row holds the 16-byte units around its segment: at most the segment's bytes rounded
+  // up to 16, plus 16. The pitch is an odd number of 16-byte units, so the rows of one warp start
+  // on different banks (an even one put every other row on the same banks: MXFP4's 576-byte
+  // pitch cost 16 % at m = 1).
+  static constexpr uint32_t kSpanUnits = (kStageBlocks * F::kBytes + 15) / 16 + 1;
+  static constexpr uint32_t kRowPitch = 16 * (kSpanUnits % 2 == 1 ? kSpanUnits : kSpanUnits + 1);
   static constexpr uint32_t kXOffset = kColumns * kRowPitch;  // the activations' stage row
   static constexpr uint32_t kStageBytes = kXOffset + kStageValues * 4;
   static constexpr uint32_t kRing = 2;
@@ -230,13 +240,31 @@ struct BulkDirectLayout {
   // Q4_0: 26.6 KiB (8 blocks per multiprocessor); Q8_0: 42.6 KiB (5), the largest format. All
   // under the 48 KiB that needs no opt-in.
   static constexpr uint32_t kSmem = kBarrierBytes + kRing * kStageBytes;
-  static_assert(kRowPitch % 16 == 0 && kStageBytes % 16 == 0 && kSmem <= 48 * 1024);
+  static_assert(kRowPitch % 32 == 16 && kStageBytes % 16 == 0 && kSmem <= 48 * 1024);
 };
 
-// Preconditions (launch_direct checks them, bulk_stages_fit): every weight row and the input rows
-// 16-byte aligned, every stage's bytes per row a multiple of 16 (Q4_0, Q8_0: K a multiple of 256;
-// never Q6_K, whose 4-block stage is 840 bytes), the sm_90a image running.
-template <class F>
+// The 16-byte units holding the segment [a, a + bytes): their first address and their length.
+struct UnitSpan {
+  const uint8_t* first;
+  uint32_t bytes;
+};
+[[maybe_unused]] __device__ __forceinline__ UnitSpan unit_span(const uint8_t* a, uint32_t bytes) {
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(a) & ~uintptr_t{15};
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(a) + bytes + 15) & ~uintptr_t{15};
+  return {reinterpret_cast<const uint8_t*>(lo), static_cast<uint32_t>(hi - lo)};
+}
+
+// Two instances per format. kSpans false, where every row's stage is whole 16-byte units (rows
+// 16-byte aligned, stages a multiple of 16 bytes: bulk_stages_fit): each stage copies exactly its
+// blocks, and the lanes read them at a compile-time aligned offset. kSpans true, any rows: each
+// stage copies the units around its blocks and the lanes start at the blocks' offset in them.
+// (Every format through the span instance measured 16-18 % slower at m = 1 on the aligned shapes,
+// Q4_0 / Q4_K / MXFP4 Qwen3-30B-A3B up, H100: the lanes' byte reads at an unknown offset and
+// thread 0's sum of the rows' spans before the first copy.)
+// Preconditions (launch_direct checks them): the input rows 16-byte aligned, the sm_90a image
+// running; kSpans false: bulk_stages_fit; kSpans true: bulk_spans_fit (the weight view 16-byte
+// aligned, its allocation reaching the end of the 16-byte unit that holds its last byte).
+template <class F, bool kSpans>
 __global__ void __launch_bounds__(kThreads)
     direct_bulk_kernel(const DenseMatmulIdKernelParams p, const uint8_t* __restrict__ weights,
                        const unsigned char* __restrict__ input, const uint32_t* __restrict__ ids,
@@ -257,21 +285,34 @@ __global__ void __launch_bounds__(kThreads)
 
   const uint32_t blocks = p.k / F::kValues;
   const uint32_t stages = (blocks + L::kStageBlocks - 1) / L::kStageBlocks;
-  // Warp 0 fills stage s: thread 0 arms the barrier with the stage's bytes, threads 0..rows-1 copy
-  // their row's blocks, thread kColumns the input's values.
+  // Row r's segment of the stage starting at block b0.
+  const auto segment = [&](uint32_t r, uint32_t b0) {
+    return t.first_row + r * t.row_bytes + uint64_t{b0} * F::kBytes;
+  };
+  // Warp 0 fills stage s: thread 0 arms the barrier with the stage's bytes (each row's units and
+  // the input's values), threads 0..rows-1 copy the units around their row's blocks, thread
+  // kColumns the input's values.
   const auto issue = [&](uint32_t s) {
     const uint32_t slot = s % L::kRing, b0 = s * L::kStageBlocks;
     const uint32_t nb = min(L::kStageBlocks, blocks - b0);
     uint8_t* const stage = ring + slot * L::kStageBytes;
     const uint32_t bar = bar0 + 8 * slot;
     if (threadIdx.x == 0) {
-      sm90::mbar_arrive_expect_tx(bar, nb * (t.rows * F::kBytes + F::kValues * 4));
+      uint32_t bytes = nb * F::kValues * 4;
+      if constexpr (kSpans) {
+        for (uint32_t r = 0; r < t.rows; ++r) {
+          bytes += unit_span(segment(r, b0), nb * F::kBytes).bytes;
+        }
+      } else {
+        bytes += t.rows * nb * F::kBytes;
+      }
+      sm90::mbar_arrive_expect_tx(bar, bytes);
     }
     __syncwarp();
     if (threadIdx.x < t.rows) {
-      sm90::bulk_load(smem_addr(stage + threadIdx.x * L::kRowPitch),
-                      t.first_row + threadIdx.x * t.row_bytes + uint64_t{b0} * F::kBytes,
-                      nb * F::kBytes, bar);
+      const UnitSpan span = kSpans ? unit_span(segment(threadIdx.x, b0), nb * F::kBytes)
+                                   : UnitSpan{segment(threadIdx.x, b0), nb * F::kBytes};
+      sm90::bulk_load(smem_addr(stage + threadIdx.x * L::kRowPitch), span.first, span.bytes, bar);
     } else if (threadIdx.x == kColumns) {
       sm90::bulk_load(smem_addr(stage + L::kXOffset), xrow + uint64_t{b0} * F::kValues * 4,
                       nb * F::kValues * 4, bar);
@@ -287,8 +328,11 @@ __global__ void __launch_bounds__(kThreads)
     const uint8_t* const stage = ring + slot * L::kStageBytes;
     if (t.column < t.rows) {
       const float* const xs[1] = {reinterpret_cast<const float*>(stage + L::kXOffset)};
-      const uint32_t nb = min(L::kStageBlocks, blocks - s * L::kStageBlocks);
-      ggml::lane_dot<F, 1>(stage + t.column * L::kRowPitch, nb * F::kValues, xs, t.lane, acc);
+      const uint32_t b0 = s * L::kStageBlocks, nb = min(L::kStageBlocks, blocks - b0);
+      // The blocks' offset in their units: seg % 16 (0 without spans).
+      const uint32_t head = kSpans ? reinterpret_cast<uintptr_t>(segment(t.column, b0)) & 15u : 0u;
+      ggml::lane_dot<F, 1>(stage + t.column * L::kRowPitch + head, nb * F::kValues, xs, t.lane,
+                           acc);
     }
     __syncthreads();  // every read of this slot is done before the copy engine refills it
     if (threadIdx.x < 32 && s + L::kRing < stages) issue(s + L::kRing);
@@ -377,13 +421,20 @@ bool rows_aligned16(const DenseMatmulIdKernelParams& p, const uint8_t* weights) 
 }
 
 // True when every stage of the bulk direct kernel moves a multiple of 16 bytes per weight row (the
-// full stages and the last): bulk copies go in 16-byte units.
+// full stages and the last): its kSpans-false instance copies the blocks alone.
 template <class F>
 bool bulk_stages_fit(const DenseMatmulIdKernelParams& p) {
   constexpr uint32_t kStage = BulkDirectLayout<F>::kStageBlocks;
   const uint32_t blocks = p.k / F::kValues;
   return (uint64_t{kStage} * F::kBytes) % 16 == 0 &&
          (uint64_t{blocks % kStage} * F::kBytes) % 16 == 0;
+}
+
+// True when the bulk direct kernel's 16-byte units stay inside the weight view's allocation: the
+// view starts 16-byte aligned (no unit starts before it) and the allocation holds the whole unit
+// of the view's last byte (`available`: the bytes from the view's start to its allocation's end).
+bool bulk_spans_fit(const uint8_t* weights, uint64_t extent, uint64_t available) {
+  return reinterpret_cast<uintptr_t>(weights) % 16 == 0 && (extent + 15) / 16 * 16 <= available;
 }
 
 // The launch's params, K checked against the format's block (256 values for the K-quants).
@@ -411,8 +462,8 @@ void launch_direct(const KernelLaunch& launch, void* stream) {
       launch.grid.z != 1 || rows > 0x7fffffffu) {
     throw Error(launch.label + ": launch grid does not match the direct geometry");
   }
-  const auto* w = static_cast<const uint8_t*>(
-      kernels::launch_arg(launch, 1, "weights", weight_extent<F>(p)).data);
+  const BoundArg& weights = kernels::launch_arg(launch, 1, "weights", weight_extent<F>(p));
+  const auto* w = static_cast<const uint8_t*>(weights.data);
   const auto* x = static_cast<const unsigned char*>(
       kernels::launch_arg(launch, 2, "input", input_extent(p)).data);
   const auto* ids =
@@ -420,17 +471,19 @@ void launch_direct(const KernelLaunch& launch, void* stream) {
   auto* out = static_cast<float*>(kernels::launch_arg(launch, 4, "output", rows * p.n * 4).data);
   const dim3 grid(static_cast<unsigned>(launch.grid.x), static_cast<unsigned>(rows), 1);
   const bool aligned = rows_aligned16<F>(p, w);
-  // Formats whose full stage is not a multiple of 16 bytes (Q6_K) never take the bulk path: no
-  // instance of it.
-  if constexpr (BulkDirectLayout<F>::kStageBlocks * F::kBytes % 16 == 0) {
-    if (aligned && bulk_stages_fit<F>(p) && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-        p.input_token_stride_bytes % 16 == 0 && p.input_slot_stride_bytes % 16 == 0 &&
-        expert_direct_bulk_path()) {
-      direct_bulk_kernel<F>
-          <<<grid, kThreads, BulkDirectLayout<F>::kSmem, static_cast<cudaStream_t>(stream)>>>(
-              p, w, x, ids, out);
+  if (reinterpret_cast<uintptr_t>(x) % 16 == 0 && p.input_token_stride_bytes % 16 == 0 &&
+      p.input_slot_stride_bytes % 16 == 0 && expert_direct_bulk_path()) {
+    const auto bulk = [&](auto kernel) {
+      kernel<<<grid, kThreads, BulkDirectLayout<F>::kSmem, static_cast<cudaStream_t>(stream)>>>(
+          p, w, x, ids, out);
       check(launch, cudaGetLastError());
-      return;
+    };
+    // Formats whose full stage is not a multiple of 16 bytes (Q6_K) have the span instance only.
+    if constexpr (BulkDirectLayout<F>::kStageBlocks * F::kBytes % 16 == 0) {
+      if (aligned && bulk_stages_fit<F>(p)) return bulk(direct_bulk_kernel<F, false>);
+    }
+    if (bulk_spans_fit(w, weight_extent<F>(p), weights.size)) {
+      return bulk(direct_bulk_kernel<F, true>);
     }
   }
   direct_kernel<F>
@@ -716,11 +769,11 @@ using LowpTiles =
                        GgmlTiles<F, grouped_tensor::kTileCols>,
                        GgmlFormatTiles<F, grouped_tensor::kTileCols>>;
 
-// Routed rows per tile: 64, and 32 for Q6_K, whose per-K-step scales keep a second slice of
-// products live inside the MMA loop (at 64 rows that spilled at the 128 registers two CTAs per
-// multiprocessor allow).
+// Routed rows per tile: 64 for every format. (Q6_K's per-K-step scales cost it a few registers
+// more: at the 128 two CTAs per multiprocessor allow, 4-32 bytes spill, which costs less than the
+// 32-row tiles' second pass over every weight tile.)
 template <class F>
-constexpr uint32_t kLowpTileRows = std::is_same_v<F, ggml::Q6_KBlocks> ? 32 : 64;
+constexpr uint32_t kLowpTileRows = 64;
 constexpr uint32_t kLowpTileCols = grouped_tensor::kTileCols;
 
 template <class F, bool kVec>
