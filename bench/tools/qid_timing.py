@@ -230,9 +230,11 @@ def matmul_case(run: Run, records, name, shape, ggml_type, m, stacks, deq_stacks
         routes.append(
             routemm.GgmlQuantizedMatmulIdRoute.DIRECT if grouped else routemm.GgmlQuantizedMatmulIdRoute.GROUPED
         )
-    # The opt-in tensor-core route beside the grouped one, where the backend registers it.
+    # The opt-in tensor-core route beside the exact one for m > 8 (as qid_format_timing.py), where
+    # the backend registers it: the automatic route stays direct up to the grouped crossover
+    # (m = 512 included on CUDA), which left the tensor route untimed there.
     lowp = routemm.GgmlQuantizedMatmulIdRoute.GROUPED_TENSOR_LOWP
-    if grouped and all(run.registry.has_kernel(name) for name in lowp.pipelines(ggml_type)):
+    if m > 8 and all(run.registry.has_kernel(name) for name in lowp.pipelines(ggml_type)):
         routes.append(lowp)
     needs_map = any(r is not routemm.GgmlQuantizedMatmulIdRoute.DIRECT for r in routes)
     scratch = routemm.DenseMatmulIdScratch(run.device, experts, m) if needs_map else None
