@@ -79,7 +79,8 @@ usage: bash bench/device.sh COMMAND [ARGS]
                    Qwen3-30B-A3B and gpt-oss-20b at MS beside the copy floor; its JSON lines in
                    qid.jsonl, its table after quantized_matmul_id-<card>.md's; FORMATS=0 skips it);
                    then the llama.cpp peer's MUL_MAT_ID q4_0 at the same shapes and MS (as `peer`;
-                   carry .dev/llama) -> llama_peer.json llama_peer.log.
+                   carry .dev/llama) -> llama_peer.json llama_peer.log, joined row by row with
+                   routemm's fastest route (bench/tools/peer_compare.py) after the table.
                    Knobs: SKIP_TESTS=1, MS (default 1,8,32,512,4096), QID_ARGS (more tool flags),
                    PEER=0 (no peer), PEER_TYPES (ggml type names, default q4_0; e.g.
                    q4_0,q4_K,q6_K,mxfp4), PEER_SHAPES (default qwen3_30b_a3b,qwen3.6_35b_a3b; also
@@ -537,6 +538,10 @@ cmd_qid() {
       PEER_ARGS="--only mul_mat_id --moe-types ${PEER_TYPES:-q4_0} --moe-ms $ms --moe-shapes ${PEER_SHAPES:-qwen3_30b_a3b,qwen3.6_35b_a3b}" \
         BACKEND_OPS=0 cmd_peer)
     cp /tmp/qid-peer/llama_peer.json /tmp/qid-peer/llama_peer.log "$OUT/" 2>/dev/null
+    # routemm's fastest route beside the peer, row by row, after quantized_matmul_id's table.
+    python3 bench/tools/peer_compare.py "$OUT/qid.jsonl" "$OUT/llama_peer.json" --out /tmp/qid-peer \
+      --card "$CARD" && { echo; echo "Beside llama.cpp (bench/tools/peer_compare.py):"; echo
+      cat "/tmp/qid-peer/qid_vs_llama-${CARD}.md"; } >> "$OUT/quantized_matmul_id-${CARD}.md"
   fi
   stamp done
 }
