@@ -203,3 +203,46 @@ def test_qid_timing_smoke_runs_on_cpu(tmp_path):
         (t, route) for t in ("q4_0", "q8_0") for route in ("direct", "grouped")
     }
     assert {r["impl"] for r in matmul} >= {"routemm", "copy_floor"}
+
+
+def test_peer_compare_joins_routemm_fastest_route_with_the_peer(tmp_path):
+    """bench/tools/peer_compare.py: per (format, shape, projection, m) routemm's fastest finite
+    record (qid_timing's Q4_0 rows as the up projection, qid_format_timing's by their proj) beside
+    the peer's rotated time, speed = peer / routemm; the peer's L2 rows and unmatched rows dropped."""
+    qid = tmp_path / "qid.jsonl"
+    rows = [
+        {"op": "quantized_matmul_id", "shape": "qwen3-30b-a3b", "m": 8, "weight_dtype": "q4_0",
+         "route": "direct", "impl": "routemm", "time_us": 40.0},
+        {"op": "quantized_matmul_id", "shape": "qwen3-30b-a3b", "m": 8, "weight_dtype": "q4_0",
+         "route": "grouped_mm", "impl": "torch_grouped_mm", "time_us": 10.0},
+        {"shape": "qwen3-30b-a3b", "proj": "down", "type": "q6_k", "m": 512, "route": "direct",
+         "time_us": 900.0},
+        {"shape": "qwen3-30b-a3b", "proj": "down", "type": "q6_k", "m": 512,
+         "route": "grouped_tensor_lowp", "time_us": 450.0},
+        {"shape": "qwen3-30b-a3b", "proj": "down", "type": "q6_k", "m": 1, "route": "direct",
+         "time_us": float("nan")},
+    ]  # fmt: skip
+    qid.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = {"peer": "llama.cpp test", "device": "test card", "op": "MUL_MAT_ID", "rel_err": 4e-3}
+    peer = [
+        common | {"type": "q4_0", "shape": "qwen3_30b_a3b", "m": 8, "mode": "rotated", "us": 20.0},
+        common | {"type": "q4_0", "shape": "qwen3_30b_a3b", "m": 8, "mode": "l2", "us": 1.0},
+        common | {"type": "q6_K", "shape": "qwen3_30b_a3b_down", "m": 512, "mode": "rotated", "us": 900.0},
+        common | {"type": "q6_K", "shape": "qwen3_30b_a3b_down", "m": 1, "mode": "rotated", "us": 9.0},
+    ]
+    peer_json = tmp_path / "llama_peer.json"
+    peer_json.write_text(json.dumps(peer))
+    subprocess.run(
+        [sys.executable, str(BENCH / "tools" / "peer_compare.py"), str(qid), str(peer_json),
+         "--out", str(tmp_path), "--card", "test"],
+        check=True, capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    doc = json.loads((tmp_path / "qid_vs_llama-test.json").read_text())
+    got = {
+        (r["weight_dtype"], r["shape"], r["m"]): (r["route"], r["time_us"], r["speed_vs_peer"]) for r in doc["records"]
+    }
+    assert got == {
+        ("q4_0", "qwen3-30b-a3b up", 8): ("direct", 40.0, 0.5),
+        ("q6_k", "qwen3-30b-a3b down", 512): ("grouped_tensor_lowp", 450.0, 2.0),
+    }
+    assert doc["device"] == "test card"
