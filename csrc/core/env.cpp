@@ -29,10 +29,11 @@ constexpr Knob kKnobs[] = {
      "0: CPU backend buffers of 2 MiB or more are not asked for transparent huge pages (1: they "
      "are mapped on 2 MiB boundaries with madvise(MADV_HUGEPAGE), Linux only)"},
     {"ROUTEMM_CUDA_DIRECT_PATH", "str", "",
-     "data path of the CUDA quantised expert-ID direct kernel (Q4_0/Q8_0 stacks, K a multiple of "
-     "256, 16-byte aligned rows): bulk (the copy engine stages weights and activations in shared "
-     "memory; sm_90a devices only) or loads (the block's threads copy the weights through shared "
-     "memory); unset: bulk where the device runs the sm_90a image. Both give the same bits"},
+     "data path of the CUDA quantised expert-ID direct kernel (every block format; a 16-byte "
+     "aligned stack and input rows): bulk (the copy engine stages weights and activations in "
+     "shared memory, each row's stage as the 16-byte units around it; sm_90a devices only) or "
+     "loads (the block's threads copy the weights through shared memory); unset: bulk where the "
+     "device runs the sm_90a image. Both give the same bits"},
     {"ROUTEMM_ENCODER_AUTO_BARRIER", "bool", "0",
      "1: command encoders start with the automatic-barrier tracker on (a barrier before each "
      "dispatch_tracked whose ranges conflict with those since the last barrier)"},

@@ -1,11 +1,12 @@
 """The CUDA quantised expert-ID `direct` kernel has two data paths for operands that allow bulk
-copies (K a multiple of 256, 16-byte aligned rows), chosen by ROUTEMM_CUDA_DIRECT_PATH (read once
-per process): `bulk` (the copy engine stages weights and activations in shared memory; sm_90a
-devices) and `loads` (the block's threads copy the weights through shared memory). They run one
-lane contract, so every output bit must agree: checked here in separate processes on fresh random
-Q4_0 and Q8_0 stacks with K long enough to refill the stage ring, N tails, invalid ids, both input
-layouts, one and several tokens, and a K that takes the load path either way. The knob's
-validation runs on every backend."""
+copies (a 16-byte aligned stack and input rows), chosen by ROUTEMM_CUDA_DIRECT_PATH (read once per
+process): `bulk` (the copy engine stages weights and activations in shared memory, each row's
+stage as the 16-byte units around it; sm_90a devices) and `loads` (the block's threads copy the
+weights through shared memory). They run one lane contract, so every output bit must agree:
+checked here in separate processes on fresh random Q4_0 and Q8_0 stacks with K long enough to
+refill the stage ring, N tails, invalid ids, both input layouts, one and several tokens, and a K
+whose rows are not whole 16-byte stages (the unit copies under `bulk`). The knob's validation runs
+on every backend."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ _SCRIPT = """
         (GgmlType.Q4_0, 1, 40, 2304, 4, 8, Layout.SLOTTED),
         (GgmlType.Q8_0, 1, 40, 2304, 4, 8, Layout.SHARED_PER_TOKEN),
         (GgmlType.Q8_0, 2, 19, 256, 3, 4, Layout.SLOTTED),
-        (GgmlType.Q4_0, 1, 16, 96, 2, 4, Layout.SHARED_PER_TOKEN),  # K % 256 != 0: the load path
+        (GgmlType.Q4_0, 1, 16, 96, 2, 4, Layout.SHARED_PER_TOKEN),  # 54-byte rows: the unit copies
         # 1536 items (flat row x 16-column tile): more than a wave, so blocks take several items
         # and the ring runs on from one item into the next, past items with invalid ids
         (GgmlType.Q4_0, 64, 40, 2304, 8, 8, Layout.SLOTTED),
